@@ -1,0 +1,28 @@
+# Two entry points on a fresh machine: `make demo` (the main job on the embedded pair) and `make test`.
+# Both create or refresh .venv when requirements-ci.txt or pyproject.toml changed, then run.
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+PY := $(VENV)/bin/python
+
+.PHONY: demo test lint bench
+
+$(STAMP): requirements-ci.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -r requirements-ci.txt
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/dflash-trt demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check dflash_trt tests perf convert
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) perf/bench_all.py
