@@ -1,0 +1,430 @@
+"""Parse and validate HF target configs and z-lab DFlash drafter configs (DESIGN §4.1).
+
+Every other module works from these specs, never from raw config dicts, so each config rule (where a key may sit,
+its default, how per-layer attention kinds are derived) is decided here once. Defaults mirror what `transformers`
+and the `dflash` reference do with the same config.json, because parity with them is the contract.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash_trt.errors import DFlashTrtError
+from dflash_trt.reference.rope import SUPPORTED_ROPE_TYPES, RopeConfig
+
+TARGET_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
+DRAFT_ARCHITECTURE = "DFlashDraftModel"
+UNSUPPORTED_DRAFT_ARCHITECTURES = {"DFlash2DraftModel": "DFlash2 drafters (DFlash2DraftModel) are not supported yet"}
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+SUPPORTED_ACTIVATIONS = ("silu",)
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """A Qwen3 / Llama 3.x causal LM, as much of it as conversion and decoding need."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    hidden_act: str
+    attention_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    rope: RopeConfig
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["rope"] = self.rope.to_dict()
+        data["eos_token_ids"] = list(self.eos_token_ids)
+        return data
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """A DFlash v1 drafter: a Qwen3-style stack fed by fused target taps (KV injection)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    hidden_act: str
+    attention_bias: bool
+    rope: RopeConfig
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    layer_types: tuple[str, ...]
+    sliding_window: int | None
+    causal: tuple[bool, ...]
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    torch_dtype: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def layer_window(self, layer: int) -> int | None:
+        """Attention window of one draft layer (None = unbounded), as the reference applies it."""
+        return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["rope"] = self.rope.to_dict()
+        data.pop("extra")
+        for key in ("target_layer_ids", "layer_types", "causal"):
+            data[key] = list(data[key])
+        return data
+
+
+def read_config_json(model_dir: str | Path, what: str) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise DFlashTrtError(f"{what} directory {model_dir} has no config.json")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DFlashTrtError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise DFlashTrtError(f"{path} must hold a JSON object")
+    return data
+
+
+def _require_int(cfg: dict, key: str, what: str, minimum: int = 1) -> int:
+    value = cfg.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise DFlashTrtError(f"{what} config: '{key}' must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _optional_number(value: Any, key: str, what: str, default: float) -> float:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise DFlashTrtError(f"{what} config: '{key}' must be a number, got {value!r}")
+    return float(value)
+
+
+def parse_rope(cfg: dict, head_dim: int, what: str) -> RopeConfig:
+    """Read rope fields from either `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`."""
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or {}
+    if not isinstance(params, dict) or not isinstance(scaling, dict):
+        raise DFlashTrtError(f"{what} config: rope_parameters / rope_scaling must be objects")
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise DFlashTrtError(
+            f"{what} config: rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    if merged.get("partial_rotary_factor", 1.0) != 1.0:
+        raise DFlashTrtError(f"{what} config: partial_rotary_factor != 1 is not supported")
+    original = merged.get("original_max_position_embeddings")
+    factor = merged.get("factor")
+    if rope_type == "yarn" and factor is None and original:
+        factor = cfg.get("max_position_embeddings", original) / original
+    if rope_type in ("llama3", "yarn") and not original:
+        if rope_type == "llama3" or factor is None:
+            raise DFlashTrtError(f"{what} config: {rope_type} rope scaling needs original_max_position_embeddings")
+    if rope_type != "default" and factor is None:
+        raise DFlashTrtError(f"{what} config: {rope_type} rope scaling needs a 'factor'")
+    return RopeConfig(
+        head_dim=head_dim,
+        theta=_optional_number(theta, "rope_theta", what, 10000.0),
+        rope_type=rope_type,
+        factor=_optional_number(factor, "factor", what, 1.0),
+        low_freq_factor=_optional_number(merged.get("low_freq_factor"), "low_freq_factor", what, 1.0),
+        high_freq_factor=_optional_number(merged.get("high_freq_factor"), "high_freq_factor", what, 4.0),
+        original_max_position_embeddings=int(original) if original else None,
+        beta_fast=_optional_number(merged.get("beta_fast") or None, "beta_fast", what, 32.0),
+        beta_slow=_optional_number(merged.get("beta_slow") or None, "beta_slow", what, 1.0),
+        attention_factor=merged.get("attention_factor"),
+        mscale=merged.get("mscale"),
+        mscale_all_dim=merged.get("mscale_all_dim"),
+        truncate=bool(merged.get("truncate", True)),
+    )
+
+
+def _eos_ids(cfg: dict, model_dir: Path) -> tuple[int, ...]:
+    ids: list[int] = []
+    sources = [cfg]
+    generation_config = model_dir / "generation_config.json"
+    if generation_config.is_file():
+        try:
+            sources.append(json.loads(generation_config.read_text()))
+        except json.JSONDecodeError:
+            raise DFlashTrtError(f"{generation_config} is not valid JSON") from None
+    for source in sources:
+        value = source.get("eos_token_id")
+        for token in value if isinstance(value, list) else [value]:
+            if isinstance(token, int) and not isinstance(token, bool) and token not in ids:
+                ids.append(token)
+    return tuple(ids)
+
+
+def _attention_dims(cfg: dict, what: str, default_head_dim: int | None) -> tuple[int, int, int, int]:
+    hidden = _require_int(cfg, "hidden_size", what)
+    heads = _require_int(cfg, "num_attention_heads", what)
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1:
+        raise DFlashTrtError(f"{what} config: 'num_key_value_heads' must be a positive integer, got {kv_heads!r}")
+    if heads % kv_heads:
+        raise DFlashTrtError(
+            f"{what} config: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
+        )
+    head_dim = cfg.get("head_dim") or default_head_dim or hidden // heads
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
+        raise DFlashTrtError(f"{what} config: 'head_dim' must be a positive even integer, got {head_dim!r}")
+    return hidden, heads, kv_heads, head_dim
+
+
+def _activation(cfg: dict, what: str) -> str:
+    act = cfg.get("hidden_act", "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise DFlashTrtError(f"{what} config: hidden_act {act!r} is not supported (supported: silu)")
+    return act
+
+
+def parse_target_config(cfg: dict, model_dir: str | Path = ".") -> TargetSpec:
+    what = "target"
+    architectures = cfg.get("architectures") or []
+    architecture = architectures[0] if isinstance(architectures, list) and architectures else None
+    if architecture not in TARGET_ARCHITECTURES:
+        raise DFlashTrtError(
+            f"target architecture {architecture!r} is not supported (supported: {', '.join(TARGET_ARCHITECTURES)})"
+        )
+    is_qwen3 = architecture == "Qwen3ForCausalLM"
+    hidden, heads, kv_heads, head_dim = _attention_dims(cfg, what, 128 if is_qwen3 else None)
+    if is_qwen3 and cfg.get("use_sliding_window"):
+        raise DFlashTrtError("target config: sliding-window attention in the target is not supported yet")
+    return TargetSpec(
+        architecture=architecture,
+        vocab_size=_require_int(cfg, "vocab_size", what),
+        hidden_size=hidden,
+        intermediate_size=_require_int(cfg, "intermediate_size", what),
+        num_hidden_layers=_require_int(cfg, "num_hidden_layers", what),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=_optional_number(cfg.get("rms_norm_eps"), "rms_norm_eps", what, 1e-6),
+        hidden_act=_activation(cfg, what),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)) and not is_qwen3,
+        qk_norm=is_qwen3,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or 32768),
+        rope=parse_rope(cfg, head_dim, what),
+        eos_token_ids=_eos_ids(cfg, Path(model_dir)),
+        torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+    )
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Default taps when a checkpoint names none: spread over the target, as the reference chooses them."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def _draft_value(cfg: dict, key: str, default: Any = None) -> Any:
+    """A drafter key may sit in `dflash_config` or at the top level; `dflash_config` wins (as in the reference)."""
+    nested = cfg.get("dflash_config") or {}
+    if not isinstance(nested, dict):
+        raise DFlashTrtError("drafter config: 'dflash_config' must be an object")
+    return nested[key] if key in nested else cfg.get(key, default)
+
+
+def _draft_layer_kinds(cfg: dict, num_layers: int) -> tuple[tuple[str, ...], int | None, tuple[bool, ...]]:
+    what = "drafter"
+    # transformers' Qwen3Config keeps sliding_window only when use_sliding_window is set; the reference inherits that.
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise DFlashTrtError(f"{what} config: 'sliding_window' must be a positive integer, got {window!r}")
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        first_window_layer = cfg.get("max_window_layers", 28)
+        layer_types = [
+            SLIDING_ATTENTION if window is not None and i >= first_window_layer else FULL_ATTENTION
+            for i in range(num_layers)
+        ]
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+        raise DFlashTrtError(
+            f"{what} config: 'layer_types' must list one kind per draft layer ({num_layers}), got {layer_types!r}"
+        )
+    for kind in layer_types:
+        if kind not in (FULL_ATTENTION, SLIDING_ATTENTION):
+            raise DFlashTrtError(f"{what} config: unknown layer type {kind!r} in 'layer_types'")
+    is_causal = cfg.get("is_causal")
+    causal = tuple(kind == SLIDING_ATTENTION if is_causal is None else bool(is_causal) for kind in layer_types)
+    return tuple(layer_types), window, causal
+
+
+def parse_draft_config(cfg: dict, target: TargetSpec) -> DraftSpec:
+    what = "drafter"
+    architectures = cfg.get("architectures") or []
+    architecture = architectures[0] if isinstance(architectures, list) and architectures else None
+    if architecture in UNSUPPORTED_DRAFT_ARCHITECTURES:
+        raise DFlashTrtError(UNSUPPORTED_DRAFT_ARCHITECTURES[architecture])
+    if architecture != DRAFT_ARCHITECTURE:
+        raise DFlashTrtError(f"drafter architecture {architecture!r} is not a DFlash drafter ({DRAFT_ARCHITECTURE})")
+    hidden, heads, kv_heads, head_dim = _attention_dims(cfg, what, 128)
+    if hidden != target.hidden_size:
+        raise DFlashTrtError(
+            f"hidden sizes differ: drafter hidden_size {hidden} != target hidden_size {target.hidden_size}"
+        )
+    vocab = cfg.get("vocab_size", target.vocab_size)
+    if vocab != target.vocab_size:
+        raise DFlashTrtError(f"vocab mismatch: drafter vocab_size {vocab} != target vocab_size {target.vocab_size}")
+    num_layers = _require_int(cfg, "num_hidden_layers", what)
+    num_target_layers = cfg.get("num_target_layers", target.num_hidden_layers)
+    taps = _draft_value(cfg, "target_layer_ids")
+    if taps is None:
+        taps = build_target_layer_ids(num_target_layers, num_layers)
+    if not isinstance(taps, list) or not taps or not all(isinstance(t, int) and not isinstance(t, bool) for t in taps):
+        raise DFlashTrtError(f"{what} config: 'target_layer_ids' must be a non-empty list of integers, got {taps!r}")
+    for tap in taps:
+        if not 0 <= tap < target.num_hidden_layers:
+            raise DFlashTrtError(
+                f"{what} config: target layer id {tap} is outside the target's {target.num_hidden_layers} layers"
+            )
+    mask = _draft_value(cfg, "mask_token_id")
+    if isinstance(mask, bool) or not isinstance(mask, int) or mask < 0:
+        raise DFlashTrtError(f"{what} config: 'mask_token_id' must be a non-negative integer, got {mask!r}")
+    if mask >= target.vocab_size:
+        raise DFlashTrtError(f"mask_token_id {mask} is outside the target vocabulary ({target.vocab_size} tokens)")
+    block = _draft_value(cfg, "block_size", 16)
+    if isinstance(block, bool) or not isinstance(block, int) or block < 2:
+        raise DFlashTrtError(f"{what} config: 'block_size' must be an integer >= 2, got {block!r}")
+    softcap = _draft_value(cfg, "final_logit_softcapping")
+    softcap = _optional_number(softcap, "final_logit_softcapping", what, 0.0) or None
+    layer_types, window, causal = _draft_layer_kinds(cfg, num_layers)
+    return DraftSpec(
+        architecture=architecture,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=_require_int(cfg, "intermediate_size", what),
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=_optional_number(cfg.get("rms_norm_eps"), "rms_norm_eps", what, 1e-6),
+        hidden_act=_activation(cfg, what),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        rope=parse_rope(cfg, head_dim, what),
+        block_size=block,
+        mask_token_id=mask,
+        target_layer_ids=tuple(taps),
+        layer_types=layer_types,
+        sliding_window=window,
+        causal=causal,
+        input_embedding_scale=_optional_number(
+            _draft_value(cfg, "input_embedding_scale"), "input_embedding_scale", what, 1.0
+        ),
+        output_multiplier=_optional_number(_draft_value(cfg, "output_multiplier"), "output_multiplier", what, 1.0),
+        final_logit_softcapping=softcap,
+        torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+    )
+
+
+def load_target_spec(model_dir: str | Path) -> TargetSpec:
+    return parse_target_config(read_config_json(model_dir, "target model"), model_dir)
+
+
+def load_draft_spec(dflash_model_dir: str | Path, target: TargetSpec) -> DraftSpec:
+    return parse_draft_config(read_config_json(dflash_model_dir, "DFlash drafter"), target)
+
+
+def target_tensor_shapes(spec: TargetSpec) -> dict[str, tuple[int, ...]]:
+    """HF tensor names and shapes a target checkpoint must hold (lm_head only when untied)."""
+    h, hd = spec.hidden_size, spec.head_dim
+    q, kv = spec.num_attention_heads * hd, spec.num_key_value_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, h)
+    for i in range(spec.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update(_decoder_layer_shapes(p, h, q, kv, spec.intermediate_size, spec.attention_bias))
+        if spec.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (hd,)
+            shapes[p + "self_attn.k_norm.weight"] = (hd,)
+        if spec.mlp_bias:
+            shapes[p + "mlp.gate_proj.bias"] = (spec.intermediate_size,)
+            shapes[p + "mlp.up_proj.bias"] = (spec.intermediate_size,)
+            shapes[p + "mlp.down_proj.bias"] = (h,)
+    return shapes
+
+
+def draft_tensor_shapes(spec: DraftSpec) -> dict[str, tuple[int, ...]]:
+    """z-lab drafter tensor names (unprefixed) and shapes."""
+    h, hd = spec.hidden_size, spec.head_dim
+    q, kv = spec.num_attention_heads * hd, spec.num_key_value_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {
+        "fc.weight": (h, len(spec.target_layer_ids) * h),
+        "hidden_norm.weight": (h,),
+        "norm.weight": (h,),
+    }
+    for i in range(spec.num_hidden_layers):
+        p = f"layers.{i}."
+        shapes.update(_decoder_layer_shapes(p, h, q, kv, spec.intermediate_size, spec.attention_bias))
+        shapes[p + "self_attn.q_norm.weight"] = (hd,)
+        shapes[p + "self_attn.k_norm.weight"] = (hd,)
+    return shapes
+
+
+def _decoder_layer_shapes(p: str, h: int, q: int, kv: int, inter: int, bias: bool) -> dict[str, tuple[int, ...]]:
+    shapes = {
+        p + "input_layernorm.weight": (h,),
+        p + "post_attention_layernorm.weight": (h,),
+        p + "self_attn.q_proj.weight": (q, h),
+        p + "self_attn.k_proj.weight": (kv, h),
+        p + "self_attn.v_proj.weight": (kv, h),
+        p + "self_attn.o_proj.weight": (h, q),
+        p + "mlp.gate_proj.weight": (inter, h),
+        p + "mlp.up_proj.weight": (inter, h),
+        p + "mlp.down_proj.weight": (h, inter),
+    }
+    if bias:
+        shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,)})
+        shapes.update({p + "self_attn.v_proj.bias": (kv,), p + "self_attn.o_proj.bias": (h,)})
+    return shapes
+
+
+def check_tensor_shapes(
+    expected: dict[str, tuple[int, ...]],
+    actual: dict[str, tuple[int, ...]],
+    what: str,
+    allowed_extra: tuple[str, ...] = (),
+) -> None:
+    """One clear error naming the first missing, extra or mis-shaped tensor of a checkpoint."""
+    missing = sorted(set(expected) - set(actual))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise DFlashTrtError(f"{what} checkpoint is missing tensor '{missing[0]}'{more}")
+    extra = sorted(set(actual) - set(expected) - set(allowed_extra))
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise DFlashTrtError(f"{what} checkpoint has unexpected tensor '{extra[0]}'{more}")
+    for name, shape in expected.items():
+        if tuple(actual[name]) != tuple(shape):
+            raise DFlashTrtError(
+                f"{what} tensor '{name}' has shape {tuple(actual[name])}, expected {tuple(shape)} from config.json"
+            )
