@@ -1,0 +1,57 @@
+"""TensorRT-LLM checkpoint tensor names: the only module that spells them.
+
+The converter writes these names, the golden model and `verify` read them, and the engine builder loads them into
+TensorRT-LLM modules, so a name changes here or nowhere. Target tensors follow TensorRT-LLM's Llama/Qwen decoder
+naming (`transformer.` prefix); the drafter lives under `dflash.` with the same per-layer names.
+"""
+
+from __future__ import annotations
+
+TARGET_PREFIX = "transformer"
+DRAFT_PREFIX = "dflash"
+
+VOCAB_EMBEDDING = "transformer.vocab_embedding.weight"
+TARGET_FINAL_NORM = "transformer.ln_f.weight"
+LM_HEAD = "lm_head.weight"
+DRAFT_FC = "dflash.fc.weight"
+DRAFT_HIDDEN_NORM = "dflash.hidden_norm.weight"
+DRAFT_FINAL_NORM = "dflash.ln_f.weight"
+
+# Per-layer module paths, relative to a layer prefix.
+INPUT_LAYERNORM = "input_layernorm"
+POST_LAYERNORM = "post_layernorm"
+QKV = "attention.qkv"
+DENSE = "attention.dense"
+Q_LAYERNORM = "attention.q_layernorm"
+K_LAYERNORM = "attention.k_layernorm"
+MLP_FC = "mlp.fc"  # HF gate_proj: the activated branch
+MLP_GATE = "mlp.gate"  # HF up_proj: the multiplied branch
+MLP_PROJ = "mlp.proj"  # HF down_proj
+ATTENTION = "attention"
+
+LINEAR_MODULES = (QKV, DENSE, MLP_FC, MLP_GATE, MLP_PROJ)
+
+# Tensors hanging off a module prefix.
+WEIGHT = "weight"
+BIAS = "bias"
+WEIGHTS_SCALING_FACTOR = "weights_scaling_factor"
+WEIGHTS_SCALING_FACTOR_2 = "weights_scaling_factor_2"
+ACTIVATION_SCALING_FACTOR = "activation_scaling_factor"
+KV_CACHE_SCALING_FACTOR = "kv_cache_scaling_factor"
+
+
+def target_layer(index: int) -> str:
+    return f"{TARGET_PREFIX}.layers.{index}"
+
+
+def draft_layer(index: int) -> str:
+    return f"{DRAFT_PREFIX}.layers.{index}"
+
+
+def tensor(prefix: str, module: str, leaf: str = WEIGHT) -> str:
+    """`tensor(target_layer(3), QKV)` -> 'transformer.layers.3.attention.qkv.weight'."""
+    return f"{prefix}.{module}.{leaf}"
+
+
+def kv_cache_scale(layer_prefix: str) -> str:
+    return tensor(layer_prefix, ATTENTION, KV_CACHE_SCALING_FACTOR)
