@@ -1,0 +1,1 @@
+"""Reading HF checkpoints and writing TensorRT-LLM checkpoints, streamed tensor by tensor."""

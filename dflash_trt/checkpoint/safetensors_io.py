@@ -1,0 +1,382 @@
+"""Safetensors files read through a memory map and written one tensor at a time.
+
+Checkpoints can be larger than host RAM and come from strangers, so the reader validates the whole header
+before touching data (no allocation sized by an untrusted field, no offset outside the file) and the writer
+puts the header first and then streams tensor bytes, holding at most one tensor in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import struct
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import TracebackType
+
+import torch
+
+from dflash_trt.errors import DFlashTrtError
+
+# Largest JSON header accepted; the safetensors library uses the same limit.
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+METADATA_KEY = "__metadata__"
+_HEADER_ALIGNMENT = 8
+_TENSOR_KEYS = frozenset({"dtype", "shape", "data_offsets"})
+# Elements checked per step by tensor_has_nonfinite: bounds its temporary memory.
+_NONFINITE_CHUNK = 1 << 22
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+    "F8_E8M0": torch.float8_e8m0fnu,
+    "C64": torch.complex64,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class _TensorInfo:
+    __slots__ = ("dtype", "shape", "begin", "end")
+
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...], begin: int, end: int) -> None:
+        self.dtype = dtype
+        self.shape = shape
+        self.begin = begin
+        self.end = end
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    result: dict[str, object] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {key!r}")
+        result[key] = value
+    return result
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class SafetensorsFile:
+    """One safetensors file opened read-only; tensors are views of a private memory map.
+
+    The map is copy-on-write: returned tensors may be modified in memory but the file never changes, and
+    only the pages a caller touches are read from disk.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._mmap: mmap.mmap | None = None
+        if sys.byteorder != "little":
+            raise DFlashTrtError("safetensors data is little-endian and this host is big-endian.")
+        try:
+            with open(self.path, "rb") as handle:
+                file_size = os.fstat(handle.fileno()).st_size
+                self._tensors, self.metadata, self._data_start = _read_header(self.path, handle, file_size)
+                if file_size > 0:
+                    self._mmap = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+        except OSError as exc:
+            raise DFlashTrtError(f"cannot read {self.path}: {exc.strerror or exc}.") from exc
+
+    def names(self) -> list[str]:
+        """Tensor names in file order."""
+        return list(self._tensors)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def _info(self, name: str) -> _TensorInfo:
+        info = self._tensors.get(name)
+        if info is None:
+            raise DFlashTrtError(f"{self.path} has no tensor named {name!r}.")
+        return info
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._info(name).dtype
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._info(name).shape
+
+    def nbytes(self, name: str) -> int:
+        info = self._info(name)
+        return info.end - info.begin
+
+    def nbytes_total(self) -> int:
+        return sum(info.end - info.begin for info in self._tensors.values())
+
+    def get(self, name: str, copy: bool = False) -> torch.Tensor:
+        """The tensor `name`; a view of the file's map unless `copy` (or its bytes are misaligned)."""
+        info = self._info(name)
+        if self._mmap is None:
+            raise DFlashTrtError(f"{self.path} is closed.")
+        numel = math.prod(info.shape)
+        if numel == 0:
+            return torch.empty(info.shape, dtype=info.dtype)
+        offset = self._data_start + info.begin
+        if offset % _itemsize(info.dtype) == 0:
+            tensor = torch.frombuffer(self._mmap, dtype=info.dtype, count=numel, offset=offset)
+            tensor = tensor.view(info.shape)
+            return tensor.clone() if copy else tensor
+        raw = torch.frombuffer(self._mmap, dtype=torch.uint8, count=info.end - info.begin, offset=offset)
+        return raw.clone().view(info.dtype).view(info.shape)
+
+    def close(self) -> None:
+        """Drop this reader's reference to the map.
+
+        The map is never closed explicitly: `torch.frombuffer` tensors reference the mmap object without
+        holding a buffer export, so closing it would leave them pointing at unmapped memory. The mapping is
+        released when the last tensor viewing it is freed.
+        """
+        self._mmap = None
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _read_header(path: Path, handle, file_size: int) -> tuple[dict[str, _TensorInfo], dict[str, str], int]:
+    """Parse and validate the header; returns (tensors in data order, metadata, data section start)."""
+    if file_size < 8:
+        raise DFlashTrtError(f"{path} is not a safetensors file: it has {file_size} bytes, fewer than 8.")
+    (header_len,) = struct.unpack("<Q", handle.read(8))
+    if header_len > MAX_HEADER_BYTES:
+        raise DFlashTrtError(f"{path} declares a {header_len}-byte header, above the {MAX_HEADER_BYTES}-byte limit.")
+    if header_len > file_size - 8:
+        raise DFlashTrtError(
+            f"{path} is truncated or corrupt: its header claims {header_len} bytes but only {file_size - 8} follow."
+        )
+    raw = handle.read(header_len)
+    if len(raw) != header_len:
+        raise DFlashTrtError(f"{path} changed size while being read.")
+    header = _parse_header_json(path, raw)
+    data_size = file_size - 8 - header_len
+    metadata = _parse_metadata(path, header.pop(METADATA_KEY, None))
+    tensors = {name: _parse_entry(path, name, entry) for name, entry in header.items()}
+    ordered = dict(sorted(tensors.items(), key=lambda item: (item[1].begin, item[1].end)))
+    position = 0
+    for name, info in ordered.items():
+        if info.begin < position:
+            raise DFlashTrtError(f"{path}: tensor {name!r} overlaps the tensor stored before it.")
+        if info.begin > position:
+            raise DFlashTrtError(f"{path}: {info.begin - position} unreferenced bytes precede tensor {name!r}.")
+        if info.end > data_size:
+            raise DFlashTrtError(
+                f"{path} is truncated or corrupt: tensor {name!r} ends at byte {info.end} of a "
+                f"{data_size}-byte data section."
+            )
+        position = info.end
+    if position != data_size:
+        raise DFlashTrtError(f"{path}: the header describes {position} data bytes but the file holds {data_size}.")
+    return ordered, metadata, 8 + header_len
+
+
+def _parse_header_json(path: Path, raw: bytes) -> dict[str, object]:
+    if not raw.startswith(b"{"):
+        raise DFlashTrtError(f"{path} is not a safetensors file: its header is not a JSON object.")
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys)
+    except UnicodeDecodeError as exc:
+        raise DFlashTrtError(f"{path} has a header that is not UTF-8 text: {exc.reason}.") from exc
+    except RecursionError as exc:
+        raise DFlashTrtError(f"{path} has a header nested too deeply to be a safetensors header.") from exc
+    except ValueError as exc:
+        raise DFlashTrtError(f"{path} has a header that is not valid JSON ({exc}).") from exc
+    if not isinstance(header, dict):
+        raise DFlashTrtError(f"{path} is not a safetensors file: its header is not a JSON object.")
+    return header
+
+
+def _parse_metadata(path: Path, metadata: object) -> dict[str, str]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or not all(isinstance(value, str) for value in metadata.values()):
+        raise DFlashTrtError(f"{path}: {METADATA_KEY} must map strings to strings.")
+    return metadata
+
+
+def _parse_entry(path: Path, name: str, entry: object) -> _TensorInfo:
+    if not isinstance(entry, dict) or set(entry) != _TENSOR_KEYS:
+        raise DFlashTrtError(
+            f"{path}: the header entry of tensor {name!r} must have exactly the keys dtype, shape, data_offsets."
+        )
+    dtype_name = entry["dtype"]
+    if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
+        raise DFlashTrtError(f"{path}: tensor {name!r} has unsupported dtype {dtype_name!r}.")
+    shape = entry["shape"]
+    if not isinstance(shape, list) or not all(_is_int(dim) and dim >= 0 for dim in shape):
+        raise DFlashTrtError(f"{path}: tensor {name!r} has shape {shape!r}, not a list of non-negative integers.")
+    offsets = entry["data_offsets"]
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_int(offset) for offset in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise DFlashTrtError(f"{path}: tensor {name!r} has invalid data_offsets {offsets!r}.")
+    dtype = DTYPES[dtype_name]
+    expected = math.prod(shape) * _itemsize(dtype)
+    if offsets[1] - offsets[0] != expected:
+        raise DFlashTrtError(
+            f"{path}: tensor {name!r} ({dtype_name} {shape}) needs {expected} bytes but its data_offsets "
+            f"span {offsets[1] - offsets[0]}."
+        )
+    return _TensorInfo(dtype, tuple(shape), offsets[0], offsets[1])
+
+
+class StreamingSafetensorsWriter:
+    """Writes a safetensors file whose layout is fixed up front: header first, then tensors in entry order.
+
+    Only the tensor being written is in memory. The file is created exclusively (never overwrites) and is
+    deleted again if the writer is closed before every tensor was written or a `with` block fails.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        entries: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self._order = list(entries)
+        self._entries = {name: (dtype, tuple(shape)) for name, (dtype, shape) in entries.items()}
+        self._next = 0
+        header = _build_header(self.path, self._entries, metadata)
+        try:
+            self._handle = open(self.path, "xb")
+        except FileExistsError as exc:
+            raise DFlashTrtError(f"{self.path} already exists; refusing to overwrite it.") from exc
+        except OSError as exc:
+            raise DFlashTrtError(f"cannot create {self.path}: {exc.strerror or exc}.") from exc
+        self._write(struct.pack("<Q", len(header)) + header)
+
+    def _write(self, data: bytes | memoryview) -> None:
+        try:
+            self._handle.write(data)
+        except OSError as exc:
+            self.abort()
+            raise DFlashTrtError(f"cannot write {self.path}: {exc.strerror or exc}.") from exc
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Append `tensor`, which must be the next entry and match its declared dtype and shape."""
+        if self._handle.closed:
+            raise DFlashTrtError(f"{self.path} is already closed.")
+        if self._next >= len(self._order):
+            raise DFlashTrtError(f"{self.path}: tensor {name!r} was not declared or is written twice.")
+        expected_name = self._order[self._next]
+        if name != expected_name:
+            raise DFlashTrtError(f"{self.path}: expected tensor {expected_name!r} next, got {name!r}.")
+        dtype, shape = self._entries[name]
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise DFlashTrtError(
+                f"{self.path}: tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)}, declared {dtype} {shape}."
+            )
+        if tensor.numel() > 0:
+            data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+            self._write(memoryview(data.numpy()))
+        self._next += 1
+
+    def close(self) -> None:
+        """Flush and fsync; raises (and deletes the file) if some declared tensor was never written."""
+        if self._handle.closed:
+            return
+        if self._next != len(self._order):
+            missing = self._order[self._next]
+            self.abort()
+            raise DFlashTrtError(
+                f"{self.path}: closed after {self._next} of {len(self._order)} tensors; {missing!r} is missing."
+            )
+        try:
+            self._handle.flush()
+            os.fsync(self._handle.fileno())
+            self._handle.close()
+        except OSError as exc:
+            self.abort()
+            raise DFlashTrtError(f"cannot write {self.path}: {exc.strerror or exc}.") from exc
+
+    def abort(self) -> None:
+        """Close and delete the partial file."""
+        if not self._handle.closed:
+            self._handle.close()
+        self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> StreamingSafetensorsWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def _build_header(
+    path: Path, entries: dict[str, tuple[torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None
+) -> bytes:
+    """JSON header with offsets in entry order, padded with spaces so the data section starts 8-aligned."""
+    header: dict[str, object] = {}
+    if metadata:
+        if not all(isinstance(key, str) and isinstance(value, str) for key, value in metadata.items()):
+            raise DFlashTrtError(f"{path}: safetensors metadata must map strings to strings.")
+        header[METADATA_KEY] = dict(metadata)
+    offset = 0
+    for name, (dtype, shape) in entries.items():
+        if not isinstance(name, str) or name == METADATA_KEY:
+            raise DFlashTrtError(f"{path}: {name!r} cannot be a tensor name.")
+        if dtype not in DTYPE_NAMES:
+            raise DFlashTrtError(f"{path}: tensor {name!r} has dtype {dtype}, which safetensors cannot store.")
+        if not all(_is_int(dim) and dim >= 0 for dim in shape):
+            raise DFlashTrtError(f"{path}: tensor {name!r} has invalid shape {shape!r}.")
+        size = math.prod(shape) * _itemsize(dtype)
+        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return encoded + b" " * (-(8 + len(encoded)) % _HEADER_ALIGNMENT)
+
+
+def tensor_has_nonfinite(tensor: torch.Tensor) -> bool:
+    """True if a floating or complex tensor holds NaN or +-Inf; checked in chunks so memory stays bounded."""
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        return False
+    flat = tensor.detach().reshape(-1)
+    for start in range(0, flat.numel(), _NONFINITE_CHUNK):
+        chunk = flat[start : start + _NONFINITE_CHUNK]
+        if chunk.element_size() == 1:
+            chunk = chunk.float()
+        if not bool(torch.isfinite(chunk).all()):
+            return True
+    return False

@@ -1,0 +1,270 @@
+"""SafetensorsFile / StreamingSafetensorsWriter round trips, checked against the `safetensors` package."""
+
+from __future__ import annotations
+
+import gc
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from dflash_trt.checkpoint import safetensors_io
+from dflash_trt.checkpoint.safetensors_io import (
+    SafetensorsFile,
+    StreamingSafetensorsWriter,
+    tensor_has_nonfinite,
+)
+from dflash_trt.errors import DFlashTrtError
+from tests._hostile_files import entry, tensor_bytes, write_raw
+
+
+def _sample_tensors() -> dict[str, torch.Tensor]:
+    """One tensor per dtype both libraries support, odd sizes so a plain concatenation is misaligned."""
+    gen = torch.Generator().manual_seed(0)
+    floats = torch.randn(3, 5, generator=gen) * 10
+    return {
+        "model.embed.weight": floats,
+        "bytes.u8": torch.randint(0, 256, (7,), dtype=torch.uint8, generator=gen),
+        "half.f16": floats[:, :3].to(torch.float16),
+        "brain.bf16": floats.reshape(-1)[:5].to(torch.bfloat16),
+        "scalar.f64": torch.tensor(2.5, dtype=torch.float64),
+        "ints.i64": torch.tensor([-(2**40), 3, 2**62], dtype=torch.int64),
+        "ints.i32": torch.tensor([[1, -2], [3, -4]], dtype=torch.int32),
+        "ints.i16": torch.tensor([-300], dtype=torch.int16),
+        "ints.i8": torch.tensor([-1, 2, -3], dtype=torch.int8),
+        "mask.bool": torch.tensor([True, False, True]),
+        "fp8.e4m3": (floats[0] / 4).to(torch.float8_e4m3fn),
+        "fp8.e5m2": (floats[1] / 4).to(torch.float8_e5m2),
+        "empty.f32": torch.zeros(0, 4),
+        "u16": torch.tensor([65535, 1], dtype=torch.uint16),
+        "u32": torch.tensor([2**32 - 1], dtype=torch.uint32),
+        "u64": torch.tensor([2**63 + 5], dtype=torch.uint64),
+        "c64": torch.tensor([1 + 2j, -3.5j], dtype=torch.complex64),
+    }
+
+
+def _assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype
+    assert tuple(actual.shape) == tuple(expected.shape)
+    assert tensor_bytes(actual) == tensor_bytes(expected)
+
+
+def _entries(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    return {name: (tensor.dtype, tuple(tensor.shape)) for name, tensor in tensors.items()}
+
+
+def test_reader_matches_safetensors_written_file(tmp_path: Path) -> None:
+    tensors = _sample_tensors()
+    path = tmp_path / "in.safetensors"
+    save_file(tensors, path, metadata={"format": "pt", "note": "ünïcode"})
+    oracle = load_file(path)
+    with SafetensorsFile(path) as reader:
+        assert sorted(reader.names()) == sorted(oracle)
+        assert reader.metadata == {"format": "pt", "note": "ünïcode"}
+        for name, expected in oracle.items():
+            assert reader.dtype(name) == expected.dtype
+            assert reader.shape(name) == tuple(expected.shape)
+            assert reader.nbytes(name) == expected.numel() * expected.element_size()
+            _assert_same(reader.get(name), expected)
+            _assert_same(reader.get(name, copy=True), expected)
+        assert reader.nbytes_total() == path.stat().st_size - 8 - struct.unpack("<Q", path.read_bytes()[:8])[0]
+
+
+def test_writer_output_loads_with_safetensors(tmp_path: Path) -> None:
+    tensors = _sample_tensors()
+    path = tmp_path / "out.safetensors"
+    with StreamingSafetensorsWriter(path, _entries(tensors), metadata={"format": "pt"}) as writer:
+        for name, tensor in tensors.items():
+            writer.write(name, tensor)
+    loaded = load_file(path)
+    assert sorted(loaded) == sorted(tensors)
+    for name, tensor in tensors.items():
+        _assert_same(loaded[name], tensor)
+    with safe_open(path, framework="pt") as handle:
+        assert handle.metadata() == {"format": "pt"}
+        _assert_same(handle.get_tensor("brain.bf16"), tensors["brain.bf16"])
+    header_len = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    assert (8 + header_len) % 8 == 0
+    with SafetensorsFile(path) as reader:
+        assert reader.names() == list(tensors), "data must be laid out in entry order"
+        for name, tensor in tensors.items():
+            _assert_same(reader.get(name), tensor)
+
+
+def test_writer_accepts_non_contiguous_tensor(tmp_path: Path) -> None:
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    transposed = base.t()
+    column = base[:, 1]
+    path = tmp_path / "nc.safetensors"
+    with StreamingSafetensorsWriter(path, _entries({"t": transposed, "c": column})) as writer:
+        writer.write("t", transposed)
+        writer.write("c", column)
+    loaded = load_file(path)
+    assert torch.equal(loaded["t"], transposed)
+    assert torch.equal(loaded["c"], column)
+
+
+def test_writer_without_metadata_has_no_metadata(tmp_path: Path) -> None:
+    path = tmp_path / "plain.safetensors"
+    with StreamingSafetensorsWriter(path, {"x": (torch.float32, (2,))}) as writer:
+        writer.write("x", torch.tensor([1.0, 2.0]))
+    with safe_open(path, framework="pt") as handle:
+        assert handle.metadata() is None
+        assert torch.equal(handle.get_tensor("x"), torch.tensor([1.0, 2.0]))
+
+
+@pytest.mark.parametrize(
+    ("name", "tensor", "message"),
+    [
+        ("b", torch.zeros(2), "expected tensor 'a' next"),
+        ("a", torch.zeros(2, dtype=torch.float64), "declared torch.float32"),
+        ("a", torch.zeros(3), "declared torch.float32 (2,)"),
+    ],
+)
+def test_writer_rejects_wrong_tensor(tmp_path: Path, name: str, tensor: torch.Tensor, message: str) -> None:
+    path = tmp_path / "w.safetensors"
+    writer = StreamingSafetensorsWriter(path, {"a": (torch.float32, (2,)), "b": (torch.float32, (2,))})
+    with pytest.raises(DFlashTrtError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        writer.write(name, tensor)
+    writer.abort()
+    assert not path.exists()
+
+
+def test_writer_close_before_all_tensors_raises_and_deletes(tmp_path: Path) -> None:
+    path = tmp_path / "partial.safetensors"
+    writer = StreamingSafetensorsWriter(path, {"a": (torch.float32, (2,)), "b": (torch.int8, (1,))})
+    writer.write("a", torch.ones(2))
+    with pytest.raises(DFlashTrtError, match="'b' is missing"):
+        writer.close()
+    assert not path.exists()
+
+
+def test_writer_rejects_extra_write(tmp_path: Path) -> None:
+    path = tmp_path / "extra.safetensors"
+    with StreamingSafetensorsWriter(path, {"a": (torch.float32, (1,))}) as writer:
+        writer.write("a", torch.ones(1))
+        with pytest.raises(DFlashTrtError, match="written twice"):
+            writer.write("a", torch.ones(1))
+    assert torch.equal(load_file(path)["a"], torch.ones(1))
+
+
+def test_writer_deletes_file_when_with_block_fails(tmp_path: Path) -> None:
+    path = tmp_path / "failed.safetensors"
+    with pytest.raises(RuntimeError, match="boom"):
+        with StreamingSafetensorsWriter(path, {"a": (torch.float32, (1,))}):
+            raise RuntimeError("boom")
+    assert not path.exists()
+
+
+def test_writer_never_overwrites(tmp_path: Path) -> None:
+    path = tmp_path / "exists.safetensors"
+    path.write_bytes(b"precious")
+    with pytest.raises(DFlashTrtError, match="refusing to overwrite"):
+        StreamingSafetensorsWriter(path, {"a": (torch.float32, (1,))})
+    assert path.read_bytes() == b"precious"
+
+
+@pytest.mark.parametrize(
+    ("entries", "metadata", "message"),
+    [
+        ({"__metadata__": (torch.float32, (1,))}, None, "cannot be a tensor name"),
+        ({"a": (torch.complex128, (1,))}, None, "safetensors cannot store"),
+        ({"a": (torch.float32, (-1,))}, None, "invalid shape"),
+        ({"a": (torch.float32, (1,))}, {"k": 1}, "map strings to strings"),
+    ],
+)
+def test_writer_rejects_bad_declarations(tmp_path: Path, entries: dict, metadata: dict, message: str) -> None:
+    path = tmp_path / "bad.safetensors"
+    with pytest.raises(DFlashTrtError, match=message):
+        StreamingSafetensorsWriter(path, entries, metadata)
+    assert not path.exists()
+
+
+def test_get_is_a_view_of_a_private_map_that_never_touches_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "cow.safetensors"
+    save_file({"w": torch.arange(6, dtype=torch.float32)}, path)
+    before = path.read_bytes()
+    with SafetensorsFile(path) as reader:
+        first, second = reader.get("w"), reader.get("w")
+        assert first.data_ptr() == second.data_ptr(), "a view, not a copy per call"
+        copied = reader.get("w", copy=True)
+        assert copied.data_ptr() != first.data_ptr()
+        first += 100
+        assert torch.equal(second, torch.arange(6, dtype=torch.float32) + 100)
+        assert torch.equal(copied, torch.arange(6, dtype=torch.float32))
+    assert path.read_bytes() == before
+
+
+def test_tensors_outlive_close_and_get_after_close_fails(tmp_path: Path) -> None:
+    path = tmp_path / "close.safetensors"
+    save_file({"w": torch.arange(4, dtype=torch.int32)}, path)
+    reader = SafetensorsFile(path)
+    view = reader.get("w")
+    reader.close()
+    with pytest.raises(DFlashTrtError, match="closed"):
+        reader.get("w")
+    del reader
+    gc.collect()
+    assert torch.equal(view, torch.arange(4, dtype=torch.int32))
+
+
+def test_unknown_name_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "one.safetensors"
+    save_file({"w": torch.zeros(1)}, path)
+    with SafetensorsFile(path) as reader, pytest.raises(DFlashTrtError, match="no tensor named 'v'"):
+        reader.get("v")
+
+
+def _resident_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("VmRSS not found")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc to read resident memory")
+def test_get_does_not_make_the_file_resident(tmp_path: Path) -> None:
+    size = 256 * 1024 * 1024
+    path = write_raw(tmp_path / "big.safetensors", {"big": entry("U8", [size], 0, size)})
+    with open(path, "r+b") as handle:  # sparse: the data costs no disk and no page cache until read
+        handle.truncate(path.stat().st_size + size)
+    with SafetensorsFile(path) as reader:
+        before = _resident_kib()
+        big = reader.get("big")
+        assert int(big[size // 2]) == 0
+        grown_mib = (_resident_kib() - before) / 1024
+    assert grown_mib < 32, f"reading one byte of a 256 MiB tensor made {grown_mib:.0f} MiB resident"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e5m2])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nonfinite_detected_in_any_chunk(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, bad: float) -> None:
+    monkeypatch.setattr(safetensors_io, "_NONFINITE_CHUNK", 7)
+    values = torch.linspace(-3, 3, 50)
+    assert not tensor_has_nonfinite(values.to(dtype).reshape(5, 10))
+    for position in (0, 23, 49):
+        poisoned = values.clone()
+        poisoned[position] = bad
+        assert tensor_has_nonfinite(poisoned.to(dtype).reshape(5, 10)), position
+
+
+def test_nonfinite_e4m3_nan_and_integers() -> None:
+    e4m3 = torch.tensor([1.0, 448.0, -448.0]).to(torch.float8_e4m3fn)
+    assert not tensor_has_nonfinite(e4m3)
+    assert tensor_has_nonfinite(torch.tensor([0x7F], dtype=torch.uint8).view(torch.float8_e4m3fn))
+    assert not tensor_has_nonfinite(torch.tensor([2**31 - 1, -(2**31)], dtype=torch.int32))
+    assert not tensor_has_nonfinite(torch.tensor([True, False]))
+    assert tensor_has_nonfinite(torch.tensor([complex(float("nan"), 0.0)], dtype=torch.complex64))
+
+
+def test_nonfinite_found_in_tensor_read_from_file(tmp_path: Path) -> None:
+    path = tmp_path / "nan.safetensors"
+    weights = torch.ones(4, 4, dtype=torch.bfloat16)
+    weights[3, 2] = float("nan")
+    save_file({"ok": torch.ones(3, dtype=torch.bfloat16), "bad": weights}, path)
+    with SafetensorsFile(path) as reader:
+        assert not tensor_has_nonfinite(reader.get("ok"))
+        assert tensor_has_nonfinite(reader.get("bad"))
