@@ -1,0 +1,188 @@
+"""Build profiles: every shipped one validates; each impossible combination fails with its own message."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflash_trt.errors import DFlashTrtError
+from dflash_trt.profiles import (
+    GPUS,
+    check_against_checkpoints,
+    load_profile,
+    parse_profile,
+    resolve_model_dir,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((ROOT / "build_configs").glob("*/*.yaml"))
+GPU_DIRS = {"h100-fp8", "h200-fp8", "b200-nvfp4", "b300-nvfp4"}
+MODELS = {"qwen3-4b", "qwen3-8b", "llama-3.1-8b-instruct", "qwen3-32b"}
+
+
+def test_the_full_matrix_is_shipped():
+    assert {(p.parent.name, p.stem) for p in SHIPPED} == {(g, m) for g in GPU_DIRS for m in MODELS}
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_shipped_profile_validates(path: Path):
+    profile = load_profile(path)
+    gpu_name, quant = path.parent.name.split("-")
+    assert profile.name == f"{path.parent.name}-{path.stem}"
+    assert profile.gpu == gpu_name
+    assert profile.quantization.qformat == quant
+    assert profile.engine.gemm_plugin == quant
+    assert profile.engine.max_draft_len == profile.model.block_size - 1
+    assert profile.engine.max_num_tokens >= profile.engine.max_batch_size * profile.model.block_size
+    assert profile.sweep.concurrency[-1] == profile.engine.max_batch_size
+    assert profile.checkpoint.tp_size == (8 if path.stem == "qwen3-32b" else 1)
+    # A comment explains every non-obvious value: at least the quantization and engine sizing ones.
+    text = path.read_text()
+    assert text.count("#") >= 10
+
+
+def _base() -> dict:
+    return yaml.safe_load((ROOT / "build_configs/b300-nvfp4/qwen3-8b.yaml").read_text())
+
+
+def _with(changes: dict) -> dict:
+    data = copy.deepcopy(_base())
+    for dotted, value in changes.items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node[key]
+        node[leaf] = value
+    return data
+
+
+INVALID = [
+    ({"gpu": "h100"}, "p.yaml: qformat nvfp4 needs Blackwell (SM100/SM103); h100 is SM90"),
+    (
+        {"gpu": "h200", "quantization.qformat": "fp8", "engine.gemm_plugin": "fp8",
+         "quantization.draft_qformat": "nvfp4"},
+        "draft_qformat nvfp4 needs Blackwell (SM100/SM103); h200 is SM90",
+    ),
+    (
+        {"gpu": "a100", "quantization.qformat": "fp8", "engine.gemm_plugin": "fp8"},
+        "qformat fp8 needs SM89 or newer; a100 is SM80",
+    ),
+    ({"engine.max_draft_len": 16}, "max_draft_len 16 exceeds block_size - 1 = 15"),
+    ({"engine.max_num_tokens": 4096}, "max_num_tokens 4096 is below max_batch_size x block_size = 8192"),
+    ({"checkpoint.tp_size": 3}, "tp_size must be 1, 2, 4 or 8, got 3"),
+    ({"engine.gemm_plugin": "fp8"}, "gemm_plugin fp8 needs qformat fp8"),
+    ({"quantization.kv_cache_dtype": "none"}, "use_fp8_context_fmha needs kv_cache_dtype fp8"),
+    ({"engine.use_paged_context_fmha": False}, "use_paged_context_fmha must stay true"),
+    ({"engine.max_batch_size": 1024, "engine.max_num_tokens": 16384}, "exceeds the EAGLE engine limit of 512"),
+    ({"engine.max_input_len": 8192}, "max_input_len (8192) must be below max_seq_len (8192)"),
+    ({"sweep.concurrency": [1, 4, 2]}, "concurrency must be positive and strictly increasing"),
+    ({"sweep.interactivity_band": [600, 400]}, "interactivity_band must be (low, high)"),
+    ({"engine.max_batch_size": 128, "sweep.concurrency": [1, 256]}, "sweep concurrency 256 exceeds max_batch_size 128"),
+    ({"engine.max_seqlen": 4}, "engine.max_seqlen: Extra inputs are not permitted"),
+    ({"quantization.qformat": "int8"}, "quantization.qformat: Input should be 'fp8', 'nvfp4' or 'none'"),
+]
+
+
+@pytest.mark.parametrize("changes,message", INVALID, ids=[m[:40] for _, m in INVALID])
+def test_impossible_combination_is_rejected(changes: dict, message: str):
+    with pytest.raises(DFlashTrtError) as err:
+        parse_profile(_with(changes), "p.yaml")
+    assert message in str(err.value)
+    assert str(err.value).startswith("p.yaml: ")
+
+
+def test_load_profile_reports_missing_file_and_bad_yaml(tmp_path: Path):
+    with pytest.raises(DFlashTrtError, match="does not exist"):
+        load_profile(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    with pytest.raises(DFlashTrtError, match="not valid YAML"):
+        load_profile(bad)
+    bad.write_text("- a list\n")
+    with pytest.raises(DFlashTrtError, match="must be a YAML mapping"):
+        load_profile(bad)
+
+
+def test_gpu_facts_match_hardware():
+    assert (GPUS["h100"].sm, GPUS["h200"].sm, GPUS["b200"].sm, GPUS["b300"].sm) == (90, 90, 100, 103)
+    assert [g for g, f in GPUS.items() if f.nvfp4] == ["b200", "b300"]
+
+
+def _write_config(path: Path, **cfg) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def _pair(tmp_path: Path, *, heads=64, kv=8, d_heads=32, d_kv=8, block=16, max_pos=40960):
+    target = _write_config(tmp_path / "t", num_attention_heads=heads, num_key_value_heads=kv,
+                           max_position_embeddings=max_pos)
+    draft = _write_config(tmp_path / "d", num_attention_heads=d_heads, num_key_value_heads=d_kv,
+                          block_size=block, dflash_config={"mask_token_id": 1})
+    return target, draft
+
+
+def test_checkpoint_checks_accept_a_matching_pair(tmp_path: Path):
+    profile = load_profile(ROOT / "build_configs/h200-fp8/qwen3-32b.yaml")
+    check_against_checkpoints(profile, *_pair(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "pair,message",
+    [
+        ({"heads": 36}, "tp_size 8 does not divide the target's 36 attention heads"),
+        ({"kv": 12, "heads": 48}, "tp_size 8 and the target's 12 KV heads are incompatible"),
+        ({"d_heads": 20}, "tp_size 8 does not divide the drafter's 20 attention heads"),
+        ({"block": 10}, "was sized for block_size 16 but"),
+        ({"max_pos": 4096}, "max_seq_len 8192 exceeds the target's max_position_embeddings 4096"),
+    ],
+)
+def test_checkpoint_checks_reject(tmp_path: Path, pair: dict, message: str):
+    profile = load_profile(ROOT / "build_configs/h200-fp8/qwen3-32b.yaml")
+    with pytest.raises(DFlashTrtError, match=message.replace("(", r"\(")):
+        check_against_checkpoints(profile, *_pair(tmp_path, **pair))
+
+
+def test_block_size_nested_in_dflash_config_is_read(tmp_path: Path):
+    profile = load_profile(ROOT / "build_configs/b200-nvfp4/qwen3-4b.yaml")
+    target = _write_config(tmp_path / "t", num_attention_heads=32, num_key_value_heads=8)
+    draft = _write_config(tmp_path / "d", num_attention_heads=32, num_key_value_heads=8,
+                          dflash_config={"block_size": 8})
+    with pytest.raises(DFlashTrtError, match="trained with block_size 8"):
+        check_against_checkpoints(profile, target, draft)
+
+
+def _fake_hub(cache: Path, repo: str, revs: list[str], main: str | None) -> None:
+    repo_dir = cache / ("models--" + repo.replace("/", "--"))
+    for rev in revs:
+        _write_config(repo_dir / "snapshots" / rev, rev=rev)
+    if main:
+        (repo_dir / "refs").mkdir(parents=True)
+        (repo_dir / "refs" / "main").write_text(main + "\n")
+
+
+def test_resolve_model_dir_uses_the_hf_cache_layout(tmp_path: Path):
+    cache = tmp_path / "hub"
+    _fake_hub(cache, "z-lab/Qwen3-8B-DFlash-b16", ["aaa", "bbb"], main="bbb")
+    got = resolve_model_dir("z-lab/Qwen3-8B-DFlash-b16", cache_dir=cache)
+    assert got == cache / "models--z-lab--Qwen3-8B-DFlash-b16/snapshots/bbb"
+    pinned = resolve_model_dir("z-lab/Qwen3-8B-DFlash-b16", revision="aaa", cache_dir=cache)
+    assert json.loads((pinned / "config.json").read_text())["rev"] == "aaa"
+
+
+def test_resolve_model_dir_prefers_paths_and_never_downloads_unasked(tmp_path: Path, monkeypatch):
+    local = _write_config(tmp_path / "Qwen" / "Qwen3-8B")
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model_dir("Qwen/Qwen3-8B", cache_dir=tmp_path / "empty") == Path("Qwen/Qwen3-8B")
+    assert resolve_model_dir(str(local)) == local
+    with pytest.raises(DFlashTrtError, match="is not in the HF cache .* --download"):
+        resolve_model_dir("Qwen/Qwen3-4B", cache_dir=tmp_path / "empty")
+    with pytest.raises(DFlashTrtError, match="does not exist"):
+        resolve_model_dir("./missing/dir/here")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    _fake_hub(tmp_path / "hub", "Qwen/Qwen3-4B", ["only"], main=None)
+    assert resolve_model_dir("Qwen/Qwen3-4B").name == "only"
