@@ -1,0 +1,159 @@
+"""Tensors of a Hugging Face model directory, single-file or sharded, read lazily from safetensors.
+
+Only safetensors are read: pickle weights (`*.bin`, `*.pt`, ...) can run arbitrary code when loaded, so a
+directory that has nothing else is refused. The shard index is cross-checked against the shards themselves
+so a stale or tampered index cannot silently drop, duplicate or misplace a tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import TracebackType
+
+import torch
+
+from dflash_trt.checkpoint.safetensors_io import SafetensorsFile
+from dflash_trt.errors import DFlashTrtError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+class HFCheckpointReader:
+    """All tensors of a HF checkpoint directory, each looked up in the shard that holds it."""
+
+    def __init__(self, model_dir: str | os.PathLike[str]) -> None:
+        self.model_dir = Path(model_dir)
+        if not self.model_dir.is_dir():
+            raise DFlashTrtError(f"{self.model_dir} is not a directory.")
+        self._files: list[SafetensorsFile] = []
+        self._where: dict[str, SafetensorsFile] = {}
+        try:
+            index_path = self.model_dir / INDEX_FILE
+            if index_path.is_file():
+                self._open_sharded(index_path)
+            else:
+                self._open_single(self._single_file())
+        except BaseException:
+            self.close()
+            raise
+
+    def _single_file(self) -> Path:
+        single = self.model_dir / SINGLE_FILE
+        if single.is_file():
+            return single
+        candidates = sorted(path for path in self.model_dir.glob("*.safetensors") if path.is_file())
+        if len(candidates) == 1:
+            return candidates[0]
+        if candidates:
+            raise DFlashTrtError(
+                f"{self.model_dir} holds {len(candidates)} safetensors files but no {INDEX_FILE} saying "
+                "which tensor is in which."
+            )
+        pickles = sorted(path.name for path in self.model_dir.iterdir() if path.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise DFlashTrtError(
+                f"{self.model_dir} has only pickle weights ({', '.join(pickles)}), which are never loaded because "
+                "unpickling can run code; convert them to safetensors first."
+            )
+        raise DFlashTrtError(f"{self.model_dir} has no model weights (no *.safetensors file).")
+
+    def _open_single(self, path: Path) -> None:
+        shard = SafetensorsFile(path)
+        self._files.append(shard)
+        self._where = dict.fromkeys(shard.names(), shard)
+
+    def _open_sharded(self, index_path: Path) -> None:
+        weight_map = _read_weight_map(index_path)
+        shards: dict[str, SafetensorsFile] = {}
+        for shard_name in dict.fromkeys(weight_map.values()):
+            shard_path = self.model_dir / shard_name
+            if not shard_path.is_file():
+                raise DFlashTrtError(f"{index_path} references shard {shard_name!r}, which does not exist.")
+            shards[shard_name] = SafetensorsFile(shard_path)
+            self._files.append(shards[shard_name])
+        for shard_name, shard in shards.items():
+            for name in shard.names():
+                other = self._where.get(name)
+                if other is not None:
+                    raise DFlashTrtError(f"tensor {name!r} is stored twice, in {other.path.name} and in {shard_name}.")
+                if name not in weight_map:
+                    raise DFlashTrtError(f"{shard_name} holds tensor {name!r}, which {INDEX_FILE} does not list.")
+                self._where[name] = shard
+        for name, shard_name in weight_map.items():
+            if name not in shards[shard_name]:
+                raise DFlashTrtError(f"{INDEX_FILE} places tensor {name!r} in {shard_name}, which does not hold it.")
+
+    def names(self) -> list[str]:
+        """Tensor names, shard by shard in file order."""
+        return list(self._where)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def _shard(self, name: str) -> SafetensorsFile:
+        shard = self._where.get(name)
+        if shard is None:
+            raise DFlashTrtError(f"{self.model_dir} has no tensor named {name!r}.")
+        return shard
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._shard(name).dtype(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shard(name).shape(name)
+
+    def nbytes(self, name: str) -> int:
+        return self._shard(name).nbytes(name)
+
+    def nbytes_total(self) -> int:
+        return sum(shard.nbytes_total() for shard in self._files)
+
+    def get(self, name: str, copy: bool = False) -> torch.Tensor:
+        """The tensor `name` as a view of its shard's memory map, or an owned copy with `copy=True`."""
+        return self._shard(name).get(name, copy=copy)
+
+    def close(self) -> None:
+        for shard in self._files:
+            shard.close()
+
+    def __enter__(self) -> HFCheckpointReader:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _read_weight_map(index_path: Path) -> dict[str, str]:
+    """The index's tensor -> shard file map; shard names must be plain file names in the same directory."""
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise DFlashTrtError(f"{index_path} is not a readable JSON file ({exc}).") from exc
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise DFlashTrtError(f"{index_path} has no weight_map object naming the shard of each tensor.")
+    for name, shard_name in weight_map.items():
+        if not isinstance(shard_name, str) or not _is_plain_file_name(shard_name):
+            raise DFlashTrtError(
+                f"{index_path} places tensor {name!r} in {shard_name!r}, which is not a file name in that directory."
+            )
+    return weight_map
+
+
+def _is_plain_file_name(name: str) -> bool:
+    return (
+        name not in ("", ".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\0" not in name
+        and os.path.basename(name) == name
+    )
