@@ -61,9 +61,7 @@ def load_plugin_library(path: str | os.PathLike | None = None) -> ctypes.CDLL:
         return _loaded
     lib_path = Path(path) if path is not None else default_library_path()
     if not lib_path.is_file():
-        raise DFlashTrtError(
-            f"plugin library {lib_path} not found: build plugins/ with CMake or set {LIBRARY_ENV}."
-        )
+        raise DFlashTrtError(f"plugin library {lib_path} not found: build plugins/ with CMake or set {LIBRARY_ENV}.")
     try:
         handle = ctypes.CDLL(str(lib_path), mode=ctypes.RTLD_GLOBAL)
     except OSError as exc:
