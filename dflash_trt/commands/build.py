@@ -1,0 +1,99 @@
+"""`dflash-trt build`: one TensorRT-LLM 1.2.x engine (target + drafter) from a converted checkpoint.
+
+Flags mirror `trtllm-build`. `--dry_run` validates and prints the exact `trtllm-build` command, the BuildConfig
+and the manifest, and needs no GPU; a real run needs TensorRT-LLM 1.2.x and the plugin library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+from dflash_trt.trtllm.build_plan import (
+    GEMM_PLUGIN_CHOICES,
+    KV_CACHE_TYPES,
+    LOGITS_DTYPES,
+    EngineBuildSettings,
+    plan_engine_build,
+)
+
+SWITCH = ("enable", "disable")
+# Flags whose value lands unchanged in EngineBuildSettings; each defaults to None so only what the user typed
+# overrides the base settings.
+SETTING_FLAGS: dict[str, type] = {
+    "max_batch_size": int,
+    "max_input_len": int,
+    "max_seq_len": int,
+    "max_num_tokens": int,
+    "max_beam_width": int,
+    "tokens_per_block": int,
+    "workers": int,
+}
+SWITCH_FLAGS = ("use_paged_context_fmha", "use_fp8_context_fmha", "multiple_profiles")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    defaults = EngineBuildSettings()
+    parser = subparsers.add_parser(
+        "build",
+        help="build one TensorRT-LLM 1.2.x engine (target + DFlash drafter) from a converted checkpoint",
+        description=__doc__,
+    )
+    parser.add_argument("--checkpoint_dir", required=True, help="converted checkpoint (dflash-trt convert)")
+    parser.add_argument("--output_dir", required=True, help="engine directory to create")
+    for name, kind in SETTING_FLAGS.items():
+        parser.add_argument(f"--{name}", type=kind, default=None, help=f"default {getattr(defaults, name)}")
+    for name in SWITCH_FLAGS:
+        parser.add_argument(f"--{name}", choices=SWITCH, default=None,
+                            help=f"default {'enable' if getattr(defaults, name) else 'disable'}")
+    parser.add_argument("--gemm_plugin", choices=GEMM_PLUGIN_CHOICES, default=None,
+                        help=f"default {defaults.gemm_plugin}")
+    parser.add_argument("--kv_cache_type", choices=KV_CACHE_TYPES, default=None, help="default paged")
+    parser.add_argument("--logits_dtype", choices=LOGITS_DTYPES, default=None, help="default float32")
+    parser.add_argument("--plugin_library", default=None,
+                        help="libdflash_trt_plugins.so (default: $DFLASH_TRT_PLUGIN_LIB, else plugins/build)")
+    parser.add_argument("--dry_run", action="store_true",
+                        help="validate and print the trtllm-build command and BuildConfig; build nothing")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output_dir")
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    parser.add_argument("extra_flags", nargs=argparse.REMAINDER,
+                        help="after `--`: further trtllm-build flags, passed through verbatim")
+    parser.set_defaults(func=run)
+
+
+def settings_from_args(args: argparse.Namespace, base: EngineBuildSettings | None = None) -> EngineBuildSettings:
+    """Flags the user typed override `base` (the built-in defaults, or a build profile's settings)."""
+    changes: dict = {name: getattr(args, name) for name in SETTING_FLAGS if getattr(args, name) is not None}
+    changes.update({name: getattr(args, name) == "enable" for name in SWITCH_FLAGS if getattr(args, name)})
+    for name in ("gemm_plugin", "kv_cache_type", "logits_dtype"):
+        if getattr(args, name) is not None:
+            changes[name] = getattr(args, name)
+    extra = [flag for flag in args.extra_flags if flag != "--"]
+    if extra:
+        changes["extra_flags"] = tuple(extra)
+    return dataclasses.replace(base or EngineBuildSettings(), **changes)
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    plan = plan_engine_build(args.checkpoint_dir, args.output_dir, settings, plugin_library=args.plugin_library)
+    if args.dry_run:
+        if args.json:
+            print(json.dumps(plan.to_dict(), indent=2))
+        else:
+            print("# trtllm-build command")
+            print(plan.shell_command())
+            print("# BuildConfig (as trtllm-build passes it to BuildConfig.from_dict)")
+            print(json.dumps(plan.build_config, indent=2))
+            print("# dflash_trt.json")
+            print(json.dumps(plan.dflash_manifest, indent=2))
+        return 0
+    from dflash_trt.trtllm.build import run_engine_build
+
+    engine_dir = run_engine_build(plan, overwrite=args.overwrite)
+    if args.json:
+        print(json.dumps({"engine_dir": str(engine_dir), **plan.to_dict()}, indent=2))
+    else:
+        print(f"engine written to {engine_dir}")
+    return 0

@@ -1,0 +1,387 @@
+"""Plan a DFlash engine build without TensorRT-LLM: validate, then spell the exact `trtllm-build` call.
+
+Everything that can be decided on a CPU machine lives here, so `dflash-trt build --dry_run`, build profiles and the
+tests see the same rules the GPU build applies. The limits below are TensorRT-LLM 1.2.x facts (docs/engine.md cites
+the source of each); the engine speaks the runtime's EAGLE contract with one chain of `block_size - 1` drafts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash_trt import __version__
+from dflash_trt.checkpoint.trtllm_config import ARCHITECTURE, specs_from_config
+from dflash_trt.errors import DFlashTrtError
+from dflash_trt.spec import SLIDING_ATTENTION, TARGET_ARCHITECTURES
+from dflash_trt.trtllm.plugin import LIBRARY_ENV, PLUGIN_NAMESPACE, default_library_path
+
+TRTLLM_BUILD = "trtllm-build"
+MODEL_CLASS_NAME = ARCHITECTURE
+BASE_ARCHITECTURES = TARGET_ARCHITECTURES
+SPECULATIVE_DECODING_MODE = "eagle"
+# tensorrt_llm.models.modeling_utils.SpeculativeDecodingMode is an IntFlag of auto() members; EAGLE is the sixth.
+EAGLE_MODE_VALUE = 1 << 5
+MANIFEST_NAME = "dflash_trt.json"
+MANIFEST_FORMAT = 1
+PLUGIN_LIBRARY_ENV = LIBRARY_ENV
+REQUIRED_TRTLLM = "1.2"
+# builder.build() asserts both for SpeculativeDecodingMode.EAGLE.
+MAX_EAGLE_BATCH_SIZE = 512
+MAX_EAGLE_DRAFT_LEN = 256
+# The engine verifies greedily (EagleSampleAndAcceptDraftTokens, greedy flag): temperature > 0 must be refused.
+SAMPLING_POLICY = "greedy"
+GEMM_PLUGIN_CHOICES = ("auto", "float16", "bfloat16", "float32", "fp8", "nvfp4", "disable")
+KV_CACHE_TYPES = ("paged",)
+LOGITS_DTYPES = ("float32", "float16")
+
+
+@dataclass(frozen=True)
+class EngineBuildSettings:
+    """The `trtllm-build` knobs a DFlash engine exposes; defaults suit one H200/B300 serving a few dozen users."""
+
+    max_batch_size: int = 64
+    max_input_len: int = 4096
+    max_seq_len: int = 8192
+    max_num_tokens: int = 8192
+    max_beam_width: int = 1
+    gemm_plugin: str = "auto"
+    use_paged_context_fmha: bool = True
+    use_fp8_context_fmha: bool = False
+    multiple_profiles: bool = False
+    kv_cache_type: str = "paged"
+    tokens_per_block: int = 32
+    logits_dtype: str = "float32"
+    workers: int = 1
+    extra_flags: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class CheckpointFacts:
+    """What the build needs from a converted checkpoint's config.json, already validated."""
+
+    base_architecture: str
+    dtype: str
+    num_target_layers: int
+    target_kv_heads: int
+    target_head_size: int
+    num_draft_layers: int
+    draft_kv_heads: int
+    draft_head_size: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    layer_types: tuple[str, ...]
+    causal: tuple[bool, ...]
+    sliding_window: int | None
+    tp_size: int
+    pp_size: int
+    quant_algo: str | None
+    kv_cache_quant_algo: str | None
+
+    @property
+    def max_draft_len(self) -> int:
+        return self.block_size - 1
+
+
+@dataclass(frozen=True)
+class EngineBuildPlan:
+    """The exact build: argv for `trtllm-build`, the BuildConfig dict it implies, and the manifest to write."""
+
+    checkpoint_dir: str
+    output_dir: str
+    command: list[str]
+    build_config: dict[str, Any]
+    plugin_library: str
+    dflash_manifest: dict[str, Any]
+    settings: EngineBuildSettings = field(repr=False)
+
+    def shell_command(self) -> str:
+        return shlex.join(self.command)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "checkpoint_dir": self.checkpoint_dir,
+            "output_dir": self.output_dir,
+            "command": list(self.command),
+            "build_config": self.build_config,
+            "plugin_library": self.plugin_library,
+            "dflash_manifest": self.dflash_manifest,
+        }
+
+
+def chain_eagle_choices(max_draft_len: int) -> list[list[int]]:
+    """EAGLE choices of one chain: [[0], [0, 0], ...], depth `max_draft_len` (the runtime checks depth == layers)."""
+    return [[0] * depth for depth in range(1, max_draft_len + 1)]
+
+
+def chain_draft_paths(max_draft_len: int) -> list[list[int]]:
+    """The `draft_paths` rows a chain produces: row 0 visits every node, the other K rows are unused (-1)."""
+    width = max_draft_len + 1
+    return [list(range(width))] + [[-1] * width for _ in range(max_draft_len)]
+
+
+def block_mask(block_size: int, causal: bool) -> list[list[bool]]:
+    """Which block tokens each block query sees: all (DFlash full attention) or itself and earlier (causal)."""
+    return [[(not causal) or key <= query for key in range(block_size)] for query in range(block_size)]
+
+
+def pack_mask_rows(mask: list[list[bool]]) -> list[list[int]]:
+    """Pack each row into int32 words, bit j of word w = key 32*w + j (the spec-decoding packed-mask layout)."""
+    words = math.ceil(len(mask[0]) / 32)
+    packed = []
+    for row in mask:
+        row_words = []
+        for w in range(words):
+            value = 0
+            for bit in range(32):
+                key = 32 * w + bit
+                if key < len(row) and row[key]:
+                    value |= 1 << bit
+            row_words.append(value - (1 << 32) if value >= 1 << 31 else value)
+        packed.append(row_words)
+    return packed
+
+
+def block_packed_mask(block_size: int, causal: bool) -> list[list[int]]:
+    return pack_mask_rows(block_mask(block_size, causal))
+
+
+def read_checkpoint_facts(checkpoint_dir: str | Path) -> CheckpointFacts:
+    """Read the converted checkpoint's config.json back into specs (the converter's contract) and keep the facts."""
+    path = Path(checkpoint_dir) / "config.json"
+    if not path.is_file():
+        raise DFlashTrtError(
+            f"checkpoint directory {checkpoint_dir} has no config.json; run `dflash-trt convert` first"
+        )
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DFlashTrtError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise DFlashTrtError(f"{path} must hold a JSON object")
+    target, draft = specs_from_config(config)
+    if target.architecture not in BASE_ARCHITECTURES:
+        raise DFlashTrtError(
+            f"{path}: base architecture {target.architecture!r} is not one of {', '.join(BASE_ARCHITECTURES)}"
+        )
+    if config.get("max_draft_len") != draft.block_size - 1:
+        raise DFlashTrtError(f"{path}: max_draft_len must equal block_size - 1 = {draft.block_size - 1}")
+    mapping = config.get("mapping") or {}
+    quant = config.get("quantization") or {}
+    return CheckpointFacts(
+        base_architecture=target.architecture,
+        dtype=str(config.get("dtype")),
+        num_target_layers=target.num_hidden_layers,
+        target_kv_heads=target.num_key_value_heads,
+        target_head_size=target.head_dim,
+        num_draft_layers=draft.num_hidden_layers,
+        draft_kv_heads=draft.num_key_value_heads,
+        draft_head_size=draft.head_dim,
+        block_size=draft.block_size,
+        mask_token_id=draft.mask_token_id,
+        target_layer_ids=tuple(draft.target_layer_ids),
+        layer_types=tuple(draft.layer_types),
+        causal=tuple(draft.causal),
+        sliding_window=draft.sliding_window,
+        tp_size=int(mapping.get("tp_size", 1)),
+        pp_size=int(mapping.get("pp_size", 1)),
+        quant_algo=quant.get("quant_algo"),
+        kv_cache_quant_algo=quant.get("kv_cache_quant_algo"),
+    )
+
+
+def check_kv_geometry(facts: CheckpointFacts) -> None:
+    """Refuse drafters whose K/V pages cannot share the target's paged pool.
+
+    The engine config carries one `head_size` for every layer of the pool, and the runtime's EAGLE KV rewind walks
+    all layers with one per-layer stride, so draft layers must match the target's kv heads and head size.
+    """
+    if facts.draft_head_size != facts.target_head_size or facts.draft_kv_heads != facts.target_kv_heads:
+        raise DFlashTrtError(
+            f"the drafter's KV geometry ({facts.draft_kv_heads} kv heads x {facts.draft_head_size}) differs from the "
+            f"target's ({facts.target_kv_heads} x {facts.target_head_size}); the TensorRT-LLM 1.2.x shared KV pool "
+            "cannot hold it, so this pair can be converted and verified but not built into an engine"
+        )
+
+
+def check_sliding_window(facts: CheckpointFacts, settings: EngineBuildSettings) -> None:
+    """Sliding draft layers are built as causal full attention, exact only while no sequence outgrows the window.
+
+    Spec-decoding attention in TensorRT-LLM 1.2.x runs in tree mode, which has no sliding window; with
+    `max_seq_len + block_size <= sliding_window` the window never drops a key, so the result is identical.
+    """
+    if SLIDING_ATTENTION not in facts.layer_types:
+        return
+    longest = settings.max_seq_len + facts.block_size
+    if longest > facts.sliding_window:
+        raise DFlashTrtError(
+            f"the drafter has sliding-window layers (window {facts.sliding_window}) and the engine would attend over "
+            f"up to {longest} positions; TensorRT-LLM 1.2.x spec-decoding attention has no sliding window, so build "
+            f"with --max_seq_len <= {facts.sliding_window - facts.block_size}"
+        )
+
+
+def check_settings(facts: CheckpointFacts, settings: EngineBuildSettings) -> None:
+    """Every rule `trtllm-build` or the EAGLE runtime would enforce later (or silently override), as one message."""
+    k = facts.max_draft_len
+    if settings.max_beam_width != 1:
+        raise DFlashTrtError("speculative decoding engines support only --max_beam_width 1")
+    if settings.kv_cache_type not in KV_CACHE_TYPES:
+        raise DFlashTrtError(f"--kv_cache_type must be paged (EAGLE-mode engines need the paged KV cache), got "
+                             f"{settings.kv_cache_type!r}")
+    if not settings.use_paged_context_fmha:
+        raise DFlashTrtError("EAGLE-mode engines need --use_paged_context_fmha enable")
+    if settings.gemm_plugin not in GEMM_PLUGIN_CHOICES:
+        raise DFlashTrtError(f"--gemm_plugin must be one of {', '.join(GEMM_PLUGIN_CHOICES)}")
+    if settings.logits_dtype not in LOGITS_DTYPES:
+        raise DFlashTrtError("--logits_dtype must be float32 or float16 (the EAGLE accept plugin reads only these)")
+    if not 1 <= settings.max_batch_size <= MAX_EAGLE_BATCH_SIZE:
+        raise DFlashTrtError(f"--max_batch_size must lie in [1, {MAX_EAGLE_BATCH_SIZE}] for EAGLE-mode engines")
+    if k > MAX_EAGLE_DRAFT_LEN:
+        raise DFlashTrtError(f"block_size {facts.block_size} exceeds the EAGLE limit of {MAX_EAGLE_DRAFT_LEN} drafts")
+    if settings.max_input_len < 1 or settings.max_input_len > settings.max_seq_len:
+        raise DFlashTrtError("--max_input_len must be at least 1 and at most --max_seq_len")
+    if settings.max_num_tokens < settings.max_batch_size * facts.block_size:
+        raise DFlashTrtError(
+            f"--max_num_tokens ({settings.max_num_tokens}) must be at least max_batch_size x block_size = "
+            f"{settings.max_batch_size} x {facts.block_size} = {settings.max_batch_size * facts.block_size}: every "
+            "generation step feeds block_size tokens per request"
+        )
+    if settings.tokens_per_block not in (8, 16, 32, 64, 128):
+        raise DFlashTrtError("--tokens_per_block must be 8, 16, 32, 64 or 128")
+    if settings.workers != 1:
+        raise DFlashTrtError(
+            "--workers must be 1: trtllm-build loads the DFlash class from a file, which its worker processes "
+            "cannot unpickle"
+        )
+    if facts.pp_size != 1:
+        raise DFlashTrtError("pipeline parallelism is not supported: the drafter needs target taps from every layer")
+    if settings.use_fp8_context_fmha and facts.quant_algo not in ("FP8", "NVFP4"):
+        raise DFlashTrtError("--use_fp8_context_fmha needs an FP8 or NVFP4 checkpoint")
+
+
+def _switch(flag: bool) -> str:
+    return "enable" if flag else "disable"
+
+
+def model_class_file() -> Path:
+    """The file `trtllm-build --model_cls_file` loads; it registers DFlashForCausalLM in MODEL_MAP on import."""
+    return Path(__file__).with_name("model.py")
+
+
+def build_command(checkpoint_dir: str, output_dir: str, facts: CheckpointFacts,
+                  settings: EngineBuildSettings) -> list[str]:
+    return [
+        TRTLLM_BUILD,
+        "--checkpoint_dir", checkpoint_dir,
+        "--output_dir", output_dir,
+        "--model_cls_file", str(model_class_file()),
+        "--model_cls_name", MODEL_CLASS_NAME,
+        "--speculative_decoding_mode", SPECULATIVE_DECODING_MODE,
+        "--max_draft_len", str(facts.max_draft_len),
+        "--max_batch_size", str(settings.max_batch_size),
+        "--max_input_len", str(settings.max_input_len),
+        "--max_seq_len", str(settings.max_seq_len),
+        "--max_num_tokens", str(settings.max_num_tokens),
+        "--max_beam_width", str(settings.max_beam_width),
+        "--kv_cache_type", settings.kv_cache_type,
+        "--gemm_plugin", settings.gemm_plugin,
+        "--use_paged_context_fmha", _switch(settings.use_paged_context_fmha),
+        "--use_fp8_context_fmha", _switch(settings.use_fp8_context_fmha),
+        "--multiple_profiles", _switch(settings.multiple_profiles),
+        "--tokens_per_block", str(settings.tokens_per_block),
+        "--logits_dtype", settings.logits_dtype,
+        "--workers", str(settings.workers),
+        *settings.extra_flags,
+    ]
+
+
+def build_config_dict(facts: CheckpointFacts, settings: EngineBuildSettings) -> dict[str, Any]:
+    """The dict `trtllm-build` hands to `BuildConfig.from_dict` for this command line (before build() adjusts it)."""
+    return {
+        "max_input_len": settings.max_input_len,
+        "max_seq_len": settings.max_seq_len,
+        "max_batch_size": settings.max_batch_size,
+        "max_beam_width": settings.max_beam_width,
+        "max_num_tokens": settings.max_num_tokens,
+        "kv_cache_type": settings.kv_cache_type.upper(),
+        "strongly_typed": True,
+        "gather_context_logits": False,
+        "max_draft_len": facts.max_draft_len,
+        "speculative_decoding_mode": EAGLE_MODE_VALUE,
+        "plugin_config": {
+            "gemm_plugin": None if settings.gemm_plugin == "disable" else settings.gemm_plugin,
+            "use_paged_context_fmha": settings.use_paged_context_fmha,
+            "use_fp8_context_fmha": settings.use_fp8_context_fmha,
+            "multiple_profiles": settings.multiple_profiles,
+            "tokens_per_block": settings.tokens_per_block,
+            "paged_kv_cache": True,
+            "remove_input_padding": True,
+            "context_fmha": True,
+        },
+    }
+
+
+def engine_max_seq_len(facts: CheckpointFacts, settings: EngineBuildSettings) -> int:
+    """builder.build() adds max_draft_len (any speculative mode) and num_eagle_layers (EAGLE) to max_seq_len."""
+    return settings.max_seq_len + 2 * facts.max_draft_len
+
+
+def manifest(facts: CheckpointFacts, settings: EngineBuildSettings, plugin_library: str) -> dict[str, Any]:
+    """`dflash_trt.json`: what runners and the Triton repository generator need beyond TensorRT-LLM's config.json."""
+    k = facts.max_draft_len
+    return {
+        "format": MANIFEST_FORMAT,
+        "dflash_trt_version": __version__,
+        "tensorrt_llm_version": REQUIRED_TRTLLM,
+        "base_architecture": facts.base_architecture,
+        "speculative_decoding_mode": SPECULATIVE_DECODING_MODE,
+        "block_size": facts.block_size,
+        "max_draft_len": k,
+        "eagle_choices": chain_eagle_choices(k),
+        "mask_token_id": facts.mask_token_id,
+        "target_layer_ids": list(facts.target_layer_ids),
+        "num_target_layers": facts.num_target_layers,
+        "num_draft_layers": facts.num_draft_layers,
+        "draft_kv_layer_offset": facts.num_target_layers,
+        "sampling": SAMPLING_POLICY,
+        "max_temperature": 0.0,
+        "plugin_library": plugin_library,
+        "plugin_namespace": PLUGIN_NAMESPACE,
+        "max_batch_size": settings.max_batch_size,
+        "max_seq_len": engine_max_seq_len(facts, settings),
+        "tp_size": facts.tp_size,
+        "quant_algo": facts.quant_algo,
+        "kv_cache_quant_algo": facts.kv_cache_quant_algo,
+    }
+
+
+def plan_engine_build(checkpoint_dir: str | Path, output_dir: str | Path, settings: EngineBuildSettings,
+                      plugin_library: str | Path | None = None) -> EngineBuildPlan:
+    """Validate a converted checkpoint against the build settings and return the exact build to run."""
+    facts = read_checkpoint_facts(checkpoint_dir)
+    check_kv_geometry(facts)
+    check_sliding_window(facts, settings)
+    check_settings(facts, settings)
+    library = str(plugin_library) if plugin_library is not None else str(default_library_path())
+    checkpoint, output = str(checkpoint_dir), str(output_dir)
+    return EngineBuildPlan(
+        checkpoint_dir=checkpoint,
+        output_dir=output,
+        command=build_command(checkpoint, output, facts, settings),
+        build_config=build_config_dict(facts, settings),
+        plugin_library=library,
+        dflash_manifest=manifest(facts, settings, library),
+        settings=settings,
+    )
+
+
+def settings_dict(settings: EngineBuildSettings) -> dict[str, Any]:
+    data = asdict(settings)
+    data["extra_flags"] = list(settings.extra_flags)
+    return data

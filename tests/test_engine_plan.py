@@ -1,0 +1,271 @@
+"""Engine build planning: the trtllm-build command, BuildConfig, chain constants and every refusal, on CPU.
+
+Expected values are hand-derived from the TensorRT-LLM 1.2.x sources cited in docs/engine.md (builder.build(),
+commands/build.py, PluginConfig, EagleForCausalLM.prepare_inputs), not from the code under test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import shlex
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash_trt.checkpoint.trtllm_config import checkpoint_config
+from dflash_trt.commands import build as build_command
+from dflash_trt.errors import DFlashTrtError
+from dflash_trt.spec import parse_draft_config, parse_target_config
+from dflash_trt.trtllm import build_plan
+from dflash_trt.trtllm.build import run_engine_build
+from dflash_trt.trtllm.build_plan import (
+    EngineBuildSettings,
+    block_packed_mask,
+    chain_draft_paths,
+    chain_eagle_choices,
+    plan_engine_build,
+)
+
+TARGET_HF = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "vocab_size": 1000,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 4096,
+}
+DRAFT_HF = {
+    "architectures": ["DFlashDraftModel"],
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "rope_theta": 1000000.0,
+    "block_size": 16,
+    "dflash_config": {"mask_token_id": 999, "target_layer_ids": [1, 4]},
+}
+
+
+def write_checkpoint(root: Path, target_hf: dict = TARGET_HF, draft_hf: dict = DRAFT_HF, **overrides) -> Path:
+    target = parse_target_config(target_hf)
+    draft = parse_draft_config(draft_hf, target)
+    config = checkpoint_config(target, draft, "bfloat16")
+    config.update(overrides)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(config))
+    return root
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    return write_checkpoint(tmp_path / "ckpt")
+
+
+def flag_values(command: list[str]) -> dict[str, str]:
+    return {command[i]: command[i + 1] for i in range(1, len(command) - 1) if command[i].startswith("--")}
+
+
+def test_command_is_the_exact_trtllm_build_call(ckpt: Path, tmp_path: Path):
+    plan = plan_engine_build(ckpt, tmp_path / "engine", EngineBuildSettings(), plugin_library="/opt/lib.so")
+    assert plan.command[0] == "trtllm-build"
+    flags = flag_values(plan.command)
+    assert flags["--checkpoint_dir"] == str(ckpt)
+    assert flags["--output_dir"] == str(tmp_path / "engine")
+    assert flags["--model_cls_name"] == "DFlashForCausalLM"
+    assert Path(flags["--model_cls_file"]) == Path(build_plan.__file__).with_name("model.py")
+    assert flags["--speculative_decoding_mode"] == "eagle"
+    assert flags["--max_draft_len"] == "15"  # block_size 16 - 1
+    assert flags["--kv_cache_type"] == "paged"
+    assert flags["--use_paged_context_fmha"] == "enable"
+    assert flags["--max_beam_width"] == "1"
+    assert flags["--workers"] == "1"
+    assert flags["--logits_dtype"] == "float32"
+    assert shlex.split(plan.shell_command()) == plan.command
+    assert plan.plugin_library == "/opt/lib.so"
+
+
+def test_build_config_matches_what_trtllm_build_passes(ckpt: Path, tmp_path: Path):
+    settings = EngineBuildSettings(max_batch_size=8, max_seq_len=2048, max_input_len=1024, max_num_tokens=4096)
+    config = plan_engine_build(ckpt, tmp_path / "e", settings).build_config
+    assert config["max_draft_len"] == 15
+    assert config["speculative_decoding_mode"] == 32  # SpeculativeDecodingMode.EAGLE: sixth IntFlag auto() member
+    assert config["max_batch_size"] == 8 and config["max_seq_len"] == 2048 and config["max_num_tokens"] == 4096
+    assert config["kv_cache_type"] == "PAGED"
+    assert config["plugin_config"]["paged_kv_cache"] is True
+    assert config["plugin_config"]["use_paged_context_fmha"] is True
+    assert config["plugin_config"]["tokens_per_block"] == 32
+    assert config["gather_context_logits"] is False
+
+
+def test_manifest_records_what_runners_need(ckpt: Path, tmp_path: Path):
+    settings = EngineBuildSettings(max_seq_len=2048, max_input_len=1024)
+    manifest = plan_engine_build(ckpt, tmp_path / "e", settings, plugin_library="/x.so").dflash_manifest
+    assert manifest["block_size"] == 16 and manifest["max_draft_len"] == 15
+    assert manifest["target_layer_ids"] == [1, 4] and manifest["mask_token_id"] == 999
+    assert manifest["draft_kv_layer_offset"] == 6
+    assert manifest["eagle_choices"] == [[0] * d for d in range(1, 16)]
+    assert manifest["sampling"] == "greedy" and manifest["max_temperature"] == 0.0
+    # builder.build(): max_seq_len += max_draft_len (15), then += num_eagle_layers (15 for one chain)
+    assert manifest["max_seq_len"] == 2048 + 15 + 15
+    assert manifest["plugin_library"] == "/x.so" and manifest["plugin_namespace"] == "dflash_trt"
+
+
+def test_chain_choices_and_paths():
+    assert chain_eagle_choices(3) == [[0], [0, 0], [0, 0, 0]]
+    assert chain_draft_paths(3) == [[0, 1, 2, 3], [-1] * 4, [-1] * 4, [-1] * 4]
+    k = 15
+    paths = np.array(chain_draft_paths(k))
+    assert paths.shape == (k + 1, k + 1)  # [max_draft_len + 1, num_eagle_layers + 1] as prepare_inputs declares
+
+
+def unpack(words: list[list[int]], width: int) -> np.ndarray:
+    bits = np.array(words, dtype=np.int64) & 0xFFFFFFFF
+    out = np.zeros((len(words), width), dtype=bool)
+    for q in range(len(words)):
+        for key in range(width):
+            out[q, key] = (bits[q, key // 32] >> (key % 32)) & 1
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(min_value=2, max_value=80), st.booleans())
+def test_packed_mask_round_trips(block_size: int, causal: bool):
+    packed = block_packed_mask(block_size, causal)
+    assert len(packed) == block_size and all(len(row) == -(-block_size // 32) for row in packed)
+    assert all(-(2**31) <= w < 2**31 for row in packed for w in row)  # fits the int32 engine input
+    expected = np.tril(np.ones((block_size, block_size), bool)) if causal else np.ones((block_size, block_size), bool)
+    np.testing.assert_array_equal(unpack(packed, block_size), expected)
+
+
+def test_packed_mask_known_words():
+    assert block_packed_mask(16, causal=False) == [[0xFFFF]] * 16
+    assert block_packed_mask(32, causal=False)[0] == [-1]
+    assert block_packed_mask(4, causal=True) == [[0b1], [0b11], [0b111], [0b1111]]
+
+
+def test_refuses_draft_kv_geometry_unlike_the_target(tmp_path: Path):
+    draft = {**DRAFT_HF, "num_key_value_heads": 4}
+    ckpt = write_checkpoint(tmp_path / "c", draft_hf=draft)
+    with pytest.raises(DFlashTrtError, match="KV geometry"):
+        plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings())
+    draft = {**DRAFT_HF, "head_dim": 128}
+    ckpt = write_checkpoint(tmp_path / "d", draft_hf=draft)
+    with pytest.raises(DFlashTrtError, match=r"2 kv heads x 128\) differs from the target's \(2 x 64\)"):
+        plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings())
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"max_num_tokens": 100, "max_batch_size": 8}, r"max_batch_size x block_size = 8 x 16 = 128"),
+        ({"max_beam_width": 2}, "max_beam_width 1"),
+        ({"max_batch_size": 513, "max_num_tokens": 513 * 16}, r"\[1, 512\]"),
+        ({"workers": 2}, "--workers must be 1"),
+        ({"use_paged_context_fmha": False}, "use_paged_context_fmha"),
+        ({"kv_cache_type": "continuous"}, "paged"),
+        ({"logits_dtype": "bfloat16"}, "float32 or float16"),
+        ({"gemm_plugin": "int4"}, "--gemm_plugin"),
+        ({"max_input_len": 9000}, "max_input_len"),
+        ({"tokens_per_block": 24}, "tokens_per_block"),
+        ({"use_fp8_context_fmha": True}, "FP8 or NVFP4"),
+    ],
+)
+def test_refuses_settings_the_runtime_would_reject(ckpt: Path, tmp_path: Path, change: dict, message: str):
+    with pytest.raises(DFlashTrtError, match=message):
+        plan_engine_build(ckpt, tmp_path / "e", replace(EngineBuildSettings(), **change))
+
+
+def test_max_num_tokens_boundary(ckpt: Path, tmp_path: Path):
+    ok = EngineBuildSettings(max_batch_size=8, max_num_tokens=128)
+    assert plan_engine_build(ckpt, tmp_path / "e", ok).build_config["max_num_tokens"] == 128
+
+
+def test_sliding_window_drafter_only_within_its_window(tmp_path: Path):
+    draft = {**DRAFT_HF, "use_sliding_window": True, "sliding_window": 4096,
+             "layer_types": ["full_attention", "sliding_attention"]}
+    ckpt = write_checkpoint(tmp_path / "c", draft_hf=draft)
+    fits = EngineBuildSettings(max_seq_len=4096 - 16, max_input_len=1024)
+    assert plan_engine_build(ckpt, tmp_path / "e", fits).command
+    with pytest.raises(DFlashTrtError, match=r"--max_seq_len <= 4080"):
+        plan_engine_build(ckpt, tmp_path / "e", replace(fits, max_seq_len=4081))
+
+
+def test_refuses_pipeline_parallel_and_foreign_checkpoints(tmp_path: Path):
+    ckpt = write_checkpoint(tmp_path / "pp", mapping={"world_size": 2, "tp_size": 1, "pp_size": 2})
+    with pytest.raises(DFlashTrtError, match="pipeline parallelism"):
+        plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings())
+    foreign = write_checkpoint(tmp_path / "llama", architecture="LlamaForCausalLM")
+    with pytest.raises(DFlashTrtError, match="not a dflash-trt checkpoint"):
+        plan_engine_build(foreign, tmp_path / "e", EngineBuildSettings())
+    with pytest.raises(DFlashTrtError, match="no config.json"):
+        plan_engine_build(tmp_path / "missing", tmp_path / "e", EngineBuildSettings())
+    bad_k = write_checkpoint(tmp_path / "k", max_draft_len=7)
+    with pytest.raises(DFlashTrtError, match="max_draft_len must equal block_size - 1 = 15"):
+        plan_engine_build(bad_k, tmp_path / "e", EngineBuildSettings())
+
+
+def cli(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    build_command.register(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["build", *argv])
+
+
+def test_dry_run_prints_command_config_and_manifest(ckpt: Path, tmp_path: Path, capsys):
+    args = cli(["--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e"), "--max_batch_size", "4",
+                "--multiple_profiles", "enable", "--dry_run", "--", "--strip_plan"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    command_line = out.splitlines()[1]
+    command = shlex.split(command_line)
+    assert command[-1] == "--strip_plan"
+    assert flag_values(command)["--max_batch_size"] == "4"
+    assert flag_values(command)["--multiple_profiles"] == "enable"
+    assert '"speculative_decoding_mode": 32' in out and '"eagle_choices"' in out
+    assert not (tmp_path / "e").exists()
+
+
+def test_dry_run_json(ckpt: Path, tmp_path: Path, capsys):
+    args = cli(["--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e"), "--dry_run", "--json"])
+    args.func(args)
+    data = json.loads(capsys.readouterr().out)
+    assert data["build_config"]["max_draft_len"] == 15
+    assert data["command"][0] == "trtllm-build"
+
+
+def test_typed_flags_override_a_base_profile(ckpt: Path, tmp_path: Path):
+    args = cli(["--checkpoint_dir", str(ckpt), "--output_dir", "e", "--max_seq_len", "1024"])
+    base = EngineBuildSettings(max_batch_size=16, max_input_len=512, gemm_plugin="fp8")
+    merged = build_command.settings_from_args(args, base)
+    assert (merged.max_batch_size, merged.max_seq_len, merged.gemm_plugin) == (16, 1024, "fp8")
+
+
+def test_real_build_needs_tensorrt_llm(ckpt: Path, tmp_path: Path):
+    if importlib.util.find_spec("tensorrt_llm") is not None:
+        pytest.skip("tensorrt_llm is installed: the GPU self-test covers the real build")
+    plan = plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings())
+    with pytest.raises(DFlashTrtError, match=r"tensorrt_llm 1\.2\.x is not installed"):
+        run_engine_build(plan)
+    assert not (tmp_path / "e").exists()
+
+
+def test_real_build_never_overwrites_silently(ckpt: Path, tmp_path: Path):
+    out = tmp_path / "e"
+    out.mkdir()
+    (out / "rank0.engine").write_bytes(b"x")
+    plan = plan_engine_build(ckpt, out, EngineBuildSettings())
+    with pytest.raises(DFlashTrtError, match="--overwrite"):
+        run_engine_build(plan)
+    assert (out / "rank0.engine").read_bytes() == b"x"
