@@ -1,0 +1,74 @@
+"""`dflash-trt sweep`: run a trtllm-bench concurrency sweep (GPU host), then write frontiers and speedups."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from dflash_trt.perf.report import analyze_records
+from dflash_trt.perf.sweep import (
+    USER_SPEED_METRICS,
+    bench_command,
+    load_records,
+    load_sweep_config,
+    point_dir,
+    run_sweep,
+    write_json_atomic,
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "sweep",
+        help="concurrency sweep with trtllm-bench, Pareto frontiers and speedup tables",
+        description="Run trtllm-bench throughput for every engine x concurrency in --config (points that already "
+        "have a successful record are skipped), then write report.html, pareto.png and summary.json.",
+    )
+    p.add_argument("--config", required=True, help="sweep YAML: model, dataset, concurrency list, engines")
+    p.add_argument("--dry_run", action="store_true", help="print the trtllm-bench commands and exit")
+    p.add_argument("--analyze_only", action="store_true", help="skip running; analyze the recorded points")
+    p.add_argument(
+        "--user_metric",
+        choices=sorted(USER_SPEED_METRICS),
+        default="tpot",
+        help="x axis: 'tpot' = 1000/mean TPOT (default), 'share' = output tok/s / concurrency",
+    )
+    p.add_argument("--levels", help="comma-separated tok/s/user values for the speedup table (default: AR's)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_sweep_config(args.config)
+    if args.dry_run:
+        for engine in cfg.engines:
+            for c in cfg.concurrency:
+                print(shlex.join(bench_command(cfg, engine, c, point_dir(cfg, engine, c) / "report.json")))
+        return 0
+    if args.analyze_only:
+        records = load_records(cfg.output_dir)
+    else:
+        def progress(record: dict) -> None:
+            status = record["status"] if record["status"] == "ok" else f"FAILED: {record.get('error')}"
+            print(f"{record['engine']} c={record['concurrency']}: {status}", file=sys.stderr)
+
+        records = run_sweep(cfg, progress=progress)
+    levels = [float(v) for v in args.levels.split(",")] if args.levels else None
+    summary = analyze_records(records, args.user_metric, levels, cfg.output_dir)
+    write_json_atomic(Path(cfg.output_dir) / "summary.json", summary)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(f"x axis: {summary['x_axis']}")
+        for row in summary["speedup_vs_ar"]:
+            cells = ", ".join(
+                f"{name} {'-' if s is None else f'{s:.2f}x'}" for name, s in sorted(row["speedup"].items())
+            )
+            print(f"{row['tok_s_user']:.1f} tok/s/user: {cells}")
+        for name, c in sorted(summary["crossover_concurrency_vs_ar"].items()):
+            print(f"{name}: crossover {'none in range' if c is None else f'{c:.1f}'}")
+        print(f"report: {Path(cfg.output_dir) / 'report.html'}")
+    return 0

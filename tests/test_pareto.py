@@ -1,0 +1,118 @@
+"""Frontier, interpolation, speedup and crossover on hand-checkable data; HTML report rendering."""
+
+from __future__ import annotations
+
+import math
+from itertools import pairwise
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash_trt.errors import DFlashTrtError
+from dflash_trt.perf.pareto import (
+    Point,
+    crossover_concurrency,
+    pareto_frontier,
+    speedup_at,
+    speedup_table,
+    throughput_at,
+)
+from dflash_trt.perf.report import render_html
+
+
+def P(x, y, c=1, engine="e"):
+    return Point(engine, c, float(x), float(y))
+
+
+def test_frontier_drops_dominated_points_and_orders_by_interactivity():
+    pts = [P(10, 100), P(20, 90), P(15, 80), P(30, 50), P(30, 40), P(5, 100)]
+    front = pareto_frontier(pts)
+    assert [(p.tok_s_user, p.tok_s_gpu) for p in front] == [(10, 100), (20, 90), (30, 50)]
+
+
+def test_throughput_interpolates_along_frontier_and_never_extrapolates():
+    front = pareto_frontier([P(10, 100), P(20, 90), P(30, 50)])
+    assert throughput_at(front, 25) == pytest.approx(70.0)
+    assert throughput_at(front, 10) == pytest.approx(100.0)
+    assert throughput_at(front, 30) == pytest.approx(50.0)
+    assert throughput_at(front, 35) is None
+    assert throughput_at(front, 9) == pytest.approx(100.0)  # the slowest frontier point already serves 9
+    assert throughput_at([], 10) is None
+
+
+def test_speedup_at_equal_interactivity():
+    spec = pareto_frontier([P(100, 1000), P(400, 200)])
+    base = pareto_frontier([P(50, 500), P(200, 50)])
+    # At 150 tok/s/user: spec 1000 - (50/300)*800 = 866.67; base 500 - (100/150)*450 = 200.
+    assert speedup_at(spec, base, 150) == pytest.approx(866.6667 / 200.0, rel=1e-5)
+    assert speedup_at(spec, base, 300) is None  # the baseline cannot reach 300 tok/s/user
+
+
+def test_speedup_table_against_baseline():
+    pts = [
+        Point("ar", 1, 100.0, 100.0), Point("ar", 8, 50.0, 400.0),
+        Point("dflash", 1, 300.0, 300.0), Point("dflash", 8, 150.0, 1200.0),
+    ]  # fmt: skip
+    (row,) = speedup_table(pts, "ar", [100.0])
+    assert row.throughput["ar"] == pytest.approx(100.0)
+    assert row.throughput["dflash"] == pytest.approx(1200.0)
+    assert row.speedup == {"ar": pytest.approx(1.0), "dflash": pytest.approx(12.0)}
+    with pytest.raises(DFlashTrtError, match="baseline"):
+        speedup_table(pts, "eagle3", [100.0])
+
+
+def test_crossover_interpolates_in_log2_concurrency():
+    spec = [P(0, 200, 1), P(0, 300, 2), P(0, 200, 4), P(0, 900, 8)]
+    base = [P(0, 100, 1), P(0, 200, 2), P(0, 400, 4), P(0, 800, 8)]
+    spec = [Point("s", p.concurrency, 1.0, p.tok_s_gpu) for p in spec]
+    base = [Point("b", p.concurrency, 1.0, p.tok_s_gpu) for p in base]
+    cross = crossover_concurrency(spec, base)
+    # ratio 1.5 at c2, 0.5 at c4: reaches 1 halfway in log2 space -> 2 ** 1.5.
+    assert cross.concurrency == pytest.approx(2**1.5)
+    assert cross.pays_at == (1, 2, 8) and cross.loses_at == (4,)
+
+
+def test_crossover_absent_when_speculation_always_pays():
+    spec = [Point("s", c, 1.0, 2.0 * c) for c in (1, 2, 4)]
+    base = [Point("b", c, 1.0, 1.0 * c) for c in (1, 2, 4)]
+    assert crossover_concurrency(spec, base).concurrency is None
+    with pytest.raises(DFlashTrtError, match="share no concurrency"):
+        crossover_concurrency(spec, [Point("b", 16, 1.0, 1.0)])
+
+
+def test_non_positive_values_are_refused():
+    with pytest.raises(DFlashTrtError, match="positive"):
+        pareto_frontier([P(0, 1)])
+    with pytest.raises(DFlashTrtError, match="positive"):
+        pareto_frontier([P(1, math.nan)])
+
+
+coords = st.floats(min_value=0.01, max_value=1e6, allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(coords, coords), min_size=1, max_size=30))
+def test_frontier_is_exactly_the_non_dominated_set(pairs):
+    pts = [P(x, y) for x, y in pairs]
+    front = pareto_frontier(pts)
+    key = {(p.tok_s_user, p.tok_s_gpu) for p in front}
+
+    def dominated(p):
+        return any(
+            q.tok_s_user >= p.tok_s_user and q.tok_s_gpu >= p.tok_s_gpu and (q.tok_s_user, q.tok_s_gpu) != (
+                p.tok_s_user, p.tok_s_gpu)
+            for q in pts
+        )
+
+    assert key == {(p.tok_s_user, p.tok_s_gpu) for p in pts if not dominated(p)}
+    assert all(a.tok_s_user < b.tok_s_user and a.tok_s_gpu > b.tok_s_gpu for a, b in pairwise(front))
+
+
+def test_html_report_is_self_contained_and_lists_every_engine():
+    pts = [Point("ar", 1, 100.0, 100.0), Point("ar", 8, 50.0, 400.0), Point("dflash <b>", 1, 300.0, 300.0)]
+    html = render_html(pts, "tok/s/user = 1000 / TPOT", title="t")
+    assert html.startswith("<!DOCTYPE html>") and "<svg" in html
+    assert "dflash &lt;b&gt;" in html and "<script" not in html and "http" not in html.replace(
+        "http://www.w3.org/2000/svg", ""
+    )

@@ -1,0 +1,177 @@
+"""Sweep orchestration: command lines, report parsing, resuming and failure recording (no GPU needed)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dflash_trt.commands import sweep as sweep_command
+from dflash_trt.errors import DFlashTrtError
+from dflash_trt.perf.sweep import (
+    bench_command,
+    load_records,
+    load_sweep_config,
+    parse_sweep_config,
+    point_dir,
+    points_from_records,
+    record_from_report,
+    run_sweep,
+)
+
+FIXTURES = Path(__file__).parent / "data" / "trtllm_bench"
+
+
+def main(argv: list[str]) -> int:
+    """The `sweep` subcommand alone, parsed and run as dflash_trt.cli does it."""
+    parser = argparse.ArgumentParser()
+    sweep_command.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def _fixture(name: str) -> dict:
+    return json.loads((FIXTURES / name).read_text())
+
+
+def _config(tmp_path: Path, **overrides) -> dict:
+    data = {
+        "model": "Qwen/Qwen3-8B",
+        "model_path": "ckpt/Qwen3-8B",
+        "dataset": "data/prompts.jsonl",
+        "concurrency": [1, 4],
+        "num_requests": 64,
+        "warmup": 2,
+        "output_dir": "out",
+        "engines": [
+            {"name": "ar", "kind": "ar", "engine_dir": "engines/ar"},
+            {"name": "dflash", "kind": "dflash", "engine_dir": "engines/dflash"},
+        ],
+    }
+    data.update(overrides)
+    return data
+
+
+def test_bench_command_is_the_exact_trtllm_bench_invocation(tmp_path):
+    cfg = parse_sweep_config(_config(tmp_path, launcher=["mpirun", "-n", "8"]), tmp_path)
+    report = tmp_path / "r.json"
+    cmd = bench_command(cfg, cfg.engines[1], 4, report)
+    assert cmd == [
+        "mpirun", "-n", "8",
+        "trtllm-bench", "--model", "Qwen/Qwen3-8B", "--model_path", str(tmp_path / "ckpt/Qwen3-8B"),
+        "throughput", "--backend", "tensorrt", "--engine_dir", str(tmp_path / "engines/dflash"),
+        "--dataset", str(tmp_path / "data/prompts.jsonl"), "--concurrency", "4", "--report_json", str(report),
+        "--num_requests", "64", "--warmup", "2", "--streaming",
+    ]  # fmt: skip
+
+
+def test_record_carries_both_user_speed_definitions_and_acceptance():
+    rec = record_from_report(_fixture("dflash_c4_streaming.json"), "dflash", "dflash", 4)
+    assert rec["tok_s_user_tpot"] == pytest.approx(1000.0 / 2.5)
+    assert rec["tok_s_user_share"] == pytest.approx(12800.0 / 4)
+    assert rec["tok_s_gpu"] == 1600.0 and rec["gpus"] == 8
+    assert rec["acceptance_length"] == 6.4
+    assert rec["tpot_ms"]["p99"] == 3.9 and rec["ttft_ms"]["p50"] == 11.5
+    assert rec["draft_acceptance_rate_percentiles"]["average"] == 0.36
+    ar = record_from_report(_fixture("ar_c4_streaming.json"), "ar", "ar", 4)
+    assert ar["acceptance_length"] == 1.0 and ar["acceptance_length_percentiles"] is None
+    assert ar["tok_s_user_tpot"] == pytest.approx(100.0)
+
+
+def test_report_without_streaming_has_no_tpot_speed():
+    rec = record_from_report(_fixture("dflash_c8_no_streaming.json"), "dflash", "dflash", 8)
+    assert rec["tok_s_user_tpot"] is None and rec["tok_s_user_share"] == 2500.0
+    with pytest.raises(DFlashTrtError, match="share"):
+        points_from_records([rec], "tpot")
+    assert points_from_records([rec], "share")[0].tok_s_user == 2500.0
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "message"),
+    [
+        ("missing_performance.json", "ar", "no 'performance' section"),
+        ("bad_throughput_type.json", "ar", "system_output_throughput_tok_s"),
+        ("dflash_missing_decoding_stats.json", "dflash", "decoding_stats"),
+    ],
+)
+def test_malformed_reports_give_clear_errors(name, kind, message):
+    with pytest.raises(DFlashTrtError, match=message):
+        record_from_report(_fixture(name), "e", kind, 4, name)
+
+
+class FakeBench:
+    """Stands in for the benchmark process: copies a recorded report to --report_json, or fails."""
+
+    def __init__(self, fail: set[tuple[str, int]] = frozenset()):
+        self.fail = fail
+        self.calls: list[list[str]] = []
+
+    def __call__(self, cmd, log_path: Path) -> int:
+        self.calls.append(list(cmd))
+        engine = Path(cmd[cmd.index("--engine_dir") + 1]).name
+        conc = int(cmd[cmd.index("--concurrency") + 1])
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path.write_text(f"running {engine} c{conc}\nCUDA error: out of memory\n")
+        if (engine, conc) in self.fail:
+            return 1
+        name = "ar_c4_streaming.json" if engine == "ar" else "dflash_c4_streaming.json"
+        shutil.copy(FIXTURES / name, cmd[cmd.index("--report_json") + 1])
+        return 0
+
+
+def test_failed_point_is_recorded_and_sweep_resumes(tmp_path):
+    cfg = parse_sweep_config(_config(tmp_path), tmp_path)
+    bench = FakeBench(fail={("dflash", 4)})
+    records = run_sweep(cfg, bench)
+    assert [(r["engine"], r["concurrency"], r["status"]) for r in records] == [
+        ("ar", 1, "ok"), ("ar", 4, "ok"), ("dflash", 1, "ok"), ("dflash", 4, "failed"),
+    ]  # fmt: skip
+    failed = json.loads((point_dir(cfg, cfg.engines[1], 4) / "point.json").read_text())
+    assert failed["returncode"] == 1 and "out of memory" in failed["log_tail"]
+    assert "--concurrency 4" in failed["command"]
+    # Second run: only the failed point is run again.
+    bench2 = FakeBench()
+    records = run_sweep(cfg, bench2)
+    assert len(bench2.calls) == 1 and "dflash" in bench2.calls[0][bench2.calls[0].index("--engine_dir") + 1]
+    assert all(r["status"] == "ok" for r in records)
+    assert len(load_records(cfg.output_dir)) == 4
+
+
+def test_missing_report_after_success_is_a_failed_point(tmp_path):
+    cfg = parse_sweep_config(_config(tmp_path, concurrency=[2]), tmp_path)
+    records = run_sweep(cfg, lambda cmd, log: 0)
+    assert all(r["status"] == "failed" and "no report" in r["error"] for r in records)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"concurrency": [0, 2]}, "positive integers"),
+        ({"concurrency": [2, 2]}, "twice"),
+        ({"engines": [{"name": "d", "kind": "medusa", "engine_dir": "x"}]}, "kind"),
+        ({"engines": [{"name": "d", "kind": "dflash", "engine_dir": "x"}]}, "'ar' engine"),
+        ({"bogus": 1}, "unknown key"),
+    ],
+)
+def test_bad_sweep_configs_are_refused(tmp_path, change, message):
+    with pytest.raises(DFlashTrtError, match=message):
+        parse_sweep_config(_config(tmp_path, **change), tmp_path)
+
+
+def test_cli_dry_run_prints_commands_and_analyze_writes_report(tmp_path, capsys):
+    cfg_path = tmp_path / "sweep.yaml"
+    cfg_path.write_text(json.dumps(_config(tmp_path)))
+    assert main(["sweep", "--config", str(cfg_path), "--dry_run"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 4 and all("trtllm-bench" in line for line in out)
+    cfg = load_sweep_config(cfg_path)
+    run_sweep(cfg, FakeBench())
+    assert main(["sweep", "--config", str(cfg_path), "--analyze_only", "--levels", "100", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["user_metric"] == "tpot"
+    assert (Path(cfg.output_dir) / "report.html").exists()
+    with pytest.raises(DFlashTrtError, match="cannot read sweep config"):
+        main(["sweep", "--config", str(tmp_path / "missing.yaml")])
