@@ -76,6 +76,13 @@ def _reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]
     return result
 
 
+def _parse_non_negative_int(text: str) -> int:
+    """Every number in a safetensors header is a size or offset; "-0" is refused like any negative one."""
+    if text.startswith("-"):
+        raise ValueError(f"negative integer {text}")
+    return int(text)
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -207,7 +214,9 @@ def _parse_header_json(path: Path, raw: bytes) -> dict[str, object]:
     if not raw.startswith(b"{"):
         raise DFlashTrtError(f"{path} is not a safetensors file: its header is not a JSON object.")
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys)
+        header = json.loads(
+            raw.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys, parse_int=_parse_non_negative_int
+        )
     except UnicodeDecodeError as exc:
         raise DFlashTrtError(f"{path} has a header that is not UTF-8 text: {exc.reason}.") from exc
     except RecursionError as exc:
