@@ -1,0 +1,122 @@
+"""Where every tensor of the converted checkpoint comes from (HF / z-lab names) and how it is split over ranks.
+
+One list of `OutputTensor` drives the writer, `verify` and the golden model's shard merge, so the HF → TensorRT-LLM
+mapping (q|k|v fused, gate_proj → mlp.fc, up_proj → mlp.gate, down_proj → mlp.proj, tied lm_head) exists once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dflash_trt.checkpoint import names
+from dflash_trt.checkpoint.sharding import HeadLayout, Split
+from dflash_trt.spec import DraftSpec, TargetSpec
+
+TARGET = "target"
+DRAFT = "draft"
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    """One tensor of the TensorRT-LLM checkpoint: the concatenation (dim 0) of its sources, then split over ranks."""
+
+    name: str
+    sources: tuple[tuple[str, str], ...]  # (TARGET | DRAFT, source tensor name)
+    shape: tuple[int, ...]  # unsharded
+    split: Split = Split.REPLICATE
+    heads: HeadLayout | None = None
+
+    def assemble(self, loaded: list[torch.Tensor]) -> torch.Tensor:
+        return loaded[0] if len(loaded) == 1 else torch.cat(loaded, dim=0)
+
+
+def _layer_tensors(
+    out_prefix: str,
+    model: str,
+    src_prefix: str,
+    hidden: int,
+    intermediate: int,
+    heads: HeadLayout,
+    attention_bias: bool,
+    mlp_bias: bool,
+    qk_norm: bool,
+) -> list[OutputTensor]:
+    q_size, kv_size = heads.num_heads * heads.head_dim, heads.num_kv_heads * heads.head_dim
+    attn = f"{src_prefix}self_attn."
+    mlp = f"{src_prefix}mlp."
+
+    def src(*leaf: str) -> tuple[tuple[str, str], ...]:
+        return tuple((model, name) for name in leaf)
+
+    out = [
+        OutputTensor(names.tensor(out_prefix, names.INPUT_LAYERNORM), src(f"{src_prefix}input_layernorm.weight"),
+                     (hidden,)),
+        OutputTensor(
+            names.tensor(out_prefix, names.QKV),
+            src(f"{attn}q_proj.weight", f"{attn}k_proj.weight", f"{attn}v_proj.weight"),
+            (q_size + 2 * kv_size, hidden), Split.QKV, heads,
+        ),
+        OutputTensor(names.tensor(out_prefix, names.DENSE), src(f"{attn}o_proj.weight"), (hidden, q_size),
+                     Split.COLUMNS),
+        OutputTensor(names.tensor(out_prefix, names.POST_LAYERNORM),
+                     src(f"{src_prefix}post_attention_layernorm.weight"), (hidden,)),
+        OutputTensor(names.tensor(out_prefix, names.MLP_FC), src(f"{mlp}gate_proj.weight"), (intermediate, hidden),
+                     Split.ROWS),
+        OutputTensor(names.tensor(out_prefix, names.MLP_GATE), src(f"{mlp}up_proj.weight"), (intermediate, hidden),
+                     Split.ROWS),
+        OutputTensor(names.tensor(out_prefix, names.MLP_PROJ), src(f"{mlp}down_proj.weight"), (hidden, intermediate),
+                     Split.COLUMNS),
+    ]
+    if qk_norm:
+        out.append(OutputTensor(names.tensor(out_prefix, names.Q_LAYERNORM), src(f"{attn}q_norm.weight"),
+                                (heads.head_dim,)))
+        out.append(OutputTensor(names.tensor(out_prefix, names.K_LAYERNORM), src(f"{attn}k_norm.weight"),
+                                (heads.head_dim,)))
+    if attention_bias:
+        out.append(OutputTensor(
+            names.tensor(out_prefix, names.QKV, names.BIAS),
+            src(f"{attn}q_proj.bias", f"{attn}k_proj.bias", f"{attn}v_proj.bias"),
+            (q_size + 2 * kv_size,), Split.QKV, heads,
+        ))
+        # Row-parallel biases are added once after the all-reduce, so every rank holds the full bias.
+        out.append(OutputTensor(names.tensor(out_prefix, names.DENSE, names.BIAS), src(f"{attn}o_proj.bias"),
+                                (hidden,)))
+    if mlp_bias:
+        out.append(OutputTensor(names.tensor(out_prefix, names.MLP_FC, names.BIAS), src(f"{mlp}gate_proj.bias"),
+                                (intermediate,), Split.ROWS))
+        out.append(OutputTensor(names.tensor(out_prefix, names.MLP_GATE, names.BIAS), src(f"{mlp}up_proj.bias"),
+                                (intermediate,), Split.ROWS))
+        out.append(OutputTensor(names.tensor(out_prefix, names.MLP_PROJ, names.BIAS), src(f"{mlp}down_proj.bias"),
+                                (hidden,)))
+    return out
+
+
+def target_heads(spec: TargetSpec | DraftSpec) -> HeadLayout:
+    return HeadLayout(spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim)
+
+
+def checkpoint_layout(target: TargetSpec, draft: DraftSpec) -> list[OutputTensor]:
+    """Every output tensor, target first, in the order they are written."""
+    h, vocab = target.hidden_size, target.vocab_size
+    out = [OutputTensor(names.VOCAB_EMBEDDING, ((TARGET, "model.embed_tokens.weight"),), (vocab, h))]
+    for i in range(target.num_hidden_layers):
+        out += _layer_tensors(
+            names.target_layer(i), TARGET, f"model.layers.{i}.", h, target.intermediate_size, target_heads(target),
+            target.attention_bias, target.mlp_bias, target.qk_norm,
+        )
+    out.append(OutputTensor(names.TARGET_FINAL_NORM, ((TARGET, "model.norm.weight"),), (h,)))
+    head_source = "model.embed_tokens.weight" if target.tie_word_embeddings else "lm_head.weight"
+    out.append(OutputTensor(names.LM_HEAD, ((TARGET, head_source),), (vocab, h), Split.VOCAB))
+
+    taps = len(draft.target_layer_ids)
+    out.append(OutputTensor(names.DRAFT_FC, ((DRAFT, "fc.weight"),), (h, taps * h)))
+    out.append(OutputTensor(names.DRAFT_HIDDEN_NORM, ((DRAFT, "hidden_norm.weight"),), (h,)))
+    for i in range(draft.num_hidden_layers):
+        out += _layer_tensors(
+            names.draft_layer(i), DRAFT, f"layers.{i}.", h, draft.intermediate_size, target_heads(draft),
+            draft.attention_bias, False, True,
+        )
+    out.append(OutputTensor(names.DRAFT_FINAL_NORM, ((DRAFT, "norm.weight"),), (h,)))
+    return out

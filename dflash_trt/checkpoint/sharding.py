@@ -1,0 +1,132 @@
+"""Tensor-parallel split and merge rules of TensorRT-LLM's decoder layers.
+
+`shard` cuts a full tensor into one rank's piece; `merge` is its exact inverse, used by the golden model and
+`verify` to reassemble any TP checkpoint. Both follow TensorRT-LLM 1.2.x: column-parallel linears (qkv, mlp.fc,
+mlp.gate, lm_head) split on dim 0, row-parallel ones (dense, mlp.proj) on dim 1, KV heads replicated when there are
+fewer of them than ranks, and the vocabulary padded to a multiple of tp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from dflash_trt.errors import DFlashTrtError
+
+
+class Split(str, Enum):
+    REPLICATE = "replicate"
+    ROWS = "rows"  # dim 0: column-parallel weight, or its bias
+    COLUMNS = "columns"  # dim 1: row-parallel weight
+    QKV = "qkv"  # fused q|k|v rows, split per head group
+    VOCAB = "vocab"  # rows padded to a multiple of tp, then split
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """Attention geometry a fused qkv tensor needs to be split or merged."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def pad_vocab_size(vocab_size: int, tp_size: int) -> int:
+    return -(-vocab_size // tp_size) * tp_size
+
+
+def check_tp(heads: HeadLayout, intermediate_size: int, tp_size: int, what: str) -> None:
+    """Refuse tp sizes TensorRT-LLM cannot split this model by, with the reason."""
+    if tp_size < 1:
+        raise DFlashTrtError(f"--tp_size must be >= 1, got {tp_size}")
+    if heads.num_heads % tp_size:
+        raise DFlashTrtError(f"{what}: {heads.num_heads} attention heads cannot be split over tp_size {tp_size}")
+    kv = heads.num_kv_heads
+    if (kv >= tp_size and kv % tp_size) or (kv < tp_size and tp_size % kv):
+        raise DFlashTrtError(f"{what}: {kv} KV heads cannot be split or replicated over tp_size {tp_size}")
+    if intermediate_size % tp_size:
+        raise DFlashTrtError(f"{what}: intermediate_size {intermediate_size} is not divisible by tp_size {tp_size}")
+
+
+def _kv_heads_of_rank(heads: HeadLayout, tp_size: int, rank: int) -> range:
+    if heads.num_kv_heads >= tp_size:
+        per_rank = heads.num_kv_heads // tp_size
+        return range(rank * per_rank, (rank + 1) * per_rank)
+    replicas = tp_size // heads.num_kv_heads
+    return range(rank // replicas, rank // replicas + 1)
+
+
+def _qkv_sizes(heads: HeadLayout) -> tuple[int, int]:
+    return heads.num_heads * heads.head_dim, heads.num_kv_heads * heads.head_dim
+
+
+def _split_qkv(full: torch.Tensor, heads: HeadLayout, tp_size: int, rank: int) -> torch.Tensor:
+    q_size, kv_size = _qkv_sizes(heads)
+    q, k, v = full.split([q_size, kv_size, kv_size], dim=0)
+    q_rows = q_size // tp_size
+    kv_heads = _kv_heads_of_rank(heads, tp_size, rank)
+    kv_rows = slice(kv_heads.start * heads.head_dim, kv_heads.stop * heads.head_dim)
+    return torch.cat([q[rank * q_rows : (rank + 1) * q_rows], k[kv_rows], v[kv_rows]], dim=0)
+
+
+def _merge_qkv(shards: list[torch.Tensor], heads: HeadLayout) -> torch.Tensor:
+    tp_size = len(shards)
+    q_size, kv_size = _qkv_sizes(heads)
+    kv_per_rank = max(heads.num_kv_heads // tp_size, 1) * heads.head_dim
+    qs, ks, vs, seen = [], [], [], set()
+    for rank, shard in enumerate(shards):
+        q, k, v = shard.split([q_size // tp_size, kv_per_rank, kv_per_rank], dim=0)
+        qs.append(q)
+        first_head = _kv_heads_of_rank(heads, tp_size, rank).start
+        if first_head not in seen:
+            seen.add(first_head)
+            ks.append(k)
+            vs.append(v)
+    return torch.cat(qs + ks + vs, dim=0)
+
+
+def shard(
+    full: torch.Tensor, split: Split, tp_size: int, rank: int, heads: HeadLayout | None = None
+) -> torch.Tensor:
+    """This rank's piece of `full` (a view where possible)."""
+    if tp_size == 1 or split is Split.REPLICATE:
+        return full
+    if split is Split.QKV:
+        return _split_qkv(full, heads, tp_size, rank)
+    if split is Split.VOCAB:
+        padded = pad_vocab_size(full.shape[0], tp_size)
+        if padded != full.shape[0]:
+            full = torch.cat([full, full.new_zeros((padded - full.shape[0], *full.shape[1:]))], dim=0)
+        return full.chunk(tp_size, dim=0)[rank]
+    dim = 0 if split is Split.ROWS else 1
+    return full.chunk(tp_size, dim=dim)[rank]
+
+
+def sharded_shape(
+    shape: tuple[int, ...], split: Split, tp_size: int, heads: HeadLayout | None = None
+) -> tuple[int, ...]:
+    if tp_size == 1 or split is Split.REPLICATE:
+        return shape
+    if split is Split.QKV:
+        q_size, _ = _qkv_sizes(heads)
+        kv_rows = len(_kv_heads_of_rank(heads, tp_size, 0)) * heads.head_dim
+        return (q_size // tp_size + 2 * kv_rows, *shape[1:])
+    if split is Split.VOCAB:
+        return (pad_vocab_size(shape[0], tp_size) // tp_size, *shape[1:])
+    dim = 0 if split is Split.ROWS else 1
+    return tuple(size // tp_size if i == dim else size for i, size in enumerate(shape))
+
+
+def merge(
+    shards: list[torch.Tensor], split: Split, heads: HeadLayout | None = None, vocab_size: int | None = None
+) -> torch.Tensor:
+    """Inverse of `shard` over all ranks."""
+    if len(shards) == 1 or split is Split.REPLICATE:
+        return shards[0]
+    if split is Split.QKV:
+        return _merge_qkv(shards, heads)
+    if split is Split.VOCAB:
+        return torch.cat(shards, dim=0)[:vocab_size]
+    return torch.cat(shards, dim=0 if split is Split.ROWS else 1)

@@ -1,0 +1,81 @@
+"""Token sampling and lossless speculative acceptance, with the reference's temperature / top-k / top-p semantics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dflash_trt.errors import DFlashTrtError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise DFlashTrtError("temperature and top_k must be >= 0 and top_p must be in (0, 1]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Distribution after temperature, then top-k, then top-p (nucleus over the top-k survivors)."""
+    scores = logits.float() / params.temperature
+    indices = None
+    if 0 < params.top_k < scores.shape[-1]:
+        scores, indices = torch.topk(scores, params.top_k, dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        keep = sorted_probs.cumsum(dim=-1) - sorted_probs < params.top_p
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    if indices is not None:
+        probs = torch.zeros_like(logits, dtype=probs.dtype).scatter(-1, indices, probs)
+    return probs
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def pick_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    return sample_from(sampling_probs(logits, params), generator)
+
+
+def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """normalize(max(p - q, 0)); falls back to p where the residual has no mass (p == q)."""
+    residual = (target_probs - draft_probs).clamp_min(0)
+    total = residual.sum(-1, keepdim=True)
+    return torch.where(total > 0, residual / total.clamp_min(torch.finfo(residual.dtype).tiny), target_probs)
+
+
+def rejection_accept(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
+    """Speculative sampling for one sequence: accept draft i while u·q(x_i) < p(x_i), then one corrective token.
+
+    draft_tokens `[n]`, draft_probs `[n, V]`, target_probs `[n + 1, V]` → (accepted drafts, next token). The
+    output is distributed exactly as sampling from the target alone.
+    """
+    n = draft_tokens.shape[0]
+    p = target_probs[:n].gather(-1, draft_tokens[:, None])[:, 0]
+    q = draft_probs.gather(-1, draft_tokens[:, None])[:, 0]
+    u = torch.rand(n, generator=generator)
+    accepted = int((u * q < p).to(torch.int64).cumprod(0).sum())
+    if accepted == n:
+        return accepted, int(sample_from(target_probs[n], generator))
+    residual = residual_distribution(target_probs[accepted], draft_probs[accepted])
+    return accepted, int(sample_from(residual, generator))

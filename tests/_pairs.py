@@ -1,0 +1,117 @@
+"""Tiny random target + DFlash drafter checkpoints written with `transformers` and the `dflash` reference package.
+
+They are the independent side of every parity test: HF writes the target, `dflash.DFlashDraftModel` writes the
+drafter, and our converter + golden model must reproduce what those libraries compute from the same files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from dflash.model import DFlashDraftModel
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+
+@dataclass
+class PairVariant:
+    arch: str = "qwen3"  # or "llama"
+    vocab: int = 96
+    hidden: int = 64
+    intermediate: int = 96
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    tie: bool = False
+    target_bias: bool = False
+    rope: dict | None = None
+    draft_layers: int = 2
+    draft_heads: int = 4
+    draft_kv_heads: int = 2
+    draft_head_dim: int = 16
+    draft_intermediate: int = 80
+    block_size: int = 8
+    taps: list[int] | None = field(default_factory=lambda: [0, 2])
+    draft_bias: bool = False
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    is_causal: bool | None = None
+    dflash_extra: dict = field(default_factory=dict)
+    top_level: dict = field(default_factory=dict)
+    init_std: float = 0.25
+    seed: int = 0
+
+
+def _randomize(model: torch.nn.Module, std: float, seed: int) -> None:
+    """Larger-than-default weights so logits are peaked: near-ties would make greedy tests flaky."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
+            else:
+                param.copy_(std * torch.randn(param.shape, generator=generator))
+
+
+def make_target(path: Path, v: PairVariant) -> torch.nn.Module:
+    common = dict(
+        vocab_size=v.vocab, hidden_size=v.hidden, intermediate_size=v.intermediate, num_hidden_layers=v.layers,
+        num_attention_heads=v.heads, num_key_value_heads=v.kv_heads, head_dim=v.head_dim,
+        max_position_embeddings=512, tie_word_embeddings=v.tie, attention_bias=v.target_bias, eos_token_id=1,
+        bos_token_id=0,
+    )
+    if v.rope:
+        common["rope_parameters"] = v.rope
+    if v.arch == "qwen3":
+        cfg, cls = Qwen3Config(**common), Qwen3ForCausalLM
+    else:
+        cfg, cls = LlamaConfig(mlp_bias=v.target_bias, **common), LlamaForCausalLM
+    cfg.architectures = [cls.__name__]
+    torch.manual_seed(v.seed)
+    model = cls(cfg).eval()
+    _randomize(model, v.init_std / 2, v.seed)
+    if v.tie:
+        model.tie_weights()
+    model.save_pretrained(path)
+    return model
+
+
+def make_draft(path: Path, v: PairVariant) -> DFlashDraftModel:
+    kwargs = dict(
+        vocab_size=v.vocab, hidden_size=v.hidden, intermediate_size=v.draft_intermediate,
+        num_hidden_layers=v.draft_layers, num_attention_heads=v.draft_heads, num_key_value_heads=v.draft_kv_heads,
+        head_dim=v.draft_head_dim, max_position_embeddings=512, attention_bias=v.draft_bias,
+    )
+    if v.rope:
+        kwargs["rope_parameters"] = v.rope
+    if v.sliding_window is not None:
+        kwargs.update(use_sliding_window=True, sliding_window=v.sliding_window)
+    if v.layer_types is not None:
+        kwargs["layer_types"] = v.layer_types
+    cfg = Qwen3Config(**kwargs)
+    cfg.architectures = ["DFlashDraftModel"]
+    cfg.num_target_layers = v.layers
+    cfg.block_size = v.block_size
+    dflash_config = {"mask_token_id": v.vocab - 1, **v.dflash_extra}
+    if v.taps is not None:
+        dflash_config["target_layer_ids"] = v.taps
+    cfg.dflash_config = dflash_config
+    if v.is_causal is not None:
+        cfg.is_causal = v.is_causal
+    for key, value in v.top_level.items():
+        setattr(cfg, key, value)
+    torch.manual_seed(v.seed + 1)
+    model = DFlashDraftModel(cfg).eval()
+    _randomize(model, v.init_std, v.seed + 1)
+    model.save_pretrained(path)
+    return model
+
+
+def make_pair(root: Path, v: PairVariant | None = None) -> tuple[Path, Path]:
+    v = v or PairVariant()
+    target_dir, draft_dir = root / "target", root / "draft"
+    make_target(target_dir, v)
+    make_draft(draft_dir, v)
+    return target_dir, draft_dir
