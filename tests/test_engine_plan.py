@@ -167,6 +167,12 @@ def test_refuses_draft_kv_geometry_unlike_the_target(tmp_path: Path):
         plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings())
 
 
+def test_refuses_draft_rope_unlike_the_target(tmp_path: Path):
+    ckpt = write_checkpoint(tmp_path / "c", draft_hf={**DRAFT_HF, "rope_theta": 10000.0})
+    with pytest.raises(DFlashTrtError, match="RoPE parameters differ"):
+        plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings())
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

@@ -17,6 +17,7 @@ from typing import Any
 from dflash_trt import __version__
 from dflash_trt.checkpoint.trtllm_config import ARCHITECTURE, specs_from_config
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.reference.rope import RopeConfig
 from dflash_trt.spec import SLIDING_ATTENTION, TARGET_ARCHITECTURES
 from dflash_trt.trtllm.plugin import LIBRARY_ENV, PLUGIN_NAMESPACE, default_library_path
 
@@ -82,6 +83,8 @@ class CheckpointFacts:
     pp_size: int
     quant_algo: str | None
     kv_cache_quant_algo: str | None
+    target_rope: RopeConfig
+    draft_rope: RopeConfig
 
     @property
     def max_draft_len(self) -> int:
@@ -192,6 +195,8 @@ def read_checkpoint_facts(checkpoint_dir: str | Path) -> CheckpointFacts:
         pp_size=int(mapping.get("pp_size", 1)),
         quant_algo=quant.get("quant_algo"),
         kv_cache_quant_algo=quant.get("kv_cache_quant_algo"),
+        target_rope=target.rope,
+        draft_rope=draft.rope,
     )
 
 
@@ -206,6 +211,16 @@ def check_kv_geometry(facts: CheckpointFacts) -> None:
             f"the drafter's KV geometry ({facts.draft_kv_heads} kv heads x {facts.draft_head_size}) differs from the "
             f"target's ({facts.target_kv_heads} x {facts.target_head_size}); the TensorRT-LLM 1.2.x shared KV pool "
             "cannot hold it, so this pair can be converted and verified but not built into an engine"
+        )
+
+
+def check_rope(facts: CheckpointFacts) -> None:
+    """The attention plugin takes its RoPE tables from the model-wide AttentionParams, built from the target's
+    rope; a drafter with other RoPE parameters would silently get the target's."""
+    if facts.draft_rope != facts.target_rope:
+        raise DFlashTrtError(
+            "the drafter's RoPE parameters differ from the target's; the engine shares one RoPE table between them, "
+            "so this pair can be converted and verified but not built into an engine yet"
         )
 
 
@@ -366,6 +381,7 @@ def plan_engine_build(checkpoint_dir: str | Path, output_dir: str | Path, settin
     """Validate a converted checkpoint against the build settings and return the exact build to run."""
     facts = read_checkpoint_facts(checkpoint_dir)
     check_kv_geometry(facts)
+    check_rope(facts)
     check_sliding_window(facts, settings)
     check_settings(facts, settings)
     library = str(plugin_library) if plugin_library is not None else str(default_library_path())
