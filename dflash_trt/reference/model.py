@@ -20,7 +20,7 @@ from dflash_trt.checkpoint.safetensors_io import SafetensorsFile
 from dflash_trt.checkpoint.sharding import merge
 from dflash_trt.checkpoint.trtllm_config import specs_from_config
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.reference.kv_context import inject_context_kv
+from dflash_trt.reference.kv_injection import injected_kv
 from dflash_trt.reference.norm import rms_norm
 from dflash_trt.reference.rope import apply_rope, rope_cos_sin
 from dflash_trt.spec import DraftSpec, TargetSpec
@@ -173,21 +173,33 @@ class DraftModel:
         self.hidden_norm = tensors[names.DRAFT_HIDDEN_NORM]
         self.final_norm = tensors[names.DRAFT_FINAL_NORM]
         self.layers = [LayerWeights.from_tensors(tensors, names.draft_layer(i)) for i in range(spec.num_hidden_layers)]
+        geometry = (spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim)
+        kv = [layer.kv_weights(*geometry) for layer in self.layers]
+        self.stacked_kv = torch.cat([torch.cat([k_w, v_w]) for k_w, v_w, _, _ in kv])
+        self.stacked_kv_bias = None
+        if spec.attention_bias:
+            self.stacked_kv_bias = torch.cat([torch.cat([k_b, v_b]) for _, _, k_b, v_b in kv])
+        self.k_norms = torch.stack([layer.k_norm for layer in self.layers])
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         s = self.spec
         return KVCache(s.num_hidden_layers, batch, s.num_key_value_heads, capacity, s.head_dim, self.fc.dtype)
 
     def inject(self, taps: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, cache: KVCache) -> None:
-        """Turn accepted tokens' tap features into every draft layer's context K/V (KV injection)."""
+        """KV injection: accepted tokens' tap features → one GEMM for all draft layers' K/V → k_norm, RoPE → cache.
+
+        The same dataflow as the engine: `ctx_kv [tokens, layers, 2, kv_heads, head_dim]` from the stacked k/v rows
+        of every draft layer's qkv, then `injected_kv`, the definition the KV-injection plugin is tested against.
+        """
         s = self.spec
         features = rms_norm(linear(taps, self.fc), self.hidden_norm, s.rms_norm_eps)
-        for index, layer in enumerate(self.layers):
-            k_w, v_w, k_b, v_b = layer.kv_weights(s.num_attention_heads, s.num_key_value_heads, s.head_dim)
-            shape = (*features.shape[:-1], s.num_key_value_heads, s.head_dim)
-            k_raw, v_raw = linear(features, k_w, k_b).view(shape), linear(features, v_w, v_b).view(shape)
-            k, v = inject_context_kv(k_raw, v_raw, layer.k_norm, s.rms_norm_eps, positions, s.rope)
-            cache.write(index, k, v, positions, valid)
+        batch, tokens = features.shape[:2]
+        ctx_kv = linear(features, self.stacked_kv, self.stacked_kv_bias)
+        ctx_kv = ctx_kv.reshape(batch * tokens, s.num_hidden_layers, 2, s.num_key_value_heads, s.head_dim)
+        k, v = injected_kv(ctx_kv, self.k_norms, s.rms_norm_eps, positions.reshape(-1), s.rope)
+        for index in range(s.num_hidden_layers):
+            shape = (batch, tokens, s.num_key_value_heads, s.head_dim)
+            cache.write(index, k[:, index].reshape(shape), v[:, index].reshape(shape), positions, valid)
 
     def forward(
         self, block: torch.Tensor, start: torch.Tensor, block_valid: torch.Tensor, cache: KVCache
