@@ -16,7 +16,7 @@ $(STAMP): requirements-ci.txt pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/dflash-trt demo
+	$(VENV)/bin/dflash-trt demo --overwrite
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dflash_trt tests perf convert

@@ -1,0 +1,59 @@
+"""`dflash-trt convert`: HF target + z-lab DFlash drafter → one TensorRT-LLM 1.2.x checkpoint.
+
+Flags follow TensorRT-LLM's `convert_checkpoint.py` (`--model_dir`, `--dflash_model_dir` like EAGLE's
+`--eagle_model_dir`, `--output_dir`, `--dtype`, `--tp_size`, `--pp_size`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from dflash_trt.checkpoint.convert import TORCH_DTYPES, convert_checkpoint
+
+
+def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model_dir", required=True, help="HF target model directory (Qwen3 / Llama 3.x)")
+    parser.add_argument("--dflash_model_dir", required=True, help="z-lab DFlash drafter directory")
+    parser.add_argument("--output_dir", required=True, help="TensorRT-LLM checkpoint directory to create")
+    parser.add_argument("--dtype", choices=list(TORCH_DTYPES), default="bfloat16", help="weight dtype")
+    parser.add_argument("--tp_size", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    parser.add_argument("--pp_size", type=int, default=1, help="pipeline-parallel ranks (only 1 is supported)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output_dir")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("convert", help="convert a target + DFlash drafter into one TensorRT-LLM checkpoint",
+                                   description=__doc__)
+    add_convert_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print a JSON summary")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    result = convert_checkpoint(
+        args.model_dir,
+        args.dflash_model_dir,
+        args.output_dir,
+        dtype=args.dtype,
+        tp_size=args.tp_size,
+        pp_size=args.pp_size,
+        overwrite=args.overwrite,
+        show_progress=sys.stderr.isatty(),
+    )
+    summary = {
+        "output_dir": str(result.output_dir),
+        "tp_size": result.tp_size,
+        "tensors_per_rank": result.num_tensors,
+        "bytes_written": result.bytes_written,
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"wrote {result.output_dir} ({result.tp_size} rank file(s), {result.bytes_written / 2**20:.1f} MiB) "
+              f"in {summary['seconds']} s")
+    return 0

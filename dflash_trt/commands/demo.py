@@ -1,0 +1,112 @@
+"""`dflash-trt demo`: the whole CPU-side job on the embedded tiny trained pair.
+
+convert → verify → speculative decoding of held-out arithmetic prompts with the golden model (per-prompt and
+per-position acceptance, answers checked, tokens/s against target-only decoding in the same run) → the engine
+build plan → the exact commands to run on a GPU host. Everything lands under `--output_dir`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from dflash_trt.checkpoint.convert import convert_checkpoint
+from dflash_trt.checkpoint.verify import verify_checkpoint
+from dflash_trt.errors import DFlashTrtError
+from dflash_trt.reference.decode import speculative_generate
+from dflash_trt.reference.model import load_golden_model
+from dflash_trt.reference.stats import mean_acceptance_length, per_position_acceptance
+from dflash_trt.tiny.heldout import draft_dir, is_correct, load_heldout, target_dir
+from dflash_trt.tokenizer import load_tokenizer
+from dflash_trt.trtllm.build_plan import EngineBuildSettings, plan_engine_build
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("demo", help="convert, verify and run the embedded tiny pair end to end",
+                                   description=__doc__)
+    parser.add_argument("--output_dir", default="demo_out", help="workspace for the demo's outputs")
+    parser.add_argument("--overwrite", action="store_true", help="replace outputs of an earlier demo run")
+    parser.add_argument("--num_prompts", type=int, default=16, help="held-out prompts to decode")
+    parser.add_argument("--max_new_tokens", type=int, default=96)
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "float16", "bfloat16"))
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    parser.set_defaults(func=run)
+
+
+def _timed_generate(model, prompts, max_new_tokens, stop_ids, block_size=None):
+    started = time.perf_counter()
+    results = speculative_generate(model, prompts, max_new_tokens, stop_ids, block_size=block_size)
+    return results, time.perf_counter() - started
+
+
+def run(args: argparse.Namespace) -> int:
+    if not target_dir().is_dir() or not draft_dir().is_dir():
+        raise DFlashTrtError("the embedded tiny pair is not installed (dflash_trt/assets/tiny_pair)")
+    out = Path(args.output_dir)
+    say = (lambda *_: None) if args.json else print
+    checkpoint = out / f"checkpoint-{args.dtype}"
+
+    say(f"[1/5] convert {target_dir().name} + {draft_dir().name} → {checkpoint}")
+    convert_checkpoint(target_dir(), draft_dir(), checkpoint, dtype=args.dtype, overwrite=args.overwrite)
+
+    say("[2/5] verify every tensor against its source")
+    report = verify_checkpoint(checkpoint, target_dir(), draft_dir())
+    say("      " + report.verdict())
+    if not report.ok:
+        raise DFlashTrtError("the converted demo checkpoint failed verification")
+
+    heldout = load_heldout(limit=args.num_prompts)
+    tokenizer = load_tokenizer(checkpoint)
+    prompts = [tokenizer.encode(p.text) for p in heldout]
+    model = load_golden_model(checkpoint)
+    stop_ids = list(model.target.spec.eos_token_ids)
+    block = model.draft.spec.block_size
+    say(f"[3/5] decode {len(prompts)} held-out prompts: DFlash block {block} vs target alone (golden model, CPU)")
+    spec_results, spec_seconds = _timed_generate(model, prompts, args.max_new_tokens, stop_ids)
+    ar_results, ar_seconds = _timed_generate(model, prompts, args.max_new_tokens, stop_ids, block_size=1)
+    lossless = all(s.output_ids == a.output_ids for s, a in zip(spec_results, ar_results, strict=True))
+    rows = []
+    for prompt, result in zip(heldout, spec_results, strict=True):
+        text = tokenizer.decode(result.output_ids)
+        rows.append({"prompt": prompt.text, "answer": prompt.answer, "correct": is_correct(text, prompt.answer),
+                     "mean_acceptance": sum(result.acceptance_lengths) / len(result.acceptance_lengths),
+                     "steps": len(result.acceptance_lengths), "tokens": len(result.output_ids)})
+    generated = sum(len(r.output_ids) for r in spec_results)
+    summary = {
+        "checkpoint_dir": str(checkpoint),
+        "block_size": block,
+        "lossless": lossless,
+        "accuracy": sum(r["correct"] for r in rows) / len(rows),
+        "mean_acceptance_length": mean_acceptance_length(spec_results),
+        "per_position_acceptance": per_position_acceptance(spec_results, block - 1),
+        "dflash_tokens_per_second": generated / spec_seconds,
+        "target_only_tokens_per_second": generated / ar_seconds,
+        "speedup": ar_seconds / spec_seconds,
+        "prompts": rows,
+    }
+    for i, row in enumerate(rows):
+        say(f"      [{i:2d}] {'ok ' if row['correct'] else 'BAD'} {row['tokens']:3d} tokens in {row['steps']:3d} steps "
+            f"(acceptance {row['mean_acceptance']:.2f})  {row['prompt'].splitlines()[0]}")
+    say(f"      lossless vs target alone: {lossless}; answers correct: {summary['accuracy']:.0%}")
+    say(f"      mean acceptance length {summary['mean_acceptance_length']:.2f} of {block}; per position: "
+        + " ".join(f"{p:.2f}" for p in summary["per_position_acceptance"] if p is not None))
+    say(f"      {summary['dflash_tokens_per_second']:.0f} tok/s with DFlash vs "
+        f"{summary['target_only_tokens_per_second']:.0f} tok/s target alone "
+        f"({summary['speedup']:.2f}x, CPU golden model)")
+
+    say("[4/5] plan the TensorRT-LLM 1.2.x engine build")
+    plan = plan_engine_build(checkpoint, out / "engine", EngineBuildSettings(max_batch_size=8, max_input_len=256,
+                                                                              max_seq_len=512, max_num_tokens=512))
+    (out / "build_plan.json").write_text(json.dumps({"command": plan.command, "build_config": plan.build_config},
+                                                    indent=2) + "\n")
+    summary["build_command"] = plan.shell_command()
+
+    say("[5/5] on a GPU host with TensorRT-LLM 1.2.x (NGC release container), run:")
+    say(f"      {plan.shell_command()}")
+    if args.json:
+        print(json.dumps(summary))
+    if not lossless:
+        raise DFlashTrtError("speculative output differs from target-only decoding")
+    return 0

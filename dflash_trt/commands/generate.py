@@ -1,0 +1,112 @@
+"""`dflash-trt generate`: speculative decoding of a converted checkpoint with the torch golden model.
+
+Each input line is `{"input_ids": [...]}` or, when the checkpoint directory holds a tokenizer, `{"text": "..."}`.
+Stops at the target's EOS ids unless `--stop_token_ids` or `--ignore_eos` say otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from dflash_trt.errors import DFlashTrtError
+from dflash_trt.reference.decode import SequenceResult, speculative_generate
+from dflash_trt.reference.model import load_golden_model
+from dflash_trt.reference.sampling import SamplingParams
+from dflash_trt.reference.stats import mean_acceptance_length, per_position_acceptance
+from dflash_trt.tokenizer import load_tokenizer
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "generate", help="speculative decoding of a converted checkpoint (CPU golden model)", description=__doc__
+    )
+    parser.add_argument("--checkpoint_dir", required=True, help="converted checkpoint (dflash-trt convert)")
+    parser.add_argument("--input_file", required=True, help="jsonl prompts")
+    parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top_p", type=float, default=1.0)
+    parser.add_argument("--top_k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--block_size", type=int, default=None, help="verify block (default: the drafter's)")
+    stops = parser.add_mutually_exclusive_group()
+    stops.add_argument("--stop_token_ids", type=int, nargs="+", default=None, help="replace the EOS stop ids")
+    stops.add_argument("--ignore_eos", action="store_true", help="never stop before --max_new_tokens")
+    parser.add_argument("--trace", action="store_true", help="record the drafted tokens of every step")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=run)
+
+
+def read_prompts(path: Path, tokenizer) -> list[list[int]]:
+    if not path.is_file():
+        raise DFlashTrtError(f"input file {path} does not exist")
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DFlashTrtError(f"{path}:{number} is not valid JSON: {exc.msg}") from None
+        if isinstance(record, dict) and isinstance(record.get("input_ids"), list):
+            ids = record["input_ids"]
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise DFlashTrtError(f"{path}:{number}: input_ids must be a list of integers")
+            prompts.append(ids)
+        elif isinstance(record, dict) and isinstance(record.get("text"), str):
+            if tokenizer is None:
+                raise DFlashTrtError(f"{path}:{number} gives text but the checkpoint directory has no tokenizer")
+            prompts.append(tokenizer.encode(record["text"]))
+        else:
+            raise DFlashTrtError(f'{path}:{number} must be {{"input_ids": [...]}} or {{"text": "..."}}')
+    if not prompts:
+        raise DFlashTrtError(f"input file {path} holds no prompts")
+    return prompts
+
+
+def sequence_record(result: SequenceResult, tokenizer, trace: bool) -> dict:
+    record = {
+        "input_ids": result.input_ids,
+        "output_ids": result.output_ids,
+        "acceptance_lengths": result.acceptance_lengths,
+    }
+    if tokenizer is not None:
+        record["output_text"] = tokenizer.decode(result.output_ids)
+    if trace:
+        record["steps"] = [{"draft_ids": s.draft_ids, "accepted": s.accepted} for s in result.steps]
+    return record
+
+
+def run(args: argparse.Namespace) -> int:
+    checkpoint_dir = Path(args.checkpoint_dir)
+    model = load_golden_model(checkpoint_dir)
+    tokenizer = load_tokenizer(checkpoint_dir)
+    prompts = read_prompts(Path(args.input_file), tokenizer)
+    sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
+    if args.ignore_eos:
+        stop_ids = []
+    elif args.stop_token_ids is not None:
+        stop_ids = args.stop_token_ids
+    else:
+        stop_ids = list(model.target.spec.eos_token_ids)
+    started = time.perf_counter()
+    results = speculative_generate(model, prompts, args.max_new_tokens, stop_ids, sampling, args.seed, args.block_size)
+    seconds = time.perf_counter() - started
+    generated = sum(len(r.output_ids) for r in results)
+    report = {
+        "sequences": [sequence_record(r, tokenizer, args.trace) for r in results],
+        "mean_acceptance_length": mean_acceptance_length(results),
+        "per_position_acceptance": per_position_acceptance(results, model.draft.spec.block_size - 1),
+        "generated_tokens": generated,
+        "tokens_per_second": generated / seconds if seconds > 0 else None,
+    }
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    for i, record in enumerate(report["sequences"]):
+        shown = record.get("output_text", record["output_ids"])
+        print(f"[{i}] {shown!r}  acceptance {record['acceptance_lengths']}")
+    print(f"mean acceptance length {report['mean_acceptance_length']:.2f}, {generated} tokens in {seconds:.2f} s")
+    return 0

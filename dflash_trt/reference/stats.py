@@ -1,0 +1,23 @@
+"""Acceptance statistics of a decoding run: what users read to see whether the drafter earns its keep."""
+
+from __future__ import annotations
+
+from dflash_trt.reference.decode import SequenceResult
+
+
+def mean_acceptance_length(results: list[SequenceResult]) -> float:
+    """Tokens produced per target verify step (bonus included), over every step of every sequence."""
+    lengths = [n for r in results for n in r.acceptance_lengths]
+    return sum(lengths) / len(lengths) if lengths else 0.0
+
+
+def per_position_acceptance(results: list[SequenceResult], num_draft_positions: int) -> list[float | None]:
+    """Fraction of steps whose draft token at position i was accepted, among steps that proposed one there."""
+    accepted = [0] * num_draft_positions
+    proposed = [0] * num_draft_positions
+    for result in results:
+        for step in result.steps:
+            for i in range(min(len(step.draft_ids), num_draft_positions)):
+                proposed[i] += 1
+                accepted[i] += int(step.accepted > i)
+    return [a / p if p else None for a, p in zip(accepted, proposed, strict=True)]
