@@ -389,3 +389,10 @@ def test_corrupt_shard_is_named(tmp_path: Path) -> None:
     shard.write_bytes(shard.read_bytes()[:-3])
     with pytest.raises(DFlashTrtError, match="s2.safetensors is truncated or corrupt"):
         HFCheckpointReader(model_dir)
+
+
+def test_single_file_and_index_together_are_ambiguous(tmp_path: Path) -> None:
+    model_dir = _sharded(tmp_path / "m", {"s1.safetensors": {"a": torch.ones(1)}}, {"a": "s1.safetensors"})
+    save_file({"a": torch.zeros(1)}, model_dir / "model.safetensors")
+    with pytest.raises(DFlashTrtError, match="both model.safetensors and model.safetensors.index.json"):
+        HFCheckpointReader(model_dir)

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import gc
+import os
+import signal
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -183,6 +187,41 @@ def test_writer_rejects_bad_declarations(tmp_path: Path, entries: dict, metadata
     assert not path.exists()
 
 
+_FILL_THE_DISK = """
+import resource, signal, sys
+import torch
+from dflash_trt.checkpoint.safetensors_io import StreamingSafetensorsWriter
+from dflash_trt.errors import DFlashTrtError
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a full file then fails the write() instead of killing us
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+path = sys.argv[1]
+try:
+    with StreamingSafetensorsWriter(path, {"a": (torch.float32, (1024,)), "b": (torch.float32, (1 << 20,))}) as w:
+        w.write("a", torch.ones(1024))
+        w.write("b", torch.ones(1 << 20))
+except DFlashTrtError as exc:
+    print(exc)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="needs POSIX file-size limits")
+def test_write_failure_is_a_clear_error_and_leaves_no_file(tmp_path: Path) -> None:
+    path = tmp_path / "full.safetensors"
+    repo_root = Path(__file__).resolve().parent.parent
+    result = subprocess.run(
+        [sys.executable, "-c", _FILL_THE_DISK, str(path)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(repo_root)},
+        timeout=120,
+    )
+    assert result.returncode == 3, result.stderr
+    assert result.stdout.startswith(f"cannot write {path}: File too large"), result.stdout
+    assert not path.exists()
+
+
 def test_get_is_a_view_of_a_private_map_that_never_touches_the_file(tmp_path: Path) -> None:
     path = tmp_path / "cow.safetensors"
     save_file({"w": torch.arange(6, dtype=torch.float32)}, path)
@@ -268,3 +307,29 @@ def test_nonfinite_found_in_tensor_read_from_file(tmp_path: Path) -> None:
     with SafetensorsFile(path) as reader:
         assert not tensor_has_nonfinite(reader.get("ok"))
         assert tensor_has_nonfinite(reader.get("bad"))
+
+
+# NaN/Inf encodings of the 8-bit float formats, from their definitions (OCP FP8, fnuz, E8M0).
+_NONFINITE_BYTES = {
+    torch.float8_e4m3fn: {0x7F, 0xFF},
+    torch.float8_e5m2: {0x7C, 0x7D, 0x7E, 0x7F, 0xFC, 0xFD, 0xFE, 0xFF},
+    torch.float8_e4m3fnuz: {0x80},
+    torch.float8_e5m2fnuz: {0x80},
+    torch.float8_e8m0fnu: {0xFF},
+}
+
+
+@pytest.mark.parametrize("dtype", list(_NONFINITE_BYTES))
+def test_nonfinite_every_8bit_encoding(dtype: torch.dtype) -> None:
+    for byte in range(256):
+        encoded = torch.tensor([0, byte, 0], dtype=torch.uint8).view(dtype)
+        assert tensor_has_nonfinite(encoded) == (byte in _NONFINITE_BYTES[dtype]), hex(byte)
+
+
+@pytest.mark.parametrize(("dtype", "large"), [(torch.float16, 60000.0), (torch.bfloat16, 3e38), (torch.float32, 3e38)])
+def test_nonfinite_not_fooled_by_an_overflowing_sum(dtype: torch.dtype, large: float) -> None:
+    values = torch.full((1000,), large, dtype=dtype)
+    assert not torch.isfinite(values.sum()), "the fixture must overflow a plain sum"
+    assert not tensor_has_nonfinite(values)
+    values[-1] = float("nan")
+    assert tensor_has_nonfinite(values)

@@ -33,6 +33,11 @@ class HFCheckpointReader:
         self._where: dict[str, SafetensorsFile] = {}
         try:
             index_path = self.model_dir / INDEX_FILE
+            if index_path.is_file() and (self.model_dir / SINGLE_FILE).is_file():
+                raise DFlashTrtError(
+                    f"{self.model_dir} has both {SINGLE_FILE} and {INDEX_FILE}, so which weights are meant is "
+                    "ambiguous; remove one of them."
+                )
             if index_path.is_file():
                 self._open_sharded(index_path)
             else:
