@@ -1,0 +1,337 @@
+"""Roofline performance model of one decoding iteration for AR, EAGLE-3-like and DFlash speculative decoding.
+
+Each forward pass costs max(bytes / achievable bandwidth, FLOPs / achievable tensor rate) per GPU, plus
+tensor-parallel all-reduces and fixed overheads. Bytes are weights read once per pass (for MoE only the experts
+the pass's tokens touch), KV-cache reads and the lm_head; FLOPs are 2 x params x tokens plus attention. An
+iteration is: AR = one target pass of 1 token per sequence; DFlash = target verify of B tokens + one drafter
+pass over the B-token block (+ KV injection of the accepted tokens' taps, + the target lm_head on B-1 rows);
+EAGLE-3 = target verify of K+1 tokens + K sequential one-layer drafter passes. Tokens per iteration come from
+an acceptance-length distribution (measured by the golden model, reported by trtllm-bench, or given).
+
+Peaks come from `gpus.py`; achievable fractions and overheads are `Calibration` constants, and which of them
+were fitted to which published number is recorded next to the validation in `published.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from dflash_trt.errors import DFlashTrtError
+from dflash_trt.perf.gpus import GpuSpec
+from dflash_trt.perf.pareto import Point
+
+WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1.0, "nvfp4": 0.5625}  # NVFP4: 4-bit values + one e4m3 scale per 16
+KV_BYTES = {"bf16": 2.0, "fp8": 1.0}
+ACTIVATION_BYTES = 2.0  # all-reduce payloads and tap features stay bf16
+LM_HEAD_BYTES = 2.0  # the lm_head is left unquantized (modelopt excludes it by default)
+
+
+@dataclass(frozen=True)
+class StackShape:
+    """The cost-relevant dimensions of a stack of transformer decoder layers."""
+
+    num_layers: int
+    hidden: int
+    intermediate: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int = 0  # 0 = dense MLP
+    experts_per_token: int = 0
+    sliding_window: int | None = None
+    num_sliding_layers: int = 0
+    attn_input: int | None = None  # q/k/v input width when it is not `hidden` (EAGLE-3's 2H first layer)
+
+    def attn_params(self) -> int:
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return (self.attn_input or self.hidden) * (q + 2 * kv) + q * self.hidden
+
+    def kv_proj_params(self) -> int:
+        return self.hidden * 2 * self.num_kv_heads * self.head_dim
+
+    def expert_params(self) -> int:
+        return 3 * self.hidden * self.intermediate
+
+    def experts_touched(self, tokens: int) -> float:
+        """Expected distinct experts one layer reads for `tokens` tokens, routing taken as uniform."""
+        if not self.num_experts:
+            return 1.0
+        e, k = self.num_experts, self.experts_per_token
+        return e * (1.0 - (1.0 - k / e) ** tokens)
+
+
+@dataclass(frozen=True)
+class TargetModel:
+    stack: StackShape
+    vocab: int
+
+
+@dataclass(frozen=True)
+class DFlashDrafter:
+    stack: StackShape
+    num_taps: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class Eagle3Drafter:
+    """One decoder layer fed concat(embedding, fused taps); proposes `steps` tokens autoregressively."""
+
+    stack: StackShape
+    num_taps: int
+    draft_vocab: int
+    steps: int
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """How much of the peaks real kernels reach, and the fixed costs a roofline cannot see.
+
+    `bandwidth_efficiency`, `compute_efficiency` and `allreduce_latency_s` are assumptions (typical large-GEMM
+    and NCCL figures), not fits. The overheads are what `published` fits, one per harness: `layer_overhead_s`
+    (per layer per pass: kernel launches, framework), `step_overhead_s` (per iteration: scheduling, sampling,
+    host sync) and `spec_overhead_s` (extra per speculative iteration: acceptance, cache rewind, draft inputs).
+    """
+
+    name: str = "default"
+    bandwidth_efficiency: float = 0.80
+    compute_efficiency: float = 0.60
+    allreduce_latency_s: float = 8e-6
+    layer_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
+    spec_overhead_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Deployment:
+    gpu: GpuSpec
+    precision: str = "bf16"  # weight (and GEMM input) precision of target and drafter
+    kv_dtype: str = "bf16"
+    tp: int = 1
+    calibration: Calibration = Calibration()
+
+    def __post_init__(self) -> None:
+        if self.precision not in WEIGHT_BYTES:
+            raise DFlashTrtError(f"unknown precision {self.precision!r} (known: {', '.join(WEIGHT_BYTES)})")
+        if self.kv_dtype not in KV_BYTES:
+            raise DFlashTrtError(f"unknown KV-cache dtype {self.kv_dtype!r} (known: {', '.join(KV_BYTES)})")
+        if self.tp < 1:
+            raise DFlashTrtError(f"tp must be >= 1, got {self.tp}")
+        self.gpu.dense_flops(self.precision)  # refuses NVFP4 on Hopper
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """Distribution of tokens one verify step yields (accepted drafts + the bonus token): probs[n-1] = P(n)."""
+
+    probs: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.probs or any(p < 0 or not math.isfinite(p) for p in self.probs):
+            raise DFlashTrtError("acceptance distribution must be non-empty and non-negative")
+        if abs(sum(self.probs) - 1.0) > 1e-6:
+            raise DFlashTrtError(f"acceptance probabilities must sum to 1, got {sum(self.probs):.6f}")
+
+    @property
+    def max_length(self) -> int:
+        return len(self.probs)
+
+    def mean(self) -> float:
+        return sum((n + 1) * p for n, p in enumerate(self.probs))
+
+    @classmethod
+    def from_histogram(cls, counts: Sequence[float]) -> Acceptance:
+        """counts[n-1] = number of verify steps that produced n tokens (as the golden model reports them)."""
+        total = float(sum(counts))
+        if total <= 0:
+            raise DFlashTrtError("acceptance histogram is empty")
+        return cls(tuple(c / total for c in counts))
+
+    @classmethod
+    def from_position_rates(cls, rates: Sequence[float]) -> Acceptance:
+        """rates[i] = P(draft i+1 accepted | drafts 1..i accepted), the per-position acceptance of a block."""
+        probs, alive = [], 1.0
+        for r in rates:
+            if not 0.0 <= r <= 1.0:
+                raise DFlashTrtError(f"per-position acceptance rates must lie in [0, 1], got {r}")
+            probs.append(alive * (1.0 - r))
+            alive *= r
+        return cls((*probs, alive))
+
+    @classmethod
+    def from_mean(cls, mean: float, max_length: int) -> Acceptance:
+        """The truncated-geometric distribution (same acceptance rate at every position) with this mean."""
+        if max_length < 1 or not 1.0 <= mean <= max_length:
+            raise DFlashTrtError(f"mean acceptance length {mean} must lie in [1, {max_length}]")
+        if max_length == 1 or mean == 1.0:
+            return cls.from_position_rates([0.0] * (max_length - 1))
+        lo, hi = 0.0, 1.0
+        for _ in range(100):
+            mid = (lo + hi) / 2
+            if cls.from_position_rates([mid] * (max_length - 1)).mean() < mean:
+                lo = mid
+            else:
+                hi = mid
+        return cls.from_position_rates([(lo + hi) / 2] * (max_length - 1))
+
+    def truncated(self, max_length: int) -> Acceptance:
+        """The same drafter run with a shorter draft: every longer run stops at `max_length`."""
+        if max_length < 1:
+            raise DFlashTrtError("max_length must be >= 1")
+        if max_length >= self.max_length:
+            return self
+        head = list(self.probs[: max_length - 1])
+        return Acceptance((*head, 1.0 - sum(head)))
+
+
+@dataclass(frozen=True)
+class PassCost:
+    """Per-GPU work of one forward pass."""
+
+    bytes: float
+    linear_flops: float
+    attention_flops: float
+    allreduces: int
+    allreduce_bytes: float
+    layers: int
+
+
+def stack_pass(
+    stack: StackShape, batch: int, q: int, ctx: float, dep: Deployment, logits_rows: int, vocab: int
+) -> PassCost:
+    """`batch` sequences each feeding `q` new tokens on top of `ctx` cached ones, then `logits_rows` lm_head rows."""
+    tp = dep.tp
+    tokens = batch * q
+    wbytes = WEIGHT_BYTES[dep.precision]
+    mlp_read = stack.experts_touched(tokens) * stack.expert_params()
+    router = stack.hidden * stack.num_experts
+    weight_bytes = stack.num_layers * ((stack.attn_params() + mlp_read) * wbytes + router * ACTIVATION_BYTES)
+    mlp_used = stack.expert_params() * (stack.experts_per_token if stack.num_experts else 1)
+    linear = 2.0 * tokens * stack.num_layers * (stack.attn_params() + mlp_used + router)
+    kv_heads_per_gpu = max(stack.num_kv_heads / tp, 1.0)
+    kv_row = 2 * kv_heads_per_gpu * stack.head_dim * KV_BYTES[dep.kv_dtype]
+    full_layers = stack.num_layers - stack.num_sliding_layers
+    window = stack.sliding_window or 0
+    seen = [(full_layers, ctx + q), (stack.num_sliding_layers, min(ctx, window) + q)]
+    kv_bytes = sum(n * batch * keys * kv_row for n, keys in seen)
+    attention = sum(4.0 * n * tokens * keys * stack.num_heads * stack.head_dim for n, keys in seen)
+    lm_bytes = vocab * stack.hidden * LM_HEAD_BYTES if logits_rows else 0.0
+    lm_flops = 2.0 * logits_rows * vocab * stack.hidden
+    return PassCost(
+        bytes=(weight_bytes + lm_bytes) / tp + kv_bytes,
+        linear_flops=(linear + lm_flops) / tp,
+        attention_flops=attention / tp,
+        allreduces=2 * stack.num_layers if tp > 1 else 0,
+        allreduce_bytes=tokens * stack.hidden * ACTIVATION_BYTES,
+        layers=stack.num_layers,
+    )
+
+
+def pass_time(cost: PassCost, dep: Deployment) -> float:
+    cal, gpu = dep.calibration, dep.gpu
+    memory = cost.bytes / (gpu.hbm_bandwidth * cal.bandwidth_efficiency)
+    compute = (
+        cost.linear_flops / gpu.dense_flops(dep.precision) + cost.attention_flops / gpu.bf16_flops
+    ) / cal.compute_efficiency
+    comm = 0.0
+    if cost.allreduces:
+        ring = 2.0 * (dep.tp - 1) / dep.tp * cost.allreduce_bytes / gpu.nvlink_bandwidth
+        comm = cost.allreduces * (cal.allreduce_latency_s + ring)
+    return max(memory, compute) + comm + cost.layers * cal.layer_overhead_s
+
+
+@dataclass(frozen=True)
+class Iteration:
+    """One decoding iteration at one batch size: its time and what it yields per sequence."""
+
+    seconds: float
+    tokens_per_seq: float
+    target_s: float
+    draft_s: float
+
+    def tok_s_user(self) -> float:
+        return self.tokens_per_seq / self.seconds
+
+
+def ar_iteration(target: TargetModel, batch: int, ctx: float, dep: Deployment) -> Iteration:
+    t = pass_time(stack_pass(target.stack, batch, 1, ctx, dep, batch, target.vocab), dep)
+    return Iteration(t + dep.calibration.step_overhead_s, 1.0, t, 0.0)
+
+
+def dflash_iteration(
+    target: TargetModel, drafter: DFlashDrafter, acceptance: Acceptance, batch: int, ctx: float, dep: Deployment
+) -> Iteration:
+    block = acceptance.max_length
+    if block > drafter.block_size:
+        raise DFlashTrtError(f"acceptance lengths reach {block} but the drafter's block size is {drafter.block_size}")
+    verify = pass_time(stack_pass(target.stack, batch, block, ctx, dep, batch * block, target.vocab), dep)
+    draft = stack_pass(drafter.stack, batch, block, ctx, dep, batch * (block - 1), target.vocab)
+    # KV injection: fc over the accepted tokens' concatenated taps, then every draft layer's K/V projection.
+    injected = batch * acceptance.mean()
+    h = drafter.stack.hidden
+    fc_params = drafter.num_taps * h * h
+    tap_bytes = injected * drafter.num_taps * h * ACTIVATION_BYTES
+    inject_bytes = (fc_params * WEIGHT_BYTES[dep.precision] + tap_bytes) / dep.tp
+    inject_flops = 2.0 * injected * (fc_params + drafter.stack.num_layers * drafter.stack.kv_proj_params()) / dep.tp
+    draft = replace(draft, bytes=draft.bytes + inject_bytes, linear_flops=draft.linear_flops + inject_flops)
+    d = pass_time(draft, dep)
+    cal = dep.calibration
+    return Iteration(verify + d + cal.step_overhead_s + cal.spec_overhead_s, acceptance.mean(), verify, d)
+
+
+def eagle3_iteration(
+    target: TargetModel, drafter: Eagle3Drafter, acceptance: Acceptance, batch: int, ctx: float, dep: Deployment
+) -> Iteration:
+    width = drafter.steps + 1
+    if acceptance.max_length > width:
+        raise DFlashTrtError(
+            f"acceptance lengths reach {acceptance.max_length} but {drafter.steps} drafts yield at most {width}"
+        )
+    verify = pass_time(stack_pass(target.stack, batch, width, ctx, dep, batch * width, target.vocab), dep)
+    step = stack_pass(drafter.stack, batch, 1, ctx, dep, batch, drafter.draft_vocab)
+    h = drafter.stack.hidden
+    fc = drafter.num_taps * h * h
+    fused = replace(
+        step,
+        bytes=step.bytes + fc * WEIGHT_BYTES[dep.precision] / dep.tp,
+        linear_flops=step.linear_flops + 2.0 * batch * fc / dep.tp,
+    )
+    d = sum(pass_time(fused if i == 0 else step, dep) for i in range(drafter.steps))
+    cal = dep.calibration
+    return Iteration(verify + d + cal.step_overhead_s + cal.spec_overhead_s, acceptance.mean(), verify, d)
+
+
+@dataclass(frozen=True)
+class Method:
+    """What runs: AR (no drafter), DFlash or EAGLE-3, with the acceptance it achieves."""
+
+    name: str
+    drafter: DFlashDrafter | Eagle3Drafter | None = None
+    acceptance: Acceptance | None = None
+
+    def iteration(self, target: TargetModel, batch: int, ctx: float, dep: Deployment) -> Iteration:
+        if self.drafter is None:
+            return ar_iteration(target, batch, ctx, dep)
+        if self.acceptance is None:
+            raise DFlashTrtError(f"{self.name}: a speculative method needs an acceptance distribution")
+        if isinstance(self.drafter, DFlashDrafter):
+            return dflash_iteration(target, self.drafter, self.acceptance, batch, ctx, dep)
+        return eagle3_iteration(target, self.drafter, self.acceptance, batch, ctx, dep)
+
+
+def mean_context(input_len: int, output_len: int) -> float:
+    """Average cached length over a request's decode phase."""
+    return input_len + output_len / 2.0
+
+
+def predict_curve(
+    method: Method, target: TargetModel, dep: Deployment, concurrencies: Sequence[int], ctx: float
+) -> list[Point]:
+    """Predicted (tok/s/user = 1/TPOT, tok/s/GPU) at each concurrency, steady state, all sequences decoding."""
+    points = []
+    for c in concurrencies:
+        it = method.iteration(target, c, ctx, dep)
+        points.append(Point(method.name, c, it.tok_s_user(), c * it.tokens_per_seq / it.seconds / dep.tp))
+    return points
