@@ -175,3 +175,43 @@ def test_cli_dry_run_prints_commands_and_analyze_writes_report(tmp_path, capsys)
     assert (Path(cfg.output_dir) / "report.html").exists()
     with pytest.raises(DFlashTrtError, match="cannot read sweep config"):
         main(["sweep", "--config", str(tmp_path / "missing.yaml")])
+
+
+def _bench_all():
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "perf" / "bench_all.py"
+    spec = importlib.util.spec_from_file_location("bench_all", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_all_runs_each_script_and_tabulates_ratios(tmp_path):
+    bench_all = _bench_all()
+    (tmp_path / "bench_decode.py").write_text(
+        'print("warming up")\nprint(\'{"name": "decode", "ratios": {"spec_tok_s_vs_ar_tok_s": 2.5}}\')\n'
+    )
+    (tmp_path / "bench_convert.py").write_text("import sys\nprint('boom')\nsys.exit(3)\n")
+    (tmp_path / "bench_zzz.py").write_text('print(\'{"name": "z", "ratios": {"x": "fast"}}\')\n')
+    (tmp_path / "bench_all.py").write_text("raise SystemExit('the driver must not run itself')\n")
+    scripts = bench_all.find_benchmarks(tmp_path)
+    assert [s.name for s in scripts] == ["bench_convert.py", "bench_decode.py", "bench_zzz.py"]
+    results = [bench_all.run_benchmark(s, 60, tmp_path) for s in scripts]
+    assert results[0]["ok"] is False and results[0]["error"] == "exit status 3" and "boom" in results[0]["output"]
+    assert results[1] == {
+        "script": "bench_decode.py", "ok": True, "name": "decode", "ratios": {"spec_tok_s_vs_ar_tok_s": 2.5},
+    }  # fmt: skip
+    assert results[2]["ok"] is False and "not a finite number" in results[2]["error"]
+    table = bench_all.format_table(results).splitlines()
+    assert table[0].split() == ["benchmark", "metric", "ratio"]
+    assert table[3].split() == ["decode", "spec_tok_s_vs_ar_tok_s", "2.500"]
+
+
+@pytest.mark.parametrize(
+    ("stdout", "message"),
+    [("", "printed nothing"), ("done\n", "not JSON"), ('{"name": "a", "ratios": {}}', "non-empty")],
+)
+def test_bench_protocol_violations_are_named(stdout, message):
+    with pytest.raises(ValueError, match=message):
+        _bench_all().parse_result(stdout)
