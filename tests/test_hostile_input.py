@@ -373,7 +373,7 @@ def test_index_cannot_reach_outside_the_directory(tmp_path: Path, shard_name: st
     ],
 )
 def test_malformed_index(tmp_path: Path, index_text: str, message: str) -> None:
-    save_file({"a": torch.ones(1)}, tmp_path / "model.safetensors")
+    save_file({"a": torch.ones(1)}, tmp_path / "s1.safetensors")
     (tmp_path / "model.safetensors.index.json").write_text(index_text)
     with pytest.raises(DFlashTrtError, match=message):
         HFCheckpointReader(tmp_path)
