@@ -86,6 +86,7 @@ def test_command_is_the_exact_trtllm_build_call(ckpt: Path, tmp_path: Path):
     assert flags["--output_dir"] == str(tmp_path / "engine")
     assert flags["--model_cls_name"] == "DFlashForCausalLM"
     assert Path(flags["--model_cls_file"]) == Path(build_plan.__file__).with_name("model.py")
+    assert Path(flags["--model_cls_file"]).is_file()
     assert flags["--speculative_decoding_mode"] == "eagle"
     assert flags["--max_draft_len"] == "15"  # block_size 16 - 1
     assert flags["--kv_cache_type"] == "paged"
@@ -165,6 +166,21 @@ def test_refuses_draft_kv_geometry_unlike_the_target(tmp_path: Path):
     ckpt = write_checkpoint(tmp_path / "d", draft_hf=draft)
     with pytest.raises(DFlashTrtError, match=r"2 kv heads x 128\) differs from the target's \(2 x 64\)"):
         plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings())
+
+
+def test_refuses_drafter_quantized_unlike_the_target(tmp_path: Path):
+    target = parse_target_config(TARGET_HF)
+    draft = parse_draft_config(DRAFT_HF, target)
+    fp8 = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "group_size": 16, "exclude_modules": ["lm_head"]}
+    root = tmp_path / "q"
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps(checkpoint_config(target, draft, "bfloat16", quantization=fp8)))
+    with pytest.raises(DFlashTrtError, match=r"one engine applies one quantization"):
+        plan_engine_build(root, tmp_path / "e", EngineBuildSettings())
+    (root / "config.json").write_text(
+        json.dumps(checkpoint_config(target, draft, "bfloat16", quantization=fp8, draft_quantization=fp8)))
+    plan = plan_engine_build(root, tmp_path / "e", EngineBuildSettings(use_fp8_context_fmha=True))
+    assert plan.dflash_manifest["quant_algo"] == "FP8" and plan.dflash_manifest["kv_cache_quant_algo"] == "FP8"
 
 
 def test_refuses_draft_rope_unlike_the_target(tmp_path: Path):

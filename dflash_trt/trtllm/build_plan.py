@@ -85,6 +85,8 @@ class CheckpointFacts:
     kv_cache_quant_algo: str | None
     target_rope: RopeConfig
     draft_rope: RopeConfig
+    draft_quant_algo: str | None = None
+    draft_kv_cache_quant_algo: str | None = None
 
     @property
     def max_draft_len(self) -> int:
@@ -176,6 +178,7 @@ def read_checkpoint_facts(checkpoint_dir: str | Path) -> CheckpointFacts:
         raise DFlashTrtError(f"{path}: max_draft_len must equal block_size - 1 = {draft.block_size - 1}")
     mapping = config.get("mapping") or {}
     quant = config.get("quantization") or {}
+    draft_quant = config["dflash_config"].get("quantization") or {}
     return CheckpointFacts(
         base_architecture=target.architecture,
         dtype=str(config.get("dtype")),
@@ -197,6 +200,8 @@ def read_checkpoint_facts(checkpoint_dir: str | Path) -> CheckpointFacts:
         kv_cache_quant_algo=quant.get("kv_cache_quant_algo"),
         target_rope=target.rope,
         draft_rope=draft.rope,
+        draft_quant_algo=draft_quant.get("quant_algo"),
+        draft_kv_cache_quant_algo=draft_quant.get("kv_cache_quant_algo"),
     )
 
 
@@ -221,6 +226,18 @@ def check_rope(facts: CheckpointFacts) -> None:
         raise DFlashTrtError(
             "the drafter's RoPE parameters differ from the target's; the engine shares one RoPE table between them, "
             "so this pair can be converted and verified but not built into an engine yet"
+        )
+
+
+def check_quantization(facts: CheckpointFacts) -> None:
+    """TensorRT-LLM quantizes every Linear and attention KV of the model from one QuantConfig, and the KV pool has
+    one dtype, so the drafter must use the target's weight and KV-cache formats."""
+    target = (facts.quant_algo, facts.kv_cache_quant_algo)
+    draft = (facts.draft_quant_algo, facts.draft_kv_cache_quant_algo)
+    if draft != target:
+        raise DFlashTrtError(
+            f"the drafter is quantized as {draft} but the target as {target}; one engine applies one quantization "
+            "(weights, KV cache) to both, so convert them with the same formats"
         )
 
 
@@ -382,6 +399,7 @@ def plan_engine_build(checkpoint_dir: str | Path, output_dir: str | Path, settin
     facts = read_checkpoint_facts(checkpoint_dir)
     check_kv_geometry(facts)
     check_rope(facts)
+    check_quantization(facts)
     check_sliding_window(facts, settings)
     check_settings(facts, settings)
     library = str(plugin_library) if plugin_library is not None else str(default_library_path())

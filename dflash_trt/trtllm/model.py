@@ -1,0 +1,427 @@
+"""DFlashForCausalLM: target + DFlash drafter as one TensorRT-LLM 1.2.x network under the EAGLE engine contract.
+
+`trtllm-build --model_cls_file <this file> --model_cls_name DFlashForCausalLM` loads it; importing it registers the
+class in `tensorrt_llm.models.MODEL_MAP` so `PretrainedConfig.from_dict` finds the checkpoint's architecture. Per
+step (docs/engine.md §2): stock target decoder layers with our own loop keeping the tap outputs; the stock greedy
+EAGLE accept plugin; in-graph bookkeeping with static shapes and validity masks; KV injection of the accepted
+tokens' context K/V into the draft layers' pages (our plugin); the draft block as one spec-decoding generation step
+of the stock attention plugin; next drafts from the target's lm_head. Imports TensorRT-LLM, so GPU hosts only.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+
+import numpy as np
+import tensorrt as trt
+from tensorrt_llm._common import default_net
+from tensorrt_llm._utils import pad_vocab_size
+from tensorrt_llm.bindings import KVCacheType
+from tensorrt_llm.functional import (
+    LayerNormType,
+    Tensor,
+    arange,
+    argmax,
+    cast,
+    concat,
+    constant,
+    cumsum,
+    expand,
+    gather,
+    gather_last_token_logits,
+    index_select,
+    scatter,
+    shape,
+    slice,
+    tanh,
+    unsqueeze,
+    where,
+)
+from tensorrt_llm.layers import (
+    Attention,
+    AttentionMaskType,
+    ColumnLinear,
+    Embedding,
+    GatedMLP,
+    KeyValueCacheParams,
+    RmsNorm,
+    SpecDecodingParams,
+)
+from tensorrt_llm.models import MODEL_MAP
+from tensorrt_llm.models.eagle.model import TreeParams, eagle_sample_and_accept_draft_plugin
+from tensorrt_llm.models.generation_mixin import GenerationMixin
+from tensorrt_llm.models.llama.config import LLaMAConfig
+from tensorrt_llm.models.llama.model import LLaMADecoderLayer
+from tensorrt_llm.models.modeling_utils import DecoderModelForCausalLM, PretrainedConfig
+from tensorrt_llm.models.qwen.config import QWenConfig
+from tensorrt_llm.models.qwen.model import QWenDecoderLayer
+from tensorrt_llm.module import Module, ModuleList
+
+from dflash_trt.checkpoint.trtllm_config import ARCHITECTURE, rope_from_config
+from dflash_trt.trtllm.build_plan import block_packed_mask
+from dflash_trt.trtllm.plugin import kv_injection_layer
+
+# Keys only DFlash reads; the target's TensorRT-LLM config class must not see them.
+DFLASH_KEYS = ("architecture", "base_architecture", "dflash_config", "dflash_format_version", "eos_token_ids",
+               "vocab_size_padded", "max_draft_len", "num_eagle_layers", "max_non_leaves_per_layer",
+               "eagle_net_config", "mapping", "quantization")
+EAGLE_INPUTS = ("draft_tokens", "draft_lens", "eagle_temperature", "rand_data_validation", "posterior_alpha",
+                "posterior_threshold", "tree_params", "greedy_sampling", "use_dynamic_tree",
+                "host_gen_eagle_net_request_types", "host_gen_eagle_net_context_lengths",
+                "host_gen_eagle_net_past_key_value_lengths")
+
+
+class DFlashConfig(PretrainedConfig):
+    """The converted checkpoint's config plus the EAGLE keys the C++ runtime reads from the engine's config.json."""
+
+    def __init__(self, *, base_architecture: str, dflash_config: dict, **kwargs):
+        for derived in ("num_eagle_layers", "max_non_leaves_per_layer", "eagle_net_config"):
+            kwargs.pop(derived, None)
+        super().__init__(**kwargs)
+        self.base_architecture = base_architecture
+        self.dflash_config = dict(dflash_config)
+        k = dflash_config["block_size"] - 1
+        self.max_draft_len = k
+        # GptJsonConfig: num_eagle_layers = chain depth, eagle_net_config.num_hidden_layers = extra pool layers.
+        self.num_eagle_layers = k
+        self.max_non_leaves_per_layer = 1
+        self.eagle_net_config = {"num_hidden_layers": dflash_config["num_hidden_layers"]}
+
+    def target_config(self) -> PretrainedConfig:
+        """The stock Qwen/Llama config the target's decoder layers are built from (same mapping and quantization)."""
+        fields = {key: value for key, value in self.to_dict().items() if key not in DFLASH_KEYS}
+        fields.update(architecture=self.base_architecture, mapping=self.mapping, quantization=self.quantization)
+        if self.base_architecture == "Qwen3ForCausalLM":
+            return QWenConfig(qwen_type="qwen3", seq_length=8192, **fields)
+        return LLaMAConfig(**fields)
+
+
+class DFlashDraftLayer(Module):
+    """One DFlash draft layer: Qwen3-style block whose attention K/V also hold the injected context."""
+
+    def __init__(self, config: DFlashConfig, index: int):
+        super().__init__()
+        d = config.dflash_config
+        mapping = config.mapping
+        self.input_layernorm = RmsNorm(normalized_shape=d["hidden_size"], eps=d["norm_epsilon"], dtype=config.dtype)
+        # Causal mask type: spec-decoding generation runs on XQA, which needs it; the block mask does the rest.
+        self.attention = Attention(
+            local_layer_idx=config.num_hidden_layers + index,
+            hidden_size=d["hidden_size"],
+            attention_head_size=d["head_size"],
+            num_attention_heads=d["num_attention_heads"],
+            num_kv_heads=d["num_key_value_heads"],
+            max_position_embeddings=config.max_position_embeddings,
+            dtype=config.dtype,
+            attention_mask_type=AttentionMaskType.causal,
+            bias=d["attn_bias"],
+            dense_bias=d["attn_bias"],
+            position_embedding_type=config.position_embedding_type,
+            rotary_embedding_base=d["rotary_base"],
+            rotary_embedding_scaling=d["rotary_scaling"],
+            tp_group=mapping.tp_group,
+            tp_size=mapping.tp_size,
+            tp_rank=mapping.tp_rank,
+            quant_mode=config.quant_mode,
+            qk_layernorm=True,
+            layernorm_type=LayerNormType.RmsNorm,
+            eps=d["norm_epsilon"],
+        )
+        self.post_layernorm = RmsNorm(normalized_shape=d["hidden_size"], eps=d["norm_epsilon"], dtype=config.dtype)
+        self.mlp = GatedMLP(
+            hidden_size=d["hidden_size"],
+            ffn_hidden_size=d["intermediate_size"],
+            hidden_act=d["hidden_act"],
+            dtype=config.dtype,
+            bias=False,
+            tp_group=mapping.tp_group,
+            tp_size=mapping.tp_size,
+            quant_mode=config.quant_mode,
+        )
+
+    def context_kv(self, feature: Tensor) -> Tensor:
+        """K|V columns of this layer's qkv projection of the fused target feature (no input_layernorm)."""
+        attn = self.attention
+        q_cols = attn.num_attention_heads * attn.attention_head_size
+        kv_cols = 2 * attn.num_attention_kv_heads * attn.attention_head_size
+        qkv = attn.qkv(feature)
+        return slice(qkv, [0, q_cols], concat([shape(qkv, 0), kv_cols]))
+
+    def forward(self, hidden_states, spec_decoding_params, kv_cache_params, attention_params):
+        residual = hidden_states
+        attention_output, _ = self.attention(
+            self.input_layernorm(hidden_states),
+            use_cache=True,
+            spec_decoding_params=spec_decoding_params,
+            kv_cache_params=kv_cache_params,
+            attention_params=attention_params,
+        )
+        hidden_states = residual + attention_output
+        return hidden_states + self.mlp(self.post_layernorm(hidden_states))
+
+
+class DFlashDrafter(Module):
+    """`dflash.*`: fc + hidden_norm fuse the taps; the layers; ln_f. Embeddings and lm_head are the target's."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        d = config.dflash_config
+        hidden = d["hidden_size"]
+        self.fc = ColumnLinear(len(d["target_layer_ids"]) * config.hidden_size, hidden, bias=False,
+                               dtype=config.dtype, tp_group=config.mapping.tp_group,
+                               tp_size=config.mapping.tp_size, gather_output=True)
+        self.hidden_norm = RmsNorm(normalized_shape=hidden, eps=d["norm_epsilon"], dtype=config.dtype)
+        self.layers = ModuleList([DFlashDraftLayer(config, i) for i in range(d["num_hidden_layers"])])
+        self.ln_f = RmsNorm(normalized_shape=hidden, eps=d["norm_epsilon"], dtype=config.dtype)
+
+
+class DFlashTarget(Module):
+    """`transformer.*`: stock embedding, decoder layers and ln_f, with a layer loop that keeps the taps."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        target = config.target_config()
+        layer_cls = QWenDecoderLayer if config.base_architecture == "Qwen3ForCausalLM" else LLaMADecoderLayer
+        self.vocab_embedding = Embedding(config.vocab_size, config.hidden_size, dtype=config.dtype)
+        self.layers = ModuleList([layer_cls(target, i) for i in range(config.num_hidden_layers)])
+        self.ln_f = RmsNorm(normalized_shape=config.hidden_size, eps=config.norm_epsilon, dtype=config.dtype)
+        self.taps = tuple(config.dflash_config["target_layer_ids"])
+
+    def forward(self, input_ids, spec_decoding_params, kv_cache_params, attention_params):
+        """Returns (ln_f output, concat of tap layer outputs): tap i = output of layer i = HF hidden_states[i+1]."""
+        hidden_states = self.vocab_embedding(input_ids)
+        taps = {}
+        for index, layer in enumerate(self.layers):
+            hidden_states, _ = layer(
+                hidden_states,
+                use_cache=True,
+                spec_decoding_params=spec_decoding_params,
+                kv_cache_params=layer_kv_params(kv_cache_params),
+                attention_params=attention_params,
+            )
+            if index in self.taps:
+                taps[index] = hidden_states
+        return self.ln_f(hidden_states), concat([taps[i] for i in self.taps], dim=-1)
+
+
+def layer_kv_params(params: KeyValueCacheParams, host_past_key_value_lengths: Tensor | None = None
+                    ) -> KeyValueCacheParams:
+    """Per-layer KV params as DecoderLayerList builds them (paged pool: no per-layer past tensor)."""
+    if host_past_key_value_lengths is None:
+        host_past_key_value_lengths = params.host_past_key_value_lengths
+    return KeyValueCacheParams(
+        past_key_value=[None],
+        host_past_key_value_lengths=host_past_key_value_lengths,
+        host_max_attention_window_sizes=params.host_max_attention_window_sizes,
+        host_sink_token_length=params.host_sink_token_length,
+        kv_cache_block_offsets=params.kv_cache_block_offsets,
+        host_kv_cache_block_offsets=params.host_kv_cache_block_offsets,
+        host_kv_cache_pool_pointers=params.host_kv_cache_pool_pointers,
+        host_kv_cache_pool_mapping=params.host_kv_cache_pool_mapping,
+        cache_indirection=params.cache_indirection,
+    )
+
+
+def refuse_unsupported(config: DFlashConfig) -> None:
+    """What dflash-trt build refuses, repeated because trtllm-build may be run by hand."""
+    d = config.dflash_config
+    if config.mapping.pp_size != 1:
+        raise ValueError("DFlash engines do not support pipeline parallelism")
+    if (d["num_key_value_heads"], d["head_size"]) != (config.num_key_value_heads, config.head_size):
+        raise ValueError("the drafter's KV geometry differs from the target's; the shared KV pool cannot hold it")
+
+
+def i32(values) -> Tensor:
+    return constant(np.ascontiguousarray(np.array(values, dtype=np.int32)))
+
+
+class DFlashForCausalLM(DecoderModelForCausalLM):
+    config_class = DFlashConfig
+
+    def __init__(self, config: DFlashConfig):
+        refuse_unsupported(config)
+        lm_head = ColumnLinear(config.hidden_size, pad_vocab_size(config.vocab_size, config.mapping.tp_size),
+                               bias=False, dtype=config.dtype, tp_group=config.mapping.tp_group,
+                               tp_size=config.mapping.tp_size, gather_output=True)
+        super().__init__(config, DFlashTarget(config), lm_head)
+        self.dflash = DFlashDrafter(config)
+        d = config.dflash_config
+        self.block_size = d["block_size"]
+        self.max_draft_len = self.block_size - 1
+        self.mask_token_id = d["mask_token_id"]
+        self.draft_rope = rope_from_config(d["head_size"], d["rotary_base"], d["rotary_scaling"])
+
+    def forward(self, input_ids, position_ids, use_cache, last_token_ids, kv_cache_params, attention_params,
+                spec_decoding_params, draft_tokens, draft_lens, eagle_temperature, rand_data_validation,
+                posterior_alpha, posterior_threshold, tree_params, greedy_sampling, use_dynamic_tree,
+                host_gen_eagle_net_request_types, host_gen_eagle_net_context_lengths,
+                host_gen_eagle_net_past_key_value_lengths, attention_mask=None):
+        assert use_cache and default_net().plugin_config.paged_kv_cache
+        attention_params = Attention.fill_attention_params(self, attention_params)
+        hidden_states, taps = self.transformer(input_ids, spec_decoding_params, kv_cache_params, attention_params)
+
+        # Target logits, exactly as DecoderModelForCausalLM marks them.
+        last = gather_last_token_logits(hidden_states, last_token_ids, default_net().plugin_config.remove_input_padding)
+        logits = self.lm_head(last)
+        logits.mark_output("logits", self.config.logits_dtype)
+
+        accepted_tokens, num_accepted, accepted_paths, _, _, next_draft_paths, _ = (
+            eagle_sample_and_accept_draft_plugin(
+                cast(logits, "float32"), draft_tokens, draft_lens, eagle_temperature, rand_data_validation,
+                posterior_alpha, posterior_threshold, tree_params, greedy_sampling, use_dynamic_tree))
+
+        book = self.bookkeeping(input_ids, position_ids, attention_params.context_lengths, draft_lens,
+                                accepted_tokens, num_accepted)
+        written = self.inject_context(taps, book, kv_cache_params)
+        next_draft_tokens = self.draft_block(book, written, kv_cache_params, attention_params, spec_decoding_params,
+                                             host_gen_eagle_net_request_types, host_gen_eagle_net_context_lengths,
+                                             host_gen_eagle_net_past_key_value_lengths)
+        next_draft_lens = expand(i32([self.max_draft_len]), shape(draft_lens))
+
+        accepted_tokens.mark_output("accepted_tokens")
+        num_accepted.mark_output("num_accepted_tokens")
+        accepted_paths.mark_output("accepted_paths")
+        next_draft_tokens.mark_output("next_draft_tokens")
+        next_draft_lens.mark_output("next_draft_lens")
+        next_draft_paths.mark_output("next_draft_paths")
+        return next_draft_tokens
+
+    def bookkeeping(self, input_ids, position_ids, context_lengths, draft_lens, accepted_tokens, num_accepted):
+        """Per-token request index and validity, per-request drafter context length and anchor (docs §2.3)."""
+        is_generation = draft_lens > 0
+        in_len = where(is_generation, draft_lens + 1, context_lengths)
+        valid_len = where(is_generation, num_accepted, in_len)
+        starts = cumsum(in_len, 0, prefer_plugin=False) - in_len
+        # A 1 at each request's first row, prefix-summed: the request index of every packed row.
+        markers = scatter(expand(i32([0]), shape(input_ids)), 0, starts, expand(i32([1]), shape(starts)))
+        request = cumsum(markers, 0, prefer_plugin=False) - 1
+        local = arange(i32(0), shape(input_ids, 0), "int32") - index_select(starts, 0, request)
+        valid = cast(local < index_select(valid_len, 0, request), "int32")
+        ctx_len = index_select(position_ids, 0, starts) + valid_len
+        anchor = gather(accepted_tokens, 1, unsqueeze(num_accepted - 1, 1))
+        return {"request": request, "valid": valid, "positions": position_ids, "ctx_len": ctx_len,
+                "anchor": anchor, "batch": shape(draft_lens, 0), "draft_lens": draft_lens}
+
+    def inject_context(self, taps, book, kv_cache_params) -> Tensor:
+        """Write the valid tokens' context K/V into every draft layer's pages; returns the ordering token."""
+        feature = self.dflash.hidden_norm(self.dflash.fc(taps))
+        layers = list(self.dflash.layers)
+        first = layers[0].attention
+        common = {
+            "kv_cache_block_offsets": kv_cache_params.kv_cache_block_offsets,
+            "host_kv_cache_pool_pointers": kv_cache_params.host_kv_cache_pool_pointers,
+            "host_kv_cache_pool_mapping": kv_cache_params.host_kv_cache_pool_mapping,
+            "num_kv_heads": first.num_attention_kv_heads,
+            "head_dim": first.attention_head_size,
+            "tokens_per_block": default_net().plugin_config.tokens_per_block,
+            "rope": self.draft_rope,
+            "eps": self.config.dflash_config["norm_epsilon"],
+        }
+        token = book["ctx_len"]
+        # One plugin call for all layers, unless an FP8 cache needs each layer's own KV scale.
+        fp8_cache = first.kv_cache_scaling_factor is not None
+        groups = [[i] for i in range(len(layers))] if fp8_cache else [list(range(len(layers)))]
+        for group in groups:
+            ctx_kv = concat([layers[i].context_kv(feature) for i in group], dim=-1)
+            k_norm = concat([unsqueeze(layers[i].attention.k_layernorm.weight.value, 0) for i in group], dim=0)
+            scale = layers[group[0]].attention.kv_cache_rcp_scaling_factor.value if fp8_cache else None
+            token = kv_injection_layer(
+                ctx_kv, k_norm, book["positions"], book["request"], book["valid"], passthrough=token,
+                num_layers=len(group), layer_idx_offset=self.config.num_hidden_layers + group[0],
+                kv_scale_orig_quant=scale, **common)
+        return token
+
+    def draft_block(self, book, written, kv_cache_params, attention_params, spec_decoding_params,
+                    host_request_types, host_context_lengths, host_past_key_value_lengths) -> Tensor:
+        """Run `[anchor, MASK x K]` through the draft layers as one spec-decoding generation step; argmax slots 1..K."""
+        b, k = self.block_size, self.max_draft_len
+        batch = book["batch"]
+        masks = expand(i32([[self.mask_token_id]]), concat([batch, k]))
+        block_ids = concat([book["anchor"], masks], dim=1).view(concat([batch * b]))
+        ctx_len = written  # the injection's passthrough copy: the block pass cannot start before the cache write
+        hidden = self.transformer.vocab_embedding(block_ids)
+        scale = self.config.dflash_config["input_embedding_scale"]
+        if scale != 1.0:
+            hidden = hidden * scale
+
+        params = copy.copy(attention_params)
+        params.sequence_length = ctx_len + b
+        params.context_lengths = ctx_len
+        params.host_request_types = host_request_types
+        params.host_context_lengths = host_context_lengths
+        kv_params = layer_kv_params(kv_cache_params, host_past_key_value_lengths)
+        offsets = expand(i32([list(range(b))]), concat([batch, b]))
+        lengths = expand(i32([b]), shape(book["draft_lens"]))
+        causal = self.config.dflash_config["causal"]
+        for index, layer in enumerate(self.dflash.layers):
+            packed = np.array([block_packed_mask(b, causal[index])], dtype=np.int32)
+            mask = expand(i32(packed), concat([batch, b, packed.shape[2]]))
+            spec = SpecDecodingParams(True, b, lengths, offsets, mask, spec_decoding_params.spec_decoding_use)
+            hidden = layer(hidden, spec, kv_params, params)
+        hidden = self.dflash.ln_f(hidden).view(concat([batch, b, shape(hidden, 1)]))
+        drafts = slice(hidden, [0, 1, 0], concat([batch, k, shape(hidden, 2)]))
+        logits = cast(self.lm_head(drafts.view(concat([batch * k, shape(hidden, 2)]))), "float32")
+        logits = slice(logits, [0, 0], concat([batch * k, self.config.vocab_size]))
+        multiplier = self.config.dflash_config["output_multiplier"]
+        if multiplier != 1.0:
+            logits = logits * multiplier
+        softcap = self.config.dflash_config["final_logit_softcapping"]
+        if softcap:
+            logits = tanh(logits * (1.0 / softcap)) * softcap
+        return cast(argmax(logits, -1, keepdim=True), "int32").view(concat([batch, k]))
+
+    def prepare_inputs(self, *args, **kwargs):
+        """The standard GPT inputs for target + draft pool layers, plus the EAGLE inputs DFlash reads (§3)."""
+        k = self.max_draft_len
+        kwargs["speculative_decoding_draft_tokens_external"] = False
+        kwargs["max_draft_len"] = k
+        kwargs["spec_decoding_is_generation_length_variable"] = True
+        kwargs["num_hidden_layers"] = self.config.num_hidden_layers + self.config.eagle_net_config["num_hidden_layers"]
+        inputs = super().prepare_inputs(*args, **kwargs)
+        assert inputs["spec_decoding_params"] is not None
+
+        plugin_config = default_net().plugin_config
+        kv_cache_type = KVCacheType.PAGED if plugin_config.paged_kv_cache else KVCacheType.CONTINUOUS
+        ctx_gen_profiles = GenerationMixin.has_ctx_gen_opt_profiles(
+            use_gpt_attention_plugin=plugin_config.gpt_attention_plugin,
+            use_gemm_plugin=plugin_config.gemm_plugin,
+            remove_input_padding=plugin_config.remove_input_padding,
+            kv_cache_type=kv_cache_type)
+        _, ranges = GenerationMixin.get_profiles_ranges(
+            max_batch_size=kwargs["max_batch_size"],
+            max_beam_width=kwargs["max_beam_width"],
+            max_input_len=kwargs["max_input_len"],
+            max_num_tokens=kwargs["max_num_tokens"],
+            max_draft_len=k,
+            opt_batch_size=kwargs.get("opt_batch_size"),
+            opt_num_tokens=kwargs.get("opt_num_tokens"),
+            enable_ctx_gen_opt_profiles=ctx_gen_profiles,
+            multiple_profiles=plugin_config.multiple_profiles,
+            kv_cache_type=kv_cache_type)
+        bb_range = ranges["bb_range"]
+        profiles = len(bb_range)
+
+        def declare(name, dtype, dims):
+            return Tensor(name=name, dtype=dtype, shape=[-1 if n == "batch_size" else v[0] for n, v in dims],
+                          dim_range=OrderedDict(dims))
+
+        batch = ("batch_size", bb_range)
+        draft_len = ("draft_len", [k] * profiles)
+        decoding_len = ("decoding_len", [k + 1] * profiles)
+        path_len = ("path_len", [k + 1] * profiles)
+        inputs["draft_tokens"] = declare("draft_tokens", trt.int32, [batch, draft_len])
+        inputs["draft_lens"] = declare("draft_lens", trt.int32, [batch])
+        inputs["eagle_temperature"] = declare("eagle_temperature", trt.float32, [batch])
+        inputs["rand_data_validation"] = declare("rand_data_validation", trt.float32, [batch, decoding_len])
+        inputs["posterior_alpha"] = declare("posterior_alpha", trt.float32, [batch])
+        inputs["posterior_threshold"] = declare("posterior_threshold", trt.float32, [batch])
+        inputs["tree_params"] = TreeParams(paths=declare("draft_paths", trt.int32, [batch, decoding_len, path_len]))
+        inputs["greedy_sampling"] = Tensor(name="greedy_sampling", dtype=trt.int32, shape=[1])
+        inputs["use_dynamic_tree"] = Tensor(name="use_dynamic_tree", dtype=trt.int32, shape=[1])
+        for name in EAGLE_INPUTS[-3:]:
+            inputs[name] = declare(name, trt.int32, [batch])
+        return inputs
+
+
+MODEL_MAP[ARCHITECTURE] = DFlashForCausalLM
