@@ -1,0 +1,149 @@
+"""Stream one prompt through a DFlash Triton repository over gRPC; print the text and the drafter's acceptance.
+
+Standalone (tritonclient + numpy) so the copy written into every repository runs on any client machine:
+    python client.py --url localhost:8001 --prompt "Write a haiku about GPUs." --max_tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import queue
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+SETTINGS_FILE = "dflash_triton.json"
+
+
+@dataclass
+class Generation:
+    text: str = ""
+    chunks: int = 0
+    seconds: float = 0.0
+    acceptance_rate: float | None = None
+    accepted_draft_tokens: int | None = None
+    draft_tokens: int | None = None
+    errors: list[str] = field(default_factory=list)
+
+
+def mean_acceptance_length(accepted: int, drafted: int, max_draft_len: int) -> float:
+    """Tokens gained per verification step, bonus token included: every step drafts `max_draft_len` tokens."""
+    steps = drafted / max_draft_len
+    return math.nan if steps == 0 else (accepted + steps) / steps
+
+
+def request_inputs(prompt: str, max_tokens: int, temperature: float | None, stop_words: list[str]):
+    """The ensemble's inputs for one request (batch of 1), streaming and perf metrics on."""
+    import tritonclient.grpc as grpcclient
+
+    def tensor(name: str, array: np.ndarray, dtype: str):
+        t = grpcclient.InferInput(name, list(array.shape), dtype)
+        t.set_data_from_numpy(array)
+        return t
+
+    inputs = [
+        tensor("text_input", np.array([[prompt.encode("utf-8")]], dtype=object), "BYTES"),
+        tensor("max_tokens", np.array([[max_tokens]], dtype=np.int32), "INT32"),
+        tensor("stream", np.array([[True]], dtype=bool), "BOOL"),
+        tensor("return_perf_metrics", np.array([[True]], dtype=bool), "BOOL"),
+    ]
+    if temperature is not None:
+        inputs.append(tensor("temperature", np.array([[temperature]], dtype=np.float32), "FP32"))
+    if stop_words:
+        words = np.array([[w.encode("utf-8") for w in stop_words]], dtype=object)
+        inputs.append(tensor("stop_words", words, "BYTES"))
+    return inputs
+
+
+def _scalar(result, name: str):
+    value = result.as_numpy(name)
+    return None if value is None else value.reshape(-1)[0].item()
+
+
+def stream_generate(url: str, prompt: str, max_tokens: int, *, model: str = "ensemble",
+                    temperature: float | None = None, stop_words: list[str] = (), on_text=None,
+                    timeout_s: float = 600.0) -> Generation:
+    """Send one streaming request and collect every response until the server marks the last one."""
+    import tritonclient.grpc as grpcclient
+
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url=url)
+    out = Generation()
+    start = time.perf_counter()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    try:
+        client.async_stream_infer(model, request_inputs(prompt, max_tokens, temperature, list(stop_words)),
+                                  enable_empty_final_response=True)
+        while True:
+            result, error = responses.get(timeout=timeout_s)
+            if error is not None:
+                out.errors.append(str(error))
+                break
+            text = result.as_numpy("text_output")
+            if text is not None and text.size:
+                piece = b"".join(text.reshape(-1)).decode("utf-8", errors="replace")
+                out.text += piece
+                out.chunks += 1
+                if on_text is not None:
+                    on_text(piece)
+            for attr, name in (("acceptance_rate", "acceptance_rate"),
+                               ("accepted_draft_tokens", "total_accepted_draft_tokens"),
+                               ("draft_tokens", "total_draft_tokens")):
+                value = _scalar(result, name)
+                if value is not None:
+                    setattr(out, attr, value)
+            final = result.get_response().parameters.get("triton_final_response")
+            if final is not None and final.bool_param:
+                break
+    finally:
+        client.stop_stream()
+        client.close()
+    out.seconds = time.perf_counter() - start
+    return out
+
+
+def summary(gen: Generation, max_draft_len: int | None) -> str:
+    parts = [f"{gen.chunks} chunks in {gen.seconds:.2f} s"]
+    if gen.acceptance_rate is not None:
+        parts.append(f"acceptance rate {gen.acceptance_rate:.3f}")
+    if gen.accepted_draft_tokens is not None and gen.draft_tokens is not None:
+        parts.append(f"accepted {gen.accepted_draft_tokens}/{gen.draft_tokens} draft tokens")
+        if max_draft_len:
+            length = mean_acceptance_length(gen.accepted_draft_tokens, gen.draft_tokens, max_draft_len)
+            parts.append(f"mean acceptance length {length:.2f}")
+    return ", ".join(parts)
+
+
+def _default_max_draft_len() -> int | None:
+    settings = Path(__file__).with_name(SETTINGS_FILE)
+    return json.loads(settings.read_text())["max_draft_len"] if settings.is_file() else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", default="localhost:8001", help="Triton gRPC endpoint")
+    parser.add_argument("--model", default="ensemble")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--max_tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (the default)")
+    parser.add_argument("--stop_words", nargs="*", default=[])
+    parser.add_argument("--max_draft_len", type=int, default=None,
+                        help="drafts per step, for the acceptance length (default: from dflash_triton.json)")
+    args = parser.parse_args(argv)
+    gen = stream_generate(args.url, args.prompt, args.max_tokens, model=args.model, temperature=args.temperature,
+                          stop_words=args.stop_words, on_text=lambda t: print(t, end="", flush=True))
+    print()
+    if gen.errors:
+        print("error: " + "; ".join(gen.errors), file=sys.stderr)
+        return 1
+    print(summary(gen, args.max_draft_len or _default_max_draft_len()), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

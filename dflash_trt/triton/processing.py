@@ -1,0 +1,173 @@
+"""Tokenizer work of the DFlash Triton repository: text -> engine inputs and engine outputs -> text.
+
+This file is copied next to the Triton Python models (as `dflash_processing.py`), so it imports neither Triton nor
+the rest of dflash_trt: the `model.py` files only move numpy arrays between Triton and the functions here, and
+the tests run these functions with a real tokenizer on CPU. Tensor names used by the pre/post-processing models
+are defined here, once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+# preprocessing model
+QUERY = "QUERY"
+REQUEST_OUTPUT_LEN = "REQUEST_OUTPUT_LEN"
+TEMPERATURE = "TEMPERATURE"
+END_ID = "END_ID"
+PAD_ID = "PAD_ID"
+STOP_WORDS = "STOP_WORDS"
+BAD_WORDS = "BAD_WORDS"
+INPUT_ID = "INPUT_ID"
+REQUEST_INPUT_LEN = "REQUEST_INPUT_LEN"
+OUT_REQUEST_OUTPUT_LEN = "OUT_REQUEST_OUTPUT_LEN"
+STOP_WORDS_IDS = "STOP_WORDS_IDS"
+BAD_WORDS_IDS = "BAD_WORDS_IDS"
+OUT_END_ID = "OUT_END_ID"
+OUT_PAD_ID = "OUT_PAD_ID"
+# postprocessing model
+TOKENS_BATCH = "TOKENS_BATCH"
+SEQUENCE_LENGTH = "SEQUENCE_LENGTH"
+OUTPUT = "OUTPUT"
+
+
+def load_tokenizer(tokenizer_dir: str):
+    """A local tokenizer only: no hub access and never code from the directory."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True, trust_remote_code=False)
+
+
+def generation_eos_ids(tokenizer_dir: str) -> list[int]:
+    """Every end-of-sequence id the model's generation_config.json declares (Llama 3.1 has three)."""
+    path = Path(tokenizer_dir) / "generation_config.json"
+    if not path.is_file():
+        return []
+    value = json.loads(path.read_text()).get("eos_token_id")
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, list) else [value])]
+
+
+def texts(array: np.ndarray) -> list[list[str]]:
+    """A Triton STRING tensor [batch, n] (bytes or str objects) as Python strings, one list per request."""
+    rows = np.asarray(array, dtype=object).reshape(len(array), -1)
+    return [[v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in row] for row in rows]
+
+
+def word_list(token_words: list[list[list[int]]]) -> np.ndarray:
+    """TensorRT-LLM's stop/bad word format, [batch, 2, L] int32: row 0 holds the words' token ids back to back,
+    row 1 the end offset of each word, padded with 0 and -1; a request without words gets no offsets."""
+    flat = [[t for word in words for t in word] for words in token_words]
+    ends = [np.cumsum([len(word) for word in words]).tolist() for words in token_words]
+    width = max(1, *(len(f) for f in flat))
+    out = np.zeros((len(token_words), 2, width), dtype=np.int32)
+    out[:, 1, :] = -1
+    for i, (ids, offsets) in enumerate(zip(flat, ends, strict=True)):
+        out[i, 0, : len(ids)] = ids
+        out[i, 1, : len(offsets)] = offsets
+    return out
+
+
+class Preprocessor:
+    """Request text and options -> the `tensorrt_llm` model's inputs, refusing what the engine cannot honour."""
+
+    def __init__(self, tokenizer, *, add_special_tokens: bool, max_input_len: int, max_temperature: float,
+                 extra_stop_ids: list[int] = ()):
+        self.tokenizer = tokenizer
+        self.add_special_tokens = add_special_tokens
+        self.max_input_len = max_input_len
+        self.max_temperature = max_temperature
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the tokenizer defines no eos token; cannot choose the engine's end_id")
+        self.end_id = int(tokenizer.eos_token_id)
+        self.pad_id = int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else self.end_id
+        self.extra_stop_ids = [i for i in extra_stop_ids if i != self.end_id]
+
+    @classmethod
+    def from_dir(cls, tokenizer_dir: str, **kwargs) -> Preprocessor:
+        return cls(load_tokenizer(tokenizer_dir), extra_stop_ids=generation_eos_ids(tokenizer_dir), **kwargs)
+
+    def check_temperature(self, temperature: np.ndarray | None) -> None:
+        if temperature is None:
+            return
+        worst = float(np.max(temperature))
+        if worst > self.max_temperature:
+            raise ValueError(
+                f"temperature {worst:g} refused: this DFlash engine verifies drafts greedily, so a sampling "
+                f"request would silently decode greedily; send temperature <= {self.max_temperature:g} "
+                "(0 means greedy)"
+            )
+
+    def encode(self, queries: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        ids = [self.tokenizer.encode(q, add_special_tokens=self.add_special_tokens) for q in queries]
+        for row in ids:
+            if not row:
+                raise ValueError("empty prompt: text_input must contain at least one token")
+            if len(row) > self.max_input_len:
+                raise ValueError(f"prompt has {len(row)} tokens; the engine accepts at most {self.max_input_len}")
+        width = max(len(r) for r in ids)
+        batch = np.full((len(ids), width), self.pad_id, dtype=np.int32)
+        for i, row in enumerate(ids):
+            batch[i, : len(row)] = row
+        return batch, np.array([[len(r)] for r in ids], dtype=np.int32)
+
+    def _words(self, array: np.ndarray | None, batch: int, with_eos: bool) -> np.ndarray:
+        words = texts(array) if array is not None else [[] for _ in range(batch)]
+        tokens = [
+            [self.tokenizer.encode(w, add_special_tokens=False) for w in request if w]
+            + ([[i] for i in self.extra_stop_ids] if with_eos else [])
+            for request in words
+        ]
+        return word_list(tokens)
+
+    def preprocess(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Triton input tensors by name -> output tensors by name; raises ValueError with the user's message."""
+        self.check_temperature(inputs.get(TEMPERATURE))
+        queries = [row[0] for row in texts(inputs[QUERY])]
+        output_len = np.asarray(inputs[REQUEST_OUTPUT_LEN], dtype=np.int32).reshape(-1, 1)
+        if (output_len < 1).any():
+            raise ValueError("max_tokens must be at least 1")
+        input_ids, input_len = self.encode(queries)
+        batch = len(queries)
+        end_id = inputs.get(END_ID)
+        pad_id = inputs.get(PAD_ID)
+        return {
+            INPUT_ID: input_ids,
+            REQUEST_INPUT_LEN: input_len,
+            OUT_REQUEST_OUTPUT_LEN: output_len,
+            STOP_WORDS_IDS: self._words(inputs.get(STOP_WORDS), batch, with_eos=True),
+            BAD_WORDS_IDS: self._words(inputs.get(BAD_WORDS), batch, with_eos=False),
+            OUT_END_ID: (np.asarray(end_id, dtype=np.int32).reshape(-1, 1) if end_id is not None
+                         else np.full((batch, 1), self.end_id, dtype=np.int32)),
+            OUT_PAD_ID: (np.asarray(pad_id, dtype=np.int32).reshape(-1, 1) if pad_id is not None
+                         else np.full((batch, 1), self.pad_id, dtype=np.int32)),
+        }
+
+
+class Postprocessor:
+    """Engine output ids -> text. Each streamed response carries only its new tokens."""
+
+    def __init__(self, tokenizer, *, skip_special_tokens: bool):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+
+    @classmethod
+    def from_dir(cls, tokenizer_dir: str, **kwargs) -> Postprocessor:
+        return cls(load_tokenizer(tokenizer_dir), **kwargs)
+
+    def postprocess(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        tokens = np.asarray(inputs[TOKENS_BATCH])
+        lengths = np.asarray(inputs[SEQUENCE_LENGTH])
+        if tokens.ndim == 2:  # [batch, L]: one beam
+            tokens, lengths = tokens[:, None, :], lengths.reshape(-1, 1)
+        out = np.empty(lengths.shape, dtype=object)
+        for b in range(tokens.shape[0]):
+            for beam in range(tokens.shape[1]):
+                ids = tokens[b, beam, : int(lengths[b, beam])].tolist()
+                text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+                out[b, beam] = text.encode("utf-8")
+        return {OUTPUT: out}

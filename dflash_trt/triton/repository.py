@@ -1,0 +1,381 @@
+"""Write a Triton model repository that serves a DFlash engine with the stock `tensorrtllm` backend.
+
+The layout is the inflight-batcher one TensorRT-LLM users know: `ensemble` chains `preprocessing` (Python,
+tokenizer) -> `tensorrt_llm` (C++ backend, the engine in EAGLE mode with one chain of drafts) -> `postprocessing`
+(Python, detokenizer). Every value comes from the engine's manifest or a build profile, so no placeholder is left
+to fill by hand; `launch_triton.sh` preloads the DFlash plugin library before the backend loads the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dflash_trt.checkpoint.atomic import atomic_directory
+from dflash_trt.errors import DFlashTrtError
+from dflash_trt.profiles import BuildProfile
+from dflash_trt.triton import processing as P
+from dflash_trt.triton.pbtxt import EnsembleStep, ModelConfig, Tensor, render
+from dflash_trt.trtllm.build_plan import MANIFEST_NAME, SAMPLING_POLICY, chain_eagle_choices
+
+ENSEMBLE = "ensemble"
+PREPROCESSING = "preprocessing"
+TENSORRT_LLM = "tensorrt_llm"
+POSTPROCESSING = "postprocessing"
+SETTINGS_FILE = "dflash_triton.json"
+LAUNCH_SCRIPT = "launch_triton.sh"
+CLIENT_FILE = "client.py"
+PROCESSING_FILE = "dflash_processing.py"
+
+# Outputs the tensorrtllm backend writes when a request sets return_perf_metrics: all must be declared, or the
+# backend fails while filling the response.
+PERF_OUTPUTS = (
+    ("kv_cache_alloc_new_blocks", "TYPE_INT32"),
+    ("kv_cache_reused_blocks", "TYPE_INT32"),
+    ("kv_cache_alloc_total_blocks", "TYPE_INT32"),
+    ("arrival_time_ns", "TYPE_INT64"),
+    ("first_scheduled_time_ns", "TYPE_INT64"),
+    ("first_token_time_ns", "TYPE_INT64"),
+    ("last_token_time_ns", "TYPE_INT64"),
+    ("acceptance_rate", "TYPE_FP32"),
+    ("total_accepted_draft_tokens", "TYPE_INT32"),
+    ("total_draft_tokens", "TYPE_INT32"),
+)
+SPEC_OUTPUTS = PERF_OUTPUTS[-3:]
+
+
+@dataclass(frozen=True)
+class RepositorySettings:
+    """Everything the repository depends on; written to dflash_triton.json for review."""
+
+    engine_dir: str
+    tokenizer_dir: str
+    plugin_library: str
+    max_batch_size: int
+    max_input_len: int
+    max_draft_len: int
+    world_size: int
+    max_temperature: float
+    kv_cache_free_gpu_mem_fraction: float = 0.9
+    batch_scheduler_policy: str = "guaranteed_no_evict"
+    enable_chunked_context: bool = True
+    enable_kv_cache_reuse: bool = False
+    max_queue_delay_microseconds: int = 0
+    instance_count: int = 1
+    add_special_tokens: bool = True
+    skip_special_tokens: bool = True
+
+
+def eagle_choices_parameter(max_draft_len: int) -> str:
+    """The chain as the backend's `eagle_choices` string: "{0}, {0, 0}, ..." (braces delimit each path)."""
+    return ", ".join("{" + ", ".join(str(i) for i in path) + "}" for path in chain_eagle_choices(max_draft_len))
+
+
+def _flag(value: bool) -> str:
+    return "true" if value else "false"
+
+
+def _scalar(name: str, dtype: str, optional: bool = False) -> Tensor:
+    return Tensor(name, dtype, (1,), optional=optional)
+
+
+def _backend_scalar(name: str, dtype: str, optional: bool = True) -> Tensor:
+    # The C++ backend reads scalars per request without the [1] dimension.
+    return Tensor(name, dtype, (1,), optional=optional, reshape=())
+
+
+def preprocessing_config(s: RepositorySettings) -> ModelConfig:
+    return ModelConfig(
+        name=PREPROCESSING,
+        backend="python",
+        max_batch_size=s.max_batch_size,
+        inputs=(
+            _scalar(P.QUERY, "TYPE_STRING"),
+            _scalar(P.REQUEST_OUTPUT_LEN, "TYPE_INT32"),
+            _scalar(P.TEMPERATURE, "TYPE_FP32", optional=True),
+            _scalar(P.END_ID, "TYPE_INT32", optional=True),
+            _scalar(P.PAD_ID, "TYPE_INT32", optional=True),
+            Tensor(P.STOP_WORDS, "TYPE_STRING", (-1,), optional=True),
+            Tensor(P.BAD_WORDS, "TYPE_STRING", (-1,), optional=True),
+        ),
+        outputs=(
+            Tensor(P.INPUT_ID, "TYPE_INT32", (-1,)),
+            _scalar(P.REQUEST_INPUT_LEN, "TYPE_INT32"),
+            _scalar(P.OUT_REQUEST_OUTPUT_LEN, "TYPE_INT32"),
+            Tensor(P.STOP_WORDS_IDS, "TYPE_INT32", (2, -1)),
+            Tensor(P.BAD_WORDS_IDS, "TYPE_INT32", (2, -1)),
+            _scalar(P.OUT_END_ID, "TYPE_INT32"),
+            _scalar(P.OUT_PAD_ID, "TYPE_INT32"),
+        ),
+        instance_count=s.instance_count,
+        parameters={
+            "tokenizer_dir": s.tokenizer_dir,
+            "add_special_tokens": _flag(s.add_special_tokens),
+            "max_input_len": str(s.max_input_len),
+            "max_temperature": repr(float(s.max_temperature)),
+        },
+    )
+
+
+def postprocessing_config(s: RepositorySettings) -> ModelConfig:
+    return ModelConfig(
+        name=POSTPROCESSING,
+        backend="python",
+        max_batch_size=s.max_batch_size,
+        inputs=(Tensor(P.TOKENS_BATCH, "TYPE_INT32", (-1, -1)), Tensor(P.SEQUENCE_LENGTH, "TYPE_INT32", (-1,))),
+        outputs=(Tensor(P.OUTPUT, "TYPE_STRING", (-1,)),),
+        instance_count=s.instance_count,
+        parameters={"tokenizer_dir": s.tokenizer_dir, "skip_special_tokens": _flag(s.skip_special_tokens)},
+    )
+
+
+def tensorrt_llm_config(s: RepositorySettings) -> ModelConfig:
+    return ModelConfig(
+        name=TENSORRT_LLM,
+        backend="tensorrtllm",
+        max_batch_size=s.max_batch_size,
+        decoupled=True,
+        dynamic_batching=True,
+        max_queue_delay_microseconds=s.max_queue_delay_microseconds,
+        inputs=(
+            Tensor("input_ids", "TYPE_INT32", (-1,), allow_ragged_batch=True),
+            _backend_scalar("input_lengths", "TYPE_INT32", optional=False),
+            _backend_scalar("request_output_len", "TYPE_INT32", optional=False),
+            _backend_scalar("end_id", "TYPE_INT32"),
+            _backend_scalar("pad_id", "TYPE_INT32"),
+            Tensor("stop_words_list", "TYPE_INT32", (2, -1), optional=True, allow_ragged_batch=True),
+            Tensor("bad_words_list", "TYPE_INT32", (2, -1), optional=True, allow_ragged_batch=True),
+            _backend_scalar("temperature", "TYPE_FP32"),
+            _backend_scalar("streaming", "TYPE_BOOL"),
+            _backend_scalar("stop", "TYPE_BOOL"),
+            _backend_scalar("return_perf_metrics", "TYPE_BOOL"),
+        ),
+        outputs=(
+            Tensor("output_ids", "TYPE_INT32", (-1, -1)),
+            Tensor("sequence_length", "TYPE_INT32", (-1,)),
+            *(_scalar(name, dtype) for name, dtype in PERF_OUTPUTS),
+        ),
+        instance_count=1,
+        parameters={
+            "gpt_model_type": "inflight_fused_batching",
+            "gpt_model_path": s.engine_dir,
+            "max_beam_width": "1",
+            "decoding_mode": "eagle",
+            "eagle_choices": eagle_choices_parameter(s.max_draft_len),
+            "batch_scheduler_policy": s.batch_scheduler_policy,
+            "kv_cache_free_gpu_mem_fraction": repr(s.kv_cache_free_gpu_mem_fraction),
+            "enable_chunked_context": _flag(s.enable_chunked_context),
+            "enable_kv_cache_reuse": _flag(s.enable_kv_cache_reuse),
+            "exclude_input_in_output": "true",
+            # The backend looks these three up unconditionally; empty values leave guided decoding off.
+            "tokenizer_dir": s.tokenizer_dir,
+            "guided_decoding_backend": "",
+            "xgrammar_tokenizer_info_path": "",
+        },
+    )
+
+
+def ensemble_config(s: RepositorySettings) -> ModelConfig:
+    return ModelConfig(
+        name=ENSEMBLE,
+        platform="ensemble",
+        max_batch_size=s.max_batch_size,
+        inputs=(
+            _scalar("text_input", "TYPE_STRING"),
+            _scalar("max_tokens", "TYPE_INT32"),
+            _scalar("stream", "TYPE_BOOL", optional=True),
+            _scalar("temperature", "TYPE_FP32", optional=True),
+            _scalar("end_id", "TYPE_INT32", optional=True),
+            _scalar("pad_id", "TYPE_INT32", optional=True),
+            Tensor("stop_words", "TYPE_STRING", (-1,), optional=True),
+            Tensor("bad_words", "TYPE_STRING", (-1,), optional=True),
+            _scalar("return_perf_metrics", "TYPE_BOOL", optional=True),
+        ),
+        outputs=(
+            Tensor("text_output", "TYPE_STRING", (-1,)),
+            *(_scalar(name, dtype) for name, dtype in SPEC_OUTPUTS),
+        ),
+        steps=(
+            EnsembleStep(
+                PREPROCESSING,
+                input_map={
+                    P.QUERY: "text_input",
+                    P.REQUEST_OUTPUT_LEN: "max_tokens",
+                    P.TEMPERATURE: "temperature",
+                    P.END_ID: "end_id",
+                    P.PAD_ID: "pad_id",
+                    P.STOP_WORDS: "stop_words",
+                    P.BAD_WORDS: "bad_words",
+                },
+                output_map={
+                    P.INPUT_ID: "_INPUT_ID",
+                    P.REQUEST_INPUT_LEN: "_REQUEST_INPUT_LEN",
+                    P.OUT_REQUEST_OUTPUT_LEN: "_REQUEST_OUTPUT_LEN",
+                    P.STOP_WORDS_IDS: "_STOP_WORDS_IDS",
+                    P.BAD_WORDS_IDS: "_BAD_WORDS_IDS",
+                    P.OUT_END_ID: "_END_ID",
+                    P.OUT_PAD_ID: "_PAD_ID",
+                },
+            ),
+            EnsembleStep(
+                TENSORRT_LLM,
+                input_map={
+                    "input_ids": "_INPUT_ID",
+                    "input_lengths": "_REQUEST_INPUT_LEN",
+                    "request_output_len": "_REQUEST_OUTPUT_LEN",
+                    "end_id": "_END_ID",
+                    "pad_id": "_PAD_ID",
+                    "stop_words_list": "_STOP_WORDS_IDS",
+                    "bad_words_list": "_BAD_WORDS_IDS",
+                    "temperature": "temperature",
+                    "streaming": "stream",
+                    "return_perf_metrics": "return_perf_metrics",
+                },
+                output_map={
+                    "output_ids": "_TOKENS_BATCH",
+                    "sequence_length": "_SEQUENCE_LENGTH",
+                    **{name: name for name, _ in SPEC_OUTPUTS},
+                },
+            ),
+            EnsembleStep(
+                POSTPROCESSING,
+                input_map={P.TOKENS_BATCH: "_TOKENS_BATCH", P.SEQUENCE_LENGTH: "_SEQUENCE_LENGTH"},
+                output_map={P.OUTPUT: "text_output"},
+            ),
+        ),
+    )
+
+
+def model_configs(s: RepositorySettings) -> dict[str, ModelConfig]:
+    return {
+        ENSEMBLE: ensemble_config(s),
+        PREPROCESSING: preprocessing_config(s),
+        TENSORRT_LLM: tensorrt_llm_config(s),
+        POSTPROCESSING: postprocessing_config(s),
+    }
+
+
+def _sh_quote(text: str) -> str:
+    return "'" + text.replace("'", "'\"'\"'") + "'"
+
+
+def launch_script(s: RepositorySettings) -> str:
+    """Bash launcher: preload the plugin library, then one tritonserver (or one MPI rank per GPU for TP > 1)."""
+    return f"""#!/usr/bin/env bash
+# Start Triton on this DFlash repository. The engine's layers reference the DFlash plugins, so their library is
+# preloaded into every server process before the tensorrtllm backend deserializes the engine.
+# Extra arguments go to tritonserver (e.g. --grpc-port 9001). Environment overrides: DFLASH_TRT_PLUGIN_LIB,
+# TRITONSERVER (server binary), MPIRUN (launcher for world size > 1).
+set -euo pipefail
+HERE="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
+DEFAULT_PLUGIN={_sh_quote(s.plugin_library)}
+PLUGIN="${{DFLASH_TRT_PLUGIN_LIB:-$DEFAULT_PLUGIN}}"
+WORLD_SIZE={s.world_size}
+TRITONSERVER="${{TRITONSERVER:-tritonserver}}"
+MPIRUN="${{MPIRUN:-mpirun}}"
+if [[ ! -f "$PLUGIN" ]]; then
+  echo "launch_triton.sh: DFlash plugin library $PLUGIN not found; build plugins/ or set DFLASH_TRT_PLUGIN_LIB" >&2
+  exit 1
+fi
+export LD_PRELOAD="$PLUGIN${{LD_PRELOAD:+:$LD_PRELOAD}}"
+SERVER_ARGS=(--model-repository="$HERE" --disable-auto-complete-config)
+if (( WORLD_SIZE == 1 )); then
+  exec "$TRITONSERVER" "${{SERVER_ARGS[@]}}" "$@"
+fi
+# Rank 0 serves every model and the endpoints; the other ranks only host tensorrt_llm's workers.
+CMD=("$MPIRUN" --allow-run-as-root -x LD_PRELOAD)
+for (( rank = 0; rank < WORLD_SIZE; rank++ )); do
+  (( rank > 0 )) && CMD+=(:)
+  CMD+=(-n 1 "$TRITONSERVER" "${{SERVER_ARGS[@]}}" "--backend-config=python,shm-region-prefix-name=prefix${{rank}}_")
+  if (( rank == 0 )); then
+    CMD+=("$@")
+  else
+    CMD+=(--model-control-mode=explicit --load-model=tensorrt_llm --allow-http=false --allow-grpc=false
+          --allow-metrics=false)
+  fi
+done
+exec "${{CMD[@]}}"
+"""
+
+
+def _source(name: str) -> Path:
+    return Path(__file__).with_name(name)
+
+
+def write_repository(s: RepositorySettings, output_dir: str | Path, overwrite: bool = False) -> Path:
+    """Write the whole repository atomically (nothing appears under `output_dir` unless all of it is written)."""
+    python_models = {PREPROCESSING: "preprocessing.py", POSTPROCESSING: "postprocessing.py"}
+    with atomic_directory(output_dir, overwrite) as staging:
+        for name, config in model_configs(s).items():
+            version_dir = staging / name / "1"
+            version_dir.mkdir(parents=True)
+            (staging / name / "config.pbtxt").write_text(render(config))
+            if name in python_models:
+                shutil.copyfile(_source("models") / python_models[name], version_dir / "model.py")
+                shutil.copyfile(_source("processing.py"), version_dir / PROCESSING_FILE)
+        script = staging / LAUNCH_SCRIPT
+        script.write_text(launch_script(s))
+        script.chmod(0o755)
+        shutil.copyfile(_source("client.py"), staging / CLIENT_FILE)
+        (staging / SETTINGS_FILE).write_text(json.dumps(asdict(s), indent=2) + "\n")
+    return Path(output_dir)
+
+
+def _read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise DFlashTrtError(f"{path.parent} is not a DFlash engine directory: {what} {path.name} is missing")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DFlashTrtError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise DFlashTrtError(f"{path} must hold a JSON object")
+    return data
+
+
+def settings_from_engine(engine_dir: str | Path, tokenizer_dir: str | Path, **serving) -> RepositorySettings:
+    """Settings for a built engine: sizes from its config.json and DFlash manifest, serving knobs as given."""
+    engine_dir = Path(engine_dir).absolute()
+    manifest = _read_json(engine_dir / MANIFEST_NAME, "the DFlash manifest")
+    build = _read_json(engine_dir / "config.json", "TensorRT-LLM's engine config").get("build_config") or {}
+    try:
+        return RepositorySettings(
+            engine_dir=str(engine_dir),
+            tokenizer_dir=str(Path(tokenizer_dir).absolute()),
+            plugin_library=str(manifest["plugin_library"]),
+            max_batch_size=int(build.get("max_batch_size", manifest["max_batch_size"])),
+            max_input_len=int(build["max_input_len"]),
+            max_draft_len=int(manifest["max_draft_len"]),
+            world_size=int(manifest.get("tp_size", 1)),
+            max_temperature=float(manifest.get("max_temperature", 0.0)),
+            **serving,
+        )
+    except KeyError as exc:
+        raise DFlashTrtError(
+            f"{engine_dir}: engine metadata lacks {exc.args[0]!r}; rebuild with dflash-trt build"
+        ) from None
+
+
+def settings_from_profile(profile: BuildProfile, engine_dir: str | Path, tokenizer_dir: str | Path,
+                          plugin_library: str | Path) -> RepositorySettings:
+    """Settings for the engine a build profile will produce, so the repository can be reviewed before the build."""
+    eng, serving = profile.engine, profile.serving
+    return RepositorySettings(
+        engine_dir=str(Path(engine_dir).absolute()),
+        tokenizer_dir=str(Path(tokenizer_dir).absolute()),
+        plugin_library=str(plugin_library),
+        max_batch_size=eng.max_batch_size,
+        max_input_len=eng.max_input_len,
+        max_draft_len=eng.max_draft_len,
+        world_size=profile.checkpoint.tp_size,
+        max_temperature=0.0 if SAMPLING_POLICY == "greedy" else math.inf,
+        kv_cache_free_gpu_mem_fraction=serving.kv_cache_free_gpu_mem_fraction,
+        batch_scheduler_policy=serving.batch_scheduler_policy,
+        enable_chunked_context=serving.enable_chunked_context,
+        enable_kv_cache_reuse=serving.enable_kv_cache_reuse,
+        max_queue_delay_microseconds=serving.max_queue_delay_microseconds,
+        instance_count=serving.instance_count,
+    )

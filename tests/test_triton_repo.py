@@ -1,0 +1,426 @@
+"""Triton repository: every config.pbtxt parses with Triton's own protobuf schema, the ensemble is wired end to end,
+pre/post-processing round-trips a real tokenizer, the launch script preloads the plugin, and the client speaks the
+real gRPC protocol to a loopback server."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from concurrent import futures
+from pathlib import Path
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from dflash_trt.cli import main as cli_main
+from dflash_trt.errors import DFlashTrtError
+from dflash_trt.profiles import load_profile
+from dflash_trt.triton import client as triton_client
+from dflash_trt.triton import processing as P
+from dflash_trt.triton.repository import (
+    CLIENT_FILE,
+    LAUNCH_SCRIPT,
+    PROCESSING_FILE,
+    SETTINGS_FILE,
+    RepositorySettings,
+    settings_from_engine,
+    settings_from_profile,
+    write_repository,
+)
+
+mc = pytest.importorskip("tritonclient.grpc.model_config_pb2")
+ROOT = Path(__file__).resolve().parents[1]
+EOS, PAD, IM_END = "<|end|>", "<|pad|>", "<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """A real byte-level BPE tokenizer, trained here in milliseconds, saved the way HF checkpoints ship one."""
+    d = tmp_path_factory.mktemp("tokenizer")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOS, PAD, IM_END],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog", "speculative decoding drafts a block"] * 20,
+                            trainer)
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": PAD}))
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))
+    return d
+
+
+def _settings(tokenizer_dir: Path, **changes) -> RepositorySettings:
+    base = dict(engine_dir="/engines/qwen3-8b", tokenizer_dir=str(tokenizer_dir), plugin_library="/opt/lib/x.so",
+                max_batch_size=64, max_input_len=4096, max_draft_len=15, world_size=1, max_temperature=0.0)
+    return RepositorySettings(**{**base, **changes})
+
+
+def _parse(path: Path):
+    return text_format.Parse(path.read_text(), mc.ModelConfig())
+
+
+def _configs(repo: Path) -> dict:
+    return {d.name: _parse(d / "config.pbtxt") for d in sorted(repo.iterdir()) if (d / "config.pbtxt").is_file()}
+
+
+def _params(cfg) -> dict[str, str]:
+    return {k: v.string_value for k, v in cfg.parameters.items()}
+
+
+def check_ensemble_wiring(configs: dict) -> None:
+    """Names, data types and dims line up from the ensemble's inputs through every step to its outputs."""
+    ens = configs["ensemble"]
+    assert ens.platform == "ensemble"
+    available = {t.name: (t.data_type, tuple(t.dims), t.optional) for t in ens.input}
+    consumed: set[str] = set()
+    for step in ens.ensemble_scheduling.step:
+        model = configs[step.model_name]
+        assert model.max_batch_size == ens.max_batch_size
+        inputs = {t.name: t for t in model.input}
+        assert set(step.input_map) <= set(inputs), step.model_name
+        required = {t.name for t in model.input if not t.optional}
+        assert required <= set(step.input_map), (step.model_name, required - set(step.input_map))
+        for key, source in step.input_map.items():
+            assert source in available, (step.model_name, key, source)
+            dtype, dims, optional = available[source]
+            assert (dtype, dims) == (inputs[key].data_type, tuple(inputs[key].dims)), (step.model_name, key)
+            assert inputs[key].optional or not optional, f"optional {source} feeds required {key}"
+            consumed.add(source)
+        outputs = {t.name: t for t in model.output}
+        for key, target in step.output_map.items():
+            assert key in outputs and target not in available, (step.model_name, key)
+            available[target] = (outputs[key].data_type, tuple(outputs[key].dims), False)
+    for t in ens.output:
+        assert available[t.name][:2] == (t.data_type, tuple(t.dims)), t.name
+    assert {t.name for t in ens.input} <= consumed, "unused ensemble input"
+    produced = set(available) - {t.name for t in ens.input}
+    assert produced <= consumed | {t.name for t in ens.output}, "an intermediate tensor is never consumed"
+
+
+def parse_eagle_choices(text: str) -> list[list[int]]:
+    """The tensorrtllm backend's csvStrToVecVecInt: paths split on '}', a leading '{' dropped, ints split on ','."""
+    out, rest = [], text
+    while "}" in rest:
+        chunk, rest = rest.split("}", 1)
+        chunk = chunk.strip().lstrip(",").strip()
+        assert chunk.startswith("{"), text
+        out.append([int(v) for v in chunk[1:].split(",") if v.strip()])
+    assert not rest.strip(), text
+    return out
+
+
+@pytest.mark.parametrize("profile", ["b300-nvfp4/qwen3-8b", "h100-fp8/llama-3.1-8b-instruct", "h200-fp8/qwen3-32b"])
+def test_repository_for_a_profile_parses_and_is_wired(tmp_path: Path, tokenizer_dir: Path, profile: str):
+    prof = load_profile(ROOT / f"build_configs/{profile}.yaml")
+    settings = settings_from_profile(prof, tmp_path / "ws/engine", tokenizer_dir, "/opt/lib/libdflash_trt_plugins.so")
+    repo = write_repository(settings, tmp_path / "repo")
+    configs = _configs(repo)
+    assert set(configs) == {"ensemble", "preprocessing", "tensorrt_llm", "postprocessing"}
+    check_ensemble_wiring(configs)
+    trt = configs["tensorrt_llm"]
+    params = _params(trt)
+    assert trt.backend == "tensorrtllm" and trt.model_transaction_policy.decoupled
+    assert params["gpt_model_type"] == "inflight_fused_batching"
+    assert params["gpt_model_path"] == str((tmp_path / "ws/engine").absolute())
+    assert params["decoding_mode"] == "eagle"
+    k = prof.model.block_size - 1
+    assert parse_eagle_choices(params["eagle_choices"]) == [[0] * d for d in range(1, k + 1)]
+    assert float(params["kv_cache_free_gpu_mem_fraction"]) == prof.serving.kv_cache_free_gpu_mem_fraction
+    assert params["enable_kv_cache_reuse"] == "false" and params["batch_scheduler_policy"] == "guaranteed_no_evict"
+    # Looked up unconditionally by the backend: they must exist, empty values keep guided decoding off.
+    assert params["guided_decoding_backend"] == "" and params["xgrammar_tokenizer_info_path"] == ""
+    assert trt.max_batch_size == prof.engine.max_batch_size
+    assert {"acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens"} <= {o.name for o in trt.output}
+    pre = _params(configs["preprocessing"])
+    assert float(pre["max_temperature"]) == 0.0 and int(pre["max_input_len"]) == prof.engine.max_input_len
+    for path in [*repo.glob("*/config.pbtxt"), repo / SETTINGS_FILE]:  # no fill_template placeholder left
+        assert "${" not in path.read_text(), path
+    assert (repo / "preprocessing/1/model.py").is_file() and (repo / f"postprocessing/1/{PROCESSING_FILE}").is_file()
+    assert (repo / "ensemble/1").is_dir() and (repo / "tensorrt_llm/1").is_dir()
+    assert json.loads((repo / SETTINGS_FILE).read_text())["world_size"] == prof.checkpoint.tp_size
+
+
+def test_python_models_import_only_what_processing_defines(tmp_path: Path, tokenizer_dir: Path):
+    import ast
+
+    repo = write_repository(_settings(tokenizer_dir), tmp_path / "repo")
+    for name in ("preprocessing", "postprocessing"):
+        tree = ast.parse((repo / name / "1/model.py").read_text())
+        imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "dflash_processing"
+                    for a in n.names]
+        assert imported and all(hasattr(P, a) for a in imported)
+        classes = [n.name for n in tree.body if isinstance(n, ast.ClassDef)]
+        assert classes == ["TritonPythonModel"]
+    compile((repo / CLIENT_FILE).read_text(), CLIENT_FILE, "exec")
+
+
+def test_write_repository_refuses_to_overwrite(tmp_path: Path, tokenizer_dir: Path):
+    write_repository(_settings(tokenizer_dir), tmp_path / "repo")
+    with pytest.raises(DFlashTrtError, match="already exists"):
+        write_repository(_settings(tokenizer_dir), tmp_path / "repo")
+    write_repository(_settings(tokenizer_dir, max_draft_len=9), tmp_path / "repo", overwrite=True)
+    params = _params(_configs(tmp_path / "repo")["tensorrt_llm"])
+    assert len(parse_eagle_choices(params["eagle_choices"])) == 9
+
+
+def _engine_dir(path: Path, **manifest) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"build_config": {"max_batch_size": 128, "max_input_len": 2048}}))
+    base = {"max_batch_size": 128, "max_draft_len": 9, "tp_size": 2, "plugin_library": "/p/lib.so",
+            "max_temperature": 0.0}
+    (path / "dflash_trt.json").write_text(json.dumps({**base, **manifest}))
+    return path
+
+
+def test_settings_from_engine_reads_the_manifest(tmp_path: Path, tokenizer_dir: Path):
+    s = settings_from_engine(_engine_dir(tmp_path / "eng"), tokenizer_dir, instance_count=3)
+    assert (s.max_batch_size, s.max_input_len, s.max_draft_len, s.world_size) == (128, 2048, 9, 2)
+    assert (s.plugin_library, s.instance_count, s.max_temperature) == ("/p/lib.so", 3, 0.0)
+    with pytest.raises(DFlashTrtError, match="not a DFlash engine directory"):
+        settings_from_engine(tmp_path, tokenizer_dir)
+    broken = tmp_path / "broken"
+    _engine_dir(broken)
+    (broken / "dflash_trt.json").write_text(json.dumps({"max_batch_size": 1}))
+    with pytest.raises(DFlashTrtError, match="lacks 'plugin_library'"):
+        settings_from_engine(broken, tokenizer_dir)
+
+
+def test_cli_writes_a_repository_from_an_engine_and_from_a_profile(tmp_path: Path, tokenizer_dir: Path, capsys):
+    engine = _engine_dir(tmp_path / "eng")
+    assert cli_main(["triton", "--engine_dir", str(engine), "--tokenizer_dir", str(tokenizer_dir),
+                     "--output_dir", str(tmp_path / "r1")]) == 0
+    assert _params(_configs(tmp_path / "r1")["tensorrt_llm"])["gpt_model_path"] == str(engine.absolute())
+    assert "launch_triton.sh" in capsys.readouterr().out
+    profile = ROOT / "build_configs/b200-nvfp4/qwen3-4b.yaml"
+    assert cli_main(["triton", "--config", str(profile), "--tokenizer_dir", str(tokenizer_dir),
+                     "--work_dir", str(tmp_path / "ws"), "--output_dir", str(tmp_path / "r2"),
+                     "--instance_count", "2", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["engine_dir"] == str((tmp_path / "ws/engine").absolute()) and printed["instance_count"] == 2
+    configs = _configs(tmp_path / "r2")
+    check_ensemble_wiring(configs)
+    assert configs["preprocessing"].instance_group[0].count == 2
+    assert cli_main(["triton", "--engine_dir", str(engine), "--tokenizer_dir", str(tmp_path),
+                     "--output_dir", str(tmp_path / "r3")]) == 2
+    assert "holds no tokenizer" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- pre/post-processing with a real tokenizer
+
+
+@pytest.fixture(scope="module")
+def pre(tokenizer_dir: Path) -> P.Preprocessor:
+    return P.Preprocessor.from_dir(str(tokenizer_dir), add_special_tokens=False, max_input_len=32,
+                                   max_temperature=0.0)
+
+
+def decode_word_list(row: np.ndarray) -> list[list[int]]:
+    """The backend's convertWordList: the second half of the flattened [2, L] row holds end offsets until -1."""
+    flat = row.reshape(-1).tolist()
+    ids, offsets = flat[: len(flat) // 2], flat[len(flat) // 2:]
+    words, start = [], 0
+    for end in offsets:
+        if end == -1:
+            break
+        words.append(ids[start:end])
+        start = end
+    return words
+
+
+def _request(texts: list[str], **extra) -> dict:
+    inputs = {P.QUERY: np.array([[t.encode()] for t in texts], dtype=object),
+              P.REQUEST_OUTPUT_LEN: np.array([[8]] * len(texts), dtype=np.int32)}
+    inputs.update(extra)
+    return inputs
+
+
+def test_preprocess_tokenizes_like_the_tokenizer(pre: P.Preprocessor):
+    tok = pre.tokenizer
+    texts = ["the quick brown fox", "a block é"]
+    out = pre.preprocess(_request(texts))
+    expected = [tok.encode(t, add_special_tokens=False) for t in texts]
+    assert out[P.REQUEST_INPUT_LEN].tolist() == [[len(e)] for e in expected]
+    for row, length, e in zip(out[P.INPUT_ID], out[P.REQUEST_INPUT_LEN][:, 0], expected, strict=True):
+        assert row[:length].tolist() == e and (row[length:] == pre.pad_id).all()
+    assert out[P.INPUT_ID].dtype == np.int32 and out[P.OUT_REQUEST_OUTPUT_LEN].tolist() == [[8], [8]]
+    assert out[P.OUT_END_ID].tolist() == [[tok.convert_tokens_to_ids(EOS)]] * 2
+    assert out[P.OUT_PAD_ID].tolist() == [[tok.convert_tokens_to_ids(PAD)]] * 2
+
+
+def test_stop_and_bad_words_use_trtllm_word_lists(pre: P.Preprocessor):
+    tok = pre.tokenizer
+    stops = np.array([[b"lazy dog", b"fox"], [b"block", b""]], dtype=object)
+    out = pre.preprocess(_request(["the fox", "a block"], **{P.STOP_WORDS: stops}))
+    assert out[P.STOP_WORDS_IDS].shape[:2] == (2, 2)
+    im_end = tok.convert_tokens_to_ids(IM_END)  # generation_config's second eos id becomes a stop word
+    first = decode_word_list(out[P.STOP_WORDS_IDS][0])
+    assert first == [tok.encode("lazy dog", add_special_tokens=False), tok.encode("fox", add_special_tokens=False),
+                     [im_end]]
+    assert decode_word_list(out[P.STOP_WORDS_IDS][1]) == [tok.encode("block", add_special_tokens=False), [im_end]]
+    assert [decode_word_list(r) for r in out[P.BAD_WORDS_IDS]] == [[], []]
+    assert tok.decode(first[0]) == "lazy dog"
+
+
+def test_explicit_end_and_pad_ids_pass_through(pre: P.Preprocessor):
+    out = pre.preprocess(_request(["the dog"], **{P.END_ID: np.array([[7]], np.int32),
+                                                  P.PAD_ID: np.array([[9]], np.int32)}))
+    assert (out[P.OUT_END_ID].tolist(), out[P.OUT_PAD_ID].tolist()) == ([[7]], [[9]])
+
+
+def test_sampling_requests_are_refused_greedy_accepted(pre: P.Preprocessor, tokenizer_dir: Path):
+    with pytest.raises(ValueError, match="temperature 0.7 refused: this DFlash engine verifies drafts greedily"):
+        pre.preprocess(_request(["the dog"], **{P.TEMPERATURE: np.array([[0.7]], np.float32)}))
+    pre.preprocess(_request(["the dog"], **{P.TEMPERATURE: np.array([[0.0]], np.float32)}))
+    lossless = P.Preprocessor.from_dir(str(tokenizer_dir), add_special_tokens=False, max_input_len=32,
+                                       max_temperature=float("inf"))
+    lossless.preprocess(_request(["the dog"], **{P.TEMPERATURE: np.array([[0.7]], np.float32)}))
+
+
+def test_bad_prompts_are_refused(pre: P.Preprocessor):
+    with pytest.raises(ValueError, match="empty prompt"):
+        pre.preprocess(_request([""]))
+    with pytest.raises(ValueError, match="the engine accepts at most 32"):
+        pre.preprocess(_request(["the quick brown fox jumps over the lazy dog " * 8]))
+    with pytest.raises(ValueError, match="max_tokens must be at least 1"):
+        pre.preprocess(_request(["the dog"], **{P.REQUEST_OUTPUT_LEN: np.array([[0]], np.int32)}))
+
+
+def test_postprocess_detokenizes_streamed_chunks(pre: P.Preprocessor, tokenizer_dir: Path):
+    post = P.Postprocessor.from_dir(str(tokenizer_dir), skip_special_tokens=True)
+    tok = pre.tokenizer
+    ids = tok.encode("speculative decoding é", add_special_tokens=False) + [tok.convert_tokens_to_ids(EOS)]
+    padded = np.array([[ids + [5, 5]]], dtype=np.int32)  # [batch, beam, L] with junk past the length
+    out = post.postprocess({P.TOKENS_BATCH: padded, P.SEQUENCE_LENGTH: np.array([[len(ids)]], np.int32)})
+    assert out[P.OUTPUT].shape == (1, 1) and out[P.OUTPUT][0, 0].decode() == "speculative decoding é"
+    two_d = post.postprocess({P.TOKENS_BATCH: np.array([ids[:3]], np.int32), P.SEQUENCE_LENGTH: np.array([3])})
+    assert two_d[P.OUTPUT][0, 0].decode() == tok.decode(ids[:3])
+
+
+# ---------------------------------------------------------------- launch script
+
+
+def _fake_binary(path: Path, record: Path) -> Path:
+    path.write_text(f'#!/usr/bin/env bash\n{{ echo "LD_PRELOAD=$LD_PRELOAD"; printf "%s\\n" "$@"; }} > {record}\n')
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_launch_script_preloads_the_plugin(tmp_path: Path, tokenizer_dir: Path, world_size: int):
+    plugin = tmp_path / "libdflash_trt_plugins.so"
+    plugin.write_bytes(b"\x7fELF")
+    repo = write_repository(_settings(tokenizer_dir, plugin_library=str(plugin), world_size=world_size),
+                            tmp_path / "repo")
+    record = tmp_path / "argv.txt"
+    env = dict(os.environ, TRITONSERVER=str(_fake_binary(tmp_path / "tritonserver", record)),
+               MPIRUN=str(_fake_binary(tmp_path / "mpirun", record)), LD_PRELOAD="")
+    env.pop("DFLASH_TRT_PLUGIN_LIB", None)
+    subprocess.run(["bash", str(repo / LAUNCH_SCRIPT), "--grpc-port=9001"], env=env, check=True, timeout=30)
+    lines = record.read_text().splitlines()
+    assert lines[0] == f"LD_PRELOAD={plugin}"
+    assert f"--model-repository={repo.absolute()}" in lines and "--grpc-port=9001" in lines
+    if world_size == 2:
+        assert lines[1:4] == ["--allow-run-as-root", "-x", "LD_PRELOAD"]
+        assert lines.count(str(tmp_path / "tritonserver")) == 2 and "--load-model=tensorrt_llm" in lines
+        assert lines.index("--grpc-port=9001") < lines.index(":") < lines.index("--allow-grpc=false")
+    env["DFLASH_TRT_PLUGIN_LIB"] = str(tmp_path / "missing.so")
+    failed = subprocess.run(["bash", str(repo / LAUNCH_SCRIPT)], env=env, capture_output=True, text=True, timeout=30)
+    assert failed.returncode == 1 and "missing.so not found" in failed.stderr
+
+
+# ---------------------------------------------------------------- client over the real gRPC protocol
+
+TYPE_TO_WIRE = {"TYPE_STRING": "BYTES", "TYPE_INT32": "INT32", "TYPE_BOOL": "BOOL", "TYPE_FP32": "FP32"}
+
+
+def _bytes_tensor(values: list[bytes]) -> bytes:
+    return b"".join(len(v).to_bytes(4, "little") + v for v in values)
+
+
+def _loopback_server(ensemble, pieces: list[str]):
+    grpc = pytest.importorskip("grpc")
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    seen: list = []
+    declared = {t.name: (mc.DataType.Name(t.data_type), list(t.dims), t.optional) for t in ensemble.input}
+
+    def response(request, outputs, final=False):
+        resp = service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id)
+        for name, wire, shape, raw in outputs:
+            resp.outputs.add(name=name, datatype=wire, shape=shape)
+            resp.raw_output_contents.append(raw)
+        if final:
+            resp.parameters["triton_final_response"].bool_param = True
+        return service_pb2.ModelStreamInferResponse(infer_response=resp)
+
+    class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+        def ModelStreamInfer(self, request_iterator, context):
+            for request in request_iterator:
+                seen.append(request)
+                names = [t.name for t in request.inputs]
+                for t in request.inputs:  # every input is declared by the ensemble, with its type and [1, dims]
+                    dtype, dims, _ = declared[t.name]
+                    assert t.datatype == TYPE_TO_WIRE[dtype] and len(t.shape) == 1 + len(dims)
+                    assert all(d in (-1, n) for d, n in zip(dims, t.shape[1:], strict=True))
+                assert {n for n, (_, _, opt) in declared.items() if not opt} <= set(names)
+                for piece in pieces:
+                    yield response(request, [("text_output", "BYTES", [1, 1], _bytes_tensor([piece.encode()]))])
+                yield response(request, [
+                    ("acceptance_rate", "FP32", [1, 1], np.array([0.6], np.float32).tobytes()),
+                    ("total_accepted_draft_tokens", "INT32", [1, 1], np.array([27], np.int32).tobytes()),
+                    ("total_draft_tokens", "INT32", [1, 1], np.array([45], np.int32).tobytes()),
+                ])
+                yield response(request, [], final=True)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port, seen
+
+
+def test_client_streams_text_and_acceptance(tmp_path: Path, tokenizer_dir: Path):
+    repo = write_repository(_settings(tokenizer_dir), tmp_path / "repo")
+    ensemble = _configs(repo)["ensemble"]
+    server, port, seen = _loopback_server(ensemble, ["Draft", "ing é", "!"])
+    try:
+        chunks: list[str] = []
+        gen = triton_client.stream_generate(f"127.0.0.1:{port}", "the fox", 16, temperature=0.0,
+                                            stop_words=["dog"], on_text=chunks.append, timeout_s=30)
+    finally:
+        server.stop(0)
+    assert gen.errors == [] and gen.text == "Drafting é!" and chunks == ["Draft", "ing é", "!"]
+    assert (gen.acceptance_rate, gen.accepted_draft_tokens, gen.draft_tokens) == (pytest.approx(0.6), 27, 45)
+    request = seen[0]
+    assert request.model_name == "ensemble"
+    sent = {t.name: raw for t, raw in zip(request.inputs, request.raw_input_contents, strict=True)}
+    assert sent["text_input"] == _bytes_tensor([b"the fox"]) and sent["stop_words"] == _bytes_tensor([b"dog"])
+    assert np.frombuffer(sent["max_tokens"], np.int32).tolist() == [16]
+    assert sent["stream"] == b"\x01" and sent["return_perf_metrics"] == b"\x01"
+    # 45 drafted tokens over steps of 15 drafts = 3 steps; (27 accepted + 3 bonus) / 3 = 10 tokens per step.
+    assert "mean acceptance length 10.00" in triton_client.summary(gen, 15)
+    assert triton_client.mean_acceptance_length(27, 45, 15) == pytest.approx(10.0)
+
+
+def test_client_main_reads_draft_len_from_the_repository(tmp_path: Path, tokenizer_dir: Path, capsys, monkeypatch):
+    repo = write_repository(_settings(tokenizer_dir, max_draft_len=9), tmp_path / "repo")
+    server, port, _ = _loopback_server(_configs(repo)["ensemble"], ["ok"])
+    spec = importlib.util.spec_from_file_location("repo_client", repo / CLIENT_FILE)
+    copied = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "repo_client", copied)
+    try:
+        spec.loader.exec_module(copied)
+        rc = copied.main(["--url", f"127.0.0.1:{port}", "--prompt", "hi"])
+    finally:
+        server.stop(0)
+    captured = capsys.readouterr()
+    assert rc == 0 and captured.out == "ok\n"
+    # 45 drafted / 9 per step = 5 steps: (27 + 5) / 5 = 6.4
+    assert "mean acceptance length 6.40" in captured.err
