@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import struct
 import tempfile
@@ -16,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from dflash_trt.checkpoint.hf_reader import HFCheckpointReader
+from dflash_trt.checkpoint.hf_reader import MAX_INDEX_BYTES, HFCheckpointReader
 from dflash_trt.checkpoint.safetensors_io import MAX_HEADER_BYTES, SafetensorsFile, tensor_has_nonfinite
 from dflash_trt.errors import DFlashTrtError
 from tests._hostile_files import entry, raw_safetensors, tensor_bytes, write_raw
@@ -41,7 +42,7 @@ def test_empty_and_tiny_files(tmp_path: Path) -> None:
 
 def test_missing_file_and_directory(tmp_path: Path) -> None:
     _refused(tmp_path / "nowhere.safetensors", "cannot read")
-    _refused(tmp_path, "cannot read")
+    _refused(tmp_path, "not a regular file")
 
 
 @pytest.mark.parametrize("claimed", [1000, 2**40, 2**63, 2**64 - 1])
@@ -396,3 +397,33 @@ def test_single_file_and_index_together_are_ambiguous(tmp_path: Path) -> None:
     save_file({"a": torch.zeros(1)}, model_dir / "model.safetensors")
     with pytest.raises(DFlashTrtError, match="both model.safetensors and model.safetensors.index.json"):
         HFCheckpointReader(model_dir)
+
+
+def test_fifo_in_place_of_a_weight_file_does_not_hang(tmp_path: Path) -> None:
+    fifo = tmp_path / "model.safetensors"
+    os.mkfifo(fifo)
+    _refused(fifo, "not a regular file")
+
+
+def test_oversized_index_is_refused_unread(tmp_path: Path) -> None:
+    save_file({"a": torch.ones(1)}, tmp_path / "s1.safetensors")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_bytes(b"{")
+    os.truncate(index, MAX_INDEX_BYTES + 1)
+    with pytest.raises(DFlashTrtError, match="larger than 67108864 bytes"):
+        HFCheckpointReader(tmp_path)
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="needs Linux /proc to count open files")
+def test_refusals_and_closed_readers_leak_no_file_descriptors(tmp_path: Path) -> None:
+    bad = write_raw(tmp_path / "bad.safetensors", {"w": entry("F32", [3], 0, 8)}, F32_PAIR)
+    good = tmp_path / "good.safetensors"
+    save_file({"w": torch.ones(2)}, good)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(50):
+        for path in (bad, tmp_path, tmp_path / "missing"):
+            with pytest.raises(DFlashTrtError):
+                SafetensorsFile(path)
+        with SafetensorsFile(good) as reader:
+            reader.get("w")
+    assert len(os.listdir("/proc/self/fd")) <= before

@@ -20,6 +20,8 @@ from dflash_trt.errors import DFlashTrtError
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+# Real indexes are tens of kilobytes; this only stops a hostile one from exhausting memory.
+MAX_INDEX_BYTES = 64 * 1024 * 1024
 
 
 class HFCheckpointReader:
@@ -139,6 +141,8 @@ class HFCheckpointReader:
 
 def _read_weight_map(index_path: Path) -> dict[str, str]:
     """The index's tensor -> shard file map; shard names must be plain file names in the same directory."""
+    if index_path.stat().st_size > MAX_INDEX_BYTES:
+        raise DFlashTrtError(f"{index_path} is larger than {MAX_INDEX_BYTES} bytes, far beyond any real index.")
     try:
         index = json.loads(index_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:

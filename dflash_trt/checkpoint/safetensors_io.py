@@ -12,6 +12,7 @@ import json
 import math
 import mmap
 import os
+import stat
 import struct
 import sys
 from collections.abc import Iterator
@@ -97,11 +98,17 @@ class SafetensorsFile:
         if sys.byteorder != "little":
             raise DFlashTrtError("safetensors data is little-endian and this host is big-endian.")
         try:
-            with open(self.path, "rb") as handle:
-                file_size = os.fstat(handle.fileno()).st_size
-                self._tensors, self.metadata, self._data_start = _read_header(self.path, handle, file_size)
-                if file_size > 0:
-                    self._mmap = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+            # O_NONBLOCK: opening a FIFO planted under a weight file's name must not hang.
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+            try:
+                status = os.fstat(fd)
+                if not stat.S_ISREG(status.st_mode):
+                    raise DFlashTrtError(f"{self.path} is not a regular file.")
+                with open(fd, "rb", closefd=False) as handle:
+                    self._tensors, self.metadata, self._data_start = _read_header(self.path, handle, status.st_size)
+                self._mmap = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+            finally:
+                os.close(fd)
         except OSError as exc:
             raise DFlashTrtError(f"cannot read {self.path}: {exc.strerror or exc}.") from exc
 
