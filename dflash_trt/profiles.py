@@ -175,6 +175,11 @@ class BuildProfile(_Strict):
                 raise ValueError(f"{what} nvfp4 needs Blackwell (SM100/SM103); {self.gpu} is SM{gpu.sm}")
             if fmt == "fp8" and not gpu.fp8:
                 raise ValueError(f"{what} fp8 needs SM89 or newer; {self.gpu} is SM{gpu.sm}")
+        if q.draft_qformat != q.qformat:
+            raise ValueError(
+                f"draft_qformat {q.draft_qformat} differs from qformat {q.qformat}: one TensorRT-LLM engine applies "
+                "one quantization to the target and the drafter"
+            )
         if q.kv_cache_dtype == "fp8" and not gpu.fp8:
             raise ValueError(f"kv_cache_dtype fp8 needs SM89 or newer; {self.gpu} is SM{gpu.sm}")
         if eng.gemm_plugin == "nvfp4" and q.qformat != "nvfp4":
@@ -187,6 +192,11 @@ class BuildProfile(_Strict):
             raise ValueError(
                 f"max_draft_len {eng.max_draft_len} exceeds block_size - 1 = {block - 1}: the drafter "
                 f"proposes at most {block - 1} tokens per block"
+            )
+        if eng.max_draft_len < block - 1:
+            raise ValueError(
+                f"max_draft_len {eng.max_draft_len} is below block_size - 1 = {block - 1}: the DFlash engine always "
+                "drafts a full block"
             )
         if eng.max_num_tokens < eng.max_batch_size * block:
             raise ValueError(

@@ -34,7 +34,7 @@ def test_shipped_profile_validates(path: Path):
     gpu_name, quant = path.parent.name.split("-")
     assert profile.name == f"{path.parent.name}-{path.stem}"
     assert profile.gpu == gpu_name
-    assert profile.quantization.qformat == quant
+    assert profile.quantization.qformat == profile.quantization.draft_qformat == quant
     assert profile.engine.gemm_plugin == quant
     assert profile.engine.max_draft_len == profile.model.block_size - 1
     assert profile.engine.max_num_tokens >= profile.engine.max_batch_size * profile.model.block_size
@@ -72,6 +72,8 @@ INVALID = [
         "qformat fp8 needs SM89 or newer; a100 is SM80",
     ),
     ({"engine.max_draft_len": 16}, "max_draft_len 16 exceeds block_size - 1 = 15"),
+    ({"engine.max_draft_len": 7}, "max_draft_len 7 is below block_size - 1 = 15"),
+    ({"quantization.draft_qformat": "fp8"}, "draft_qformat fp8 differs from qformat nvfp4"),
     ({"engine.max_num_tokens": 4096}, "max_num_tokens 4096 is below max_batch_size x block_size = 8192"),
     ({"checkpoint.tp_size": 3}, "tp_size must be 1, 2, 4 or 8, got 3"),
     ({"engine.gemm_plugin": "fp8"}, "gemm_plugin fp8 needs qformat fp8"),
