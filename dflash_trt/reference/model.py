@@ -159,7 +159,10 @@ class TargetModel:
             hidden = hidden + layer.mlp(rms_norm(hidden, layer.post_norm, s.rms_norm_eps))
             if index in self.tap_layers:
                 taps[index] = hidden
-        logits = linear(rms_norm(hidden, self.final_norm, s.rms_norm_eps), self.lm_head)[..., : s.vocab_size]
+        normed = rms_norm(hidden, self.final_norm, s.rms_norm_eps)
+        # HF's hidden_states[-1] (what the reference taps for the last layer) is taken after the final norm.
+        taps[s.num_hidden_layers - 1] = normed
+        logits = linear(normed, self.lm_head)[..., : s.vocab_size]
         return logits.float(), torch.cat([taps[i] for i in self.tap_layers], dim=-1)
 
 
