@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 import signal
 import struct
@@ -276,6 +277,79 @@ def test_get_does_not_make_the_file_resident(tmp_path: Path) -> None:
         assert int(big[size // 2]) == 0
         grown_mib = (_resident_kib() - before) / 1024
     assert grown_mib < 32, f"reading one byte of a 256 MiB tensor made {grown_mib:.0f} MiB resident"
+
+
+def _sparse_file_with(tmp_path: Path, tensors: dict[str, torch.Tensor], big_bytes: int) -> Path:
+    """`tensors` followed by a U8 tensor "big" of `big_bytes` zero bytes that occupy no disk."""
+    header, data, offset = {}, b"", 0
+    for name, tensor in tensors.items():
+        payload = tensor_bytes(tensor)
+        dtype = {torch.uint8: "U8", torch.float32: "F32", torch.bfloat16: "BF16"}[tensor.dtype]
+        header[name] = entry(dtype, list(tensor.shape), offset, offset + len(payload))
+        data, offset = data + payload, offset + len(payload)
+    header["big"] = entry("U8", [big_bytes], offset, offset + big_bytes)
+    path = write_raw(tmp_path / "sparse.safetensors", header, data)
+    try:
+        os.truncate(path, path.stat().st_size + big_bytes)
+    except OSError as exc:
+        pytest.skip(f"this filesystem cannot hold a sparse file of {big_bytes} bytes ({exc.strerror})")
+    return path
+
+
+_ODD_LAYOUT = {
+    "head": torch.arange(4, dtype=torch.uint8),
+    "mid": torch.linspace(-1, 1, 1000),
+    "odd": torch.tensor([7], dtype=torch.uint8),
+    "tail": torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16),
+}
+
+
+def test_file_larger_than_memory_opens_and_reads(tmp_path: Path) -> None:
+    path = _sparse_file_with(tmp_path, _ODD_LAYOUT, 1 << 40)
+    with SafetensorsFile(path) as reader:
+        for name, expected in _ODD_LAYOUT.items():
+            _assert_same(reader.get(name), expected)
+        big = reader.get("big")
+        assert big.numel() == 1 << 40
+        assert int(big[-1]) == 0
+
+
+_MAP_UNDER_ADDRESS_LIMIT = """
+import json, resource, sys
+import torch
+from dflash_trt.checkpoint.safetensors_io import SafetensorsFile
+from dflash_trt.errors import DFlashTrtError
+
+vm_kib = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmSize:"))
+limit = vm_kib * 1024 + (512 << 20)  # the 2 GiB file can no longer be mapped whole
+resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+reader = SafetensorsFile(sys.argv[1])
+result = {name: reader.get(name).float().tolist() for name in ("head", "mid", "odd", "tail")}
+try:
+    reader.get("big")
+except DFlashTrtError as exc:
+    result["big_error"] = str(exc)
+reader.close()
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc and address-space limits")
+def test_tensors_are_mapped_one_by_one_when_the_whole_file_cannot_be(tmp_path: Path) -> None:
+    path = _sparse_file_with(tmp_path, _ODD_LAYOUT, 2 << 30)
+    repo_root = Path(__file__).resolve().parent.parent
+    result = subprocess.run(
+        [sys.executable, "-c", _MAP_UNDER_ADDRESS_LIMIT, str(path)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(repo_root)},
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    loaded = json.loads(result.stdout)
+    for name, expected in _ODD_LAYOUT.items():
+        assert loaded[name] == expected.float().tolist(), name
+    assert loaded["big_error"].startswith("cannot map tensor 'big' (2147483648 bytes)")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e5m2])

@@ -7,15 +7,18 @@ puts the header first and then streams tensor bytes, holding at most one tensor 
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import math
 import mmap
 import os
+import platform
 import stat
 import struct
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -23,11 +26,15 @@ import torch
 
 from dflash_trt.errors import DFlashTrtError
 
-# Largest JSON header accepted; the safetensors library uses the same limit.
+# Largest JSON header accepted: far above any real checkpoint's, far below a harmful allocation.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 METADATA_KEY = "__metadata__"
 _HEADER_ALIGNMENT = 8
 _TENSOR_KEYS = frozenset({"dtype", "shape", "data_offsets"})
+# Not exported by Python before 3.13; the value is Linux's on x86-64 and aarch64.
+_MAP_NORESERVE = getattr(
+    mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64") else 0
+)
 # Elements checked per step by tensor_has_nonfinite: bounds its temporary memory.
 _NONFINITE_CHUNK = 1 << 22
 
@@ -55,14 +62,12 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 
 
+@dataclass(frozen=True, slots=True)
 class _TensorInfo:
-    __slots__ = ("dtype", "shape", "begin", "end")
-
-    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...], begin: int, end: int) -> None:
-        self.dtype = dtype
-        self.shape = shape
-        self.begin = begin
-        self.end = end
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # byte offsets relative to the start of the data section
+    end: int
 
 
 def _reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
@@ -89,28 +94,40 @@ class SafetensorsFile:
     """One safetensors file opened read-only; tensors are views of a private memory map.
 
     The map is copy-on-write: returned tensors may be modified in memory but the file never changes, and
-    only the pages a caller touches are read from disk.
+    only the pages a caller touches are read from disk. As with any memory map, the file must not be
+    truncated while tensors from it are in use.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
+        self._fd: int | None = None
         self._mmap: mmap.mmap | None = None
         if sys.byteorder != "little":
             raise DFlashTrtError("safetensors data is little-endian and this host is big-endian.")
         try:
             # O_NONBLOCK: opening a FIFO planted under a weight file's name must not hang.
             fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
-            try:
-                status = os.fstat(fd)
-                if not stat.S_ISREG(status.st_mode):
-                    raise DFlashTrtError(f"{self.path} is not a regular file.")
-                with open(fd, "rb", closefd=False) as handle:
-                    self._tensors, self.metadata, self._data_start = _read_header(self.path, handle, status.st_size)
-                self._mmap = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
-            finally:
-                os.close(fd)
         except OSError as exc:
             raise DFlashTrtError(f"cannot read {self.path}: {exc.strerror or exc}.") from exc
+        header_read = False
+        try:
+            status = os.fstat(fd)
+            if not stat.S_ISREG(status.st_mode):
+                raise DFlashTrtError(f"{self.path} is not a regular file.")
+            with open(fd, "rb", closefd=False) as handle:
+                self._tensors, self.metadata, self._data_start = _read_header(self.path, handle, status.st_size)
+            header_read = True
+            self._mmap = _map_copy_on_write(fd, 0, 0)
+        except OSError as exc:
+            if exc.errno == errno.ENOMEM and header_read:
+                self._fd = fd  # the whole file cannot be mapped here: map each tensor on demand instead
+                return
+            os.close(fd)
+            raise DFlashTrtError(f"cannot read {self.path}: {exc.strerror or exc}.") from exc
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
 
     def names(self) -> list[str]:
         """Tensor names in file order."""
@@ -147,18 +164,30 @@ class SafetensorsFile:
     def get(self, name: str, copy: bool = False) -> torch.Tensor:
         """The tensor `name`; a view of the file's map unless `copy` (or its bytes are misaligned)."""
         info = self._info(name)
-        if self._mmap is None:
+        if self._mmap is None and self._fd is None:
             raise DFlashTrtError(f"{self.path} is closed.")
         numel = math.prod(info.shape)
         if numel == 0:
             return torch.empty(info.shape, dtype=info.dtype)
-        offset = self._data_start + info.begin
+        region, offset = self._region(name, self._data_start + info.begin, info.end - info.begin)
         if offset % info.dtype.itemsize == 0:
-            tensor = torch.frombuffer(self._mmap, dtype=info.dtype, count=numel, offset=offset)
-            tensor = tensor.view(info.shape)
+            tensor = torch.frombuffer(region, dtype=info.dtype, count=numel, offset=offset).view(info.shape)
             return tensor.clone() if copy else tensor
-        raw = torch.frombuffer(self._mmap, dtype=torch.uint8, count=info.end - info.begin, offset=offset)
+        raw = torch.frombuffer(region, dtype=torch.uint8, count=info.end - info.begin, offset=offset)
         return raw.clone().view(info.dtype).view(info.shape)
+
+    def _region(self, name: str, start: int, nbytes: int) -> tuple[mmap.mmap, int]:
+        """A map holding bytes [start, start + nbytes) of the file, and where they begin in it."""
+        if self._mmap is not None:
+            return self._mmap, start
+        map_start = start - start % mmap.ALLOCATIONGRANULARITY
+        try:
+            region = _map_copy_on_write(self._fd, start + nbytes - map_start, map_start)
+        except OSError as exc:
+            raise DFlashTrtError(
+                f"cannot map tensor {name!r} ({nbytes} bytes) of {self.path}: {exc.strerror or exc}."
+            ) from exc
+        return region, start - map_start
 
     def close(self) -> None:
         """Drop this reader's reference to the map.
@@ -168,6 +197,9 @@ class SafetensorsFile:
         released when the last tensor viewing it is freed.
         """
         self._mmap = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def __enter__(self) -> SafetensorsFile:
         return self
@@ -176,6 +208,17 @@ class SafetensorsFile:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _map_copy_on_write(fd: int, length: int, offset: int) -> mmap.mmap:
+    """A private, writable map of a read-only file: tensors can be modified in memory, never on disk.
+
+    MAP_NORESERVE stops Linux from charging the whole mapping against RAM + swap up front, which would
+    refuse to map a file larger than memory even though only touched pages are ever read.
+    """
+    return mmap.mmap(
+        fd, length, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset
+    )
 
 
 def _read_header(path: Path, handle, file_size: int) -> tuple[dict[str, _TensorInfo], dict[str, str], int]:
