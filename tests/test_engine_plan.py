@@ -291,3 +291,72 @@ def test_real_build_never_overwrites_silently(ckpt: Path, tmp_path: Path):
     with pytest.raises(DFlashTrtError, match="--overwrite"):
         run_engine_build(plan)
     assert (out / "rank0.engine").read_bytes() == b"x"
+
+
+def engine_bookkeeping(position_ids, context_lengths, draft_lens, accepted_tokens, num_accepted):
+    """The ops of DFlashForCausalLM.bookkeeping, one for one in numpy (where, cumsum, scatter, arange, gathers)."""
+    is_generation = draft_lens > 0
+    in_len = np.where(is_generation, draft_lens + 1, context_lengths)
+    valid_len = np.where(is_generation, num_accepted, in_len)
+    starts = np.cumsum(in_len) - in_len
+    markers = np.zeros(len(position_ids), dtype=np.int32)
+    markers[starts] = 1
+    request = np.cumsum(markers) - 1
+    local = np.arange(len(position_ids)) - starts[request]
+    valid = local < valid_len[request]
+    ctx_len = position_ids[starts] + valid_len
+    anchor = np.take_along_axis(accepted_tokens, (num_accepted - 1)[:, None], axis=1)[:, 0]
+    return request, valid, ctx_len, anchor
+
+
+def test_step_bookkeeping_mirrors_the_golden_loop(tmp_path: Path):
+    """Pack one engine step from a golden-model run (a context request next to generation requests) and check the
+    engine's rule gives exactly the golden loop's injected positions, next context length and next anchor."""
+    from _pairs import PairVariant, make_pair
+
+    from dflash_trt.checkpoint.convert import convert_checkpoint
+    from dflash_trt.reference.decode import speculative_generate
+    from dflash_trt.reference.model import load_golden_model
+
+    target_dir, draft_dir = make_pair(tmp_path, PairVariant(block_size=6))
+    convert_checkpoint(target_dir, draft_dir, tmp_path / "ckpt", dtype="float32")
+    golden = load_golden_model(tmp_path / "ckpt")
+    k = golden.draft.spec.block_size - 1
+    prompts = [[3, 4, 5, 6, 7], [9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
+    results = speculative_generate(golden, prompts, max_new_tokens=20)
+
+    checked = 0
+    for step in range(1, 4):
+        # Request 0 is (re)submitted as a context request; requests 1 and 2 are generation requests at `step`.
+        rows, ctx_lens, drafts, accepted, counts, expect = [], [], [], [], [], []
+        prompt = prompts[0]
+        rows += list(range(len(prompt)))
+        ctx_lens.append(len(prompt))
+        drafts.append(0)
+        accepted.append([results[0].output_ids[0]] + [0] * k)
+        counts.append(1)
+        expect.append((set(range(len(prompt))), len(prompt), results[0].output_ids[0]))
+        for r in (1, 2):
+            res = results[r]
+            trace = res.steps[step]
+            if trace.accepted + 1 != res.acceptance_lengths[step]:
+                continue  # the golden loop capped this step at max_new_tokens; the runtime truncates instead
+            tokens = res.input_ids + res.output_ids
+            # The golden loop's anchor index before and after this step (_Sequence.start).
+            start = len(res.input_ids) + sum(res.acceptance_lengths[:step])
+            next_start = start + res.acceptance_lengths[step]
+            n = trace.accepted + 1  # what the accept plugin reports: accepted drafts + the bonus token
+            rows += list(range(start, start + k + 1))
+            ctx_lens.append(len(res.input_ids))
+            drafts.append(k)
+            accepted.append(trace.draft_ids[: trace.accepted] + [tokens[start + n]] + [0] * (k + 1 - n))
+            counts.append(n)
+            expect.append((set(range(start, next_start)), next_start, tokens[next_start]))
+        request, valid, ctx_len, anchor = engine_bookkeeping(
+            np.array(rows), np.array(ctx_lens), np.array(drafts), np.array(accepted), np.array(counts))
+        positions = np.array(rows)
+        for b, (injected, next_ctx, next_anchor) in enumerate(expect):
+            assert set(positions[(request == b) & valid].tolist()) == injected
+            assert ctx_len[b] == next_ctx and anchor[b] == next_anchor
+            checked += 1
+    assert checked >= 6
