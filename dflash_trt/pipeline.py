@@ -295,8 +295,9 @@ def resume_command(inp: PipelineInputs) -> str:
 
 
 def run_pipeline(inp: PipelineInputs, *, dry_run: bool = False, gpu: bool | None = None,
-                 out=sys.stdout) -> list[tuple[str, str]]:
+                 out=None) -> list[tuple[str, str]]:
     """Run (or with dry_run, only report) every stage; returns (stage, outcome) pairs."""
+    out = out or sys.stdout
     plan = stages(inp)
     gpu = gpu_build_available() if gpu is None else gpu
     outcomes: list[tuple[str, str]] = []
@@ -340,6 +341,8 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_profile(args: argparse.Namespace, settings_override: Callable | None = None) -> int:
+    if getattr(args, "checkpoint_dir", None):
+        raise DFlashTrtError("--checkpoint_dir does not combine with --config: the profile names the models")
     inp = resolve_inputs(args, settings_override)
     run_pipeline(inp, dry_run=args.dry_run)
     return 0

@@ -10,6 +10,8 @@ import argparse
 import dataclasses
 import json
 
+from dflash_trt.errors import DFlashTrtError
+from dflash_trt.pipeline import add_profile_arguments, run_profile
 from dflash_trt.trtllm.build_plan import (
     GEMM_PLUGIN_CHOICES,
     KV_CACHE_TYPES,
@@ -40,8 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="build one TensorRT-LLM 1.2.x engine (target + DFlash drafter) from a converted checkpoint",
         description=__doc__,
     )
-    parser.add_argument("--checkpoint_dir", required=True, help="converted checkpoint (dflash-trt convert)")
-    parser.add_argument("--output_dir", required=True, help="engine directory to create")
+    parser.add_argument("--checkpoint_dir", help="converted checkpoint (dflash-trt convert); not with --config")
+    parser.add_argument("--output_dir", help="engine directory to create (with --config: the workspace)")
+    add_profile_arguments(parser)
     for name, kind in SETTING_FLAGS.items():
         parser.add_argument(f"--{name}", type=kind, default=None, help=f"default {getattr(defaults, name)}")
     for name in SWITCH_FLAGS:
@@ -76,6 +79,10 @@ def settings_from_args(args: argparse.Namespace, base: EngineBuildSettings | Non
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.config:
+        return run_profile(args, settings_override=settings_from_args)
+    if args.checkpoint_dir is None or args.output_dir is None:
+        raise DFlashTrtError("give --checkpoint_dir and --output_dir, or a build profile with --config")
     settings = settings_from_args(args)
     plan = plan_engine_build(args.checkpoint_dir, args.output_dir, settings, plugin_library=args.plugin_library)
     if args.dry_run:

@@ -1,0 +1,243 @@
+"""`dflash-trt build --config`: dry runs of every shipped profile, and an idempotent CPU run on a tiny real pair."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+from _pairs import PairVariant, make_pair
+
+from dflash_trt import pipeline
+from dflash_trt.cli import main as cli_main
+from dflash_trt.profiles import load_profile
+from dflash_trt.trtllm.build_plan import MANIFEST_NAME
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILES = sorted((ROOT / "build_configs").glob("*/*.yaml"))
+API = json.loads((ROOT / "tests/data/trtllm_api.json").read_text())
+
+QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "head_dim": 128, "rms_norm_eps": 1e-6,
+         "rope_theta": 1000000.0, "max_position_embeddings": 40960, "hidden_act": "silu", "eos_token_id": 151645}
+LLAMA_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+# Shapes of the public checkpoints (config.json only: a dry run reads nothing else).
+TARGETS = {
+    "Qwen/Qwen3-4B": {**QWEN3, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+                      "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": True},
+    "Qwen/Qwen3-8B": {**QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                      "num_attention_heads": 32, "num_key_value_heads": 8},
+    "Qwen/Qwen3-32B": {**QWEN3, "hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64,
+                       "num_attention_heads": 64, "num_key_value_heads": 8},
+    "meta-llama/Llama-3.1-8B-Instruct": {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "rope_scaling": LLAMA_ROPE, "max_position_embeddings": 131072,
+        "hidden_act": "silu", "eos_token_id": [128001, 128008, 128009]},
+}
+
+
+def _draft(target: dict, block: int, taps: list[int], mask: int) -> dict:
+    keys = ("hidden_size", "intermediate_size", "head_dim", "rope_theta", "rms_norm_eps", "rope_scaling")
+    return {"architectures": ["DFlashDraftModel"], "num_hidden_layers": 5, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "num_target_layers": target["num_hidden_layers"], "block_size": block,
+            "dflash_config": {"mask_token_id": mask, "target_layer_ids": taps},
+            **{k: target[k] for k in keys if k in target}}
+
+
+DRAFTS = {
+    "z-lab/Qwen3-4B-DFlash-b16": _draft(TARGETS["Qwen/Qwen3-4B"], 16, [1, 9, 17, 25, 33], 151669),
+    "z-lab/Qwen3-8B-DFlash-b16": _draft(TARGETS["Qwen/Qwen3-8B"], 16, [1, 9, 17, 25, 33], 151669),
+    "AICP-Labs/qwen3-32b-dflash-en-zh": _draft(TARGETS["Qwen/Qwen3-32B"], 16, [1, 16, 31, 46, 61], 151669),
+    "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat": _draft(TARGETS["meta-llama/Llama-3.1-8B-Instruct"], 10,
+                                                          [1, 8, 15, 22, 29], 128002),
+}
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory) -> Path:
+    """An HF hub cache (models--org--name/snapshots/<rev>, refs/main) holding the profiles' config files."""
+    cache = tmp_path_factory.mktemp("hub")
+    for repo, cfg in {**TARGETS, **DRAFTS}.items():
+        repo_dir = cache / ("models--" + repo.replace("/", "--"))
+        snapshot = repo_dir / "snapshots" / "0123abcd"
+        snapshot.mkdir(parents=True)
+        (snapshot / "config.json").write_text(json.dumps(cfg))
+        (repo_dir / "refs").mkdir()
+        (repo_dir / "refs" / "main").write_text("0123abcd")
+    return cache
+
+
+def _stage_commands(output: str) -> dict[str, str]:
+    """Stage name -> the command line printed under it."""
+    lines = output.splitlines()
+    commands = {}
+    for i, line in enumerate(lines):
+        if line.startswith("[") and "would run" in line:
+            commands[line.split("] ", 1)[1].split(" ", 1)[0]] = lines[i + 1].strip()
+    return commands
+
+
+def _trtllm_build_flags() -> set[str]:
+    flags = API.get("trtllm_build_flags")
+    if flags is None:
+        pytest.skip("tests/data/trtllm_api.json records no trtllm_build_flags list to check against")
+    return {f if f.startswith("--") else f"--{f}" for f in flags}
+
+
+@pytest.mark.parametrize("path", PROFILES, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_dry_run_of_every_profile(path: Path, hub: Path, tmp_path: Path, capsys):
+    profile = load_profile(path)
+    ws = tmp_path / "ws"
+    assert cli_main(["build", "--config", str(path), "--hf_cache", str(hub), "--output_dir", str(ws),
+                     "--dry_run"]) == 0
+    out = capsys.readouterr().out
+    commands = _stage_commands(out)
+    assert list(commands) == ["checkpoint", "engine", "triton"]
+    convert = shlex.split(commands["checkpoint"])
+    assert convert[:2] == ["dflash-trt", "convert"]
+    assert convert[convert.index("--qformat") + 1] == profile.quantization.qformat
+    assert convert[convert.index("--tp_size") + 1] == str(profile.checkpoint.tp_size)
+    build = shlex.split(commands["engine"])
+    assert build[0] == "trtllm-build"
+    flags = {build[i]: build[i + 1] for i in range(1, len(build) - 1) if build[i].startswith("--")}
+    assert flags["--checkpoint_dir"] == str(ws / "checkpoint") and flags["--output_dir"] == str(ws / "engine")
+    assert flags["--max_draft_len"] == str(profile.model.block_size - 1)
+    assert flags["--max_batch_size"] == str(profile.engine.max_batch_size)
+    assert flags["--max_num_tokens"] == str(profile.engine.max_num_tokens)
+    assert flags["--gemm_plugin"] == profile.engine.gemm_plugin
+    assert flags["--use_fp8_context_fmha"] == "enable" and flags["--speculative_decoding_mode"] == "eagle"
+    assert not ws.exists(), "a dry run writes nothing"
+
+
+def test_dry_runs_name_only_flags_trtllm_build_accepts(hub: Path, tmp_path: Path, capsys):
+    accepted = _trtllm_build_flags()
+    for path in PROFILES:
+        assert cli_main(["build", "--config", str(path), "--hf_cache", str(hub), "--output_dir",
+                         str(tmp_path / path.stem), "--dry_run"]) == 0
+        build = shlex.split(_stage_commands(capsys.readouterr().out)["engine"])
+        assert {a for a in build if a.startswith("--")} <= accepted, path
+
+
+def test_typed_flags_override_the_profile(hub: Path, tmp_path: Path, capsys):
+    path = ROOT / "build_configs/h200-fp8/qwen3-8b.yaml"
+    assert cli_main(["build", "--config", str(path), "--hf_cache", str(hub), "--output_dir", str(tmp_path / "ws"),
+                     "--max_batch_size", "64", "--dry_run"]) == 0
+    build = shlex.split(_stage_commands(capsys.readouterr().out)["engine"])
+    assert build[build.index("--max_batch_size") + 1] == "64"
+
+
+def test_missing_models_are_not_downloaded(tmp_path: Path, capsys):
+    path = ROOT / "build_configs/h100-fp8/qwen3-4b.yaml"
+    assert cli_main(["build", "--config", str(path), "--hf_cache", str(tmp_path), "--dry_run"]) == 2
+    assert "Qwen/Qwen3-4B is not in the HF cache" in capsys.readouterr().err
+
+
+def test_quantized_profile_needs_a_quantizing_converter(hub: Path, tmp_path: Path, monkeypatch):
+    import inspect
+
+    from dflash_trt.checkpoint import convert
+
+    if "qformat" in inspect.signature(convert.convert_checkpoint).parameters:
+        pytest.skip("the converter quantizes: covered by the quantization tests")
+    args = pipeline.argparse.Namespace(config=str(ROOT / "build_configs/b300-nvfp4/qwen3-4b.yaml"),
+                                       hf_cache=str(hub), download=False, output_dir=str(tmp_path / "ws"),
+                                       plugin_library=None, dry_run=False)
+    with pytest.raises(pipeline.DFlashTrtError, match="cannot quantize yet"):
+        pipeline.run_pipeline(pipeline.resolve_inputs(args), gpu=False)
+
+
+# ---------------------------------------------------------------- a real run on CPU with a tiny pair
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
+    return make_pair(tmp_path_factory.mktemp("pair"), PairVariant())
+
+
+def _tiny_profile(tmp_path: Path, pair: tuple[Path, Path], **engine) -> Path:
+    target, draft = pair
+    data = {
+        "name": "tiny", "gpu": "b300",
+        "model": {"target": str(target), "draft": str(draft), "block_size": 8},
+        "quantization": {"qformat": "none", "draft_qformat": "none", "kv_cache_dtype": "none"},
+        "engine": {"max_batch_size": 4, "max_input_len": 64, "max_seq_len": 128, "max_num_tokens": 256,
+                   "max_draft_len": 7, "gemm_plugin": "auto", **engine},
+        "serving": {"instance_count": 1},
+        "sweep": {"concurrency": [1, 4], "interactivity_band": [100, 200]},
+    }
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _run(profile: Path, ws: Path, gpu: bool, capsys) -> tuple[list[tuple[str, str]], str]:
+    args = pipeline.argparse.Namespace(config=str(profile), hf_cache=None, download=False, output_dir=str(ws),
+                                       plugin_library="/opt/dflash/libdflash_trt_plugins.so", dry_run=False)
+    outcomes = pipeline.run_pipeline(pipeline.resolve_inputs(args), gpu=gpu)
+    return outcomes, capsys.readouterr().out
+
+
+def test_cpu_run_stops_after_the_checkpoint_and_resumes(tiny_pair, tmp_path: Path, capsys, monkeypatch):
+    profile = _tiny_profile(tmp_path, tiny_pair)
+    ws = tmp_path / "ws"
+    outcomes, out = _run(profile, ws, gpu=False, capsys=capsys)
+    assert outcomes == [("checkpoint", "built"), ("engine", "needs gpu")]
+    assert json.loads((ws / "checkpoint/config.json").read_text())["max_draft_len"] == 7
+    resume = f"dflash-trt build --config {profile} --output_dir {ws} --plugin_library /opt/dflash/"
+    assert resume in out and f"trtllm-build --checkpoint_dir {ws / 'checkpoint'}" in out
+
+    outcomes, _ = _run(profile, ws, gpu=False, capsys=capsys)
+    assert outcomes == [("checkpoint", "skipped"), ("engine", "needs gpu")]
+
+    (ws / "checkpoint/rank0.safetensors").unlink()  # damaged output: redone
+    outcomes, _ = _run(profile, ws, gpu=False, capsys=capsys)
+    assert outcomes[0] == ("checkpoint", "built") and (ws / "checkpoint/rank0.safetensors").is_file()
+
+    data = yaml.safe_load(profile.read_text())
+    data["checkpoint"] = {"dtype": "float16"}  # changed settings: stale, redone
+    profile.write_text(yaml.safe_dump(data))
+    outcomes, out = _run(profile, ws, gpu=False, capsys=capsys)
+    assert outcomes[0] == ("checkpoint", "built") and "stale" in out
+    assert json.loads((ws / "checkpoint/config.json").read_text())["dtype"] == "float16"
+
+
+def test_gpu_run_builds_engine_and_repository_once(tiny_pair, tmp_path: Path, capsys, monkeypatch):
+    """The engine stage's trtllm-build is replaced by a writer of what it leaves behind (config.json + manifest):
+    this checks the pipeline's bookkeeping, not TensorRT-LLM."""
+    calls: list[str] = []
+
+    def fake_engine_build(plan, overwrite=False):
+        calls.append(plan.output_dir)
+        out = Path(plan.output_dir)
+        out.mkdir(parents=True, exist_ok=overwrite)
+        (out / "config.json").write_text(json.dumps({"build_config": plan.build_config}))
+        (out / MANIFEST_NAME).write_text(json.dumps(plan.dflash_manifest))
+        return out
+
+    monkeypatch.setattr("dflash_trt.trtllm.build.run_engine_build", fake_engine_build)
+    profile = _tiny_profile(tmp_path, tiny_pair)
+    ws = tmp_path / "ws"
+    outcomes, _ = _run(profile, ws, gpu=True, capsys=capsys)
+    assert outcomes == [("checkpoint", "built"), ("engine", "built"), ("triton", "built")]
+    params = (ws / "triton/tensorrt_llm/config.pbtxt").read_text()
+    assert f'"gpt_model_path" value {{ string_value: "{(ws / "engine").absolute()}" }}' in params
+    assert '"eagle_choices" value { string_value: "{0}, {0, 0}, {0, 0, 0}' in params
+
+    outcomes, _ = _run(profile, ws, gpu=True, capsys=capsys)
+    assert [o for _, o in outcomes] == ["skipped"] * 3 and len(calls) == 1
+
+    data = yaml.safe_load(profile.read_text())
+    data["serving"]["instance_count"] = 2  # a serving knob only touches the repository
+    profile.write_text(yaml.safe_dump(data))
+    outcomes, _ = _run(profile, ws, gpu=True, capsys=capsys)
+    assert outcomes == [("checkpoint", "skipped"), ("engine", "skipped"), ("triton", "built")]
+
+    data["engine"]["max_batch_size"] = 2  # an engine knob rebuilds the engine and what follows
+    data["sweep"]["concurrency"] = [1, 2]
+    profile.write_text(yaml.safe_dump(data))
+    outcomes, _ = _run(profile, ws, gpu=True, capsys=capsys)
+    assert outcomes == [("checkpoint", "skipped"), ("engine", "built"), ("triton", "built")] and len(calls) == 2
+    assert json.loads((ws / "engine" / MANIFEST_NAME).read_text())["max_batch_size"] == 2
