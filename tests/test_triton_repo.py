@@ -307,7 +307,8 @@ def test_postprocess_detokenizes_streamed_chunks(pre: P.Preprocessor, tokenizer_
 
 
 def _fake_binary(path: Path, record: Path) -> Path:
-    path.write_text(f'#!/usr/bin/env bash\n{{ echo "LD_PRELOAD=$LD_PRELOAD"; printf "%s\\n" "$@"; }} > {record}\n')
+    path.write_text(f'#!/usr/bin/env bash\n{{ echo "LD_PRELOAD=$LD_PRELOAD $DFLASH_TRT_LOAD_PLUGINS"; '
+                    f'printf "%s\\n" "$@"; }} > {record}\n')
     path.chmod(0o755)
     return path
 
@@ -322,12 +323,15 @@ def test_launch_script_preloads_the_plugin(tmp_path: Path, tokenizer_dir: Path, 
     env = dict(os.environ, TRITONSERVER=str(_fake_binary(tmp_path / "tritonserver", record)),
                MPIRUN=str(_fake_binary(tmp_path / "mpirun", record)), LD_PRELOAD="")
     env.pop("DFLASH_TRT_PLUGIN_LIB", None)
+    env.pop("DFLASH_TRT_LOAD_PLUGINS", None)
     subprocess.run(["bash", str(repo / LAUNCH_SCRIPT), "--grpc-port=9001"], env=env, check=True, timeout=30)
     lines = record.read_text().splitlines()
-    assert lines[0] == f"LD_PRELOAD={plugin}"
     assert f"--model-repository={repo.absolute()}" in lines and "--grpc-port=9001" in lines
-    if world_size == 2:
-        assert lines[1:4] == ["--allow-run-as-root", "-x", "LD_PRELOAD"]
+    if world_size == 1:
+        assert lines[0] == f"LD_PRELOAD={plugin} 1"  # preloaded, and told to register its creators on load
+    else:  # mpirun itself runs without the plugin and hands it to every rank
+        assert lines[0] == "LD_PRELOAD= "
+        assert lines[1:6] == ["--allow-run-as-root", "-x", f"LD_PRELOAD={plugin}", "-x", "DFLASH_TRT_LOAD_PLUGINS=1"]
         assert lines.count(str(tmp_path / "tritonserver")) == 2 and "--load-model=tensorrt_llm" in lines
         assert lines.index("--grpc-port=9001") < lines.index(":") < lines.index("--allow-grpc=false")
     env["DFLASH_TRT_PLUGIN_LIB"] = str(tmp_path / "missing.so")

@@ -28,6 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--work_dir", default=None,
                         help="with --config: the build workspace (default out/<profile name>)")
     parser.add_argument("--hf_cache", default=None, help="with --config: HF hub cache holding the tokenizer")
+    parser.add_argument("--download", action="store_true",
+                        help="with --config: download the tokenizer's model if it is not in the HF cache")
     parser.add_argument("--plugin_library", default=None,
                         help="with --config: libdflash_trt_plugins.so the launch script preloads")
     parser.add_argument("--kv_cache_free_gpu_mem_fraction", type=float, default=None)
@@ -67,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
             tokenizer = _tokenizer_dir(args.tokenizer_dir)
         else:
             cache = Path(args.hf_cache) if args.hf_cache else None
-            tokenizer = _tokenizer_dir(str(resolve_model_dir(profile.model.tokenizer_source, cache_dir=cache)))
+            model_dir = resolve_model_dir(profile.model.tokenizer_source, cache_dir=cache, allow_download=args.download)
+            tokenizer = _tokenizer_dir(str(model_dir))
         library = args.plugin_library or default_library_path()
         settings = settings_from_profile(profile, workspace(profile, args.work_dir).engine, tokenizer, library)
         settings = dataclasses.replace(settings, **_overrides(args))

@@ -20,6 +20,7 @@ from dflash_trt.profiles import BuildProfile
 from dflash_trt.triton import processing as P
 from dflash_trt.triton.pbtxt import EnsembleStep, ModelConfig, Tensor, render
 from dflash_trt.trtllm.build_plan import MANIFEST_NAME, SAMPLING_POLICY, chain_eagle_choices
+from dflash_trt.trtllm.plugin import LIBRARY_ENV
 
 ENSEMBLE = "ensemble"
 PREPROCESSING = "preprocessing"
@@ -29,6 +30,9 @@ SETTINGS_FILE = "dflash_triton.json"
 LAUNCH_SCRIPT = "launch_triton.sh"
 CLIENT_FILE = "client.py"
 PROCESSING_FILE = "dflash_processing.py"
+# Makes libdflash_trt_plugins.so register its creators when it is loaded (plugins/src/pluginRegistration.cpp):
+# the tensorrtllm backend never calls initDflashTrtPlugins itself.
+REGISTER_ON_LOAD_ENV = "DFLASH_TRT_LOAD_PLUGINS"
 
 # Outputs the tensorrtllm backend writes when a request sets return_perf_metrics: all must be declared, or the
 # backend fails while filling the response.
@@ -266,27 +270,28 @@ def launch_script(s: RepositorySettings) -> str:
     """Bash launcher: preload the plugin library, then one tritonserver (or one MPI rank per GPU for TP > 1)."""
     return f"""#!/usr/bin/env bash
 # Start Triton on this DFlash repository. The engine's layers reference the DFlash plugins, so their library is
-# preloaded into every server process before the tensorrtllm backend deserializes the engine.
-# Extra arguments go to tritonserver (e.g. --grpc-port 9001). Environment overrides: DFLASH_TRT_PLUGIN_LIB,
-# TRITONSERVER (server binary), MPIRUN (launcher for world size > 1).
+# preloaded into every server process, and told to register its plugins on load, before the tensorrtllm backend
+# deserializes the engine. Extra arguments go to tritonserver (e.g. --grpc-port 9001).
+# Environment overrides: {LIBRARY_ENV} (plugin library), TRITONSERVER (server binary), MPIRUN (world size > 1).
 set -euo pipefail
 HERE="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
 DEFAULT_PLUGIN={_sh_quote(s.plugin_library)}
-PLUGIN="${{DFLASH_TRT_PLUGIN_LIB:-$DEFAULT_PLUGIN}}"
+PLUGIN="${{{LIBRARY_ENV}:-$DEFAULT_PLUGIN}}"
 WORLD_SIZE={s.world_size}
 TRITONSERVER="${{TRITONSERVER:-tritonserver}}"
 MPIRUN="${{MPIRUN:-mpirun}}"
 if [[ ! -f "$PLUGIN" ]]; then
-  echo "launch_triton.sh: DFlash plugin library $PLUGIN not found; build plugins/ or set DFLASH_TRT_PLUGIN_LIB" >&2
+  echo "launch_triton.sh: DFlash plugin library $PLUGIN not found; build plugins/ or set {LIBRARY_ENV}" >&2
   exit 1
 fi
-export LD_PRELOAD="$PLUGIN${{LD_PRELOAD:+:$LD_PRELOAD}}"
+PRELOAD="$PLUGIN${{LD_PRELOAD:+:$LD_PRELOAD}}"
 SERVER_ARGS=(--model-repository="$HERE" --disable-auto-complete-config)
 if (( WORLD_SIZE == 1 )); then
-  exec "$TRITONSERVER" "${{SERVER_ARGS[@]}}" "$@"
+  LD_PRELOAD="$PRELOAD" {REGISTER_ON_LOAD_ENV}=1 exec "$TRITONSERVER" "${{SERVER_ARGS[@]}}" "$@"
 fi
-# Rank 0 serves every model and the endpoints; the other ranks only host tensorrt_llm's workers.
-CMD=("$MPIRUN" --allow-run-as-root -x LD_PRELOAD)
+# One rank per GPU, each preloading the plugin: rank 0 serves every model and the endpoints, the other ranks only
+# host tensorrt_llm's workers.
+CMD=("$MPIRUN" --allow-run-as-root -x "LD_PRELOAD=$PRELOAD" -x {REGISTER_ON_LOAD_ENV}=1)
 for (( rank = 0; rank < WORLD_SIZE; rank++ )); do
   (( rank > 0 )) && CMD+=(:)
   CMD+=(-n 1 "$TRITONSERVER" "${{SERVER_ARGS[@]}}" "--backend-config=python,shm-region-prefix-name=prefix${{rank}}_")
