@@ -355,8 +355,10 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         lengths = expand(i32([b]), shape(book["draft_lens"]))
         causal = self.config.dflash_config["causal"]
         for index, layer in enumerate(self.dflash.layers):
+            # [requests * B, words], the layout of the runtime's own spec_decoding_packed_mask input.
             packed = np.array([block_packed_mask(b, causal[index])], dtype=np.int32)
-            mask = expand(i32(packed), concat([batch, b, packed.shape[2]]))
+            words = packed.shape[2]
+            mask = expand(i32(packed), concat([batch, b, words])).view(concat([batch * b, words]))
             spec = SpecDecodingParams(True, b, lengths, offsets, mask, spec_decoding_params.spec_decoding_use)
             hidden = layer(hidden, spec, kv_params, params)
         hidden = self.dflash.ln_f(hidden).view(concat([batch, b, shape(hidden, 1)]))
