@@ -401,9 +401,13 @@ def test_nonfinite_every_8bit_encoding(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize(("dtype", "large"), [(torch.float16, 60000.0), (torch.bfloat16, 3e38), (torch.float32, 3e38)])
-def test_nonfinite_not_fooled_by_an_overflowing_sum(dtype: torch.dtype, large: float) -> None:
+def test_nonfinite_not_fooled_by_an_overflowing_sum(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, large: float
+) -> None:
+    monkeypatch.setattr(safetensors_io, "_NONFINITE_CHUNK", 64)
     values = torch.full((1000,), large, dtype=dtype)
     assert not torch.isfinite(values.sum()), "the fixture must overflow a plain sum"
     assert not tensor_has_nonfinite(values)
     values[-1] = float("nan")
     assert tensor_has_nonfinite(values)
+    assert tensor_has_nonfinite(values.reshape(10, 100).t()), "non-contiguous views are checked too"

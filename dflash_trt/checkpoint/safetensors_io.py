@@ -35,7 +35,7 @@ _TENSOR_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 _MAP_NORESERVE = getattr(
     mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64") else 0
 )
-# Elements checked per step by tensor_has_nonfinite: bounds its temporary memory.
+# Elements tested per step when a tensor's sum is not finite: bounds that test's temporary memory.
 _NONFINITE_CHUNK = 1 << 22
 
 DTYPES: dict[str, torch.dtype] = {
@@ -425,28 +425,24 @@ def _build_header(
 
 
 def tensor_has_nonfinite(tensor: torch.Tensor) -> bool:
-    """True if a floating or complex tensor holds NaN or +-Inf; checked in chunks so memory stays bounded."""
+    """True if a floating or complex tensor holds NaN or +-Inf, in bounded extra memory.
+
+    A sum is non-finite whenever an element is, and one reduction with no temporary is far faster than an
+    elementwise test; only when the sum is not finite (a NaN/Inf, or finite values that overflowed) are the
+    elements tested, chunk by chunk. 8-bit floats have no fast CPU sum: counting their 256 bit patterns is.
+    """
     if not (tensor.is_floating_point() or tensor.is_complex()):
         return False
     flat = tensor.detach().reshape(-1)
+    if flat.element_size() == 1:
+        counts = torch.bincount(flat.view(torch.uint8), minlength=256)
+        return bool(counts[_nonfinite_byte_patterns(flat.dtype)].any())
+    if bool(torch.isfinite(flat.sum())):
+        return False
     return any(
-        _chunk_has_nonfinite(flat[start : start + _NONFINITE_CHUNK])
+        not bool(torch.isfinite(flat[start : start + _NONFINITE_CHUNK]).all())
         for start in range(0, flat.numel(), _NONFINITE_CHUNK)
     )
-
-
-def _chunk_has_nonfinite(chunk: torch.Tensor) -> bool:
-    """A sum is non-finite whenever an element is, and a reduction is far faster than an elementwise test.
-
-    Only when the sum is not finite (a NaN/Inf, or finite values that overflowed) is each element tested.
-    8-bit floats have no fast sum on the CPU; counting their 256 bit patterns is faster than converting.
-    """
-    if chunk.element_size() == 1:
-        counts = torch.bincount(chunk.view(torch.uint8), minlength=256)
-        return bool(counts[_nonfinite_byte_patterns(chunk.dtype)].any())
-    if bool(torch.isfinite(chunk.sum())):
-        return False
-    return not bool(torch.isfinite(chunk).all())
 
 
 @functools.cache
