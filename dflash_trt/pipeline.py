@@ -62,6 +62,7 @@ class Stage:
     fingerprint: str
     command: str  # what the stage runs, as a user could type it
     run: Callable[[], None]
+    problem: str | None = None  # set when this host's dflash-trt cannot run the stage
 
 
 def fingerprint(data: object) -> str:
@@ -127,40 +128,46 @@ def engine_settings(profile: BuildProfile) -> EngineBuildSettings:
     )
 
 
+# Calibration knobs are passed only to a converter that takes them; the formats are required once quantizing.
+CALIBRATION_PARAMETERS = ("calib_dataset", "calib_size", "calib_max_seq_len")
+
+
+def _converter_parameters() -> set[str]:
+    from dflash_trt.checkpoint.convert import convert_checkpoint
+
+    return set(inspect.signature(convert_checkpoint).parameters)
+
+
 def quantization_kwargs(profile: BuildProfile) -> dict:
-    """Converter arguments for the profile's quantization; empty for an unquantized profile."""
+    """Converter arguments for the profile's quantization ("none" as None); empty for an unquantized profile."""
     q = profile.quantization
     if (q.qformat, q.draft_qformat, q.kv_cache_dtype) == ("none", "none", "none"):
         return {}
-    return {
-        "qformat": q.qformat,
-        "dflash_qformat": q.draft_qformat,
-        "kv_cache_dtype": q.kv_cache_dtype,
-        "calib_dataset": q.calibration.dataset,
-        "calib_size": q.calibration.size,
-        "calib_max_seq_len": q.calibration.max_seq_len,
-    }
+    formats = {"qformat": q.qformat, "dflash_qformat": q.draft_qformat, "kv_cache_dtype": q.kv_cache_dtype}
+    calibration = dict(zip(CALIBRATION_PARAMETERS, (q.calibration.dataset, q.calibration.size,
+                                                    q.calibration.max_seq_len), strict=True))
+    accepted = _converter_parameters()
+    kwargs = {name: (None if value == "none" else value) for name, value in formats.items()}
+    kwargs.update({name: value for name, value in calibration.items() if name in accepted})
+    return kwargs
 
 
-def _convert_function(kwargs: dict) -> Callable:
-    from dflash_trt.checkpoint.convert import convert_checkpoint
-
-    accepted = inspect.signature(convert_checkpoint).parameters
-    missing = [name for name in kwargs if name not in accepted]
-    if missing:
-        raise DFlashTrtError(
-            f"this dflash-trt converter cannot quantize yet (no {', '.join(missing)}); use a profile with "
-            "qformat, draft_qformat and kv_cache_dtype set to none"
-        )
-    return convert_checkpoint
+def converter_problem(quant: dict) -> str | None:
+    """Why the installed converter cannot produce this checkpoint, if it cannot."""
+    missing = [name for name in quant if name not in _converter_parameters()]
+    if not missing:
+        return None
+    return (f"this dflash-trt converter cannot quantize yet (no {', '.join(missing)}); use a profile with "
+            "qformat, draft_qformat and kv_cache_dtype set to none")
 
 
-def convert_command(profile: BuildProfile, target: Path, draft: Path, output: Path) -> str:
+def convert_command(profile: BuildProfile, target: Path, draft: Path, output: Path, quant: dict) -> str:
     argv = ["dflash-trt", "convert", "--model_dir", str(target), "--dflash_model_dir", str(draft),
             "--output_dir", str(output), "--dtype", profile.checkpoint.dtype,
             "--tp_size", str(profile.checkpoint.tp_size)]
-    for key, value in quantization_kwargs(profile).items():
-        argv += [f"--{key}", str(value)]
+    for key, value in quant.items():
+        if value is not None:
+            argv += [f"--{key}", str(value)]
     return shlex.join(argv)
 
 
@@ -243,8 +250,9 @@ def stages(inp: PipelineInputs) -> list[Stage]:
     })
 
     def run_checkpoint() -> None:
-        convert = _convert_function(quant)
-        convert(inp.target, inp.draft, ws.checkpoint, dtype=profile.checkpoint.dtype,
+        from dflash_trt.checkpoint.convert import convert_checkpoint
+
+        convert_checkpoint(inp.target, inp.draft, ws.checkpoint, dtype=profile.checkpoint.dtype,
                 tp_size=profile.checkpoint.tp_size, overwrite=True, show_progress=True, **quant)
 
     plan = plan_engine(profile, ws, inp.settings, inp.target, inp.draft, inp.plugin_library)
@@ -281,7 +289,8 @@ def stages(inp: PipelineInputs) -> list[Stage]:
 
     return [
         Stage("checkpoint", ws.checkpoint, ckpt_fp,
-              convert_command(profile, inp.target, inp.draft, ws.checkpoint), run_checkpoint),
+              convert_command(profile, inp.target, inp.draft, ws.checkpoint, quant), run_checkpoint,
+              converter_problem(quant)),
         Stage("engine", ws.engine, engine_fp, plan.shell_command(), run_engine),
         Stage("triton", ws.triton, triton_fp, triton_command, run_triton),
     ]
@@ -312,8 +321,12 @@ def run_pipeline(inp: PipelineInputs, *, dry_run: bool = False, gpu: bool | None
             continue
         if dry_run:
             print(f"{header}: {state}, would run:\n    {stage.command}", file=out)
+            if stage.problem:
+                print(f"    but cannot here: {stage.problem}", file=out)
             outcomes.append((stage.name, f"would run ({state})"))
             continue
+        if stage.problem:
+            raise DFlashTrtError(stage.problem)
         if stage.name == "engine" and not gpu:
             print(f"{header}: needs a GPU host with TensorRT-LLM 1.2.x; stopping here.", file=out)
             print("Finish on the GPU host (copy the workspace, keep the same model snapshots) with:", file=out)

@@ -110,6 +110,8 @@ def test_dry_run_of_every_profile(path: Path, hub: Path, tmp_path: Path, capsys)
     assert flags["--gemm_plugin"] == profile.engine.gemm_plugin
     assert flags["--use_fp8_context_fmha"] == "enable" and flags["--speculative_decoding_mode"] == "eagle"
     assert not ws.exists(), "a dry run writes nothing"
+    if pipeline.converter_problem(pipeline.quantization_kwargs(profile)):
+        assert "but cannot here: this dflash-trt converter cannot quantize yet" in out
 
 
 def test_dry_runs_name_only_flags_trtllm_build_accepts(hub: Path, tmp_path: Path, capsys):
