@@ -130,3 +130,36 @@ def test_plugin_glue_round_trip_against_tensorrt_headers(objects: dict[Path, Pat
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     result = subprocess.run([exe], capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.strip() == "OK", result.stdout + result.stderr
+
+
+def test_plugin_fields_carry_the_rope_table_and_refuse_bad_geometry() -> None:
+    from dflash_trt.errors import DFlashTrtError
+    from dflash_trt.reference.rope import inv_freq_and_scale
+
+    rope = RopeConfig(128, 1_000_000.0, "yarn", factor=4.0, original_max_position_embeddings=32768)
+    args = dict(num_layers=2, num_kv_heads=8, layer_idx_offset=36, eps=1e-6, type_id=7, cache_fp8=True)
+    fields = {
+        name: value for name, value, _ in plugin.plugin_fields(head_dim=128, tokens_per_block=64, rope=rope, **args)
+    }
+    inv_freq, scaling = inv_freq_and_scale(rope)
+    assert fields["rope_inv_freq"].tolist() == inv_freq.tolist()
+    assert fields["rope_attention_scaling"].tolist() == [pytest.approx(scaling)] and scaling != 1.0
+    assert fields["cache_fp8"].tolist() == [1] and fields["layer_idx_offset"].tolist() == [36]
+    with pytest.raises(DFlashTrtError, match="head_dim"):
+        plugin.plugin_fields(head_dim=64, tokens_per_block=64, rope=rope, **args)
+    with pytest.raises(DFlashTrtError, match="power of two"):
+        plugin.plugin_fields(head_dim=128, tokens_per_block=48, rope=rope, **args)
+
+
+def test_loader_reports_a_missing_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dflash_trt.errors import DFlashTrtError
+
+    missing = tmp_path / "libdflash_trt_plugins.so"
+    monkeypatch.setenv(plugin.LIBRARY_ENV, str(missing))
+    assert plugin.default_library_path() == missing
+    with pytest.raises(DFlashTrtError, match="not found"):
+        plugin.load_plugin_library()
+    not_a_library = tmp_path / "garbage.so"
+    not_a_library.write_bytes(b"not an ELF file")
+    with pytest.raises(DFlashTrtError, match="cannot load"):
+        plugin.load_plugin_library(not_a_library)
