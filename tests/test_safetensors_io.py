@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
+import random
 import signal
 import struct
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -411,3 +416,36 @@ def test_nonfinite_not_fooled_by_an_overflowing_sum(
     values[-1] = float("nan")
     assert tensor_has_nonfinite(values)
     assert tensor_has_nonfinite(values.reshape(10, 100).t()), "non-contiguous views are checked too"
+
+
+_ROUND_TRIP_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.int64, torch.bool, torch.uint8]
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(_ROUND_TRIP_DTYPES), st.lists(st.integers(0, 5), max_size=3)),
+        min_size=1,
+        max_size=6,
+    ),
+    st.randoms(use_true_random=False),
+)
+def test_any_layout_round_trips_through_writer_reader_and_safetensors(
+    specs: list[tuple[torch.dtype, list[int]]], rng: random.Random
+) -> None:
+    """Any dtypes, shapes (0-dim and empty included) and order: all three views of the file agree."""
+    tensors = {}
+    for index, (dtype, shape) in enumerate(specs):
+        raw = torch.tensor([rng.randrange(256) for _ in range(math.prod(shape) * dtype.itemsize)], dtype=torch.uint8)
+        tensors[f"t{index}.weight"] = raw.view(dtype).reshape(shape) if raw.numel() else torch.empty(shape, dtype=dtype)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "rt.safetensors"
+        with StreamingSafetensorsWriter(path, _entries(tensors)) as writer:
+            for name, tensor in tensors.items():
+                writer.write(name, tensor)
+        oracle = load_file(path)
+        with SafetensorsFile(path) as reader:
+            assert reader.names() == list(tensors)
+            for name, tensor in tensors.items():
+                _assert_same(oracle[name], tensor)
+                _assert_same(reader.get(name), tensor)
