@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.quant import fp8 as fp8_module
+from dflash_trt.quant import nvfp4 as nvfp4_module
 from dflash_trt.quant.fp8 import dequantize_fp8, fp8_weight_scale, quantize_fp8, quantize_fp8_shared
 from dflash_trt.quant.nvfp4 import (
     dequantize_nvfp4,
@@ -143,6 +145,18 @@ def test_bit_exact_with_modelopt(qformat: str, dtype: torch.dtype) -> None:
     reference = _oracle(cases, qformat)
     for name, w in cases.items():
         _assert_same_tensors(_ours(w, qformat), reference[name], f"{qformat}/{dtype}/{name}")
+
+
+@pytest.mark.parametrize("qformat", [FP8, NVFP4])
+def test_chunk_boundaries_do_not_change_bytes(qformat: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Quantizers work in row chunks; tiny chunks (one row, and a ragged last chunk) give the same bytes."""
+    gen = torch.Generator().manual_seed(6)
+    w = (torch.randn(37, 64, generator=gen) * 0.1).to(torch.bfloat16)
+    reference = _oracle({"w": w}, qformat)["w"]
+    module = fp8_module if qformat == FP8 else nvfp4_module
+    for chunk in (1, 100, 1000):
+        monkeypatch.setattr(module, "_CHUNK_ELEMENTS", chunk)
+        _assert_same_tensors(_ours(w, qformat), reference, f"{qformat}/chunk{chunk}")
 
 
 @pytest.mark.parametrize("qformat", [FP8, NVFP4])

@@ -25,7 +25,7 @@ from dflash_trt.quant.checks import check_finite_amax, check_weight
 
 FP8_E4M3_MAX = 448.0
 # Rows quantized per step: keeps the fp32 temporary small enough to stay in cache.
-_ROWS_PER_CHUNK_ELEMENTS = 1 << 16
+_CHUNK_ELEMENTS = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def quantize_fp8(weight: torch.Tensor, scale: torch.Tensor | None = None) -> FP8
         scale = fp8_weight_scale(fp8_amax(weight))
     scale = scale.to(device=weight.device, dtype=torch.float32).reshape(1)
     out = torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=weight.device)
-    rows = max(1, _ROWS_PER_CHUNK_ELEMENTS // max(1, weight.shape[1]))
+    rows = max(1, _CHUNK_ELEMENTS // max(1, weight.shape[1]))
     for start in range(0, weight.shape[0], rows):
         block = weight[start : start + rows]
         out[start : start + rows] = torch.div(block.float(), scale).to(torch.float8_e4m3fn)
