@@ -243,3 +243,11 @@ def test_gpu_run_builds_engine_and_repository_once(tiny_pair, tmp_path: Path, ca
     outcomes, _ = _run(profile, ws, gpu=True, capsys=capsys)
     assert outcomes == [("checkpoint", "skipped"), ("engine", "built"), ("triton", "built")] and len(calls) == 2
     assert json.loads((ws / "engine" / MANIFEST_NAME).read_text())["max_batch_size"] == 2
+
+
+def test_build_needs_a_checkpoint_or_a_profile(tmp_path: Path, capsys):
+    assert cli_main(["build", "--dry_run"]) == 2
+    assert "give --checkpoint_dir and --output_dir, or a build profile with --config" in capsys.readouterr().err
+    path = ROOT / "build_configs/h100-fp8/qwen3-4b.yaml"
+    assert cli_main(["build", "--config", str(path), "--checkpoint_dir", str(tmp_path), "--dry_run"]) == 2
+    assert "--checkpoint_dir does not combine with --config" in capsys.readouterr().err

@@ -428,3 +428,66 @@ def test_client_main_reads_draft_len_from_the_repository(tmp_path: Path, tokeniz
     assert rc == 0 and captured.out == "ok\n"
     # 45 drafted / 9 per step = 5 steps: (27 + 5) / 5 = 6.4
     assert "mean acceptance length 6.40" in captured.err
+
+
+# ---------------------------------------------------------------- the Python models' glue
+
+
+class _StandInPbUtils:
+    """The slice of Triton's `triton_python_backend_utils` API the two model.py files call, recording responses.
+    Triton itself is not involved: this checks that model.py reads the parameters and tensors its config.pbtxt
+    declares and routes errors into the response."""
+
+    class Tensor:
+        def __init__(self, name, array):
+            self._name, self._array = name, array
+
+        def name(self):
+            return self._name
+
+        def as_numpy(self):
+            return self._array
+
+    class TritonError:
+        def __init__(self, message):
+            self.message = message
+
+    class InferenceResponse:
+        def __init__(self, output_tensors, error=None):
+            self.outputs = {t.name(): t.as_numpy() for t in output_tensors}
+            self.error = error
+
+    @staticmethod
+    def get_input_tensor_by_name(request, name):
+        return _StandInPbUtils.Tensor(name, request[name]) if name in request else None
+
+
+def _load_model(repo: Path, name: str, monkeypatch):
+    from google.protobuf import json_format
+
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _StandInPbUtils)
+    monkeypatch.syspath_prepend(str(repo / name / "1"))
+    monkeypatch.delitem(sys.modules, "dflash_processing", raising=False)
+    spec = importlib.util.spec_from_file_location(f"{name}_model", repo / name / "1/model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = json_format.MessageToJson(_parse(repo / name / "config.pbtxt"), preserving_proto_field_name=True)
+    model = module.TritonPythonModel()
+    model.initialize({"model_config": config})
+    return model
+
+
+def test_python_models_run_their_configs(tmp_path: Path, tokenizer_dir: Path, monkeypatch):
+    repo = write_repository(_settings(tokenizer_dir, max_input_len=6), tmp_path / "repo")
+    pre = _load_model(repo, "preprocessing", monkeypatch)
+    ok, hot, long = (_request(["the fox"]), _request(["the fox"], **{P.TEMPERATURE: np.array([[1.0]], np.float32)}),
+                     _request(["the quick brown fox jumps over the lazy dog"]))
+    responses = pre.execute([ok, hot, long])
+    declared = {t.name for t in _configs(repo)["preprocessing"].output}
+    assert responses[0].error is None and set(responses[0].outputs) == declared
+    assert "temperature 1 refused" in responses[1].error.message
+    assert "accepts at most 6" in responses[2].error.message
+    post = _load_model(repo, "postprocessing", monkeypatch)
+    ids = responses[0].outputs[P.INPUT_ID]
+    [done] = post.execute([{P.TOKENS_BATCH: ids[:, None, :], P.SEQUENCE_LENGTH: np.array([[ids.shape[1]]])}])
+    assert done.outputs[P.OUTPUT][0, 0] == b"the fox"
