@@ -283,6 +283,16 @@ def test_real_build_needs_tensorrt_llm(ckpt: Path, tmp_path: Path):
     assert not (tmp_path / "e").exists()
 
 
+def test_selftest_refuses_without_tensorrt_llm_before_any_work(tmp_path: Path):
+    if importlib.util.find_spec("tensorrt_llm") is not None:
+        pytest.skip("tensorrt_llm is installed: tests/gpu/test_engine_selftest.py covers the real run")
+    from dflash_trt.cli import main
+
+    out = tmp_path / "selftest"
+    assert main(["selftest", "--output_dir", str(out)]) == 2
+    assert not out.exists()
+
+
 def test_real_build_never_overwrites_silently(ckpt: Path, tmp_path: Path):
     out = tmp_path / "e"
     out.mkdir()
@@ -360,3 +370,15 @@ def test_step_bookkeeping_mirrors_the_golden_loop(tmp_path: Path):
             assert ctx_len[b] == next_ctx and anchor[b] == next_anchor
             checked += 1
     assert checked >= 6
+
+
+def test_selftest_comparison_reports_each_disagreement():
+    from dflash_trt.commands.selftest import compare
+    from dflash_trt.reference.decode import SequenceResult
+
+    golden = [SequenceResult([1], [5, 6, 7], [2, 1]), SequenceResult([2], [8, 9], [2])]
+    assert compare(golden, [[5, 6, 7], [8, 9]], [[2, 1], [2]]) == []
+    assert compare(golden, [[5, 6, 8], [8, 9]], [[2, 1], [2]]) == [
+        "prompt 0: engine tokens differ from the golden model"]
+    assert compare(golden, [[5, 6, 7], [8, 9]], [[1, 2], [2]]) == [
+        "prompt 0: acceptance lengths [1, 2] != golden [2, 1]"]

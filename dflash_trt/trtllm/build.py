@@ -31,8 +31,8 @@ def installed_version(distribution: str) -> str | None:
         return None
 
 
-def check_build_host(plan: EngineBuildPlan) -> str:
-    """Fail early, in one sentence, when this host cannot build; returns the TensorRT-LLM version found."""
+def require_tensorrt_llm() -> str:
+    """The installed TensorRT-LLM version, or one sentence saying why this host cannot build engines."""
     version = installed_version("tensorrt_llm") or installed_version("tensorrt-llm")
     if version is None:
         raise DFlashTrtError(
@@ -43,6 +43,12 @@ def check_build_host(plan: EngineBuildPlan) -> str:
         raise DFlashTrtError(
             f"tensorrt_llm {version} is installed but DFlash engines need the {REQUIRED_TRTLLM}.x engine API"
         )
+    return version
+
+
+def check_build_host(plan: EngineBuildPlan) -> str:
+    """Fail early, in one sentence, when this host cannot build; returns the TensorRT-LLM version found."""
+    version = require_tensorrt_llm()
     if shutil.which(TRTLLM_BUILD) is None:
         raise DFlashTrtError(f"{TRTLLM_BUILD} is not on PATH although tensorrt_llm {version} is installed")
     if not Path(plan.plugin_library).is_file():

@@ -2,8 +2,9 @@
 
 Builds the plugin library (unless DFLASH_TRT_PLUGIN_LIB points at one), converts a tiny random Qwen3 target + DFlash
 drafter pair, builds the DFlash engine through `dflash-trt build`'s code path, runs it with `ModelRunnerCpp` in EAGLE
-mode (chain eagle_choices from dflash_trt.json) on ragged prompts and compares every token and every per-step
-acceptance length with `dflash_trt.reference.decode.speculative_generate` on the same checkpoint. Greedy only.
+mode (chain eagle_choices from dflash_trt.json; `dflash_trt.commands.selftest.engine_generate`) on ragged prompts
+and compares every token and every per-step acceptance length with `dflash_trt.reference.decode.speculative_generate`
+on the same checkpoint. Greedy only. `dflash-trt selftest` runs the same check on the embedded trained tiny pair.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.trtllm]
 
@@ -63,47 +63,16 @@ def engine(tmp_path_factory):
     return run_engine_build(plan), root / "ckpt", library
 
 
-def engine_generate(engine_dir: Path, library: Path) -> tuple[list[list[int]], list[list[int]]]:
-    """Tokens and per-step acceptance lengths (growth of each sequence per streamed iteration).
-
-    Assumes the executor streams one response per request and iteration; if responses were coalesced the
-    acceptance comparison would fail loudly (never pass by accident), and the token comparison still holds.
-    """
-    from tensorrt_llm.runtime import ModelRunnerCpp
-
-    import dflash_trt.trtllm.model  # noqa: F401  (registers DFlashForCausalLM for EngineConfig parsing)
-    from dflash_trt.trtllm.plugin import load_plugin_library
-
-    load_plugin_library(library)
-    manifest = json.loads((engine_dir / "dflash_trt.json").read_text())
-    runner = ModelRunnerCpp.from_dir(str(engine_dir), max_batch_size=len(PROMPTS),
-                                     eagle_choices=manifest["eagle_choices"])
-    inputs = [torch.tensor(p, dtype=torch.int32) for p in PROMPTS]
-    lengths = [[len(p)] for p in PROMPTS]
-    final = None
-    for out in runner.generate(inputs, max_new_tokens=MAX_NEW, end_id=END_ID, pad_id=0, streaming=True,
-                               return_dict=True, output_sequence_lengths=True):
-        final = out
-        for b, seq_len in enumerate(out["sequence_lengths"][:, 0].tolist()):
-            if seq_len > lengths[b][-1]:
-                lengths[b].append(seq_len)
-    tokens = [final["output_ids"][b, 0, len(p):lengths[b][-1]].tolist() for b, p in enumerate(PROMPTS)]
-    # The first token comes from the context step; every later growth is one step's acceptance length.
-    acceptance = [[n - m for m, n in zip(seq[1:-1], seq[2:], strict=True)] for seq in lengths]
-    return tokens, acceptance
-
-
 def test_engine_matches_golden_model(engine):
+    from dflash_trt.commands.selftest import compare, engine_generate
     from dflash_trt.reference.decode import speculative_generate
     from dflash_trt.reference.model import load_golden_model
 
     engine_dir, checkpoint, library = engine
     golden = speculative_generate(load_golden_model(checkpoint), PROMPTS, max_new_tokens=MAX_NEW,
                                   stop_token_ids=[END_ID])
-    tokens, acceptance = engine_generate(engine_dir, library)
-    for b, result in enumerate(golden):
-        assert tokens[b] == result.output_ids, f"prompt {b}: engine tokens differ from the golden model"
-        assert acceptance[b] == result.acceptance_lengths, f"prompt {b}: acceptance lengths differ"
+    tokens, acceptance = engine_generate(engine_dir, str(library), PROMPTS, MAX_NEW, END_ID)
+    assert compare(golden, tokens, acceptance) == []
 
 
 def test_engine_config_carries_the_eagle_contract(engine):
