@@ -59,6 +59,11 @@ def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor)
     return torch.where(total > 0, residual / total.clamp_min(torch.finfo(residual.dtype).tiny), target_probs)
 
 
+def count_accepted(target_p: torch.Tensor, draft_q: torch.Tensor, uniforms: torch.Tensor) -> int:
+    """Leading drafts kept: draft i survives when u_i · q(x_i) < p(x_i), i.e. with probability min(1, p/q)."""
+    return int((uniforms * draft_q < target_p).to(torch.int64).cumprod(0).sum())
+
+
 def rejection_accept(
     draft_tokens: torch.Tensor,
     draft_probs: torch.Tensor,
@@ -73,8 +78,7 @@ def rejection_accept(
     n = draft_tokens.shape[0]
     p = target_probs[:n].gather(-1, draft_tokens[:, None])[:, 0]
     q = draft_probs.gather(-1, draft_tokens[:, None])[:, 0]
-    u = torch.rand(n, generator=generator)
-    accepted = int((u * q < p).to(torch.int64).cumprod(0).sum())
+    accepted = count_accepted(p, q, torch.rand(n, generator=generator))
     if accepted == n:
         return accepted, int(sample_from(target_probs[n], generator))
     residual = residual_distribution(target_probs[accepted], draft_probs[accepted])
