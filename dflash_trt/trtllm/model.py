@@ -168,9 +168,10 @@ class DFlashDrafter(Module):
         super().__init__()
         d = config.dflash_config
         hidden = d["hidden_size"]
+        # Replicated on every rank, as the converter writes dflash.fc (unsplit): its output feeds every rank's
+        # context K/V, and the GEMM is small next to the target's.
         self.fc = ColumnLinear(len(d["target_layer_ids"]) * config.hidden_size, hidden, bias=False,
-                               dtype=config.dtype, tp_group=config.mapping.tp_group,
-                               tp_size=config.mapping.tp_size, gather_output=True)
+                               dtype=config.dtype, tp_group=None, tp_size=1, gather_output=True)
         self.hidden_norm = RmsNorm(normalized_shape=hidden, eps=d["norm_epsilon"], dtype=config.dtype)
         self.layers = ModuleList([DFlashDraftLayer(config, i) for i in range(d["num_hidden_layers"])])
         self.ln_f = RmsNorm(normalized_shape=hidden, eps=d["norm_epsilon"], dtype=config.dtype)
