@@ -25,7 +25,7 @@ class GpuFacts:
     """What the build may assume about one GPU model."""
 
     sm: int
-    memory_gib: int
+    memory_gb: int
     fp8: bool
     nvfp4: bool
 
@@ -33,12 +33,18 @@ class GpuFacts:
 # SM90 Hopper has FP8 tensor cores but no FP4; SM100/SM103 Blackwell add NVFP4. A100 (SM80) is listed so that
 # a profile written for it fails with a clear message instead of at engine build time.
 GPUS: dict[str, GpuFacts] = {
-    "a100": GpuFacts(sm=80, memory_gib=80, fp8=False, nvfp4=False),
-    "h100": GpuFacts(sm=90, memory_gib=80, fp8=True, nvfp4=False),
-    "h200": GpuFacts(sm=90, memory_gib=141, fp8=True, nvfp4=False),
-    "b200": GpuFacts(sm=100, memory_gib=180, fp8=True, nvfp4=True),
-    "b300": GpuFacts(sm=103, memory_gib=288, fp8=True, nvfp4=True),
+    "a100": GpuFacts(sm=80, memory_gb=80, fp8=False, nvfp4=False),
+    "h100": GpuFacts(sm=90, memory_gb=80, fp8=True, nvfp4=False),
+    "h200": GpuFacts(sm=90, memory_gb=141, fp8=True, nvfp4=False),
+    "b200": GpuFacts(sm=100, memory_gb=180, fp8=True, nvfp4=True),
+    "b300": GpuFacts(sm=103, memory_gb=288, fp8=True, nvfp4=True),
 }
+
+# Bytes per weight: NVFP4 packs two values per byte plus one FP8 scale per 16 values; "none" keeps bf16/fp16.
+BYTES_PER_WEIGHT = {"fp8": 1.0, "nvfp4": 0.5 + 1 / 16, "none": 2.0}
+# Share of GPU memory the weights may take; the rest holds the KV pool (drafter layers included), activations
+# and the CUDA context.
+MAX_WEIGHT_SHARE = 0.8
 
 # Limits of TensorRT-LLM 1.2.x's EAGLE engine path (builder asserts), which our engine speaks.
 EAGLE_MAX_BATCH_SIZE = 512
@@ -315,8 +321,26 @@ def _check_heads(who: str, heads: int, kv_heads: int, tp: int) -> None:
         )
 
 
+def _linear_weights(cfg: dict) -> int:
+    """Weights of the decoder layers' linears (attention + gated MLP)."""
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv, head_dim = cfg.get("num_key_value_heads", heads), cfg.get("head_dim") or hidden // heads
+    attention = hidden * (heads + 2 * kv) * head_dim + heads * head_dim * hidden
+    return cfg["num_hidden_layers"] * (attention + 3 * hidden * cfg["intermediate_size"])
+
+
+def weight_gb_per_gpu(profile: BuildProfile, target: dict, draft: dict) -> float:
+    """Weights one GPU holds: embeddings and lm_head stay in the checkpoint dtype, linears in the profile's format."""
+    hidden = target["hidden_size"]
+    embeddings = target["vocab_size"] * hidden * (1 if target.get("tie_word_embeddings") else 2)
+    taps = len(_draft_value(draft, "target_layer_ids") or range(draft["num_hidden_layers"]))
+    linears = _linear_weights(target) + _linear_weights(draft) + taps * hidden * hidden
+    total = embeddings * BYTES_PER_WEIGHT["none"] + linears * BYTES_PER_WEIGHT[profile.quantization.qformat]
+    return total / profile.checkpoint.tp_size / 1e9
+
+
 def check_against_checkpoints(profile: BuildProfile, target_dir: Path, draft_dir: Path) -> None:
-    """Checks that need the real configs: TP against head counts, block size, sequence length."""
+    """Checks that need the real configs: TP against head counts, block size, sequence length, memory."""
     target, draft = _read_config(target_dir), _read_config(draft_dir)
     tp = profile.checkpoint.tp_size
     heads = target["num_attention_heads"]
@@ -328,6 +352,12 @@ def check_against_checkpoints(profile: BuildProfile, target_dir: Path, draft_dir
         raise DFlashTrtError(
             f"profile {profile.name} was sized for block_size {profile.model.block_size} but "
             f"{draft_dir} was trained with block_size {block}"
+        )
+    need, memory = weight_gb_per_gpu(profile, target, draft), profile.gpu_facts.memory_gb
+    if need > MAX_WEIGHT_SHARE * memory:
+        raise DFlashTrtError(
+            f"the weights need about {need:.0f} GB per GPU but {profile.gpu} has {memory} GB, of which at most "
+            f"{MAX_WEIGHT_SHARE:.0%} may hold weights (the KV cache needs the rest); raise tp_size or quantize"
         )
     max_pos = target.get("max_position_embeddings")
     if max_pos is not None and profile.engine.max_seq_len > max_pos:

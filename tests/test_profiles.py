@@ -120,11 +120,16 @@ def _write_config(path: Path, **cfg) -> Path:
     return path
 
 
+QWEN3_32B = {"hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64, "vocab_size": 151936,
+             "head_dim": 128}
+
+
 def _pair(tmp_path: Path, *, heads=64, kv=8, d_heads=32, d_kv=8, block=16, max_pos=40960):
     target = _write_config(tmp_path / "t", num_attention_heads=heads, num_key_value_heads=kv,
-                           max_position_embeddings=max_pos)
+                           max_position_embeddings=max_pos, **QWEN3_32B)
     draft = _write_config(tmp_path / "d", num_attention_heads=d_heads, num_key_value_heads=d_kv,
-                          block_size=block, dflash_config={"mask_token_id": 1})
+                          block_size=block, dflash_config={"mask_token_id": 1, "target_layer_ids": [1, 2, 3, 4, 5]},
+                          **{**QWEN3_32B, "num_hidden_layers": 5})
     return target, draft
 
 
@@ -149,11 +154,26 @@ def test_checkpoint_checks_reject(tmp_path: Path, pair: dict, message: str):
         check_against_checkpoints(profile, *_pair(tmp_path, **pair))
 
 
+def test_weights_must_fit_the_gpu(tmp_path: Path):
+    data = yaml.safe_load((ROOT / "build_configs/h100-fp8/qwen3-32b.yaml").read_text())
+    data["quantization"].update(qformat="none", draft_qformat="none")
+    data["engine"]["gemm_plugin"] = "auto"
+    data["checkpoint"]["tp_size"] = 1
+    unquantized = parse_profile(data)
+    # 64 layers x (attention 94.4M + MLP 393.2M) + 5 drafter layers + fc = 33.6B linear weights at 2 bytes,
+    # plus untied embeddings and lm_head 2 x 151936 x 5120 at 2 bytes: 70.5 GB > 0.8 x 80 GB.
+    with pytest.raises(DFlashTrtError, match="the weights need about 70 GB per GPU but h100 has 80 GB"):
+        check_against_checkpoints(unquantized, *_pair(tmp_path))
+    data["quantization"].update(qformat="fp8", draft_qformat="fp8")
+    data["engine"]["gemm_plugin"] = "fp8"
+    check_against_checkpoints(parse_profile(data), *_pair(tmp_path))  # FP8: 36.7 GB fits one H100
+
+
 def test_block_size_nested_in_dflash_config_is_read(tmp_path: Path):
     profile = load_profile(ROOT / "build_configs/b200-nvfp4/qwen3-4b.yaml")
-    target = _write_config(tmp_path / "t", num_attention_heads=32, num_key_value_heads=8)
+    target = _write_config(tmp_path / "t", num_attention_heads=32, num_key_value_heads=8, **QWEN3_32B)
     draft = _write_config(tmp_path / "d", num_attention_heads=32, num_key_value_heads=8,
-                          dflash_config={"block_size": 8})
+                          dflash_config={"block_size": 8}, **{**QWEN3_32B, "num_hidden_layers": 5})
     with pytest.raises(DFlashTrtError, match="trained with block_size 8"):
         check_against_checkpoints(profile, target, draft)
 
