@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,6 +140,16 @@ def _copy_tokenizer_files(model_dir: Path, staging: Path) -> None:
             shutil.copyfile(source, staging / name)
 
 
+def _write_rank_in_worker(
+    model_dir: Path, dflash_model_dir: Path, path: Path, target: TargetSpec, draft: DraftSpec, dtype: torch.dtype,
+    tp_size: int, rank: int,
+) -> int:
+    """One rank file in its own process, with its own memory-mapped readers (memory stays one tensor per worker)."""
+    with HFCheckpointReader(model_dir) as target_reader, HFCheckpointReader(dflash_model_dir) as draft_reader:
+        readers = {TARGET: target_reader, DRAFT: draft_reader}
+        return _write_rank(path, checkpoint_layout(target, draft), readers, dtype, tp_size, rank, lambda _: None)
+
+
 def convert_checkpoint(
     model_dir: str | Path,
     dflash_model_dir: str | Path,
@@ -148,13 +159,19 @@ def convert_checkpoint(
     pp_size: int = 1,
     overwrite: bool = False,
     show_progress: bool = False,
+    workers: int = 1,
 ) -> ConversionResult:
-    """Convert and publish atomically; raises DFlashTrtError (nothing written) on any bad input."""
+    """Convert and publish atomically; raises DFlashTrtError (nothing written) on any bad input.
+
+    `workers` > 1 writes that many rank files at once, each in its own process.
+    """
     if pp_size != 1:
         raise DFlashTrtError("--pp_size > 1 is not supported: TensorRT-LLM speculative decoding engines need pp_size 1")
     if dtype not in TORCH_DTYPES:
         raise DFlashTrtError(f"--dtype must be one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
-    output_dir = Path(output_dir)
+    if workers < 1:
+        raise DFlashTrtError(f"--workers must be >= 1, got {workers}")
+    model_dir, dflash_model_dir, output_dir = Path(model_dir), Path(dflash_model_dir), Path(output_dir)
     check_destination(output_dir, overwrite)
     target = load_target_spec(model_dir)
     draft = load_draft_spec(dflash_model_dir, target)
@@ -162,19 +179,29 @@ def convert_checkpoint(
     check_tp(target_heads(draft), draft.intermediate_size, tp_size, "drafter")
     torch_dtype = TORCH_DTYPES[dtype]
     layout = checkpoint_layout(target, draft)
-    config = checkpoint_config(target, draft, dtype, tp_size, vocab_size_padded=pad_vocab_size(target.vocab_size,
-                                                                                                 tp_size))
+    padded_vocab = pad_vocab_size(target.vocab_size, tp_size)
+    config = checkpoint_config(target, draft, dtype, tp_size, vocab_size_padded=padded_vocab)
     with HFCheckpointReader(model_dir) as target_reader, HFCheckpointReader(dflash_model_dir) as draft_reader:
         check_sources(target, draft, target_reader, draft_reader)
         readers = {TARGET: target_reader, DRAFT: draft_reader}
-        bytes_written = 0
         with atomic_directory(output_dir, overwrite) as staging:
             with tqdm(total=len(layout) * tp_size, desc="convert", unit="tensor", disable=not show_progress) as bar:
-                for rank in range(tp_size):
-                    bytes_written += _write_rank(
-                        staging / rank_file(rank), layout, readers, torch_dtype, tp_size, rank, bar.update
-                    )
+                # Rank 0 runs here first: it alone checks every source for NaN/Inf, so bad input fails fast.
+                bytes_written = _write_rank(staging / rank_file(0), layout, readers, torch_dtype, tp_size, 0,
+                                            bar.update)
+                if workers == 1 or tp_size == 1:
+                    for rank in range(1, tp_size):
+                        bytes_written += _write_rank(staging / rank_file(rank), layout, readers, torch_dtype, tp_size,
+                                                     rank, bar.update)
+                else:
+                    with ProcessPoolExecutor(max_workers=min(workers, tp_size - 1)) as pool:
+                        jobs = [pool.submit(_write_rank_in_worker, model_dir, dflash_model_dir,
+                                            staging / rank_file(rank), target, draft, torch_dtype, tp_size, rank)
+                                for rank in range(1, tp_size)]
+                        for job in jobs:
+                            bytes_written += job.result()
+                            bar.update(len(layout))
             check_written(staging, layout, torch_dtype, tp_size)
             (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-            _copy_tokenizer_files(Path(model_dir), staging)
+            _copy_tokenizer_files(model_dir, staging)
     return ConversionResult(output_dir, tp_size, len(layout), bytes_written)

@@ -21,6 +21,7 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=list(TORCH_DTYPES), default="bfloat16", help="weight dtype")
     parser.add_argument("--tp_size", type=int, default=1, help="tensor-parallel ranks (default 1)")
     parser.add_argument("--pp_size", type=int, default=1, help="pipeline-parallel ranks (only 1 is supported)")
+    parser.add_argument("--workers", type=int, default=1, help="rank files written in parallel (default 1)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output_dir")
 
 
@@ -42,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
         tp_size=args.tp_size,
         pp_size=args.pp_size,
         overwrite=args.overwrite,
+        workers=args.workers,
         show_progress=sys.stderr.isatty(),
     )
     summary = {
