@@ -25,6 +25,7 @@ from dflash_trt import __version__
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.profiles import BuildProfile, check_against_checkpoints, load_profile, resolve_model_dir
 from dflash_trt.trtllm.build_plan import EngineBuildPlan, EngineBuildSettings, plan_engine_build, settings_dict
+from dflash_trt.trtllm.plugin import LIBRARY_ENV
 
 STAGE_RECORD = ".dflash_stage.json"
 # Files up to this size are hashed by content; larger ones (weights) by name and size, since hashing tens of GB
@@ -259,6 +260,9 @@ def stages(inp: PipelineInputs) -> list[Stage]:
     engine_fp = fingerprint({"stage": "engine", "checkpoint": ckpt_fp, "settings": settings_dict(inp.settings),
                              "command": plan.command})
 
+    # The build loads the plugin library named by this variable, so it is part of the exact command.
+    engine_command = f"{LIBRARY_ENV}={shlex.quote(plan.plugin_library)} {plan.shell_command()}"
+
     def run_engine() -> None:
         from dflash_trt.trtllm.build import run_engine_build
 
@@ -291,7 +295,7 @@ def stages(inp: PipelineInputs) -> list[Stage]:
         Stage("checkpoint", ws.checkpoint, ckpt_fp,
               convert_command(profile, inp.target, inp.draft, ws.checkpoint, quant), run_checkpoint,
               converter_problem(quant)),
-        Stage("engine", ws.engine, engine_fp, plan.shell_command(), run_engine),
+        Stage("engine", ws.engine, engine_fp, engine_command, run_engine),
         Stage("triton", ws.triton, triton_fp, triton_command, run_triton),
     ]
 
