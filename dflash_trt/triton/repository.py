@@ -350,7 +350,7 @@ def settings_from_engine(engine_dir: str | Path, tokenizer_dir: str | Path, **se
         return RepositorySettings(
             engine_dir=str(engine_dir),
             tokenizer_dir=str(Path(tokenizer_dir).absolute()),
-            plugin_library=str(manifest["plugin_library"]),
+            plugin_library=str(Path(manifest["plugin_library"]).absolute()),
             max_batch_size=int(build.get("max_batch_size", manifest["max_batch_size"])),
             max_input_len=int(build["max_input_len"]),
             max_draft_len=int(manifest["max_draft_len"]),
@@ -371,7 +371,7 @@ def settings_from_profile(profile: BuildProfile, engine_dir: str | Path, tokeniz
     return RepositorySettings(
         engine_dir=str(Path(engine_dir).absolute()),
         tokenizer_dir=str(Path(tokenizer_dir).absolute()),
-        plugin_library=str(plugin_library),
+        plugin_library=str(Path(plugin_library).absolute()),
         max_batch_size=eng.max_batch_size,
         max_input_len=eng.max_input_len,
         max_draft_len=eng.max_draft_len,
