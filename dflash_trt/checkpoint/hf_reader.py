@@ -14,7 +14,7 @@ from types import TracebackType
 
 import torch
 
-from dflash_trt.checkpoint.safetensors_io import SafetensorsFile
+from dflash_trt.checkpoint.safetensors_io import SafetensorsFile, brief
 from dflash_trt.errors import DFlashTrtError
 
 SINGLE_FILE = "model.safetensors"
@@ -79,20 +79,26 @@ class HFCheckpointReader:
         for shard_name in dict.fromkeys(weight_map.values()):
             shard_path = self.model_dir / shard_name
             if not shard_path.is_file():
-                raise DFlashTrtError(f"{index_path} references shard {shard_name!r}, which does not exist.")
+                raise DFlashTrtError(f"{index_path} references shard {brief(shard_name)}, which does not exist.")
             shards[shard_name] = SafetensorsFile(shard_path)
             self._files.append(shards[shard_name])
         for shard_name, shard in shards.items():
             for name in shard.names():
                 other = self._where.get(name)
                 if other is not None:
-                    raise DFlashTrtError(f"tensor {name!r} is stored twice, in {other.path.name} and in {shard_name}.")
+                    raise DFlashTrtError(
+                        f"tensor {brief(name)} is stored twice, in {brief(other.path.name)} and in {brief(shard_name)}."
+                    )
                 if name not in weight_map:
-                    raise DFlashTrtError(f"{shard_name} holds tensor {name!r}, which {INDEX_FILE} does not list.")
+                    raise DFlashTrtError(
+                        f"{brief(shard_name)} holds tensor {brief(name)}, which {INDEX_FILE} does not list."
+                    )
                 self._where[name] = shard
         for name, shard_name in weight_map.items():
             if name not in shards[shard_name]:
-                raise DFlashTrtError(f"{INDEX_FILE} places tensor {name!r} in {shard_name}, which does not hold it.")
+                raise DFlashTrtError(
+                    f"{INDEX_FILE} places tensor {brief(name)} in {brief(shard_name)}, which does not hold it."
+                )
 
     def names(self) -> list[str]:
         """Tensor names, shard by shard in file order."""
@@ -107,7 +113,7 @@ class HFCheckpointReader:
     def _shard(self, name: str) -> SafetensorsFile:
         shard = self._where.get(name)
         if shard is None:
-            raise DFlashTrtError(f"{self.model_dir} has no tensor named {name!r}.")
+            raise DFlashTrtError(f"{self.model_dir} has no tensor named {brief(name)}.")
         return shard
 
     def dtype(self, name: str) -> torch.dtype:
@@ -153,7 +159,8 @@ def _read_weight_map(index_path: Path) -> dict[str, str]:
     for name, shard_name in weight_map.items():
         if not isinstance(shard_name, str) or not _is_plain_file_name(shard_name):
             raise DFlashTrtError(
-                f"{index_path} places tensor {name!r} in {shard_name!r}, which is not a file name in that directory."
+                f"{index_path} places tensor {brief(name)} in {brief(shard_name)}, which is not a file name "
+                "in that directory."
             )
     return weight_map
 

@@ -29,6 +29,10 @@ from dflash_trt.errors import DFlashTrtError
 # Largest JSON header accepted: far above any real checkpoint's, far below a harmful allocation.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 METADATA_KEY = "__metadata__"
+# Real tensors have at most a handful of dimensions and far fewer than 2**64 bytes; anything beyond is a
+# corrupt or hostile header (whose shape's full product could take unbounded time to compute).
+MAX_DIMS = 16
+_NBYTES_CAP = 1 << 64
 _HEADER_ALIGNMENT = 8
 _TENSOR_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 # Not exported by Python before 3.13; the value is Linux's on x86-64 and aarch64.
@@ -70,11 +74,17 @@ class _TensorInfo:
     end: int
 
 
+def brief(value: object, limit: int = 80) -> str:
+    """repr() of a value read from an untrusted file, cut short so an error stays one readable line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
 def _reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
     result: dict[str, object] = {}
     for key, value in pairs:
         if key in result:
-            raise ValueError(f"duplicate key {key!r}")
+            raise ValueError(f"duplicate key {brief(key)}")
         result[key] = value
     return result
 
@@ -145,7 +155,7 @@ class SafetensorsFile:
     def _info(self, name: str) -> _TensorInfo:
         info = self._tensors.get(name)
         if info is None:
-            raise DFlashTrtError(f"{self.path} has no tensor named {name!r}.")
+            raise DFlashTrtError(f"{self.path} has no tensor named {brief(name)}.")
         return info
 
     def dtype(self, name: str) -> torch.dtype:
@@ -185,7 +195,7 @@ class SafetensorsFile:
             region = _map_copy_on_write(self._fd, start + nbytes - map_start, map_start)
         except OSError as exc:
             raise DFlashTrtError(
-                f"cannot map tensor {name!r} ({nbytes} bytes) of {self.path}: {exc.strerror or exc}."
+                f"cannot map tensor {brief(name)} ({nbytes} bytes) of {self.path}: {exc.strerror or exc}."
             ) from exc
         return region, start - map_start
 
@@ -243,12 +253,12 @@ def _read_header(path: Path, handle, file_size: int) -> tuple[dict[str, _TensorI
     position = 0
     for name, info in ordered.items():
         if info.begin < position:
-            raise DFlashTrtError(f"{path}: tensor {name!r} overlaps the tensor stored before it.")
+            raise DFlashTrtError(f"{path}: tensor {brief(name)} overlaps the tensor stored before it.")
         if info.begin > position:
-            raise DFlashTrtError(f"{path}: {info.begin - position} unreferenced bytes precede tensor {name!r}.")
+            raise DFlashTrtError(f"{path}: {info.begin - position} unreferenced bytes precede tensor {brief(name)}.")
         if info.end > data_size:
             raise DFlashTrtError(
-                f"{path} is truncated or corrupt: tensor {name!r} ends at byte {info.end} of a "
+                f"{path} is truncated or corrupt: tensor {brief(name)} ends at byte {info.end} of a "
                 f"{data_size}-byte data section."
             )
         position = info.end
@@ -286,14 +296,18 @@ def _parse_metadata(path: Path, metadata: object) -> dict[str, str]:
 def _parse_entry(path: Path, name: str, entry: object) -> _TensorInfo:
     if not isinstance(entry, dict) or set(entry) != _TENSOR_KEYS:
         raise DFlashTrtError(
-            f"{path}: the header entry of tensor {name!r} must have exactly the keys dtype, shape, data_offsets."
+            f"{path}: the header entry of tensor {brief(name)} must have exactly the keys dtype, shape, data_offsets."
         )
     dtype_name = entry["dtype"]
     if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
-        raise DFlashTrtError(f"{path}: tensor {name!r} has unsupported dtype {dtype_name!r}.")
+        raise DFlashTrtError(f"{path}: tensor {brief(name)} has unsupported dtype {brief(dtype_name)}.")
     shape = entry["shape"]
     if not isinstance(shape, list) or not all(_is_int(dim) and dim >= 0 for dim in shape):
-        raise DFlashTrtError(f"{path}: tensor {name!r} has shape {shape!r}, not a list of non-negative integers.")
+        raise DFlashTrtError(
+            f"{path}: tensor {brief(name)} has shape {brief(shape)}, not a list of non-negative integers."
+        )
+    if len(shape) > MAX_DIMS:
+        raise DFlashTrtError(f"{path}: tensor {brief(name)} has {len(shape)} dimensions, more than {MAX_DIMS}.")
     offsets = entry["data_offsets"]
     if (
         not isinstance(offsets, list)
@@ -301,15 +315,29 @@ def _parse_entry(path: Path, name: str, entry: object) -> _TensorInfo:
         or not all(_is_int(offset) for offset in offsets)
         or not 0 <= offsets[0] <= offsets[1]
     ):
-        raise DFlashTrtError(f"{path}: tensor {name!r} has invalid data_offsets {offsets!r}.")
+        raise DFlashTrtError(f"{path}: tensor {brief(name)} has invalid data_offsets {brief(offsets)}.")
     dtype = DTYPES[dtype_name]
-    expected = math.prod(shape) * dtype.itemsize
-    if offsets[1] - offsets[0] != expected:
+    span = offsets[1] - offsets[0]
+    expected = _nbytes_capped(shape, dtype.itemsize, _NBYTES_CAP)
+    if expected != span:
+        needs = "more than 2**64" if expected > _NBYTES_CAP else str(expected)
         raise DFlashTrtError(
-            f"{path}: tensor {name!r} ({dtype_name} {shape}) needs {expected} bytes but its data_offsets "
-            f"span {offsets[1] - offsets[0]}."
+            f"{path}: tensor {brief(name)} ({dtype_name} {brief(shape)}) needs {needs} bytes but its data_offsets "
+            f"span {span}."
         )
     return _TensorInfo(dtype, tuple(shape), offsets[0], offsets[1])
+
+
+def _nbytes_capped(shape: list[int], itemsize: int, cap: int) -> int:
+    """prod(shape) * itemsize, or cap + 1 as soon as the running product exceeds cap."""
+    if 0 in shape:
+        return 0
+    nbytes = itemsize
+    for dim in shape:
+        nbytes *= dim
+        if nbytes > cap:
+            return cap + 1
+    return nbytes
 
 
 class StreamingSafetensorsWriter:
