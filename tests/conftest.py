@@ -1,4 +1,8 @@
-"""Markers `gpu` and `trtllm` skip with a reason where CUDA or TensorRT-LLM 1.2.x is absent."""
+"""Markers `gpu` and `trtllm` skip with a reason where CUDA or TensorRT-LLM 1.2.x is absent.
+
+Tests run torch single-threaded: their tensors are tiny, and intra-op threads only add synchronisation cost
+(tens of times slower when the cores are busy).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,8 @@ import importlib.util
 
 import pytest
 import torch
+
+torch.set_num_threads(1)
 
 
 def _trtllm_available() -> bool:
