@@ -7,6 +7,10 @@ Public functions:
 - `quantize_fp8_shared(weights)`: several linears TensorRT-LLM fuses into one GEMM (mlp.fc + mlp.gate), quantized
   with one shared scale, the larger of their own.
 - `dequantize_fp8(weight, scale, dtype)`: what the engine multiplies back, for the golden model.
+- `fp8_activation_scale(amax)`: `activation_scaling_factor` (fp32, (1,)) from a calibrated input amax; the same
+  formula as the weight scale (modelopt's `get_scaling_factor`).
+- `kv_cache_scale(k_amax, v_amax)`: `kv_cache_scaling_factor` (fp32, (1,)): the larger of the K and V scales,
+  at least 1.0 (modelopt clamps FP8 KV scales to >= 1 and TensorRT-LLM keeps one scale for K and V).
 
 Bit-exact with modelopt 0.47's TensorRT-LLM export, including its edge cases: an all-zero weight exports
 scale 1.0 (modelopt substitutes maxbound for a zero amax), and the amax is clamped to the smallest normal of the
@@ -80,3 +84,15 @@ def dequantize_fp8(
 ) -> torch.Tensor:
     """FP8 weight times its scale, computed in fp32 and cast to `dtype`."""
     return (weight.float() * scale.float()).to(dtype)
+
+
+def fp8_activation_scale(amax: torch.Tensor) -> torch.Tensor:
+    """`activation_scaling_factor` (fp32, shape (1,)) for a calibrated per-tensor input amax."""
+    return fp8_weight_scale(amax)
+
+
+def kv_cache_scale(k_amax: torch.Tensor, v_amax: torch.Tensor) -> torch.Tensor:
+    """`kv_cache_scaling_factor` (fp32, shape (1,)) for calibrated K and V amaxes of one attention layer."""
+    return torch.maximum(
+        torch.maximum(fp8_weight_scale(k_amax), fp8_weight_scale(v_amax)), torch.ones(1, dtype=torch.float32)
+    )

@@ -14,6 +14,8 @@ Public functions:
   global scale, the larger of their own; block scales stay per block.
 - `dequantize_nvfp4(packed, block_scale, global_scale, dtype)`: the golden model's view of the weight.
 - `unpack_e2m1(packed)`: the float values of the packed nibbles.
+- `nvfp4_activation_scale(amax)`: `activation_scaling_factor` (fp32, 0-dim) = input amax / (6 * 448), the global
+  scale of the engine's dynamic per-block FP4 input quantization.
 
 Bit-exact with modelopt 0.47's TensorRT-LLM export (`NVFP4QTensor` with the default dynamic-block weight
 quantizer): same global scale, same E4M3 block scales (an all-zero block gets 1.0, scales are clamped to
@@ -172,3 +174,8 @@ def dequantize_nvfp4(
     values = values.reshape(*values.shape[:-1], -1, NVFP4_BLOCK_SIZE)
     scale = block_scale.float() * global_scale.float()
     return (values * scale.unsqueeze(-1)).reshape(*packed.shape[:-1], -1).to(dtype)
+
+
+def nvfp4_activation_scale(amax: torch.Tensor) -> torch.Tensor:
+    """`activation_scaling_factor` (fp32, 0-dim) for a calibrated per-tensor input amax."""
+    return nvfp4_global_scale(amax)
