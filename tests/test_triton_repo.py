@@ -122,8 +122,13 @@ def test_repository_for_a_profile_parses_and_is_wired(tmp_path: Path, tokenizer_
     settings = settings_from_profile(prof, tmp_path / "ws/engine", tokenizer_dir, "/opt/lib/libdflash_trt_plugins.so")
     repo = write_repository(settings, tmp_path / "repo")
     configs = _configs(repo)
-    assert set(configs) == {"ensemble", "preprocessing", "tensorrt_llm", "postprocessing"}
+    assert set(configs) == {"ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls"}
     check_ensemble_wiring(configs)
+    bls, ens = configs["tensorrt_llm_bls"], configs["ensemble"]
+    assert bls.backend == "python" and bls.model_transaction_policy.decoupled
+    assert [str(t) for t in bls.input] == [str(t) for t in ens.input]  # one request interface, two ways to serve it
+    assert [str(t) for t in bls.output] == [str(t) for t in ens.output]
+    assert _params(bls)["tensorrt_llm_model_name"] == "tensorrt_llm"
     trt = configs["tensorrt_llm"]
     params = _params(trt)
     assert trt.backend == "tensorrtllm" and trt.model_transaction_policy.decoupled
@@ -151,7 +156,7 @@ def test_python_models_import_only_what_processing_defines(tmp_path: Path, token
     import ast
 
     repo = write_repository(_settings(tokenizer_dir), tmp_path / "repo")
-    for name in ("preprocessing", "postprocessing"):
+    for name in ("preprocessing", "postprocessing", "tensorrt_llm_bls"):
         tree = ast.parse((repo / name / "1/model.py").read_text())
         imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "dflash_processing"
                     for a in n.names]
@@ -457,9 +462,49 @@ class _StandInPbUtils:
             self.outputs = {t.name(): t.as_numpy() for t in output_tensors}
             self.error = error
 
+        def has_error(self):
+            return self.error is not None
+
+    TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+    engine_responses: list[dict] = []  # what the stand-in tensorrt_llm streams back to a BLS request
+    llm_requests: list = []
+
+    class InferenceRequest:
+        def __init__(self, model_name, inputs, requested_output_names):
+            self.model_name, self.requested = model_name, requested_output_names
+            self.inputs = {t.name(): t.as_numpy() for t in inputs}
+            _StandInPbUtils.llm_requests.append(self)
+
+        def exec(self, decoupled):
+            assert decoupled
+            for outputs in _StandInPbUtils.engine_responses:
+                tensors = [_StandInPbUtils.Tensor(k, v) for k, v in outputs.items()]
+                yield _StandInPbUtils.InferenceResponse(tensors)
+
     @staticmethod
     def get_input_tensor_by_name(request, name):
         return _StandInPbUtils.Tensor(name, request[name]) if name in request else None
+
+    @staticmethod
+    def get_output_tensor_by_name(response, name):
+        return _StandInPbUtils.Tensor(name, response.outputs[name]) if name in response.outputs else None
+
+
+class _Sender:
+    def __init__(self):
+        self.sent: list = []
+
+    def send(self, response=None, flags=0):
+        self.sent.append((response, flags))
+
+
+class _BlsRequest(dict):
+    def __init__(self, tensors: dict):
+        super().__init__(tensors)
+        self.sender = _Sender()
+
+    def get_response_sender(self):
+        return self.sender
 
 
 def _load_model(repo: Path, name: str, monkeypatch):
@@ -491,3 +536,58 @@ def test_python_models_run_their_configs(tmp_path: Path, tokenizer_dir: Path, mo
     ids = responses[0].outputs[P.INPUT_ID]
     [done] = post.execute([{P.TOKENS_BATCH: ids[:, None, :], P.SEQUENCE_LENGTH: np.array([[ids.shape[1]]])}])
     assert done.outputs[P.OUTPUT][0, 0] == b"the fox"
+
+
+def test_stream_detokenizer_never_splits_a_character(pre: P.Preprocessor):
+    tok = pre.tokenizer
+    text = "drafts é 日本 block 🚀 done"
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = P.StreamDetokenizer(tok, skip_special_tokens=True)
+    pieces = [detok.push([i]) for i in ids] + [detok.flush()]
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+    assert sum(1 for p in pieces if p == "") > 0  # byte-level tokens of multi-byte characters were held back
+    naive = [tok.decode([i]) for i in ids]
+    assert any("\ufffd" in p for p in naive)  # what decoding each chunk alone would have printed
+
+
+def _dtype_name(array: np.ndarray) -> str:
+    return {np.dtype(np.int32): "TYPE_INT32", np.dtype(np.float32): "TYPE_FP32", np.dtype(bool): "TYPE_BOOL",
+            np.dtype(object): "TYPE_STRING"}[array.dtype]
+
+
+def test_bls_model_streams_whole_characters_to_the_engine_interface(tmp_path: Path, tokenizer_dir: Path,
+                                                                    monkeypatch):
+    repo = write_repository(_settings(tokenizer_dir), tmp_path / "repo")
+    configs = _configs(repo)
+    bls = _load_model(repo, "tensorrt_llm_bls", monkeypatch)
+    tok = bls.preprocessor.tokenizer
+    answer = "a block é 日本"
+    ids = tok.encode(answer, add_special_tokens=False)
+    chunks = [ids[i:i + 3] for i in range(0, len(ids), 3)]  # blocks of accepted tokens, split mid-character
+    _StandInPbUtils.engine_responses = [
+        {"output_ids": np.array([[c]], np.int32), "sequence_length": np.array([[len(c)]], np.int32)} for c in chunks
+    ] + [{"acceptance_rate": np.array([[0.5]], np.float32), "total_accepted_draft_tokens": np.array([[3]], np.int32),
+          "total_draft_tokens": np.array([[6]], np.int32)}]
+    _StandInPbUtils.llm_requests = []
+    request = _BlsRequest({"text_input": np.array([[b"the fox"]], object), "max_tokens": np.array([[16]], np.int32),
+                           "stream": np.array([[True]]), "return_perf_metrics": np.array([[True]])})
+    assert bls.execute([request]) is None
+    [llm] = _StandInPbUtils.llm_requests
+    trt = {t.name: t for t in configs["tensorrt_llm"].input}
+    assert llm.model_name == "tensorrt_llm" and set(llm.inputs) <= set(trt)
+    assert {n for n, t in trt.items() if not t.optional} <= set(llm.inputs)
+    for name, array in llm.inputs.items():  # [batch, *dims] with the declared type
+        assert _dtype_name(array) == mc.DataType.Name(trt[name].data_type), name
+        assert array.ndim == 1 + len(trt[name].dims), name
+    assert set(llm.requested) <= {o.name for o in configs["tensorrt_llm"].output}
+    responses = [r for r, _ in request.sender.sent if r is not None]
+    text = "".join(r.outputs["text_output"][0, 0].decode() for r in responses if "text_output" in r.outputs)
+    assert text == answer and all(r.error is None for r in responses)
+    assert responses[-1].outputs["total_draft_tokens"].tolist() == [[6]]
+    assert request.sender.sent[-1] == (None, 1)  # the final flag closes the stream
+
+    hot = _BlsRequest({"text_input": np.array([[b"the fox"]], object), "max_tokens": np.array([[4]], np.int32),
+                       "temperature": np.array([[0.9]], np.float32)})
+    bls.execute([hot])
+    (error_response, _), final = hot.sender.sent
+    assert "temperature 0.9 refused" in error_response.error.message and final == (None, 1)

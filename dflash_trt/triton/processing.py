@@ -2,8 +2,8 @@
 
 This file is copied next to the Triton Python models (as `dflash_processing.py`), so it imports neither Triton nor
 the rest of dflash_trt: the `model.py` files only move numpy arrays between Triton and the functions here, and
-the tests run these functions with a real tokenizer on CPU. Tensor names used by the pre/post-processing models
-are defined here, once.
+the tests run these functions with a real tokenizer on CPU. The tensor names of every model in the repository,
+and how a request's tensors flow between them, are defined here, once.
 """
 
 from __future__ import annotations
@@ -32,6 +32,59 @@ OUT_PAD_ID = "OUT_PAD_ID"
 TOKENS_BATCH = "TOKENS_BATCH"
 SEQUENCE_LENGTH = "SEQUENCE_LENGTH"
 OUTPUT = "OUTPUT"
+# tensorrt_llm model: the names TensorRT-LLM's C++ backend reads and writes
+LLM_INPUT_IDS = "input_ids"
+LLM_INPUT_LENGTHS = "input_lengths"
+LLM_REQUEST_OUTPUT_LEN = "request_output_len"
+LLM_END_ID = "end_id"
+LLM_PAD_ID = "pad_id"
+LLM_STOP_WORDS = "stop_words_list"
+LLM_BAD_WORDS = "bad_words_list"
+LLM_TEMPERATURE = "temperature"
+LLM_STREAMING = "streaming"
+LLM_STOP = "stop"
+LLM_RETURN_PERF_METRICS = "return_perf_metrics"
+LLM_OUTPUT_IDS = "output_ids"
+LLM_SEQUENCE_LENGTH = "sequence_length"
+SPEC_METRICS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens")
+# what clients send to `ensemble` and `tensorrt_llm_bls`, and get back
+TEXT_INPUT = "text_input"
+MAX_TOKENS = "max_tokens"
+STREAM = "stream"
+REQUEST_TEMPERATURE = "temperature"
+REQUEST_END_ID = "end_id"
+REQUEST_PAD_ID = "pad_id"
+REQUEST_STOP_WORDS = "stop_words"
+REQUEST_BAD_WORDS = "bad_words"
+REQUEST_PERF_METRICS = "return_perf_metrics"
+TEXT_OUTPUT = "text_output"
+
+# Request tensor -> preprocessing input.
+REQUEST_TO_PRE = {
+    TEXT_INPUT: QUERY,
+    MAX_TOKENS: REQUEST_OUTPUT_LEN,
+    REQUEST_TEMPERATURE: TEMPERATURE,
+    REQUEST_END_ID: END_ID,
+    REQUEST_PAD_ID: PAD_ID,
+    REQUEST_STOP_WORDS: STOP_WORDS,
+    REQUEST_BAD_WORDS: BAD_WORDS,
+}
+# Preprocessing output -> tensorrt_llm input.
+PRE_TO_LLM = {
+    INPUT_ID: LLM_INPUT_IDS,
+    REQUEST_INPUT_LEN: LLM_INPUT_LENGTHS,
+    OUT_REQUEST_OUTPUT_LEN: LLM_REQUEST_OUTPUT_LEN,
+    STOP_WORDS_IDS: LLM_STOP_WORDS,
+    BAD_WORDS_IDS: LLM_BAD_WORDS,
+    OUT_END_ID: LLM_END_ID,
+    OUT_PAD_ID: LLM_PAD_ID,
+}
+# Request tensor passed to tensorrt_llm unchanged.
+REQUEST_TO_LLM = {
+    REQUEST_TEMPERATURE: LLM_TEMPERATURE,
+    STREAM: LLM_STREAMING,
+    REQUEST_PERF_METRICS: LLM_RETURN_PERF_METRICS,
+}
 
 
 def load_tokenizer(tokenizer_dir: str):
@@ -171,3 +224,63 @@ class Postprocessor:
                 text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
                 out[b, beam] = text.encode("utf-8")
         return {OUTPUT: out}
+
+
+class StreamDetokenizer:
+    """Text of a growing token sequence, released piece by piece without ever splitting a character: a piece
+    ending in an incomplete UTF-8 sequence is held back until the tokens that complete it arrive."""
+
+    def __init__(self, tokenizer, *, skip_special_tokens: bool):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.released = 0
+
+    def _text(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, ids: list[int]) -> str:
+        self.ids.extend(int(i) for i in ids)
+        text = self._text()
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.released = text[self.released:], len(text)
+        return piece
+
+    def flush(self) -> str:
+        text = self._text()
+        piece, self.released = text[self.released:], len(text)
+        return piece
+
+
+class BlsRequest:
+    """One request through the BLS model: tensors for tensorrt_llm, then text pieces and metrics per response."""
+
+    def __init__(self, preprocessor: Preprocessor, *, skip_special_tokens: bool):
+        self.preprocessor = preprocessor
+        self.detokenizer = StreamDetokenizer(preprocessor.tokenizer, skip_special_tokens=skip_special_tokens)
+
+    def engine_inputs(self, request: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if len(request[TEXT_INPUT]) != 1:
+            raise ValueError("tensorrt_llm_bls takes one prompt per request; send a batch through ensemble")
+        pre = self.preprocessor.preprocess({REQUEST_TO_PRE[k]: v for k, v in request.items() if k in REQUEST_TO_PRE})
+        inputs = {PRE_TO_LLM[name]: array for name, array in pre.items()}
+        inputs.update({REQUEST_TO_LLM[k]: v for k, v in request.items() if k in REQUEST_TO_LLM})
+        return inputs
+
+    @staticmethod
+    def _text(piece: str) -> dict[str, np.ndarray]:
+        return {TEXT_OUTPUT: np.array([[piece.encode("utf-8")]], dtype=object)} if piece else {}
+
+    def on_engine_response(self, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The new text (if any) and the speculative-decoding metrics (if sent) of one tensorrt_llm response."""
+        result = {}
+        if outputs.get(LLM_OUTPUT_IDS) is not None:
+            length = int(np.asarray(outputs[LLM_SEQUENCE_LENGTH]).reshape(-1)[0])
+            ids = np.asarray(outputs[LLM_OUTPUT_IDS]).reshape(-1)[:length].tolist()
+            result.update(self._text(self.detokenizer.push(ids)))
+        result.update({name: outputs[name] for name in SPEC_METRICS if outputs.get(name) is not None})
+        return result
+
+    def finish(self) -> dict[str, np.ndarray]:
+        return self._text(self.detokenizer.flush())

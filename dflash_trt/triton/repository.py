@@ -2,8 +2,9 @@
 
 The layout is the inflight-batcher one TensorRT-LLM users know: `ensemble` chains `preprocessing` (Python,
 tokenizer) -> `tensorrt_llm` (C++ backend, the engine in EAGLE mode with one chain of drafts) -> `postprocessing`
-(Python, detokenizer). Every value comes from the engine's manifest or a build profile, so no placeholder is left
-to fill by hand; `launch_triton.sh` preloads the DFlash plugin library before the backend loads the engine.
+(Python, detokenizer), and `tensorrt_llm_bls` offers the same request interface from one Python model. Every
+value comes from the engine's manifest or a build profile, so no placeholder is left to fill by hand;
+`launch_triton.sh` preloads the DFlash plugin library before the backend loads the engine.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ ENSEMBLE = "ensemble"
 PREPROCESSING = "preprocessing"
 TENSORRT_LLM = "tensorrt_llm"
 POSTPROCESSING = "postprocessing"
+BLS = "tensorrt_llm_bls"
 SETTINGS_FILE = "dflash_triton.json"
 LAUNCH_SCRIPT = "launch_triton.sh"
 CLIENT_FILE = "client.py"
@@ -48,7 +50,6 @@ PERF_OUTPUTS = (
     ("total_accepted_draft_tokens", "TYPE_INT32"),
     ("total_draft_tokens", "TYPE_INT32"),
 )
-SPEC_OUTPUTS = PERF_OUTPUTS[-3:]
 
 
 @dataclass(frozen=True)
@@ -145,21 +146,21 @@ def tensorrt_llm_config(s: RepositorySettings) -> ModelConfig:
         dynamic_batching=True,
         max_queue_delay_microseconds=s.max_queue_delay_microseconds,
         inputs=(
-            Tensor("input_ids", "TYPE_INT32", (-1,), allow_ragged_batch=True),
-            _backend_scalar("input_lengths", "TYPE_INT32", optional=False),
-            _backend_scalar("request_output_len", "TYPE_INT32", optional=False),
-            _backend_scalar("end_id", "TYPE_INT32"),
-            _backend_scalar("pad_id", "TYPE_INT32"),
-            Tensor("stop_words_list", "TYPE_INT32", (2, -1), optional=True, allow_ragged_batch=True),
-            Tensor("bad_words_list", "TYPE_INT32", (2, -1), optional=True, allow_ragged_batch=True),
-            _backend_scalar("temperature", "TYPE_FP32"),
-            _backend_scalar("streaming", "TYPE_BOOL"),
-            _backend_scalar("stop", "TYPE_BOOL"),
-            _backend_scalar("return_perf_metrics", "TYPE_BOOL"),
+            Tensor(P.LLM_INPUT_IDS, "TYPE_INT32", (-1,), allow_ragged_batch=True),
+            _backend_scalar(P.LLM_INPUT_LENGTHS, "TYPE_INT32", optional=False),
+            _backend_scalar(P.LLM_REQUEST_OUTPUT_LEN, "TYPE_INT32", optional=False),
+            _backend_scalar(P.LLM_END_ID, "TYPE_INT32"),
+            _backend_scalar(P.LLM_PAD_ID, "TYPE_INT32"),
+            Tensor(P.LLM_STOP_WORDS, "TYPE_INT32", (2, -1), optional=True, allow_ragged_batch=True),
+            Tensor(P.LLM_BAD_WORDS, "TYPE_INT32", (2, -1), optional=True, allow_ragged_batch=True),
+            _backend_scalar(P.LLM_TEMPERATURE, "TYPE_FP32"),
+            _backend_scalar(P.LLM_STREAMING, "TYPE_BOOL"),
+            _backend_scalar(P.LLM_STOP, "TYPE_BOOL"),
+            _backend_scalar(P.LLM_RETURN_PERF_METRICS, "TYPE_BOOL"),
         ),
         outputs=(
-            Tensor("output_ids", "TYPE_INT32", (-1, -1)),
-            Tensor("sequence_length", "TYPE_INT32", (-1,)),
+            Tensor(P.LLM_OUTPUT_IDS, "TYPE_INT32", (-1, -1)),
+            Tensor(P.LLM_SEQUENCE_LENGTH, "TYPE_INT32", (-1,)),
             *(_scalar(name, dtype) for name, dtype in PERF_OUTPUTS),
         ),
         instance_count=1,
@@ -182,74 +183,81 @@ def tensorrt_llm_config(s: RepositorySettings) -> ModelConfig:
     )
 
 
+# The request interface shared by `ensemble` and `tensorrt_llm_bls`.
+REQUEST_INPUTS = (
+    _scalar(P.TEXT_INPUT, "TYPE_STRING"),
+    _scalar(P.MAX_TOKENS, "TYPE_INT32"),
+    _scalar(P.STREAM, "TYPE_BOOL", optional=True),
+    _scalar(P.REQUEST_TEMPERATURE, "TYPE_FP32", optional=True),
+    _scalar(P.REQUEST_END_ID, "TYPE_INT32", optional=True),
+    _scalar(P.REQUEST_PAD_ID, "TYPE_INT32", optional=True),
+    Tensor(P.REQUEST_STOP_WORDS, "TYPE_STRING", (-1,), optional=True),
+    Tensor(P.REQUEST_BAD_WORDS, "TYPE_STRING", (-1,), optional=True),
+    _scalar(P.REQUEST_PERF_METRICS, "TYPE_BOOL", optional=True),
+)
+REQUEST_OUTPUTS = (
+    Tensor(P.TEXT_OUTPUT, "TYPE_STRING", (-1,)),
+    *(_scalar(name, dtype) for name, dtype in PERF_OUTPUTS if name in P.SPEC_METRICS),
+)
+
+
+def _intermediate(name: str) -> str:
+    return "_" + name
+
+
 def ensemble_config(s: RepositorySettings) -> ModelConfig:
     return ModelConfig(
         name=ENSEMBLE,
         platform="ensemble",
         max_batch_size=s.max_batch_size,
-        inputs=(
-            _scalar("text_input", "TYPE_STRING"),
-            _scalar("max_tokens", "TYPE_INT32"),
-            _scalar("stream", "TYPE_BOOL", optional=True),
-            _scalar("temperature", "TYPE_FP32", optional=True),
-            _scalar("end_id", "TYPE_INT32", optional=True),
-            _scalar("pad_id", "TYPE_INT32", optional=True),
-            Tensor("stop_words", "TYPE_STRING", (-1,), optional=True),
-            Tensor("bad_words", "TYPE_STRING", (-1,), optional=True),
-            _scalar("return_perf_metrics", "TYPE_BOOL", optional=True),
-        ),
-        outputs=(
-            Tensor("text_output", "TYPE_STRING", (-1,)),
-            *(_scalar(name, dtype) for name, dtype in SPEC_OUTPUTS),
-        ),
+        inputs=REQUEST_INPUTS,
+        outputs=REQUEST_OUTPUTS,
         steps=(
             EnsembleStep(
                 PREPROCESSING,
-                input_map={
-                    P.QUERY: "text_input",
-                    P.REQUEST_OUTPUT_LEN: "max_tokens",
-                    P.TEMPERATURE: "temperature",
-                    P.END_ID: "end_id",
-                    P.PAD_ID: "pad_id",
-                    P.STOP_WORDS: "stop_words",
-                    P.BAD_WORDS: "bad_words",
-                },
-                output_map={
-                    P.INPUT_ID: "_INPUT_ID",
-                    P.REQUEST_INPUT_LEN: "_REQUEST_INPUT_LEN",
-                    P.OUT_REQUEST_OUTPUT_LEN: "_REQUEST_OUTPUT_LEN",
-                    P.STOP_WORDS_IDS: "_STOP_WORDS_IDS",
-                    P.BAD_WORDS_IDS: "_BAD_WORDS_IDS",
-                    P.OUT_END_ID: "_END_ID",
-                    P.OUT_PAD_ID: "_PAD_ID",
-                },
+                input_map={pre: request for request, pre in P.REQUEST_TO_PRE.items()},
+                output_map={pre: _intermediate(pre) for pre in P.PRE_TO_LLM},
             ),
             EnsembleStep(
                 TENSORRT_LLM,
                 input_map={
-                    "input_ids": "_INPUT_ID",
-                    "input_lengths": "_REQUEST_INPUT_LEN",
-                    "request_output_len": "_REQUEST_OUTPUT_LEN",
-                    "end_id": "_END_ID",
-                    "pad_id": "_PAD_ID",
-                    "stop_words_list": "_STOP_WORDS_IDS",
-                    "bad_words_list": "_BAD_WORDS_IDS",
-                    "temperature": "temperature",
-                    "streaming": "stream",
-                    "return_perf_metrics": "return_perf_metrics",
+                    **{llm: _intermediate(pre) for pre, llm in P.PRE_TO_LLM.items()},
+                    **{llm: request for request, llm in P.REQUEST_TO_LLM.items()},
                 },
                 output_map={
-                    "output_ids": "_TOKENS_BATCH",
-                    "sequence_length": "_SEQUENCE_LENGTH",
-                    **{name: name for name, _ in SPEC_OUTPUTS},
+                    P.LLM_OUTPUT_IDS: _intermediate(P.TOKENS_BATCH),
+                    P.LLM_SEQUENCE_LENGTH: _intermediate(P.SEQUENCE_LENGTH),
+                    **{name: name for name in P.SPEC_METRICS},
                 },
             ),
             EnsembleStep(
                 POSTPROCESSING,
-                input_map={P.TOKENS_BATCH: "_TOKENS_BATCH", P.SEQUENCE_LENGTH: "_SEQUENCE_LENGTH"},
-                output_map={P.OUTPUT: "text_output"},
+                input_map={name: _intermediate(name) for name in (P.TOKENS_BATCH, P.SEQUENCE_LENGTH)},
+                output_map={P.OUTPUT: P.TEXT_OUTPUT},
             ),
         ),
+    )
+
+
+def bls_config(s: RepositorySettings) -> ModelConfig:
+    """One Python model doing pre-processing, the tensorrt_llm call and streaming detokenization that never splits
+    a character; it serves `instance_count` requests at a time, where the ensemble is bounded only by the engine."""
+    return ModelConfig(
+        name=BLS,
+        backend="python",
+        max_batch_size=s.max_batch_size,
+        decoupled=True,
+        inputs=REQUEST_INPUTS,
+        outputs=REQUEST_OUTPUTS,
+        instance_count=s.instance_count,
+        parameters={
+            "tokenizer_dir": s.tokenizer_dir,
+            "add_special_tokens": _flag(s.add_special_tokens),
+            "skip_special_tokens": _flag(s.skip_special_tokens),
+            "max_input_len": str(s.max_input_len),
+            "max_temperature": repr(float(s.max_temperature)),
+            "tensorrt_llm_model_name": TENSORRT_LLM,
+        },
     )
 
 
@@ -259,6 +267,7 @@ def model_configs(s: RepositorySettings) -> dict[str, ModelConfig]:
         PREPROCESSING: preprocessing_config(s),
         TENSORRT_LLM: tensorrt_llm_config(s),
         POSTPROCESSING: postprocessing_config(s),
+        BLS: bls_config(s),
     }
 
 
@@ -312,7 +321,7 @@ def _source(name: str) -> Path:
 
 def write_repository(s: RepositorySettings, output_dir: str | Path, overwrite: bool = False) -> Path:
     """Write the whole repository atomically (nothing appears under `output_dir` unless all of it is written)."""
-    python_models = {PREPROCESSING: "preprocessing.py", POSTPROCESSING: "postprocessing.py"}
+    python_models = {PREPROCESSING: "preprocessing.py", POSTPROCESSING: "postprocessing.py", BLS: "bls.py"}
     with atomic_directory(output_dir, overwrite) as staging:
         for name, config in model_configs(s).items():
             version_dir = staging / name / "1"
