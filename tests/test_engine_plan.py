@@ -309,14 +309,17 @@ def engine_bookkeeping(position_ids, context_lengths, draft_lens, accepted_token
     in_len = np.where(is_generation, draft_lens + 1, context_lengths)
     valid_len = np.where(is_generation, num_accepted, in_len)
     starts = np.cumsum(in_len) - in_len
-    markers = np.zeros(len(position_ids), dtype=np.int32)
+    position_rows = np.where(is_generation, 1, in_len)
+    first_position = position_ids[np.cumsum(position_rows) - position_rows]
+    num_tokens = int(in_len.sum())
+    markers = np.zeros(num_tokens, dtype=np.int32)
     markers[starts] = 1
     request = np.cumsum(markers) - 1
-    local = np.arange(len(position_ids)) - starts[request]
+    local = np.arange(num_tokens) - starts[request]
     valid = local < valid_len[request]
-    ctx_len = position_ids[starts] + valid_len
+    positions = first_position[request] + local
     anchor = np.take_along_axis(accepted_tokens, (num_accepted - 1)[:, None], axis=1)[:, 0]
-    return request, valid, ctx_len, anchor
+    return request, valid, positions, first_position + valid_len, anchor
 
 
 def test_step_bookkeeping_mirrors_the_golden_loop(tmp_path: Path):
@@ -338,9 +341,10 @@ def test_step_bookkeeping_mirrors_the_golden_loop(tmp_path: Path):
     checked = 0
     for step in range(1, 4):
         # Request 0 is (re)submitted as a context request; requests 1 and 2 are generation requests at `step`.
-        rows, ctx_lens, drafts, accepted, counts, expect = [], [], [], [], [], []
+        # Position ids as the runtime packs them: one per context token, one (the anchor's) per generation request.
+        position_ids, ctx_lens, drafts, accepted, counts, expect = [], [], [], [], [], []
         prompt = prompts[0]
-        rows += list(range(len(prompt)))
+        position_ids += list(range(len(prompt)))
         ctx_lens.append(len(prompt))
         drafts.append(0)
         accepted.append([results[0].output_ids[0]] + [0] * k)
@@ -356,15 +360,14 @@ def test_step_bookkeeping_mirrors_the_golden_loop(tmp_path: Path):
             start = len(res.input_ids) + sum(res.acceptance_lengths[:step])
             next_start = start + res.acceptance_lengths[step]
             n = trace.accepted + 1  # what the accept plugin reports: accepted drafts + the bonus token
-            rows += list(range(start, start + k + 1))
-            ctx_lens.append(len(res.input_ids))
+            position_ids.append(start)
+            ctx_lens.append(len(res.input_ids) + k)
             drafts.append(k)
             accepted.append(trace.draft_ids[: trace.accepted] + [tokens[start + n]] + [0] * (k + 1 - n))
             counts.append(n)
             expect.append((set(range(start, next_start)), next_start, tokens[next_start]))
-        request, valid, ctx_len, anchor = engine_bookkeeping(
-            np.array(rows), np.array(ctx_lens), np.array(drafts), np.array(accepted), np.array(counts))
-        positions = np.array(rows)
+        request, valid, positions, ctx_len, anchor = engine_bookkeeping(
+            np.array(position_ids), np.array(ctx_lens), np.array(drafts), np.array(accepted), np.array(counts))
         for b, (injected, next_ctx, next_anchor) in enumerate(expect):
             assert set(positions[(request == b) & valid].tolist()) == injected
             assert ctx_len[b] == next_ctx and anchor[b] == next_anchor

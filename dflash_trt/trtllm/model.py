@@ -289,19 +289,25 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         return next_draft_tokens
 
     def bookkeeping(self, input_ids, position_ids, context_lengths, draft_lens, accepted_tokens, num_accepted):
-        """Per-token request index and validity, per-request drafter context length and anchor (docs §2.3)."""
+        """Per-token request index, position and validity; per-request drafter context length and anchor (§2.3).
+
+        The runtime gives a context request one position id per input token but a generation request a single one
+        (the anchor's), since EAGLE mode does not update position ids (runtimeBuffers.cpp `setFromInputs`).
+        """
         is_generation = draft_lens > 0
         in_len = where(is_generation, draft_lens + 1, context_lengths)
         valid_len = where(is_generation, num_accepted, in_len)
         starts = cumsum(in_len, 0, prefer_plugin=False) - in_len
+        position_rows = where(is_generation, 1, in_len)
+        first_position = index_select(position_ids, 0, cumsum(position_rows, 0, prefer_plugin=False) - position_rows)
         # A 1 at each request's first row, prefix-summed: the request index of every packed row.
         markers = scatter(expand(i32([0]), shape(input_ids)), 0, starts, expand(i32([1]), shape(starts)))
         request = cumsum(markers, 0, prefer_plugin=False) - 1
         local = arange(i32(0), shape(input_ids, 0), "int32") - index_select(starts, 0, request)
         valid = cast(local < index_select(valid_len, 0, request), "int32")
-        ctx_len = index_select(position_ids, 0, starts) + valid_len
+        positions = index_select(first_position, 0, request) + local
         anchor = gather(accepted_tokens, 1, unsqueeze(num_accepted - 1, 1))
-        return {"request": request, "valid": valid, "positions": position_ids, "ctx_len": ctx_len,
+        return {"request": request, "valid": valid, "positions": positions, "ctx_len": first_position + valid_len,
                 "anchor": anchor, "batch": shape(draft_lens, 0), "draft_lens": draft_lens}
 
     def inject_context(self, taps, book, kv_cache_params) -> Tensor:
