@@ -31,8 +31,6 @@ STAGE_RECORD = ".dflash_stage.json"
 # Files up to this size are hashed by content; larger ones (weights) by name and size, since hashing tens of GB
 # on every run would cost minutes and HF snapshots are already content-addressed by revision.
 CONTENT_HASH_LIMIT = 1 << 20
-# TensorRT-LLM QuantAlgo spellings of the profile's formats.
-QUANT_ALGO = {"fp8": "FP8", "nvfp4": "NVFP4", "none": None}
 
 
 @dataclass(frozen=True)
@@ -140,7 +138,7 @@ def _converter_parameters() -> set[str]:
 
 
 def quantization_kwargs(profile: BuildProfile) -> dict:
-    """Converter arguments for the profile's quantization ("none" as None); empty for an unquantized profile."""
+    """Converter arguments for the profile's quantization; empty for an unquantized profile."""
     q = profile.quantization
     if (q.qformat, q.draft_qformat, q.kv_cache_dtype) == ("none", "none", "none"):
         return {}
@@ -148,7 +146,7 @@ def quantization_kwargs(profile: BuildProfile) -> dict:
     calibration = dict(zip(CALIBRATION_PARAMETERS, (q.calibration.dataset, q.calibration.size,
                                                     q.calibration.max_seq_len), strict=True))
     accepted = _converter_parameters()
-    kwargs = {name: (None if value == "none" else value) for name, value in formats.items()}
+    kwargs = dict(formats)
     kwargs.update({name: value for name, value in calibration.items() if name in accepted})
     return kwargs
 
@@ -167,26 +165,22 @@ def convert_command(profile: BuildProfile, target: Path, draft: Path, output: Pa
             "--output_dir", str(output), "--dtype", profile.checkpoint.dtype,
             "--tp_size", str(profile.checkpoint.tp_size)]
     for key, value in quant.items():
-        if value is not None:
-            argv += [f"--{key}", str(value)]
+        argv += [f"--{key}", str(value)]
     return shlex.join(argv)
 
 
 def planned_checkpoint_config(profile: BuildProfile, target: Path, draft: Path) -> dict:
     """The config.json the checkpoint stage will write, so the engine can be planned before converting."""
     from dflash_trt.checkpoint.trtllm_config import checkpoint_config
+    from dflash_trt.quant.formats import quantization_config
     from dflash_trt.spec import load_draft_spec, load_target_spec
 
     target_spec = load_target_spec(target)
     draft_spec = load_draft_spec(draft, target_spec)
     q = profile.quantization
-
-    def quant(fmt: str) -> dict:
-        algo, kv = QUANT_ALGO[fmt], QUANT_ALGO[q.kv_cache_dtype]
-        return {"quant_algo": algo, "kv_cache_quant_algo": kv, "group_size": 16, "exclude_modules": ["lm_head"]}
-
     return checkpoint_config(target_spec, draft_spec, profile.checkpoint.dtype, profile.checkpoint.tp_size,
-                             quantization=quant(q.qformat), draft_quantization=quant(q.draft_qformat))
+                             quantization=quantization_config(q.qformat, q.kv_cache_dtype),
+                             draft_quantization=quantization_config(q.draft_qformat, q.kv_cache_dtype))
 
 
 def plan_engine(profile: BuildProfile, ws: Workspace, settings: EngineBuildSettings, target: Path, draft: Path,
