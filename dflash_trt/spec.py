@@ -422,7 +422,7 @@ def check_tensor_shapes(
     extra = sorted(set(actual) - set(expected) - set(allowed_extra))
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-        raise DFlashTrtError(f"{what} checkpoint has unexpected tensor '{extra[0]}'{more}")
+        raise DFlashTrtError(f"{what} checkpoint has unexpected tensor {extra[0]!r}{more}")
     for name, shape in expected.items():
         if tuple(actual[name]) != tuple(shape):
             raise DFlashTrtError(
