@@ -97,7 +97,7 @@ class _FullDisk:
         self.budget = budget
 
     def __call__(self, path, mode="r", *args, **kwargs):
-        handle = open(path, mode, *args, **kwargs)  # noqa: SIM115 - returned to the writer, which closes it
+        handle = open(path, mode, *args, **kwargs)  # the writer closes it
         if "r" in mode:
             return handle
         disk = self
