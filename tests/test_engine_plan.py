@@ -338,7 +338,7 @@ def test_step_bookkeeping_mirrors_the_golden_loop(tmp_path: Path):
     prompts = [[3, 4, 5, 6, 7], [9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
     results = speculative_generate(golden, prompts, max_new_tokens=20)
 
-    checked = 0
+    checked = generation_checked = 0
     for step in range(1, 4):
         # Request 0 is (re)submitted as a context request; requests 1 and 2 are generation requests at `step`.
         # Position ids as the runtime packs them: one per context token, one (the anchor's) per generation request.
@@ -352,9 +352,10 @@ def test_step_bookkeeping_mirrors_the_golden_loop(tmp_path: Path):
         expect.append((set(range(len(prompt))), len(prompt), results[0].output_ids[0]))
         for r in (1, 2):
             res = results[r]
+            if step >= len(res.steps) or res.steps[step].accepted + 1 != res.acceptance_lengths[step]:
+                continue  # finished, or capped at max_new_tokens by the golden loop (the runtime truncates instead)
             trace = res.steps[step]
-            if trace.accepted + 1 != res.acceptance_lengths[step]:
-                continue  # the golden loop capped this step at max_new_tokens; the runtime truncates instead
+            generation_checked += 1
             tokens = res.input_ids + res.output_ids
             # The golden loop's anchor index before and after this step (_Sequence.start).
             start = len(res.input_ids) + sum(res.acceptance_lengths[:step])
@@ -372,7 +373,7 @@ def test_step_bookkeeping_mirrors_the_golden_loop(tmp_path: Path):
             assert set(positions[(request == b) & valid].tolist()) == injected
             assert ctx_len[b] == next_ctx and anchor[b] == next_anchor
             checked += 1
-    assert checked >= 6
+    assert generation_checked >= 2 and checked == 3 + generation_checked
 
 
 def test_selftest_comparison_reports_each_disagreement():
