@@ -8,6 +8,7 @@ a smaller length, because stale entries past it are overwritten before any query
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,88 +16,118 @@ import torch
 import torch.nn.functional as F
 
 from dflash_trt.checkpoint import names
-from dflash_trt.checkpoint.layout import checkpoint_layout
+from dflash_trt.checkpoint.layout import checkpoint_layout, stored_split
 from dflash_trt.checkpoint.safetensors_io import SafetensorsFile
 from dflash_trt.checkpoint.sharding import merge
 from dflash_trt.checkpoint.trtllm_config import specs_from_config
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.quant.formats import NONE
 from dflash_trt.reference.kv_injection import injected_kv
 from dflash_trt.reference.norm import rms_norm
+from dflash_trt.reference.quantized import dequantized_weight, fake_quantize_fp8, fake_quantize_input, weight_format
 from dflash_trt.reference.rope import apply_rope, rope_cos_sin
 from dflash_trt.spec import DraftSpec, TargetSpec
 
+Observer = Callable[[str, torch.Tensor], None]
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
+
+@dataclass
+class Linear:
+    """One linear as the engine runs it: dequantized weight, and its input rounded the way the engine rounds it."""
+
+    name: str
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    input_format: str = NONE
+    input_scale: torch.Tensor | None = None
+    observer: Observer | None = None  # calibration sees every input before rounding
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.observer is not None:
+            self.observer(self.name, x)
+        return F.linear(fake_quantize_input(x, self.input_scale, self.input_format), self.weight, self.bias)
+
+    @classmethod
+    def load(cls, tensors: dict[str, torch.Tensor], module: str, dtype: torch.dtype) -> Linear:
+        weight = tensors[f"{module}.{names.WEIGHT}"]
+        bias = tensors.get(f"{module}.{names.BIAS}")
+        scale = tensors.get(f"{module}.{names.ACTIVATION_SCALING_FACTOR}")
+        return cls(module, dequantized_weight(tensors, module).to(dtype), None if bias is None else bias.to(dtype),
+                   weight_format(weight), scale)
 
 
 @dataclass
 class LayerWeights:
     """One decoder layer under TensorRT-LLM names (qkv fused; mlp.fc = gate_proj, mlp.gate = up_proj)."""
 
+    prefix: str
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    dense: torch.Tensor
-    dense_bias: torch.Tensor | None
+    qkv: Linear
+    dense: Linear
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor
-    fc: torch.Tensor
-    gate: torch.Tensor
-    proj: torch.Tensor
-    fc_bias: torch.Tensor | None = None
-    gate_bias: torch.Tensor | None = None
-    proj_bias: torch.Tensor | None = None
+    fc: Linear
+    gate: Linear
+    proj: Linear
+    kv_scale: torch.Tensor | None
+    kv_observer: Observer | None = None  # calibration sees every K and V this layer stores
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str) -> LayerWeights:
-        def get(module: str, leaf: str = names.WEIGHT) -> torch.Tensor | None:
-            return tensors.get(names.tensor(prefix, module, leaf))
+    def load(cls, tensors: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype) -> LayerWeights:
+        def norm(module: str) -> torch.Tensor | None:
+            weight = tensors.get(names.tensor(prefix, module))
+            return None if weight is None else weight.to(dtype)
+
+        def lin(module: str) -> Linear:
+            return Linear.load(tensors, f"{prefix}.{module}", dtype)
 
         return cls(
-            input_norm=get(names.INPUT_LAYERNORM),
-            qkv=get(names.QKV),
-            qkv_bias=get(names.QKV, names.BIAS),
-            dense=get(names.DENSE),
-            dense_bias=get(names.DENSE, names.BIAS),
-            q_norm=get(names.Q_LAYERNORM),
-            k_norm=get(names.K_LAYERNORM),
-            post_norm=get(names.POST_LAYERNORM),
-            fc=get(names.MLP_FC),
-            gate=get(names.MLP_GATE),
-            proj=get(names.MLP_PROJ),
-            fc_bias=get(names.MLP_FC, names.BIAS),
-            gate_bias=get(names.MLP_GATE, names.BIAS),
-            proj_bias=get(names.MLP_PROJ, names.BIAS),
+            prefix=prefix,
+            input_norm=norm(names.INPUT_LAYERNORM),
+            qkv=lin(names.QKV),
+            dense=lin(names.DENSE),
+            q_norm=norm(names.Q_LAYERNORM),
+            k_norm=norm(names.K_LAYERNORM),
+            post_norm=norm(names.POST_LAYERNORM),
+            fc=lin(names.MLP_FC),
+            gate=lin(names.MLP_GATE),
+            proj=lin(names.MLP_PROJ),
+            kv_scale=tensors.get(names.kv_cache_scale(prefix)),
         )
 
+    def linears(self) -> tuple[Linear, ...]:
+        return self.qkv, self.dense, self.fc, self.gate, self.proj
+
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        activated = F.silu(linear(x, self.fc, self.fc_bias)) * linear(x, self.gate, self.gate_bias)
-        return linear(activated, self.proj, self.proj_bias)
+        return self.proj(F.silu(self.fc(x)) * self.gate(x))
 
     def split_qkv(self, x: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
-        qkv = linear(x, self.qkv, self.qkv_bias)
-        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        q, k, v = self.qkv(x).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
         shape = x.shape[:-1]
         return q.view(*shape, heads, head_dim), k.view(*shape, kv_heads, head_dim), v.view(*shape, kv_heads, head_dim)
 
-    def kv_weights(self, heads: int, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
-        """k/v rows of the fused qkv (and biases): what KV injection multiplies the context features by."""
-        q_rows, kv_rows = heads * head_dim, kv_heads * head_dim
-        k_w, v_w = self.qkv[q_rows : q_rows + kv_rows], self.qkv[q_rows + kv_rows :]
-        if self.qkv_bias is None:
-            return k_w, v_w, None, None
-        return k_w, v_w, self.qkv_bias[q_rows : q_rows + kv_rows], self.qkv_bias[q_rows + kv_rows :]
-
 
 class KVCache:
-    """Per-layer K/V `[batch, kv_heads, capacity, head_dim]`; position p of a sequence lives at slot p."""
+    """Per-layer K/V `[batch, kv_heads, capacity, head_dim]`; position p of a sequence lives at slot p.
 
-    def __init__(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype):
-        self.k = [torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype) for _ in range(layers)]
-        self.v = [torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype) for _ in range(layers)]
+    With an FP8 cache each layer's values are stored rounded by its `kv_cache_scaling_factor`.
+    """
+
+    def __init__(self, layers: list[LayerWeights], batch: int, kv_heads: int, capacity: int, head_dim: int,
+                 dtype: torch.dtype):
+        self.layers = layers
+        self.k = [torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype) for _ in layers]
+        self.v = [torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype) for _ in layers]
         self.capacity = capacity
+
+    def stored(self, layer: int, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """K or V as the cache holds it; calibration observes the `valid` rows (all when None) first."""
+        weights = self.layers[layer]
+        if weights.kv_observer is not None:
+            weights.kv_observer(weights.prefix, x if valid is None else x[valid])
+        scale = weights.kv_scale
+        return x if scale is None else fake_quantize_fp8(x, scale)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor):
         """k/v `[batch, tokens, kv_heads, head_dim]` at `positions [batch, tokens]`; invalid tokens are dropped."""
@@ -104,8 +135,8 @@ class KVCache:
         slots = positions[batch_index, token_index]
         if slots.numel() and int(slots.max()) >= self.capacity:
             raise DFlashTrtError(f"sequence longer than the KV cache capacity ({self.capacity} tokens)")
-        self.k[layer][batch_index, :, slots] = k[batch_index, token_index].to(self.k[layer].dtype)
-        self.v[layer][batch_index, :, slots] = v[batch_index, token_index].to(self.v[layer].dtype)
+        self.k[layer][batch_index, :, slots] = self.stored(layer, k[batch_index, token_index]).to(self.k[layer].dtype)
+        self.v[layer][batch_index, :, slots] = self.stored(layer, v[batch_index, token_index]).to(self.v[layer].dtype)
 
 
 def attend(
@@ -122,23 +153,26 @@ def attend(
 class TargetModel:
     """The target decoder; returns logits and the concatenated tap features the drafter conditions on."""
 
-    def __init__(self, spec: TargetSpec, tensors: dict[str, torch.Tensor], tap_layers: tuple[int, ...]):
+    def __init__(self, spec: TargetSpec, tensors: dict[str, torch.Tensor], tap_layers: tuple[int, ...],
+                 dtype: torch.dtype):
         self.spec = spec
-        self.embedding = tensors[names.VOCAB_EMBEDDING]
-        self.layers = [LayerWeights.from_tensors(tensors, names.target_layer(i)) for i in range(spec.num_hidden_layers)]
-        self.final_norm = tensors[names.TARGET_FINAL_NORM]
-        self.lm_head = tensors[names.LM_HEAD]
+        self.embedding = tensors[names.VOCAB_EMBEDDING].to(dtype)
+        self.layers = [LayerWeights.load(tensors, names.target_layer(i), dtype) for i in range(spec.num_hidden_layers)]
+        self.final_norm = tensors[names.TARGET_FINAL_NORM].to(dtype)
+        self.lm_head = Linear.load(tensors, names.LM_HEAD.removesuffix("." + names.WEIGHT), dtype)
         self.tap_layers = tap_layers
+        self.current_valid: torch.Tensor | None = None  # rows of the running call that are real (for observers)
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         s = self.spec
-        return KVCache(s.num_hidden_layers, batch, s.num_key_value_heads, capacity, s.head_dim, self.embedding.dtype)
+        return KVCache(self.layers, batch, s.num_key_value_heads, capacity, s.head_dim, self.embedding.dtype)
 
     def forward(
         self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, cache: KVCache
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens/positions/valid `[b, t]` → logits `[b, t, vocab]` (fp32), taps `[b, t, n_taps * hidden]`."""
         s = self.spec
+        self.current_valid = valid
         hidden = F.embedding(tokens, self.embedding)
         cos, sin = rope_cos_sin(positions, s.rope)
         cos, sin = cos[:, :, None].to(hidden.dtype), sin[:, :, None].to(hidden.dtype)
@@ -154,50 +188,47 @@ class TargetModel:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             cache.write(index, k, v, positions, valid)
             keys, values = cache.k[index][:, :, :key_count], cache.v[index][:, :, :key_count]
-            attn = attend(q, keys, values, visible, s.head_dim**-0.5)
-            hidden = hidden + linear(attn, layer.dense, layer.dense_bias)
+            hidden = hidden + layer.dense(attend(q, keys, values, visible, s.head_dim**-0.5))
             hidden = hidden + layer.mlp(rms_norm(hidden, layer.post_norm, s.rms_norm_eps))
             if index in self.tap_layers:
                 taps[index] = hidden
         normed = rms_norm(hidden, self.final_norm, s.rms_norm_eps)
         # HF's hidden_states[-1] (what the reference taps for the last layer) is taken after the final norm.
         taps[s.num_hidden_layers - 1] = normed
-        logits = linear(normed, self.lm_head)[..., : s.vocab_size]
+        logits = self.lm_head(normed)[..., : s.vocab_size]
         return logits.float(), torch.cat([taps[i] for i in self.tap_layers], dim=-1)
 
 
 class DraftModel:
     """The DFlash drafter: block queries over injected context K/V plus the block's own K/V."""
 
-    def __init__(self, spec: DraftSpec, tensors: dict[str, torch.Tensor], target: TargetModel):
+    def __init__(self, spec: DraftSpec, tensors: dict[str, torch.Tensor], target: TargetModel, dtype: torch.dtype):
         self.spec = spec
         self.target = target
-        self.fc = tensors[names.DRAFT_FC]
-        self.hidden_norm = tensors[names.DRAFT_HIDDEN_NORM]
-        self.final_norm = tensors[names.DRAFT_FINAL_NORM]
-        self.layers = [LayerWeights.from_tensors(tensors, names.draft_layer(i)) for i in range(spec.num_hidden_layers)]
-        geometry = (spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim)
-        kv = [layer.kv_weights(*geometry) for layer in self.layers]
-        self.stacked_kv = torch.cat([torch.cat([k_w, v_w]) for k_w, v_w, _, _ in kv])
-        self.stacked_kv_bias = None
-        if spec.attention_bias:
-            self.stacked_kv_bias = torch.cat([torch.cat([k_b, v_b]) for _, _, k_b, v_b in kv])
+        self.fc = Linear.load(tensors, names.DRAFT_FC.removesuffix("." + names.WEIGHT), dtype)
+        self.hidden_norm = tensors[names.DRAFT_HIDDEN_NORM].to(dtype)
+        self.final_norm = tensors[names.DRAFT_FINAL_NORM].to(dtype)
+        self.layers = [LayerWeights.load(tensors, names.draft_layer(i), dtype) for i in range(spec.num_hidden_layers)]
         self.k_norms = torch.stack([layer.k_norm for layer in self.layers])
+        self.current_valid: torch.Tensor | None = None  # rows of the running call that are real (for observers)
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         s = self.spec
-        return KVCache(s.num_hidden_layers, batch, s.num_key_value_heads, capacity, s.head_dim, self.fc.dtype)
+        return KVCache(self.layers, batch, s.num_key_value_heads, capacity, s.head_dim, self.hidden_norm.dtype)
 
     def inject(self, taps: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, cache: KVCache) -> None:
-        """KV injection: accepted tokens' tap features → one GEMM for all draft layers' K/V → k_norm, RoPE → cache.
+        """KV injection: accepted tokens' tap features → each draft layer's qkv (K|V kept) → k_norm, RoPE → cache.
 
-        The same dataflow as the engine: `ctx_kv [tokens, layers, 2, kv_heads, head_dim]` from the stacked k/v rows
-        of every draft layer's qkv, then `injected_kv`, the definition the KV-injection plugin is tested against.
+        The engine's dataflow: the feature goes through every draft layer's own (possibly quantized) qkv GEMM,
+        the K|V columns form `ctx_kv [tokens, layers, 2, kv_heads, head_dim]`, and `injected_kv` (the definition
+        the KV-injection plugin is tested against) gives what lands in the cache.
         """
         s = self.spec
-        features = rms_norm(linear(taps, self.fc), self.hidden_norm, s.rms_norm_eps)
+        self.current_valid = valid
+        features = rms_norm(self.fc(taps), self.hidden_norm, s.rms_norm_eps)
         batch, tokens = features.shape[:2]
-        ctx_kv = linear(features, self.stacked_kv, self.stacked_kv_bias)
+        q_columns = s.num_attention_heads * s.head_dim
+        ctx_kv = torch.stack([layer.qkv(features)[..., q_columns:] for layer in self.layers], dim=2)
         ctx_kv = ctx_kv.reshape(batch * tokens, s.num_hidden_layers, 2, s.num_key_value_heads, s.head_dim)
         k, v = injected_kv(ctx_kv, self.k_norms, s.rms_norm_eps, positions.reshape(-1), s.rope)
         for index in range(s.num_hidden_layers):
@@ -209,6 +240,7 @@ class DraftModel:
     ) -> torch.Tensor:
         """block `[b, B]` at positions `start + arange(B)`, context = cache slots `< start` → hidden `[b, B, H]`."""
         s = self.spec
+        self.current_valid = block_valid
         B = block.shape[1]
         positions = start[:, None] + torch.arange(B)
         hidden = F.embedding(block, self.target.embedding) * s.input_embedding_scale
@@ -223,17 +255,19 @@ class DraftModel:
             q, k, v = layer.split_qkv(x, s.num_attention_heads, s.num_key_value_heads, s.head_dim)
             q, k = rms_norm(q, layer.q_norm, s.rms_norm_eps), rms_norm(k, layer.k_norm, s.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            keys = torch.cat([cache.k[index][:, :, :context], k.transpose(1, 2).to(cache.k[index].dtype)], dim=2)
-            values = torch.cat([cache.v[index][:, :, :context], v.transpose(1, 2).to(cache.v[index].dtype)], dim=2)
+            # The engine writes the block's K/V into the (possibly FP8) cache before attending to it.
+            block_k = cache.stored(index, k, block_valid).transpose(1, 2).to(cache.k[index].dtype)
+            block_v = cache.stored(index, v, block_valid).transpose(1, 2).to(cache.v[index].dtype)
+            keys = torch.cat([cache.k[index][:, :, :context], block_k], dim=2)
+            values = torch.cat([cache.v[index][:, :, :context], block_v], dim=2)
             visible = draft_visibility(positions, key_positions, key_valid, s.causal[index], s.layer_window(index))
-            attn = attend(q, keys.to(q.dtype), values.to(q.dtype), visible, s.head_dim**-0.5)
-            hidden = hidden + linear(attn, layer.dense, layer.dense_bias)
+            hidden = hidden + layer.dense(attend(q, keys.to(q.dtype), values.to(q.dtype), visible, s.head_dim**-0.5))
             hidden = hidden + layer.mlp(rms_norm(hidden, layer.post_norm, s.rms_norm_eps))
         return rms_norm(hidden, self.final_norm, s.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Shared target lm_head, then the drafter's output multiplier and optional tanh softcap."""
-        logits = linear(hidden, self.target.lm_head)[..., : self.target.spec.vocab_size].float()
+        logits = self.target.lm_head(hidden)[..., : self.target.spec.vocab_size].float()
         logits = logits * self.spec.output_multiplier
         cap = self.spec.final_logit_softcapping
         if cap:
@@ -267,6 +301,13 @@ class GoldenModel:
     draft: DraftModel
     config: dict
 
+    def layers(self) -> list[LayerWeights]:
+        return [*self.target.layers, *self.draft.layers]
+
+    def linears(self) -> list[Linear]:
+        """Every linear of target and drafter (lm_head and drafter fc included), for calibration observers."""
+        return [*(lin for layer in self.layers() for lin in layer.linears()), self.target.lm_head, self.draft.fc]
+
 
 def load_rank_tensors(checkpoint_dir: Path, tp_size: int, target: TargetSpec, draft: DraftSpec) -> dict:
     """All tensors of a checkpoint, shards merged back into full tensors."""
@@ -280,12 +321,9 @@ def load_rank_tensors(checkpoint_dir: Path, tp_size: int, target: TargetSpec, dr
             files.append(SafetensorsFile(path))
         tensors = {}
         for name in files[0].names():
-            out = layout.get(name)
             pieces = [f.get(name, copy=True) for f in files]
-            if out is None or len(pieces) == 1:
-                tensors[name] = pieces[0]
-            else:
-                tensors[name] = merge(pieces, out.split, out.heads, out.shape[0])
+            split, out = stored_split(layout, name, pieces[0].dim())
+            tensors[name] = merge(pieces, split, out and out.heads, out and out.shape[0])
         missing = sorted(set(layout) - set(tensors))
         if missing:
             raise DFlashTrtError(f"checkpoint {checkpoint_dir} is missing tensor '{missing[0]}'")
@@ -303,6 +341,5 @@ def load_golden_model(checkpoint_dir: str | Path, compute_dtype: torch.dtype = t
     config = json.loads(config_path.read_text())
     target_spec, draft_spec = specs_from_config(config)
     tensors = load_rank_tensors(checkpoint_dir, config["mapping"]["tp_size"], target_spec, draft_spec)
-    tensors = {name: t.to(compute_dtype) if t.is_floating_point() else t for name, t in tensors.items()}
-    target = TargetModel(target_spec, tensors, draft_spec.target_layer_ids)
-    return GoldenModel(target, DraftModel(draft_spec, tensors, target), config)
+    target = TargetModel(target_spec, tensors, draft_spec.target_layer_ids, compute_dtype)
+    return GoldenModel(target, DraftModel(draft_spec, tensors, target, compute_dtype), config)
