@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _pairs import make_pair
 from safetensors.torch import load_file
 
 from dflash_trt.checkpoint import names
@@ -16,7 +17,6 @@ from dflash_trt.quant import formats
 from dflash_trt.quant.fp8 import fp8_activation_scale, kv_cache_scale
 from dflash_trt.quant.nvfp4 import nvfp4_activation_scale
 
-TINY_PAIR = Path(__file__).resolve().parents[1] / "dflash_trt" / "assets" / "tiny_pair"
 WEIGHT_LEAVES = (names.WEIGHT, names.WEIGHTS_SCALING_FACTOR, names.WEIGHTS_SCALING_FACTOR_2)
 
 
@@ -93,21 +93,27 @@ def test_quantize_tensors_pass_through_and_missing_partner() -> None:
 
 # ---------------------------------------------------------------------------------------------- whole model vs modelopt
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A random Qwen3 target (HF) and DFlash drafter (reference package); every in-features is a multiple of 16."""
+    return make_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture(scope="module")
+def converted(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     from dflash_trt.checkpoint.convert import convert_checkpoint
 
     out = tmp_path_factory.mktemp("ckpt") / "bf16"
-    convert_checkpoint(TINY_PAIR / "target", TINY_PAIR / "draft", out, dtype="bfloat16")
+    convert_checkpoint(*pair, out, dtype="bfloat16")
     return load_file(str(out / "rank0.safetensors"))
 
 
-def _modelopt_export(qformat: str, tmp: Path):
+def _modelopt_export(qformat: str, target_dir: Path, tmp: Path):
     """modelopt's own TensorRT-LLM export of the tiny target (bf16), FP8 KV cache, and its quantized model."""
     mtq = pytest.importorskip("modelopt.torch.quantization")
     from modelopt.torch.export import export_tensorrt_llm_checkpoint
     from transformers import Qwen3ForCausalLM
 
-    model = Qwen3ForCausalLM.from_pretrained(TINY_PAIR / "target", dtype=torch.bfloat16).eval()
+    model = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, model.config.vocab_size, (2, 24), generator=gen) for _ in range(2)]
 
@@ -133,9 +139,9 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("qformat", ["fp8", "nvfp4"])
 def test_converted_target_matches_modelopt_export(
-    qformat: str, converted: dict[str, torch.Tensor], tmp_path: Path
+    qformat: str, pair: tuple[Path, Path], converted: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:
-    theirs, model = _modelopt_export(qformat, tmp_path)
+    theirs, model = _modelopt_export(qformat, pair[0], tmp_path)
     ours = formats.quantize_tensors(converted, qformat)
 
     # Every weight-side tensor modelopt writes for the target (norms and embeddings included) we write under the
