@@ -203,7 +203,10 @@ class DFlashTarget(Module):
             )
             if index in self.taps:
                 taps[index] = hidden_states
-        return self.ln_f(hidden_states), concat([taps[i] for i in self.taps], dim=-1)
+        final = self.ln_f(hidden_states)
+        if index in self.taps:  # HF's hidden_states[-1], the reference's tap of the last layer, is after ln_f
+            taps[index] = final
+        return final, concat([taps[i] for i in self.taps], dim=-1)
 
 
 def layer_kv_params(params: KeyValueCacheParams, host_past_key_value_lengths: Tensor | None = None
