@@ -1,0 +1,220 @@
+"""Activation and KV-cache calibration of a converted checkpoint, inside the real speculative decoding loop.
+
+The golden model runs `speculative_generate` over calibration prompts. modelopt's `TensorQuantizer`, in
+calibration mode (its max calibrator), observes every linear's input and every attention layer's stored K and V,
+on valid tokens only. The drafter's qkv is observed on both of its inputs, the block tokens and the injected
+context features (the engine applies the same quantized qkv to both), and its K/V on block and injected tokens.
+Scales follow from the amaxes with the formulas of `fp8.py` / `nvfp4.py`, which are tested equal to modelopt's
+exporter.
+
+Public:
+- `load_calibration_prompts(path, tokenizer, limit)`: token id lists from a jsonl file (`input_ids` or `text`).
+- `observe_amax(model)`: context manager yielding a `CalibrationAmax` filled while the golden model runs (through
+  its `Linear.observer` / `LayerWeights.kv_observer` hooks, on valid tokens only).
+- `calibrate(model, prompts, max_new_tokens)`: one decoding pass under `observe_amax`.
+- `quantized_target(model, qformat, kv_cache_dtype, amax)`: context manager in which the target runs as its
+  quantized engine would (weights as the converter stores them, inputs and K/V rounded with the scales).
+- `calibrate_pair(model, prompts, max_new_tokens, qformat, kv_cache_dtype)`: target amaxes from a first pass,
+  drafter amaxes from a second pass under `quantized_target`.
+- `calibration_tensors(amax, qformat, kv_cache_dtype)`: `activation_scaling_factor` of every quantized linear and
+  `kv_cache_scaling_factor` of every attention layer, under the checkpoint's names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from dflash_trt.checkpoint import names
+from dflash_trt.errors import DFlashTrtError
+from dflash_trt.quant.formats import FP8, NONE, NVFP4, fused_partners, quantize_tensors, quantized_linear
+from dflash_trt.quant.fp8 import dequantize_fp8, fp8_activation_scale, kv_cache_scale
+from dflash_trt.quant.nvfp4 import dequantize_nvfp4, nvfp4_activation_scale
+from dflash_trt.reference.decode import speculative_generate
+
+
+def load_calibration_prompts(path: str | Path, tokenizer=None, limit: int | None = None) -> list[list[int]]:
+    """One prompt per jsonl line: `{"input_ids": [...]}`, or `{"text": "..."}` with a tokenizer."""
+    prompts: list[list[int]] = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DFlashTrtError(f"{path}:{number} is not valid JSON ({e.msg}).") from e
+        if isinstance(record, dict) and isinstance(record.get("input_ids"), list):
+            ids = record["input_ids"]
+        elif isinstance(record, dict) and isinstance(record.get("text"), str):
+            if tokenizer is None:
+                raise DFlashTrtError(f"{path}:{number} holds text but the model directory has no tokenizer.")
+            ids = tokenizer(record["text"])["input_ids"]
+        else:
+            raise DFlashTrtError(f"{path}:{number} needs an 'input_ids' list or a 'text' string.")
+        if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise DFlashTrtError(f"{path}:{number} gives no token ids.")
+        prompts.append(ids)
+        if limit is not None and len(prompts) == limit:
+            break
+    if not prompts:
+        raise DFlashTrtError(f"{path} holds no calibration prompts.")
+    return prompts
+
+
+def _observer():
+    from modelopt.torch.quantization.config import QuantizerAttributeConfig
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    quantizer = TensorQuantizer(QuantizerAttributeConfig(num_bits=(4, 3), axis=None))
+    quantizer.disable_quant()
+    quantizer.enable_calib()
+    return quantizer
+
+
+class CalibrationAmax:
+    """Observed absolute maxima by checkpoint name: linear inputs by module, K and V together by
+    `kv_cache_scaling_factor` name (TensorRT-LLM keeps one scale for both)."""
+
+    def __init__(self) -> None:
+        self._quantizers: dict = {}
+        self._amax: dict[str, torch.Tensor] = {}
+
+    def see(self, name: str, x: torch.Tensor) -> None:
+        if x.numel():
+            if name not in self._quantizers:
+                self._quantizers[name] = _observer()
+            self._quantizers[name](x.detach().float())
+            self._amax.pop(name, None)
+
+    def amax(self, name: str) -> torch.Tensor:
+        if name not in self._quantizers:
+            raise DFlashTrtError(f"calibration never reached {name}; use more or longer calibration prompts.")
+        if name not in self._amax:
+            quantizer = self._quantizers[name]
+            quantizer.load_calib_amax()
+            self._amax[name] = quantizer.amax.clone()
+        return self._amax[name]
+
+    def input_amax(self, module: str) -> torch.Tensor:
+        return self.amax(module)
+
+    def kv_amax(self, layer_prefix: str) -> torch.Tensor:
+        return self.amax(names.kv_cache_scale(layer_prefix))
+
+    def names(self) -> list[str]:
+        return sorted(self._quantizers)
+
+    def merged(self, other: CalibrationAmax, prefix: str) -> CalibrationAmax:
+        """This calibration, with `other`'s observations for every name under `prefix` instead of its own."""
+        out = CalibrationAmax()
+        out._quantizers = {n: q for n, q in self._quantizers.items() if not n.startswith(prefix)}
+        out._quantizers.update({n: q for n, q in other._quantizers.items() if n.startswith(prefix)})
+        return out
+
+
+@contextlib.contextmanager
+def _patched(obj, attribute: str, value) -> Iterator[None]:
+    """Set `obj.attribute` for the duration, then restore it."""
+    old = getattr(obj, attribute)
+    setattr(obj, attribute, value)
+    try:
+        yield
+    finally:
+        setattr(obj, attribute, old)
+
+
+@contextlib.contextmanager
+def observe_amax(model) -> Iterator[CalibrationAmax]:
+    """Every linear input and every K/V the golden model stores, observed while the block runs.
+
+    Padding rows are dropped: the engine never computes them. A linear's rows are those its model (target or
+    drafter, by name) marks valid for the running call."""
+    amax = CalibrationAmax()
+    target, draft = model.target, model.draft
+
+    def linear_observer(name: str, x: torch.Tensor) -> None:
+        valid = (draft if name.startswith(names.DRAFT_PREFIX + ".") else target).current_valid
+        if valid is not None and x.shape[:2] == valid.shape:
+            x = x[valid]
+        amax.see(name, x)
+
+    def kv_observer(layer_prefix: str, x: torch.Tensor) -> None:
+        amax.see(names.kv_cache_scale(layer_prefix), x)
+
+    with contextlib.ExitStack() as stack:
+        for linear in model.linears():
+            stack.enter_context(_patched(linear, "observer", linear_observer))
+        for layer in (*target.layers, *draft.layers):
+            stack.enter_context(_patched(layer, "kv_observer", kv_observer))
+        yield amax
+
+
+def calibrate(model, prompts: list[list[int]], max_new_tokens: int = 32) -> CalibrationAmax:
+    """Amaxes observed while speculatively generating from every prompt (greedy)."""
+    with torch.no_grad(), observe_amax(model) as amax:
+        speculative_generate(model, prompts, max_new_tokens)
+    return amax
+
+
+def _dequantized(quantized: dict[str, torch.Tensor], module: str, qformat: str) -> torch.Tensor:
+    weight = quantized[f"{module}.{names.WEIGHT}"]
+    scale = quantized[f"{module}.{names.WEIGHTS_SCALING_FACTOR}"]
+    if qformat == FP8:
+        return dequantize_fp8(weight, scale)
+    return dequantize_nvfp4(weight, scale, quantized[f"{module}.{names.WEIGHTS_SCALING_FACTOR_2}"])
+
+
+@contextlib.contextmanager
+def quantized_target(model, qformat: str, kv_cache_dtype: str, amax: CalibrationAmax) -> Iterator[None]:
+    """The target runs as its quantized engine would: weights quantized as the converter will store them, inputs
+    and (FP8) K/V rounded with the scales `amax` gives. The drafter is left as it is."""
+    scales = calibration_tensors(amax, qformat, kv_cache_dtype)
+    linears = [lin for layer in model.target.layers for lin in layer.linears()]
+    weights = {f"{lin.name}.{names.WEIGHT}": lin.weight for lin in linears}
+    quantized = quantize_tensors(weights, qformat)
+    with contextlib.ExitStack() as stack:
+        for lin in linears:
+            if qformat == NONE or quantized_linear(f"{lin.name}.{names.WEIGHT}") is None:
+                continue
+            fake = _dequantized(quantized, lin.name, qformat).to(lin.weight.dtype)
+            stack.enter_context(_patched(lin, "weight", fake))
+            stack.enter_context(_patched(lin, "input_format", qformat))
+            stack.enter_context(_patched(lin, "input_scale", scales[f"{lin.name}.{names.ACTIVATION_SCALING_FACTOR}"]))
+        if kv_cache_dtype == FP8:
+            for layer in model.target.layers:
+                stack.enter_context(_patched(layer, "kv_scale", scales[names.kv_cache_scale(layer.prefix)]))
+        yield
+
+
+def calibrate_pair(
+    model, prompts: list[list[int]], max_new_tokens: int, qformat: str, kv_cache_dtype: str = NONE
+) -> CalibrationAmax:
+    """Target amaxes from the model as loaded; drafter amaxes with the target running quantized, so the drafter
+    is calibrated on the context features the quantized target actually produces."""
+    target_pass = calibrate(model, prompts, max_new_tokens)
+    if qformat == NONE and kv_cache_dtype == NONE:
+        return target_pass
+    with quantized_target(model, qformat, kv_cache_dtype, target_pass):
+        draft_pass = calibrate(model, prompts, max_new_tokens)
+    return target_pass.merged(draft_pass, names.DRAFT_PREFIX + ".")
+
+
+def calibration_tensors(amax: CalibrationAmax, qformat: str, kv_cache_dtype: str = NONE) -> dict[str, torch.Tensor]:
+    """Scales the engine needs besides the weights', under the checkpoint's names."""
+    out: dict[str, torch.Tensor] = {}
+    if qformat in (FP8, NVFP4):
+        scale = fp8_activation_scale if qformat == FP8 else nvfp4_activation_scale
+        for module in amax.names():
+            if quantized_linear(f"{module}.{names.WEIGHT}") is None:
+                continue
+            shared = torch.stack([amax.input_amax(m) for m in fused_partners(module)]).max()
+            out[f"{module}.{names.ACTIVATION_SCALING_FACTOR}"] = scale(shared)
+    if kv_cache_dtype == FP8:
+        for name in amax.names():
+            if name.endswith("." + names.KV_CACHE_SCALING_FACTOR):
+                out[name] = kv_cache_scale(amax.amax(name), amax.amax(name))
+    return out
