@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -21,9 +22,11 @@ from dflash_trt.checkpoint.atomic import atomic_directory, check_destination
 from dflash_trt.checkpoint.hf_reader import HFCheckpointReader
 from dflash_trt.checkpoint.layout import DRAFT, TARGET, OutputTensor, checkpoint_layout, target_heads
 from dflash_trt.checkpoint.safetensors_io import SafetensorsFile, StreamingSafetensorsWriter, tensor_has_nonfinite
-from dflash_trt.checkpoint.sharding import check_tp, pad_vocab_size, shard, sharded_shape
+from dflash_trt.checkpoint.sharding import check_tp, pad_vocab_size
+from dflash_trt.checkpoint.stored import QuantSettings, rank_stored, stored_entries
 from dflash_trt.checkpoint.trtllm_config import checkpoint_config
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.quant.formats import NONE
 from dflash_trt.spec import (
     DraftSpec,
     TargetSpec,
@@ -94,43 +97,67 @@ def _load_full(out: OutputTensor, readers: dict[str, HFCheckpointReader], check_
     return out.assemble(loaded)
 
 
-def rank_tensor(
-    out: OutputTensor, full: torch.Tensor, dtype: torch.dtype, tp_size: int, rank: int
-) -> torch.Tensor:
-    """The exact tensor rank `rank` stores for `out`: split first (views), then cast (copies only the piece)."""
-    return shard(full, out.split, tp_size, rank, out.heads).to(dtype).contiguous()
+@dataclass(frozen=True)
+class ConversionPlan:
+    """Everything that decides the bytes of every rank file (picklable, so worker processes can take it)."""
+
+    model_dir: Path
+    dflash_model_dir: Path
+    target: TargetSpec
+    draft: DraftSpec
+    dtype: torch.dtype
+    tp_size: int
+    quant: QuantSettings = QuantSettings()
+    scales: dict = field(default_factory=dict)  # calibrated activation / KV-cache scales by checkpoint name
+
+    @property
+    def layout(self) -> list[OutputTensor]:
+        return checkpoint_layout(self.target, self.draft)
+
+    def entries(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        entries = {}
+        for out in self.layout:
+            entries.update(stored_entries(out, self.dtype, self.quant, self.scales, self.tp_size))
+        return entries
+
+
+def rank_tensors(
+    plan: ConversionPlan, out: OutputTensor, readers: dict[str, HFCheckpointReader], rank: int, check_finite: bool
+) -> dict[str, torch.Tensor]:
+    """Exactly what rank `rank` stores for `out` (also what `verify` recomputes)."""
+    by_name = {o.name: o for o in plan.layout}
+
+    def load_partner(name: str) -> torch.Tensor:
+        return _load_full(by_name[name], readers, check_finite=False)
+
+    full = _load_full(out, readers, check_finite)
+    return rank_stored(out, full, plan.dtype, plan.quant, plan.scales, plan.tp_size, rank, load_partner)
 
 
 def _write_rank(
-    path: Path,
-    layout: list[OutputTensor],
-    readers: dict[str, HFCheckpointReader],
-    dtype: torch.dtype,
-    tp_size: int,
-    rank: int,
+    plan: ConversionPlan, path: Path, readers: dict[str, HFCheckpointReader], rank: int,
     progress: Callable[[int], None],
 ) -> int:
-    entries = {out.name: (dtype, sharded_shape(out.shape, out.split, tp_size, out.heads)) for out in layout}
     written = 0
-    with StreamingSafetensorsWriter(path, entries, metadata={"format": "pt"}) as writer:
-        for out in layout:
-            piece = rank_tensor(out, _load_full(out, readers, check_finite=rank == 0), dtype, tp_size, rank)
-            writer.write(out.name, piece)
-            written += piece.numel() * piece.element_size()
+    with StreamingSafetensorsWriter(path, plan.entries(), metadata={"format": "pt"}) as writer:
+        for out in plan.layout:
+            for name, piece in rank_tensors(plan, out, readers, rank, check_finite=rank == 0).items():
+                writer.write(name, piece)
+                written += piece.numel() * piece.element_size()
             progress(1)
     return written
 
 
-def check_written(staging: Path, layout: list[OutputTensor], dtype: torch.dtype, tp_size: int) -> None:
-    """Cheap self-check before publishing: every rank file reopens with exactly the planned names, shapes, dtype."""
-    for rank in range(tp_size):
+def check_written(staging: Path, plan: ConversionPlan) -> None:
+    """Cheap self-check before publishing: every rank file reopens with exactly the planned names, shapes, dtypes."""
+    entries = plan.entries()
+    for rank in range(plan.tp_size):
         with SafetensorsFile(staging / rank_file(rank)) as written:
-            if sorted(written.names()) != sorted(out.name for out in layout):
+            if sorted(written.names()) != sorted(entries):
                 raise DFlashTrtError(f"internal error: {rank_file(rank)} does not hold the planned tensors")
-            for out in layout:
-                expected = sharded_shape(out.shape, out.split, tp_size, out.heads)
-                if written.shape(out.name) != expected or written.dtype(out.name) != dtype:
-                    raise DFlashTrtError(f"internal error: {out.name} in {rank_file(rank)} was written wrongly")
+            for name, (dtype, shape) in entries.items():
+                if written.shape(name) != shape or written.dtype(name) != dtype:
+                    raise DFlashTrtError(f"internal error: {name} in {rank_file(rank)} was written wrongly")
 
 
 def _copy_tokenizer_files(model_dir: Path, staging: Path) -> None:
@@ -140,14 +167,10 @@ def _copy_tokenizer_files(model_dir: Path, staging: Path) -> None:
             shutil.copyfile(source, staging / name)
 
 
-def _write_rank_in_worker(
-    model_dir: Path, dflash_model_dir: Path, path: Path, target: TargetSpec, draft: DraftSpec, dtype: torch.dtype,
-    tp_size: int, rank: int,
-) -> int:
+def _write_rank_in_worker(plan: ConversionPlan, path: Path, rank: int) -> int:
     """One rank file in its own process, with its own memory-mapped readers (memory stays one tensor per worker)."""
-    with HFCheckpointReader(model_dir) as target_reader, HFCheckpointReader(dflash_model_dir) as draft_reader:
-        readers = {TARGET: target_reader, DRAFT: draft_reader}
-        return _write_rank(path, checkpoint_layout(target, draft), readers, dtype, tp_size, rank, lambda _: None)
+    with HFCheckpointReader(plan.model_dir) as target_reader, HFCheckpointReader(plan.dflash_model_dir) as draft_reader:
+        return _write_rank(plan, path, {TARGET: target_reader, DRAFT: draft_reader}, rank, lambda _: None)
 
 
 def convert_checkpoint(
@@ -160,10 +183,18 @@ def convert_checkpoint(
     overwrite: bool = False,
     show_progress: bool = False,
     workers: int = 1,
+    qformat: str = NONE,
+    dflash_qformat: str | None = None,
+    kv_cache_dtype: str = NONE,
+    calib_dataset: str | Path | None = None,
+    calib_size: int = 64,
+    calib_max_seq_len: int = 512,
 ) -> ConversionResult:
     """Convert and publish atomically; raises DFlashTrtError (nothing written) on any bad input.
 
-    `workers` > 1 writes that many rank files at once, each in its own process.
+    `workers` > 1 writes that many rank files at once, each in its own process. Quantization (`qformat` of the
+    target, `dflash_qformat` of the drafter, default: the target's; `kv_cache_dtype`) takes its activation and KV
+    scales from a calibration run of the golden model over the prompts of `calib_dataset`.
     """
     if pp_size != 1:
         raise DFlashTrtError("--pp_size > 1 is not supported: TensorRT-LLM speculative decoding engines need pp_size 1")
@@ -171,37 +202,58 @@ def convert_checkpoint(
         raise DFlashTrtError(f"--dtype must be one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
     if workers < 1:
         raise DFlashTrtError(f"--workers must be >= 1, got {workers}")
+    quant = QuantSettings(qformat, qformat if dflash_qformat is None else dflash_qformat, kv_cache_dtype)
+    if quant.enabled and calib_dataset is None:
+        raise DFlashTrtError("quantization needs --calib_dataset FILE.jsonl: its prompts set the activation scales")
     model_dir, dflash_model_dir, output_dir = Path(model_dir), Path(dflash_model_dir), Path(output_dir)
     check_destination(output_dir, overwrite)
     target = load_target_spec(model_dir)
     draft = load_draft_spec(dflash_model_dir, target)
     check_tp(target_heads(target), target.intermediate_size, tp_size, "target")
     check_tp(target_heads(draft), draft.intermediate_size, tp_size, "drafter")
-    torch_dtype = TORCH_DTYPES[dtype]
-    layout = checkpoint_layout(target, draft)
-    padded_vocab = pad_vocab_size(target.vocab_size, tp_size)
-    config = checkpoint_config(target, draft, dtype, tp_size, vocab_size_padded=padded_vocab)
+    plan = ConversionPlan(model_dir, dflash_model_dir, target, draft, TORCH_DTYPES[dtype], tp_size, quant)
+    plan.entries()  # refuses shapes the formats cannot hold (NVFP4 blocks per rank) before anything is read
+    config = checkpoint_config(target, draft, dtype, tp_size, quant.config(draft=False), quant.config(draft=True),
+                               vocab_size_padded=pad_vocab_size(target.vocab_size, tp_size))
     with HFCheckpointReader(model_dir) as target_reader, HFCheckpointReader(dflash_model_dir) as draft_reader:
         check_sources(target, draft, target_reader, draft_reader)
         readers = {TARGET: target_reader, DRAFT: draft_reader}
+        if quant.enabled:
+            scales = calibrated_scales(model_dir, dflash_model_dir, output_dir.parent, dtype, quant,
+                                       Path(calib_dataset), calib_size, calib_max_seq_len)
+            plan = replace(plan, scales=scales)
+        layout = plan.layout
         with atomic_directory(output_dir, overwrite) as staging:
             with tqdm(total=len(layout) * tp_size, desc="convert", unit="tensor", disable=not show_progress) as bar:
                 # Rank 0 runs here first: it alone checks every source for NaN/Inf, so bad input fails fast.
-                bytes_written = _write_rank(staging / rank_file(0), layout, readers, torch_dtype, tp_size, 0,
-                                            bar.update)
+                bytes_written = _write_rank(plan, staging / rank_file(0), readers, 0, bar.update)
                 if workers == 1 or tp_size == 1:
                     for rank in range(1, tp_size):
-                        bytes_written += _write_rank(staging / rank_file(rank), layout, readers, torch_dtype, tp_size,
-                                                     rank, bar.update)
+                        bytes_written += _write_rank(plan, staging / rank_file(rank), readers, rank, bar.update)
                 else:
                     with ProcessPoolExecutor(max_workers=min(workers, tp_size - 1)) as pool:
-                        jobs = [pool.submit(_write_rank_in_worker, model_dir, dflash_model_dir,
-                                            staging / rank_file(rank), target, draft, torch_dtype, tp_size, rank)
+                        jobs = [pool.submit(_write_rank_in_worker, plan, staging / rank_file(rank), rank)
                                 for rank in range(1, tp_size)]
                         for job in jobs:
                             bytes_written += job.result()
                             bar.update(len(layout))
-            check_written(staging, layout, torch_dtype, tp_size)
+            check_written(staging, plan)
             (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             _copy_tokenizer_files(model_dir, staging)
     return ConversionResult(output_dir, tp_size, len(layout), bytes_written)
+
+
+def calibrated_scales(
+    model_dir: Path, dflash_model_dir: Path, work_dir: Path, dtype: str, quant: QuantSettings, calib_dataset: Path,
+    calib_size: int, calib_max_seq_len: int,
+) -> dict[str, torch.Tensor]:
+    """Activation and KV scales from the golden model of the unquantized conversion, run over calibration prompts."""
+    from dflash_trt.quant.calibrate import calibrate_checkpoint
+
+    if not calib_dataset.is_file():
+        raise DFlashTrtError(f"calibration dataset {calib_dataset} does not exist")
+    work_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".dflash-calibration-", dir=work_dir) as scratch:
+        plain = Path(scratch) / "checkpoint"
+        convert_checkpoint(model_dir, dflash_model_dir, plain, dtype=dtype)
+        return calibrate_checkpoint(plain, quant, calib_dataset, calib_size, calib_max_seq_len)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.quant.formats import NONE, quantization_config
 from dflash_trt.reference.rope import RopeConfig
 from dflash_trt.spec import DraftSpec, TargetSpec
 
@@ -31,10 +32,6 @@ def rope_from_config(head_dim: int, base: float, scaling: dict[str, Any] | None)
     fields = dict(scaling or {})
     rope_type = fields.pop("type", "default")
     return RopeConfig(head_dim=head_dim, theta=float(base), rope_type=rope_type, **fields)
-
-
-def no_quantization() -> dict[str, Any]:
-    return {"quant_algo": None, "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": []}
 
 
 def checkpoint_config(
@@ -73,7 +70,7 @@ def checkpoint_config(
         "tie_word_embeddings": target.tie_word_embeddings,
         "eos_token_ids": list(target.eos_token_ids),
         "mapping": {"world_size": tp_size, "tp_size": tp_size, "pp_size": 1},
-        "quantization": quantization or no_quantization(),
+        "quantization": quantization or quantization_config(NONE),
         "max_draft_len": draft.block_size - 1,
         "dflash_format_version": FORMAT_VERSION,
         "dflash_config": {
@@ -98,7 +95,7 @@ def checkpoint_config(
             "input_embedding_scale": draft.input_embedding_scale,
             "output_multiplier": draft.output_multiplier,
             "final_logit_softcapping": draft.final_logit_softcapping,
-            "quantization": draft_quantization or no_quantization(),
+            "quantization": draft_quantization or quantization_config(NONE),
         },
     }
 

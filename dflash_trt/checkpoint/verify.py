@@ -7,21 +7,21 @@ compared bit for bit, so a truncated write, a wrong shard or a stale config cann
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from dflash_trt.checkpoint.convert import TORCH_DTYPES, check_sources, rank_file, rank_tensor
+from dflash_trt.checkpoint import names
+from dflash_trt.checkpoint.convert import TORCH_DTYPES, ConversionPlan, check_sources, rank_file, rank_tensors
 from dflash_trt.checkpoint.hf_reader import HFCheckpointReader
-from dflash_trt.checkpoint.layout import DRAFT, TARGET, checkpoint_layout
+from dflash_trt.checkpoint.layout import DRAFT, TARGET
 from dflash_trt.checkpoint.safetensors_io import SafetensorsFile
 from dflash_trt.checkpoint.sharding import pad_vocab_size
+from dflash_trt.checkpoint.stored import QuantSettings, stored_entries
 from dflash_trt.checkpoint.trtllm_config import checkpoint_config
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.spec import load_draft_spec, load_target_spec
-
-QUANTIZATION_KEYS = ("quantization",)
 
 
 @dataclass
@@ -46,12 +46,6 @@ class VerifyReport:
                 "tensors_checked": self.tensors_checked, "problems": self.problems}
 
 
-def _strip_quantization(config: dict) -> dict:
-    config = {k: v for k, v in config.items() if k != "quantization"}
-    config["dflash_config"] = {k: v for k, v in config.get("dflash_config", {}).items() if k != "quantization"}
-    return config
-
-
 def verify_checkpoint(checkpoint_dir: str | Path, model_dir: str | Path, dflash_model_dir: str | Path) -> VerifyReport:
     checkpoint_dir = Path(checkpoint_dir)
     report = VerifyReport(str(checkpoint_dir))
@@ -68,13 +62,15 @@ def verify_checkpoint(checkpoint_dir: str | Path, model_dir: str | Path, dflash_
     report.tp_size = tp_size
     target = load_target_spec(model_dir)
     draft = load_draft_spec(dflash_model_dir, target)
-    expected = checkpoint_config(target, draft, dtype_name, tp_size,
-                                 vocab_size_padded=pad_vocab_size(target.vocab_size, tp_size))
+    quant = QuantSettings.from_config(stored)
+    expected = checkpoint_config(target, draft, dtype_name, tp_size, quant.config(draft=False),
+                                 quant.config(draft=True), vocab_size_padded=pad_vocab_size(target.vocab_size, tp_size))
     for key in sorted(set(expected) | set(stored)):
-        if _strip_quantization(expected).get(key) != _strip_quantization(stored).get(key):
+        if expected.get(key) != stored.get(key):
             report.problems.append(f"config.json key '{key}' differs from what the sources give")
-    dtype = TORCH_DTYPES[dtype_name]
-    layout = checkpoint_layout(target, draft)
+    plan = ConversionPlan(Path(model_dir), Path(dflash_model_dir), target, draft, TORCH_DTYPES[dtype_name], tp_size,
+                          quant)
+    entries = plan.entries() if not quant.enabled else None
     with HFCheckpointReader(model_dir) as target_reader, HFCheckpointReader(dflash_model_dir) as draft_reader:
         check_sources(target, draft, target_reader, draft_reader)
         readers = {TARGET: target_reader, DRAFT: draft_reader}
@@ -84,16 +80,30 @@ def verify_checkpoint(checkpoint_dir: str | Path, model_dir: str | Path, dflash_
                 report.problems.append(f"{path.name} is missing")
                 continue
             with SafetensorsFile(path) as written:
-                extra = sorted(set(written.names()) - {out.name for out in layout})
+                # Calibrated scales cannot be recomputed without the calibration data: take them from the file,
+                # check they are usable, and recompute everything else (weights, weight scales) from the sources.
+                scales = {name: written.get(name, copy=True) for name in written.names() if _is_calibrated(name)}
+                report.problems += [f"{path.name} tensor '{n}' is not a finite positive scale"
+                                    for n, t in scales.items() if not bool(torch.isfinite(t).all() and (t > 0).all())]
+                rank_plan = replace(plan, scales=scales)
+                expected = entries if entries is not None else rank_plan.entries()
+                extra = sorted(set(written.names()) - set(expected))
                 report.problems += [f"{path.name} has unexpected tensor '{name}'" for name in extra]
-                for out in layout:
-                    if out.name not in written:
-                        report.problems.append(f"{path.name} is missing '{out.name}'")
+                for out in plan.layout:
+                    if any(name not in written for name in _names_of(rank_plan, out)):
+                        report.problems.append(f"{path.name} is missing a tensor of '{out.name}'")
                         continue
-                    full = out.assemble([readers[model].get(name) for model, name in out.sources])
-                    want = rank_tensor(out, full, dtype, tp_size, rank)
-                    got = written.get(out.name)
-                    if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
-                        report.problems.append(f"{path.name} tensor '{out.name}' differs from its source")
-                    report.tensors_checked += 1
+                    for name, want in rank_tensors(rank_plan, out, readers, rank, check_finite=False).items():
+                        got = written.get(name)
+                        if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
+                            report.problems.append(f"{path.name} tensor '{name}' differs from its source")
+                        report.tensors_checked += 1
     return report
+
+
+def _is_calibrated(name: str) -> bool:
+    return name.endswith((f".{names.ACTIVATION_SCALING_FACTOR}", f".{names.KV_CACHE_SCALING_FACTOR}"))
+
+
+def _names_of(plan: ConversionPlan, out) -> list[str]:
+    return list(stored_entries(out, plan.dtype, plan.quant, plan.scales, plan.tp_size))

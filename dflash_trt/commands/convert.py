@@ -12,6 +12,7 @@ import sys
 import time
 
 from dflash_trt.checkpoint.convert import TORCH_DTYPES, convert_checkpoint
+from dflash_trt.quant.formats import KV_CACHE_DTYPES, NONE, QFORMATS
 
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,6 +23,12 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp_size", type=int, default=1, help="tensor-parallel ranks (default 1)")
     parser.add_argument("--pp_size", type=int, default=1, help="pipeline-parallel ranks (only 1 is supported)")
     parser.add_argument("--workers", type=int, default=1, help="rank files written in parallel (default 1)")
+    parser.add_argument("--qformat", choices=QFORMATS, default=NONE, help="target weights: fp8 (Hopper) or nvfp4")
+    parser.add_argument("--dflash_qformat", choices=QFORMATS, default=None, help="drafter weights (default: --qformat)")
+    parser.add_argument("--kv_cache_dtype", choices=KV_CACHE_DTYPES, default=NONE, help="fp8: FP8 KV cache")
+    parser.add_argument("--calib_dataset", default=None, help="jsonl calibration prompts ({'text'} or {'input_ids'})")
+    parser.add_argument("--calib_size", type=int, default=64, help="calibration prompts used (default 64)")
+    parser.add_argument("--calib_max_seq_len", type=int, default=512, help="calibration prompt tokens kept")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output_dir")
 
 
@@ -44,6 +51,12 @@ def run(args: argparse.Namespace) -> int:
         pp_size=args.pp_size,
         overwrite=args.overwrite,
         workers=args.workers,
+        qformat=args.qformat,
+        dflash_qformat=args.dflash_qformat,
+        kv_cache_dtype=args.kv_cache_dtype,
+        calib_dataset=args.calib_dataset,
+        calib_size=args.calib_size,
+        calib_max_seq_len=args.calib_max_seq_len,
         show_progress=sys.stderr.isatty(),
     )
     summary = {
