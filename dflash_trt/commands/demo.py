@@ -22,6 +22,7 @@ from dflash_trt.reference.model import load_golden_model
 from dflash_trt.reference.stats import mean_acceptance_length, per_position_acceptance
 from dflash_trt.tiny.heldout import draft_dir, is_correct, load_heldout, target_dir
 from dflash_trt.tokenizer import load_tokenizer
+from dflash_trt.triton.repository import RepositorySettings, write_repository
 from dflash_trt.trtllm.build_plan import EngineBuildSettings, plan_engine_build
 
 
@@ -100,15 +101,27 @@ def run(args: argparse.Namespace) -> int:
         f"{summary['target_only_tokens_per_second']:.0f} tok/s target alone "
         f"({summary['speedup']:.2f}x, CPU golden model)")
 
-    say("[4/5] plan the TensorRT-LLM 1.2.x engine build")
-    plan = plan_engine_build(checkpoint, out / "engine", EngineBuildSettings(max_batch_size=8, max_input_len=256,
-                                                                              max_seq_len=512, max_num_tokens=512))
+    say("[4/5] plan the TensorRT-LLM 1.2.x engine build and its Triton model repository")
+    settings = EngineBuildSettings(max_batch_size=8, max_input_len=256, max_seq_len=512, max_num_tokens=512)
+    plan = plan_engine_build(checkpoint, out / "engine", settings)
     (out / "build_plan.json").write_text(json.dumps({"command": plan.command, "build_config": plan.build_config},
                                                     indent=2) + "\n")
+    repository = write_repository(
+        RepositorySettings(engine_dir=plan.output_dir, tokenizer_dir=str(target_dir()),
+                           plugin_library=plan.plugin_library, max_batch_size=settings.max_batch_size,
+                           max_input_len=settings.max_input_len, max_draft_len=block - 1, world_size=1,
+                           max_temperature=0.0),
+        out / "triton_repository", overwrite=args.overwrite)
+    say(f"      build plan → {out / 'build_plan.json'}; Triton repository → {repository}")
     summary["build_command"] = plan.shell_command()
+    summary["triton_repository"] = str(repository)
 
     say("[5/5] on a GPU host with TensorRT-LLM 1.2.x (NGC release container), run:")
-    say(f"      {plan.shell_command()}")
+    say("      cmake -S plugins -B plugins/build && cmake --build plugins/build   # libdflash_trt_plugins.so")
+    say(f"      dflash-trt build --checkpoint_dir {checkpoint} --output_dir {plan.output_dir}")
+    say(f"        (loads the plugin library, then runs: {plan.shell_command()})")
+    say(f"      {repository}/launch_triton.sh          # serves the engine")
+    say(f"      python {repository}/client.py --prompt 'add 12 34'")
     if args.json:
         print(json.dumps(summary))
     if not lossless:
