@@ -289,3 +289,16 @@ def test_bad_weights_are_refused(quantize) -> None:
 def test_nvfp4_refuses_partial_blocks() -> None:
     with pytest.raises(DFlashTrtError, match="divisible by 16"):
         quantize_nvfp4(torch.ones(4, 40))
+
+
+def test_operand_rounding_error_used_by_the_logit_bound() -> None:
+    """RMS relative rounding error on Gaussian data: FP8 below 2**-4 / sqrt(3), NVFP4 below 0.10 (the per-operand
+    figures test_quant_golden's bound is built from)."""
+    w = torch.randn(256, 1024, generator=torch.Generator().manual_seed(7))
+    fp8 = quantize_fp8(w)
+    fp8_error = float((dequantize_fp8(fp8.weight, fp8.weights_scaling_factor) - w).norm() / w.norm())
+    nv = quantize_nvfp4(w)
+    decoded = dequantize_nvfp4(nv.weight, nv.weights_scaling_factor, nv.weights_scaling_factor_2)
+    nv_error = float((decoded - w).norm() / w.norm())
+    assert 0.01 < fp8_error < 2**-4 / math.sqrt(3)
+    assert 0.05 < nv_error < 0.10
