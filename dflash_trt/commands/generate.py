@@ -11,7 +11,7 @@ import json
 import time
 from pathlib import Path
 
-from dflash_trt.errors import DFlashTrtError
+from dflash_trt.prompts import read_prompts
 from dflash_trt.reference.decode import SequenceResult, speculative_generate
 from dflash_trt.reference.model import load_golden_model
 from dflash_trt.reference.sampling import SamplingParams
@@ -39,33 +39,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def read_prompts(path: Path, tokenizer) -> list[list[int]]:
-    if not path.is_file():
-        raise DFlashTrtError(f"input file {path} does not exist")
-    prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DFlashTrtError(f"{path}:{number} is not valid JSON: {exc.msg}") from None
-        if isinstance(record, dict) and isinstance(record.get("input_ids"), list):
-            ids = record["input_ids"]
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise DFlashTrtError(f"{path}:{number}: input_ids must be a list of integers")
-            prompts.append(ids)
-        elif isinstance(record, dict) and isinstance(record.get("text"), str):
-            if tokenizer is None:
-                raise DFlashTrtError(f"{path}:{number} gives text but the checkpoint directory has no tokenizer")
-            prompts.append(tokenizer.encode(record["text"]))
-        else:
-            raise DFlashTrtError(f'{path}:{number} must be {{"input_ids": [...]}} or {{"text": "..."}}')
-    if not prompts:
-        raise DFlashTrtError(f"input file {path} holds no prompts")
-    return prompts
-
-
 def sequence_record(result: SequenceResult, tokenizer, trace: bool) -> dict:
     record = {
         "input_ids": result.input_ids,
@@ -83,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     checkpoint_dir = Path(args.checkpoint_dir)
     model = load_golden_model(checkpoint_dir)
     tokenizer = load_tokenizer(checkpoint_dir)
-    prompts = read_prompts(Path(args.input_file), tokenizer)
+    prompts = read_prompts(args.input_file, tokenizer)
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
     if args.ignore_eos:
         stop_ids = []
