@@ -175,3 +175,31 @@ def test_converted_target_matches_modelopt_export(
         assert _same(activation_scale(amax), ref), module
     kv = kv_cache_scale(hf_layer.self_attn.k_bmm_quantizer.amax, hf_layer.self_attn.v_bmm_quantizer.amax)
     assert _same(kv, theirs[names.kv_cache_scale("transformer.layers.0")])
+
+
+def test_exclusion_evidence_outlier_channel_costs_nvfp4_its_block() -> None:
+    """docs/quantization.md §4: the drafter fc reads raw residual-stream taps, where a few channels carry massive
+    activations. Per-tensor FP8 input rounding keeps the other channels' precision; NVFP4's 16-wide input blocks
+    round every neighbour of such a channel to zero."""
+    from dflash_trt.quant.fp8 import fp8_activation_scale
+    from dflash_trt.quant.nvfp4 import nvfp4_global_scale
+    from dflash_trt.reference.quantized import fake_quantize_input
+
+    x = torch.randn(256, 128, generator=torch.Generator().manual_seed(0))
+    plain = {}
+    for outlier in (None, 1000.0):
+        y = x.clone()
+        if outlier:
+            y[:, 5] = outlier
+        others = torch.ones(128, dtype=torch.bool)
+        others[5] = False
+        amax = y.abs().max()
+        fp8 = fake_quantize_input(y, fp8_activation_scale(amax), "fp8")[:, others]
+        nv = fake_quantize_input(y, nvfp4_global_scale(amax), "nvfp4")[:, others]
+        errors = [float((q - y[:, others]).norm() / y[:, others].norm()) for q in (fp8, nv)]
+        if outlier is None:
+            plain = errors
+            continue
+        assert errors[0] < plain[0] * 1.05  # FP8: unchanged
+        assert errors[1] > plain[1] * 2  # NVFP4: more than doubled ...
+        assert bool((nv[:, :15] == 0).all())  # ... because the outlier's 15 block neighbours all round to zero
