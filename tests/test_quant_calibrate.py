@@ -132,21 +132,20 @@ def test_drafter_pass_sees_the_quantized_target(golden, qformat: str) -> None:
     assert all(torch.equal(again.amax(n), plain.amax(n)) for n in plain.names())
 
 
-def test_load_calibration_prompts(tmp_path: Path) -> None:
-    path = tmp_path / "calib.jsonl"
-    path.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n\n" + json.dumps({"text": "add 1 2"}) + "\n")
+def test_calibrate_checkpoint_for_the_converter(pair: tuple[Path, Path], tmp_path: Path) -> None:
+    """The converter's entry point: prompt file in, scales out; the drafter may use its own format."""
+    from dflash_trt.checkpoint.convert import convert_checkpoint
+    from dflash_trt.checkpoint.stored import QuantSettings
 
-    class Tokenizer:
-        def __call__(self, text: str) -> dict:
-            return {"input_ids": [ord(c) for c in text]}
-
-    assert cal.load_calibration_prompts(path, Tokenizer()) == [[1, 2, 3], [ord(c) for c in "add 1 2"]]
-    assert cal.load_calibration_prompts(path, Tokenizer(), limit=1) == [[1, 2, 3]]
-    with pytest.raises(DFlashTrtError, match="has no tokenizer"):
-        cal.load_calibration_prompts(path)
-    path.write_text('{"input_ids": []}\n')
-    with pytest.raises(DFlashTrtError, match="gives no token ids"):
-        cal.load_calibration_prompts(path)
-    path.write_text("not json\n")
-    with pytest.raises(DFlashTrtError, match=":1 is not valid JSON"):
-        cal.load_calibration_prompts(path)
+    convert_checkpoint(*pair, tmp_path / "ckpt", dtype="bfloat16")
+    dataset = tmp_path / "calib.jsonl"
+    dataset.write_text("\n".join(json.dumps({"input_ids": p}) for p in PROMPTS) + "\n")
+    quant = QuantSettings(qformat="nvfp4", dflash_qformat="fp8", kv_cache_dtype="fp8")
+    scales = cal.calibrate_checkpoint(tmp_path / "ckpt", quant, dataset, calib_size=2, calib_max_seq_len=4,
+                                      max_new_tokens=5)
+    qkv = f"attention.qkv.{names.ACTIVATION_SCALING_FACTOR}"
+    assert scales[f"transformer.layers.0.{qkv}"].shape == ()  # NVFP4 target
+    assert scales[f"dflash.layers.0.{qkv}"].shape == (1,)  # FP8 drafter
+    assert names.kv_cache_scale("dflash.layers.1") in scales
+    with pytest.raises(DFlashTrtError, match="calib_size"):
+        cal.calibrate_checkpoint(tmp_path / "ckpt", quant, dataset, calib_size=0)

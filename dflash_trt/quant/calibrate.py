@@ -8,7 +8,6 @@ Scales follow from the amaxes with the formulas of `fp8.py` / `nvfp4.py`, which 
 exporter.
 
 Public:
-- `load_calibration_prompts(path, tokenizer, limit)`: token id lists from a jsonl file (`input_ids` or `text`).
 - `observe_amax(model)`: context manager yielding a `CalibrationAmax` filled while the golden model runs (through
   its `Linear.observer` / `LayerWeights.kv_observer` hooks, on valid tokens only).
 - `calibrate(model, prompts, max_new_tokens)`: one decoding pass under `observe_amax`.
@@ -16,14 +15,15 @@ Public:
   quantized engine would (weights as the converter stores them, inputs and K/V rounded with the scales).
 - `calibrate_pair(model, prompts, max_new_tokens, qformat, kv_cache_dtype)`: target amaxes from a first pass,
   drafter amaxes from a second pass under `quantized_target`.
-- `calibration_tensors(amax, qformat, kv_cache_dtype)`: `activation_scaling_factor` of every quantized linear and
-  `kv_cache_scaling_factor` of every attention layer, under the checkpoint's names.
+- `calibration_tensors(amax, qformat, kv_cache_dtype, dflash_qformat)`: `activation_scaling_factor` of every
+  quantized linear and `kv_cache_scaling_factor` of every attention layer, under the checkpoint's names.
+- `calibrate_checkpoint(checkpoint_dir, quant, calib_dataset, calib_size, calib_max_seq_len)`: the converter's
+  entry point: those tensors for an unquantized converted checkpoint and a prompt file.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,33 +36,9 @@ from dflash_trt.quant.fp8 import dequantize_fp8, fp8_activation_scale, kv_cache_
 from dflash_trt.quant.nvfp4 import dequantize_nvfp4, nvfp4_activation_scale
 from dflash_trt.reference.decode import speculative_generate
 
-
-def load_calibration_prompts(path: str | Path, tokenizer=None, limit: int | None = None) -> list[list[int]]:
-    """One prompt per jsonl line: `{"input_ids": [...]}`, or `{"text": "..."}` with a tokenizer."""
-    prompts: list[list[int]] = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DFlashTrtError(f"{path}:{number} is not valid JSON ({e.msg}).") from e
-        if isinstance(record, dict) and isinstance(record.get("input_ids"), list):
-            ids = record["input_ids"]
-        elif isinstance(record, dict) and isinstance(record.get("text"), str):
-            if tokenizer is None:
-                raise DFlashTrtError(f"{path}:{number} holds text but the model directory has no tokenizer.")
-            ids = tokenizer(record["text"])["input_ids"]
-        else:
-            raise DFlashTrtError(f"{path}:{number} needs an 'input_ids' list or a 'text' string.")
-        if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise DFlashTrtError(f"{path}:{number} gives no token ids.")
-        prompts.append(ids)
-        if limit is not None and len(prompts) == limit:
-            break
-    if not prompts:
-        raise DFlashTrtError(f"{path} holds no calibration prompts.")
-    return prompts
+# Prompts decoded together, and tokens generated past each prompt, per calibration pass.
+CALIBRATION_BATCH = 16
+CALIBRATION_NEW_TOKENS = 32
 
 
 def _observer():
@@ -153,10 +129,13 @@ def observe_amax(model) -> Iterator[CalibrationAmax]:
         yield amax
 
 
-def calibrate(model, prompts: list[list[int]], max_new_tokens: int = 32) -> CalibrationAmax:
-    """Amaxes observed while speculatively generating from every prompt (greedy)."""
+def calibrate(
+    model, prompts: list[list[int]], max_new_tokens: int = 32, batch_size: int = CALIBRATION_BATCH
+) -> CalibrationAmax:
+    """Amaxes observed while speculatively generating (greedy) from every prompt, `batch_size` at a time."""
     with torch.no_grad(), observe_amax(model) as amax:
-        speculative_generate(model, prompts, max_new_tokens)
+        for start in range(0, len(prompts), batch_size):
+            speculative_generate(model, prompts[start : start + batch_size], max_new_tokens)
     return amax
 
 
@@ -203,18 +182,47 @@ def calibrate_pair(
     return target_pass.merged(draft_pass, names.DRAFT_PREFIX + ".")
 
 
-def calibration_tensors(amax: CalibrationAmax, qformat: str, kv_cache_dtype: str = NONE) -> dict[str, torch.Tensor]:
-    """Scales the engine needs besides the weights', under the checkpoint's names."""
+def calibration_tensors(
+    amax: CalibrationAmax, qformat: str, kv_cache_dtype: str = NONE, dflash_qformat: str | None = None
+) -> dict[str, torch.Tensor]:
+    """Scales the engine needs besides the weights', under the checkpoint's names; the drafter's linears use
+    `dflash_qformat` (default: the target's `qformat`)."""
     out: dict[str, torch.Tensor] = {}
-    if qformat in (FP8, NVFP4):
-        scale = fp8_activation_scale if qformat == FP8 else nvfp4_activation_scale
-        for module in amax.names():
-            if quantized_linear(f"{module}.{names.WEIGHT}") is None:
-                continue
-            shared = torch.stack([amax.input_amax(m) for m in fused_partners(module)]).max()
-            out[f"{module}.{names.ACTIVATION_SCALING_FACTOR}"] = scale(shared)
+    draft_format = qformat if dflash_qformat is None else dflash_qformat
+    for module in amax.names():
+        fmt = draft_format if module.startswith(names.DRAFT_PREFIX + ".") else qformat
+        if fmt not in (FP8, NVFP4) or quantized_linear(f"{module}.{names.WEIGHT}") is None:
+            continue
+        scale = fp8_activation_scale if fmt == FP8 else nvfp4_activation_scale
+        shared = torch.stack([amax.input_amax(m) for m in fused_partners(module)]).max()
+        out[f"{module}.{names.ACTIVATION_SCALING_FACTOR}"] = scale(shared)
     if kv_cache_dtype == FP8:
         for name in amax.names():
             if name.endswith("." + names.KV_CACHE_SCALING_FACTOR):
                 out[name] = kv_cache_scale(amax.amax(name), amax.amax(name))
     return out
+
+
+def calibrate_checkpoint(
+    checkpoint_dir: str | Path,
+    quant,
+    calib_dataset: str | Path,
+    calib_size: int = 64,
+    calib_max_seq_len: int = 512,
+    max_new_tokens: int = CALIBRATION_NEW_TOKENS,
+) -> dict[str, torch.Tensor]:
+    """Activation and KV-cache scales for quantizing an unquantized converted checkpoint as `quant` says
+    (`qformat`, `dflash_qformat`, `kv_cache_dtype`), from the first `calib_size` prompts of `calib_dataset`,
+    each cut to `calib_max_seq_len` tokens and decoded `max_new_tokens` further."""
+    from dflash_trt.prompts import read_prompts
+    from dflash_trt.reference.model import load_golden_model
+    from dflash_trt.tokenizer import load_tokenizer
+
+    if calib_size < 1 or calib_max_seq_len < 1:
+        raise DFlashTrtError("--calib_size and --calib_max_seq_len must be >= 1.")
+    checkpoint_dir = Path(checkpoint_dir)
+    prompts = read_prompts(calib_dataset, load_tokenizer(checkpoint_dir), limit=calib_size)
+    prompts = [p[:calib_max_seq_len] for p in prompts]
+    model = load_golden_model(checkpoint_dir)
+    amax = calibrate_pair(model, prompts, max_new_tokens, quant.qformat, quant.kv_cache_dtype)
+    return calibration_tensors(amax, quant.qformat, quant.kv_cache_dtype, quant.dflash_qformat)
