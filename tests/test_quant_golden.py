@@ -49,9 +49,10 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "ckpt"
 
 
-def _quantized_checkpoint(source: Path, out: Path, qformat: str, kv_cache_dtype: str) -> Path:
+def _quantized_checkpoint(source: Path, out: Path, qformat: str, kv_cache_dtype: str, amax=None) -> Path:
     golden = load_golden_model(source)
-    amax = cal.calibrate_pair(golden, CALIBRATION, 8, qformat, kv_cache_dtype)
+    if amax is None:
+        amax = cal.calibrate_pair(golden, CALIBRATION, 8, qformat, kv_cache_dtype)
     target_spec, draft_spec = golden.target.spec, golden.draft.spec
     tensors = formats.quantize_tensors(load_rank_tensors(source, 1, target_spec, draft_spec), qformat)
     tensors.update(cal.calibration_tensors(amax, qformat, kv_cache_dtype))
@@ -94,3 +95,17 @@ def test_logit_error_within_bound_and_lossless(converted: Path, tmp_path: Path, 
     speculative = speculative_generate(golden, PROMPTS, 16)
     plain = speculative_generate(golden, PROMPTS, 16, block_size=1)
     assert [r.output_ids for r in speculative] == [r.output_ids for r in plain]
+
+
+def test_in_memory_quantized_model_equals_the_written_checkpoint(converted: Path, tmp_path: Path) -> None:
+    """`quantized_model` (used by the acceptance report) runs exactly what loading the quantized checkpoint runs."""
+    golden = load_golden_model(converted)
+    amax = cal.calibrate_pair(golden, CALIBRATION, 8, "nvfp4", "fp8")
+    written = load_golden_model(_quantized_checkpoint(converted, tmp_path / "q", "nvfp4", "fp8", amax))
+    on_disk = speculative_generate(written, PROMPTS, 12)
+    with cal.quantized_model(golden, "nvfp4", "nvfp4", "fp8", amax):
+        in_memory = speculative_generate(golden, PROMPTS, 12)
+    plain = speculative_generate(golden, PROMPTS, 12)
+    for a, b in zip(on_disk, in_memory, strict=True):
+        assert (a.output_ids, a.acceptance_lengths) == (b.output_ids, b.acceptance_lengths)
+    assert [r.output_ids for r in plain] != [r.output_ids for r in on_disk]  # the context really quantized

@@ -11,10 +11,11 @@ Public:
 - `observe_amax(model)`: context manager yielding a `CalibrationAmax` filled while the golden model runs (through
   its `Linear.observer` / `LayerWeights.kv_observer` hooks, on valid tokens only).
 - `calibrate(model, prompts, max_new_tokens)`: one decoding pass under `observe_amax`.
-- `quantized_target(model, qformat, kv_cache_dtype, amax)`: context manager in which the target runs as its
-  quantized engine would (weights as the converter stores them, inputs and K/V rounded with the scales).
+- `quantized_model(model, qformat, dflash_qformat, kv_cache_dtype, amax)`: context manager in which the golden
+  model runs as its quantized engine would (weights as the converter stores them, inputs and K/V rounded with
+  the scales); `dflash_qformat` None leaves the drafter unquantized.
 - `calibrate_pair(model, prompts, max_new_tokens, qformat, kv_cache_dtype)`: target amaxes from a first pass,
-  drafter amaxes from a second pass under `quantized_target`.
+  drafter amaxes from a second pass with the target quantized.
 - `calibration_tensors(amax, qformat, kv_cache_dtype, dflash_qformat)`: `activation_scaling_factor` of every
   quantized linear and `kv_cache_scaling_factor` of every attention layer, under the checkpoint's names.
 - `calibrate_checkpoint(checkpoint_dir, quant, calib_dataset, calib_size, calib_max_seq_len)`: the converter's
@@ -147,25 +148,34 @@ def _dequantized(quantized: dict[str, torch.Tensor], module: str, qformat: str) 
     return dequantize_nvfp4(weight, scale, quantized[f"{module}.{names.WEIGHTS_SCALING_FACTOR_2}"])
 
 
+def _quantize_part(stack: contextlib.ExitStack, layers, linears, qformat: str, kv_cache_dtype: str, scales) -> None:
+    """Swap one model's linears (and KV scales) for what its quantized checkpoint would load."""
+    linears = [lin for lin in linears if qformat != NONE and quantized_linear(f"{lin.name}.{names.WEIGHT}")]
+    quantized = quantize_tensors({f"{lin.name}.{names.WEIGHT}": lin.weight for lin in linears}, qformat)
+    for lin in linears:
+        stack.enter_context(_patched(lin, "weight", _dequantized(quantized, lin.name, qformat).to(lin.weight.dtype)))
+        stack.enter_context(_patched(lin, "input_format", qformat))
+        stack.enter_context(_patched(lin, "input_scale", scales[f"{lin.name}.{names.ACTIVATION_SCALING_FACTOR}"]))
+    if kv_cache_dtype == FP8:
+        for layer in layers:
+            stack.enter_context(_patched(layer, "kv_scale", scales[names.kv_cache_scale(layer.prefix)]))
+
+
 @contextlib.contextmanager
-def quantized_target(model, qformat: str, kv_cache_dtype: str, amax: CalibrationAmax) -> Iterator[None]:
-    """The target runs as its quantized engine would: weights quantized as the converter will store them, inputs
-    and (FP8) K/V rounded with the scales `amax` gives. The drafter is left as it is."""
-    scales = calibration_tensors(amax, qformat, kv_cache_dtype)
-    linears = [lin for layer in model.target.layers for lin in layer.linears()]
-    weights = {f"{lin.name}.{names.WEIGHT}": lin.weight for lin in linears}
-    quantized = quantize_tensors(weights, qformat)
+def quantized_model(
+    model, qformat: str, dflash_qformat: str | None, kv_cache_dtype: str, amax: CalibrationAmax
+) -> Iterator[None]:
+    """The golden model runs as the quantized engine would: weights quantized as the converter stores them, inputs
+    and (FP8) K/V rounded with the scales `amax` gives. `dflash_qformat` None leaves the drafter untouched."""
+    draft_format = NONE if dflash_qformat is None else dflash_qformat
+    scales = calibration_tensors(amax, qformat, kv_cache_dtype, draft_format)
+    target, draft = model.target, model.draft
     with contextlib.ExitStack() as stack:
-        for lin in linears:
-            if qformat == NONE or quantized_linear(f"{lin.name}.{names.WEIGHT}") is None:
-                continue
-            fake = _dequantized(quantized, lin.name, qformat).to(lin.weight.dtype)
-            stack.enter_context(_patched(lin, "weight", fake))
-            stack.enter_context(_patched(lin, "input_format", qformat))
-            stack.enter_context(_patched(lin, "input_scale", scales[f"{lin.name}.{names.ACTIVATION_SCALING_FACTOR}"]))
-        if kv_cache_dtype == FP8:
-            for layer in model.target.layers:
-                stack.enter_context(_patched(layer, "kv_scale", scales[names.kv_cache_scale(layer.prefix)]))
+        _quantize_part(stack, target.layers, [lin for layer in target.layers for lin in layer.linears()], qformat,
+                       kv_cache_dtype, scales)
+        if dflash_qformat is not None:
+            draft_linears = [lin for layer in draft.layers for lin in layer.linears()] + [draft.fc]
+            _quantize_part(stack, draft.layers, draft_linears, draft_format, kv_cache_dtype, scales)
         yield
 
 
@@ -177,7 +187,7 @@ def calibrate_pair(
     target_pass = calibrate(model, prompts, max_new_tokens)
     if qformat == NONE and kv_cache_dtype == NONE:
         return target_pass
-    with quantized_target(model, qformat, kv_cache_dtype, target_pass):
+    with quantized_model(model, qformat, None, kv_cache_dtype, target_pass):
         draft_pass = calibrate(model, prompts, max_new_tokens)
     return target_pass.merged(draft_pass, names.DRAFT_PREFIX + ".")
 
