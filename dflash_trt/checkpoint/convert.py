@@ -26,7 +26,7 @@ from dflash_trt.checkpoint.sharding import check_tp, pad_vocab_size
 from dflash_trt.checkpoint.stored import QuantSettings, rank_stored, stored_entries
 from dflash_trt.checkpoint.trtllm_config import checkpoint_config
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.quant.formats import NONE
+from dflash_trt.quant.formats import NONE, check_quantizable
 from dflash_trt.spec import (
     DraftSpec,
     TargetSpec,
@@ -113,6 +113,11 @@ class ConversionPlan:
     @property
     def layout(self) -> list[OutputTensor]:
         return checkpoint_layout(self.target, self.draft)
+
+    def check_formats(self) -> None:
+        """Refuse, before anything is read, weights the chosen formats cannot hold (NVFP4 blocks per rank)."""
+        for out in self.layout:
+            check_quantizable(out.name, out.shape, self.quant.format_of(out.name), self.tp_size)
 
     def entries(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         entries = {}
@@ -212,7 +217,7 @@ def convert_checkpoint(
     check_tp(target_heads(target), target.intermediate_size, tp_size, "target")
     check_tp(target_heads(draft), draft.intermediate_size, tp_size, "drafter")
     plan = ConversionPlan(model_dir, dflash_model_dir, target, draft, TORCH_DTYPES[dtype], tp_size, quant)
-    plan.entries()  # refuses shapes the formats cannot hold (NVFP4 blocks per rank) before anything is read
+    plan.check_formats()
     config = checkpoint_config(target, draft, dtype, tp_size, quant.config(draft=False), quant.config(draft=True),
                                vocab_size_padded=pad_vocab_size(target.vocab_size, tp_size))
     with HFCheckpointReader(model_dir) as target_reader, HFCheckpointReader(dflash_model_dir) as draft_reader:

@@ -124,8 +124,7 @@ def stored_entries(
     Quantizing a two-row stand-in gives the dtypes and trailing dims; per-row tensors (weights, block scales)
     then take the real row count, per-tensor scales keep theirs.
     """
-    if quant.format_of(out.name) != NONE and quantized_linear(out.name) is not None:
-        check_quantizable(out.name, out.shape, quant.format_of(out.name), tp_size)
+    check_quantizable(out.name, out.shape, quant.format_of(out.name), tp_size)
     stand_in = torch.ones((2, *out.shape[1:]), dtype=dtype) if len(out.shape) == 2 else torch.ones(out.shape)
     entries = {}
     for name, tensor in stored_full(out, stand_in, dtype, quant, scales).items():
