@@ -234,8 +234,10 @@ def _run(root: Path, layers: int, repeats: int) -> int:
     for name, r in results.items():
         r["rss_above_baseline"] = r["peak_rss"] - base["peak_rss"]
         r["anon_above_baseline"] = r["RssAnon"] - base["RssAnon"]
-        r["gb_per_s"] = size / r["seconds"] / 1e9
-        print(f"{name:9s} {r['seconds']:7.2f} s  {r['gb_per_s']:5.2f} GB/s  peak RSS {_gib(r['peak_rss'])} "
+        if name != "baseline":  # the baseline converts a tiny pair, not the checkpoint
+            r["gb_per_s"] = size / r["seconds"] / 1e9
+        rate = f"{r['gb_per_s']:5.2f} GB/s" if "gb_per_s" in r else "       -  "
+        print(f"{name:9s} {r['seconds']:7.2f} s  {rate}  peak RSS {_gib(r['peak_rss'])} "
               f"(+{_gib(r['rss_above_baseline'])} over baseline; peak anon {_gib(r['RssAnon'])}, "
               f"peak file-mapped {_gib(r['RssFile'])})", flush=True)
 
