@@ -1,4 +1,4 @@
-"""Train the embedded tiny target + DFlash drafter pair on the CPU (about 30 minutes on 2 cores).
+"""Train the embedded tiny target + DFlash drafter pair on the CPU (25-40 minutes, one core).
 
     nice -n 10 python perf/train_tiny_pair.py --output_dir dflash_trt/assets/tiny_pair
 """
