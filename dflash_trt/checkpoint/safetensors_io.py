@@ -7,7 +7,6 @@ puts the header first and then streams tensor bytes, holding at most one tensor 
 
 from __future__ import annotations
 
-import errno
 import functools
 import json
 import math
@@ -101,7 +100,7 @@ def _is_int(value: object) -> bool:
 
 
 class SafetensorsFile:
-    """One safetensors file opened read-only; tensors are views of a private memory map.
+    """One safetensors file opened read-only; each tensor is a view of its own private memory map.
 
     The map is copy-on-write: returned tensors may be modified in memory but the file never changes, and
     only the pages a caller touches are read from disk. As with any memory map, the file must not be
@@ -111,7 +110,6 @@ class SafetensorsFile:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self._fd: int | None = None
-        self._mmap: mmap.mmap | None = None
         if sys.byteorder != "little":
             raise DFlashTrtError("safetensors data is little-endian and this host is big-endian.")
         try:
@@ -119,25 +117,21 @@ class SafetensorsFile:
             fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
         except OSError as exc:
             raise DFlashTrtError(f"cannot read {self.path}: {exc.strerror or exc}.") from exc
-        header_read = False
         try:
             status = os.fstat(fd)
             if not stat.S_ISREG(status.st_mode):
                 raise DFlashTrtError(f"{self.path} is not a regular file.")
             with open(fd, "rb", closefd=False) as handle:
                 self._tensors, self.metadata, self._data_start = _read_header(self.path, handle, status.st_size)
-            header_read = True
-            self._mmap = _map_copy_on_write(fd, 0, 0)
         except OSError as exc:
-            if exc.errno == errno.ENOMEM and header_read:
-                self._fd = fd  # the whole file cannot be mapped here: map each tensor on demand instead
-                return
             os.close(fd)
             raise DFlashTrtError(f"cannot read {self.path}: {exc.strerror or exc}.") from exc
         except BaseException:
             os.close(fd)
             raise
-        os.close(fd)
+        # Each tensor gets its own map, released with the last tensor viewing it: one whole-file map would keep
+        # every page a conversion touched resident until the reader closes (RSS would grow to the file size).
+        self._fd = fd
 
     def names(self) -> list[str]:
         """Tensor names in file order."""
@@ -174,7 +168,7 @@ class SafetensorsFile:
     def get(self, name: str, copy: bool = False) -> torch.Tensor:
         """The tensor `name`; a view of the file's map unless `copy` (or its bytes are misaligned)."""
         info = self._info(name)
-        if self._mmap is None and self._fd is None:
+        if self._fd is None:
             raise DFlashTrtError(f"{self.path} is closed.")
         numel = math.prod(info.shape)
         if numel == 0:
@@ -188,8 +182,6 @@ class SafetensorsFile:
 
     def _region(self, name: str, start: int, nbytes: int) -> tuple[mmap.mmap, int]:
         """A map holding bytes [start, start + nbytes) of the file, and where they begin in it."""
-        if self._mmap is not None:
-            return self._mmap, start
         map_start = start - start % mmap.ALLOCATIONGRANULARITY
         try:
             region = _map_copy_on_write(self._fd, start + nbytes - map_start, map_start)
@@ -200,13 +192,12 @@ class SafetensorsFile:
         return region, start - map_start
 
     def close(self) -> None:
-        """Drop this reader's reference to the map.
+        """Close the file; tensors already returned stay valid.
 
-        The map is never closed explicitly: `torch.frombuffer` tensors reference the mmap object without
-        holding a buffer export, so closing it would leave them pointing at unmapped memory. The mapping is
+        Maps are never closed explicitly: `torch.frombuffer` tensors reference their mmap object without
+        holding a buffer export, so closing it would leave them pointing at unmapped memory. Each mapping is
         released when the last tensor viewing it is freed.
         """
-        self._mmap = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
