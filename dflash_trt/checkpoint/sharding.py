@@ -96,10 +96,11 @@ def shard(
     if split is Split.QKV:
         return _split_qkv(full, heads, tp_size, rank)
     if split is Split.VOCAB:
-        padded = pad_vocab_size(full.shape[0], tp_size)
-        if padded != full.shape[0]:
-            full = torch.cat([full, full.new_zeros((padded - full.shape[0], *full.shape[1:]))], dim=0)
-        return full.chunk(tp_size, dim=0)[rank]
+        rows = pad_vocab_size(full.shape[0], tp_size) // tp_size
+        piece = full[rank * rows : (rank + 1) * rows]
+        if piece.shape[0] < rows:  # only the last ranks hold padding rows; pad just their piece
+            piece = torch.cat([piece, full.new_zeros((rows - piece.shape[0], *full.shape[1:]))], dim=0)
+        return piece
     dim = 0 if split is Split.ROWS else 1
     return full.chunk(tp_size, dim=dim)[rank]
 

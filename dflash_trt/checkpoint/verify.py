@@ -88,7 +88,7 @@ def verify_checkpoint(checkpoint_dir: str | Path, model_dir: str | Path, dflash_
                 rank_plan = replace(plan, scales=scales)
                 expected = entries if entries is not None else rank_plan.entries()
                 extra = sorted(set(written.names()) - set(expected))
-                report.problems += [f"{path.name} has unexpected tensor '{name}'" for name in extra]
+                report.problems += [f"{path.name} has unexpected tensor {name!r}" for name in extra]
                 for out in plan.layout:
                     if any(name not in written for name in _names_of(rank_plan, out)):
                         report.problems.append(f"{path.name} is missing a tensor of '{out.name}'")
