@@ -1,8 +1,9 @@
 """`dflash-trt demo`: the whole CPU-side job on the embedded tiny trained pair.
 
 convert → verify → speculative decoding of held-out arithmetic prompts with the golden model (per-prompt and
-per-position acceptance, answers checked, tokens/s against target-only decoding in the same run) → the engine
-build plan → the exact commands to run on a GPU host. Everything lands under `--output_dir`.
+per-position acceptance, answers checked, tokens/s against target-only decoding in the same run) → FP8 and NVFP4
+checkpoints with an FP8 KV cache (calibrated, decoded the same way) → the engine build plan and Triton repository
+→ the exact commands to run on a GPU host. Everything lands under `--output_dir`.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import torch
 from dflash_trt.checkpoint.convert import convert_checkpoint
 from dflash_trt.checkpoint.verify import verify_checkpoint
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.quant.formats import FP8, NVFP4
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import load_golden_model
 from dflash_trt.reference.stats import mean_acceptance_length, per_position_acceptance
+from dflash_trt.tiny.corpus import generate as generate_problems
 from dflash_trt.tiny.heldout import draft_dir, is_correct, load_heldout, target_dir
 from dflash_trt.tokenizer import load_tokenizer
 from dflash_trt.triton.repository import RepositorySettings, write_repository
@@ -38,6 +41,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+def write_calibration_prompts(path: Path, count: int = 32) -> Path:
+    """Prompts from the tiny corpus's training split (never the held-out ones) to calibrate activation scales."""
+    lines = [json.dumps({"text": problem.prompt}) for problem in generate_problems(seed=2024, count=count,
+                                                                                 heldout=False)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def _timed_generate(model, prompts, max_new_tokens, stop_ids, block_size=None):
     started = time.perf_counter()
     results = speculative_generate(model, prompts, max_new_tokens, stop_ids, block_size=block_size)
@@ -53,10 +65,10 @@ def run(args: argparse.Namespace) -> int:
     say = (lambda *_: None) if args.json else print
     checkpoint = out / f"checkpoint-{args.dtype}"
 
-    say(f"[1/5] convert {target_dir().name} + {draft_dir().name} → {checkpoint}")
+    say(f"[1/6] convert {target_dir().name} + {draft_dir().name} → {checkpoint}")
     convert_checkpoint(target_dir(), draft_dir(), checkpoint, dtype=args.dtype, overwrite=args.overwrite)
 
-    say("[2/5] verify every tensor against its source")
+    say("[2/6] verify every tensor against its source")
     report = verify_checkpoint(checkpoint, target_dir(), draft_dir())
     say("      " + report.verdict())
     if not report.ok:
@@ -68,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     model = load_golden_model(checkpoint)
     stop_ids = list(model.target.spec.eos_token_ids)
     block = model.draft.spec.block_size
-    say(f"[3/5] decode {len(prompts)} held-out prompts: DFlash block {block} vs target alone (golden model, CPU)")
+    say(f"[3/6] decode {len(prompts)} held-out prompts: DFlash block {block} vs target alone (golden model, CPU)")
     spec_results, spec_seconds = _timed_generate(model, prompts, args.max_new_tokens, stop_ids)
     ar_results, ar_seconds = _timed_generate(model, prompts, args.max_new_tokens, stop_ids, block_size=1)
     lossless = all(s.output_ids == a.output_ids for s, a in zip(spec_results, ar_results, strict=True))
@@ -101,7 +113,30 @@ def run(args: argparse.Namespace) -> int:
         f"{summary['target_only_tokens_per_second']:.0f} tok/s target alone "
         f"({summary['speedup']:.2f}x, CPU golden model)")
 
-    say("[4/5] plan the TensorRT-LLM 1.2.x engine build and its Triton model repository")
+    say("[4/6] quantize for the engine's GPUs (FP8: Hopper, NVFP4: Blackwell), calibrated on training-split prompts")
+    calibration = write_calibration_prompts(out / "calibration.jsonl")
+    summary["quantized"] = {}
+    for qformat in (FP8, NVFP4):
+        quantized = out / f"checkpoint-{qformat}"
+        convert_checkpoint(target_dir(), draft_dir(), quantized, dtype=args.dtype, qformat=qformat,
+                           kv_cache_dtype=FP8, calib_dataset=calibration, overwrite=args.overwrite)
+        qmodel = load_golden_model(quantized)
+        q_results = speculative_generate(qmodel, prompts, args.max_new_tokens, stop_ids)
+        q_alone = speculative_generate(qmodel, prompts, args.max_new_tokens, stop_ids, block_size=1)
+        row = {
+            "checkpoint_dir": str(quantized),
+            "lossless_vs_quantized_target": all(
+                s.output_ids == a.output_ids for s, a in zip(q_results, q_alone, strict=True)),
+            "accuracy": sum(is_correct(tokenizer.decode(r.output_ids), p.answer)
+                            for r, p in zip(q_results, heldout, strict=True)) / len(heldout),
+            "mean_acceptance_length": mean_acceptance_length(q_results),
+        }
+        summary["quantized"][qformat] = row
+        say(f"      {qformat:5s} weights + FP8 KV cache: mean acceptance {row['mean_acceptance_length']:.2f}, "
+            f"answers correct {row['accuracy']:.0%}, lossless vs the {qformat} target alone: "
+            f"{row['lossless_vs_quantized_target']}")
+
+    say("[5/6] plan the TensorRT-LLM 1.2.x engine build and its Triton model repository")
     settings = EngineBuildSettings(max_batch_size=8, max_input_len=256, max_seq_len=512, max_num_tokens=512)
     plan = plan_engine_build(checkpoint, out / "engine", settings)
     (out / "build_plan.json").write_text(json.dumps({"command": plan.command, "build_config": plan.build_config},
@@ -116,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     summary["build_command"] = plan.shell_command()
     summary["triton_repository"] = str(repository)
 
-    say("[5/5] on a GPU host with TensorRT-LLM 1.2.x (NGC release container), run:")
+    say("[6/6] on a GPU host with TensorRT-LLM 1.2.x (NGC release container), run:")
     say("      cmake -S plugins -B plugins/build && cmake --build plugins/build   # libdflash_trt_plugins.so")
     say(f"      dflash-trt build --checkpoint_dir {checkpoint} --output_dir {plan.output_dir}")
     say(f"        (loads the plugin library, then runs: {plan.shell_command()})")
@@ -124,6 +159,6 @@ def run(args: argparse.Namespace) -> int:
     say(f"      python {repository}/client.py --prompt 'add 12 34'")
     if args.json:
         print(json.dumps(summary))
-    if not lossless:
+    if not lossless or not all(r["lossless_vs_quantized_target"] for r in summary["quantized"].values()):
         raise DFlashTrtError("speculative output differs from target-only decoding")
     return 0
