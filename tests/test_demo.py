@@ -1,0 +1,72 @@
+"""`dflash-trt demo` end to end on the embedded pair, and the acceptance metric catching broken conversions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from dflash_trt.checkpoint.convert import convert_checkpoint
+from dflash_trt.cli import main
+from dflash_trt.reference.decode import speculative_generate
+from dflash_trt.reference.model import load_golden_model
+from dflash_trt.reference.stats import mean_acceptance_length
+from dflash_trt.tiny.heldout import draft_dir, load_heldout, target_dir
+from dflash_trt.tokenizer import load_tokenizer
+
+
+def test_demo_runs_the_whole_cpu_job(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--output_dir", str(out), "--num_prompts", "6", "--max_new_tokens", "64", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["lossless"] and report["accuracy"] >= 0.9
+    assert report["mean_acceptance_length"] >= 4.0
+    assert len(report["per_position_acceptance"]) == report["block_size"] - 1
+    for qformat in ("fp8", "nvfp4"):
+        row = report["quantized"][qformat]
+        assert row["lossless_vs_quantized_target"] and row["mean_acceptance_length"] >= 4.0
+    assert report["build_command"].startswith("trtllm-build --checkpoint_dir")
+    config = (out / "triton_repository" / "tensorrt_llm" / "config.pbtxt").read_text()
+    parsed = text_format.Parse(config, model_config_pb2.ModelConfig())
+    assert parsed.backend == "tensorrtllm" and parsed.parameters["decoding_mode"].string_value == "eagle"
+    assert main(["demo", "--output_dir", str(out), "--num_prompts", "1"]) == 2  # never overwrites unasked
+    assert "already exists; pass --overwrite" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    convert_checkpoint(target_dir(), draft_dir(), root / "ckpt", dtype="float32")
+    tokenizer = load_tokenizer(root / "ckpt")
+    prompts = [tokenizer.encode(p.text) for p in load_heldout(limit=8)]
+    return root / "ckpt", prompts
+
+
+def _acceptance(checkpoint, prompts) -> float:
+    model = load_golden_model(checkpoint)
+    return mean_acceptance_length(speculative_generate(model, prompts, 48, list(model.target.spec.eos_token_ids)))
+
+
+@pytest.mark.parametrize(
+    "breakage",
+    [
+        lambda d: d.update(target_layer_ids=[t + 1 for t in d["target_layer_ids"]]),  # taps shifted by one layer
+        lambda d: d.update(rotary_base=d["rotary_base"] * 4),  # drafter RoPE off
+        lambda d: d.update(mask_token_id=d["mask_token_id"] - 1),  # wrong mask token
+    ],
+    ids=["taps-shifted", "rope-base", "mask-id"],
+)
+def test_a_silently_broken_conversion_collapses_acceptance(converted, tmp_path, breakage):
+    checkpoint, prompts = converted
+    good = _acceptance(checkpoint, prompts)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in checkpoint.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    config = json.loads((broken / "config.json").read_text())
+    breakage(config["dflash_config"])
+    (broken / "config.json").write_text(json.dumps(config))
+    assert good >= 4.0
+    assert _acceptance(broken, prompts) < 0.6 * good
