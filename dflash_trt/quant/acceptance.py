@@ -6,11 +6,11 @@ decoding loop on `--calib_dataset`, the drafter on the quantized target's featur
 the report gives the mean acceptance length (tokens per target step, bonus included) and the fraction of
 sequences whose output is still the unquantized pair's.
 
-    python -m dflash_trt.quant.acceptance [--model_dir T --dflash_model_dir D] [--prompts FILE.jsonl]
-        [--calib_dataset FILE.jsonl] [--calib_size 64] [--max_new_tokens 64] [--dtype bfloat16] [--json]
+    python -m dflash_trt.quant.acceptance [--model_dir T --dflash_model_dir D --calib_dataset FILE.jsonl]
+        [--prompts FILE.jsonl] [--limit N] [--calib_size 32] [--max_new_tokens 64] [--dtype bfloat16] [--json]
 
-Defaults are the embedded tiny pair and its held-out prompts (which then also calibrate, an optimistic choice
-that `--calib_dataset` avoids).
+Defaults are the embedded tiny pair, its held-out prompts, and calibration prompts from its corpus's training
+split (never the held-out ones).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dflash_trt.errors import DFlashTrtError
 from dflash_trt.quant.calibrate import CALIBRATION_NEW_TOKENS, calibrate_pair, quantized_model
 from dflash_trt.quant.formats import FP8, NONE, NVFP4
 from dflash_trt.reference.decode import speculative_generate
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_trt.checkpoint.convert import convert_checkpoint
     from dflash_trt.prompts import read_prompts
     from dflash_trt.reference.model import load_golden_model
+    from dflash_trt.tiny.corpus import generate as generate_problems
     from dflash_trt.tiny.heldout import asset_dir, draft_dir, target_dir
     from dflash_trt.tokenizer import load_tokenizer
 
@@ -87,19 +89,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model_dir", type=Path, default=None, help="HF target (default: the tiny pair's)")
     parser.add_argument("--dflash_model_dir", type=Path, default=None, help="DFlash drafter (default: tiny pair's)")
     parser.add_argument("--prompts", type=Path, default=None, help="jsonl prompts (default: tiny pair held-out)")
-    parser.add_argument("--calib_dataset", type=Path, default=None, help="jsonl calibration prompts")
-    parser.add_argument("--calib_size", type=int, default=64)
+    parser.add_argument("--calib_dataset", type=Path, default=None,
+                        help="jsonl calibration prompts (default for the tiny pair: its training split)")
+    parser.add_argument("--calib_size", type=int, default=32)
+    parser.add_argument("--limit", type=int, default=None, help="evaluate the first N prompts only")
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16", help="checkpoint dtype the formats quantize from")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     args = parser.parse_args(argv)
 
+    tiny = args.model_dir is None and args.dflash_model_dir is None
+    if not tiny and args.calib_dataset is None:
+        raise DFlashTrtError("--calib_dataset is required with --model_dir / --dflash_model_dir")
     model_dir = args.model_dir or target_dir()
     draft = args.dflash_model_dir or draft_dir()
-    prompt_file = args.prompts or asset_dir() / "heldout.jsonl"
     tokenizer = load_tokenizer(model_dir)
-    prompts = read_prompts(prompt_file, tokenizer)
-    calib = read_prompts(args.calib_dataset or prompt_file, tokenizer, limit=args.calib_size)
+    prompts = read_prompts(args.prompts or asset_dir() / "heldout.jsonl", tokenizer, limit=args.limit)
+    if args.calib_dataset is not None:
+        calib = read_prompts(args.calib_dataset, tokenizer, limit=args.calib_size)
+    else:
+        calib = [tokenizer.encode(p.prompt) for p in generate_problems(seed=2024, count=args.calib_size,
+                                                                       heldout=False)]
     with tempfile.TemporaryDirectory(prefix="dflash-acceptance-") as tmp:
         convert_checkpoint(model_dir, draft, Path(tmp) / "ckpt", dtype=args.dtype)
         model = load_golden_model(Path(tmp) / "ckpt")
