@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import time
 
+import dflash.model as reference
 import pytest
+import torch
 from google.protobuf import text_format
+from transformers import AutoModelForCausalLM
 from tritonclient.grpc import model_config_pb2
 
 from dflash_trt.checkpoint.convert import convert_checkpoint
@@ -70,3 +74,19 @@ def test_a_silently_broken_conversion_collapses_acceptance(converted, tmp_path, 
     (broken / "config.json").write_text(json.dumps(config))
     assert good >= 4.0
     assert _acceptance(broken, prompts) < 0.6 * good
+
+
+def test_golden_model_matches_dflash_generate_on_the_trained_pair(converted, monkeypatch):
+    """Real acceptance (not ~1 as on random fixtures): same tokens and same acceptance lengths as the reference."""
+    checkpoint, prompts = converted
+    model = load_golden_model(checkpoint)
+    stops = list(model.target.spec.eos_token_ids)
+    ours = speculative_generate(model, prompts[:4], 48, stops)
+    monkeypatch.setattr(reference, "_cuda_time", time.perf_counter)
+    target = AutoModelForCausalLM.from_pretrained(target_dir(), dtype=torch.float32).eval()
+    drafter = reference.DFlashDraftModel.from_pretrained(draft_dir(), dtype=torch.float32).eval()
+    for prompt, result in zip(prompts[:4], ours, strict=True):
+        stats = reference.dflash_generate(drafter, target, torch.tensor([prompt]), 48, stops, return_stats=True)
+        assert result.output_ids == stats.output_ids[0, len(prompt):].tolist()
+        assert result.acceptance_lengths == stats.acceptance_lengths
+    assert mean_acceptance_length(ours) >= 4.0
