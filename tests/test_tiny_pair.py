@@ -26,6 +26,15 @@ MIN_ACCURACY = 0.90
 MIN_ACCEPTANCE_B16 = 4.0
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices: a second thread only adds waiting on a busy machine. Restored for other modules."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="module")
 def manifest() -> dict:
     return json.loads((asset_dir() / "manifest.json").read_text())
@@ -38,7 +47,6 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def target() -> Qwen3ForCausalLM:
-    torch.set_num_threads(2)
     return Qwen3ForCausalLM.from_pretrained(str(target_dir()), dtype=torch.float32).eval()
 
 
@@ -194,8 +202,7 @@ def test_dflash_generate_is_lossless_and_accepts_long_blocks(draft, target, toke
     runs = evaluate.speculative_runs(draft, target, tokenizer, prompts)
     reference = {h.text: ids for h, ids in zip(heldout[:ACCURACY_PROMPTS], greedy_ids, strict=True)}
     for prompt, run in zip(prompts, runs, strict=True):
-        expected = reference.get(prompt.text) or evaluate.greedy_token_ids(target, tokenizer, [prompt])[0]
-        assert run.new_token_ids == expected, prompt.text
+        assert run.new_token_ids == reference[prompt.text], prompt.text
         assert max(run.acceptance_lengths) <= draft.block_size
     assert evaluate.mean_acceptance_length(runs) >= MIN_ACCEPTANCE_B16
 
@@ -219,11 +226,8 @@ def test_masked_training_forward_equals_per_anchor_inference_forward():
     """All anchors in one masked forward give the same logits as the reference drafter run per block."""
     torch.manual_seed(0)
     tok = build_tokenizer()
-    small = {"num_hidden_layers": 4, "intermediate_size": 64}
     target_cfg = models.target_config(tok.eos_token_id, tok.pad_token_id)
-    for key, value in small.items():
-        setattr(target_cfg, key, value)
-    target_cfg.layer_types = ["full_attention"] * small["num_hidden_layers"]
+    target_cfg.intermediate_size = 64  # random weights: only the shapes that matter to the mask are kept
     tgt = Qwen3ForCausalLM(target_cfg).eval()
     drf = DFlashDraftModel(models.draft_config(target_cfg, tok.mask_token_id)).eval()
     data = train.encode(list(corpus.generate(1, 3, heldout=False)), tok)
