@@ -8,9 +8,10 @@ checked, so a failure never leaves a half checkpoint behind.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -22,11 +23,11 @@ from dflash_trt.checkpoint.atomic import atomic_directory, check_destination
 from dflash_trt.checkpoint.hf_reader import HFCheckpointReader
 from dflash_trt.checkpoint.layout import DRAFT, TARGET, OutputTensor, checkpoint_layout, target_heads
 from dflash_trt.checkpoint.safetensors_io import SafetensorsFile, StreamingSafetensorsWriter, tensor_has_nonfinite
-from dflash_trt.checkpoint.sharding import check_tp, pad_vocab_size
+from dflash_trt.checkpoint.sharding import Split, check_tp, pad_vocab_size
 from dflash_trt.checkpoint.stored import QuantSettings, rank_stored, stored_entries
 from dflash_trt.checkpoint.trtllm_config import checkpoint_config
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.quant.formats import NONE, check_quantizable
+from dflash_trt.quant.formats import NONE, check_quantizable, quantized_linear
 from dflash_trt.spec import (
     DraftSpec,
     TargetSpec,
@@ -50,6 +51,9 @@ TOKENIZER_FILES = (
     "tokenizer.model",
     "chat_template.jinja",
 )
+# Tensors at least this large are streamed in row blocks of about this size (bounded memory for embeddings).
+STREAM_MIN_BYTES = 64 << 20
+STREAM_BLOCK_BYTES = 32 << 20
 # Non-parameter buffers some exporters store; they carry no weights the engine needs.
 IGNORED_SOURCE_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -139,16 +143,58 @@ def rank_tensors(
     return rank_stored(out, full, plan.dtype, plan.quant, plan.scales, plan.tp_size, rank, load_partner)
 
 
+def _streamable(plan: ConversionPlan, out: OutputTensor, readers: dict[str, HFCheckpointReader]) -> bool:
+    """Large tensors copied row range for row range (embedding, lm_head, mlp.fc/gate) are streamed in blocks."""
+    if len(out.sources) != 1 or out.split not in (Split.REPLICATE, Split.ROWS, Split.VOCAB):
+        return False
+    if plan.quant.format_of(out.name) != NONE and quantized_linear(out.name) is not None:
+        return False
+    model, name = out.sources[0]
+    return readers[model].nbytes(name) >= STREAM_MIN_BYTES
+
+
+def _row_blocks(
+    plan: ConversionPlan, out: OutputTensor, readers: dict[str, HFCheckpointReader], rank: int
+) -> Iterator[torch.Tensor]:
+    """This rank's rows of `out` in blocks of about STREAM_BLOCK_BYTES, each mapped, checked, cast and dropped."""
+    model, name = out.sources[0]
+    reader, rows = readers[model], out.shape[0]
+    first, stop, padding = 0, rows, 0
+    if plan.tp_size > 1 and out.split is Split.ROWS:
+        first, stop = rank * rows // plan.tp_size, (rank + 1) * rows // plan.tp_size
+    elif plan.tp_size > 1 and out.split is Split.VOCAB:
+        per_rank = pad_vocab_size(rows, plan.tp_size) // plan.tp_size
+        first, stop = min(rank * per_rank, rows), min((rank + 1) * per_rank, rows)
+        padding = per_rank - (stop - first)
+    # Every row is checked by exactly one rank: replicated tensors by rank 0, split ones by their owner.
+    check_finite = rank == 0 or out.split is not Split.REPLICATE
+    step = max(1, STREAM_BLOCK_BYTES // max(1, reader.nbytes(name) // rows))
+    for start in range(first, stop, step):
+        block = reader.get_rows(name, start, min(start + step, stop))
+        if check_finite and tensor_has_nonfinite(block):
+            what = "target" if model == TARGET else "drafter"
+            raise DFlashTrtError(f"{what} tensor '{name}' contains NaN or Inf values")
+        yield block.to(plan.dtype)
+    if padding:
+        yield torch.zeros((padding, *out.shape[1:]), dtype=plan.dtype)
+
+
 def _write_rank(
     plan: ConversionPlan, path: Path, readers: dict[str, HFCheckpointReader], rank: int,
     progress: Callable[[int], None],
 ) -> int:
+    entries = plan.entries()
     written = 0
-    with StreamingSafetensorsWriter(path, plan.entries(), metadata={"format": "pt"}) as writer:
+    with StreamingSafetensorsWriter(path, entries, metadata={"format": "pt"}) as writer:
         for out in plan.layout:
-            for name, piece in rank_tensors(plan, out, readers, rank, check_finite=rank == 0).items():
-                writer.write(name, piece)
-                written += piece.numel() * piece.element_size()
+            if _streamable(plan, out, readers):
+                writer.write_rows(out.name, _row_blocks(plan, out, readers, rank))
+                dtype, shape = entries[out.name]
+                written += math.prod(shape) * dtype.itemsize
+            else:
+                for name, piece in rank_tensors(plan, out, readers, rank, check_finite=rank == 0).items():
+                    writer.write(name, piece)
+                    written += piece.numel() * piece.element_size()
             progress(1)
     return written
 

@@ -132,6 +132,10 @@ class HFCheckpointReader:
         """The tensor `name` as a view of its shard's memory map, or an owned copy with `copy=True`."""
         return self._shard(name).get(name, copy=copy)
 
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of `name`, mapping only their bytes."""
+        return self._shard(name).get_rows(name, start, stop)
+
     def close(self) -> None:
         for shard in self._files:
             shard.close()

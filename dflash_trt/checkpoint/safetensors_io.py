@@ -16,7 +16,7 @@ import platform
 import stat
 import struct
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -179,6 +179,25 @@ class SafetensorsFile:
             return tensor.clone() if copy else tensor
         raw = torch.frombuffer(region, dtype=torch.uint8, count=info.end - info.begin, offset=offset)
         return raw.clone().view(info.dtype).view(info.shape)
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of `name` (dim 0), mapping only their bytes: streaming a huge tensor block by block
+        keeps just one block's pages resident."""
+        info = self._info(name)
+        if self._fd is None:
+            raise DFlashTrtError(f"{self.path} is closed.")
+        if not info.shape or not 0 <= start <= stop <= info.shape[0]:
+            raise DFlashTrtError(f"rows {start}:{stop} are outside tensor {brief(name)} of shape {info.shape}.")
+        row_bytes = (info.end - info.begin) // info.shape[0] if info.shape[0] else 0
+        shape = (stop - start, *info.shape[1:])
+        if stop == start or row_bytes == 0:
+            return torch.empty(shape, dtype=info.dtype)
+        nbytes = (stop - start) * row_bytes
+        region, offset = self._region(name, self._data_start + info.begin + start * row_bytes, nbytes)
+        if offset % info.dtype.itemsize == 0:
+            return torch.frombuffer(region, dtype=info.dtype, count=math.prod(shape), offset=offset).view(shape)
+        raw = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset)
+        return raw.clone().view(info.dtype).view(shape)
 
     def _region(self, name: str, start: int, nbytes: int) -> tuple[mmap.mmap, int]:
         """A map holding bytes [start, start + nbytes) of the file, and where they begin in it."""
@@ -364,8 +383,7 @@ class StreamingSafetensorsWriter:
             self.abort()
             raise DFlashTrtError(f"cannot write {self.path}: {exc.strerror or exc}.") from exc
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Append `tensor`, which must be the next entry and match its declared dtype and shape."""
+    def _next_entry(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
         if self._handle.closed:
             raise DFlashTrtError(f"{self.path} is already closed.")
         if self._next >= len(self._order):
@@ -373,14 +391,39 @@ class StreamingSafetensorsWriter:
         expected_name = self._order[self._next]
         if name != expected_name:
             raise DFlashTrtError(f"{self.path}: expected tensor {expected_name!r} next, got {name!r}.")
-        dtype, shape = self._entries[name]
+        return self._entries[name]
+
+    def _append(self, tensor: torch.Tensor) -> None:
+        if tensor.numel() > 0:
+            data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+            self._write(memoryview(data.numpy()))
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Append `tensor`, which must be the next entry and match its declared dtype and shape."""
+        dtype, shape = self._next_entry(name)
         if tensor.dtype != dtype or tuple(tensor.shape) != shape:
             raise DFlashTrtError(
                 f"{self.path}: tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)}, declared {dtype} {shape}."
             )
-        if tensor.numel() > 0:
-            data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-            self._write(memoryview(data.numpy()))
+        self._append(tensor)
+        self._next += 1
+
+    def write_rows(self, name: str, blocks: Iterable[torch.Tensor]) -> None:
+        """Append the next entry as consecutive blocks of rows (dim 0): a large tensor is never whole in memory."""
+        dtype, shape = self._next_entry(name)
+        rows = 0
+        for block in blocks:
+            if block.dtype != dtype or tuple(block.shape[1:]) != shape[1:] or rows + block.shape[0] > shape[0]:
+                self.abort()
+                raise DFlashTrtError(
+                    f"{self.path}: a row block of {name!r} is {block.dtype} {tuple(block.shape)} after {rows} rows, "
+                    f"declared {dtype} {shape}."
+                )
+            self._append(block)
+            rows += block.shape[0]
+        if rows != shape[0]:
+            self.abort()
+            raise DFlashTrtError(f"{self.path}: {name!r} got {rows} of its {shape[0]} rows.")
         self._next += 1
 
     def close(self) -> None:

@@ -1,0 +1,67 @@
+"""Row-block streaming of large tensors writes exactly what whole-tensor conversion writes."""
+
+from __future__ import annotations
+
+import pytest
+from _pairs import PairVariant, make_pair
+from safetensors.torch import load_file, save_file
+
+import dflash_trt.checkpoint.convert as convert
+from dflash_trt.checkpoint.verify import verify_checkpoint
+from dflash_trt.errors import DFlashTrtError
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_pair(tmp_path_factory.mktemp("stream"), PairVariant(vocab=93, heads=4, kv_heads=2))
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+def test_streamed_rank_files_equal_whole_tensor_conversion(pair, tmp_path, monkeypatch, tp_size):
+    convert.convert_checkpoint(*pair, tmp_path / "whole", dtype="bfloat16", tp_size=tp_size)
+    monkeypatch.setattr(convert, "STREAM_MIN_BYTES", 0)  # stream every eligible tensor
+    monkeypatch.setattr(convert, "STREAM_BLOCK_BYTES", 700)  # in blocks of a few rows, uneven at the end
+    convert.convert_checkpoint(*pair, tmp_path / "streamed", dtype="bfloat16", tp_size=tp_size)
+    for rank in range(tp_size):
+        name = f"rank{rank}.safetensors"
+        assert (tmp_path / "streamed" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
+    assert verify_checkpoint(tmp_path / "streamed", *pair).ok
+
+
+def test_nan_in_a_row_another_rank_owns_is_caught(pair, tmp_path, monkeypatch):
+    target_dir, draft_dir = pair
+    poisoned = tmp_path / "target"
+    poisoned.mkdir()
+    for f in target_dir.iterdir():
+        (poisoned / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(poisoned / "model.safetensors")
+    tensors["lm_head.weight"][90, 3] = float("inf")  # a row of the last rank at tp 4
+    save_file(tensors, poisoned / "model.safetensors")
+    monkeypatch.setattr(convert, "STREAM_MIN_BYTES", 0)
+    with pytest.raises(DFlashTrtError, match="target tensor 'lm_head.weight' contains NaN or Inf"):
+        convert.convert_checkpoint(poisoned, draft_dir, tmp_path / "out", tp_size=4)
+    assert not (tmp_path / "out").exists()
+
+
+def test_row_reader_and_writer_agree_with_safetensors(tmp_path):
+    import torch
+
+    from dflash_trt.checkpoint.safetensors_io import SafetensorsFile, StreamingSafetensorsWriter
+
+    tensors = {"a": torch.randn(37, 5).to(torch.bfloat16), "b": torch.arange(10, dtype=torch.int8)}
+    save_file(tensors, tmp_path / "x.safetensors")
+    with SafetensorsFile(tmp_path / "x.safetensors") as reader:
+        assert torch.equal(reader.get_rows("a", 3, 20), tensors["a"][3:20])
+        assert reader.get_rows("a", 5, 5).shape == (0, 5)
+        with pytest.raises(DFlashTrtError, match="outside tensor"):
+            reader.get_rows("a", 30, 40)
+        entries = {"a": (torch.bfloat16, (37, 5)), "b": (torch.int8, (10,))}
+        with StreamingSafetensorsWriter(tmp_path / "y.safetensors", entries) as writer:
+            writer.write_rows("a", (reader.get_rows("a", i, min(i + 8, 37)) for i in range(0, 37, 8)))
+            writer.write("b", reader.get("b"))
+        short = StreamingSafetensorsWriter(tmp_path / "z.safetensors", entries)
+        with pytest.raises(DFlashTrtError, match="got 8 of its 37 rows"):
+            short.write_rows("a", [reader.get_rows("a", 0, 8)])
+        assert not (tmp_path / "z.safetensors").exists()
+    written = load_file(tmp_path / "y.safetensors")
+    assert all(torch.equal(written[k], tensors[k]) for k in tensors)
