@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     say(f"      dflash-trt build --checkpoint_dir {checkpoint} --output_dir {plan.output_dir}")
     say(f"        (loads the plugin library, then runs: {plan.shell_command()})")
     say(f"      {repository}/launch_triton.sh          # serves the engine")
-    say(f"      python {repository}/client.py --prompt 'add 12 34'")
+    say(f"      python {repository}/client.py --prompt $'add 0012 0034\\n'   # the tiny corpus's prompt format")
     if args.json:
         print(json.dumps(summary))
     if not lossless or not all(r["lossless_vs_quantized_target"] for r in summary["quantized"].values()):
