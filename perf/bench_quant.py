@@ -6,7 +6,9 @@ calibrator's `reduce_amax`, then FP8: `amax / 448` and `to_quantized_weight`; NV
 Both sides are timed alternately (best of `--repeats`), outputs are compared byte for byte, and throughput is
 reported as GB/s of bf16 input weight.
 
-    python perf/bench_quant.py [--rows 4096] [--cols 4096] [--repeats 3] [--threads N] [--json]
+    python perf/bench_quant.py [--rows 4096] [--cols 4096] [--repeats 3] [--threads 1 2] [--json]
+
+The last line printed is the `perf/bench_all.py` protocol's JSON object.
 """
 
 from __future__ import annotations
@@ -101,15 +103,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=4096)
     parser.add_argument("--cols", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    parser.add_argument("--threads", type=int, nargs="+", default=None,
+                        help="torch intra-op thread counts to measure (default: 1 and torch's default)")
+    parser.add_argument("--json", action="store_true", help="print only the final JSON line")
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    results = run(args.rows, args.cols, args.repeats)
-    if args.json:
-        print(json.dumps({"load_average_1min": os.getloadavg()[0], "results": results}))
-    else:
+    thread_counts = args.threads or sorted({1, torch.get_num_threads()})
+    results = []
+    for threads in thread_counts:
+        torch.set_num_threads(threads)
+        results += run(args.rows, args.cols, args.repeats)
+    if not args.json:
         print(f"load average (1 min): {os.getloadavg()[0]:.1f}")
         for r in results:
             print(
@@ -117,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"ours {r['ours_gb_per_s']:.3f} GB/s, modelopt {r['modelopt_gb_per_s']:.3f} GB/s, "
                 f"{r['speedup']:.2f}x, identical={r['identical']}"
             )
+    # Last line: the perf/bench_all.py protocol (ratios of ours over modelopt, same run, same machine).
+    ratios = {f"{r['format']}_gb_s_vs_modelopt_gb_s_{r['threads']}thread": r["speedup"] for r in results}
+    print(json.dumps({"name": "quant", "ratios": ratios,
+                      "details": {"load_average_1min": os.getloadavg()[0], "results": results}}))
     return 0 if all(r["identical"] for r in results) else 1
 
 
