@@ -18,9 +18,15 @@ from safetensors.torch import load_file
 
 from dflash_trt.checkpoint import names
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.quant.formats import quantize_tensors
 from dflash_trt.quant.fp8 import dequantize_fp8, quantize_fp8
 from dflash_trt.quant.nvfp4 import quantize_nvfp4, quantize_nvfp4_shared
-from dflash_trt.quant.prequantized import fuse_prequantized, prequantized_kv_cache_scale, read_hf_quant_config
+from dflash_trt.quant.prequantized import (
+    fuse_prequantized,
+    prequantized_kv_cache_scale,
+    prequantized_layer_tensors,
+    read_hf_quant_config,
+)
 
 mtq = pytest.importorskip("modelopt.torch.quantization")
 
@@ -29,8 +35,13 @@ GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
 
 
 @pytest.fixture(scope="module")
-def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_pair(tmp_path_factory.mktemp("pair"))[0]
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return make_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture(scope="module")
+def target_dir(pair: tuple[Path, Path]) -> Path:
+    return pair[0]
 
 
 def _export(target_dir: Path, qformat: str, out: Path) -> tuple[dict, dict]:
@@ -93,6 +104,30 @@ def test_fp8_prequantized_fuses_within_one_rounding(target_dir: Path, tmp_path: 
                        parts[owner]["weight"].view(torch.uint8))
     k, v = parts[1]["k_scale"], parts[2]["v_scale"]
     assert prequantized_kv_cache_scale(k, v).tolist() == [max(float(k), float(v))]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_nvfp4_layers_carry_over_as_our_own_quantization(pair: tuple[Path, Path], tmp_path: Path) -> None:
+    """Whole layers: every weight-side tensor equals quantizing our bf16 conversion of the same target."""
+    from dflash_trt.checkpoint.convert import convert_checkpoint
+
+    _, exported = _export(pair[0], "nvfp4", tmp_path / "hf")
+    fmt = read_hf_quant_config(tmp_path / "hf")
+    convert_checkpoint(*pair, tmp_path / "ckpt", dtype="bfloat16")
+    ours = quantize_tensors(load_file(str(tmp_path / "ckpt" / "rank0.safetensors")), "nvfp4")
+    carried = {}
+    for layer in range(4):
+        carried.update(prequantized_layer_tensors(exported, f"model.layers.{layer}", names.target_layer(layer), fmt))
+    weight_side = {n for n in ours if n.startswith("transformer.layers.") and n.rsplit(".", 1)[1] in (
+        names.WEIGHTS_SCALING_FACTOR, names.WEIGHTS_SCALING_FACTOR_2)}
+    weight_side |= {n.rsplit(".", 1)[0] + ".weight" for n in weight_side}
+    assert weight_side <= set(carried)
+    for name in weight_side:
+        a, b = carried[name], ours[name]
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), name
+    assert carried[names.kv_cache_scale(names.target_layer(3))].shape == (1,)
+    assert carried["transformer.layers.0.mlp.fc.activation_scaling_factor"].shape == ()
 
 
 def test_hf_quant_config_errors(tmp_path: Path) -> None:

@@ -11,8 +11,12 @@ loaders do when they fuse).
 Public:
 - `read_hf_quant_config(model_dir)`: `PrequantizedFormat(qformat, kv_cache_dtype, exclude_modules)`, or None for a
   checkpoint without `hf_quant_config.json`.
-- `fuse_prequantized(parts, qformat)`: one TensorRT-LLM linear's tensors (`weight`, `weights_scaling_factor`,
-  [`weights_scaling_factor_2`], `activation_scaling_factor`) from its HF members' tensors, in fused order.
+- `share_prequantized(parts, qformat)`: each HF member's tensors under our leaf names (`weight`,
+  `weights_scaling_factor`, [`weights_scaling_factor_2`], `activation_scaling_factor`) with the per-tensor
+  scales of its fused group shared (gate/up → mlp.fc / mlp.gate).
+- `fuse_prequantized(parts, qformat)`: the same, concatenated into one TensorRT-LLM linear (q, k, v → qkv).
+- `prequantized_layer_tensors(hf_tensors, hf_layer_prefix, layer_prefix, fmt)`: a whole decoder layer's
+  quantized tensors and KV-cache scale, under our checkpoint names (norms and biases stay the converter's).
 - `prequantized_kv_cache_scale(k_scale, v_scale)`: `kv_cache_scaling_factor`, the larger of the two, unchanged.
 """
 
@@ -72,24 +76,24 @@ def _require(part: Mapping[str, torch.Tensor], leaf: str, index: int) -> torch.T
     return part[leaf]
 
 
-def _fuse_fp8(parts: Sequence[Mapping[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+def _share_fp8(parts: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
     scales = [_require(p, HF_WEIGHT_SCALE, i).float().reshape(1) for i, p in enumerate(parts)]
     shared = torch.stack(scales).max(dim=0).values
-    weights = []
+    out = []
     for i, (part, scale) in enumerate(zip(parts, scales, strict=True)):
         weight = _require(part, HF_WEIGHT, i)
         if weight.dtype != torch.float8_e4m3fn:
             raise DFlashTrtError(f"pre-quantized FP8 linear (member {i}) stores {weight.dtype}, not float8_e4m3fn.")
         if not torch.equal(scale, shared):
             weight = quantize_fp8(dequantize_fp8(weight, scale), shared).weight
-        weights.append(weight)
-    return torch.cat(weights), shared
+        out.append({names.WEIGHT: weight, names.WEIGHTS_SCALING_FACTOR: shared.clone()})
+    return out
 
 
-def _fuse_nvfp4(parts: Sequence[Mapping[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _share_nvfp4(parts: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
     globals_ = [_require(p, HF_WEIGHT_SCALE_2, i).float().reshape(()) for i, p in enumerate(parts)]
     shared = torch.stack(globals_).max()
-    weights, block_scales = [], []
+    out = []
     for i, (part, global_scale) in enumerate(zip(parts, globals_, strict=True)):
         weight, block = _require(part, HF_WEIGHT, i), _require(part, HF_WEIGHT_SCALE, i)
         if weight.dtype != torch.uint8 or block.dtype != torch.float8_e4m3fn:
@@ -97,26 +101,69 @@ def _fuse_nvfp4(parts: Sequence[Mapping[str, torch.Tensor]]) -> tuple[torch.Tens
         if not torch.equal(global_scale, shared):
             # Keep each block's product block_scale * global_scale: rescale the block scales (one E4M3 rounding).
             block = (block.float() * global_scale / shared).clamp(min=2.0**-9, max=448.0).to(torch.float8_e4m3fn)
-        weights.append(weight)
-        block_scales.append(block)
-    return torch.cat(weights), torch.cat(block_scales), shared
+        out.append({names.WEIGHT: weight, names.WEIGHTS_SCALING_FACTOR: block,
+                    names.WEIGHTS_SCALING_FACTOR_2: shared.clone()})
+    return out
+
+
+def share_prequantized(parts: Sequence[Mapping[str, torch.Tensor]], qformat: str) -> list[dict[str, torch.Tensor]]:
+    """Each HF member's tensors, by our leaf names, with the per-tensor scales its fused group must share."""
+    if not parts:
+        raise DFlashTrtError("a fused linear needs at least one member.")
+    if qformat not in (FP8, NVFP4):
+        raise DFlashTrtError(f"cannot carry pre-quantized tensors of format {qformat!r}.")
+    input_scale = torch.stack([_require(p, HF_INPUT_SCALE, i).float().reshape(()) for i, p in enumerate(parts)]).max()
+    members = _share_fp8(parts) if qformat == FP8 else _share_nvfp4(parts)
+    for member in members:
+        member[names.ACTIVATION_SCALING_FACTOR] = input_scale.reshape(1) if qformat == FP8 else input_scale.clone()
+    return members
 
 
 def fuse_prequantized(parts: Sequence[Mapping[str, torch.Tensor]], qformat: str) -> dict[str, torch.Tensor]:
-    """Tensors of one TensorRT-LLM linear, by leaf name, from its HF members (q, k, v / gate, up / one linear)."""
-    if not parts:
-        raise DFlashTrtError("a fused linear needs at least one member.")
-    input_scales = [_require(p, HF_INPUT_SCALE, i).float() for i, p in enumerate(parts)]
-    input_scale = torch.stack([s.reshape(()) for s in input_scales]).max()
-    if qformat == FP8:
-        weight, scale = _fuse_fp8(parts)
-        return {names.WEIGHT: weight, names.WEIGHTS_SCALING_FACTOR: scale,
-                names.ACTIVATION_SCALING_FACTOR: input_scale.reshape(1)}
-    if qformat == NVFP4:
-        weight, block, global_scale = _fuse_nvfp4(parts)
-        return {names.WEIGHT: weight, names.WEIGHTS_SCALING_FACTOR: block,
-                names.WEIGHTS_SCALING_FACTOR_2: global_scale, names.ACTIVATION_SCALING_FACTOR: input_scale}
-    raise DFlashTrtError(f"cannot fuse pre-quantized tensors of format {qformat!r}.")
+    """Tensors of one TensorRT-LLM linear, by leaf name, from its HF members (q, k, v / one linear) in order."""
+    members = share_prequantized(parts, qformat)
+    fused = dict(members[0])
+    for leaf in (names.WEIGHT, names.WEIGHTS_SCALING_FACTOR):
+        if fused[leaf].dim() >= 2:
+            fused[leaf] = torch.cat([m[leaf] for m in members])
+    return fused
+
+
+# HF modules of one decoder layer → our modules, grouped by the scale they share.
+_HF_GROUPS = (
+    (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), (names.QKV,)),
+    (("self_attn.o_proj",), (names.DENSE,)),
+    (("mlp.gate_proj", "mlp.up_proj"), (names.MLP_FC, names.MLP_GATE)),
+    (("mlp.down_proj",), (names.MLP_PROJ,)),
+)
+
+
+def prequantized_layer_tensors(
+    hf_tensors: Mapping[str, torch.Tensor], hf_layer_prefix: str, layer_prefix: str, fmt: PrequantizedFormat
+) -> dict[str, torch.Tensor]:
+    """Every quantized linear tensor (and the KV-cache scale) of one decoder layer, under our checkpoint names.
+
+    `hf_layer_prefix` is e.g. "model.layers.3", `layer_prefix` e.g. `names.target_layer(3)`."""
+
+    def part(module: str) -> dict[str, torch.Tensor]:
+        prefix = f"{hf_layer_prefix}.{module}."
+        return {name[len(prefix) :]: t for name, t in hf_tensors.items() if name.startswith(prefix)}
+
+    out: dict[str, torch.Tensor] = {}
+    for hf_modules, modules in _HF_GROUPS:
+        parts = [part(m) for m in hf_modules]
+        if len(modules) == 1:
+            results = [fuse_prequantized(parts, fmt.qformat)]
+        else:
+            results = share_prequantized(parts, fmt.qformat)
+        for module, tensors in zip(modules, results, strict=True):
+            out.update({f"{layer_prefix}.{module}.{leaf}": t for leaf, t in tensors.items()})
+    if fmt.kv_cache_dtype == FP8:
+        k, v = part("self_attn.k_proj").get("k_scale"), part("self_attn.v_proj").get("v_scale")
+        if k is None or v is None:
+            raise DFlashTrtError(f"{hf_layer_prefix} has no k_scale / v_scale for its FP8 KV cache.")
+        out[names.kv_cache_scale(layer_prefix)] = prequantized_kv_cache_scale(k, v)
+    return out
 
 
 def prequantized_kv_cache_scale(k_scale: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
