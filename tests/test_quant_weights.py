@@ -302,3 +302,43 @@ def test_operand_rounding_error_used_by_the_logit_bound() -> None:
     nv_error = float((decoded - w).norm() / w.norm())
     assert 0.01 < fp8_error < 2**-4 / math.sqrt(3)
     assert 0.05 < nv_error < 0.10
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_property_nvfp4_and_fp8_match_modelopt_primitives() -> None:
+    """Hypothesis-chosen shapes, dtypes and values (subnormals, ties, extremes) against modelopt's export
+    primitives: NVFP4QTensor's scale and packing functions, and FP8's amax / 448 then `to_quantized_weight`."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from modelopt.torch.quantization.qtensor import NVFP4QTensor
+
+    values = st.one_of(
+        st.floats(-6e4, 6e4, allow_nan=False, allow_infinity=False, width=32),
+        st.sampled_from([0.0, -0.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 1e-40, -1e-7, 2688.0]),
+    )
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(
+        rows=st.integers(1, 6), blocks=st.integers(1, 3), dtype=st.sampled_from(DTYPES),
+        data=st.data(),
+    )
+    def check(rows: int, blocks: int, dtype: torch.dtype, data) -> None:
+        flat = data.draw(st.lists(values, min_size=rows * blocks * 16, max_size=rows * blocks * 16))
+        w = torch.tensor(flat, dtype=torch.float32).reshape(rows, blocks * 16).to(dtype)
+        if not bool(torch.isfinite(w).all()) or not bool((w != 0).any()):
+            return
+        scale_2 = NVFP4QTensor.get_weights_scaling_factor_2(w)
+        scale = NVFP4QTensor.get_weights_scaling_factor(w, 16, scale_2)[0]
+        packed = quant_utils.to_quantized_weight(w, scale, "nvfp4", scale_2, 16)
+        ours = quantize_nvfp4(w)
+        assert torch.equal(ours.weight, packed)
+        assert torch.equal(ours.weights_scaling_factor.view(torch.uint8), scale.view(torch.uint8))
+        assert torch.equal(ours.weights_scaling_factor_2, scale_2)
+        amax = w.abs().max().clamp(min=torch.finfo(dtype).tiny)
+        fp8_scale = (amax.float() / 448.0).reshape(1)
+        fp8 = quantize_fp8(w)
+        assert torch.equal(fp8.weights_scaling_factor, fp8_scale)
+        reference = quant_utils.to_quantized_weight(w, fp8_scale, "fp8")
+        assert torch.equal(fp8.weight.view(torch.uint8), reference.view(torch.uint8))
+
+    check()
