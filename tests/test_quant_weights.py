@@ -304,6 +304,9 @@ def test_operand_rounding_error_used_by_the_logit_bound() -> None:
     assert 0.05 < nv_error < 0.10
 
 
+_E2M1_TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -0.1, 0.0)
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_property_nvfp4_and_fp8_match_modelopt_primitives() -> None:
     """Hypothesis-chosen shapes, dtypes and values (subnormals, ties, extremes) against modelopt's export
@@ -323,8 +326,16 @@ def test_property_nvfp4_and_fp8_match_modelopt_primitives() -> None:
         data=st.data(),
     )
     def check(rows: int, blocks: int, dtype: torch.dtype, data) -> None:
-        flat = data.draw(st.lists(values, min_size=rows * blocks * 16, max_size=rows * blocks * 16))
-        w = torch.tensor(flat, dtype=torch.float32).reshape(rows, blocks * 16).to(dtype)
+        # Structured draws make every scale exactly 1 (global amax 2688, each block's amax 6), so the drawn
+        # values are the scaled values and E2M1 rounding ties are hit exactly.
+        structured = data.draw(st.booleans())
+        elements = st.one_of(st.sampled_from(_E2M1_TIES), st.floats(-6, 6, width=32)) if structured else values
+        flat = data.draw(st.lists(elements, min_size=rows * blocks * 16, max_size=rows * blocks * 16))
+        w = torch.tensor(flat, dtype=torch.float32).reshape(rows, blocks * 16)
+        if structured:
+            w[:, ::16] = 6.0
+            w[0, 0] = 2688.0
+        w = w.to(dtype)
         if not bool(torch.isfinite(w).all()) or not bool((w != 0).any()):
             return
         scale_2 = NVFP4QTensor.get_weights_scaling_factor_2(w)
