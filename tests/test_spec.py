@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 from _pairs import PairVariant, make_pair
-from dflash.model import DFlashDraftModel, build_target_layer_ids as reference_taps
+from dflash.model import DFlashDraftModel
+from dflash.model import build_target_layer_ids as reference_taps
 from transformers import Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
