@@ -19,15 +19,17 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from dflash_trt.checkpoint import prequantized_input
 from dflash_trt.checkpoint.atomic import atomic_directory, check_destination
 from dflash_trt.checkpoint.hf_reader import HFCheckpointReader
 from dflash_trt.checkpoint.layout import DRAFT, TARGET, OutputTensor, checkpoint_layout, target_heads
 from dflash_trt.checkpoint.safetensors_io import SafetensorsFile, StreamingSafetensorsWriter, tensor_has_nonfinite
 from dflash_trt.checkpoint.sharding import Split, check_tp, pad_vocab_size
-from dflash_trt.checkpoint.stored import QuantSettings, rank_stored, stored_entries
+from dflash_trt.checkpoint.stored import QuantSettings, kv_scale_name, rank_pieces, rank_stored, stored_entries
 from dflash_trt.checkpoint.trtllm_config import checkpoint_config
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.quant.formats import NONE, check_quantizable, quantized_linear
+from dflash_trt.quant.formats import FP8, NONE, check_quantizable, quantized_linear
+from dflash_trt.quant.prequantized import PrequantizedFormat, read_hf_quant_config
 from dflash_trt.spec import (
     DraftSpec,
     TargetSpec,
@@ -75,18 +77,31 @@ def _source_shapes(reader: HFCheckpointReader) -> dict[str, tuple[int, ...]]:
 
 
 def check_sources(
-    target: TargetSpec, draft: DraftSpec, target_reader: HFCheckpointReader, draft_reader: HFCheckpointReader
+    target: TargetSpec,
+    draft: DraftSpec,
+    target_reader: HFCheckpointReader,
+    draft_reader: HFCheckpointReader,
+    prequantized: PrequantizedFormat | None = None,
 ) -> None:
-    """Every tensor present with the shape its config promises, float-typed, nothing unexpected."""
-    tied_extra = ("lm_head.weight",) if target.tie_word_embeddings else ()
-    check_tensor_shapes(target_tensor_shapes(target), _source_shapes(target_reader), "target", tied_extra)
+    """Every tensor present with the shape its config promises, float-typed (or, in a pre-quantized target, one of
+    its quantized linears' tensors), nothing unexpected."""
+    expected, extra = target_tensor_shapes(target), ("lm_head.weight",) if target.tie_word_embeddings else ()
+    carried: set[str] = set()
+    if prequantized is not None:
+        expected, scales = prequantized_input.source_expectations(target, prequantized, expected)
+        extra += scales
+        carried = set(scales) | {f"model.layers.{i}.{m}.weight" for i in range(target.num_hidden_layers)
+                                 for m in prequantized_input.HF_LINEARS}
+    check_tensor_shapes(expected, _source_shapes(target_reader), "target", extra)
     check_tensor_shapes(draft_tensor_shapes(draft), _source_shapes(draft_reader), "drafter")
     for what, reader in (("target", target_reader), ("drafter", draft_reader)):
         for name in reader.names():
-            if reader.dtype(name) not in SOURCE_FLOAT_DTYPES and not name.endswith(IGNORED_SOURCE_SUFFIXES):
+            if name in carried and what == "target" or name.endswith(IGNORED_SOURCE_SUFFIXES):
+                continue
+            if reader.dtype(name) not in SOURCE_FLOAT_DTYPES:
                 raise DFlashTrtError(
                     f"{what} tensor '{name}' has dtype {reader.dtype(name)}; expected float32, float16 or bfloat16 "
-                    "weights (pre-quantized inputs are not supported by this converter)"
+                    "weights (a pre-quantized target needs its hf_quant_config.json)"
                 )
 
 
@@ -113,6 +128,7 @@ class ConversionPlan:
     tp_size: int
     quant: QuantSettings = QuantSettings()
     scales: dict = field(default_factory=dict)  # calibrated activation / KV-cache scales by checkpoint name
+    prequantized: PrequantizedFormat | None = None  # the target's own quantization, carried over
 
     @property
     def layout(self) -> list[OutputTensor]:
@@ -134,6 +150,14 @@ def rank_tensors(
     plan: ConversionPlan, out: OutputTensor, readers: dict[str, HFCheckpointReader], rank: int, check_finite: bool
 ) -> dict[str, torch.Tensor]:
     """Exactly what rank `rank` stores for `out` (also what `verify` recomputes)."""
+    carried = prequantized_input.carried_tensors(plan.prequantized, out, readers[TARGET])
+    if carried is not None:
+        kv_name = kv_scale_name(out)
+        if kv_name is not None and plan.quant.kv_cache_dtype != FP8:
+            carried.pop(kv_name, None)  # the KV cache was asked to stay unquantized
+        elif kv_name is not None and kv_name not in carried:
+            carried[kv_name] = plan.scales[kv_name]  # the checkpoint has no KV scales: calibrated ones
+        return rank_pieces(out, carried, plan.tp_size, rank)
     by_name = {o.name: o for o in plan.layout}
 
     def load_partner(name: str) -> torch.Tensor:
@@ -236,7 +260,7 @@ def convert_checkpoint(
     workers: int = 1,
     qformat: str = NONE,
     dflash_qformat: str | None = None,
-    kv_cache_dtype: str = NONE,
+    kv_cache_dtype: str | None = None,
     calib_dataset: str | Path | None = None,
     calib_size: int = 64,
     calib_max_seq_len: int = 512,
@@ -253,8 +277,15 @@ def convert_checkpoint(
         raise DFlashTrtError(f"--dtype must be one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
     if workers < 1:
         raise DFlashTrtError(f"--workers must be >= 1, got {workers}")
-    quant = QuantSettings(qformat, qformat if dflash_qformat is None else dflash_qformat, kv_cache_dtype)
-    if quant.enabled and calib_dataset is None:
+    prequantized = read_hf_quant_config(model_dir)
+    if prequantized is not None:
+        quant = prequantized_input.quant_settings(prequantized, qformat, dflash_qformat, kv_cache_dtype)
+    else:
+        quant = QuantSettings(qformat, qformat if dflash_qformat is None else dflash_qformat, kv_cache_dtype or NONE)
+    # A pre-quantized target brings its own scales; the drafter's (and its KV cache's) always come from calibration.
+    needs_calibration = (quant.dflash_qformat != NONE or (prequantized is None and quant.qformat != NONE)
+                         or quant.kv_cache_dtype == FP8)
+    if needs_calibration and calib_dataset is None:
         raise DFlashTrtError("quantization needs --calib_dataset FILE.jsonl: its prompts set the activation scales")
     model_dir, dflash_model_dir, output_dir = Path(model_dir), Path(dflash_model_dir), Path(output_dir)
     check_destination(output_dir, overwrite)
@@ -262,17 +293,21 @@ def convert_checkpoint(
     draft = load_draft_spec(dflash_model_dir, target)
     check_tp(target_heads(target), target.intermediate_size, tp_size, "target")
     check_tp(target_heads(draft), draft.intermediate_size, tp_size, "drafter")
-    plan = ConversionPlan(model_dir, dflash_model_dir, target, draft, TORCH_DTYPES[dtype], tp_size, quant)
+    plan = ConversionPlan(model_dir, dflash_model_dir, target, draft, TORCH_DTYPES[dtype], tp_size, quant,
+                          prequantized=prequantized)
     plan.check_formats()
     config = checkpoint_config(target, draft, dtype, tp_size, quant.config(draft=False), quant.config(draft=True),
                                vocab_size_padded=pad_vocab_size(target.vocab_size, tp_size))
     with HFCheckpointReader(model_dir) as target_reader, HFCheckpointReader(dflash_model_dir) as draft_reader:
-        check_sources(target, draft, target_reader, draft_reader)
+        check_sources(target, draft, target_reader, draft_reader, prequantized)
         readers = {TARGET: target_reader, DRAFT: draft_reader}
-        if quant.enabled:
+        scales = {}
+        if needs_calibration:
             scales = calibrated_scales(model_dir, dflash_model_dir, output_dir.parent, dtype, quant,
                                        Path(calib_dataset), calib_size, calib_max_seq_len)
-            plan = replace(plan, scales=scales)
+        if prequantized is not None:
+            scales.update(prequantized_input.carried_scales(prequantized, plan.layout, target_reader))
+        plan = replace(plan, scales=scales)
         layout = plan.layout
         with atomic_directory(output_dir, overwrite) as staging:
             with tqdm(total=len(layout) * tp_size, desc="convert", unit="tensor", disable=not show_progress) as bar:
@@ -305,6 +340,6 @@ def calibrated_scales(
         raise DFlashTrtError(f"calibration dataset {calib_dataset} does not exist")
     work_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".dflash-calibration-", dir=work_dir) as scratch:
-        plain = Path(scratch) / "checkpoint"
-        convert_checkpoint(model_dir, dflash_model_dir, plain, dtype=dtype)
+        plain = Path(scratch) / "checkpoint"  # a pre-quantized target keeps its weights in it; nothing else is
+        convert_checkpoint(model_dir, dflash_model_dir, plain, dtype=dtype, dflash_qformat=NONE, kv_cache_dtype=NONE)
         return calibrate_checkpoint(plain, quant, calib_dataset, calib_size, calib_max_seq_len)

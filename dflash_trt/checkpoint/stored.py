@@ -69,7 +69,7 @@ class QuantSettings:
         return quantization_config(self.dflash_qformat if draft else self.qformat, self.kv_cache_dtype)
 
 
-def _kv_scale_name(out: OutputTensor) -> str | None:
+def kv_scale_name(out: OutputTensor) -> str | None:
     """A layer's KV-cache scale rides with its qkv weight."""
     suffix = f".{names.QKV}.{names.WEIGHT}"
     return names.kv_cache_scale(out.name[: -len(suffix)]) if out.name.endswith(suffix) else None
@@ -103,7 +103,7 @@ def stored_full(
                                 for p in partners]).max()
         stored = quantize_weight(out.name, weight, qformat, amax)
         stored[f"{module}.{names.ACTIVATION_SCALING_FACTOR}"] = _scale(scales, module, names.ACTIVATION_SCALING_FACTOR)
-    kv_name = _kv_scale_name(out)
+    kv_name = kv_scale_name(out)
     if kv_name is not None and quant.kv_cache_dtype == FP8:
         stored[kv_name] = _scale(scales, kv_name.rsplit(".", 1)[0], names.KV_CACHE_SCALING_FACTOR)
     return stored
@@ -158,7 +158,7 @@ def rank_stored(
     copied); a quantized weight is quantized whole, since its per-tensor scales cover every rank."""
     if quant.format_of(out.name) == NONE or quantized_linear(out.name) is None:
         pieces = {out.name: shard(full, out.split, tp_size, rank, out.heads).to(dtype).contiguous()}
-        kv_name = _kv_scale_name(out)
+        kv_name = kv_scale_name(out)
         if kv_name is not None and quant.kv_cache_dtype == FP8:
             pieces[kv_name] = _scale(scales, kv_name.rsplit(".", 1)[0], names.KV_CACHE_SCALING_FACTOR)
         return pieces

@@ -21,6 +21,7 @@ from dflash_trt.checkpoint.sharding import pad_vocab_size
 from dflash_trt.checkpoint.stored import QuantSettings, stored_entries
 from dflash_trt.checkpoint.trtllm_config import checkpoint_config
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.quant.prequantized import read_hf_quant_config
 from dflash_trt.spec import load_draft_spec, load_target_spec
 
 
@@ -68,11 +69,12 @@ def verify_checkpoint(checkpoint_dir: str | Path, model_dir: str | Path, dflash_
     for key in sorted(set(expected) | set(stored)):
         if expected.get(key) != stored.get(key):
             report.problems.append(f"config.json key '{key}' differs from what the sources give")
+    prequantized = read_hf_quant_config(model_dir)
     plan = ConversionPlan(Path(model_dir), Path(dflash_model_dir), target, draft, TORCH_DTYPES[dtype_name], tp_size,
-                          quant)
+                          quant, prequantized=prequantized)
     entries = plan.entries() if not quant.enabled else None
     with HFCheckpointReader(model_dir) as target_reader, HFCheckpointReader(dflash_model_dir) as draft_reader:
-        check_sources(target, draft, target_reader, draft_reader)
+        check_sources(target, draft, target_reader, draft_reader, prequantized)
         readers = {TARGET: target_reader, DRAFT: draft_reader}
         for rank in range(tp_size):
             path = checkpoint_dir / rank_file(rank)

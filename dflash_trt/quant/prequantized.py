@@ -15,8 +15,9 @@ Public:
   `weights_scaling_factor`, [`weights_scaling_factor_2`], `activation_scaling_factor`) with the per-tensor
   scales of its fused group shared (gate/up → mlp.fc / mlp.gate).
 - `fuse_prequantized(parts, qformat)`: the same, concatenated into one TensorRT-LLM linear (q, k, v → qkv).
-- `prequantized_layer_tensors(hf_tensors, hf_layer_prefix, layer_prefix, fmt)`: a whole decoder layer's
-  quantized tensors and KV-cache scale, under our checkpoint names (norms and biases stay the converter's).
+- `prequantized_module_tensors(hf_tensors, hf_layer_prefix, layer_prefix, module, fmt)`: one of our linears
+  (qkv with the layer's KV-cache scale); `prequantized_layer_tensors(...)`: all of a decoder layer's; `hf_members`:
+  the HF modules one of our linears is built from. Norms and biases stay the converter's.
 - `prequantized_kv_cache_scale(k_scale, v_scale)`: `kv_cache_scaling_factor`, the larger of the two, unchanged.
 """
 
@@ -138,31 +139,48 @@ _HF_GROUPS = (
 )
 
 
-def prequantized_layer_tensors(
-    hf_tensors: Mapping[str, torch.Tensor], hf_layer_prefix: str, layer_prefix: str, fmt: PrequantizedFormat
+def prequantized_module_tensors(
+    hf_tensors: Mapping[str, torch.Tensor], hf_layer_prefix: str, layer_prefix: str, module: str,
+    fmt: PrequantizedFormat,
 ) -> dict[str, torch.Tensor]:
-    """Every quantized linear tensor (and the KV-cache scale) of one decoder layer, under our checkpoint names.
+    """One of our linears (`names.QKV`, ...) of a decoder layer from its HF members, under our checkpoint names;
+    qkv also carries the layer's KV-cache scale when the checkpoint has an FP8 KV cache.
 
-    `hf_layer_prefix` is e.g. "model.layers.3", `layer_prefix` e.g. `names.target_layer(3)`."""
+    `hf_tensors` needs at least the members' tensors; `hf_layer_prefix` is e.g. "model.layers.3", `layer_prefix`
+    e.g. `names.target_layer(3)`."""
 
-    def part(module: str) -> dict[str, torch.Tensor]:
-        prefix = f"{hf_layer_prefix}.{module}."
+    def part(hf_module: str) -> dict[str, torch.Tensor]:
+        prefix = f"{hf_layer_prefix}.{hf_module}."
         return {name[len(prefix) :]: t for name, t in hf_tensors.items() if name.startswith(prefix)}
 
-    out: dict[str, torch.Tensor] = {}
-    for hf_modules, modules in _HF_GROUPS:
-        parts = [part(m) for m in hf_modules]
-        if len(modules) == 1:
-            results = [fuse_prequantized(parts, fmt.qformat)]
-        else:
-            results = share_prequantized(parts, fmt.qformat)
-        for module, tensors in zip(modules, results, strict=True):
-            out.update({f"{layer_prefix}.{module}.{leaf}": t for leaf, t in tensors.items()})
-    if fmt.kv_cache_dtype == FP8:
+    hf_modules, modules = next((h, m) for h, m in _HF_GROUPS if module in m)
+    parts = [part(m) for m in hf_modules]
+    if len(modules) == 1:
+        tensors = fuse_prequantized(parts, fmt.qformat)
+    else:
+        tensors = share_prequantized(parts, fmt.qformat)[modules.index(module)]
+    out = {f"{layer_prefix}.{module}.{leaf}": t for leaf, t in tensors.items()}
+    if module == names.QKV and fmt.kv_cache_dtype == FP8:
         k, v = part("self_attn.k_proj").get("k_scale"), part("self_attn.v_proj").get("v_scale")
         if k is None or v is None:
             raise DFlashTrtError(f"{hf_layer_prefix} has no k_scale / v_scale for its FP8 KV cache.")
         out[names.kv_cache_scale(layer_prefix)] = prequantized_kv_cache_scale(k, v)
+    return out
+
+
+def hf_members(module: str) -> tuple[str, ...]:
+    """HF modules (relative to a layer) that one of our linears is built from."""
+    return next(h for h, m in _HF_GROUPS if module in m)
+
+
+def prequantized_layer_tensors(
+    hf_tensors: Mapping[str, torch.Tensor], hf_layer_prefix: str, layer_prefix: str, fmt: PrequantizedFormat
+) -> dict[str, torch.Tensor]:
+    """Every quantized linear tensor (and the KV-cache scale) of one decoder layer, under our checkpoint names."""
+    out: dict[str, torch.Tensor] = {}
+    for _, modules in _HF_GROUPS:
+        for module in modules:
+            out.update(prequantized_module_tensors(hf_tensors, hf_layer_prefix, layer_prefix, module, fmt))
     return out
 
 

@@ -1,0 +1,91 @@
+"""A pre-quantized target (modelopt "unified HF" checkpoint) as converter input: its quantized linears are carried
+over (fused, scales shared) instead of quantized again, and its activation / KV scales are kept as calibrated.
+
+The drafter, usually released in bf16, is still quantized and calibrated by the converter, on the features the
+carried-over target produces.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_trt.checkpoint import names
+from dflash_trt.checkpoint.hf_reader import HFCheckpointReader
+from dflash_trt.checkpoint.layout import OutputTensor
+from dflash_trt.checkpoint.stored import QuantSettings
+from dflash_trt.errors import DFlashTrtError
+from dflash_trt.quant.formats import NONE, NVFP4, quantized_linear
+from dflash_trt.quant.prequantized import (
+    HF_INPUT_SCALE,
+    HF_WEIGHT_SCALE,
+    HF_WEIGHT_SCALE_2,
+    PrequantizedFormat,
+    hf_members,
+    prequantized_module_tensors,
+)
+from dflash_trt.spec import TargetSpec
+
+HF_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+              "mlp.up_proj", "mlp.down_proj")
+HF_KV_SCALES = {"self_attn.k_proj": "k_scale", "self_attn.v_proj": "v_scale"}
+
+
+def quant_settings(
+    fmt: PrequantizedFormat, qformat: str, dflash_qformat: str | None, kv_cache_dtype: str | None
+) -> QuantSettings:
+    """The target keeps the checkpoint's weight format (asking for another is an error, not a silent requantization);
+    the KV cache follows the checkpoint unless `kv_cache_dtype` says otherwise."""
+    if qformat not in (NONE, fmt.qformat):
+        raise DFlashTrtError(
+            f"the target is pre-quantized as {fmt.qformat}; --qformat must be {fmt.qformat} or omitted"
+        )
+    kv = fmt.kv_cache_dtype if kv_cache_dtype is None else kv_cache_dtype  # "none" drops the carried KV scales
+    return QuantSettings(fmt.qformat, fmt.qformat if dflash_qformat is None else dflash_qformat, kv)
+
+
+def source_expectations(
+    target: TargetSpec, fmt: PrequantizedFormat, expected: dict[str, tuple[int, ...]]
+) -> tuple[dict[str, tuple[int, ...]], tuple[str, ...]]:
+    """Target tensor shapes of a pre-quantized checkpoint (NVFP4 weights pack two values a byte) and the scale
+    tensors it may hold besides."""
+    expected = dict(expected)
+    extra = []
+    for i in range(target.num_hidden_layers):
+        for module in HF_LINEARS:
+            prefix = f"model.layers.{i}.{module}."
+            if fmt.qformat == NVFP4:
+                out_features, in_features = expected[prefix + "weight"]
+                expected[prefix + "weight"] = (out_features, in_features // 2)
+            extra += [prefix + leaf for leaf in (HF_WEIGHT_SCALE, HF_WEIGHT_SCALE_2, HF_INPUT_SCALE)]
+            if module in HF_KV_SCALES:
+                extra.append(prefix + HF_KV_SCALES[module])
+    return expected, tuple(extra)
+
+
+def carried_tensors(
+    fmt: PrequantizedFormat | None, out: OutputTensor, reader: HFCheckpointReader
+) -> dict[str, torch.Tensor] | None:
+    """Full stored tensors of a target linear taken from the pre-quantized checkpoint; None for anything else."""
+    if fmt is None or not out.name.startswith(names.TARGET_PREFIX + ".layers."):
+        return None
+    module = quantized_linear(out.name)
+    if module is None:
+        return None
+    index = int(out.name.split(".")[2])
+    layer, hf_layer = names.target_layer(index), f"model.layers.{index}"
+    relative = module[len(layer) + 1 :]
+    wanted = tuple(f"{hf_layer}.{member}." for member in hf_members(relative))
+    hf_tensors = {name: reader.get(name) for name in reader.names() if name.startswith(wanted)}
+    return prequantized_module_tensors(hf_tensors, hf_layer, layer, relative, fmt)
+
+
+def carried_scales(
+    fmt: PrequantizedFormat, layout: list[OutputTensor], reader: HFCheckpointReader
+) -> dict[str, torch.Tensor]:
+    """The checkpoint's own activation and KV-cache scales, under our names (they replace calibrated ones)."""
+    scales = {}
+    for out in layout:
+        for name, tensor in (carried_tensors(fmt, out, reader) or {}).items():
+            if name.endswith((names.ACTIVATION_SCALING_FACTOR, names.KV_CACHE_SCALING_FACTOR)):
+                scales[name] = tensor
+    return scales
