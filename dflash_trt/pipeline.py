@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import inspect
 import json
 import shlex
 import sys
@@ -61,7 +60,6 @@ class Stage:
     fingerprint: str
     command: str  # what the stage runs, as a user could type it
     run: Callable[[], None]
-    problem: str | None = None  # set when this host's dflash-trt cannot run the stage
 
 
 def fingerprint(data: object) -> str:
@@ -131,33 +129,18 @@ def engine_settings(profile: BuildProfile) -> EngineBuildSettings:
 CALIBRATION_PARAMETERS = ("calib_dataset", "calib_size", "calib_max_seq_len")
 
 
-def _converter_parameters() -> set[str]:
-    from dflash_trt.checkpoint.convert import convert_checkpoint
-
-    return set(inspect.signature(convert_checkpoint).parameters)
-
-
-def quantization_kwargs(profile: BuildProfile) -> dict:
-    """Converter arguments for the profile's quantization; empty for an unquantized profile."""
+def quantization_kwargs(profile: BuildProfile, profile_path: Path) -> dict:
+    """Converter arguments for the profile's quantization (empty for an unquantized profile); the calibration
+    prompt file is relative to the profile."""
     q = profile.quantization
     if (q.qformat, q.draft_qformat, q.kv_cache_dtype) == ("none", "none", "none"):
         return {}
     formats = {"qformat": q.qformat, "dflash_qformat": q.draft_qformat, "kv_cache_dtype": q.kv_cache_dtype}
-    calibration = dict(zip(CALIBRATION_PARAMETERS, (q.calibration.dataset, q.calibration.size,
-                                                    q.calibration.max_seq_len), strict=True))
-    accepted = _converter_parameters()
-    kwargs = dict(formats)
-    kwargs.update({name: value for name, value in calibration.items() if name in accepted})
-    return kwargs
-
-
-def converter_problem(quant: dict) -> str | None:
-    """Why the installed converter cannot produce this checkpoint, if it cannot."""
-    missing = [name for name in quant if name not in _converter_parameters()]
-    if not missing:
-        return None
-    return (f"this dflash-trt converter cannot quantize yet (no {', '.join(missing)}); use a profile with "
-            "qformat, draft_qformat and kv_cache_dtype set to none")
+    dataset = Path(q.calibration.dataset)
+    dataset = dataset if dataset.is_absolute() else Path(profile_path).parent / dataset
+    calibration = dict(zip(CALIBRATION_PARAMETERS, (str(dataset), q.calibration.size, q.calibration.max_seq_len),
+                           strict=True))
+    return {**formats, **calibration}
 
 
 def convert_command(profile: BuildProfile, target: Path, draft: Path, output: Path, quant: dict) -> str:
@@ -237,7 +220,7 @@ def resolve_inputs(args: argparse.Namespace, settings_override: Callable | None 
 
 def stages(inp: PipelineInputs) -> list[Stage]:
     profile, ws = inp.profile, inp.ws
-    quant = quantization_kwargs(profile)
+    quant = quantization_kwargs(profile, inp.profile_path)
     ckpt_fp = fingerprint({
         "stage": "checkpoint", "version": __version__,
         "target": directory_fingerprint(inp.target), "draft": directory_fingerprint(inp.draft),
@@ -287,8 +270,7 @@ def stages(inp: PipelineInputs) -> list[Stage]:
 
     return [
         Stage("checkpoint", ws.checkpoint, ckpt_fp,
-              convert_command(profile, inp.target, inp.draft, ws.checkpoint, quant), run_checkpoint,
-              converter_problem(quant)),
+              convert_command(profile, inp.target, inp.draft, ws.checkpoint, quant), run_checkpoint),
         Stage("engine", ws.engine, engine_fp, engine_command, run_engine),
         Stage("triton", ws.triton, triton_fp, triton_command, run_triton),
     ]
@@ -319,12 +301,8 @@ def run_pipeline(inp: PipelineInputs, *, dry_run: bool = False, gpu: bool | None
             continue
         if dry_run:
             print(f"{header}: {state}, would run:\n    {stage.command}", file=out)
-            if stage.problem:
-                print(f"    but cannot here: {stage.problem}", file=out)
             outcomes.append((stage.name, f"would run ({state})"))
             continue
-        if stage.problem:
-            raise DFlashTrtError(stage.problem)
         if stage.name == "engine" and not gpu:
             print(f"{header}: needs a GPU host with TensorRT-LLM 1.2.x; stopping here.", file=out)
             print("Finish on the GPU host (copy the workspace, keep the same model snapshots) with:", file=out)

@@ -85,7 +85,7 @@ class CheckpointSettings(_Strict):
 
 
 class CalibrationSettings(_Strict):
-    dataset: str = "cnn_dailymail"
+    dataset: str = "calibration.jsonl"  # jsonl prompts ({"text": ...} per line), relative to the profile file
     size: int = Field(default=512, ge=1)
     max_seq_len: int = Field(default=1024, ge=16)
 

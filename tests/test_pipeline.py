@@ -111,8 +111,6 @@ def test_dry_run_of_every_profile(path: Path, hub: Path, tmp_path: Path, capsys)
     assert flags["--gemm_plugin"] == profile.engine.gemm_plugin
     assert flags["--use_fp8_context_fmha"] == "enable" and flags["--speculative_decoding_mode"] == "eagle"
     assert not ws.exists(), "a dry run writes nothing"
-    if pipeline.converter_problem(pipeline.quantization_kwargs(profile)):
-        assert "but cannot here: this dflash-trt converter cannot quantize yet" in out
 
 
 def test_dry_runs_name_only_flags_trtllm_build_accepts(hub: Path, tmp_path: Path, capsys):
@@ -136,20 +134,6 @@ def test_missing_models_are_not_downloaded(tmp_path: Path, capsys):
     path = ROOT / "build_configs/h100-fp8/qwen3-4b.yaml"
     assert cli_main(["build", "--config", str(path), "--hf_cache", str(tmp_path), "--dry_run"]) == 2
     assert "Qwen/Qwen3-4B is not in the HF cache" in capsys.readouterr().err
-
-
-def test_quantized_profile_needs_a_quantizing_converter(hub: Path, tmp_path: Path, monkeypatch):
-    import inspect
-
-    from dflash_trt.checkpoint import convert
-
-    if "qformat" in inspect.signature(convert.convert_checkpoint).parameters:
-        pytest.skip("the converter quantizes: covered by the quantization tests")
-    args = pipeline.argparse.Namespace(config=str(ROOT / "build_configs/b300-nvfp4/qwen3-4b.yaml"),
-                                       hf_cache=str(hub), download=False, output_dir=str(tmp_path / "ws"),
-                                       plugin_library=None, dry_run=False)
-    with pytest.raises(pipeline.DFlashTrtError, match="cannot quantize yet"):
-        pipeline.run_pipeline(pipeline.resolve_inputs(args), gpu=False)
 
 
 # ---------------------------------------------------------------- a real run on CPU with a tiny pair
