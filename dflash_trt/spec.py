@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.jsonfile import read_json_object
 from dflash_trt.reference.rope import SUPPORTED_ROPE_TYPES, RopeConfig
 
 TARGET_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
@@ -95,16 +96,7 @@ class DraftSpec:
 
 
 def read_config_json(model_dir: str | Path, what: str) -> dict[str, Any]:
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise DFlashTrtError(f"{what} directory {model_dir} has no config.json")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise DFlashTrtError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise DFlashTrtError(f"{path} must hold a JSON object")
-    return data
+    return read_json_object(Path(model_dir) / "config.json", f"{what} directory {model_dir} has no config.json")
 
 
 def _require_int(cfg: dict, key: str, what: str, minimum: int = 1) -> int:

@@ -89,3 +89,16 @@ def test_generate_cli_refuses_bad_input(setup, tmp_path, capsys):
     bad.write_text('{"input_ids": [1, 9999]}\n')
     assert main(["generate", "--checkpoint_dir", str(ckpt), "--input_file", str(bad)]) == 2
     assert "outside the vocabulary" in capsys.readouterr().err
+
+
+def test_generate_cli_refuses_a_corrupt_checkpoint_config(setup, tmp_path, capsys):
+    ckpt, _ = setup
+    broken = tmp_path / "ckpt"
+    broken.mkdir()
+    for f in ckpt.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    (broken / "config.json").write_text('{"architecture": "DFlashForCausalLM",')
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"input_ids": [1, 2]}\n')
+    assert main(["generate", "--checkpoint_dir", str(broken), "--input_file", str(prompts)]) == 2
+    assert "config.json is not valid JSON" in capsys.readouterr().err

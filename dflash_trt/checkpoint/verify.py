@@ -6,7 +6,6 @@ compared bit for bit, so a truncated write, a wrong shard or a stale config cann
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from dflash_trt.checkpoint.sharding import pad_vocab_size
 from dflash_trt.checkpoint.stored import QuantSettings, stored_entries
 from dflash_trt.checkpoint.trtllm_config import checkpoint_config
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.jsonfile import read_json_object
 from dflash_trt.quant.prequantized import read_hf_quant_config
 from dflash_trt.spec import load_draft_spec, load_target_spec
 
@@ -51,12 +51,10 @@ def verify_checkpoint(checkpoint_dir: str | Path, model_dir: str | Path, dflash_
     checkpoint_dir = Path(checkpoint_dir)
     report = VerifyReport(str(checkpoint_dir))
     config_path = checkpoint_dir / "config.json"
-    if not config_path.is_file():
-        raise DFlashTrtError(f"{checkpoint_dir} has no config.json")
+    stored = read_json_object(config_path, f"{checkpoint_dir} has no config.json")
     try:
-        stored = json.loads(config_path.read_text())
         tp_size, dtype_name = stored["mapping"]["tp_size"], stored["dtype"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+    except (KeyError, TypeError) as exc:
         raise DFlashTrtError(f"{config_path} is not a dflash-trt checkpoint config: {exc}") from None
     if dtype_name not in TORCH_DTYPES or not isinstance(tp_size, int) or tp_size < 1:
         raise DFlashTrtError(f"{config_path} has an invalid dtype or tp_size")

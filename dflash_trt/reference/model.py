@@ -7,7 +7,6 @@ a smaller length, because stale entries past it are overwritten before any query
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from dflash_trt.checkpoint.safetensors_io import SafetensorsFile
 from dflash_trt.checkpoint.sharding import merge
 from dflash_trt.checkpoint.trtllm_config import specs_from_config
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.jsonfile import read_json_object
 from dflash_trt.quant.formats import NONE
 from dflash_trt.reference.kv_injection import injected_kv
 from dflash_trt.reference.norm import rms_norm
@@ -335,10 +335,8 @@ def load_rank_tensors(checkpoint_dir: Path, tp_size: int, target: TargetSpec, dr
 
 def load_golden_model(checkpoint_dir: str | Path, compute_dtype: torch.dtype = torch.float32) -> GoldenModel:
     checkpoint_dir = Path(checkpoint_dir)
-    config_path = checkpoint_dir / "config.json"
-    if not config_path.is_file():
-        raise DFlashTrtError(f"{checkpoint_dir} is not a converted checkpoint (no config.json)")
-    config = json.loads(config_path.read_text())
+    config = read_json_object(checkpoint_dir / "config.json",
+                              f"{checkpoint_dir} is not a converted checkpoint (no config.json)")
     target_spec, draft_spec = specs_from_config(config)
     tensors = load_rank_tensors(checkpoint_dir, config["mapping"]["tp_size"], target_spec, draft_spec)
     target = TargetModel(target_spec, tensors, draft_spec.target_layer_ids, compute_dtype)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from dflash_trt.checkpoint.atomic import atomic_directory
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.jsonfile import read_json_object
 from dflash_trt.profiles import BuildProfile
 from dflash_trt.triton import processing as P
 from dflash_trt.triton.pbtxt import EnsembleStep, ModelConfig, Tensor, render
@@ -339,15 +340,7 @@ def write_repository(s: RepositorySettings, output_dir: str | Path, overwrite: b
 
 
 def _read_json(path: Path, what: str) -> dict:
-    if not path.is_file():
-        raise DFlashTrtError(f"{path.parent} is not a DFlash engine directory: {what} {path.name} is missing")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise DFlashTrtError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise DFlashTrtError(f"{path} must hold a JSON object")
-    return data
+    return read_json_object(path, f"{path.parent} is not a DFlash engine directory: {what} {path.name} is missing")
 
 
 def settings_from_engine(engine_dir: str | Path, tokenizer_dir: str | Path, **serving) -> RepositorySettings:

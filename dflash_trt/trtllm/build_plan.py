@@ -7,7 +7,6 @@ the source of each); the engine speaks the runtime's EAGLE contract with one cha
 
 from __future__ import annotations
 
-import json
 import math
 import shlex
 from dataclasses import asdict, dataclass, field
@@ -17,6 +16,7 @@ from typing import Any
 from dflash_trt import __version__
 from dflash_trt.checkpoint.trtllm_config import ARCHITECTURE, specs_from_config
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.jsonfile import read_json_object
 from dflash_trt.reference.rope import RopeConfig
 from dflash_trt.spec import SLIDING_ATTENTION, TARGET_ARCHITECTURES
 from dflash_trt.trtllm.plugin import LIBRARY_ENV, PLUGIN_NAMESPACE, default_library_path
@@ -159,16 +159,9 @@ def block_packed_mask(block_size: int, causal: bool) -> list[list[int]]:
 def read_checkpoint_facts(checkpoint_dir: str | Path) -> CheckpointFacts:
     """Read the converted checkpoint's config.json back into specs (the converter's contract) and keep the facts."""
     path = Path(checkpoint_dir) / "config.json"
-    if not path.is_file():
-        raise DFlashTrtError(
-            f"checkpoint directory {checkpoint_dir} has no config.json; run `dflash-trt convert` first"
-        )
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise DFlashTrtError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise DFlashTrtError(f"{path} must hold a JSON object")
+    config = read_json_object(
+        path, f"checkpoint directory {checkpoint_dir} has no config.json; run `dflash-trt convert` first"
+    )
     target, draft = specs_from_config(config)
     if target.architecture not in BASE_ARCHITECTURES:
         raise DFlashTrtError(
