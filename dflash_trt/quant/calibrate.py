@@ -25,6 +25,7 @@ Public:
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,8 +44,11 @@ CALIBRATION_NEW_TOKENS = 32
 
 
 def _observer():
-    from modelopt.torch.quantization.config import QuantizerAttributeConfig
-    from modelopt.torch.quantization.nn import TensorQuantizer
+    with warnings.catch_warnings():
+        # modelopt warns that transformers 5.x is untested with it; only its tensor quantizer is used here.
+        warnings.filterwarnings("ignore", message="transformers .* is not tested", category=UserWarning)
+        from modelopt.torch.quantization.config import QuantizerAttributeConfig
+        from modelopt.torch.quantization.nn import TensorQuantizer
 
     quantizer = TensorQuantizer(QuantizerAttributeConfig(num_bits=(4, 3), axis=None))
     quantizer.disable_quant()
