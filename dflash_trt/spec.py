@@ -99,11 +99,29 @@ def read_config_json(model_dir: str | Path, what: str) -> dict[str, Any]:
     return read_json_object(Path(model_dir) / "config.json", f"{what} directory {model_dir} has no config.json")
 
 
-def _require_int(cfg: dict, key: str, what: str, minimum: int = 1) -> int:
-    value = cfg.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise DFlashTrtError(f"{what} config: '{key}' must be an integer >= {minimum}, got {value!r}")
+# Far above any real model; a config beyond them is corrupt or hostile, and would make us allocate or loop forever.
+DIMENSION_LIMITS = {
+    "vocab_size": 1 << 24,
+    "hidden_size": 1 << 17,
+    "intermediate_size": 1 << 20,
+    "num_hidden_layers": 1 << 10,
+    "num_attention_heads": 1 << 10,
+    "num_key_value_heads": 1 << 10,
+    "head_dim": 1 << 12,
+    "block_size": 1 << 10,
+}
+
+
+def _check_int(value: Any, key: str, what: str, minimum: int = 1) -> int:
+    limit = DIMENSION_LIMITS.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (limit and value > limit):
+        bound = f" and <= {limit}" if limit else ""
+        raise DFlashTrtError(f"{what} config: '{key}' must be an integer >= {minimum}{bound}, got {value!r}")
     return value
+
+
+def _require_int(cfg: dict, key: str, what: str, minimum: int = 1) -> int:
+    return _check_int(cfg.get(key), key, what, minimum)
 
 
 def _optional_number(value: Any, key: str, what: str, default: float) -> float:
@@ -175,16 +193,14 @@ def _eos_ids(cfg: dict, model_dir: Path) -> tuple[int, ...]:
 def _attention_dims(cfg: dict, what: str, default_head_dim: int | None) -> tuple[int, int, int, int]:
     hidden = _require_int(cfg, "hidden_size", what)
     heads = _require_int(cfg, "num_attention_heads", what)
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1:
-        raise DFlashTrtError(f"{what} config: 'num_key_value_heads' must be a positive integer, got {kv_heads!r}")
+    kv_heads = _check_int(cfg.get("num_key_value_heads") or heads, "num_key_value_heads", what)
     if heads % kv_heads:
         raise DFlashTrtError(
             f"{what} config: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
         )
-    head_dim = cfg.get("head_dim") or default_head_dim or hidden // heads
-    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
-        raise DFlashTrtError(f"{what} config: 'head_dim' must be a positive even integer, got {head_dim!r}")
+    head_dim = _check_int(cfg.get("head_dim") or default_head_dim or hidden // heads, "head_dim", what, minimum=2)
+    if head_dim % 2:
+        raise DFlashTrtError(f"{what} config: 'head_dim' must be even for rotary embeddings, got {head_dim}")
     return hidden, heads, kv_heads, head_dim
 
 
@@ -303,9 +319,7 @@ def parse_draft_config(cfg: dict, target: TargetSpec) -> DraftSpec:
         raise DFlashTrtError(f"{what} config: 'mask_token_id' must be a non-negative integer, got {mask!r}")
     if mask >= target.vocab_size:
         raise DFlashTrtError(f"mask_token_id {mask} is outside the target vocabulary ({target.vocab_size} tokens)")
-    block = _draft_value(cfg, "block_size", 16)
-    if isinstance(block, bool) or not isinstance(block, int) or block < 2:
-        raise DFlashTrtError(f"{what} config: 'block_size' must be an integer >= 2, got {block!r}")
+    block = _check_int(_draft_value(cfg, "block_size", 16), "block_size", what, minimum=2)
     softcap = _draft_value(cfg, "final_logit_softcapping")
     softcap = _optional_number(softcap, "final_logit_softcapping", what, 0.0) or None
     layer_types, window, causal = _draft_layer_kinds(cfg, num_layers)

@@ -134,6 +134,7 @@ BAD_DRAFTS = [
      "target layer id 4 is outside the target's 4 layers"),
     ({"dflash_config": {"mask_token_id": 5, "target_layer_ids": []}}, "'target_layer_ids' must be a non-empty list"),
     ({"block_size": 1}, "'block_size' must be an integer >= 2"),
+    ({"block_size": 10**6}, "'block_size' must be an integer >= 2 and <= 1024"),
     ({"num_key_value_heads": 3}, "must be a multiple of num_key_value_heads (3)"),
     ({"layer_types": ["full_attention"]}, "'layer_types' must list one kind per draft layer (2)"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
@@ -160,7 +161,10 @@ def test_taps_may_outnumber_draft_layers(pair):
     [
         ({"architectures": ["MistralForCausalLM"]}, "target architecture 'MistralForCausalLM' is not supported"),
         ({"hidden_size": 0}, "'hidden_size' must be an integer >= 1"),
-        ({"head_dim": 15}, "'head_dim' must be a positive even integer"),
+        ({"head_dim": 15}, "'head_dim' must be even for rotary embeddings, got 15"),
+        ({"num_hidden_layers": 10**9}, "'num_hidden_layers' must be an integer >= 1 and <= 1024"),
+        ({"vocab_size": 2**40}, "'vocab_size' must be an integer >= 1 and <= 16777216"),
+        ({"num_key_value_heads": -2}, "'num_key_value_heads' must be an integer >= 1"),
         ({"use_sliding_window": True}, "sliding-window attention in the target is not supported yet"),
     ],
 )
