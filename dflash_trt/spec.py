@@ -112,7 +112,7 @@ DIMENSION_LIMITS = {
 }
 
 
-def _check_int(value: Any, key: str, what: str, minimum: int = 1) -> int:
+def check_dimension(value: Any, key: str, what: str, minimum: int = 1) -> int:
     limit = DIMENSION_LIMITS.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (limit and value > limit):
         bound = f" and <= {limit}" if limit else ""
@@ -121,7 +121,7 @@ def _check_int(value: Any, key: str, what: str, minimum: int = 1) -> int:
 
 
 def _require_int(cfg: dict, key: str, what: str, minimum: int = 1) -> int:
-    return _check_int(cfg.get(key), key, what, minimum)
+    return check_dimension(cfg.get(key), key, what, minimum)
 
 
 def _optional_number(value: Any, key: str, what: str, default: float) -> float:
@@ -193,12 +193,12 @@ def _eos_ids(cfg: dict, model_dir: Path) -> tuple[int, ...]:
 def _attention_dims(cfg: dict, what: str, default_head_dim: int | None) -> tuple[int, int, int, int]:
     hidden = _require_int(cfg, "hidden_size", what)
     heads = _require_int(cfg, "num_attention_heads", what)
-    kv_heads = _check_int(cfg.get("num_key_value_heads") or heads, "num_key_value_heads", what)
+    kv_heads = check_dimension(cfg.get("num_key_value_heads") or heads, "num_key_value_heads", what)
     if heads % kv_heads:
         raise DFlashTrtError(
             f"{what} config: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
         )
-    head_dim = _check_int(cfg.get("head_dim") or default_head_dim or hidden // heads, "head_dim", what, minimum=2)
+    head_dim = check_dimension(cfg.get("head_dim") or default_head_dim or hidden // heads, "head_dim", what, minimum=2)
     if head_dim % 2:
         raise DFlashTrtError(f"{what} config: 'head_dim' must be even for rotary embeddings, got {head_dim}")
     return hidden, heads, kv_heads, head_dim
@@ -319,7 +319,7 @@ def parse_draft_config(cfg: dict, target: TargetSpec) -> DraftSpec:
         raise DFlashTrtError(f"{what} config: 'mask_token_id' must be a non-negative integer, got {mask!r}")
     if mask >= target.vocab_size:
         raise DFlashTrtError(f"mask_token_id {mask} is outside the target vocabulary ({target.vocab_size} tokens)")
-    block = _check_int(_draft_value(cfg, "block_size", 16), "block_size", what, minimum=2)
+    block = check_dimension(_draft_value(cfg, "block_size", 16), "block_size", what, minimum=2)
     softcap = _draft_value(cfg, "final_logit_softcapping")
     softcap = _optional_number(softcap, "final_logit_softcapping", what, 0.0) or None
     layer_types, window, causal = _draft_layer_kinds(cfg, num_layers)

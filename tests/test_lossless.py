@@ -102,3 +102,18 @@ def test_generate_cli_refuses_a_corrupt_checkpoint_config(setup, tmp_path, capsy
     prompts.write_text('{"input_ids": [1, 2]}\n')
     assert main(["generate", "--checkpoint_dir", str(broken), "--input_file", str(prompts)]) == 2
     assert "config.json is not valid JSON" in capsys.readouterr().err
+
+
+def test_generate_cli_refuses_absurd_checkpoint_dimensions(setup, tmp_path, capsys):
+    ckpt, _ = setup
+    broken = tmp_path / "ckpt"
+    broken.mkdir()
+    for f in ckpt.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    config = json.loads((broken / "config.json").read_text())
+    config["num_hidden_layers"] = 10**9
+    (broken / "config.json").write_text(json.dumps(config))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"input_ids": [1, 2]}\n')
+    assert main(["generate", "--checkpoint_dir", str(broken), "--input_file", str(prompts)]) == 2
+    assert "'num_hidden_layers' must be an integer >= 1 and <= 1024" in capsys.readouterr().err

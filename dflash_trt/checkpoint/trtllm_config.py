@@ -11,7 +11,7 @@ from typing import Any
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.quant.formats import NONE, quantization_config
 from dflash_trt.reference.rope import RopeConfig
-from dflash_trt.spec import DraftSpec, TargetSpec
+from dflash_trt.spec import DraftSpec, TargetSpec, check_dimension
 
 ARCHITECTURE = "DFlashForCausalLM"
 DTYPES = ("float32", "float16", "bfloat16")
@@ -150,4 +150,9 @@ def specs_from_config(config: dict[str, Any]) -> tuple[TargetSpec, DraftSpec]:
         )
     except (KeyError, TypeError) as exc:
         raise DFlashTrtError(f"checkpoint config.json is missing or has a malformed key: {exc}") from None
+    for what, spec in (("checkpoint", target), ("checkpoint dflash_config", draft)):
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim"):
+            check_dimension(getattr(spec, key), key, what)
+    check_dimension(draft.block_size, "block_size", "checkpoint dflash_config", minimum=2)
     return target, draft
