@@ -90,3 +90,16 @@ def test_golden_model_matches_dflash_generate_on_the_trained_pair(converted, mon
         assert result.output_ids == stats.output_ids[0, len(prompt):].tolist()
         assert result.acceptance_lengths == stats.acceptance_lengths
     assert mean_acceptance_length(ours) >= 4.0
+
+
+def test_generate_cli_takes_text_prompts_with_the_checkpoint_tokenizer(converted, tmp_path, capsys):
+    checkpoint, _ = converted
+    heldout = load_heldout(limit=2)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"text": p.text}) + "\n" for p in heldout))
+    assert main(["generate", "--checkpoint_dir", str(checkpoint), "--input_file", str(prompts),
+                 "--max_new_tokens", "64", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    for record, prompt in zip(report["sequences"], heldout, strict=True):
+        assert f"ans {prompt.answer}" in record["output_text"]
+    assert report["mean_acceptance_length"] >= 4.0
