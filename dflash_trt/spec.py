@@ -8,7 +8,7 @@ and the `dflash` reference do with the same config.json, because parity with the
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,12 +47,6 @@ class TargetSpec:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["rope"] = self.rope.to_dict()
-        data["eos_token_ids"] = list(self.eos_token_ids)
-        return data
-
 
 @dataclass(frozen=True)
 class DraftSpec:
@@ -80,19 +74,10 @@ class DraftSpec:
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
     torch_dtype: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def layer_window(self, layer: int) -> int | None:
         """Attention window of one draft layer (None = unbounded), as the reference applies it."""
         return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else None
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["rope"] = self.rope.to_dict()
-        data.pop("extra")
-        for key in ("target_layer_ids", "layer_types", "causal"):
-            data[key] = list(data[key])
-        return data
 
 
 def read_config_json(model_dir: str | Path, what: str) -> dict[str, Any]:

@@ -35,10 +35,6 @@ class RopeConfig:
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
-    @classmethod
-    def from_dict(cls, data: dict) -> RopeConfig:
-        return cls(**data)
-
 
 def _base_inv_freq(cfg: RopeConfig) -> torch.Tensor:
     exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).to(torch.float32) / cfg.head_dim
