@@ -386,3 +386,30 @@ def test_selftest_comparison_reports_each_disagreement():
         "prompt 0: engine tokens differ from the golden model"]
     assert compare(golden, [[5, 6, 7], [8, 9]], [[1, 2], [2]]) == [
         "prompt 0: acceptance lengths [1, 2] != golden [2, 1]"]
+
+
+def test_selftest_bench_run_is_one_trtllm_bench_point(tmp_path: Path):
+    """The self-test's short benchmark: the exact trtllm-bench command, a dataset in its format, a parsed record."""
+    import json
+    import shutil
+
+    from dflash_trt.commands.selftest import bench_once
+
+    recorded = Path(__file__).parent / "data" / "trtllm_bench" / "dflash_c4_streaming.json"
+    seen = {}
+
+    def fake_trtllm_bench(cmd, log_path):
+        seen["cmd"] = cmd
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(recorded, cmd[cmd.index("--report_json") + 1])
+        return 0
+
+    record = bench_once(tmp_path / "engine", tmp_path / "ckpt", [[5, 6, 7], [8, 9]], 32, tmp_path, fake_trtllm_bench)
+    cmd = seen["cmd"]
+    assert cmd[:3] == ["trtllm-bench", "--model", str(tmp_path / "ckpt")]
+    assert cmd[cmd.index("--backend") + 1] == "tensorrt" and cmd[cmd.index("--concurrency") + 1] == "1"
+    assert cmd[cmd.index("--engine_dir") + 1] == str(tmp_path / "engine")
+    lines = [json.loads(line) for line in (tmp_path / "bench_dataset.jsonl").read_text().splitlines()]
+    assert lines == [{"task_id": 0, "input_ids": [5, 6, 7], "output_tokens": 32},
+                     {"task_id": 1, "input_ids": [8, 9], "output_tokens": 32}]
+    assert record["status"] == "ok" and record["concurrency"] == 1

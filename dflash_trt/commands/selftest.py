@@ -2,7 +2,8 @@
 
 Converts the embedded tiny trained pair, builds its engine with TensorRT-LLM 1.2.x (plugin library required),
 runs held-out prompts through `ModelRunnerCpp` in EAGLE mode and through the golden model, and fails unless every
-token and every per-step acceptance length agree. Greedy decoding, the engine's only mode.
+token and every per-step acceptance length agree; then a short `trtllm-bench` run of the same engine reports its
+speed and acceptance. Greedy decoding, the engine's only mode.
 """
 
 from __future__ import annotations
@@ -61,6 +62,21 @@ def engine_generate(engine_dir: Path, plugin_library: str, prompts: list[list[in
     return tokens, acceptance
 
 
+def bench_once(engine_dir: Path, tokenizer_dir: Path, prompts: list[list[int]], max_new_tokens: int, out: Path,
+               runner=None) -> dict:
+    """A short `trtllm-bench --backend tensorrt` run of the engine (concurrency 1, the same prompts): its sweep
+    record (output tok/s, TPOT, acceptance) or, when trtllm-bench fails, the failure it recorded."""
+    from dflash_trt.perf.sweep import EngineEntry, SweepConfig, run_point, subprocess_runner
+
+    dataset = out / "bench_dataset.jsonl"
+    dataset.write_text("".join(json.dumps({"task_id": i, "input_ids": p, "output_tokens": max_new_tokens}) + "\n"
+                               for i, p in enumerate(prompts)))
+    engine = EngineEntry("dflash", "dflash", str(engine_dir))
+    config = SweepConfig(model=str(tokenizer_dir), dataset=str(dataset), concurrency=(1,), engines=(engine,),
+                         output_dir=str(out / "bench"), num_requests=len(prompts))
+    return run_point(config, engine, 1, runner or subprocess_runner)
+
+
 def compare(golden, tokens: list[list[int]], acceptance: list[list[int]]) -> list[str]:
     """One line per disagreement between the golden results and the engine's tokens / acceptance lengths."""
     problems = []
@@ -102,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
     problems = compare(golden, tokens, acceptance)
     report = {"engine_dir": str(engine_dir), "prompts": len(prompts), "identical": not problems,
               "problems": problems,
-              "mean_acceptance_length": sum(map(sum, acceptance)) / max(sum(map(len, acceptance)), 1)}
+              "mean_acceptance_length": sum(map(sum, acceptance)) / max(sum(map(len, acceptance)), 1),
+              "trtllm_bench": bench_once(engine_dir, checkpoint, prompts, args.max_new_tokens, out)}
     (out / "selftest.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report) if args.json else
           f"{len(prompts)} prompts: engine {'matches' if not problems else 'DIFFERS FROM'} the golden model "
