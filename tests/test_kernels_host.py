@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _kv_problems import ROPES, assert_pools_match, paged_problem
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,7 +20,7 @@ from dflash_trt.reference.kv_injection import (
     kv_injection,
     to_cache_dtype,
 )
-from dflash_trt.reference.rope import RopeConfig, inv_freq_and_scale
+from dflash_trt.reference.rope import inv_freq_and_scale
 
 PLUGINS = Path(__file__).resolve().parents[1] / "plugins"
 CUDA_INCLUDE = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"
@@ -106,12 +107,6 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return t.data_ptr()
 
 
-ROPES = {
-    "default": lambda d: RopeConfig(head_dim=d, theta=1_000_000.0),
-    "llama3": lambda d: RopeConfig(d, 500_000.0, "llama3", factor=8.0, original_max_position_embeddings=8192),
-    "yarn": lambda d: RopeConfig(d, 1_000_000.0, "yarn", factor=4.0, original_max_position_embeddings=32768),
-}
-
 CASES = [
     # input dtype, cache dtype, rope, kv heads, head dim, draft layers, tokens, tokens per block
     (torch.bfloat16, torch.bfloat16, "default", 8, 128, 1, 7, 32),
@@ -125,7 +120,7 @@ CASES = [
 
 def _paged_problem(gen, heads, head_dim, layers, tokens, tpb, cache_dtype, secondary: bool):
     """Random sequences/positions (some large), distinct destinations, sparse block table over a shared pool."""
-    seqs, layers_in_pool, first_layer = 3, layers + 2, 2
+    seqs = 3
     max_blocks = (130_000 + tpb - 1) // tpb
     pairs: dict[tuple[int, int], None] = {}
     while len(pairs) < tokens:
@@ -135,30 +130,9 @@ def _paged_problem(gen, heads, head_dim, layers, tokens, tpb, cache_dtype, secon
         )
     seq_slots = torch.tensor([s for s, _ in pairs], dtype=torch.int32)
     positions = torch.tensor([p for _, p in pairs], dtype=torch.int32)
-    used = sorted({(int(s), int(p) // tpb) for s, p in zip(seq_slots, positions, strict=True)})
-    physical = torch.randperm(len(used) + 3, generator=gen)[: len(used)] + 1
-    table = torch.zeros(seqs, max_blocks, dtype=torch.int64)
-    for (s, page), block in zip(used, physical, strict=True):
-        table[s, page] = block
-    raw = table * layers_in_pool * 2
-    block_offsets = torch.stack([raw, raw + 1], dim=1)
-    if secondary:
-        block_offsets[seqs - 1] |= SECONDARY_POOL_FLAG
-    block_offsets = (block_offsets & 0xFFFFFFFF).to(torch.int64)
-    block_offsets = torch.where(block_offsets >= 2**31, block_offsets - 2**32, block_offsets).to(torch.int32)
-    layout = PagedKVCacheLayout(heads, head_dim, tpb, max_blocks, layer_idx_in_pool=first_layer)
-    pool_shape = (len(used) + 4, layers_in_pool, 2, heads, tpb, head_dim)
-    pool = torch.randn(pool_shape, generator=gen).to(cache_dtype)
-    return layout, block_offsets.contiguous(), seq_slots, positions, pool
-
-
-def _assert_pools_match(got: torch.Tensor, want: torch.Tensor, cache_dtype: torch.dtype) -> None:
-    """Both round float32 once; float32 results may differ in the last bits, so allow one step of the cache type."""
-    bits = torch.uint8 if cache_dtype == torch.float8_e4m3fn else torch.int16
-    exact = (got.view(bits) == want.view(bits)).float().mean().item()
-    assert exact > 0.99, f"only {exact:.4f} of the cache matches bit for bit"
-    rtol = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float8_e4m3fn: 2**-3}[cache_dtype]
-    torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=1e-6)
+    layout, offsets, pool = paged_problem(gen, seq_slots, positions, seqs, max_blocks, heads, head_dim, layers, tpb,
+                                          cache_dtype, secondary, first_layer=2, spare_blocks=3)
+    return layout, offsets, seq_slots, positions, pool
 
 
 @pytest.mark.parametrize("secondary", [False, True])
@@ -222,9 +196,9 @@ def test_host_injection_matches_reference(
         attention_scaling,
     )
     assert got == written == int(valid.sum())
-    _assert_pools_match(pool, want_primary, cache_dtype)
+    assert_pools_match(pool, want_primary, cache_dtype)
     if secondary:
-        _assert_pools_match(secondary_pool, want_secondary, cache_dtype)
+        assert_pools_match(secondary_pool, want_secondary, cache_dtype)
 
 
 @settings(max_examples=40, deadline=None)

@@ -6,19 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from _kv_problems import ROPES, assert_pools_match, paged_problem
 
-from dflash_trt.reference.kv_injection import SECONDARY_POOL_FLAG, PagedKVCacheLayout, kv_injection
-from dflash_trt.reference.rope import RopeConfig, inv_freq_and_scale
+from dflash_trt.reference.kv_injection import kv_injection
+from dflash_trt.reference.rope import inv_freq_and_scale
 
 pytestmark = pytest.mark.gpu
 
 PLUGINS = Path(__file__).resolve().parents[2] / "plugins"
-
-ROPES = {
-    "default": lambda d: RopeConfig(head_dim=d, theta=1_000_000.0),
-    "llama3": lambda d: RopeConfig(d, 500_000.0, "llama3", factor=8.0, original_max_position_embeddings=8192),
-    "yarn": lambda d: RopeConfig(d, 1_000_000.0, "yarn", factor=4.0, original_max_position_embeddings=32768),
-}
 
 CASES = [
     # input dtype, cache dtype, rope, kv heads, head dim, draft layers, tokens, tokens per block
@@ -46,33 +41,15 @@ def ext():
 
 def _problem(gen, heads, head_dim, layers, tokens, tpb, cache_dtype, secondary: bool):
     """Distinct (sequence, position) destinations (far out for small cases); a sparse block table, one pool."""
-    seqs, layers_in_pool, first_layer = 4, layers + 1, 1
+    seqs = 4
     span = 70_000 if tokens <= 100 else 1024
     max_blocks = (span + tpb - 1) // tpb
     flat = torch.randperm(seqs * max_blocks * tpb, generator=gen)[:tokens]
     seq_slots = (flat // (max_blocks * tpb)).to(torch.int32)
     positions = (flat % (max_blocks * tpb)).to(torch.int32)
-    used = sorted({(int(s), int(p) // tpb) for s, p in zip(seq_slots, positions, strict=True)})
-    physical = torch.randperm(len(used) + 5, generator=gen)[: len(used)] + 1
-    table = torch.zeros(seqs, max_blocks, dtype=torch.int64)
-    for (s, page), block in zip(used, physical, strict=True):
-        table[s, page] = block
-    raw = table * layers_in_pool * 2
-    offsets = torch.stack([raw, raw + 1], dim=1)
-    if secondary:
-        offsets[seqs - 1] |= SECONDARY_POOL_FLAG
-    offsets = torch.where(offsets >= 2**31, offsets - 2**32, offsets).to(torch.int32).contiguous()
-    layout = PagedKVCacheLayout(heads, head_dim, tpb, max_blocks, layer_idx_in_pool=first_layer)
-    pool = torch.randn(len(used) + 6, layers_in_pool, 2, heads, tpb, head_dim, generator=gen).to(cache_dtype)
+    layout, offsets, pool = paged_problem(gen, seq_slots, positions, seqs, max_blocks, heads, head_dim, layers, tpb,
+                                          cache_dtype, secondary, first_layer=1, spare_blocks=5)
     return layout, offsets, seq_slots, positions, pool
-
-
-def _assert_pools_match(got: torch.Tensor, want: torch.Tensor, cache_dtype: torch.dtype) -> None:
-    bits = torch.uint8 if cache_dtype == torch.float8_e4m3fn else torch.int16
-    exact = (got.view(bits) == want.view(bits)).float().mean().item()
-    assert exact > 0.99, f"only {exact:.4f} of the cache matches bit for bit"
-    rtol = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float8_e4m3fn: 2**-3}[cache_dtype]
-    torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=1e-6)
 
 
 @pytest.mark.parametrize("secondary", [False, True])
@@ -129,6 +106,6 @@ def test_kernel_matches_reference(
         attention_scaling,
     )
     torch.cuda.synchronize()
-    _assert_pools_match(got_primary.cpu(), want_primary, cache_dtype)
+    assert_pools_match(got_primary.cpu(), want_primary, cache_dtype)
     if secondary:
-        _assert_pools_match(got_secondary.cpu(), want_secondary, cache_dtype)
+        assert_pools_match(got_secondary.cpu(), want_secondary, cache_dtype)
