@@ -125,6 +125,12 @@ def word_list(token_words: list[list[list[int]]]) -> np.ndarray:
     return out
 
 
+def model_parameters(model_config_json: str) -> dict[str, str]:
+    """The string parameters of a model's config, from the JSON Triton's Python backend hands to `initialize`."""
+    config = json.loads(model_config_json)
+    return {key: value["string_value"] for key, value in config["parameters"].items()}
+
+
 class Preprocessor:
     """Request text and options -> the `tensorrt_llm` model's inputs, refusing what the engine cannot honour."""
 
@@ -143,6 +149,16 @@ class Preprocessor:
     @classmethod
     def from_dir(cls, tokenizer_dir: str, **kwargs) -> Preprocessor:
         return cls(load_tokenizer(tokenizer_dir), extra_stop_ids=generation_eos_ids(tokenizer_dir), **kwargs)
+
+    @classmethod
+    def from_parameters(cls, params: dict[str, str]) -> Preprocessor:
+        """From the string parameters our config.pbtxt gives the preprocessing and BLS models."""
+        return cls.from_dir(
+            params["tokenizer_dir"],
+            add_special_tokens=params["add_special_tokens"] == "true",
+            max_input_len=int(params["max_input_len"]),
+            max_temperature=float(params["max_temperature"]),
+        )
 
     def check_temperature(self, temperature: np.ndarray | None) -> None:
         if temperature is None:

@@ -3,8 +3,6 @@
 Runs inside Triton's Python backend; all logic lives in `dflash_processing.py` next to this file.
 """
 
-import json
-
 import numpy as np
 import triton_python_backend_utils as pb_utils
 from dflash_processing import (
@@ -15,19 +13,14 @@ from dflash_processing import (
     SPEC_METRICS,
     BlsRequest,
     Preprocessor,
+    model_parameters,
 )
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        params = {key: value["string_value"] for key, value in config["parameters"].items()}
-        self.preprocessor = Preprocessor.from_dir(
-            params["tokenizer_dir"],
-            add_special_tokens=params["add_special_tokens"] == "true",
-            max_input_len=int(params["max_input_len"]),
-            max_temperature=float(params["max_temperature"]),
-        )
+        params = model_parameters(args["model_config"])
+        self.preprocessor = Preprocessor.from_parameters(params)
         self.skip_special_tokens = params["skip_special_tokens"] == "true"
         self.llm_model = params["tensorrt_llm_model_name"]
 

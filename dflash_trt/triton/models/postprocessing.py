@@ -3,16 +3,13 @@
 Runs inside Triton's Python backend; all logic lives in `dflash_processing.py` next to this file.
 """
 
-import json
-
 import triton_python_backend_utils as pb_utils
-from dflash_processing import SEQUENCE_LENGTH, TOKENS_BATCH, Postprocessor
+from dflash_processing import SEQUENCE_LENGTH, TOKENS_BATCH, Postprocessor, model_parameters
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        params = {key: value["string_value"] for key, value in config["parameters"].items()}
+        params = model_parameters(args["model_config"])
         self.postprocessor = Postprocessor.from_dir(
             params["tokenizer_dir"], skip_special_tokens=params["skip_special_tokens"] == "true"
         )

@@ -3,8 +3,6 @@
 Runs inside Triton's Python backend; all logic lives in `dflash_processing.py` next to this file.
 """
 
-import json
-
 import triton_python_backend_utils as pb_utils
 from dflash_processing import (
     BAD_WORDS,
@@ -15,6 +13,7 @@ from dflash_processing import (
     STOP_WORDS,
     TEMPERATURE,
     Preprocessor,
+    model_parameters,
 )
 
 INPUTS = (QUERY, REQUEST_OUTPUT_LEN, TEMPERATURE, END_ID, PAD_ID, STOP_WORDS, BAD_WORDS)
@@ -22,14 +21,8 @@ INPUTS = (QUERY, REQUEST_OUTPUT_LEN, TEMPERATURE, END_ID, PAD_ID, STOP_WORDS, BA
 
 class TritonPythonModel:
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        params = {key: value["string_value"] for key, value in config["parameters"].items()}
-        self.preprocessor = Preprocessor.from_dir(
-            params["tokenizer_dir"],
-            add_special_tokens=params["add_special_tokens"] == "true",
-            max_input_len=int(params["max_input_len"]),
-            max_temperature=float(params["max_temperature"]),
-        )
+        params = model_parameters(args["model_config"])
+        self.preprocessor = Preprocessor.from_parameters(params)
 
     def execute(self, requests):
         responses = []
