@@ -20,6 +20,21 @@ BLOCK_SIZE = 16
 TARGET_LAYER_IDS = [1, 3]
 
 
+# Attention and block shapes the target and the drafter share (the drafter reuses the target's embeddings).
+SHARED = dict(
+    num_attention_heads=NUM_HEADS,
+    num_key_value_heads=NUM_KV_HEADS,
+    head_dim=HEAD_DIM,
+    hidden_act="silu",
+    max_position_embeddings=MAX_POSITIONS,
+    rms_norm_eps=RMS_NORM_EPS,
+    rope_theta=ROPE_THETA,
+    tie_word_embeddings=False,
+    attention_bias=False,
+    dtype="float32",
+)
+
+
 def target_config(eos_token_id: int, pad_token_id: int) -> Qwen3Config:
     return Qwen3Config(
         architectures=["Qwen3ForCausalLM"],
@@ -27,19 +42,10 @@ def target_config(eos_token_id: int, pad_token_id: int) -> Qwen3Config:
         hidden_size=HIDDEN_SIZE,
         intermediate_size=INTERMEDIATE_SIZE,
         num_hidden_layers=TARGET_LAYERS,
-        num_attention_heads=NUM_HEADS,
-        num_key_value_heads=NUM_KV_HEADS,
-        head_dim=HEAD_DIM,
-        hidden_act="silu",
-        max_position_embeddings=MAX_POSITIONS,
-        rms_norm_eps=RMS_NORM_EPS,
-        rope_theta=ROPE_THETA,
-        tie_word_embeddings=False,
-        attention_bias=False,
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         bos_token_id=eos_token_id,
-        dtype="float32",
+        **SHARED,
     )
 
 
@@ -51,17 +57,8 @@ def draft_config(target: Qwen3Config, mask_token_id: int) -> Qwen3Config:
         hidden_size=target.hidden_size,
         intermediate_size=INTERMEDIATE_SIZE,
         num_hidden_layers=DRAFT_LAYERS,
-        num_attention_heads=NUM_HEADS,
-        num_key_value_heads=NUM_KV_HEADS,
-        head_dim=HEAD_DIM,
-        hidden_act="silu",
-        max_position_embeddings=MAX_POSITIONS,
-        rms_norm_eps=RMS_NORM_EPS,
-        rope_theta=ROPE_THETA,
-        tie_word_embeddings=False,
-        attention_bias=False,
         num_target_layers=target.num_hidden_layers,
         block_size=BLOCK_SIZE,
         dflash_config={"mask_token_id": mask_token_id, "target_layer_ids": list(TARGET_LAYER_IDS)},
-        dtype="float32",
+        **SHARED,
     )
