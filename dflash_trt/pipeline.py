@@ -155,7 +155,7 @@ def convert_command(profile: BuildProfile, target: Path, draft: Path, output: Pa
 def planned_checkpoint_config(profile: BuildProfile, target: Path, draft: Path) -> dict:
     """The config.json the checkpoint stage will write, so the engine can be planned before converting."""
     from dflash_trt.checkpoint.trtllm_config import checkpoint_config
-    from dflash_trt.quant.formats import quantization_config
+    from dflash_trt.quant_formats import quantization_config
     from dflash_trt.spec import load_draft_spec, load_target_spec
 
     target_spec = load_target_spec(target)
@@ -228,7 +228,7 @@ def stages(inp: PipelineInputs) -> list[Stage]:
     })
 
     def run_checkpoint() -> None:
-        from dflash_trt.checkpoint.convert import convert_checkpoint
+        from dflash_trt.conversion.convert import convert_checkpoint
 
         convert_checkpoint(inp.target, inp.draft, ws.checkpoint, dtype=profile.checkpoint.dtype,
                 tp_size=profile.checkpoint.tp_size, overwrite=True, show_progress=True, **quant)

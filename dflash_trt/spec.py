@@ -14,7 +14,7 @@ from typing import Any
 
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import read_json_object
-from dflash_trt.reference.rope import SUPPORTED_ROPE_TYPES, RopeConfig
+from dflash_trt.rope import SUPPORTED_ROPE_TYPES, RopeConfig
 
 TARGET_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
 DRAFT_ARCHITECTURE = "DFlashDraftModel"

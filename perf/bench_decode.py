@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_trt.checkpoint.convert import convert_checkpoint
+from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import load_golden_model
 from dflash_trt.reference.stats import mean_acceptance_length

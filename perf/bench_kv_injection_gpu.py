@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from dflash_trt.reference.kv_injection import PagedKVCacheLayout, kv_injection
-from dflash_trt.reference.rope import RopeConfig, inv_freq_and_scale
+from dflash_trt.rope import RopeConfig, inv_freq_and_scale
 
 PLUGINS = Path(__file__).resolve().parents[1] / "plugins"
 HEADS, HEAD_DIM, LAYERS, TOKENS_PER_BLOCK = 8, 128, 5, 32  # Qwen3-8B-sized drafter KV geometry

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from dflash_trt.reference.kv_injection import SECONDARY_POOL_FLAG, PagedKVCacheLayout
-from dflash_trt.reference.rope import RopeConfig
+from dflash_trt.rope import RopeConfig
 
 ROPES = {
     "default": lambda d: RopeConfig(head_dim=d, theta=1_000_000.0),

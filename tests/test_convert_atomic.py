@@ -21,9 +21,9 @@ import pytest
 from _pairs import PairVariant, make_pair
 
 from dflash_trt.checkpoint import safetensors_io
-from dflash_trt.checkpoint.convert import convert_checkpoint
-from dflash_trt.checkpoint.verify import verify_checkpoint
 from dflash_trt.cli import main
+from dflash_trt.conversion.convert import convert_checkpoint
+from dflash_trt.conversion.verify import verify_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND

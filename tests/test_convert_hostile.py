@@ -25,8 +25,8 @@ from _pairs import make_pair
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash_trt.checkpoint.verify import verify_checkpoint
 from dflash_trt.cli import main
+from dflash_trt.conversion.verify import verify_checkpoint
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"

@@ -11,11 +11,11 @@ import torch
 from _pairs import make_pair
 from safetensors.torch import load_file
 
-from dflash_trt.checkpoint import names
-from dflash_trt.checkpoint.convert import convert_checkpoint
-from dflash_trt.checkpoint.verify import verify_checkpoint
+from dflash_trt import tensor_names as names
+from dflash_trt.conversion.convert import convert_checkpoint
+from dflash_trt.conversion.prequantized import fuse_prequantized
+from dflash_trt.conversion.verify import verify_checkpoint
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.quant.prequantized import fuse_prequantized
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import load_golden_model
 

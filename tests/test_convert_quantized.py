@@ -9,10 +9,10 @@ import torch
 from _pairs import PairVariant, make_pair
 from safetensors.torch import load_file, save_file
 
-from dflash_trt.checkpoint import names
-from dflash_trt.checkpoint.convert import convert_checkpoint
-from dflash_trt.checkpoint.verify import verify_checkpoint
+from dflash_trt import tensor_names as names
 from dflash_trt.cli import main
+from dflash_trt.conversion.convert import convert_checkpoint
+from dflash_trt.conversion.verify import verify_checkpoint
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.quant.fp8 import quantize_fp8
 from dflash_trt.quant.nvfp4 import quantize_nvfp4

@@ -6,8 +6,8 @@ import pytest
 from _pairs import PairVariant, make_pair
 from safetensors.torch import load_file, save_file
 
-import dflash_trt.checkpoint.convert as convert
-from dflash_trt.checkpoint.verify import verify_checkpoint
+import dflash_trt.conversion.convert as convert
+from dflash_trt.conversion.verify import verify_checkpoint
 from dflash_trt.errors import DFlashTrtError
 
 

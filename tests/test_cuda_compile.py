@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_trt.reference.rope import RopeConfig
+from dflash_trt.rope import RopeConfig
 from dflash_trt.trtllm import plugin
 
 PLUGINS = Path(__file__).resolve().parents[1] / "plugins"
@@ -134,7 +134,7 @@ def test_plugin_glue_round_trip_against_tensorrt_headers(objects: dict[Path, Pat
 
 def test_plugin_fields_carry_the_rope_table_and_refuse_bad_geometry() -> None:
     from dflash_trt.errors import DFlashTrtError
-    from dflash_trt.reference.rope import inv_freq_and_scale
+    from dflash_trt.rope import inv_freq_and_scale
 
     rope = RopeConfig(128, 1_000_000.0, "yarn", factor=4.0, original_max_position_embeddings=32768)
     args = dict(num_layers=2, num_kv_heads=8, layer_idx_offset=36, eps=1e-6, type_id=7, cache_fp8=True)

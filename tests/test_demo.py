@@ -12,8 +12,8 @@ from google.protobuf import text_format
 from transformers import AutoModelForCausalLM
 from tritonclient.grpc import model_config_pb2
 
-from dflash_trt.checkpoint.convert import convert_checkpoint
 from dflash_trt.cli import main
+from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import load_golden_model
 from dflash_trt.reference.stats import mean_acceptance_length

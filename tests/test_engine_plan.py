@@ -327,7 +327,7 @@ def test_step_bookkeeping_mirrors_the_golden_loop(tmp_path: Path):
     engine's rule gives exactly the golden loop's injected positions, next context length and next anchor."""
     from _pairs import PairVariant, make_pair
 
-    from dflash_trt.checkpoint.convert import convert_checkpoint
+    from dflash_trt.conversion.convert import convert_checkpoint
     from dflash_trt.reference.decode import speculative_generate
     from dflash_trt.reference.model import load_golden_model
 

@@ -21,7 +21,7 @@ from dflash_trt.reference.kv_injection import (
     kv_injection,
     to_cache_dtype,
 )
-from dflash_trt.reference.rope import inv_freq_and_scale
+from dflash_trt.rope import inv_freq_and_scale
 
 PLUGINS = Path(__file__).resolve().parents[1] / "plugins"
 CUDA_INCLUDE = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"

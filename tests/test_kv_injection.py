@@ -18,7 +18,7 @@ from dflash_trt.reference.kv_injection import (
     kv_injection,
     to_cache_dtype,
 )
-from dflash_trt.reference.rope import RopeConfig
+from dflash_trt.rope import RopeConfig
 
 ROPES = {
     "default": (

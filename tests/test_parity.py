@@ -10,7 +10,7 @@ import torch
 from _pairs import PairVariant, make_pair
 from transformers import AutoModelForCausalLM
 
-from dflash_trt.checkpoint.convert import convert_checkpoint
+from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import load_golden_model
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from _pairs import make_pair
 
-from dflash_trt.checkpoint.convert import convert_checkpoint
-from dflash_trt.quant.acceptance import acceptance_table, markdown
+from dflash_trt.conversion.acceptance import acceptance_table, markdown
+from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.reference.model import load_golden_model
 
 pytest.importorskip("modelopt.torch.quantization")

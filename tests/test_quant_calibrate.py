@@ -17,9 +17,9 @@ import pytest
 import torch
 from _pairs import make_pair
 
-from dflash_trt.checkpoint import names
+from dflash_trt import tensor_names as names
+from dflash_trt.conversion import calibrate as cal
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.quant import calibrate as cal
 
 mtq = pytest.importorskip("modelopt.torch.quantization")
 reference = pytest.importorskip("dflash.model")
@@ -39,7 +39,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def golden(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory):
-    from dflash_trt.checkpoint.convert import convert_checkpoint
+    from dflash_trt.conversion.convert import convert_checkpoint
     from dflash_trt.reference.model import load_golden_model
 
     out = tmp_path_factory.mktemp("ckpt") / "fp32"
@@ -134,8 +134,8 @@ def test_drafter_pass_sees_the_quantized_target(golden, qformat: str) -> None:
 
 def test_calibrate_checkpoint_for_the_converter(pair: tuple[Path, Path], tmp_path: Path) -> None:
     """The converter's entry point: prompt file in, scales out; the drafter may use its own format."""
-    from dflash_trt.checkpoint.convert import convert_checkpoint
     from dflash_trt.checkpoint.stored import QuantSettings
+    from dflash_trt.conversion.convert import convert_checkpoint
 
     convert_checkpoint(*pair, tmp_path / "ckpt", dtype="bfloat16")
     dataset = tmp_path / "calib.jsonl"

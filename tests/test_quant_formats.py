@@ -11,9 +11,9 @@ import torch
 from _pairs import make_pair
 from safetensors.torch import load_file
 
-from dflash_trt.checkpoint import names
+from dflash_trt import quant_formats as formats
+from dflash_trt import tensor_names as names
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.quant import formats
 from dflash_trt.quant.fp8 import fp8_activation_scale, kv_cache_scale
 from dflash_trt.quant.nvfp4 import nvfp4_activation_scale
 
@@ -100,7 +100,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def converted(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    from dflash_trt.checkpoint.convert import convert_checkpoint
+    from dflash_trt.conversion.convert import convert_checkpoint
 
     out = tmp_path_factory.mktemp("ckpt") / "bf16"
     convert_checkpoint(*pair, out, dtype="bfloat16")

@@ -26,9 +26,9 @@ import torch
 from _pairs import make_pair
 from safetensors.torch import save_file
 
-from dflash_trt.checkpoint.convert import convert_checkpoint
-from dflash_trt.quant import calibrate as cal
-from dflash_trt.quant import formats
+from dflash_trt import quant_formats as formats
+from dflash_trt.conversion import calibrate as cal
+from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import load_golden_model, load_rank_tensors
 

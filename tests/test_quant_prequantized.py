@@ -16,17 +16,17 @@ import torch
 from _pairs import make_pair
 from safetensors.torch import load_file
 
-from dflash_trt.checkpoint import names
-from dflash_trt.errors import DFlashTrtError
-from dflash_trt.quant.formats import quantize_tensors
-from dflash_trt.quant.fp8 import dequantize_fp8, quantize_fp8
-from dflash_trt.quant.nvfp4 import quantize_nvfp4, quantize_nvfp4_shared
-from dflash_trt.quant.prequantized import (
+from dflash_trt import tensor_names as names
+from dflash_trt.conversion.prequantized import (
     fuse_prequantized,
     prequantized_kv_cache_scale,
     prequantized_layer_tensors,
     read_hf_quant_config,
 )
+from dflash_trt.errors import DFlashTrtError
+from dflash_trt.quant.fp8 import dequantize_fp8, quantize_fp8
+from dflash_trt.quant.nvfp4 import quantize_nvfp4, quantize_nvfp4_shared
+from dflash_trt.quant_formats import quantize_tensors
 
 mtq = pytest.importorskip("modelopt.torch.quantization")
 
@@ -109,7 +109,7 @@ def test_fp8_prequantized_fuses_within_one_rounding(target_dir: Path, tmp_path: 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_nvfp4_layers_carry_over_as_our_own_quantization(pair: tuple[Path, Path], tmp_path: Path) -> None:
     """Whole layers: every weight-side tensor equals quantizing our bf16 conversion of the same target."""
-    from dflash_trt.checkpoint.convert import convert_checkpoint
+    from dflash_trt.conversion.convert import convert_checkpoint
 
     _, exported = _export(pair[0], "nvfp4", tmp_path / "hf")
     fmt = read_hf_quant_config(tmp_path / "hf")

@@ -8,7 +8,7 @@ import torch
 from _pairs import PairVariant, make_pair
 from scipy.stats import chisquare
 
-from dflash_trt.checkpoint.convert import convert_checkpoint
+from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import load_golden_model

@@ -13,7 +13,7 @@ from transformers import Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.reference.rope import inv_freq_and_scale
+from dflash_trt.rope import inv_freq_and_scale
 from dflash_trt.spec import (
     build_target_layer_ids,
     load_draft_spec,

@@ -18,9 +18,9 @@ from _pairs import PairVariant, make_pair
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from dflash_trt.checkpoint.convert import convert_checkpoint
 from dflash_trt.checkpoint.sharding import HeadLayout, check_tp
 from dflash_trt.cli import main
+from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import load_golden_model

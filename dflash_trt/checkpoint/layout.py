@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_trt.checkpoint import names
+from dflash_trt import tensor_names as names
 from dflash_trt.checkpoint.sharding import HeadLayout, Split
 from dflash_trt.spec import DraftSpec, TargetSpec
 

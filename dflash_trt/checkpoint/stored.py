@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_trt.checkpoint import names
+from dflash_trt import tensor_names as names
 from dflash_trt.checkpoint.layout import OutputTensor, stored_split
 from dflash_trt.checkpoint.sharding import Split, shard, sharded_shape
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.quant.formats import (
+from dflash_trt.quant_formats import (
     FP8,
     KV_CACHE_DTYPES,
     NONE,

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.quant.formats import NONE, quantization_config
-from dflash_trt.reference.rope import RopeConfig
+from dflash_trt.quant_formats import NONE, quantization_config
+from dflash_trt.rope import RopeConfig
 from dflash_trt.spec import DraftSpec, TargetSpec, check_dimension
 
 ARCHITECTURE = "DFlashForCausalLM"

@@ -11,8 +11,8 @@ import json
 import sys
 import time
 
-from dflash_trt.checkpoint.convert import TORCH_DTYPES, convert_checkpoint
-from dflash_trt.quant.formats import KV_CACHE_DTYPES, NONE, QFORMATS
+from dflash_trt.conversion.convert import TORCH_DTYPES, convert_checkpoint
+from dflash_trt.quant_formats import KV_CACHE_DTYPES, NONE, QFORMATS
 
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from dflash_trt.checkpoint.convert import convert_checkpoint
-from dflash_trt.checkpoint.verify import verify_checkpoint
+from dflash_trt.conversion.convert import convert_checkpoint
+from dflash_trt.conversion.verify import verify_checkpoint
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.quant.formats import FP8, NVFP4
+from dflash_trt.quant_formats import FP8, NVFP4
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import load_golden_model
 from dflash_trt.reference.stats import mean_acceptance_length, per_position_acceptance

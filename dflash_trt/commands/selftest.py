@@ -89,7 +89,7 @@ def compare(golden, tokens: list[list[int]], acceptance: list[list[int]]) -> lis
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash_trt.checkpoint.convert import convert_checkpoint
+    from dflash_trt.conversion.convert import convert_checkpoint
     from dflash_trt.reference.decode import speculative_generate
     from dflash_trt.reference.model import load_golden_model
     from dflash_trt.tiny.heldout import draft_dir, load_heldout, target_dir

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from dflash_trt.checkpoint.verify import verify_checkpoint
+from dflash_trt.conversion.verify import verify_checkpoint
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

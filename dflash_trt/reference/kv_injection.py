@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.reference.rope import RopeConfig, apply_rope, rope_cos_sin
+from dflash_trt.rope import RopeConfig, apply_rope, rope_cos_sin
 
 CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 FP8_E4M3_MAX = 448.0

@@ -14,18 +14,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dflash_trt.checkpoint import names
+from dflash_trt import tensor_names as names
 from dflash_trt.checkpoint.layout import checkpoint_layout, stored_split
 from dflash_trt.checkpoint.safetensors_io import SafetensorsFile
 from dflash_trt.checkpoint.sharding import merge
 from dflash_trt.checkpoint.trtllm_config import specs_from_config
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import read_json_object
-from dflash_trt.quant.formats import NONE
+from dflash_trt.quant_formats import NONE
 from dflash_trt.reference.kv_injection import injected_kv
 from dflash_trt.reference.norm import rms_norm
 from dflash_trt.reference.quantized import dequantized_weight, fake_quantize_fp8, fake_quantize_input, weight_format
-from dflash_trt.reference.rope import apply_rope, rope_cos_sin
+from dflash_trt.rope import apply_rope, rope_cos_sin
 from dflash_trt.spec import DraftSpec, TargetSpec
 
 Observer = Callable[[str, torch.Tensor], None]

@@ -17,7 +17,7 @@ from dflash_trt import __version__
 from dflash_trt.checkpoint.trtllm_config import ARCHITECTURE, specs_from_config
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import read_json_object
-from dflash_trt.reference.rope import RopeConfig
+from dflash_trt.rope import RopeConfig
 from dflash_trt.spec import SLIDING_ATTENTION, TARGET_ARCHITECTURES
 from dflash_trt.trtllm.plugin import LIBRARY_ENV, PLUGIN_NAMESPACE, default_library_path
 

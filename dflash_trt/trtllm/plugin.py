@@ -16,7 +16,7 @@
         num_layers, num_kv_heads, head_dim,   # per rank (KV heads after TP)
         layer_idx_offset,             # model layer index of draft layer 0 (= target num_hidden_layers)
         tokens_per_block,             # the engine's paged-KV block size (power of two)
-        rope,                         # dflash_trt.reference.rope.RopeConfig of the drafter
+        rope,                         # dflash_trt.rope.RopeConfig of the drafter
         eps,                          # k_norm epsilon
         kv_scale_orig_quant=None,     # float32 [1]: FP8 KV cache when given (1 / kv_cache_scaling_factor)
     ) -> Tensor                       # the copy of `passthrough`
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.reference.rope import RopeConfig, inv_freq_and_scale
+from dflash_trt.rope import RopeConfig, inv_freq_and_scale
 
 PLUGIN_NAME = "DFlashKVInjection"
 PLUGIN_VERSION = "1"

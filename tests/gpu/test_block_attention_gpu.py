@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dflash_trt.reference.kv_injection import PagedKVCacheLayout, kv_injection
-from dflash_trt.reference.rope import RopeConfig, apply_rope, rope_cos_sin
+from dflash_trt.rope import RopeConfig, apply_rope, rope_cos_sin
 
 pytestmark = [pytest.mark.gpu, pytest.mark.trtllm]
 

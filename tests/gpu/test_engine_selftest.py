@@ -49,7 +49,7 @@ def plugin_library(workdir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from dflash_trt.checkpoint.convert import convert_checkpoint
+    from dflash_trt.conversion.convert import convert_checkpoint
     from dflash_trt.trtllm.build import run_engine_build
     from dflash_trt.trtllm.build_plan import EngineBuildSettings, plan_engine_build
 

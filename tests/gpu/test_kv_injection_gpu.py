@@ -9,7 +9,7 @@ import torch
 from _kv_problems import ROPES, assert_pools_match, paged_problem
 
 from dflash_trt.reference.kv_injection import kv_injection
-from dflash_trt.reference.rope import inv_freq_and_scale
+from dflash_trt.rope import inv_freq_and_scale
 
 pytestmark = pytest.mark.gpu
 

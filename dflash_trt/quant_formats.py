@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from dflash_trt.checkpoint import names
+from dflash_trt import tensor_names as names
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.quant.fp8 import fp8_amax, fp8_weight_scale, quantize_fp8
 from dflash_trt.quant.nvfp4 import NVFP4_BLOCK_SIZE, check_nvfp4_in_features, nvfp4_global_scale, quantize_nvfp4

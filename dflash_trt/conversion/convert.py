@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dflash_trt.checkpoint import prequantized_input
 from dflash_trt.checkpoint.atomic import atomic_directory, check_destination
 from dflash_trt.checkpoint.hf_reader import HFCheckpointReader
 from dflash_trt.checkpoint.layout import DRAFT, TARGET, OutputTensor, checkpoint_layout, target_heads
@@ -27,9 +26,10 @@ from dflash_trt.checkpoint.safetensors_io import SafetensorsFile, StreamingSafet
 from dflash_trt.checkpoint.sharding import Split, check_tp, pad_vocab_size
 from dflash_trt.checkpoint.stored import QuantSettings, kv_scale_name, rank_pieces, rank_stored, stored_entries
 from dflash_trt.checkpoint.trtllm_config import checkpoint_config
+from dflash_trt.conversion import prequantized_input
+from dflash_trt.conversion.prequantized import PrequantizedFormat, read_hf_quant_config
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.quant.formats import FP8, NONE, check_quantizable, quantized_linear
-from dflash_trt.quant.prequantized import PrequantizedFormat, read_hf_quant_config
+from dflash_trt.quant_formats import FP8, NONE, check_quantizable, quantized_linear
 from dflash_trt.spec import (
     DraftSpec,
     TargetSpec,
@@ -334,7 +334,7 @@ def calibrated_scales(
     calib_size: int, calib_max_seq_len: int,
 ) -> dict[str, torch.Tensor]:
     """Activation and KV scales from the golden model of the unquantized conversion, run over calibration prompts."""
-    from dflash_trt.quant.calibrate import calibrate_checkpoint
+    from dflash_trt.conversion.calibrate import calibrate_checkpoint
 
     if not calib_dataset.is_file():
         raise DFlashTrtError(f"calibration dataset {calib_dataset} does not exist")

@@ -11,17 +11,17 @@ from pathlib import Path
 
 import torch
 
-from dflash_trt.checkpoint import names
-from dflash_trt.checkpoint.convert import TORCH_DTYPES, ConversionPlan, check_sources, rank_file, rank_tensors
+from dflash_trt import tensor_names as names
 from dflash_trt.checkpoint.hf_reader import HFCheckpointReader
 from dflash_trt.checkpoint.layout import DRAFT, TARGET
 from dflash_trt.checkpoint.safetensors_io import SafetensorsFile
 from dflash_trt.checkpoint.sharding import pad_vocab_size
 from dflash_trt.checkpoint.stored import QuantSettings, stored_entries
 from dflash_trt.checkpoint.trtllm_config import checkpoint_config
+from dflash_trt.conversion.convert import TORCH_DTYPES, ConversionPlan, check_sources, rank_file, rank_tensors
+from dflash_trt.conversion.prequantized import read_hf_quant_config
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import read_json_object
-from dflash_trt.quant.prequantized import read_hf_quant_config
 from dflash_trt.spec import load_draft_spec, load_target_spec
 
 

@@ -6,7 +6,7 @@ decoding loop on `--calib_dataset`, the drafter on the quantized target's featur
 the report gives the mean acceptance length (tokens per target step, bonus included) and the fraction of
 sequences whose output is still the unquantized pair's.
 
-    python -m dflash_trt.quant.acceptance [--model_dir T --dflash_model_dir D --calib_dataset FILE.jsonl]
+    python -m dflash_trt.conversion.acceptance [--model_dir T --dflash_model_dir D --calib_dataset FILE.jsonl]
         [--prompts FILE.jsonl] [--limit N] [--calib_size 32] [--max_new_tokens 64] [--dtype bfloat16] [--json]
 
 Defaults are the embedded tiny pair, its held-out prompts, and calibration prompts from its corpus's training
@@ -22,9 +22,9 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dflash_trt.conversion.calibrate import CALIBRATION_NEW_TOKENS, calibrate_pair, quantized_model
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.quant.calibrate import CALIBRATION_NEW_TOKENS, calibrate_pair, quantized_model
-from dflash_trt.quant.formats import FP8, NONE, NVFP4
+from dflash_trt.quant_formats import FP8, NONE, NVFP4
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.stats import mean_acceptance_length
 
@@ -78,7 +78,7 @@ def markdown(rows: list[AcceptanceRow]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_trt.checkpoint.convert import convert_checkpoint
+    from dflash_trt.conversion.convert import convert_checkpoint
     from dflash_trt.prompts import read_prompts
     from dflash_trt.reference.model import load_golden_model
     from dflash_trt.tiny.corpus import generate as generate_problems

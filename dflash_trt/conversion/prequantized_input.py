@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from dflash_trt.checkpoint import names
+from dflash_trt import tensor_names as names
 from dflash_trt.checkpoint.hf_reader import HFCheckpointReader
 from dflash_trt.checkpoint.layout import OutputTensor
 from dflash_trt.checkpoint.stored import QuantSettings
-from dflash_trt.errors import DFlashTrtError
-from dflash_trt.quant.formats import NONE, NVFP4, quantized_linear
-from dflash_trt.quant.prequantized import (
+from dflash_trt.conversion.prequantized import (
     HF_INPUT_SCALE,
     HF_WEIGHT_SCALE,
     HF_WEIGHT_SCALE_2,
@@ -23,6 +21,8 @@ from dflash_trt.quant.prequantized import (
     hf_members,
     prequantized_module_tensors,
 )
+from dflash_trt.errors import DFlashTrtError
+from dflash_trt.quant_formats import NONE, NVFP4, quantized_linear
 from dflash_trt.spec import TargetSpec
 
 HF_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
