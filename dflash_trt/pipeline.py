@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import math
 import shlex
 import sys
 import tempfile
@@ -23,7 +24,14 @@ from pathlib import Path
 from dflash_trt import __version__
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.profiles import BuildProfile, check_against_checkpoints, load_profile, resolve_model_dir
-from dflash_trt.trtllm.build_plan import EngineBuildPlan, EngineBuildSettings, plan_engine_build, settings_dict
+from dflash_trt.triton.repository import RepositorySettings
+from dflash_trt.trtllm.build_plan import (
+    SAMPLING_POLICY,
+    EngineBuildPlan,
+    EngineBuildSettings,
+    plan_engine_build,
+    settings_dict,
+)
 from dflash_trt.trtllm.plugin import LIBRARY_ENV
 
 STAGE_RECORD = ".dflash_stage.json"
@@ -122,6 +130,28 @@ def engine_settings(profile: BuildProfile) -> EngineBuildSettings:
         use_paged_context_fmha=eng.use_paged_context_fmha,
         use_fp8_context_fmha=eng.use_fp8_context_fmha,
         multiple_profiles=eng.multiple_profiles,
+    )
+
+
+def serving_settings(profile: BuildProfile) -> dict:
+    """The Triton repository's serving knobs: the profile's `serving` section, field for field."""
+    return profile.serving.model_dump()
+
+
+def settings_from_profile(profile: BuildProfile, engine_dir: str | Path, tokenizer_dir: str | Path,
+                          plugin_library: str | Path) -> RepositorySettings:
+    """Settings for the engine a build profile will produce, so the repository can be reviewed before the build."""
+    eng = profile.engine
+    return RepositorySettings(
+        engine_dir=str(Path(engine_dir).absolute()),
+        tokenizer_dir=str(Path(tokenizer_dir).absolute()),
+        plugin_library=str(Path(plugin_library).absolute()),
+        max_batch_size=eng.max_batch_size,
+        max_input_len=eng.max_input_len,
+        max_draft_len=eng.max_draft_len,
+        world_size=profile.checkpoint.tp_size,
+        max_temperature=0.0 if SAMPLING_POLICY == "greedy" else math.inf,
+        **serving_settings(profile),
     )
 
 
@@ -246,7 +276,7 @@ def stages(inp: PipelineInputs) -> list[Stage]:
         run_engine_build(plan_engine_build(ws.checkpoint, ws.engine, inp.settings,
                                            plugin_library=inp.plugin_library), overwrite=True)
 
-    from dflash_trt.triton.repository import settings_from_profile, write_repository
+    from dflash_trt.triton.repository import write_repository
 
     repo_settings = settings_from_profile(profile, ws.engine, inp.tokenizer, plan.plugin_library)
     triton_fp = fingerprint({"stage": "triton", "engine": engine_fp, "tokenizer": directory_fingerprint(inp.tokenizer),
@@ -257,16 +287,8 @@ def stages(inp: PipelineInputs) -> list[Stage]:
     def run_triton() -> None:
         from dflash_trt.triton.repository import settings_from_engine
 
-        serving = profile.serving
-        write_repository(settings_from_engine(
-            ws.engine, inp.tokenizer,
-            kv_cache_free_gpu_mem_fraction=serving.kv_cache_free_gpu_mem_fraction,
-            batch_scheduler_policy=serving.batch_scheduler_policy,
-            enable_chunked_context=serving.enable_chunked_context,
-            enable_kv_cache_reuse=serving.enable_kv_cache_reuse,
-            max_queue_delay_microseconds=serving.max_queue_delay_microseconds,
-            instance_count=serving.instance_count,
-        ), ws.triton, overwrite=True)
+        write_repository(settings_from_engine(ws.engine, inp.tokenizer, **serving_settings(profile)), ws.triton,
+                         overwrite=True)
 
     return [
         Stage("checkpoint", ws.checkpoint, ckpt_fp,

@@ -1,5 +1,5 @@
-"""Quantization formats of a converted checkpoint: their names, the TensorRT-LLM `quantization` config, which
-modules stay in high precision, and the quantized tensors of each linear under the checkpoint's names.
+"""Quantization formats of a converted checkpoint: their names, the TensorRT-LLM `quantization` config and which
+modules stay in high precision. Every layer speaks this vocabulary; the quantizers themselves live in `quant`.
 
 Public:
 - `QFORMATS` ("none", "fp8", "nvfp4") and `KV_CACHE_DTYPES` ("none", "fp8"): the `--qformat` /
@@ -10,38 +10,27 @@ Public:
 - `is_excluded(module, exclude_modules)`: TensorRT-LLM's rule (fnmatch on the full module name).
 - `quantized_linear(tensor_name)`: the module of a linear weight the format quantizes, else None.
 - `fused_partners(module)`: modules TensorRT-LLM runs as one GEMM with it (mlp.fc with mlp.gate).
-- `check_quantizable(tensor_name, shape, qformat, tp_size)`: NVFP4 needs whole 16-wide blocks per rank.
-- `quantize_weight(tensor_name, weight, qformat, amax=None)`: {checkpoint name: tensor} for one linear weight;
-  `amax` is the shared amax of its fused partners (`weight_amax` of each, maximum).
-- `quantize_tensors(tensors, qformat)`: the same over a dict of full (unsharded) tensors, pairing partners itself.
-
-Quantize full tensors, then shard: packed weights and NVFP4 block scales split like their weight (rows, or columns
-in whole blocks), per-tensor scales are replicated. The activation and KV-cache scales come from calibration.
+- `NVFP4_BLOCK_SIZE`: values per NVFP4 scale (the config's `group_size`).
 """
 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable, Mapping, Sequence
-
-import torch
+from collections.abc import Iterable, Sequence
 
 from dflash_trt import tensor_names as names
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.quant.fp8 import fp8_amax, fp8_weight_scale, quantize_fp8
-from dflash_trt.quant.nvfp4 import NVFP4_BLOCK_SIZE, check_nvfp4_in_features, nvfp4_global_scale, quantize_nvfp4
 
 NONE, FP8, NVFP4 = "none", "fp8", "nvfp4"
 QFORMATS = (NONE, FP8, NVFP4)
 KV_CACHE_DTYPES = (NONE, FP8)
 _QUANT_ALGO = {NONE: None, FP8: "FP8", NVFP4: "NVFP4"}
+NVFP4_BLOCK_SIZE = 16
 
 LM_HEAD_MODULE = names.LM_HEAD.removesuffix("." + names.WEIGHT)
 DRAFT_FC_MODULE = names.DRAFT_FC.removesuffix("." + names.WEIGHT)
 EXCLUDE_MODULES = (LM_HEAD_MODULE, DRAFT_FC_MODULE)
 
-# Row-parallel linears split their in-features over TP ranks (see checkpoint.sharding).
-_ROW_PARALLEL = (names.DENSE, names.MLP_PROJ)
 _LAYER_PREFIXES = (names.TARGET_PREFIX + ".layers.", names.DRAFT_PREFIX + ".layers.")
 
 
@@ -104,61 +93,3 @@ def fused_partners(module: str) -> tuple[str, ...]:
             stem = module[: -len(member)]
             return (stem + names.MLP_FC, stem + names.MLP_GATE)
     return (module,)
-
-
-def check_quantizable(tensor_name: str, shape: Sequence[int], qformat: str, tp_size: int = 1) -> None:
-    """Refuse a weight the format cannot hold: NVFP4 needs in-features, per TP rank, in whole blocks of 16."""
-    if qformat != NVFP4 or quantized_linear(tensor_name) is None:
-        return
-    in_features = shape[1]
-    check_nvfp4_in_features(in_features, tensor_name)
-    module = _linear_module(tensor_name) or ""
-    if tp_size > 1 and module.endswith(_ROW_PARALLEL) and in_features % (NVFP4_BLOCK_SIZE * tp_size):
-        raise DFlashTrtError(
-            f"NVFP4 with tp_size {tp_size} needs {tensor_name}'s {in_features} in-features to split into whole "
-            f"blocks of {NVFP4_BLOCK_SIZE} per rank; choose another tp_size or --qformat fp8."
-        )
-
-
-def weight_amax(weight: torch.Tensor) -> torch.Tensor:
-    """Per-tensor absolute maximum, in the weight's dtype; fused partners share the maximum of theirs."""
-    return fp8_amax(weight)
-
-
-def quantize_weight(
-    tensor_name: str, weight: torch.Tensor, qformat: str, amax: torch.Tensor | None = None
-) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors replacing `tensor_name`: itself unchanged when the format leaves it in high precision."""
-    quant_algo(qformat)
-    module = quantized_linear(tensor_name)
-    if qformat == NONE or module is None:
-        return {tensor_name: weight}
-    check_quantizable(tensor_name, weight.shape, qformat)
-    out: dict[str, torch.Tensor] = {}
-    if qformat == FP8:
-        q = quantize_fp8(weight, None if amax is None else fp8_weight_scale(amax))
-        out[tensor_name] = q.weight
-        out[f"{module}.{names.WEIGHTS_SCALING_FACTOR}"] = q.weights_scaling_factor
-    else:
-        q = quantize_nvfp4(weight, None if amax is None else nvfp4_global_scale(amax))
-        out[tensor_name] = q.weight
-        out[f"{module}.{names.WEIGHTS_SCALING_FACTOR}"] = q.weights_scaling_factor
-        out[f"{module}.{names.WEIGHTS_SCALING_FACTOR_2}"] = q.weights_scaling_factor_2
-    return out
-
-
-def quantize_tensors(tensors: Mapping[str, torch.Tensor], qformat: str) -> dict[str, torch.Tensor]:
-    """Quantize every linear weight of a dict of full tensors; everything else passes through unchanged."""
-    quant_algo(qformat)
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        module = quantized_linear(name)
-        amax = None
-        if qformat != NONE and module is not None and len(partners := fused_partners(module)) > 1:
-            weights = [f"{m}.{names.WEIGHT}" for m in partners]
-            missing = [w for w in weights if w not in tensors]
-            if missing:
-                raise DFlashTrtError(f"{name} shares its scale with {missing[0]}, which is missing.")
-            amax = torch.stack([weight_amax(tensors[w]) for w in weights]).max()
-        out.update(quantize_weight(name, tensor, qformat, amax))
-    return out

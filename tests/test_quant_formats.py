@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from dflash_trt import quant_formats as formats
 from dflash_trt import tensor_names as names
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.quant import linears
 from dflash_trt.quant.fp8 import fp8_activation_scale, kv_cache_scale
 from dflash_trt.quant.nvfp4 import nvfp4_activation_scale
 
@@ -69,25 +70,25 @@ def test_fused_partners() -> None:
 
 
 def test_nvfp4_shape_checks() -> None:
-    formats.check_quantizable("transformer.layers.0.mlp.proj.weight", (64, 96), "fp8", tp_size=4)
+    linears.check_quantizable("transformer.layers.0.mlp.proj.weight", (64, 96), "fp8", tp_size=4)
     with pytest.raises(DFlashTrtError, match="transformer.layers.0.attention.qkv.weight has 40"):
-        formats.check_quantizable("transformer.layers.0.attention.qkv.weight", (64, 40), "nvfp4")
+        linears.check_quantizable("transformer.layers.0.attention.qkv.weight", (64, 40), "nvfp4")
     # 96 in-features over 4 ranks is 24 per rank: not whole blocks for a row-parallel linear ...
     with pytest.raises(DFlashTrtError, match="tp_size 4"):
-        formats.check_quantizable("transformer.layers.0.mlp.proj.weight", (64, 96), "nvfp4", tp_size=4)
+        linears.check_quantizable("transformer.layers.0.mlp.proj.weight", (64, 96), "nvfp4", tp_size=4)
     # ... but fine for a column-parallel one (rows are split) and for tp 2.
-    formats.check_quantizable("transformer.layers.0.mlp.fc.weight", (96, 96), "nvfp4", tp_size=4)
-    formats.check_quantizable("transformer.layers.0.mlp.proj.weight", (64, 96), "nvfp4", tp_size=2)
-    formats.check_quantizable(names.DRAFT_FC, (64, 40), "nvfp4")  # excluded: stays bf16
+    linears.check_quantizable("transformer.layers.0.mlp.fc.weight", (96, 96), "nvfp4", tp_size=4)
+    linears.check_quantizable("transformer.layers.0.mlp.proj.weight", (64, 96), "nvfp4", tp_size=2)
+    linears.check_quantizable(names.DRAFT_FC, (64, 40), "nvfp4")  # excluded: stays bf16
 
 
 def test_quantize_tensors_pass_through_and_missing_partner() -> None:
     w = torch.randn(32, 32).to(torch.bfloat16)
     tensors = {"transformer.layers.0.mlp.fc.weight": w, names.DRAFT_FC: w}
-    assert formats.quantize_tensors(tensors, "none") == tensors
+    assert linears.quantize_tensors(tensors, "none") == tensors
     with pytest.raises(DFlashTrtError, match="mlp.gate.weight, which is missing"):
-        formats.quantize_tensors(tensors, "fp8")
-    out = formats.quantize_weight(names.DRAFT_FC, w, "nvfp4")
+        linears.quantize_tensors(tensors, "fp8")
+    out = linears.quantize_weight(names.DRAFT_FC, w, "nvfp4")
     assert out.keys() == {names.DRAFT_FC} and out[names.DRAFT_FC] is w
 
 
@@ -142,7 +143,7 @@ def test_converted_target_matches_modelopt_export(
     qformat: str, pair: tuple[Path, Path], converted: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:
     theirs, model = _modelopt_export(qformat, pair[0], tmp_path)
-    ours = formats.quantize_tensors(converted, qformat)
+    ours = linears.quantize_tensors(converted, qformat)
 
     # Every weight-side tensor modelopt writes for the target (norms and embeddings included) we write under the
     # same name, dtype, shape and bytes, and no other weight scale.

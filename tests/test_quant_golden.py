@@ -1,7 +1,7 @@
 """Quantized checkpoints through the golden model: logit error within the derived bound per format, and
 speculative decoding still lossless with respect to the quantized target.
 
-The quantized checkpoint is built the way the converter will: full tensors quantized by `formats.quantize_tensors`,
+The quantized checkpoint is built the way the converter will: full tensors quantized by `linears.quantize_tensors`,
 activation and KV scales from `calibrate_pair` on calibration prompts (the drafter calibrated on the quantized
 target's features), written next to the converted config.
 
@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 from dflash_trt import quant_formats as formats
 from dflash_trt.conversion import calibrate as cal
 from dflash_trt.conversion.convert import convert_checkpoint
+from dflash_trt.quant import linears
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import load_golden_model, load_rank_tensors
 
@@ -54,7 +55,7 @@ def _quantized_checkpoint(source: Path, out: Path, qformat: str, kv_cache_dtype:
     if amax is None:
         amax = cal.calibrate_pair(golden, CALIBRATION, 8, qformat, kv_cache_dtype)
     target_spec, draft_spec = golden.target.spec, golden.draft.spec
-    tensors = formats.quantize_tensors(load_rank_tensors(source, 1, target_spec, draft_spec), qformat)
+    tensors = linears.quantize_tensors(load_rank_tensors(source, 1, target_spec, draft_spec), qformat)
     tensors.update(cal.calibration_tensors(amax, qformat, kv_cache_dtype))
     out.mkdir()
     config = json.loads((source / "config.json").read_text())

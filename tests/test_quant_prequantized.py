@@ -25,8 +25,8 @@ from dflash_trt.conversion.prequantized import (
 )
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.quant.fp8 import dequantize_fp8, quantize_fp8
+from dflash_trt.quant.linears import quantize_tensors
 from dflash_trt.quant.nvfp4 import quantize_nvfp4, quantize_nvfp4_shared
-from dflash_trt.quant_formats import quantize_tensors
 
 mtq = pytest.importorskip("modelopt.torch.quantization")
 

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from dflash_trt.cli import main as cli_main
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.pipeline import settings_from_profile
 from dflash_trt.profiles import load_profile
 from dflash_trt.triton import client as triton_client
 from dflash_trt.triton import processing as P
@@ -29,7 +30,6 @@ from dflash_trt.triton.repository import (
     SETTINGS_FILE,
     RepositorySettings,
     settings_from_engine,
-    settings_from_profile,
     write_repository,
 )
 

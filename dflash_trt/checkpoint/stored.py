@@ -16,18 +16,16 @@ from dflash_trt import tensor_names as names
 from dflash_trt.checkpoint.layout import OutputTensor, stored_split
 from dflash_trt.checkpoint.sharding import Split, shard, sharded_shape
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.quant.linears import check_quantizable, quantize_weight, weight_amax
 from dflash_trt.quant_formats import (
     FP8,
     KV_CACHE_DTYPES,
     NONE,
     NVFP4,
     QFORMATS,
-    check_quantizable,
     fused_partners,
     quantization_config,
-    quantize_weight,
     quantized_linear,
-    weight_amax,
 )
 
 

@@ -53,14 +53,14 @@ def _overrides(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash_trt.triton.repository import settings_from_engine, settings_from_profile, write_repository
+    from dflash_trt.triton.repository import settings_from_engine, write_repository
 
     if args.engine_dir:
         if args.tokenizer_dir is None:
             raise DFlashTrtError("--tokenizer_dir is required with --engine_dir")
         settings = settings_from_engine(args.engine_dir, _tokenizer_dir(args.tokenizer_dir), **_overrides(args))
     else:
-        from dflash_trt.pipeline import workspace
+        from dflash_trt.pipeline import settings_from_profile, workspace
         from dflash_trt.profiles import load_profile, resolve_model_dir
         from dflash_trt.trtllm.plugin import default_library_path
 

@@ -29,7 +29,8 @@ from dflash_trt.checkpoint.trtllm_config import checkpoint_config
 from dflash_trt.conversion import prequantized_input
 from dflash_trt.conversion.prequantized import PrequantizedFormat, read_hf_quant_config
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.quant_formats import FP8, NONE, check_quantizable, quantized_linear
+from dflash_trt.quant.linears import check_quantizable
+from dflash_trt.quant_formats import FP8, NONE, quantized_linear
 from dflash_trt.spec import (
     DraftSpec,
     TargetSpec,

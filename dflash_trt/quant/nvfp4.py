@@ -35,8 +35,8 @@ import torch
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.quant.checks import check_finite_amax, check_weight
 from dflash_trt.quant.fp8 import FP8_E4M3_MAX
+from dflash_trt.quant_formats import NVFP4_BLOCK_SIZE
 
-NVFP4_BLOCK_SIZE = 16
 E2M1_MAX = 6.0
 # Smallest block scale kept: E4M3's smallest subnormal, so no block scale underflows to zero.
 _MIN_BLOCK_SCALE = 2.0**-9

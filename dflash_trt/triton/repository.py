@@ -10,7 +10,6 @@ value comes from the engine's manifest or a build profile, so no placeholder is 
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,10 +17,9 @@ from pathlib import Path
 from dflash_trt.checkpoint.atomic import atomic_directory
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import read_json_object
-from dflash_trt.profiles import BuildProfile
 from dflash_trt.triton import processing as P
 from dflash_trt.triton.pbtxt import EnsembleStep, ModelConfig, Tensor, render
-from dflash_trt.trtllm.build_plan import MANIFEST_NAME, SAMPLING_POLICY, chain_eagle_choices
+from dflash_trt.trtllm.build_plan import MANIFEST_NAME, chain_eagle_choices
 from dflash_trt.trtllm.plugin import LIBRARY_ENV
 
 ENSEMBLE = "ensemble"
@@ -364,25 +362,3 @@ def settings_from_engine(engine_dir: str | Path, tokenizer_dir: str | Path, **se
         raise DFlashTrtError(
             f"{engine_dir}: engine metadata lacks {exc.args[0]!r}; rebuild with dflash-trt build"
         ) from None
-
-
-def settings_from_profile(profile: BuildProfile, engine_dir: str | Path, tokenizer_dir: str | Path,
-                          plugin_library: str | Path) -> RepositorySettings:
-    """Settings for the engine a build profile will produce, so the repository can be reviewed before the build."""
-    eng, serving = profile.engine, profile.serving
-    return RepositorySettings(
-        engine_dir=str(Path(engine_dir).absolute()),
-        tokenizer_dir=str(Path(tokenizer_dir).absolute()),
-        plugin_library=str(Path(plugin_library).absolute()),
-        max_batch_size=eng.max_batch_size,
-        max_input_len=eng.max_input_len,
-        max_draft_len=eng.max_draft_len,
-        world_size=profile.checkpoint.tp_size,
-        max_temperature=0.0 if SAMPLING_POLICY == "greedy" else math.inf,
-        kv_cache_free_gpu_mem_fraction=serving.kv_cache_free_gpu_mem_fraction,
-        batch_scheduler_policy=serving.batch_scheduler_policy,
-        enable_chunked_context=serving.enable_chunked_context,
-        enable_kv_cache_reuse=serving.enable_kv_cache_reuse,
-        max_queue_delay_microseconds=serving.max_queue_delay_microseconds,
-        instance_count=serving.instance_count,
-    )

@@ -1,0 +1,139 @@
+"""Packages import only downward, in the order written once in docs/architecture.md (the `layers` block).
+
+Every `import` and `from ... import` in dflash_trt/ counts, function-level and TYPE_CHECKING imports included.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "dflash_trt"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def read_layers(text: str) -> dict[str, int]:
+    """Unit ('name/' package or 'name.py' module) -> layer height; the block lists the top layer first."""
+    block = re.search(r"^```layers\n(.*?)^```", text, re.S | re.M)
+    assert block, "docs/architecture.md has no ```layers block"
+    rows = [line.split() for line in block.group(1).splitlines() if line.strip()]
+    return {unit: len(rows) - i for i, (_, *units) in enumerate(rows) for unit in units}
+
+
+@dataclass(frozen=True)
+class Edge:
+    source: str  # dotted module name
+    target: str
+    line: int
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def unit(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "__init__.py"
+    if (PACKAGE / parts[1]).is_dir():
+        return parts[1] + "/"
+    return parts[1] + ".py"
+
+
+def is_module(dotted: str) -> bool:
+    path = ROOT.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def imports(path: Path) -> list[Edge]:
+    """Internal imports of one file, as the modules they load (`from a import b` loads a.b when b is a module)."""
+    source = module_name(path)
+    package = source if path.name == "__init__.py" else source.rpartition(".")[0]
+    edges = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if is_module(f"{base}.{a.name}") else base for a in node.names]
+        else:
+            continue
+        edges += [Edge(source, t, node.lineno) for t in targets if t.split(".")[0] == "dflash_trt"]
+    return edges
+
+
+def violations(edges: list[Edge], layers: dict[str, int]) -> list[str]:
+    bad = []
+    for e in edges:
+        a, b = unit(e.source), unit(e.target)
+        if a == b:
+            continue
+        same_layer_modules = layers[a] == layers[b] and a.endswith(".py") and b.endswith(".py")
+        if layers[b] < layers[a] or same_layer_modules:
+            continue
+        kind = "sideways" if layers[a] == layers[b] else "upward"
+        bad.append(f"{e.source}:{e.line} imports {e.target} ({kind}: {a} -> {b})")
+    return bad
+
+
+def package_files() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_unit_has_exactly_one_layer() -> None:
+    layers = read_layers(ARCHITECTURE.read_text())
+    present = {unit(module_name(p)) for p in package_files()}
+    assert not present - set(layers), f"add these to the layers block of docs/architecture.md: {present - set(layers)}"
+    assert not set(layers) - present, f"the layers block lists units that do not exist: {set(layers) - present}"
+
+
+def test_packages_import_only_downward() -> None:
+    layers = read_layers(ARCHITECTURE.read_text())
+    edges = [e for p in package_files() for e in imports(p)]
+    assert len(edges) > 100  # the walk sees the code base, not an empty tree
+    assert violations(edges, layers) == []
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        ("from dflash_trt.perf.model import X", "upward: checkpoint/ -> perf/"),
+        ("def f():\n    import dflash_trt.triton.repository", "upward: checkpoint/ -> triton/"),
+        ("from dflash_trt import pipeline", "upward: checkpoint/ -> pipeline.py"),
+        ("from ..conversion import convert", "upward: checkpoint/ -> conversion/"),
+    ],
+)
+def test_an_upward_import_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: str, expected: str):
+    fake_root = tmp_path / "repo"
+    (fake_root / "dflash_trt" / "checkpoint").mkdir(parents=True)
+    for sub in ("perf", "triton", "conversion"):
+        (fake_root / "dflash_trt" / sub).mkdir()
+        (fake_root / "dflash_trt" / sub / "__init__.py").write_text("")
+    for leaf in ("perf/model.py", "triton/repository.py", "conversion/convert.py", "pipeline.py"):
+        (fake_root / "dflash_trt" / leaf).write_text("")
+    offender = fake_root / "dflash_trt" / "checkpoint" / "bad.py"
+    offender.write_text(code + "\n")
+    monkeypatch.setitem(globals(), "ROOT", fake_root)
+    monkeypatch.setitem(globals(), "PACKAGE", fake_root / "dflash_trt")
+    layers = read_layers(ARCHITECTURE.read_text())
+    (report,) = violations(imports(offender), layers)
+    assert report.endswith(f"({expected})")
+
+
+def test_a_sideways_import_between_sibling_packages_is_reported() -> None:
+    layers = read_layers(ARCHITECTURE.read_text())
+    edge = Edge("dflash_trt.perf.sweep", "dflash_trt.triton.client", 3)
+    assert violations([edge], layers) == [
+        "dflash_trt.perf.sweep:3 imports dflash_trt.triton.client (sideways: perf/ -> triton/)"
+    ]
+    # Top-level modules of one layer may use each other (spec.py reads JSON through jsonfile.py).
+    assert violations([Edge("dflash_trt.spec", "dflash_trt.jsonfile", 1)], layers) == []
