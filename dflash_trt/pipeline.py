@@ -163,9 +163,9 @@ def quantization_kwargs(profile: BuildProfile, profile_path: Path) -> dict:
     """Converter arguments for the profile's quantization (empty for an unquantized profile); the calibration
     prompt file is relative to the profile."""
     q = profile.quantization
-    if (q.qformat, q.draft_qformat, q.kv_cache_dtype) == ("none", "none", "none"):
+    if (q.qformat, q.dflash_qformat, q.kv_cache_dtype) == ("none", "none", "none"):
         return {}
-    formats = {"qformat": q.qformat, "dflash_qformat": q.draft_qformat, "kv_cache_dtype": q.kv_cache_dtype}
+    formats = {"qformat": q.qformat, "dflash_qformat": q.dflash_qformat, "kv_cache_dtype": q.kv_cache_dtype}
     dataset = Path(q.calibration.dataset)
     dataset = dataset if dataset.is_absolute() else Path(profile_path).parent / dataset
     calibration = dict(zip(CALIBRATION_PARAMETERS, (str(dataset), q.calibration.size, q.calibration.max_seq_len),
@@ -185,7 +185,7 @@ def convert_command(profile: BuildProfile, target: Path, draft: Path, output: Pa
 def planned_checkpoint_config(profile: BuildProfile, target: Path, draft: Path) -> dict:
     """The config.json the checkpoint stage will write, so the engine can be planned before converting."""
     from dflash_trt.checkpoint.trtllm_config import checkpoint_config
-    from dflash_trt.quant_formats import quantization_config
+    from dflash_trt.formats import quantization_config
     from dflash_trt.spec import load_draft_spec, load_target_spec
 
     target_spec = load_target_spec(target)
@@ -193,7 +193,7 @@ def planned_checkpoint_config(profile: BuildProfile, target: Path, draft: Path) 
     q = profile.quantization
     return checkpoint_config(target_spec, draft_spec, profile.checkpoint.dtype, profile.checkpoint.tp_size,
                              quantization=quantization_config(q.qformat, q.kv_cache_dtype),
-                             draft_quantization=quantization_config(q.draft_qformat, q.kv_cache_dtype))
+                             draft_quantization=quantization_config(q.dflash_qformat, q.kv_cache_dtype))
 
 
 def plan_engine(profile: BuildProfile, ws: Workspace, settings: EngineBuildSettings, target: Path, draft: Path,

@@ -10,47 +10,40 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.formats import BYTES_PER_WEIGHT, ENGINE_DTYPES, FP8, KV_CACHE_DTYPES, NONE, NVFP4, QFORMATS
+from dflash_trt.perf.gpus import GPUS, GpuSpec
+from dflash_trt.trtllm.build_plan import GEMM_PLUGIN_CHOICES, MAX_EAGLE_BATCH_SIZE, MAX_EAGLE_DRAFT_LEN
 
-
-@dataclass(frozen=True)
-class GpuFacts:
-    """What the build may assume about one GPU model."""
-
-    sm: int
-    memory_gb: int
-    fp8: bool
-    nvfp4: bool
-
-
-# SM90 Hopper has FP8 tensor cores but no FP4; SM100/SM103 Blackwell add NVFP4. A100 (SM80) is listed so that
-# a profile written for it fails with a clear message instead of at engine build time.
-GPUS: dict[str, GpuFacts] = {
-    "a100": GpuFacts(sm=80, memory_gb=80, fp8=False, nvfp4=False),
-    "h100": GpuFacts(sm=90, memory_gb=80, fp8=True, nvfp4=False),
-    "h200": GpuFacts(sm=90, memory_gb=141, fp8=True, nvfp4=False),
-    "b200": GpuFacts(sm=100, memory_gb=180, fp8=True, nvfp4=True),
-    "b300": GpuFacts(sm=103, memory_gb=288, fp8=True, nvfp4=True),
-}
-
-# Bytes per weight: NVFP4 packs two values per byte plus one FP8 scale per 16 values; "none" keeps bf16/fp16.
-BYTES_PER_WEIGHT = {"fp8": 1.0, "nvfp4": 0.5 + 1 / 16, "none": 2.0}
 # Share of GPU memory the weights may take; the rest holds the KV pool (drafter layers included), activations
 # and the CUDA context.
 MAX_WEIGHT_SHARE = 0.8
 
-# Limits of TensorRT-LLM 1.2.x's EAGLE engine path (builder asserts), which our engine speaks.
-EAGLE_MAX_BATCH_SIZE = 512
-EAGLE_MAX_DRAFT_LEN = 256
 
-QFormat = Literal["fp8", "nvfp4", "none"]
+
+def _one_of(choices: Sequence[str]) -> AfterValidator:
+    """A field validator for a vocabulary defined elsewhere (formats, build_plan, perf.gpus), so it is spelled once."""
+
+    def check(value: str) -> str:
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}, got {value!r}")
+        return value
+
+    return AfterValidator(check)
+
+
+QFormat = Annotated[str, _one_of(QFORMATS)]
+KvCacheDtype = Annotated[str, _one_of(KV_CACHE_DTYPES)]
+EngineDtype = Annotated[str, _one_of(ENGINE_DTYPES)]
+GemmPlugin = Annotated[str, _one_of(GEMM_PLUGIN_CHOICES)]
+GpuName = Annotated[str, _one_of(tuple(GPUS))]
 
 
 class _Strict(BaseModel):
@@ -73,7 +66,7 @@ class ModelSources(_Strict):
 
 
 class CheckpointSettings(_Strict):
-    dtype: Literal["bfloat16", "float16"] = "bfloat16"
+    dtype: EngineDtype = "bfloat16"
     tp_size: int = Field(default=1, ge=1, le=8)
 
     @field_validator("tp_size")
@@ -92,8 +85,8 @@ class CalibrationSettings(_Strict):
 
 class QuantizationSettings(_Strict):
     qformat: QFormat
-    draft_qformat: QFormat
-    kv_cache_dtype: Literal["fp8", "none"]
+    dflash_qformat: QFormat
+    kv_cache_dtype: KvCacheDtype
     calibration: CalibrationSettings = CalibrationSettings()
 
 
@@ -105,7 +98,7 @@ class EngineSettings(_Strict):
     max_seq_len: int = Field(ge=2)
     max_num_tokens: int = Field(ge=1)
     max_draft_len: int = Field(ge=1)
-    gemm_plugin: Literal["auto", "fp8", "nvfp4", "bfloat16", "float16"]
+    gemm_plugin: GemmPlugin
     use_paged_context_fmha: bool = True
     use_fp8_context_fmha: bool = False
     multiple_profiles: bool = True
@@ -117,10 +110,14 @@ class EngineSettings(_Strict):
                 f"max_input_len ({self.max_input_len}) must be below max_seq_len ({self.max_seq_len}) "
                 "to leave room for generated tokens"
             )
-        if self.max_batch_size > EAGLE_MAX_BATCH_SIZE:
-            raise ValueError(f"max_batch_size {self.max_batch_size} exceeds the EAGLE engine limit of 512")
-        if self.max_draft_len > EAGLE_MAX_DRAFT_LEN:
-            raise ValueError(f"max_draft_len {self.max_draft_len} exceeds the EAGLE engine limit of 256")
+        if self.max_batch_size > MAX_EAGLE_BATCH_SIZE:
+            raise ValueError(
+                f"max_batch_size {self.max_batch_size} exceeds the EAGLE engine limit of {MAX_EAGLE_BATCH_SIZE}"
+            )
+        if self.max_draft_len > MAX_EAGLE_DRAFT_LEN:
+            raise ValueError(
+                f"max_draft_len {self.max_draft_len} exceeds the EAGLE engine limit of {MAX_EAGLE_DRAFT_LEN}"
+            )
         if not self.use_paged_context_fmha:
             raise ValueError("use_paged_context_fmha must stay true: EAGLE-mode engines require it")
         return self
@@ -160,7 +157,7 @@ class SweepSettings(_Strict):
 
 class BuildProfile(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    gpu: Literal["a100", "h100", "h200", "b200", "b300"]
+    gpu: GpuName
     model: ModelSources
     checkpoint: CheckpointSettings = CheckpointSettings()
     quantization: QuantizationSettings
@@ -169,29 +166,23 @@ class BuildProfile(_Strict):
     sweep: SweepSettings
 
     @property
-    def gpu_facts(self) -> GpuFacts:
+    def gpu_facts(self) -> GpuSpec:
         return GPUS[self.gpu]
 
     @model_validator(mode="after")
     def _feasible(self) -> BuildProfile:
         gpu, q, eng = self.gpu_facts, self.quantization, self.engine
         block = self.model.block_size
-        for what, fmt in (("qformat", q.qformat), ("draft_qformat", q.draft_qformat)):
-            if fmt == "nvfp4" and not gpu.nvfp4:
+        for what, fmt in (("qformat", q.qformat), ("dflash_qformat", q.dflash_qformat)):
+            if fmt == NVFP4 and gpu.nvfp4_flops is None:
                 raise ValueError(f"{what} nvfp4 needs Blackwell (SM100/SM103); {self.gpu} is SM{gpu.sm}")
-            if fmt == "fp8" and not gpu.fp8:
-                raise ValueError(f"{what} fp8 needs SM89 or newer; {self.gpu} is SM{gpu.sm}")
-        if q.draft_qformat != q.qformat:
+        if q.dflash_qformat != q.qformat:
             raise ValueError(
-                f"draft_qformat {q.draft_qformat} differs from qformat {q.qformat}: one TensorRT-LLM engine applies "
+                f"dflash_qformat {q.dflash_qformat} differs from qformat {q.qformat}: one TensorRT-LLM engine applies "
                 "one quantization to the target and the drafter"
             )
-        if q.kv_cache_dtype == "fp8" and not gpu.fp8:
-            raise ValueError(f"kv_cache_dtype fp8 needs SM89 or newer; {self.gpu} is SM{gpu.sm}")
-        if eng.gemm_plugin == "nvfp4" and q.qformat != "nvfp4":
-            raise ValueError("gemm_plugin nvfp4 needs qformat nvfp4")
-        if eng.gemm_plugin == "fp8" and q.qformat != "fp8":
-            raise ValueError("gemm_plugin fp8 needs qformat fp8")
+        if eng.gemm_plugin in (FP8, NVFP4) and q.qformat != eng.gemm_plugin:
+            raise ValueError(f"gemm_plugin {eng.gemm_plugin} needs qformat {eng.gemm_plugin}")
         if eng.use_fp8_context_fmha and q.kv_cache_dtype != "fp8":
             raise ValueError("use_fp8_context_fmha needs kv_cache_dtype fp8")
         if eng.max_draft_len > block - 1:
@@ -335,7 +326,7 @@ def weight_gb_per_gpu(profile: BuildProfile, target: dict, draft: dict) -> float
     embeddings = target["vocab_size"] * hidden * (1 if target.get("tie_word_embeddings") else 2)
     taps = len(_draft_value(draft, "target_layer_ids") or range(draft["num_hidden_layers"]))
     linears = _linear_weights(target) + _linear_weights(draft) + taps * hidden * hidden
-    total = embeddings * BYTES_PER_WEIGHT["none"] + linears * BYTES_PER_WEIGHT[profile.quantization.qformat]
+    total = embeddings * BYTES_PER_WEIGHT[NONE] + linears * BYTES_PER_WEIGHT[profile.quantization.qformat]
     return total / profile.checkpoint.tp_size / 1e9
 
 
@@ -353,10 +344,10 @@ def check_against_checkpoints(profile: BuildProfile, target_dir: Path, draft_dir
             f"profile {profile.name} was sized for block_size {profile.model.block_size} but "
             f"{draft_dir} was trained with block_size {block}"
         )
-    need, memory = weight_gb_per_gpu(profile, target, draft), profile.gpu_facts.memory_gb
+    need, memory = weight_gb_per_gpu(profile, target, draft), profile.gpu_facts.hbm_bytes / 1e9
     if need > MAX_WEIGHT_SHARE * memory:
         raise DFlashTrtError(
-            f"the weights need about {need:.0f} GB per GPU but {profile.gpu} has {memory} GB, of which at most "
+            f"the weights need about {need:.0f} GB per GPU but {profile.gpu} has {memory:.0f} GB, of which at most "
             f"{MAX_WEIGHT_SHARE:.0%} may hold weights (the KV cache needs the rest); raise tp_size or quantize"
         )
     max_pos = target.get("max_position_embeddings")

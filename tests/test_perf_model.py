@@ -26,7 +26,7 @@ from dflash_trt.perf.shapes import dflash_from_spec
 from dflash_trt.spec import parse_draft_config, parse_target_config
 
 TINY = StackShape(num_layers=2, hidden=4, intermediate=8, num_heads=2, num_kv_heads=1, head_dim=2)
-UNIT_GPU = GpuSpec("unit", 1e9, 1000.0, 1000.0, 2000.0, None, 100.0, "test")
+UNIT_GPU = GpuSpec("unit", 1e9, 1000.0, 1000.0, 2000.0, None, 100.0, "test", sm=100)
 
 
 def test_acceptance_from_position_rates_and_histogram():

@@ -149,7 +149,7 @@ def _tiny_profile(tmp_path: Path, pair: tuple[Path, Path], **engine) -> Path:
     data = {
         "name": "tiny", "gpu": "b300",
         "model": {"target": str(target), "draft": str(draft), "block_size": 8},
-        "quantization": {"qformat": "none", "draft_qformat": "none", "kv_cache_dtype": "none"},
+        "quantization": {"qformat": "none", "dflash_qformat": "none", "kv_cache_dtype": "none"},
         "engine": {"max_batch_size": 4, "max_input_len": 64, "max_seq_len": 128, "max_num_tokens": 256,
                    "max_draft_len": 7, "gemm_plugin": "auto", **engine},
         "serving": {"instance_count": 1},

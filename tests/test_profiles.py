@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.perf.gpus import GPUS
 from dflash_trt.profiles import (
-    GPUS,
     check_against_checkpoints,
     load_profile,
     parse_profile,
@@ -34,7 +34,7 @@ def test_shipped_profile_validates(path: Path):
     gpu_name, quant = path.parent.name.split("-")
     assert profile.name == f"{path.parent.name}-{path.stem}"
     assert profile.gpu == gpu_name
-    assert profile.quantization.qformat == profile.quantization.draft_qformat == quant
+    assert profile.quantization.qformat == profile.quantization.dflash_qformat == quant
     assert profile.engine.gemm_plugin == quant
     assert profile.engine.max_draft_len == profile.model.block_size - 1
     assert profile.engine.max_num_tokens >= profile.engine.max_batch_size * profile.model.block_size
@@ -64,16 +64,17 @@ INVALID = [
     ({"gpu": "h100"}, "p.yaml: qformat nvfp4 needs Blackwell (SM100/SM103); h100 is SM90"),
     (
         {"gpu": "h200", "quantization.qformat": "fp8", "engine.gemm_plugin": "fp8",
-         "quantization.draft_qformat": "nvfp4"},
-        "draft_qformat nvfp4 needs Blackwell (SM100/SM103); h200 is SM90",
+         "quantization.dflash_qformat": "nvfp4"},
+        "dflash_qformat nvfp4 needs Blackwell (SM100/SM103); h200 is SM90",
     ),
     (
         {"gpu": "a100", "quantization.qformat": "fp8", "engine.gemm_plugin": "fp8"},
-        "qformat fp8 needs SM89 or newer; a100 is SM80",
+        "gpu: must be one of h100, h200, b200, b300, got 'a100'",
     ),
+    ({"quantization.draft_qformat": "nvfp4"}, "quantization.draft_qformat: Extra inputs are not permitted"),
     ({"engine.max_draft_len": 16}, "max_draft_len 16 exceeds block_size - 1 = 15"),
     ({"engine.max_draft_len": 7}, "max_draft_len 7 is below block_size - 1 = 15"),
-    ({"quantization.draft_qformat": "fp8"}, "draft_qformat fp8 differs from qformat nvfp4"),
+    ({"quantization.dflash_qformat": "fp8"}, "dflash_qformat fp8 differs from qformat nvfp4"),
     ({"engine.max_num_tokens": 4096}, "max_num_tokens 4096 is below max_batch_size x block_size = 8192"),
     ({"checkpoint.tp_size": 3}, "tp_size must be 1, 2, 4 or 8, got 3"),
     ({"engine.gemm_plugin": "fp8"}, "gemm_plugin fp8 needs qformat fp8"),
@@ -85,7 +86,7 @@ INVALID = [
     ({"sweep.interactivity_band": [600, 400]}, "interactivity_band must be (low, high)"),
     ({"engine.max_batch_size": 128, "sweep.concurrency": [1, 256]}, "sweep concurrency 256 exceeds max_batch_size 128"),
     ({"engine.max_seqlen": 4}, "engine.max_seqlen: Extra inputs are not permitted"),
-    ({"quantization.qformat": "int8"}, "quantization.qformat: Input should be 'fp8', 'nvfp4' or 'none'"),
+    ({"quantization.qformat": "int8"}, "quantization.qformat: must be one of none, fp8, nvfp4, got 'int8'"),
 ]
 
 
@@ -111,7 +112,7 @@ def test_load_profile_reports_missing_file_and_bad_yaml(tmp_path: Path):
 
 def test_gpu_facts_match_hardware():
     assert (GPUS["h100"].sm, GPUS["h200"].sm, GPUS["b200"].sm, GPUS["b300"].sm) == (90, 90, 100, 103)
-    assert [g for g, f in GPUS.items() if f.nvfp4] == ["b200", "b300"]
+    assert [g for g, f in GPUS.items() if f.nvfp4_flops] == ["b200", "b300"]
 
 
 def _write_config(path: Path, **cfg) -> Path:
@@ -156,7 +157,7 @@ def test_checkpoint_checks_reject(tmp_path: Path, pair: dict, message: str):
 
 def test_weights_must_fit_the_gpu(tmp_path: Path):
     data = yaml.safe_load((ROOT / "build_configs/h100-fp8/qwen3-32b.yaml").read_text())
-    data["quantization"].update(qformat="none", draft_qformat="none")
+    data["quantization"].update(qformat="none", dflash_qformat="none")
     data["engine"]["gemm_plugin"] = "auto"
     data["checkpoint"]["tp_size"] = 1
     unquantized = parse_profile(data)
@@ -164,7 +165,7 @@ def test_weights_must_fit_the_gpu(tmp_path: Path):
     # plus untied embeddings and lm_head 2 x 151936 x 5120 at 2 bytes: 70.5 GB > 0.8 x 80 GB.
     with pytest.raises(DFlashTrtError, match="the weights need about 70 GB per GPU but h100 has 80 GB"):
         check_against_checkpoints(unquantized, *_pair(tmp_path))
-    data["quantization"].update(qformat="fp8", draft_qformat="fp8")
+    data["quantization"].update(qformat="fp8", dflash_qformat="fp8")
     data["engine"]["gemm_plugin"] = "fp8"
     check_against_checkpoints(parse_profile(data), *_pair(tmp_path))  # FP8: 36.7 GB fits one H100
 

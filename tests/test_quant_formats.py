@@ -11,7 +11,7 @@ import torch
 from _pairs import make_pair
 from safetensors.torch import load_file
 
-from dflash_trt import quant_formats as formats
+from dflash_trt import formats
 from dflash_trt import tensor_names as names
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.quant import linears

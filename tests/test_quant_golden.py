@@ -26,7 +26,7 @@ import torch
 from _pairs import make_pair
 from safetensors.torch import save_file
 
-from dflash_trt import quant_formats as formats
+from dflash_trt import formats
 from dflash_trt.conversion import calibrate as cal
 from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.quant import linears

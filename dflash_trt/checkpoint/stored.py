@@ -16,8 +16,7 @@ from dflash_trt import tensor_names as names
 from dflash_trt.checkpoint.layout import OutputTensor, stored_split
 from dflash_trt.checkpoint.sharding import Split, shard, sharded_shape
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.quant.linears import check_quantizable, quantize_weight, weight_amax
-from dflash_trt.quant_formats import (
+from dflash_trt.formats import (
     FP8,
     KV_CACHE_DTYPES,
     NONE,
@@ -27,6 +26,7 @@ from dflash_trt.quant_formats import (
     quantization_config,
     quantized_linear,
 )
+from dflash_trt.quant.linears import check_quantizable, quantize_weight, weight_amax
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.quant_formats import NONE, quantization_config
+from dflash_trt.formats import DTYPES, NONE, quantization_config
 from dflash_trt.rope import RopeConfig
 from dflash_trt.spec import DraftSpec, TargetSpec, check_dimension
 
 ARCHITECTURE = "DFlashForCausalLM"
-DTYPES = ("float32", "float16", "bfloat16")
 FORMAT_VERSION = 1
 
 

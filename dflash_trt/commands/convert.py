@@ -11,15 +11,15 @@ import json
 import sys
 import time
 
-from dflash_trt.conversion.convert import TORCH_DTYPES, convert_checkpoint
-from dflash_trt.quant_formats import KV_CACHE_DTYPES, NONE, QFORMATS
+from dflash_trt.conversion.convert import convert_checkpoint
+from dflash_trt.formats import DTYPES, KV_CACHE_DTYPES, NONE, QFORMATS
 
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model_dir", required=True, help="HF target model directory (Qwen3 / Llama 3.x)")
     parser.add_argument("--dflash_model_dir", required=True, help="z-lab DFlash drafter directory")
     parser.add_argument("--output_dir", required=True, help="TensorRT-LLM checkpoint directory to create")
-    parser.add_argument("--dtype", choices=list(TORCH_DTYPES), default="bfloat16", help="weight dtype")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="weight dtype")
     parser.add_argument("--tp_size", type=int, default=1, help="tensor-parallel ranks (default 1)")
     parser.add_argument("--pp_size", type=int, default=1, help="pipeline-parallel ranks (only 1 is supported)")
     parser.add_argument("--workers", type=int, default=1, help="rank files written in parallel (default 1)")

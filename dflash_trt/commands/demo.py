@@ -18,7 +18,7 @@ import torch
 from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.conversion.verify import verify_checkpoint
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.quant_formats import FP8, NVFP4
+from dflash_trt.formats import DTYPES, FP8, NVFP4
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import load_golden_model
 from dflash_trt.reference.stats import mean_acceptance_length, per_position_acceptance
@@ -36,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace outputs of an earlier demo run")
     parser.add_argument("--num_prompts", type=int, default=16, help="held-out prompts to decode")
     parser.add_argument("--max_new_tokens", type=int, default=96)
-    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "float16", "bfloat16"))
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.set_defaults(func=run)
 

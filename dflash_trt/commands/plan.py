@@ -7,13 +7,12 @@ import json
 from pathlib import Path
 
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.formats import KV_CACHE_DTYPES, NONE, QFORMATS
 from dflash_trt.perf.gpus import GPUS, get_gpu
-from dflash_trt.perf.model import Acceptance, Deployment, Method, mean_context, predict_curve
+from dflash_trt.perf.model import PRECISION, Acceptance, Deployment, Method, mean_context, predict_curve
 from dflash_trt.perf.pareto import crossover_concurrency, speedup_table
 from dflash_trt.perf.published import CALIBRATIONS, PRESETS, all_rows, fitted_calibration, markdown_table
 from dflash_trt.perf.shapes import eagle3_like, load_models
-
-QFORMATS = {"bf16": "bf16", "fp8": "fp8", "nvfp4": "nvfp4"}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -29,8 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dflash_model_dir", help="DFlash drafter folder (z-lab format); with --model_dir")
     p.add_argument("--gpu", choices=sorted(GPUS), default="b200")
     p.add_argument("--tp_size", type=int, default=1)
-    p.add_argument("--qformat", choices=sorted(QFORMATS), default="bf16", help="weight precision (bf16 = none)")
-    p.add_argument("--kv_cache_dtype", choices=["bf16", "fp8"], default="bf16")
+    p.add_argument("--qformat", choices=QFORMATS, default=NONE, help="weight format (none = 16-bit weights)")
+    p.add_argument("--kv_cache_dtype", choices=KV_CACHE_DTYPES, default=NONE)
     p.add_argument("--acceptance_length", type=float, help="mean tokens per verify step incl. the bonus token")
     p.add_argument(
         "--acceptance_json",
@@ -103,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         raise DFlashTrtError("give --model_dir (with --dflash_model_dir) or --preset")
     dep = Deployment(
-        get_gpu(args.gpu), QFORMATS[args.qformat], args.kv_cache_dtype, args.tp_size,
+        get_gpu(args.gpu), PRECISION[args.qformat], PRECISION[args.kv_cache_dtype], args.tp_size,
         fitted_calibration(args.calibration),
     )  # fmt: skip
     methods = [Method("ar")]

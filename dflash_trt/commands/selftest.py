@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.formats import ENGINE_DTYPES
 
 MANIFEST_KEY = "eagle_choices"
 
@@ -25,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="libdflash_trt_plugins.so (default: $DFLASH_TRT_PLUGIN_LIB, else plugins/build)")
     parser.add_argument("--num_prompts", type=int, default=8, help="held-out prompts, decoded as one batch")
     parser.add_argument("--max_new_tokens", type=int, default=64)
-    parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
+    parser.add_argument("--dtype", default="float16", choices=ENGINE_DTYPES)
     parser.add_argument("--overwrite", action="store_true", help="replace outputs of an earlier self-test")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.set_defaults(func=run)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from dflash_trt.conversion.calibrate import CALIBRATION_NEW_TOKENS, calibrate_pair, quantized_model
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.quant_formats import FP8, NONE, NVFP4
+from dflash_trt.formats import FP8, NONE, NVFP4
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.stats import mean_acceptance_length
 

@@ -33,10 +33,10 @@ import torch
 
 from dflash_trt import tensor_names as names
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.formats import FP8, NONE, NVFP4, fused_partners, quantized_linear
 from dflash_trt.quant.fp8 import dequantize_fp8, fp8_activation_scale, kv_cache_scale
 from dflash_trt.quant.linears import quantize_tensors
 from dflash_trt.quant.nvfp4 import dequantize_nvfp4, nvfp4_activation_scale
-from dflash_trt.quant_formats import FP8, NONE, NVFP4, fused_partners, quantized_linear
 from dflash_trt.reference.decode import speculative_generate
 
 # Prompts decoded together, and tokens generated past each prompt, per calibration pass.

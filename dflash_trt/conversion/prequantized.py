@@ -32,8 +32,8 @@ import torch
 
 from dflash_trt import tensor_names as names
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.formats import FP8, NONE, NVFP4
 from dflash_trt.quant.fp8 import dequantize_fp8, quantize_fp8
-from dflash_trt.quant_formats import FP8, NONE, NVFP4
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 _ALGOS = {"FP8": FP8, "NVFP4": NVFP4}

@@ -22,7 +22,7 @@ from dflash_trt.conversion.prequantized import (
     prequantized_module_tensors,
 )
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.quant_formats import NONE, NVFP4, quantized_linear
+from dflash_trt.formats import NONE, NVFP4, quantized_linear
 from dflash_trt.spec import TargetSpec
 
 HF_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",

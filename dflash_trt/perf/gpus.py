@@ -1,4 +1,4 @@
-"""Published per-GPU figures the roofline model runs on.
+"""Published per-GPU figures: the one GPU table (the roofline model and the build profiles read it).
 
 Only vendor-published peak numbers live here (dense, i.e. without 2:4 sparsity); how much of each peak a real
 kernel reaches is a separate, stated assumption in `dflash_trt.perf.model.Calibration`.
@@ -23,6 +23,7 @@ class GpuSpec:
     nvfp4_flops: float | None
     nvlink_bandwidth: float  # per direction, per GPU
     source: str
+    sm: int  # compute capability x 10: SM90 Hopper has FP8 tensor cores, SM100/SM103 Blackwell add NVFP4
 
     def dense_flops(self, precision: str) -> float:
         """Peak dense tensor-core rate for the GEMM input precision (weights and activations)."""
@@ -49,6 +50,7 @@ GPUS: dict[str, GpuSpec] = {
         nvfp4_flops=None,
         nvlink_bandwidth=450 * _GB,
         source="NVIDIA H100 Tensor Core GPU datasheet (SXM column; sparse figures halved; NVLink 900 GB/s total)",
+        sm=90,
     ),
     "h200": GpuSpec(
         name="H200 SXM",
@@ -59,6 +61,7 @@ GPUS: dict[str, GpuSpec] = {
         nvfp4_flops=None,
         nvlink_bandwidth=450 * _GB,
         source="NVIDIA H200 Tensor Core GPU datasheet (SXM column; sparse figures halved; NVLink 900 GB/s total)",
+        sm=90,
     ),
     "b200": GpuSpec(
         name="B200 (HGX)",
@@ -69,6 +72,7 @@ GPUS: dict[str, GpuSpec] = {
         nvfp4_flops=9.0 * _PF,
         nvlink_bandwidth=900 * _GB,
         source="NVIDIA HGX B200 / DGX B200 datasheets, per GPU (8-GPU totals / 8; sparse halved; NVLink 5 1.8 TB/s)",
+        sm=100,
     ),
     "b300": GpuSpec(
         name="B300 (HGX, Blackwell Ultra)",
@@ -80,6 +84,7 @@ GPUS: dict[str, GpuSpec] = {
         nvlink_bandwidth=900 * _GB,
         source="NVIDIA HGX B300 platform figures as tabulated at glennklockwood.com/garden/processors/B300 "
         "(dense FP4 ~13 PF vs 9 PF on B200; 288 GB HBM3e at 8 TB/s; NVLink 5 1.8 TB/s)",
+        sm=103,
     ),
 }
 

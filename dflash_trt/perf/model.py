@@ -19,10 +19,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.formats import BYTES_PER_WEIGHT, FP8, NONE, NVFP4
 from dflash_trt.perf.gpus import GpuSpec
 from dflash_trt.perf.pareto import Point
 
-WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1.0, "nvfp4": 0.5625}  # NVFP4: 4-bit values + one e4m3 scale per 16
+# The GEMM input precision of each --qformat / --kv_cache_dtype ("none" keeps 16-bit weights and caches).
+PRECISION = {NONE: "bf16", FP8: "fp8", NVFP4: "nvfp4"}
+WEIGHT_BYTES = {PRECISION[qformat]: size for qformat, size in BYTES_PER_WEIGHT.items()}
 KV_BYTES = {"bf16": 2.0, "fp8": 1.0}
 ACTIVATION_BYTES = 2.0  # all-reduce payloads and tap features stay bf16
 LM_HEAD_BYTES = 2.0  # the lm_head is left unquantized (modelopt excludes it by default)

@@ -18,9 +18,9 @@ import torch
 
 from dflash_trt import tensor_names as names
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.formats import FP8, NONE, NVFP4, NVFP4_BLOCK_SIZE, fused_partners, quant_algo, quantized_linear
 from dflash_trt.quant.fp8 import fp8_amax, fp8_weight_scale, quantize_fp8
 from dflash_trt.quant.nvfp4 import check_nvfp4_in_features, nvfp4_global_scale, quantize_nvfp4
-from dflash_trt.quant_formats import FP8, NONE, NVFP4, NVFP4_BLOCK_SIZE, fused_partners, quant_algo, quantized_linear
 
 # Row-parallel linears split their in-features over TP ranks (see checkpoint.sharding).
 _ROW_PARALLEL = (names.DENSE, names.MLP_PROJ)

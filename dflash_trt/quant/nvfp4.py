@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import torch
 
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.formats import NVFP4_BLOCK_SIZE
 from dflash_trt.quant.checks import check_finite_amax, check_weight
 from dflash_trt.quant.fp8 import FP8_E4M3_MAX
-from dflash_trt.quant_formats import NVFP4_BLOCK_SIZE
 
 E2M1_MAX = 6.0
 # Smallest block scale kept: E4M3's smallest subnormal, so no block scale underflows to zero.

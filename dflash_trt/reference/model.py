@@ -20,8 +20,8 @@ from dflash_trt.checkpoint.safetensors_io import SafetensorsFile
 from dflash_trt.checkpoint.sharding import merge
 from dflash_trt.checkpoint.trtllm_config import specs_from_config
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.formats import NONE
 from dflash_trt.jsonfile import read_json_object
-from dflash_trt.quant_formats import NONE
 from dflash_trt.reference.kv_injection import injected_kv
 from dflash_trt.reference.norm import rms_norm
 from dflash_trt.reference.quantized import dequantized_weight, fake_quantize_fp8, fake_quantize_input, weight_format

@@ -12,9 +12,9 @@ import torch
 
 from dflash_trt import tensor_names as names
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.formats import FP8, NONE, NVFP4
 from dflash_trt.quant.fp8 import dequantize_fp8
 from dflash_trt.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
-from dflash_trt.quant_formats import FP8, NONE, NVFP4
 from dflash_trt.reference.kv_injection import to_cache_dtype
 
 

@@ -1,7 +1,11 @@
-"""Quantization formats of a converted checkpoint: their names, the TensorRT-LLM `quantization` config and which
-modules stay in high precision. Every layer speaks this vocabulary; the quantizers themselves live in `quant`.
+"""Number formats of a converted checkpoint: weight dtypes, quantization formats, the TensorRT-LLM `quantization`
+config and which modules stay in high precision. Every layer speaks this vocabulary, spelled as users type it
+(`--dtype`, `--qformat none|fp8|nvfp4`); the quantizers themselves live in `quant`.
 
 Public:
+- `DTYPES`: the `--dtype` choices of a checkpoint; `ENGINE_DTYPES`: those an engine is built in (half precision:
+  the KV-injection plugin's activations, and what build profiles accept).
+- `BYTES_PER_WEIGHT[qformat]`: storage of one linear weight, scales included ("none" keeps 16-bit weights).
 - `QFORMATS` ("none", "fp8", "nvfp4") and `KV_CACHE_DTYPES` ("none", "fp8"): the `--qformat` /
   `--dflash_qformat` / `--kv_cache_dtype` choices; `quant_algo(qformat)` is TensorRT-LLM's name (or None).
 - `EXCLUDE_MODULES`: engine modules kept in the checkpoint dtype (why: docs/quantization.md).
@@ -21,11 +25,16 @@ from collections.abc import Iterable, Sequence
 from dflash_trt import tensor_names as names
 from dflash_trt.errors import DFlashTrtError
 
+DTYPES = ("float32", "float16", "bfloat16")
+ENGINE_DTYPES = ("float16", "bfloat16")
+
 NONE, FP8, NVFP4 = "none", "fp8", "nvfp4"
 QFORMATS = (NONE, FP8, NVFP4)
 KV_CACHE_DTYPES = (NONE, FP8)
 _QUANT_ALGO = {NONE: None, FP8: "FP8", NVFP4: "NVFP4"}
 NVFP4_BLOCK_SIZE = 16
+# NVFP4 packs two values per byte plus one FP8 scale per block of 16.
+BYTES_PER_WEIGHT = {NONE: 2.0, FP8: 1.0, NVFP4: 0.5 + 1 / NVFP4_BLOCK_SIZE}
 
 LM_HEAD_MODULE = names.LM_HEAD.removesuffix("." + names.WEIGHT)
 DRAFT_FC_MODULE = names.DRAFT_FC.removesuffix("." + names.WEIGHT)
