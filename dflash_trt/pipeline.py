@@ -120,17 +120,10 @@ def record_stage(stage: Stage) -> None:
 
 
 def engine_settings(profile: BuildProfile) -> EngineBuildSettings:
-    eng = profile.engine
-    return EngineBuildSettings(
-        max_batch_size=eng.max_batch_size,
-        max_input_len=eng.max_input_len,
-        max_seq_len=eng.max_seq_len,
-        max_num_tokens=eng.max_num_tokens,
-        gemm_plugin=eng.gemm_plugin,
-        use_paged_context_fmha=eng.use_paged_context_fmha,
-        use_fp8_context_fmha=eng.use_fp8_context_fmha,
-        multiple_profiles=eng.multiple_profiles,
-    )
+    """The profile's `engine` section as build settings: every field both spell the same way (trtllm-build's flag
+    names); `max_draft_len` is not among them, the build takes it from the checkpoint's block size."""
+    shared = {f.name for f in dataclasses.fields(EngineBuildSettings)}
+    return EngineBuildSettings(**profile.engine.model_dump(include=shared))
 
 
 def serving_settings(profile: BuildProfile) -> dict:

@@ -1,4 +1,4 @@
-"""Parse and validate HF target configs and z-lab DFlash drafter configs (DESIGN §4.1).
+"""Parse and validate HF target configs and z-lab DFlash drafter configs (docs/conversion.md).
 
 Every other module works from these specs, never from raw config dicts, so each config rule (where a key may sit,
 its default, how per-layer attention kinds are derived) is decided here once. Defaults mirror what `transformers`
@@ -25,8 +25,8 @@ SUPPORTED_ACTIVATIONS = ("silu",)
 
 
 @dataclass(frozen=True)
-class TargetSpec:
-    """A Qwen3 / Llama 3.x causal LM, as much of it as conversion and decoding need."""
+class DecoderSpec:
+    """What a target and its drafter both are: a stack of pre-norm decoder layers with RoPE attention."""
 
     architecture: str
     vocab_size: int
@@ -39,31 +39,25 @@ class TargetSpec:
     rms_norm_eps: float
     hidden_act: str
     attention_bias: bool
+    rope: RopeConfig
+
+
+@dataclass(frozen=True)
+class TargetSpec(DecoderSpec):
+    """A Qwen3 / Llama 3.x causal LM, as much of it as conversion and decoding need."""
+
     mlp_bias: bool
     qk_norm: bool
     tie_word_embeddings: bool
     max_position_embeddings: int
-    rope: RopeConfig
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
 
 
 @dataclass(frozen=True)
-class DraftSpec:
+class DraftSpec(DecoderSpec):
     """A DFlash v1 drafter: a Qwen3-style stack fed by fused target taps (KV injection)."""
 
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    hidden_act: str
-    attention_bias: bool
-    rope: RopeConfig
     block_size: int
     mask_token_id: int
     target_layer_ids: tuple[int, ...]

@@ -16,7 +16,7 @@ from dflash_trt.perf.model import (
     Deployment,
     Method,
     StackShape,
-    TargetModel,
+    TargetShape,
     pass_time,
     predict_curve,
     stack_pass,
@@ -96,7 +96,7 @@ def test_moe_reads_only_touched_experts():
         (published.GPT_OSS_120B, 116.8e9),  # gpt-oss-120b model card: 117B total
     ],
 )
-def test_shapes_reproduce_published_parameter_counts(shape: TargetModel, published_params: float):
+def test_shapes_reproduce_published_parameter_counts(shape: TargetShape, published_params: float):
     s = shape.stack
     experts = s.num_experts or 1
     layer = s.attn_params() + experts * s.expert_params() + s.hidden * s.num_experts

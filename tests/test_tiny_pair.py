@@ -204,17 +204,17 @@ def test_dflash_generate_is_lossless_and_accepts_long_blocks(draft, target, toke
     for prompt, run in zip(prompts, runs, strict=True):
         assert run.new_token_ids == reference[prompt.text], prompt.text
         assert max(run.acceptance_lengths) <= draft.block_size
-    assert evaluate.mean_acceptance_length(runs) >= MIN_ACCEPTANCE_B16
+    assert evaluate.per_prompt_mean_acceptance_length(runs) >= MIN_ACCEPTANCE_B16
 
 
 def test_shifted_taps_collapse_acceptance(draft, target, tokenizer, heldout):
     """A drafter fed the wrong target layers must lose most of its acceptance (the metric catches breakage)."""
     prompts = _acceptance_prompts(heldout)[:: 2]
-    good = evaluate.mean_acceptance_length(evaluate.speculative_runs(draft, target, tokenizer, prompts))
+    good = evaluate.per_prompt_mean_acceptance_length(evaluate.speculative_runs(draft, target, tokenizer, prompts))
     shifted = DFlashDraftModel.from_pretrained(str(draft_dir()), dtype=torch.float32).eval()
     shifted.target_layer_ids = [i + 1 for i in draft.target_layer_ids]
     broken_runs = evaluate.speculative_runs(shifted, target, tokenizer, prompts)
-    broken = evaluate.mean_acceptance_length(broken_runs)
+    broken = evaluate.per_prompt_mean_acceptance_length(broken_runs)
     assert broken < 0.6 * good
     assert broken >= 1.0  # still lossless decoding, just slower: every step yields the bonus token
 

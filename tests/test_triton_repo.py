@@ -415,7 +415,7 @@ def test_client_streams_text_and_acceptance(tmp_path: Path, tokenizer_dir: Path)
     assert sent["stream"] == b"\x01" and sent["return_perf_metrics"] == b"\x01"
     # 45 drafted tokens over steps of 15 drafts = 3 steps; (27 accepted + 3 bonus) / 3 = 10 tokens per step.
     assert "mean acceptance length 10.00" in triton_client.summary(gen, 15)
-    assert triton_client.mean_acceptance_length(27, 45, 15) == pytest.approx(10.0)
+    assert triton_client.acceptance_length_from_counts(27, 45, 15) == pytest.approx(10.0)
 
 
 def test_client_main_reads_draft_len_from_the_repository(tmp_path: Path, tokenizer_dir: Path, capsys, monkeypatch):

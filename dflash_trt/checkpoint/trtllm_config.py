@@ -1,4 +1,4 @@
-"""The converted checkpoint's `config.json` (DESIGN §4.2): built from specs, and read back into specs.
+"""The converted checkpoint's `config.json` (docs/conversion.md): built from specs, and read back into specs.
 
 TensorRT-LLM 1.2.x loads it as a `PretrainedConfig` (unknown keys ride along as attributes), our engine class reads
 `dflash_config`, and the golden model rebuilds the exact specs from it, so the key spelling lives only here.
@@ -11,10 +11,24 @@ from typing import Any
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import DTYPES, NONE, quantization_config
 from dflash_trt.rope import RopeConfig
-from dflash_trt.spec import DraftSpec, TargetSpec, check_dimension
+from dflash_trt.spec import DecoderSpec, DraftSpec, TargetSpec, check_dimension
 
 ARCHITECTURE = "DFlashForCausalLM"
 FORMAT_VERSION = 1
+
+# The decoder-stack fields target and drafter share (`DecoderSpec`): spec attribute -> config.json key, in
+# TensorRT-LLM's spelling. The target's sit at the top level, the drafter's in `dflash_config`.
+DECODER_KEYS = {
+    "hidden_size": "hidden_size",
+    "intermediate_size": "intermediate_size",
+    "num_hidden_layers": "num_hidden_layers",
+    "num_attention_heads": "num_attention_heads",
+    "num_key_value_heads": "num_key_value_heads",
+    "head_dim": "head_size",
+    "rms_norm_eps": "norm_epsilon",
+    "hidden_act": "hidden_act",
+    "attention_bias": "attn_bias",
+}
 
 
 def rotary_scaling(rope: RopeConfig) -> dict[str, Any] | None:
@@ -31,6 +45,18 @@ def rope_from_config(head_dim: int, base: float, scaling: dict[str, Any] | None)
     fields = dict(scaling or {})
     rope_type = fields.pop("type", "default")
     return RopeConfig(head_dim=head_dim, theta=float(base), rope_type=rope_type, **fields)
+
+
+def decoder_config(spec: DecoderSpec) -> dict[str, Any]:
+    """The shared decoder fields of one spec, under their config.json keys (RoPE as base + `rotary_scaling`)."""
+    fields = {key: getattr(spec, attribute) for attribute, key in DECODER_KEYS.items()}
+    return {**fields, "rotary_base": spec.rope.theta, "rotary_scaling": rotary_scaling(spec.rope)}
+
+
+def decoder_fields(section: dict[str, Any]) -> dict[str, Any]:
+    """`decoder_config` read back: `DecoderSpec` keyword arguments (architecture and vocab size excepted)."""
+    fields = {attribute: section[key] for attribute, key in DECODER_KEYS.items()}
+    return {**fields, "rope": rope_from_config(section["head_size"], section["rotary_base"], section["rotary_scaling"])}
 
 
 def checkpoint_config(
@@ -51,20 +77,10 @@ def checkpoint_config(
         "logits_dtype": "float32",
         "vocab_size": target.vocab_size,
         "vocab_size_padded": vocab_size_padded or target.vocab_size,
-        "hidden_size": target.hidden_size,
-        "intermediate_size": target.intermediate_size,
-        "num_hidden_layers": target.num_hidden_layers,
-        "num_attention_heads": target.num_attention_heads,
-        "num_key_value_heads": target.num_key_value_heads,
-        "head_size": target.head_dim,
-        "hidden_act": target.hidden_act,
-        "norm_epsilon": target.rms_norm_eps,
+        **decoder_config(target),
         "position_embedding_type": "rope_gpt_neox",
-        "rotary_base": target.rope.theta,
-        "rotary_scaling": rotary_scaling(target.rope),
         "max_position_embeddings": target.max_position_embeddings,
         "qk_layernorm": target.qk_norm,
-        "attn_bias": target.attention_bias,
         "mlp_bias": target.mlp_bias,
         "tie_word_embeddings": target.tie_word_embeddings,
         "eos_token_ids": list(target.eos_token_ids),
@@ -74,17 +90,7 @@ def checkpoint_config(
         "dflash_format_version": FORMAT_VERSION,
         "dflash_config": {
             "architecture": draft.architecture,
-            "num_hidden_layers": draft.num_hidden_layers,
-            "hidden_size": draft.hidden_size,
-            "intermediate_size": draft.intermediate_size,
-            "num_attention_heads": draft.num_attention_heads,
-            "num_key_value_heads": draft.num_key_value_heads,
-            "head_size": draft.head_dim,
-            "norm_epsilon": draft.rms_norm_eps,
-            "hidden_act": draft.hidden_act,
-            "attn_bias": draft.attention_bias,
-            "rotary_base": draft.rope.theta,
-            "rotary_scaling": rotary_scaling(draft.rope),
+            **decoder_config(draft),
             "layer_types": list(draft.layer_types),
             "sliding_window": draft.sliding_window,
             "causal": list(draft.causal),
@@ -99,44 +105,44 @@ def checkpoint_config(
     }
 
 
-def specs_from_config(config: dict[str, Any]) -> tuple[TargetSpec, DraftSpec]:
-    """Rebuild the exact specs the checkpoint was converted from."""
-    if config.get("architecture") != ARCHITECTURE or "dflash_config" not in config:
-        raise DFlashTrtError(f"not a dflash-trt checkpoint: config.json architecture is {config.get('architecture')!r}")
+def _check_dimensions(spec: DecoderSpec, what: str) -> None:
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim"):
+        check_dimension(getattr(spec, key), key, what)
+
+
+def _malformed(exc: Exception) -> DFlashTrtError:
+    return DFlashTrtError(f"checkpoint config.json is missing or has a malformed key: {exc}")
+
+
+def target_spec_from_config(config: dict[str, Any]) -> TargetSpec:
+    """The target's spec from a converted checkpoint's config.json (its top level)."""
     try:
-        d = config["dflash_config"]
         target = TargetSpec(
             architecture=config["base_architecture"],
             vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_hidden_layers=config["num_hidden_layers"],
-            num_attention_heads=config["num_attention_heads"],
-            num_key_value_heads=config["num_key_value_heads"],
-            head_dim=config["head_size"],
-            rms_norm_eps=config["norm_epsilon"],
-            hidden_act=config["hidden_act"],
-            attention_bias=config["attn_bias"],
+            **decoder_fields(config),
             mlp_bias=config["mlp_bias"],
             qk_norm=config["qk_layernorm"],
             tie_word_embeddings=config["tie_word_embeddings"],
             max_position_embeddings=config["max_position_embeddings"],
-            rope=rope_from_config(config["head_size"], config["rotary_base"], config["rotary_scaling"]),
             eos_token_ids=tuple(config.get("eos_token_ids", [])),
         )
+    except (KeyError, TypeError) as exc:
+        raise _malformed(exc) from None
+    _check_dimensions(target, "checkpoint")
+    return target
+
+
+def draft_spec_from_config(config: dict[str, Any]) -> DraftSpec:
+    """The drafter's spec from a converted checkpoint's config.json (`dflash_config` + the shared vocabulary): the
+    spec the converter parsed, for the golden model and the engine class alike."""
+    try:
+        d = config["dflash_config"]
         draft = DraftSpec(
             architecture=d["architecture"],
             vocab_size=config["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=d["num_attention_heads"],
-            num_key_value_heads=d["num_key_value_heads"],
-            head_dim=d["head_size"],
-            rms_norm_eps=d["norm_epsilon"],
-            hidden_act=d["hidden_act"],
-            attention_bias=d["attn_bias"],
-            rope=rope_from_config(d["head_size"], d["rotary_base"], d["rotary_scaling"]),
+            **decoder_fields(d),
             block_size=d["block_size"],
             mask_token_id=d["mask_token_id"],
             target_layer_ids=tuple(d["target_layer_ids"]),
@@ -148,10 +154,14 @@ def specs_from_config(config: dict[str, Any]) -> tuple[TargetSpec, DraftSpec]:
             final_logit_softcapping=d["final_logit_softcapping"],
         )
     except (KeyError, TypeError) as exc:
-        raise DFlashTrtError(f"checkpoint config.json is missing or has a malformed key: {exc}") from None
-    for what, spec in (("checkpoint", target), ("checkpoint dflash_config", draft)):
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                    "num_key_value_heads", "head_dim"):
-            check_dimension(getattr(spec, key), key, what)
+        raise _malformed(exc) from None
+    _check_dimensions(draft, "checkpoint dflash_config")
     check_dimension(draft.block_size, "block_size", "checkpoint dflash_config", minimum=2)
-    return target, draft
+    return draft
+
+
+def specs_from_config(config: dict[str, Any]) -> tuple[TargetSpec, DraftSpec]:
+    """Rebuild the exact specs the checkpoint was converted from."""
+    if config.get("architecture") != ARCHITECTURE or "dflash_config" not in config:
+        raise DFlashTrtError(f"not a dflash-trt checkpoint: config.json architecture is {config.get('architecture')!r}")
+    return target_spec_from_config(config), draft_spec_from_config(config)

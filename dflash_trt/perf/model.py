@@ -66,20 +66,20 @@ class StackShape:
 
 
 @dataclass(frozen=True)
-class TargetModel:
+class TargetShape:
     stack: StackShape
     vocab: int
 
 
 @dataclass(frozen=True)
-class DFlashDrafter:
+class DFlashShape:
     stack: StackShape
     num_taps: int
     block_size: int
 
 
 @dataclass(frozen=True)
-class Eagle3Drafter:
+class Eagle3Shape:
     """One decoder layer fed concat(embedding, fused taps); proposes `steps` tokens autoregressively."""
 
     stack: StackShape
@@ -258,13 +258,13 @@ class Iteration:
         return self.tokens_per_seq / self.seconds
 
 
-def ar_iteration(target: TargetModel, batch: int, ctx: float, dep: Deployment) -> Iteration:
+def ar_iteration(target: TargetShape, batch: int, ctx: float, dep: Deployment) -> Iteration:
     t = pass_time(stack_pass(target.stack, batch, 1, ctx, dep, batch, target.vocab), dep)
     return Iteration(t + dep.calibration.step_overhead_s, 1.0, t, 0.0)
 
 
 def dflash_iteration(
-    target: TargetModel, drafter: DFlashDrafter, acceptance: Acceptance, batch: int, ctx: float, dep: Deployment
+    target: TargetShape, drafter: DFlashShape, acceptance: Acceptance, batch: int, ctx: float, dep: Deployment
 ) -> Iteration:
     block = acceptance.max_length
     if block > drafter.block_size:
@@ -285,7 +285,7 @@ def dflash_iteration(
 
 
 def eagle3_iteration(
-    target: TargetModel, drafter: Eagle3Drafter, acceptance: Acceptance, batch: int, ctx: float, dep: Deployment
+    target: TargetShape, drafter: Eagle3Shape, acceptance: Acceptance, batch: int, ctx: float, dep: Deployment
 ) -> Iteration:
     width = drafter.steps + 1
     if acceptance.max_length > width:
@@ -311,15 +311,15 @@ class Method:
     """What runs: AR (no drafter), DFlash or EAGLE-3, with the acceptance it achieves."""
 
     name: str
-    drafter: DFlashDrafter | Eagle3Drafter | None = None
+    drafter: DFlashShape | Eagle3Shape | None = None
     acceptance: Acceptance | None = None
 
-    def iteration(self, target: TargetModel, batch: int, ctx: float, dep: Deployment) -> Iteration:
+    def iteration(self, target: TargetShape, batch: int, ctx: float, dep: Deployment) -> Iteration:
         if self.drafter is None:
             return ar_iteration(target, batch, ctx, dep)
         if self.acceptance is None:
             raise DFlashTrtError(f"{self.name}: a speculative method needs an acceptance distribution")
-        if isinstance(self.drafter, DFlashDrafter):
+        if isinstance(self.drafter, DFlashShape):
             return dflash_iteration(target, self.drafter, self.acceptance, batch, ctx, dep)
         return eagle3_iteration(target, self.drafter, self.acceptance, batch, ctx, dep)
 
@@ -330,7 +330,7 @@ def mean_context(input_len: int, output_len: int) -> float:
 
 
 def predict_curve(
-    method: Method, target: TargetModel, dep: Deployment, concurrencies: Sequence[int], ctx: float
+    method: Method, target: TargetShape, dep: Deployment, concurrencies: Sequence[int], ctx: float
 ) -> list[Point]:
     """Predicted (tok/s/user = 1/TPOT, tok/s/GPU) at each concurrency, steady state, all sequences decoding."""
     points = []

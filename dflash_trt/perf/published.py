@@ -18,10 +18,10 @@ from dflash_trt.perf.model import (
     Acceptance,
     Calibration,
     Deployment,
-    DFlashDrafter,
+    DFlashShape,
     Method,
     StackShape,
-    TargetModel,
+    TargetShape,
     mean_context,
     predict_curve,
 )
@@ -59,7 +59,7 @@ LLAMA31_8B_DFLASH = QWEN3_8B_DFLASH_B16 | {
 # gpt-oss-120b is a MoE model (outside the target families the converter accepts), so its shape is written
 # directly: 36 layers, hidden 2880, 64 x 64 query heads, 8 KV heads, 128 experts top-4 of width 2880,
 # alternate layers windowed to 128 tokens, vocab 201088.
-GPT_OSS_120B = TargetModel(
+GPT_OSS_120B = TargetShape(
     stack=StackShape(
         num_layers=36, hidden=2880, intermediate=2880, num_heads=64, num_kv_heads=8, head_dim=64,
         num_experts=128, experts_per_token=4, sliding_window=128, num_sliding_layers=18,
@@ -67,7 +67,7 @@ GPT_OSS_120B = TargetModel(
     vocab=201088,
 )  # fmt: skip
 # z-lab/gpt-oss-120b-DFlash: 8 layers, 64/8/64 heads, block 10, 5 taps; MLP width derived from its 0.8B params.
-GPT_OSS_120B_DFLASH = DFlashDrafter(
+GPT_OSS_120B_DFLASH = DFlashShape(
     stack=StackShape(num_layers=8, hidden=2880, intermediate=7900, num_heads=64, num_kv_heads=8, head_dim=64),
     num_taps=5,
     block_size=10,
@@ -76,11 +76,11 @@ EAGLE3_STEPS = 3  # draft chain length assumed for every EAGLE-3 number (not sta
 EAGLE3_DRAFT_VOCAB = 32000  # the Qwen3 / Llama EAGLE-3 drafters' reduced vocabulary
 
 
-def target(cfg: dict) -> TargetModel:
+def target(cfg: dict) -> TargetShape:
     return target_from_spec(parse_target_config(cfg))
 
 
-def dflash(target_cfg: dict, draft_cfg: dict) -> DFlashDrafter:
+def dflash(target_cfg: dict, draft_cfg: dict) -> DFlashShape:
     return dflash_from_spec(parse_draft_config(draft_cfg, parse_target_config(target_cfg)))
 
 
@@ -147,18 +147,18 @@ def _bisect(f: Callable[[float], float], goal: float, lo: float, hi: float) -> f
     return (lo + hi) / 2
 
 
-def speedup_c1(tgt: TargetModel, method: Method, dep: Deployment, lengths: tuple[int, int]) -> float:
+def speedup_c1(tgt: TargetShape, method: Method, dep: Deployment, lengths: tuple[int, int]) -> float:
     """Single-stream decode speedup over AR in the same harness: TPOT(AR) / TPOT(method)."""
     ctx = mean_context(*lengths)
     ar = Method("ar").iteration(tgt, 1, ctx, dep)
     return method.iteration(tgt, 1, ctx, dep).tok_s_user() / ar.tok_s_user()
 
 
-def _dflash_method(drafter: DFlashDrafter, tau: float, block: int | None = None) -> Method:
+def _dflash_method(drafter: DFlashShape, tau: float, block: int | None = None) -> Method:
     return Method("dflash", drafter, Acceptance.from_mean(tau, block or drafter.block_size))
 
 
-def _eagle_method(tgt: TargetModel, tau: float, vocab: int | None = EAGLE3_DRAFT_VOCAB) -> Method:
+def _eagle_method(tgt: TargetShape, tau: float, vocab: int | None = EAGLE3_DRAFT_VOCAB) -> Method:
     drafter = eagle3_like(tgt, EAGLE3_STEPS, vocab)
     return Method("eagle3", drafter, Acceptance.from_mean(tau, EAGLE3_STEPS + 1))
 
@@ -222,7 +222,7 @@ def _implied_tau(evaluate: Callable[[float], float], goal: float, max_tau: float
 
 
 def band_ratio(
-    a: Method, b: Method, tgt: TargetModel, dep: Deployment, tok_s_user: float, lengths: tuple[int, int]
+    a: Method, b: Method, tgt: TargetShape, dep: Deployment, tok_s_user: float, lengths: tuple[int, int]
 ) -> float | None:
     """tok/s/GPU ratio of two methods' predicted frontiers at equal interactivity (None if either misses it)."""
     conc = [2**i for i in range(0, 11)]
@@ -317,7 +317,7 @@ CALIBRATIONS: dict[str, Callable[[], tuple[Calibration, list[Row]]]] = {
     "hf-transformers": zlab_rows,
 }
 
-PRESETS: dict[str, Callable[[], tuple[TargetModel, DFlashDrafter]]] = {
+PRESETS: dict[str, Callable[[], tuple[TargetShape, DFlashShape]]] = {
     "qwen3-8b": lambda: (target(QWEN3_8B), dflash(QWEN3_8B, QWEN3_8B_DFLASH_B16)),
     "qwen3-4b": lambda: (target(QWEN3_4B), dflash(QWEN3_4B, QWEN3_4B_DFLASH_B16)),
     "llama-3.1-8b": lambda: (target(LLAMA31_8B), dflash(LLAMA31_8B, LLAMA31_8B_DFLASH)),

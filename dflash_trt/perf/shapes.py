@@ -4,40 +4,36 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dflash_trt.perf.model import DFlashDrafter, Eagle3Drafter, StackShape, TargetModel
-from dflash_trt.spec import SLIDING_ATTENTION, DraftSpec, TargetSpec, load_draft_spec, load_target_spec
+from dflash_trt.perf.model import DFlashShape, Eagle3Shape, StackShape, TargetShape
+from dflash_trt.spec import SLIDING_ATTENTION, DecoderSpec, DraftSpec, TargetSpec, load_draft_spec, load_target_spec
 
 EAGLE3_TAPS = 3  # EAGLE-3 fuses low, middle and high target layers
 
 
-def target_from_spec(spec: TargetSpec) -> TargetModel:
-    stack = StackShape(
+def stack_from_spec(spec: DecoderSpec, **extra: int | None) -> StackShape:
+    """The decoder stack's shape, from the fields every spec shares."""
+    return StackShape(
         num_layers=spec.num_hidden_layers,
         hidden=spec.hidden_size,
         intermediate=spec.intermediate_size,
         num_heads=spec.num_attention_heads,
         num_kv_heads=spec.num_key_value_heads,
         head_dim=spec.head_dim,
+        **extra,
     )
-    return TargetModel(stack=stack, vocab=spec.vocab_size)
 
 
-def dflash_from_spec(spec: DraftSpec) -> DFlashDrafter:
+def target_from_spec(spec: TargetSpec) -> TargetShape:
+    return TargetShape(stack=stack_from_spec(spec), vocab=spec.vocab_size)
+
+
+def dflash_from_spec(spec: DraftSpec) -> DFlashShape:
     sliding = sum(kind == SLIDING_ATTENTION for kind in spec.layer_types) if spec.sliding_window else 0
-    stack = StackShape(
-        num_layers=spec.num_hidden_layers,
-        hidden=spec.hidden_size,
-        intermediate=spec.intermediate_size,
-        num_heads=spec.num_attention_heads,
-        num_kv_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim,
-        sliding_window=spec.sliding_window,
-        num_sliding_layers=sliding,
-    )
-    return DFlashDrafter(stack=stack, num_taps=len(spec.target_layer_ids), block_size=spec.block_size)
+    stack = stack_from_spec(spec, sliding_window=spec.sliding_window, num_sliding_layers=sliding)
+    return DFlashShape(stack=stack, num_taps=len(spec.target_layer_ids), block_size=spec.block_size)
 
 
-def eagle3_like(target: TargetModel, steps: int, draft_vocab: int | None = None) -> Eagle3Drafter:
+def eagle3_like(target: TargetShape, steps: int, draft_vocab: int | None = None) -> Eagle3Shape:
     """An EAGLE-3 drafter for `target`: one target-sized layer on concat(embedding, fused taps)."""
     t = target.stack
     stack = StackShape(
@@ -49,10 +45,10 @@ def eagle3_like(target: TargetModel, steps: int, draft_vocab: int | None = None)
         head_dim=t.head_dim,
         attn_input=2 * t.hidden,
     )
-    return Eagle3Drafter(stack=stack, num_taps=EAGLE3_TAPS, draft_vocab=draft_vocab or target.vocab, steps=steps)
+    return Eagle3Shape(stack=stack, num_taps=EAGLE3_TAPS, draft_vocab=draft_vocab or target.vocab, steps=steps)
 
 
-def load_models(model_dir: str | Path, dflash_model_dir: str | Path | None) -> tuple[TargetModel, DFlashDrafter | None]:
+def load_models(model_dir: str | Path, dflash_model_dir: str | Path | None) -> tuple[TargetShape, DFlashShape | None]:
     """Target (and drafter) shapes from HF checkpoint folders; only config.json is read."""
     target_spec = load_target_spec(model_dir)
     drafter = dflash_from_spec(load_draft_spec(dflash_model_dir, target_spec)) if dflash_model_dir else None

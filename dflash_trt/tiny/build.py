@@ -86,7 +86,7 @@ def build_pair(out_dir: Path, recipe: Recipe, command: str, log: train.Log = pri
                       seed=recipe.seed, log=log)
     draft_seconds = time.perf_counter() - started
     runs = evaluate.speculative_runs(draft, target, tokenizer, heldout)
-    acceptance = evaluate.mean_acceptance_length(runs)
+    acceptance = evaluate.per_prompt_mean_acceptance_length(runs)
     log(f"draft mean acceptance length {acceptance:.3f} after {draft_seconds:.0f}s")
     draft.save_pretrained(draft_dir)
 

@@ -104,7 +104,7 @@ def speculative_runs(
     return runs
 
 
-def mean_acceptance_length(runs: list[SpeculativeRun]) -> float:
+def per_prompt_mean_acceptance_length(runs: list[SpeculativeRun]) -> float:
     """Tokens per verification step (bonus included, at most block_size): mean over prompts of each
     prompt's mean, the convention of the reference benchmark."""
     per_prompt = [sum(r.acceptance_lengths) / len(r.acceptance_lengths) for r in runs if r.acceptance_lengths]

@@ -31,7 +31,7 @@ class Generation:
     errors: list[str] = field(default_factory=list)
 
 
-def mean_acceptance_length(accepted: int, drafted: int, max_draft_len: int) -> float:
+def acceptance_length_from_counts(accepted: int, drafted: int, max_draft_len: int) -> float:
     """Tokens gained per verification step, bonus token included: every step drafts `max_draft_len` tokens."""
     steps = drafted / max_draft_len
     return math.nan if steps == 0 else (accepted + steps) / steps
@@ -114,7 +114,7 @@ def summary(gen: Generation, max_draft_len: int | None) -> str:
     if gen.accepted_draft_tokens is not None and gen.draft_tokens is not None:
         parts.append(f"accepted {gen.accepted_draft_tokens}/{gen.draft_tokens} draft tokens")
         if max_draft_len:
-            length = mean_acceptance_length(gen.accepted_draft_tokens, gen.draft_tokens, max_draft_len)
+            length = acceptance_length_from_counts(gen.accepted_draft_tokens, gen.draft_tokens, max_draft_len)
             parts.append(f"mean acceptance length {length:.2f}")
     return ", ".join(parts)
 
