@@ -74,17 +74,11 @@ def test_python_fields_match_plugin_sources() -> None:
     source = (PLUGINS / "src" / "kvInjectionPlugin.cpp").read_text()
     header = (PLUGINS / "src" / "kvInjectionPlugin.h").read_text()
     cpp_fields = re.findall(r'kField\w+ = "(\w+)"', source)
-    py_fields = plugin.plugin_fields(
-        num_layers=1,
-        num_kv_heads=1,
-        head_dim=64,
-        layer_idx_offset=0,
-        tokens_per_block=32,
-        rope=RopeConfig(64, 10000.0),
-        eps=1e-6,
-        type_id=7,
-        cache_fp8=False,
+    geometry = plugin.KVInjectionGeometry(
+        num_layers=1, num_kv_heads=1, head_dim=64, layer_idx_offset=0, tokens_per_block=32,
+        rope=RopeConfig(64, 10000.0), eps=1e-6,
     )
+    py_fields = plugin.plugin_fields(geometry, type_id=7, cache_fp8=False)
     assert [name for name, _, _ in py_fields] == cpp_fields
     assert f'kKvInjectionPluginName = "{plugin.PLUGIN_NAME}"' in header
     assert f'kKvInjectionPluginVersion = "{plugin.PLUGIN_VERSION}"' in header
@@ -137,18 +131,20 @@ def test_plugin_fields_carry_the_rope_table_and_refuse_bad_geometry() -> None:
     from dflash_trt.rope import inv_freq_and_scale
 
     rope = RopeConfig(128, 1_000_000.0, "yarn", factor=4.0, original_max_position_embeddings=32768)
-    args = dict(num_layers=2, num_kv_heads=8, layer_idx_offset=36, eps=1e-6, type_id=7, cache_fp8=True)
-    fields = {
-        name: value for name, value, _ in plugin.plugin_fields(head_dim=128, tokens_per_block=64, rope=rope, **args)
-    }
+    def fields_of(head_dim: int, tokens_per_block: int) -> list:
+        geometry = plugin.KVInjectionGeometry(num_layers=2, num_kv_heads=8, head_dim=head_dim, layer_idx_offset=36,
+                                              tokens_per_block=tokens_per_block, rope=rope, eps=1e-6)
+        return plugin.plugin_fields(geometry, type_id=7, cache_fp8=True)
+
+    fields = {name: value for name, value, _ in fields_of(128, 64)}
     inv_freq, scaling = inv_freq_and_scale(rope)
     assert fields["rope_inv_freq"].tolist() == inv_freq.tolist()
     assert fields["rope_attention_scaling"].tolist() == [pytest.approx(scaling)] and scaling != 1.0
     assert fields["cache_fp8"].tolist() == [1] and fields["layer_idx_offset"].tolist() == [36]
     with pytest.raises(DFlashTrtError, match="head_dim"):
-        plugin.plugin_fields(head_dim=64, tokens_per_block=64, rope=rope, **args)
+        fields_of(64, 64)
     with pytest.raises(DFlashTrtError, match="power of two"):
-        plugin.plugin_fields(head_dim=128, tokens_per_block=48, rope=rope, **args)
+        fields_of(128, 48)
 
 
 def test_loader_reports_a_missing_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

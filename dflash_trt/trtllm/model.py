@@ -60,7 +60,7 @@ from tensorrt_llm.module import Module, ModuleList
 
 from dflash_trt.checkpoint.trtllm_config import ARCHITECTURE, rope_from_config
 from dflash_trt.trtllm.build_plan import block_packed_mask
-from dflash_trt.trtllm.plugin import kv_injection_layer
+from dflash_trt.trtllm.plugin import KVInjectionGeometry, kv_injection_layer
 
 # Keys only DFlash reads; the target's TensorRT-LLM config class must not see them.
 DFLASH_KEYS = ("architecture", "base_architecture", "dflash_config", "dflash_format_version", "eos_token_ids",
@@ -322,6 +322,8 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
             "kv_cache_block_offsets": kv_cache_params.kv_cache_block_offsets,
             "host_kv_cache_pool_pointers": kv_cache_params.host_kv_cache_pool_pointers,
             "host_kv_cache_pool_mapping": kv_cache_params.host_kv_cache_pool_mapping,
+        }
+        geometry = {
             "num_kv_heads": first.num_attention_kv_heads,
             "head_dim": first.attention_head_size,
             "tokens_per_block": default_net().plugin_config.tokens_per_block,
@@ -338,7 +340,8 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
             scale = layers[group[0]].attention.kv_cache_rcp_scaling_factor.value if fp8_cache else None
             token = kv_injection_layer(
                 ctx_kv, k_norm, book["positions"], book["request"], book["valid"], passthrough=token,
-                num_layers=len(group), layer_idx_offset=self.config.num_hidden_layers + group[0],
+                geometry=KVInjectionGeometry(num_layers=len(group),
+                                             layer_idx_offset=self.config.num_hidden_layers + group[0], **geometry),
                 kv_scale_orig_quant=scale, **common)
         return token
 

@@ -12,12 +12,7 @@
         host_kv_cache_pool_pointers,  # int64 [num_pools, 2] host                       (KeyValueCacheParams)
         host_kv_cache_pool_mapping,   # int32 [num_layers_total, 2] host                (KeyValueCacheParams)
         passthrough,                  # any fp32/fp16/bf16/int32 tensor; returned copied, ordered after the write
-        *,
-        num_layers, num_kv_heads, head_dim,   # per rank (KV heads after TP)
-        layer_idx_offset,             # model layer index of draft layer 0 (= target num_hidden_layers)
-        tokens_per_block,             # the engine's paged-KV block size (power of two)
-        rope,                         # dflash_trt.rope.RopeConfig of the drafter
-        eps,                          # k_norm epsilon
+        geometry,                     # KVInjectionGeometry: draft layers, heads, cache blocks, RoPE, eps
         kv_scale_orig_quant=None,     # float32 [1]: FP8 KV cache when given (1 / kv_cache_scaling_factor)
     ) -> Tensor                       # the copy of `passthrough`
 
@@ -31,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,39 +70,42 @@ def load_plugin_library(path: str | os.PathLike | None = None) -> ctypes.CDLL:
     return handle
 
 
-def plugin_fields(
-    *,
-    num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    layer_idx_offset: int,
-    tokens_per_block: int,
-    rope: RopeConfig,
-    eps: float,
-    type_id: int,
-    cache_fp8: bool,
-) -> list[tuple[str, Any, str]]:
+@dataclass(frozen=True)
+class KVInjectionGeometry:
+    """The plugin's creation parameters that describe the draft layers and the paged cache, per TP rank."""
+
+    num_layers: int
+    num_kv_heads: int  # after TP
+    head_dim: int
+    layer_idx_offset: int  # model layer index of draft layer 0 (= target num_hidden_layers for a single call)
+    tokens_per_block: int  # the engine's paged-KV block size (power of two)
+    rope: RopeConfig  # the drafter's
+    eps: float  # k_norm epsilon
+
+
+def plugin_fields(geometry: KVInjectionGeometry, *, type_id: int, cache_fp8: bool) -> list[tuple[str, Any, str]]:
     """(name, numpy value, PluginFieldType name) triples: the plugin's creation fields, defined once."""
     import numpy as np
 
-    if rope.head_dim != head_dim:
-        raise DFlashTrtError(f"rope head_dim {rope.head_dim} differs from the KV head_dim {head_dim}.")
-    if tokens_per_block <= 0 or tokens_per_block & (tokens_per_block - 1):
-        raise DFlashTrtError(f"tokens_per_block must be a power of two, got {tokens_per_block}.")
-    inv_freq, attention_scaling = inv_freq_and_scale(rope)
+    g = geometry
+    if g.rope.head_dim != g.head_dim:
+        raise DFlashTrtError(f"rope head_dim {g.rope.head_dim} differs from the KV head_dim {g.head_dim}.")
+    if g.tokens_per_block <= 0 or g.tokens_per_block & (g.tokens_per_block - 1):
+        raise DFlashTrtError(f"tokens_per_block must be a power of two, got {g.tokens_per_block}.")
+    inv_freq, attention_scaling = inv_freq_and_scale(g.rope)
 
     def i32(v: int) -> Any:
         return np.array([v], dtype=np.int32)
 
     return [
-        ("num_layers", i32(num_layers), "INT32"),
-        ("num_kv_heads", i32(num_kv_heads), "INT32"),
-        ("head_dim", i32(head_dim), "INT32"),
-        ("layer_idx_offset", i32(layer_idx_offset), "INT32"),
-        ("tokens_per_block", i32(tokens_per_block), "INT32"),
+        ("num_layers", i32(g.num_layers), "INT32"),
+        ("num_kv_heads", i32(g.num_kv_heads), "INT32"),
+        ("head_dim", i32(g.head_dim), "INT32"),
+        ("layer_idx_offset", i32(g.layer_idx_offset), "INT32"),
+        ("tokens_per_block", i32(g.tokens_per_block), "INT32"),
         ("type_id", i32(type_id), "INT32"),
         ("cache_fp8", i32(int(cache_fp8)), "INT32"),
-        ("eps", np.array([eps], dtype=np.float32), "FLOAT32"),
+        ("eps", np.array([g.eps], dtype=np.float32), "FLOAT32"),
         ("rope_inv_freq", inv_freq.numpy().astype(np.float32), "FLOAT32"),
         ("rope_attention_scaling", np.array([attention_scaling], dtype=np.float32), "FLOAT32"),
     ]
@@ -122,14 +121,7 @@ def kv_injection_layer(
     host_kv_cache_pool_pointers: Any,
     host_kv_cache_pool_mapping: Any,
     passthrough: Any,
-    *,
-    num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    layer_idx_offset: int,
-    tokens_per_block: int,
-    rope: RopeConfig,
-    eps: float,
+    geometry: KVInjectionGeometry,
     kv_scale_orig_quant: Any | None = None,
 ) -> Any:
     """Add one DFlashKVInjection layer (all draft layers, all tokens) to the current TensorRT-LLM network."""
@@ -141,17 +133,7 @@ def kv_injection_layer(
     creator = trt.get_plugin_registry().get_creator(PLUGIN_NAME, PLUGIN_VERSION, PLUGIN_NAMESPACE)
     if creator is None:
         raise DFlashTrtError(f"TensorRT has no {PLUGIN_NAMESPACE}::{PLUGIN_NAME} creator after loading the library.")
-    fields = plugin_fields(
-        num_layers=num_layers,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        layer_idx_offset=layer_idx_offset,
-        tokens_per_block=tokens_per_block,
-        rope=rope,
-        eps=eps,
-        type_id=int(ctx_kv.dtype),
-        cache_fp8=kv_scale_orig_quant is not None,
-    )
+    fields = plugin_fields(geometry, type_id=int(ctx_kv.dtype), cache_fp8=kv_scale_orig_quant is not None)
     collection = trt.PluginFieldCollection(
         [trt.PluginField(name, value, getattr(trt.PluginFieldType, kind)) for name, value, kind in fields]
     )
