@@ -20,6 +20,8 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dflash_trt tests perf convert
+	$(VENV)/bin/ruff format --check dflash_trt tests perf convert
+	$(PY) -m mypy
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q

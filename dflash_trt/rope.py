@@ -41,9 +41,16 @@ def _base_inv_freq(cfg: RopeConfig) -> torch.Tensor:
     return 1.0 / (cfg.theta**exponents)
 
 
+def _original_context(cfg: RopeConfig) -> int:
+    """llama3 and yarn scale relative to the pre-training context; the spec parser makes sure it is given."""
+    if cfg.original_max_position_embeddings is None:
+        raise ValueError(f"{cfg.rope_type} RoPE needs original_max_position_embeddings")
+    return cfg.original_max_position_embeddings
+
+
 def _llama3_inv_freq(cfg: RopeConfig) -> torch.Tensor:
     inv_freq = _base_inv_freq(cfg)
-    old_context = cfg.original_max_position_embeddings
+    old_context = _original_context(cfg)
     low_freq_wavelen = old_context / cfg.low_freq_factor
     high_freq_wavelen = old_context / cfg.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -59,7 +66,7 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def _yarn_inv_freq_and_scale(cfg: RopeConfig) -> tuple[torch.Tensor, float]:
-    dim, base, factor = cfg.head_dim, cfg.theta, cfg.factor
+    dim, base, factor, old_context = cfg.head_dim, cfg.theta, cfg.factor, _original_context(cfg)
     if cfg.attention_factor is not None:
         attention = cfg.attention_factor
     elif cfg.mscale and cfg.mscale_all_dim:
@@ -68,7 +75,7 @@ def _yarn_inv_freq_and_scale(cfg: RopeConfig) -> tuple[torch.Tensor, float]:
         attention = _yarn_mscale(factor)
 
     def correction_dim(rotations: float) -> float:
-        return dim * math.log(cfg.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        return dim * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
     low, high = correction_dim(cfg.beta_fast), correction_dim(cfg.beta_slow)
     if cfg.truncate:

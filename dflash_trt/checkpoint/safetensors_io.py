@@ -202,6 +202,8 @@ class SafetensorsFile:
     def _region(self, name: str, start: int, nbytes: int) -> tuple[mmap.mmap, int]:
         """A map holding bytes [start, start + nbytes) of the file, and where they begin in it."""
         map_start = start - start % mmap.ALLOCATIONGRANULARITY
+        if self._fd is None:
+            raise DFlashTrtError(f"{self.path} is closed.")
         try:
             region = _map_copy_on_write(self._fd, start + nbytes - map_start, map_start)
         except OSError as exc:
@@ -396,7 +398,7 @@ class StreamingSafetensorsWriter:
     def _append(self, tensor: torch.Tensor) -> None:
         if tensor.numel() > 0:
             data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-            self._write(memoryview(data.numpy()))
+            self._write(memoryview(data.numpy().data))
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Append `tensor`, which must be the next entry and match its declared dtype and shape."""

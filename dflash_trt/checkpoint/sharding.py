@@ -87,6 +87,12 @@ def _merge_qkv(shards: list[torch.Tensor], heads: HeadLayout) -> torch.Tensor:
     return torch.cat(qs + ks + vs, dim=0)
 
 
+def _need_heads(heads: HeadLayout | None) -> HeadLayout:
+    if heads is None:
+        raise ValueError("a QKV split needs the head layout")
+    return heads
+
+
 def shard(
     full: torch.Tensor, split: Split, tp_size: int, rank: int, heads: HeadLayout | None = None
 ) -> torch.Tensor:
@@ -94,7 +100,7 @@ def shard(
     if tp_size == 1 or split is Split.REPLICATE:
         return full
     if split is Split.QKV:
-        return _split_qkv(full, heads, tp_size, rank)
+        return _split_qkv(full, _need_heads(heads), tp_size, rank)
     if split is Split.VOCAB:
         rows = pad_vocab_size(full.shape[0], tp_size) // tp_size
         piece = full[rank * rows : (rank + 1) * rows]
@@ -111,8 +117,9 @@ def sharded_shape(
     if tp_size == 1 or split is Split.REPLICATE:
         return shape
     if split is Split.QKV:
-        q_size, _ = _qkv_sizes(heads)
-        kv_rows = len(_kv_heads_of_rank(heads, tp_size, 0)) * heads.head_dim
+        layout = _need_heads(heads)
+        q_size, _ = _qkv_sizes(layout)
+        kv_rows = len(_kv_heads_of_rank(layout, tp_size, 0)) * layout.head_dim
         return (q_size // tp_size + 2 * kv_rows, *shape[1:])
     if split is Split.VOCAB:
         return (pad_vocab_size(shape[0], tp_size) // tp_size, *shape[1:])
@@ -127,7 +134,7 @@ def merge(
     if len(shards) == 1 or split is Split.REPLICATE:
         return shards[0]
     if split is Split.QKV:
-        return _merge_qkv(shards, heads)
+        return _merge_qkv(shards, _need_heads(heads))
     if split is Split.VOCAB:
         return torch.cat(shards, dim=0)[:vocab_size]
     return torch.cat(shards, dim=0 if split is Split.ROWS else 1)

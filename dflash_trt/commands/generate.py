@@ -10,6 +10,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from dflash_trt.prompts import read_prompts
 from dflash_trt.reference.decode import SequenceResult, speculative_generate
@@ -39,8 +40,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def sequence_record(result: SequenceResult, tokenizer, trace: bool) -> dict:
-    record = {
+def sequence_record(result: SequenceResult, tokenizer, trace: bool) -> dict[str, Any]:
+    record: dict[str, Any] = {
         "input_ids": result.input_ids,
         "output_ids": result.output_ids,
         "acceptance_lengths": result.acceptance_lengths,
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     results = speculative_generate(model, prompts, args.max_new_tokens, stop_ids, sampling, args.seed, args.block_size)
     seconds = time.perf_counter() - started
     generated = sum(len(r.output_ids) for r in results)
-    report = {
+    report: dict[str, Any] = {
         "sequences": [sequence_record(r, tokenizer, args.trace) for r in results],
         "mean_acceptance_length": mean_acceptance_length(results),
         "per_position_acceptance": per_position_acceptance(results, model.draft.spec.block_size - 1),

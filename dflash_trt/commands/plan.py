@@ -9,7 +9,7 @@ from pathlib import Path
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import KV_CACHE_DTYPES, NONE, QFORMATS
 from dflash_trt.perf.gpus import GPUS, get_gpu
-from dflash_trt.perf.model import PRECISION, Acceptance, Deployment, Method, mean_context, predict_curve
+from dflash_trt.perf.model import PRECISION, Acceptance, Deployment, DFlashShape, Method, mean_context, predict_curve
 from dflash_trt.perf.pareto import crossover_concurrency, speedup_table
 from dflash_trt.perf.published import CALIBRATIONS, PRESETS, all_rows, fitted_calibration, markdown_table
 from dflash_trt.perf.shapes import eagle3_like, load_models
@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(markdown_table(rows))
         return 0
+    drafter: DFlashShape | None
     if args.preset:
         target, drafter = PRESETS[args.preset]()
     elif args.model_dir:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import ENGINE_DTYPES
@@ -50,7 +51,7 @@ def engine_generate(engine_dir: Path, plugin_library: str, prompts: list[list[in
     runner = ModelRunnerCpp.from_dir(str(engine_dir), max_batch_size=len(prompts),
                                      eagle_choices=manifest[MANIFEST_KEY])
     lengths = [[len(p)] for p in prompts]
-    final = None
+    final: dict[str, Any] | None = None
     for out in runner.generate([torch.tensor(p, dtype=torch.int32) for p in prompts],
                                max_new_tokens=max_new_tokens, end_id=end_id, pad_id=end_id, streaming=True,
                                return_dict=True, output_sequence_lengths=True):
@@ -58,6 +59,8 @@ def engine_generate(engine_dir: Path, plugin_library: str, prompts: list[list[in
         for b, seq_len in enumerate(out["sequence_lengths"][:, 0].tolist()):
             if seq_len > lengths[b][-1]:
                 lengths[b].append(seq_len)
+    if final is None:
+        raise DFlashTrtError("the engine returned no output")
     tokens = [final["output_ids"][b, 0, len(p):lengths[b][-1]].tolist() for b, p in enumerate(prompts)]
     acceptance = [[n - m for m, n in zip(seq[1:-1], seq[2:], strict=True)] for seq in lengths]
     return tokens, acceptance

@@ -86,7 +86,8 @@ def check_sources(
 ) -> None:
     """Every tensor present with the shape its config promises, float-typed (or, in a pre-quantized target, one of
     its quantized linears' tensors), nothing unexpected."""
-    expected, extra = target_tensor_shapes(target), ("lm_head.weight",) if target.tie_word_embeddings else ()
+    expected = target_tensor_shapes(target)
+    extra: tuple[str, ...] = ("lm_head.weight",) if target.tie_word_embeddings else ()
     carried: set[str] = set()
     if prequantized is not None:
         expected, scales = prequantized_input.source_expectations(target, prequantized, expected)
@@ -206,7 +207,7 @@ def _row_blocks(
 
 def _write_rank(
     plan: ConversionPlan, path: Path, readers: dict[str, HFCheckpointReader], rank: int,
-    progress: Callable[[int], None],
+    progress: Callable[[int], object],
 ) -> int:
     entries = plan.entries()
     written = 0
@@ -303,7 +304,7 @@ def convert_checkpoint(
         check_sources(target, draft, target_reader, draft_reader, prequantized)
         readers = {TARGET: target_reader, DRAFT: draft_reader}
         scales = {}
-        if needs_calibration:
+        if needs_calibration and calib_dataset is not None:
             scales = calibrated_scales(model_dir, dflash_model_dir, output_dir.parent, dtype, quant,
                                        Path(calib_dataset), calib_size, calib_max_seq_len)
         if prequantized is not None:

@@ -267,23 +267,24 @@ def blog_rows() -> tuple[Calibration, list[Row]]:
         Row(BLOG, "gpt-oss-120b, 8x B300 NVFP4, DFlash 1.5x EAGLE-3 at 550 tok/s/user", "implied EAGLE-3 tau",
             1.5, _implied_tau(eagle_penalty, -1.5, EAGLE3_STEPS + 1), "implied")
     )  # fmt: skip
-    speed = [
+    speed: list[tuple[str, TargetShape, Deployment, float, float, DFlashShape, int | None]] = [
         ("gpt-oss-120b, 8x B300 NVFP4, SPEED-Bench avg", GPT_OSS_120B, b300x8, 2.3, 1.7, GPT_OSS_120B_DFLASH, None),
         ("Llama-3.1-8B, 1x B200 bf16, SPEED-Bench avg", target(LLAMA31_8B), b200, 2.8, 2.2,
          dflash(LLAMA31_8B, LLAMA31_8B_DFLASH), EAGLE3_DRAFT_VOCAB),
     ]  # fmt: skip
-    for setup, tgt, dep, pub_df, pub_e, drafter, vocab in speed:
-        tau_df = _implied_tau(
-            lambda t, tgt=tgt, dep=dep, d=drafter: speedup_c1(tgt, _dflash_method(d, t), dep, BLOG_LENGTHS),
-            pub_df, drafter.block_size,
-        )
-        tau_e = _implied_tau(
-            lambda t, tgt=tgt, dep=dep, v=vocab: speedup_c1(tgt, _eagle_method(tgt, t, v), dep, BLOG_LENGTHS),
-            pub_e, EAGLE3_STEPS + 1,
-        )
-        rows.append(Row(BLOG, f"{setup}, DFlash {pub_df}x", "implied DFlash tau", pub_df, tau_df, "implied"))
-        rows.append(Row(BLOG, f"{setup}, EAGLE-3 {pub_e}x", "implied EAGLE-3 tau", pub_e, tau_e, "implied"))
+    for setup in speed:
+        rows += _implied_speed_taus(*setup)
     return cal, rows
+
+
+def _implied_speed_taus(setup: str, tgt: TargetShape, dep: Deployment, pub_df: float, pub_e: float,
+                        drafter: DFlashShape, vocab: int | None) -> list[Row]:
+    tau_df = _implied_tau(lambda t: speedup_c1(tgt, _dflash_method(drafter, t), dep, BLOG_LENGTHS),
+                          pub_df, drafter.block_size)
+    tau_e = _implied_tau(lambda t: speedup_c1(tgt, _eagle_method(tgt, t, vocab), dep, BLOG_LENGTHS),
+                         pub_e, EAGLE3_STEPS + 1)
+    return [Row(BLOG, f"{setup}, DFlash {pub_df}x", "implied DFlash tau", pub_df, tau_df, "implied"),
+            Row(BLOG, f"{setup}, EAGLE-3 {pub_e}x", "implied EAGLE-3 tau", pub_e, tau_e, "implied")]
 
 
 def all_rows() -> tuple[dict[str, Calibration], list[Row]]:

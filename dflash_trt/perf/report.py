@@ -165,7 +165,7 @@ def analyze_records(
         if r.get("status") != "ok"
     ]
     x_label = USER_SPEED_METRICS[user_metric]
-    summary = {
+    summary: dict[str, object] = {
         "user_metric": user_metric,
         "x_axis": x_label,
         "baseline": baseline,

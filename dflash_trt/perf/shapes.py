@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from dflash_trt.perf.model import DFlashShape, Eagle3Shape, StackShape, TargetShape
 from dflash_trt.spec import SLIDING_ATTENTION, DecoderSpec, DraftSpec, TargetSpec, load_draft_spec, load_target_spec
@@ -10,7 +11,7 @@ from dflash_trt.spec import SLIDING_ATTENTION, DecoderSpec, DraftSpec, TargetSpe
 EAGLE3_TAPS = 3  # EAGLE-3 fuses low, middle and high target layers
 
 
-def stack_from_spec(spec: DecoderSpec, **extra: int | None) -> StackShape:
+def stack_from_spec(spec: DecoderSpec, **extra: Any) -> StackShape:
     """The decoder stack's shape, from the fields every spec shares."""
     return StackShape(
         num_layers=spec.num_hidden_layers,

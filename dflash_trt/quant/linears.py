@@ -56,14 +56,14 @@ def quantize_weight(
     check_quantizable(tensor_name, weight.shape, qformat)
     out: dict[str, torch.Tensor] = {}
     if qformat == FP8:
-        q = quantize_fp8(weight, None if amax is None else fp8_weight_scale(amax))
-        out[tensor_name] = q.weight
-        out[f"{module}.{names.WEIGHTS_SCALING_FACTOR}"] = q.weights_scaling_factor
+        fp8 = quantize_fp8(weight, None if amax is None else fp8_weight_scale(amax))
+        out[tensor_name] = fp8.weight
+        out[f"{module}.{names.WEIGHTS_SCALING_FACTOR}"] = fp8.weights_scaling_factor
     else:
-        q = quantize_nvfp4(weight, None if amax is None else nvfp4_global_scale(amax))
-        out[tensor_name] = q.weight
-        out[f"{module}.{names.WEIGHTS_SCALING_FACTOR}"] = q.weights_scaling_factor
-        out[f"{module}.{names.WEIGHTS_SCALING_FACTOR_2}"] = q.weights_scaling_factor_2
+        nvfp4 = quantize_nvfp4(weight, None if amax is None else nvfp4_global_scale(amax))
+        out[tensor_name] = nvfp4.weight
+        out[f"{module}.{names.WEIGHTS_SCALING_FACTOR}"] = nvfp4.weights_scaling_factor
+        out[f"{module}.{names.WEIGHTS_SCALING_FACTOR_2}"] = nvfp4.weights_scaling_factor_2
     return out
 
 

@@ -133,6 +133,7 @@ def speculative_generate(
                 accepted = int((drafts == posterior[: v - 1]).to(torch.int64).cumprod(0).sum())
                 bonus = int(posterior[accepted])
             elif v > 1:
+                assert draft_probs is not None  # v > 1 means block > 1, so the drafts were sampled above
                 accepted, bonus = rejection_accept(
                     drafts, draft_probs[b, : v - 1], sampling_probs(logits[b, :v], sampling), generator
                 )

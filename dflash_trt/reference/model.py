@@ -73,6 +73,12 @@ class LayerWeights:
     kv_scale: torch.Tensor | None
     kv_observer: Observer | None = None  # calibration sees every K and V this layer stores
 
+    def qk_norms(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The q/k norm weights of a layer that has them (every draft layer, Qwen3 target layers)."""
+        if self.q_norm is None or self.k_norm is None:
+            raise DFlashTrtError(f"{self.prefix} has no q/k norm weights")
+        return self.q_norm, self.k_norm
+
     @classmethod
     def load(cls, tensors: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype) -> LayerWeights:
         def norm(module: str) -> torch.Tensor | None:
@@ -84,12 +90,12 @@ class LayerWeights:
 
         return cls(
             prefix=prefix,
-            input_norm=norm(names.INPUT_LAYERNORM),
+            input_norm=tensors[names.tensor(prefix, names.INPUT_LAYERNORM)].to(dtype),
             qkv=lin(names.QKV),
             dense=lin(names.DENSE),
             q_norm=norm(names.Q_LAYERNORM),
             k_norm=norm(names.K_LAYERNORM),
-            post_norm=norm(names.POST_LAYERNORM),
+            post_norm=tensors[names.tensor(prefix, names.POST_LAYERNORM)].to(dtype),
             fc=lin(names.MLP_FC),
             gate=lin(names.MLP_GATE),
             proj=lin(names.MLP_PROJ),
@@ -183,7 +189,7 @@ class TargetModel:
         for index, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, s.rms_norm_eps)
             q, k, v = layer.split_qkv(x, s.num_attention_heads, s.num_key_value_heads, s.head_dim)
-            if layer.q_norm is not None:
+            if layer.q_norm is not None and layer.k_norm is not None:
                 q, k = rms_norm(q, layer.q_norm, s.rms_norm_eps), rms_norm(k, layer.k_norm, s.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             cache.write(index, k, v, positions, valid)
@@ -209,7 +215,7 @@ class DraftModel:
         self.hidden_norm = tensors[names.DRAFT_HIDDEN_NORM].to(dtype)
         self.final_norm = tensors[names.DRAFT_FINAL_NORM].to(dtype)
         self.layers = [LayerWeights.load(tensors, names.draft_layer(i), dtype) for i in range(spec.num_hidden_layers)]
-        self.k_norms = torch.stack([layer.k_norm for layer in self.layers])
+        self.k_norms = torch.stack([layer.qk_norms()[1] for layer in self.layers])
         self.current_valid: torch.Tensor | None = None  # rows of the running call that are real (for observers)
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
@@ -253,7 +259,8 @@ class DraftModel:
         for index, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, s.rms_norm_eps)
             q, k, v = layer.split_qkv(x, s.num_attention_heads, s.num_key_value_heads, s.head_dim)
-            q, k = rms_norm(q, layer.q_norm, s.rms_norm_eps), rms_norm(k, layer.k_norm, s.rms_norm_eps)
+            q_norm, k_norm = layer.qk_norms()
+            q, k = rms_norm(q, q_norm, s.rms_norm_eps), rms_norm(k, k_norm, s.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             # The engine writes the block's K/V into the (possibly FP8) cache before attending to it.
             block_k = cache.stored(index, k, block_valid).transpose(1, 2).to(cache.k[index].dtype)
@@ -323,7 +330,7 @@ def load_rank_tensors(checkpoint_dir: Path, tp_size: int, target: TargetSpec, dr
         for name in files[0].names():
             pieces = [f.get(name, copy=True) for f in files]
             split, out = stored_split(layout, name, pieces[0].dim())
-            tensors[name] = merge(pieces, split, out and out.heads, out and out.shape[0])
+            tensors[name] = merge(pieces, split, out.heads if out else None, out.shape[0] if out else None)
         missing = sorted(set(layout) - set(tensors))
         if missing:
             raise DFlashTrtError(f"checkpoint {checkpoint_dir} is missing tensor '{missing[0]}'")

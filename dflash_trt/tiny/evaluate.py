@@ -52,7 +52,7 @@ def greedy_token_ids(
     eos = tokenizer.eos_token_id
     for length, indices in by_length.items():
         batch = torch.tensor([encoded[i] for i in indices])
-        out = target.generate(
+        out = target.generate(  # type: ignore[misc]  # transformers 5 types `self` as a protocol Qwen3 misses
             batch,
             attention_mask=torch.ones_like(batch),
             max_new_tokens=max_new_tokens,
@@ -70,7 +70,7 @@ def greedy_accuracy(
     target: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, prompts: list[HeldoutPrompt]
 ) -> float:
     completions = greedy_token_ids(target, tokenizer, prompts)
-    hits = sum(is_correct(tokenizer.decode(ids, skip_special_tokens=True), p.answer)
+    hits = sum(is_correct(str(tokenizer.decode(ids, skip_special_tokens=True)), p.answer)
                for ids, p in zip(completions, prompts, strict=True))
     return hits / len(prompts)
 

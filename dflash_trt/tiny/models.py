@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from transformers import Qwen3Config
 
 VOCAB_SIZE = 128  # tokenizer has 99 entries; rows above are padding, like real checkpoints' padded vocab
@@ -21,7 +23,7 @@ TARGET_LAYER_IDS = [1, 3]
 
 
 # Attention and block shapes the target and the drafter share (the drafter reuses the target's embeddings).
-SHARED = dict(
+SHARED: dict[str, Any] = dict(
     num_attention_heads=NUM_HEADS,
     num_key_value_heads=NUM_KV_HEADS,
     head_dim=HEAD_DIM,
@@ -57,8 +59,15 @@ def draft_config(target: Qwen3Config, mask_token_id: int) -> Qwen3Config:
         hidden_size=target.hidden_size,
         intermediate_size=INTERMEDIATE_SIZE,
         num_hidden_layers=DRAFT_LAYERS,
-        num_target_layers=target.num_hidden_layers,
-        block_size=BLOCK_SIZE,
-        dflash_config={"mask_token_id": mask_token_id, "target_layer_ids": list(TARGET_LAYER_IDS)},
+        **_dflash_keys(target, mask_token_id),
         **SHARED,
     )
+
+
+def _dflash_keys(target: Qwen3Config, mask_token_id: int) -> dict[str, Any]:
+    """The z-lab drafter's keys, which a Qwen3Config carries as extra attributes."""
+    return {
+        "num_target_layers": target.num_hidden_layers,
+        "block_size": BLOCK_SIZE,
+        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(TARGET_LAYER_IDS)},
+    }

@@ -12,6 +12,7 @@ import math
 import queue
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,7 +67,7 @@ def _scalar(result, name: str):
 
 
 def stream_generate(url: str, prompt: str, max_tokens: int, *, model: str = "ensemble",
-                    temperature: float | None = None, stop_words: list[str] = (), on_text=None,
+                    temperature: float | None = None, stop_words: Sequence[str] = (), on_text=None,
                     timeout_s: float = 600.0) -> Generation:
     """Send one streaming request and collect every response until the server marks the last one."""
     import tritonclient.grpc as grpcclient

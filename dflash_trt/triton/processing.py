@@ -9,6 +9,7 @@ and how a request's tensors flow between them, are defined here, once.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -135,7 +136,7 @@ class Preprocessor:
     """Request text and options -> the `tensorrt_llm` model's inputs, refusing what the engine cannot honour."""
 
     def __init__(self, tokenizer, *, add_special_tokens: bool, max_input_len: int, max_temperature: float,
-                 extra_stop_ids: list[int] = ()):
+                 extra_stop_ids: Sequence[int] = ()):
         self.tokenizer = tokenizer
         self.add_special_tokens = add_special_tokens
         self.max_input_len = max_input_len

@@ -240,7 +240,7 @@ def check_sliding_window(facts: CheckpointFacts, settings: EngineBuildSettings) 
     Spec-decoding attention in TensorRT-LLM 1.2.x runs in tree mode, which has no sliding window; with
     `max_seq_len + block_size <= sliding_window` the window never drops a key, so the result is identical.
     """
-    if SLIDING_ATTENTION not in facts.layer_types:
+    if SLIDING_ATTENTION not in facts.layer_types or facts.sliding_window is None:
         return
     longest = settings.max_seq_len + facts.block_size
     if longest > facts.sliding_window:
