@@ -1,4 +1,5 @@
-"""Markers `gpu` and `trtllm` skip with a reason where CUDA or TensorRT-LLM 1.2.x is absent.
+"""Shared fixtures, and the markers `gpu` and `trtllm`, which skip with a reason where CUDA or TensorRT-LLM 1.2.x is
+absent.
 
 Tests run torch single-threaded: their tensors are tiny, and intra-op threads only add synchronisation cost
 (tens of times slower when the cores are busy).
@@ -7,6 +8,10 @@ Tests run torch single-threaded: their tensors are tiny, and intra-op threads on
 from __future__ import annotations
 
 import importlib.util
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,3 +35,43 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(no_gpu)
         if "trtllm" in item.keywords and not _trtllm_available():
             item.add_marker(no_trtllm)
+
+
+@pytest.fixture(scope="session")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The default random Qwen3 target (written by HF) and DFlash drafter (written by the `dflash` package).
+
+    Shared by every module, so never modify it: edit a copy (`edited_copy`)."""
+    from _pairs import make_pair  # imports transformers and dflash: only for the tests that use a pair
+
+    return make_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture(scope="session")
+def converted(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`pair` converted in float32 at tp 1 (shared like `pair`: never modify it)."""
+    from dflash_trt.conversion.convert import convert_checkpoint
+
+    out = tmp_path_factory.mktemp("converted") / "ckpt"
+    convert_checkpoint(*pair, out, dtype="float32")
+    return out
+
+
+EditConfig = Callable[[dict], object]
+
+
+@pytest.fixture
+def edited_copy(tmp_path: Path) -> Callable[..., Path]:
+    """`edited_copy(source_dir, edit=None, name=None)`: a copy of a checkpoint directory under tmp_path, with
+    `edit(config)` applied to its parsed config.json before it is written back."""
+
+    def copy(source: Path, edit: EditConfig | None = None, name: str | None = None) -> Path:
+        destination = Path(shutil.copytree(source, tmp_path / (name or source.name)))
+        if edit is not None:
+            config_path = destination / "config.json"
+            config = json.loads(config_path.read_text())
+            edit(config)
+            config_path.write_text(json.dumps(config))
+        return destination
+
+    return copy

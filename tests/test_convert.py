@@ -17,12 +17,12 @@ from dflash_trt.errors import DFlashTrtError
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def biased_pair(tmp_path_factory):
     return make_pair(tmp_path_factory.mktemp("convert"), PairVariant(target_bias=True, draft_bias=True))
 
 
-def test_layout_names_and_values(pair, tmp_path):
-    target_dir, draft_dir = pair
+def test_layout_names_and_values(biased_pair, tmp_path):
+    target_dir, draft_dir = biased_pair
     convert_checkpoint(target_dir, draft_dir, tmp_path / "ckpt", dtype="float32")
     out = load_file(tmp_path / "ckpt" / "rank0.safetensors")
     hf = load_file(target_dir / "model.safetensors")
@@ -46,8 +46,8 @@ def test_layout_names_and_values(pair, tmp_path):
     assert all(name.startswith(("transformer.", "lm_head.", "dflash.")) for name in out)
 
 
-def test_config_json(pair, tmp_path):
-    target_dir, draft_dir = pair
+def test_config_json(biased_pair, tmp_path):
+    target_dir, draft_dir = biased_pair
     convert_checkpoint(target_dir, draft_dir, tmp_path / "ckpt", dtype="bfloat16")
     cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     assert cfg["architecture"] == "DFlashForCausalLM" and cfg["base_architecture"] == "Qwen3ForCausalLM"
@@ -67,8 +67,8 @@ def test_tied_embeddings_feed_lm_head(tmp_path):
     assert names.tensor(names.target_layer(0), names.Q_LAYERNORM) not in out
 
 
-def test_existing_output_is_kept_without_overwrite(pair, tmp_path):
-    target_dir, draft_dir = pair
+def test_existing_output_is_kept_without_overwrite(biased_pair, tmp_path):
+    target_dir, draft_dir = biased_pair
     out = tmp_path / "ckpt"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
@@ -80,17 +80,14 @@ def test_existing_output_is_kept_without_overwrite(pair, tmp_path):
     assert not list(tmp_path.glob(".ckpt.partial-*"))
 
 
-def _corrupt(tmp_path, pair, edit):
-    target_dir, draft_dir = pair
-    bad = tmp_path / "bad_draft"
-    bad.mkdir()
-    for f in draft_dir.iterdir():
-        (bad / f.name).write_bytes(f.read_bytes())
+def _corrupt(edited_copy, biased_pair, edit):
+    target_dir, draft_dir = biased_pair
+    bad = edited_copy(draft_dir, name="bad_draft")
     edit(bad)
     return target_dir, bad
 
 
-def test_nan_weight_refused_and_nothing_written(pair, tmp_path):
+def test_nan_weight_refused_and_nothing_written(biased_pair, tmp_path, edited_copy):
     from safetensors.torch import save_file
 
     def poison(d):
@@ -98,7 +95,7 @@ def test_nan_weight_refused_and_nothing_written(pair, tmp_path):
         tensors["layers.0.mlp.up_proj.weight"][3, 4] = float("nan")
         save_file(tensors, d / "model.safetensors")
 
-    target_dir, bad = _corrupt(tmp_path, pair, poison)
+    target_dir, bad = _corrupt(edited_copy, biased_pair, poison)
     with pytest.raises(DFlashTrtError, match="drafter tensor 'layers.0.mlp.up_proj.weight' contains NaN or Inf"):
         convert_checkpoint(target_dir, bad, tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists() and not list(tmp_path.glob(".ckpt*"))
@@ -115,7 +112,7 @@ def test_nan_weight_refused_and_nothing_written(pair, tmp_path):
          r"drafter tensor 'fc.weight' has shape \(64, 64\), expected \(64, 128\)"),
     ],
 )
-def test_tensor_set_mismatches_are_refused(pair, tmp_path, edit, message):
+def test_tensor_set_mismatches_are_refused(biased_pair, tmp_path, edited_copy, edit, message):
     from safetensors.torch import save_file
 
     def apply(d):
@@ -123,14 +120,14 @@ def test_tensor_set_mismatches_are_refused(pair, tmp_path, edit, message):
         edit(tensors)
         save_file(tensors, d / "model.safetensors")
 
-    target_dir, bad = _corrupt(tmp_path, pair, apply)
+    target_dir, bad = _corrupt(edited_copy, biased_pair, apply)
     with pytest.raises(DFlashTrtError, match=message):
         convert_checkpoint(target_dir, bad, tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()
 
 
-def test_cli_errors_are_one_line_and_exit_2(pair, tmp_path, capsys):
-    target_dir, draft_dir = pair
+def test_cli_errors_are_one_line_and_exit_2(biased_pair, tmp_path, capsys):
+    target_dir, draft_dir = biased_pair
     code = main(["convert", "--model_dir", str(draft_dir), "--dflash_model_dir", str(draft_dir),
                  "--output_dir", str(tmp_path / "x")])
     err = capsys.readouterr().err
@@ -140,10 +137,10 @@ def test_cli_errors_are_one_line_and_exit_2(pair, tmp_path, capsys):
     assert "pp_size > 1 is not supported" in capsys.readouterr().err
 
 
-def test_verify_passes_then_catches_tampering(pair, tmp_path, capsys):
+def test_verify_passes_then_catches_tampering(biased_pair, tmp_path, capsys):
     from safetensors.torch import save_file
 
-    target_dir, draft_dir = pair
+    target_dir, draft_dir = biased_pair
     ckpt = tmp_path / "ckpt"
     assert main(["convert", "--model_dir", str(target_dir), "--dflash_model_dir", str(draft_dir),
                  "--output_dir", str(ckpt), "--dtype", "float16", "--json"]) == 0

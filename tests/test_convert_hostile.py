@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 from _hostile_files import raw_safetensors
-from _pairs import make_pair
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -30,11 +29,6 @@ from dflash_trt.conversion.verify import verify_checkpoint
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory) -> tuple[Path, Path]:
-    return make_pair(tmp_path_factory.mktemp("hostile_pair"))
 
 
 def _read(path: Path) -> tuple[dict, bytes]:

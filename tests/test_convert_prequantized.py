@@ -38,7 +38,7 @@ def _export(target_dir, qformat, out):
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def prequantized_inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("prequantized")
     target_dir, draft_dir = make_pair(root)
     calib = root / "calib.jsonl"
@@ -48,8 +48,8 @@ def pair(tmp_path_factory):
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("qformat", ["fp8", "nvfp4"])
-def test_prequantized_target_is_carried_over(pair, tmp_path, qformat):
-    target_dir, draft_dir, calib, root = pair
+def test_prequantized_target_is_carried_over(prequantized_inputs, tmp_path, qformat):
+    target_dir, draft_dir, calib, root = prequantized_inputs
     exported = _export(target_dir, qformat, root / f"exported-{qformat}")
     ckpt = tmp_path / "ckpt"
     convert_checkpoint(exported, draft_dir, ckpt, dtype="bfloat16", calib_dataset=calib, calib_size=8)
@@ -79,8 +79,8 @@ def test_prequantized_target_is_carried_over(pair, tmp_path, qformat):
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_prequantized_target_refuses_another_format(pair, tmp_path):
-    target_dir, draft_dir, calib, root = pair
+def test_prequantized_target_refuses_another_format(prequantized_inputs, tmp_path):
+    target_dir, draft_dir, calib, root = prequantized_inputs
     exported = _export(target_dir, "fp8", root / "exported-refuse")
     with pytest.raises(DFlashTrtError, match="pre-quantized as fp8; --qformat must be fp8 or omitted"):
         convert_checkpoint(exported, draft_dir, tmp_path / "a", qformat="nvfp4", calib_dataset=calib)

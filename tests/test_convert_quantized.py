@@ -23,7 +23,7 @@ PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10]]
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def calibrated_pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("quantized")
     target_dir, draft_dir = make_pair(root, PairVariant(intermediate=128, draft_intermediate=64))
     calib = root / "calib.jsonl"
@@ -31,17 +31,17 @@ def pair(tmp_path_factory):
     return target_dir, draft_dir, calib
 
 
-def _convert(pair, out, **kwargs):
-    target_dir, draft_dir, calib = pair
+def _convert(calibrated_pair, out, **kwargs):
+    target_dir, draft_dir, calib = calibrated_pair
     convert_checkpoint(target_dir, draft_dir, out, dtype="bfloat16", calib_dataset=calib, calib_size=12, **kwargs)
     return out
 
 
 @pytest.mark.parametrize("qformat", ["fp8", "nvfp4"])
-def test_stored_tensors_match_quantizers_of_the_source_weights(pair, tmp_path, qformat):
-    ckpt = _convert(pair, tmp_path / "ckpt", qformat=qformat, kv_cache_dtype="fp8")
+def test_stored_tensors_match_quantizers_of_the_source_weights(calibrated_pair, tmp_path, qformat):
+    ckpt = _convert(calibrated_pair, tmp_path / "ckpt", qformat=qformat, kv_cache_dtype="fp8")
     stored = load_file(ckpt / "rank0.safetensors")
-    hf = load_file(pair[0] / "model.safetensors")
+    hf = load_file(calibrated_pair[0] / "model.safetensors")
     qkv = torch.cat([hf[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"]).to(torch.bfloat16)
     prefix = f"{names.target_layer(1)}.{names.QKV}"
     if qformat == "fp8":
@@ -65,14 +65,14 @@ def test_stored_tensors_match_quantizers_of_the_source_weights(pair, tmp_path, q
     algo = {"fp8": "FP8", "nvfp4": "NVFP4"}[qformat]
     assert config["quantization"]["quant_algo"] == algo and config["quantization"]["kv_cache_quant_algo"] == "FP8"
     assert config["dflash_config"]["quantization"]["quant_algo"] == algo
-    assert verify_checkpoint(ckpt, pair[0], pair[1]).ok
+    assert verify_checkpoint(ckpt, calibrated_pair[0], calibrated_pair[1]).ok
 
 
-def test_tensor_parallel_quantized_checkpoint_decodes_like_tp1(pair, tmp_path):
+def test_tensor_parallel_quantized_checkpoint_decodes_like_tp1(calibrated_pair, tmp_path):
     outputs = []
     for tp in (1, 2):
-        ckpt = _convert(pair, tmp_path / f"tp{tp}", qformat="nvfp4", tp_size=tp)
-        assert verify_checkpoint(ckpt, pair[0], pair[1]).ok
+        ckpt = _convert(calibrated_pair, tmp_path / f"tp{tp}", qformat="nvfp4", tp_size=tp)
+        assert verify_checkpoint(ckpt, calibrated_pair[0], calibrated_pair[1]).ok
         model = load_golden_model(ckpt)
         spec = speculative_generate(model, PROMPTS, 16)
         alone = speculative_generate(model, PROMPTS, 16, block_size=1)
@@ -81,27 +81,27 @@ def test_tensor_parallel_quantized_checkpoint_decodes_like_tp1(pair, tmp_path):
     assert outputs[0] == outputs[1]
 
 
-def test_drafter_format_may_differ_from_the_target(pair, tmp_path):
-    ckpt = _convert(pair, tmp_path / "ckpt", qformat="fp8", dflash_qformat="none")
+def test_drafter_format_may_differ_from_the_target(calibrated_pair, tmp_path):
+    ckpt = _convert(calibrated_pair, tmp_path / "ckpt", qformat="fp8", dflash_qformat="none")
     stored = load_file(ckpt / "rank0.safetensors")
     assert stored[f"{names.target_layer(0)}.{names.QKV}.weight"].dtype == torch.float8_e4m3fn
     assert stored[f"{names.draft_layer(0)}.{names.QKV}.weight"].dtype == torch.bfloat16
     assert not any(name.startswith("dflash.") and name.endswith("scaling_factor") for name in stored)
 
 
-def test_verify_catches_a_tampered_weight_scale(pair, tmp_path):
-    ckpt = _convert(pair, tmp_path / "ckpt", qformat="fp8")
+def test_verify_catches_a_tampered_weight_scale(calibrated_pair, tmp_path):
+    ckpt = _convert(calibrated_pair, tmp_path / "ckpt", qformat="fp8")
     tensors = load_file(ckpt / "rank0.safetensors")
     name = f"{names.target_layer(2)}.{names.MLP_PROJ}.{names.WEIGHTS_SCALING_FACTOR}"
     tensors[name] = tensors[name] * 1.5
     (ckpt / "rank0.safetensors").unlink()
     save_file(tensors, ckpt / "rank0.safetensors")
-    report = verify_checkpoint(ckpt, pair[0], pair[1])
+    report = verify_checkpoint(ckpt, calibrated_pair[0], calibrated_pair[1])
     assert not report.ok and any(name in problem for problem in report.problems)
 
 
-def test_quantization_refusals(pair, tmp_path, capsys):
-    target_dir, draft_dir, calib = pair
+def test_quantization_refusals(calibrated_pair, tmp_path, capsys):
+    target_dir, draft_dir, calib = calibrated_pair
     with pytest.raises(DFlashTrtError, match="quantization needs --calib_dataset"):
         convert_checkpoint(target_dir, draft_dir, tmp_path / "a", qformat="fp8")
     odd_target, odd_draft = make_pair(tmp_path / "odd", PairVariant(intermediate=128, draft_intermediate=96))

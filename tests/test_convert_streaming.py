@@ -12,28 +12,25 @@ from dflash_trt.errors import DFlashTrtError
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def odd_vocab_pair(tmp_path_factory):
     return make_pair(tmp_path_factory.mktemp("stream"), PairVariant(vocab=93, heads=4, kv_heads=2))
 
 
 @pytest.mark.parametrize("tp_size", [1, 2, 4])
-def test_streamed_rank_files_equal_whole_tensor_conversion(pair, tmp_path, monkeypatch, tp_size):
-    convert.convert_checkpoint(*pair, tmp_path / "whole", dtype="bfloat16", tp_size=tp_size)
+def test_streamed_rank_files_equal_whole_tensor_conversion(odd_vocab_pair, tmp_path, monkeypatch, tp_size):
+    convert.convert_checkpoint(*odd_vocab_pair, tmp_path / "whole", dtype="bfloat16", tp_size=tp_size)
     monkeypatch.setattr(convert, "STREAM_MIN_BYTES", 0)  # stream every eligible tensor
     monkeypatch.setattr(convert, "STREAM_BLOCK_BYTES", 700)  # in blocks of a few rows, uneven at the end
-    convert.convert_checkpoint(*pair, tmp_path / "streamed", dtype="bfloat16", tp_size=tp_size)
+    convert.convert_checkpoint(*odd_vocab_pair, tmp_path / "streamed", dtype="bfloat16", tp_size=tp_size)
     for rank in range(tp_size):
         name = f"rank{rank}.safetensors"
         assert (tmp_path / "streamed" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
-    assert verify_checkpoint(tmp_path / "streamed", *pair).ok
+    assert verify_checkpoint(tmp_path / "streamed", *odd_vocab_pair).ok
 
 
-def test_nan_in_a_row_another_rank_owns_is_caught(pair, tmp_path, monkeypatch):
-    target_dir, draft_dir = pair
-    poisoned = tmp_path / "target"
-    poisoned.mkdir()
-    for f in target_dir.iterdir():
-        (poisoned / f.name).write_bytes(f.read_bytes())
+def test_nan_in_a_row_another_rank_owns_is_caught(odd_vocab_pair, tmp_path, edited_copy, monkeypatch):
+    target_dir, draft_dir = odd_vocab_pair
+    poisoned = edited_copy(target_dir, name="target")
     tensors = load_file(poisoned / "model.safetensors")
     tensors["lm_head.weight"][90, 3] = float("inf")  # a row of the last rank at tp 4
     save_file(tensors, poisoned / "model.safetensors")

@@ -40,7 +40,7 @@ def test_demo_runs_the_whole_cpu_job(tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
+def tiny_checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
     convert_checkpoint(target_dir(), draft_dir(), root / "ckpt", dtype="float32")
     tokenizer = load_tokenizer(root / "ckpt")
@@ -62,23 +62,17 @@ def _acceptance(checkpoint, prompts) -> float:
     ],
     ids=["taps-shifted", "rope-base", "mask-id"],
 )
-def test_a_silently_broken_conversion_collapses_acceptance(converted, tmp_path, breakage):
-    checkpoint, prompts = converted
+def test_a_silently_broken_conversion_collapses_acceptance(tiny_checkpoint, edited_copy, breakage):
+    checkpoint, prompts = tiny_checkpoint
     good = _acceptance(checkpoint, prompts)
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    for f in checkpoint.iterdir():
-        (broken / f.name).write_bytes(f.read_bytes())
-    config = json.loads((broken / "config.json").read_text())
-    breakage(config["dflash_config"])
-    (broken / "config.json").write_text(json.dumps(config))
+    broken = edited_copy(checkpoint, lambda config: breakage(config["dflash_config"]), name="broken")
     assert good >= 4.0
     assert _acceptance(broken, prompts) < 0.6 * good
 
 
-def test_golden_model_matches_dflash_generate_on_the_trained_pair(converted, monkeypatch):
+def test_golden_model_matches_dflash_generate_on_the_trained_pair(tiny_checkpoint, monkeypatch):
     """Real acceptance (not ~1 as on random fixtures): same tokens and same acceptance lengths as the reference."""
-    checkpoint, prompts = converted
+    checkpoint, prompts = tiny_checkpoint
     model = load_golden_model(checkpoint)
     stops = list(model.target.spec.eos_token_ids)
     ours = speculative_generate(model, prompts[:4], 48, stops)
@@ -92,8 +86,8 @@ def test_golden_model_matches_dflash_generate_on_the_trained_pair(converted, mon
     assert mean_acceptance_length(ours) >= 4.0
 
 
-def test_generate_cli_takes_text_prompts_with_the_checkpoint_tokenizer(converted, tmp_path, capsys):
-    checkpoint, _ = converted
+def test_generate_cli_takes_text_prompts_with_the_checkpoint_tokenizer(tiny_checkpoint, tmp_path, capsys):
+    checkpoint, _ = tiny_checkpoint
     heldout = load_heldout(limit=2)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"text": p.text}) + "\n" for p in heldout))

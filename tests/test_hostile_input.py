@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+from _hostile_files import entry, raw_safetensors, tensor_bytes, write_raw
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
@@ -20,7 +21,6 @@ from safetensors.torch import save_file
 from dflash_trt.checkpoint.hf_reader import MAX_INDEX_BYTES, HFCheckpointReader
 from dflash_trt.checkpoint.safetensors_io import MAX_HEADER_BYTES, SafetensorsFile, tensor_has_nonfinite
 from dflash_trt.errors import DFlashTrtError
-from tests._hostile_files import entry, raw_safetensors, tensor_bytes, write_raw
 
 F32_PAIR = tensor_bytes(torch.tensor([1.0, 2.0]))
 

@@ -91,12 +91,9 @@ def test_generate_cli_refuses_bad_input(setup, tmp_path, capsys):
     assert "outside the vocabulary" in capsys.readouterr().err
 
 
-def test_generate_cli_refuses_a_corrupt_checkpoint_config(setup, tmp_path, capsys):
+def test_generate_cli_refuses_a_corrupt_checkpoint_config(setup, tmp_path, edited_copy, capsys):
     ckpt, _ = setup
-    broken = tmp_path / "ckpt"
-    broken.mkdir()
-    for f in ckpt.iterdir():
-        (broken / f.name).write_bytes(f.read_bytes())
+    broken = edited_copy(ckpt, name="broken")
     (broken / "config.json").write_text('{"architecture": "DFlashForCausalLM",')
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"input_ids": [1, 2]}\n')
@@ -104,15 +101,9 @@ def test_generate_cli_refuses_a_corrupt_checkpoint_config(setup, tmp_path, capsy
     assert "config.json is not valid JSON" in capsys.readouterr().err
 
 
-def test_generate_cli_refuses_absurd_checkpoint_dimensions(setup, tmp_path, capsys):
+def test_generate_cli_refuses_absurd_checkpoint_dimensions(setup, tmp_path, edited_copy, capsys):
     ckpt, _ = setup
-    broken = tmp_path / "ckpt"
-    broken.mkdir()
-    for f in ckpt.iterdir():
-        (broken / f.name).write_bytes(f.read_bytes())
-    config = json.loads((broken / "config.json").read_text())
-    config["num_hidden_layers"] = 10**9
-    (broken / "config.json").write_text(json.dumps(config))
+    broken = edited_copy(ckpt, lambda config: config.update(num_hidden_layers=10**9), name="broken")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"input_ids": [1, 2]}\n')
     assert main(["generate", "--checkpoint_dir", str(broken), "--input_file", str(prompts)]) == 2

@@ -34,7 +34,7 @@ PROMPTS = [[3, 4, 5, 6, 7], [9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
-def converted(request, tmp_path_factory):
+def parity_models(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     target_dir, draft_dir = make_pair(root, VARIANTS[request.param])
     convert_checkpoint(target_dir, draft_dir, root / "ckpt", dtype="float32")
@@ -43,8 +43,8 @@ def converted(request, tmp_path_factory):
     return load_golden_model(root / "ckpt"), hf_target, ref_draft
 
 
-def test_target_logits_and_taps_match_transformers(converted):
-    golden, hf_target, ref_draft = converted
+def test_target_logits_and_taps_match_transformers(parity_models):
+    golden, hf_target, ref_draft = parity_models
     ids = torch.tensor([PROMPTS[2]])
     with torch.no_grad():
         out = hf_target(ids, output_hidden_states=True)
@@ -56,8 +56,8 @@ def test_target_logits_and_taps_match_transformers(converted):
                                rtol=1e-5, atol=1e-5)
 
 
-def test_drafter_forward_matches_reference(converted):
-    golden, hf_target, ref_draft = converted
+def test_drafter_forward_matches_reference(parity_models):
+    golden, hf_target, ref_draft = parity_models
     torch.manual_seed(0)
     spec = golden.draft.spec
     ctx_len, block = 11, spec.block_size
@@ -95,8 +95,8 @@ def _reference_run(ref_draft, hf_target, prompt, max_new, stop_ids, monkeypatch)
 
 
 @pytest.mark.parametrize("max_new, stops", [(30, None), (13, [5, 17, 40, 60])])
-def test_generate_matches_dflash_generate(converted, monkeypatch, max_new, stops):
-    golden, hf_target, ref_draft = converted
+def test_generate_matches_dflash_generate(parity_models, monkeypatch, max_new, stops):
+    golden, hf_target, ref_draft = parity_models
     ours = speculative_generate(golden, PROMPTS, max_new, stops)
     for prompt, result in zip(PROMPTS, ours, strict=True):
         tokens, acceptance, drafts = _reference_run(ref_draft, hf_target, prompt, max_new, stops, monkeypatch)

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from _pairs import make_pair
 
 from dflash_trt import tensor_names as names
 from dflash_trt.conversion import calibrate as cal
@@ -33,18 +32,10 @@ HF_LINEARS = {
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return make_pair(tmp_path_factory.mktemp("pair"))
-
-
-@pytest.fixture(scope="module")
-def golden(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory):
-    from dflash_trt.conversion.convert import convert_checkpoint
+def golden(converted: Path):
     from dflash_trt.reference.model import load_golden_model
 
-    out = tmp_path_factory.mktemp("ckpt") / "fp32"
-    convert_checkpoint(*pair, out, dtype="float32")
-    return load_golden_model(out)
+    return load_golden_model(converted)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from _pairs import make_pair
 from safetensors.torch import load_file
 
 from dflash_trt import formats
@@ -94,13 +93,7 @@ def test_quantize_tensors_pass_through_and_missing_partner() -> None:
 
 # ---------------------------------------------------------------------------------------------- whole model vs modelopt
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A random Qwen3 target (HF) and DFlash drafter (reference package); every in-features is a multiple of 16."""
-    return make_pair(tmp_path_factory.mktemp("pair"))
-
-
-@pytest.fixture(scope="module")
-def converted(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+def bf16_tensors(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     from dflash_trt.conversion.convert import convert_checkpoint
 
     out = tmp_path_factory.mktemp("ckpt") / "bf16"
@@ -140,10 +133,10 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("qformat", ["fp8", "nvfp4"])
 def test_converted_target_matches_modelopt_export(
-    qformat: str, pair: tuple[Path, Path], converted: dict[str, torch.Tensor], tmp_path: Path
+    qformat: str, pair: tuple[Path, Path], bf16_tensors: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:
     theirs, model = _modelopt_export(qformat, pair[0], tmp_path)
-    ours = linears.quantize_tensors(converted, qformat)
+    ours = linears.quantize_tensors(bf16_tensors, qformat)
 
     # Every weight-side tensor modelopt writes for the target (norms and embeddings included) we write under the
     # same name, dtype, shape and bytes, and no other weight scale.

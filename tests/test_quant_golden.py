@@ -23,12 +23,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from _pairs import make_pair
 from safetensors.torch import save_file
 
 from dflash_trt import formats
 from dflash_trt.conversion import calibrate as cal
-from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.quant import linears
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import load_golden_model, load_rank_tensors
@@ -41,13 +39,6 @@ FP8_OPERAND_ERROR = 2**-4 / math.sqrt(3)
 NVFP4_OPERAND_ERROR = 0.10
 GEMM_ERROR = {"fp8": math.hypot(FP8_OPERAND_ERROR, FP8_OPERAND_ERROR),
               "nvfp4": math.hypot(NVFP4_OPERAND_ERROR, NVFP4_OPERAND_ERROR)}
-
-
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("pair")
-    convert_checkpoint(*make_pair(root), root / "ckpt", dtype="float32")
-    return root / "ckpt"
 
 
 def _quantized_checkpoint(source: Path, out: Path, qformat: str, kv_cache_dtype: str, amax=None) -> Path:

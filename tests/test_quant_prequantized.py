@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from _pairs import make_pair
 from safetensors.torch import load_file
 
 from dflash_trt import tensor_names as names
@@ -32,11 +31,6 @@ mtq = pytest.importorskip("modelopt.torch.quantization")
 
 QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return make_pair(tmp_path_factory.mktemp("pair"))
 
 
 @pytest.fixture(scope="module")

@@ -271,19 +271,22 @@ def test_scale_formulas_by_hand() -> None:
     assert math.isclose(float(nvfp4_global_scale(torch.tensor(1.0))), 1 / 2688, rel_tol=1e-7)
 
 
+BAD_WEIGHTS = {
+    "nan": (torch.tensor([[float("nan")] + [0.0] * 15]), "cannot quantize a weight holding inf or NaN values"),
+    "inf": (torch.tensor([[1.0] * 15 + [float("-inf")]]), "cannot quantize a weight holding inf or NaN values"),
+    "int": (torch.ones(2, 16, dtype=torch.int32),
+            r"cannot quantize a torch\.int32 tensor; expected float32, float16 or bfloat16"),
+    "1d": (torch.ones(16), r"cannot quantize a tensor of shape \(16,\); expected \(out, in\)"),
+    "empty": (torch.ones(0, 16), "cannot quantize an empty weight"),
+}
+
+
 @pytest.mark.parametrize("quantize", [quantize_fp8, quantize_nvfp4])
-def test_bad_weights_are_refused(quantize) -> None:
-    bad = {
-        "nan": torch.tensor([[float("nan")] + [0.0] * 15]),
-        "inf": torch.tensor([[1.0] * 15 + [float("-inf")]]),
-        "int": torch.ones(2, 16, dtype=torch.int32),
-        "1d": torch.ones(16),
-        "empty": torch.ones(0, 16),
-    }
-    for name, w in bad.items():
-        with pytest.raises(DFlashTrtError):
-            quantize(w)
-        assert name
+@pytest.mark.parametrize("case", list(BAD_WEIGHTS))
+def test_bad_weights_are_refused(quantize, case: str) -> None:
+    weight, message = BAD_WEIGHTS[case]
+    with pytest.raises(DFlashTrtError, match=f"^{message}\\.$"):
+        quantize(weight)
 
 
 def test_nvfp4_refuses_partial_blocks() -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _hostile_files import entry, tensor_bytes, write_raw
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
@@ -28,7 +29,6 @@ from dflash_trt.checkpoint.safetensors_io import (
     tensor_has_nonfinite,
 )
 from dflash_trt.errors import DFlashTrtError
-from tests._hostile_files import entry, tensor_bytes, write_raw
 
 
 def _sample_tensors() -> dict[str, torch.Tensor]:

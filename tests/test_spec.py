@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-from _pairs import PairVariant, make_pair
 from dflash.model import DFlashDraftModel
 from dflash.model import build_target_layer_ids as reference_taps
 from transformers import Qwen3Config
@@ -21,11 +20,6 @@ from dflash_trt.spec import (
     parse_draft_config,
     parse_target_config,
 )
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return make_pair(tmp_path_factory.mktemp("spec"), PairVariant())
 
 
 def _configs(pair):

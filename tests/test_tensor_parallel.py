@@ -42,7 +42,7 @@ VARIANTS = {
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
-def converted(request, tmp_path_factory):
+def tp_checkpoints(request, tmp_path_factory):
     """(variant, target_dir, draft_dir, {tp: checkpoint_dir}) with every tp of TP_SIZES converted in float32."""
     variant = VARIANTS[request.param]
     root = tmp_path_factory.mktemp(f"tp_{request.param}")
@@ -139,8 +139,8 @@ def _expected_rank(v: PairVariant, hf: dict, zl: dict, rank: int, tp: int) -> di
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)
-def test_every_rank_holds_the_hand_split_pieces(converted, tp):
-    v, target_dir, draft_dir, checkpoints = converted
+def test_every_rank_holds_the_hand_split_pieces(tp_checkpoints, tp):
+    v, target_dir, draft_dir, checkpoints = tp_checkpoints
     hf, zl = load_file(target_dir / "model.safetensors"), load_file(draft_dir / "model.safetensors")
     files = sorted(p.name for p in checkpoints[tp].glob("*.safetensors"))
     assert files == sorted(f"rank{r}.safetensors" for r in range(tp))
@@ -153,9 +153,9 @@ def test_every_rank_holds_the_hand_split_pieces(converted, tp):
             assert torch.equal(got[name], tensor), f"{name} on rank {rank} of {tp}"
 
 
-def test_pieces_reassemble_to_the_unsharded_tensors(converted):
+def test_pieces_reassemble_to_the_unsharded_tensors(tp_checkpoints):
     """Concatenating the hand-defined rank pieces back gives the TP=1 tensors (replicated KV heads counted once)."""
-    v, _, _, checkpoints = converted
+    v, _, _, checkpoints = tp_checkpoints
     full = load_file(checkpoints[1] / "rank0.safetensors")
     for tp in TP_SIZES[1:]:
         ranks = [load_file(checkpoints[tp] / f"rank{r}.safetensors") for r in range(tp)]
@@ -175,8 +175,8 @@ def test_pieces_reassemble_to_the_unsharded_tensors(converted):
             assert torch.equal(torch.cat([q, k]), full[f"{layer}.attention.qkv.weight"][: q.shape[0] + k.shape[0]])
 
 
-def test_config_records_mapping_and_padded_vocab(converted):
-    v, _, _, checkpoints = converted
+def test_config_records_mapping_and_padded_vocab(tp_checkpoints):
+    v, _, _, checkpoints = tp_checkpoints
     for tp, ckpt in checkpoints.items():
         cfg = json.loads((ckpt / "config.json").read_text())
         assert cfg["mapping"] == {"world_size": tp, "tp_size": tp, "pp_size": 1}
@@ -185,8 +185,8 @@ def test_config_records_mapping_and_padded_vocab(converted):
         assert cfg["vocab_size_padded"] % tp == 0
 
 
-def test_golden_model_tokens_are_identical_across_tp(converted):
-    v, target_dir, _, checkpoints = converted
+def test_golden_model_tokens_are_identical_across_tp(tp_checkpoints):
+    v, target_dir, _, checkpoints = tp_checkpoints
     prompts = [[5, 17, 33, 2, 9], [40, 41, 7]]
     runs = {}
     for tp, ckpt in checkpoints.items():
@@ -200,16 +200,16 @@ def test_golden_model_tokens_are_identical_across_tp(converted):
         assert output_ids == greedy[0, len(prompt) :].tolist()
 
 
-def test_parallel_workers_write_the_same_bytes(converted, tmp_path):
-    _, target_dir, draft_dir, checkpoints = converted
+def test_parallel_workers_write_the_same_bytes(tp_checkpoints, tmp_path):
+    _, target_dir, draft_dir, checkpoints = tp_checkpoints
     convert_checkpoint(target_dir, draft_dir, tmp_path / "w", dtype="float32", tp_size=4, workers=3)
     for rank in range(4):
         name = f"rank{rank}.safetensors"
         assert (tmp_path / "w" / name).read_bytes() == (checkpoints[4] / name).read_bytes()
 
 
-def test_tp_that_does_not_divide_the_heads_is_refused(converted, tmp_path, capsys):
-    _, target_dir, draft_dir, _ = converted
+def test_tp_that_does_not_divide_the_heads_is_refused(tp_checkpoints, tmp_path, capsys):
+    _, target_dir, draft_dir, _ = tp_checkpoints
     out = tmp_path / "bad"
     code = main(["convert", "--model_dir", str(target_dir), "--dflash_model_dir", str(draft_dir),
                  "--output_dir", str(out), "--tp_size", "3"])

@@ -153,12 +153,10 @@ def test_pure_modules_do_not_import_tensorrt_at_module_level():
         assert not aliases(ast.Module(body=top, type_ignores=[])), name
 
 
-def test_planned_command_uses_only_flags_trtllm_build_accepts(tmp_path: Path):
+def test_planned_command_uses_only_flags_trtllm_build_accepts(converted: Path, tmp_path: Path):
     """Every flag dflash-trt build puts on the trtllm-build command line exists in 1.2.x's argument parser."""
-    from test_engine_plan import write_checkpoint
-
     from dflash_trt.trtllm.build_plan import EngineBuildSettings, plan_engine_build
 
-    plan = plan_engine_build(write_checkpoint(tmp_path / "c"), tmp_path / "e", EngineBuildSettings())
+    plan = plan_engine_build(converted, tmp_path / "e", EngineBuildSettings())
     used = {arg for arg in plan.command if arg.startswith("--")}
     assert used <= set(API["trtllm_build_flags"]), used - set(API["trtllm_build_flags"])
