@@ -1,4 +1,4 @@
-"""The speculative decoding loop of DESIGN §4.3, batched over ragged prompts; it defines what the engine must do.
+"""The speculative decoding loop of docs/engine.md, batched over ragged prompts; it defines what the engine must do.
 
 Per step and per sequence: draft a block `[anchor, MASK…]` from the accepted context, verify it with the target,
 accept the longest matching prefix plus one target token, inject the accepted tokens' tap features into the
