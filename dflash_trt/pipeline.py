@@ -257,16 +257,7 @@ def stages(inp: PipelineInputs) -> list[Stage]:
     def run_triton() -> None:
         from dflash_trt.triton.repository import settings_from_engine
 
-        serving = profile.serving
-        write_repository(settings_from_engine(
-            ws.engine, inp.tokenizer,
-            kv_cache_free_gpu_mem_fraction=serving.kv_cache_free_gpu_mem_fraction,
-            batch_scheduler_policy=serving.batch_scheduler_policy,
-            enable_chunked_context=serving.enable_chunked_context,
-            enable_kv_cache_reuse=serving.enable_kv_cache_reuse,
-            max_queue_delay_microseconds=serving.max_queue_delay_microseconds,
-            instance_count=serving.instance_count,
-        ), ws.triton, overwrite=True)
+        write_repository(settings_from_engine(ws.engine, inp.tokenizer, profile.serving), ws.triton, overwrite=True)
 
     return [
         Stage("checkpoint", ws.checkpoint, ckpt_fp,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ from pathlib import Path
 from dflash_trt.checkpoint.atomic import atomic_directory
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import read_json_object
-from dflash_trt.profiles import BuildProfile
+from dflash_trt.profiles import BuildProfile, ServingSettings
 from dflash_trt.triton import processing as P
 from dflash_trt.triton.pbtxt import EnsembleStep, ModelConfig, Tensor, render
 from dflash_trt.trtllm.build_plan import MANIFEST_NAME, SAMPLING_POLICY, chain_eagle_choices
@@ -53,9 +54,17 @@ PERF_OUTPUTS = (
 )
 
 
+SERVING_DEFAULTS = ServingSettings()
+
+
 @dataclass(frozen=True)
 class RepositorySettings:
-    """Everything the repository depends on; written to dflash_triton.json for review."""
+    """Everything the repository depends on; written to dflash_triton.json for review.
+
+    The serving knobs mirror `ServingSettings` (build them from one with `serving_fields`). Paths are made
+    absolute here: the tensorrtllm backend refuses a relative `gpt_model_path` (with a misleading "both encoder
+    and decoder model paths are empty"), and Triton does not start in the directory the repository was written from.
+    """
 
     engine_dir: str
     tokenizer_dir: str
@@ -65,14 +74,27 @@ class RepositorySettings:
     max_draft_len: int
     world_size: int
     max_temperature: float
-    kv_cache_free_gpu_mem_fraction: float = 0.9
-    batch_scheduler_policy: str = "guaranteed_no_evict"
-    enable_chunked_context: bool = True
-    enable_kv_cache_reuse: bool = False
-    max_queue_delay_microseconds: int = 0
-    instance_count: int = 1
+    kv_cache_free_gpu_mem_fraction: float = SERVING_DEFAULTS.kv_cache_free_gpu_mem_fraction
+    batch_scheduler_policy: str = SERVING_DEFAULTS.batch_scheduler_policy
+    enable_chunked_context: bool = SERVING_DEFAULTS.enable_chunked_context
+    enable_kv_cache_reuse: bool = SERVING_DEFAULTS.enable_kv_cache_reuse
+    max_queue_delay_microseconds: int = SERVING_DEFAULTS.max_queue_delay_microseconds
+    instance_count: int = SERVING_DEFAULTS.instance_count
     add_special_tokens: bool = True
     skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        for name in PATH_FIELDS:
+            object.__setattr__(self, name, os.path.abspath(getattr(self, name)))
+
+
+# The settings that name files; every one is written into a config or script as an absolute path.
+PATH_FIELDS = ("engine_dir", "tokenizer_dir", "plugin_library")
+
+
+def serving_fields(serving: ServingSettings) -> dict:
+    """RepositorySettings keyword arguments for validated serving knobs (the field names are the same)."""
+    return serving.model_dump()
 
 
 def eagle_choices_parameter(max_draft_len: int) -> str:
@@ -242,7 +264,8 @@ def ensemble_config(s: RepositorySettings) -> ModelConfig:
 
 def bls_config(s: RepositorySettings) -> ModelConfig:
     """One Python model doing pre-processing, the tensorrt_llm call and streaming detokenization that never splits
-    a character; it serves `instance_count` requests at a time, where the ensemble is bounded only by the engine."""
+    a character. Each instance serves one request at a time, so there are `max_batch_size` instances (the
+    tensorrtllm backend's own guidance), letting the BLS path fill the engine's batch as the ensemble does."""
     return ModelConfig(
         name=BLS,
         backend="python",
@@ -250,7 +273,7 @@ def bls_config(s: RepositorySettings) -> ModelConfig:
         decoupled=True,
         inputs=REQUEST_INPUTS,
         outputs=REQUEST_OUTPUTS,
-        instance_count=s.instance_count,
+        instance_count=s.max_batch_size,
         parameters={
             "tokenizer_dir": s.tokenizer_dir,
             "add_special_tokens": _flag(s.add_special_tokens),
@@ -343,7 +366,8 @@ def _read_json(path: Path, what: str) -> dict:
     return read_json_object(path, f"{path.parent} is not a DFlash engine directory: {what} {path.name} is missing")
 
 
-def settings_from_engine(engine_dir: str | Path, tokenizer_dir: str | Path, **serving) -> RepositorySettings:
+def settings_from_engine(engine_dir: str | Path, tokenizer_dir: str | Path,
+                         serving: ServingSettings | None = None) -> RepositorySettings:
     """Settings for a built engine: sizes from its config.json and DFlash manifest, serving knobs as given."""
     engine_dir = Path(engine_dir).absolute()
     manifest = _read_json(engine_dir / MANIFEST_NAME, "the DFlash manifest")
@@ -351,14 +375,14 @@ def settings_from_engine(engine_dir: str | Path, tokenizer_dir: str | Path, **se
     try:
         return RepositorySettings(
             engine_dir=str(engine_dir),
-            tokenizer_dir=str(Path(tokenizer_dir).absolute()),
-            plugin_library=str(Path(manifest["plugin_library"]).absolute()),
+            tokenizer_dir=str(tokenizer_dir),
+            plugin_library=str(manifest["plugin_library"]),
             max_batch_size=int(build.get("max_batch_size", manifest["max_batch_size"])),
             max_input_len=int(build["max_input_len"]),
             max_draft_len=int(manifest["max_draft_len"]),
             world_size=int(manifest.get("tp_size", 1)),
             max_temperature=float(manifest.get("max_temperature", 0.0)),
-            **serving,
+            **serving_fields(serving or ServingSettings()),
         )
     except KeyError as exc:
         raise DFlashTrtError(
@@ -367,22 +391,18 @@ def settings_from_engine(engine_dir: str | Path, tokenizer_dir: str | Path, **se
 
 
 def settings_from_profile(profile: BuildProfile, engine_dir: str | Path, tokenizer_dir: str | Path,
-                          plugin_library: str | Path) -> RepositorySettings:
-    """Settings for the engine a build profile will produce, so the repository can be reviewed before the build."""
-    eng, serving = profile.engine, profile.serving
+                          plugin_library: str | Path, serving: ServingSettings | None = None) -> RepositorySettings:
+    """Settings for the engine a build profile will produce, so the repository can be reviewed before the build;
+    `serving` replaces the profile's serving section (already validated overrides)."""
+    eng = profile.engine
     return RepositorySettings(
-        engine_dir=str(Path(engine_dir).absolute()),
-        tokenizer_dir=str(Path(tokenizer_dir).absolute()),
-        plugin_library=str(Path(plugin_library).absolute()),
+        engine_dir=str(engine_dir),
+        tokenizer_dir=str(tokenizer_dir),
+        plugin_library=str(plugin_library),
         max_batch_size=eng.max_batch_size,
         max_input_len=eng.max_input_len,
         max_draft_len=eng.max_draft_len,
         world_size=profile.checkpoint.tp_size,
         max_temperature=0.0 if SAMPLING_POLICY == "greedy" else math.inf,
-        kv_cache_free_gpu_mem_fraction=serving.kv_cache_free_gpu_mem_fraction,
-        batch_scheduler_policy=serving.batch_scheduler_policy,
-        enable_chunked_context=serving.enable_chunked_context,
-        enable_kv_cache_reuse=serving.enable_kv_cache_reuse,
-        max_queue_delay_microseconds=serving.max_queue_delay_microseconds,
-        instance_count=serving.instance_count,
+        **serving_fields(serving or profile.serving),
     )

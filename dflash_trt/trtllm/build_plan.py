@@ -395,7 +395,7 @@ def plan_engine_build(checkpoint_dir: str | Path, output_dir: str | Path, settin
     check_quantization(facts)
     check_sliding_window(facts, settings)
     check_settings(facts, settings)
-    library = str(plugin_library) if plugin_library is not None else str(default_library_path())
+    library = str(Path(plugin_library if plugin_library is not None else default_library_path()).absolute())
     checkpoint, output = str(checkpoint_dir), str(output_dir)
     return EngineBuildPlan(
         checkpoint_dir=checkpoint,
