@@ -168,12 +168,15 @@ def planned_checkpoint_config(profile: BuildProfile, target: Path, draft: Path) 
 
 def plan_engine(profile: BuildProfile, ws: Workspace, settings: EngineBuildSettings, target: Path, draft: Path,
                 plugin_library: str | None) -> EngineBuildPlan:
-    """The engine build for the workspace's checkpoint; planned from the would-be config when it is not written yet."""
+    """The engine build for the workspace's checkpoint; planned from the would-be config when it is not written yet.
+    Weight files are not required here: the checkpoint stage's record decides whether they are complete, and the
+    engine stage plans again, with them, right before it builds."""
     if (ws.checkpoint / "config.json").is_file():
-        return plan_engine_build(ws.checkpoint, ws.engine, settings, plugin_library=plugin_library)
+        return plan_engine_build(ws.checkpoint, ws.engine, settings, plugin_library=plugin_library,
+                                 require_weights=False)
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(planned_checkpoint_config(profile, target, draft)))
-        plan = plan_engine_build(tmp, ws.engine, settings, plugin_library=plugin_library)
+        plan = plan_engine_build(tmp, ws.engine, settings, plugin_library=plugin_library, require_weights=False)
     command = [str(ws.checkpoint) if arg == tmp else arg for arg in plan.command]
     return dataclasses.replace(plan, checkpoint_dir=str(ws.checkpoint), command=command)
 

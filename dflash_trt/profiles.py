@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.trtllm.build_plan import check_gemm_plugin
 
 
 @dataclass(frozen=True)
@@ -205,10 +206,10 @@ class BuildProfile(_Strict):
             )
         if q.kv_cache_dtype == "fp8" and not gpu.fp8:
             raise ValueError(f"kv_cache_dtype fp8 needs SM89 or newer; {self.gpu} is SM{gpu.sm}")
-        if eng.gemm_plugin == "nvfp4" and q.qformat != "nvfp4":
-            raise ValueError("gemm_plugin nvfp4 needs qformat nvfp4")
-        if eng.gemm_plugin == "fp8" and q.qformat != "fp8":
-            raise ValueError("gemm_plugin fp8 needs qformat fp8")
+        try:
+            check_gemm_plugin(eng.gemm_plugin, q.qformat)
+        except DFlashTrtError as exc:
+            raise ValueError(str(exc)) from None
         if eng.use_fp8_context_fmha and q.kv_cache_dtype != "fp8":
             raise ValueError("use_fp8_context_fmha needs kv_cache_dtype fp8")
         if eng.max_draft_len > block - 1:
@@ -367,7 +368,9 @@ def weight_gb_per_gpu(profile: BuildProfile, target: dict, draft: dict) -> float
 
 
 def check_against_checkpoints(profile: BuildProfile, target_dir: Path, draft_dir: Path) -> None:
-    """Checks that need the real configs: TP against head counts, block size, sequence length, memory."""
+    """Checks that need the HF configs: TP against head counts, block size, memory. Everything the engine build
+    checks (sequence length, GEMM plugin, ...) runs when the pipeline plans the build, for profiles and
+    `--checkpoint_dir` alike."""
     target, draft = _read_config(target_dir), _read_config(draft_dir)
     tp = profile.checkpoint.tp_size
     heads = target["num_attention_heads"]
@@ -385,9 +388,4 @@ def check_against_checkpoints(profile: BuildProfile, target_dir: Path, draft_dir
         raise DFlashTrtError(
             f"the weights need about {need:.0f} GB per GPU but {profile.gpu} has {memory} GB, of which at most "
             f"{MAX_WEIGHT_SHARE:.0%} may hold weights (the KV cache needs the rest); raise tp_size or quantize"
-        )
-    max_pos = target.get("max_position_embeddings")
-    if max_pos is not None and profile.engine.max_seq_len > max_pos:
-        raise DFlashTrtError(
-            f"max_seq_len {profile.engine.max_seq_len} exceeds the target's max_position_embeddings {max_pos}"
         )

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_trt.checkpoint.trtllm_config import checkpoint_config
+from dflash_trt.checkpoint.trtllm_config import checkpoint_config, specs_from_config
 from dflash_trt.commands import build as build_command
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.spec import parse_draft_config, parse_target_config
@@ -43,7 +43,7 @@ TARGET_HF = {
     "head_dim": 64,
     "rms_norm_eps": 1e-6,
     "rope_theta": 1000000.0,
-    "max_position_embeddings": 4096,
+    "max_position_embeddings": 40960,
 }
 DRAFT_HF = {
     "architectures": ["DFlashDraftModel"],
@@ -66,6 +66,9 @@ def write_checkpoint(root: Path, target_hf: dict = TARGET_HF, draft_hf: dict = D
     config.update(overrides)
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(config))
+    mapping = config.get("mapping") or {}
+    for rank in range(mapping.get("tp_size", 1) * mapping.get("pp_size", 1)):  # planning checks only their presence
+        (root / f"rank{rank}.safetensors").touch()
     return root
 
 
@@ -174,6 +177,7 @@ def test_refuses_drafter_quantized_unlike_the_target(tmp_path: Path):
     fp8 = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "group_size": 16, "exclude_modules": ["lm_head"]}
     root = tmp_path / "q"
     root.mkdir()
+    (root / "rank0.safetensors").touch()
     (root / "config.json").write_text(json.dumps(checkpoint_config(target, draft, "bfloat16", quantization=fp8)))
     with pytest.raises(DFlashTrtError, match=r"one engine applies one quantization"):
         plan_engine_build(root, tmp_path / "e", EngineBuildSettings())
@@ -181,6 +185,42 @@ def test_refuses_drafter_quantized_unlike_the_target(tmp_path: Path):
         json.dumps(checkpoint_config(target, draft, "bfloat16", quantization=fp8, draft_quantization=fp8)))
     plan = plan_engine_build(root, tmp_path / "e", EngineBuildSettings(use_fp8_context_fmha=True))
     assert plan.dflash_manifest["quant_algo"] == "FP8" and plan.dflash_manifest["kv_cache_quant_algo"] == "FP8"
+
+
+# Keys TensorRT-LLM 1.2.x reads per rotary scaling type (layers/attention.py: yarn's .get() calls;
+# functional.py RopeEmbeddingUtils: factor, and apply_llama3_scaling's four keys), plus yarn's `truncate` that the
+# golden model reads; None-valued parameters must be absent, since `.get(key, default)` returns a present None.
+ROPE_KEYS = {
+    "linear": ({"rope_type": "linear", "factor": 2.0}, {"type", "factor"}),
+    "llama3": ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192},
+               {"type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
+    "yarn": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+             {"type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate"}),
+}
+
+
+@pytest.mark.parametrize("rope_type", sorted(ROPE_KEYS))
+def test_rotary_scaling_carries_only_the_keys_its_type_uses(tmp_path: Path, rope_type: str):
+    scaling, keys = ROPE_KEYS[rope_type]
+    ckpt = write_checkpoint(tmp_path / "c", {**TARGET_HF, "rope_scaling": scaling},
+                            {**DRAFT_HF, "rope_scaling": scaling})
+    config = json.loads((ckpt / "config.json").read_text())
+    for rotary in (config["rotary_scaling"], config["dflash_config"]["rotary_scaling"]):
+        assert set(rotary) == keys and None not in rotary.values()
+        assert rotary["type"] == rope_type and rotary["factor"] == scaling["factor"]
+    target, draft = specs_from_config(config)
+    assert target.rope == parse_target_config({**TARGET_HF, "rope_scaling": scaling}).rope  # nothing lost
+    assert plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings()).command
+
+
+def test_refuses_yarn_parameters_trtllm_does_not_read(tmp_path: Path):
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "attention_factor": 1.2}
+    ckpt = write_checkpoint(tmp_path / "c", {**TARGET_HF, "rope_scaling": scaling},
+                            {**DRAFT_HF, "rope_scaling": scaling})
+    assert json.loads((ckpt / "config.json").read_text())["rotary_scaling"]["attention_factor"] == 1.2
+    with pytest.raises(DFlashTrtError, match="attention_factor or truncate=false"):
+        plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings())
 
 
 def test_refuses_draft_rope_unlike_the_target(tmp_path: Path):
@@ -202,12 +242,40 @@ def test_refuses_draft_rope_unlike_the_target(tmp_path: Path):
         ({"gemm_plugin": "int4"}, "--gemm_plugin"),
         ({"max_input_len": 9000}, "max_input_len"),
         ({"tokens_per_block": 24}, "tokens_per_block"),
+        ({"tokens_per_block": 8}, "--tokens_per_block must be one of 16, 32, 64, 128: speculative decoding generates "
+                                  "through XQA"),
+        ({"max_seq_len": 40961}, "max_seq_len 40961 exceeds the target's max_position_embeddings 40960"),
+        ({"gemm_plugin": "fp8"}, "gemm_plugin fp8 needs fp8 weights, but they are none"),
+        ({"gemm_plugin": "nvfp4"}, "gemm_plugin nvfp4 needs nvfp4 weights, but they are none"),
         ({"use_fp8_context_fmha": True}, "FP8 or NVFP4"),
     ],
 )
 def test_refuses_settings_the_runtime_would_reject(ckpt: Path, tmp_path: Path, change: dict, message: str):
     with pytest.raises(DFlashTrtError, match=message):
         plan_engine_build(ckpt, tmp_path / "e", replace(EngineBuildSettings(), **change))
+
+
+def test_refuses_a_checkpoint_missing_rank_files(tmp_path: Path, capsys):
+    ckpt = write_checkpoint(tmp_path / "tp2", mapping={"world_size": 2, "tp_size": 2, "pp_size": 1})
+    assert plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings()).command
+    (ckpt / "rank1.safetensors").unlink()
+    with pytest.raises(DFlashTrtError, match=r"lacks rank1.safetensors \(tp_size 2\)"):
+        plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings())
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--gemm_plugin", "nvfp4"], "gemm_plugin nvfp4 needs nvfp4 weights"),
+    (["--max_seq_len", "50000", "--max_input_len", "1024"], "exceeds the target's max_position_embeddings 40960"),
+    (["--tokens_per_block", "8"], "--tokens_per_block must be one of 16, 32, 64, 128"),
+])
+def test_checkpoint_dir_dry_run_applies_the_profile_checks(ckpt: Path, tmp_path: Path, capsys, argv, message):
+    """`build --dry_run --checkpoint_dir` refuses what a profile-driven build refuses (one set of checks)."""
+    from dflash_trt.cli import main as cli_main
+
+    assert cli_main(["build", "--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e"), *argv,
+                     "--dry_run"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
 
 
 def test_max_num_tokens_boundary(ckpt: Path, tmp_path: Path):
