@@ -130,14 +130,12 @@ CALIBRATION_PARAMETERS = ("calib_dataset", "calib_size", "calib_max_seq_len")
 
 
 def quantization_kwargs(profile: BuildProfile, profile_path: Path) -> dict:
-    """Converter arguments for the profile's quantization (empty for an unquantized profile); the calibration
-    prompt file is relative to the profile."""
-    q = profile.quantization
-    if (q.qformat, q.draft_qformat, q.kv_cache_dtype) == ("none", "none", "none"):
+    """Converter arguments for the profile's quantization (empty for an unquantized profile)."""
+    dataset = profile.calibration_dataset(profile_path)
+    if dataset is None:
         return {}
+    q = profile.quantization
     formats = {"qformat": q.qformat, "dflash_qformat": q.draft_qformat, "kv_cache_dtype": q.kv_cache_dtype}
-    dataset = Path(q.calibration.dataset)
-    dataset = dataset if dataset.is_absolute() else Path(profile_path).parent / dataset
     calibration = dict(zip(CALIBRATION_PARAMETERS, (str(dataset), q.calibration.size, q.calibration.max_seq_len),
                            strict=True))
     return {**formats, **calibration}

@@ -86,7 +86,8 @@ class CheckpointSettings(_Strict):
 
 
 class CalibrationSettings(_Strict):
-    dataset: str = "calibration.jsonl"  # jsonl prompts ({"text": ...} per line), relative to the profile file
+    # jsonl prompts ({"text": ...} per line) or a local HF `datasets` folder, relative to the profile file
+    dataset: str = "calibration.jsonl"
     size: int = Field(default=512, ge=1)
     max_seq_len: int = Field(default=1024, ge=16)
 
@@ -190,6 +191,19 @@ class BuildProfile(_Strict):
     def gpu_facts(self) -> GpuFacts:
         return GPUS[self.gpu]
 
+    @property
+    def quantizes(self) -> bool:
+        """Whether the checkpoint stage quantizes (and so calibrates)."""
+        q = self.quantization
+        return (q.qformat, q.draft_qformat, q.kv_cache_dtype) != ("none", "none", "none")
+
+    def calibration_dataset(self, profile_path: str | Path) -> Path | None:
+        """The calibration prompts (a path relative to the profile file is resolved there), None if not quantizing."""
+        if not self.quantizes:
+            return None
+        dataset = Path(self.quantization.calibration.dataset).expanduser()
+        return dataset if dataset.is_absolute() else Path(profile_path).parent / dataset
+
     @model_validator(mode="after")
     def _feasible(self) -> BuildProfile:
         gpu, q, eng = self.gpu_facts, self.quantization, self.engine
@@ -272,7 +286,11 @@ def load_profile(path: str | Path) -> BuildProfile:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise DFlashTrtError(f"{path}: not valid YAML ({exc})") from None
-    return parse_profile(data, path)
+    profile = parse_profile(data, path)
+    dataset = profile.calibration_dataset(path)
+    if dataset is not None and not dataset.exists():
+        raise DFlashTrtError(f"{path}: quantization.calibration.dataset: {dataset} does not exist")
+    return profile
 
 
 def default_hf_cache() -> Path:
