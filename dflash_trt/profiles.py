@@ -3,7 +3,7 @@
 The schema rejects unknown keys and impossible combinations up front (NVFP4 on Hopper, a draft chain longer than
 the drafter's block, a batch the token budget cannot hold...), so a profile that loads is one the GPU host can
 build. Facts that need the checkpoints themselves (head counts, block size) are checked by
-`check_against_checkpoints` once the configs are on disk.
+`check_against_configs` once the configs are known.
 """
 
 from __future__ import annotations
@@ -67,6 +67,9 @@ class ModelSources(_Strict):
     draft_revision: str | None = None
     tokenizer: str | None = Field(default=None, description="defaults to the target")
     block_size: int = Field(ge=2, le=64, description="the drafter's trained block size, checked at build time")
+    recorded_configs: str | None = Field(
+        default=None, description="YAML of config.json fields per HF id, for dry runs without the models; relative "
+                                  "to the profile")
 
     @property
     def tokenizer_source(self) -> str:
@@ -177,6 +180,12 @@ class SweepSettings(_Strict):
         return v
 
 
+def _beside(profile_path: str | Path, value: str) -> Path:
+    """A path named in a profile: relative ones are relative to the profile file."""
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else Path(profile_path).parent / path
+
+
 class BuildProfile(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     gpu: Literal["a100", "h100", "h200", "b200", "b300"]
@@ -201,8 +210,10 @@ class BuildProfile(_Strict):
         """The calibration prompts (a path relative to the profile file is resolved there), None if not quantizing."""
         if not self.quantizes:
             return None
-        dataset = Path(self.quantization.calibration.dataset).expanduser()
-        return dataset if dataset.is_absolute() else Path(profile_path).parent / dataset
+        return _beside(profile_path, self.quantization.calibration.dataset)
+
+    def recorded_configs_path(self, profile_path: str | Path) -> Path | None:
+        return None if self.model.recorded_configs is None else _beside(profile_path, self.model.recorded_configs)
 
     @model_validator(mode="after")
     def _feasible(self) -> BuildProfile:
@@ -302,7 +313,7 @@ def default_hf_cache() -> Path:
     return Path.home() / ".cache" / "huggingface" / "hub"
 
 
-def _looks_like_repo_id(ref: str) -> bool:
+def looks_like_repo_id(ref: str) -> bool:
     parts = ref.split("/")
     return len(parts) == 2 and all(parts) and not ref.startswith((".", "~"))
 
@@ -330,7 +341,7 @@ def resolve_model_dir(
     path = Path(ref).expanduser()
     if path.is_dir():
         return path
-    if not _looks_like_repo_id(ref):
+    if not looks_like_repo_id(ref):
         raise DFlashTrtError(f"model directory {ref} does not exist")
     cache_dir = cache_dir or default_hf_cache()
     snapshot = _snapshot_in_cache(ref, revision, cache_dir)
@@ -385,11 +396,10 @@ def weight_gb_per_gpu(profile: BuildProfile, target: dict, draft: dict) -> float
     return total / profile.checkpoint.tp_size / 1e9
 
 
-def check_against_checkpoints(profile: BuildProfile, target_dir: Path, draft_dir: Path) -> None:
+def check_against_configs(profile: BuildProfile, target: dict, draft: dict, draft_name: str) -> None:
     """Checks that need the HF configs: TP against head counts, block size, memory. Everything the engine build
     checks (sequence length, GEMM plugin, ...) runs when the pipeline plans the build, for profiles and
     `--checkpoint_dir` alike."""
-    target, draft = _read_config(target_dir), _read_config(draft_dir)
     tp = profile.checkpoint.tp_size
     heads = target["num_attention_heads"]
     _check_heads("target", heads, target.get("num_key_value_heads", heads), tp)
@@ -399,7 +409,7 @@ def check_against_checkpoints(profile: BuildProfile, target_dir: Path, draft_dir
     if block is not None and block != profile.model.block_size:
         raise DFlashTrtError(
             f"profile {profile.name} was sized for block_size {profile.model.block_size} but "
-            f"{draft_dir} was trained with block_size {block}"
+            f"{draft_name} was trained with block_size {block}"
         )
     need, memory = weight_gb_per_gpu(profile, target, draft), profile.gpu_facts.memory_gb
     if need > MAX_WEIGHT_SHARE * memory:
@@ -407,3 +417,7 @@ def check_against_checkpoints(profile: BuildProfile, target_dir: Path, draft_dir
             f"the weights need about {need:.0f} GB per GPU but {profile.gpu} has {memory} GB, of which at most "
             f"{MAX_WEIGHT_SHARE:.0%} may hold weights (the KV cache needs the rest); raise tp_size or quantize"
         )
+
+
+def check_against_checkpoints(profile: BuildProfile, target_dir: Path, draft_dir: Path) -> None:
+    check_against_configs(profile, _read_config(target_dir), _read_config(draft_dir), str(draft_dir))

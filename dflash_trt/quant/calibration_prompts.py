@@ -284,7 +284,7 @@ def calibration_prompts(seed: int = SEED, per_category: int = PROMPTS_PER_CATEGO
     columns = []
     for category, make in CATEGORIES.items():
         seen: set[str] = set()
-        column = []
+        column: list[dict[str, str]] = []
         while len(column) < per_category:
             text = make(rng)
             if text not in seen:

@@ -347,8 +347,7 @@ def model_class_file() -> Path:
     return Path(__file__).with_name("model.py")
 
 
-def build_command(checkpoint_dir: str, output_dir: str, facts: CheckpointFacts,
-                  settings: EngineBuildSettings) -> list[str]:
+def build_command(checkpoint_dir: str, output_dir: str, max_draft_len: int, settings: EngineBuildSettings) -> list[str]:
     return [
         TRTLLM_BUILD,
         "--checkpoint_dir", checkpoint_dir,
@@ -356,7 +355,7 @@ def build_command(checkpoint_dir: str, output_dir: str, facts: CheckpointFacts,
         "--model_cls_file", str(model_class_file()),
         "--model_cls_name", MODEL_CLASS_NAME,
         "--speculative_decoding_mode", SPECULATIVE_DECODING_MODE,
-        "--max_draft_len", str(facts.max_draft_len),
+        "--max_draft_len", str(max_draft_len),
         "--max_batch_size", str(settings.max_batch_size),
         "--max_input_len", str(settings.max_input_len),
         "--max_seq_len", str(settings.max_seq_len),
@@ -454,7 +453,7 @@ def plan_engine_build(checkpoint_dir: str | Path, output_dir: str | Path, settin
     return EngineBuildPlan(
         checkpoint_dir=checkpoint,
         output_dir=output,
-        command=build_command(checkpoint, output, facts, settings),
+        command=build_command(checkpoint, output, facts.max_draft_len, settings),
         build_config=build_config_dict(facts, settings),
         plugin_library=library,
         dflash_manifest=manifest(facts, settings, library),
