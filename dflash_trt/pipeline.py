@@ -306,7 +306,7 @@ def stages(inp: PipelineInputs) -> list[Stage]:
         plan = plan_engine(profile, ws, inp.settings, inp.target, inp.draft, inp.plugin_library)
         library, build_argv = plan.plugin_library, plan.command
         # The build loads the plugin library named by this variable, so it is part of the exact command.
-        engine_command = f"{LIBRARY_ENV}={shlex.quote(plan.plugin_library)} {plan.shell_command()}"
+        engine_command = plan.shell_command(with_library=True)
     else:
         library = str(Path(inp.plugin_library or default_library_path()).absolute())
         build_argv = build_command(str(ws.checkpoint), str(ws.engine), profile.engine.max_draft_len, inp.settings)

@@ -235,7 +235,7 @@ def test_refuses_draft_rope_unlike_the_target(tmp_path: Path):
         ({"max_num_tokens": 100, "max_batch_size": 8}, r"max_batch_size x block_size = 8 x 16 = 128"),
         ({"max_beam_width": 2}, "max_beam_width 1"),
         ({"max_batch_size": 513, "max_num_tokens": 513 * 16}, r"\[1, 512\]"),
-        ({"workers": 2}, "--workers must be 1"),
+        ({"workers": 0}, "--workers must be at least 1"),
         ({"use_paged_context_fmha": False}, "use_paged_context_fmha"),
         ({"kv_cache_type": "continuous"}, "paged"),
         ({"logits_dtype": "bfloat16"}, "float32 or float16"),

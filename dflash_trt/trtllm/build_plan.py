@@ -33,6 +33,8 @@ MANIFEST_NAME = "dflash_trt.json"
 MANIFEST_FORMAT = 1
 PLUGIN_LIBRARY_ENV = LIBRARY_ENV
 REQUIRED_TRTLLM = "1.2"
+# Builds one TP rank per process for `--workers` > 1 (trtllm-build's own workers cannot load our class).
+RANK_BUILD_MODULE = "dflash_trt.trtllm.rank_build"
 # builder.build() asserts both for SpeculativeDecodingMode.EAGLE.
 MAX_EAGLE_BATCH_SIZE = 512
 MAX_EAGLE_DRAFT_LEN = 256
@@ -113,9 +115,29 @@ class EngineBuildPlan:
     plugin_library: str
     dflash_manifest: dict[str, Any]
     settings: EngineBuildSettings = field(repr=False)
+    world_size: int = 1
 
-    def shell_command(self) -> str:
-        return shlex.join(self.command)
+    @property
+    def parallel_workers(self) -> int:
+        """Ranks built at once; 1 means one trtllm-build process building rank after rank."""
+        return max(1, min(self.settings.workers, self.world_size))
+
+    def rank_commands(self, command: list[str] | None = None, python: str = "python") -> list[list[str]]:
+        """One `rank_build` process per rank for a parallel build (see rank_build.py), else nothing."""
+        if self.parallel_workers == 1:
+            return []
+        args = (command or self.command)[1:]
+        return [[python, "-m", RANK_BUILD_MODULE, "--rank", str(rank), "--gpus", str(self.parallel_workers), "--",
+                 *args] for rank in range(self.world_size)]
+
+    def shell_command(self, with_library: bool = False) -> str:
+        """The build as a shell line; `with_library` sets the plugin library variable for the build processes."""
+        env = f"{LIBRARY_ENV}={shlex.quote(self.plugin_library)} " if with_library else ""
+        if self.parallel_workers == 1:
+            return env + shlex.join(self.command)
+        one_rank = ["python", "-m", RANK_BUILD_MODULE, "--rank", "{}", "--gpus", str(self.parallel_workers), "--",
+                    *self.command[1:]]
+        return f"seq 0 {self.world_size - 1} | {env}xargs -P {self.parallel_workers} -I{{}} {shlex.join(one_rank)}"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -327,11 +349,8 @@ def check_settings(facts: CheckpointFacts, settings: EngineBuildSettings) -> Non
             f"{facts.max_position_embeddings}"
         )
     check_gemm_plugin(settings.gemm_plugin, weights_qformat(facts))
-    if settings.workers != 1:
-        raise DFlashTrtError(
-            "--workers must be 1: trtllm-build loads the DFlash class from a file, which its worker processes "
-            "cannot unpickle"
-        )
+    if settings.workers < 1:
+        raise DFlashTrtError("--workers must be at least 1")
     if facts.pp_size != 1:
         raise DFlashTrtError("pipeline parallelism is not supported: the drafter needs target taps from every layer")
     if settings.use_fp8_context_fmha and facts.quant_algo not in ("FP8", "NVFP4"):
@@ -368,7 +387,8 @@ def build_command(checkpoint_dir: str, output_dir: str, max_draft_len: int, sett
         "--multiple_profiles", _switch(settings.multiple_profiles),
         "--tokens_per_block", str(settings.tokens_per_block),
         "--logits_dtype", settings.logits_dtype,
-        "--workers", str(settings.workers),
+        # trtllm-build's worker pool cannot load our class: ranks run in parallel as separate processes instead.
+        "--workers", "1",
         *settings.extra_flags,
     ]
 
@@ -458,6 +478,7 @@ def plan_engine_build(checkpoint_dir: str | Path, output_dir: str | Path, settin
         plugin_library=library,
         dflash_manifest=manifest(facts, settings, library),
         settings=settings,
+        world_size=facts.tp_size * facts.pp_size,
     )
 
 
