@@ -444,6 +444,32 @@ def test_step_bookkeeping_mirrors_the_golden_loop(tmp_path: Path):
     assert generation_checked >= 2 and checked == 3 + generation_checked
 
 
+@pytest.mark.slow  # loads the tiny tokenizer through transformers
+@pytest.mark.parametrize("chunked", [False, True])
+def test_selftest_workload_fits_the_tiny_target_and_exceeds_one_chunk(tmp_path: Path, chunked: bool):
+    """The self-test's engine stays within the tiny target's 256 positions; with --chunked_context two prompts are
+    longer than max_num_tokens, so their prefill needs several context chunks."""
+    from dflash_trt.commands.selftest import LONG_PROMPTS, selftest_workload
+    from dflash_trt.spec import load_draft_spec, load_target_spec
+    from dflash_trt.tiny.heldout import draft_dir, load_heldout, target_dir
+    from dflash_trt.tokenizer import load_tokenizer
+
+    target = load_target_spec(target_dir())
+    draft = load_draft_spec(draft_dir(), target)
+    ckpt = tmp_path / "c"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(checkpoint_config(target, draft, "float16")))
+    (ckpt / "rank0.safetensors").touch()
+    tokenizer = load_tokenizer(target_dir())
+    settings, prompts = selftest_workload([p.text for p in load_heldout(limit=64)], tokenizer, 8, draft.block_size,
+                                          chunked)
+    plan_engine_build(ckpt, tmp_path / "e", settings)
+    assert len(prompts) == 8 and all(0 < len(p) <= settings.max_input_len for p in prompts)
+    assert settings.max_seq_len <= target.max_position_embeddings
+    longer_than_a_chunk = [p for p in prompts if len(p) > settings.max_num_tokens]
+    assert len(longer_than_a_chunk) == (LONG_PROMPTS if chunked else 0)
+
+
 def test_selftest_comparison_reports_each_disagreement():
     from dflash_trt.commands.selftest import compare
     from dflash_trt.reference.decode import SequenceResult
