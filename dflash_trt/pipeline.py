@@ -258,7 +258,8 @@ def resolve_inputs(args: argparse.Namespace, settings_override: Callable | None 
 
     target = _model_source(m.target, m.target_revision, args, recorded)
     draft = _model_source(m.draft, m.draft_revision, args, recorded)
-    tokenizer = _model_source(m.tokenizer, None, args, recorded, read_config=False) if m.tokenizer else target
+    tokenizer = (_model_source(m.tokenizer, None, args, lambda ref: ModelSource(ref, None, None), read_config=False)
+                 if m.tokenizer else target)
     if target.config is not None and draft.config is not None:
         check_against_configs(profile, target.config, draft.config, draft.shown)
     settings = engine_settings(profile)

@@ -182,6 +182,20 @@ def test_offline_dry_run_applies_the_checks_to_recorded_configs(fresh_machine: P
     assert "records no configs (model.recorded_configs)" in capsys.readouterr().err
 
 
+def test_offline_dry_run_with_a_separate_tokenizer(fresh_machine: Path, tmp_path: Path, capsys):
+    data = yaml.safe_load((ROOT / "build_configs/b200-nvfp4/qwen3-4b.yaml").read_text())
+    data["model"].update(tokenizer="acme/qwen3-chat-tokenizer",
+                         recorded_configs=str(ROOT / "build_configs/recorded_configs.yaml"))
+    data["quantization"]["calibration"]["dataset"] = str(ROOT / "build_configs/calibration.jsonl")
+    path = tmp_path / "tok.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert cli_main(["build", "--config", str(path), "--output_dir", str(tmp_path / "ws"), "--dry_run"]) == 0
+    out = capsys.readouterr().out
+    assert "offline: tokenizer acme/qwen3-chat-tokenizer: not downloaded" in out
+    triton = shlex.split(_stage_commands(out)["triton"])
+    assert triton[triton.index("--tokenizer_dir") + 1] == "acme/qwen3-chat-tokenizer"
+
+
 def test_recorded_configs_parse_as_the_converter_reads_them():
     from dflash_trt.spec import parse_draft_config, parse_target_config
 

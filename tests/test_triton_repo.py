@@ -203,6 +203,11 @@ def test_cli_overrides_are_checked_by_the_profile_schema(tmp_path: Path, tokeniz
         assert not out.exists()
 
 
+def test_repository_settings_refuse_kv_block_reuse_however_built(tokenizer_dir: Path):
+    with pytest.raises(DFlashTrtError, match="enable_kv_cache_reuse: must stay false"):
+        _settings(tokenizer_dir, enable_kv_cache_reuse=True)
+
+
 def test_profiles_refuse_kv_block_reuse():
     data = yaml.safe_load((ROOT / "build_configs/h200-fp8/qwen3-8b.yaml").read_text())
     data["serving"]["enable_kv_cache_reuse"] = True

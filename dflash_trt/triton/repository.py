@@ -19,7 +19,7 @@ from pathlib import Path
 from dflash_trt.checkpoint.atomic import atomic_directory
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import read_json_object
-from dflash_trt.profiles import BuildProfile, ServingSettings
+from dflash_trt.profiles import BuildProfile, ServingSettings, override_serving
 from dflash_trt.triton import processing as P
 from dflash_trt.triton.pbtxt import EnsembleStep, ModelConfig, Tensor, render
 from dflash_trt.trtllm.build_plan import MANIFEST_NAME, SAMPLING_POLICY, chain_eagle_choices
@@ -86,6 +86,8 @@ class RepositorySettings:
     def __post_init__(self) -> None:
         for name in PATH_FIELDS:
             object.__setattr__(self, name, os.path.abspath(getattr(self, name)))
+        # Whoever builds the settings, the serving knobs obey the profile schema (block reuse stays off, ...).
+        override_serving(SERVING_DEFAULTS, {name: getattr(self, name) for name in ServingSettings.model_fields})
 
 
 # The settings that name files; every one is written into a config or script as an absolute path.
