@@ -23,16 +23,25 @@ from pathlib import Path
 
 from dflash_trt import __version__
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.profiles import BuildProfile, check_against_checkpoints, load_profile, resolve_model_dir
-from dflash_trt.triton.repository import RepositorySettings
+from dflash_trt.profiles import (
+    BuildProfile,
+    check_against_configs,
+    load_profile,
+    looks_like_repo_id,
+    resolve_model_dir,
+)
+from dflash_trt.recorded_configs import ModelSource, load_recorded_configs, local_source, recorded_source
+from dflash_trt.triton.repository import RepositorySettings, serving_fields
+from dflash_trt.triton.serving import ServingSettings
 from dflash_trt.trtllm.build_plan import (
     SAMPLING_POLICY,
     EngineBuildPlan,
     EngineBuildSettings,
+    build_command,
     plan_engine_build,
     settings_dict,
 )
-from dflash_trt.trtllm.plugin import LIBRARY_ENV
+from dflash_trt.trtllm.plugin import LIBRARY_ENV, default_library_path
 
 STAGE_RECORD = ".dflash_stage.json"
 # Files up to this size are hashed by content; larger ones (weights) by name and size, since hashing tens of GB
@@ -65,7 +74,7 @@ def workspace(profile: BuildProfile, root: str | Path | None = None) -> Workspac
 class Stage:
     name: str
     output: Path
-    fingerprint: str
+    fingerprint: str | None  # None: the models are not on disk (a dry run), so it cannot be taken
     command: str  # what the stage runs, as a user could type it
     run: Callable[[], None]
 
@@ -94,8 +103,11 @@ def _listing(directory: Path) -> dict[str, int]:
 
 
 def stage_state(stage: Stage) -> str:
-    """'complete' (skip), 'stale' (inputs changed), 'incomplete' (files missing or changed) or 'missing'."""
+    """'complete' (skip), 'stale' (inputs changed), 'incomplete' (files missing or changed) or 'missing';
+    'unverified' when outputs exist but the models they came from are not on disk."""
     record_path = stage.output / STAGE_RECORD
+    if stage.fingerprint is None:
+        return "unverified" if stage.output.exists() else "missing"
     if not record_path.is_file():
         return "incomplete" if stage.output.exists() else "missing"
     try:
@@ -126,14 +138,10 @@ def engine_settings(profile: BuildProfile) -> EngineBuildSettings:
     return EngineBuildSettings(**profile.engine.model_dump(include=shared))
 
 
-def serving_settings(profile: BuildProfile) -> dict:
-    """The Triton repository's serving knobs: the profile's `serving` section, field for field."""
-    return profile.serving.model_dump()
-
-
 def settings_from_profile(profile: BuildProfile, engine_dir: str | Path, tokenizer_dir: str | Path,
-                          plugin_library: str | Path) -> RepositorySettings:
-    """Settings for the engine a build profile will produce, so the repository can be reviewed before the build."""
+                          plugin_library: str | Path, serving: ServingSettings | None = None) -> RepositorySettings:
+    """Settings for the engine a build profile will produce, so the repository can be reviewed before the build;
+    `serving` replaces the profile's serving section (already validated overrides)."""
     eng = profile.engine
     return RepositorySettings(
         engine_dir=str(Path(engine_dir).absolute()),
@@ -144,7 +152,7 @@ def settings_from_profile(profile: BuildProfile, engine_dir: str | Path, tokeniz
         max_draft_len=eng.max_draft_len,
         world_size=profile.checkpoint.tp_size,
         max_temperature=0.0 if SAMPLING_POLICY == "greedy" else math.inf,
-        **serving_settings(profile),
+        **serving_fields(serving or profile.serving),
     )
 
 
@@ -153,21 +161,19 @@ CALIBRATION_PARAMETERS = ("calib_dataset", "calib_size", "calib_max_seq_len")
 
 
 def quantization_kwargs(profile: BuildProfile, profile_path: Path) -> dict:
-    """Converter arguments for the profile's quantization (empty for an unquantized profile); the calibration
-    prompt file is relative to the profile."""
-    q = profile.quantization
-    if (q.qformat, q.dflash_qformat, q.kv_cache_dtype) == ("none", "none", "none"):
+    """Converter arguments for the profile's quantization (empty for an unquantized profile)."""
+    dataset = profile.calibration_dataset(profile_path)
+    if dataset is None:
         return {}
+    q = profile.quantization
     formats = {"qformat": q.qformat, "dflash_qformat": q.dflash_qformat, "kv_cache_dtype": q.kv_cache_dtype}
-    dataset = Path(q.calibration.dataset)
-    dataset = dataset if dataset.is_absolute() else Path(profile_path).parent / dataset
     calibration = dict(zip(CALIBRATION_PARAMETERS, (str(dataset), q.calibration.size, q.calibration.max_seq_len),
                            strict=True))
     return {**formats, **calibration}
 
 
-def convert_command(profile: BuildProfile, target: Path, draft: Path, output: Path, quant: dict) -> str:
-    argv = ["dflash-trt", "convert", "--model_dir", str(target), "--dflash_model_dir", str(draft),
+def convert_command(profile: BuildProfile, target: str, draft: str, output: Path, quant: dict) -> str:
+    argv = ["dflash-trt", "convert", "--model_dir", target, "--dflash_model_dir", draft,
             "--output_dir", str(output), "--dtype", profile.checkpoint.dtype,
             "--tp_size", str(profile.checkpoint.tp_size)]
     for key, value in quant.items():
@@ -175,28 +181,32 @@ def convert_command(profile: BuildProfile, target: Path, draft: Path, output: Pa
     return shlex.join(argv)
 
 
-def planned_checkpoint_config(profile: BuildProfile, target: Path, draft: Path) -> dict:
+def planned_checkpoint_config(profile: BuildProfile, target: ModelSource, draft: ModelSource) -> dict:
     """The config.json the checkpoint stage will write, so the engine can be planned before converting."""
     from dflash_trt.checkpoint.trtllm_config import checkpoint_config
     from dflash_trt.formats import quantization_config
-    from dflash_trt.spec import load_draft_spec, load_target_spec
+    from dflash_trt.spec import parse_draft_config, parse_target_config
 
-    target_spec = load_target_spec(target)
-    draft_spec = load_draft_spec(draft, target_spec)
+    assert target.config is not None and draft.config is not None
+    target_spec = parse_target_config(target.config, target.path)
+    draft_spec = parse_draft_config(draft.config, target_spec)
     q = profile.quantization
     return checkpoint_config(target_spec, draft_spec, profile.checkpoint.dtype, profile.checkpoint.tp_size,
                              quantization=quantization_config(q.qformat, q.kv_cache_dtype),
                              draft_quantization=quantization_config(q.dflash_qformat, q.kv_cache_dtype))
 
 
-def plan_engine(profile: BuildProfile, ws: Workspace, settings: EngineBuildSettings, target: Path, draft: Path,
-                plugin_library: str | None) -> EngineBuildPlan:
-    """The engine build for the workspace's checkpoint; planned from the would-be config when it is not written yet."""
+def plan_engine(profile: BuildProfile, ws: Workspace, settings: EngineBuildSettings, target: ModelSource,
+                draft: ModelSource, plugin_library: str | None) -> EngineBuildPlan:
+    """The engine build for the workspace's checkpoint; planned from the would-be config when it is not written yet.
+    Weight files are not required here: the checkpoint stage's record decides whether they are complete, and the
+    engine stage plans again, with them, right before it builds."""
     if (ws.checkpoint / "config.json").is_file():
-        return plan_engine_build(ws.checkpoint, ws.engine, settings, plugin_library=plugin_library)
+        return plan_engine_build(ws.checkpoint, ws.engine, settings, plugin_library=plugin_library,
+                                 require_weights=False)
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(planned_checkpoint_config(profile, target, draft)))
-        plan = plan_engine_build(tmp, ws.engine, settings, plugin_library=plugin_library)
+        plan = plan_engine_build(tmp, ws.engine, settings, plugin_library=plugin_library, require_weights=False)
     command = [str(ws.checkpoint) if arg == tmp else arg for arg in plan.command]
     return dataclasses.replace(plan, checkpoint_dir=str(ws.checkpoint), command=command)
 
@@ -216,24 +226,57 @@ class PipelineInputs:
     profile: BuildProfile
     profile_path: Path
     ws: Workspace
-    target: Path
-    draft: Path
-    tokenizer: Path
+    target: ModelSource
+    draft: ModelSource
+    tokenizer: ModelSource
     settings: EngineBuildSettings
     plugin_library: str | None
 
+    @property
+    def local(self) -> bool:
+        """Every model is on disk (always so outside dry runs)."""
+        return all(m.path is not None for m in (self.target, self.draft, self.tokenizer))
+
+    @property
+    def configs_known(self) -> bool:
+        return self.target.config is not None and self.draft.config is not None
+
+
+def _model_source(ref: str, revision: str | None, args: argparse.Namespace, recorded: Callable[[str], ModelSource],
+                  read_config: bool = True) -> ModelSource:
+    """The model's directory; in a dry run, an HF id that is not downloaded falls back to its recorded config."""
+    cache = Path(args.hf_cache) if args.hf_cache else None
+    dry_run = getattr(args, "dry_run", False)
+    try:
+        path = resolve_model_dir(ref, revision=revision, cache_dir=cache, allow_download=args.download and not dry_run)
+    except DFlashTrtError:
+        if not dry_run or not looks_like_repo_id(ref):
+            raise
+        return recorded(ref)
+    return local_source(ref, path, read_config)
+
 
 def resolve_inputs(args: argparse.Namespace, settings_override: Callable | None = None) -> PipelineInputs:
+    """The profile's models and settings. A dry run never downloads: a model missing from the HF cache is planned
+    from the profile's recorded configs instead."""
     profile = load_profile(args.config)
-    cache = Path(args.hf_cache) if args.hf_cache else None
     m = profile.model
+    recorded_path = profile.recorded_configs_path(args.config)
 
-    def resolve(ref: str, revision: str | None) -> Path:
-        return resolve_model_dir(ref, revision=revision, cache_dir=cache, allow_download=args.download)
+    def recorded(ref: str) -> ModelSource:
+        if recorded_path is None:
+            raise DFlashTrtError(
+                f"{ref} is not downloaded and the profile records no configs (model.recorded_configs) for a dry run "
+                "without it; download it with --download or pass --hf_cache"
+            )
+        return recorded_source(ref, load_recorded_configs(recorded_path), recorded_path)
 
-    target, draft = resolve(m.target, m.target_revision), resolve(m.draft, m.draft_revision)
-    tokenizer = resolve(m.tokenizer, None) if m.tokenizer else target
-    check_against_checkpoints(profile, target, draft)
+    target = _model_source(m.target, m.target_revision, args, recorded)
+    draft = _model_source(m.draft, m.draft_revision, args, recorded)
+    tokenizer = (_model_source(m.tokenizer, None, args, lambda ref: ModelSource(ref, None, None), read_config=False)
+                 if m.tokenizer else target)
+    if target.config is not None and draft.config is not None:
+        check_against_configs(profile, target.config, draft.config, draft.shown)
     settings = engine_settings(profile)
     if settings_override is not None:
         settings = settings_override(args, settings)
@@ -241,27 +284,51 @@ def resolve_inputs(args: argparse.Namespace, settings_override: Callable | None 
                           tokenizer, settings, args.plugin_library)
 
 
+def offline_notes(inp: PipelineInputs) -> list[str]:
+    """What a dry run without the models stands in for, and what it could not check."""
+    notes = []
+    for role, model in (("target", inp.target), ("drafter", inp.draft), ("tokenizer", inp.tokenizer)):
+        if model.path is not None or (role == "tokenizer" and model is inp.target):
+            continue
+        if model.config is not None:
+            notes.append(f"{role} {model.ref}: not downloaded; planned from its recorded config.json fields")
+        elif model.unknown_reason is not None:
+            notes.append(f"{role} {model.ref}: not downloaded and its shapes are unknown ({model.unknown_reason}); "
+                         "head counts against tp_size, block size, memory, KV geometry, RoPE and max_seq_len are "
+                         "checked once its config.json is available")
+        else:
+            notes.append(f"{role} {model.ref}: not downloaded")
+    return notes
+
+
 def stages(inp: PipelineInputs) -> list[Stage]:
+    """The three stages. Without the models on disk (dry runs only) no fingerprint can be taken: stages are then
+    reported from their outputs alone."""
     profile, ws = inp.profile, inp.ws
     quant = quantization_kwargs(profile, inp.profile_path)
     ckpt_fp = fingerprint({
         "stage": "checkpoint", "version": __version__,
-        "target": directory_fingerprint(inp.target), "draft": directory_fingerprint(inp.draft),
+        "target": directory_fingerprint(inp.target.directory), "draft": directory_fingerprint(inp.draft.directory),
         "checkpoint": profile.checkpoint.model_dump(), "quantization": quant,
-    })
+    }) if inp.local else None
 
     def run_checkpoint() -> None:
         from dflash_trt.conversion.convert import convert_checkpoint
 
-        convert_checkpoint(inp.target, inp.draft, ws.checkpoint, dtype=profile.checkpoint.dtype,
+        convert_checkpoint(inp.target.directory, inp.draft.directory, ws.checkpoint, dtype=profile.checkpoint.dtype,
                 tp_size=profile.checkpoint.tp_size, overwrite=True, show_progress=True, **quant)
 
-    plan = plan_engine(profile, ws, inp.settings, inp.target, inp.draft, inp.plugin_library)
+    if inp.configs_known:
+        plan = plan_engine(profile, ws, inp.settings, inp.target, inp.draft, inp.plugin_library)
+        library, build_argv = plan.plugin_library, plan.command
+        # The build loads the plugin library named by this variable, so it is part of the exact command.
+        engine_command = plan.shell_command(with_library=True)
+    else:
+        library = str(Path(inp.plugin_library or default_library_path()).absolute())
+        build_argv = build_command(str(ws.checkpoint), str(ws.engine), profile.engine.max_draft_len, inp.settings)
+        engine_command = f"{LIBRARY_ENV}={shlex.quote(library)} {shlex.join(build_argv)}"
     engine_fp = fingerprint({"stage": "engine", "checkpoint": ckpt_fp, "settings": settings_dict(inp.settings),
-                             "command": plan.command})
-
-    # The build loads the plugin library named by this variable, so it is part of the exact command.
-    engine_command = f"{LIBRARY_ENV}={shlex.quote(plan.plugin_library)} {plan.shell_command()}"
+                             "command": build_argv}) if ckpt_fp else None
 
     def run_engine() -> None:
         from dflash_trt.trtllm.build import run_engine_build
@@ -271,21 +338,22 @@ def stages(inp: PipelineInputs) -> list[Stage]:
 
     from dflash_trt.triton.repository import write_repository
 
-    repo_settings = settings_from_profile(profile, ws.engine, inp.tokenizer, plan.plugin_library)
-    triton_fp = fingerprint({"stage": "triton", "engine": engine_fp, "tokenizer": directory_fingerprint(inp.tokenizer),
-                             "settings": dataclasses.asdict(repo_settings)})
+    repo_settings = settings_from_profile(profile, ws.engine, inp.tokenizer.shown, library)
+    triton_fp = fingerprint({"stage": "triton", "engine": engine_fp,
+                             "tokenizer": directory_fingerprint(inp.tokenizer.directory),
+                             "settings": dataclasses.asdict(repo_settings)}) if engine_fp else None
     triton_command = shlex.join(["dflash-trt", "triton", "--engine_dir", str(ws.engine), "--tokenizer_dir",
-                                 str(inp.tokenizer), "--output_dir", str(ws.triton)])
+                                 inp.tokenizer.shown, "--output_dir", str(ws.triton)])
 
     def run_triton() -> None:
         from dflash_trt.triton.repository import settings_from_engine
 
-        write_repository(settings_from_engine(ws.engine, inp.tokenizer, **serving_settings(profile)), ws.triton,
+        write_repository(settings_from_engine(ws.engine, inp.tokenizer.directory, profile.serving), ws.triton,
                          overwrite=True)
 
     return [
         Stage("checkpoint", ws.checkpoint, ckpt_fp,
-              convert_command(profile, inp.target, inp.draft, ws.checkpoint, quant), run_checkpoint),
+              convert_command(profile, inp.target.shown, inp.draft.shown, ws.checkpoint, quant), run_checkpoint),
         Stage("engine", ws.engine, engine_fp, engine_command, run_engine),
         Stage("triton", ws.triton, triton_fp, triton_command, run_triton),
     ]
@@ -303,6 +371,8 @@ def run_pipeline(inp: PipelineInputs, *, dry_run: bool = False, gpu: bool | None
     """Run (or with dry_run, only report) every stage; returns (stage, outcome) pairs."""
     out = out or sys.stdout
     plan = stages(inp)
+    for note in offline_notes(inp):
+        print(f"offline: {note}", file=out)
     gpu = gpu_build_available() if gpu is None else gpu
     outcomes: list[tuple[str, str]] = []
     redo = False

@@ -3,7 +3,7 @@
 The schema rejects unknown keys and impossible combinations up front (NVFP4 on Hopper, a draft chain longer than
 the drafter's block, a batch the token budget cannot hold...), so a profile that loads is one the GPU host can
 build. Facts that need the checkpoints themselves (head counts, block size) are checked by
-`check_against_checkpoints` once the configs are on disk.
+`check_against_configs` once the configs are known.
 """
 
 from __future__ import annotations
@@ -12,15 +12,21 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.formats import BYTES_PER_WEIGHT, ENGINE_DTYPES, FP8, KV_CACHE_DTYPES, NONE, NVFP4, QFORMATS
+from dflash_trt.formats import BYTES_PER_WEIGHT, ENGINE_DTYPES, KV_CACHE_DTYPES, NONE, NVFP4, QFORMATS
 from dflash_trt.perf.gpus import GPUS, GpuSpec
-from dflash_trt.trtllm.build_plan import GEMM_PLUGIN_CHOICES, MAX_EAGLE_BATCH_SIZE, MAX_EAGLE_DRAFT_LEN
+from dflash_trt.triton.serving import ServingSettings
+from dflash_trt.trtllm.build_plan import (
+    GEMM_PLUGIN_CHOICES,
+    MAX_EAGLE_BATCH_SIZE,
+    MAX_EAGLE_DRAFT_LEN,
+    check_gemm_plugin,
+)
 
 # Share of GPU memory the weights may take; the rest holds the KV pool (drafter layers included), activations
 # and the CUDA context.
@@ -59,6 +65,9 @@ class ModelSources(_Strict):
     draft_revision: str | None = None
     tokenizer: str | None = Field(default=None, description="defaults to the target")
     block_size: int = Field(ge=2, le=64, description="the drafter's trained block size, checked at build time")
+    recorded_configs: str | None = Field(
+        default=None, description="YAML of config.json fields per HF id, for dry runs without the models; relative "
+                                  "to the profile")
 
     @property
     def tokenizer_source(self) -> str:
@@ -78,7 +87,8 @@ class CheckpointSettings(_Strict):
 
 
 class CalibrationSettings(_Strict):
-    dataset: str = "calibration.jsonl"  # jsonl prompts ({"text": ...} per line), relative to the profile file
+    # jsonl prompts ({"text": ...} per line) or a local HF `datasets` folder, relative to the profile file
+    dataset: str = "calibration.jsonl"
     size: int = Field(default=512, ge=1)
     max_seq_len: int = Field(default=1024, ge=16)
 
@@ -123,17 +133,6 @@ class EngineSettings(_Strict):
         return self
 
 
-class ServingSettings(_Strict):
-    """Triton `tensorrtllm` backend knobs that are not part of the engine."""
-
-    kv_cache_free_gpu_mem_fraction: float = Field(default=0.9, gt=0.0, lt=1.0)
-    batch_scheduler_policy: Literal["guaranteed_no_evict", "max_utilization"] = "guaranteed_no_evict"
-    enable_chunked_context: bool = True
-    enable_kv_cache_reuse: bool = False
-    max_queue_delay_microseconds: int = Field(default=0, ge=0)
-    instance_count: int = Field(default=1, ge=1, description="pre/post-processing Python model instances")
-
-
 class SweepSettings(_Strict):
     concurrency: list[int] = Field(min_length=1)
     interactivity_band: tuple[float, float] = Field(description="target output tokens/s per user: low, high")
@@ -155,6 +154,12 @@ class SweepSettings(_Strict):
         return v
 
 
+def _beside(profile_path: str | Path, value: str) -> Path:
+    """A path named in a profile: relative ones are relative to the profile file."""
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else Path(profile_path).parent / path
+
+
 class BuildProfile(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     gpu: GpuName
@@ -169,6 +174,21 @@ class BuildProfile(_Strict):
     def gpu_facts(self) -> GpuSpec:
         return GPUS[self.gpu]
 
+    @property
+    def quantizes(self) -> bool:
+        """Whether the checkpoint stage quantizes (and so calibrates)."""
+        q = self.quantization
+        return (q.qformat, q.dflash_qformat, q.kv_cache_dtype) != ("none", "none", "none")
+
+    def calibration_dataset(self, profile_path: str | Path) -> Path | None:
+        """The calibration prompts (a path relative to the profile file is resolved there), None if not quantizing."""
+        if not self.quantizes:
+            return None
+        return _beside(profile_path, self.quantization.calibration.dataset)
+
+    def recorded_configs_path(self, profile_path: str | Path) -> Path | None:
+        return None if self.model.recorded_configs is None else _beside(profile_path, self.model.recorded_configs)
+
     @model_validator(mode="after")
     def _feasible(self) -> BuildProfile:
         gpu, q, eng = self.gpu_facts, self.quantization, self.engine
@@ -181,8 +201,10 @@ class BuildProfile(_Strict):
                 f"dflash_qformat {q.dflash_qformat} differs from qformat {q.qformat}: one TensorRT-LLM engine applies "
                 "one quantization to the target and the drafter"
             )
-        if eng.gemm_plugin in (FP8, NVFP4) and q.qformat != eng.gemm_plugin:
-            raise ValueError(f"gemm_plugin {eng.gemm_plugin} needs qformat {eng.gemm_plugin}")
+        try:
+            check_gemm_plugin(eng.gemm_plugin, q.qformat)
+        except DFlashTrtError as exc:
+            raise ValueError(str(exc)) from None
         if eng.use_fp8_context_fmha and q.kv_cache_dtype != "fp8":
             raise ValueError("use_fp8_context_fmha needs kv_cache_dtype fp8")
         if eng.max_draft_len > block - 1:
@@ -235,7 +257,11 @@ def load_profile(path: str | Path) -> BuildProfile:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise DFlashTrtError(f"{path}: not valid YAML ({exc})") from None
-    return parse_profile(data, path)
+    profile = parse_profile(data, path)
+    dataset = profile.calibration_dataset(path)
+    if dataset is not None and not dataset.exists():
+        raise DFlashTrtError(f"{path}: quantization.calibration.dataset: {dataset} does not exist")
+    return profile
 
 
 def default_hf_cache() -> Path:
@@ -247,7 +273,7 @@ def default_hf_cache() -> Path:
     return Path.home() / ".cache" / "huggingface" / "hub"
 
 
-def _looks_like_repo_id(ref: str) -> bool:
+def looks_like_repo_id(ref: str) -> bool:
     parts = ref.split("/")
     return len(parts) == 2 and all(parts) and not ref.startswith((".", "~"))
 
@@ -275,7 +301,7 @@ def resolve_model_dir(
     path = Path(ref).expanduser()
     if path.is_dir():
         return path
-    if not _looks_like_repo_id(ref):
+    if not looks_like_repo_id(ref):
         raise DFlashTrtError(f"model directory {ref} does not exist")
     cache_dir = cache_dir or default_hf_cache()
     snapshot = _snapshot_in_cache(ref, revision, cache_dir)
@@ -330,9 +356,10 @@ def weight_gb_per_gpu(profile: BuildProfile, target: dict, draft: dict) -> float
     return total / profile.checkpoint.tp_size / 1e9
 
 
-def check_against_checkpoints(profile: BuildProfile, target_dir: Path, draft_dir: Path) -> None:
-    """Checks that need the real configs: TP against head counts, block size, sequence length, memory."""
-    target, draft = _read_config(target_dir), _read_config(draft_dir)
+def check_against_configs(profile: BuildProfile, target: dict, draft: dict, draft_name: str) -> None:
+    """Checks that need the HF configs: TP against head counts, block size, memory. Everything the engine build
+    checks (sequence length, GEMM plugin, ...) runs when the pipeline plans the build, for profiles and
+    `--checkpoint_dir` alike."""
     tp = profile.checkpoint.tp_size
     heads = target["num_attention_heads"]
     _check_heads("target", heads, target.get("num_key_value_heads", heads), tp)
@@ -342,7 +369,7 @@ def check_against_checkpoints(profile: BuildProfile, target_dir: Path, draft_dir
     if block is not None and block != profile.model.block_size:
         raise DFlashTrtError(
             f"profile {profile.name} was sized for block_size {profile.model.block_size} but "
-            f"{draft_dir} was trained with block_size {block}"
+            f"{draft_name} was trained with block_size {block}"
         )
     need, memory = weight_gb_per_gpu(profile, target, draft), profile.gpu_facts.hbm_bytes / 1e9
     if need > MAX_WEIGHT_SHARE * memory:
@@ -350,8 +377,7 @@ def check_against_checkpoints(profile: BuildProfile, target_dir: Path, draft_dir
             f"the weights need about {need:.0f} GB per GPU but {profile.gpu} has {memory:.0f} GB, of which at most "
             f"{MAX_WEIGHT_SHARE:.0%} may hold weights (the KV cache needs the rest); raise tp_size or quantize"
         )
-    max_pos = target.get("max_position_embeddings")
-    if max_pos is not None and profile.engine.max_seq_len > max_pos:
-        raise DFlashTrtError(
-            f"max_seq_len {profile.engine.max_seq_len} exceeds the target's max_position_embeddings {max_pos}"
-        )
+
+
+def check_against_checkpoints(profile: BuildProfile, target_dir: Path, draft_dir: Path) -> None:
+    check_against_configs(profile, _read_config(target_dir), _read_config(draft_dir), str(draft_dir))

@@ -1,4 +1,5 @@
-"""Prompt files: one JSON object per line, `{"input_ids": [...]}` or `{"text": "..."}` (needs a tokenizer).
+"""Prompt files: one JSON object per line, `{"input_ids": [...]}` or `{"text": "..."}` (needs a tokenizer); or, for
+calibration on hosts with the `datasets` package, a local HF datasets folder whose rows carry one of those columns.
 
 `generate` and calibration read the same format, so they share this reader and its error messages.
 """
@@ -6,36 +7,82 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 from dflash_trt.errors import DFlashTrtError
 
+# Folders written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk` hold one of these.
+SAVED_DATASET_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")
+PROMPT_COLUMNS = ("text", "input_ids")
 
-def read_prompts(path: str | Path, tokenizer=None, limit: int | None = None) -> list[list[int]]:
-    path = Path(path)
-    if not path.is_file():
-        raise DFlashTrtError(f"prompt file {path} does not exist")
-    prompts: list[list[int]] = []
+
+def _jsonl_records(path: Path) -> Iterator[tuple[str, object]]:
     for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if limit is not None and len(prompts) >= limit:
-            break
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            yield f"{path}:{number}", json.loads(line)
         except json.JSONDecodeError as exc:
             raise DFlashTrtError(f"{path}:{number} is not valid JSON: {exc.msg}") from None
+
+
+def _load_dataset_folder(path: Path):
+    """The folder's rows: a saved Dataset (its `train` split if it is a DatasetDict), else its data files."""
+    try:
+        import datasets
+    except ImportError:
+        raise DFlashTrtError(
+            f"{path} is a folder; reading an HF datasets folder needs the `datasets` package, else give a jsonl file"
+        ) from None
+    try:
+        if any((path / name).is_file() for name in SAVED_DATASET_FILES):
+            data = datasets.load_from_disk(str(path))
+        else:
+            data = datasets.load_dataset(str(path))
+    except Exception as exc:  # datasets raises many types for unreadable folders; report one line
+        raise DFlashTrtError(f"{path} is not a readable HF datasets folder: {exc}") from None
+    if isinstance(data, datasets.DatasetDict):
+        split = "train" if "train" in data else next(iter(data), None)
+        if split is None:
+            raise DFlashTrtError(f"prompt folder {path} holds no splits")
+        data = data[split]
+    return data
+
+
+def _dataset_records(path: Path) -> Iterator[tuple[str, object]]:
+    data = _load_dataset_folder(path)
+    columns = [c for c in PROMPT_COLUMNS if c in data.column_names]
+    if not columns:
+        raise DFlashTrtError(f"prompt folder {path} has no {' or '.join(PROMPT_COLUMNS)} column "
+                             f"(columns: {', '.join(data.column_names)})")
+    for index, row in enumerate(data.select_columns(columns[:1])):
+        yield f"{path}[{index}]", row
+
+
+def read_prompts(path: str | Path, tokenizer=None, limit: int | None = None) -> list[list[int]]:
+    path = Path(path)
+    if path.is_dir():
+        records = _dataset_records(path)
+    elif path.is_file():
+        records = _jsonl_records(path)
+    else:
+        raise DFlashTrtError(f"prompt file {path} does not exist")
+    prompts: list[list[int]] = []
+    for where, record in records:
+        if limit is not None and len(prompts) >= limit:
+            break
         if isinstance(record, dict) and isinstance(record.get("input_ids"), list):
             ids = record["input_ids"]
             if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise DFlashTrtError(f"{path}:{number}: input_ids must be a non-empty list of integers")
+                raise DFlashTrtError(f"{where}: input_ids must be a non-empty list of integers")
             prompts.append(ids)
         elif isinstance(record, dict) and isinstance(record.get("text"), str):
             if tokenizer is None:
-                raise DFlashTrtError(f"{path}:{number} gives text but the checkpoint directory has no tokenizer")
+                raise DFlashTrtError(f"{where} gives text but the checkpoint directory has no tokenizer")
             prompts.append(tokenizer.encode(record["text"]))
         else:
-            raise DFlashTrtError(f'{path}:{number} must be {{"input_ids": [...]}} or {{"text": "..."}}')
+            raise DFlashTrtError(f'{where} must be {{"input_ids": [...]}} or {{"text": "..."}}')
     if not prompts:
         raise DFlashTrtError(f"prompt file {path} holds no prompts")
     return prompts

@@ -12,6 +12,14 @@ from dataclasses import dataclass
 import torch
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# The RopeConfig fields each scaling type reads; every other field keeps its default for that type.
+SCALING_FIELDS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+             "attention_factor", "truncate"),
+}
 
 
 @dataclass(frozen=True)

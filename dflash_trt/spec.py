@@ -152,11 +152,11 @@ def parse_rope(cfg: dict, head_dim: int, what: str) -> RopeConfig:
     )
 
 
-def _eos_ids(cfg: dict, model_dir: Path) -> tuple[int, ...]:
+def _eos_ids(cfg: dict, model_dir: Path | None) -> tuple[int, ...]:
     ids: list[int] = []
     sources = [cfg]
-    generation_config = model_dir / "generation_config.json"
-    if generation_config.is_file():
+    generation_config = None if model_dir is None else model_dir / "generation_config.json"
+    if generation_config is not None and generation_config.is_file():
         try:
             sources.append(json.loads(generation_config.read_text()))
         except json.JSONDecodeError:
@@ -190,7 +190,8 @@ def _activation(cfg: dict, what: str) -> str:
     return act
 
 
-def parse_target_config(cfg: dict, model_dir: str | Path = ".") -> TargetSpec:
+def parse_target_config(cfg: dict, model_dir: str | Path | None = None) -> TargetSpec:
+    """`model_dir` (where generation_config.json may add end-of-sequence ids) is None for a config alone."""
     what = "target"
     architectures = cfg.get("architectures") or []
     architecture = architectures[0] if isinstance(architectures, list) and architectures else None
@@ -219,7 +220,7 @@ def parse_target_config(cfg: dict, model_dir: str | Path = ".") -> TargetSpec:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings") or 32768),
         rope=parse_rope(cfg, head_dim, what),
-        eos_token_ids=_eos_ids(cfg, Path(model_dir)),
+        eos_token_ids=_eos_ids(cfg, None if model_dir is None else Path(model_dir)),
         torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
     )
 

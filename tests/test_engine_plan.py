@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_trt.checkpoint.trtllm_config import checkpoint_config
+from dflash_trt.checkpoint.trtllm_config import checkpoint_config, specs_from_config
 from dflash_trt.commands import build as build_command
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.spec import parse_draft_config, parse_target_config
@@ -43,7 +43,7 @@ TARGET_HF = {
     "head_dim": 64,
     "rms_norm_eps": 1e-6,
     "rope_theta": 1000000.0,
-    "max_position_embeddings": 4096,
+    "max_position_embeddings": 40960,
 }
 DRAFT_HF = {
     "architectures": ["DFlashDraftModel"],
@@ -66,6 +66,9 @@ def write_checkpoint(root: Path, target_hf: dict = TARGET_HF, draft_hf: dict = D
     config.update(overrides)
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(config))
+    mapping = config.get("mapping") or {}
+    for rank in range(mapping.get("tp_size", 1) * mapping.get("pp_size", 1)):  # planning checks only their presence
+        (root / f"rank{rank}.safetensors").touch()
     return root
 
 
@@ -174,6 +177,7 @@ def test_refuses_drafter_quantized_unlike_the_target(tmp_path: Path):
     fp8 = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "group_size": 16, "exclude_modules": ["lm_head"]}
     root = tmp_path / "q"
     root.mkdir()
+    (root / "rank0.safetensors").touch()
     (root / "config.json").write_text(json.dumps(checkpoint_config(target, draft, "bfloat16", quantization=fp8)))
     with pytest.raises(DFlashTrtError, match=r"one engine applies one quantization"):
         plan_engine_build(root, tmp_path / "e", EngineBuildSettings())
@@ -181,6 +185,42 @@ def test_refuses_drafter_quantized_unlike_the_target(tmp_path: Path):
         json.dumps(checkpoint_config(target, draft, "bfloat16", quantization=fp8, draft_quantization=fp8)))
     plan = plan_engine_build(root, tmp_path / "e", EngineBuildSettings(use_fp8_context_fmha=True))
     assert plan.dflash_manifest["quant_algo"] == "FP8" and plan.dflash_manifest["kv_cache_quant_algo"] == "FP8"
+
+
+# Keys TensorRT-LLM 1.2.x reads per rotary scaling type (layers/attention.py: yarn's .get() calls;
+# functional.py RopeEmbeddingUtils: factor, and apply_llama3_scaling's four keys), plus yarn's `truncate` that the
+# golden model reads; None-valued parameters must be absent, since `.get(key, default)` returns a present None.
+ROPE_KEYS = {
+    "linear": ({"rope_type": "linear", "factor": 2.0}, {"type", "factor"}),
+    "llama3": ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192},
+               {"type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
+    "yarn": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+             {"type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate"}),
+}
+
+
+@pytest.mark.parametrize("rope_type", sorted(ROPE_KEYS))
+def test_rotary_scaling_carries_only_the_keys_its_type_uses(tmp_path: Path, rope_type: str):
+    scaling, keys = ROPE_KEYS[rope_type]
+    ckpt = write_checkpoint(tmp_path / "c", {**TARGET_HF, "rope_scaling": scaling},
+                            {**DRAFT_HF, "rope_scaling": scaling})
+    config = json.loads((ckpt / "config.json").read_text())
+    for rotary in (config["rotary_scaling"], config["dflash_config"]["rotary_scaling"]):
+        assert set(rotary) == keys and None not in rotary.values()
+        assert rotary["type"] == rope_type and rotary["factor"] == scaling["factor"]
+    target, draft = specs_from_config(config)
+    assert target.rope == parse_target_config({**TARGET_HF, "rope_scaling": scaling}).rope  # nothing lost
+    assert plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings()).command
+
+
+def test_refuses_yarn_parameters_trtllm_does_not_read(tmp_path: Path):
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "attention_factor": 1.2}
+    ckpt = write_checkpoint(tmp_path / "c", {**TARGET_HF, "rope_scaling": scaling},
+                            {**DRAFT_HF, "rope_scaling": scaling})
+    assert json.loads((ckpt / "config.json").read_text())["rotary_scaling"]["attention_factor"] == 1.2
+    with pytest.raises(DFlashTrtError, match="attention_factor or truncate=false"):
+        plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings())
 
 
 def test_refuses_draft_rope_unlike_the_target(tmp_path: Path):
@@ -195,19 +235,47 @@ def test_refuses_draft_rope_unlike_the_target(tmp_path: Path):
         ({"max_num_tokens": 100, "max_batch_size": 8}, r"max_batch_size x block_size = 8 x 16 = 128"),
         ({"max_beam_width": 2}, "max_beam_width 1"),
         ({"max_batch_size": 513, "max_num_tokens": 513 * 16}, r"\[1, 512\]"),
-        ({"workers": 2}, "--workers must be 1"),
+        ({"workers": 0}, "--workers must be at least 1"),
         ({"use_paged_context_fmha": False}, "use_paged_context_fmha"),
         ({"kv_cache_type": "continuous"}, "paged"),
         ({"logits_dtype": "bfloat16"}, "float32 or float16"),
         ({"gemm_plugin": "int4"}, "--gemm_plugin"),
         ({"max_input_len": 9000}, "max_input_len"),
         ({"tokens_per_block": 24}, "tokens_per_block"),
+        ({"tokens_per_block": 8}, "--tokens_per_block must be one of 16, 32, 64, 128: speculative decoding generates "
+                                  "through XQA"),
+        ({"max_seq_len": 40961}, "max_seq_len 40961 exceeds the target's max_position_embeddings 40960"),
+        ({"gemm_plugin": "fp8"}, "gemm_plugin fp8 needs fp8 weights, but they are none"),
+        ({"gemm_plugin": "nvfp4"}, "gemm_plugin nvfp4 needs nvfp4 weights, but they are none"),
         ({"use_fp8_context_fmha": True}, "FP8 or NVFP4"),
     ],
 )
 def test_refuses_settings_the_runtime_would_reject(ckpt: Path, tmp_path: Path, change: dict, message: str):
     with pytest.raises(DFlashTrtError, match=message):
         plan_engine_build(ckpt, tmp_path / "e", replace(EngineBuildSettings(), **change))
+
+
+def test_refuses_a_checkpoint_missing_rank_files(tmp_path: Path, capsys):
+    ckpt = write_checkpoint(tmp_path / "tp2", mapping={"world_size": 2, "tp_size": 2, "pp_size": 1})
+    assert plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings()).command
+    (ckpt / "rank1.safetensors").unlink()
+    with pytest.raises(DFlashTrtError, match=r"lacks rank1.safetensors \(tp_size 2\)"):
+        plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings())
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--gemm_plugin", "nvfp4"], "gemm_plugin nvfp4 needs nvfp4 weights"),
+    (["--max_seq_len", "50000", "--max_input_len", "1024"], "exceeds the target's max_position_embeddings 40960"),
+    (["--tokens_per_block", "8"], "--tokens_per_block must be one of 16, 32, 64, 128"),
+])
+def test_checkpoint_dir_dry_run_applies_the_profile_checks(ckpt: Path, tmp_path: Path, capsys, argv, message):
+    """`build --dry_run --checkpoint_dir` refuses what a profile-driven build refuses (one set of checks)."""
+    from dflash_trt.cli import main as cli_main
+
+    assert cli_main(["build", "--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e"), *argv,
+                     "--dry_run"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
 
 
 def test_max_num_tokens_boundary(ckpt: Path, tmp_path: Path):
@@ -374,6 +442,32 @@ def test_step_bookkeeping_mirrors_the_golden_loop(tmp_path: Path):
             assert ctx_len[b] == next_ctx and anchor[b] == next_anchor
             checked += 1
     assert generation_checked >= 2 and checked == 3 + generation_checked
+
+
+@pytest.mark.slow  # loads the tiny tokenizer through transformers
+@pytest.mark.parametrize("chunked", [False, True])
+def test_selftest_workload_fits_the_tiny_target_and_exceeds_one_chunk(tmp_path: Path, chunked: bool):
+    """The self-test's engine stays within the tiny target's 256 positions; with --chunked_context two prompts are
+    longer than max_num_tokens, so their prefill needs several context chunks."""
+    from dflash_trt.commands.selftest import LONG_PROMPTS, selftest_workload
+    from dflash_trt.spec import load_draft_spec, load_target_spec
+    from dflash_trt.tiny.heldout import draft_dir, load_heldout, target_dir
+    from dflash_trt.tokenizer import load_tokenizer
+
+    target = load_target_spec(target_dir())
+    draft = load_draft_spec(draft_dir(), target)
+    ckpt = tmp_path / "c"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(checkpoint_config(target, draft, "float16")))
+    (ckpt / "rank0.safetensors").touch()
+    tokenizer = load_tokenizer(target_dir())
+    settings, prompts = selftest_workload([p.text for p in load_heldout(limit=64)], tokenizer, 8, draft.block_size,
+                                          chunked)
+    plan_engine_build(ckpt, tmp_path / "e", settings)
+    assert len(prompts) == 8 and all(0 < len(p) <= settings.max_input_len for p in prompts)
+    assert settings.max_seq_len <= target.max_position_embeddings
+    longer_than_a_chunk = [p for p in prompts if len(p) > settings.max_num_tokens]
+    assert len(longer_than_a_chunk) == (LONG_PROMPTS if chunked else 0)
 
 
 def test_selftest_comparison_reports_each_disagreement():

@@ -19,48 +19,30 @@ ROOT = Path(__file__).resolve().parents[1]
 PROFILES = sorted((ROOT / "build_configs").glob("*/*.yaml"))
 API = json.loads((ROOT / "tests/data/trtllm_api.json").read_text())
 
-QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "head_dim": 128, "rms_norm_eps": 1e-6,
-         "rope_theta": 1000000.0, "max_position_embeddings": 40960, "hidden_act": "silu", "eos_token_id": 151645}
-LLAMA_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-              "original_max_position_embeddings": 8192}
-# Shapes of the public checkpoints (config.json only: a dry run reads nothing else).
-TARGETS = {
-    "Qwen/Qwen3-4B": {**QWEN3, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
-                      "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": True},
-    "Qwen/Qwen3-8B": {**QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
-                      "num_attention_heads": 32, "num_key_value_heads": 8},
-    "Qwen/Qwen3-32B": {**QWEN3, "hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64,
-                       "num_attention_heads": 64, "num_key_value_heads": 8},
-    "meta-llama/Llama-3.1-8B-Instruct": {
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0, "rope_scaling": LLAMA_ROPE, "max_position_embeddings": 131072,
-        "hidden_act": "silu", "eos_token_id": [128001, 128008, 128009]},
+RECORDED = yaml.safe_load((ROOT / "build_configs/recorded_configs.yaml").read_text())
+# Stand-ins for the two drafters whose config.json is recorded as unknown (plausible z-lab-format shapes), so the
+# full plan path also runs for their profiles when a config.json is on disk.
+STAND_IN_DRAFTS = {
+    "AICP-Labs/qwen3-32b-dflash-en-zh": {
+        "architectures": ["DFlashDraftModel"], "num_hidden_layers": 5, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "hidden_size": 5120, "intermediate_size": 25600,
+        "num_target_layers": 64, "block_size": 16, "rope_theta": 1000000, "rms_norm_eps": 1e-6,
+        "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 16, 31, 46, 61]}},
+    "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat": {
+        "architectures": ["DFlashDraftModel"], "num_hidden_layers": 5, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_target_layers": 32, "block_size": 10, "rms_norm_eps": 1e-5,
+        **{k: RECORDED["meta-llama/Llama-3.1-8B-Instruct"][k] for k in ("rope_theta", "rope_scaling")},
+        "dflash_config": {"mask_token_id": 128002, "target_layer_ids": [1, 8, 15, 22, 29]}},
 }
-
-
-def _draft(target: dict, block: int, taps: list[int], mask: int) -> dict:
-    keys = ("hidden_size", "intermediate_size", "head_dim", "rope_theta", "rms_norm_eps", "rope_scaling")
-    return {"architectures": ["DFlashDraftModel"], "num_hidden_layers": 5, "num_attention_heads": 32,
-            "num_key_value_heads": 8, "num_target_layers": target["num_hidden_layers"], "block_size": block,
-            "dflash_config": {"mask_token_id": mask, "target_layer_ids": taps},
-            **{k: target[k] for k in keys if k in target}}
-
-
-DRAFTS = {
-    "z-lab/Qwen3-4B-DFlash-b16": _draft(TARGETS["Qwen/Qwen3-4B"], 16, [1, 9, 17, 25, 33], 151669),
-    "z-lab/Qwen3-8B-DFlash-b16": _draft(TARGETS["Qwen/Qwen3-8B"], 16, [1, 9, 17, 25, 33], 151669),
-    "AICP-Labs/qwen3-32b-dflash-en-zh": _draft(TARGETS["Qwen/Qwen3-32B"], 16, [1, 16, 31, 46, 61], 151669),
-    "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat": _draft(TARGETS["meta-llama/Llama-3.1-8B-Instruct"], 10,
-                                                          [1, 8, 15, 22, 29], 128002),
-}
+HUB_CONFIGS = {**{ref: cfg for ref, cfg in RECORDED.items() if "unknown" not in cfg}, **STAND_IN_DRAFTS}
 
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory) -> Path:
     """An HF hub cache (models--org--name/snapshots/<rev>, refs/main) holding the profiles' config files."""
     cache = tmp_path_factory.mktemp("hub")
-    for repo, cfg in {**TARGETS, **DRAFTS}.items():
+    for repo, cfg in HUB_CONFIGS.items():
         repo_dir = cache / ("models--" + repo.replace("/", "--"))
         snapshot = repo_dir / "snapshots" / "0123abcd"
         snapshot.mkdir(parents=True)
@@ -132,8 +114,97 @@ def test_typed_flags_override_the_profile(hub: Path, tmp_path: Path, capsys):
 
 def test_missing_models_are_not_downloaded(tmp_path: Path, capsys):
     path = ROOT / "build_configs/h100-fp8/qwen3-4b.yaml"
-    assert cli_main(["build", "--config", str(path), "--hf_cache", str(tmp_path), "--dry_run"]) == 2
+    assert cli_main(["build", "--config", str(path), "--hf_cache", str(tmp_path), "--output_dir",
+                     str(tmp_path / "ws")]) == 2
     assert "Qwen/Qwen3-4B is not in the HF cache" in capsys.readouterr().err
+    assert not (tmp_path / "ws").exists()
+
+
+@pytest.fixture
+def fresh_machine(tmp_path: Path, monkeypatch) -> Path:
+    """An empty HF home and no network: what a new user has before downloading anything."""
+    home = tmp_path / "hf_home"
+    home.mkdir()
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "DFLASH_TRT_PLUGIN_LIB"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("socket.socket.connect", _no_network)
+    return home
+
+
+def _no_network(*args, **kwargs):
+    raise OSError("network access attempted during a dry run")
+
+
+@pytest.mark.parametrize("path", PROFILES, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_dry_run_of_every_profile_on_a_fresh_machine(path: Path, fresh_machine: Path, tmp_path: Path, capsys):
+    profile = load_profile(path)
+    ws = tmp_path / "ws"
+    assert cli_main(["build", "--config", str(path), "--output_dir", str(ws), "--dry_run"]) == 0
+    out = capsys.readouterr().out
+    commands = _stage_commands(out)
+    assert list(commands) == ["checkpoint", "engine", "triton"]
+    convert = shlex.split(commands["checkpoint"])
+    assert convert[convert.index("--model_dir") + 1] == profile.model.target  # resolved in the cache at run time
+    assert convert[convert.index("--calib_dataset") + 1] == str(path.parent / "../calibration.jsonl")
+    _, *build = shlex.split(commands["engine"])
+    flags = {build[i]: build[i + 1] for i in range(1, len(build) - 1) if build[i].startswith("--")}
+    assert flags["--max_draft_len"] == str(profile.model.block_size - 1)
+    assert flags["--max_batch_size"] == str(profile.engine.max_batch_size)
+    assert flags["--checkpoint_dir"] == str(ws / "checkpoint")
+    offline = [line for line in out.splitlines() if line.startswith("offline: ")]
+    assert f"offline: target {profile.model.target}: not downloaded; planned from its recorded config.json " \
+           "fields" in offline
+    drafter = RECORDED[profile.model.draft]
+    if "unknown" in drafter:
+        assert any(line.startswith(f"offline: drafter {profile.model.draft}: not downloaded and its shapes are "
+                                   "unknown") for line in offline)
+    else:
+        assert f"offline: drafter {profile.model.draft}: not downloaded; planned from its recorded config.json " \
+               "fields" in offline
+    assert not ws.exists() and not any(fresh_machine.iterdir()), "a dry run writes and downloads nothing"
+
+
+def test_offline_dry_run_applies_the_checks_to_recorded_configs(fresh_machine: Path, tmp_path: Path, capsys):
+    data = yaml.safe_load((ROOT / "build_configs/h200-fp8/qwen3-8b.yaml").read_text())
+    data["model"]["recorded_configs"] = str(ROOT / "build_configs/recorded_configs.yaml")
+    data["quantization"]["calibration"]["dataset"] = str(ROOT / "build_configs/calibration.jsonl")
+    data["engine"]["max_seq_len"] = 50000  # beyond Qwen3-8B's recorded max_position_embeddings 40960
+    path = tmp_path / "long.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert cli_main(["build", "--config", str(path), "--output_dir", str(tmp_path / "ws"), "--dry_run"]) == 2
+    assert "max_seq_len 50000 exceeds the target's max_position_embeddings 40960" in capsys.readouterr().err
+    data["engine"]["max_seq_len"] = 8192
+    data["model"]["recorded_configs"] = None  # nothing recorded: the dry run says what to do
+    path.write_text(yaml.safe_dump(data))
+    assert cli_main(["build", "--config", str(path), "--output_dir", str(tmp_path / "ws"), "--dry_run"]) == 2
+    assert "records no configs (model.recorded_configs)" in capsys.readouterr().err
+
+
+def test_offline_dry_run_with_a_separate_tokenizer(fresh_machine: Path, tmp_path: Path, capsys):
+    data = yaml.safe_load((ROOT / "build_configs/b200-nvfp4/qwen3-4b.yaml").read_text())
+    data["model"].update(tokenizer="acme/qwen3-chat-tokenizer",
+                         recorded_configs=str(ROOT / "build_configs/recorded_configs.yaml"))
+    data["quantization"]["calibration"]["dataset"] = str(ROOT / "build_configs/calibration.jsonl")
+    path = tmp_path / "tok.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert cli_main(["build", "--config", str(path), "--output_dir", str(tmp_path / "ws"), "--dry_run"]) == 0
+    out = capsys.readouterr().out
+    assert "offline: tokenizer acme/qwen3-chat-tokenizer: not downloaded" in out
+    triton = shlex.split(_stage_commands(out)["triton"])
+    assert triton[triton.index("--tokenizer_dir") + 1] == "acme/qwen3-chat-tokenizer"
+
+
+def test_recorded_configs_parse_as_the_converter_reads_them():
+    from dflash_trt.spec import parse_draft_config, parse_target_config
+
+    for path in PROFILES:
+        profile = load_profile(path)
+        target = parse_target_config(RECORDED[profile.model.target])
+        if "unknown" not in RECORDED[profile.model.draft]:
+            draft = parse_draft_config(RECORDED[profile.model.draft], target)
+            assert draft.block_size == profile.model.block_size and draft.num_hidden_layers == 5, path
 
 
 # ---------------------------------------------------------------- a real run on CPU with a tiny pair

@@ -14,13 +14,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from google.protobuf import text_format
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from dflash_trt.cli import main as cli_main
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.pipeline import settings_from_profile
-from dflash_trt.profiles import load_profile
+from dflash_trt.profiles import load_profile, parse_profile
 from dflash_trt.triton import client as triton_client
 from dflash_trt.triton import processing as P
 from dflash_trt.triton.repository import (
@@ -32,6 +33,7 @@ from dflash_trt.triton.repository import (
     settings_from_engine,
     write_repository,
 )
+from dflash_trt.triton.serving import ServingSettings
 
 mc = pytest.importorskip("tritonclient.grpc.model_config_pb2")
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,7 +140,7 @@ def test_repository_for_a_profile_parses_and_is_wired(tmp_path: Path, tokenizer_
     k = prof.model.block_size - 1
     assert parse_eagle_choices(params["eagle_choices"]) == [[0] * d for d in range(1, k + 1)]
     assert float(params["kv_cache_free_gpu_mem_fraction"]) == prof.serving.kv_cache_free_gpu_mem_fraction
-    assert params["enable_kv_cache_reuse"] == "false" and params["batch_scheduler_policy"] == "guaranteed_no_evict"
+    assert params["batch_scheduler_policy"] == "guaranteed_no_evict"
     # Looked up unconditionally by the backend: they must exist, empty values keep guided decoding off.
     assert params["guided_decoding_backend"] == "" and params["xgrammar_tokenizer_info_path"] == ""
     assert trt.max_batch_size == prof.engine.max_batch_size
@@ -150,6 +152,68 @@ def test_repository_for_a_profile_parses_and_is_wired(tmp_path: Path, tokenizer_
     assert (repo / "preprocessing/1/model.py").is_file() and (repo / f"postprocessing/1/{PROCESSING_FILE}").is_file()
     assert (repo / "ensemble/1").is_dir() and (repo / "tensorrt_llm/1").is_dir()
     assert json.loads((repo / SETTINGS_FILE).read_text())["world_size"] == prof.checkpoint.tp_size
+
+
+SHIPPED = sorted((ROOT / "build_configs").glob("*/*.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_every_profile_repository_keeps_eagle_safe_serving(tmp_path: Path, tokenizer_dir: Path, path: Path):
+    """Chunked context and KV block reuse off, and one BLS instance per request the engine can batch."""
+    prof = load_profile(path)
+    repo = write_repository(settings_from_profile(prof, tmp_path / "engine", tokenizer_dir, "lib.so"), tmp_path / "r")
+    configs = _configs(repo)
+    params = _params(configs["tensorrt_llm"])
+    assert params["decoding_mode"] == "eagle"
+    assert (params["enable_chunked_context"], params["enable_kv_cache_reuse"]) == ("false", "false")
+    assert configs["tensorrt_llm_bls"].instance_group[0].count == prof.engine.max_batch_size
+    assert configs["preprocessing"].instance_group[0].count == prof.serving.instance_count
+
+
+def test_paths_written_into_configs_are_absolute(tmp_path: Path, tokenizer_dir: Path, monkeypatch):
+    """The backend refuses a relative gpt_model_path; Triton runs elsewhere than where the repository was made."""
+    monkeypatch.chdir(tmp_path)
+    tokenizer = Path(os.path.relpath(tokenizer_dir, tmp_path))
+    repo = write_repository(_settings(tokenizer, engine_dir="demo_out/engine",
+                                      plugin_library="plugins/build/libdflash_trt_plugins.so"), tmp_path / "repo")
+    configs = _configs(repo)
+    assert _params(configs["tensorrt_llm"])["gpt_model_path"] == str(tmp_path / "demo_out/engine")
+    for name in ("tensorrt_llm", "preprocessing", "postprocessing", "tensorrt_llm_bls"):
+        assert _params(configs[name])["tokenizer_dir"] == str(tokenizer_dir), name
+    recorded = json.loads((repo / SETTINGS_FILE).read_text())
+    assert recorded["plugin_library"] == str(tmp_path / "plugins/build/libdflash_trt_plugins.so")
+    assert f"DEFAULT_PLUGIN='{tmp_path}/plugins/build/libdflash_trt_plugins.so'" in (repo / LAUNCH_SCRIPT).read_text()
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--kv_cache_free_gpu_mem_fraction", "5", "--kv_cache_free_gpu_mem_fraction: Input should be less than 1"),
+    ("--kv_cache_free_gpu_mem_fraction", "nan", "--kv_cache_free_gpu_mem_fraction: Input should be a finite number"),
+    ("--kv_cache_free_gpu_mem_fraction", "0", "--kv_cache_free_gpu_mem_fraction: Input should be greater than 0"),
+    ("--instance_count", "0", "--instance_count: Input should be greater than or equal to 1"),
+])
+def test_cli_overrides_are_checked_by_the_profile_schema(tmp_path: Path, tokenizer_dir: Path, capsys, flag: str,
+                                                         value: str, message: str):
+    engine = _engine_dir(tmp_path / "eng")
+    profile = ROOT / "build_configs/b200-nvfp4/qwen3-4b.yaml"
+    for source in (["--engine_dir", str(engine)], ["--config", str(profile), "--work_dir", str(tmp_path / "ws")]):
+        out = tmp_path / "repo"
+        assert cli_main(["triton", *source, "--tokenizer_dir", str(tokenizer_dir), "--output_dir", str(out),
+                         flag, value]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1
+        assert not out.exists()
+
+
+def test_repository_settings_refuse_kv_block_reuse_however_built(tokenizer_dir: Path):
+    with pytest.raises(DFlashTrtError, match="enable_kv_cache_reuse: must stay false"):
+        _settings(tokenizer_dir, enable_kv_cache_reuse=True)
+
+
+def test_profiles_refuse_kv_block_reuse():
+    data = yaml.safe_load((ROOT / "build_configs/h200-fp8/qwen3-8b.yaml").read_text())
+    data["serving"]["enable_kv_cache_reuse"] = True
+    with pytest.raises(DFlashTrtError, match="serving.enable_kv_cache_reuse: must stay false"):
+        parse_profile(data, "p.yaml")
 
 
 def test_python_models_import_only_what_processing_defines(tmp_path: Path, tokenizer_dir: Path):
@@ -185,7 +249,7 @@ def _engine_dir(path: Path, **manifest) -> Path:
 
 
 def test_settings_from_engine_reads_the_manifest(tmp_path: Path, tokenizer_dir: Path):
-    s = settings_from_engine(_engine_dir(tmp_path / "eng"), tokenizer_dir, instance_count=3)
+    s = settings_from_engine(_engine_dir(tmp_path / "eng"), tokenizer_dir, ServingSettings(instance_count=3))
     assert (s.max_batch_size, s.max_input_len, s.max_draft_len, s.world_size) == (128, 2048, 9, 2)
     assert (s.plugin_library, s.instance_count, s.max_temperature) == ("/p/lib.so", 3, 0.0)
     with pytest.raises(DFlashTrtError, match="not a DFlash engine directory"):
@@ -329,7 +393,10 @@ def test_launch_script_preloads_the_plugin(tmp_path: Path, tokenizer_dir: Path, 
                MPIRUN=str(_fake_binary(tmp_path / "mpirun", record)), LD_PRELOAD="")
     env.pop("DFLASH_TRT_PLUGIN_LIB", None)
     env.pop("DFLASH_TRT_LOAD_PLUGINS", None)
-    subprocess.run(["bash", str(repo / LAUNCH_SCRIPT), "--grpc-port=9001"], env=env, check=True, timeout=30)
+    elsewhere = tmp_path / "elsewhere"  # the script does not depend on the directory it is started from
+    elsewhere.mkdir()
+    subprocess.run(["bash", str(repo / LAUNCH_SCRIPT), "--grpc-port=9001"], env=env, check=True, timeout=30,
+                   cwd=elsewhere)
     lines = record.read_text().splitlines()
     assert f"--model-repository={repo.absolute()}" in lines and "--grpc-port=9001" in lines
     if world_size == 1:

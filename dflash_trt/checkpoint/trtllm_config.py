@@ -10,7 +10,7 @@ from typing import Any
 
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import DTYPES, NONE, quantization_config
-from dflash_trt.rope import RopeConfig
+from dflash_trt.rope import SCALING_FIELDS, RopeConfig
 from dflash_trt.spec import DecoderSpec, DraftSpec, TargetSpec, check_dimension
 
 ARCHITECTURE = "DFlashForCausalLM"
@@ -32,13 +32,15 @@ DECODER_KEYS = {
 
 
 def rotary_scaling(rope: RopeConfig) -> dict[str, Any] | None:
-    """TensorRT-LLM's `rotary_scaling` dict (`type` + parameters), None for plain RoPE."""
+    """TensorRT-LLM's `rotary_scaling` dict (`type` + the parameters that type uses), None for plain RoPE.
+
+    Unset (None) parameters are left out: TensorRT-LLM 1.2.x reads them with `dict.get(key, default)`, which
+    returns a present None instead of its default.
+    """
     if rope.rope_type == "default":
         return None
-    fields = rope.to_dict()
-    for key in ("head_dim", "theta", "rope_type"):
-        fields.pop(key)
-    return {"type": rope.rope_type, **fields}
+    fields = {key: getattr(rope, key) for key in SCALING_FIELDS[rope.rope_type]}
+    return {"type": rope.rope_type, **{key: value for key, value in fields.items() if value is not None}}
 
 
 def rope_from_config(head_dim: int, base: float, scaling: dict[str, Any] | None) -> RopeConfig:

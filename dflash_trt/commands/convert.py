@@ -27,7 +27,9 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dflash_qformat", choices=QFORMATS, default=None, help="drafter weights (default: --qformat)")
     parser.add_argument("--kv_cache_dtype", choices=KV_CACHE_DTYPES, default=None,
                         help="fp8: FP8 KV cache (default: a pre-quantized target's, else none)")
-    parser.add_argument("--calib_dataset", default=None, help="jsonl calibration prompts ({'text'} or {'input_ids'})")
+    parser.add_argument("--calib_dataset", default=None,
+                        help="calibration prompts: jsonl ({'text'} or {'input_ids'} per line) or a local HF datasets "
+                             "folder with a text or input_ids column")
     parser.add_argument("--calib_size", type=int, default=64, help="calibration prompts used (default 64)")
     parser.add_argument("--calib_max_seq_len", type=int, default=512, help="calibration prompt tokens kept")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output_dir")

@@ -137,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
             f"{row['lossless_vs_quantized_target']}")
 
     say("[5/6] plan the TensorRT-LLM 1.2.x engine build and its Triton model repository")
-    settings = EngineBuildSettings(max_batch_size=8, max_input_len=256, max_seq_len=512, max_num_tokens=512)
+    # The tiny target was trained with 256 positions (max_position_embeddings): the engine may not go beyond.
+    settings = EngineBuildSettings(max_batch_size=8, max_input_len=128, max_seq_len=256, max_num_tokens=512)
     plan = plan_engine_build(checkpoint, out / "engine", settings)
     (out / "build_plan.json").write_text(json.dumps({"command": plan.command, "build_config": plan.build_config},
                                                     indent=2) + "\n")

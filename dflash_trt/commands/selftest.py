@@ -28,13 +28,41 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--num_prompts", type=int, default=8, help="held-out prompts, decoded as one batch")
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--dtype", default="float16", choices=ENGINE_DTYPES)
+    parser.add_argument("--chunked_context", action="store_true",
+                        help="build with the smallest max_num_tokens, add prompts longer than it and decode with "
+                             "chunked context on: the evidence needed before enabling it in serving")
     parser.add_argument("--overwrite", action="store_true", help="replace outputs of an earlier self-test")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.set_defaults(func=run)
 
 
+# The tiny target has 256 positions (max_position_embeddings): prompt + generated tokens stay within them.
+TINY_MAX_SEQ_LEN = 256
+TINY_MAX_INPUT_LEN = 160
+LONG_PROMPTS = 2
+
+
+def selftest_workload(texts: list[str], tokenizer, num_prompts: int, block_size: int, chunked_context: bool):
+    """Engine settings and prompts. With chunked context, max_num_tokens is the least a batch of generation steps
+    needs, and the last prompts are longer than that, so their prefill only fits in several context chunks."""
+    from dflash_trt.trtllm.build_plan import EngineBuildSettings
+
+    batch = max(num_prompts, 1)
+    prompts = [tokenizer.encode(text) for text in texts[:num_prompts]]
+    max_num_tokens = batch * block_size if chunked_context else 1024
+    if chunked_context:
+        joined = tokenizer.encode("".join(texts))
+        if len(joined) <= max_num_tokens:
+            raise DFlashTrtError("the held-out prompts are too short to exceed one context chunk")
+        long_len = min(max_num_tokens + block_size, TINY_MAX_INPUT_LEN)
+        prompts[-LONG_PROMPTS:] = [joined[i * block_size:i * block_size + long_len] for i in range(LONG_PROMPTS)]
+    settings = EngineBuildSettings(max_batch_size=batch, max_input_len=TINY_MAX_INPUT_LEN,
+                                   max_seq_len=TINY_MAX_SEQ_LEN, max_num_tokens=max_num_tokens)
+    return settings, prompts
+
+
 def engine_generate(engine_dir: Path, plugin_library: str, prompts: list[list[int]], max_new_tokens: int,
-                    end_id: int) -> tuple[list[list[int]], list[list[int]]]:
+                    end_id: int, chunked_context: bool = False) -> tuple[list[list[int]], list[list[int]]]:
     """Generated tokens and per-step acceptance lengths of every prompt, from the engine via ModelRunnerCpp.
 
     Acceptance lengths are the growth of each sequence per streamed iteration; the first growth is the context
@@ -49,7 +77,7 @@ def engine_generate(engine_dir: Path, plugin_library: str, prompts: list[list[in
     load_plugin_library(plugin_library)
     manifest = json.loads((engine_dir / "dflash_trt.json").read_text())
     runner = ModelRunnerCpp.from_dir(str(engine_dir), max_batch_size=len(prompts),
-                                     eagle_choices=manifest[MANIFEST_KEY])
+                                     eagle_choices=manifest[MANIFEST_KEY], enable_chunked_context=chunked_context)
     lengths = [[len(p)] for p in prompts]
     final: dict[str, Any] | None = None
     for out in runner.generate([torch.tensor(p, dtype=torch.int32) for p in prompts],
@@ -99,26 +127,26 @@ def run(args: argparse.Namespace) -> int:
     from dflash_trt.tiny.heldout import draft_dir, load_heldout, target_dir
     from dflash_trt.tokenizer import load_tokenizer
     from dflash_trt.trtllm.build import require_tensorrt_llm, run_engine_build
-    from dflash_trt.trtllm.build_plan import EngineBuildSettings, plan_engine_build
+    from dflash_trt.trtllm.build_plan import plan_engine_build
 
     require_tensorrt_llm()  # before any work: the self-test is meaningless without TensorRT-LLM 1.2.x
     out = Path(args.output_dir)
     checkpoint = out / f"checkpoint-{args.dtype}"
     convert_checkpoint(target_dir(), draft_dir(), checkpoint, dtype=args.dtype, overwrite=args.overwrite)
-    settings = EngineBuildSettings(max_batch_size=max(args.num_prompts, 1), max_input_len=256, max_seq_len=512,
-                                   max_num_tokens=1024)
+    tokenizer = load_tokenizer(checkpoint)
+    golden_model = load_golden_model(checkpoint)
+    texts = [p.text for p in load_heldout(limit=max(args.num_prompts, 64))]
+    settings, prompts = selftest_workload(texts, tokenizer, args.num_prompts, golden_model.draft.spec.block_size,
+                                          args.chunked_context)
     plan = plan_engine_build(checkpoint, out / "engine", settings, plugin_library=args.plugin_library)
     engine_dir = run_engine_build(plan, overwrite=args.overwrite)
 
-    tokenizer = load_tokenizer(checkpoint)
-    prompts = [tokenizer.encode(p.text) for p in load_heldout(limit=args.num_prompts)]
-    golden_model = load_golden_model(checkpoint)
     stop_ids = list(golden_model.target.spec.eos_token_ids)
     if not stop_ids:
         raise DFlashTrtError("the tiny pair's checkpoint names no eos token; the self-test needs one end id")
     golden = speculative_generate(golden_model, prompts, args.max_new_tokens, stop_ids[:1])
     tokens, acceptance = engine_generate(engine_dir, plan.plugin_library, prompts, args.max_new_tokens,
-                                         stop_ids[0])
+                                         stop_ids[0], chunked_context=args.chunked_context)
     problems = compare(golden, tokens, acceptance)
     report = {"engine_dir": str(engine_dir), "prompts": len(prompts), "identical": not problems,
               "problems": problems,

@@ -8,12 +8,15 @@ will build (so deployment can be reviewed before the build).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dflash_trt.errors import DFlashTrtError
+
+if TYPE_CHECKING:
+    from dflash_trt.triton.serving import ServingSettings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -47,18 +50,23 @@ def _tokenizer_dir(path: str) -> Path:
     return directory
 
 
-def _overrides(args: argparse.Namespace) -> dict:
+def _serving(args: argparse.Namespace, base: ServingSettings) -> ServingSettings:
+    """`base` with the serving flags the user typed, checked by the build profile schema."""
+    from dflash_trt.triton.serving import override_serving
+
     names = ("kv_cache_free_gpu_mem_fraction", "batch_scheduler_policy", "instance_count")
-    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    return override_serving(base, {name: getattr(args, name) for name in names if getattr(args, name) is not None})
 
 
 def run(args: argparse.Namespace) -> int:
     from dflash_trt.triton.repository import settings_from_engine, write_repository
+    from dflash_trt.triton.serving import ServingSettings
 
     if args.engine_dir:
         if args.tokenizer_dir is None:
             raise DFlashTrtError("--tokenizer_dir is required with --engine_dir")
-        settings = settings_from_engine(args.engine_dir, _tokenizer_dir(args.tokenizer_dir), **_overrides(args))
+        settings = settings_from_engine(args.engine_dir, _tokenizer_dir(args.tokenizer_dir),
+                                        _serving(args, ServingSettings()))
     else:
         from dflash_trt.pipeline import settings_from_profile, workspace
         from dflash_trt.profiles import load_profile, resolve_model_dir
@@ -72,8 +80,8 @@ def run(args: argparse.Namespace) -> int:
             model_dir = resolve_model_dir(profile.model.tokenizer_source, cache_dir=cache, allow_download=args.download)
             tokenizer = _tokenizer_dir(str(model_dir))
         library = args.plugin_library or default_library_path()
-        settings = settings_from_profile(profile, workspace(profile, args.work_dir).engine, tokenizer, library)
-        settings = dataclasses.replace(settings, **_overrides(args))
+        settings = settings_from_profile(profile, workspace(profile, args.work_dir).engine, tokenizer, library,
+                                         _serving(args, profile.serving))
     path = write_repository(settings, args.output_dir, overwrite=args.overwrite)
     if args.json:
         print(json.dumps({"repository": str(path), **asdict(settings)}, indent=2))

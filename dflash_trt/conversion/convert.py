@@ -338,7 +338,7 @@ def calibrated_scales(
     """Activation and KV scales from the golden model of the unquantized conversion, run over calibration prompts."""
     from dflash_trt.conversion.calibrate import calibrate_checkpoint
 
-    if not calib_dataset.is_file():
+    if not calib_dataset.exists():
         raise DFlashTrtError(f"calibration dataset {calib_dataset} does not exist")
     work_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".dflash-calibration-", dir=work_dir) as scratch:

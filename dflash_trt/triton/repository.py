@@ -10,6 +10,7 @@ value comes from the engine's manifest or a build profile, so no placeholder is 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.triton import processing as P
 from dflash_trt.triton.pbtxt import EnsembleStep, ModelConfig, Tensor, render
+from dflash_trt.triton.serving import ServingSettings, override_serving
 from dflash_trt.trtllm.build_plan import MANIFEST_NAME, chain_eagle_choices
 from dflash_trt.trtllm.plugin import LIBRARY_ENV
 
@@ -51,9 +53,17 @@ PERF_OUTPUTS = (
 )
 
 
+SERVING_DEFAULTS = ServingSettings()
+
+
 @dataclass(frozen=True)
 class RepositorySettings:
-    """Everything the repository depends on; written to dflash_triton.json for review."""
+    """Everything the repository depends on; written to dflash_triton.json for review.
+
+    The serving knobs mirror `ServingSettings` (build them from one with `serving_fields`). Paths are made
+    absolute here: the tensorrtllm backend refuses a relative `gpt_model_path` (with a misleading "both encoder
+    and decoder model paths are empty"), and Triton does not start in the directory the repository was written from.
+    """
 
     engine_dir: str
     tokenizer_dir: str
@@ -63,14 +73,29 @@ class RepositorySettings:
     max_draft_len: int
     world_size: int
     max_temperature: float
-    kv_cache_free_gpu_mem_fraction: float = 0.9
-    batch_scheduler_policy: str = "guaranteed_no_evict"
-    enable_chunked_context: bool = True
-    enable_kv_cache_reuse: bool = False
-    max_queue_delay_microseconds: int = 0
-    instance_count: int = 1
+    kv_cache_free_gpu_mem_fraction: float = SERVING_DEFAULTS.kv_cache_free_gpu_mem_fraction
+    batch_scheduler_policy: str = SERVING_DEFAULTS.batch_scheduler_policy
+    enable_chunked_context: bool = SERVING_DEFAULTS.enable_chunked_context
+    enable_kv_cache_reuse: bool = SERVING_DEFAULTS.enable_kv_cache_reuse
+    max_queue_delay_microseconds: int = SERVING_DEFAULTS.max_queue_delay_microseconds
+    instance_count: int = SERVING_DEFAULTS.instance_count
     add_special_tokens: bool = True
     skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        for name in PATH_FIELDS:
+            object.__setattr__(self, name, os.path.abspath(getattr(self, name)))
+        # Whoever builds the settings, the serving knobs obey the profile schema (block reuse stays off, ...).
+        override_serving(SERVING_DEFAULTS, {name: getattr(self, name) for name in ServingSettings.model_fields})
+
+
+# The settings that name files; every one is written into a config or script as an absolute path.
+PATH_FIELDS = ("engine_dir", "tokenizer_dir", "plugin_library")
+
+
+def serving_fields(serving: ServingSettings) -> dict:
+    """RepositorySettings keyword arguments for validated serving knobs (the field names are the same)."""
+    return serving.model_dump()
 
 
 def eagle_choices_parameter(max_draft_len: int) -> str:
@@ -240,7 +265,8 @@ def ensemble_config(s: RepositorySettings) -> ModelConfig:
 
 def bls_config(s: RepositorySettings) -> ModelConfig:
     """One Python model doing pre-processing, the tensorrt_llm call and streaming detokenization that never splits
-    a character; it serves `instance_count` requests at a time, where the ensemble is bounded only by the engine."""
+    a character. Each instance serves one request at a time, so there are `max_batch_size` instances (the
+    tensorrtllm backend's own guidance), letting the BLS path fill the engine's batch as the ensemble does."""
     return ModelConfig(
         name=BLS,
         backend="python",
@@ -248,7 +274,7 @@ def bls_config(s: RepositorySettings) -> ModelConfig:
         decoupled=True,
         inputs=REQUEST_INPUTS,
         outputs=REQUEST_OUTPUTS,
-        instance_count=s.instance_count,
+        instance_count=s.max_batch_size,
         parameters={
             "tokenizer_dir": s.tokenizer_dir,
             "add_special_tokens": _flag(s.add_special_tokens),
@@ -341,7 +367,8 @@ def _read_json(path: Path, what: str) -> dict:
     return read_json_object(path, f"{path.parent} is not a DFlash engine directory: {what} {path.name} is missing")
 
 
-def settings_from_engine(engine_dir: str | Path, tokenizer_dir: str | Path, **serving) -> RepositorySettings:
+def settings_from_engine(engine_dir: str | Path, tokenizer_dir: str | Path,
+                         serving: ServingSettings | None = None) -> RepositorySettings:
     """Settings for a built engine: sizes from its config.json and DFlash manifest, serving knobs as given."""
     engine_dir = Path(engine_dir).absolute()
     manifest = _read_json(engine_dir / MANIFEST_NAME, "the DFlash manifest")
@@ -349,14 +376,14 @@ def settings_from_engine(engine_dir: str | Path, tokenizer_dir: str | Path, **se
     try:
         return RepositorySettings(
             engine_dir=str(engine_dir),
-            tokenizer_dir=str(Path(tokenizer_dir).absolute()),
-            plugin_library=str(Path(manifest["plugin_library"]).absolute()),
+            tokenizer_dir=str(tokenizer_dir),
+            plugin_library=str(manifest["plugin_library"]),
             max_batch_size=int(build.get("max_batch_size", manifest["max_batch_size"])),
             max_input_len=int(build["max_input_len"]),
             max_draft_len=int(manifest["max_draft_len"]),
             world_size=int(manifest.get("tp_size", 1)),
             max_temperature=float(manifest.get("max_temperature", 0.0)),
-            **serving,
+            **serving_fields(serving or ServingSettings()),
         )
     except KeyError as exc:
         raise DFlashTrtError(

@@ -1,8 +1,9 @@
 """Run a planned engine build on a GPU host with TensorRT-LLM 1.2.x, writing the engine directory atomically.
 
 The build itself is `trtllm-build` with our model class file, so what runs is exactly the command `--dry_run`
-prints; this module adds the checks that need the host (TensorRT-LLM present, plugin library built), stages the
-output next to its destination and adds `dflash_trt.json`.
+prints (with `--workers` > 1 and TP: one `rank_build` process per rank, at most `--workers` at a time, each running
+trtllm-build's own argument handling for its rank); this module adds the checks that need the host (TensorRT-LLM
+present, plugin library built, enough GPUs), stages the output next to its destination and adds `dflash_trt.json`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ import json
 import os
 import shutil
 import subprocess
+import sys
+import time
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
@@ -22,6 +26,8 @@ from dflash_trt.trtllm.build_plan import (
     TRTLLM_BUILD,
     EngineBuildPlan,
 )
+
+POLL_SECONDS = 0.2
 
 
 def installed_version(distribution: str) -> str | None:
@@ -56,6 +62,12 @@ def check_build_host(plan: EngineBuildPlan) -> str:
             f"the DFlash plugin library {plan.plugin_library} does not exist; build it (plugins/) or pass "
             "--plugin_library"
         )
+    if plan.parallel_workers > 1:
+        import torch
+
+        if torch.cuda.device_count() < plan.parallel_workers:
+            raise DFlashTrtError(f"--workers {plan.parallel_workers} needs as many GPUs; this host has "
+                                 f"{torch.cuda.device_count()}")
     return version
 
 
@@ -65,8 +77,54 @@ def _staged_command(plan: EngineBuildPlan, staging: Path) -> list[str]:
     return command
 
 
+def run_rank_builds(commands: list[list[str]], workers: int, env: dict[str, str],
+                    launch: Callable[..., subprocess.Popen] = subprocess.Popen) -> list[int]:
+    """Run one build process per rank, `workers` at a time; the first failure stops the others (a rank's engine is
+    useless without the rest). Returns the ranks that failed."""
+    pending = list(enumerate(commands))
+    running: dict[int, subprocess.Popen] = {}
+    failed: list[int] = []
+    try:
+        while running or (pending and not failed):
+            while pending and not failed and len(running) < workers:
+                rank, command = pending.pop(0)
+                running[rank] = launch(command, env=env)
+            time.sleep(POLL_SECONDS)
+            for rank, process in list(running.items()):
+                if process.poll() is not None:
+                    del running[rank]
+                    if process.returncode != 0:
+                        failed.append(rank)
+            if failed:
+                for process in running.values():
+                    process.terminate()
+                for process in running.values():
+                    process.wait()
+                running.clear()
+    finally:
+        for process in running.values():  # interrupted: no build outlives the command
+            process.kill()
+            process.wait()
+    return failed
+
+
+def _build(plan: EngineBuildPlan, staging: Path, env: dict[str, str]) -> None:
+    command = _staged_command(plan, staging)
+    rank_commands = plan.rank_commands(command, python=sys.executable)
+    if not rank_commands:
+        result = subprocess.run(command, env=env, check=False)
+        if result.returncode != 0:
+            raise DFlashTrtError(f"{TRTLLM_BUILD} failed with exit code {result.returncode}; its log is above")
+        return
+    failed = run_rank_builds(rank_commands, plan.parallel_workers, env)
+    if failed:
+        raise DFlashTrtError(f"building rank {', '.join(map(str, sorted(failed)))} failed (its log is above); the "
+                             "other ranks were stopped")
+
+
 def run_engine_build(plan: EngineBuildPlan, overwrite: bool = False) -> Path:
-    """Build the engine into a staging directory, add the manifest, then move it into place."""
+    """Build the engine into a staging directory (ranks in parallel with `--workers` > 1), add the manifest, then
+    move it into place."""
     output = Path(plan.output_dir)
     if output.exists() and any(output.iterdir()) and not overwrite:
         raise DFlashTrtError(f"{output} already exists and is not empty; pass --overwrite to replace it")
@@ -74,10 +132,11 @@ def run_engine_build(plan: EngineBuildPlan, overwrite: bool = False) -> Path:
     staging = output.with_name(f".{output.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     env = dict(os.environ, **{PLUGIN_LIBRARY_ENV: str(Path(plan.plugin_library).resolve())})
-    result = subprocess.run(_staged_command(plan, staging), env=env, check=False)
-    if result.returncode != 0:
+    try:
+        _build(plan, staging, env)
+    except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
-        raise DFlashTrtError(f"{TRTLLM_BUILD} failed with exit code {result.returncode}; its log is above")
+        raise
     manifest = dict(plan.dflash_manifest, tensorrt_llm_version=version,
                     tensorrt_version=installed_version("tensorrt"))
     (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")

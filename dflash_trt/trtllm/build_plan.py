@@ -15,7 +15,9 @@ from typing import Any
 
 from dflash_trt import __version__
 from dflash_trt.checkpoint.trtllm_config import ARCHITECTURE, specs_from_config
+from dflash_trt.conversion.convert import rank_file
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.formats import FP8, NVFP4, QFORMATS, quant_algo
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.rope import RopeConfig
 from dflash_trt.spec import SLIDING_ATTENTION, TARGET_ARCHITECTURES
@@ -31,12 +33,20 @@ MANIFEST_NAME = "dflash_trt.json"
 MANIFEST_FORMAT = 1
 PLUGIN_LIBRARY_ENV = LIBRARY_ENV
 REQUIRED_TRTLLM = "1.2"
+# Builds one TP rank per process for `--workers` > 1 (trtllm-build's own workers cannot load our class).
+RANK_BUILD_MODULE = "dflash_trt.trtllm.rank_build"
 # builder.build() asserts both for SpeculativeDecodingMode.EAGLE.
 MAX_EAGLE_BATCH_SIZE = 512
 MAX_EAGLE_DRAFT_LEN = 256
 # The engine verifies greedily (EagleSampleAndAcceptDraftTokens, greedy flag): temperature > 0 must be refused.
 SAMPLING_POLICY = "greedy"
 GEMM_PLUGIN_CHOICES = ("auto", "float16", "bfloat16", "float32", "fp8", "nvfp4", "disable")
+# GEMM plugins that only run weights quantized in the format they are named after.
+QUANTIZED_GEMM_PLUGINS = (FP8, NVFP4)
+# Spec-decoding generation runs only through XQA. Its HMMA kernels (the only ones for an fp16/bf16 KV cache, and
+# the portable ones for FP8 KV) take these paged-KV block sizes; only Hopper's FP8-KV GMMA kernels also take 8.
+# cpp/tensorrt_llm/kernels/decoderMaskedMultiheadAttention/decoderXQAImplJIT/kernelUtils.cpp, supportConfigHMMA.
+XQA_TOKENS_PER_BLOCK = (16, 32, 64, 128)
 KV_CACHE_TYPES = ("paged",)
 LOGITS_DTYPES = ("float32", "float16")
 
@@ -85,6 +95,7 @@ class CheckpointFacts:
     kv_cache_quant_algo: str | None
     target_rope: RopeConfig
     draft_rope: RopeConfig
+    max_position_embeddings: int
     draft_quant_algo: str | None = None
     draft_kv_cache_quant_algo: str | None = None
 
@@ -104,9 +115,29 @@ class EngineBuildPlan:
     plugin_library: str
     dflash_manifest: dict[str, Any]
     settings: EngineBuildSettings = field(repr=False)
+    world_size: int = 1
 
-    def shell_command(self) -> str:
-        return shlex.join(self.command)
+    @property
+    def parallel_workers(self) -> int:
+        """Ranks built at once; 1 means one trtllm-build process building rank after rank."""
+        return max(1, min(self.settings.workers, self.world_size))
+
+    def rank_commands(self, command: list[str] | None = None, python: str = "python") -> list[list[str]]:
+        """One `rank_build` process per rank for a parallel build (see rank_build.py), else nothing."""
+        if self.parallel_workers == 1:
+            return []
+        args = (command or self.command)[1:]
+        return [[python, "-m", RANK_BUILD_MODULE, "--rank", str(rank), "--gpus", str(self.parallel_workers), "--",
+                 *args] for rank in range(self.world_size)]
+
+    def shell_command(self, with_library: bool = False) -> str:
+        """The build as a shell line; `with_library` sets the plugin library variable for the build processes."""
+        env = f"{LIBRARY_ENV}={shlex.quote(self.plugin_library)} " if with_library else ""
+        if self.parallel_workers == 1:
+            return env + shlex.join(self.command)
+        one_rank = ["python", "-m", RANK_BUILD_MODULE, "--rank", "{}", "--gpus", str(self.parallel_workers), "--",
+                    *self.command[1:]]
+        return f"seq 0 {self.world_size - 1} | {env}xargs -P {self.parallel_workers} -I{{}} {shlex.join(one_rank)}"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -193,6 +224,7 @@ def read_checkpoint_facts(checkpoint_dir: str | Path) -> CheckpointFacts:
         kv_cache_quant_algo=quant.get("kv_cache_quant_algo"),
         target_rope=target.rope,
         draft_rope=draft.rope,
+        max_position_embeddings=target.max_position_embeddings,
         draft_quant_algo=draft_quant.get("quant_algo"),
         draft_kv_cache_quant_algo=draft_quant.get("kv_cache_quant_algo"),
     )
@@ -220,6 +252,12 @@ def check_rope(facts: CheckpointFacts) -> None:
             "the drafter's RoPE parameters differ from the target's; the engine shares one RoPE table between them, "
             "so this pair can be converted and verified but not built into an engine yet"
         )
+    rope = facts.target_rope
+    if rope.rope_type == "yarn" and (rope.attention_factor is not None or not rope.truncate):
+        raise DFlashTrtError(
+            "the target's yarn RoPE sets attention_factor or truncate=false, which TensorRT-LLM 1.2.x's yarn tables "
+            "do not read (they take factor, original_max_position_embeddings, beta_fast/slow and mscale/_all_dim)"
+        )
 
 
 def check_quantization(facts: CheckpointFacts) -> None:
@@ -231,6 +269,29 @@ def check_quantization(facts: CheckpointFacts) -> None:
         raise DFlashTrtError(
             f"the drafter is quantized as {draft} but the target as {target}; one engine applies one quantization "
             "(weights, KV cache) to both, so convert them with the same formats"
+        )
+
+
+def check_gemm_plugin(gemm_plugin: str, weights_qformat: str) -> None:
+    """An fp8 / nvfp4 GEMM plugin runs only weights quantized in that format (the rule profiles apply too)."""
+    if gemm_plugin in QUANTIZED_GEMM_PLUGINS and weights_qformat != gemm_plugin:
+        raise DFlashTrtError(f"gemm_plugin {gemm_plugin} needs {gemm_plugin} weights, but they are {weights_qformat}")
+
+
+def weights_qformat(facts: CheckpointFacts) -> str:
+    """The checkpoint's weight format under our --qformat names."""
+    by_algo = {quant_algo(qformat): qformat for qformat in QFORMATS}
+    return by_algo.get(facts.quant_algo, str(facts.quant_algo))
+
+
+def check_rank_files(checkpoint_dir: Path, facts: CheckpointFacts) -> None:
+    """Every rank's weights must be there before trtllm-build spends minutes on the first rank."""
+    ranks = range(facts.tp_size * facts.pp_size)
+    missing = [rank_file(r) for r in ranks if not (checkpoint_dir / rank_file(r)).is_file()]
+    if missing:
+        raise DFlashTrtError(
+            f"checkpoint directory {checkpoint_dir} lacks {', '.join(missing)} (tp_size {facts.tp_size}); "
+            "convert it again"
         )
 
 
@@ -277,13 +338,19 @@ def check_settings(facts: CheckpointFacts, settings: EngineBuildSettings) -> Non
             f"{settings.max_batch_size} x {facts.block_size} = {settings.max_batch_size * facts.block_size}: every "
             "generation step feeds block_size tokens per request"
         )
-    if settings.tokens_per_block not in (8, 16, 32, 64, 128):
-        raise DFlashTrtError("--tokens_per_block must be 8, 16, 32, 64 or 128")
-    if settings.workers != 1:
+    if settings.tokens_per_block not in XQA_TOKENS_PER_BLOCK:
         raise DFlashTrtError(
-            "--workers must be 1: trtllm-build loads the DFlash class from a file, which its worker processes "
-            "cannot unpickle"
+            f"--tokens_per_block must be one of {', '.join(map(str, XQA_TOKENS_PER_BLOCK))}: speculative decoding "
+            "generates through XQA, whose kernels for fp16/bf16 KV caches take no other block size"
         )
+    if settings.max_seq_len > facts.max_position_embeddings:
+        raise DFlashTrtError(
+            f"max_seq_len {settings.max_seq_len} exceeds the target's max_position_embeddings "
+            f"{facts.max_position_embeddings}"
+        )
+    check_gemm_plugin(settings.gemm_plugin, weights_qformat(facts))
+    if settings.workers < 1:
+        raise DFlashTrtError("--workers must be at least 1")
     if facts.pp_size != 1:
         raise DFlashTrtError("pipeline parallelism is not supported: the drafter needs target taps from every layer")
     if settings.use_fp8_context_fmha and facts.quant_algo not in ("FP8", "NVFP4"):
@@ -299,8 +366,7 @@ def model_class_file() -> Path:
     return Path(__file__).with_name("model.py")
 
 
-def build_command(checkpoint_dir: str, output_dir: str, facts: CheckpointFacts,
-                  settings: EngineBuildSettings) -> list[str]:
+def build_command(checkpoint_dir: str, output_dir: str, max_draft_len: int, settings: EngineBuildSettings) -> list[str]:
     return [
         TRTLLM_BUILD,
         "--checkpoint_dir", checkpoint_dir,
@@ -308,7 +374,7 @@ def build_command(checkpoint_dir: str, output_dir: str, facts: CheckpointFacts,
         "--model_cls_file", str(model_class_file()),
         "--model_cls_name", MODEL_CLASS_NAME,
         "--speculative_decoding_mode", SPECULATIVE_DECODING_MODE,
-        "--max_draft_len", str(facts.max_draft_len),
+        "--max_draft_len", str(max_draft_len),
         "--max_batch_size", str(settings.max_batch_size),
         "--max_input_len", str(settings.max_input_len),
         "--max_seq_len", str(settings.max_seq_len),
@@ -321,7 +387,8 @@ def build_command(checkpoint_dir: str, output_dir: str, facts: CheckpointFacts,
         "--multiple_profiles", _switch(settings.multiple_profiles),
         "--tokens_per_block", str(settings.tokens_per_block),
         "--logits_dtype", settings.logits_dtype,
-        "--workers", str(settings.workers),
+        # trtllm-build's worker pool cannot load our class: ranks run in parallel as separate processes instead.
+        "--workers", "1",
         *settings.extra_flags,
     ]
 
@@ -387,24 +454,31 @@ def manifest(facts: CheckpointFacts, settings: EngineBuildSettings, plugin_libra
 
 
 def plan_engine_build(checkpoint_dir: str | Path, output_dir: str | Path, settings: EngineBuildSettings,
-                      plugin_library: str | Path | None = None) -> EngineBuildPlan:
-    """Validate a converted checkpoint against the build settings and return the exact build to run."""
+                      plugin_library: str | Path | None = None, require_weights: bool = True) -> EngineBuildPlan:
+    """Validate a converted checkpoint against the build settings and return the exact build to run.
+
+    Build profiles plan through here too (from the config.json the converter will write, `require_weights`
+    False), so both ways into `build` apply the same checks.
+    """
     facts = read_checkpoint_facts(checkpoint_dir)
     check_kv_geometry(facts)
     check_rope(facts)
     check_quantization(facts)
     check_sliding_window(facts, settings)
     check_settings(facts, settings)
-    library = str(plugin_library) if plugin_library is not None else str(default_library_path())
+    if require_weights:
+        check_rank_files(Path(checkpoint_dir), facts)
+    library = str(Path(plugin_library if plugin_library is not None else default_library_path()).absolute())
     checkpoint, output = str(checkpoint_dir), str(output_dir)
     return EngineBuildPlan(
         checkpoint_dir=checkpoint,
         output_dir=output,
-        command=build_command(checkpoint, output, facts, settings),
+        command=build_command(checkpoint, output, facts.max_draft_len, settings),
         build_config=build_config_dict(facts, settings),
         plugin_library=library,
         dflash_manifest=manifest(facts, settings, library),
         settings=settings,
+        world_size=facts.tp_size * facts.pp_size,
     )
 
 
