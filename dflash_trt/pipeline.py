@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_trt import __version__
+from dflash_trt.checkpoint.atomic import check_output_apart
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.profiles import BuildProfile, check_against_checkpoints, load_profile, resolve_model_dir
 from dflash_trt.trtllm.build_plan import EngineBuildPlan, EngineBuildSettings, plan_engine_build, settings_dict
@@ -214,8 +215,12 @@ def resolve_inputs(args: argparse.Namespace, settings_override: Callable | None 
     settings = engine_settings(profile)
     if settings_override is not None:
         settings = settings_override(args, settings)
-    return PipelineInputs(profile, Path(args.config), workspace(profile, args.output_dir), target, draft,
-                          tokenizer, settings, args.plugin_library)
+    ws = workspace(profile, args.output_dir)
+    calibration = quantization_kwargs(profile, Path(args.config)).get("calib_dataset")
+    check_output_apart(ws.root, {"--config": args.config, "the target model": target, "the drafter": draft,
+                                 "the tokenizer": tokenizer, "the calibration dataset": calibration,
+                                 "--plugin_library": args.plugin_library})
+    return PipelineInputs(profile, Path(args.config), ws, target, draft, tokenizer, settings, args.plugin_library)
 
 
 def stages(inp: PipelineInputs) -> list[Stage]:

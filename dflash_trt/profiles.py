@@ -8,7 +8,6 @@ build. Facts that need the checkpoints themselves (head counts, block size) are 
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.jsonfile import read_json_object
 
 
 @dataclass(frozen=True)
@@ -284,6 +284,8 @@ def resolve_model_dir(
     path = Path(ref).expanduser()
     if path.is_dir():
         return path
+    if path.exists():
+        raise DFlashTrtError(f"model directory {ref} is a file, not a directory")
     if not _looks_like_repo_id(ref):
         raise DFlashTrtError(f"model directory {ref} does not exist")
     cache_dir = cache_dir or default_hf_cache()
@@ -301,10 +303,7 @@ def resolve_model_dir(
 
 
 def _read_config(model_dir: Path) -> dict:
-    config = model_dir / "config.json"
-    if not config.is_file():
-        raise DFlashTrtError(f"{model_dir} has no config.json")
-    return json.loads(config.read_text())
+    return read_json_object(model_dir / "config.json", f"{model_dir} has no config.json")
 
 
 def _draft_value(cfg: dict, key: str):

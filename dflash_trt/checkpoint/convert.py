@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from dflash_trt.checkpoint import prequantized_input
-from dflash_trt.checkpoint.atomic import atomic_directory, check_destination
+from dflash_trt.checkpoint.atomic import atomic_directory, check_destination, check_output_apart
 from dflash_trt.checkpoint.hf_reader import HFCheckpointReader
 from dflash_trt.checkpoint.layout import DRAFT, TARGET, OutputTensor, checkpoint_layout, target_heads
 from dflash_trt.checkpoint.safetensors_io import SafetensorsFile, StreamingSafetensorsWriter, tensor_has_nonfinite
@@ -288,6 +288,8 @@ def convert_checkpoint(
     if needs_calibration and calib_dataset is None:
         raise DFlashTrtError("quantization needs --calib_dataset FILE.jsonl: its prompts set the activation scales")
     model_dir, dflash_model_dir, output_dir = Path(model_dir), Path(dflash_model_dir), Path(output_dir)
+    inputs = {"--model_dir": model_dir, "--dflash_model_dir": dflash_model_dir, "--calib_dataset": calib_dataset}
+    check_output_apart(output_dir, inputs)
     check_destination(output_dir, overwrite)
     target = load_target_spec(model_dir)
     draft = load_draft_spec(dflash_model_dir, target)
@@ -309,7 +311,7 @@ def convert_checkpoint(
             scales.update(prequantized_input.carried_scales(prequantized, plan.layout, target_reader))
         plan = replace(plan, scales=scales)
         layout = plan.layout
-        with atomic_directory(output_dir, overwrite) as staging:
+        with atomic_directory(output_dir, overwrite, inputs) as staging:
             with tqdm(total=len(layout) * tp_size, desc="convert", unit="tensor", disable=not show_progress) as bar:
                 # Rank 0 runs here first: it alone checks every source for NaN/Inf, so bad input fails fast.
                 bytes_written = _write_rank(plan, staging / rank_file(0), readers, 0, bar.update)

@@ -1,0 +1,138 @@
+"""Hostile command lines end to end, over every subcommand that writes: each is refused with exit 2 and one stderr
+line, no traceback, and leaves every input and output byte for byte as it was (nothing published).
+
+Calls run in-process through `dflash_trt.cli.main`; the inputs are real (the embedded tiny pair, its conversion, an
+engine folder, a build profile, a sweep config).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from _hostile_cli import World, assert_refused, make_world, run_cli, snapshot
+
+from dflash_trt.tiny.heldout import asset_dir
+
+Case = Callable[[World, Path], list[str]]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> World:
+    return make_world(tmp_path_factory.mktemp("hostile_cli"))
+
+
+def _convert(w: World, out: Path, *extra: str) -> list[str]:
+    return [
+        "convert",
+        "--model_dir",
+        str(w.target),
+        "--dflash_model_dir",
+        str(w.draft),
+        "--output_dir",
+        str(out),
+        *extra,
+    ]
+
+
+def _triton(w: World, out: Path, *extra: str) -> list[str]:
+    return ["triton", "--engine_dir", str(w.engine), "--tokenizer_dir", str(w.target), "--output_dir", str(out), *extra]
+
+
+def _alias(w: World, tmp: Path, to: Path) -> Path:
+    link = tmp / "alias"
+    link.symlink_to(to)
+    return link
+
+
+# Outputs that are, contain or lie inside an input: refused whatever the flags, without suggesting --overwrite.
+OUTPUT_AMONG_INPUTS: dict[str, tuple[Case, str]] = {
+    "convert into the target": (lambda w, t: _convert(w, w.target, "--overwrite"), r"is the input --model_dir"),
+    "convert over the models' parent": (
+        lambda w, t: _convert(w, w.target.parent, "--overwrite"),
+        r"contains the input --model_dir",
+    ),
+    "convert inside the drafter": (lambda w, t: _convert(w, w.draft / "out"), r"lies inside the input --dflash"),
+    "convert into a link to the target": (
+        lambda w, t: _convert(w, _alias(w, t, w.target), "--overwrite"),
+        r"is the input --model_dir",
+    ),
+    "convert beside calibration prompts": (
+        lambda w, t: _convert(
+            w, w.prompts.parent, "--overwrite", "--qformat", "fp8", "--calib_dataset", str(w.prompts)
+        ),
+        r"contains the input --calib_dataset",
+    ),
+    "triton into the tokenizer": (lambda w, t: _triton(w, w.target, "--overwrite"), r"is the input --tokenizer_dir"),
+    "triton into the engine": (lambda w, t: _triton(w, w.engine, "--overwrite"), r"is the input --engine_dir"),
+    "triton over the plugin library": (
+        lambda w, t: _triton(w, w.plugin.parent, "--overwrite"),
+        r"contains the input --plugin_library",
+    ),
+    "triton over its profile": (
+        lambda w, t: [
+            "triton",
+            "--config",
+            str(w.profile),
+            "--tokenizer_dir",
+            str(w.target),
+            "--output_dir",
+            str(w.profile.parent),
+            "--overwrite",
+        ],
+        r"contains the input --config",
+    ),
+    "build into the checkpoint": (
+        lambda w, t: [
+            "build",
+            "--checkpoint_dir",
+            str(w.checkpoint),
+            "--output_dir",
+            str(w.checkpoint),
+            "--overwrite",
+            "--dry_run",
+        ],
+        r"is the input --checkpoint_dir",
+    ),
+    "build inside the checkpoint": (
+        lambda w, t: ["build", "--checkpoint_dir", str(w.checkpoint), "--output_dir", str(w.checkpoint / "e")],
+        r"lies inside the input --checkpoint_dir",
+    ),
+    "build workspace over the models": (
+        lambda w, t: ["build", "--config", str(w.profile), "--output_dir", str(w.target.parent), "--dry_run"],
+        r"contains the input the target model",
+    ),
+    "demo inside the embedded pair": (
+        lambda w, t: ["demo", "--output_dir", str(asset_dir() / "out")],
+        r"lies inside the input the embedded tiny pair",
+    ),
+    "sweep results over its dataset": (
+        lambda w, t: ["sweep", "--config", str(w.sweep)],
+        r"contains the input --config",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(OUTPUT_AMONG_INPUTS))
+def test_output_among_the_inputs_is_refused(world: World, tmp_path: Path, capsys, case: str) -> None:
+    make_argv, message = OUTPUT_AMONG_INPUTS[case]
+    argv = make_argv(world, tmp_path)
+    before = snapshot(world.root, asset_dir(), tmp_path)
+    code, _, err = run_cli(argv, capsys)
+    assert_refused(code, err, argv[0], message)
+    assert "--overwrite" not in err
+    assert snapshot(world.root, asset_dir(), tmp_path) == before
+
+
+def test_the_same_commands_with_outputs_apart_succeed(world: World, tmp_path: Path, capsys) -> None:
+    """The refusals above are about where the output is, not about the inputs themselves."""
+    assert run_cli(_convert(world, tmp_path / "ckpt"), capsys)[0] == 0
+    assert run_cli(_triton(world, tmp_path / "repo"), capsys)[0] == 0
+    code, _, err = run_cli(
+        ["build", "--checkpoint_dir", str(world.checkpoint), "--output_dir", str(tmp_path / "engine"), "--dry_run"],
+        capsys,
+    )
+    assert code == 0, err
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "repo"]
