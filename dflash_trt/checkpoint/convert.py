@@ -105,6 +105,21 @@ def check_sources(
                 )
 
 
+def _source_label(out: OutputTensor) -> str:
+    model, name = out.sources[0]
+    return f"{'target' if model == TARGET else 'drafter'} tensor '{name}'"
+
+
+def check_stored_finite(out: OutputTensor, name: str, stored: torch.Tensor) -> None:
+    """Sources are checked finite, so a non-finite stored value means the cast (or quantization) overflowed: a
+    float16 checkpoint of weights beyond 65504 would otherwise hold +-Inf and decode nothing but garbage."""
+    if tensor_has_nonfinite(stored):
+        raise DFlashTrtError(
+            f"{_source_label(out)} does not fit {str(stored.dtype).removeprefix('torch.')}: its stored form "
+            f"'{name}' holds NaN or Inf (values beyond the type's range); convert with --dtype bfloat16 or float32"
+        )
+
+
 def _load_full(out: OutputTensor, readers: dict[str, HFCheckpointReader], check_finite: bool) -> torch.Tensor:
     loaded = []
     for model, name in out.sources:
@@ -198,7 +213,9 @@ def _row_blocks(
         if check_finite and tensor_has_nonfinite(block):
             what = "target" if model == TARGET else "drafter"
             raise DFlashTrtError(f"{what} tensor '{name}' contains NaN or Inf values")
-        yield block.to(plan.dtype)
+        stored = block.to(plan.dtype)
+        check_stored_finite(out, out.name, stored)
+        yield stored
     if padding:
         yield torch.zeros((padding, *out.shape[1:]), dtype=plan.dtype)
 
@@ -217,6 +234,7 @@ def _write_rank(
                 written += math.prod(shape) * dtype.itemsize
             else:
                 for name, piece in rank_tensors(plan, out, readers, rank, check_finite=rank == 0).items():
+                    check_stored_finite(out, name, piece)
                     writer.write(name, piece)
                     written += piece.numel() * piece.element_size()
             progress(1)

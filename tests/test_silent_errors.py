@@ -1,0 +1,92 @@
+"""Results that used to be silently wrong: overflow in the cast, calibrated scales nobody re-derived, and the like.
+
+Each test builds the damaged input from the embedded tiny pair and checks the project now says so.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from _hostile_cli import World, make_world
+from safetensors.torch import load_file, save_file
+
+from dflash_trt.checkpoint import convert as convert_module
+from dflash_trt.checkpoint.convert import convert_checkpoint
+from dflash_trt.checkpoint.verify import verify_checkpoint
+from dflash_trt.errors import DFlashTrtError
+
+FP16_MAX = torch.finfo(torch.float16).max
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> World:
+    return make_world(tmp_path_factory.mktemp("silent"))
+
+
+def _edit_weights(model_dir: Path, name: str, edit) -> None:
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    tensors[name] = edit(tensors[name].clone())
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def _copy_models(world: World, root: Path) -> tuple[Path, Path]:
+    return shutil.copytree(world.target, root / "target"), shutil.copytree(world.draft, root / "draft")
+
+
+@pytest.mark.parametrize("name", ["model.layers.2.mlp.down_proj.weight", "model.embed_tokens.weight"])
+def test_float16_overflow_after_the_cast_is_refused(world: World, tmp_path: Path, name: str) -> None:
+    target, draft = _copy_models(world, tmp_path)
+
+    def too_big(t: torch.Tensor) -> torch.Tensor:
+        t[-1, -1] = 2.0 * FP16_MAX  # finite in float32, +Inf in float16
+        return t
+
+    _edit_weights(target, name, too_big)
+    with pytest.raises(DFlashTrtError, match=f"target tensor '{name}' does not fit float16.*--dtype bfloat16"):
+        convert_checkpoint(target, draft, tmp_path / "ckpt", dtype="float16", tp_size=2)
+    assert not (tmp_path / "ckpt").exists()
+    convert_checkpoint(target, draft, tmp_path / "ckpt", dtype="bfloat16")  # bfloat16 holds it
+    assert verify_checkpoint(tmp_path / "ckpt", target, draft).ok
+
+
+def test_verify_finds_infinities_an_overflowing_cast_wrote(world: World, tmp_path: Path, monkeypatch) -> None:
+    """A checkpoint from before the check (simulated by disabling it) holds +Inf: verify must not call it OK."""
+    target, draft = _copy_models(world, tmp_path)
+    _edit_weights(target, "model.norm.weight", lambda t: t.fill_(1e5))
+    monkeypatch.setattr(convert_module, "check_stored_finite", lambda *args: None)
+    convert_checkpoint(target, draft, tmp_path / "ckpt", dtype="float16")
+    monkeypatch.undo()
+    report = verify_checkpoint(tmp_path / "ckpt", target, draft)
+    assert not report.ok
+    assert "tensor 'transformer.ln_f.weight' holds NaN or Inf" in report.verdict()
+
+
+def _scale_names(path: Path) -> list[str]:
+    return [n for n in load_file(path) if n.endswith(("activation_scaling_factor", "kv_cache_scaling_factor"))]
+
+
+@pytest.mark.slow
+def test_verify_says_how_many_calibrated_scales_it_only_range_checked(world: World, tmp_path: Path) -> None:
+    out = tmp_path / "fp8"
+    convert_checkpoint(world.target, world.draft, out, dtype="float32", qformat="fp8", kv_cache_dtype="fp8",
+                       calib_dataset=world.prompts, calib_size=2, calib_max_seq_len=8)
+    rank0 = out / "rank0.safetensors"
+    scales = _scale_names(rank0)
+    assert scales
+    tensors = load_file(rank0)
+    tensors[scales[0]] = tensors[scales[0]] * 1000  # tampered, yet finite and positive
+    save_file(tensors, rank0, metadata={"format": "pt"})
+    report = verify_checkpoint(out, world.target, world.draft)
+    assert report.scales_range_checked == len(scales)
+    assert f"{len(scales)} calibrated activation/KV scales were only checked to be finite and positive" in (
+        report.verdict())
+    assert report.to_dict()["scales_range_checked"] == len(scales)
+
+
+def test_an_unquantized_checkpoint_has_no_unchecked_scales(world: World) -> None:
+    report = verify_checkpoint(world.checkpoint, world.target, world.draft)
+    assert report.ok and report.scales_range_checked == 0 and "only checked" not in report.verdict()
