@@ -134,3 +134,16 @@ def assert_refused(code: int, err: str, command: str, message: str) -> None:
     assert err.startswith(f"dflash-trt {command}: error: "), err
     assert "Traceback" not in err, err
     assert re.search(message, err), err
+
+
+def hub_snapshot(source: Path, cache: Path, repo: str = "models--org--tiny") -> Path:
+    """`source` laid out as an HF hub download: every file a relative link from snapshots/<rev>/ into blobs/."""
+    entry = cache / repo
+    (entry / "blobs").mkdir(parents=True)
+    snapshot = entry / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    for path in sorted(source.iterdir()):
+        blob = entry / "blobs" / hashlib.sha256(path.read_bytes()).hexdigest()
+        shutil.copyfile(path, blob)
+        (snapshot / path.name).symlink_to(Path("../..") / "blobs" / blob.name)
+    return snapshot

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from _hostile_cli import World, assert_refused, make_world, run_cli, snapshot
+from _hostile_cli import World, assert_refused, hub_snapshot, make_world, run_cli, snapshot
 
 from dflash_trt.tiny.heldout import asset_dir
 
@@ -58,6 +58,19 @@ OUTPUT_AMONG_INPUTS: dict[str, tuple[Case, str]] = {
     "convert into a link to the target": (
         lambda w, t: _convert(w, _alias(w, t, w.target), "--overwrite"),
         r"is the input --model_dir",
+    ),
+    "convert over the hub cache's blobs": (
+        lambda w, t: [
+            "convert",
+            "--model_dir",
+            str(hub_snapshot(w.target, t / "hub")),
+            "--dflash_model_dir",
+            str(w.draft),
+            "--output_dir",
+            str(t / "hub" / "models--org--tiny" / "blobs"),
+            "--overwrite",
+        ],
+        r"contains the input --model_dir .*\(really .*/blobs/",
     ),
     "convert beside calibration prompts": (
         lambda w, t: _convert(

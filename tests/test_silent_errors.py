@@ -5,18 +5,20 @@ Each test builds the damaged input from the embedded tiny pair and checks the pr
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from _hostile_cli import World, make_world
+from _hostile_cli import World, hub_snapshot, make_world
 from safetensors.torch import load_file, save_file
 
 from dflash_trt.checkpoint import convert as convert_module
 from dflash_trt.checkpoint.convert import convert_checkpoint
 from dflash_trt.checkpoint.verify import verify_checkpoint
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.tokenizer import load_tokenizer
 
 FP16_MAX = torch.finfo(torch.float16).max
 
@@ -72,8 +74,17 @@ def _scale_names(path: Path) -> list[str]:
 @pytest.mark.slow
 def test_verify_says_how_many_calibrated_scales_it_only_range_checked(world: World, tmp_path: Path) -> None:
     out = tmp_path / "fp8"
-    convert_checkpoint(world.target, world.draft, out, dtype="float32", qformat="fp8", kv_cache_dtype="fp8",
-                       calib_dataset=world.prompts, calib_size=2, calib_max_seq_len=8)
+    convert_checkpoint(
+        world.target,
+        world.draft,
+        out,
+        dtype="float32",
+        qformat="fp8",
+        kv_cache_dtype="fp8",
+        calib_dataset=world.prompts,
+        calib_size=2,
+        calib_max_seq_len=8,
+    )
     rank0 = out / "rank0.safetensors"
     scales = _scale_names(rank0)
     assert scales
@@ -83,10 +94,60 @@ def test_verify_says_how_many_calibrated_scales_it_only_range_checked(world: Wor
     report = verify_checkpoint(out, world.target, world.draft)
     assert report.scales_range_checked == len(scales)
     assert f"{len(scales)} calibrated activation/KV scales were only checked to be finite and positive" in (
-        report.verdict())
+        report.verdict()
+    )
     assert report.to_dict()["scales_range_checked"] == len(scales)
 
 
 def test_an_unquantized_checkpoint_has_no_unchecked_scales(world: World) -> None:
     report = verify_checkpoint(world.checkpoint, world.target, world.draft)
     assert report.ok and report.scales_range_checked == 0 and "only checked" not in report.verdict()
+
+
+def test_hub_cache_links_are_followed_and_their_files_copied(world: World, tmp_path: Path) -> None:
+    target = hub_snapshot(world.target, tmp_path / "hub")
+    draft = hub_snapshot(world.draft, tmp_path / "hub", "models--org--tiny-dflash")
+    out = tmp_path / "ckpt"
+    convert_checkpoint(target, draft, out, dtype="float32")
+    copied = sorted(p.name for p in out.iterdir() if not p.name.startswith(("rank", "config")))
+    assert copied == ["generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+    for name in copied:
+        assert not (out / name).is_symlink() and (out / name).read_bytes() == (world.target / name).read_bytes()
+    tokenizer = load_tokenizer(out)
+    assert tokenizer is not None and tokenizer.encode("add 1 2") == load_tokenizer(world.target).encode("add 1 2")
+
+
+def test_a_link_out_of_the_model_folder_is_refused(world: World, tmp_path: Path) -> None:
+    target, draft = _copy_models(world, tmp_path)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not a tokenizer")
+    (target / "tokenizer.json").unlink()
+    (target / "tokenizer.json").symlink_to(secret)
+    with pytest.raises(DFlashTrtError, match="tokenizer.json links to .*secret.txt, outside the model folder"):
+        convert_checkpoint(target, draft, tmp_path / "ckpt", dtype="float32")
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_corrupt_tokenizer_is_one_clear_error(world: World, tmp_path: Path) -> None:
+    folder = shutil.copytree(world.target, tmp_path / "t")
+    (folder / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": 7}}')
+    with pytest.raises(DFlashTrtError, match="the tokenizer in .* cannot be loaded"):
+        load_tokenizer(folder)
+
+
+def test_tokenizer_code_in_auto_map_is_never_run(world: World, tmp_path: Path) -> None:
+    folder = shutil.copytree(world.target, tmp_path / "t")
+    marker = tmp_path / "code-ran"
+    (folder / "tokenization_evil.py").write_text(
+        f"from pathlib import Path\nPath({str(marker)!r}).touch()\n"
+        "from transformers import PreTrainedTokenizerFast\nclass EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n"
+    )
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    auto_map = {"AutoTokenizer": [None, "tokenization_evil.EvilTokenizer"]}
+    config.update(tokenizer_class="EvilTokenizer", auto_map=auto_map)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    try:
+        load_tokenizer(folder)
+    except DFlashTrtError as exc:
+        assert "cannot be loaded" in str(exc)
+    assert not marker.exists()

@@ -21,8 +21,8 @@ InputPaths = Mapping[str, "str | os.PathLike[str] | None"]
 
 
 def _input_locations(path: Path) -> list[Path]:
-    """Where an input really lives: the path with symlinks resolved and, for a folder, the real folders its
-    top-level links point into (an HF hub snapshot's files are links into the cache's `blobs/`)."""
+    """Where an input really lives: the path with symlinks resolved and, for a folder, what its top-level links
+    point to (an HF hub snapshot's files are links into the cache's `blobs/`)."""
     real = path.resolve()
     places = [real]
     if real.is_dir():
@@ -30,7 +30,7 @@ def _input_locations(path: Path) -> list[Path]:
             links = [entry for entry in real.iterdir() if entry.is_symlink()]
         except OSError:
             links = []
-        places += sorted({link.resolve().parent for link in links} - {real})
+        places += sorted({link.resolve() for link in links} - {real})
     return places
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -253,11 +254,39 @@ def check_written(staging: Path, plan: ConversionPlan) -> None:
                     raise DFlashTrtError(f"internal error: {name} in {rank_file(rank)} was written wrongly")
 
 
-def _copy_tokenizer_files(model_dir: Path, staging: Path) -> None:
+def _link_roots(model_dir: Path) -> list[Path]:
+    """Where a model folder's links may point: the folder itself and, for an HF hub snapshot
+    (`models--org--name/snapshots/<revision>/`), its cache entry, whose `blobs/` hold the files."""
+    folder = model_dir.absolute()
+    roots = [folder.resolve()]
+    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
+        roots.append(folder.parent.parent.resolve())
+    return roots
+
+
+def tokenizer_files(model_dir: Path) -> dict[str, Path]:
+    """The tokenizer files to copy, by name, each resolved through its links (an HF hub download is all links).
+
+    A link leading out of the model folder and its hub cache entry is refused rather than followed: the copy would
+    publish whatever file it names.
+    """
+    roots, found = _link_roots(model_dir), {}
     for name in TOKENIZER_FILES:
         source = model_dir / name
-        if source.is_file() and not source.is_symlink():
-            shutil.copyfile(source, staging / name)
+        if not os.path.lexists(source):
+            continue
+        real = source.resolve()
+        if not any(real == root or root in real.parents for root in roots):
+            raise DFlashTrtError(f"{source} links to {real}, outside the model folder and its HF cache entry")
+        if not real.is_file():
+            raise DFlashTrtError(f"{source} is not a regular file (a broken link, a folder or a device)")
+        found[name] = real
+    return found
+
+
+def _copy_tokenizer_files(files: dict[str, Path], staging: Path) -> None:
+    for name, source in files.items():
+        shutil.copyfile(source, staging / name)
 
 
 def _write_rank_in_worker(plan: ConversionPlan, path: Path, rank: int) -> int:
@@ -311,6 +340,7 @@ def convert_checkpoint(
     check_destination(output_dir, overwrite)
     target = load_target_spec(model_dir)
     draft = load_draft_spec(dflash_model_dir, target)
+    tokenizer = tokenizer_files(model_dir)
     check_tp(target_heads(target), target.intermediate_size, tp_size, "target")
     check_tp(target_heads(draft), draft.intermediate_size, tp_size, "drafter")
     plan = ConversionPlan(model_dir, dflash_model_dir, target, draft, TORCH_DTYPES[dtype], tp_size, quant,
@@ -345,7 +375,7 @@ def convert_checkpoint(
                             bar.update(len(layout))
             check_written(staging, plan)
             (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-            _copy_tokenizer_files(model_dir, staging)
+            _copy_tokenizer_files(tokenizer, staging)
     return ConversionResult(output_dir, tp_size, len(layout), bytes_written)
 
 
