@@ -6,14 +6,16 @@ Each test builds the damaged input from the embedded tiny pair and checks the pr
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from _hostile_cli import World, hub_snapshot, make_world
+from _hostile_cli import World, hub_snapshot, make_world, run_cli
 from safetensors.torch import load_file, save_file
 
+from dflash_trt import pipeline
 from dflash_trt.checkpoint import convert as convert_module
 from dflash_trt.checkpoint.convert import convert_checkpoint
 from dflash_trt.checkpoint.verify import verify_checkpoint
@@ -151,3 +153,44 @@ def test_tokenizer_code_in_auto_map_is_never_run(world: World, tmp_path: Path) -
     except DFlashTrtError as exc:
         assert "cannot be loaded" in str(exc)
     assert not marker.exists()
+
+
+def _rewrite_in_place(path: Path) -> None:
+    """Change one byte in the middle of a file, keeping its size (what an in-place re-export does)."""
+    with open(path, "r+b") as handle:
+        handle.seek(path.stat().st_size // 2)
+        byte = handle.read(1)
+        handle.seek(-1, 1)
+        handle.write(bytes([byte[0] ^ 0x40]))
+
+
+def test_stage_fingerprints_see_large_files_rewritten_in_place(world: World, tmp_path: Path) -> None:
+    target = shutil.copytree(world.target, tmp_path / "target")
+    weights = target / "model.safetensors"
+    assert weights.stat().st_size > pipeline.CONTENT_HASH_LIMIT
+    before = pipeline.directory_fingerprint(target)
+    _rewrite_in_place(weights)
+    assert pipeline.directory_fingerprint(target) != before
+
+
+def test_hub_blobs_are_known_by_their_content_name(world: World, tmp_path: Path) -> None:
+    """Two downloads of the same snapshot (other times, other hosts) fingerprint alike, so a copied workspace
+    resumes on the GPU host without converting again."""
+    first = hub_snapshot(world.target, tmp_path / "a")
+    second = hub_snapshot(world.target, tmp_path / "b")
+    for blob in (tmp_path / "b").rglob("blobs/*"):
+        os.utime(blob, ns=(1, 1))
+    assert pipeline.directory_fingerprint(first) == pipeline.directory_fingerprint(second)
+
+
+def test_build_config_redoes_a_checkpoint_whose_source_was_rewritten(world: World, tmp_path: Path, capsys) -> None:
+    target = shutil.copytree(world.target, tmp_path / "target")
+    profile = tmp_path / "tiny.yaml"
+    profile.write_text(world.profile.read_text().replace(str(world.target), str(target)))
+    argv = ["build", "--config", str(profile), "--output_dir", str(tmp_path / "ws")]
+    run_cli(argv, capsys)
+    _, out, _ = run_cli(argv, capsys)
+    assert "checkpoint -> " in out and "complete, skipped" in out
+    _rewrite_in_place(target / "model.safetensors")
+    _, out, _ = run_cli(argv, capsys)
+    assert "[1/3] checkpoint" in out and ": stale, running" in out
