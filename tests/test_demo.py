@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from tritonclient.grpc import model_config_pb2
 
 from dflash_trt.checkpoint.convert import convert_checkpoint
+from dflash_trt.checkpoint.integrity import INTEGRITY_FILE
 from dflash_trt.cli import main
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import load_golden_model
@@ -68,7 +69,8 @@ def test_a_silently_broken_conversion_collapses_acceptance(converted, tmp_path, 
     broken = tmp_path / "broken"
     broken.mkdir()
     for f in checkpoint.iterdir():
-        (broken / f.name).write_bytes(f.read_bytes())
+        if f.name != INTEGRITY_FILE:  # a converter bug would have recorded its wrong config as converted
+            (broken / f.name).write_bytes(f.read_bytes())
     config = json.loads((broken / "config.json").read_text())
     breakage(config["dflash_config"])
     (broken / "config.json").write_text(json.dumps(config))

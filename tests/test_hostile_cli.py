@@ -7,13 +7,18 @@ engine folder, a build profile, a sweep config).
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from _hostile_cli import World, assert_refused, hub_snapshot, make_world, run_cli, snapshot
+from safetensors.torch import load_file, save_file
 
+from dflash_trt.checkpoint.integrity import INTEGRITY_FILE
 from dflash_trt.tiny.heldout import asset_dir
 
 Case = Callable[[World, Path], list[str]]
@@ -149,3 +154,85 @@ def test_the_same_commands_with_outputs_apart_succeed(world: World, tmp_path: Pa
     )
     assert code == 0, err
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "repo"]
+
+
+def _tampered(w: World, tmp: Path, edit: Callable[[Path], None], keep_record: bool = False) -> Path:
+    copy = shutil.copytree(w.checkpoint, tmp / "ckpt")
+    if not keep_record:
+        (copy / INTEGRITY_FILE).unlink()  # whoever tampers can delete the record too
+    edit(copy)
+    return copy
+
+
+def _edit_config(**changes) -> Callable[[Path], None]:
+    def edit(ckpt: Path) -> None:
+        config = json.loads((ckpt / "config.json").read_text())
+        config.update(changes)
+        (ckpt / "config.json").write_text(json.dumps(config))
+
+    return edit
+
+
+def _flip_byte(ckpt: Path) -> None:
+    raw = bytearray((ckpt / "rank0.safetensors").read_bytes())
+    raw[-1000] ^= 0x01
+    (ckpt / "rank0.safetensors").write_bytes(bytes(raw))
+
+
+def _nan_weight(ckpt: Path) -> None:
+    tensors = load_file(ckpt / "rank0.safetensors")
+    tensors["transformer.layers.2.mlp.proj.weight"][0, 0] = math.nan
+    save_file(tensors, ckpt / "rank0.safetensors", metadata={"format": "pt"})
+
+
+# Checkpoints changed after conversion: generate must refuse them, not decode garbage with exit 0.
+TAMPERED: dict[str, tuple[Callable[[World, Path], Path], str]] = {
+    "a byte flipped": (
+        lambda w, t: _tampered(w, t, _flip_byte, keep_record=True),
+        r"rank0\.safetensors changed after conversion",
+    ),
+    "config edited, record kept": (
+        lambda w, t: _tampered(w, t, _edit_config(num_hidden_layers=4), keep_record=True),
+        r"config\.json changed after conversion",
+    ),
+    "layer count edited down": (
+        lambda w, t: _tampered(w, t, _edit_config(num_hidden_layers=4)),
+        r"holds tensor 'transformer\.layers\.4\..*which its config\.json does not describe",
+    ),
+    "dtype edited": (
+        lambda w, t: _tampered(w, t, _edit_config(dtype="float16")),
+        r"is torch\.float32, but config\.json says torch\.float16",
+    ),
+    "NaN weight": (lambda w, t: _tampered(w, t, _nan_weight), r"'transformer\.layers\.2\.mlp\.proj\.weight' holds NaN"),
+}
+
+
+@pytest.mark.parametrize("case", list(TAMPERED))
+def test_generate_refuses_a_tampered_checkpoint(world: World, tmp_path: Path, capsys, case: str) -> None:
+    make, message = TAMPERED[case]
+    checkpoint = make(world, tmp_path)
+    before = snapshot(world.root, tmp_path)
+    code, out, err = run_cli(
+        ["generate", "--checkpoint_dir", str(checkpoint), "--input_file", str(world.prompts)], capsys
+    )
+    assert_refused(code, err, "generate", message)
+    assert out == ""
+    assert snapshot(world.root, tmp_path) == before
+
+
+def test_the_untampered_checkpoint_generates(world: World, capsys) -> None:
+    code, out, err = run_cli(
+        [
+            "generate",
+            "--checkpoint_dir",
+            str(world.checkpoint),
+            "--input_file",
+            str(world.prompts),
+            "--max_new_tokens",
+            "4",
+            "--json",
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    assert len(json.loads(out)["sequences"]) == 2

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from dflash_trt.checkpoint import prequantized_input
 from dflash_trt.checkpoint.atomic import atomic_directory, check_destination, check_output_apart
 from dflash_trt.checkpoint.hf_reader import HFCheckpointReader
+from dflash_trt.checkpoint.integrity import write_integrity_record
 from dflash_trt.checkpoint.layout import DRAFT, TARGET, OutputTensor, checkpoint_layout, target_heads
 from dflash_trt.checkpoint.safetensors_io import SafetensorsFile, StreamingSafetensorsWriter, tensor_has_nonfinite
 from dflash_trt.checkpoint.sharding import Split, check_tp, pad_vocab_size
@@ -376,6 +377,7 @@ def convert_checkpoint(
             check_written(staging, plan)
             (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             _copy_tokenizer_files(tokenizer, staging)
+            write_integrity_record(staging, ["config.json", *(rank_file(rank) for rank in range(tp_size))])
     return ConversionResult(output_dir, tp_size, len(layout), bytes_written)
 
 
