@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -82,6 +83,26 @@ def _remove_stale_partials(output_dir: Path) -> None:
         pid = stale.name.rsplit("-", 1)[-1]
         if pid.isdigit() and not _process_alive(int(pid)):
             shutil.rmtree(stale, ignore_errors=True)
+
+
+@contextmanager
+def scratch_directory(parent: Path, purpose: str) -> Iterator[Path]:
+    """A private work folder `.dflash-<purpose>-<pid>-*` in `parent`, removed on exit; folders of the same purpose
+    left by killed runs (their process is gone) are removed first, since a SIGKILL skips every cleanup."""
+    prefix = f".dflash-{purpose}-"
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        for stale in parent.glob(f"{prefix}*"):
+            pid = stale.name[len(prefix):].split("-", 1)[0]
+            if pid.isdigit() and int(pid) != os.getpid() and not _process_alive(int(pid)):
+                shutil.rmtree(stale, ignore_errors=True)
+        scratch = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent))
+    except OSError as exc:
+        raise DFlashTrtError(f"cannot create a work folder in {parent}: {exc.strerror or exc}") from None
+    try:
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 @contextmanager

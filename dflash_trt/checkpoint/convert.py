@@ -7,11 +7,13 @@ checked, so a failure never leaves a half checkpoint behind.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
+import multiprocessing
 import os
 import shutil
-import tempfile
+import signal
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -21,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from dflash_trt.checkpoint import prequantized_input
-from dflash_trt.checkpoint.atomic import atomic_directory, check_destination, check_output_apart
+from dflash_trt.checkpoint.atomic import atomic_directory, check_destination, check_output_apart, scratch_directory
 from dflash_trt.checkpoint.hf_reader import HFCheckpointReader
 from dflash_trt.checkpoint.integrity import write_integrity_record
 from dflash_trt.checkpoint.layout import DRAFT, TARGET, OutputTensor, checkpoint_layout, target_heads
@@ -58,6 +60,7 @@ TOKENIZER_FILES = (
 # Tensors at least this large are streamed in row blocks of about this size (bounded memory for embeddings).
 STREAM_MIN_BYTES = 64 << 20
 STREAM_BLOCK_BYTES = 32 << 20
+PR_SET_PDEATHSIG = 1  # prctl option: signal this process when its parent dies (linux/prctl.h)
 # Non-parameter buffers some exporters store; they carry no weights the engine needs.
 IGNORED_SOURCE_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -290,6 +293,29 @@ def _copy_tokenizer_files(files: dict[str, Path], staging: Path) -> None:
         shutil.copyfile(source, staging / name)
 
 
+def _die_with_parent(parent_pid: int) -> None:
+    """Worker initializer: the kernel kills this worker when the converting process dies (Linux), so a killed
+    convert leaves no orphan writing into a staging folder nobody will publish."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # no prctl: not Linux
+        pass
+    if os.getppid() != parent_pid:  # the parent died before the request took effect
+        os._exit(1)
+
+
+def _worker_pool(workers: int) -> ProcessPoolExecutor:
+    """Spawned (not forked) workers: a fork taken after torch started its OpenMP threads can deadlock in them."""
+    return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_die_with_parent, initargs=(os.getpid(),))
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in list((getattr(pool, "_processes", None) or {}).values()):  # no public kill before Python 3.14
+        process.kill()
+
+
 def _write_rank_in_worker(plan: ConversionPlan, path: Path, rank: int) -> int:
     """One rank file in its own process, with its own memory-mapped readers (memory stays one tensor per worker)."""
     with HFCheckpointReader(plan.model_dir) as target_reader, HFCheckpointReader(plan.dflash_model_dir) as draft_reader:
@@ -368,12 +394,16 @@ def convert_checkpoint(
                     for rank in range(1, tp_size):
                         bytes_written += _write_rank(plan, staging / rank_file(rank), readers, rank, bar.update)
                 else:
-                    with ProcessPoolExecutor(max_workers=min(workers, tp_size - 1)) as pool:
-                        jobs = [pool.submit(_write_rank_in_worker, plan, staging / rank_file(rank), rank)
-                                for rank in range(1, tp_size)]
-                        for job in jobs:
-                            bytes_written += job.result()
-                            bar.update(len(layout))
+                    with _worker_pool(min(workers, tp_size - 1)) as pool:
+                        try:
+                            jobs = [pool.submit(_write_rank_in_worker, plan, staging / rank_file(rank), rank)
+                                    for rank in range(1, tp_size)]
+                            for job in jobs:
+                                bytes_written += job.result()
+                                bar.update(len(layout))
+                        except BaseException:  # a refusal, Ctrl-C or SIGTERM: stop writing ranks nobody will publish
+                            _stop_workers(pool)
+                            raise
             check_written(staging, plan)
             (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             _copy_tokenizer_files(tokenizer, staging)
@@ -390,8 +420,7 @@ def calibrated_scales(
 
     if not calib_dataset.is_file():
         raise DFlashTrtError(f"calibration dataset {calib_dataset} does not exist")
-    work_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".dflash-calibration-", dir=work_dir) as scratch:
-        plain = Path(scratch) / "checkpoint"  # a pre-quantized target keeps its weights in it; nothing else is
+    with scratch_directory(work_dir, "calibration") as scratch:
+        plain = scratch / "checkpoint"  # a pre-quantized target keeps its weights in it; nothing else is
         convert_checkpoint(model_dir, dflash_model_dir, plain, dtype=dtype, dflash_qformat=NONE, kv_cache_dtype=NONE)
         return calibrate_checkpoint(plain, quant, calib_dataset, calib_size, calib_max_seq_len)
