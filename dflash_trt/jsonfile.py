@@ -12,12 +12,18 @@ from dflash_trt.errors import DFlashTrtError
 def read_json_object(path: str | Path, missing: str) -> dict[str, Any]:
     """The JSON object in `path`; `missing` is the message when the file does not exist."""
     path = Path(path)
+    if path.is_dir():
+        raise DFlashTrtError(f"{path} is a directory, not a JSON file")
     if not path.is_file():
         raise DFlashTrtError(missing)
     try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise DFlashTrtError(f"{path} is not valid JSON: {exc}") from None
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise DFlashTrtError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except RecursionError:
+        raise DFlashTrtError(f"{path} is nested too deeply to be a real JSON file") from None
+    except ValueError as exc:  # also JSONDecodeError, UnicodeDecodeError, and integers too long to convert
+        raise DFlashTrtError(f"{path} is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(data, dict):
         raise DFlashTrtError(f"{path} must hold a JSON object")
     return data

@@ -13,6 +13,8 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
+import re
 import shlex
 import sys
 import tempfile
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_trt import __version__
+from dflash_trt.checkpoint.atomic import check_output_apart
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.profiles import (
     BuildProfile,
@@ -44,9 +47,12 @@ from dflash_trt.trtllm.build_plan import (
 from dflash_trt.trtllm.plugin import LIBRARY_ENV, default_library_path
 
 STAGE_RECORD = ".dflash_stage.json"
-# Files up to this size are hashed by content; larger ones (weights) by name and size, since hashing tens of GB
-# on every run would cost minutes and HF snapshots are already content-addressed by revision.
+# Files up to this size are hashed by content. Larger ones (weights) would cost minutes to hash on every run: an
+# HF hub blob is named by the sha256 of its content, so its name is its identity; any other large file is known by
+# size, modification time (which every write changes) and a hash of its first and last SAMPLE_BYTES.
 CONTENT_HASH_LIMIT = 1 << 20
+SAMPLE_BYTES = 1 << 16
+HUB_BLOB_NAME = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -83,14 +89,27 @@ def fingerprint(data: object) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def file_identity(path: Path) -> list:
+    """What changes whenever the file's content does (see CONTENT_HASH_LIMIT)."""
+    real = path.resolve()
+    stat = real.stat()
+    if stat.st_size <= CONTENT_HASH_LIMIT:
+        return [stat.st_size, hashlib.sha256(real.read_bytes()).hexdigest()]
+    if real.parent.name == "blobs" and HUB_BLOB_NAME.fullmatch(real.name):
+        return [stat.st_size, real.name]
+    sample = hashlib.sha256()
+    with open(real, "rb") as handle:
+        sample.update(handle.read(SAMPLE_BYTES))
+        handle.seek(-SAMPLE_BYTES, os.SEEK_END)
+        sample.update(handle.read(SAMPLE_BYTES))
+    return [stat.st_size, stat.st_mtime_ns, sample.hexdigest()]
+
+
 def directory_fingerprint(directory: Path) -> str:
-    """Identity of a model directory: small files by content, large ones by name and size."""
+    """Identity of a model directory: every file's name and `file_identity`."""
     entries = []
     for path in sorted(p for p in directory.rglob("*") if p.is_file() and not p.name.startswith(".")):
-        rel = path.relative_to(directory).as_posix()
-        size = path.stat().st_size
-        digest = hashlib.sha256(path.read_bytes()).hexdigest() if size <= CONTENT_HASH_LIMIT else None
-        entries.append([rel, size, digest])
+        entries.append([path.relative_to(directory).as_posix(), *file_identity(path)])
     return fingerprint(entries)
 
 
@@ -280,8 +299,12 @@ def resolve_inputs(args: argparse.Namespace, settings_override: Callable | None 
     settings = engine_settings(profile)
     if settings_override is not None:
         settings = settings_override(args, settings)
-    return PipelineInputs(profile, Path(args.config), workspace(profile, args.output_dir), target, draft,
-                          tokenizer, settings, args.plugin_library)
+    ws = workspace(profile, args.output_dir)
+    calibration = quantization_kwargs(profile, Path(args.config)).get("calib_dataset")
+    check_output_apart(ws.root, {"--config": args.config, "the target model": target.path, "the drafter": draft.path,
+                                 "the tokenizer": tokenizer.path, "the calibration dataset": calibration,
+                                 "--plugin_library": args.plugin_library})
+    return PipelineInputs(profile, Path(args.config), ws, target, draft, tokenizer, settings, args.plugin_library)
 
 
 def offline_notes(inp: PipelineInputs) -> list[str]:

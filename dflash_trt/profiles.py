@@ -8,7 +8,6 @@ build. Facts that need the checkpoints themselves (head counts, block size) are 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +18,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import BYTES_PER_WEIGHT, ENGINE_DTYPES, KV_CACHE_DTYPES, NONE, NVFP4, QFORMATS
+from dflash_trt.jsonfile import read_json_object
 from dflash_trt.perf.gpus import GPUS, GpuSpec
 from dflash_trt.triton.serving import ServingSettings
 from dflash_trt.trtllm.build_plan import (
@@ -301,6 +301,8 @@ def resolve_model_dir(
     path = Path(ref).expanduser()
     if path.is_dir():
         return path
+    if path.exists():
+        raise DFlashTrtError(f"model directory {ref} is a file, not a directory")
     if not looks_like_repo_id(ref):
         raise DFlashTrtError(f"model directory {ref} does not exist")
     cache_dir = cache_dir or default_hf_cache()
@@ -318,10 +320,7 @@ def resolve_model_dir(
 
 
 def _read_config(model_dir: Path) -> dict:
-    config = model_dir / "config.json"
-    if not config.is_file():
-        raise DFlashTrtError(f"{model_dir} has no config.json")
-    return json.loads(config.read_text())
+    return read_json_object(model_dir / "config.json", f"{model_dir} has no config.json")
 
 
 def _draft_value(cfg: dict, key: str):

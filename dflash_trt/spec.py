@@ -7,7 +7,7 @@ and the `dflash` reference do with the same config.json, because parity with the
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,7 +95,7 @@ def check_dimension(value: Any, key: str, what: str, minimum: int = 1) -> int:
     limit = DIMENSION_LIMITS.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (limit and value > limit):
         bound = f" and <= {limit}" if limit else ""
-        raise DFlashTrtError(f"{what} config: '{key}' must be an integer >= {minimum}{bound}, got {value!r}")
+        raise DFlashTrtError(f"{what} config: '{key}' must be an integer >= {minimum}{bound}, got {_brief(value)}")
     return value
 
 
@@ -103,53 +103,117 @@ def _require_int(cfg: dict, key: str, what: str, minimum: int = 1) -> int:
     return check_dimension(cfg.get(key), key, what, minimum)
 
 
-def _optional_number(value: Any, key: str, what: str, default: float) -> float:
+def _optional_number(value: Any, key: str, what: str, default: float, positive: bool = False) -> float:
+    """A finite number (> 0 with `positive`); JSON's NaN / Infinity and numbers written as strings are refused."""
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise DFlashTrtError(f"{what} config: '{key}' must be a number, got {value!r}")
-    return float(value)
+        raise DFlashTrtError(f"{what} config: '{key}' must be a number, got {_brief(value)}")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or (positive and number <= 0):
+        kind = "a finite number > 0" if positive else "a finite number"
+        raise DFlashTrtError(f"{what} config: '{key}' must be {kind}, got {_brief(value)}")
+    return number
+
+
+def _maybe_number(value: Any, key: str, what: str, positive: bool = False) -> float | None:
+    return None if value is None else _optional_number(value, key, what, 0.0, positive)
+
+
+def _optional_bool(cfg: dict, key: str, what: str, default: bool) -> bool:
+    """JSON true / false only: the string "false" is truthy in Python and would silently flip the model."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise DFlashTrtError(f"{what} config: '{key}' must be true or false, got {_brief(value)}")
+    return value
+
+
+def _optional_str(cfg: dict, key: str, what: str) -> str | None:
+    value = cfg.get(key)
+    if value is not None and not isinstance(value, str):
+        raise DFlashTrtError(f"{what} config: '{key}' must be a string, got {_brief(value)}")
+    return value
+
+
+def _brief(value: Any) -> str:
+    """A config value quoted for an error message, cut short (hostile configs hold huge values)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an integer with more digits than Python converts to text
+        return "a huge integer"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _architecture(cfg: dict, what: str) -> str | None:
+    architectures = cfg.get("architectures")
+    if architectures is None:
+        return None
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise DFlashTrtError(f"{what} config: 'architectures' must be a list of names, got {_brief(architectures)}")
+    return architectures[0] if architectures else None
 
 
 def parse_rope(cfg: dict, head_dim: int, what: str) -> RopeConfig:
     """Read rope fields from either `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`."""
-    params = dict(cfg.get("rope_parameters") or {})
+    params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
     if not isinstance(params, dict) or not isinstance(scaling, dict):
         raise DFlashTrtError(f"{what} config: rope_parameters / rope_scaling must be objects")
     merged = {**scaling, **params}
+    _maybe_number(cfg.get("rope_theta"), "rope_theta", what, positive=True)  # checked even where rope_parameters wins
     theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = merged.get("rope_type", merged.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+    if not isinstance(rope_type, str) or rope_type not in SUPPORTED_ROPE_TYPES:
         raise DFlashTrtError(
-            f"{what} config: rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+            f"{what} config: rope type {_brief(rope_type)} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
-    if merged.get("partial_rotary_factor", 1.0) != 1.0:
-        raise DFlashTrtError(f"{what} config: partial_rotary_factor != 1 is not supported")
+    partial = merged.get("partial_rotary_factor", 1.0)
+    if isinstance(partial, bool) or partial != 1.0:
+        raise DFlashTrtError(f"{what} config: partial_rotary_factor != 1 is not supported, got {_brief(partial)}")
     original = merged.get("original_max_position_embeddings")
-    factor = merged.get("factor")
+    if original is not None:
+        original = check_dimension(original, "original_max_position_embeddings", what)
+    factor = _maybe_number(merged.get("factor"), "factor", what, positive=True)
     if rope_type == "yarn" and factor is None and original:
-        factor = cfg.get("max_position_embeddings", original) / original
+        factor = max_position_embeddings(cfg, what) / original
     if rope_type in ("llama3", "yarn") and not original:
         if rope_type == "llama3" or factor is None:
             raise DFlashTrtError(f"{what} config: {rope_type} rope scaling needs original_max_position_embeddings")
     if rope_type != "default" and factor is None:
         raise DFlashTrtError(f"{what} config: {rope_type} rope scaling needs a 'factor'")
+    low = _optional_number(merged.get("low_freq_factor"), "low_freq_factor", what, 1.0, positive=True)
+    high = _optional_number(merged.get("high_freq_factor"), "high_freq_factor", what, 4.0, positive=True)
+    if rope_type == "llama3" and high <= low:
+        raise DFlashTrtError(f"{what} config: llama3 rope needs high_freq_factor ({high}) > low_freq_factor ({low})")
+    truncate = merged.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise DFlashTrtError(f"{what} config: 'truncate' must be true or false, got {_brief(truncate)}")
     return RopeConfig(
         head_dim=head_dim,
-        theta=_optional_number(theta, "rope_theta", what, 10000.0),
+        theta=_optional_number(theta, "rope_theta", what, 10000.0, positive=True),
         rope_type=rope_type,
-        factor=_optional_number(factor, "factor", what, 1.0),
-        low_freq_factor=_optional_number(merged.get("low_freq_factor"), "low_freq_factor", what, 1.0),
-        high_freq_factor=_optional_number(merged.get("high_freq_factor"), "high_freq_factor", what, 4.0),
-        original_max_position_embeddings=int(original) if original else None,
+        factor=1.0 if factor is None else factor,
+        low_freq_factor=low,
+        high_freq_factor=high,
+        original_max_position_embeddings=original,
         beta_fast=_optional_number(merged.get("beta_fast") or None, "beta_fast", what, 32.0),
         beta_slow=_optional_number(merged.get("beta_slow") or None, "beta_slow", what, 1.0),
-        attention_factor=merged.get("attention_factor"),
-        mscale=merged.get("mscale"),
-        mscale_all_dim=merged.get("mscale_all_dim"),
-        truncate=bool(merged.get("truncate", True)),
+        attention_factor=_maybe_number(merged.get("attention_factor"), "attention_factor", what, positive=True),
+        mscale=_maybe_number(merged.get("mscale"), "mscale", what),
+        mscale_all_dim=_maybe_number(merged.get("mscale_all_dim"), "mscale_all_dim", what),
+        truncate=truncate,
     )
+
+
+def max_position_embeddings(cfg: dict, what: str) -> int:
+    value = cfg.get("max_position_embeddings")
+    return 32768 if value is None else check_dimension(value, "max_position_embeddings", what)
 
 
 def _eos_ids(cfg: dict, model_dir: Path | None) -> tuple[int, ...]:
@@ -157,14 +221,15 @@ def _eos_ids(cfg: dict, model_dir: Path | None) -> tuple[int, ...]:
     sources = [cfg]
     generation_config = None if model_dir is None else model_dir / "generation_config.json"
     if generation_config is not None and generation_config.is_file():
-        try:
-            sources.append(json.loads(generation_config.read_text()))
-        except json.JSONDecodeError:
-            raise DFlashTrtError(f"{generation_config} is not valid JSON") from None
+        sources.append(read_json_object(generation_config, f"{generation_config} cannot be read"))
     for source in sources:
         value = source.get("eos_token_id")
-        for token in value if isinstance(value, list) else [value]:
-            if isinstance(token, int) and not isinstance(token, bool) and token not in ids:
+        for token in value if isinstance(value, list) else [] if value is None else [value]:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise DFlashTrtError(
+                    f"eos_token_id must be a token id or a list of them, got {_brief(value)} in {model_dir}"
+                )
+            if token not in ids:
                 ids.append(token)
     return tuple(ids)
 
@@ -172,12 +237,15 @@ def _eos_ids(cfg: dict, model_dir: Path | None) -> tuple[int, ...]:
 def _attention_dims(cfg: dict, what: str, default_head_dim: int | None) -> tuple[int, int, int, int]:
     hidden = _require_int(cfg, "hidden_size", what)
     heads = _require_int(cfg, "num_attention_heads", what)
-    kv_heads = check_dimension(cfg.get("num_key_value_heads") or heads, "num_key_value_heads", what)
+    kv_heads = cfg.get("num_key_value_heads")
+    kv_heads = check_dimension(heads if kv_heads is None else kv_heads, "num_key_value_heads", what)
     if heads % kv_heads:
         raise DFlashTrtError(
             f"{what} config: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
         )
-    head_dim = check_dimension(cfg.get("head_dim") or default_head_dim or hidden // heads, "head_dim", what, minimum=2)
+    head_dim = cfg.get("head_dim")
+    head_dim = check_dimension(default_head_dim or hidden // heads if head_dim is None else head_dim, "head_dim", what,
+                               minimum=2)
     if head_dim % 2:
         raise DFlashTrtError(f"{what} config: 'head_dim' must be even for rotary embeddings, got {head_dim}")
     return hidden, heads, kv_heads, head_dim
@@ -185,23 +253,22 @@ def _attention_dims(cfg: dict, what: str, default_head_dim: int | None) -> tuple
 
 def _activation(cfg: dict, what: str) -> str:
     act = cfg.get("hidden_act", "silu")
-    if act not in SUPPORTED_ACTIVATIONS:
-        raise DFlashTrtError(f"{what} config: hidden_act {act!r} is not supported (supported: silu)")
+    if not isinstance(act, str) or act not in SUPPORTED_ACTIVATIONS:
+        raise DFlashTrtError(f"{what} config: hidden_act {_brief(act)} is not supported (supported: silu)")
     return act
 
 
 def parse_target_config(cfg: dict, model_dir: str | Path | None = None) -> TargetSpec:
     """`model_dir` (where generation_config.json may add end-of-sequence ids) is None for a config alone."""
     what = "target"
-    architectures = cfg.get("architectures") or []
-    architecture = architectures[0] if isinstance(architectures, list) and architectures else None
+    architecture = _architecture(cfg, what)
     if architecture not in TARGET_ARCHITECTURES:
         raise DFlashTrtError(
             f"target architecture {architecture!r} is not supported (supported: {', '.join(TARGET_ARCHITECTURES)})"
         )
     is_qwen3 = architecture == "Qwen3ForCausalLM"
     hidden, heads, kv_heads, head_dim = _attention_dims(cfg, what, 128 if is_qwen3 else None)
-    if is_qwen3 and cfg.get("use_sliding_window"):
+    if is_qwen3 and _optional_bool(cfg, "use_sliding_window", what, False):
         raise DFlashTrtError("target config: sliding-window attention in the target is not supported yet")
     return TargetSpec(
         architecture=architecture,
@@ -212,16 +279,16 @@ def parse_target_config(cfg: dict, model_dir: str | Path | None = None) -> Targe
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=_optional_number(cfg.get("rms_norm_eps"), "rms_norm_eps", what, 1e-6),
+        rms_norm_eps=_optional_number(cfg.get("rms_norm_eps"), "rms_norm_eps", what, 1e-6, positive=True),
         hidden_act=_activation(cfg, what),
-        attention_bias=bool(cfg.get("attention_bias", False)),
-        mlp_bias=bool(cfg.get("mlp_bias", False)) and not is_qwen3,
+        attention_bias=_optional_bool(cfg, "attention_bias", what, False),
+        mlp_bias=_optional_bool(cfg, "mlp_bias", what, False) and not is_qwen3,
         qk_norm=is_qwen3,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings") or 32768),
+        tie_word_embeddings=_optional_bool(cfg, "tie_word_embeddings", what, False),
+        max_position_embeddings=max_position_embeddings(cfg, what),
         rope=parse_rope(cfg, head_dim, what),
         eos_token_ids=_eos_ids(cfg, None if model_dir is None else Path(model_dir)),
-        torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+        torch_dtype=_optional_str(cfg, "dtype", what) or _optional_str(cfg, "torch_dtype", what),
     )
 
 
@@ -244,32 +311,38 @@ def _draft_value(cfg: dict, key: str, default: Any = None) -> Any:
 def _draft_layer_kinds(cfg: dict, num_layers: int) -> tuple[tuple[str, ...], int | None, tuple[bool, ...]]:
     what = "drafter"
     # transformers' Qwen3Config keeps sliding_window only when use_sliding_window is set; the reference inherits that.
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise DFlashTrtError(f"{what} config: 'sliding_window' must be a positive integer, got {window!r}")
+    # Keys that only matter in some combinations are still type-checked: a wrong type is a damaged config.
+    window = cfg.get("sliding_window")
+    if window is not None:
+        window = check_dimension(window, "sliding_window", what)
+    window = window if _optional_bool(cfg, "use_sliding_window", what, False) else None
+    first_window_layer = cfg.get("max_window_layers")
+    if first_window_layer is not None:
+        first_window_layer = check_dimension(first_window_layer, "max_window_layers", what, minimum=0)
     layer_types = cfg.get("layer_types")
     if layer_types is None:
-        first_window_layer = cfg.get("max_window_layers", 28)
+        first_window_layer = 28 if first_window_layer is None else first_window_layer
         layer_types = [
             SLIDING_ATTENTION if window is not None and i >= first_window_layer else FULL_ATTENTION
             for i in range(num_layers)
         ]
     if not isinstance(layer_types, list) or len(layer_types) != num_layers:
         raise DFlashTrtError(
-            f"{what} config: 'layer_types' must list one kind per draft layer ({num_layers}), got {layer_types!r}"
+            f"{what} config: 'layer_types' must list one kind per draft layer ({num_layers}), got {_brief(layer_types)}"
         )
     for kind in layer_types:
-        if kind not in (FULL_ATTENTION, SLIDING_ATTENTION):
-            raise DFlashTrtError(f"{what} config: unknown layer type {kind!r} in 'layer_types'")
+        if not isinstance(kind, str) or kind not in (FULL_ATTENTION, SLIDING_ATTENTION):
+            raise DFlashTrtError(f"{what} config: unknown layer type {_brief(kind)} in 'layer_types'")
     is_causal = cfg.get("is_causal")
-    causal = tuple(kind == SLIDING_ATTENTION if is_causal is None else bool(is_causal) for kind in layer_types)
+    if is_causal is not None and not isinstance(is_causal, bool):
+        raise DFlashTrtError(f"{what} config: 'is_causal' must be true or false, got {_brief(is_causal)}")
+    causal = tuple(kind == SLIDING_ATTENTION if is_causal is None else is_causal for kind in layer_types)
     return tuple(layer_types), window, causal
 
 
 def parse_draft_config(cfg: dict, target: TargetSpec) -> DraftSpec:
     what = "drafter"
-    architectures = cfg.get("architectures") or []
-    architecture = architectures[0] if isinstance(architectures, list) and architectures else None
+    architecture = _architecture(cfg, what)
     if architecture in UNSUPPORTED_DRAFT_ARCHITECTURES:
         raise DFlashTrtError(UNSUPPORTED_DRAFT_ARCHITECTURES[architecture])
     if architecture != DRAFT_ARCHITECTURE:
@@ -279,16 +352,21 @@ def parse_draft_config(cfg: dict, target: TargetSpec) -> DraftSpec:
         raise DFlashTrtError(
             f"hidden sizes differ: drafter hidden_size {hidden} != target hidden_size {target.hidden_size}"
         )
-    vocab = cfg.get("vocab_size", target.vocab_size)
+    vocab = cfg.get("vocab_size")
+    vocab = target.vocab_size if vocab is None else check_dimension(vocab, "vocab_size", what)
     if vocab != target.vocab_size:
         raise DFlashTrtError(f"vocab mismatch: drafter vocab_size {vocab} != target vocab_size {target.vocab_size}")
     num_layers = _require_int(cfg, "num_hidden_layers", what)
-    num_target_layers = cfg.get("num_target_layers", target.num_hidden_layers)
+    num_target_layers = cfg.get("num_target_layers")
+    num_target_layers = target.num_hidden_layers if num_target_layers is None else check_dimension(
+        num_target_layers, "num_target_layers", what)
     taps = _draft_value(cfg, "target_layer_ids")
     if taps is None:
         taps = build_target_layer_ids(num_target_layers, num_layers)
     if not isinstance(taps, list) or not taps or not all(isinstance(t, int) and not isinstance(t, bool) for t in taps):
-        raise DFlashTrtError(f"{what} config: 'target_layer_ids' must be a non-empty list of integers, got {taps!r}")
+        raise DFlashTrtError(
+            f"{what} config: 'target_layer_ids' must be a non-empty list of integers, got {_brief(taps)}"
+        )
     for tap in taps:
         if not 0 <= tap < target.num_hidden_layers:
             raise DFlashTrtError(
@@ -296,12 +374,16 @@ def parse_draft_config(cfg: dict, target: TargetSpec) -> DraftSpec:
             )
     mask = _draft_value(cfg, "mask_token_id")
     if isinstance(mask, bool) or not isinstance(mask, int) or mask < 0:
-        raise DFlashTrtError(f"{what} config: 'mask_token_id' must be a non-negative integer, got {mask!r}")
+        raise DFlashTrtError(f"{what} config: 'mask_token_id' must be a non-negative integer, got {_brief(mask)}")
     if mask >= target.vocab_size:
-        raise DFlashTrtError(f"mask_token_id {mask} is outside the target vocabulary ({target.vocab_size} tokens)")
+        raise DFlashTrtError(
+            f"mask_token_id {_brief(mask)} is outside the target vocabulary ({target.vocab_size} tokens)"
+        )
     block = check_dimension(_draft_value(cfg, "block_size", 16), "block_size", what, minimum=2)
     softcap = _draft_value(cfg, "final_logit_softcapping")
     softcap = _optional_number(softcap, "final_logit_softcapping", what, 0.0) or None
+    if softcap is not None and softcap < 0:
+        raise DFlashTrtError(f"{what} config: 'final_logit_softcapping' must be >= 0, got {softcap}")
     layer_types, window, causal = _draft_layer_kinds(cfg, num_layers)
     return DraftSpec(
         architecture=architecture,
@@ -312,9 +394,9 @@ def parse_draft_config(cfg: dict, target: TargetSpec) -> DraftSpec:
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=_optional_number(cfg.get("rms_norm_eps"), "rms_norm_eps", what, 1e-6),
+        rms_norm_eps=_optional_number(cfg.get("rms_norm_eps"), "rms_norm_eps", what, 1e-6, positive=True),
         hidden_act=_activation(cfg, what),
-        attention_bias=bool(cfg.get("attention_bias", False)),
+        attention_bias=_optional_bool(cfg, "attention_bias", what, False),
         rope=parse_rope(cfg, head_dim, what),
         block_size=block,
         mask_token_id=mask,
@@ -323,11 +405,13 @@ def parse_draft_config(cfg: dict, target: TargetSpec) -> DraftSpec:
         sliding_window=window,
         causal=causal,
         input_embedding_scale=_optional_number(
-            _draft_value(cfg, "input_embedding_scale"), "input_embedding_scale", what, 1.0
+            _draft_value(cfg, "input_embedding_scale"), "input_embedding_scale", what, 1.0, positive=True
         ),
-        output_multiplier=_optional_number(_draft_value(cfg, "output_multiplier"), "output_multiplier", what, 1.0),
+        output_multiplier=_optional_number(
+            _draft_value(cfg, "output_multiplier"), "output_multiplier", what, 1.0, positive=True
+        ),
         final_logit_softcapping=softcap,
-        torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+        torch_dtype=_optional_str(cfg, "dtype", what) or _optional_str(cfg, "torch_dtype", what),
     )
 
 

@@ -4,14 +4,25 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dflash_trt.errors import DFlashTrtError
+
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def load_tokenizer(directory: str | Path):
-    """A `transformers` tokenizer, or None when the directory holds no tokenizer files."""
+    """A `transformers` tokenizer, or None when the directory holds no tokenizer files.
+
+    Corrupt files, or a tokenizer that exists only as checkpoint code (`auto_map`), make `transformers` raise any
+    of many exception types; every one of them is the same finding for the user: this tokenizer cannot be loaded.
+    """
     directory = Path(directory)
     if not any((directory / marker).is_file() for marker in TOKENIZER_MARKERS):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
+    except Exception as exc:  # a third-party loader: all its failures mean "unusable tokenizer"
+        detail = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise DFlashTrtError(f"the tokenizer in {directory} cannot be loaded (checkpoint code is never run): "
+                             f"{detail}") from None

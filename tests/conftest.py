@@ -17,6 +17,8 @@ import pytest
 import torch
 from hypothesis import settings
 
+from dflash_trt.checkpoint.integrity import INTEGRITY_FILE
+
 torch.set_num_threads(1)
 # Property tests draw the same examples on every run, so CI cannot pass or fail by luck.
 settings.register_profile("deterministic", derandomize=True, database=None)
@@ -63,7 +65,8 @@ EditConfig = Callable[[dict], object]
 @pytest.fixture
 def edited_copy(tmp_path: Path) -> Callable[..., Path]:
     """`edited_copy(source_dir, edit=None, name=None)`: a copy of a checkpoint directory under tmp_path, with
-    `edit(config)` applied to its parsed config.json before it is written back."""
+    `edit(config)` applied to its parsed config.json before it is written back. An edited copy carries no
+    integrity record: it stands for what a faulty converter would have written and recorded."""
 
     def copy(source: Path, edit: EditConfig | None = None, name: str | None = None) -> Path:
         destination = Path(shutil.copytree(source, tmp_path / (name or source.name)))
@@ -72,6 +75,7 @@ def edited_copy(tmp_path: Path) -> Callable[..., Path]:
             config = json.loads(config_path.read_text())
             edit(config)
             config_path.write_text(json.dumps(config))
+            (destination / INTEGRITY_FILE).unlink(missing_ok=True)
         return destination
 
     return copy

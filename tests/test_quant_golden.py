@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from dflash_trt import formats
+from dflash_trt.checkpoint.integrity import INTEGRITY_FILE
 from dflash_trt.conversion import calibrate as cal
 from dflash_trt.quant import linears
 from dflash_trt.reference.decode import speculative_generate
@@ -55,7 +56,7 @@ def _quantized_checkpoint(source: Path, out: Path, qformat: str, kv_cache_dtype:
     (out / "config.json").write_text(json.dumps(config))
     save_file({name: t.contiguous() for name, t in tensors.items()}, str(out / "rank0.safetensors"))
     for extra in source.iterdir():
-        if extra.name not in ("config.json", "rank0.safetensors"):
+        if extra.name not in ("config.json", "rank0.safetensors", INTEGRITY_FILE):  # a hand-made checkpoint
             shutil.copy(extra, out / extra.name)
     return out
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -17,11 +18,53 @@ from dflash_trt.errors import DFlashTrtError
 PARTIAL_MARKER = ".partial-"
 
 
+InputPaths = Mapping[str, "str | os.PathLike[str] | None"]
+
+
+def _input_locations(path: Path) -> list[Path]:
+    """Where an input really lives: the path with symlinks resolved and, for a folder, what its top-level links
+    point to (an HF hub snapshot's files are links into the cache's `blobs/`)."""
+    real = path.resolve()
+    places = [real]
+    if real.is_dir():
+        try:
+            links = [entry for entry in real.iterdir() if entry.is_symlink()]
+        except OSError:
+            links = []
+        places += sorted({link.resolve() for link in links} - {real})
+    return places
+
+
+def check_output_apart(output: str | os.PathLike[str], inputs: InputPaths) -> None:
+    """Refuse an output that is, contains or lies inside any input (symlinks resolved), whatever the flags.
+
+    Publishing replaces the output as a whole, so such an output would delete or mix with the inputs; `inputs`
+    maps a name the user knows (a flag) to its path, None for an input not given.
+    """
+    real_output = Path(output).resolve()
+    for label, given in inputs.items():
+        if given is None:
+            continue
+        for place in _input_locations(Path(given)):
+            if real_output == place:
+                relation = "is"
+            elif place in real_output.parents:
+                relation = "lies inside"
+            elif real_output in place.parents:
+                relation = "contains"
+            else:
+                continue
+            where = "" if place == Path(given).absolute() else f" (really {place})"
+            raise DFlashTrtError(
+                f"output {output} {relation} the input {label} {given}{where}; choose an output outside every input"
+            )
+
+
 def check_destination(output_dir: Path, overwrite: bool) -> None:
-    if output_dir.exists() and not overwrite:
-        raise DFlashTrtError(f"output directory {output_dir} already exists; pass --overwrite to replace it")
     if output_dir.exists() and not output_dir.is_dir():
         raise DFlashTrtError(f"output path {output_dir} exists and is not a directory")
+    if output_dir.exists() and not overwrite:
+        raise DFlashTrtError(f"output directory {output_dir} already exists; pass --overwrite to replace it")
 
 
 def _process_alive(pid: int) -> bool:
@@ -43,14 +86,43 @@ def _remove_stale_partials(output_dir: Path) -> None:
 
 
 @contextmanager
-def atomic_directory(output_dir: str | os.PathLike[str], overwrite: bool = False) -> Iterator[Path]:
-    """Yields an empty staging directory; on success it becomes `output_dir`, on failure it disappears."""
+def scratch_directory(parent: Path, purpose: str) -> Iterator[Path]:
+    """A private work folder `.dflash-<purpose>-<pid>-*` in `parent`, removed on exit; folders of the same purpose
+    left by killed runs (their process is gone) are removed first, since a SIGKILL skips every cleanup."""
+    prefix = f".dflash-{purpose}-"
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        for stale in parent.glob(f"{prefix}*"):
+            pid = stale.name[len(prefix):].split("-", 1)[0]
+            if pid.isdigit() and int(pid) != os.getpid() and not _process_alive(int(pid)):
+                shutil.rmtree(stale, ignore_errors=True)
+        scratch = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent))
+    except OSError as exc:
+        raise DFlashTrtError(f"cannot create a work folder in {parent}: {exc.strerror or exc}") from None
+    try:
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextmanager
+def atomic_directory(
+    output_dir: str | os.PathLike[str], overwrite: bool = False, inputs: InputPaths | None = None
+) -> Iterator[Path]:
+    """Yields an empty staging directory; on success it becomes `output_dir`, on failure it disappears.
+
+    `inputs` (see `check_output_apart`) are what the output is made from: an output among them is refused.
+    """
     output_dir = Path(output_dir).absolute()
+    check_output_apart(output_dir, inputs or {})
     check_destination(output_dir, overwrite)
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_partials(output_dir)
     staging = output_dir.parent / f".{output_dir.name}{PARTIAL_MARKER}{os.getpid()}"
-    staging.mkdir()
+    try:
+        output_dir.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_partials(output_dir)
+        staging.mkdir()
+    except OSError as exc:
+        raise DFlashTrtError(f"cannot create output {output_dir}: {exc.strerror or exc}") from None
     try:
         yield staging
         _fsync_directory(staging)

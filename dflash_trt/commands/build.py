@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 
+from dflash_trt.checkpoint.atomic import check_output_apart
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.pipeline import add_profile_arguments, run_profile
 from dflash_trt.trtllm.build_plan import (
@@ -83,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
         return run_profile(args, settings_override=settings_from_args)
     if args.checkpoint_dir is None or args.output_dir is None:
         raise DFlashTrtError("give --checkpoint_dir and --output_dir, or a build profile with --config")
+    check_output_apart(args.output_dir, {"--checkpoint_dir": args.checkpoint_dir,
+                                         "--plugin_library": args.plugin_library})
     settings = settings_from_args(args)
     plan = plan_engine_build(args.checkpoint_dir, args.output_dir, settings, plugin_library=args.plugin_library)
     if args.dry_run:

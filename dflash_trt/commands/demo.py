@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_trt.checkpoint.atomic import check_output_apart
 from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.conversion.verify import verify_checkpoint
 from dflash_trt.errors import DFlashTrtError
@@ -23,7 +24,7 @@ from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import load_golden_model
 from dflash_trt.reference.stats import mean_acceptance_length, per_position_acceptance
 from dflash_trt.tiny.corpus import generate as generate_problems
-from dflash_trt.tiny.heldout import draft_dir, is_correct, load_heldout, target_dir
+from dflash_trt.tiny.heldout import asset_dir, draft_dir, is_correct, load_heldout, target_dir
 from dflash_trt.tokenizer import load_tokenizer
 from dflash_trt.triton.repository import RepositorySettings, write_repository
 from dflash_trt.trtllm.build_plan import EngineBuildSettings, plan_engine_build
@@ -62,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if not target_dir().is_dir() or not draft_dir().is_dir():
         raise DFlashTrtError("the embedded tiny pair is not installed (dflash_trt/assets/tiny_pair)")
     out = Path(args.output_dir)
+    check_output_apart(out, {"the embedded tiny pair": asset_dir()})
     say = (lambda *_: None) if args.json else print
     checkpoint = out / f"checkpoint-{args.dtype}"
 

@@ -8,6 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from dflash_trt.checkpoint.atomic import check_output_apart
 from dflash_trt.perf.report import analyze_records
 from dflash_trt.perf.sweep import (
     USER_SPEED_METRICS,
@@ -48,6 +49,9 @@ def run(args: argparse.Namespace) -> int:
             for c in cfg.concurrency:
                 print(shlex.join(bench_command(cfg, engine, c, point_dir(cfg, engine, c) / "report.json")))
         return 0
+    check_output_apart(cfg.output_dir, {"--config": args.config, "the dataset": cfg.dataset,
+                                        "the model_path": cfg.model_path,
+                                        **{f"engine {e.name}": e.engine_dir for e in cfg.engines}})
     if args.analyze_only:
         records = load_records(cfg.output_dir)
     else:

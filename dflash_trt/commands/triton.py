@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         library = args.plugin_library or default_library_path()
         settings = settings_from_profile(profile, workspace(profile, args.work_dir).engine, tokenizer, library,
                                          _serving(args, profile.serving))
-    path = write_repository(settings, args.output_dir, overwrite=args.overwrite)
+    path = write_repository(settings, args.output_dir, overwrite=args.overwrite, inputs={"--config": args.config})
     if args.json:
         print(json.dumps({"repository": str(path), **asdict(settings)}, indent=2))
     else:

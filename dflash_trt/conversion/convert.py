@@ -7,10 +7,13 @@ checked, so a failure never leaves a half checkpoint behind.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
+import multiprocessing
+import os
 import shutil
-import tempfile
+import signal
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -19,8 +22,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dflash_trt.checkpoint.atomic import atomic_directory, check_destination
+from dflash_trt.checkpoint.atomic import atomic_directory, check_destination, check_output_apart, scratch_directory
 from dflash_trt.checkpoint.hf_reader import HFCheckpointReader
+from dflash_trt.checkpoint.integrity import write_integrity_record
 from dflash_trt.checkpoint.layout import DRAFT, TARGET, OutputTensor, checkpoint_layout, target_heads
 from dflash_trt.checkpoint.safetensors_io import SafetensorsFile, StreamingSafetensorsWriter, tensor_has_nonfinite
 from dflash_trt.checkpoint.sharding import Split, check_tp, pad_vocab_size
@@ -57,6 +61,7 @@ TOKENIZER_FILES = (
 # Tensors at least this large are streamed in row blocks of about this size (bounded memory for embeddings).
 STREAM_MIN_BYTES = 64 << 20
 STREAM_BLOCK_BYTES = 32 << 20
+PR_SET_PDEATHSIG = 1  # prctl option: signal this process when its parent dies (linux/prctl.h)
 # Non-parameter buffers some exporters store; they carry no weights the engine needs.
 IGNORED_SOURCE_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -105,6 +110,21 @@ def check_sources(
                     f"{what} tensor '{name}' has dtype {reader.dtype(name)}; expected float32, float16 or bfloat16 "
                     "weights (a pre-quantized target needs its hf_quant_config.json)"
                 )
+
+
+def _source_label(out: OutputTensor) -> str:
+    model, name = out.sources[0]
+    return f"{'target' if model == TARGET else 'drafter'} tensor '{name}'"
+
+
+def check_stored_finite(out: OutputTensor, name: str, stored: torch.Tensor) -> None:
+    """Sources are checked finite, so a non-finite stored value means the cast (or quantization) overflowed: a
+    float16 checkpoint of weights beyond 65504 would otherwise hold +-Inf and decode nothing but garbage."""
+    if tensor_has_nonfinite(stored):
+        raise DFlashTrtError(
+            f"{_source_label(out)} does not fit {str(stored.dtype).removeprefix('torch.')}: its stored form "
+            f"'{name}' holds NaN or Inf (values beyond the type's range); convert with --dtype bfloat16 or float32"
+        )
 
 
 def _load_full(out: OutputTensor, readers: dict[str, HFCheckpointReader], check_finite: bool) -> torch.Tensor:
@@ -200,7 +220,9 @@ def _row_blocks(
         if check_finite and tensor_has_nonfinite(block):
             what = "target" if model == TARGET else "drafter"
             raise DFlashTrtError(f"{what} tensor '{name}' contains NaN or Inf values")
-        yield block.to(plan.dtype)
+        stored = block.to(plan.dtype)
+        check_stored_finite(out, out.name, stored)
+        yield stored
     if padding:
         yield torch.zeros((padding, *out.shape[1:]), dtype=plan.dtype)
 
@@ -219,6 +241,7 @@ def _write_rank(
                 written += math.prod(shape) * dtype.itemsize
             else:
                 for name, piece in rank_tensors(plan, out, readers, rank, check_finite=rank == 0).items():
+                    check_stored_finite(out, name, piece)
                     writer.write(name, piece)
                     written += piece.numel() * piece.element_size()
             progress(1)
@@ -237,11 +260,62 @@ def check_written(staging: Path, plan: ConversionPlan) -> None:
                     raise DFlashTrtError(f"internal error: {name} in {rank_file(rank)} was written wrongly")
 
 
-def _copy_tokenizer_files(model_dir: Path, staging: Path) -> None:
+def _link_roots(model_dir: Path) -> list[Path]:
+    """Where a model folder's links may point: the folder itself and, for an HF hub snapshot
+    (`models--org--name/snapshots/<revision>/`), its cache entry, whose `blobs/` hold the files."""
+    folder = model_dir.absolute()
+    roots = [folder.resolve()]
+    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
+        roots.append(folder.parent.parent.resolve())
+    return roots
+
+
+def tokenizer_files(model_dir: Path) -> dict[str, Path]:
+    """The tokenizer files to copy, by name, each resolved through its links (an HF hub download is all links).
+
+    A link leading out of the model folder and its hub cache entry is refused rather than followed: the copy would
+    publish whatever file it names.
+    """
+    roots, found = _link_roots(model_dir), {}
     for name in TOKENIZER_FILES:
         source = model_dir / name
-        if source.is_file() and not source.is_symlink():
-            shutil.copyfile(source, staging / name)
+        if not os.path.lexists(source):
+            continue
+        real = source.resolve()
+        if not any(real == root or root in real.parents for root in roots):
+            raise DFlashTrtError(f"{source} links to {real}, outside the model folder and its HF cache entry")
+        if not real.is_file():
+            raise DFlashTrtError(f"{source} is not a regular file (a broken link, a folder or a device)")
+        found[name] = real
+    return found
+
+
+def _copy_tokenizer_files(files: dict[str, Path], staging: Path) -> None:
+    for name, source in files.items():
+        shutil.copyfile(source, staging / name)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Worker initializer: the kernel kills this worker when the converting process dies (Linux), so a killed
+    convert leaves no orphan writing into a staging folder nobody will publish."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # no prctl: not Linux
+        pass
+    if os.getppid() != parent_pid:  # the parent died before the request took effect
+        os._exit(1)
+
+
+def _worker_pool(workers: int) -> ProcessPoolExecutor:
+    """Spawned (not forked) workers: a fork taken after torch started its OpenMP threads can deadlock in them."""
+    return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_die_with_parent, initargs=(os.getpid(),))
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in list((getattr(pool, "_processes", None) or {}).values()):  # no public kill before Python 3.14
+        process.kill()
 
 
 def _write_rank_in_worker(plan: ConversionPlan, path: Path, rank: int) -> int:
@@ -290,9 +364,12 @@ def convert_checkpoint(
     if needs_calibration and calib_dataset is None:
         raise DFlashTrtError("quantization needs --calib_dataset FILE.jsonl: its prompts set the activation scales")
     model_dir, dflash_model_dir, output_dir = Path(model_dir), Path(dflash_model_dir), Path(output_dir)
+    inputs = {"--model_dir": model_dir, "--dflash_model_dir": dflash_model_dir, "--calib_dataset": calib_dataset}
+    check_output_apart(output_dir, inputs)
     check_destination(output_dir, overwrite)
     target = load_target_spec(model_dir)
     draft = load_draft_spec(dflash_model_dir, target)
+    tokenizer = tokenizer_files(model_dir)
     check_tp(target_heads(target), target.intermediate_size, tp_size, "target")
     check_tp(target_heads(draft), draft.intermediate_size, tp_size, "drafter")
     plan = ConversionPlan(model_dir, dflash_model_dir, target, draft, TORCH_DTYPES[dtype], tp_size, quant,
@@ -311,7 +388,7 @@ def convert_checkpoint(
             scales.update(prequantized_input.carried_scales(prequantized, plan.layout, target_reader))
         plan = replace(plan, scales=scales)
         layout = plan.layout
-        with atomic_directory(output_dir, overwrite) as staging:
+        with atomic_directory(output_dir, overwrite, inputs) as staging:
             with tqdm(total=len(layout) * tp_size, desc="convert", unit="tensor", disable=not show_progress) as bar:
                 # Rank 0 runs here first: it alone checks every source for NaN/Inf, so bad input fails fast.
                 bytes_written = _write_rank(plan, staging / rank_file(0), readers, 0, bar.update)
@@ -319,15 +396,20 @@ def convert_checkpoint(
                     for rank in range(1, tp_size):
                         bytes_written += _write_rank(plan, staging / rank_file(rank), readers, rank, bar.update)
                 else:
-                    with ProcessPoolExecutor(max_workers=min(workers, tp_size - 1)) as pool:
-                        jobs = [pool.submit(_write_rank_in_worker, plan, staging / rank_file(rank), rank)
-                                for rank in range(1, tp_size)]
-                        for job in jobs:
-                            bytes_written += job.result()
-                            bar.update(len(layout))
+                    with _worker_pool(min(workers, tp_size - 1)) as pool:
+                        try:
+                            jobs = [pool.submit(_write_rank_in_worker, plan, staging / rank_file(rank), rank)
+                                    for rank in range(1, tp_size)]
+                            for job in jobs:
+                                bytes_written += job.result()
+                                bar.update(len(layout))
+                        except BaseException:  # a refusal, Ctrl-C or SIGTERM: stop writing ranks nobody will publish
+                            _stop_workers(pool)
+                            raise
             check_written(staging, plan)
             (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-            _copy_tokenizer_files(model_dir, staging)
+            _copy_tokenizer_files(tokenizer, staging)
+            write_integrity_record(staging, ["config.json", *(rank_file(rank) for rank in range(tp_size))])
     return ConversionResult(output_dir, tp_size, len(layout), bytes_written)
 
 
@@ -340,8 +422,7 @@ def calibrated_scales(
 
     if not calib_dataset.exists():
         raise DFlashTrtError(f"calibration dataset {calib_dataset} does not exist")
-    work_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".dflash-calibration-", dir=work_dir) as scratch:
-        plain = Path(scratch) / "checkpoint"  # a pre-quantized target keeps its weights in it; nothing else is
+    with scratch_directory(work_dir, "calibration") as scratch:
+        plain = scratch / "checkpoint"  # a pre-quantized target keeps its weights in it; nothing else is
         convert_checkpoint(model_dir, dflash_model_dir, plain, dtype=dtype, dflash_qformat=NONE, kv_cache_dtype=NONE)
         return calibrate_checkpoint(plain, quant, calib_dataset, calib_size, calib_max_seq_len)

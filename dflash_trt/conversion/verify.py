@@ -14,7 +14,7 @@ import torch
 from dflash_trt import tensor_names as names
 from dflash_trt.checkpoint.hf_reader import HFCheckpointReader
 from dflash_trt.checkpoint.layout import DRAFT, TARGET
-from dflash_trt.checkpoint.safetensors_io import SafetensorsFile
+from dflash_trt.checkpoint.safetensors_io import SafetensorsFile, tensor_has_nonfinite
 from dflash_trt.checkpoint.sharding import pad_vocab_size
 from dflash_trt.checkpoint.stored import QuantSettings, stored_entries
 from dflash_trt.checkpoint.trtllm_config import checkpoint_config
@@ -30,6 +30,7 @@ class VerifyReport:
     checkpoint_dir: str
     tp_size: int = 0
     tensors_checked: int = 0
+    scales_range_checked: int = 0  # calibrated scales: only finite and positive, their values are not re-derived
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -38,13 +39,18 @@ class VerifyReport:
 
     def verdict(self) -> str:
         if self.ok:
-            return f"OK: {self.checkpoint_dir} matches its sources ({self.tensors_checked} tensors, tp {self.tp_size})"
+            unchecked = (f"; {self.scales_range_checked} calibrated activation/KV scales were only checked to be "
+                         "finite and positive, not re-derived (that needs the calibration prompts)"
+                         if self.scales_range_checked else "")
+            return (f"OK: {self.checkpoint_dir} matches its sources ({self.tensors_checked} tensors recomputed bit for "
+                    f"bit, tp {self.tp_size}){unchecked}")
         more = f" (+{len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
         return f"FAILED: {self.checkpoint_dir}: {self.problems[0]}{more}"
 
     def to_dict(self) -> dict:
         return {"ok": self.ok, "checkpoint_dir": self.checkpoint_dir, "tp_size": self.tp_size,
-                "tensors_checked": self.tensors_checked, "problems": self.problems}
+                "tensors_checked": self.tensors_checked, "scales_range_checked": self.scales_range_checked,
+                "problems": self.problems}
 
 
 def verify_checkpoint(checkpoint_dir: str | Path, model_dir: str | Path, dflash_model_dir: str | Path) -> VerifyReport:
@@ -85,6 +91,7 @@ def verify_checkpoint(checkpoint_dir: str | Path, model_dir: str | Path, dflash_
                 scales = {name: written.get(name, copy=True) for name in written.names() if _is_calibrated(name)}
                 report.problems += [f"{path.name} tensor '{n}' is not a finite positive scale"
                                     for n, t in scales.items() if not bool(torch.isfinite(t).all() and (t > 0).all())]
+                report.scales_range_checked += len(scales)
                 rank_plan = replace(plan, scales=scales)
                 expected = entries if entries is not None else rank_plan.entries()
                 extra = sorted(set(written.names()) - set(expected))
@@ -94,7 +101,11 @@ def verify_checkpoint(checkpoint_dir: str | Path, model_dir: str | Path, dflash_
                         report.problems.append(f"{path.name} is missing a tensor of '{out.name}'")
                         continue
                     for name, want in rank_tensors(rank_plan, out, readers, rank, check_finite=False).items():
+                        if _is_calibrated(name):
+                            continue  # taken from the file itself above: comparing it with itself proves nothing
                         got = written.get(name)
+                        if tensor_has_nonfinite(got):
+                            report.problems.append(f"{path.name} tensor '{name}' holds NaN or Inf")
                         if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
                             report.problems.append(f"{path.name} tensor '{name}' differs from its source")
                         report.tensors_checked += 1

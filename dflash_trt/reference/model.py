@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from dflash_trt import tensor_names as names
+from dflash_trt.checkpoint.integrity import check_integrity
 from dflash_trt.checkpoint.layout import checkpoint_layout, stored_split
-from dflash_trt.checkpoint.safetensors_io import SafetensorsFile
+from dflash_trt.checkpoint.safetensors_io import SafetensorsFile, tensor_has_nonfinite
 from dflash_trt.checkpoint.sharding import merge
 from dflash_trt.checkpoint.trtllm_config import specs_from_config
 from dflash_trt.errors import DFlashTrtError
@@ -316,8 +317,20 @@ class GoldenModel:
         return [*(lin for layer in self.layers() for lin in layer.linears()), self.target.lm_head, self.draft.fc]
 
 
-def load_rank_tensors(checkpoint_dir: Path, tp_size: int, target: TargetSpec, draft: DraftSpec) -> dict:
-    """All tensors of a checkpoint, shards merged back into full tensors."""
+def _belongs_to(layout: dict, name: str) -> bool:
+    """A tensor of the layout, a quantization tensor of one of its linears, or a layer's KV-cache scale."""
+    module = name.rsplit(".", 1)[0]
+    if name in layout or f"{module}.{names.WEIGHT}" in layout:
+        return True
+    layer = module.rsplit(".", 1)[0]
+    return name.endswith(f".{names.KV_CACHE_SCALING_FACTOR}") and f"{layer}.{names.QKV}.{names.WEIGHT}" in layout
+
+
+def load_rank_tensors(
+    checkpoint_dir: Path, tp_size: int, target: TargetSpec, draft: DraftSpec, dtype: torch.dtype | None = None
+) -> dict:
+    """All tensors of a checkpoint, shards merged back into full tensors; exactly the tensors its config promises
+    (no layer silently ignored), every one finite, unquantized ones in the config's `dtype`."""
     layout = {out.name: out for out in checkpoint_layout(target, draft)}
     files = []
     try:
@@ -326,9 +339,25 @@ def load_rank_tensors(checkpoint_dir: Path, tp_size: int, target: TargetSpec, dr
             if not path.is_file():
                 raise DFlashTrtError(f"checkpoint {checkpoint_dir} is missing {path.name} (tp_size {tp_size})")
             files.append(SafetensorsFile(path))
+        stored = sorted(files[0].names())
+        for rank, f in enumerate(files[1:], start=1):
+            if sorted(f.names()) != stored:
+                raise DFlashTrtError(f"checkpoint {checkpoint_dir}: rank{rank} and rank0 hold different tensors")
+        extra = [name for name in stored if not _belongs_to(layout, name)]
+        if extra:
+            raise DFlashTrtError(
+                f"checkpoint {checkpoint_dir} holds tensor '{extra[0]}', which its config.json does not describe "
+                "(was config.json edited?)"
+            )
         tensors = {}
-        for name in files[0].names():
+        for name in stored:
             pieces = [f.get(name, copy=True) for f in files]
+            if any(tensor_has_nonfinite(piece) for piece in pieces):
+                raise DFlashTrtError(f"checkpoint {checkpoint_dir} tensor '{name}' holds NaN or Inf")
+            if dtype is not None and name in layout and pieces[0].element_size() > 1 and pieces[0].dtype != dtype:
+                raise DFlashTrtError(
+                    f"checkpoint {checkpoint_dir} tensor '{name}' is {pieces[0].dtype}, but config.json says {dtype}"
+                )
             split, out = stored_split(layout, name, pieces[0].dim())
             tensors[name] = merge(pieces, split, out.heads if out else None, out.shape[0] if out else None)
         missing = sorted(set(layout) - set(tensors))
@@ -345,6 +374,9 @@ def load_golden_model(checkpoint_dir: str | Path, compute_dtype: torch.dtype = t
     config = read_json_object(checkpoint_dir / "config.json",
                               f"{checkpoint_dir} is not a converted checkpoint (no config.json)")
     target_spec, draft_spec = specs_from_config(config)
-    tensors = load_rank_tensors(checkpoint_dir, config["mapping"]["tp_size"], target_spec, draft_spec)
+    check_integrity(checkpoint_dir)
+    dtype = getattr(torch, str(config.get("dtype")), None)  # the converter's --dtype, a torch dtype name
+    dtype = dtype if isinstance(dtype, torch.dtype) else None
+    tensors = load_rank_tensors(checkpoint_dir, config["mapping"]["tp_size"], target_spec, draft_spec, dtype)
     target = TargetModel(target_spec, tensors, draft_spec.target_layer_ids, compute_dtype)
     return GoldenModel(target, DraftModel(draft_spec, tensors, target, compute_dtype), config)

@@ -15,7 +15,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dflash_trt.checkpoint.atomic import atomic_directory
+from dflash_trt.checkpoint.atomic import InputPaths, atomic_directory
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.triton import processing as P
@@ -344,10 +344,16 @@ def _source(name: str) -> Path:
     return Path(__file__).with_name(name)
 
 
-def write_repository(s: RepositorySettings, output_dir: str | Path, overwrite: bool = False) -> Path:
-    """Write the whole repository atomically (nothing appears under `output_dir` unless all of it is written)."""
+def write_repository(
+    s: RepositorySettings, output_dir: str | Path, overwrite: bool = False, inputs: InputPaths | None = None
+) -> Path:
+    """Write the whole repository atomically (nothing appears under `output_dir` unless all of it is written).
+
+    The engine, tokenizer and plugin library it serves, and any further `inputs`, must lie outside `output_dir`.
+    """
     python_models = {PREPROCESSING: "preprocessing.py", POSTPROCESSING: "postprocessing.py", BLS: "bls.py"}
-    with atomic_directory(output_dir, overwrite) as staging:
+    served = {"--engine_dir": s.engine_dir, "--tokenizer_dir": s.tokenizer_dir, "--plugin_library": s.plugin_library}
+    with atomic_directory(output_dir, overwrite, {**served, **(inputs or {})}) as staging:
         for name, config in model_configs(s).items():
             version_dir = staging / name / "1"
             version_dir.mkdir(parents=True)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
+from dflash_trt.checkpoint.atomic import check_output_apart
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.trtllm.build_plan import (
     MANIFEST_NAME,
@@ -126,6 +127,7 @@ def run_engine_build(plan: EngineBuildPlan, overwrite: bool = False) -> Path:
     """Build the engine into a staging directory (ranks in parallel with `--workers` > 1), add the manifest, then
     move it into place."""
     output = Path(plan.output_dir)
+    check_output_apart(output, {"--checkpoint_dir": plan.checkpoint_dir, "--plugin_library": plan.plugin_library})
     if output.exists() and any(output.iterdir()) and not overwrite:
         raise DFlashTrtError(f"{output} already exists and is not empty; pass --overwrite to replace it")
     version = check_build_host(plan)
