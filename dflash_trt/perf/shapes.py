@@ -19,7 +19,7 @@ def target_from_spec(spec: TargetSpec) -> TargetModel:
         num_kv_heads=spec.num_key_value_heads,
         head_dim=spec.head_dim,
     )
-    return TargetModel(stack=stack, vocab=spec.vocab_size)
+    return TargetModel(stack=stack, vocab=spec.vocab_size, tied_embeddings=spec.tie_word_embeddings)
 
 
 def dflash_from_spec(spec: DraftSpec) -> DFlashDrafter:
