@@ -204,6 +204,7 @@ class Evaluated:
             "concurrency": p.concurrency if isinstance(p.concurrency, int) else None,
             "regime": self.regime,
             "harness": p.harness,
+            "calibration": vars(calibration(p.harness)),
             "unknowns": {k: v.why for k, v in vars(p).items() if isinstance(v, Unknown)},
             "note": p.note,
         }
