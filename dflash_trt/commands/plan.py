@@ -53,7 +53,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src.add_argument("--model_dir", help="target HF checkpoint folder (only config.json is read)")
     src.add_argument("--preset", choices=sorted(PAIRS), help="a published target + DFlash drafter pair")
     p.add_argument("--dflash_model_dir", help="DFlash drafter folder (z-lab format); with --model_dir")
-    p.add_argument("--config", help="build profile YAML: print its memory budget and the sequences that fit")
     p.add_argument("--gpu", choices=sorted(GPUS), default="b200")
     p.add_argument("--tp_size", type=int, default=1)
     p.add_argument("--qformat", choices=sorted(QFORMATS), default="bf16", help="weight precision (bf16 = none)")
@@ -74,9 +73,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--isl", type=int, help="mean input length in tokens (default 1024; --config: the sweep's)")
     p.add_argument("--osl", type=int, help="mean output length in tokens (default 1024; --config: the sweep's)")
     p.add_argument("--calibration", choices=HARNESSES, default="trtllm", help="which fitted overheads to use")
-    p.add_argument("--calibrate", metavar="RESULTS_JSON", help="fit the overheads to a `dflash-trt bench` results.json")
     p.add_argument("--levels", help="comma-separated tok/s/user values for the speedup-vs-AR table")
     what = p.add_mutually_exclusive_group()
+    what.add_argument("--config", help="build profile YAML: print its memory budget and the sequences that fit")
+    what.add_argument(
+        "--calibrate", metavar="RESULTS_JSON", help="fit the overheads to a `dflash-trt bench` results.json"
+    )
     what.add_argument("--validate", action="store_true", help="print the model vs every published point and exit")
     what.add_argument("--provenance", action="store_true", help="print every constant's value, kind and source")
     p.add_argument("--json", action="store_true", help="print machine-readable output")

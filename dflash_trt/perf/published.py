@@ -128,12 +128,13 @@ SOURCES = {
     "dflash-paper": "DFlash paper, arXiv 2602.06036: Qwen3-8B with z-lab/Qwen3-8B-DFlash-b16, greedy, single "
     "stream (GPU, harness and acceptance lengths not recorded here)",
     "sglang-23000": "SGLang PR #23000 (spec v2, merged 2026-04): Qwen3-8B + z-lab/Qwen3-8B-DFlash-b16, 1x B200, "
-    "GSM8K, greedy, trtllm_mha target / fa4 drafter attention, v1 and v2 schedulers",
+    "GSM8K, greedy, trtllm_mha target / fa4 drafter attention, spec v1 and spec v2 workers",
     "gpt-oss-card": "z-lab/gpt-oss-120b-DFlash model card: SGLang, 1x H200, reasoning effort medium, end-to-end "
-    "(prefill included), GSM8K, speedup over AR at equal concurrency for draft blocks 4 and 10",
+    "(prefill included), GSM8K, speedups at concurrency 1, 8, 16 and 32 for draft blocks 4 and 10 (read as over "
+    "AR at the same concurrency)",
     "nvidia-blog": "NVIDIA technical blog 'Boost Inference Performance up to 15x on NVIDIA Blackwell Using DFlash "
-    "Speculative Decoding' (2026-06-23) and its coverage: gpt-oss-120b, TensorRT-LLM, eight-GPU DGX B300, "
-    "SPEED-Bench coding prompts",
+    "Speculative Decoding' (2026-06-23): gpt-oss-120b, TensorRT-LLM, eight-GPU DGX B300, SPEED-Bench coding "
+    "prompts; the 500-600 tok/s/user operating point as given by its coverage (blockchain.news, TechTimes)",
     "nvidia-blog-tables": "the same blog's speedup tables as relayed by thebrieftide.com: SPEED-Bench average "
     "speedup over AR 'at a fixed number of users'",
 }
@@ -238,7 +239,8 @@ def _paper() -> list[Published]:
             f"Qwen3-8B DFlash, {d}", "speedup", s, "hf-transformers", gpu, "bf16", 1,
             Unknown((readme_tau[d],), "the paper's acceptance length is not recorded here: the README's for "
                     "the same pair and dataset", "datasheet"),
-            note="disagrees with the README's row for the same pair and dataset; both are kept",
+            note="disagrees with the README's row for the same pair and dataset; both are kept. Harness assumed "
+            "the README's (transformers)",
         )
         for d, s in rows
     ]  # fmt: skip
@@ -258,7 +260,7 @@ SGLANG_TAUS = Unknown(
 def _sglang() -> list[Published]:
     rows = [("v1", 1, 845.98), ("v1", 32, 11405.85), ("v2", 1, 1161.88), ("v2", 32, 15326.81)]
     return [
-        Published(f"sglang-{v}-c{c}", "sglang-23000", "qwen3-8b", f"Qwen3-8B DFlash, {v} scheduler, concurrency {c}",
+        Published(f"sglang-{v}-c{c}", "sglang-23000", "qwen3-8b", f"Qwen3-8B DFlash, spec {v}, concurrency {c}",
                   "tok_s", tok_s, f"sglang-{v}", "b200", "bf16", c, SGLANG_TAUS,
                   lengths=Unknown(((512, 256),), "assumed: GSM8K prompt and answer lengths are not stated"))
         for v, c, tok_s in rows
