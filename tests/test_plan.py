@@ -215,3 +215,13 @@ def test_published_shapes_have_drafters_for_every_shipped_profile():
     for path in sorted((ROOT / "build_configs").glob("*/*.yaml")):
         profile = load_profile(path)
         assert published.pair_for_models(profile.model.target, profile.model.draft) is not None, path
+
+
+def test_docs_state_the_current_fitted_constants():
+    doc = (ROOT / "docs" / "performance.md").read_text()
+    spec = evaluation.calibration("hf-transformers").spec_overhead_s
+    v2, v1 = (evaluation.calibration(h).step_overhead_s for h in ("sglang-v2", "sglang-v1"))
+    assert f"| {1e3 * spec:.3f} ms | fitted |" in doc
+    assert f"| {1e3 * v2:.2f} ms / {1e3 * v1:.2f} ms | fitted |" in doc
+    assert f"| {1e3 * evaluation.calibration('trtllm').step_overhead_s:.2f} ms | assumed |" in doc
+    assert f"| {evaluation.baseline_k():.3f} | fitted |" in doc
