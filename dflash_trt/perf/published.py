@@ -160,6 +160,14 @@ BLOG_PRECISION = Unknown(
     ("mxfp4", "nvfp4"), "the blog states no precision: gpt-oss-120b is released in MXFP4; Blackwell also runs NVFP4"
 )
 LLAMA_PRECISION = Unknown(("bf16", "fp8"), "the tables state no precision")
+BF16_CHECKPOINTS = Unknown(
+    ("bf16",), "assumed: no dtype is stated; the bf16 checkpoints run in bf16 unless quantization is asked for"
+)
+CARD_PRECISION = Unknown(
+    ("mxfp4",),
+    "derived: the card states no precision, and only the released MXFP4 weights fit one 141 GB H200 "
+    "(117 B parameters x 2 B = 234 GB in bf16)",
+)
 
 
 @dataclass(frozen=True)
@@ -217,7 +225,7 @@ def _zlab() -> list[Published]:
     for dataset, s8, t8, s4, t4, se, te in ZLAB_ROWS:
         key = dataset.lower().replace("-", "")
         row = partial(Published, source="zlab-readme", metric="speedup", harness="hf-transformers", gpu="b200",
-                      precision="bf16", concurrency=1)  # fmt: skip
+                      precision=BF16_CHECKPOINTS, concurrency=1)  # fmt: skip
         points += [
             row(id=f"zlab-qwen3-8b-dflash-{key}", pair="qwen3-8b", setting=f"Qwen3-8B DFlash, {dataset}",
                 published=s8, tau=t8),
@@ -236,7 +244,7 @@ def _paper() -> list[Published]:
     points = [
         Published(
             f"paper-qwen3-8b-dflash-{d.lower().replace('-', '')}", "dflash-paper", "qwen3-8b",
-            f"Qwen3-8B DFlash, {d}", "speedup", s, "hf-transformers", gpu, "bf16", 1,
+            f"Qwen3-8B DFlash, {d}", "speedup", s, "hf-transformers", gpu, BF16_CHECKPOINTS, 1,
             Unknown((readme_tau[d],), "the paper's acceptance length is not recorded here: the README's for "
                     "the same pair and dataset", "datasheet"),
             note="disagrees with the README's row for the same pair and dataset; both are kept. Harness assumed "
@@ -246,7 +254,7 @@ def _paper() -> list[Published]:
     ]  # fmt: skip
     points.append(
         Published("paper-qwen3-8b-dflash-mean7", "dflash-paper", "qwen3-8b", "Qwen3-8B DFlash, mean of 7 tasks",
-                  "speedup", 4.86, "hf-transformers", gpu, "bf16", 1, None,
+                  "speedup", 4.86, "hf-transformers", gpu, BF16_CHECKPOINTS, 1, None,
                   note="a mean over tasks whose acceptance lengths are not all recorded: not evaluable")
     )  # fmt: skip
     return points
@@ -261,7 +269,7 @@ def _sglang() -> list[Published]:
     rows = [("v1", 1, 845.98), ("v1", 32, 11405.85), ("v2", 1, 1161.88), ("v2", 32, 15326.81)]
     return [
         Published(f"sglang-{v}-c{c}", "sglang-23000", "qwen3-8b", f"Qwen3-8B DFlash, spec {v}, concurrency {c}",
-                  "tok_s", tok_s, f"sglang-{v}", "b200", "bf16", c, SGLANG_TAUS,
+                  "tok_s", tok_s, f"sglang-{v}", "b200", BF16_CHECKPOINTS, c, SGLANG_TAUS,
                   lengths=Unknown(((512, 256),), "assumed: GSM8K prompt and answer lengths are not stated"))
         for v, c, tok_s in rows
     ]  # fmt: skip
@@ -273,10 +281,9 @@ def _card() -> list[Published]:
     return [
         Published(
             f"card-gpt-oss-120b-b{block}-c{c}", "gpt-oss-card", "gpt-oss-120b",
-            f"gpt-oss-120b DFlash, block {block}, concurrency {c}", "speedup", s, "sglang-v2", "h200", "mxfp4", c,
-            tau, block=block, lengths=lengths,
-            note="precision derived: only the released MXFP4 weights fit one 141 GB H200 (117 B x 2 B = 234 GB in "
-            "bf16); the model ignores the prefill share of end-to-end time"
+            f"gpt-oss-120b DFlash, block {block}, concurrency {c}", "speedup", s, "sglang-v2", "h200",
+            CARD_PRECISION, c, tau, block=block, lengths=lengths,
+            note="the model ignores the prefill share of end-to-end time"
             + ("; the recorded excerpt was cut right after this value" if c == 32 else ""),
         )
         for block, tau, cells in rows
