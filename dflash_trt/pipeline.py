@@ -22,6 +22,7 @@ from pathlib import Path
 
 from dflash_trt import __version__
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.perf.capacity import checkpoint_warnings
 from dflash_trt.profiles import BuildProfile, check_against_checkpoints, load_profile, resolve_model_dir
 from dflash_trt.trtllm.build_plan import EngineBuildPlan, EngineBuildSettings, plan_engine_build, settings_dict
 from dflash_trt.trtllm.plugin import LIBRARY_ENV
@@ -211,6 +212,8 @@ def resolve_inputs(args: argparse.Namespace, settings_override: Callable | None 
     target, draft = resolve(m.target, m.target_revision), resolve(m.draft, m.draft_revision)
     tokenizer = resolve(m.tokenizer, None) if m.tokenizer else target
     check_against_checkpoints(profile, target, draft)
+    for warning in checkpoint_warnings(profile, target, draft):
+        print(f"warning: {warning}", file=sys.stderr)
     settings = engine_settings(profile)
     if settings_override is not None:
         settings = settings_override(args, settings)

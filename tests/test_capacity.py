@@ -98,3 +98,19 @@ def test_docs_table_states_every_shipped_profile_capacity():
                f"{c.kv_pool_bytes / 1e9:.2f} GB | {c.kv_bytes_per_token:,.0f} B | {c.sequences_at_shape} | "
                f"{c.sequences_at_max_seq_len} | {p.engine.max_batch_size} |")  # fmt: skip
         assert row in doc, row
+
+
+def test_build_checks_warn_from_the_checkpoint_configs(tmp_path: Path):
+    import json
+
+    from dflash_trt.perf import published
+    from dflash_trt.perf.capacity import checkpoint_warnings
+
+    for name, cfg in (("t", published.QWEN3_8B), ("d", published.QWEN3_8B_DFLASH_B16)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+    data = yaml.safe_load(H100_QWEN3_8B.read_text())
+    assert checkpoint_warnings(parse_profile(data), tmp_path / "t", tmp_path / "d") == []
+    data["sweep"].update(input_len=4096, output_len=4096)
+    (warning,) = checkpoint_warnings(parse_profile(data), tmp_path / "t", tmp_path / "d")
+    assert "max_batch_size 128 cannot be held at 4096/4096 tokens" in warning

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.perf.gpus import get_gpu
 from dflash_trt.perf.model import ACTIVATION_BYTES, KV_BYTES, LM_HEAD_BYTES, WEIGHT_BYTES, DFlashDrafter, TargetModel
+from dflash_trt.perf.shapes import load_models
 from dflash_trt.profiles import TOKENS_PER_BLOCK, BuildProfile
 
 # Assumed: CUDA context, cuBLAS/NCCL workspaces and runtime buffers per GPU outside the engine's activations.
@@ -131,6 +133,13 @@ def capacity_warnings(profile: BuildProfile, capacity: Capacity) -> list[str]:
             "the rest"
         )
     return warnings
+
+
+def checkpoint_warnings(profile: BuildProfile, target_dir: Path, draft_dir: Path) -> list[str]:
+    """`capacity_warnings` for the checkpoints a build is about to use (only their config.json is read)."""
+    target, drafter = load_models(target_dir, draft_dir)
+    assert drafter is not None  # load_models reads a drafter whenever its folder is given
+    return capacity_warnings(profile, plan_capacity(profile, target, drafter))
 
 
 def describe(profile: BuildProfile, capacity: Capacity) -> str:
