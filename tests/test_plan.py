@@ -225,3 +225,16 @@ def test_docs_state_the_current_fitted_constants():
     assert f"| {1e3 * v2:.2f} ms / {1e3 * v1:.2f} ms | fitted |" in doc
     assert f"| {1e3 * evaluation.calibration('trtllm').step_overhead_s:.2f} ms | assumed |" in doc
     assert f"| {evaluation.baseline_k():.3f} | fitted |" in doc
+
+
+def test_calibrate_with_dflash_points_only_fits_the_step_overhead(tmp_path: Path, capsys):
+    results = _bench_results(tmp_path / "results.json", step=2e-3, spec=0.0)
+    data = json.loads(results.read_text())
+    data["points"] = [p for p in data["points"] if p["mode"] == "dflash"]
+    results.write_text(json.dumps(data))
+    out = _json(["--preset", "qwen3-8b", "--gpu", "h200", "--qformat", "fp8", "--calibrate", str(results)], capsys)
+    assert out["calibration"]["step_overhead_s"] == pytest.approx(2e-3, rel=1e-3)
+    assert out["calibration"]["spec_overhead_s"] == 0.0 and "on the DFlash points" in out["calibration"]["source"]
+    rc, text, _ = _plan(["--preset", "qwen3-8b", "--gpu", "h200", "--qformat", "fp8", "--calibrate", str(results)],
+                        capsys)  # fmt: skip
+    assert rc == 0 and text.splitlines()[0].startswith("calibration: step_overhead_s 0.002000")
