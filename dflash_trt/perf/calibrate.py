@@ -101,7 +101,7 @@ def _predict(p: MeasuredPoint, target: TargetModel, drafter: DFlashDrafter | Non
     return method.iteration(target, p.concurrency, ctx, dep).tok_s_user()
 
 
-def golden_min(f: Callable[[float], float], lo: float, hi: float, iterations: int = 90) -> float:
+def golden_min(f: Callable[[float], float], lo: float, hi: float, iterations: int = 60) -> float:
     """Minimizer of a unimodal f on [lo, hi] (golden-section search)."""
     ratio = (math.sqrt(5) - 1) / 2
     a, b = lo, hi
