@@ -301,6 +301,8 @@ def _blog() -> list[Published]:
         lengths=Unknown(((1024, 1024),), "assumed: SPEED-Bench prompt and output lengths are not stated"),
     )
     band = Unknown((500.0, 600.0), "the blog's band: 500-600 tok/s/user", "datasheet")
+    # 8 GPUs stay the blog's setup for gpt-oss-120b; the GPU model is what the tables leave open.
+    table_gpu = Unknown(("b300",), "assumed: the tables name no GPU; the blog's gpt-oss-120b runs are on DGX B300")
     fixed_users = Unknown((1, 4, 16, 64), "the tables say 'at a fixed number of users' without the number")
     return [
         b300x8("blog-gpt-oss-120b-dflash-vs-ar-band", "nvidia-blog", "gpt-oss-120b",
@@ -312,10 +314,11 @@ def _blog() -> list[Published]:
                   concurrency=None, tau=None, versus="eagle3", interactivity=band,
                   note="EAGLE-3's acceptance length and draft length are unpublished: not evaluable"),
         b300x8("blog-gpt-oss-120b-dflash-speed-bench", "nvidia-blog-tables", "gpt-oss-120b",
-                  "gpt-oss-120b DFlash, SPEED-Bench average", "speedup", 2.3, concurrency=fixed_users, tau=CARD_TAUS),
+                  "gpt-oss-120b DFlash, SPEED-Bench average", "speedup", 2.3, concurrency=fixed_users, tau=CARD_TAUS,
+                  gpu=table_gpu),
         b300x8("blog-gpt-oss-120b-eagle3-speed-bench", "nvidia-blog-tables", "gpt-oss-120b",
                   "gpt-oss-120b EAGLE-3, SPEED-Bench average", "speedup", 1.7, concurrency=fixed_users, tau=None,
-                  method="eagle3", note="EAGLE-3's acceptance length is unpublished: not evaluable"),
+                  method="eagle3", gpu=table_gpu, note="EAGLE-3's acceptance length is unpublished: not evaluable"),
         Published("blog-llama-3.1-8b-dflash-speed-bench", "nvidia-blog-tables", "llama-3.1-8b",
                   "Llama-3.1-8B-Instruct DFlash, SPEED-Bench average", "speedup", 2.8,
                   gpu=Unknown(("b200", "b300", "h200"), "the tables name no GPU"), precision=LLAMA_PRECISION,
