@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_trt import __version__
+from dflash_trt.capacity import checkpoint_warnings
 from dflash_trt.checkpoint.atomic import check_output_apart
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.profiles import (
@@ -296,6 +297,9 @@ def resolve_inputs(args: argparse.Namespace, settings_override: Callable | None 
                  if m.tokenizer else target)
     if target.config is not None and draft.config is not None:
         check_against_configs(profile, target.config, draft.config, draft.shown)
+    if target.path is not None and draft.path is not None:
+        for warning in checkpoint_warnings(profile, target.path, draft.path):
+            print(f"warning: {warning}", file=sys.stderr)
     settings = engine_settings(profile)
     if settings_override is not None:
         settings = settings_override(args, settings)

@@ -25,6 +25,7 @@ from dflash_trt.trtllm.build_plan import (
     GEMM_PLUGIN_CHOICES,
     MAX_EAGLE_BATCH_SIZE,
     MAX_EAGLE_DRAFT_LEN,
+    TOKENS_PER_BLOCK,
     check_gemm_plugin,
 )
 
@@ -217,10 +218,17 @@ class BuildProfile(_Strict):
                 f"max_draft_len {eng.max_draft_len} is below block_size - 1 = {block - 1}: the DFlash engine always "
                 "drafts a full block"
             )
-        if eng.max_num_tokens < eng.max_batch_size * block:
+        # A full batch of generation steps verifies max_batch_size x block_size tokens; the step must still carry
+        # one prefill chunk, or no new request could ever start while the batch is full. Without chunked
+        # context the whole prompt (up to max_input_len) is that chunk.
+        chunked = self.serving.enable_chunked_context
+        chunk = TOKENS_PER_BLOCK if chunked else eng.max_input_len
+        need = eng.max_batch_size * block + chunk
+        if eng.max_num_tokens < need:
+            what = f"one {TOKENS_PER_BLOCK}-token context chunk" if chunked else f"one max_input_len prompt ({chunk})"
             raise ValueError(
-                f"max_num_tokens {eng.max_num_tokens} is below max_batch_size x block_size = "
-                f"{eng.max_batch_size * block}: a full batch of generation steps would not fit"
+                f"max_num_tokens {eng.max_num_tokens} is below max_batch_size x block_size + {what} = {need}: "
+                "a full batch of generation steps would leave no room for prefill"
             )
         if self.checkpoint.dtype == "float16" and q.qformat == "nvfp4":
             raise ValueError("nvfp4 profiles use dtype bfloat16 (modelopt's NVFP4 export path)")
@@ -328,7 +336,7 @@ def _draft_value(cfg: dict, key: str):
     return nested[key] if key in nested else cfg.get(key)
 
 
-def _check_heads(who: str, heads: int, kv_heads: int, tp: int) -> None:
+def check_tp_heads(who: str, heads: int, kv_heads: int, tp: int) -> None:
     if heads % tp:
         raise DFlashTrtError(f"tp_size {tp} does not divide the {who}'s {heads} attention heads")
     if kv_heads % tp and tp % kv_heads:
@@ -361,9 +369,9 @@ def check_against_configs(profile: BuildProfile, target: dict, draft: dict, draf
     `--checkpoint_dir` alike."""
     tp = profile.checkpoint.tp_size
     heads = target["num_attention_heads"]
-    _check_heads("target", heads, target.get("num_key_value_heads", heads), tp)
+    check_tp_heads("target", heads, target.get("num_key_value_heads", heads), tp)
     d_heads = draft["num_attention_heads"]
-    _check_heads("drafter", d_heads, draft.get("num_key_value_heads", d_heads), tp)
+    check_tp_heads("drafter", d_heads, draft.get("num_key_value_heads", d_heads), tp)
     block = _draft_value(draft, "block_size")
     if block is not None and block != profile.model.block_size:
         raise DFlashTrtError(

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from dflash_trt.conversion.convert import convert_checkpoint
 
 from dflash_trt.cli import main
+from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.tiny.heldout import draft_dir, target_dir
 
 

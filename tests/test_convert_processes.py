@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 from _pairs import PairVariant, make_pair
-from dflash_trt.conversion.convert import convert_checkpoint
 
 from dflash_trt.checkpoint.atomic import scratch_directory
+from dflash_trt.conversion.convert import convert_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Heads divisible by 8 for tp 8; spawned workers take seconds to start, so the parent is still waiting for them

@@ -37,9 +37,12 @@ def test_shipped_profile_validates(path: Path):
     assert profile.quantization.qformat == profile.quantization.dflash_qformat == quant
     assert profile.engine.gemm_plugin == quant
     assert profile.engine.max_draft_len == profile.model.block_size - 1
-    assert profile.engine.max_num_tokens >= profile.engine.max_batch_size * profile.model.block_size
+    # Room for a full batch of generation steps plus a whole prompt, with or without chunked context.
+    eng = profile.engine
+    assert eng.max_num_tokens >= eng.max_batch_size * profile.model.block_size + eng.max_input_len
     assert profile.sweep.concurrency[-1] == profile.engine.max_batch_size
-    assert profile.checkpoint.tp_size == (8 if path.stem == "qwen3-32b" else 1)
+    # One B200/B300 holds Qwen3-32B in NVFP4; two H100/H200 hold it in FP8 with room for KV.
+    assert profile.checkpoint.tp_size == (2 if path.stem == "qwen3-32b" and gpu_name in ("h100", "h200") else 1)
     # A comment explains every non-obvious value: at least the quantization and engine sizing ones.
     text = path.read_text()
     assert text.count("#") >= 10
@@ -75,7 +78,14 @@ INVALID = [
     ({"engine.max_draft_len": 16}, "max_draft_len 16 exceeds block_size - 1 = 15"),
     ({"engine.max_draft_len": 7}, "max_draft_len 7 is below block_size - 1 = 15"),
     ({"quantization.dflash_qformat": "fp8"}, "dflash_qformat fp8 differs from qformat nvfp4"),
-    ({"engine.max_num_tokens": 4096}, "max_num_tokens 4096 is below max_batch_size x block_size = 8192"),
+    (
+        {"engine.max_num_tokens": 8192, "serving.enable_chunked_context": True},
+        "max_num_tokens 8192 is below max_batch_size x block_size + one 32-token context chunk = 8224",
+    ),
+    (
+        {"engine.max_num_tokens": 8224},
+        "max_num_tokens 8224 is below max_batch_size x block_size + one max_input_len prompt (4096) = 12288",
+    ),
     ({"checkpoint.tp_size": 3}, "tp_size must be 1, 2, 4 or 8, got 3"),
     ({"engine.gemm_plugin": "fp8"}, "gemm_plugin fp8 needs fp8 weights, but they are nvfp4"),
     ({"quantization.kv_cache_dtype": "none"}, "use_fp8_context_fmha needs kv_cache_dtype fp8"),
@@ -134,9 +144,16 @@ def _pair(tmp_path: Path, *, heads=64, kv=8, d_heads=32, d_kv=8, block=16, max_p
     return target, draft
 
 
+def _tp8_profile():
+    data = yaml.safe_load((ROOT / "build_configs/h200-fp8/qwen3-32b.yaml").read_text())
+    data["checkpoint"]["tp_size"] = 8
+    return parse_profile(data)
+
+
 def test_checkpoint_checks_accept_a_matching_pair(tmp_path: Path):
     profile = load_profile(ROOT / "build_configs/h200-fp8/qwen3-32b.yaml")
     check_against_checkpoints(profile, *_pair(tmp_path))
+    check_against_checkpoints(_tp8_profile(), *_pair(tmp_path))
 
 
 @pytest.mark.parametrize(
@@ -149,7 +166,7 @@ def test_checkpoint_checks_accept_a_matching_pair(tmp_path: Path):
     ],
 )
 def test_checkpoint_checks_reject(tmp_path: Path, pair: dict, message: str):
-    profile = load_profile(ROOT / "build_configs/h200-fp8/qwen3-32b.yaml")
+    profile = _tp8_profile()
     with pytest.raises(DFlashTrtError, match=message.replace("(", r"\(")):
         check_against_checkpoints(profile, *_pair(tmp_path, **pair))
 

@@ -27,7 +27,9 @@ class GpuSpec:
 
     def dense_flops(self, precision: str) -> float:
         """Peak dense tensor-core rate for the GEMM input precision (weights and activations)."""
-        rates = {"bf16": self.bf16_flops, "fp8": self.fp8_flops, "nvfp4": self.nvfp4_flops}
+        # MXFP4 runs on Blackwell's FP4 tensor cores; Hopper dequantizes it and multiplies in bf16.
+        mxfp4 = self.nvfp4_flops if self.nvfp4_flops is not None else self.bf16_flops
+        rates = {"bf16": self.bf16_flops, "fp8": self.fp8_flops, "nvfp4": self.nvfp4_flops, "mxfp4": mxfp4}
         if precision not in rates:
             raise DFlashTrtError(f"unknown precision {precision!r} (known: {', '.join(rates)})")
         rate = rates[precision]

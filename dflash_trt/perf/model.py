@@ -8,8 +8,9 @@ pass over the B-token block (+ KV injection of the accepted tokens' taps, + the 
 EAGLE-3 = target verify of K+1 tokens + K sequential one-layer drafter passes. Tokens per iteration come from
 an acceptance-length distribution (measured by the golden model, reported by trtllm-bench, or given).
 
-Peaks come from `gpus.py`; achievable fractions and overheads are `Calibration` constants, and which of them
-were fitted to which published number is recorded next to the validation in `published.py`.
+Peaks come from `gpus.py`; achievable fractions and overheads are `Calibration` constants. Which constant is a
+datasheet figure, an assumption or a fit (and on which published points) is listed by `provenance.py`; the fits
+themselves, on a fixed list of points decided before fitting, are in `evaluation.py`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from dflash_trt.perf.pareto import Point
 
 # The GEMM input precision of each --qformat / --kv_cache_dtype ("none" keeps 16-bit weights and caches).
 PRECISION = {NONE: "bf16", FP8: "fp8", NVFP4: "nvfp4"}
-WEIGHT_BYTES = {PRECISION[qformat]: size for qformat, size in BYTES_PER_WEIGHT.items()}
+# MXFP4 (gpt-oss's released expert format, met only in published rows): 4 bits + one e8m0 scale per 32.
+WEIGHT_BYTES = {**{PRECISION[qformat]: size for qformat, size in BYTES_PER_WEIGHT.items()}, "mxfp4": 0.53125}
 KV_BYTES = {"bf16": 2.0, "fp8": 1.0}
 ACTIVATION_BYTES = 2.0  # all-reduce payloads and tap features stay bf16
 LM_HEAD_BYTES = 2.0  # the lm_head is left unquantized (modelopt excludes it by default)
@@ -57,6 +59,11 @@ class StackShape:
     def expert_params(self) -> int:
         return 3 * self.hidden * self.intermediate
 
+    def layer_params(self, active: bool) -> int:
+        """Weights of one layer: all experts (`active=False`) or only those one token runs through."""
+        experts = (self.experts_per_token if active else self.num_experts) if self.num_experts else 1
+        return self.attn_params() + experts * self.expert_params() + self.hidden * self.num_experts
+
     def experts_touched(self, tokens: int) -> float:
         """Expected distinct experts one layer reads for `tokens` tokens, routing taken as uniform."""
         if not self.num_experts:
@@ -67,8 +74,16 @@ class StackShape:
 
 @dataclass(frozen=True)
 class TargetShape:
+    """A target LM; MoE targets express their active parameters per token through the stack's expert fields."""
+
     stack: StackShape
     vocab: int
+    tied_embeddings: bool = False
+
+    def params(self, active: bool = False) -> int:
+        """Decoder-layer weights plus embeddings and lm_head (one matrix when tied)."""
+        embeddings = self.vocab * self.stack.hidden * (1 if self.tied_embeddings else 2)
+        return self.stack.num_layers * self.stack.layer_params(active) + embeddings
 
 
 @dataclass(frozen=True)
@@ -93,16 +108,17 @@ class Calibration:
     """How much of the peaks real kernels reach, and the fixed costs a roofline cannot see.
 
     `bandwidth_efficiency`, `compute_efficiency` and `allreduce_latency_s` are assumptions (typical large-GEMM
-    and NCCL figures), not fits. The overheads are what `published` fits, one per harness: `layer_overhead_s`
-    (per layer per pass: kernel launches, framework), `step_overhead_s` (per iteration: scheduling, sampling,
-    host sync) and `spec_overhead_s` (extra per speculative iteration: acceptance, cache rewind, draft inputs).
+    and NCCL figures), not fits. The overheads are what `evaluation` (published points) or `calibrate` (a user's
+    own bench results) fits, per harness: `step_overhead_s` (per iteration, AR included: launches, scheduling,
+    sampling, host sync) and `spec_overhead_s` (extra per speculative iteration: acceptance, cache rewind, draft
+    inputs). `source` says where the values came from, so every prediction carries it.
     """
 
     name: str = "default"
+    source: str = "assumed defaults, no overhead fitted"
     bandwidth_efficiency: float = 0.80
     compute_efficiency: float = 0.60
     allreduce_latency_s: float = 8e-6
-    layer_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
     spec_overhead_s: float = 0.0
 
@@ -198,7 +214,6 @@ class PassCost:
     attention_flops: float
     allreduces: int
     allreduce_bytes: float
-    layers: int
 
 
 def stack_pass(
@@ -228,7 +243,6 @@ def stack_pass(
         attention_flops=attention / tp,
         allreduces=2 * stack.num_layers if tp > 1 else 0,
         allreduce_bytes=tokens * stack.hidden * ACTIVATION_BYTES,
-        layers=stack.num_layers,
     )
 
 
@@ -242,7 +256,7 @@ def pass_time(cost: PassCost, dep: Deployment) -> float:
     if cost.allreduces:
         ring = 2.0 * (dep.tp - 1) / dep.tp * cost.allreduce_bytes / gpu.nvlink_bandwidth
         comm = cost.allreduces * (cal.allreduce_latency_s + ring)
-    return max(memory, compute) + comm + cost.layers * cal.layer_overhead_s
+    return max(memory, compute) + comm
 
 
 @dataclass(frozen=True)

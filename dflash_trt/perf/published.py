@@ -1,35 +1,23 @@
-"""Published DFlash / EAGLE-3 numbers, the model shapes behind them, and the model-vs-published comparison.
+"""Published DFlash / EAGLE-3 figures exactly as their sources state them, and the model shapes behind them.
 
-Each harness (the software that produced a set of numbers) gets one fitted overhead constant, fitted on ONE
-designated number of that harness; every other number is a held-out check. Where a source does not publish the
-acceptance length its speedup depends on, the model cannot predict it honestly; those rows report the acceptance
-length the model needs to reproduce the number ("implied"), to be compared with the published ranges.
+Each `Published` point names its source document and carries only what that document states. Whatever the
+source leaves open (GPU, precision, concurrency, acceptance length, lengths) is an `Unknown`: the candidate
+values the evaluation runs the model over, with where those candidates come from. Nothing here is fitted; which
+points are fitted and which are held out is decided in `evaluation.py`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from functools import partial
 
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.perf.gpus import get_gpu
-from dflash_trt.perf.model import (
-    Acceptance,
-    Calibration,
-    Deployment,
-    DFlashShape,
-    Method,
-    StackShape,
-    TargetShape,
-    mean_context,
-    predict_curve,
-)
-from dflash_trt.perf.pareto import pareto_frontier, throughput_at
-from dflash_trt.perf.shapes import dflash_from_spec, eagle3_like, target_from_spec
+from dflash_trt.perf.model import DFlashShape, StackShape, TargetShape
+from dflash_trt.perf.shapes import dflash_from_spec, target_from_spec
 from dflash_trt.spec import parse_draft_config, parse_target_config
 
-# ---- model shapes (public config.json values) -------------------------------------------------------------
+# ---- model shapes (public config.json values unless marked) ------------------------------------------------
 
 QWEN3_8B = {
     "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
@@ -37,6 +25,9 @@ QWEN3_8B = {
     "rope_theta": 1000000, "max_position_embeddings": 40960, "tie_word_embeddings": False,
 }  # fmt: skip
 QWEN3_4B = QWEN3_8B | {"hidden_size": 2560, "intermediate_size": 9728, "tie_word_embeddings": True}
+QWEN3_32B = QWEN3_8B | {
+    "hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64, "num_attention_heads": 64,
+}  # fmt: skip
 LLAMA31_8B = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 500000.0,
@@ -50,15 +41,21 @@ QWEN3_8B_DFLASH_B16 = {
     "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
 }  # fmt: skip
 QWEN3_4B_DFLASH_B16 = QWEN3_8B_DFLASH_B16 | {"hidden_size": 2560, "intermediate_size": 9728}
-# Layer count and MLP width of the Llama drafter are not published; assumed like the Qwen3-8B drafter.
+# Assumed: the layer count and MLP width of the Llama drafter are not published; taken like the Qwen3-8B drafter's.
 LLAMA31_8B_DFLASH = QWEN3_8B_DFLASH_B16 | {
     "intermediate_size": 14336, "block_size": 10, "rope_theta": 500000.0,
     "dflash_config": {"mask_token_id": 128002, "target_layer_ids": [1, 8, 15, 22, 29]},
 }  # fmt: skip
+# Assumed: the third-party Qwen3-32B drafter's config is not recorded here; taken as a 5-layer z-lab-style drafter
+# of the target's width with 32 query / 8 KV heads and block 16.
+QWEN3_32B_DFLASH = QWEN3_8B_DFLASH_B16 | {
+    "hidden_size": 5120, "intermediate_size": 25600,
+    "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 16, 31, 46, 61]},
+}  # fmt: skip
 
 # gpt-oss-120b is a MoE model (outside the target families the converter accepts), so its shape is written
 # directly: 36 layers, hidden 2880, 64 x 64 query heads, 8 KV heads, 128 experts top-4 of width 2880,
-# alternate layers windowed to 128 tokens, vocab 201088.
+# alternate layers windowed to 128 tokens, vocab 201088 (its config.json).
 GPT_OSS_120B = TargetShape(
     stack=StackShape(
         num_layers=36, hidden=2880, intermediate=2880, num_heads=64, num_kv_heads=8, head_dim=64,
@@ -72,8 +69,6 @@ GPT_OSS_120B_DFLASH = DFlashShape(
     num_taps=5,
     block_size=10,
 )
-EAGLE3_STEPS = 3  # draft chain length assumed for every EAGLE-3 number (not stated by the sources)
-EAGLE3_DRAFT_VOCAB = 32000  # the Qwen3 / Llama EAGLE-3 drafters' reduced vocabulary
 
 
 def target(cfg: dict) -> TargetShape:
@@ -84,13 +79,130 @@ def dflash(target_cfg: dict, draft_cfg: dict) -> DFlashShape:
     return dflash_from_spec(parse_draft_config(draft_cfg, parse_target_config(target_cfg)))
 
 
-# ---- published numbers ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Pair:
+    """A target + DFlash drafter pair, with the acceptance length a source publishes for it (if any)."""
 
-ZLAB = "z-lab/dflash README (initial commit, 2026-01): B200, transformers backend, batch 1, bf16, T=0"
-SGLANG = "SGLang PR #23000 (spec v2): Qwen3-8B + Qwen3-8B-DFlash-b16, 1x B200, GSM8K, greedy, bf16"
-BLOG = "NVIDIA technical blog on DFlash in TensorRT-LLM (2026-06-23) and its relayed tables"
+    load: Callable[[], tuple[TargetShape, DFlashShape]]
+    target_id: str
+    draft_id: str
+    tau: float | None = None
+    tau_source: str = ""
 
-# (dataset, DFlash-8B speedup, tau, DFlash-4B speedup, tau, EAGLE-3-8B speedup, tau) from the z-lab README.
+
+PAIRS: dict[str, Pair] = {
+    "qwen3-8b": Pair(
+        lambda: (target(QWEN3_8B), dflash(QWEN3_8B, QWEN3_8B_DFLASH_B16)),
+        "Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16", 6.55, "z-lab README (initial commit), GSM8K, T=0",
+    ),
+    "qwen3-4b": Pair(
+        lambda: (target(QWEN3_4B), dflash(QWEN3_4B, QWEN3_4B_DFLASH_B16)),
+        "Qwen/Qwen3-4B", "z-lab/Qwen3-4B-DFlash-b16", 6.50, "z-lab README (initial commit), GSM8K, T=0",
+    ),
+    "llama-3.1-8b": Pair(
+        lambda: (target(LLAMA31_8B), dflash(LLAMA31_8B, LLAMA31_8B_DFLASH)),
+        "meta-llama/Llama-3.1-8B-Instruct", "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat",
+    ),
+    "qwen3-32b": Pair(
+        lambda: (target(QWEN3_32B), dflash(QWEN3_32B, QWEN3_32B_DFLASH)),
+        "Qwen/Qwen3-32B", "AICP-Labs/qwen3-32b-dflash-en-zh",
+    ),
+    "gpt-oss-120b": Pair(
+        lambda: (GPT_OSS_120B, GPT_OSS_120B_DFLASH),
+        "openai/gpt-oss-120b", "z-lab/gpt-oss-120b-DFlash", 5.3, "z-lab/gpt-oss-120b-DFlash card, GSM8K, block 10",
+    ),
+}  # fmt: skip
+
+
+def pair_for_models(target_id: str, draft_id: str) -> str | None:
+    """The PAIRS key whose HF ids are these, so a profile's shapes are known without downloading anything."""
+    return next((k for k, p in PAIRS.items() if (p.target_id, p.draft_id) == (target_id, draft_id)), None)
+
+
+# ---- sources ------------------------------------------------------------------------------------------------
+
+SOURCES = {
+    "zlab-readme": "z-lab/dflash README at its initial commit bb48ef9 (2026-01-05): 1x B200, transformers backend, "
+    "Qwen3 thinking disabled, max_new_tokens 2048, greedy (T=0), batch 1; speedup = AR TPOT / speculative TPOT in "
+    "the same harness; EAGLE-3 = RedHatAI/Qwen3-8B-speculator.eagle3",
+    "dflash-paper": "DFlash paper, arXiv 2602.06036: Qwen3-8B with z-lab/Qwen3-8B-DFlash-b16, greedy, single "
+    "stream (GPU, harness and acceptance lengths not recorded here)",
+    "sglang-23000": "SGLang PR #23000 (spec v2, merged 2026-04): Qwen3-8B + z-lab/Qwen3-8B-DFlash-b16, 1x B200, "
+    "GSM8K, greedy, trtllm_mha target / fa4 drafter attention, spec v1 and spec v2 workers",
+    "gpt-oss-card": "z-lab/gpt-oss-120b-DFlash model card: SGLang, 1x H200, reasoning effort medium, end-to-end "
+    "(prefill included), GSM8K, speedups at concurrency 1, 8, 16 and 32 for draft blocks 4 and 10 (read as over "
+    "AR at the same concurrency)",
+    "nvidia-blog": "NVIDIA technical blog 'Boost Inference Performance up to 15x on NVIDIA Blackwell Using DFlash "
+    "Speculative Decoding' (2026-06-23): gpt-oss-120b, TensorRT-LLM, eight-GPU DGX B300, SPEED-Bench coding "
+    "prompts; the 500-600 tok/s/user operating point as given by its coverage (blockchain.news, TechTimes)",
+    "nvidia-blog-tables": "the same blog's speedup tables as relayed by thebrieftide.com: SPEED-Bench average "
+    "speedup over AR 'at a fixed number of users'",
+}
+
+
+@dataclass(frozen=True)
+class Unknown:
+    """A quantity the source leaves open: the candidates the evaluation runs over, and where they come from."""
+
+    values: tuple
+    why: str
+    kind: str = "assumed"  # "datasheet" when the candidates are read from a named document
+
+
+ORIGINAL_LENGTHS = Unknown(((256, 1024),), "assumed: no source states mean prompt/output lengths")
+CARD_TAUS = Unknown(
+    (3.7, 4.4, 4.6, 5.3, 5.4),
+    "SPEED-Bench's acceptance length is unpublished: the gpt-oss-120b-DFlash card's block-10 values on "
+    "MT-Bench, HumanEval, MBPP, GSM8K and Math500",
+    "datasheet",
+)
+BLOG_PRECISION = Unknown(
+    ("mxfp4", "nvfp4"), "the blog states no precision: gpt-oss-120b is released in MXFP4; Blackwell also runs NVFP4"
+)
+LLAMA_PRECISION = Unknown(("bf16", "fp8"), "the tables state no precision")
+BF16_CHECKPOINTS = Unknown(
+    ("bf16",), "assumed: no dtype is stated; the bf16 checkpoints run in bf16 unless quantization is asked for"
+)
+CARD_PRECISION = Unknown(
+    ("mxfp4",),
+    "derived: the card states no precision, and only the released MXFP4 weights fit one 141 GB H200 "
+    "(117 B parameters x 2 B = 234 GB in bf16)",
+)
+
+
+@dataclass(frozen=True)
+class Published:
+    """One published figure and the setting it was measured in.
+
+    metric: "speedup" = tok/s/user of `method` over `versus` at equal concurrency; "tok_s" = output tokens/s of
+    the whole deployment; "ratio_at_interactivity" = tok/s/GPU of `method` over `versus` at equal tok/s/user.
+    `tau` None means the source publishes no acceptance length and no other source bounds it: the point stays
+    in the table but the model cannot evaluate it. `bound` ">" marks a figure stated as a lower bound.
+    """
+
+    id: str
+    source: str
+    pair: str
+    setting: str
+    metric: str
+    published: float
+    harness: str
+    gpu: str | Unknown
+    precision: str | Unknown
+    concurrency: int | Unknown | None
+    tau: float | Unknown | None
+    method: str = "dflash"
+    versus: str = "ar"
+    num_gpus: int = 1
+    block: int | None = None
+    draft_steps: int | Unknown | None = None
+    lengths: tuple[int, int] | Unknown = ORIGINAL_LENGTHS
+    interactivity: float | Unknown | None = None
+    bound: str = ""
+    note: str = ""
+
+
+# (dataset, DFlash-8B speedup, tau, DFlash-4B speedup, tau, EAGLE-3-8B speedup, tau), T=0 tables of the README.
 ZLAB_ROWS = [
     ("GSM8K", 5.20, 6.55, 5.17, 6.50, 2.13, 2.89),
     ("Math500", 6.17, 7.87, 6.19, 7.84, 2.18, 2.94),
@@ -103,231 +215,128 @@ ZLAB_ROWS = [
     ("MT-Bench", 2.79, 4.25, 2.87, 4.35, 1.94, 2.72),
     ("Alpaca", 2.27, 3.16, 2.23, 3.10, 1.88, 2.68),
 ]
-ZLAB_FIT = ("Qwen3-8B DFlash", "GSM8K")
-ZLAB_LENGTHS = (256, 1024)  # assumed mean prompt / output lengths (not published)
-SGLANG_POINTS = [(1, 1161.88, 6.35), (32, 15326.81, 6.48)]  # (concurrency, output tok/s, tau)
-SGLANG_FIT_CONCURRENCY = 1
-SGLANG_LENGTHS = (512, 256)  # assumed
-BLOG_LENGTHS = (1024, 1024)  # assumed
-BLOG_AR_C1_TOK_S_USER = 600.0  # "AR reaches 500-600 tok/s/user only at tiny batch" (secondary coverage)
-GPT_OSS_CARD_TAU_CODE = 4.5  # gpt-oss-120b-DFlash card, block 10: HumanEval 4.4, MBPP 4.6 (SGLang, H200)
+EAGLE3_ZLAB_STEPS = Unknown(
+    (7,), "not in the README; z-lab's project page: speculation length 7 for its EAGLE-3 comparison", "datasheet"
+)
 
 
-@dataclass(frozen=True)
-class Row:
-    """One published number next to the model."""
-
-    source: str
-    setup: str
-    metric: str
-    published: float
-    predicted: float | None
-    role: str  # "fit", "check", or "implied" (acceptance unpublished; `predicted` holds the implied tau)
-    note: str = ""
-
-    @property
-    def error(self) -> float | None:
-        if self.role == "implied" or self.predicted is None:
-            return None
-        return self.predicted / self.published - 1.0
+def _zlab() -> list[Published]:
+    points = []
+    for dataset, s8, t8, s4, t4, se, te in ZLAB_ROWS:
+        key = dataset.lower().replace("-", "")
+        row = partial(Published, source="zlab-readme", metric="speedup", harness="hf-transformers", gpu="b200",
+                      precision=BF16_CHECKPOINTS, concurrency=1)  # fmt: skip
+        points += [
+            row(id=f"zlab-qwen3-8b-dflash-{key}", pair="qwen3-8b", setting=f"Qwen3-8B DFlash, {dataset}",
+                published=s8, tau=t8),
+            row(id=f"zlab-qwen3-4b-dflash-{key}", pair="qwen3-4b", setting=f"Qwen3-4B DFlash, {dataset}",
+                published=s4, tau=t4),
+            row(id=f"zlab-qwen3-8b-eagle3-{key}", pair="qwen3-8b", setting=f"Qwen3-8B EAGLE-3, {dataset}",
+                published=se, tau=te, method="eagle3", draft_steps=EAGLE3_ZLAB_STEPS),
+        ]  # fmt: skip
+    return points
 
 
-def _bisect(f: Callable[[float], float], goal: float, lo: float, hi: float) -> float:
-    """x in [lo, hi] with f(x) = goal for monotone f; an end point when the goal is out of reach."""
-    f_lo, f_hi = f(lo) - goal, f(hi) - goal
-    if f_lo * f_hi > 0:
-        return lo if abs(f_lo) < abs(f_hi) else hi
-    for _ in range(80):
-        mid = (lo + hi) / 2
-        f_mid = f(mid) - goal
-        if (f_mid > 0) == (f_lo > 0):
-            lo, f_lo = mid, f_mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
-
-
-def speedup_c1(tgt: TargetShape, method: Method, dep: Deployment, lengths: tuple[int, int]) -> float:
-    """Single-stream decode speedup over AR in the same harness: TPOT(AR) / TPOT(method)."""
-    ctx = mean_context(*lengths)
-    ar = Method("ar").iteration(tgt, 1, ctx, dep)
-    return method.iteration(tgt, 1, ctx, dep).tok_s_user() / ar.tok_s_user()
-
-
-def _dflash_method(drafter: DFlashShape, tau: float, block: int | None = None) -> Method:
-    return Method("dflash", drafter, Acceptance.from_mean(tau, block or drafter.block_size))
-
-
-def _eagle_method(tgt: TargetShape, tau: float, vocab: int | None = EAGLE3_DRAFT_VOCAB) -> Method:
-    drafter = eagle3_like(tgt, EAGLE3_STEPS, vocab)
-    return Method("eagle3", drafter, Acceptance.from_mean(tau, EAGLE3_STEPS + 1))
-
-
-def zlab_rows() -> tuple[Calibration, list[Row]]:
-    dep0 = Deployment(get_gpu("b200"), "bf16", "bf16", 1, Calibration("hf-transformers"))
-    q8, q4 = target(QWEN3_8B), target(QWEN3_4B)
-    d8, d4 = dflash(QWEN3_8B, QWEN3_8B_DFLASH_B16), dflash(QWEN3_4B, QWEN3_4B_DFLASH_B16)
-    cases = []
-    for name, s8, t8, s4, t4, se, te in ZLAB_ROWS:
-        cases.append(("Qwen3-8B DFlash", name, s8, q8, _dflash_method(d8, t8), t8))
-        cases.append(("Qwen3-4B DFlash", name, s4, q4, _dflash_method(d4, t4), t4))
-        cases.append(("Qwen3-8B EAGLE-3", name, se, q8, _eagle_method(q8, te), te))
-    fit = next(c for c in cases if (c[0], c[1]) == ZLAB_FIT)
-
-    def fitted(overhead: float) -> float:
-        dep = replace(dep0, calibration=replace(dep0.calibration, spec_overhead_s=overhead))
-        return speedup_c1(fit[3], fit[4], dep, ZLAB_LENGTHS)
-
-    overhead = _bisect(fitted, fit[2], 0.0, 0.05)
-    dep = replace(dep0, calibration=replace(dep0.calibration, spec_overhead_s=overhead))
-    rows = [
-        Row(
-            ZLAB, f"{who}, {dataset}, tau {tau}", "c1 speedup", pub, speedup_c1(tgt, m, dep, ZLAB_LENGTHS),
-            "fit" if (who, dataset) == ZLAB_FIT else "check",
+def _paper() -> list[Published]:
+    readme_tau = {d: t8 for d, _, t8, *_ in ZLAB_ROWS}
+    gpu = Unknown(("b200", "h200"), "not recorded for the paper's table; the README's B200 and an H200")
+    rows = [("GSM8K", 5.15), ("Math500", 6.08), ("AIME25", 5.62), ("MT-Bench", 2.75)]
+    points = [
+        Published(
+            f"paper-qwen3-8b-dflash-{d.lower().replace('-', '')}", "dflash-paper", "qwen3-8b",
+            f"Qwen3-8B DFlash, {d}", "speedup", s, "hf-transformers", gpu, BF16_CHECKPOINTS, 1,
+            Unknown((readme_tau[d],), "the paper's acceptance length is not recorded here: the README's for "
+                    "the same pair and dataset", "datasheet"),
+            note="disagrees with the README's row for the same pair and dataset; both are kept. Harness assumed "
+            "the README's (transformers)",
         )
-        for who, dataset, pub, tgt, m, tau in cases
+        for d, s in rows
     ]  # fmt: skip
-    return dep.calibration, rows
-
-
-def sglang_rows() -> tuple[Calibration, list[Row]]:
-    dep0 = Deployment(get_gpu("b200"), "bf16", "bf16", 1, Calibration("sglang"))
-    tgt, drafter = target(QWEN3_8B), dflash(QWEN3_8B, QWEN3_8B_DFLASH_B16)
-    ctx = mean_context(*SGLANG_LENGTHS)
-
-    def tok_s(dep: Deployment, c: int, tau: float) -> float:
-        (point,) = predict_curve(_dflash_method(drafter, tau), tgt, dep, [c], ctx)
-        return point.tok_s_gpu * dep.tp
-
-    c_fit, pub_fit, tau_fit = next(p for p in SGLANG_POINTS if p[0] == SGLANG_FIT_CONCURRENCY)
-
-    def fitted(overhead: float) -> float:
-        return tok_s(replace(dep0, calibration=replace(dep0.calibration, step_overhead_s=overhead)), c_fit, tau_fit)
-
-    overhead = _bisect(fitted, pub_fit, 0.0, 0.05)
-    dep = replace(dep0, calibration=replace(dep0.calibration, step_overhead_s=overhead))
-    rows = [
-        Row(SGLANG, f"concurrency {c}, tau {tau}", "output tok/s", pub, tok_s(dep, c, tau),
-            "fit" if c == SGLANG_FIT_CONCURRENCY else "check")
-        for c, pub, tau in SGLANG_POINTS
-    ]  # fmt: skip
-    return dep.calibration, rows
-
-
-def _implied_tau(evaluate: Callable[[float], float], goal: float, max_tau: float) -> float | None:
-    """Acceptance length at which `evaluate` (rising in tau) meets `goal`; None if no tau in [1, max] does."""
-    if not evaluate(1.0) <= goal <= evaluate(max_tau):
-        return None
-    return _bisect(evaluate, goal, 1.0, max_tau)
-
-
-def band_ratio(
-    a: Method, b: Method, tgt: TargetShape, dep: Deployment, tok_s_user: float, lengths: tuple[int, int]
-) -> float | None:
-    """tok/s/GPU ratio of two methods' predicted frontiers at equal interactivity (None if either misses it)."""
-    conc = [2**i for i in range(0, 11)]
-    ctx = mean_context(*lengths)
-    fa = pareto_frontier(predict_curve(a, tgt, dep, conc, ctx))
-    fb = pareto_frontier(predict_curve(b, tgt, dep, conc, ctx))
-    ya, yb = throughput_at(fa, tok_s_user), throughput_at(fb, tok_s_user)
-    return None if ya is None or yb is None else ya / yb
-
-
-def blog_rows() -> tuple[Calibration, list[Row]]:
-    """The TensorRT-LLM blog numbers. The blog gives ratios only; the one absolute statement behind them (AR
-    reaches the 500-600 tok/s/user band only at the smallest batch) fits the per-iteration overhead."""
-    dep0 = Deployment(get_gpu("b300"), "nvfp4", "fp8", 8, Calibration("trtllm"))
-    ctx = mean_context(*BLOG_LENGTHS)
-
-    def ar_c1(overhead: float) -> float:
-        dep = replace(dep0, calibration=replace(dep0.calibration, step_overhead_s=overhead))
-        return Method("ar").iteration(GPT_OSS_120B, 1, ctx, dep).tok_s_user()
-
-    overhead = _bisect(ar_c1, BLOG_AR_C1_TOK_S_USER, 0.0, 0.05)
-    cal = replace(dep0.calibration, step_overhead_s=overhead)
-    b300x8 = replace(dep0, calibration=cal)
-    b200 = Deployment(get_gpu("b200"), "bf16", "bf16", 1, cal)
-    rows = [
-        Row(BLOG, "gpt-oss-120b, 8x B300 NVFP4, AR at concurrency 1 (top of the 500-600 band)", "tok/s/user",
-            BLOG_AR_C1_TOK_S_USER, ar_c1(overhead), "fit", "inferred from the blog's statement, not a measurement")
-    ]  # fmt: skip
-    gpt_df = _dflash_method(GPT_OSS_120B_DFLASH, GPT_OSS_CARD_TAU_CODE)
-    rows.append(
-        Row(BLOG, "gpt-oss-120b, 8x B300 NVFP4, DFlash vs AR at 550 tok/s/user, tau 4.5 (card, coding)",
-            "tok/s/GPU ratio", 15.0, band_ratio(gpt_df, Method("ar"), GPT_OSS_120B, b300x8, 550.0, BLOG_LENGTHS),
-            "check", "published as '>15x at 500-600 tok/s/user'; tau is the model card's coding value")
+    points.append(
+        Published("paper-qwen3-8b-dflash-mean7", "dflash-paper", "qwen3-8b", "Qwen3-8B DFlash, mean of 7 tasks",
+                  "speedup", 4.86, "hf-transformers", gpu, BF16_CHECKPOINTS, 1, None,
+                  note="a mean over tasks whose acceptance lengths are not all recorded: not evaluable")
     )  # fmt: skip
+    return points
 
-    def eagle_penalty(tau_e: float) -> float:
-        eagle = _eagle_method(GPT_OSS_120B, tau_e, None)
-        r = band_ratio(gpt_df, eagle, GPT_OSS_120B, b300x8, 550.0, BLOG_LENGTHS)
-        return math.inf if r is None else -r  # rising in tau_e, as _implied_tau expects
 
-    rows.append(
-        Row(BLOG, "gpt-oss-120b, 8x B300 NVFP4, DFlash 1.5x EAGLE-3 at 550 tok/s/user", "implied EAGLE-3 tau",
-            1.5, _implied_tau(eagle_penalty, -1.5, EAGLE3_STEPS + 1), "implied")
-    )  # fmt: skip
-    speed: list[tuple[str, TargetShape, Deployment, float, float, DFlashShape, int | None]] = [
-        ("gpt-oss-120b, 8x B300 NVFP4, SPEED-Bench avg", GPT_OSS_120B, b300x8, 2.3, 1.7, GPT_OSS_120B_DFLASH, None),
-        ("Llama-3.1-8B, 1x B200 bf16, SPEED-Bench avg", target(LLAMA31_8B), b200, 2.8, 2.2,
-         dflash(LLAMA31_8B, LLAMA31_8B_DFLASH), EAGLE3_DRAFT_VOCAB),
+SGLANG_TAUS = Unknown(
+    (6.35, 6.48), "the PR reports acceptance lengths 6.35 and 6.48 without tying them to a run", "datasheet"
+)
+
+
+def _sglang() -> list[Published]:
+    rows = [("v1", 1, 845.98), ("v1", 32, 11405.85), ("v2", 1, 1161.88), ("v2", 32, 15326.81)]
+    return [
+        Published(f"sglang-{v}-c{c}", "sglang-23000", "qwen3-8b", f"Qwen3-8B DFlash, spec {v}, concurrency {c}",
+                  "tok_s", tok_s, f"sglang-{v}", "b200", BF16_CHECKPOINTS, c, SGLANG_TAUS,
+                  lengths=Unknown(((512, 256),), "assumed: GSM8K prompt and answer lengths are not stated"))
+        for v, c, tok_s in rows
     ]  # fmt: skip
-    for setup in speed:
-        rows += _implied_speed_taus(*setup)
-    return cal, rows
 
 
-def _implied_speed_taus(setup: str, tgt: TargetShape, dep: Deployment, pub_df: float, pub_e: float,
-                        drafter: DFlashShape, vocab: int | None) -> list[Row]:
-    tau_df = _implied_tau(lambda t: speedup_c1(tgt, _dflash_method(drafter, t), dep, BLOG_LENGTHS),
-                          pub_df, drafter.block_size)
-    tau_e = _implied_tau(lambda t: speedup_c1(tgt, _eagle_method(tgt, t, vocab), dep, BLOG_LENGTHS),
-                         pub_e, EAGLE3_STEPS + 1)
-    return [Row(BLOG, f"{setup}, DFlash {pub_df}x", "implied DFlash tau", pub_df, tau_df, "implied"),
-            Row(BLOG, f"{setup}, EAGLE-3 {pub_e}x", "implied EAGLE-3 tau", pub_e, tau_e, "implied")]
+def _card() -> list[Published]:
+    rows = [(4, 3.3, [(1, 1.3), (8, 1.2), (16, 1.3), (32, 1.2)]), (10, 5.3, [(1, 1.8), (8, 1.6), (16, 1.6), (32, 1.5)])]
+    lengths = Unknown(((256, 1024),), "assumed: GSM8K prompts are short; reasoning output length is not stated")
+    return [
+        Published(
+            f"card-gpt-oss-120b-b{block}-c{c}", "gpt-oss-card", "gpt-oss-120b",
+            f"gpt-oss-120b DFlash, block {block}, concurrency {c}", "speedup", s, "sglang-v2", "h200",
+            CARD_PRECISION, c, tau, block=block, lengths=lengths,
+            note="the model ignores the prefill share of end-to-end time"
+            + ("; the recorded excerpt was cut right after this value" if c == 32 else ""),
+        )
+        for block, tau, cells in rows
+        for c, s in cells
+    ]  # fmt: skip
 
 
-def all_rows() -> tuple[dict[str, Calibration], list[Row]]:
-    hf_cal, hf_rows = zlab_rows()
-    sg_cal, sg_rows = sglang_rows()
-    trt_cal, trt_rows = blog_rows()
-    return {"hf-transformers": hf_cal, "sglang": sg_cal, "trtllm": trt_cal}, hf_rows + sg_rows + trt_rows
+def _blog() -> list[Published]:
+    b300x8 = partial(
+        Published,
+        gpu="b300",
+        num_gpus=8,
+        precision=BLOG_PRECISION,
+        harness="trtllm",
+        lengths=Unknown(((1024, 1024),), "assumed: SPEED-Bench prompt and output lengths are not stated"),
+    )
+    band = Unknown((500.0, 600.0), "the blog's band: 500-600 tok/s/user", "datasheet")
+    # 8 GPUs stay the blog's setup for gpt-oss-120b; the GPU model is what the tables leave open.
+    table_gpu = Unknown(("b300",), "assumed: the tables name no GPU; the blog's gpt-oss-120b runs are on DGX B300")
+    fixed_users = Unknown((1, 4, 16, 64), "the tables say 'at a fixed number of users' without the number")
+    return [
+        b300x8("blog-gpt-oss-120b-dflash-vs-ar-band", "nvidia-blog", "gpt-oss-120b",
+                  "gpt-oss-120b DFlash vs AR at 500-600 tok/s/user", "ratio_at_interactivity", 15.0,
+                  concurrency=None, tau=CARD_TAUS, interactivity=band, bound=">",
+                  note="stated as more than 15x the throughput (the concurrent users) of AR at that interactivity"),
+        b300x8("blog-gpt-oss-120b-dflash-vs-eagle3-band", "nvidia-blog", "gpt-oss-120b",
+                  "gpt-oss-120b DFlash vs EAGLE-3 at 500-600 tok/s/user", "ratio_at_interactivity", 1.5,
+                  concurrency=None, tau=None, versus="eagle3", interactivity=band,
+                  note="EAGLE-3's acceptance length and draft length are unpublished: not evaluable"),
+        b300x8("blog-gpt-oss-120b-dflash-speed-bench", "nvidia-blog-tables", "gpt-oss-120b",
+                  "gpt-oss-120b DFlash, SPEED-Bench average", "speedup", 2.3, concurrency=fixed_users, tau=CARD_TAUS,
+                  gpu=table_gpu),
+        b300x8("blog-gpt-oss-120b-eagle3-speed-bench", "nvidia-blog-tables", "gpt-oss-120b",
+                  "gpt-oss-120b EAGLE-3, SPEED-Bench average", "speedup", 1.7, concurrency=fixed_users, tau=None,
+                  method="eagle3", gpu=table_gpu, note="EAGLE-3's acceptance length is unpublished: not evaluable"),
+        Published("blog-llama-3.1-8b-dflash-speed-bench", "nvidia-blog-tables", "llama-3.1-8b",
+                  "Llama-3.1-8B-Instruct DFlash, SPEED-Bench average", "speedup", 2.8,
+                  gpu=Unknown(("b200", "b300", "h200"), "the tables name no GPU"), precision=LLAMA_PRECISION,
+                  harness="trtllm", concurrency=fixed_users, tau=None,
+                  note="no source gives this drafter's acceptance length: not evaluable"),
+        Published("blog-llama-3.1-8b-eagle3-speed-bench", "nvidia-blog-tables", "llama-3.1-8b",
+                  "Llama-3.1-8B-Instruct EAGLE-3, SPEED-Bench average", "speedup", 2.2,
+                  gpu=Unknown(("b200", "b300", "h200"), "the tables name no GPU"), precision=LLAMA_PRECISION,
+                  harness="trtllm", concurrency=fixed_users, tau=None, method="eagle3",
+                  note="EAGLE-3's acceptance length is unpublished: not evaluable"),
+    ]  # fmt: skip
 
 
-def markdown_table(rows: list[Row]) -> str:
-    """The table docs/performance.md carries, regenerated by `dflash-trt plan --validate`."""
-    if not rows:
-        raise DFlashTrtError("no rows to tabulate")
-    lines = [
-        "| source | setup | metric | published | model | error | role |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    short = {ZLAB: "z-lab README", SGLANG: "SGLang #23000", BLOG: "NVIDIA blog"}
-    for r in rows:
-        model = "-" if r.predicted is None else f"{r.predicted:.2f}" if r.predicted < 100 else f"{r.predicted:,.0f}"
-        published = f"{r.published:.2f}" if r.published < 100 else f"{r.published:,.0f}"
-        error = "-" if r.error is None else f"{100 * r.error:+.1f}%"
-        lines.append(f"| {short.get(r.source, r.source)} | {r.setup} | {r.metric} | {published} | {model} | "
-                     f"{error} | {r.role} |")  # fmt: skip
-    return "\n".join(lines)
+POINTS: list[Published] = _zlab() + _paper() + _sglang() + _card() + _blog()
 
 
-CALIBRATIONS: dict[str, Callable[[], tuple[Calibration, list[Row]]]] = {
-    "trtllm": blog_rows,
-    "sglang": sglang_rows,
-    "hf-transformers": zlab_rows,
-}
-
-PRESETS: dict[str, Callable[[], tuple[TargetShape, DFlashShape]]] = {
-    "qwen3-8b": lambda: (target(QWEN3_8B), dflash(QWEN3_8B, QWEN3_8B_DFLASH_B16)),
-    "qwen3-4b": lambda: (target(QWEN3_4B), dflash(QWEN3_4B, QWEN3_4B_DFLASH_B16)),
-    "llama-3.1-8b": lambda: (target(LLAMA31_8B), dflash(LLAMA31_8B, LLAMA31_8B_DFLASH)),
-    "gpt-oss-120b": lambda: (GPT_OSS_120B, GPT_OSS_120B_DFLASH),
-}
-
-
-def fitted_calibration(harness: str) -> Calibration:
-    """The calibration fitted on one published number of `harness` (see the table in docs/performance.md)."""
-    if harness not in CALIBRATIONS:
-        raise DFlashTrtError(f"unknown calibration {harness!r} (known: {', '.join(CALIBRATIONS)})")
-    return CALIBRATIONS[harness]()[0]
+def point(point_id: str) -> Published:
+    found = [p for p in POINTS if p.id == point_id]
+    if len(found) != 1:
+        raise DFlashTrtError(f"no published point {point_id!r}")
+    return found[0]

@@ -25,7 +25,7 @@ def stack_from_spec(spec: DecoderSpec, **extra: Any) -> StackShape:
 
 
 def target_from_spec(spec: TargetSpec) -> TargetShape:
-    return TargetShape(stack=stack_from_spec(spec), vocab=spec.vocab_size)
+    return TargetShape(stack=stack_from_spec(spec), vocab=spec.vocab_size, tied_embeddings=spec.tie_word_embeddings)
 
 
 def dflash_from_spec(spec: DraftSpec) -> DFlashShape:

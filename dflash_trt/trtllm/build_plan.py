@@ -47,6 +47,9 @@ QUANTIZED_GEMM_PLUGINS = (FP8, NVFP4)
 # the portable ones for FP8 KV) take these paged-KV block sizes; only Hopper's FP8-KV GMMA kernels also take 8.
 # cpp/tensorrt_llm/kernels/decoderMaskedMultiheadAttention/decoderXQAImplJIT/kernelUtils.cpp, supportConfigHMMA.
 XQA_TOKENS_PER_BLOCK = (16, 32, 64, 128)
+# KV-cache block size: trtllm-build's plugin-config default (read in the 1.2.x sources). It is also the unit of a
+# context chunk, so the smallest prefill chunk a step can carry.
+TOKENS_PER_BLOCK = 32
 KV_CACHE_TYPES = ("paged",)
 LOGITS_DTYPES = ("float32", "float16")
 
@@ -65,7 +68,7 @@ class EngineBuildSettings:
     use_fp8_context_fmha: bool = False
     multiple_profiles: bool = False
     kv_cache_type: str = "paged"
-    tokens_per_block: int = 32
+    tokens_per_block: int = TOKENS_PER_BLOCK
     logits_dtype: str = "float32"
     workers: int = 1
     extra_flags: tuple[str, ...] = ()
