@@ -1,0 +1,272 @@
+"""`dflash-trt bench`: drive a DFlash engine (TensorRT-LLM executor), a Triton server or the CPU golden model with
+closed-loop concurrency or Poisson arrivals; write results.json, report.html and pareto.png.
+
+    dflash-trt bench (--engine_dir E | --checkpoint_dir C | --triton_url HOST:PORT)
+                     (--input_file P.jsonl | --synthetic ISL,OSL,COUNT) --concurrency 1,2,4
+                     [--request_rate R] [--max_new_tokens N] [--baseline ar] --output_dir D
+
+`--baseline ar` adds the target alone at the same points: the checkpoint's target (CPU), `--baseline_engine_dir`
+(an AR engine) or `--baseline_triton_url`. Multi-GPU engines run under `mpirun -n <world size>`: rank 0 drives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dflash_trt.bench.driver import Backend, run_load
+from dflash_trt.bench.results import RESULTS_FILE, point_from_run, sweep_fields, write_results
+from dflash_trt.bench.workload import Workload, file_workload, parse_synthetic, synthetic_workload
+from dflash_trt.errors import DFlashTrtError
+from dflash_trt.tokenizer import load_tokenizer
+
+BackendFactory = Callable[[int], Backend]  # max in-flight requests -> a fresh backend for one point
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("bench", help="load generator: concurrency / request-rate points with per-token "
+                              "timing and acceptance, on an engine, a Triton server or the CPU golden model",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--engine_dir", help="DFlash engine (dflash-trt build): TensorRT-LLM 1.2.x executor, GPU")
+    target.add_argument("--checkpoint_dir", help="converted checkpoint: the golden model with in-flight batching, CPU")
+    target.add_argument("--triton_url", help="Triton gRPC endpoint HOST:PORT of a deployed repository")
+    prompts = p.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--input_file", help='jsonl prompts, {"input_ids": [...]} or {"text": "..."} per line')
+    prompts.add_argument("--synthetic", metavar="ISL,OSL,COUNT", help="random token prompts of ISL tokens, "
+                         "OSL output tokens each (end tokens ignored), COUNT of them")
+    p.add_argument("--concurrency", help="comma-separated closed-loop user counts, e.g. 1,2,4")
+    p.add_argument("--request_rate", help="comma-separated open-loop Poisson arrival rates (requests/s)")
+    p.add_argument("--max_new_tokens", type=int, default=128, help="output budget per prompt (--input_file)")
+    p.add_argument("--num_requests", type=int, default=None, help="requests per point (default: every prompt)")
+    p.add_argument("--warmup", type=int, default=0, help="requests sent and discarded before each point")
+    p.add_argument("--baseline", choices=("ar",), help="also measure the target alone at the same points")
+    p.add_argument("--baseline_engine_dir", help="the AR engine for --baseline ar with --engine_dir")
+    p.add_argument("--baseline_triton_url", help="the AR server for --baseline ar with --triton_url")
+    p.add_argument("--tokenizer_dir", help="tokenizer for text prompts (default: the checkpoint's)")
+    p.add_argument("--plugin_library", help="libdflash_trt_plugins.so (default: the one dflash_trt.json names)")
+    p.add_argument("--max_batch_size", type=int, default=None,
+                   help="executor batch limit (default: the engine's; CPU: the largest concurrency, else 16)")
+    p.add_argument("--kv_cache_free_gpu_mem_fraction", type=float, default=None)
+    p.add_argument("--triton_model", default="tensorrt_llm", help="model that takes token ids (default tensorrt_llm)")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs behind --triton_url (divides tok/s per GPU)")
+    p.add_argument("--end_id", type=int, default=None, help="end token for engine / Triton runs on --input_file")
+    p.add_argument("--vocab_size", type=int, default=None, help="token range of --synthetic prompts for Triton")
+    p.add_argument("--seed", type=int, default=0, help="seed of synthetic prompts and Poisson arrivals")
+    p.add_argument("--timeout_s", type=float, default=3600.0, help="give up on a point after this long")
+    p.add_argument("--output_dir", required=True, help="folder for results.json, report.html, pareto.png")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--json", action="store_true", help="print the points (without per-request data) as JSON")
+    p.set_defaults(func=run)
+
+
+def _numbers(text: str | None, kind: type, flag: str) -> list:
+    if text is None:
+        return []
+    try:
+        values = [kind(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(not v > 0 for v in values):
+        raise DFlashTrtError(f"{flag} must be a comma-separated list of positive numbers, got {text!r}")
+    return values
+
+
+def golden_factories(checkpoint_dir: str, baseline: bool, workload: Workload,
+                     max_batch_size: int | None) -> dict[str, BackendFactory]:
+    import torch
+
+    from dflash_trt.bench.backends.golden import GoldenBackend
+    from dflash_trt.reference.model import load_golden_model
+
+    # Small CPU matrices: intra-op threads only add synchronisation (many times slower on busy cores).
+    torch.set_num_threads(1)
+    model = load_golden_model(checkpoint_dir)
+    stops = [] if workload.ignore_eos else list(model.target.spec.eos_token_ids)
+
+    def factory(block_size: int | None) -> BackendFactory:
+        return lambda in_flight: GoldenBackend(model, max_batch_size or in_flight, workload.max_seq_len,
+                                               block_size=block_size, stop_token_ids=stops)
+
+    factories = {"dflash": factory(None)}
+    if baseline:
+        factories["ar"] = factory(1)
+    return factories
+
+
+def engine_factories(args: argparse.Namespace, workload: Workload) -> dict[str, BackendFactory]:
+    from dflash_trt.bench.backends.trtllm import TrtllmBackend, inspect_engine
+
+    infos = {"dflash": inspect_engine(args.engine_dir, "dflash", args.plugin_library)}
+    if args.baseline:
+        if not args.baseline_engine_dir:
+            raise DFlashTrtError("--baseline ar with --engine_dir needs --baseline_engine_dir (an AR engine)")
+        infos["ar"] = inspect_engine(args.baseline_engine_dir, "ar")
+
+    def factory(info) -> BackendFactory:
+        return lambda in_flight: TrtllmBackend(info, max_batch_size=args.max_batch_size,
+                                               ignore_eos=workload.ignore_eos,
+                                               kv_cache_free_gpu_memory_fraction=args.kv_cache_free_gpu_mem_fraction)
+
+    return {mode: factory(info) for mode, info in infos.items()}
+
+
+def triton_factories(args: argparse.Namespace, workload: Workload) -> dict[str, BackendFactory]:
+    from dflash_trt.bench.backends.triton import TritonBackend
+
+    urls = {"dflash": args.triton_url}
+    if args.baseline:
+        if not args.baseline_triton_url:
+            raise DFlashTrtError("--baseline ar with --triton_url needs --baseline_triton_url (an AR deployment)")
+        urls["ar"] = args.baseline_triton_url
+    end_id = -1 if workload.ignore_eos else args.end_id
+
+    def factory(mode: str, url: str) -> BackendFactory:
+        return lambda in_flight: TritonBackend(url, model=args.triton_model, mode=mode, gpus=args.gpus,
+                                               end_id=end_id)
+
+    return {mode: factory(mode, url) for mode, url in urls.items()}
+
+
+def build_workload(args: argparse.Namespace) -> Workload:
+    if args.synthetic:
+        spec = parse_synthetic(args.synthetic)
+        if args.checkpoint_dir:
+            from dflash_trt.checkpoint.trtllm_config import specs_from_config
+            from dflash_trt.jsonfile import read_json_object
+
+            config = read_json_object(Path(args.checkpoint_dir) / "config.json",
+                                      f"{args.checkpoint_dir} is not a converted checkpoint (no config.json)")
+            vocab = specs_from_config(config)[0].vocab_size
+        elif args.engine_dir:
+            from dflash_trt.bench.backends.trtllm import inspect_engine
+
+            vocab = inspect_engine(args.engine_dir, "dflash", args.plugin_library).vocab_size
+        else:
+            if not args.vocab_size:
+                raise DFlashTrtError("--synthetic with --triton_url needs --vocab_size (the model's token range)")
+            vocab = args.vocab_size
+        workload = synthetic_workload(spec, vocab, args.seed)
+    else:
+        tokenizer_dir = args.tokenizer_dir or args.checkpoint_dir
+        tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
+        workload = file_workload(args.input_file, args.max_new_tokens, tokenizer)
+    if args.num_requests is not None:
+        if args.num_requests < 1:
+            raise DFlashTrtError(f"--num_requests must be >= 1, got {args.num_requests}")
+        reqs = workload.requests
+        workload = Workload([reqs[i % len(reqs)] for i in range(args.num_requests)], workload.ignore_eos,
+                            workload.description | {"num_requests": args.num_requests})
+    return workload
+
+
+def measure(factories: dict[str, BackendFactory], workload: Workload, concurrencies: list[int],
+            rates: list[float], warmup: int = 0, seed: int = 0, timeout_s: float | None = None,
+            progress: Callable[[dict], None] | None = None) -> list[dict[str, Any]]:
+    """Every (mode, concurrency) and (mode, rate) point, each on a fresh backend."""
+    points = []
+    settings = [(c, None) for c in concurrencies] + [(None, r) for r in rates]
+    for mode, factory in factories.items():
+        for concurrency, rate in settings:
+            in_flight = concurrency or max(concurrencies, default=16)
+            if warmup:
+                asyncio.run(run_load(factory(in_flight), workload.requests[:warmup], concurrency=in_flight,
+                                     timeout_s=timeout_s))
+            backend = factory(in_flight)
+            trace = asyncio.run(run_load(backend, workload.requests, concurrency=concurrency, request_rate=rate,
+                                         seed=seed, timeout_s=timeout_s))
+            point = point_from_run(trace, mode=backend.mode, engine=mode, gpus=backend.gpus,
+                                   concurrency=concurrency, request_rate=rate)
+            points.append(point)
+            if progress is not None:
+                progress(point)
+    return points
+
+
+def analysis_records(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Closed-loop points in the shape the Pareto report reads."""
+    return [
+        {"engine": p["engine"], "kind": p["mode"], "concurrency": p["concurrency"], "status": "ok", **sweep_fields(p)}
+        for p in points
+        if p["concurrency"] is not None and p["requests"] and sweep_fields(p)["tok_s_user_tpot"] is not None
+    ]
+
+
+def points_table(points: list[dict[str, Any]]):
+    def cell(value, fmt="{:.1f}"):
+        return "-" if value is None else fmt.format(value)
+
+    rows = [[p["engine"], cell(p["concurrency"], "{}"), cell(p["request_rate"], "{:g}"), str(p["requests"]),
+             str(p["failed"]), cell(p["throughput_tok_s"]),
+             cell(p["per_user_tok_s"] and p["per_user_tok_s"]["p50"]),
+             cell(p["ttft_s"] and p["ttft_s"]["p50"] * 1000), cell(p["tpot_s"] and p["tpot_s"]["p50"] * 1000, "{:.2f}"),
+             cell(p["acceptance_length"], "{:.2f}"), str(p["max_in_flight"])] for p in points]
+    header = ["engine", "concurrency", "rate (req/s)", "requests", "failed", "output tok/s", "tok/s/user p50",
+              "TTFT p50 (ms)", "TPOT p50 (ms)", "acceptance", "max in flight"]
+    return "Measured points", header, rows
+
+
+def write_outputs(out: Path, points: list[dict[str, Any]], workload: dict[str, Any], overwrite: bool) -> dict:
+    """results.json, report.html and pareto.png, staged next to `out` and renamed into place."""
+    from dflash_trt.perf.report import analyze_records
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise DFlashTrtError(f"output folder {out} already exists; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    try:
+        write_results(staging / RESULTS_FILE, points, workload)
+        records = analysis_records(points)
+        summary = analyze_records(records, "tpot", None, staging, [points_table(points)]) if records else {}
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return summary
+
+
+def run(args: argparse.Namespace) -> int:
+    from dflash_trt.bench.backends.trtllm import FollowerRank
+
+    concurrencies = _numbers(args.concurrency, int, "--concurrency")
+    rates = _numbers(args.request_rate, float, "--request_rate")
+    if not concurrencies and not rates:
+        raise DFlashTrtError("give --concurrency and/or --request_rate")
+    out = Path(args.output_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
+        raise DFlashTrtError(f"output folder {out} already exists; pass --overwrite to replace it")
+    workload = build_workload(args)
+    if args.checkpoint_dir:
+        factories = golden_factories(args.checkpoint_dir, args.baseline == "ar", workload, args.max_batch_size)
+    elif args.engine_dir:
+        factories = engine_factories(args, workload)
+    else:
+        factories = triton_factories(args, workload)
+
+    def progress(point: dict) -> None:
+        where = f"c={point['concurrency']}" if point["concurrency"] else f"rate={point['request_rate']:g}/s"
+        print(f"{point['engine']} {where}: {point['throughput_tok_s']:.1f} tok/s, acceptance "
+              f"{point['acceptance_length'] or 0:.2f}, {point['failed']} failed", file=sys.stderr)
+
+    try:
+        points = measure(factories, workload, concurrencies, rates, args.warmup, args.seed, args.timeout_s,
+                         None if args.json else progress)
+    except FollowerRank:
+        return 0
+    write_outputs(out, points, workload.description, args.overwrite)
+    if args.json:
+        print(json.dumps([{k: v for k, v in p.items() if k not in ("per_request", "in_flight_trace")}
+                          for p in points]))
+    else:
+        print(f"results: {out / RESULTS_FILE}; report: {out / 'report.html'}")
+    return 0
