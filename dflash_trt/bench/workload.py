@@ -34,6 +34,13 @@ class Workload:
     def max_seq_len(self) -> int:
         return max(len(r.input_ids) + r.max_new_tokens for r in self.requests)
 
+    def resized(self, count: int) -> Workload:
+        """`count` requests, cycling through the prompts (a longer run, or a subset, of the same set)."""
+        if count < 1:
+            raise DFlashTrtError(f"the number of requests must be >= 1, got {count}")
+        cycled = [self.requests[i % len(self.requests)] for i in range(count)]
+        return Workload(cycled, self.ignore_eos, self.description | {"num_requests": count})
+
 
 def parse_synthetic(text: str) -> Synthetic:
     parts = text.split(",")

@@ -12,22 +12,19 @@ closed-loop concurrency or Poisson arrivals; write results.json, report.html and
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dflash_trt.bench.driver import Backend, run_load
-from dflash_trt.bench.results import RESULTS_FILE, point_from_run, sweep_fields, write_results
+from dflash_trt.bench.measure import measure_point
+from dflash_trt.bench.results import RESULTS_FILE, sweep_fields, write_results
+from dflash_trt.bench.targets import Target, backend_factory, check_target, vocab_size
 from dflash_trt.bench.workload import Workload, file_workload, parse_synthetic, synthetic_workload
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.tokenizer import load_tokenizer
-
-BackendFactory = Callable[[int], Backend]  # max in-flight requests -> a fresh backend for one point
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -79,115 +76,33 @@ def _numbers(text: str | None, kind: type, flag: str) -> list:
     return values
 
 
-def golden_factories(checkpoint_dir: str, baseline: bool, workload: Workload,
-                     max_batch_size: int | None) -> dict[str, BackendFactory]:
-    import torch
-
-    from dflash_trt.bench.backends.golden import GoldenBackend
-    from dflash_trt.reference.model import load_golden_model
-
-    # Small CPU matrices: intra-op threads only add synchronisation (many times slower on busy cores).
-    torch.set_num_threads(1)
-    model = load_golden_model(checkpoint_dir)
-    stops = [] if workload.ignore_eos else list(model.target.spec.eos_token_ids)
-
-    def factory(block_size: int | None) -> BackendFactory:
-        return lambda in_flight: GoldenBackend(model, max_batch_size or in_flight, workload.max_seq_len,
-                                               block_size=block_size, stop_token_ids=stops)
-
-    factories = {"dflash": factory(None)}
-    if baseline:
-        factories["ar"] = factory(1)
-    return factories
-
-
-def engine_factories(args: argparse.Namespace, workload: Workload) -> dict[str, BackendFactory]:
-    from dflash_trt.bench.backends.trtllm import TrtllmBackend, inspect_engine
-
-    infos = {"dflash": inspect_engine(args.engine_dir, "dflash", args.plugin_library)}
-    if args.baseline:
-        if not args.baseline_engine_dir:
+def targets(args: argparse.Namespace) -> dict[str, Target]:
+    """The measured target and, with --baseline ar, the target alone, keyed by the name plotted."""
+    common = {"plugin_library": args.plugin_library, "triton_model": args.triton_model, "gpus": args.gpus,
+              "end_id": args.end_id}
+    out = {"dflash": Target("dflash", args.engine_dir, args.checkpoint_dir, args.triton_url, **common)}
+    if args.baseline == "ar":
+        if args.engine_dir and not args.baseline_engine_dir:
             raise DFlashTrtError("--baseline ar with --engine_dir needs --baseline_engine_dir (an AR engine)")
-        infos["ar"] = inspect_engine(args.baseline_engine_dir, "ar")
-
-    def factory(info) -> BackendFactory:
-        return lambda in_flight: TrtllmBackend(info, max_batch_size=args.max_batch_size,
-                                               ignore_eos=workload.ignore_eos,
-                                               kv_cache_free_gpu_memory_fraction=args.kv_cache_free_gpu_mem_fraction)
-
-    return {mode: factory(info) for mode, info in infos.items()}
-
-
-def triton_factories(args: argparse.Namespace, workload: Workload) -> dict[str, BackendFactory]:
-    from dflash_trt.bench.backends.triton import TritonBackend
-
-    urls = {"dflash": args.triton_url}
-    if args.baseline:
-        if not args.baseline_triton_url:
+        if args.triton_url and not args.baseline_triton_url:
             raise DFlashTrtError("--baseline ar with --triton_url needs --baseline_triton_url (an AR deployment)")
-        urls["ar"] = args.baseline_triton_url
-    end_id = -1 if workload.ignore_eos else args.end_id
-
-    def factory(mode: str, url: str) -> BackendFactory:
-        return lambda in_flight: TritonBackend(url, model=args.triton_model, mode=mode, gpus=args.gpus,
-                                               end_id=end_id)
-
-    return {mode: factory(mode, url) for mode, url in urls.items()}
+        out["ar"] = Target("ar", args.baseline_engine_dir, args.checkpoint_dir, args.baseline_triton_url, **common)
+    for target in out.values():
+        check_target(target)
+    return out
 
 
-def build_workload(args: argparse.Namespace) -> Workload:
+def build_workload(args: argparse.Namespace, target: Target) -> Workload:
     if args.synthetic:
-        spec = parse_synthetic(args.synthetic)
-        if args.checkpoint_dir:
-            from dflash_trt.checkpoint.trtllm_config import specs_from_config
-            from dflash_trt.jsonfile import read_json_object
-
-            config = read_json_object(Path(args.checkpoint_dir) / "config.json",
-                                      f"{args.checkpoint_dir} is not a converted checkpoint (no config.json)")
-            vocab = specs_from_config(config)[0].vocab_size
-        elif args.engine_dir:
-            from dflash_trt.bench.backends.trtllm import inspect_engine
-
-            vocab = inspect_engine(args.engine_dir, "dflash", args.plugin_library).vocab_size
-        else:
-            if not args.vocab_size:
-                raise DFlashTrtError("--synthetic with --triton_url needs --vocab_size (the model's token range)")
-            vocab = args.vocab_size
-        workload = synthetic_workload(spec, vocab, args.seed)
+        vocab = vocab_size(target) or args.vocab_size
+        if not vocab:
+            raise DFlashTrtError("--synthetic with --triton_url needs --vocab_size (the model's token range)")
+        workload = synthetic_workload(parse_synthetic(args.synthetic), vocab, args.seed)
     else:
         tokenizer_dir = args.tokenizer_dir or args.checkpoint_dir
         tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
         workload = file_workload(args.input_file, args.max_new_tokens, tokenizer)
-    if args.num_requests is not None:
-        if args.num_requests < 1:
-            raise DFlashTrtError(f"--num_requests must be >= 1, got {args.num_requests}")
-        reqs = workload.requests
-        workload = Workload([reqs[i % len(reqs)] for i in range(args.num_requests)], workload.ignore_eos,
-                            workload.description | {"num_requests": args.num_requests})
-    return workload
-
-
-def measure(factories: dict[str, BackendFactory], workload: Workload, concurrencies: list[int],
-            rates: list[float], warmup: int = 0, seed: int = 0, timeout_s: float | None = None,
-            progress: Callable[[dict], None] | None = None) -> list[dict[str, Any]]:
-    """Every (mode, concurrency) and (mode, rate) point, each on a fresh backend."""
-    points = []
-    settings = [(c, None) for c in concurrencies] + [(None, r) for r in rates]
-    for mode, factory in factories.items():
-        for concurrency, rate in settings:
-            in_flight = concurrency or max(concurrencies, default=16)
-            if warmup:
-                asyncio.run(run_load(factory(in_flight), workload.requests[:warmup], concurrency=in_flight,
-                                     timeout_s=timeout_s))
-            backend = factory(in_flight)
-            trace = asyncio.run(run_load(backend, workload.requests, concurrency=concurrency, request_rate=rate,
-                                         seed=seed, timeout_s=timeout_s))
-            point = point_from_run(trace, mode=backend.mode, engine=mode, gpus=backend.gpus,
-                                   concurrency=concurrency, request_rate=rate)
-            points.append(point)
-            if progress is not None:
-                progress(point)
-    return points
+    return workload if args.num_requests is None else workload.resized(args.num_requests)
 
 
 def analysis_records(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -245,22 +160,25 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
         raise DFlashTrtError(f"output folder {out} already exists; pass --overwrite to replace it")
-    workload = build_workload(args)
-    if args.checkpoint_dir:
-        factories = golden_factories(args.checkpoint_dir, args.baseline == "ar", workload, args.max_batch_size)
-    elif args.engine_dir:
-        factories = engine_factories(args, workload)
-    else:
-        factories = triton_factories(args, workload)
+    chosen = targets(args)
+    workload = build_workload(args, chosen["dflash"])
 
     def progress(point: dict) -> None:
         where = f"c={point['concurrency']}" if point["concurrency"] else f"rate={point['request_rate']:g}/s"
         print(f"{point['engine']} {where}: {point['throughput_tok_s']:.1f} tok/s, acceptance "
               f"{point['acceptance_length'] or 0:.2f}, {point['failed']} failed", file=sys.stderr)
 
+    points = []
     try:
-        points = measure(factories, workload, concurrencies, rates, args.warmup, args.seed, args.timeout_s,
-                         None if args.json else progress)
+        for name, target in chosen.items():
+            factory = backend_factory(target, workload, args.max_batch_size, args.kv_cache_free_gpu_mem_fraction)
+            for concurrency, rate in [(c, None) for c in concurrencies] + [(None, r) for r in rates]:
+                point = measure_point(factory, workload, name, concurrency=concurrency, request_rate=rate,
+                                      warmup=args.warmup, seed=args.seed, timeout_s=args.timeout_s,
+                                      max_in_flight=args.max_batch_size)
+                points.append(point)
+                if not args.json:
+                    progress(point)
     except FollowerRank:
         return 0
     write_outputs(out, points, workload.description, args.overwrite)

@@ -116,14 +116,15 @@ class TrtllmBackend(Backend):
     """One in-process executor per run; requests carry our request id as the executor's client id."""
 
     def __init__(self, info: EngineInfo, *, max_batch_size: int | None = None, ignore_eos: bool = False,
-                 kv_cache_free_gpu_memory_fraction: float | None = None, trtllm: Any = None,
-                 prepare=prepare_process):
+                 end_id: int | None = None, kv_cache_free_gpu_memory_fraction: float | None = None,
+                 trtllm: Any = None, prepare=prepare_process):
         self.info = info
         self.mode = info.kind
         self.gpus = info.gpus
         self.max_batch_size = min(max_batch_size or info.max_batch_size, info.max_batch_size)
         # -1 never matches a token (LlmRequest::validate accepts end ids from -1): requests run to max_tokens.
-        self.end_id = -1 if ignore_eos or info.end_id is None else info.end_id
+        end_id = info.end_id if end_id is None else end_id
+        self.end_id = -1 if ignore_eos or end_id is None else end_id
         self.kv_fraction = kv_cache_free_gpu_memory_fraction
         self.trtllm = trtllm
         self.prepare = prepare
