@@ -1,10 +1,10 @@
 """End-to-end engine self-test on a TensorRT-LLM 1.2.x GPU host: the engine must decode exactly like the golden model.
 
 Builds the plugin library (unless DFLASH_TRT_PLUGIN_LIB points at one), converts a tiny random Qwen3 target + DFlash
-drafter pair, builds the DFlash engine through `dflash-trt build`'s code path, runs it with `ModelRunnerCpp` in EAGLE
-mode (chain eagle_choices from dflash_trt.json; `dflash_trt.commands.selftest.engine_generate`) on ragged prompts
-and compares every token and every per-step acceptance length with `dflash_trt.reference.decode.speculative_generate`
-on the same checkpoint. Greedy only. `dflash-trt selftest` runs the same check on the embedded trained tiny pair.
+drafter pair, builds the DFlash engine through `dflash-trt build`'s code path, runs it through the executor in EAGLE
+mode (chain eagle_choices from dflash_trt.json; `dflash_trt.commands.selftest.engine_generate`, one response per
+iteration) on ragged prompts and compares every token and the per-step acceptance lengths both define the same way
+with `dflash_trt.reference.decode.speculative_generate` on the same checkpoint. Greedy only. `dflash-trt selftest` runs the same check on the embedded trained tiny pair.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def test_engine_matches_golden_model(engine):
     golden = speculative_generate(load_golden_model(checkpoint), PROMPTS, max_new_tokens=MAX_NEW,
                                   stop_token_ids=[END_ID])
     tokens, acceptance = engine_generate(engine_dir, str(library), PROMPTS, MAX_NEW, END_ID)
-    assert compare(golden, tokens, acceptance) == []
+    assert compare(golden, tokens, acceptance, MAX_NEW, 8) == []
 
 
 def test_engine_config_carries_the_eagle_contract(engine):
