@@ -22,8 +22,8 @@ EXTERNAL = ("tensorrt_llm", "tensorrt")
 
 
 def sources() -> list[Path]:
-    """The engine package plus the one command that drives an engine directly."""
-    return [*sorted(PACKAGE.glob("*.py")), ROOT / "dflash_trt" / "commands" / "selftest.py"]
+    """The engine package plus the executor backend that drives engines (selftest and bench go through it)."""
+    return [*sorted(PACKAGE.glob("*.py")), ROOT / "dflash_trt" / "bench" / "backends" / "trtllm.py"]
 
 
 def aliases(tree: ast.AST) -> dict[str, str]:
