@@ -99,6 +99,8 @@ def build_workload(args: argparse.Namespace, target: Target) -> Workload:
             raise DFlashTrtError("--synthetic with --triton_url needs --vocab_size (the model's token range)")
         workload = synthetic_workload(parse_synthetic(args.synthetic), vocab, args.seed)
     else:
+        if not Path(args.input_file).is_file():  # before the (slow) tokenizer load
+            raise DFlashTrtError(f"prompt file {args.input_file} does not exist")
         tokenizer_dir = args.tokenizer_dir or args.checkpoint_dir
         tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
         workload = file_workload(args.input_file, args.max_new_tokens, tokenizer)
