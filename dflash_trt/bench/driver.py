@@ -174,7 +174,7 @@ async def run_load(
             run.on_finish = refill
             for _ in range(min(concurrency, len(requests))):
                 run.send_next()
-        else:
+        elif request_rate is not None:
             arrivals = asyncio.create_task(_poisson_arrivals(run, request_rate, seed))
         await asyncio.wait_for(run.all_done.wait(), timeout_s)
     except asyncio.TimeoutError:

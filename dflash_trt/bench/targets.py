@@ -59,7 +59,7 @@ def _engine_info(target: Target):
     from dflash_trt.bench.backends.trtllm import inspect_engine
 
     choices = None if target.eagle_choices is None else [list(c) for c in target.eagle_choices]
-    return inspect_engine(target.engine_dir, target.kind, target.plugin_library, choices)
+    return inspect_engine(str(target.engine_dir), target.kind, target.plugin_library, choices)
 
 
 def check_target(target: Target) -> None:
@@ -99,7 +99,7 @@ def backend_factory(target: Target, workload: Workload, max_batch_size: int | No
     from dflash_trt.bench.backends.triton import TritonBackend
 
     end_id = -1 if workload.ignore_eos else target.end_id
-    return lambda in_flight: TritonBackend(target.triton_url, model=target.triton_model, mode=target.kind,
+    return lambda in_flight: TritonBackend(str(target.triton_url), model=target.triton_model, mode=target.kind,
                                            gpus=target.gpus, end_id=end_id)
 
 

@@ -4,7 +4,8 @@ Builds the plugin library (unless DFLASH_TRT_PLUGIN_LIB points at one), converts
 drafter pair, builds the DFlash engine through `dflash-trt build`'s code path, runs it through the executor in EAGLE
 mode (chain eagle_choices from dflash_trt.json; `dflash_trt.commands.selftest.engine_generate`, one response per
 iteration) on ragged prompts and compares every token and the per-step acceptance lengths both define the same way
-with `dflash_trt.reference.decode.speculative_generate` on the same checkpoint. Greedy only. `dflash-trt selftest` runs the same check on the embedded trained tiny pair.
+with `dflash_trt.reference.decode.speculative_generate` on the same checkpoint. Greedy only. `dflash-trt selftest`
+runs the same check on the embedded trained tiny pair.
 """
 
 from __future__ import annotations

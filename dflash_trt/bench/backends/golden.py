@@ -94,23 +94,23 @@ class GoldenExecutor:
         self._admit()
         target, draft, block = self.model.target, self.model.draft, self.block
         rows = len(self.slots)
-        context = [i for i, s in enumerate(self.slots) if s is not None and not s.prefilled]
-        generation = [i for i, s in enumerate(self.slots) if s is not None and s.prefilled]
-        self.log.append(StepLog([self.slots[i].request_id for i in context],
-                                [self.slots[i].request_id for i in generation]))
+        running = {i: s for i, s in enumerate(self.slots) if s is not None}
+        context = [i for i, s in running.items() if not s.prefilled]
+        generation = [i for i, s in running.items() if s.prefilled]
+        self.log.append(StepLog([running[i].request_id for i in context], [running[i].request_id for i in generation]))
         if not context and not generation:
             return []
-        width = max([block] + [self.slots[i].prompt_len for i in context])
+        width = max([block] + [running[i].prompt_len for i in context])
         offsets = torch.arange(width)
         start = torch.zeros(rows, dtype=torch.long)
         verify = torch.ones(rows, dtype=torch.long)
         for i in generation:
-            s = self.slots[i]
+            s = running[i]
             start[i] = s.start
             verify[i] = min(block, s.max_length - s.start)
         block_ids = torch.full((rows, block), draft.spec.mask_token_id, dtype=torch.long)
         for i in generation:
-            block_ids[i, 0] = self.slots[i].tokens[-1]
+            block_ids[i, 0] = running[i].tokens[-1]
         if block > 1 and generation:
             block_valid = torch.arange(block) < verify[:, None]
             drafted = draft.logits(draft.forward(block_ids, start, block_valid, self.draft_cache)[:, 1:])
@@ -124,7 +124,7 @@ class GoldenExecutor:
             positions[i] = start[i] + offsets.clamp(max=block - 1)
             valid[i] = offsets < verify[i]
         for i in context:
-            prompt = self.slots[i].tokens
+            prompt = running[i].tokens
             tokens[i, : len(prompt)] = torch.tensor(prompt)
             positions[i] = offsets.clamp(max=len(prompt) - 1)
             valid[i] = offsets < len(prompt)
@@ -133,10 +133,10 @@ class GoldenExecutor:
         injected = valid.clone()
         produced: dict[int, list[int]] = {}
         for i in context:
-            s = self.slots[i]
+            s = running[i]
             produced[i] = [int(logits[i, s.prompt_len - 1].argmax())]
         for i in generation:
-            s, v = self.slots[i], int(verify[i])
+            s, v = running[i], int(verify[i])
             drafts = block_ids[i, 1:v]
             posterior = logits[i, :v].argmax(dim=-1)
             accepted = int((drafts == posterior[: v - 1]).to(torch.int64).cumprod(0).sum())
@@ -144,7 +144,7 @@ class GoldenExecutor:
             produced[i] = new[: min(accepted + 1, s.max_length - s.start - 1)]
         responses = []
         for i, new in produced.items():
-            s = self.slots[i]
+            s = running[i]
             for n, token in enumerate(new):
                 if token in self.stops:
                     new = new[: n + 1]
@@ -186,7 +186,8 @@ class GoldenBackend(Backend):
                                        self.stop_token_ids)
         self._stopping = False
         send = threadsafe_deliver(deliver)
-        self._thread = threading.Thread(target=self._serve, args=(send,), name="golden-executor", daemon=True)
+        self._thread = threading.Thread(target=self._serve, args=(self.executor, send), name="golden-executor",
+                                        daemon=True)
         self._thread.start()
 
     def submit(self, request_id: int, request: BenchRequest) -> None:
@@ -194,8 +195,7 @@ class GoldenBackend(Backend):
             self._pending.append((request_id, request))
             self._wake.notify()
 
-    def _serve(self, send: Deliver) -> None:
-        executor = self.executor
+    def _serve(self, executor: GoldenExecutor, send: Deliver) -> None:
         while True:
             with self._wake:
                 while not self._stopping and not self._pending and not executor.has_work():

@@ -11,6 +11,7 @@ repository's own (`dflash_trt.triton.processing`).
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import numpy as np
 
@@ -52,8 +53,8 @@ class TritonBackend(Backend):
         self.gpus = gpus
         self.end_id = end_id
         self.connect_timeout_s = connect_timeout_s
-        self.client = None
-        self.deliver: Deliver | None = None
+        self.client: Any = None
+        self.deliver: Deliver = lambda batch: None
         self.tasks: set[asyncio.Task] = set()
 
     async def start(self, deliver: Deliver) -> None:
