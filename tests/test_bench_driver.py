@@ -145,3 +145,17 @@ def test_summary_and_results_file_round_trip(tmp_path):
     broken.write_text(json.dumps({"format": "dflash-trt-bench/1", "points": [{"mode": "ar"}]}))
     with pytest.raises(DFlashTrtError, match="lacks"):
         load_results(broken)
+
+
+def test_report_without_an_ar_baseline_has_the_plot_and_the_points(tmp_path):
+    from dflash_trt.commands.bench import write_outputs
+
+    points = [point_from_run(asyncio.run(run_load(ScriptedBackend([[1, 3, 2]]), _requests(4), concurrency=c)),
+                             mode="dflash", engine="dflash", concurrency=c) for c in (1, 2)]
+    summary = write_outputs(tmp_path / "out", points, {"kind": "test"}, overwrite=False)
+    assert summary["baseline"] is None and summary["speedup_vs_ar"] == []
+    assert [p["concurrency"] for p in summary["frontiers"]["dflash"]] != []
+    html = (tmp_path / "out" / "report.html").read_text()
+    assert "Measured points" in html and "<svg" in html
+    assert len(load_results(tmp_path / "out" / "results.json")) == 2
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folder left behind

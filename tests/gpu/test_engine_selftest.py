@@ -87,3 +87,25 @@ def test_engine_config_carries_the_eagle_contract(engine):
     assert pretrained["eagle_net_config"]["num_hidden_layers"] == manifest["num_draft_layers"]
     assert "layer_types" not in pretrained
     assert build["max_draft_len"] == k and build["speculative_decoding_mode"] == 1 << 5
+
+
+def test_bench_drives_the_engine_in_flight(engine, tmp_path):
+    """`dflash-trt bench --engine_dir`: every request completes with the golden model's tokens at 1 and 3 users."""
+    from dflash_trt.bench.results import load_results
+    from dflash_trt.cli import main
+    from dflash_trt.reference.decode import speculative_generate
+    from dflash_trt.reference.model import load_golden_model
+
+    engine_dir, checkpoint, library = engine
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
+    out = tmp_path / "bench"
+    assert main(["bench", "--engine_dir", str(engine_dir), "--plugin_library", str(library), "--input_file",
+                 str(prompts), "--max_new_tokens", str(MAX_NEW), "--end_id", str(END_ID), "--concurrency", "1,3",
+                 "--output_dir", str(out)]) == 0
+    golden = speculative_generate(load_golden_model(checkpoint), PROMPTS, max_new_tokens=MAX_NEW,
+                                  stop_token_ids=[END_ID])
+    for point in load_results(out / "results.json"):
+        assert point["failed"] == 0 and point["max_in_flight"] == point["concurrency"]
+        for request in point["per_request"]:
+            assert request["output_ids"] == golden[request["prompt_index"]].output_ids
