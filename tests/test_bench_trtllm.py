@@ -17,8 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dflash_trt.bench.backends.trtllm import FollowerRank, TrtllmBackend, inspect_engine
-from dflash_trt.bench.driver import BenchRequest, run_load
+from dflash_trt.bench.backends.trtllm import TrtllmBackend, inspect_engine
+from dflash_trt.bench.driver import BenchRequest, FollowerRank, run_load
 from dflash_trt.cli import main
 from dflash_trt.errors import DFlashTrtError
 
@@ -162,3 +162,21 @@ def test_bench_cli_refuses_a_bad_engine_with_one_line_and_writes_nothing(tmp_pat
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has no dflash_trt.json" in err[0]
     assert not out.exists()
+
+
+def test_follower_rank_builds_every_executor_rank_0_builds_and_writes_nothing(tmp_path):
+    """Under mpirun every rank must construct each point's executors (warm-up and run) in step with rank 0."""
+    from dflash_trt.bench.measure import measure_point
+    from dflash_trt.bench.workload import Workload
+
+    info = inspect_engine(write_engine(tmp_path / "ar", kind="ar"), kind="ar")
+    built = []
+
+    def factory(in_flight):
+        built.append(in_flight)
+        return TrtllmBackend(info, trtllm=double(leader=False), prepare=lambda _: None)
+
+    workload = Workload([BenchRequest(0, [1], 4)], ignore_eos=False, description={})
+    with pytest.raises(FollowerRank):
+        measure_point(factory, workload, "ar", concurrency=2, warmup=1)
+    assert built == [2, 2]

@@ -44,6 +44,13 @@ class Response:
 Deliver = Callable[[list[Response]], None]
 
 
+class FollowerRank(Exception):
+    """Raised by `Backend.start` on an MPI rank that serves a multi-GPU engine for rank 0 and sends nothing itself.
+
+    Such a rank still walks through every point (each point's executor is built on all ranks together) and
+    writes nothing."""
+
+
 class Backend(ABC):
     """What the driver needs from an executor. `mode` is "dflash", "ar" or "eagle3"; `gpus` divides throughput."""
 

@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from dflash_trt.bench.driver import FollowerRank
 from dflash_trt.bench.measure import measure_point
 from dflash_trt.bench.results import RESULTS_FILE, sweep_fields, write_results
 from dflash_trt.bench.targets import Target, backend_factory, check_target, vocab_size
@@ -54,7 +55,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv_cache_free_gpu_mem_fraction", type=float, default=None)
     p.add_argument("--triton_model", default="tensorrt_llm", help="model that takes token ids (default tensorrt_llm)")
     p.add_argument("--gpus", type=int, default=1, help="GPUs behind --triton_url (divides tok/s per GPU)")
-    p.add_argument("--end_id", type=int, default=None, help="end token for engine / Triton runs on --input_file")
+    p.add_argument("--end_id", type=int, default=None,
+                   help="end token for engine / Triton runs on --input_file (default: the engine config's eos "
+                   "ids; without one every request runs to --max_new_tokens)")
     p.add_argument("--vocab_size", type=int, default=None, help="token range of --synthetic prompts for Triton")
     p.add_argument("--seed", type=int, default=0, help="seed of synthetic prompts and Poisson arrivals")
     p.add_argument("--timeout_s", type=float, default=3600.0, help="give up on a point after this long")
@@ -153,8 +156,6 @@ def write_outputs(out: Path, points: list[dict[str, Any]], workload: dict[str, A
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash_trt.bench.backends.trtllm import FollowerRank
-
     concurrencies = _numbers(args.concurrency, int, "--concurrency")
     rates = _numbers(args.request_rate, float, "--request_rate")
     if not concurrencies and not rates:
@@ -170,19 +171,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"{point['engine']} {where}: {point['throughput_tok_s']:.1f} tok/s, acceptance "
               f"{point['acceptance_length'] or 0:.2f}, {point['failed']} failed", file=sys.stderr)
 
-    points = []
-    try:
-        for name, target in chosen.items():
-            factory = backend_factory(target, workload, args.max_batch_size, args.kv_cache_free_gpu_mem_fraction)
-            for concurrency, rate in [(c, None) for c in concurrencies] + [(None, r) for r in rates]:
+    points, follower = [], False
+    for name, target in chosen.items():
+        factory = backend_factory(target, workload, args.max_batch_size, args.kv_cache_free_gpu_mem_fraction)
+        for concurrency, rate in [(c, None) for c in concurrencies] + [(None, r) for r in rates]:
+            try:
                 point = measure_point(factory, workload, name, concurrency=concurrency, request_rate=rate,
                                       warmup=args.warmup, seed=args.seed, timeout_s=args.timeout_s,
                                       max_in_flight=args.max_batch_size)
-                points.append(point)
-                if not args.json:
-                    progress(point)
-    except FollowerRank:
-        return 0
+            except FollowerRank:
+                follower = True
+                continue
+            points.append(point)
+            if not args.json:
+                progress(point)
+    if follower:
+        return 0  # rank 0 writes the results
     write_outputs(out, points, workload.description, args.overwrite)
     if args.json:
         print(json.dumps([{k: v for k, v in p.items() if k not in ("per_request", "in_flight_trace")}

@@ -8,6 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from dflash_trt.bench.driver import FollowerRank
 from dflash_trt.bench.targets import describe
 from dflash_trt.perf.report import analyze_records
 from dflash_trt.perf.sweep import (
@@ -61,7 +62,10 @@ def run(args: argparse.Namespace) -> int:
             status = record["status"] if record["status"] == "ok" else f"FAILED: {record.get('error')}"
             print(f"{record['engine']} c={record['concurrency']}: {status}", file=sys.stderr)
 
-        records = run_sweep(cfg, progress=progress)
+        try:
+            records = run_sweep(cfg, progress=progress)
+        except FollowerRank:
+            return 0  # a multi-GPU engine's other rank: rank 0 writes the report
     levels = [float(v) for v in args.levels.split(",")] if args.levels else None
     summary = analyze_records(records, args.user_metric, levels, cfg.output_dir)
     write_json_atomic(Path(cfg.output_dir) / "summary.json", summary)

@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from dflash_trt.bench.driver import FollowerRank
 from dflash_trt.bench.measure import measure_point
 from dflash_trt.bench.results import RESULTS_FILE, sweep_fields, write_results
 from dflash_trt.bench.targets import KINDS, Target, backend_factory, check_target, describe, vocab_size
@@ -425,6 +426,8 @@ def _driver_point(cfg: SweepConfig, engine: EngineEntry, concurrency: int, workl
         factory = backend_factory(engine.target, workload, cfg.max_batch_size, cfg.kv_cache_free_gpu_mem_fraction)
         point = measure_point(factory, workload, engine.name, concurrency=concurrency, warmup=cfg.warmup or 0,
                               seed=cfg.seed, timeout_s=cfg.timeout_s)
+    except FollowerRank:
+        raise
     except Exception as exc:  # a failed point is recorded and the sweep goes on, whatever the executor raised
         return base | {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
     if not point["requests"]:
@@ -456,13 +459,19 @@ def run_sweep(cfg: SweepConfig, runner: Runner = subprocess_runner, progress: Ca
     workload = sweep_workload(cfg)
     if any(e.runner == "trtllm-bench" for e in cfg.engines):
         write_trtllm_bench_dataset(Path(cfg.output_dir) / TRTLLM_BENCH_DATASET, workload)
-    records = []
+    records, follower = [], False
     for engine in cfg.engines:
         for c in cfg.concurrency:
-            record = run_point(cfg, engine, c, runner, workload)
+            try:
+                record = run_point(cfg, engine, c, runner, workload)
+            except FollowerRank:
+                follower = True
+                continue
             records.append(record)
             if progress is not None:
                 progress(record)
+    if follower:
+        raise FollowerRank()  # rank 0 records and analyses the points
     driver_points = [r for r in records if r.get("status") == "ok" and "per_request" in r]
     write_results(Path(cfg.output_dir) / RESULTS_FILE, driver_points, workload.description)
     return records

@@ -23,17 +23,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from dflash_trt.bench.driver import Backend, BenchRequest, Deliver, Response, threadsafe_deliver
+from dflash_trt.bench.driver import Backend, BenchRequest, Deliver, FollowerRank, Response, threadsafe_deliver
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.trtllm.build_plan import MANIFEST_NAME
 
 POLL = timedelta(milliseconds=20)
 KINDS = ("dflash", "ar", "eagle3")
-
-
-class FollowerRank(Exception):
-    """This MPI rank serves a multi-GPU engine for rank 0 and sends no requests itself; it has shut down."""
 
 
 @dataclass(frozen=True)
