@@ -31,7 +31,7 @@ class BenchRequest:
     max_new_tokens: int
 
 
-@dataclass
+@dataclass(slots=True)
 class Response:
     """One executor response: the tokens one decoding iteration produced for request `request_id`."""
 
@@ -80,7 +80,7 @@ def threadsafe_deliver(deliver: Deliver) -> Deliver:
     return from_thread
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestRecord:
     """Everything the driver saw of one request; times are seconds since the run started."""
 
@@ -129,17 +129,18 @@ class _Run:
 
     def deliver(self, batch: list[Response]) -> None:
         now = time.perf_counter() - self.t0
+        records = self.records
         for response in batch:
-            record = self.records[response.request_id]
+            record = records[response.request_id]
             if record.finished_s is not None:
                 continue
-            if response.tokens:
+            tokens = response.tokens
+            if tokens:
                 record.response_s.append(now)
-                record.chunks.append(len(response.tokens))
-                record.output_ids.extend(response.tokens)
-            if response.error is not None:
-                record.error = response.error
+                record.chunks.append(len(tokens))
+                record.output_ids += tokens
             if response.final or response.error is not None:
+                record.error = response.error
                 record.finished_s = now
                 self.running -= 1
                 self.done += 1
