@@ -92,30 +92,63 @@ class GoldenExecutor:
     def step(self) -> list[Response]:
         """One iteration of every running request plus the prefill of newly admitted ones."""
         self._admit()
-        target, draft, block = self.model.target, self.model.draft, self.block
-        rows = len(self.slots)
         running = {i: s for i, s in enumerate(self.slots) if s is not None}
         context = [i for i, s in running.items() if not s.prefilled]
         generation = [i for i, s in running.items() if s.prefilled]
         self.log.append(StepLog([running[i].request_id for i in context], [running[i].request_id for i in generation]))
-        if not context and not generation:
+        if not running:
             return []
-        width = max([block] + [running[i].prompt_len for i in context])
+        block_ids, start, verify = self._draft(running, generation)
+        width = max([self.block] + [running[i].prompt_len for i in context])
         offsets = torch.arange(width)
+        tokens, positions, valid = self._target_inputs(running, context, generation, block_ids, start, verify, offsets)
+        logits, taps = self.model.target.forward(tokens, positions, valid, self.target_cache)
+
+        produced = {i: [int(logits[i, running[i].prompt_len - 1].argmax())] for i in context}
+        for i in generation:
+            produced[i] = self._accept(running[i], block_ids[i], logits[i], int(verify[i]))
+        injected = valid.clone()  # prompts whole; generation rows: the tokens produced this step (set below)
+        responses = []
+        for i, new in produced.items():
+            s = running[i]
+            for n, token in enumerate(new):
+                if token in self.stops:
+                    new = new[: n + 1]
+                    break
+            if s.prefilled:
+                injected[i] = offsets < len(new)
+            s.tokens.extend(new)
+            s.prefilled = True
+            final = new[-1] in self.stops or len(s.tokens) >= s.max_length
+            responses.append(Response(s.request_id, new, final))
+            if final:
+                self.slots[i] = None
+        if self.block > 1:
+            self.model.draft.inject(taps, positions, injected, self.draft_cache)
+        return responses
+
+    def _draft(self, running: dict[int, _Running], generation: list[int]):
+        """Block `[anchor, drafts...]` per generation row, its start position and how many of it get verified
+        (fewer than the block near the output budget, as in the reference loop). Other rows verify 1 dummy."""
+        draft, block, rows = self.model.draft, self.block, len(self.slots)
         start = torch.zeros(rows, dtype=torch.long)
         verify = torch.ones(rows, dtype=torch.long)
+        block_ids = torch.full((rows, block), draft.spec.mask_token_id, dtype=torch.long)
         for i in generation:
             s = running[i]
             start[i] = s.start
             verify[i] = min(block, s.max_length - s.start)
-        block_ids = torch.full((rows, block), draft.spec.mask_token_id, dtype=torch.long)
-        for i in generation:
-            block_ids[i, 0] = running[i].tokens[-1]
+            block_ids[i, 0] = s.tokens[-1]
         if block > 1 and generation:
             block_valid = torch.arange(block) < verify[:, None]
             drafted = draft.logits(draft.forward(block_ids, start, block_valid, self.draft_cache)[:, 1:])
             block_ids[:, 1:] = drafted.argmax(dim=-1)
+        return block_ids, start, verify
 
+    def _target_inputs(self, running, context, generation, block_ids, start, verify, offsets):
+        """One ragged target batch: verify blocks and whole prompts side by side; padding is invalid and sits at
+        in-range positions so it never widens the attention span."""
+        rows, width, block = len(self.slots), len(offsets), self.block
         tokens = torch.zeros(rows, width, dtype=torch.long)
         positions = torch.zeros(rows, width, dtype=torch.long)
         valid = torch.zeros(rows, width, dtype=torch.bool)
@@ -128,39 +161,17 @@ class GoldenExecutor:
             tokens[i, : len(prompt)] = torch.tensor(prompt)
             positions[i] = offsets.clamp(max=len(prompt) - 1)
             valid[i] = offsets < len(prompt)
-        logits, taps = target.forward(tokens, positions, valid, self.target_cache)
+        return tokens, positions, valid
 
-        injected = valid.clone()
-        produced: dict[int, list[int]] = {}
-        for i in context:
-            s = running[i]
-            produced[i] = [int(logits[i, s.prompt_len - 1].argmax())]
-        for i in generation:
-            s, v = running[i], int(verify[i])
-            drafts = block_ids[i, 1:v]
-            posterior = logits[i, :v].argmax(dim=-1)
-            accepted = int((drafts == posterior[: v - 1]).to(torch.int64).cumprod(0).sum())
-            new = drafts[:accepted].tolist() + [int(posterior[accepted])]
-            produced[i] = new[: min(accepted + 1, s.max_length - s.start - 1)]
-        responses = []
-        for i, new in produced.items():
-            s = running[i]
-            for n, token in enumerate(new):
-                if token in self.stops:
-                    new = new[: n + 1]
-                    break
-            stopped = new[-1] in self.stops
-            if s.prefilled:
-                injected[i] = offsets < len(new)
-            s.tokens.extend(new)
-            s.prefilled = True
-            final = stopped or len(s.tokens) >= s.max_length
-            responses.append(Response(s.request_id, new, final))
-            if final:
-                self.slots[i] = None
-        if block > 1:
-            draft.inject(taps, positions, injected, self.draft_cache)
-        return responses
+    @staticmethod
+    def _accept(s: _Running, block_ids: torch.Tensor, logits: torch.Tensor, verify: int) -> list[int]:
+        """The reference loop's greedy rule: the longest draft prefix the target agrees with, plus the target's
+        own next token, clipped to the output budget."""
+        drafts = block_ids[1:verify]
+        posterior = logits[:verify].argmax(dim=-1)
+        accepted = int((drafts == posterior[: verify - 1]).to(torch.int64).cumprod(0).sum())
+        new = drafts[:accepted].tolist() + [int(posterior[accepted])]
+        return new[: min(accepted + 1, s.max_length - s.start - 1)]
 
 
 class GoldenBackend(Backend):
