@@ -108,12 +108,21 @@ def main() -> None:
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     driver = max(driver_rate() for _ in range(3))
     bare = max(bare_rate() for _ in range(3))
-    print(json.dumps({
-        "name": "driver",
-        "ratios": {"driver_vs_bare_loop": driver / bare, "driver_vs_512_users_at_10ms": driver / NEEDED},
-        "details": {"driver_responses_per_s": round(driver), "bare_loop_responses_per_s": round(bare),
-                    "needed_responses_per_s": NEEDED, "users": USERS, "cores": 1},
-    }))
+    print(
+        json.dumps(
+            {
+                "name": "driver",
+                "ratios": {"driver_vs_bare_loop": driver / bare, "driver_vs_512_users_at_10ms": driver / NEEDED},
+                "details": {
+                    "driver_responses_per_s": round(driver),
+                    "bare_loop_responses_per_s": round(bare),
+                    "needed_responses_per_s": NEEDED,
+                    "users": USERS,
+                    "cores": 1,
+                },
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -22,8 +22,22 @@ def checkpoint(tmp_path_factory):
 @pytest.mark.slow
 def test_synthetic_closed_and_open_loop_points_with_the_ar_baseline(checkpoint, tmp_path, capsys):
     out = tmp_path / "out"
-    argv = ["bench", "--checkpoint_dir", str(checkpoint), "--synthetic", "6,8,5", "--concurrency", "1,2",
-            "--request_rate", "50", "--baseline", "ar", "--output_dir", str(out), "--json"]
+    argv = [
+        "bench",
+        "--checkpoint_dir",
+        str(checkpoint),
+        "--synthetic",
+        "6,8,5",
+        "--concurrency",
+        "1,2",
+        "--request_rate",
+        "50",
+        "--baseline",
+        "ar",
+        "--output_dir",
+        str(out),
+        "--json",
+    ]
     assert main(argv) == 0
     printed = json.loads(capsys.readouterr().out)
     points = load_results(out / "results.json")
@@ -41,8 +55,7 @@ def test_synthetic_closed_and_open_loop_points_with_the_ar_baseline(checkpoint, 
     assert [r["output_ids"] for r in dflash["per_request"]] == [r["output_ids"] for r in ar["per_request"]]
     assert ar["acceptance_length"] == 1.0 and ar["acceptance_histogram"] == [35]
     workload = json.loads((out / "results.json").read_text())["workload"]
-    assert workload == {"kind": "synthetic", "input_len": 6, "output_len": 8, "count": 5, "vocab_size": 128,
-                        "seed": 0}
+    assert workload == {"kind": "synthetic", "input_len": 6, "output_len": 8, "count": 5, "vocab_size": 128, "seed": 0}
     html = (out / "report.html").read_text()
     assert "Measured points" in html and "speedup over ar" in html
     assert (out / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -73,8 +86,17 @@ def test_bad_input_is_one_clear_error(checkpoint, tmp_path, capsys, extra, messa
 def test_unreachable_triton_server_is_one_clear_error(tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"input_ids": [1, 2]}\n')
-    argv = ["bench", "--triton_url", "127.0.0.1:1", "--input_file", str(prompts), "--concurrency", "1",
-            "--output_dir", str(tmp_path / "o")]
+    argv = [
+        "bench",
+        "--triton_url",
+        "127.0.0.1:1",
+        "--input_file",
+        str(prompts),
+        "--concurrency",
+        "1",
+        "--output_dir",
+        str(tmp_path / "o"),
+    ]
     assert main(argv) == 2
     assert "cannot reach a Triton server at 127.0.0.1:1" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()

@@ -109,8 +109,7 @@ def test_failed_requests_are_counted_not_measured():
 
 
 def test_open_loop_sends_at_poisson_times_independent_of_finishes():
-    trace = asyncio.run(run_load(ScriptedBackend([[1] * 20], step_s=0.01), _requests(12), request_rate=200.0,
-                                 seed=3))
+    trace = asyncio.run(run_load(ScriptedBackend([[1] * 20], step_s=0.01), _requests(12), request_rate=200.0, seed=3))
     sends = [r.sent_s for r in trace.records]
     # Each request runs 0.2 s while arrivals come every ~5 ms: many overlap, unlike a closed loop of 1.
     assert max(n for _, n in trace.in_flight) >= 6
@@ -127,16 +126,21 @@ def test_bad_load_settings_are_refused():
 
 def test_a_run_that_never_finishes_times_out_with_a_clear_error():
     with pytest.raises(DFlashTrtError, match="did not finish within"):
-        asyncio.run(run_load(ScriptedBackend([[1] * 10], step_s=0.05), _requests(1), concurrency=1,
-                             timeout_s=0.1))
+        asyncio.run(run_load(ScriptedBackend([[1] * 10], step_s=0.05), _requests(1), concurrency=1, timeout_s=0.1))
 
 
 def test_summary_and_results_file_round_trip(tmp_path):
     assert summary([]) is None
     values = [3.0, 1.0, 2.0, 10.0]
     s = summary(values)
-    assert s == pytest.approx({"p50": np.percentile(values, 50), "p90": np.percentile(values, 90),
-                               "p99": np.percentile(values, 99), "mean": 4.0})
+    assert s == pytest.approx(
+        {
+            "p50": np.percentile(values, 50),
+            "p90": np.percentile(values, 90),
+            "p99": np.percentile(values, 99),
+            "mean": 4.0,
+        }
+    )
     trace = asyncio.run(run_load(ScriptedBackend([[1, 2]]), _requests(2), concurrency=1))
     point = point_from_run(trace, mode="dflash", engine="dflash", concurrency=1)
     write_results(tmp_path / "results.json", [point], {"kind": "test"})
@@ -150,8 +154,15 @@ def test_summary_and_results_file_round_trip(tmp_path):
 def test_report_without_an_ar_baseline_has_the_plot_and_the_points(tmp_path):
     from dflash_trt.commands.bench import write_outputs
 
-    points = [point_from_run(asyncio.run(run_load(ScriptedBackend([[1, 3, 2]]), _requests(4), concurrency=c)),
-                             mode="dflash", engine="dflash", concurrency=c) for c in (1, 2)]
+    points = [
+        point_from_run(
+            asyncio.run(run_load(ScriptedBackend([[1, 3, 2]]), _requests(4), concurrency=c)),
+            mode="dflash",
+            engine="dflash",
+            concurrency=c,
+        )
+        for c in (1, 2)
+    ]
     summary = write_outputs(tmp_path / "out", points, {"kind": "test"}, overwrite=False)
     assert summary["baseline"] is None and summary["speedup_vs_ar"] == []
     assert [p["concurrency"] for p in summary["frontiers"]["dflash"]] != []

@@ -47,20 +47,41 @@ def generated(setup):
     checkpoint, prompt_file, _ = setup
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert main(["generate", "--checkpoint_dir", str(checkpoint), "--input_file", str(prompt_file),
-                     "--max_new_tokens", str(MAX_NEW), "--json"]) == 0
+        assert (
+            main(
+                [
+                    "generate",
+                    "--checkpoint_dir",
+                    str(checkpoint),
+                    "--input_file",
+                    str(prompt_file),
+                    "--max_new_tokens",
+                    str(MAX_NEW),
+                    "--json",
+                ]
+            )
+            == 0
+        )
     return json.loads(out.getvalue())["sequences"]
 
 
 def _run(model, workload, block_size=None, **load):
-    backend = GoldenBackend(model, load.get("concurrency") or 8, workload.max_seq_len, block_size=block_size,
-                            stop_token_ids=list(model.target.spec.eos_token_ids))
+    backend = GoldenBackend(
+        model,
+        load.get("concurrency") or 8,
+        workload.max_seq_len,
+        block_size=block_size,
+        stop_token_ids=list(model.target.spec.eos_token_ids),
+    )
     trace = asyncio.run(run_load(backend, workload.requests, **load))
     return trace, backend.executor.log
 
 
-@pytest.mark.parametrize("load", [{"concurrency": 1}, {"concurrency": 4}, {"concurrency": 8},
-                                  {"request_rate": 400.0}], ids=lambda d: "-".join(f"{k}{v:g}" for k, v in d.items()))
+@pytest.mark.parametrize(
+    "load",
+    [{"concurrency": 1}, {"concurrency": 4}, {"concurrency": 8}, {"request_rate": 400.0}],
+    ids=lambda d: "-".join(f"{k}{v:g}" for k, v in d.items()),
+)
 def test_in_flight_batching_equals_generate(setup, generated, load):
     _, prompt_file, model = setup
     workload = file_workload(prompt_file, MAX_NEW)

@@ -27,8 +27,10 @@ pytestmark = pytest.mark.timeout(60)
 
 def _inputs(request) -> dict[str, np.ndarray]:
     dtypes = {"INT32": np.int32, "BOOL": np.bool_}
-    return {t.name: np.frombuffer(raw, dtype=dtypes[t.datatype]).reshape(t.shape)
-            for t, raw in zip(request.inputs, request.raw_input_contents, strict=True)}
+    return {
+        t.name: np.frombuffer(raw, dtype=dtypes[t.datatype]).reshape(t.shape)
+        for t, raw in zip(request.inputs, request.raw_input_contents, strict=True)
+    }
 
 
 class FakeTensorrtLlm(service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -52,7 +54,7 @@ class FakeTensorrtLlm(service_pb2_grpc.GRPCInferenceServiceServicer):
         tokens = list(range(start, start + total))
         sizes = [1] + [3, 2] * total
         while tokens:
-            chunk, tokens = tokens[: sizes[0]], tokens[sizes[0]:]
+            chunk, tokens = tokens[: sizes[0]], tokens[sizes[0] :]
             sizes.pop(0)
             time.sleep(0.002)
             response = service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id)
@@ -101,7 +103,8 @@ def test_an_error_fails_only_its_own_request(server):
 def test_unreachable_server_and_missing_model_are_one_clear_error(server):
     url, _ = server
     with pytest.raises(DFlashTrtError, match="cannot reach a Triton server at 127.0.0.1:1"):
-        asyncio.run(run_load(TritonBackend("127.0.0.1:1", connect_timeout_s=5), [BenchRequest(0, [1], 1)],
-                             concurrency=1))
+        asyncio.run(
+            run_load(TritonBackend("127.0.0.1:1", connect_timeout_s=5), [BenchRequest(0, [1], 1)], concurrency=1)
+        )
     with pytest.raises(DFlashTrtError, match="no ready model 'ensemble'"):
         asyncio.run(run_load(TritonBackend(url, model="ensemble"), [BenchRequest(0, [1], 1)], concurrency=1))

@@ -27,13 +27,19 @@ CHAIN = [[0], [0, 0], [0, 0, 0]]
 
 def write_engine(root: Path, kind: str = "dflash", library: Path | None = None) -> Path:
     root.mkdir(parents=True, exist_ok=True)
-    config = {"pretrained_config": {"vocab_size": 128, "eos_token_ids": [0],
-                                    "mapping": {"world_size": 2, "tp_size": 2, "pp_size": 1}},
-              "build_config": {"max_batch_size": 8}}
+    config = {
+        "pretrained_config": {
+            "vocab_size": 128,
+            "eos_token_ids": [0],
+            "mapping": {"world_size": 2, "tp_size": 2, "pp_size": 1},
+        },
+        "build_config": {"max_batch_size": 8},
+    }
     (root / "config.json").write_text(json.dumps(config))
     if kind == "dflash":
-        (root / "dflash_trt.json").write_text(json.dumps({"eagle_choices": CHAIN,
-                                                         "plugin_library": str(library or root / "missing.so")}))
+        (root / "dflash_trt.json").write_text(
+            json.dumps({"eagle_choices": CHAIN, "plugin_library": str(library or root / "missing.so")})
+        )
     return root
 
 
@@ -72,8 +78,9 @@ class ScriptedExecutor:
         with self.lock:
             for client_id, chunks in list(self.requests.items()):
                 if chunks is None:
-                    out.append(SimpleNamespace(has_error=lambda: True, error_msg="prompt has token 13",
-                                               client_id=client_id))
+                    out.append(
+                        SimpleNamespace(has_error=lambda: True, error_msg="prompt has token 13", client_id=client_id)
+                    )
                     del self.requests[client_id]
                     continue
                 tokens = chunks.pop(0)
@@ -90,8 +97,13 @@ class ScriptedExecutor:
 def double(leader=True):
     return SimpleNamespace(
         DecodingConfig=lambda: SimpleNamespace(eagle_config=None),
-        EagleConfig=Recorded, KvCacheConfig=Recorded, ExecutorConfig=Recorded, SamplingConfig=Recorded,
-        OutputConfig=Recorded, Request=Recorded, ModelType=SimpleNamespace(DECODER_ONLY="decoder-only"),
+        EagleConfig=Recorded,
+        KvCacheConfig=Recorded,
+        ExecutorConfig=Recorded,
+        SamplingConfig=Recorded,
+        OutputConfig=Recorded,
+        Request=Recorded,
+        ModelType=SimpleNamespace(DECODER_ONLY="decoder-only"),
         Executor=lambda path, kind, config: ScriptedExecutor(path, kind, config, leader),
     )
 
@@ -156,8 +168,17 @@ def test_bench_cli_refuses_a_bad_engine_with_one_line_and_writes_nothing(tmp_pat
     prompts.write_text('{"input_ids": [1, 2]}\n')
     out = tmp_path / "out"
     engine = write_engine(tmp_path / "engine", kind="ar")
-    argv = ["bench", "--engine_dir", str(engine), "--input_file", str(prompts), "--concurrency", "1",
-            "--output_dir", str(out)]
+    argv = [
+        "bench",
+        "--engine_dir",
+        str(engine),
+        "--input_file",
+        str(prompts),
+        "--concurrency",
+        "1",
+        "--output_dir",
+        str(out),
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has no dflash_trt.json" in err[0]

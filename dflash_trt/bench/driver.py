@@ -175,6 +175,7 @@ async def run_load(
     try:
         run.t0 = time.perf_counter()
         if concurrency is not None:
+
             def refill() -> None:
                 if run.next_index < len(requests):
                     run.send_next()

@@ -79,31 +79,40 @@ def vocab_size(target: Target) -> int | None:
     return None
 
 
-def backend_factory(target: Target, workload: Workload, max_batch_size: int | None = None,
-                    kv_cache_free_gpu_mem_fraction: float | None = None) -> BackendFactory:
+def backend_factory(
+    target: Target,
+    workload: Workload,
+    max_batch_size: int | None = None,
+    kv_cache_free_gpu_mem_fraction: float | None = None,
+) -> BackendFactory:
     if target.checkpoint_dir:
         from dflash_trt.bench.backends.golden import GoldenBackend
 
         model = _golden_model(target.checkpoint_dir)
         stops = [] if workload.ignore_eos else list(model.target.spec.eos_token_ids)
         block = 1 if target.kind == "ar" else None
-        return lambda in_flight: GoldenBackend(model, max_batch_size or in_flight, workload.max_seq_len,
-                                               block_size=block, stop_token_ids=stops)
+        return lambda in_flight: GoldenBackend(
+            model, max_batch_size or in_flight, workload.max_seq_len, block_size=block, stop_token_ids=stops
+        )
     if target.engine_dir:
         from dflash_trt.bench.backends.trtllm import TrtllmBackend
 
         info = _engine_info(target)
-        return lambda in_flight: TrtllmBackend(info, max_batch_size=max_batch_size, ignore_eos=workload.ignore_eos,
-                                               end_id=target.end_id,
-                                               kv_cache_free_gpu_memory_fraction=kv_cache_free_gpu_mem_fraction)
+        return lambda in_flight: TrtllmBackend(
+            info,
+            max_batch_size=max_batch_size,
+            ignore_eos=workload.ignore_eos,
+            end_id=target.end_id,
+            kv_cache_free_gpu_memory_fraction=kv_cache_free_gpu_mem_fraction,
+        )
     from dflash_trt.bench.backends.triton import TritonBackend
 
     end_id = -1 if workload.ignore_eos else target.end_id
-    return lambda in_flight: TritonBackend(str(target.triton_url), model=target.triton_model, mode=target.kind,
-                                           gpus=target.gpus, end_id=end_id)
+    return lambda in_flight: TritonBackend(
+        str(target.triton_url), model=target.triton_model, mode=target.kind, gpus=target.gpus, end_id=end_id
+    )
 
 
 def describe(target: Target) -> dict[str, Any]:
-    where = {"engine_dir": target.engine_dir, "checkpoint_dir": target.checkpoint_dir,
-             "triton_url": target.triton_url}
+    where = {"engine_dir": target.engine_dir, "checkpoint_dir": target.checkpoint_dir, "triton_url": target.triton_url}
     return {"kind": target.kind, **{k: v for k, v in where.items() if v}}

@@ -59,8 +59,14 @@ def synthetic_workload(spec: Synthetic, vocab_size: int, seed: int = 0) -> Workl
         BenchRequest(i, [rng.randrange(vocab_size) for _ in range(spec.input_len)], spec.output_len)
         for i in range(spec.count)
     ]
-    description = {"kind": "synthetic", "input_len": spec.input_len, "output_len": spec.output_len,
-                   "count": spec.count, "vocab_size": vocab_size, "seed": seed}
+    description = {
+        "kind": "synthetic",
+        "input_len": spec.input_len,
+        "output_len": spec.output_len,
+        "count": spec.count,
+        "vocab_size": vocab_size,
+        "seed": seed,
+    }
     return Workload(requests, ignore_eos=True, description=description)
 
 
@@ -69,6 +75,10 @@ def file_workload(path: str | Path, max_new_tokens: int, tokenizer=None, limit: 
         raise DFlashTrtError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
     prompts = read_prompts(path, tokenizer, limit)
     requests = [BenchRequest(i, ids, max_new_tokens) for i, ids in enumerate(prompts)]
-    description = {"kind": "file", "path": str(Path(path).resolve()), "count": len(requests),
-                   "max_new_tokens": max_new_tokens}
+    description = {
+        "kind": "file",
+        "path": str(Path(path).resolve()),
+        "count": len(requests),
+        "max_new_tokens": max_new_tokens,
+    }
     return Workload(requests, ignore_eos=False, description=description)

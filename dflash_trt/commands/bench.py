@@ -29,17 +29,24 @@ from dflash_trt.tokenizer import load_tokenizer
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("bench", help="load generator: concurrency / request-rate points with per-token "
-                              "timing and acceptance, on an engine, a Triton server or the CPU golden model",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "bench",
+        help="load generator: concurrency / request-rate points with per-token "
+        "timing and acceptance, on an engine, a Triton server or the CPU golden model",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--engine_dir", help="DFlash engine (dflash-trt build): TensorRT-LLM 1.2.x executor, GPU")
     target.add_argument("--checkpoint_dir", help="converted checkpoint: the golden model with in-flight batching, CPU")
     target.add_argument("--triton_url", help="Triton gRPC endpoint HOST:PORT of a deployed repository")
     prompts = p.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--input_file", help='jsonl prompts, {"input_ids": [...]} or {"text": "..."} per line')
-    prompts.add_argument("--synthetic", metavar="ISL,OSL,COUNT", help="random token prompts of ISL tokens, "
-                         "OSL output tokens each (end tokens ignored), COUNT of them")
+    prompts.add_argument(
+        "--synthetic",
+        metavar="ISL,OSL,COUNT",
+        help="random token prompts of ISL tokens, OSL output tokens each (end tokens ignored), COUNT of them",
+    )
     p.add_argument("--concurrency", help="comma-separated closed-loop user counts, e.g. 1,2,4")
     p.add_argument("--request_rate", help="comma-separated open-loop Poisson arrival rates (requests/s)")
     p.add_argument("--max_new_tokens", type=int, default=128, help="output budget per prompt (--input_file)")
@@ -50,14 +57,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--baseline_triton_url", help="the AR server for --baseline ar with --triton_url")
     p.add_argument("--tokenizer_dir", help="tokenizer for text prompts (default: the checkpoint's)")
     p.add_argument("--plugin_library", help="libdflash_trt_plugins.so (default: the one dflash_trt.json names)")
-    p.add_argument("--max_batch_size", type=int, default=None,
-                   help="executor batch limit (default: the engine's; CPU: the largest concurrency, else 16)")
+    p.add_argument(
+        "--max_batch_size",
+        type=int,
+        default=None,
+        help="executor batch limit (default: the engine's; CPU: the largest concurrency, else 16)",
+    )
     p.add_argument("--kv_cache_free_gpu_mem_fraction", type=float, default=None)
     p.add_argument("--triton_model", default="tensorrt_llm", help="model that takes token ids (default tensorrt_llm)")
     p.add_argument("--gpus", type=int, default=1, help="GPUs behind --triton_url (divides tok/s per GPU)")
-    p.add_argument("--end_id", type=int, default=None,
-                   help="end token for engine / Triton runs on --input_file (default: the engine config's eos "
-                   "ids; without one every request runs to --max_new_tokens)")
+    p.add_argument(
+        "--end_id",
+        type=int,
+        default=None,
+        help="end token for engine / Triton runs on --input_file (default: the engine config's eos "
+        "ids; without one every request runs to --max_new_tokens)",
+    )
     p.add_argument("--vocab_size", type=int, default=None, help="token range of --synthetic prompts for Triton")
     p.add_argument("--seed", type=int, default=0, help="seed of synthetic prompts and Poisson arrivals")
     p.add_argument("--timeout_s", type=float, default=3600.0, help="give up on a point after this long")
@@ -81,8 +96,12 @@ def _numbers(text: str | None, kind: type, flag: str) -> list:
 
 def targets(args: argparse.Namespace) -> dict[str, Target]:
     """The measured target and, with --baseline ar, the target alone, keyed by the name plotted."""
-    common = {"plugin_library": args.plugin_library, "triton_model": args.triton_model, "gpus": args.gpus,
-              "end_id": args.end_id}
+    common = {
+        "plugin_library": args.plugin_library,
+        "triton_model": args.triton_model,
+        "gpus": args.gpus,
+        "end_id": args.end_id,
+    }
     out = {"dflash": Target("dflash", args.engine_dir, args.checkpoint_dir, args.triton_url, **common)}
     if args.baseline == "ar":
         if args.engine_dir and not args.baseline_engine_dir:
@@ -123,13 +142,35 @@ def points_table(points: list[dict[str, Any]]):
     def cell(value, fmt="{:.1f}"):
         return "-" if value is None else fmt.format(value)
 
-    rows = [[p["engine"], cell(p["concurrency"], "{}"), cell(p["request_rate"], "{:g}"), str(p["requests"]),
-             str(p["failed"]), cell(p["throughput_tok_s"]),
-             cell(p["per_user_tok_s"] and p["per_user_tok_s"]["p50"]),
-             cell(p["ttft_s"] and p["ttft_s"]["p50"] * 1000), cell(p["tpot_s"] and p["tpot_s"]["p50"] * 1000, "{:.2f}"),
-             cell(p["acceptance_length"], "{:.2f}"), str(p["max_in_flight"])] for p in points]
-    header = ["engine", "concurrency", "rate (req/s)", "requests", "failed", "output tok/s", "tok/s/user p50",
-              "TTFT p50 (ms)", "TPOT p50 (ms)", "acceptance", "max in flight"]
+    rows = [
+        [
+            p["engine"],
+            cell(p["concurrency"], "{}"),
+            cell(p["request_rate"], "{:g}"),
+            str(p["requests"]),
+            str(p["failed"]),
+            cell(p["throughput_tok_s"]),
+            cell(p["per_user_tok_s"] and p["per_user_tok_s"]["p50"]),
+            cell(p["ttft_s"] and p["ttft_s"]["p50"] * 1000),
+            cell(p["tpot_s"] and p["tpot_s"]["p50"] * 1000, "{:.2f}"),
+            cell(p["acceptance_length"], "{:.2f}"),
+            str(p["max_in_flight"]),
+        ]
+        for p in points
+    ]
+    header = [
+        "engine",
+        "concurrency",
+        "rate (req/s)",
+        "requests",
+        "failed",
+        "output tok/s",
+        "tok/s/user p50",
+        "TTFT p50 (ms)",
+        "TPOT p50 (ms)",
+        "acceptance",
+        "max in flight",
+    ]
     return "Measured points", header, rows
 
 
@@ -168,17 +209,28 @@ def run(args: argparse.Namespace) -> int:
 
     def progress(point: dict) -> None:
         where = f"c={point['concurrency']}" if point["concurrency"] else f"rate={point['request_rate']:g}/s"
-        print(f"{point['engine']} {where}: {point['throughput_tok_s']:.1f} tok/s, acceptance "
-              f"{point['acceptance_length'] or 0:.2f}, {point['failed']} failed", file=sys.stderr)
+        print(
+            f"{point['engine']} {where}: {point['throughput_tok_s']:.1f} tok/s, acceptance "
+            f"{point['acceptance_length'] or 0:.2f}, {point['failed']} failed",
+            file=sys.stderr,
+        )
 
     points, follower = [], False
     for name, target in chosen.items():
         factory = backend_factory(target, workload, args.max_batch_size, args.kv_cache_free_gpu_mem_fraction)
         for concurrency, rate in [(c, None) for c in concurrencies] + [(None, r) for r in rates]:
             try:
-                point = measure_point(factory, workload, name, concurrency=concurrency, request_rate=rate,
-                                      warmup=args.warmup, seed=args.seed, timeout_s=args.timeout_s,
-                                      max_in_flight=args.max_batch_size)
+                point = measure_point(
+                    factory,
+                    workload,
+                    name,
+                    concurrency=concurrency,
+                    request_rate=rate,
+                    warmup=args.warmup,
+                    seed=args.seed,
+                    timeout_s=args.timeout_s,
+                    max_in_flight=args.max_batch_size,
+                )
             except FollowerRank:
                 follower = True
                 continue
@@ -189,8 +241,7 @@ def run(args: argparse.Namespace) -> int:
         return 0  # rank 0 writes the results
     write_outputs(out, points, workload.description, args.overwrite)
     if args.json:
-        print(json.dumps([{k: v for k, v in p.items() if k not in ("per_request", "in_flight_trace")}
-                          for p in points]))
+        print(json.dumps([{k: v for k, v in p.items() if k not in ("per_request", "in_flight_trace")} for p in points]))
     else:
         print(f"results: {out / RESULTS_FILE}; report: {out / 'report.html'}")
     return 0

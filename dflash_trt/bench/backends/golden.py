@@ -51,8 +51,14 @@ class StepLog:
 class GoldenExecutor:
     """Greedy speculative decoding (block 1 = plain autoregressive) with requests joining and leaving per step."""
 
-    def __init__(self, model: GoldenModel, max_batch_size: int, max_seq_len: int, block_size: int | None = None,
-                 stop_token_ids: list[int] | None = None):
+    def __init__(
+        self,
+        model: GoldenModel,
+        max_batch_size: int,
+        max_seq_len: int,
+        block_size: int | None = None,
+        stop_token_ids: list[int] | None = None,
+    ):
         draft = model.draft
         self.model = model
         self.block = draft.spec.block_size if block_size is None else block_size
@@ -177,8 +183,15 @@ class GoldenExecutor:
 class GoldenBackend(Backend):
     """The golden executor served from a worker thread (`dflash-trt bench --checkpoint_dir`)."""
 
-    def __init__(self, model: GoldenModel, max_batch_size: int, max_seq_len: int, *, block_size: int | None = None,
-                 stop_token_ids: list[int] | None = None):
+    def __init__(
+        self,
+        model: GoldenModel,
+        max_batch_size: int,
+        max_seq_len: int,
+        *,
+        block_size: int | None = None,
+        stop_token_ids: list[int] | None = None,
+    ):
         self.model = model
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
@@ -193,12 +206,14 @@ class GoldenBackend(Backend):
         self._thread: threading.Thread | None = None
 
     async def start(self, deliver: Deliver) -> None:
-        self.executor = GoldenExecutor(self.model, self.max_batch_size, self.max_seq_len, self.block_size,
-                                       self.stop_token_ids)
+        self.executor = GoldenExecutor(
+            self.model, self.max_batch_size, self.max_seq_len, self.block_size, self.stop_token_ids
+        )
         self._stopping = False
         send = threadsafe_deliver(deliver)
-        self._thread = threading.Thread(target=self._serve, args=(self.executor, send), name="golden-executor",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._serve, args=(self.executor, send), name="golden-executor", daemon=True
+        )
         self._thread.start()
 
     def submit(self, request_id: int, request: BenchRequest) -> None:

@@ -45,8 +45,16 @@ def request_inputs(request: BenchRequest, end_id: int | None) -> list:
 
 
 class TritonBackend(Backend):
-    def __init__(self, url: str, *, model: str = DEFAULT_MODEL, mode: str = "dflash", gpus: int = 1,
-                 end_id: int | None = None, connect_timeout_s: float = 10.0):
+    def __init__(
+        self,
+        url: str,
+        *,
+        model: str = DEFAULT_MODEL,
+        mode: str = "dflash",
+        gpus: int = 1,
+        end_id: int | None = None,
+        connect_timeout_s: float = 10.0,
+    ):
         self.url = url
         self.model = model
         self.mode = mode
@@ -84,8 +92,11 @@ class TritonBackend(Backend):
         done = asyncio.Event()
 
         async def one_request():
-            yield {"model_name": self.model, "inputs": request_inputs(request, self.end_id),
-                   "request_id": str(request_id)}
+            yield {
+                "model_name": self.model,
+                "inputs": request_inputs(request, self.end_id),
+                "request_id": str(request_id),
+            }
             await done.wait()  # keep our side of the stream open until the final response
 
         try:

@@ -46,8 +46,12 @@ class EngineInfo:
     plugin_library: Path | None
 
 
-def inspect_engine(engine_dir: str | Path, kind: str = "dflash", plugin_library: str | Path | None = None,
-                   eagle_choices: list[list[int]] | None = None) -> EngineInfo:
+def inspect_engine(
+    engine_dir: str | Path,
+    kind: str = "dflash",
+    plugin_library: str | Path | None = None,
+    eagle_choices: list[list[int]] | None = None,
+) -> EngineInfo:
     """Check an engine directory: its config.json, and for DFlash its manifest and plugin library."""
     engine_dir = Path(engine_dir)
     if kind not in KINDS:
@@ -111,9 +115,17 @@ def prepare_process(info: EngineInfo) -> None:
 class TrtllmBackend(Backend):
     """One in-process executor per run; requests carry our request id as the executor's client id."""
 
-    def __init__(self, info: EngineInfo, *, max_batch_size: int | None = None, ignore_eos: bool = False,
-                 end_id: int | None = None, kv_cache_free_gpu_memory_fraction: float | None = None,
-                 trtllm: Any = None, prepare=prepare_process):
+    def __init__(
+        self,
+        info: EngineInfo,
+        *,
+        max_batch_size: int | None = None,
+        ignore_eos: bool = False,
+        end_id: int | None = None,
+        kv_cache_free_gpu_memory_fraction: float | None = None,
+        trtllm: Any = None,
+        prepare=prepare_process,
+    ):
         self.info = info
         self.mode = info.kind
         self.gpus = info.gpus
@@ -136,8 +148,9 @@ class TrtllmBackend(Backend):
             # use_dynamic_tree, dynamic_tree_max_topK. Greedy: the engine's only lossless mode.
             decoding.eagle_config = trtllm.EagleConfig(self.info.eagle_choices, True, None, False, None)
         kv_cache = trtllm.KvCacheConfig(free_gpu_memory_fraction=self.kv_fraction, enable_block_reuse=False)
-        return trtllm.ExecutorConfig(max_beam_width=1, max_batch_size=self.max_batch_size, kv_cache_config=kv_cache,
-                                     decoding_config=decoding)
+        return trtllm.ExecutorConfig(
+            max_beam_width=1, max_batch_size=self.max_batch_size, kv_cache_config=kv_cache, decoding_config=decoding
+        )
 
     async def start(self, deliver: Deliver) -> None:
         if self.trtllm is None:
@@ -149,22 +162,25 @@ class TrtllmBackend(Backend):
             self.executor.shutdown()
             raise FollowerRank()
         self._stopping.clear()
-        self._poller = threading.Thread(target=self._poll, args=(threadsafe_deliver(deliver),), daemon=True,
-                                        name="trtllm-responses")
+        self._poller = threading.Thread(
+            target=self._poll, args=(threadsafe_deliver(deliver),), daemon=True, name="trtllm-responses"
+        )
         self._poller.start()
 
     def submit(self, request_id: int, request: BenchRequest) -> None:
         trtllm = self.trtllm
-        self.executor.enqueue_request(trtllm.Request(
-            input_token_ids=request.input_ids,
-            max_tokens=request.max_new_tokens,
-            streaming=True,
-            sampling_config=trtllm.SamplingConfig(beam_width=1),
-            output_config=trtllm.OutputConfig(exclude_input_from_output=True),
-            end_id=self.end_id,
-            pad_id=max(self.end_id, 0),
-            client_id=request_id,
-        ))
+        self.executor.enqueue_request(
+            trtllm.Request(
+                input_token_ids=request.input_ids,
+                max_tokens=request.max_new_tokens,
+                streaming=True,
+                sampling_config=trtllm.SamplingConfig(beam_width=1),
+                output_config=trtllm.OutputConfig(exclude_input_from_output=True),
+                end_id=self.end_id,
+                pad_id=max(self.end_id, 0),
+                client_id=request_id,
+            )
+        )
 
     def _poll(self, send: Deliver) -> None:
         while not self._stopping.is_set():
