@@ -201,3 +201,22 @@ def test_follower_rank_builds_every_executor_rank_0_builds_and_writes_nothing(tm
     with pytest.raises(FollowerRank):
         measure_point(factory, workload, "ar", concurrency=2, warmup=1)
     assert built == [2, 2]
+
+
+def test_bench_cli_on_a_host_without_tensorrt_llm_is_one_clear_error(tmp_path, capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("tensorrt_llm") is not None:
+        pytest.skip("tensorrt_llm is installed: tests/gpu/test_engine_selftest.py runs bench on a real engine")
+    library = tmp_path / "libdflash_trt_plugins.so"
+    library.write_bytes(b"")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"input_ids": [1, 2]}\n')
+    engine = write_engine(tmp_path / "engine", library=library)
+    out = tmp_path / "out"
+    argv = ["bench", "--engine_dir", str(engine), "--input_file", str(prompts), "--concurrency", "1",
+            "--output_dir", str(out)]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tensorrt_llm 1.2.x is not installed" in err[0]
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
