@@ -32,6 +32,11 @@ def test_demo_runs_the_whole_cpu_job(tmp_path, capsys):
         row = report["quantized"][qformat]
         assert row["lossless_vs_quantized_target"] and row["mean_acceptance_length"] >= 4.0
     assert report["build_command"].startswith("trtllm-build --checkpoint_dir")
+    sweep = report["sweep"]  # the load generator's sweep on the same pair: DFlash vs the target alone
+    assert {(p["engine"], p["concurrency"]) for p in sweep["points"]} == {
+        (e, c) for e in ("dflash", "ar") for c in (1, 2, 4)}
+    assert sweep["dflash_vs_ar_c1"] > 1.0
+    assert (out / "sweep" / "pareto.png").is_file() and (out / "sweep" / "results.json").is_file()
     config = (out / "triton_repository" / "tensorrt_llm" / "config.pbtxt").read_text()
     parsed = text_format.Parse(config, model_config_pb2.ModelConfig())
     assert parsed.backend == "tensorrtllm" and parsed.parameters["decoding_mode"].string_value == "eagle"

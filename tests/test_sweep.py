@@ -1,4 +1,5 @@
-"""Sweep orchestration: command lines, report parsing, resuming and failure recording (no GPU needed)."""
+"""Sweep orchestration: config checks, resuming and failure recording, the AR-only trtllm-bench runner and its
+report parsing, and a real sweep of the embedded pair's checkpoint through the load generator (no GPU needed)."""
 
 from __future__ import annotations
 
@@ -37,18 +38,33 @@ def _fixture(name: str) -> dict:
     return json.loads((FIXTURES / name).read_text())
 
 
+def _ar_engine(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps({
+        "pretrained_config": {"vocab_size": 64, "mapping": {"world_size": 1}},
+        "build_config": {"max_batch_size": 8},
+    }))
+    return root
+
+
 def _config(tmp_path: Path, **overrides) -> dict:
+    """Two AR engines measured by trtllm-bench (the runner a fake process can stand in for)."""
+    for name in ("ar", "ar_fp8"):
+        _ar_engine(tmp_path / "engines" / name)
+    (tmp_path / "data").mkdir(exist_ok=True)
+    (tmp_path / "data" / "prompts.jsonl").write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [4, 5]}\n')
     data = {
         "model": "Qwen/Qwen3-8B",
         "model_path": "ckpt/Qwen3-8B",
         "dataset": "data/prompts.jsonl",
+        "max_new_tokens": 32,
         "concurrency": [1, 4],
         "num_requests": 64,
         "warmup": 2,
         "output_dir": "out",
         "engines": [
-            {"name": "ar", "kind": "ar", "engine_dir": "engines/ar"},
-            {"name": "dflash", "kind": "dflash", "engine_dir": "engines/dflash"},
+            {"name": "ar", "kind": "ar", "engine_dir": "engines/ar", "runner": "trtllm-bench"},
+            {"name": "ar_fp8", "kind": "ar", "engine_dir": "engines/ar_fp8", "runner": "trtllm-bench"},
         ],
     }
     data.update(overrides)
@@ -62,9 +78,9 @@ def test_bench_command_is_the_exact_trtllm_bench_invocation(tmp_path):
     assert cmd == [
         "mpirun", "-n", "8",
         "trtllm-bench", "--model", "Qwen/Qwen3-8B", "--model_path", str(tmp_path / "ckpt/Qwen3-8B"),
-        "throughput", "--backend", "tensorrt", "--engine_dir", str(tmp_path / "engines/dflash"),
-        "--dataset", str(tmp_path / "data/prompts.jsonl"), "--concurrency", "4", "--report_json", str(report),
-        "--num_requests", "64", "--warmup", "2", "--streaming",
+        "throughput", "--backend", "tensorrt", "--engine_dir", str(tmp_path / "engines/ar_fp8"),
+        "--dataset", str(tmp_path / "out" / "trtllm_bench_dataset.jsonl"), "--concurrency", "4",
+        "--report_json", str(report), "--num_requests", "64", "--warmup", "2", "--streaming",
     ]  # fmt: skip
 
 
@@ -117,25 +133,27 @@ class FakeBench:
         log_path.write_text(f"running {engine} c{conc}\nCUDA error: out of memory\n")
         if (engine, conc) in self.fail:
             return 1
-        name = "ar_c4_streaming.json" if engine == "ar" else "dflash_c4_streaming.json"
-        shutil.copy(FIXTURES / name, cmd[cmd.index("--report_json") + 1])
+        shutil.copy(FIXTURES / "ar_c4_streaming.json", cmd[cmd.index("--report_json") + 1])
         return 0
 
 
 def test_failed_point_is_recorded_and_sweep_resumes(tmp_path):
     cfg = parse_sweep_config(_config(tmp_path), tmp_path)
-    bench = FakeBench(fail={("dflash", 4)})
+    bench = FakeBench(fail={("ar_fp8", 4)})
     records = run_sweep(cfg, bench)
     assert [(r["engine"], r["concurrency"], r["status"]) for r in records] == [
-        ("ar", 1, "ok"), ("ar", 4, "ok"), ("dflash", 1, "ok"), ("dflash", 4, "failed"),
+        ("ar", 1, "ok"), ("ar", 4, "ok"), ("ar_fp8", 1, "ok"), ("ar_fp8", 4, "failed"),
     ]  # fmt: skip
     failed = json.loads((point_dir(cfg, cfg.engines[1], 4) / "point.json").read_text())
     assert failed["returncode"] == 1 and "out of memory" in failed["log_tail"]
     assert "--concurrency 4" in failed["command"]
+    # trtllm-bench got the sweep's prompts in its own dataset format.
+    dataset = (Path(cfg.output_dir) / "trtllm_bench_dataset.jsonl").read_text().splitlines()
+    assert json.loads(dataset[1]) == {"task_id": 1, "input_ids": [4, 5], "output_tokens": 32}
     # Second run: only the failed point is run again.
     bench2 = FakeBench()
     records = run_sweep(cfg, bench2)
-    assert len(bench2.calls) == 1 and "dflash" in bench2.calls[0][bench2.calls[0].index("--engine_dir") + 1]
+    assert len(bench2.calls) == 1 and "ar_fp8" in bench2.calls[0][bench2.calls[0].index("--engine_dir") + 1]
     assert all(r["status"] == "ok" for r in records)
     assert len(load_records(cfg.output_dir)) == 4
 
@@ -153,6 +171,13 @@ def test_missing_report_after_success_is_a_failed_point(tmp_path):
         ({"concurrency": [2, 2]}, "twice"),
         ({"engines": [{"name": "d", "kind": "medusa", "engine_dir": "x"}]}, "kind"),
         ({"engines": [{"name": "d", "kind": "dflash", "engine_dir": "x"}]}, "'ar' engine"),
+        ({"engines": [{"name": "d", "kind": "dflash", "engine_dir": "x", "runner": "trtllm-bench"}]},
+         "only for AR engines"),
+        ({"engines": [{"name": "a", "kind": "ar", "engine_dir": "x", "checkpoint_dir": "y"}]}, "exactly one of"),
+        ({"engines": [{"name": "a", "kind": "ar", "engine_dir": "x", "bogus": 1}]}, "unknown key"),
+        ({"synthetic": "8,8,4"}, "exactly one of 'dataset'"),
+        ({"dataset": None, "synthetic": "8,8"}, "ISL,OSL,COUNT"),
+        ({"model": None}, "needs 'model'"),
         ({"bogus": 1}, "unknown key"),
     ],
 )
@@ -175,6 +200,43 @@ def test_cli_dry_run_prints_commands_and_analyze_writes_report(tmp_path, capsys)
     assert (Path(cfg.output_dir) / "report.html").exists()
     with pytest.raises(DFlashTrtError, match="cannot read sweep config"):
         main(["sweep", "--config", str(tmp_path / "missing.yaml")])
+
+
+@pytest.mark.slow
+def test_cpu_sweep_of_the_embedded_pair_through_the_load_generator(tmp_path, capsys):
+    """DFlash and the target alone from one converted checkpoint, measured by the driver: records, results.json,
+    the Pareto report and PNG; a second run resumes without measuring again."""
+    from dflash_trt.bench.results import load_results
+    from dflash_trt.conversion.convert import convert_checkpoint
+    from dflash_trt.tiny.heldout import draft_dir, load_heldout, target_dir
+
+    convert_checkpoint(target_dir(), draft_dir(), tmp_path / "ckpt", dtype="float32")
+    prompts = [{"text": p.text} for p in load_heldout(limit=4)]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    config = {
+        "dataset": "prompts.jsonl", "tokenizer_dir": "ckpt", "max_new_tokens": 32, "concurrency": [1, 2],
+        "output_dir": "sweep",
+        "engines": [{"name": "dflash", "kind": "dflash", "checkpoint_dir": "ckpt"},
+                    {"name": "ar", "kind": "ar", "checkpoint_dir": "ckpt"}],
+    }  # fmt: skip
+    cfg_path = tmp_path / "sweep.yaml"
+    cfg_path.write_text(json.dumps(config))
+    assert main(["sweep", "--config", str(cfg_path), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    records = load_records(tmp_path / "sweep")
+    assert sorted((r["engine"], r["concurrency"], r["status"]) for r in records) == [
+        ("ar", 1, "ok"), ("ar", 2, "ok"), ("dflash", 1, "ok"), ("dflash", 2, "ok")]
+    by_key = {(r["engine"], r["concurrency"]): r for r in records}
+    assert by_key["dflash", 1]["acceptance_length"] > 2.0 and by_key["ar", 1]["acceptance_length"] == 1.0
+    # The same prompts, so the same tokens: speculation is lossless under the sweep's in-flight batching.
+    assert [r["output_ids"] for r in by_key["dflash", 2]["per_request"]] == \
+        [r["output_ids"] for r in by_key["ar", 2]["per_request"]]
+    assert len(load_results(tmp_path / "sweep" / "results.json")) == 4
+    assert summary["baseline"] == "ar" and summary["png_written"]
+    assert (tmp_path / "sweep" / "pareto.png").stat().st_size > 0
+    before = (tmp_path / "sweep" / "dflash" / "c00001" / "point.json").stat().st_mtime_ns
+    assert main(["sweep", "--config", str(cfg_path), "--json"]) == 0
+    assert (tmp_path / "sweep" / "dflash" / "c00001" / "point.json").stat().st_mtime_ns == before
 
 
 def _bench_all():

@@ -3,7 +3,8 @@
 convert → verify → speculative decoding of held-out arithmetic prompts with the golden model (per-prompt and
 per-position acceptance, answers checked, tokens/s against target-only decoding in the same run) → FP8 and NVFP4
 checkpoints with an FP8 KV cache (calibrated, decoded the same way) → the engine build plan and Triton repository
-→ the exact commands to run on a GPU host. Everything lands under `--output_dir`.
+→ a small sweep of DFlash vs the target alone through the load generator (CPU, in-flight batching) with its Pareto
+plot → the exact commands to run on a GPU host. Everything lands under `--output_dir`.
 """
 
 from __future__ import annotations
@@ -51,6 +52,39 @@ def write_calibration_prompts(path: Path, count: int = 32) -> Path:
     return path
 
 
+SWEEP_CONCURRENCY = (1, 2, 4)
+SWEEP_PROMPTS = 6
+
+
+def demo_sweep(checkpoint: Path, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int], out: Path,
+               overwrite: bool, say) -> dict:
+    """`dflash-trt bench --checkpoint_dir C --concurrency 1,2,4 --baseline ar` on the held-out prompts."""
+    from dflash_trt.bench.driver import BenchRequest
+    from dflash_trt.bench.measure import measure_point
+    from dflash_trt.bench.targets import Target, backend_factory
+    from dflash_trt.bench.workload import Workload
+    from dflash_trt.commands.bench import write_outputs
+
+    workload = Workload([BenchRequest(i, p, max_new_tokens) for i, p in enumerate(prompts)], ignore_eos=False,
+                        description={"kind": "demo held-out prompts", "count": len(prompts),
+                                     "max_new_tokens": max_new_tokens})
+    points = []
+    for kind in ("dflash", "ar"):
+        factory = backend_factory(Target(kind, checkpoint_dir=str(checkpoint)), workload)
+        points += [measure_point(factory, workload, kind, concurrency=c) for c in SWEEP_CONCURRENCY]
+    write_outputs(out, points, workload.description, overwrite)
+    rows = [{"engine": p["engine"], "concurrency": p["concurrency"], "output_tok_s": p["throughput_tok_s"],
+             "tok_s_user_p50": p["per_user_tok_s"]["p50"], "ttft_p50_s": p["ttft_s"]["p50"],
+             "acceptance_length": p["acceptance_length"]} for p in points]
+    for row in rows:
+        say(f"      {row['engine']:6s} c={row['concurrency']}: {row['output_tok_s']:7.1f} tok/s, "
+            f"{row['tok_s_user_p50']:7.1f} tok/s/user (p50), acceptance {row['acceptance_length']:.2f}")
+    by = {(r["engine"], r["concurrency"]): r["output_tok_s"] for r in rows}
+    ratio = by["dflash", 1] / by["ar", 1]
+    say(f"      DFlash vs target alone at concurrency 1: {ratio:.2f}x; plot: {out / 'pareto.png'}")
+    return {"points": rows, "dflash_vs_ar_c1": ratio, "report": str(out / "report.html")}
+
+
 def _timed_generate(model, prompts, max_new_tokens, stop_ids, block_size=None):
     started = time.perf_counter()
     results = speculative_generate(model, prompts, max_new_tokens, stop_ids, block_size=block_size)
@@ -67,10 +101,10 @@ def run(args: argparse.Namespace) -> int:
     say = (lambda *_: None) if args.json else print
     checkpoint = out / f"checkpoint-{args.dtype}"
 
-    say(f"[1/6] convert {target_dir().name} + {draft_dir().name} → {checkpoint}")
+    say(f"[1/7] convert {target_dir().name} + {draft_dir().name} → {checkpoint}")
     convert_checkpoint(target_dir(), draft_dir(), checkpoint, dtype=args.dtype, overwrite=args.overwrite)
 
-    say("[2/6] verify every tensor against its source")
+    say("[2/7] verify every tensor against its source")
     report = verify_checkpoint(checkpoint, target_dir(), draft_dir())
     say("      " + report.verdict())
     if not report.ok:
@@ -82,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     model = load_golden_model(checkpoint)
     stop_ids = list(model.target.spec.eos_token_ids)
     block = model.draft.spec.block_size
-    say(f"[3/6] decode {len(prompts)} held-out prompts: DFlash block {block} vs target alone (golden model, CPU)")
+    say(f"[3/7] decode {len(prompts)} held-out prompts: DFlash block {block} vs target alone (golden model, CPU)")
     spec_results, spec_seconds = _timed_generate(model, prompts, args.max_new_tokens, stop_ids)
     ar_results, ar_seconds = _timed_generate(model, prompts, args.max_new_tokens, stop_ids, block_size=1)
     lossless = all(s.output_ids == a.output_ids for s, a in zip(spec_results, ar_results, strict=True))
@@ -115,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         f"{summary['target_only_tokens_per_second']:.0f} tok/s target alone "
         f"({summary['speedup']:.2f}x, CPU golden model)")
 
-    say("[4/6] quantize for the engine's GPUs (FP8: Hopper, NVFP4: Blackwell), calibrated on training-split prompts")
+    say("[4/7] quantize for the engine's GPUs (FP8: Hopper, NVFP4: Blackwell), calibrated on training-split prompts")
     calibration = write_calibration_prompts(out / "calibration.jsonl")
     summary["quantized"] = {}
     for qformat in (FP8, NVFP4):
@@ -138,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
             f"answers correct {row['accuracy']:.0%}, lossless vs the {qformat} target alone: "
             f"{row['lossless_vs_quantized_target']}")
 
-    say("[5/6] plan the TensorRT-LLM 1.2.x engine build and its Triton model repository")
+    say("[5/7] plan the TensorRT-LLM 1.2.x engine build and its Triton model repository")
     # The tiny target was trained with 256 positions (max_position_embeddings): the engine may not go beyond.
     settings = EngineBuildSettings(max_batch_size=8, max_input_len=128, max_seq_len=256, max_num_tokens=512)
     plan = plan_engine_build(checkpoint, out / "engine", settings)
@@ -154,11 +188,18 @@ def run(args: argparse.Namespace) -> int:
     summary["build_command"] = plan.shell_command()
     summary["triton_repository"] = str(repository)
 
-    say("[6/6] on a GPU host with TensorRT-LLM 1.2.x (NGC release container), run:")
+    say(f"[6/7] sweep DFlash vs the target alone at concurrency {', '.join(map(str, SWEEP_CONCURRENCY))} "
+        "(load generator, golden model with in-flight batching)")
+    summary["sweep"] = demo_sweep(checkpoint, prompts[:SWEEP_PROMPTS], args.max_new_tokens, stop_ids,
+                                  out / "sweep", args.overwrite, say)
+
+    say("[7/7] on a GPU host with TensorRT-LLM 1.2.x (NGC release container), run:")
     say("      cmake -S plugins -B plugins/build && cmake --build plugins/build   # libdflash_trt_plugins.so")
     say(f"      dflash-trt build --checkpoint_dir {checkpoint} --output_dir {plan.output_dir}")
     say(f"        (loads the plugin library, then runs: {plan.shell_command()})")
     say(f"      {repository}/launch_triton.sh          # serves the engine")
+    say(f"      dflash-trt bench --engine_dir {plan.output_dir} --input_file prompts.jsonl --concurrency 1,4,16 "
+        "--output_dir bench_out")
     say(f"      python {repository}/client.py --prompt $'add 0012 0034\\n'   # the tiny corpus's prompt format")
     if args.json:
         print(json.dumps(summary))

@@ -1,22 +1,21 @@
 """`dflash-trt selftest`: prove on this GPU host that the DFlash engine decodes exactly like the golden model.
 
 Converts the embedded tiny trained pair, builds its engine with TensorRT-LLM 1.2.x (plugin library required),
-runs held-out prompts through `ModelRunnerCpp` in EAGLE mode and through the golden model, and fails unless every
-token and every per-step acceptance length agree; then a short `trtllm-bench` run of the same engine reports its
-speed and acceptance. Greedy decoding, the engine's only mode.
+runs held-out prompts through the executor in EAGLE mode (all in flight at once, streamed, one response per
+decoding iteration: `dflash_trt.bench`) and through the golden model, and fails unless every token and every
+acceptance length both define the same way agree; then a short concurrency-1 run of the same load generator
+reports the engine's speed and acceptance. Greedy decoding, the engine's only mode.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 from pathlib import Path
-from typing import Any
 
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import ENGINE_DTYPES
-
-MANIFEST_KEY = "eagle_choices"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -63,60 +62,69 @@ def selftest_workload(texts: list[str], tokenizer, num_prompts: int, block_size:
 
 def engine_generate(engine_dir: Path, plugin_library: str, prompts: list[list[int]], max_new_tokens: int,
                     end_id: int, chunked_context: bool = False) -> tuple[list[list[int]], list[list[int]]]:
-    """Generated tokens and per-step acceptance lengths of every prompt, from the engine via ModelRunnerCpp.
+    """Generated tokens and per-iteration acceptance lengths of every prompt, from the engine's executor.
 
-    Acceptance lengths are the growth of each sequence per streamed iteration; the first growth is the context
-    step's first token, as in the golden loop, which does not count it either.
+    Every prompt is in flight at once; each executor response is one decoding iteration, so the tokens it carries
+    are that iteration's acceptance length. The first response (the context step's first token) is not counted,
+    as in the golden loop.
     """
-    import torch
-    from tensorrt_llm.runtime import ModelRunnerCpp
+    from dflash_trt.bench.backends.trtllm import TrtllmBackend, inspect_engine
+    from dflash_trt.bench.driver import BenchRequest, run_load
 
-    import dflash_trt.trtllm.model  # noqa: F401  (registers DFlashForCausalLM for EngineConfig parsing)
-    from dflash_trt.trtllm.plugin import load_plugin_library
-
-    load_plugin_library(plugin_library)
-    manifest = json.loads((engine_dir / "dflash_trt.json").read_text())
-    runner = ModelRunnerCpp.from_dir(str(engine_dir), max_batch_size=len(prompts),
-                                     eagle_choices=manifest[MANIFEST_KEY], enable_chunked_context=chunked_context)
-    lengths = [[len(p)] for p in prompts]
-    final: dict[str, Any] | None = None
-    for out in runner.generate([torch.tensor(p, dtype=torch.int32) for p in prompts],
-                               max_new_tokens=max_new_tokens, end_id=end_id, pad_id=end_id, streaming=True,
-                               return_dict=True, output_sequence_lengths=True):
-        final = out
-        for b, seq_len in enumerate(out["sequence_lengths"][:, 0].tolist()):
-            if seq_len > lengths[b][-1]:
-                lengths[b].append(seq_len)
-    if final is None:
-        raise DFlashTrtError("the engine returned no output")
-    tokens = [final["output_ids"][b, 0, len(p):lengths[b][-1]].tolist() for b, p in enumerate(prompts)]
-    acceptance = [[n - m for m, n in zip(seq[1:-1], seq[2:], strict=True)] for seq in lengths]
-    return tokens, acceptance
+    info = inspect_engine(engine_dir, "dflash", plugin_library)
+    backend = TrtllmBackend(info, max_batch_size=len(prompts), end_id=end_id,
+                            enable_chunked_context=chunked_context)
+    requests = [BenchRequest(i, p, max_new_tokens) for i, p in enumerate(prompts)]
+    trace = asyncio.run(run_load(backend, requests, concurrency=len(requests), timeout_s=600))
+    errors = [f"prompt {r.prompt_index}: {r.error}" for r in trace.records if r.error]
+    if errors:
+        raise DFlashTrtError("the engine failed requests: " + "; ".join(errors))
+    records = sorted(trace.records, key=lambda r: r.prompt_index)
+    return [r.output_ids for r in records], [r.chunks[1:] for r in records]
 
 
-def bench_once(engine_dir: Path, tokenizer_dir: Path, prompts: list[list[int]], max_new_tokens: int, out: Path,
-               runner=None) -> dict:
-    """A short `trtllm-bench --backend tensorrt` run of the engine (concurrency 1, the same prompts): its sweep
-    record (output tok/s, TPOT, acceptance) or, when trtllm-bench fails, the failure it recorded."""
-    from dflash_trt.perf.sweep import EngineEntry, SweepConfig, run_point, subprocess_runner
+def bench_once(engine_dir: Path, plugin_library: str, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    """A short concurrency-1 run of the load generator on the same prompts: speed, TTFT/TPOT, acceptance."""
+    from dflash_trt.bench.backends.trtllm import TrtllmBackend, inspect_engine
+    from dflash_trt.bench.driver import BenchRequest
+    from dflash_trt.bench.measure import measure_point
+    from dflash_trt.bench.workload import Workload
 
-    dataset = out / "bench_dataset.jsonl"
-    dataset.write_text("".join(json.dumps({"task_id": i, "input_ids": p, "output_tokens": max_new_tokens}) + "\n"
-                               for i, p in enumerate(prompts)))
-    engine = EngineEntry("dflash", "dflash", str(engine_dir))
-    config = SweepConfig(model=str(tokenizer_dir), dataset=str(dataset), concurrency=(1,), engines=(engine,),
-                         output_dir=str(out / "bench"), num_requests=len(prompts))
-    return run_point(config, engine, 1, runner or subprocess_runner)
+    info = inspect_engine(engine_dir, "dflash", plugin_library)
+    workload = Workload([BenchRequest(i, p, max_new_tokens) for i, p in enumerate(prompts)], ignore_eos=False,
+                        description={"kind": "selftest", "count": len(prompts)})
+    point = measure_point(lambda _: TrtllmBackend(info, max_batch_size=1), workload, "dflash", concurrency=1,
+                          timeout_s=600)
+    return {k: v for k, v in point.items() if k not in ("per_request", "in_flight_trace")}
 
 
-def compare(golden, tokens: list[list[int]], acceptance: list[list[int]]) -> list[str]:
-    """One line per disagreement between the golden results and the engine's tokens / acceptance lengths."""
+def comparable_steps(golden_acceptance: list[int], max_new_tokens: int, block_size: int) -> int:
+    """How many leading steps the engine and the golden loop define the same way.
+
+    Near the output budget the golden loop shrinks its verify block (and so drafts a shorter block) while the
+    engine drafts a full block and clips what it accepts; from the first such step on, acceptance lengths may
+    differ with identical tokens. Before it, every step verified a full block on both sides.
+    """
+    remaining = max_new_tokens - 1  # the context step produced the first token
+    for step, produced in enumerate(golden_acceptance):
+        if remaining < block_size - 1:
+            return step
+        remaining -= produced
+    return len(golden_acceptance)
+
+
+def compare(golden, tokens: list[list[int]], acceptance: list[list[int]], max_new_tokens: int,
+            block_size: int) -> list[str]:
+    """One line per disagreement: tokens in full, acceptance lengths of the steps both define the same way."""
     problems = []
     for i, result in enumerate(golden):
         if tokens[i] != result.output_ids:
             problems.append(f"prompt {i}: engine tokens differ from the golden model")
-        elif acceptance[i] != result.acceptance_lengths:
-            problems.append(f"prompt {i}: acceptance lengths {acceptance[i]} != golden {result.acceptance_lengths}")
+            continue
+        n = comparable_steps(result.acceptance_lengths, max_new_tokens, block_size)
+        if acceptance[i][:n] != result.acceptance_lengths[:n]:
+            problems.append(f"prompt {i}: acceptance lengths {acceptance[i][:n]} != golden "
+                            f"{result.acceptance_lengths[:n]} (first {n} steps)")
     return problems
 
 
@@ -147,11 +155,11 @@ def run(args: argparse.Namespace) -> int:
     golden = speculative_generate(golden_model, prompts, args.max_new_tokens, stop_ids[:1])
     tokens, acceptance = engine_generate(engine_dir, plan.plugin_library, prompts, args.max_new_tokens,
                                          stop_ids[0], chunked_context=args.chunked_context)
-    problems = compare(golden, tokens, acceptance)
+    problems = compare(golden, tokens, acceptance, args.max_new_tokens, golden_model.draft.spec.block_size)
     report = {"engine_dir": str(engine_dir), "prompts": len(prompts), "identical": not problems,
               "problems": problems,
               "mean_acceptance_length": sum(map(sum, acceptance)) / max(sum(map(len, acceptance)), 1),
-              "trtllm_bench": bench_once(engine_dir, checkpoint, prompts, args.max_new_tokens, out)}
+              "bench": bench_once(engine_dir, plan.plugin_library, prompts, args.max_new_tokens)}
     (out / "selftest.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report) if args.json else
           f"{len(prompts)} prompts: engine {'matches' if not problems else 'DIFFERS FROM'} the golden model "

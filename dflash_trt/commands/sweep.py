@@ -1,4 +1,4 @@
-"""`dflash-trt sweep`: run a trtllm-bench concurrency sweep (GPU host), then write frontiers and speedups."""
+"""`dflash-trt sweep`: a concurrency sweep of every engine with our load generator, then frontiers and speedups."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from dflash_trt.bench.driver import FollowerRank
+from dflash_trt.bench.targets import describe
 from dflash_trt.checkpoint.atomic import check_output_apart
 from dflash_trt.perf.report import analyze_records
 from dflash_trt.perf.sweep import (
@@ -24,18 +26,19 @@ from dflash_trt.perf.sweep import (
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "sweep",
-        help="concurrency sweep with trtllm-bench, Pareto frontiers and speedup tables",
-        description="Run trtllm-bench throughput for every engine x concurrency in --config (points that already "
-        "have a successful record are skipped), then write report.html, pareto.png and summary.json.",
+        help="concurrency sweep with the dflash-trt load generator, Pareto frontiers and speedup tables",
+        description="Measure every engine x concurrency in --config with the load generator of `dflash-trt bench` "
+        "(TensorRT-LLM executor, Triton or the CPU golden model; points that already have a successful record are "
+        "skipped), then write results.json, report.html, pareto.png and summary.json.",
     )
-    p.add_argument("--config", required=True, help="sweep YAML: model, dataset, concurrency list, engines")
-    p.add_argument("--dry_run", action="store_true", help="print the trtllm-bench commands and exit")
+    p.add_argument("--config", required=True, help="sweep YAML: prompts, concurrency list, engines")
+    p.add_argument("--dry_run", action="store_true", help="print every point (and trtllm-bench commands) and exit")
     p.add_argument("--analyze_only", action="store_true", help="skip running; analyze the recorded points")
     p.add_argument(
         "--user_metric",
         choices=sorted(USER_SPEED_METRICS),
         default="tpot",
-        help="x axis: 'tpot' = 1000/mean TPOT (default), 'share' = output tok/s / concurrency",
+        help="x axis: 'tpot' = 1 / mean TPOT (default), 'share' = output tok/s / concurrency",
     )
     p.add_argument("--levels", help="comma-separated tok/s/user values for the speedup table (default: AR's)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -47,11 +50,16 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         for engine in cfg.engines:
             for c in cfg.concurrency:
-                print(shlex.join(bench_command(cfg, engine, c, point_dir(cfg, engine, c) / "report.json")))
+                if engine.runner == "trtllm-bench":
+                    print(shlex.join(bench_command(cfg, engine, c, point_dir(cfg, engine, c) / "report.json")))
+                else:
+                    where = ", ".join(f"{k}={v}" for k, v in describe(engine.target).items())
+                    print(f"{engine.name} c={c}: dflash-trt load generator on {where}")
         return 0
     check_output_apart(cfg.output_dir, {"--config": args.config, "the dataset": cfg.dataset,
-                                        "the model_path": cfg.model_path,
-                                        **{f"engine {e.name}": e.engine_dir for e in cfg.engines}})
+                                        "the model_path": cfg.model_path, "the tokenizer_dir": cfg.tokenizer_dir,
+                                        **{f"engine {e.name}": e.target.engine_dir or e.target.checkpoint_dir
+                                           for e in cfg.engines}})
     if args.analyze_only:
         records = load_records(cfg.output_dir)
     else:
@@ -59,7 +67,10 @@ def run(args: argparse.Namespace) -> int:
             status = record["status"] if record["status"] == "ok" else f"FAILED: {record.get('error')}"
             print(f"{record['engine']} c={record['concurrency']}: {status}", file=sys.stderr)
 
-        records = run_sweep(cfg, progress=progress)
+        try:
+            records = run_sweep(cfg, progress=progress)
+        except FollowerRank:
+            return 0  # a multi-GPU engine's other rank: rank 0 writes the report
     levels = [float(v) for v in args.levels.split(",")] if args.levels else None
     summary = analyze_records(records, args.user_metric, levels, cfg.output_dir)
     write_json_atomic(Path(cfg.output_dir) / "summary.json", summary)

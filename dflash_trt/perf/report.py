@@ -132,11 +132,16 @@ def _ratio(v: float | None) -> str:
 
 
 def analyze_records(
-    records: Sequence[dict], user_metric: str, levels: Sequence[float] | None, out_dir: str | Path
+    records: Sequence[dict],
+    user_metric: str,
+    levels: Sequence[float] | None,
+    out_dir: str | Path,
+    extra_tables: Sequence[Table] = (),
 ) -> dict:
     """Frontiers, speedups at equal interactivity and crossover concurrencies; writes report.html (+ PNG).
 
-    Levels default to the AR frontier's own interactivity values, the only ones where a ratio to AR exists.
+    Levels default to the AR frontier's own interactivity values, the only ones where a ratio to AR exists;
+    without AR points the report holds the plot and frontiers only.
     """
     from dflash_trt.perf.pareto import crossover_concurrency, speedup_table
     from dflash_trt.perf.sweep import USER_SPEED_METRICS, points_from_records
@@ -145,19 +150,18 @@ def analyze_records(
     kinds = {r["engine"]: r["kind"] for r in records}
     groups = group_by_engine(points)
     ar = [name for name in groups if kinds.get(name) == "ar"]
-    if not ar:
-        raise DFlashTrtError("no successful point of the 'ar' engine: speedups need the autoregressive baseline")
-    baseline = ar[0]
+    # Without an AR engine there is nothing to divide by: the plot and frontiers only.
+    baseline = ar[0] if ar else None
     frontiers = {name: pareto_frontier(pts) for name, pts in groups.items()}
     if levels is None:
-        levels = [p.tok_s_user for p in frontiers[baseline]]
-    rows = speedup_table(points, baseline, levels)
+        levels = [p.tok_s_user for p in frontiers[baseline]] if baseline else []
+    rows = speedup_table(points, baseline, levels) if baseline else []
     eagle = [name for name in groups if kinds.get(name) == "eagle3"]
-    eagle_rows = speedup_table(points, eagle[0], levels) if eagle else []
+    eagle_rows = speedup_table(points, eagle[0], levels) if eagle and baseline else []
     crossovers = {
         name: crossover_concurrency(pts, groups[baseline]).concurrency
         for name, pts in groups.items()
-        if name != baseline
+        if baseline and name != baseline
     }
     failed = [
         {"engine": r["engine"], "concurrency": r["concurrency"], "error": r.get("error")}
@@ -179,7 +183,8 @@ def analyze_records(
         "failed_points": failed,
     }
     names = sorted(groups)
-    tables: list[Table] = [
+    tables: list[Table] = list(extra_tables)
+    tables += [] if baseline is None else [
         (
             f"tok/s/GPU at equal interactivity, and speedup over {baseline}",
             ["tok/s/user", *[f"{n} tok/s/GPU" for n in names], *[f"{n} vs {baseline}" for n in names]],

@@ -1,12 +1,17 @@
-"""Concurrency sweeps with `trtllm-bench --backend tensorrt ... throughput`, one JSON record per point.
+"""Concurrency sweeps, one JSON record per (engine, concurrency) point, measured by our load generator.
 
-The sweep only runs on GPU hosts, but everything around the benchmark process is plain Python and tested here:
-the exact command line, resuming (a point with a successful record is never rerun), recording failures without
-stopping, and turning trtllm-bench's `--report_json` file into the per-point record the analysis reads.
+Every engine of a sweep is driven by `dflash_trt.bench` (TensorRT-LLM executor, Triton server or the CPU golden
+model) on the same prompts, so AR, EAGLE and DFlash points are comparable. Everything around the measurement is
+plain Python and tested here: resuming (a point with a successful record is never rerun), recording failures
+without stopping, and the per-point record the analysis reads.
 
-Report keys follow TensorRT-LLM 1.2.x `tensorrt_llm/bench/dataclasses/reporting.py::get_statistics_dict`:
-`performance` (always), `streaming_metrics` (only with `--streaming`), `decoding_stats` (only for speculative
-engines), `world_info`; percentile blocks carry p50/p90/p95/p99/minimum/maximum/average.
+`trtllm-bench --backend tensorrt` stays available for AR engines only (`runner: trtllm-bench`), as a cross-check
+with NVIDIA's tool: in 1.2.x it copies the engine's speculative decoding mode into a runtime map holding only
+NONE and MEDUSA, never imports our model class, passes no chain choices and never loads our plugin library, so it
+cannot run DFlash (or EAGLE) engines. Its report keys follow TensorRT-LLM 1.2.x
+`tensorrt_llm/bench/dataclasses/reporting.py::get_statistics_dict`: `performance`, `streaming_metrics` (with
+`--streaming`), `decoding_stats` (speculative engines), `world_info`; percentile blocks carry
+p50/p90/p95/p99/minimum/maximum/average.
 """
 
 from __future__ import annotations
@@ -23,40 +28,59 @@ from typing import Any
 
 import yaml
 
+from dflash_trt.bench.driver import FollowerRank
+from dflash_trt.bench.measure import measure_point
+from dflash_trt.bench.results import RESULTS_FILE, sweep_fields, write_results
+from dflash_trt.bench.targets import KINDS, Target, backend_factory, check_target, describe, vocab_size
+from dflash_trt.bench.workload import Workload, file_workload, parse_synthetic, synthetic_workload
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.perf.pareto import Point
 
-ENGINE_KINDS = ("ar", "eagle3", "dflash")
+ENGINE_KINDS = KINDS
+RUNNERS = ("driver", "trtllm-bench")
 PERCENTILE_KEYS = ("p50", "p90", "p95", "p99", "minimum", "maximum", "average")
 # The x-axis definitions a record carries; the analysis names the one it plots.
 USER_SPEED_METRICS = {
-    "tpot": "tok/s/user = 1000 / mean TPOT (ms), per-request generation speed (needs --streaming)",
+    "tpot": "tok/s/user = 1 / mean TPOT, per-request generation speed while tokens stream",
     "share": "tok/s/user = system output tok/s / concurrency",
 }
+TRTLLM_BENCH_DATASET = "trtllm_bench_dataset.jsonl"
 
 
 @dataclass(frozen=True)
 class EngineEntry:
     name: str
     kind: str
-    engine_dir: str
+    target: Target
+    runner: str = "driver"
     extra_args: tuple[str, ...] = ()
+
+    @property
+    def engine_dir(self) -> str | None:
+        return self.target.engine_dir
 
 
 @dataclass(frozen=True)
 class SweepConfig:
-    """One sweep: a fixed dataset and concurrency list, run against each engine."""
+    """One sweep: a fixed prompt set and concurrency list, run against each engine."""
 
-    model: str
-    dataset: str
     concurrency: tuple[int, ...]
     engines: tuple[EngineEntry, ...]
     output_dir: str
-    model_path: str | None = None
+    dataset: str | None = None
+    synthetic: str | None = None
+    max_new_tokens: int = 1024
+    tokenizer_dir: str | None = None
     num_requests: int | None = None
     warmup: int | None = None
-    streaming: bool = True
+    max_batch_size: int | None = None
     kv_cache_free_gpu_mem_fraction: float | None = None
+    seed: int = 0
+    timeout_s: float | None = None
+    # trtllm-bench runner only
+    model: str | None = None
+    model_path: str | None = None
+    streaming: bool = True
     launcher: tuple[str, ...] = ()
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
@@ -69,21 +93,81 @@ def _str_list(value: Any, key: str) -> tuple[str, ...]:
     return tuple(str(v) for v in value)
 
 
+def _positive_int(data: dict, key: str) -> int | None:
+    value = data.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise DFlashTrtError(f"sweep config: {key!r} must be a positive integer")
+    return value
+
+
+def _engine_entry(i: int, e: Any, base: Path) -> EngineEntry:
+    where_keys = ("engine_dir", "checkpoint_dir", "triton_url")
+    known = {"name", "kind", "runner", "extra_args", "plugin_library", "eagle_choices", "triton_model", "gpus",
+             "end_id", *where_keys}
+    if not isinstance(e, dict) or not {"name", "kind"} <= set(e):
+        raise DFlashTrtError(f"sweep config: engine #{i} needs 'name' and 'kind'")
+    name = str(e["name"])
+    unknown = sorted(set(e) - known)
+    if unknown:
+        raise DFlashTrtError(f"sweep config: engine {name!r} has unknown key(s) {', '.join(unknown)}")
+    if not name or "/" in name or name.startswith("."):
+        raise DFlashTrtError(f"sweep config: engine name {name!r} must be a plain folder name")
+    if e["kind"] not in ENGINE_KINDS:
+        raise DFlashTrtError(f"sweep config: engine {name!r} kind must be one of {', '.join(ENGINE_KINDS)}")
+    if sum(1 for k in where_keys if e.get(k)) != 1:
+        raise DFlashTrtError(f"sweep config: engine {name!r} needs exactly one of {', '.join(where_keys)}")
+    runner = e.get("runner", "driver")
+    if runner not in RUNNERS:
+        raise DFlashTrtError(f"sweep config: engine {name!r} runner must be one of {', '.join(RUNNERS)}")
+    if runner == "trtllm-bench" and (e["kind"] != "ar" or not e.get("engine_dir")):
+        raise DFlashTrtError(
+            f"sweep config: engine {name!r}: runner trtllm-bench works only for AR engines (engine_dir, kind ar); "
+            "1.2.x trtllm-bench cannot run EAGLE-mode engines"
+        )
+    choices = e.get("eagle_choices")
+    if choices is not None and (
+        not isinstance(choices, list) or not all(isinstance(c, list) and all(isinstance(x, int) for x in c)
+                                                 for c in choices)
+    ):
+        raise DFlashTrtError(f"sweep config: engine {name!r} eagle_choices must be a list of integer lists")
+    try:
+        target = Target(
+            kind=e["kind"],
+            engine_dir=str(base / e["engine_dir"]) if e.get("engine_dir") else None,
+            checkpoint_dir=str(base / e["checkpoint_dir"]) if e.get("checkpoint_dir") else None,
+            triton_url=e.get("triton_url"),
+            plugin_library=str(base / e["plugin_library"]) if e.get("plugin_library") else None,
+            eagle_choices=None if choices is None else tuple(tuple(c) for c in choices),
+            triton_model=str(e.get("triton_model", "tensorrt_llm")),
+            gpus=_positive_int(e, "gpus") or 1,
+            end_id=e.get("end_id"),
+        )
+    except DFlashTrtError as exc:
+        raise DFlashTrtError(f"sweep config: engine {name!r}: {exc}") from None
+    return EngineEntry(name, e["kind"], target, runner, _str_list(e.get("extra_args"), "extra_args"))
+
+
 def parse_sweep_config(data: Any, base_dir: str | Path = ".") -> SweepConfig:
     """Validate a sweep config mapping; relative paths are taken relative to `base_dir` (the file's folder)."""
     if not isinstance(data, dict):
         raise DFlashTrtError("sweep config must be a mapping (YAML or JSON object)")
     base = Path(base_dir)
     known = {
-        "model", "model_path", "dataset", "concurrency", "engines", "output_dir", "num_requests", "warmup",
-        "streaming", "kv_cache_free_gpu_mem_fraction", "launcher", "extra_args",
-    }
+        "dataset", "synthetic", "max_new_tokens", "tokenizer_dir", "concurrency", "engines", "output_dir",
+        "num_requests", "warmup", "max_batch_size", "kv_cache_free_gpu_mem_fraction", "seed", "timeout_s",
+        "model", "model_path", "streaming", "launcher", "extra_args",
+    }  # fmt: skip
     unknown = sorted(set(data) - known)
     if unknown:
         raise DFlashTrtError(f"sweep config: unknown key(s) {', '.join(unknown)}")
-    for key in ("model", "dataset", "engines", "concurrency"):
+    for key in ("engines", "concurrency"):
         if key not in data:
             raise DFlashTrtError(f"sweep config: missing required key {key!r}")
+    if bool(data.get("dataset")) == bool(data.get("synthetic")):
+        raise DFlashTrtError("sweep config: give exactly one of 'dataset' (jsonl prompts) and 'synthetic' "
+                             "(ISL,OSL,COUNT)")
+    if data.get("synthetic"):
+        parse_synthetic(str(data["synthetic"]))
     conc = data["concurrency"]
     if (
         not isinstance(conc, list)
@@ -96,33 +180,30 @@ def parse_sweep_config(data: Any, base_dir: str | Path = ".") -> SweepConfig:
     engines_raw = data["engines"]
     if not isinstance(engines_raw, list) or not engines_raw:
         raise DFlashTrtError("sweep config: 'engines' must be a non-empty list")
-    engines = []
-    for i, e in enumerate(engines_raw):
-        if not isinstance(e, dict) or not {"name", "kind", "engine_dir"} <= set(e):
-            raise DFlashTrtError(f"sweep config: engine #{i} needs 'name', 'kind' and 'engine_dir'")
-        if e["kind"] not in ENGINE_KINDS:
-            raise DFlashTrtError(f"sweep config: engine {e['name']!r} kind must be one of {', '.join(ENGINE_KINDS)}")
-        name = str(e["name"])
-        if not name or "/" in name or name.startswith("."):
-            raise DFlashTrtError(f"sweep config: engine name {name!r} must be a plain folder name")
-        engines.append(
-            EngineEntry(name, e["kind"], str(base / e["engine_dir"]), _str_list(e.get("extra_args"), "extra_args"))
-        )
+    engines = [_engine_entry(i, e, base) for i, e in enumerate(engines_raw)]
     if len({e.name for e in engines}) != len(engines):
         raise DFlashTrtError("sweep config: two engines share a name")
     if not any(e.kind == "ar" for e in engines):
         raise DFlashTrtError("sweep config: include one 'ar' engine; speedups are measured against it")
+    if any(e.runner == "trtllm-bench" for e in engines) and not data.get("model"):
+        raise DFlashTrtError("sweep config: runner trtllm-bench needs 'model' (its --model tokenizer name)")
     return SweepConfig(
-        model=str(data["model"]),
-        model_path=str(base / data["model_path"]) if data.get("model_path") else None,
-        dataset=str(base / data["dataset"]),
         concurrency=tuple(conc),
         engines=tuple(engines),
         output_dir=str(base / data.get("output_dir", "sweep_results")),
-        num_requests=data.get("num_requests"),
+        dataset=str(base / data["dataset"]) if data.get("dataset") else None,
+        synthetic=str(data["synthetic"]) if data.get("synthetic") else None,
+        max_new_tokens=_positive_int(data, "max_new_tokens") or 1024,
+        tokenizer_dir=str(base / data["tokenizer_dir"]) if data.get("tokenizer_dir") else None,
+        num_requests=_positive_int(data, "num_requests"),
         warmup=data.get("warmup"),
-        streaming=bool(data.get("streaming", True)),
+        max_batch_size=_positive_int(data, "max_batch_size"),
         kv_cache_free_gpu_mem_fraction=data.get("kv_cache_free_gpu_mem_fraction"),
+        seed=int(data.get("seed", 0)),
+        timeout_s=data.get("timeout_s"),
+        model=str(data["model"]) if data.get("model") else None,
+        model_path=str(base / data["model_path"]) if data.get("model_path") else None,
+        streaming=bool(data.get("streaming", True)),
         launcher=_str_list(data.get("launcher"), "launcher"),
         extra_args=_str_list(data.get("extra_args"), "extra_args"),
     )
@@ -144,18 +225,18 @@ def point_dir(cfg: SweepConfig, engine: EngineEntry, concurrency: int) -> Path:
 
 
 def bench_command(cfg: SweepConfig, engine: EngineEntry, concurrency: int, report_json: Path) -> list[str]:
-    """The exact trtllm-bench invocation for one point (TensorRT-LLM 1.2.x `throughput` options)."""
-    cmd = [*cfg.launcher, "trtllm-bench", "--model", cfg.model]
+    """The exact trtllm-bench invocation for one AR point (TensorRT-LLM 1.2.x `throughput` options)."""
+    cmd = [*cfg.launcher, "trtllm-bench", "--model", str(cfg.model)]
     if cfg.model_path:
         cmd += ["--model_path", cfg.model_path]
     cmd += [
         "throughput",
         "--backend", "tensorrt",
-        "--engine_dir", engine.engine_dir,
-        "--dataset", cfg.dataset,
+        "--engine_dir", str(engine.engine_dir),
+        "--dataset", str(Path(cfg.output_dir) / TRTLLM_BENCH_DATASET),
         "--concurrency", str(concurrency),
         "--report_json", str(report_json),
-    ]
+    ]  # fmt: skip
     if cfg.num_requests is not None:
         cmd += ["--num_requests", str(cfg.num_requests)]
     if cfg.warmup is not None:
@@ -165,6 +246,31 @@ def bench_command(cfg: SweepConfig, engine: EngineEntry, concurrency: int, repor
     if cfg.streaming:
         cmd.append("--streaming")
     return cmd + [*cfg.extra_args, *engine.extra_args]
+
+
+def sweep_workload(cfg: SweepConfig) -> Workload:
+    """The one prompt set every engine of the sweep gets."""
+    if cfg.synthetic:
+        vocabs = {v for v in (vocab_size(e.target) for e in cfg.engines) if v}
+        if not vocabs:
+            raise DFlashTrtError("sweep config: synthetic prompts need an engine or checkpoint to take the "
+                                 "vocabulary size from")
+        workload = synthetic_workload(parse_synthetic(cfg.synthetic), min(vocabs), cfg.seed)
+    else:
+        from dflash_trt.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.tokenizer_dir) if cfg.tokenizer_dir else None
+        workload = file_workload(str(cfg.dataset), cfg.max_new_tokens, tokenizer)
+    return workload if cfg.num_requests is None else workload.resized(cfg.num_requests)
+
+
+def write_trtllm_bench_dataset(path: Path, workload: Workload) -> None:
+    """The same prompts in trtllm-bench's dataset format (`task_id`, `input_ids`, `output_tokens`)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(
+        json.dumps({"task_id": i, "input_ids": r.input_ids, "output_tokens": r.max_new_tokens}) + "\n"
+        for i, r in enumerate(workload.requests)
+    ))
 
 
 def _section(report: dict, key: str, source: str) -> dict:
@@ -281,17 +387,18 @@ def _log_tail(log_path: Path, lines: int = 20) -> str:
         return ""
 
 
-def run_point(cfg: SweepConfig, engine: EngineEntry, concurrency: int, runner: Runner) -> dict:
-    """Run (or resume) one point; returns its record, successful or failed, and leaves it in point.json."""
+def _previous_ok(record_path: Path) -> dict | None:
+    if not record_path.exists():
+        return None
+    try:
+        previous = json.loads(record_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return previous if isinstance(previous, dict) and previous.get("status") == "ok" else None
+
+
+def _trtllm_bench_point(cfg: SweepConfig, engine: EngineEntry, concurrency: int, runner: Runner) -> dict:
     pdir = point_dir(cfg, engine, concurrency)
-    record_path = pdir / "point.json"
-    if record_path.exists():
-        try:
-            previous = json.loads(record_path.read_text())
-        except (OSError, json.JSONDecodeError):
-            previous = None
-        if isinstance(previous, dict) and previous.get("status") == "ok":
-            return previous
     report_path = pdir / "report.json"
     if report_path.exists():
         report_path.unlink()
@@ -308,22 +415,65 @@ def run_point(cfg: SweepConfig, engine: EngineEntry, concurrency: int, runner: R
             report = json.loads(report_path.read_text())
         except json.JSONDecodeError as exc:
             raise DFlashTrtError(f"report.json is not valid JSON: {exc}") from exc
-        record = base | record_from_report(report, engine.name, engine.kind, concurrency, str(report_path))
+        return base | record_from_report(report, engine.name, engine.kind, concurrency, str(report_path))
     except DFlashTrtError as exc:
-        record = base | {"status": "failed", "returncode": rc, "error": str(exc), "log_tail": _log_tail(log_path)}
+        return base | {"status": "failed", "returncode": rc, "error": str(exc), "log_tail": _log_tail(log_path)}
+
+
+def _driver_point(cfg: SweepConfig, engine: EngineEntry, concurrency: int, workload: Workload) -> dict:
+    base = {"engine": engine.name, "kind": engine.kind, "concurrency": concurrency, "target": describe(engine.target)}
+    try:
+        factory = backend_factory(engine.target, workload, cfg.max_batch_size, cfg.kv_cache_free_gpu_mem_fraction)
+        point = measure_point(factory, workload, engine.name, concurrency=concurrency, warmup=cfg.warmup or 0,
+                              seed=cfg.seed, timeout_s=cfg.timeout_s)
+    except FollowerRank:
+        raise
+    except Exception as exc:  # a failed point is recorded and the sweep goes on, whatever the executor raised
+        return base | {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+    if not point["requests"]:
+        errors = {r["error"] for r in point["per_request"] if r["error"]}
+        return base | {"status": "failed", "error": "no request finished: " + "; ".join(sorted(errors))}
+    return base | point | sweep_fields(point) | {"status": "ok"}
+
+
+def run_point(cfg: SweepConfig, engine: EngineEntry, concurrency: int, runner: Runner,
+              workload: Workload | None = None) -> dict:
+    """Run (or resume) one point; returns its record, successful or failed, and leaves it in point.json."""
+    record_path = point_dir(cfg, engine, concurrency) / "point.json"
+    previous = _previous_ok(record_path)
+    if previous is not None:
+        return previous
+    if engine.runner == "trtllm-bench":
+        record = _trtllm_bench_point(cfg, engine, concurrency, runner)
+    else:
+        record = _driver_point(cfg, engine, concurrency, workload or sweep_workload(cfg))
     write_json_atomic(record_path, record)
     return record
 
 
 def run_sweep(cfg: SweepConfig, runner: Runner = subprocess_runner, progress: Callable[[dict], None] | None = None):
-    """Every (engine, concurrency) point in order; failed points are recorded and the sweep goes on."""
-    records = []
+    """Every (engine, concurrency) point in order; failed points are recorded and the sweep goes on. The driver's
+    points are also collected in `<output_dir>/results.json` (the `dflash-trt bench` schema)."""
+    for engine in cfg.engines:
+        check_target(engine.target)
+    workload = sweep_workload(cfg)
+    if any(e.runner == "trtllm-bench" for e in cfg.engines):
+        write_trtllm_bench_dataset(Path(cfg.output_dir) / TRTLLM_BENCH_DATASET, workload)
+    records, follower = [], False
     for engine in cfg.engines:
         for c in cfg.concurrency:
-            record = run_point(cfg, engine, c, runner)
+            try:
+                record = run_point(cfg, engine, c, runner, workload)
+            except FollowerRank:
+                follower = True
+                continue
             records.append(record)
             if progress is not None:
                 progress(record)
+    if follower:
+        raise FollowerRank()  # rank 0 records and analyses the points
+    driver_points = [r for r in records if r.get("status") == "ok" and "per_request" in r]
+    write_results(Path(cfg.output_dir) / RESULTS_FILE, driver_points, workload.description)
     return records
 
 

@@ -1,10 +1,11 @@
 """End-to-end engine self-test on a TensorRT-LLM 1.2.x GPU host: the engine must decode exactly like the golden model.
 
 Builds the plugin library (unless DFLASH_TRT_PLUGIN_LIB points at one), converts a tiny random Qwen3 target + DFlash
-drafter pair, builds the DFlash engine through `dflash-trt build`'s code path, runs it with `ModelRunnerCpp` in EAGLE
-mode (chain eagle_choices from dflash_trt.json; `dflash_trt.commands.selftest.engine_generate`) on ragged prompts
-and compares every token and every per-step acceptance length with `dflash_trt.reference.decode.speculative_generate`
-on the same checkpoint. Greedy only. `dflash-trt selftest` runs the same check on the embedded trained tiny pair.
+drafter pair, builds the DFlash engine through `dflash-trt build`'s code path, runs it through the executor in EAGLE
+mode (chain eagle_choices from dflash_trt.json; `dflash_trt.commands.selftest.engine_generate`, one response per
+iteration) on ragged prompts and compares every token and the per-step acceptance lengths both define the same way
+with `dflash_trt.reference.decode.speculative_generate` on the same checkpoint. Greedy only. `dflash-trt selftest`
+runs the same check on the embedded trained tiny pair.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def test_engine_matches_golden_model(engine):
     golden = speculative_generate(load_golden_model(checkpoint), PROMPTS, max_new_tokens=MAX_NEW,
                                   stop_token_ids=[END_ID])
     tokens, acceptance = engine_generate(engine_dir, str(library), PROMPTS, MAX_NEW, END_ID)
-    assert compare(golden, tokens, acceptance) == []
+    assert compare(golden, tokens, acceptance, MAX_NEW, 8) == []
 
 
 def test_engine_config_carries_the_eagle_contract(engine):
@@ -86,3 +87,25 @@ def test_engine_config_carries_the_eagle_contract(engine):
     assert pretrained["eagle_net_config"]["num_hidden_layers"] == manifest["num_draft_layers"]
     assert "layer_types" not in pretrained
     assert build["max_draft_len"] == k and build["speculative_decoding_mode"] == 1 << 5
+
+
+def test_bench_drives_the_engine_in_flight(engine, tmp_path):
+    """`dflash-trt bench --engine_dir`: every request completes with the golden model's tokens at 1 and 3 users."""
+    from dflash_trt.bench.results import load_results
+    from dflash_trt.cli import main
+    from dflash_trt.reference.decode import speculative_generate
+    from dflash_trt.reference.model import load_golden_model
+
+    engine_dir, checkpoint, library = engine
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
+    out = tmp_path / "bench"
+    assert main(["bench", "--engine_dir", str(engine_dir), "--plugin_library", str(library), "--input_file",
+                 str(prompts), "--max_new_tokens", str(MAX_NEW), "--end_id", str(END_ID), "--concurrency", "1,3",
+                 "--output_dir", str(out)]) == 0
+    golden = speculative_generate(load_golden_model(checkpoint), PROMPTS, max_new_tokens=MAX_NEW,
+                                  stop_token_ids=[END_ID])
+    for point in load_results(out / "results.json"):
+        assert point["failed"] == 0 and point["max_in_flight"] == point["concurrency"]
+        for request in point["per_request"]:
+            assert request["output_ids"] == golden[request["prompt_index"]].output_ids

@@ -1,0 +1,1 @@
+"""`dflash-trt bench`: one load generator over one executor interface (TensorRT-LLM, Triton, CPU golden model)."""

@@ -1,0 +1,1 @@
+"""Executor backends of the load generator: TensorRT-LLM (GPU), Triton (gRPC) and the golden model (CPU)."""

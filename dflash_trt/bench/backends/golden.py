@@ -1,0 +1,248 @@
+"""CPU backend: the golden model behind an in-flight-batching executor, so benchmarks and sweeps run anywhere.
+
+Like TensorRT-LLM's batch manager, requests join and leave between steps: each step admits waiting requests into
+free slots (context requests: prefill, first token, drafter context injected) and advances every running request by
+one speculative iteration (draft a block, verify it, accept, inject), all rows in one target forward. Every step
+answers each request it advanced with one response holding that iteration's tokens. The per-request arithmetic is
+the reference loop's (`dflash_trt.reference.decode.speculative_generate`: greedy, the verify block shrinks near the
+output budget, stop tokens end a request), so a request's tokens and acceptance lengths equal what the reference
+loop gives for its prompt alone, whatever else is in flight; tests hold the two to that.
+
+The model runs in a worker thread (torch releases the GIL inside its kernels), which hands each step's responses
+to the event loop, as the GPU executor's own threads do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from dflash_trt.bench.driver import Backend, BenchRequest, Deliver, Response, threadsafe_deliver
+from dflash_trt.errors import DFlashTrtError
+from dflash_trt.reference.model import GoldenModel
+
+
+@dataclass
+class _Running:
+    request_id: int
+    tokens: list[int]
+    prompt_len: int
+    max_length: int
+    prefilled: bool = False
+
+    @property
+    def start(self) -> int:
+        """Position of the anchor: the newest token, not yet in the target's cache."""
+        return len(self.tokens) - 1
+
+
+@dataclass
+class StepLog:
+    """What one executor step batched: request ids in their context phase and in generation."""
+
+    context: list[int] = field(default_factory=list)
+    generation: list[int] = field(default_factory=list)
+
+
+class GoldenExecutor:
+    """Greedy speculative decoding (block 1 = plain autoregressive) with requests joining and leaving per step."""
+
+    def __init__(
+        self,
+        model: GoldenModel,
+        max_batch_size: int,
+        max_seq_len: int,
+        block_size: int | None = None,
+        stop_token_ids: list[int] | None = None,
+    ):
+        draft = model.draft
+        self.model = model
+        self.block = draft.spec.block_size if block_size is None else block_size
+        if not 1 <= self.block <= draft.spec.block_size:
+            raise DFlashTrtError(f"block size must be in 1..{draft.spec.block_size}, got {self.block}")
+        if max_batch_size < 1:
+            raise DFlashTrtError(f"max batch size must be >= 1, got {max_batch_size}")
+        self.max_seq_len = max_seq_len
+        capacity = max_seq_len + self.block + 1
+        self.target_cache = model.target.new_cache(max_batch_size, capacity)
+        self.draft_cache = draft.new_cache(max_batch_size, capacity)
+        self.slots: list[_Running | None] = [None] * max_batch_size
+        self.waiting: deque[tuple[int, BenchRequest]] = deque()
+        self.stops = set(stop_token_ids or [])
+        self.log: list[StepLog] = []
+
+    def add(self, request_id: int, request: BenchRequest) -> None:
+        vocab = self.model.target.spec.vocab_size
+        ids = request.input_ids
+        if not ids or min(ids) < 0 or max(ids) >= vocab:
+            raise DFlashTrtError(f"prompt {request.prompt_index} is empty or has token ids outside 0..{vocab - 1}")
+        if request.max_new_tokens < 1 or len(ids) + request.max_new_tokens > self.max_seq_len:
+            raise DFlashTrtError(f"prompt {request.prompt_index}: prompt + max_new_tokens exceeds {self.max_seq_len}")
+        self.waiting.append((request_id, request))
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(s is not None for s in self.slots)
+
+    def _admit(self) -> None:
+        for i, slot in enumerate(self.slots):
+            if slot is None and self.waiting:
+                request_id, request = self.waiting.popleft()
+                tokens = list(request.input_ids)
+                self.slots[i] = _Running(request_id, tokens, len(tokens), len(tokens) + request.max_new_tokens)
+
+    @torch.no_grad()
+    def step(self) -> list[Response]:
+        """One iteration of every running request plus the prefill of newly admitted ones."""
+        self._admit()
+        running = {i: s for i, s in enumerate(self.slots) if s is not None}
+        context = [i for i, s in running.items() if not s.prefilled]
+        generation = [i for i, s in running.items() if s.prefilled]
+        self.log.append(StepLog([running[i].request_id for i in context], [running[i].request_id for i in generation]))
+        if not running:
+            return []
+        block_ids, start, verify = self._draft(running, generation)
+        width = max([self.block] + [running[i].prompt_len for i in context])
+        offsets = torch.arange(width)
+        tokens, positions, valid = self._target_inputs(running, context, generation, block_ids, start, verify, offsets)
+        logits, taps = self.model.target.forward(tokens, positions, valid, self.target_cache)
+
+        produced = {i: [int(logits[i, running[i].prompt_len - 1].argmax())] for i in context}
+        for i in generation:
+            produced[i] = self._accept(running[i], block_ids[i], logits[i], int(verify[i]))
+        injected = valid.clone()  # prompts whole; generation rows: the tokens produced this step (set below)
+        responses = []
+        for i, new in produced.items():
+            s = running[i]
+            for n, token in enumerate(new):
+                if token in self.stops:
+                    new = new[: n + 1]
+                    break
+            if s.prefilled:
+                injected[i] = offsets < len(new)
+            s.tokens.extend(new)
+            s.prefilled = True
+            final = new[-1] in self.stops or len(s.tokens) >= s.max_length
+            responses.append(Response(s.request_id, new, final))
+            if final:
+                self.slots[i] = None
+        if self.block > 1:
+            self.model.draft.inject(taps, positions, injected, self.draft_cache)
+        return responses
+
+    def _draft(self, running: dict[int, _Running], generation: list[int]):
+        """Block `[anchor, drafts...]` per generation row, its start position and how many of it get verified
+        (fewer than the block near the output budget, as in the reference loop). Other rows verify 1 dummy."""
+        draft, block, rows = self.model.draft, self.block, len(self.slots)
+        start = torch.zeros(rows, dtype=torch.long)
+        verify = torch.ones(rows, dtype=torch.long)
+        block_ids = torch.full((rows, block), draft.spec.mask_token_id, dtype=torch.long)
+        for i in generation:
+            s = running[i]
+            start[i] = s.start
+            verify[i] = min(block, s.max_length - s.start)
+            block_ids[i, 0] = s.tokens[-1]
+        if block > 1 and generation:
+            block_valid = torch.arange(block) < verify[:, None]
+            drafted = draft.logits(draft.forward(block_ids, start, block_valid, self.draft_cache)[:, 1:])
+            block_ids[:, 1:] = drafted.argmax(dim=-1)
+        return block_ids, start, verify
+
+    def _target_inputs(self, running, context, generation, block_ids, start, verify, offsets):
+        """One ragged target batch: verify blocks and whole prompts side by side; padding is invalid and sits at
+        in-range positions so it never widens the attention span."""
+        rows, width, block = len(self.slots), len(offsets), self.block
+        tokens = torch.zeros(rows, width, dtype=torch.long)
+        positions = torch.zeros(rows, width, dtype=torch.long)
+        valid = torch.zeros(rows, width, dtype=torch.bool)
+        for i in generation:
+            tokens[i, :block] = block_ids[i]
+            positions[i] = start[i] + offsets.clamp(max=block - 1)
+            valid[i] = offsets < verify[i]
+        for i in context:
+            prompt = running[i].tokens
+            tokens[i, : len(prompt)] = torch.tensor(prompt)
+            positions[i] = offsets.clamp(max=len(prompt) - 1)
+            valid[i] = offsets < len(prompt)
+        return tokens, positions, valid
+
+    @staticmethod
+    def _accept(s: _Running, block_ids: torch.Tensor, logits: torch.Tensor, verify: int) -> list[int]:
+        """The reference loop's greedy rule: the longest draft prefix the target agrees with, plus the target's
+        own next token, clipped to the output budget."""
+        drafts = block_ids[1:verify]
+        posterior = logits[:verify].argmax(dim=-1)
+        accepted = int((drafts == posterior[: verify - 1]).to(torch.int64).cumprod(0).sum())
+        new = drafts[:accepted].tolist() + [int(posterior[accepted])]
+        return new[: min(accepted + 1, s.max_length - s.start - 1)]
+
+
+class GoldenBackend(Backend):
+    """The golden executor served from a worker thread (`dflash-trt bench --checkpoint_dir`)."""
+
+    def __init__(
+        self,
+        model: GoldenModel,
+        max_batch_size: int,
+        max_seq_len: int,
+        *,
+        block_size: int | None = None,
+        stop_token_ids: list[int] | None = None,
+    ):
+        self.model = model
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.block_size = block_size
+        self.stop_token_ids = stop_token_ids
+        block = model.draft.spec.block_size if block_size is None else block_size
+        self.mode = "dflash" if block > 1 else "ar"
+        self.executor: GoldenExecutor | None = None
+        self._pending: list[tuple[int, BenchRequest]] = []
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    async def start(self, deliver: Deliver) -> None:
+        self.executor = GoldenExecutor(
+            self.model, self.max_batch_size, self.max_seq_len, self.block_size, self.stop_token_ids
+        )
+        self._stopping = False
+        send = threadsafe_deliver(deliver)
+        self._thread = threading.Thread(
+            target=self._serve, args=(self.executor, send), name="golden-executor", daemon=True
+        )
+        self._thread.start()
+
+    def submit(self, request_id: int, request: BenchRequest) -> None:
+        with self._wake:
+            self._pending.append((request_id, request))
+            self._wake.notify()
+
+    def _serve(self, executor: GoldenExecutor, send: Deliver) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self._pending and not executor.has_work():
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                pending, self._pending = self._pending, []
+            failed = []
+            for request_id, request in pending:
+                try:
+                    executor.add(request_id, request)
+                except DFlashTrtError as exc:
+                    failed.append(Response(request_id, [], True, str(exc)))
+            responses = executor.step() if executor.has_work() else []
+            if failed or responses:
+                send(failed + responses)
+
+    async def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None

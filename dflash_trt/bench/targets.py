@@ -1,0 +1,118 @@
+"""What a benchmark point runs against, and the backend that serves it: one place for `bench` and `sweep`.
+
+A target is an engine directory (TensorRT-LLM executor), a converted checkpoint (CPU golden model; kind "ar" runs
+its target alone) or a Triton endpoint, with its kind ("dflash", "ar", "eagle3"). Bad targets are refused
+before anything runs: a missing engine, a DFlash engine without `dflash_trt.json` or plugin library, an unreachable
+server (when the first point starts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from dflash_trt.bench.driver import Backend
+from dflash_trt.bench.workload import Workload
+from dflash_trt.errors import DFlashTrtError
+
+KINDS = ("dflash", "ar", "eagle3")
+BackendFactory = Callable[[int], Backend]  # max requests in flight -> a fresh backend for one point
+
+
+@dataclass(frozen=True)
+class Target:
+    kind: str
+    engine_dir: str | None = None
+    checkpoint_dir: str | None = None
+    triton_url: str | None = None
+    plugin_library: str | None = None
+    eagle_choices: tuple[tuple[int, ...], ...] | None = None
+    triton_model: str = "tensorrt_llm"
+    gpus: int = 1
+    end_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise DFlashTrtError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        given = [x for x in (self.engine_dir, self.checkpoint_dir, self.triton_url) if x]
+        if len(given) != 1:
+            raise DFlashTrtError("a benchmark target is exactly one of engine_dir, checkpoint_dir and triton_url")
+        if self.checkpoint_dir and self.kind == "eagle3":
+            raise DFlashTrtError("a converted DFlash checkpoint runs as kind 'dflash' or 'ar', not 'eagle3'")
+
+
+@lru_cache(maxsize=4)
+def _golden_model(checkpoint_dir: str):
+    import torch
+
+    from dflash_trt.reference.model import load_golden_model
+
+    # Small CPU matrices: intra-op threads only add synchronisation (many times slower on busy cores).
+    torch.set_num_threads(1)
+    return load_golden_model(checkpoint_dir)
+
+
+def _engine_info(target: Target):
+    from dflash_trt.bench.backends.trtllm import inspect_engine
+
+    choices = None if target.eagle_choices is None else [list(c) for c in target.eagle_choices]
+    return inspect_engine(str(target.engine_dir), target.kind, target.plugin_library, choices)
+
+
+def check_target(target: Target) -> None:
+    """Refuse what cannot run before a sweep starts (engines and checkpoints; servers are checked on connect)."""
+    if target.engine_dir:
+        _engine_info(target)
+    elif target.checkpoint_dir and not (Path(target.checkpoint_dir) / "config.json").is_file():
+        raise DFlashTrtError(f"{target.checkpoint_dir} is not a converted checkpoint (no config.json)")
+
+
+def vocab_size(target: Target) -> int | None:
+    """The token range synthetic prompts may use; None for a server (it does not say)."""
+    if target.checkpoint_dir:
+        return _golden_model(target.checkpoint_dir).target.spec.vocab_size
+    if target.engine_dir:
+        return _engine_info(target).vocab_size
+    return None
+
+
+def backend_factory(
+    target: Target,
+    workload: Workload,
+    max_batch_size: int | None = None,
+    kv_cache_free_gpu_mem_fraction: float | None = None,
+) -> BackendFactory:
+    if target.checkpoint_dir:
+        from dflash_trt.bench.backends.golden import GoldenBackend
+
+        model = _golden_model(target.checkpoint_dir)
+        stops = [] if workload.ignore_eos else list(model.target.spec.eos_token_ids)
+        block = 1 if target.kind == "ar" else None
+        return lambda in_flight: GoldenBackend(
+            model, max_batch_size or in_flight, workload.max_seq_len, block_size=block, stop_token_ids=stops
+        )
+    if target.engine_dir:
+        from dflash_trt.bench.backends.trtllm import TrtllmBackend
+
+        info = _engine_info(target)
+        return lambda in_flight: TrtllmBackend(
+            info,
+            max_batch_size=max_batch_size,
+            ignore_eos=workload.ignore_eos,
+            end_id=target.end_id,
+            kv_cache_free_gpu_memory_fraction=kv_cache_free_gpu_mem_fraction,
+        )
+    from dflash_trt.bench.backends.triton import TritonBackend
+
+    end_id = -1 if workload.ignore_eos else target.end_id
+    return lambda in_flight: TritonBackend(
+        str(target.triton_url), model=target.triton_model, mode=target.kind, gpus=target.gpus, end_id=end_id
+    )
+
+
+def describe(target: Target) -> dict[str, Any]:
+    where = {"engine_dir": target.engine_dir, "checkpoint_dir": target.checkpoint_dir, "triton_url": target.triton_url}
+    return {"kind": target.kind, **{k: v for k, v in where.items() if v}}

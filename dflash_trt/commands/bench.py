@@ -1,0 +1,247 @@
+"""`dflash-trt bench`: drive a DFlash engine (TensorRT-LLM executor), a Triton server or the CPU golden model with
+closed-loop concurrency or Poisson arrivals; write results.json, report.html and pareto.png.
+
+    dflash-trt bench (--engine_dir E | --checkpoint_dir C | --triton_url HOST:PORT)
+                     (--input_file P.jsonl | --synthetic ISL,OSL,COUNT) --concurrency 1,2,4
+                     [--request_rate R] [--max_new_tokens N] [--baseline ar] --output_dir D
+
+`--baseline ar` adds the target alone at the same points: the checkpoint's target (CPU), `--baseline_engine_dir`
+(an AR engine) or `--baseline_triton_url`. Multi-GPU engines run under `mpirun -n <world size>`: rank 0 drives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from dflash_trt.bench.driver import FollowerRank
+from dflash_trt.bench.measure import measure_point
+from dflash_trt.bench.results import RESULTS_FILE, sweep_fields, write_results
+from dflash_trt.bench.targets import Target, backend_factory, check_target, vocab_size
+from dflash_trt.bench.workload import Workload, file_workload, parse_synthetic, synthetic_workload
+from dflash_trt.errors import DFlashTrtError
+from dflash_trt.tokenizer import load_tokenizer
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="load generator: concurrency / request-rate points with per-token "
+        "timing and acceptance, on an engine, a Triton server or the CPU golden model",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--engine_dir", help="DFlash engine (dflash-trt build): TensorRT-LLM 1.2.x executor, GPU")
+    target.add_argument("--checkpoint_dir", help="converted checkpoint: the golden model with in-flight batching, CPU")
+    target.add_argument("--triton_url", help="Triton gRPC endpoint HOST:PORT of a deployed repository")
+    prompts = p.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--input_file", help='jsonl prompts, {"input_ids": [...]} or {"text": "..."} per line')
+    prompts.add_argument(
+        "--synthetic",
+        metavar="ISL,OSL,COUNT",
+        help="random token prompts of ISL tokens, OSL output tokens each (end tokens ignored), COUNT of them",
+    )
+    p.add_argument("--concurrency", help="comma-separated closed-loop user counts, e.g. 1,2,4")
+    p.add_argument("--request_rate", help="comma-separated open-loop Poisson arrival rates (requests/s)")
+    p.add_argument("--max_new_tokens", type=int, default=128, help="output budget per prompt (--input_file)")
+    p.add_argument("--num_requests", type=int, default=None, help="requests per point (default: every prompt)")
+    p.add_argument("--warmup", type=int, default=0, help="requests sent and discarded before each point")
+    p.add_argument("--baseline", choices=("ar",), help="also measure the target alone at the same points")
+    p.add_argument("--baseline_engine_dir", help="the AR engine for --baseline ar with --engine_dir")
+    p.add_argument("--baseline_triton_url", help="the AR server for --baseline ar with --triton_url")
+    p.add_argument("--tokenizer_dir", help="tokenizer for text prompts (default: the checkpoint's)")
+    p.add_argument("--plugin_library", help="libdflash_trt_plugins.so (default: the one dflash_trt.json names)")
+    p.add_argument(
+        "--max_batch_size",
+        type=int,
+        default=None,
+        help="executor batch limit (default: the engine's; CPU: the largest concurrency, else 16)",
+    )
+    p.add_argument("--kv_cache_free_gpu_mem_fraction", type=float, default=None)
+    p.add_argument("--triton_model", default="tensorrt_llm", help="model that takes token ids (default tensorrt_llm)")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs behind --triton_url (divides tok/s per GPU)")
+    p.add_argument(
+        "--end_id",
+        type=int,
+        default=None,
+        help="end token for engine / Triton runs on --input_file (default: the engine config's eos "
+        "ids; without one every request runs to --max_new_tokens)",
+    )
+    p.add_argument("--vocab_size", type=int, default=None, help="token range of --synthetic prompts for Triton")
+    p.add_argument("--seed", type=int, default=0, help="seed of synthetic prompts and Poisson arrivals")
+    p.add_argument("--timeout_s", type=float, default=3600.0, help="give up on a point after this long")
+    p.add_argument("--output_dir", required=True, help="folder for results.json, report.html, pareto.png")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--json", action="store_true", help="print the points (without per-request data) as JSON")
+    p.set_defaults(func=run)
+
+
+def _numbers(text: str | None, kind: type, flag: str) -> list:
+    if text is None:
+        return []
+    try:
+        values = [kind(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(not v > 0 for v in values):
+        raise DFlashTrtError(f"{flag} must be a comma-separated list of positive numbers, got {text!r}")
+    return values
+
+
+def targets(args: argparse.Namespace) -> dict[str, Target]:
+    """The measured target and, with --baseline ar, the target alone, keyed by the name plotted."""
+    common = {
+        "plugin_library": args.plugin_library,
+        "triton_model": args.triton_model,
+        "gpus": args.gpus,
+        "end_id": args.end_id,
+    }
+    out = {"dflash": Target("dflash", args.engine_dir, args.checkpoint_dir, args.triton_url, **common)}
+    if args.baseline == "ar":
+        if args.engine_dir and not args.baseline_engine_dir:
+            raise DFlashTrtError("--baseline ar with --engine_dir needs --baseline_engine_dir (an AR engine)")
+        if args.triton_url and not args.baseline_triton_url:
+            raise DFlashTrtError("--baseline ar with --triton_url needs --baseline_triton_url (an AR deployment)")
+        out["ar"] = Target("ar", args.baseline_engine_dir, args.checkpoint_dir, args.baseline_triton_url, **common)
+    for target in out.values():
+        check_target(target)
+    return out
+
+
+def build_workload(args: argparse.Namespace, target: Target) -> Workload:
+    if args.synthetic:
+        vocab = vocab_size(target) or args.vocab_size
+        if not vocab:
+            raise DFlashTrtError("--synthetic with --triton_url needs --vocab_size (the model's token range)")
+        workload = synthetic_workload(parse_synthetic(args.synthetic), vocab, args.seed)
+    else:
+        if not Path(args.input_file).is_file():  # before the (slow) tokenizer load
+            raise DFlashTrtError(f"prompt file {args.input_file} does not exist")
+        tokenizer_dir = args.tokenizer_dir or args.checkpoint_dir
+        tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
+        workload = file_workload(args.input_file, args.max_new_tokens, tokenizer)
+    return workload if args.num_requests is None else workload.resized(args.num_requests)
+
+
+def analysis_records(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Closed-loop points in the shape the Pareto report reads."""
+    return [
+        {"engine": p["engine"], "kind": p["mode"], "concurrency": p["concurrency"], "status": "ok", **sweep_fields(p)}
+        for p in points
+        if p["concurrency"] is not None and p["requests"] and sweep_fields(p)["tok_s_user_tpot"] is not None
+    ]
+
+
+def points_table(points: list[dict[str, Any]]):
+    def cell(value, fmt="{:.1f}"):
+        return "-" if value is None else fmt.format(value)
+
+    rows = [
+        [
+            p["engine"],
+            cell(p["concurrency"], "{}"),
+            cell(p["request_rate"], "{:g}"),
+            str(p["requests"]),
+            str(p["failed"]),
+            cell(p["throughput_tok_s"]),
+            cell(p["per_user_tok_s"] and p["per_user_tok_s"]["p50"]),
+            cell(p["ttft_s"] and p["ttft_s"]["p50"] * 1000),
+            cell(p["tpot_s"] and p["tpot_s"]["p50"] * 1000, "{:.2f}"),
+            cell(p["acceptance_length"], "{:.2f}"),
+            str(p["max_in_flight"]),
+        ]
+        for p in points
+    ]
+    header = [
+        "engine",
+        "concurrency",
+        "rate (req/s)",
+        "requests",
+        "failed",
+        "output tok/s",
+        "tok/s/user p50",
+        "TTFT p50 (ms)",
+        "TPOT p50 (ms)",
+        "acceptance",
+        "max in flight",
+    ]
+    return "Measured points", header, rows
+
+
+def write_outputs(out: Path, points: list[dict[str, Any]], workload: dict[str, Any], overwrite: bool) -> dict:
+    """results.json, report.html and pareto.png, staged next to `out` and renamed into place."""
+    from dflash_trt.perf.report import analyze_records
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise DFlashTrtError(f"output folder {out} already exists; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    try:
+        write_results(staging / RESULTS_FILE, points, workload)
+        records = analysis_records(points)
+        summary = analyze_records(records, "tpot", None, staging, [points_table(points)]) if records else {}
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return summary
+
+
+def run(args: argparse.Namespace) -> int:
+    concurrencies = _numbers(args.concurrency, int, "--concurrency")
+    rates = _numbers(args.request_rate, float, "--request_rate")
+    if not concurrencies and not rates:
+        raise DFlashTrtError("give --concurrency and/or --request_rate")
+    out = Path(args.output_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
+        raise DFlashTrtError(f"output folder {out} already exists; pass --overwrite to replace it")
+    chosen = targets(args)
+    workload = build_workload(args, chosen["dflash"])
+
+    def progress(point: dict) -> None:
+        where = f"c={point['concurrency']}" if point["concurrency"] else f"rate={point['request_rate']:g}/s"
+        print(
+            f"{point['engine']} {where}: {point['throughput_tok_s']:.1f} tok/s, acceptance "
+            f"{point['acceptance_length'] or 0:.2f}, {point['failed']} failed",
+            file=sys.stderr,
+        )
+
+    points, follower = [], False
+    for name, target in chosen.items():
+        factory = backend_factory(target, workload, args.max_batch_size, args.kv_cache_free_gpu_mem_fraction)
+        for concurrency, rate in [(c, None) for c in concurrencies] + [(None, r) for r in rates]:
+            try:
+                point = measure_point(
+                    factory,
+                    workload,
+                    name,
+                    concurrency=concurrency,
+                    request_rate=rate,
+                    warmup=args.warmup,
+                    seed=args.seed,
+                    timeout_s=args.timeout_s,
+                    max_in_flight=args.max_batch_size,
+                )
+            except FollowerRank:
+                follower = True
+                continue
+            points.append(point)
+            if not args.json:
+                progress(point)
+    if follower:
+        return 0  # rank 0 writes the results
+    write_outputs(out, points, workload.description, args.overwrite)
+    if args.json:
+        print(json.dumps([{k: v for k, v in p.items() if k not in ("per_request", "in_flight_trace")} for p in points]))
+    else:
+        print(f"results: {out / RESULTS_FILE}; report: {out / 'report.html'}")
+    return 0
