@@ -9,7 +9,7 @@ import sys
 from dflash_trt.errors import DFlashTrtError
 
 # Each name is a module in dflash_trt.commands exposing `register(subparsers)`.
-COMMANDS = ["convert", "verify", "generate", "build", "selftest", "triton", "sweep", "plan", "demo"]
+COMMANDS = ["convert", "verify", "generate", "build", "selftest", "triton", "sweep", "plan", "demo", "emulate"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -36,33 +36,99 @@ def pad_vocab_size(vocab_size: int, tp_size: int) -> int:
 
 
 REGISTRY: dict[str, dict[str, Any]] = {
-    "tensorrt": {name: getattr(trt, name) for name in (
-        "DataType", "float32", "float16", "bfloat16", "int32", "int64", "int8", "bool", "fp8", "PluginField",
-        "PluginFieldCollection", "PluginFieldType", "TensorRTPhase", "TensorLocation", "get_plugin_registry")},
+    "tensorrt": {
+        name: getattr(trt, name)
+        for name in (
+            "DataType",
+            "float32",
+            "float16",
+            "bfloat16",
+            "int32",
+            "int64",
+            "int8",
+            "bool",
+            "fp8",
+            "PluginField",
+            "PluginFieldCollection",
+            "PluginFieldType",
+            "TensorRTPhase",
+            "TensorLocation",
+            "get_plugin_registry",
+        )
+    },
     "tensorrt_llm": {},
     "tensorrt_llm._common": {"default_net": F.default_net, "default_trtnet": F.default_trtnet},
     "tensorrt_llm._utils": {"pad_vocab_size": pad_vocab_size, "str_dtype_to_trt": F.str_dtype_to_trt},
     "tensorrt_llm.bindings": {"KVCacheType": KVCacheType},
-    "tensorrt_llm.functional": {name: getattr(F, name) for name in (
-        "Tensor", "LayerNormType", "AttentionMaskType", "PositionEmbeddingType", "_create_tensor", "constant",
-        "add", "sub", "mul", "div", "floordiv", "lt", "gt", "eq", "minimum", "maximum", "op_and", "op_or",
-        "where", "cast", "tanh", "shape", "view", "unsqueeze", "concat", "slice", "expand", "gather",
-        "index_select", "scatter", "arange", "cumsum", "argmax", "gather_last_token_logits")},
-    "tensorrt_llm.layers": {name: getattr(layers, name) for name in (
-        "Attention", "ColumnLinear", "RowLinear", "Embedding", "GatedMLP", "RmsNorm", "KeyValueCacheParams",
-        "SpecDecodingParams", "AttentionParams")} | {"AttentionMaskType": F.AttentionMaskType},
+    "tensorrt_llm.functional": {
+        name: getattr(F, name)
+        for name in (
+            "Tensor",
+            "LayerNormType",
+            "AttentionMaskType",
+            "PositionEmbeddingType",
+            "_create_tensor",
+            "constant",
+            "add",
+            "sub",
+            "mul",
+            "div",
+            "floordiv",
+            "lt",
+            "gt",
+            "eq",
+            "minimum",
+            "maximum",
+            "op_and",
+            "op_or",
+            "where",
+            "cast",
+            "tanh",
+            "shape",
+            "view",
+            "unsqueeze",
+            "concat",
+            "slice",
+            "expand",
+            "gather",
+            "index_select",
+            "scatter",
+            "arange",
+            "cumsum",
+            "argmax",
+            "gather_last_token_logits",
+        )
+    },
+    "tensorrt_llm.layers": {
+        name: getattr(layers, name)
+        for name in (
+            "Attention",
+            "ColumnLinear",
+            "RowLinear",
+            "Embedding",
+            "GatedMLP",
+            "RmsNorm",
+            "KeyValueCacheParams",
+            "SpecDecodingParams",
+            "AttentionParams",
+        )
+    }
+    | {"AttentionMaskType": F.AttentionMaskType},
     "tensorrt_llm.models": {"MODEL_MAP": models.MODEL_MAP},
     "tensorrt_llm.models.eagle": {},
-    "tensorrt_llm.models.eagle.model": {"TreeParams": plugins.TreeParams,
-                                        "eagle_sample_and_accept_draft_plugin":
-                                            plugins.eagle_sample_and_accept_draft_plugin},
+    "tensorrt_llm.models.eagle.model": {
+        "TreeParams": plugins.TreeParams,
+        "eagle_sample_and_accept_draft_plugin": plugins.eagle_sample_and_accept_draft_plugin,
+    },
     "tensorrt_llm.models.generation_mixin": {"GenerationMixin": models.GenerationMixin},
     "tensorrt_llm.models.llama": {},
     "tensorrt_llm.models.llama.config": {"LLaMAConfig": models.LLaMAConfig},
     "tensorrt_llm.models.llama.model": {"LLaMADecoderLayer": models.LLaMADecoderLayer},
-    "tensorrt_llm.models.modeling_utils": {"DecoderModelForCausalLM": models.DecoderModelForCausalLM,
-                                           "PretrainedConfig": models.PretrainedConfig,
-                                           "PretrainedModel": models.PretrainedModel},
+    "tensorrt_llm.models.modeling_utils": {
+        "DecoderModelForCausalLM": models.DecoderModelForCausalLM,
+        "PretrainedConfig": models.PretrainedConfig,
+        "PretrainedModel": models.PretrainedModel,
+    },
     "tensorrt_llm.models.qwen": {},
     "tensorrt_llm.models.qwen.config": {"QWenConfig": models.QWenConfig},
     "tensorrt_llm.models.qwen.model": {"QWenDecoderLayer": models.QWenDecoderLayer},

@@ -142,9 +142,19 @@ def default_trtnet() -> _TrtNetwork:
 class Tensor:
     """A network tensor holding its torch value (or a thunk for side-effecting plugin outputs)."""
 
-    def __init__(self, name: str | None = None, dtype: Any = None, shape: Any = None, dim_range: Any = None,
-                 is_network_input: bool = True, location: Any = None, *, data: torch.Tensor | None = None,
-                 thunk: Callable[[], torch.Tensor] | None = None, host: bool = False):
+    def __init__(
+        self,
+        name: str | None = None,
+        dtype: Any = None,
+        shape: Any = None,
+        dim_range: Any = None,
+        is_network_input: bool = True,
+        location: Any = None,
+        *,
+        data: torch.Tensor | None = None,
+        thunk: Callable[[], torch.Tensor] | None = None,
+        host: bool = False,
+    ):
         self.name = name
         self._data = data
         self._thunk = thunk
@@ -274,13 +284,20 @@ def constant_to_tensor_(value: Any, dtype: Any = None, to_array: bool = True) ->
 
 
 def constants_to_tensors_(*inputs: Any) -> tuple[Tensor, ...]:
-    has_int64 = any((isinstance(i, int) and not -2**31 <= i < 2**31) or
-                    (isinstance(i, Tensor) and i.dtype == trt.int64) for i in inputs)
+    has_int64 = any(
+        (isinstance(i, int) and not -(2**31) <= i < 2**31) or (isinstance(i, Tensor) and i.dtype == trt.int64)
+        for i in inputs
+    )
     if not has_int64:
         return tuple(constant_to_tensor_(i) for i in inputs)
-    return tuple(constant_to_tensor_(i, trt.int64) if isinstance(i, int) else
-                 cast(i, trt.int64) if isinstance(i, Tensor) and i.dtype == trt.int32 else constant_to_tensor_(i)
-                 for i in inputs)
+    return tuple(
+        constant_to_tensor_(i, trt.int64)
+        if isinstance(i, int)
+        else cast(i, trt.int64)
+        if isinstance(i, Tensor) and i.dtype == trt.int32
+        else constant_to_tensor_(i)
+        for i in inputs
+    )
 
 
 def _expand_dims_like(x: Tensor, like: Tensor) -> Tensor:
@@ -295,8 +312,12 @@ def _broadcast_shapes(*shapes: tuple[int, ...]) -> None:
             raise EmulationError(f"shapes {shapes} do not broadcast (TensorRT elementwise/select)")
 
 
-def _binary(left: Any, right: Any, op: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-            kinds: tuple[str, ...] = ("float", "int")) -> Tensor:
+def _binary(
+    left: Any,
+    right: Any,
+    op: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    kinds: tuple[str, ...] = ("float", "int"),
+) -> Tensor:
     # broadcast_helper (strongly typed): a Python scalar takes the other operand's dtype.
     left = constant_to_tensor_(left, right.dtype if isinstance(right, Tensor) else None)
     right = constant_to_tensor_(right, left.dtype)
@@ -445,8 +466,14 @@ def concat(inputs: Sequence[Any], dim: int = 0) -> Tensor:
         raise EmulationError(f"concat: {exc}") from None
 
 
-def slice(x: Tensor, starts: Any, sizes: Any, strides: Any = None, mode: Any = None,  # noqa: A001
-          fill_value: Any = None) -> Tensor:
+def slice(
+    x: Tensor,
+    starts: Any,
+    sizes: Any,
+    strides: Any = None,
+    mode: Any = None,  # noqa: A001
+    fill_value: Any = None,
+) -> Tensor:
     if mode is not None or fill_value is not None:
         raise EmulationError("slice modes other than STRICT_BOUNDS are not used by this network")
     begin, size = _dims(starts, x.rank()), _dims(sizes, x.rank())

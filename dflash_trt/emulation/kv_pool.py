@@ -36,8 +36,9 @@ class KVPool:
     address: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.data = torch.zeros(self.num_blocks * self.layers * 2, self.kv_heads, self.tokens_per_block,
-                                self.head_dim, dtype=self.dtype)
+        self.data = torch.zeros(
+            self.num_blocks * self.layers * 2, self.kv_heads, self.tokens_per_block, self.head_dim, dtype=self.dtype
+        )
         self.address = next(_ADDRESSES)
         _POOLS[self.address] = self
 
@@ -102,8 +103,9 @@ def resolve_pool(kv: Any, layer_idx: int, batch_index: int) -> SequencePages:
         raise EmulationError("kv_cache_block_offsets must be int32 [pools, batch, 2, max_blocks]")
     if layer_in_pool >= primary.layers:
         raise EmulationError(f"layer {layer_idx} maps to slot {layer_in_pool} of a {primary.layers}-layer pool")
-    return SequencePages(offsets[pool_index, batch_index], layer_in_pool, primary,
-                         pool_at(int(pointers[pool_index, 1])))
+    return SequencePages(
+        offsets[pool_index, batch_index], layer_in_pool, primary, pool_at(int(pointers[pool_index, 1]))
+    )
 
 
 class BlockManager:

@@ -59,9 +59,18 @@ def _fp8_round(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 class Linear(Module):
     """ColumnLinear / RowLinear at tp_size 1; `quantize_as` turns it into FP8Linear / FP4Linear."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype: Any = None,
-                 tp_group: Any = None, tp_size: int = 1, gather_output: bool = True, is_qkv: bool = False,
-                 **unused: Any):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        dtype: Any = None,
+        tp_group: Any = None,
+        tp_size: int = 1,
+        gather_output: bool = True,
+        is_qkv: bool = False,
+        **unused: Any,
+    ):
         super().__init__()
         if tp_size != 1:
             raise EmulationError("the emulation runs one rank (tp_size 1)")
@@ -87,7 +96,8 @@ class Linear(Module):
             self.weight = Parameter(shape=(out, inp), dtype=trt.fp4)
             self.weights_block_scaling_factor = Parameter(shape=(out, inp // NVFP4_BLOCK_SIZE), dtype="fp8")
             self.weights_block_scaling_factor_interleaved = Parameter(
-                shape=(_pad_up(out, 128), _pad_up(inp // NVFP4_BLOCK_SIZE, 4)), dtype="fp8")
+                shape=(_pad_up(out, 128), _pad_up(inp // NVFP4_BLOCK_SIZE, 4)), dtype="fp8"
+            )
             self.weights_global_scaling_factor = Parameter(shape=(1,), dtype="float32")
             self.activation_global_scaling_factor = Parameter(shape=(1,), dtype="float32")
             self.alpha = Parameter(shape=(1,), dtype="float32")
@@ -99,8 +109,9 @@ class Linear(Module):
         if self.quant_algo == FP8:
             return w.float() * self.weights_scaling_factor.raw.float()
         if self.quant_algo == NVFP4:
-            return dequantize_nvfp4(w, self.weights_block_scaling_factor.raw,
-                                    self.weights_global_scaling_factor.raw.reshape(()))
+            return dequantize_nvfp4(
+                w, self.weights_block_scaling_factor.raw, self.weights_global_scaling_factor.raw.reshape(())
+            )
         return w.float()
 
     def _rounded_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,8 +137,15 @@ RowLinear = Linear
 
 
 class Embedding(Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: Any = None, tp_size: int = 1,
-                 tp_group: Any = None, **unused: Any):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        dtype: Any = None,
+        tp_size: int = 1,
+        tp_group: Any = None,
+        **unused: Any,
+    ):
         super().__init__()
         self.weight = Parameter(shape=(num_embeddings, embedding_dim), dtype=_dtype(dtype))
 
@@ -141,8 +159,14 @@ class Embedding(Module):
 
 
 class RmsNorm(Module):
-    def __init__(self, normalized_shape: int, eps: float = 1e-06, elementwise_affine: bool = True,
-                 dtype: Any = None, **unused: Any):
+    def __init__(
+        self,
+        normalized_shape: int,
+        eps: float = 1e-06,
+        elementwise_affine: bool = True,
+        dtype: Any = None,
+        **unused: Any,
+    ):
         super().__init__()
         self.normalized_shape = normalized_shape
         self.eps = eps
@@ -158,9 +182,18 @@ _ACTIVATIONS = {"silu": F.silu, "swiglu": F.silu, "gelu": F.gelu, "relu": F.relu
 
 
 class GatedMLP(Module):
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, hidden_act: str, bias: bool = True,
-                 dtype: Any = None, tp_group: Any = None, tp_size: int = 1, quant_mode: Any = None,
-                 **unused: Any):
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        hidden_act: str,
+        bias: bool = True,
+        dtype: Any = None,
+        tp_group: Any = None,
+        tp_size: int = 1,
+        quant_mode: Any = None,
+        **unused: Any,
+    ):
         super().__init__()
         if hidden_act not in _ACTIVATIONS:
             raise EmulationError(f"unsupported activation function: {hidden_act}")
@@ -228,15 +261,32 @@ def _host(t: Tensor | None, what: str) -> np.ndarray:
 
 
 class Attention(Module):
-    def __init__(self, *, local_layer_idx: int, hidden_size: int, num_attention_heads: int,
-                 num_kv_heads: int | None = None, max_position_embeddings: int = 1024,
-                 attention_head_size: int | None = None, qk_layernorm: bool = False,
-                 layernorm_type: LayerNormType = LayerNormType.LayerNorm, eps: float = 1e-05,
-                 attention_mask_type: AttentionMaskType = AttentionMaskType.padding, bias: bool = True,
-                 dtype: Any = None, position_embedding_type: Any = PositionEmbeddingType.learned_absolute,
-                 rotary_embedding_base: float = 10000.0, rotary_embedding_scaling: Any = None,
-                 tp_group: Any = None, tp_size: int = 1, tp_rank: int = 0, quant_mode: QuantMode | None = None,
-                 q_scaling: float = 1.0, dense_bias: bool | None = None, **unused: Any):
+    def __init__(
+        self,
+        *,
+        local_layer_idx: int,
+        hidden_size: int,
+        num_attention_heads: int,
+        num_kv_heads: int | None = None,
+        max_position_embeddings: int = 1024,
+        attention_head_size: int | None = None,
+        qk_layernorm: bool = False,
+        layernorm_type: LayerNormType = LayerNormType.LayerNorm,
+        eps: float = 1e-05,
+        attention_mask_type: AttentionMaskType = AttentionMaskType.padding,
+        bias: bool = True,
+        dtype: Any = None,
+        position_embedding_type: Any = PositionEmbeddingType.learned_absolute,
+        rotary_embedding_base: float = 10000.0,
+        rotary_embedding_scaling: Any = None,
+        tp_group: Any = None,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        quant_mode: QuantMode | None = None,
+        q_scaling: float = 1.0,
+        dense_bias: bool | None = None,
+        **unused: Any,
+    ):
         super().__init__()
         self.local_layer_idx = local_layer_idx
         self.num_attention_heads = num_attention_heads // tp_size
@@ -247,10 +297,21 @@ class Attention(Module):
         self.q_scaling = q_scaling
         self.quant_mode = quant_mode or QuantMode()
         d = self.attention_head_size
-        self.qkv = ColumnLinear(hidden_size, (self.num_attention_heads + 2 * self.num_attention_kv_heads) * d,
-                                bias=bias, dtype=dtype, tp_size=tp_size, is_qkv=True)
-        self.dense = RowLinear(self.num_attention_heads * d, hidden_size,
-                               bias=bias if dense_bias is None else dense_bias, dtype=dtype, tp_size=tp_size)
+        self.qkv = ColumnLinear(
+            hidden_size,
+            (self.num_attention_heads + 2 * self.num_attention_kv_heads) * d,
+            bias=bias,
+            dtype=dtype,
+            tp_size=tp_size,
+            is_qkv=True,
+        )
+        self.dense = RowLinear(
+            self.num_attention_heads * d,
+            hidden_size,
+            bias=bias if dense_bias is None else dense_bias,
+            dtype=dtype,
+            tp_size=tp_size,
+        )
         self.qk_layernorm = qk_layernorm
         if qk_layernorm:
             if layernorm_type != LayerNormType.RmsNorm:
@@ -271,18 +332,26 @@ class Attention(Module):
             raise EmulationError("the emulation implements rope_gpt_neox position embeddings")
         dim = config.rotary_embedding_dim or config.head_size
         table = cos_sin_table(config.max_position_embeddings, dim, config.rotary_base, config.rotary_scaling)
-        model_cls.embed_positions_for_gpt_attention = Parameter(torch.from_numpy(table), dtype="float32",
-                                                                is_buffer=True)
+        model_cls.embed_positions_for_gpt_attention = Parameter(
+            torch.from_numpy(table), dtype="float32", is_buffer=True
+        )
 
     @staticmethod
     def fill_attention_params(model_cls: Module, attention_params: AttentionParams) -> AttentionParams:
         attention_params.embed_positions_for_gpt_attention = model_cls.embed_positions_for_gpt_attention.value
         return attention_params
 
-    def forward(self, hidden_states: Tensor, attention_mask: Any = None, use_cache: bool = False,
-                spec_decoding_params: SpecDecodingParams | None = None,
-                kv_cache_params: KeyValueCacheParams | None = None, attention_params: AttentionParams | None = None,
-                lora_layer_params: Any = None, **unused: Any) -> Any:
+    def forward(
+        self,
+        hidden_states: Tensor,
+        attention_mask: Any = None,
+        use_cache: bool = False,
+        spec_decoding_params: SpecDecodingParams | None = None,
+        kv_cache_params: KeyValueCacheParams | None = None,
+        attention_params: AttentionParams | None = None,
+        lora_layer_params: Any = None,
+        **unused: Any,
+    ) -> Any:
         if not use_cache or kv_cache_params is None or attention_params is None:
             raise EmulationError("the emulation runs the paged-KV attention plugin path only")
         if self.attention_mask_type != AttentionMaskType.causal:
@@ -296,19 +365,20 @@ class Attention(Module):
             q = self.q_layernorm(_wrap(q)).data
             k = self.k_layernorm(_wrap(k)).data
         out = torch.zeros(tokens, h, d, dtype=q.dtype)
-        for rows, positions, rope_positions, visible in self._requests(tokens, spec_decoding_params,
-                                                                       kv_cache_params, attention_params):
+        for rows, positions, rope_positions, visible in self._requests(
+            tokens, spec_decoding_params, kv_cache_params, attention_params
+        ):
             sl = rows.slice
             cos, sin = self._rope(rope_positions, attention_params)
             qr, kr = _rotate(q[sl], cos, sin), _rotate(k[sl], cos, sin)
-            keys, values = self._cache_write_read(kv_cache_params, rows.batch, positions, kr, v[sl],
-                                                  visible.shape[1])
+            keys, values = self._cache_write_read(kv_cache_params, rows.batch, positions, kr, v[sl], visible.shape[1])
             out[sl] = _attend(qr, keys, values, visible, 1.0 / (self.q_scaling * d**0.5))
         context = self.dense(_wrap(out.reshape(tokens, h * d)))
         return context, None
 
-    def _requests(self, tokens: int, spec: SpecDecodingParams | None, kv: KeyValueCacheParams,
-                  params: AttentionParams) -> Any:
+    def _requests(
+        self, tokens: int, spec: SpecDecodingParams | None, kv: KeyValueCacheParams, params: AttentionParams
+    ) -> Any:
         """Per request: its rows, cache positions, RoPE positions and the [rows, keys] visibility."""
         types = _host(params.host_request_types, "host_request_types")
         host_ctx = _host(params.host_context_lengths, "host_context_lengths")
@@ -361,7 +431,7 @@ class Attention(Module):
         n = int(lengths[g])
         if n > spec.spec_decoding_max_generation_length:
             raise EmulationError(f"generation length {n} above spec_decoding_max_generation_length")
-        words = packed[mask_row:mask_row + n].long() & 0xFFFFFFFF
+        words = packed[mask_row : mask_row + n].long() & 0xFFFFFFFF
         bits = torch.arange(n)
         mask = ((words[:, bits // 32] >> (bits % 32)) & 1).bool()
         return n, offsets[g, :n].long(), mask
@@ -372,8 +442,15 @@ class Attention(Module):
             raise EmulationError("a position beyond max_position_embeddings")
         return table[positions, :, 0], table[positions, :, 1]
 
-    def _cache_write_read(self, kv: KeyValueCacheParams, batch_index: int, positions: torch.Tensor,
-                          k: torch.Tensor, v: torch.Tensor, key_count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _cache_write_read(
+        self,
+        kv: KeyValueCacheParams,
+        batch_index: int,
+        positions: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_count: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         pages = resolve_pool(kv, self.local_layer_idx, batch_index)
         scale = rcp = None
         if pages.dtype == torch.float8_e4m3fn:

@@ -44,15 +44,32 @@ class Mapping:
 
 
 class PretrainedConfig:
-    def __init__(self, *, architecture: str, dtype: str, hidden_size: int, num_hidden_layers: int,
-                 num_attention_heads: int, vocab_size: int | None = None, hidden_act: str = "gelu",
-                 logits_dtype: str = "float32", norm_epsilon: float = 1e-5,
-                 position_embedding_type: str = "learned_absolute", max_position_embeddings: int | None = None,
-                 rotary_embedding_dim: int | None = None, num_key_value_heads: int | None = None,
-                 intermediate_size: int | None = None, mapping: Any = None, quantization: Any = None,
-                 use_parallel_embedding: bool = False, embedding_sharding_dim: int = 0,
-                 head_size: int | None = None, qk_layernorm: bool = False, runtime_defaults: Any = None,
-                 **kwargs: Any):
+    def __init__(
+        self,
+        *,
+        architecture: str,
+        dtype: str,
+        hidden_size: int,
+        num_hidden_layers: int,
+        num_attention_heads: int,
+        vocab_size: int | None = None,
+        hidden_act: str = "gelu",
+        logits_dtype: str = "float32",
+        norm_epsilon: float = 1e-5,
+        position_embedding_type: str = "learned_absolute",
+        max_position_embeddings: int | None = None,
+        rotary_embedding_dim: int | None = None,
+        num_key_value_heads: int | None = None,
+        intermediate_size: int | None = None,
+        mapping: Any = None,
+        quantization: Any = None,
+        use_parallel_embedding: bool = False,
+        embedding_sharding_dim: int = 0,
+        head_size: int | None = None,
+        qk_layernorm: bool = False,
+        runtime_defaults: Any = None,
+        **kwargs: Any,
+    ):
         self.architecture = architecture
         self.dtype = dtype
         self.hidden_size = hidden_size
@@ -73,8 +90,9 @@ class PretrainedConfig:
         self.embedding_sharding_dim = embedding_sharding_dim
         self.runtime_defaults = runtime_defaults
         self.mapping = mapping if isinstance(mapping, Mapping) else Mapping(**(mapping or {}))
-        self.quantization = (quantization if isinstance(quantization, QuantConfig)
-                             else QuantConfig.from_dict(quantization))
+        self.quantization = (
+            quantization if isinstance(quantization, QuantConfig) else QuantConfig.from_dict(quantization)
+        )
         for key, value in kwargs.items():
             setattr(self, key, value)
 
@@ -94,10 +112,21 @@ class PretrainedConfig:
 
 
 class QWenConfig(PretrainedConfig):
-    def __init__(self, *, mlp_bias: bool = False, attn_bias: bool = True, rotary_base: float = 10000.0,
-                 rotary_scaling: dict | None = None, disable_weight_only_quant_plugin: bool = False,
-                 use_logn_attn: bool = False, moe: Any = None, num_labels: int = 1, mlp_only_layers: Any = None,
-                 decoder_sparse_step: int = 1, **kwargs: Any):
+    def __init__(
+        self,
+        *,
+        mlp_bias: bool = False,
+        attn_bias: bool = True,
+        rotary_base: float = 10000.0,
+        rotary_scaling: dict | None = None,
+        disable_weight_only_quant_plugin: bool = False,
+        use_logn_attn: bool = False,
+        moe: Any = None,
+        num_labels: int = 1,
+        mlp_only_layers: Any = None,
+        decoder_sparse_step: int = 1,
+        **kwargs: Any,
+    ):
         self.mlp_bias, self.attn_bias = mlp_bias, attn_bias
         self.rotary_base, self.rotary_scaling = rotary_base, rotary_scaling
         if moe:
@@ -106,12 +135,23 @@ class QWenConfig(PretrainedConfig):
 
 
 class LLaMAConfig(PretrainedConfig):
-    def __init__(self, *, mlp_bias: bool = False, attn_bias: bool = False, rotary_base: float = 10000.0,
-                 rotary_scaling: dict | None = None, residual_mlp: bool = False,
-                 disable_weight_only_quant_plugin: bool = False, moe: Any = None,
-                 remove_duplicated_kv_heads: bool = False, embedding_multiplier: float = 1.0,
-                 attention_multiplier: float = 1.0, residual_multiplier: float = 1.0,
-                 output_multiplier_scale: float = 1.0, **kwargs: Any):
+    def __init__(
+        self,
+        *,
+        mlp_bias: bool = False,
+        attn_bias: bool = False,
+        rotary_base: float = 10000.0,
+        rotary_scaling: dict | None = None,
+        residual_mlp: bool = False,
+        disable_weight_only_quant_plugin: bool = False,
+        moe: Any = None,
+        remove_duplicated_kv_heads: bool = False,
+        embedding_multiplier: float = 1.0,
+        attention_multiplier: float = 1.0,
+        residual_multiplier: float = 1.0,
+        output_multiplier_scale: float = 1.0,
+        **kwargs: Any,
+    ):
         self.mlp_bias, self.attn_bias = mlp_bias, attn_bias
         self.rotary_base, self.rotary_scaling = rotary_base, rotary_scaling
         if moe or residual_mlp or (embedding_multiplier, attention_multiplier, residual_multiplier) != (1, 1, 1):
@@ -119,13 +159,23 @@ class LLaMAConfig(PretrainedConfig):
         super().__init__(**kwargs)
 
 
-def _residual_block(layer: Any, hidden_states: Any, use_cache: bool, spec_decoding_params: Any,
-                    kv_cache_params: Any, attention_params: Any) -> Any:
+def _residual_block(
+    layer: Any,
+    hidden_states: Any,
+    use_cache: bool,
+    spec_decoding_params: Any,
+    kv_cache_params: Any,
+    attention_params: Any,
+) -> Any:
     """`residual + attention(input_layernorm(x))`, then `residual + mlp(post_layernorm(x))` (both layers' forward)."""
     residual = hidden_states
-    attention_output = layer.attention(layer.input_layernorm(hidden_states), use_cache=use_cache,
-                                       spec_decoding_params=spec_decoding_params, kv_cache_params=kv_cache_params,
-                                       attention_params=attention_params)
+    attention_output = layer.attention(
+        layer.input_layernorm(hidden_states),
+        use_cache=use_cache,
+        spec_decoding_params=spec_decoding_params,
+        kv_cache_params=kv_cache_params,
+        attention_params=attention_params,
+    )
     if use_cache:
         attention_output, presents = attention_output
     hidden_states = residual + attention_output
@@ -140,28 +190,48 @@ class QWenDecoderLayer(Module):
             raise EmulationError("the emulation builds the Qwen3 branch of QWenDecoderLayer")
         self.layer_idx = layer_idx
         self.config = config
-        self.input_layernorm = RmsNorm(normalized_shape=config.hidden_size, eps=config.norm_epsilon,
-                                       dtype=config.dtype)
+        self.input_layernorm = RmsNorm(normalized_shape=config.hidden_size, eps=config.norm_epsilon, dtype=config.dtype)
         self.attention = Attention(
-            local_layer_idx=layer_idx, hidden_size=config.hidden_size, attention_head_size=config.head_size,
-            num_attention_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
-            max_position_embeddings=config.max_position_embeddings, dtype=config.dtype,
-            attention_mask_type=AttentionMaskType.causal, bias=config.attn_bias,
-            position_embedding_type=config.position_embedding_type, rotary_embedding_base=config.rotary_base,
-            rotary_embedding_scaling=config.rotary_scaling, tp_size=config.mapping.tp_size,
-            quant_mode=config.quant_mode, dense_bias=False, qk_layernorm=True,
-            layernorm_type=LayerNormType.RmsNorm)
-        self.mlp = GatedMLP(hidden_size=config.hidden_size, ffn_hidden_size=config.intermediate_size,
-                            hidden_act=config.hidden_act, dtype=config.dtype, bias=config.mlp_bias,
-                            tp_size=config.mapping.tp_size, quant_mode=config.quant_mode)
-        self.post_layernorm = RmsNorm(normalized_shape=config.hidden_size, eps=config.norm_epsilon,
-                                      dtype=config.dtype)
+            local_layer_idx=layer_idx,
+            hidden_size=config.hidden_size,
+            attention_head_size=config.head_size,
+            num_attention_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            max_position_embeddings=config.max_position_embeddings,
+            dtype=config.dtype,
+            attention_mask_type=AttentionMaskType.causal,
+            bias=config.attn_bias,
+            position_embedding_type=config.position_embedding_type,
+            rotary_embedding_base=config.rotary_base,
+            rotary_embedding_scaling=config.rotary_scaling,
+            tp_size=config.mapping.tp_size,
+            quant_mode=config.quant_mode,
+            dense_bias=False,
+            qk_layernorm=True,
+            layernorm_type=LayerNormType.RmsNorm,
+        )
+        self.mlp = GatedMLP(
+            hidden_size=config.hidden_size,
+            ffn_hidden_size=config.intermediate_size,
+            hidden_act=config.hidden_act,
+            dtype=config.dtype,
+            bias=config.mlp_bias,
+            tp_size=config.mapping.tp_size,
+            quant_mode=config.quant_mode,
+        )
+        self.post_layernorm = RmsNorm(normalized_shape=config.hidden_size, eps=config.norm_epsilon, dtype=config.dtype)
 
-    def forward(self, hidden_states: Any, attention_mask: Any = None, use_cache: bool = False,
-                spec_decoding_params: Any = None, kv_cache_params: Any = None, attention_params: Any = None,
-                lora_layer_params: Any = None) -> Any:
-        return _residual_block(self, hidden_states, use_cache, spec_decoding_params, kv_cache_params,
-                               attention_params)
+    def forward(
+        self,
+        hidden_states: Any,
+        attention_mask: Any = None,
+        use_cache: bool = False,
+        spec_decoding_params: Any = None,
+        kv_cache_params: Any = None,
+        attention_params: Any = None,
+        lora_layer_params: Any = None,
+    ) -> Any:
+        return _residual_block(self, hidden_states, use_cache, spec_decoding_params, kv_cache_params, attention_params)
 
 
 class LLaMADecoderLayer(Module):
@@ -169,27 +239,46 @@ class LLaMADecoderLayer(Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.config = config
-        self.input_layernorm = RmsNorm(normalized_shape=config.hidden_size, eps=config.norm_epsilon,
-                                       dtype=config.dtype)
+        self.input_layernorm = RmsNorm(normalized_shape=config.hidden_size, eps=config.norm_epsilon, dtype=config.dtype)
         self.attention = Attention(
-            local_layer_idx=layer_idx, hidden_size=config.hidden_size, attention_head_size=config.head_size,
-            num_attention_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
-            max_position_embeddings=config.max_position_embeddings, dtype=config.dtype,
-            attention_mask_type=AttentionMaskType.causal, bias=config.attn_bias,
-            position_embedding_type=config.position_embedding_type, rotary_embedding_base=config.rotary_base,
-            rotary_embedding_scaling=config.rotary_scaling, tp_size=config.mapping.tp_size,
-            quant_mode=config.quant_mode)
-        self.mlp = GatedMLP(hidden_size=config.hidden_size, ffn_hidden_size=config.intermediate_size,
-                            hidden_act=config.hidden_act, dtype=config.dtype, bias=config.mlp_bias,
-                            tp_size=config.mapping.tp_size, quant_mode=config.quant_mode)
-        self.post_layernorm = RmsNorm(normalized_shape=config.hidden_size, eps=config.norm_epsilon,
-                                      dtype=config.dtype)
+            local_layer_idx=layer_idx,
+            hidden_size=config.hidden_size,
+            attention_head_size=config.head_size,
+            num_attention_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            max_position_embeddings=config.max_position_embeddings,
+            dtype=config.dtype,
+            attention_mask_type=AttentionMaskType.causal,
+            bias=config.attn_bias,
+            position_embedding_type=config.position_embedding_type,
+            rotary_embedding_base=config.rotary_base,
+            rotary_embedding_scaling=config.rotary_scaling,
+            tp_size=config.mapping.tp_size,
+            quant_mode=config.quant_mode,
+        )
+        self.mlp = GatedMLP(
+            hidden_size=config.hidden_size,
+            ffn_hidden_size=config.intermediate_size,
+            hidden_act=config.hidden_act,
+            dtype=config.dtype,
+            bias=config.mlp_bias,
+            tp_size=config.mapping.tp_size,
+            quant_mode=config.quant_mode,
+        )
+        self.post_layernorm = RmsNorm(normalized_shape=config.hidden_size, eps=config.norm_epsilon, dtype=config.dtype)
 
-    def forward(self, hidden_states: Any, attention_mask: Any = None, use_cache: bool = False,
-                spec_decoding_params: Any = None, kv_cache_params: Any = None, attention_params: Any = None,
-                lora_layer_params: Any = None, next_layer_input_layernorm_args: Any = None) -> Any:
-        return _residual_block(self, hidden_states, use_cache, spec_decoding_params, kv_cache_params,
-                               attention_params)
+    def forward(
+        self,
+        hidden_states: Any,
+        attention_mask: Any = None,
+        use_cache: bool = False,
+        spec_decoding_params: Any = None,
+        kv_cache_params: Any = None,
+        attention_params: Any = None,
+        lora_layer_params: Any = None,
+        next_layer_input_layernorm_args: Any = None,
+    ) -> Any:
+        return _residual_block(self, hidden_states, use_cache, spec_decoding_params, kv_cache_params, attention_params)
 
 
 class _PostInitCaller(type):
@@ -229,8 +318,11 @@ class PretrainedModel(Module, metaclass=_PostInitCaller):
         for name, param in self.named_parameters():
             if param.is_inited():
                 continue
-            if name not in weights and name.endswith("lm_head.weight") and any(
-                    k.endswith("vocab_embedding.weight") for k in weights):
+            if (
+                name not in weights
+                and name.endswith("lm_head.weight")
+                and any(k.endswith("vocab_embedding.weight") for k in weights)
+            ):
                 continue
             required.add(name)
         provided = set(weights)
@@ -274,8 +366,9 @@ def preprocess_weights(weights: dict[str, torch.Tensor], config: PretrainedConfi
             elif name.endswith("weights_scaling_factor_2"):
                 weights[name.replace("weights_scaling_factor_2", "weights_global_scaling_factor")] = weights.pop(name)
             elif name.endswith("activation_scaling_factor"):
-                weights[name.replace("activation_scaling_factor", "activation_global_scaling_factor")] = (
-                    weights.pop(name))
+                weights[name.replace("activation_scaling_factor", "activation_global_scaling_factor")] = weights.pop(
+                    name
+                )
         for name in list(weights):
             if name.endswith("weights_global_scaling_factor"):
                 act = weights[name.replace("weights_global_scaling_factor", "activation_global_scaling_factor")]

@@ -22,8 +22,13 @@ _STORED = {trt.fp4: (torch.uint8, 2)}
 
 
 class Parameter:
-    def __init__(self, value: torch.Tensor | None = None, shape: tuple[int, ...] | None = None, dtype: Any = None,
-                 is_buffer: bool = False):
+    def __init__(
+        self,
+        value: torch.Tensor | None = None,
+        shape: tuple[int, ...] | None = None,
+        dtype: Any = None,
+        is_buffer: bool = False,
+    ):
         self.dtype = _trt_dtype(dtype if dtype is not None else "float32")
         self.shape = tuple(value.shape) if value is not None else tuple(shape or ())
         self._value = value
@@ -46,8 +51,10 @@ class Parameter:
     @value.setter
     def value(self, v: torch.Tensor) -> None:
         if tuple(v.shape) != self.stored_shape:
-            raise EmulationError(f"The value updated is not the same shape as the original. "
-                                 f"Updated: {tuple(v.shape)}, original: {self.stored_shape}")
+            raise EmulationError(
+                f"The value updated is not the same shape as the original. "
+                f"Updated: {tuple(v.shape)}, original: {self.stored_shape}"
+            )
         expected = _STORED.get(self.dtype, (trt.TORCH_DTYPES.get(self.dtype), 1))[0]
         if v.dtype != expected:
             raise EmulationError(f"value of dtype {v.dtype} for a {self.dtype.name} parameter")

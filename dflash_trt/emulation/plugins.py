@@ -42,12 +42,18 @@ def _int32(t: Tensor, what: str, rank: int) -> torch.Tensor:
     return t.data
 
 
-def eagle_sample_and_accept_draft_plugin(lm_logits: Tensor = None, draft_tokens: Tensor = None,
-                                         draft_lens: Tensor = None, eagle_temperature: Tensor = None,
-                                         rand_data_validation: Tensor = None, posterior_alpha: Tensor = None,
-                                         posterior_threshold: Tensor = None, tree_params: TreeParams = None,
-                                         greedy_sampling: Tensor = None, use_dynamic_tree: Tensor = None
-                                         ) -> tuple[Tensor, ...]:
+def eagle_sample_and_accept_draft_plugin(
+    lm_logits: Tensor = None,
+    draft_tokens: Tensor = None,
+    draft_lens: Tensor = None,
+    eagle_temperature: Tensor = None,
+    rand_data_validation: Tensor = None,
+    posterior_alpha: Tensor = None,
+    posterior_threshold: Tensor = None,
+    tree_params: TreeParams = None,
+    greedy_sampling: Tensor = None,
+    use_dynamic_tree: Tensor = None,
+) -> tuple[Tensor, ...]:
     if lm_logits.dtype != trt.float32 or lm_logits.rank() != 2:
         raise EmulationError("the accept plugin takes float32 [tokens, vocab] logits")
     drafts = _int32(draft_tokens, "draft_tokens", 2)
@@ -82,9 +88,15 @@ def eagle_sample_and_accept_draft_plugin(lm_logits: Tensor = None, draft_tokens:
         num_accepted[b] = best_len + 1
         best_paths[b] = best
     scratch_tokens = torch.zeros(batch, k, dtype=torch.int32)
-    return (_wrap(accepted), _wrap(num_accepted), _wrap(best_paths), _wrap(scratch_tokens),
-            _wrap(torch.zeros(batch, dtype=torch.int32)), _wrap(paths.clone()),
-            _wrap(torch.zeros(batch + 1, dtype=torch.int32)))
+    return (
+        _wrap(accepted),
+        _wrap(num_accepted),
+        _wrap(best_paths),
+        _wrap(scratch_tokens),
+        _wrap(torch.zeros(batch, dtype=torch.int32)),
+        _wrap(paths.clone()),
+        _wrap(torch.zeros(batch + 1, dtype=torch.int32)),
+    )
 
 
 # ------------------------------------------------------------------------------------------------ DFlashKVInjection
@@ -98,9 +110,18 @@ def _field(fields: dict[str, Any], name: str) -> Any:
 
 class KVInjectionPlugin:
     def __init__(self, fields: dict[str, np.ndarray]):
-        scalar = {name: int(_field(fields, name)[0]) for name in
-                  ("num_layers", "num_kv_heads", "head_dim", "layer_idx_offset", "tokens_per_block", "type_id",
-                   "cache_fp8")}
+        scalar = {
+            name: int(_field(fields, name)[0])
+            for name in (
+                "num_layers",
+                "num_kv_heads",
+                "head_dim",
+                "layer_idx_offset",
+                "tokens_per_block",
+                "type_id",
+                "cache_fp8",
+            )
+        }
         self.__dict__.update(scalar)
         self.eps = float(_field(fields, "eps")[0])
         self.inv_freq = torch.from_numpy(np.asarray(_field(fields, "rope_inv_freq"), dtype=np.float32))
@@ -123,8 +144,10 @@ class KVInjectionPlugin:
         if ctx_kv.shape[-1] != layers * 2 * heads * dim or tuple(k_norm.shape) != (layers, dim):
             raise EmulationError(f"ctx_kv {ctx_kv.shape} / k_norm {k_norm.shape} do not match the plugin fields")
         tokens = ctx_kv.shape[0]
-        index = {name: _int32(t, name, 1) for name, t in
-                 (("positions", positions), ("seq_slots", seq_slots), ("valid", valid))}
+        index = {
+            name: _int32(t, name, 1)
+            for name, t in (("positions", positions), ("seq_slots", seq_slots), ("valid", valid))
+        }
         if any(v.shape[0] != tokens for v in index.values()):
             raise EmulationError("positions, seq_slots and valid need one entry per ctx_kv row")
         keep = index["valid"].bool()

@@ -25,17 +25,26 @@ class QuantConfig:
     @classmethod
     def from_dict(cls, config: dict[str, Any] | None) -> QuantConfig:
         config = dict(config or {})
-        known = {k: config.pop(k) for k in ("quant_algo", "kv_cache_quant_algo", "group_size", "exclude_modules")
-                 if k in config}
+        known = {
+            k: config.pop(k)
+            for k in ("quant_algo", "kv_cache_quant_algo", "group_size", "exclude_modules")
+            if k in config
+        }
         result = cls(**{k: v for k, v in known.items() if v is not None})
         if result.quant_algo not in SUPPORTED_ALGOS or result.kv_cache_quant_algo not in (None, FP8):
-            raise ValueError(f"the emulation runs FP8 / NVFP4 weights and FP8 KV caches, got "
-                             f"{result.quant_algo} / {result.kv_cache_quant_algo}")
+            raise ValueError(
+                f"the emulation runs FP8 / NVFP4 weights and FP8 KV caches, got "
+                f"{result.quant_algo} / {result.kv_cache_quant_algo}"
+            )
         return result
 
     def to_dict(self) -> dict[str, Any]:
-        return {"quant_algo": self.quant_algo, "kv_cache_quant_algo": self.kv_cache_quant_algo,
-                "group_size": self.group_size, "exclude_modules": list(self.exclude_modules)}
+        return {
+            "quant_algo": self.quant_algo,
+            "kv_cache_quant_algo": self.kv_cache_quant_algo,
+            "group_size": self.group_size,
+            "exclude_modules": list(self.exclude_modules),
+        }
 
     @property
     def quant_mode(self) -> QuantMode:

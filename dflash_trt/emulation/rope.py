@@ -47,6 +47,10 @@ def inverse_frequencies(dim: int, theta: float, scaling: dict[str, Any] | None) 
 
 def cos_sin_table(max_positions: int, dim: int, theta: float, scaling: dict[str, Any] | None) -> np.ndarray:
     """float32 `[max_positions, dim/2, 2]`: (cos, sin) of position x inverse frequency."""
-    angles = np.einsum("i,j->ij", np.arange(max_positions, dtype=np.float32),
-                       inverse_frequencies(dim, theta, scaling), dtype=np.float32)
+    angles = np.einsum(
+        "i,j->ij",
+        np.arange(max_positions, dtype=np.float32),
+        inverse_frequencies(dim, theta, scaling),
+        dtype=np.float32,
+    )
     return np.stack([np.cos(angles), np.sin(angles)], axis=-1).astype(np.float32)

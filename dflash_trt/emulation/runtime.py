@@ -22,17 +22,26 @@ from typing import Any
 
 import torch
 
+from dflash_trt.checkpoint.trtllm_config import specs_from_config
 from dflash_trt.emulation.aliasing import load_engine_module, stand_ins_installed
 from dflash_trt.emulation.functional import EmulationError, Network, PluginConfig, Tensor, net_guard
 from dflash_trt.emulation.kv_pool import BlockManager, KVPool
 from dflash_trt.emulation.layers import AttentionParams, KeyValueCacheParams, SpecDecodingParams
 from dflash_trt.emulation.plugins import TreeParams
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.jsonfile import read_json_object
 from dflash_trt.reference.decode import SequenceResult
 from dflash_trt.trtllm.build_plan import chain_draft_paths, pack_mask_rows
 
-ACCEPT_OUTPUTS = ("accepted_tokens", "num_accepted_tokens", "accepted_paths", "next_draft_tokens",
-                  "next_draft_lens", "next_draft_paths", "logits")
+ACCEPT_OUTPUTS = (
+    "accepted_tokens",
+    "num_accepted_tokens",
+    "accepted_paths",
+    "next_draft_tokens",
+    "next_draft_lens",
+    "next_draft_paths",
+    "logits",
+)
 
 
 def _i32(values: Any) -> Tensor:
@@ -77,8 +86,23 @@ class StepStats:
 class EmulatedRuntime:
     """One engine (the network from `model.py`) and its runtime loop over a converted checkpoint."""
 
-    def __init__(self, checkpoint_dir: str | Path, max_batch_size: int = 8, max_num_tokens: int | None = None,
-                 tokens_per_block: int = 32):
+    def __init__(
+        self,
+        checkpoint_dir: str | Path,
+        max_batch_size: int = 8,
+        max_num_tokens: int | None = None,
+        tokens_per_block: int = 32,
+    ):
+        checkpoint_dir = Path(checkpoint_dir)
+        raw = read_json_object(
+            checkpoint_dir / "config.json", f"{checkpoint_dir} is not a converted checkpoint (no config.json)"
+        )
+        target, _ = specs_from_config(raw)
+        if raw["mapping"].get("tp_size", 1) != 1 or raw["mapping"].get("pp_size", 1) != 1:
+            raise DFlashTrtError("the emulation runs one rank: convert with --tp_size 1")
+        if not (checkpoint_dir / "rank0.safetensors").is_file():
+            raise DFlashTrtError(f"{checkpoint_dir} has no rank0.safetensors")
+        self.vocab_size, self.eos_token_ids = target.vocab_size, target.eos_token_ids
         engine = load_engine_module()
         self.model, self.extra_tensors = engine.DFlashForCausalLM.from_checkpoint(checkpoint_dir)
         config = self.model.config
@@ -103,21 +127,37 @@ class EmulatedRuntime:
         self.paths = torch.tensor(chain_draft_paths(self.k), dtype=torch.int32)
         self.stats = StepStats()
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int],
-                 stop_token_ids: list[int] | None = None, arrivals: list[int] | None = None
-                 ) -> list[SequenceResult]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int | list[int],
+        stop_token_ids: list[int] | None = None,
+        arrivals: list[int] | None = None,
+    ) -> list[SequenceResult]:
         news = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
         arrivals = arrivals or [0] * len(prompts)
-        requests = [Request(i, list(p), n, a, bound=len(p))
-                    for i, (p, n, a) in enumerate(zip(prompts, news, arrivals, strict=True))]
+        requests = [
+            Request(i, list(p), n, a, bound=len(p))
+            for i, (p, n, a) in enumerate(zip(prompts, news, arrivals, strict=True))
+        ]
         for r in requests:
             if not r.prompt or r.max_new_tokens < 1:
                 raise DFlashTrtError(f"request {r.index}: empty prompt or max_new_tokens < 1")
+            if min(r.prompt) < 0 or max(r.prompt) >= self.vocab_size:
+                raise DFlashTrtError(
+                    f"prompt {r.index} has token ids outside the vocabulary (0..{self.vocab_size - 1})"
+                )
         stops = set(stop_token_ids or [])
         longest = max(len(r.prompt) + r.max_new_tokens for r in requests) + 2 * self.block
         max_blocks = -(-longest // self.tokens_per_block)
-        pool = KVPool(max_blocks * self.max_batch_size, self.num_layers, self.kv_heads, self.tokens_per_block,
-                      self.head_dim, self.cache_dtype)
+        pool = KVPool(
+            max_blocks * self.max_batch_size,
+            self.num_layers,
+            self.kv_heads,
+            self.tokens_per_block,
+            self.head_dim,
+            self.cache_dtype,
+        )
         try:
             self._loop(requests, BlockManager(pool, max_blocks), stops)
         finally:
@@ -178,8 +218,9 @@ class EmulatedRuntime:
         for b, (r, rows) in enumerate(batch):
             self._advance(r, rows, b, outputs, blocks, stops)
 
-    def _advance(self, r: Request, rows: int, b: int, out: dict[str, torch.Tensor], blocks: BlockManager,
-                 stops: set[int]) -> None:
+    def _advance(
+        self, r: Request, rows: int, b: int, out: dict[str, torch.Tensor], blocks: BlockManager, stops: set[int]
+    ) -> None:
         next_drafts = out["next_draft_tokens"][b].tolist()
         next_len = int(out["next_draft_lens"][b])
         if not r.generating:
@@ -228,7 +269,7 @@ class EmulatedRuntime:
                 draft_lens.append(r.draft_len)
                 types.append(1)
             else:
-                tokens = r.prompt[r.prefilled:r.prefilled + rows]
+                tokens = r.prompt[r.prefilled : r.prefilled + rows]
                 first = r.prefilled
                 positions.extend(range(first, first + rows))
                 last.append(row + rows)
@@ -244,43 +285,61 @@ class EmulatedRuntime:
         num_gen = sum(types)
         depth, ancestors = self._chain_geometry()
         mask_rows = pack_mask_rows(ancestors)
+        words = len(mask_rows[0])
         spec = SpecDecodingParams(
-            True, width, _i32([width] * num_gen),
+            True,
+            width,
+            _i32([width] * num_gen),
             Tensor(data=torch.tensor([depth] * num_gen, dtype=torch.int32).reshape(num_gen, width)),
-            Tensor(data=torch.tensor(mask_rows * num_gen, dtype=torch.int32).reshape(num_gen * width, len(mask_rows[0]))),
-            _i32([1]))
+            Tensor(data=torch.tensor(mask_rows * num_gen, dtype=torch.int32).reshape(num_gen * width, words)),
+            _i32([1]),
+        )
         seqs = [r.index for r, _ in batch]
         offsets = blocks.offsets(seqs)
         kv = KeyValueCacheParams(
             past_key_value=[None],
             host_past_key_value_lengths=_host_i32(seq_lengths),
-            host_max_attention_window_sizes=_host_i32([blocks.max_blocks_per_seq * self.tokens_per_block]
-                                                      * self.num_layers),
+            host_max_attention_window_sizes=_host_i32(
+                [blocks.max_blocks_per_seq * self.tokens_per_block] * self.num_layers
+            ),
             host_sink_token_length=_host_i32([0]),
             kv_cache_block_offsets=Tensor(data=offsets),
             host_kv_cache_block_offsets=Tensor(data=offsets.clone(), host=True),
-            host_kv_cache_pool_pointers=Tensor(data=torch.tensor([[blocks.pool.address, 0]], dtype=torch.int64),
-                                               host=True),
+            host_kv_cache_pool_pointers=Tensor(
+                data=torch.tensor([[blocks.pool.address, 0]], dtype=torch.int64), host=True
+            ),
             host_kv_cache_pool_mapping=_host_i32([[0, layer] for layer in range(self.num_layers)]),
             cache_indirection=_i32(torch.zeros(batch_size, 1, 1)),
         )
         attention = AttentionParams(
-            sequence_length=_i32(seq_lengths), context_lengths=_i32(ctx_lengths),
-            host_context_lengths=_host_i32(ctx_lengths), max_context_length=max(ctx_lengths),
-            host_request_types=_host_i32(types))
+            sequence_length=_i32(seq_lengths),
+            context_lengths=_i32(ctx_lengths),
+            host_context_lengths=_host_i32(ctx_lengths),
+            max_context_length=max(ctx_lengths),
+            host_request_types=_host_i32(types),
+        )
         zeros = torch.zeros(batch_size, dtype=torch.float32)
         return {
-            "input_ids": _i32(ids), "position_ids": _i32(positions), "use_cache": True,
-            "last_token_ids": _i32(last), "kv_cache_params": kv, "attention_params": attention,
-            "spec_decoding_params": spec, "draft_tokens": Tensor(data=torch.tensor(draft_tokens, dtype=torch.int32).reshape(batch_size, k)),
-            "draft_lens": _i32(draft_lens), "eagle_temperature": Tensor(data=zeros.clone()),
+            "input_ids": _i32(ids),
+            "position_ids": _i32(positions),
+            "use_cache": True,
+            "last_token_ids": _i32(last),
+            "kv_cache_params": kv,
+            "attention_params": attention,
+            "spec_decoding_params": spec,
+            "draft_tokens": Tensor(data=torch.tensor(draft_tokens, dtype=torch.int32).reshape(batch_size, k)),
+            "draft_lens": _i32(draft_lens),
+            "eagle_temperature": Tensor(data=zeros.clone()),
             "rand_data_validation": Tensor(data=torch.zeros(batch_size, width)),
-            "posterior_alpha": Tensor(data=zeros.clone()), "posterior_threshold": Tensor(data=zeros.clone()),
+            "posterior_alpha": Tensor(data=zeros.clone()),
+            "posterior_threshold": Tensor(data=zeros.clone()),
             "tree_params": TreeParams(paths=_i32(self.paths.expand(batch_size, width, width).clone())),
-            "greedy_sampling": _i32([1]), "use_dynamic_tree": _i32([0]),
+            "greedy_sampling": _i32([1]),
+            "use_dynamic_tree": _i32([0]),
             "host_gen_eagle_net_request_types": _host_i32([1] * batch_size),
-            "host_gen_eagle_net_context_lengths": _host_i32([b + 1 if t else b for b, t in zip(bounds, types,
-                                                                                              strict=True)]),
+            "host_gen_eagle_net_context_lengths": _host_i32(
+                [b + 1 if t else b for b, t in zip(bounds, types, strict=True)]
+            ),
             "host_gen_eagle_net_past_key_value_lengths": _host_i32(bounds),
         }
 

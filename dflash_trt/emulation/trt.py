@@ -29,8 +29,17 @@ class DataType(enum.IntEnum):
 
 
 float32, float16, int8, int32, bool, uint8, fp8, bfloat16, int64, fp4 = (  # noqa: A001 (TensorRT's own names)
-    DataType.FLOAT, DataType.HALF, DataType.INT8, DataType.INT32, DataType.BOOL, DataType.UINT8, DataType.FP8,
-    DataType.BF16, DataType.INT64, DataType.FP4)
+    DataType.FLOAT,
+    DataType.HALF,
+    DataType.INT8,
+    DataType.INT32,
+    DataType.BOOL,
+    DataType.UINT8,
+    DataType.FP8,
+    DataType.BF16,
+    DataType.INT64,
+    DataType.FP4,
+)
 
 TORCH_DTYPES = {
     DataType.FLOAT: torch.float32,
@@ -45,9 +54,16 @@ TORCH_DTYPES = {
 }
 FROM_TORCH = {v: k for k, v in TORCH_DTYPES.items()}
 # tensorrt_llm/_utils.py `_str_to_trt_dtype_dict`.
-STR_DTYPES = {"float32": DataType.FLOAT, "float16": DataType.HALF, "bfloat16": DataType.BF16,
-              "int32": DataType.INT32, "int64": DataType.INT64, "bool": DataType.BOOL, "int8": DataType.INT8,
-              "fp8": DataType.FP8}
+STR_DTYPES = {
+    "float32": DataType.FLOAT,
+    "float16": DataType.HALF,
+    "bfloat16": DataType.BF16,
+    "int32": DataType.INT32,
+    "int64": DataType.INT64,
+    "bool": DataType.BOOL,
+    "int8": DataType.INT8,
+    "fp8": DataType.FP8,
+}
 
 
 class PluginFieldType(enum.IntEnum):
