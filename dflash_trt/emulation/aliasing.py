@@ -95,6 +95,7 @@ REGISTRY: dict[str, dict[str, Any]] = {
             "scatter",
             "arange",
             "cumsum",
+            "sum",
             "argmax",
             "gather_last_token_logits",
         )

@@ -568,6 +568,13 @@ def cumsum(x: Tensor, dim: int, prefer_plugin: bool = True) -> Tensor:
     return _wrap(torch.cumsum(x.data, dim).to(x.data.dtype))
 
 
+def sum(x: Tensor, dim: int, keepdim: bool = False) -> Tensor:  # noqa: A001 (TensorRT-LLM's name)
+    """IReduceLayer SUM; the result keeps the input's dtype."""
+    if x.dtype == trt.bool:
+        raise EmulationError("sum of a bool tensor")
+    return _wrap(torch.sum(x.data, dim=dim, keepdim=keepdim).to(x.data.dtype))
+
+
 def argmax(x: Tensor, dim: int, keepdim: bool = False) -> Tensor:
     """ITopKLayer MAX k=1: int32 indices; ties resolve to the first index here (unspecified in TensorRT)."""
     out = torch.argmax(x.data, dim=dim, keepdim=keepdim).to(torch.int32)

@@ -2,12 +2,13 @@
 
 As in 1.2.x `module.py` / `parameter.py`: assigning a Module or Parameter attribute registers it under that name,
 `named_parameters()` yields dotted paths (the checkpoint's tensor names), `register_parameter(name, None)` leaves an
-optional parameter absent, and setting a Parameter's value refuses a different shape. The emulation also refuses a
-different dtype (the engine would silently reinterpret it).
+optional parameter absent, and setting a Parameter's value refuses a different shape (a 0-D value fills a shape of ones;
+FP4 is stored packed, two values per byte) and only warns about a different dtype.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +19,7 @@ from dflash_trt.emulation import trt
 from dflash_trt.emulation.functional import EmulationError, Tensor, _trt_dtype
 
 # A packed FP4 weight `(out, in)` is stored two values per byte.
-_STORED = {trt.fp4: (torch.uint8, 2)}
+_STORED = {trt.fp4: 2}
 
 
 class Parameter:
@@ -39,7 +40,7 @@ class Parameter:
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
-        _, per_byte = _STORED.get(self.dtype, (None, 1))
+        per_byte = _STORED.get(self.dtype, 1)
         return (*self.shape[:-1], self.shape[-1] // per_byte) if per_byte > 1 else self.shape
 
     @property
@@ -50,14 +51,17 @@ class Parameter:
 
     @value.setter
     def value(self, v: torch.Tensor) -> None:
+        # parameter.py: a 0-D value fills a shape of ones; FP4 is stored two per byte; another dtype only warns.
+        if tuple(v.shape) != self.shape and v.dim() == 0 and max(self.shape, default=1) == 1:
+            v = v.reshape(self.shape)
         if tuple(v.shape) != self.stored_shape:
             raise EmulationError(
                 f"The value updated is not the same shape as the original. "
                 f"Updated: {tuple(v.shape)}, original: {self.stored_shape}"
             )
-        expected = _STORED.get(self.dtype, (trt.TORCH_DTYPES.get(self.dtype), 1))[0]
-        if v.dtype != expected:
-            raise EmulationError(f"value of dtype {v.dtype} for a {self.dtype.name} parameter")
+        quantized_bytes = self.dtype in (trt.fp4, trt.fp8) and v.dtype in (torch.int8, torch.uint8)
+        if not quantized_bytes and trt.FROM_TORCH.get(v.dtype) != self.dtype:
+            warnings.warn(f"Parameter was initialized as {self.dtype.name} but set to {v.dtype}", stacklevel=2)
         self._value = v
 
     @property

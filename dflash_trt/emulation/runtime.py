@@ -30,8 +30,17 @@ from dflash_trt.emulation.layers import AttentionParams, KeyValueCacheParams, Sp
 from dflash_trt.emulation.plugins import TreeParams
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import read_json_object
-from dflash_trt.reference.decode import SequenceResult
-from dflash_trt.trtllm.build_plan import chain_draft_paths, pack_mask_rows
+from dflash_trt.reference.decode import SequenceResult, StepTrace
+from dflash_trt.trtllm.build_plan import (
+    EngineBuildSettings,
+    chain_draft_paths,
+    check_kv_geometry,
+    check_quantization,
+    check_rope,
+    check_sliding_window,
+    pack_mask_rows,
+    read_checkpoint_facts,
+)
 
 ACCEPT_OUTPUTS = (
     "accepted_tokens",
@@ -60,6 +69,7 @@ class Request:
     arrival: int = 0
     output: list[int] = field(default_factory=list)
     acceptance: list[int] = field(default_factory=list)
+    steps: list[StepTrace] = field(default_factory=list)
     prefilled: int = 0
     drafts: list[int] = field(default_factory=list)
     draft_len: int = 0
@@ -98,6 +108,10 @@ class EmulatedRuntime:
             checkpoint_dir / "config.json", f"{checkpoint_dir} is not a converted checkpoint (no config.json)"
         )
         target, _ = specs_from_config(raw)
+        # What `dflash-trt build` refuses, the emulated engine refuses too.
+        self.facts = read_checkpoint_facts(checkpoint_dir)
+        for check in (check_kv_geometry, check_rope, check_quantization):
+            check(self.facts)
         if raw["mapping"].get("tp_size", 1) != 1 or raw["mapping"].get("pp_size", 1) != 1:
             raise DFlashTrtError("the emulation runs one rank: convert with --tp_size 1")
         if not (checkpoint_dir / "rank0.safetensors").is_file():
@@ -148,7 +162,9 @@ class EmulatedRuntime:
                     f"prompt {r.index} has token ids outside the vocabulary (0..{self.vocab_size - 1})"
                 )
         stops = set(stop_token_ids or [])
-        longest = max(len(r.prompt) + r.max_new_tokens for r in requests) + 2 * self.block
+        max_seq_len = max(len(r.prompt) + r.max_new_tokens for r in requests)
+        check_sliding_window(self.facts, EngineBuildSettings(max_seq_len=max_seq_len))
+        longest = max_seq_len + 2 * self.block
         max_blocks = -(-longest // self.tokens_per_block)
         pool = KVPool(
             max_blocks * self.max_batch_size,
@@ -162,7 +178,7 @@ class EmulatedRuntime:
             self._loop(requests, BlockManager(pool, max_blocks), stops)
         finally:
             pool.release()
-        return [SequenceResult(r.prompt, r.output, r.acceptance) for r in requests]
+        return [SequenceResult(r.prompt, r.output, r.acceptance, r.steps) for r in requests]
 
     def _loop(self, requests: list[Request], blocks: BlockManager, stops: set[int]) -> None:
         waiting = sorted(requests, key=lambda r: (r.arrival, r.index))
@@ -234,6 +250,7 @@ class EmulatedRuntime:
             path = self.paths[int(out["accepted_paths"][b])].tolist()
             start = r.anchor_position
             blocks.move_tokens(r.index, [start + path[i] for i in range(n)], [start + i for i in range(n)])
+            r.steps.append(StepTrace(list(r.drafts), n - 1))
             produced = self._append(r, out["accepted_tokens"][b, :n].tolist(), stops)
             r.acceptance.append(produced)
         r.drafts, r.draft_len = next_drafts, next_len

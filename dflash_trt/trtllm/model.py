@@ -31,9 +31,9 @@ from tensorrt_llm.functional import (
     gather,
     gather_last_token_logits,
     index_select,
-    scatter,
     shape,
     slice,
+    sum,
     tanh,
     unsqueeze,
     where,
@@ -186,6 +186,11 @@ class DFlashTarget(Module):
         layer_cls = QWenDecoderLayer if config.base_architecture == "Qwen3ForCausalLM" else LLaMADecoderLayer
         self.vocab_embedding = Embedding(config.vocab_size, config.hidden_size, dtype=config.dtype)
         self.layers = ModuleList([layer_cls(target, i) for i in range(config.num_hidden_layers)])
+        for layer in self.layers:
+            # QWenDecoderLayer builds its q/k RmsNorm without eps (Attention's default 1e-5); the config's is exact.
+            for norm in (getattr(layer.attention, "q_layernorm", None), getattr(layer.attention, "k_layernorm", None)):
+                if norm is not None:
+                    norm.eps = config.norm_epsilon
         self.ln_f = RmsNorm(normalized_shape=config.hidden_size, eps=config.norm_epsilon, dtype=config.dtype)
         self.taps = tuple(config.dflash_config["target_layer_ids"])
 
@@ -300,13 +305,15 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         is_generation = draft_lens > 0
         in_len = where(is_generation, draft_lens + 1, context_lengths)
         valid_len = where(is_generation, num_accepted, in_len)
-        starts = cumsum(in_len, 0, prefer_plugin=False) - in_len
+        # cumsum without the plugin builds [n, n] intermediates: only batch-length vectors go through it.
+        ends = cumsum(in_len, 0, prefer_plugin=False)
+        starts = ends - in_len
         position_rows = where(is_generation, 1, in_len)
         first_position = index_select(position_ids, 0, cumsum(position_rows, 0, prefer_plugin=False) - position_rows)
-        # A 1 at each request's first row, prefix-summed: the request index of every packed row.
-        markers = scatter(expand(i32([0]), shape(input_ids)), 0, starts, expand(i32([1]), shape(starts)))
-        request = cumsum(markers, 0, prefer_plugin=False) - 1
-        local = arange(i32(0), shape(input_ids, 0), "int32") - index_select(starts, 0, request)
+        # The request of packed row t is the number of requests ending at or before it: a [tokens, batch] compare.
+        rows = arange(i32(0), shape(input_ids, 0), "int32")
+        request = sum(cast(unsqueeze(ends, 0) < unsqueeze(rows, 1) + 1, "int32"), dim=1)
+        local = rows - index_select(starts, 0, request)
         valid = cast(local < index_select(valid_len, 0, request), "int32")
         positions = index_select(first_position, 0, request) + local
         anchor = gather(accepted_tokens, 1, unsqueeze(num_accepted - 1, 1))
