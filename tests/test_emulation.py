@@ -192,8 +192,11 @@ def engine():
     return load_engine_module()
 
 
-def _broken_run(tiny, tiny_prompts) -> list[SequenceResult]:
-    return EmulatedRuntime(tiny, max_batch_size=3, tokens_per_block=16).generate(tiny_prompts, 24)
+def _broken(tiny, tiny_prompts, tiny_golden) -> str | None:
+    """Three requests (one long) through the patched network, compared with the golden model."""
+    prompts = [tiny_prompts[0], tiny_prompts[1], tiny_prompts[-1]]
+    emulated = EmulatedRuntime(tiny, max_batch_size=3, tokens_per_block=16).generate(prompts, 24)
+    return mismatch([tiny_golden[0], tiny_golden[1], tiny_golden[-1]], emulated, TINY_BLOCK)
 
 
 def test_an_off_by_one_in_the_bookkeeping_is_caught(engine, monkeypatch, tiny, tiny_prompts, tiny_golden):
@@ -205,7 +208,7 @@ def test_an_off_by_one_in_the_bookkeeping_is_caught(engine, monkeypatch, tiny, t
         return book
 
     monkeypatch.setattr(engine.DFlashForCausalLM, "bookkeeping", off_by_one)
-    assert mismatch(tiny_golden, _broken_run(tiny, tiny_prompts), TINY_BLOCK) is not None
+    assert _broken(tiny, tiny_prompts, tiny_golden) is not None
 
 
 def test_a_wrong_draft_pool_layer_offset_is_caught(engine, monkeypatch, tiny, tiny_prompts, tiny_golden):
@@ -215,7 +218,7 @@ def test_a_wrong_draft_pool_layer_offset_is_caught(engine, monkeypatch, tiny, ti
         return original(*args, layer_idx_offset=layer_idx_offset - 1, **kwargs)
 
     monkeypatch.setattr(engine, "kv_injection_layer", shifted)
-    assert mismatch(tiny_golden, _broken_run(tiny, tiny_prompts), TINY_BLOCK) is not None
+    assert _broken(tiny, tiny_prompts, tiny_golden) is not None
 
 
 def test_a_missing_passthrough_ordering_is_caught(engine, monkeypatch, tiny, tiny_prompts, tiny_golden):
@@ -227,7 +230,7 @@ def test_a_missing_passthrough_ordering_is_caught(engine, monkeypatch, tiny, tin
         return book["ctx_len"]
 
     monkeypatch.setattr(engine.DFlashForCausalLM, "inject_context", unordered)
-    assert mismatch(tiny_golden, _broken_run(tiny, tiny_prompts), TINY_BLOCK) is not None
+    assert _broken(tiny, tiny_prompts, tiny_golden) is not None
 
 
 # ----------------------------------------------------------------------------------- engine facts the emulation checks

@@ -284,20 +284,13 @@ def constant_to_tensor_(value: Any, dtype: Any = None, to_array: bool = True) ->
 
 
 def constants_to_tensors_(*inputs: Any) -> tuple[Tensor, ...]:
+    """Ints become int64 constants when an input is int64; an int32 *tensor* stays int32 (constant_to_tensor_
+    returns tensors unchanged), so concat / where of int32 and int64 tensors still fail as in TensorRT."""
     has_int64 = any(
         (isinstance(i, int) and not -(2**31) <= i < 2**31) or (isinstance(i, Tensor) and i.dtype == trt.int64)
         for i in inputs
     )
-    if not has_int64:
-        return tuple(constant_to_tensor_(i) for i in inputs)
-    return tuple(
-        constant_to_tensor_(i, trt.int64)
-        if isinstance(i, int)
-        else cast(i, trt.int64)
-        if isinstance(i, Tensor) and i.dtype == trt.int32
-        else constant_to_tensor_(i)
-        for i in inputs
-    )
+    return tuple(constant_to_tensor_(i, trt.int64 if has_int64 and isinstance(i, int) else None) for i in inputs)
 
 
 def _expand_dims_like(x: Tensor, like: Tensor) -> Tensor:
