@@ -49,8 +49,9 @@ def run(args: argparse.Namespace) -> int:
     results = runtime.generate(prompts, args.max_new_tokens, stop_ids)
     seconds = time.perf_counter() - started
     generated = sum(len(r.output_ids) for r in results)
+    sequences = [sequence_record(r, tokenizer, False) for r in results]
     report = {
-        "sequences": [sequence_record(r, tokenizer, False) for r in results],
+        "sequences": sequences,
         "mean_acceptance_length": mean_acceptance_length(results),
         "per_position_acceptance": per_position_acceptance(results, runtime.block - 1),
         "generated_tokens": generated,
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
         return 0
-    for i, record in enumerate(report["sequences"]):
+    for i, record in enumerate(sequences):
         shown = record.get("output_text", record["output_ids"])
         print(f"[{i}] {shown!r}  acceptance {record['acceptance_lengths']}")
     print(

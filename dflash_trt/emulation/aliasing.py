@@ -21,6 +21,7 @@ from typing import Any
 
 from dflash_trt.emulation import functional as F
 from dflash_trt.emulation import layers, models, plugins, trt
+from dflash_trt.emulation.functional import EmulationError
 from dflash_trt.emulation.module import Module, ModuleList, Parameter
 from dflash_trt.emulation.quantization import QuantMode
 
@@ -160,6 +161,8 @@ _STAND_INS = _stand_in_modules()
 
 def _exec_source(name: str, path: Path) -> types.ModuleType:
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise EmulationError(f"cannot load {path}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
@@ -192,6 +195,6 @@ def load_engine_module() -> types.ModuleType:
 
     with stand_ins_installed(("dflash_trt.trtllm.plugin", "dflash_trt.trtllm.model")):
         plugin = _exec_source("dflash_trt.trtllm.plugin", ENGINE_PACKAGE / "plugin.py")
-        plugin.load_plugin_library = plugins.load_emulated_plugin_library
+        setattr(plugin, "load_plugin_library", plugins.load_emulated_plugin_library)  # noqa: B010
         _engine_module = _exec_source("dflash_trt.trtllm.model", ENGINE_PACKAGE / "model.py")
     return _engine_module

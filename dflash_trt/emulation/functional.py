@@ -192,7 +192,7 @@ class Tensor:
     ndim = rank
 
     def mark_output(self, name: str | None = None, dtype: Any = None) -> None:
-        default_net()._mark_output(self, name or self.name, _trt_dtype(dtype) if dtype is not None else None)
+        default_net()._mark_output(self, name or self.name or "", _trt_dtype(dtype) if dtype is not None else None)
 
     def view(self, shape: Any, zero_is_placeholder: bool = True) -> Tensor:
         return view(self, shape, zero_is_placeholder)

@@ -178,7 +178,7 @@ class RmsNorm(Module):
         return _wrap(rms_norm(x.data.float(), self.weight.raw.float(), self.eps))
 
 
-_ACTIVATIONS = {"silu": F.silu, "swiglu": F.silu, "gelu": F.gelu, "relu": F.relu}
+_ACTIVATIONS: dict[str, Any] = {"silu": F.silu, "swiglu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
 
 class GatedMLP(Module):
@@ -338,7 +338,8 @@ class Attention(Module):
 
     @staticmethod
     def fill_attention_params(model_cls: Module, attention_params: AttentionParams) -> AttentionParams:
-        attention_params.embed_positions_for_gpt_attention = model_cls.embed_positions_for_gpt_attention.value
+        table: Parameter = getattr(model_cls, "embed_positions_for_gpt_attention")  # noqa: B009 (set on the model)
+        attention_params.embed_positions_for_gpt_attention = table.value
         return attention_params
 
     def forward(

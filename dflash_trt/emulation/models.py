@@ -197,7 +197,7 @@ class QWenDecoderLayer(Module):
             attention_head_size=config.head_size,
             num_attention_heads=config.num_attention_heads,
             num_kv_heads=config.num_key_value_heads,
-            max_position_embeddings=config.max_position_embeddings,
+            max_position_embeddings=config.max_position_embeddings or 1024,
             dtype=config.dtype,
             attention_mask_type=AttentionMaskType.causal,
             bias=config.attn_bias,
@@ -212,7 +212,7 @@ class QWenDecoderLayer(Module):
         )
         self.mlp = GatedMLP(
             hidden_size=config.hidden_size,
-            ffn_hidden_size=config.intermediate_size,
+            ffn_hidden_size=config.intermediate_size or 4 * config.hidden_size,
             hidden_act=config.hidden_act,
             dtype=config.dtype,
             bias=config.mlp_bias,
@@ -246,7 +246,7 @@ class LLaMADecoderLayer(Module):
             attention_head_size=config.head_size,
             num_attention_heads=config.num_attention_heads,
             num_kv_heads=config.num_key_value_heads,
-            max_position_embeddings=config.max_position_embeddings,
+            max_position_embeddings=config.max_position_embeddings or 1024,
             dtype=config.dtype,
             attention_mask_type=AttentionMaskType.causal,
             bias=config.attn_bias,
@@ -258,7 +258,7 @@ class LLaMADecoderLayer(Module):
         )
         self.mlp = GatedMLP(
             hidden_size=config.hidden_size,
-            ffn_hidden_size=config.intermediate_size,
+            ffn_hidden_size=config.intermediate_size or 4 * config.hidden_size,
             hidden_act=config.hidden_act,
             dtype=config.dtype,
             bias=config.mlp_bias,
@@ -303,7 +303,8 @@ class PretrainedModel(Module, metaclass=_PostInitCaller):
         """(model, names provided but not required): what 1.2.x logs as a warning is returned to the caller."""
         ckpt_dir = Path(ckpt_dir)
         raw = json.loads((ckpt_dir / "config.json").read_text())
-        config = MODEL_MAP[raw["architecture"]].config_class.from_dict(raw)
+        model_cls: Any = MODEL_MAP[raw["architecture"]]
+        config = model_cls.config_class.from_dict(raw)
         reader = SafetensorsFile(ckpt_dir / f"rank{rank}.safetensors")
         try:
             weights = {name: reader.get(name, copy=True) for name in reader.names()}

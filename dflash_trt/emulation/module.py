@@ -70,6 +70,9 @@ class Parameter:
 
 
 class Module:
+    _modules: OrderedDict[str, Module]
+    _parameters: OrderedDict[str, Parameter | None]
+
     def __init__(self) -> None:
         object.__setattr__(self, "_modules", OrderedDict())
         object.__setattr__(self, "_parameters", OrderedDict())

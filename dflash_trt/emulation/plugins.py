@@ -43,16 +43,16 @@ def _int32(t: Tensor, what: str, rank: int) -> torch.Tensor:
 
 
 def eagle_sample_and_accept_draft_plugin(
-    lm_logits: Tensor = None,
-    draft_tokens: Tensor = None,
-    draft_lens: Tensor = None,
-    eagle_temperature: Tensor = None,
-    rand_data_validation: Tensor = None,
-    posterior_alpha: Tensor = None,
-    posterior_threshold: Tensor = None,
-    tree_params: TreeParams = None,
-    greedy_sampling: Tensor = None,
-    use_dynamic_tree: Tensor = None,
+    lm_logits: Any = None,
+    draft_tokens: Any = None,
+    draft_lens: Any = None,
+    eagle_temperature: Any = None,
+    rand_data_validation: Any = None,
+    posterior_alpha: Any = None,
+    posterior_threshold: Any = None,
+    tree_params: Any = None,
+    greedy_sampling: Any = None,
+    use_dynamic_tree: Any = None,
 ) -> tuple[Tensor, ...]:
     if lm_logits.dtype != trt.float32 or lm_logits.rank() != 2:
         raise EmulationError("the accept plugin takes float32 [tokens, vocab] logits")
@@ -110,19 +110,14 @@ def _field(fields: dict[str, Any], name: str) -> Any:
 
 class KVInjectionPlugin:
     def __init__(self, fields: dict[str, np.ndarray]):
-        scalar = {
-            name: int(_field(fields, name)[0])
-            for name in (
-                "num_layers",
-                "num_kv_heads",
-                "head_dim",
-                "layer_idx_offset",
-                "tokens_per_block",
-                "type_id",
-                "cache_fp8",
-            )
-        }
-        self.__dict__.update(scalar)
+        def scalar(name: str) -> int:
+            return int(_field(fields, name)[0])
+
+        self.num_layers, self.num_kv_heads, self.head_dim = (
+            scalar(n) for n in ("num_layers", "num_kv_heads", "head_dim")
+        )
+        self.layer_idx_offset, self.tokens_per_block = scalar("layer_idx_offset"), scalar("tokens_per_block")
+        self.type_id, self.cache_fp8 = scalar("type_id"), scalar("cache_fp8")
         self.eps = float(_field(fields, "eps")[0])
         self.inv_freq = torch.from_numpy(np.asarray(_field(fields, "rope_inv_freq"), dtype=np.float32))
         self.attention_scaling = float(_field(fields, "rope_attention_scaling")[0])

@@ -33,7 +33,8 @@ def _llama3(inv_freq: np.ndarray, scaling: dict[str, Any]) -> np.ndarray:
 
 def inverse_frequencies(dim: int, theta: float, scaling: dict[str, Any] | None) -> np.ndarray:
     inv_freq = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    kind = (scaling or {}).get("type", "default")
+    scaling = scaling or {}
+    kind = scaling.get("type", "default")
     if kind == "default":
         pass
     elif kind == "linear":

@@ -272,8 +272,15 @@ class EmulatedRuntime:
 
     def _inputs(self, batch: list[tuple[Request, int]], blocks: BlockManager) -> dict[str, Any]:
         k, width = self.k, self.block
-        ids, positions, last, ctx_lengths, seq_lengths, types = [], [], [], [], [], []
-        draft_tokens, draft_lens, bounds = [], [], []
+        ids: list[int] = []
+        positions: list[int] = []
+        last: list[int] = []
+        ctx_lengths: list[int] = []
+        seq_lengths: list[int] = []
+        types: list[int] = []
+        draft_tokens: list[list[int]] = []
+        draft_lens: list[int] = []
+        bounds: list[int] = []
         row = 0
         for r, rows in batch:
             if r.generating:
