@@ -9,6 +9,7 @@ networks below change acceptance as well.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -204,8 +205,7 @@ def test_an_off_by_one_in_the_bookkeeping_is_caught(engine, monkeypatch, tiny, t
 
     def off_by_one(self, *args):
         book = original(self, *args)
-        book["positions"] = book["positions"] + 1  # injected K/V one slot late
-        return book
+        return dataclasses.replace(book, positions=book.positions + 1)  # injected K/V one slot late
 
     monkeypatch.setattr(engine.DFlashForCausalLM, "bookkeeping", off_by_one)
     assert _broken(tiny, tiny_prompts, tiny_golden) is not None
@@ -227,7 +227,7 @@ def test_a_missing_passthrough_ordering_is_caught(engine, monkeypatch, tiny, tin
 
     def unordered(self, taps, book, kv_cache_params):
         original(self, taps, book, kv_cache_params)
-        return book["ctx_len"]
+        return book.ctx_len
 
     monkeypatch.setattr(engine.DFlashForCausalLM, "inject_context", unordered)
     assert _broken(tiny, tiny_prompts, tiny_golden) is not None
@@ -393,3 +393,15 @@ def test_greedy_chain_accept_plugin():
     accepted, num, best = (o.data.tolist() for o in outs[:3])
     assert num == [1, 3] and best == [0, 0]
     assert accepted[0][0] == 3 and accepted[1][:3] == [4, 2, 1]
+
+
+def test_engine_config_is_the_converters_typed_spec(tiny):
+    """DFlashConfig parses the drafter once into the converter's DraftSpec; the engine's config.json stays plain."""
+    from dflash_trt.checkpoint.trtllm_config import specs_from_config
+
+    raw = json.loads((tiny / "config.json").read_text())
+    config = EmulatedRuntime(tiny).model.config
+    assert config.draft == specs_from_config(raw)[1]
+    written = json.loads(json.dumps(config.to_dict()))
+    assert "draft" not in written and written["dflash_config"] == raw["dflash_config"]
+    assert type(config).from_dict(written).draft == config.draft
