@@ -88,6 +88,8 @@ class SequencePages:
 
 def resolve_pool(kv: Any, layer_idx: int, batch_index: int) -> SequencePages:
     """What the plugin derives from its KeyValueCacheParams for layer `layer_idx` and one sequence."""
+    if not (kv.host_kv_cache_pool_mapping.host and kv.host_kv_cache_pool_pointers.host):
+        raise EmulationError("the KV pool pointers and mapping must be host tensors")
     mapping = kv.host_kv_cache_pool_mapping.data
     if mapping.dtype != torch.int32 or mapping.dim() != 2 or layer_idx >= mapping.shape[0]:
         raise EmulationError(f"host_kv_cache_pool_mapping has no row for layer {layer_idx}")

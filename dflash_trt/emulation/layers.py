@@ -255,8 +255,11 @@ class AttentionParams:
 
 
 def _host(t: Tensor | None, what: str) -> np.ndarray:
+    """A host input of the plugin: computed (device) tensors cannot be bound there."""
     if t is None:
         raise EmulationError(f"attention input {what} missing")
+    if not t.host:
+        raise EmulationError(f"attention input {what} must be a host tensor (a network input), got a device tensor")
     return t.data.cpu().numpy()
 
 

@@ -133,6 +133,8 @@ class KVInjectionPlugin:
 
     def _execute(self, inputs: list[Tensor], passthrough: Tensor) -> torch.Tensor:
         ctx_kv, k_norm, positions, seq_slots, valid, offsets, pointers, mapping = inputs[:8]
+        if not (pointers.host and mapping.host):
+            raise EmulationError("host_kv_cache_pool_pointers / _mapping must be host tensors (network inputs)")
         if int(ctx_kv.dtype) != self.type_id:
             raise EmulationError(f"ctx_kv is {ctx_kv.dtype.name}, the plugin was built for type {self.type_id}")
         layers, heads, dim = self.num_layers, self.num_kv_heads, self.head_dim

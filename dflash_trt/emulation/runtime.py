@@ -5,7 +5,9 @@ context tokens as remain, chunking a prompt at a multiple of `tokens_per_block` 
 when they arrive and a slot is free, and leave when they finish. Inputs (packed, context requests first):
 `input_ids` (a chunk, or `[anchor, d1..dK]`), `position_ids` (one per context token, one per generation request:
 its anchor's), `last_token_ids` (a context request's last row, every row of a generation request, 1-based),
-`context_lengths` (chunk size; the prompt length for generation requests), `sequence_length`, the spec-decoding
+`context_lengths` (chunk size; prompt + draft length for generation requests), `sequence_length` (past + rows),
+`host_past_key_value_lengths` (a context chunk's end; a generation request's past), as runtimeBuffers.cpp
+`setFromInputs` sets them [read], the spec-decoding
 inputs from the chain `draft_paths` (generation lengths K+1, position offsets = path depth, packed mask =
 ancestors), `draft_tokens` / `draft_lens` from the previous step's `next_draft_*` outputs, the
 `host_gen_eagle_net_*` bounds (a new request: its prompt length; after a step with `S` tokens: `S + K + 1` and
@@ -277,6 +279,7 @@ class EmulatedRuntime:
         last: list[int] = []
         ctx_lengths: list[int] = []
         seq_lengths: list[int] = []
+        past_lengths: list[int] = []
         types: list[int] = []
         draft_tokens: list[list[int]] = []
         draft_lens: list[int] = []
@@ -288,7 +291,8 @@ class EmulatedRuntime:
                 first = r.anchor_position
                 positions.append(first)
                 last.extend(range(row + 1, row + rows + 1))
-                ctx_lengths.append(len(r.prompt))
+                ctx_lengths.append(len(r.prompt) + r.draft_len)
+                past_lengths.append(first)
                 draft_tokens.append(r.drafts)
                 draft_lens.append(r.draft_len)
                 types.append(1)
@@ -298,6 +302,7 @@ class EmulatedRuntime:
                 positions.extend(range(first, first + rows))
                 last.append(row + rows)
                 ctx_lengths.append(rows)
+                past_lengths.append(first + rows)
                 draft_tokens.append([0] * k)
                 draft_lens.append(0)
                 types.append(0)
@@ -322,7 +327,7 @@ class EmulatedRuntime:
         offsets = blocks.offsets(seqs)
         kv = KeyValueCacheParams(
             past_key_value=[None],
-            host_past_key_value_lengths=_host_i32(seq_lengths),
+            host_past_key_value_lengths=_host_i32(past_lengths),
             host_max_attention_window_sizes=_host_i32(
                 [blocks.max_blocks_per_seq * self.tokens_per_block] * self.num_layers
             ),
