@@ -57,13 +57,12 @@ class SequencePages:
     offsets: torch.Tensor  # [2, max_blocks] raw block offsets
     layer_in_pool: int
     primary: KVPool
-    secondary: KVPool | None
 
     @property
     def dtype(self) -> torch.dtype:
         return self.primary.dtype
 
-    def _locate(self, kind: int, positions: torch.Tensor) -> tuple[list[KVPool], torch.Tensor, torch.Tensor]:
+    def _locate(self, kind: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         tpb = self.primary.tokens_per_block
         pages = positions.long() // tpb
         if int(pages.max()) >= self.offsets.shape[1]:
@@ -74,15 +73,15 @@ class SequencePages:
         blocks = (raw & (SECONDARY_POOL_FLAG - 1)) + 2 * self.layer_in_pool
         if int(blocks.max()) >= self.primary.data.shape[0]:
             raise EmulationError("a block offset beyond the pool")
-        return [self.primary], blocks, positions.long() % tpb
+        return blocks, positions.long() % tpb
 
     def write(self, kind: int, positions: torch.Tensor, values: torch.Tensor) -> None:
         """values [n, kv_heads, head_dim] at `positions`."""
-        _, blocks, rows = self._locate(kind, positions)
+        blocks, rows = self._locate(kind, positions)
         self.primary.data[blocks, :, rows] = values
 
     def read(self, kind: int, positions: torch.Tensor) -> torch.Tensor:
-        _, blocks, rows = self._locate(kind, positions)
+        blocks, rows = self._locate(kind, positions)
         return self.primary.data[blocks, :, rows]
 
 
@@ -105,9 +104,7 @@ def resolve_pool(kv: Any, layer_idx: int, batch_index: int) -> SequencePages:
         raise EmulationError("kv_cache_block_offsets must be int32 [pools, batch, 2, max_blocks]")
     if layer_in_pool >= primary.layers:
         raise EmulationError(f"layer {layer_idx} maps to slot {layer_in_pool} of a {primary.layers}-layer pool")
-    return SequencePages(
-        offsets[pool_index, batch_index], layer_in_pool, primary, pool_at(int(pointers[pool_index, 1]))
-    )
+    return SequencePages(offsets[pool_index, batch_index], layer_in_pool, primary)
 
 
 class BlockManager:
@@ -147,7 +144,7 @@ class BlockManager:
             return
         offsets = self.offsets([seq])[0, 0]
         for layer in range(self.pool.layers):
-            pages = SequencePages(offsets, layer, self.pool, None)
+            pages = SequencePages(offsets, layer, self.pool)
             for kind in (0, 1):
                 values = pages.read(kind, torch.tensor(sources))
                 pages.write(kind, torch.tensor(targets), values)

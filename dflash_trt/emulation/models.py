@@ -36,9 +36,6 @@ class Mapping:
         self.world_size, self.rank, self.tp_size, self.pp_size, self.tp_rank = world_size, rank, tp_size, pp_size, 0
         self.tp_group = [0]
 
-    def pp_layers(self, num_layers: int) -> list[int]:
-        return list(range(num_layers))
-
     def to_dict(self) -> dict[str, int]:
         return {"world_size": self.world_size, "tp_size": self.tp_size, "pp_size": self.pp_size}
 
