@@ -147,7 +147,7 @@ def test_every_fixture_variant_matches_the_golden_model(name, tmp_path):
     runtime = EmulatedRuntime(ckpt, max_batch_size=2, tokens_per_block=tokens_per_block)
     emulated = runtime.generate(PROMPTS, 12, STOP)
     assert mismatch(golden, emulated, runtime.block) is None
-    assert runtime.stats.max_batch == 2 and runtime.extra_tensors == []
+    assert runtime.stats.max_batch == 2 and runtime.model.unused_tensors == []
 
 
 def test_chunked_prompts_and_requests_joining_mid_flight(tiny, tiny_prompts, tiny_golden):
@@ -285,7 +285,7 @@ def test_strict_loading_by_tensorrt_llm_names(tiny, tmp_path):
     extra = edited("extra", lambda t: t.update({"dflash.unused": torch.zeros(2)}))
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
-        assert EmulatedRuntime(extra).extra_tensors == ["dflash.unused"]
+        assert EmulatedRuntime(extra).model.unused_tensors == ["dflash.unused"]
 
 
 def test_stand_ins_are_visible_only_inside_the_emulation(tiny):

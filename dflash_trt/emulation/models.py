@@ -296,8 +296,7 @@ class PretrainedModel(Module, metaclass=_PostInitCaller):
         quantize(self, self.config.quantization)
 
     @classmethod
-    def from_checkpoint(cls, ckpt_dir: str | Path, rank: int = 0) -> tuple[PretrainedModel, list[str]]:
-        """(model, names provided but not required): what 1.2.x logs as a warning is returned to the caller."""
+    def from_checkpoint(cls, ckpt_dir: str | Path, rank: int = 0) -> PretrainedModel:
         ckpt_dir = Path(ckpt_dir)
         raw = json.loads((ckpt_dir / "config.json").read_text())
         model_cls: Any = MODEL_MAP[raw["architecture"]]
@@ -309,9 +308,12 @@ class PretrainedModel(Module, metaclass=_PostInitCaller):
             reader.close()
         weights = preprocess_weights(weights, config)
         model = cls(config)
-        return model, model.load(weights)
+        model.load(weights)
+        return model
 
-    def load(self, weights: dict[str, torch.Tensor]) -> list[str]:
+    def load(self, weights: dict[str, torch.Tensor]) -> None:
+        """Strict by name and shape; names provided but not required are warned about and kept in `unused_tensors`
+        (1.2.x only logs them)."""
         required = set()
         for name, param in self.named_parameters():
             if param.is_inited():
@@ -326,16 +328,15 @@ class PretrainedModel(Module, metaclass=_PostInitCaller):
         provided = set(weights)
         if not required <= provided:
             raise EmulationError(f"Required but not provided tensors:{sorted(required - provided)}")
-        extra = sorted(provided - required)
-        if extra:
-            warnings.warn(f"Provided but not required tensors: {extra}", stacklevel=2)
+        self.unused_tensors = sorted(provided - required)
+        if self.unused_tensors:
+            warnings.warn(f"Provided but not required tensors: {self.unused_tensors}", stacklevel=2)
         for name, param in self.named_parameters():
             if name in provided:
                 try:
                     param.value = weights[name]
                 except EmulationError as exc:
                     raise EmulationError(f"Encounter error '{exc}' for parameter '{name}'") from None
-        return extra
 
 
 def preprocess_weights(weights: dict[str, torch.Tensor], config: PretrainedConfig) -> dict[str, torch.Tensor]:

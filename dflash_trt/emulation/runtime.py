@@ -120,7 +120,7 @@ class EmulatedRuntime:
             raise DFlashTrtError(f"{checkpoint_dir} has no rank0.safetensors")
         self.vocab_size, self.eos_token_ids = target.vocab_size, target.eos_token_ids
         engine = load_engine_module()
-        self.model, self.extra_tensors = engine.DFlashForCausalLM.from_checkpoint(checkpoint_dir)
+        self.model = engine.DFlashForCausalLM.from_checkpoint(checkpoint_dir)
         config = self.model.config
         self.k = self.model.max_draft_len
         self.block = self.k + 1
