@@ -108,7 +108,8 @@ def resolve_pool(kv: Any, layer_idx: int, batch_index: int) -> SequencePages:
 
 
 class BlockManager:
-    """Blocks per sequence, handed out from the top of the pool so a sequence's pages are never contiguous."""
+    """Blocks per sequence, handed out from the top of the pool: a sequence's pages run backwards through the pool
+    and interleave with other sequences', so only the block offsets locate them."""
 
     def __init__(self, pool: KVPool, max_blocks_per_seq: int):
         self.pool = pool
