@@ -11,7 +11,7 @@ import threading
 from dflash_trt.errors import DFlashTrtError
 
 # Each name is a module in dflash_trt.commands exposing `register(subparsers)`.
-COMMANDS = ["convert", "verify", "generate", "build", "selftest", "triton", "bench", "sweep", "plan", "demo"]
+COMMANDS = ["convert", "verify", "generate", "build", "selftest", "triton", "bench", "sweep", "plan", "demo", "emulate"]
 
 
 class Terminated(KeyboardInterrupt):

@@ -372,18 +372,17 @@ def test_real_build_never_overwrites_silently(ckpt: Path, tmp_path: Path):
 
 
 def engine_bookkeeping(position_ids, context_lengths, draft_lens, accepted_tokens, num_accepted):
-    """The ops of DFlashForCausalLM.bookkeeping, one for one in numpy (where, cumsum, scatter, arange, gathers)."""
+    """The ops of DFlashForCausalLM.bookkeeping, one for one in numpy (where, cumsum, compare-and-sum, gathers)."""
     is_generation = draft_lens > 0
     in_len = np.where(is_generation, draft_lens + 1, context_lengths)
     valid_len = np.where(is_generation, num_accepted, in_len)
-    starts = np.cumsum(in_len) - in_len
+    ends = np.cumsum(in_len)
+    starts = ends - in_len
     position_rows = np.where(is_generation, 1, in_len)
     first_position = position_ids[np.cumsum(position_rows) - position_rows]
-    num_tokens = int(in_len.sum())
-    markers = np.zeros(num_tokens, dtype=np.int32)
-    markers[starts] = 1
-    request = np.cumsum(markers) - 1
-    local = np.arange(num_tokens) - starts[request]
+    rows = np.arange(int(in_len.sum()))
+    request = (ends[None, :] < rows[:, None] + 1).astype(np.int32).sum(axis=1)
+    local = rows - starts[request]
     valid = local < valid_len[request]
     positions = first_position[request] + local
     anchor = np.take_along_axis(accepted_tokens, (num_accepted - 1)[:, None], axis=1)[:, 0]

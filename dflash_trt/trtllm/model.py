@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 import tensorrt as trt
@@ -31,9 +32,9 @@ from tensorrt_llm.functional import (
     gather,
     gather_last_token_logits,
     index_select,
-    scatter,
     shape,
     slice,
+    sum,
     tanh,
     unsqueeze,
     where,
@@ -58,7 +59,8 @@ from tensorrt_llm.models.qwen.config import QWenConfig
 from tensorrt_llm.models.qwen.model import QWenDecoderLayer
 from tensorrt_llm.module import Module, ModuleList
 
-from dflash_trt.checkpoint.trtllm_config import ARCHITECTURE, rope_from_config
+from dflash_trt.checkpoint.trtllm_config import ARCHITECTURE, draft_spec_from_config, rotary_scaling
+from dflash_trt.spec import DraftSpec
 from dflash_trt.trtllm.build_plan import block_packed_mask
 from dflash_trt.trtllm.plugin import KVInjectionGeometry, kv_injection_layer
 
@@ -72,21 +74,43 @@ EAGLE_INPUTS = ("draft_tokens", "draft_lens", "eagle_temperature", "rand_data_va
                 "host_gen_eagle_net_past_key_value_lengths")
 
 
+@dataclass(frozen=True)
+class StepBook:
+    """What the bookkeeping derives once per step (docs/engine.md §2.3), as network tensors."""
+
+    request: Tensor  # int32 [tokens]: the request (batch row) of each packed row
+    valid: Tensor  # int32 [tokens]: 1 where the row's target features are final and get injected
+    positions: Tensor  # int32 [tokens]: absolute position of each packed row
+    ctx_len: Tensor  # int32 [batch]: drafter context length after this step
+    anchor: Tensor  # int32 [batch, 1]: the newest token, first of the next draft block
+    batch: Tensor  # 0-D: number of requests
+    draft_lens: Tensor  # int32 [batch]: the step's draft_lens input
+
+
 class DFlashConfig(PretrainedConfig):
     """The converted checkpoint's config plus the EAGLE keys the C++ runtime reads from the engine's config.json."""
 
     def __init__(self, *, base_architecture: str, dflash_config: dict, **kwargs):
         for derived in ("num_eagle_layers", "max_non_leaves_per_layer", "eagle_net_config"):
             kwargs.pop(derived, None)
+        # The drafter exactly as the converter and the golden model parse it (the key spelling lives there).
+        draft = draft_spec_from_config({**kwargs, "dflash_config": dflash_config})
         super().__init__(**kwargs)
         self.base_architecture = base_architecture
         self.dflash_config = dict(dflash_config)
-        k = dflash_config["block_size"] - 1
+        self.draft: DraftSpec = draft
+        k = draft.block_size - 1
         self.max_draft_len = k
         # GptJsonConfig: num_eagle_layers = chain depth, eagle_net_config.num_hidden_layers = extra pool layers.
         self.num_eagle_layers = k
         self.max_non_leaves_per_layer = 1
-        self.eagle_net_config = {"num_hidden_layers": dflash_config["num_hidden_layers"]}
+        self.eagle_net_config = {"num_hidden_layers": draft.num_hidden_layers}
+
+    def to_dict(self) -> dict:
+        """The engine's config.json: the checkpoint's keys (the typed spec is derived from `dflash_config`)."""
+        output = super().to_dict()
+        output.pop("draft", None)
+        return output
 
     def target_config(self) -> PretrainedConfig:
         """The stock Qwen/Llama config the target's decoder layers are built from (same mapping and quantization)."""
@@ -102,37 +126,37 @@ class DFlashDraftLayer(Module):
 
     def __init__(self, config: DFlashConfig, index: int):
         super().__init__()
-        d = config.dflash_config
+        d = config.draft
         mapping = config.mapping
-        self.input_layernorm = RmsNorm(normalized_shape=d["hidden_size"], eps=d["norm_epsilon"], dtype=config.dtype)
+        self.input_layernorm = RmsNorm(normalized_shape=d.hidden_size, eps=d.rms_norm_eps, dtype=config.dtype)
         # Causal mask type: spec-decoding generation runs on XQA, which needs it; the block mask does the rest.
         self.attention = Attention(
             local_layer_idx=config.num_hidden_layers + index,
-            hidden_size=d["hidden_size"],
-            attention_head_size=d["head_size"],
-            num_attention_heads=d["num_attention_heads"],
-            num_kv_heads=d["num_key_value_heads"],
+            hidden_size=d.hidden_size,
+            attention_head_size=d.head_dim,
+            num_attention_heads=d.num_attention_heads,
+            num_kv_heads=d.num_key_value_heads,
             max_position_embeddings=config.max_position_embeddings,
             dtype=config.dtype,
             attention_mask_type=AttentionMaskType.causal,
-            bias=d["attn_bias"],
-            dense_bias=d["attn_bias"],
+            bias=d.attention_bias,
+            dense_bias=d.attention_bias,
             position_embedding_type=config.position_embedding_type,
-            rotary_embedding_base=d["rotary_base"],
-            rotary_embedding_scaling=d["rotary_scaling"],
+            rotary_embedding_base=d.rope.theta,
+            rotary_embedding_scaling=rotary_scaling(d.rope),
             tp_group=mapping.tp_group,
             tp_size=mapping.tp_size,
             tp_rank=mapping.tp_rank,
             quant_mode=config.quant_mode,
             qk_layernorm=True,
             layernorm_type=LayerNormType.RmsNorm,
-            eps=d["norm_epsilon"],
+            eps=d.rms_norm_eps,
         )
-        self.post_layernorm = RmsNorm(normalized_shape=d["hidden_size"], eps=d["norm_epsilon"], dtype=config.dtype)
+        self.post_layernorm = RmsNorm(normalized_shape=d.hidden_size, eps=d.rms_norm_eps, dtype=config.dtype)
         self.mlp = GatedMLP(
-            hidden_size=d["hidden_size"],
-            ffn_hidden_size=d["intermediate_size"],
-            hidden_act=d["hidden_act"],
+            hidden_size=d.hidden_size,
+            ffn_hidden_size=d.intermediate_size,
+            hidden_act=d.hidden_act,
             dtype=config.dtype,
             bias=False,
             tp_group=mapping.tp_group,
@@ -166,15 +190,15 @@ class DFlashDrafter(Module):
 
     def __init__(self, config: DFlashConfig):
         super().__init__()
-        d = config.dflash_config
-        hidden = d["hidden_size"]
+        d = config.draft
+        hidden = d.hidden_size
         # Replicated on every rank, as the converter writes dflash.fc (unsplit): its output feeds every rank's
         # context K/V, and the GEMM is small next to the target's.
-        self.fc = ColumnLinear(len(d["target_layer_ids"]) * config.hidden_size, hidden, bias=False,
+        self.fc = ColumnLinear(len(d.target_layer_ids) * config.hidden_size, hidden, bias=False,
                                dtype=config.dtype, tp_group=None, tp_size=1, gather_output=True)
-        self.hidden_norm = RmsNorm(normalized_shape=hidden, eps=d["norm_epsilon"], dtype=config.dtype)
-        self.layers = ModuleList([DFlashDraftLayer(config, i) for i in range(d["num_hidden_layers"])])
-        self.ln_f = RmsNorm(normalized_shape=hidden, eps=d["norm_epsilon"], dtype=config.dtype)
+        self.hidden_norm = RmsNorm(normalized_shape=hidden, eps=d.rms_norm_eps, dtype=config.dtype)
+        self.layers = ModuleList([DFlashDraftLayer(config, i) for i in range(d.num_hidden_layers)])
+        self.ln_f = RmsNorm(normalized_shape=hidden, eps=d.rms_norm_eps, dtype=config.dtype)
 
 
 class DFlashTarget(Module):
@@ -186,8 +210,13 @@ class DFlashTarget(Module):
         layer_cls = QWenDecoderLayer if config.base_architecture == "Qwen3ForCausalLM" else LLaMADecoderLayer
         self.vocab_embedding = Embedding(config.vocab_size, config.hidden_size, dtype=config.dtype)
         self.layers = ModuleList([layer_cls(target, i) for i in range(config.num_hidden_layers)])
+        for layer in self.layers:
+            # QWenDecoderLayer builds its q/k RmsNorm without eps (Attention's default 1e-5); the config's is exact.
+            for norm in (getattr(layer.attention, "q_layernorm", None), getattr(layer.attention, "k_layernorm", None)):
+                if norm is not None:
+                    norm.eps = config.norm_epsilon
         self.ln_f = RmsNorm(normalized_shape=config.hidden_size, eps=config.norm_epsilon, dtype=config.dtype)
-        self.taps = tuple(config.dflash_config["target_layer_ids"])
+        self.taps = config.draft.target_layer_ids
 
     def forward(self, input_ids, spec_decoding_params, kv_cache_params, attention_params):
         """Returns (ln_f output, concat of tap layer outputs): tap i = output of layer i = HF hidden_states[i+1]."""
@@ -229,10 +258,10 @@ def layer_kv_params(params: KeyValueCacheParams, host_past_key_value_lengths: Te
 
 def refuse_unsupported(config: DFlashConfig) -> None:
     """What dflash-trt build refuses, repeated because trtllm-build may be run by hand."""
-    d = config.dflash_config
+    d = config.draft
     if config.mapping.pp_size != 1:
         raise ValueError("DFlash engines do not support pipeline parallelism")
-    if (d["num_key_value_heads"], d["head_size"]) != (config.num_key_value_heads, config.head_size):
+    if (d.num_key_value_heads, d.head_dim) != (config.num_key_value_heads, config.head_size):
         raise ValueError("the drafter's KV geometry differs from the target's; the shared KV pool cannot hold it")
 
 
@@ -250,11 +279,10 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
                                tp_size=config.mapping.tp_size, gather_output=True)
         super().__init__(config, DFlashTarget(config), lm_head)
         self.dflash = DFlashDrafter(config)
-        d = config.dflash_config
-        self.block_size = d["block_size"]
+        self.block_size = config.draft.block_size
         self.max_draft_len = self.block_size - 1
-        self.mask_token_id = d["mask_token_id"]
-        self.draft_rope = rope_from_config(d["head_size"], d["rotary_base"], d["rotary_scaling"])
+        self.mask_token_id = config.draft.mask_token_id
+        self.draft_rope = config.draft.rope
 
     def forward(self, input_ids, position_ids, use_cache, last_token_ids, kv_cache_params, attention_params,
                 spec_decoding_params, draft_tokens, draft_lens, eagle_temperature, rand_data_validation,
@@ -291,7 +319,8 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         next_draft_paths.mark_output("next_draft_paths")
         return next_draft_tokens
 
-    def bookkeeping(self, input_ids, position_ids, context_lengths, draft_lens, accepted_tokens, num_accepted):
+    def bookkeeping(self, input_ids, position_ids, context_lengths, draft_lens, accepted_tokens,
+                    num_accepted) -> StepBook:
         """Per-token request index, position and validity; per-request drafter context length and anchor (§2.3).
 
         The runtime gives a context request one position id per input token but a generation request a single one
@@ -300,20 +329,22 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         is_generation = draft_lens > 0
         in_len = where(is_generation, draft_lens + 1, context_lengths)
         valid_len = where(is_generation, num_accepted, in_len)
-        starts = cumsum(in_len, 0, prefer_plugin=False) - in_len
+        # cumsum without the plugin builds [n, n] intermediates: only batch-length vectors go through it.
+        ends = cumsum(in_len, 0, prefer_plugin=False)
+        starts = ends - in_len
         position_rows = where(is_generation, 1, in_len)
         first_position = index_select(position_ids, 0, cumsum(position_rows, 0, prefer_plugin=False) - position_rows)
-        # A 1 at each request's first row, prefix-summed: the request index of every packed row.
-        markers = scatter(expand(i32([0]), shape(input_ids)), 0, starts, expand(i32([1]), shape(starts)))
-        request = cumsum(markers, 0, prefer_plugin=False) - 1
-        local = arange(i32(0), shape(input_ids, 0), "int32") - index_select(starts, 0, request)
+        # The request of packed row t is the number of requests ending at or before it: a [tokens, batch] compare.
+        rows = arange(i32(0), shape(input_ids, 0), "int32")
+        request = sum(cast(unsqueeze(ends, 0) < unsqueeze(rows, 1) + 1, "int32"), dim=1)
+        local = rows - index_select(starts, 0, request)
         valid = cast(local < index_select(valid_len, 0, request), "int32")
         positions = index_select(first_position, 0, request) + local
         anchor = gather(accepted_tokens, 1, unsqueeze(num_accepted - 1, 1))
-        return {"request": request, "valid": valid, "positions": positions, "ctx_len": first_position + valid_len,
-                "anchor": anchor, "batch": shape(draft_lens, 0), "draft_lens": draft_lens}
+        return StepBook(request, valid, positions, first_position + valid_len, anchor, shape(draft_lens, 0),
+                        draft_lens)
 
-    def inject_context(self, taps, book, kv_cache_params) -> Tensor:
+    def inject_context(self, taps, book: StepBook, kv_cache_params) -> Tensor:
         """Write the valid tokens' context K/V into every draft layer's pages; returns the ordering token."""
         feature = self.dflash.hidden_norm(self.dflash.fc(taps))
         layers = list(self.dflash.layers)
@@ -328,9 +359,9 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
             "head_dim": first.attention_head_size,
             "tokens_per_block": default_net().plugin_config.tokens_per_block,
             "rope": self.draft_rope,
-            "eps": self.config.dflash_config["norm_epsilon"],
+            "eps": self.config.draft.rms_norm_eps,
         }
-        token = book["ctx_len"]
+        token = book.ctx_len
         # One plugin call for all layers, unless an FP8 cache needs each layer's own KV scale.
         fp8_cache = first.kv_cache_scaling_factor is not None
         groups = [[i] for i in range(len(layers))] if fp8_cache else [list(range(len(layers)))]
@@ -339,22 +370,22 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
             k_norm = concat([unsqueeze(layers[i].attention.k_layernorm.weight.value, 0) for i in group], dim=0)
             scale = layers[group[0]].attention.kv_cache_rcp_scaling_factor.value if fp8_cache else None
             token = kv_injection_layer(
-                ctx_kv, k_norm, book["positions"], book["request"], book["valid"], passthrough=token,
+                ctx_kv, k_norm, book.positions, book.request, book.valid, passthrough=token,
                 geometry=KVInjectionGeometry(num_layers=len(group),
                                              layer_idx_offset=self.config.num_hidden_layers + group[0], **geometry),
                 kv_scale_orig_quant=scale, **common)
         return token
 
-    def draft_block(self, book, written, kv_cache_params, attention_params, spec_decoding_params,
+    def draft_block(self, book: StepBook, written, kv_cache_params, attention_params, spec_decoding_params,
                     host_request_types, host_context_lengths, host_past_key_value_lengths) -> Tensor:
         """Run `[anchor, MASK x K]` through the draft layers as one spec-decoding generation step; argmax slots 1..K."""
         b, k = self.block_size, self.max_draft_len
-        batch = book["batch"]
+        batch = book.batch
         masks = expand(i32([[self.mask_token_id]]), concat([batch, k]))
-        block_ids = concat([book["anchor"], masks], dim=1).view(concat([batch * b]))
+        block_ids = concat([book.anchor, masks], dim=1).view(concat([batch * b]))
         ctx_len = written  # the injection's passthrough copy: the block pass cannot start before the cache write
         hidden = self.transformer.vocab_embedding(block_ids)
-        scale = self.config.dflash_config["input_embedding_scale"]
+        scale = self.config.draft.input_embedding_scale
         if scale != 1.0:
             hidden = hidden * scale
 
@@ -365,8 +396,8 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         params.host_context_lengths = host_context_lengths
         kv_params = layer_kv_params(kv_cache_params, host_past_key_value_lengths)
         offsets = expand(i32([list(range(b))]), concat([batch, b]))
-        lengths = expand(i32([b]), shape(book["draft_lens"]))
-        causal = self.config.dflash_config["causal"]
+        lengths = expand(i32([b]), shape(book.draft_lens))
+        causal = self.config.draft.causal
         for index, layer in enumerate(self.dflash.layers):
             # [requests * B, words], the layout of the runtime's own spec_decoding_packed_mask input.
             packed = np.array([block_packed_mask(b, causal[index])], dtype=np.int32)
@@ -378,10 +409,10 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         drafts = slice(hidden, [0, 1, 0], concat([batch, k, shape(hidden, 2)]))
         logits = cast(self.lm_head(drafts.view(concat([batch * k, shape(hidden, 2)]))), "float32")
         logits = slice(logits, [0, 0], concat([batch * k, self.config.vocab_size]))
-        multiplier = self.config.dflash_config["output_multiplier"]
+        multiplier = self.config.draft.output_multiplier
         if multiplier != 1.0:
             logits = logits * multiplier
-        softcap = self.config.dflash_config["final_logit_softcapping"]
+        softcap = self.config.draft.final_logit_softcapping
         if softcap:
             logits = tanh(logits * (1.0 / softcap)) * softcap
         return cast(argmax(logits, -1, keepdim=True), "int32").view(concat([batch, k]))

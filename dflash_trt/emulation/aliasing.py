@@ -1,0 +1,200 @@
+"""The registry of emulated TensorRT / TensorRT-LLM 1.2.x symbols, and the loader that runs our unmodified
+`dflash_trt/trtllm/model.py` against them.
+
+`load_engine_module()` installs the stand-in modules in `sys.modules` only while it executes fresh copies of
+`dflash_trt/trtllm/plugin.py` and `model.py` (their `import tensorrt` / `from tensorrt_llm... import` lines then
+bind the stand-ins), and restores `sys.modules` afterwards, so nothing else in the process sees a fake
+TensorRT-LLM. The one substitution outside the stand-ins is the plugin library loader: dlopen of the CUDA library
+becomes the registration of the emulated plugin creator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import importlib.util
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from dflash_trt.emulation import functional as F
+from dflash_trt.emulation import layers, models, plugins, trt
+from dflash_trt.emulation.functional import EmulationError
+from dflash_trt.emulation.module import Module, ModuleList, Parameter
+from dflash_trt.emulation.quantization import QuantMode
+
+
+class KVCacheType(enum.IntEnum):
+    CONTINUOUS = 0
+    PAGED = 1
+    DISABLED = 2
+
+
+def pad_vocab_size(vocab_size: int, tp_size: int) -> int:
+    return -(-vocab_size // tp_size) * tp_size
+
+
+REGISTRY: dict[str, dict[str, Any]] = {
+    "tensorrt": {
+        name: getattr(trt, name)
+        for name in (
+            "DataType",
+            "float32",
+            "float16",
+            "bfloat16",
+            "int32",
+            "int64",
+            "int8",
+            "bool",
+            "fp8",
+            "PluginField",
+            "PluginFieldCollection",
+            "PluginFieldType",
+            "TensorRTPhase",
+            "TensorLocation",
+            "get_plugin_registry",
+        )
+    },
+    "tensorrt_llm": {},
+    "tensorrt_llm._common": {"default_net": F.default_net, "default_trtnet": F.default_trtnet},
+    "tensorrt_llm._utils": {"pad_vocab_size": pad_vocab_size, "str_dtype_to_trt": F.str_dtype_to_trt},
+    "tensorrt_llm.bindings": {"KVCacheType": KVCacheType},
+    "tensorrt_llm.functional": {
+        name: getattr(F, name)
+        for name in (
+            "Tensor",
+            "LayerNormType",
+            "AttentionMaskType",
+            "PositionEmbeddingType",
+            "_create_tensor",
+            "constant",
+            "add",
+            "sub",
+            "mul",
+            "div",
+            "floordiv",
+            "lt",
+            "gt",
+            "eq",
+            "minimum",
+            "maximum",
+            "op_and",
+            "op_or",
+            "where",
+            "cast",
+            "tanh",
+            "shape",
+            "view",
+            "unsqueeze",
+            "concat",
+            "slice",
+            "expand",
+            "gather",
+            "index_select",
+            "scatter",
+            "arange",
+            "cumsum",
+            "sum",
+            "argmax",
+            "gather_last_token_logits",
+        )
+    },
+    "tensorrt_llm.layers": {
+        name: getattr(layers, name)
+        for name in (
+            "Attention",
+            "ColumnLinear",
+            "RowLinear",
+            "Embedding",
+            "GatedMLP",
+            "RmsNorm",
+            "KeyValueCacheParams",
+            "SpecDecodingParams",
+            "AttentionParams",
+        )
+    }
+    | {"AttentionMaskType": F.AttentionMaskType},
+    "tensorrt_llm.models": {"MODEL_MAP": models.MODEL_MAP},
+    "tensorrt_llm.models.eagle": {},
+    "tensorrt_llm.models.eagle.model": {
+        "TreeParams": plugins.TreeParams,
+        "eagle_sample_and_accept_draft_plugin": plugins.eagle_sample_and_accept_draft_plugin,
+    },
+    "tensorrt_llm.models.generation_mixin": {"GenerationMixin": models.GenerationMixin},
+    "tensorrt_llm.models.llama": {},
+    "tensorrt_llm.models.llama.config": {"LLaMAConfig": models.LLaMAConfig},
+    "tensorrt_llm.models.llama.model": {"LLaMADecoderLayer": models.LLaMADecoderLayer},
+    "tensorrt_llm.models.modeling_utils": {
+        "DecoderModelForCausalLM": models.DecoderModelForCausalLM,
+        "PretrainedConfig": models.PretrainedConfig,
+        "PretrainedModel": models.PretrainedModel,
+    },
+    "tensorrt_llm.models.qwen": {},
+    "tensorrt_llm.models.qwen.config": {"QWenConfig": models.QWenConfig},
+    "tensorrt_llm.models.qwen.model": {"QWenDecoderLayer": models.QWenDecoderLayer},
+    "tensorrt_llm.module": {"Module": Module, "ModuleList": ModuleList},
+    "tensorrt_llm.parameter": {"Parameter": Parameter},
+    "tensorrt_llm.quantization": {"QuantMode": QuantMode},
+}
+ENGINE_PACKAGE = Path(__file__).resolve().parents[1] / "trtllm"
+_engine_module: types.ModuleType | None = None
+
+
+def _stand_in_modules() -> dict[str, types.ModuleType]:
+    modules = {}
+    for name, symbols in REGISTRY.items():
+        module = types.ModuleType(name, "emulated TensorRT-LLM 1.2.x symbol subset (dflash_trt.emulation)")
+        module.__dict__.update(symbols)
+        module.__path__ = []  # a package, so submodule imports resolve through sys.modules
+        modules[name] = module
+    for name, module in modules.items():
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(modules[parent], child, module)
+    return modules
+
+
+_STAND_INS = _stand_in_modules()
+
+
+def _exec_source(name: str, path: Path) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise EmulationError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def stand_ins_installed(extra: tuple[str, ...] = ()) -> Iterator[None]:
+    """`tensorrt` / `tensorrt_llm` resolve to the stand-ins inside; `sys.modules` is restored on exit.
+
+    Also needed around every forward: `kv_injection_layer` imports TensorRT inside the function.
+    """
+    replaced = [*REGISTRY, *extra]
+    saved = {name: sys.modules[name] for name in replaced if name in sys.modules}
+    try:
+        sys.modules.update(_STAND_INS)
+        yield
+    finally:
+        for name in replaced:
+            sys.modules.pop(name, None)
+        sys.modules.update(saved)
+
+
+def load_engine_module() -> types.ModuleType:
+    """`dflash_trt/trtllm/model.py`, executed (once per process) against the stand-ins."""
+    global _engine_module
+    if _engine_module is not None:
+        return _engine_module
+    import dflash_trt.trtllm.build_plan  # noqa: F401  (bound to the real plugin module, not the fresh copy)
+
+    with stand_ins_installed(("dflash_trt.trtllm.plugin", "dflash_trt.trtllm.model")):
+        plugin = _exec_source("dflash_trt.trtllm.plugin", ENGINE_PACKAGE / "plugin.py")
+        setattr(plugin, "load_plugin_library", plugins.load_emulated_plugin_library)  # noqa: B010
+        _engine_module = _exec_source("dflash_trt.trtllm.model", ENGINE_PACKAGE / "model.py")
+    return _engine_module

@@ -1,0 +1,596 @@
+"""The stand-in `tensorrt_llm.functional` (and `_common`): eager torch execution with TensorRT-LLM 1.2.x's rules.
+
+Each op follows its definition in `tensorrt_llm/functional.py` (the newest 1.2-era copy read; the rules below are
+quoted from it, not guessed): Python ints become int32 constants of shape [1] and floats float32 constants
+(`constant_to_tensor_`); an int64 operand makes the other integer operands int64 (`constants_to_tensors_`,
+`elementwise_binary`); ranks are matched by prepending 1s (`expand_dims_like`), then TensorRT broadcasting; the
+network is strongly typed (BuildConfig default), so mixed float types, bool arithmetic or a non-bool `where`
+condition fail as TensorRT would reject them. `shape()` yields int64 (TensorRT 10's IShapeLayer), `argmax`
+int32 indices (ITopKLayer). `cumsum` over the last dimension without the plugin builds the [n, n] lower-triangle
+product the source builds; the network's ledger records its size so tests can bound the activations it implies.
+A tensor produced by a plugin with side effects (our KV injection) is lazy: its layer runs when a consumer reads it,
+and never if nothing does, because TensorRT orders layers only by data dependencies and drops unused ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash_trt.emulation import trt
+from dflash_trt.errors import DFlashTrtError
+
+
+class EmulationError(DFlashTrtError):
+    """The network did something TensorRT (or the TensorRT-LLM 1.2.x function it called) rejects."""
+
+
+class LayerNormType(enum.IntEnum):
+    LayerNorm = 0
+    RmsNorm = 1
+    GroupNorm = 2
+
+
+class AttentionMaskType(enum.IntEnum):
+    padding = 0
+    causal = 1
+    sliding_window_causal = 2
+    bidirectional = 3
+    bidirectionalglm = 4
+    blocksparse = 5
+    custom_mask = 6
+
+
+class PositionEmbeddingType(enum.IntEnum):
+    learned_absolute = 0
+    rope_gptj = 1
+    rope_gpt_neox = 2
+    long_rope = 3
+    alibi = 4
+    alibi_with_scale = 5
+    relative = 6
+    chatglm = 7
+    yarn = 8
+    mrope = 9
+    deferred = 10
+
+    @staticmethod
+    def from_string(name: str) -> PositionEmbeddingType:
+        return PositionEmbeddingType[name]
+
+
+# ----------------------------------------------------------------------------------------------------------- network
+
+
+@dataclass
+class PluginConfig:
+    """The `PluginConfig` fields model.py reads (tensorrt_llm/plugin/plugin.py), as `dflash-trt build` sets them."""
+
+    paged_kv_cache: bool = True
+    remove_input_padding: bool = True
+    tokens_per_block: int = 32
+    gpt_attention_plugin: str = "auto"
+    gemm_plugin: str = "auto"
+    multiple_profiles: bool = False
+    use_paged_context_fmha: bool = True
+
+
+@dataclass
+class Network:
+    """What one step's forward builds: marked outputs and the size of the largest quadratic cumsum intermediate."""
+
+    plugin_config: PluginConfig
+    strongly_typed: bool = True
+    outputs: dict[str, Tensor] = field(default_factory=dict)
+    cumsum_square_elements: list[int] = field(default_factory=list)
+
+    def _mark_output(self, tensor: Tensor, name: str, dtype: trt.DataType | None) -> None:
+        if name in self.outputs:
+            raise EmulationError(f"output '{name}' marked twice")
+        self.outputs[name] = tensor if dtype is None else cast(tensor, dtype)
+
+
+_current: list[Network] = []
+
+
+@contextlib.contextmanager
+def net_guard(network: Network) -> Iterator[Network]:
+    _current.append(network)
+    try:
+        yield network
+    finally:
+        _current.pop()
+
+
+def default_net() -> Network:
+    if not _current:
+        raise EmulationError("no network is being built (default_net() outside net_guard)")
+    return _current[-1]
+
+
+class _Layer:
+    def __init__(self, outputs: list[Tensor]):
+        self._outputs = outputs
+
+    def get_output(self, index: int) -> Tensor:
+        return self._outputs[index]
+
+
+class _TrtNetwork:
+    """`default_trtnet()`: only `add_plugin_v3`, the one INetworkDefinition call our plugin wrapper makes."""
+
+    def add_plugin_v3(self, inputs: Sequence[Tensor], shape_inputs: Sequence[Tensor], plugin: Any) -> _Layer:
+        if shape_inputs:
+            raise EmulationError("shape inputs to plugins are not used by this network")
+        return _Layer(plugin.add_to_network(list(inputs)))
+
+
+def default_trtnet() -> _TrtNetwork:
+    default_net()
+    return _TrtNetwork()
+
+
+# ------------------------------------------------------------------------------------------------------------ tensor
+
+
+class Tensor:
+    """A network tensor holding its torch value (or a thunk for side-effecting plugin outputs)."""
+
+    def __init__(
+        self,
+        name: str | None = None,
+        dtype: Any = None,
+        shape: Any = None,
+        dim_range: Any = None,
+        is_network_input: bool = True,
+        location: Any = None,
+        *,
+        data: torch.Tensor | None = None,
+        thunk: Callable[[], torch.Tensor] | None = None,
+        host: bool = False,
+    ):
+        self.name = name
+        self._data = data
+        self._thunk = thunk
+        self.declared_dtype = dtype
+        self.host = host
+
+    # TensorRT's ITensor and TensorRT-LLM's Tensor are the same object here.
+    @property
+    def trt_tensor(self) -> Tensor:
+        return self
+
+    @property
+    def data(self) -> torch.Tensor:
+        if self._data is None:
+            if self._thunk is None:
+                raise EmulationError(f"tensor '{self.name}' has no value (an input the runtime did not bind?)")
+            thunk, self._thunk = self._thunk, None
+            self._data = thunk()
+        return self._data
+
+    @property
+    def dtype(self) -> trt.DataType:
+        return trt.FROM_TORCH[self.data.dtype]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    def size(self, dim: int | None = None) -> Any:
+        return self.shape if dim is None else self.shape[dim]
+
+    def rank(self) -> int:
+        return self.data.dim()
+
+    ndim = rank
+
+    def mark_output(self, name: str | None = None, dtype: Any = None) -> None:
+        default_net()._mark_output(self, name or self.name or "", _trt_dtype(dtype) if dtype is not None else None)
+
+    def view(self, shape: Any, zero_is_placeholder: bool = True) -> Tensor:
+        return view(self, shape, zero_is_placeholder)
+
+    def cast(self, dtype: Any) -> Tensor:
+        return cast(self, dtype)
+
+    def __add__(self, b: Any) -> Tensor:
+        return add(self, b)
+
+    def __radd__(self, b: Any) -> Tensor:
+        return add(b, self)
+
+    def __sub__(self, b: Any) -> Tensor:
+        return sub(self, b)
+
+    def __rsub__(self, b: Any) -> Tensor:
+        return sub(b, self)
+
+    def __mul__(self, b: Any) -> Tensor:
+        return mul(self, b)
+
+    def __rmul__(self, b: Any) -> Tensor:
+        return mul(b, self)
+
+    def __truediv__(self, b: Any) -> Tensor:
+        return div(self, b)
+
+    def __floordiv__(self, b: Any) -> Tensor:
+        return floordiv(self, b)
+
+    def __lt__(self, b: Any) -> Tensor:
+        return lt(self, b)
+
+    def __gt__(self, b: Any) -> Tensor:
+        return gt(self, b)
+
+    def __eq__(self, b: Any) -> Tensor:  # type: ignore[override]
+        return eq(self, b)
+
+    def __ge__(self, b: Any) -> Tensor:
+        return op_or(gt(self, b), eq(self, b))
+
+    def __le__(self, b: Any) -> Tensor:
+        return op_or(lt(self, b), eq(self, b))
+
+    __hash__ = object.__hash__
+
+
+def _wrap(data: torch.Tensor) -> Tensor:
+    return Tensor(data=data)
+
+
+def _create_tensor(trt_tensor: Tensor, producer: Any) -> Tensor:
+    return trt_tensor
+
+
+def _trt_dtype(dtype: Any) -> trt.DataType:
+    if isinstance(dtype, str):
+        if dtype not in trt.STR_DTYPES:
+            raise EmulationError(f"unknown dtype string {dtype!r}")
+        return trt.STR_DTYPES[dtype]
+    return trt.DataType(dtype)
+
+
+def str_dtype_to_trt(dtype: str) -> trt.DataType:
+    return _trt_dtype(dtype)
+
+
+# --------------------------------------------------------------------------------------------------------- constants
+
+
+def constant(ndarray: np.ndarray, as_dtype: Any = None, as_shape: Any = None) -> Tensor:
+    data = torch.from_numpy(np.ascontiguousarray(ndarray).copy())
+    if as_dtype is not None:
+        data = data.to(trt.TORCH_DTYPES[_trt_dtype(as_dtype)])
+    if as_shape is not None:
+        data = data.reshape(tuple(as_shape))
+    return _wrap(data)
+
+
+def constant_to_tensor_(value: Any, dtype: Any = None, to_array: bool = True) -> Tensor:
+    if isinstance(value, Tensor):
+        return value
+    if dtype is None:
+        dtype = trt.bool if isinstance(value, bool) else trt.int32 if isinstance(value, int) else trt.float32
+    torch_dtype = trt.TORCH_DTYPES[_trt_dtype(dtype)]
+    return _wrap(torch.tensor([value] if to_array else value, dtype=torch_dtype))
+
+
+def constants_to_tensors_(*inputs: Any) -> tuple[Tensor, ...]:
+    """Ints become int64 constants when an input is int64; an int32 *tensor* stays int32 (constant_to_tensor_
+    returns tensors unchanged), so concat / where of int32 and int64 tensors still fail as in TensorRT."""
+    has_int64 = any(
+        (isinstance(i, int) and not -(2**31) <= i < 2**31) or (isinstance(i, Tensor) and i.dtype == trt.int64)
+        for i in inputs
+    )
+    return tuple(constant_to_tensor_(i, trt.int64 if has_int64 and isinstance(i, int) else None) for i in inputs)
+
+
+def _expand_dims_like(x: Tensor, like: Tensor) -> Tensor:
+    missing = like.rank() - x.rank()
+    return _wrap(x.data.reshape((1,) * missing + tuple(x.data.shape))) if missing > 0 else x
+
+
+def _broadcast_shapes(*shapes: tuple[int, ...]) -> None:
+    for dims in zip(*shapes, strict=True):
+        sizes = {d for d in dims if d != 1}
+        if len(sizes) > 1:
+            raise EmulationError(f"shapes {shapes} do not broadcast (TensorRT elementwise/select)")
+
+
+def _binary(
+    left: Any,
+    right: Any,
+    op: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    kinds: tuple[str, ...] = ("float", "int"),
+) -> Tensor:
+    # broadcast_helper (strongly typed): a Python scalar takes the other operand's dtype.
+    left = constant_to_tensor_(left, right.dtype if isinstance(right, Tensor) else None)
+    right = constant_to_tensor_(right, left.dtype)
+    if left.rank() < right.rank():
+        left = _expand_dims_like(left, right)
+    elif right.rank() < left.rank():
+        right = _expand_dims_like(right, left)
+    if {left.dtype, right.dtype} == {trt.int32, trt.int64}:
+        left, right = cast(left, trt.int64), cast(right, trt.int64)
+    if left.dtype != right.dtype:
+        raise EmulationError(f"elementwise operands of different types {left.dtype.name} and {right.dtype.name}")
+    kind = "bool" if left.dtype == trt.bool else "float" if left.data.is_floating_point() else "int"
+    if kind not in kinds:
+        raise EmulationError(f"elementwise operation not defined for {left.dtype.name}")
+    _broadcast_shapes(left.shape, right.shape)
+    return _wrap(op(left.data, right.data))
+
+
+def add(a: Any, b: Any) -> Tensor:
+    return _binary(a, b, torch.add)
+
+
+def sub(a: Any, b: Any) -> Tensor:
+    return _binary(a, b, torch.sub)
+
+
+def mul(a: Any, b: Any) -> Tensor:
+    return _binary(a, b, torch.mul)
+
+
+def div(a: Any, b: Any) -> Tensor:
+    return _binary(a, b, torch.div, ("float",))
+
+
+def floordiv(a: Any, b: Any) -> Tensor:
+    return _binary(a, b, lambda x, y: torch.div(x, y, rounding_mode="floor"), ("int",))
+
+
+def lt(a: Any, b: Any) -> Tensor:
+    return _binary(a, b, torch.lt)
+
+
+def gt(a: Any, b: Any) -> Tensor:
+    return _binary(a, b, torch.gt)
+
+
+def eq(a: Any, b: Any) -> Tensor:
+    return _binary(a, b, torch.eq, ("float", "int", "bool"))
+
+
+def minimum(a: Any, b: Any) -> Tensor:
+    return _binary(a, b, torch.minimum)
+
+
+def maximum(a: Any, b: Any) -> Tensor:
+    return _binary(a, b, torch.maximum)
+
+
+def op_and(a: Any, b: Any) -> Tensor:
+    return _binary(a, b, torch.logical_and, ("bool",))
+
+
+def op_or(a: Any, b: Any) -> Tensor:
+    return _binary(a, b, torch.logical_or, ("bool",))
+
+
+def where(condition: Any, left: Any, right: Any) -> Tensor:
+    condition = constant_to_tensor_(condition)
+    left, right = constants_to_tensors_(left, right)
+    if condition.dtype != trt.bool:
+        raise EmulationError(f"where() condition must be bool, got {condition.dtype.name} (ISelectLayer)")
+    if left.dtype != right.dtype:
+        raise EmulationError(f"where() branches of different types {left.dtype.name} and {right.dtype.name}")
+    largest = max((condition, left, right), key=Tensor.rank)
+    condition, left, right = (_expand_dims_like(t, largest) for t in (condition, left, right))
+    _broadcast_shapes(condition.shape, left.shape, right.shape)
+    return _wrap(torch.where(condition.data, left.data, right.data))
+
+
+def cast(x: Tensor, dtype: Any) -> Tensor:
+    return _wrap(x.data.to(trt.TORCH_DTYPES[_trt_dtype(dtype)]))
+
+
+def tanh(x: Tensor) -> Tensor:
+    _require_float(x, "tanh")
+    return _wrap(torch.tanh(x.data))
+
+
+def _require_float(x: Tensor, what: str) -> None:
+    if not x.data.is_floating_point():
+        raise EmulationError(f"{what} of a {x.dtype.name} tensor")
+
+
+# ------------------------------------------------------------------------------------------------------------ shapes
+
+
+def _dims(value: Any, rank: int | None = None) -> list[int]:
+    """A shape given as a list of ints/0-D tensors or as a 1-D int32/int64 shape tensor."""
+    if isinstance(value, Tensor):
+        if value.dtype not in (trt.int32, trt.int64) or value.rank() != 1:
+            raise EmulationError(f"a shape tensor must be 1-D int32/int64, got {value.dtype.name} rank {value.rank()}")
+        dims = [int(v) for v in value.data.tolist()]
+    else:
+        dims = [int(v.data.reshape(())) if isinstance(v, Tensor) else int(v) for v in value]
+    if rank is not None and len(dims) != rank:
+        raise EmulationError(f"shape {dims} has {len(dims)} dims, the input has {rank}")
+    return dims
+
+
+def shape(x: Tensor, dim: int | None = None, cast_to_dtype: Any = None, clip_before_cast: Any = None) -> Tensor:
+    result = _wrap(torch.tensor(x.shape, dtype=torch.int64))
+    if cast_to_dtype is not None:
+        result = cast(result, cast_to_dtype)
+    if dim is None:
+        return result
+    return gather(result, 0, dim).view([])
+
+
+def view(x: Tensor, new_shape: Any, zero_is_placeholder: bool = True) -> Tensor:
+    dims = _dims(new_shape)
+    if dims.count(-1) > 1:
+        raise EmulationError("view() infers at most one dimension")
+    if zero_is_placeholder:
+        dims = [x.shape[i] if d == 0 else d for i, d in enumerate(dims)]
+    try:
+        return _wrap(x.data.reshape(dims))
+    except RuntimeError as exc:
+        raise EmulationError(f"view {x.shape} -> {dims}: {exc}") from None
+
+
+def unsqueeze(x: Tensor, axis: int) -> Tensor:
+    if axis < 0:
+        axis += x.rank() + 1
+    return _wrap(x.data.unsqueeze(axis))
+
+
+def concat(inputs: Sequence[Any], dim: int = 0) -> Tensor:
+    if not inputs:
+        raise EmulationError("concat of nothing")
+    tensors = [t.view([1]) if t.rank() == 0 else t for t in constants_to_tensors_(*inputs)]
+    if len({t.dtype for t in tensors}) != 1:
+        raise EmulationError(f"concat of different types {[t.dtype.name for t in tensors]} (IConcatenationLayer)")
+    try:
+        return _wrap(torch.cat([t.data for t in tensors], dim=dim))
+    except RuntimeError as exc:
+        raise EmulationError(f"concat: {exc}") from None
+
+
+def slice(
+    x: Tensor,
+    starts: Any,
+    sizes: Any,
+    strides: Any = None,
+    mode: Any = None,  # noqa: A001
+    fill_value: Any = None,
+) -> Tensor:
+    if mode is not None or fill_value is not None:
+        raise EmulationError("slice modes other than STRICT_BOUNDS are not used by this network")
+    begin, size = _dims(starts, x.rank()), _dims(sizes, x.rank())
+    step = [1] * x.rank() if strides is None else _dims(strides, x.rank())
+    index = []
+    for axis, (b, n, s) in enumerate(zip(begin, size, step, strict=True)):
+        last = b + (n - 1) * s
+        if n and not (0 <= b < x.shape[axis] and 0 <= last < x.shape[axis]):
+            raise EmulationError(f"slice out of bounds on axis {axis}: start {b} size {n} of {x.shape[axis]}")
+        index.append(torch.arange(n, dtype=torch.int64) * s + b)
+    return _wrap(x.data[torch.meshgrid(*index, indexing="ij")] if index else x.data)
+
+
+def expand(x: Tensor, expand_shape: Tensor) -> Tensor:
+    """ISliceLayer with stride min(size - 1, 1): size-1 dims repeat, others are read from their start."""
+    dims = _dims(expand_shape, x.rank())
+    strides = [min(s - 1, 1) for s in x.shape]
+    return slice(x, [0] * x.rank(), dims, strides)
+
+
+def _indices(index: Tensor, what: str) -> torch.Tensor:
+    if index.dtype not in (trt.int32, trt.int64):
+        raise EmulationError(f"{what} indices must be int32/int64, got {index.dtype.name}")
+    return index.data.long()
+
+
+def _check_range(idx: torch.Tensor, size: int, what: str) -> None:
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= size):
+        raise EmulationError(f"{what} index out of range [0, {size}): {idx.tolist()}")
+
+
+def gather(x: Tensor, dim: int, indices: Tensor | int) -> Tensor:
+    """An int index: IGatherLayer (default mode) on a [1] index; a tensor: GatherElements (same rank)."""
+    if dim < 0:
+        dim += x.rank()
+    if isinstance(indices, int):
+        _check_range(torch.tensor([indices]), x.shape[dim], "gather")
+        return _wrap(x.data.index_select(dim, torch.tensor([indices])))
+    idx = _indices(indices, "gather")
+    if indices.rank() != x.rank():
+        raise EmulationError(f"gather (GatherElements) needs indices of rank {x.rank()}, got {indices.rank()}")
+    _check_range(idx, x.shape[dim], "gather")
+    return _wrap(torch.gather(x.data, dim, idx))
+
+
+def index_select(x: Tensor, dim: int, index: Tensor) -> Tensor:
+    if index.rank() != 1:
+        raise EmulationError(f"index_select needs a 1-D index, got rank {index.rank()}")
+    idx = _indices(index, "index_select")
+    _check_range(idx, x.shape[dim], "index_select")
+    return _wrap(x.data.index_select(dim, idx))
+
+
+def scatter(x: Tensor, dim: int, indices: Tensor, updates: Tensor) -> Tensor:
+    """IScatterLayer ELEMENT mode; duplicate indices are undefined behaviour there, so they are refused here."""
+    idx = _indices(indices, "scatter")
+    if x.dtype != updates.dtype or indices.rank() != x.rank() or indices.shape != updates.shape:
+        raise EmulationError("scatter needs updates of the input's dtype and indices shaped like the updates")
+    _check_range(idx, x.shape[dim], "scatter")
+    if dim == 0 and idx.dim() == 1 and idx.unique().numel() != idx.numel():
+        raise EmulationError("scatter with duplicate indices (undefined in TensorRT)")
+    return _wrap(x.data.scatter(dim, idx, updates.data))
+
+
+def arange(start: Tensor | int, end: Tensor | int, dtype: str) -> Tensor:
+    res = _trt_dtype(dtype)
+    if isinstance(start, int):
+        if not isinstance(end, int):
+            raise EmulationError("arange: start and end must both be ints or both tensors")
+        lo, hi = start, end
+    else:
+        if not isinstance(end, Tensor):
+            raise EmulationError("arange: start and end must both be ints or both tensors")
+        for t in (start, end):
+            if t.dtype not in (trt.int32, trt.int64):
+                raise EmulationError(f"arange bounds must be int32/int64, got {t.dtype.name}")
+        if start.data.numel() != 1 or end.data.numel() != 1:
+            raise EmulationError("arange bounds must hold one value")
+        lo, hi = int(start.data.reshape(())), int(end.data.reshape(()))
+    return _wrap(torch.arange(lo, hi, dtype=trt.TORCH_DTYPES[res]))
+
+
+def cumsum(x: Tensor, dim: int, prefer_plugin: bool = True) -> Tensor:
+    if x.rank() < 1 or not -x.rank() <= dim < x.rank():
+        raise EmulationError(f"cumsum dim {dim} of a rank-{x.rank()} tensor")
+    dim %= x.rank()
+    if dim == x.rank() - 1 and not prefer_plugin:
+        n = x.shape[-1]
+        default_net().cumsum_square_elements.append(n * n)
+        lower = (torch.arange(n)[None, :] <= torch.arange(n)[:, None]).to(x.data.dtype)
+        return _wrap((x.data.unsqueeze(-2) * lower).sum(-1).to(x.data.dtype))
+    return _wrap(torch.cumsum(x.data, dim).to(x.data.dtype))
+
+
+def sum(x: Tensor, dim: int, keepdim: bool = False) -> Tensor:  # noqa: A001 (TensorRT-LLM's name)
+    """IReduceLayer SUM; the result keeps the input's dtype."""
+    if x.dtype == trt.bool:
+        raise EmulationError("sum of a bool tensor")
+    return _wrap(torch.sum(x.data, dim=dim, keepdim=keepdim).to(x.data.dtype))
+
+
+def argmax(x: Tensor, dim: int, keepdim: bool = False) -> Tensor:
+    """ITopKLayer MAX k=1: int32 indices; ties resolve to the first index here (unspecified in TensorRT)."""
+    out = torch.argmax(x.data, dim=dim, keepdim=keepdim).to(torch.int32)
+    return _wrap(out)
+
+
+def gather_last_token_logits(hidden_states: Tensor, last_token_ids: Tensor, remove_input_padding: bool) -> Tensor:
+    """1-based row ends -> those rows (functional.py `gather_last_token_logits`, remove_input_padding branch)."""
+    if not remove_input_padding:
+        raise EmulationError("the emulation runs packed inputs only (remove_input_padding)")
+    rows = index_select(hidden_states, 0, last_token_ids - 1)
+    return rows.view(concat([shape(last_token_ids, 0), shape(rows, 1)]))
+
+
+# ------------------------------------------------------------------------------------------------------------ math
+
+
+def matmul_linear(x: Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Tensor:
+    _require_float(x, "a linear layer")
+    return _wrap(torch.nn.functional.linear(x.data, weight, bias))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """TensorRT-LLM's RmsNorm layer (layers/normalization.py): x * rsqrt(mean(x^2) + eps) * weight, in fp32."""
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    return (x.float() * torch.rsqrt(variance + eps)).to(x.dtype) * weight

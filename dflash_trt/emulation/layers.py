@@ -1,0 +1,499 @@
+"""The stand-in `tensorrt_llm.layers`: Embedding, Column/RowLinear (plain, FP8, NVFP4), RmsNorm, GatedMLP and the
+GPT attention plugin's paged-KV attention, with the parameter names and constructor arguments of 1.2.x
+(layers/{embedding,linear,normalization,mlp,attention}.py, quantization/layers.py).
+
+Attention executes what `gpt_attention` does for one layer [read in attention.py / attentionOp, not run]:
+requests are context requests first, then generation requests (`host_request_types`); a context request's
+`host_context_lengths[b]` rows sit at cache positions `sequence_length[b] - context_lengths[b] + i` and attend
+causally; a generation request's rows (`spec_decoding_generation_lengths[g]` with variable-length spec decoding)
+sit at `sequence_length[b] - n + j`, take RoPE at `past + spec_decoding_position_offsets[g, j]`, see every past key
+and the in-block keys whose bit is set in `spec_decoding_packed_mask` (row = the request's first mask row + j,
+bit j' of word j' // 32). XQA's packed-mask handling was only read, never run. K/V are written to the paged pool
+(after RoPE and k_norm, FP8-rounded with `kv_cache_rcp_scaling_factor` when the cache is FP8) and read back from
+it, so the current tokens see the stored values. Device past lengths above the host bound
+`host_past_key_value_lengths` (what the kernels size their work by) are refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from dflash_trt.emulation import trt
+from dflash_trt.emulation.functional import (
+    AttentionMaskType,
+    EmulationError,
+    LayerNormType,
+    PositionEmbeddingType,
+    Tensor,
+    _wrap,
+    rms_norm,
+)
+from dflash_trt.emulation.kv_pool import resolve_pool
+from dflash_trt.emulation.module import Module, Parameter
+from dflash_trt.emulation.quantization import FP8, NVFP4, QuantMode
+from dflash_trt.emulation.rope import cos_sin_table
+from dflash_trt.quant.nvfp4 import NVFP4_BLOCK_SIZE, dequantize_nvfp4, quantize_nvfp4
+
+FP8_MAX = 448.0
+
+
+def _dtype(dtype: Any) -> Any:
+    return dtype if dtype is not None else "float32"
+
+
+def _pad_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+def _fp8_round(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Quantize with a per-tensor scale (x / scale, saturated) to E4M3 and back, in fp32."""
+    scale = scale.float().reshape(())
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
+
+
+class Linear(Module):
+    """ColumnLinear / RowLinear at tp_size 1; `quantize_as` turns it into FP8Linear / FP4Linear."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        dtype: Any = None,
+        tp_group: Any = None,
+        tp_size: int = 1,
+        gather_output: bool = True,
+        is_qkv: bool = False,
+        **unused: Any,
+    ):
+        super().__init__()
+        if tp_size != 1:
+            raise EmulationError("the emulation runs one rank (tp_size 1)")
+        self.in_features, self.out_features = in_features, out_features
+        self.dtype = _dtype(dtype)
+        self.quant_algo: str | None = None
+        self.weight = Parameter(shape=(out_features, in_features), dtype=self.dtype)
+        if bias:
+            self.bias = Parameter(shape=(out_features,), dtype=self.dtype)
+        else:
+            self.register_parameter("bias", None)
+
+    def quantize_as(self, algo: str) -> None:
+        out, inp = self.out_features, self.in_features
+        self.quant_algo = algo
+        if algo == FP8:
+            self.weight = Parameter(shape=(out, inp), dtype="fp8")
+            self.weights_scaling_factor = Parameter(shape=(1,), dtype="float32")
+            self.activation_scaling_factor = Parameter(shape=(1,), dtype="float32")
+        elif algo == NVFP4:
+            if inp % NVFP4_BLOCK_SIZE:
+                raise EmulationError("Input features must be a multiple of 16 for FP4 GEMM")
+            self.weight = Parameter(shape=(out, inp), dtype=trt.fp4)
+            self.weights_block_scaling_factor = Parameter(shape=(out, inp // NVFP4_BLOCK_SIZE), dtype="fp8")
+            self.weights_block_scaling_factor_interleaved = Parameter(
+                shape=(_pad_up(out, 128), _pad_up(inp // NVFP4_BLOCK_SIZE, 4)), dtype="fp8"
+            )
+            self.weights_global_scaling_factor = Parameter(shape=(1,), dtype="float32")
+            self.activation_global_scaling_factor = Parameter(shape=(1,), dtype="float32")
+            self.alpha = Parameter(shape=(1,), dtype="float32")
+        else:
+            raise EmulationError(f"unsupported quantization {algo}")
+
+    def _dequantized_weight(self) -> torch.Tensor:
+        w = self.weight.raw
+        if self.quant_algo == FP8:
+            return w.float() * self.weights_scaling_factor.raw.float()
+        if self.quant_algo == NVFP4:
+            return dequantize_nvfp4(
+                w, self.weights_block_scaling_factor.raw, self.weights_global_scaling_factor.raw.reshape(())
+            )
+        return w.float()
+
+    def _rounded_input(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_algo == FP8:
+            return _fp8_round(x, self.activation_scaling_factor.raw)
+        if self.quant_algo == NVFP4:  # dynamic per-16 block scales under the static global scale
+            flat = x.reshape(-1, x.shape[-1]).float()
+            q = quantize_nvfp4(flat, self.activation_global_scaling_factor.raw.float().reshape(()))
+            values = dequantize_nvfp4(q.weight, q.weights_scaling_factor, q.weights_scaling_factor_2)
+            return values.reshape(x.shape)
+        return x
+
+    def forward(self, x: Tensor, lora_runtime_params: Any = None, **unused: Any) -> Tensor:
+        if not x.data.is_floating_point():
+            raise EmulationError(f"a linear layer fed a {x.dtype.name} tensor")
+        bias = None if self.bias is None else self.bias.raw.float()
+        out = F.linear(self._rounded_input(x.data.float()), self._dequantized_weight(), bias)
+        return _wrap(out.to(x.data.dtype))
+
+
+ColumnLinear = Linear
+RowLinear = Linear
+
+
+class Embedding(Module):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        dtype: Any = None,
+        tp_size: int = 1,
+        tp_group: Any = None,
+        **unused: Any,
+    ):
+        super().__init__()
+        self.weight = Parameter(shape=(num_embeddings, embedding_dim), dtype=_dtype(dtype))
+
+    def forward(self, x: Tensor, *unused: Any) -> Tensor:
+        if x.dtype != trt.int32:
+            raise EmulationError(f"embedding lookup of {x.dtype.name} ids (the engine's input_ids are int32)")
+        table = self.weight.raw
+        if x.data.numel() and (int(x.data.min()) < 0 or int(x.data.max()) >= table.shape[0]):
+            raise EmulationError("embedding index out of range")
+        return _wrap(table[x.data.long()].float())
+
+
+class RmsNorm(Module):
+    def __init__(
+        self,
+        normalized_shape: int,
+        eps: float = 1e-06,
+        elementwise_affine: bool = True,
+        dtype: Any = None,
+        **unused: Any,
+    ):
+        super().__init__()
+        self.normalized_shape = normalized_shape
+        self.eps = eps
+        self.weight = Parameter(shape=(normalized_shape,), dtype=_dtype(dtype))
+
+    def forward(self, x: Tensor, normalized_shape: Any = None) -> Tensor:
+        if x.shape[-1] != self.normalized_shape:
+            raise EmulationError(f"RmsNorm over {x.shape[-1]} features, built for {self.normalized_shape}")
+        return _wrap(rms_norm(x.data.float(), self.weight.raw.float(), self.eps))
+
+
+_ACTIVATIONS: dict[str, Any] = {"silu": F.silu, "swiglu": F.silu, "gelu": F.gelu, "relu": F.relu}
+
+
+class GatedMLP(Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        hidden_act: str,
+        bias: bool = True,
+        dtype: Any = None,
+        tp_group: Any = None,
+        tp_size: int = 1,
+        quant_mode: Any = None,
+        **unused: Any,
+    ):
+        super().__init__()
+        if hidden_act not in _ACTIVATIONS:
+            raise EmulationError(f"unsupported activation function: {hidden_act}")
+        self.hidden_act = hidden_act
+        self.fc = ColumnLinear(hidden_size, ffn_hidden_size, bias=bias, dtype=dtype, tp_size=tp_size)
+        self.gate = ColumnLinear(hidden_size, ffn_hidden_size, bias=bias, dtype=dtype, tp_size=tp_size)
+        self.proj = RowLinear(ffn_hidden_size, hidden_size, bias=bias, dtype=dtype, tp_size=tp_size)
+
+    def forward(self, hidden_states: Tensor, lora_layer_params: Any = None, **unused: Any) -> Tensor:
+        inter = _ACTIVATIONS[self.hidden_act](self.fc(hidden_states).data)
+        return self.proj(_wrap(inter * self.gate(hidden_states).data))
+
+
+# --------------------------------------------------------------------------------------------------------- attention
+
+
+@dataclass
+class KeyValueCacheParams:
+    past_key_value: Any = None
+    host_past_key_value_lengths: Any = None
+    host_max_attention_window_sizes: Any = None
+    host_sink_token_length: Any = None
+    kv_cache_block_offsets: Any = None
+    host_kv_cache_block_offsets: Any = None
+    host_kv_cache_pool_pointers: Any = None
+    host_kv_cache_pool_mapping: Any = None
+    cache_indirection: Any = None
+    past_key_value_length: Any = None
+    cross_kv_cache_block_offsets: Any = None
+    host_cross_kv_cache_block_offsets: Any = None
+    host_cross_kv_cache_pool_pointers: Any = None
+    host_cross_kv_cache_pool_mapping: Any = None
+
+
+@dataclass
+class SpecDecodingParams:
+    spec_decoding_is_generation_length_variable: bool = False
+    spec_decoding_max_generation_length: int = 1
+    spec_decoding_generation_lengths: Any = None
+    spec_decoding_position_offsets: Any = None
+    spec_decoding_packed_mask: Any = None
+    spec_decoding_use: Any = None
+
+
+@dataclass
+class AttentionParams:
+    sequence_length: Any = None
+    context_lengths: Any = None
+    host_context_lengths: Any = None
+    max_context_length: int | None = None
+    host_request_types: Any = None
+    encoder_input_lengths: Any = None
+    encoder_max_input_length: Any = None
+    host_runtime_perf_knobs: Any = None
+    host_context_progress: Any = None
+    embed_positions: Any = None
+    rotary_inv_freq: Any = None
+    embed_positions_for_gpt_attention: Any = None
+
+
+def _host(t: Tensor | None, what: str) -> np.ndarray:
+    """A host input of the plugin: computed (device) tensors cannot be bound there."""
+    if t is None:
+        raise EmulationError(f"attention input {what} missing")
+    if not t.host:
+        raise EmulationError(f"attention input {what} must be a host tensor (a network input), got a device tensor")
+    return t.data.cpu().numpy()
+
+
+class Attention(Module):
+    def __init__(
+        self,
+        *,
+        local_layer_idx: int,
+        hidden_size: int,
+        num_attention_heads: int,
+        num_kv_heads: int | None = None,
+        max_position_embeddings: int = 1024,
+        attention_head_size: int | None = None,
+        qk_layernorm: bool = False,
+        layernorm_type: LayerNormType = LayerNormType.LayerNorm,
+        eps: float = 1e-05,
+        attention_mask_type: AttentionMaskType = AttentionMaskType.padding,
+        bias: bool = True,
+        dtype: Any = None,
+        position_embedding_type: Any = PositionEmbeddingType.learned_absolute,
+        rotary_embedding_base: float = 10000.0,
+        rotary_embedding_scaling: Any = None,
+        tp_group: Any = None,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        quant_mode: QuantMode | None = None,
+        q_scaling: float = 1.0,
+        dense_bias: bool | None = None,
+        **unused: Any,
+    ):
+        super().__init__()
+        self.local_layer_idx = local_layer_idx
+        self.num_attention_heads = num_attention_heads // tp_size
+        self.num_attention_kv_heads = (num_kv_heads or num_attention_heads) // tp_size
+        self.attention_head_size = attention_head_size or hidden_size // num_attention_heads
+        self.attention_mask_type = attention_mask_type
+        self.position_embedding_type = position_embedding_type
+        self.q_scaling = q_scaling
+        self.quant_mode = quant_mode or QuantMode()
+        d = self.attention_head_size
+        self.qkv = ColumnLinear(
+            hidden_size,
+            (self.num_attention_heads + 2 * self.num_attention_kv_heads) * d,
+            bias=bias,
+            dtype=dtype,
+            tp_size=tp_size,
+            is_qkv=True,
+        )
+        self.dense = RowLinear(
+            self.num_attention_heads * d,
+            hidden_size,
+            bias=bias if dense_bias is None else dense_bias,
+            dtype=dtype,
+            tp_size=tp_size,
+        )
+        self.qk_layernorm = qk_layernorm
+        if qk_layernorm:
+            if layernorm_type != LayerNormType.RmsNorm:
+                raise EmulationError("the emulation implements RmsNorm q/k norms")
+            self.q_layernorm = RmsNorm(d, eps=eps, dtype=dtype)
+            self.k_layernorm = RmsNorm(d, eps=eps, dtype=dtype)
+        if self.quant_mode.has_kv_cache_quant():
+            self.kv_cache_scaling_factor = Parameter(shape=(1,), dtype="float32")
+            self.kv_cache_rcp_scaling_factor = Parameter(shape=(1,), dtype="float32")
+        else:
+            self.register_parameter("kv_cache_scaling_factor", None)
+            self.register_parameter("kv_cache_rcp_scaling_factor", None)
+
+    @staticmethod
+    def create_attention_const_params(model_cls: Module, config: Any) -> None:
+        """The model-wide RoPE table every attention layer's plugin call receives (from the model config)."""
+        if PositionEmbeddingType.from_string(config.position_embedding_type) != PositionEmbeddingType.rope_gpt_neox:
+            raise EmulationError("the emulation implements rope_gpt_neox position embeddings")
+        dim = config.rotary_embedding_dim or config.head_size
+        table = cos_sin_table(config.max_position_embeddings, dim, config.rotary_base, config.rotary_scaling)
+        model_cls.embed_positions_for_gpt_attention = Parameter(
+            torch.from_numpy(table), dtype="float32", is_buffer=True
+        )
+
+    @staticmethod
+    def fill_attention_params(model_cls: Module, attention_params: AttentionParams) -> AttentionParams:
+        table: Parameter = getattr(model_cls, "embed_positions_for_gpt_attention")  # noqa: B009 (set on the model)
+        attention_params.embed_positions_for_gpt_attention = table.value
+        return attention_params
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        attention_mask: Any = None,
+        use_cache: bool = False,
+        spec_decoding_params: SpecDecodingParams | None = None,
+        kv_cache_params: KeyValueCacheParams | None = None,
+        attention_params: AttentionParams | None = None,
+        lora_layer_params: Any = None,
+        **unused: Any,
+    ) -> Any:
+        if not use_cache or kv_cache_params is None or attention_params is None:
+            raise EmulationError("the emulation runs the paged-KV attention plugin path only")
+        if self.attention_mask_type != AttentionMaskType.causal:
+            raise EmulationError("spec-decoding generation needs a causal mask type (XQA)")
+        h, kvh, d = self.num_attention_heads, self.num_attention_kv_heads, self.attention_head_size
+        qkv = self.qkv(hidden_states).data
+        tokens = qkv.shape[0]
+        q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+        q, k, v = q.reshape(tokens, h, d), k.reshape(tokens, kvh, d), v.reshape(tokens, kvh, d)
+        if self.qk_layernorm:
+            q = self.q_layernorm(_wrap(q)).data
+            k = self.k_layernorm(_wrap(k)).data
+        out = torch.zeros(tokens, h, d, dtype=q.dtype)
+        for rows, positions, rope_positions, visible in self._requests(
+            tokens, spec_decoding_params, kv_cache_params, attention_params
+        ):
+            sl = rows.slice
+            cos, sin = self._rope(rope_positions, attention_params)
+            qr, kr = _rotate(q[sl], cos, sin), _rotate(k[sl], cos, sin)
+            keys, values = self._cache_write_read(kv_cache_params, rows.batch, positions, kr, v[sl], visible.shape[1])
+            out[sl] = _attend(qr, keys, values, visible, 1.0 / (self.q_scaling * d**0.5))
+        context = self.dense(_wrap(out.reshape(tokens, h * d)))
+        return context, None
+
+    def _requests(
+        self, tokens: int, spec: SpecDecodingParams | None, kv: KeyValueCacheParams, params: AttentionParams
+    ) -> Any:
+        """Per request: its rows, cache positions, RoPE positions and the [rows, keys] visibility."""
+        types = _host(params.host_request_types, "host_request_types")
+        host_ctx = _host(params.host_context_lengths, "host_context_lengths")
+        host_past = _host(kv.host_past_key_value_lengths, "host_past_key_value_lengths")
+        seq_len = params.sequence_length.data.long()
+        ctx_len = params.context_lengths.data.long()
+        num_ctx = int((types == 0).sum())
+        if (types[:num_ctx] != 0).any() or (types[num_ctx:] != 1).any():
+            raise EmulationError("context requests must precede generation requests in the batch")
+        row = 0
+        mask_row = 0
+        for b, kind in enumerate(types):
+            if kind == 0:
+                n = int(host_ctx[b])
+                if n != int(ctx_len[b]):
+                    raise EmulationError(f"request {b}: host and device context lengths differ")
+                past = int(seq_len[b]) - n
+                positions = torch.arange(past, past + n)
+                rope = positions
+                keys = torch.arange(past + n)
+                visible = keys[None, :] <= positions[:, None]
+            else:
+                g = b - num_ctx
+                n, offsets, mask = self._generation_rows(spec, g, mask_row)
+                mask_row += n
+                past = int(seq_len[b]) - n
+                if past > int(host_past[b]):
+                    raise EmulationError(f"request {b}: past length {past} above its host bound {int(host_past[b])}")
+                positions = torch.arange(past, past + n)
+                rope = past + offsets
+                visible = torch.cat([torch.ones(n, past, dtype=torch.bool), mask], dim=1)
+            if past < 0:
+                raise EmulationError(f"request {b}: sequence_length below its input length")
+            yield _Rows(b, row, row + n), positions, rope, visible
+            row += n
+        if row != tokens:
+            raise EmulationError(f"the requests cover {row} rows, the input has {tokens}")
+
+    def _generation_rows(self, spec: SpecDecodingParams | None, g: int, mask_row: int) -> Any:
+        if spec is None or spec.spec_decoding_generation_lengths is None:
+            return 1, torch.zeros(1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool)
+        if not spec.spec_decoding_is_generation_length_variable:
+            raise EmulationError("the runtime's EAGLE inputs use variable generation lengths")
+        lengths = spec.spec_decoding_generation_lengths.data
+        offsets = spec.spec_decoding_position_offsets.data
+        packed = spec.spec_decoding_packed_mask.data
+        for t, name in ((lengths, "generation_lengths"), (offsets, "position_offsets"), (packed, "packed_mask")):
+            if t.dtype != torch.int32:
+                raise EmulationError(f"spec_decoding_{name} must be int32")
+        n = int(lengths[g])
+        if n > spec.spec_decoding_max_generation_length:
+            raise EmulationError(f"generation length {n} above spec_decoding_max_generation_length")
+        words = packed[mask_row : mask_row + n].long() & 0xFFFFFFFF
+        bits = torch.arange(n)
+        mask = ((words[:, bits // 32] >> (bits % 32)) & 1).bool()
+        return n, offsets[g, :n].long(), mask
+
+    def _rope(self, positions: torch.Tensor, params: AttentionParams) -> tuple[torch.Tensor, torch.Tensor]:
+        table = params.embed_positions_for_gpt_attention.data
+        if int(positions.max()) >= table.shape[0]:
+            raise EmulationError("a position beyond max_position_embeddings")
+        return table[positions, :, 0], table[positions, :, 1]
+
+    def _cache_write_read(
+        self,
+        kv: KeyValueCacheParams,
+        batch_index: int,
+        positions: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_count: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        pages = resolve_pool(kv, self.local_layer_idx, batch_index)
+        scale = rcp = None
+        if pages.dtype == torch.float8_e4m3fn:
+            if self.kv_cache_scaling_factor is None:
+                raise EmulationError("an FP8 KV pool needs the layer's kv_cache_scaling_factor")
+            scale, rcp = self.kv_cache_scaling_factor.raw.float(), self.kv_cache_rcp_scaling_factor.raw.float()
+        for kind, values in ((0, k), (1, v)):
+            stored = values if rcp is None else (values * rcp).clamp(-FP8_MAX, FP8_MAX)
+            pages.write(kind, positions, stored.to(pages.dtype))
+        read = []
+        for kind in (0, 1):
+            values = pages.read(kind, torch.arange(key_count)).float()
+            read.append(values if scale is None else values * scale)
+        return read[0], read[1]
+
+
+@dataclass
+class _Rows:
+    batch: int
+    start: int
+    end: int
+
+    @property
+    def slice(self) -> slice:
+        return slice(self.start, self.end)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GPT-NeoX RoPE on [n, heads, d] with cos/sin [n, d/2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n, h, d], k/v [keys, kv_heads, d], visible [n, keys] -> [n, h, d] (GQA by head groups)."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1).transpose(0, 1)
+    v = v.repeat_interleave(groups, dim=1).transpose(0, 1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=visible[None], scale=scale)
+    return out.transpose(0, 1)

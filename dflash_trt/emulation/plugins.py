@@ -1,0 +1,195 @@
+"""The two plugins of the network besides attention: the stock EAGLE accept plugin (greedy chain) and ours.
+
+`eagle_sample_and_accept_draft_plugin` follows the 1.2.x wrapper's contract (tensorrt_llm/models/eagle/model.py:
+inputs, seven outputs) and the greedy path of `EagleSampleAndAcceptDraftTokens` [read, not run]: request b owns
+`draft_lens[b] + 1` consecutive logit rows; the target token of node i is the argmax of its row; walking each path
+of `draft_paths[b]`, a draft node is accepted while its token equals the target token of its parent; the longest
+path wins (the first on ties). `accepted_tokens[b]` = target tokens along it (accepted drafts, then the bonus),
+`num_accepted_tokens[b]` = accepted drafts + 1, `accepted_paths[b]` = its index; `next_draft_paths` is the input
+paths (EAGLE-1); `next_draft_tokens` / `next_draft_lens` are scratch the runtime does not read from a DFlash engine.
+
+`DFlashKVInjection` is registered when the emulated plugin library is "loaded". It is built from the creation
+fields `plugin_fields` defines and receives the inputs in `kv_injection_layer`'s order. K = RoPE(rmsnorm(k) * w)
+with the RoPE table rebuilt from its `rope_inv_freq` / `rope_attention_scaling` fields, V as is, computed in fp32
+and rounded once; it writes through `PagedKVCacheLayout` and `to_cache_dtype` of the torch definition
+(`dflash_trt.reference.kv_injection`), resolving each layer's pool from `host_kv_cache_pool_mapping[offset + l]`.
+Its output is a lazy copy of `passthrough`: the write happens when the consumer reads it (see functional.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash_trt.emulation import trt
+from dflash_trt.emulation.functional import EmulationError, Tensor, _wrap
+from dflash_trt.emulation.kv_pool import pool_at
+from dflash_trt.reference.kv_injection import PagedKVCacheLayout, to_cache_dtype
+from dflash_trt.trtllm.plugin import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION
+
+
+@dataclass
+class TreeParams:
+    paths: Tensor | None = None
+
+
+def _int32(t: Tensor, what: str, rank: int) -> torch.Tensor:
+    if t.dtype != trt.int32 or t.rank() != rank:
+        raise EmulationError(f"{what} must be int32 of rank {rank}, got {t.dtype.name} rank {t.rank()}")
+    return t.data
+
+
+def eagle_sample_and_accept_draft_plugin(
+    lm_logits: Any = None,
+    draft_tokens: Any = None,
+    draft_lens: Any = None,
+    eagle_temperature: Any = None,
+    rand_data_validation: Any = None,
+    posterior_alpha: Any = None,
+    posterior_threshold: Any = None,
+    tree_params: Any = None,
+    greedy_sampling: Any = None,
+    use_dynamic_tree: Any = None,
+) -> tuple[Tensor, ...]:
+    if lm_logits.dtype != trt.float32 or lm_logits.rank() != 2:
+        raise EmulationError("the accept plugin takes float32 [tokens, vocab] logits")
+    drafts = _int32(draft_tokens, "draft_tokens", 2)
+    lens = _int32(draft_lens, "draft_lens", 1)
+    paths = _int32(tree_params.paths, "draft_paths", 3)
+    if int(_int32(greedy_sampling, "greedy_sampling", 1)[0]) == 0:
+        raise EmulationError("the emulation runs the greedy accept path only (greedy_sampling = 1)")
+    if int(_int32(use_dynamic_tree, "use_dynamic_tree", 1)[0]) != 0:
+        raise EmulationError("use_dynamic_tree must be 0 (EAGLE-2 off)")
+    batch, k = drafts.shape
+    rows = (lens + 1).tolist()
+    if sum(rows) != lm_logits.shape[0]:
+        raise EmulationError(f"{lm_logits.shape[0]} logit rows for draft_lens {lens.tolist()}")
+    targets = torch.argmax(lm_logits.data, dim=-1).to(torch.int32).split(rows)
+    accepted = torch.zeros(batch, k + 1, dtype=torch.int32)
+    num_accepted = torch.zeros(batch, dtype=torch.int32)
+    best_paths = torch.zeros(batch, dtype=torch.int32)
+    for b in range(batch):
+        best, best_len = 0, -1
+        for p, path in enumerate(paths[b].tolist()):
+            if path[0] != 0:  # unused path rows are -1
+                continue
+            length = 0
+            for parent, node in zip(path, path[1:], strict=False):
+                if node < 0 or node > int(lens[b]) or int(drafts[b, node - 1]) != int(targets[b][parent]):
+                    break
+                length += 1
+            if length > best_len:
+                best, best_len = p, length
+        nodes = paths[b, best, : best_len + 1].tolist()
+        accepted[b, : best_len + 1] = torch.stack([targets[b][n] for n in nodes])
+        num_accepted[b] = best_len + 1
+        best_paths[b] = best
+    scratch_tokens = torch.zeros(batch, k, dtype=torch.int32)
+    return (
+        _wrap(accepted),
+        _wrap(num_accepted),
+        _wrap(best_paths),
+        _wrap(scratch_tokens),
+        _wrap(torch.zeros(batch, dtype=torch.int32)),
+        _wrap(paths.clone()),
+        _wrap(torch.zeros(batch + 1, dtype=torch.int32)),
+    )
+
+
+# ------------------------------------------------------------------------------------------------ DFlashKVInjection
+
+
+def _field(fields: dict[str, Any], name: str) -> Any:
+    if name not in fields:
+        raise EmulationError(f"{PLUGIN_NAME} created without the field '{name}'")
+    return fields[name]
+
+
+class KVInjectionPlugin:
+    def __init__(self, fields: dict[str, np.ndarray]):
+        def scalar(name: str) -> int:
+            return int(_field(fields, name)[0])
+
+        self.num_layers, self.num_kv_heads, self.head_dim = (
+            scalar(n) for n in ("num_layers", "num_kv_heads", "head_dim")
+        )
+        self.layer_idx_offset, self.tokens_per_block = scalar("layer_idx_offset"), scalar("tokens_per_block")
+        self.type_id, self.cache_fp8 = scalar("type_id"), scalar("cache_fp8")
+        self.eps = float(_field(fields, "eps")[0])
+        self.inv_freq = torch.from_numpy(np.asarray(_field(fields, "rope_inv_freq"), dtype=np.float32))
+        self.attention_scaling = float(_field(fields, "rope_attention_scaling")[0])
+        if self.inv_freq.numel() * 2 != self.head_dim:
+            raise EmulationError("rope_inv_freq must hold head_dim / 2 frequencies")
+
+    def add_to_network(self, inputs: list[Tensor]) -> list[Tensor]:
+        expected = 10 if self.cache_fp8 else 9
+        if len(inputs) != expected:
+            raise EmulationError(f"{PLUGIN_NAME} takes {expected} inputs, got {len(inputs)}")
+        passthrough = inputs[8]
+        return [Tensor(thunk=lambda: self._execute(inputs, passthrough))]
+
+    def _execute(self, inputs: list[Tensor], passthrough: Tensor) -> torch.Tensor:
+        ctx_kv, k_norm, positions, seq_slots, valid, offsets, pointers, mapping = inputs[:8]
+        if not (pointers.host and mapping.host):
+            raise EmulationError("host_kv_cache_pool_pointers / _mapping must be host tensors (network inputs)")
+        if int(ctx_kv.dtype) != self.type_id:
+            raise EmulationError(f"ctx_kv is {ctx_kv.dtype.name}, the plugin was built for type {self.type_id}")
+        layers, heads, dim = self.num_layers, self.num_kv_heads, self.head_dim
+        if ctx_kv.shape[-1] != layers * 2 * heads * dim or tuple(k_norm.shape) != (layers, dim):
+            raise EmulationError(f"ctx_kv {ctx_kv.shape} / k_norm {k_norm.shape} do not match the plugin fields")
+        tokens = ctx_kv.shape[0]
+        index = {
+            name: _int32(t, name, 1)
+            for name, t in (("positions", positions), ("seq_slots", seq_slots), ("valid", valid))
+        }
+        if any(v.shape[0] != tokens for v in index.values()):
+            raise EmulationError("positions, seq_slots and valid need one entry per ctx_kv row")
+        keep = index["valid"].bool()
+        pos, slots = index["positions"][keep], index["seq_slots"][keep]
+        x = ctx_kv.data[keep].float().reshape(-1, layers, 2, heads, dim)
+        k, v = self._k(x[:, :, 0], k_norm.data.float(), pos), x[:, :, 1]
+        scale = None
+        if self.cache_fp8:
+            scale = float(inputs[9].data.reshape(()))
+        table = mapping.data
+        for layer in range(layers):
+            pool_index, layer_in_pool = (int(t) for t in table[self.layer_idx_offset + layer])
+            pool = pool_at(int(pointers.data[pool_index, 0]))
+            if pool is None:
+                raise EmulationError(f"no KV pool at the pointer of pool {pool_index}")
+            if (pool.dtype == torch.float8_e4m3fn) != bool(self.cache_fp8):
+                raise EmulationError("the plugin's cache_fp8 field disagrees with the pool dtype")
+            block_offsets = offsets.data[pool_index]
+            layout = PagedKVCacheLayout(heads, dim, self.tokens_per_block, block_offsets.shape[-1], layer_in_pool)
+            flat = pool.data.view(-1)
+            for kind, values in ((0, k[:, layer]), (1, v[:, layer])):
+                stored = values if pool.dtype == torch.float32 else to_cache_dtype(values, pool.dtype, scale)
+                _, elements = layout.element_offsets(block_offsets, slots, pos, 0, kind)
+                flat[elements.reshape(-1)] = stored.reshape(-1)
+        return passthrough.data.clone()
+
+    def _k(self, k: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[n, layers, heads, dim]: rmsnorm * weight, then GPT-NeoX RoPE at `positions`."""
+        k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + self.eps) * weight[None, :, None, :]
+        angles = positions.float()[:, None] * self.inv_freq[None, :]
+        cos = (angles.cos() * self.attention_scaling)[:, None, None, :]
+        sin = (angles.sin() * self.attention_scaling)[:, None, None, :]
+        half = k.shape[-1] // 2
+        k1, k2 = k[..., :half], k[..., half:]
+        return torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1)
+
+
+class KVInjectionCreator:
+    name = PLUGIN_NAME
+    version = PLUGIN_VERSION
+
+    def create_plugin(self, name: str, fields: list[trt.PluginField], phase: trt.TensorRTPhase) -> KVInjectionPlugin:
+        return KVInjectionPlugin({f.name: f.data for f in fields})
+
+
+def load_emulated_plugin_library(path: Any = None) -> None:
+    """What dlopen + `initDflashTrtPlugins` do for a real engine: register the creator under our namespace."""
+    trt.get_plugin_registry().register_creator(KVInjectionCreator(), PLUGIN_NAMESPACE)

@@ -1,0 +1,408 @@
+"""The engine network (`dflash_trt/trtllm/model.py`, unmodified) run under the emulated TensorRT-LLM 1.2.x and
+EAGLE runtime loop, against the golden model: the same tokens, acceptance lengths and drafted tokens per step.
+
+The golden model (`speculative_generate`) is the independent side: it never touches the network, the paged pool
+or the runtime's packing. Drafted tokens are compared too, because on a random pair almost nothing is accepted
+and outputs are lossless whatever the drafter computes; the trained tiny pair accepts long blocks, so the broken
+networks below change acceptance as well.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from _pairs import PairVariant, make_pair
+from safetensors.torch import load_file, save_file
+
+from dflash_trt import cli
+from dflash_trt.conversion.convert import convert_checkpoint
+from dflash_trt.emulation import functional as F
+from dflash_trt.emulation.aliasing import load_engine_module
+from dflash_trt.emulation.functional import EmulationError, Network, PluginConfig, net_guard
+from dflash_trt.emulation.plugins import TreeParams, eagle_sample_and_accept_draft_plugin
+from dflash_trt.emulation.runtime import EmulatedRuntime
+from dflash_trt.errors import DFlashTrtError
+from dflash_trt.reference.decode import SequenceResult, speculative_generate
+from dflash_trt.reference.model import load_golden_model
+from dflash_trt.tiny.heldout import draft_dir, load_heldout, target_dir
+from dflash_trt.tokenizer import load_tokenizer
+
+PROMPTS = [[3, 4, 5, 6, 7], [9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19], [20, 21, 22, 23]]
+STOP = [1]  # the fixture targets' eos
+TINY_BLOCK = 16  # the embedded drafter's block size
+
+# Every build-compatible fixture variant (sliding-window drafters are refused, see the test below).
+VARIANTS = {
+    "qwen3-gqa-b8": (PairVariant(), 16),
+    "qwen3-tied-b4-last-tap": (PairVariant(tie=True, block_size=4, taps=[3], draft_layers=1), 32),
+    "llama-mqa-bias-headdim": (
+        PairVariant(
+            arch="llama",
+            target_bias=True,
+            head_dim=24,
+            heads=4,
+            kv_heads=1,
+            draft_heads=4,
+            draft_kv_heads=1,
+            draft_head_dim=24,
+            draft_bias=True,
+        ),
+        64,
+    ),
+    "qwen3-b16-scales-softcap": (
+        PairVariant(
+            block_size=16,
+            taps=[0, 1, 3],
+            draft_layers=3,
+            dflash_extra={"input_embedding_scale": 1.7, "output_multiplier": 0.6, "final_logit_softcapping": 2.5},
+        ),
+        16,
+    ),
+    "llama3-rope-tied": (
+        PairVariant(
+            arch="llama",
+            tie=True,
+            rope={
+                "rope_type": "llama3",
+                "rope_theta": 5000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+        32,
+    ),
+    "qwen3-causal-drafter": (PairVariant(is_causal=True, taps=None, top_level={"block_size": 6}), 16),
+}
+
+
+def mismatch(golden: list[SequenceResult], emulated: list[SequenceResult], block: int) -> str | None:
+    """The first difference in tokens, acceptance lengths or drafted tokens, or None.
+
+    Near `max_new_tokens` the golden loop shrinks the block it drafts and verifies (a shorter, differently masked
+    block); the engine always runs the full block and clips. Those final steps draft differently by design, so
+    drafts and acceptance are compared on the steps where the golden block was full; tokens everywhere.
+    """
+    for i, (g, e) in enumerate(zip(golden, emulated, strict=True)):
+        if e.output_ids != g.output_ids:
+            return f"sequence {i}: tokens {e.output_ids} != {g.output_ids}"
+        if len(e.steps) != len(g.steps):
+            return f"sequence {i}: {len(e.steps)} steps != {len(g.steps)}"
+        for step, (gs, es, ga, ea) in enumerate(
+            zip(g.steps, e.steps, g.acceptance_lengths, e.acceptance_lengths, strict=True)
+        ):
+            if len(gs.draft_ids) < block - 1:
+                continue
+            if es.draft_ids != gs.draft_ids:
+                return f"sequence {i} step {step}: drafts {es.draft_ids} != {gs.draft_ids}"
+            if ea != ga:
+                return f"sequence {i} step {step}: acceptance {ea} != {ga}"
+    return None
+
+
+def convert(root: Path, variant: PairVariant, **kwargs) -> Path:
+    make_pair(root, variant)
+    convert_checkpoint(root / "target", root / "draft", root / "ckpt", dtype="float32", **kwargs)
+    return root / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    """The embedded trained pair, converted: a drafter that is accepted for long stretches."""
+    out = tmp_path_factory.mktemp("tiny") / "ckpt"
+    convert_checkpoint(target_dir(), draft_dir(), out, dtype="float32")
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_prompts(tiny) -> list[list[int]]:
+    tokenizer = load_tokenizer(tiny)
+    texts = [item.text for item in load_heldout(limit=12)]
+    single = [tokenizer.encode(t) for t in texts[:4]]
+    # Long prompts (several problems) are chunked by a small max_num_tokens.
+    joined = [sum((tokenizer.encode(t) for t in texts[i : i + 4]), []) for i in (4, 8)]
+    return single + joined
+
+
+@pytest.fixture(scope="module")
+def tiny_golden(tiny, tiny_prompts) -> list[SequenceResult]:
+    return speculative_generate(load_golden_model(tiny), tiny_prompts, 24)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_every_fixture_variant_matches_the_golden_model(name, tmp_path):
+    variant, tokens_per_block = VARIANTS[name]
+    ckpt = convert(tmp_path, variant)
+    golden = speculative_generate(load_golden_model(ckpt), PROMPTS, 12, STOP)
+    # Two slots for four ragged requests: the last ones join when earlier ones finish.
+    runtime = EmulatedRuntime(ckpt, max_batch_size=2, tokens_per_block=tokens_per_block)
+    emulated = runtime.generate(PROMPTS, 12, STOP)
+    assert mismatch(golden, emulated, runtime.block) is None
+    assert runtime.stats.max_batch == 2 and runtime.model.unused_tensors == []
+
+
+def test_chunked_prompts_and_requests_joining_mid_flight(tiny, tiny_prompts, tiny_golden):
+    runtime = EmulatedRuntime(tiny, max_batch_size=2, max_num_tokens=2 * TINY_BLOCK, tokens_per_block=16)
+    emulated = runtime.generate(tiny_prompts, 24, arrivals=[0, 0, 2, 3, 3, 9])
+    assert mismatch(tiny_golden, emulated, runtime.block) is None
+    assert runtime.stats.context_chunks > len(tiny_prompts)  # the long prompts took several chunks
+    assert max(max(r.acceptance_lengths) for r in emulated) >= 8  # the drafter is really exercised
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tokens_per_block", [32, 64])
+def test_tokens_per_block(tiny, tiny_prompts, tiny_golden, tokens_per_block):
+    runtime = EmulatedRuntime(tiny, max_batch_size=3, tokens_per_block=tokens_per_block)
+    assert mismatch(tiny_golden, runtime.generate(tiny_prompts, 24), runtime.block) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qformat", ["fp8", "nvfp4"])
+def test_quantized_checkpoints_with_fp8_kv_cache(qformat, tmp_path):
+    pytest.importorskip("modelopt.torch.quantization")
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
+    ckpt = convert(
+        tmp_path,
+        PairVariant(intermediate=128, draft_intermediate=64),
+        qformat=qformat,
+        kv_cache_dtype="fp8",
+        calib_dataset=calib,
+        calib_size=4,
+    )
+    golden = speculative_generate(load_golden_model(ckpt), PROMPTS, 10, STOP)
+    runtime = EmulatedRuntime(ckpt, max_batch_size=4, tokens_per_block=16)
+    assert runtime.cache_dtype == torch.float8_e4m3fn
+    assert mismatch(golden, runtime.generate(PROMPTS, 10, STOP), runtime.block) is None
+
+
+# ------------------------------------------------------------------------------------ deliberately broken networks
+
+
+@pytest.fixture
+def engine():
+    return load_engine_module()
+
+
+def _broken(tiny, tiny_prompts, tiny_golden) -> str | None:
+    """Three requests (one long) through the patched network, compared with the golden model."""
+    prompts = [tiny_prompts[0], tiny_prompts[1], tiny_prompts[-1]]
+    emulated = EmulatedRuntime(tiny, max_batch_size=3, tokens_per_block=16).generate(prompts, 24)
+    return mismatch([tiny_golden[0], tiny_golden[1], tiny_golden[-1]], emulated, TINY_BLOCK)
+
+
+def test_an_off_by_one_in_the_bookkeeping_is_caught(engine, monkeypatch, tiny, tiny_prompts, tiny_golden):
+    original = engine.DFlashForCausalLM.bookkeeping
+
+    def off_by_one(self, *args):
+        book = original(self, *args)
+        return dataclasses.replace(book, positions=book.positions + 1)  # injected K/V one slot late
+
+    monkeypatch.setattr(engine.DFlashForCausalLM, "bookkeeping", off_by_one)
+    assert _broken(tiny, tiny_prompts, tiny_golden) is not None
+
+
+def test_a_wrong_draft_pool_layer_offset_is_caught(engine, monkeypatch, tiny, tiny_prompts, tiny_golden):
+    original = engine.kv_injection_layer
+
+    def shifted(*args, geometry, **kwargs):
+        wrong = dataclasses.replace(geometry, layer_idx_offset=geometry.layer_idx_offset - 1)
+        return original(*args, geometry=wrong, **kwargs)
+
+    monkeypatch.setattr(engine, "kv_injection_layer", shifted)
+    assert _broken(tiny, tiny_prompts, tiny_golden) is not None
+
+
+def test_a_missing_passthrough_ordering_is_caught(engine, monkeypatch, tiny, tiny_prompts, tiny_golden):
+    """The block pass reads ctx_len directly instead of the injection's output: nothing orders it after the write."""
+    original = engine.DFlashForCausalLM.inject_context
+
+    def unordered(self, taps, book, kv_cache_params):
+        original(self, taps, book, kv_cache_params)
+        return book.ctx_len
+
+    monkeypatch.setattr(engine.DFlashForCausalLM, "inject_context", unordered)
+    assert _broken(tiny, tiny_prompts, tiny_golden) is not None
+
+
+# ----------------------------------------------------------------------------------- engine facts the emulation checks
+
+
+def test_bookkeeping_keeps_cumsum_on_batch_length_vectors(tiny, tiny_prompts):
+    """No [tokens, tokens] cumsum intermediates (TensorRT would reserve them as activation memory)."""
+    runtime = EmulatedRuntime(tiny, max_batch_size=2, tokens_per_block=16)
+    runtime.generate(tiny_prompts[-2:], 4)
+    assert max(len(p) for p in tiny_prompts[-2:]) > 2
+    assert runtime.stats.largest_cumsum_square <= 2 * 2
+
+
+def test_target_qk_norms_use_the_config_epsilon(tiny, engine):
+    runtime = EmulatedRuntime(tiny)
+    eps = runtime.model.config.norm_epsilon
+    assert eps == 1e-6
+    for layer in runtime.model.transformer.layers:
+        assert layer.attention.q_layernorm.eps == eps and layer.attention.k_layernorm.eps == eps
+    # The stock layer alone keeps Attention's default, which is why model.py sets it.
+    from dflash_trt.emulation.models import QWenDecoderLayer
+
+    stock = QWenDecoderLayer(runtime.model.config.target_config(), 0)
+    assert stock.attention.q_layernorm.eps == 1e-5
+
+
+def test_sliding_window_drafters_are_refused_like_the_build(tmp_path):
+    ckpt = convert(
+        tmp_path, PairVariant(draft_layers=2, sliding_window=5, layer_types=["sliding_attention", "full_attention"])
+    )
+    with pytest.raises(DFlashTrtError, match="sliding-window"):
+        EmulatedRuntime(ckpt).generate(PROMPTS, 4)
+
+
+def test_strict_loading_by_tensorrt_llm_names(tiny, tmp_path):
+    import shutil
+
+    def edited(name: str, edit) -> Path:
+        out = tmp_path / name
+        shutil.copytree(tiny, out)
+        tensors = load_file(out / "rank0.safetensors")
+        edit(tensors)
+        save_file(tensors, out / "rank0.safetensors")
+        return out
+
+    missing = edited("missing", lambda t: t.pop("dflash.layers.0.attention.k_layernorm.weight"))
+    with pytest.raises(EmulationError, match="Required but not provided.*k_layernorm"):
+        EmulatedRuntime(missing)
+    misshaped = edited("misshaped", lambda t: t.update({"dflash.fc.weight": t["dflash.fc.weight"][:, 1:].clone()}))
+    with pytest.raises(EmulationError, match="dflash.fc.weight"):
+        EmulatedRuntime(misshaped)
+    extra = edited("extra", lambda t: t.update({"dflash.unused": torch.zeros(2)}))
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        assert EmulatedRuntime(extra).model.unused_tensors == ["dflash.unused"]
+
+
+def test_stand_ins_are_visible_only_inside_the_emulation(tiny):
+    EmulatedRuntime(tiny).generate([[5, 6, 7]], 3)
+    assert "tensorrt_llm" not in sys.modules and "tensorrt" not in sys.modules
+    assert importlib.util.find_spec("tensorrt_llm") is None
+
+
+def full_block_steps(acceptance: list[int], max_new_tokens: int, block: int) -> int:
+    """How many leading steps the golden loop verified a full block (at least `block - 1` tokens still to go)."""
+    produced, steps = 1, 0
+    for accepted in acceptance:
+        if max_new_tokens - produced + 1 < block:
+            break
+        produced, steps = produced + accepted, steps + 1
+    return steps
+
+
+def test_cli_emulate_prints_generates_schema(tiny, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS[:3]))
+    args = ["--checkpoint_dir", str(tiny), "--input_file", str(prompts), "--max_new_tokens", "40", "--json"]
+    assert cli.main(["generate", *args]) == 0
+    generated = json.loads(capsys.readouterr().out)
+    assert cli.main(["emulate", *args, "--max_batch_size", "2", "--tokens_per_block", "16"]) == 0
+    emulated = json.loads(capsys.readouterr().out)
+    for g, e in zip(generated["sequences"], emulated["sequences"], strict=True):
+        assert e["output_ids"] == g["output_ids"]
+        full = full_block_steps(g["acceptance_lengths"], 40, TINY_BLOCK)
+        assert full > 0 and e["acceptance_lengths"][:full] == g["acceptance_lengths"][:full]
+
+
+def test_cli_emulate_bad_input_is_one_error_line(tiny, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"input_ids": [1, 2]}) + "\n")
+    assert cli.main(["emulate", "--checkpoint_dir", str(tmp_path / "nothing"), "--input_file", str(prompts)]) == 2
+    assert (
+        cli.main(
+            [
+                "emulate",
+                "--checkpoint_dir",
+                str(tiny),
+                "--input_file",
+                str(prompts),
+                "--max_batch_size",
+                "4",
+                "--max_num_tokens",
+                "8",
+            ]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("dflash-trt emulate: error:") for line in err)
+
+
+# --------------------------------------------------------------------------- stand-in ops (1.2.x rules, hand values)
+
+
+def _t(values, dtype=torch.int32) -> F.Tensor:
+    return F.Tensor(data=torch.tensor(values, dtype=dtype))
+
+
+def test_functional_dtype_and_broadcast_rules():
+    with net_guard(Network(PluginConfig())):
+        assert F.shape(_t([[1, 2, 3]])).data.dtype == torch.int64
+        assert F.shape(_t([[1, 2, 3]]), 1).data.tolist() == 3  # 0-D
+        mixed = _t([1, 2]) + F.shape(_t([5, 6]), 0)  # int32 + int64 -> int64
+        assert mixed.data.dtype == torch.int64 and mixed.data.tolist() == [3, 4]
+        assert F.concat([F.shape(_t([[1]]), 0), 7]).data.tolist() == [1, 7]  # the int becomes int64
+        with pytest.raises(EmulationError, match="concat of different types"):
+            F.concat([_t([1]), F.shape(_t([1]))])
+        with pytest.raises(EmulationError, match="condition must be bool"):
+            F.where(_t([1, 0]), 1, 2)
+        with pytest.raises(EmulationError, match="different types"):
+            _t([1.0], torch.float32) + _t([1])
+        assert F.where(_t([1, 0]) > 0, 1, _t([7, 8])).data.tolist() == [1, 8]
+        assert F.arange(_t(0), F.shape(_t([4, 5, 6]), 0), "int32").data.tolist() == [0, 1, 2]
+        assert F.expand(_t([[3]]), F.concat([2, 3])).data.tolist() == [[3, 3, 3], [3, 3, 3]]
+        net = F.default_net()
+        assert F.cumsum(_t([1, 2, 3, 4]), 0, prefer_plugin=False).data.tolist() == [1, 3, 6, 10]
+        assert net.cumsum_square_elements == [16]
+        assert F.argmax(_t([[0.1, 0.9, 0.2]], torch.float32), -1, keepdim=True).data.dtype == torch.int32
+
+
+def test_greedy_chain_accept_plugin():
+    vocab = 6
+    # Request 0: context (1 logit row); request 1: K = 3 drafts [4, 2, 5] verified by targets [4, 2, 1, 3].
+    targets = [3, 4, 2, 1, 3]
+    logits = torch.full((5, vocab), -1.0)
+    logits[torch.arange(5), torch.tensor(targets)] = 1.0
+    paths = torch.tensor([[0, 1, 2, 3], [-1] * 4, [-1] * 4, [-1] * 4], dtype=torch.int32).expand(2, 4, 4)
+    outs = eagle_sample_and_accept_draft_plugin(
+        F.Tensor(data=logits),
+        _t([[0, 0, 0], [4, 2, 5]]),
+        _t([0, 3]),
+        None,
+        None,
+        None,
+        None,
+        TreeParams(paths=F.Tensor(data=paths.clone())),
+        _t([1]),
+        _t([0]),
+    )
+    accepted, num, best = (o.data.tolist() for o in outs[:3])
+    assert num == [1, 3] and best == [0, 0]
+    assert accepted[0][0] == 3 and accepted[1][:3] == [4, 2, 1]
+
+
+def test_engine_config_is_the_converters_typed_spec(tiny):
+    """DFlashConfig parses the drafter once into the converter's DraftSpec; the engine's config.json stays plain."""
+    from dflash_trt.checkpoint.trtllm_config import specs_from_config
+
+    raw = json.loads((tiny / "config.json").read_text())
+    config = EmulatedRuntime(tiny).model.config
+    assert config.draft == specs_from_config(raw)[1]
+    written = json.loads(json.dumps(config.to_dict()))
+    assert "draft" not in written and written["dflash_config"] == raw["dflash_config"]
+    assert type(config).from_dict(written).draft == config.draft
