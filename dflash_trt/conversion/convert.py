@@ -33,7 +33,7 @@ from dflash_trt.checkpoint.trtllm_config import checkpoint_config
 from dflash_trt.conversion import prequantized_input
 from dflash_trt.conversion.prequantized import PrequantizedFormat, read_hf_quant_config
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.formats import DTYPES, FP8, NONE, quantized_linear
+from dflash_trt.formats import FP8, NONE, TORCH_DTYPES, quantized_linear
 from dflash_trt.quant.linears import check_quantizable
 from dflash_trt.spec import (
     DraftSpec,
@@ -45,7 +45,6 @@ from dflash_trt.spec import (
     target_tensor_shapes,
 )
 
-TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}
 SOURCE_FLOAT_DTYPES = tuple(TORCH_DTYPES.values())
 # Plain data files a user expects next to the checkpoint (for `generate --input_file` with text). Never code.
 TOKENIZER_FILES = (

@@ -18,9 +18,10 @@ from dflash_trt.checkpoint.safetensors_io import SafetensorsFile, tensor_has_non
 from dflash_trt.checkpoint.sharding import pad_vocab_size
 from dflash_trt.checkpoint.stored import QuantSettings, stored_entries
 from dflash_trt.checkpoint.trtllm_config import checkpoint_config
-from dflash_trt.conversion.convert import TORCH_DTYPES, ConversionPlan, check_sources, rank_file, rank_tensors
+from dflash_trt.conversion.convert import ConversionPlan, check_sources, rank_file, rank_tensors
 from dflash_trt.conversion.prequantized import read_hf_quant_config
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.formats import TORCH_DTYPES
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.spec import load_draft_spec, load_target_spec
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.formats import TORCH_DTYPES
 
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FLOAT_DTYPES = tuple(TORCH_DTYPES.values())
 
 
 def check_weight(weight: torch.Tensor) -> None:
