@@ -11,7 +11,7 @@ import json
 import sys
 import time
 
-from dflash_trt.checkpoint.convert import TORCH_DTYPES, convert_checkpoint
+from dflash_trt.checkpoint.convert import TORCH_DTYPES, convert_checkpoint, resolve_quantization
 from dflash_trt.quant.formats import KV_CACHE_DTYPES, NONE, QFORMATS
 
 
@@ -43,6 +43,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
+    quant, _ = resolve_quantization(args.model_dir, args.qformat, args.dflash_qformat, args.kv_cache_dtype)
+    if quant.qformat != quant.dflash_qformat:
+        print(f"dflash-trt convert: warning: target weights {quant.qformat} but drafter weights "
+              f"{quant.dflash_qformat}: `dflash-trt build` will refuse this checkpoint (one engine quantizes both "
+              "alike); verify and generate can still use it", file=sys.stderr)
     result = convert_checkpoint(
         args.model_dir,
         args.dflash_model_dir,
