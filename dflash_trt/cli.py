@@ -37,7 +37,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args) or 0)
     except DFlashTrtError as exc:
-        print(f"dflash-trt {args.command}: error: {exc}", file=sys.stderr)
+        message = " ".join(str(exc).splitlines())  # one line, whatever a library's text held
+        print(f"dflash-trt {args.command}: error: {message}", file=sys.stderr)
         return 2
     except Terminated:
         print(f"dflash-trt {args.command}: terminated", file=sys.stderr)
