@@ -7,6 +7,7 @@ engine folder, a build profile, a sweep config).
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -511,3 +512,66 @@ def test_hostile_input_is_refused_cleanly(world: World, tmp_path: Path, capsys, 
     assert_refused(code, err, argv[0], message)
     assert snapshot(world.root, asset_dir(), tmp_path) == before
     assert not UNWRITABLE.exists()
+
+
+def test_a_full_disk_while_writing_the_triton_repository(world: World, tmp_path: Path, capsys, monkeypatch) -> None:
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(args[1]))
+
+    monkeypatch.setattr("dflash_trt.triton.repository.shutil.copyfile", no_space)
+    before = snapshot(world.root, tmp_path)
+    code, _, err = run_cli(_triton(world, tmp_path / "repo"), capsys)
+    assert_refused(code, err, "triton", r"No space left on device: .*model\.py")
+    assert snapshot(world.root, tmp_path) == before
+
+
+def test_mixed_target_and_drafter_formats_warn_before_converting(world: World, tmp_path: Path, capsys) -> None:
+    argv = _convert(
+        world,
+        tmp_path / "o",
+        "--qformat",
+        "fp8",
+        "--dflash_qformat",
+        "none",
+        "--calib_dataset",
+        str(world.prompts),
+        "--calib_size",
+        "1",
+        "--calib_max_seq_len",
+        "4",
+    )
+    code, _, err = run_cli(argv, capsys)
+    assert code == 0, err
+    assert err.startswith(
+        "dflash-trt convert: warning: target weights fp8 but drafter weights none: "
+        "`dflash-trt build` will refuse this checkpoint"
+    )
+    build = ["build", "--checkpoint_dir", str(tmp_path / "o"), "--output_dir", str(tmp_path / "e"), "--dry_run"]
+    code, _, err = run_cli(build, capsys)
+    assert_refused(
+        code,
+        err,
+        "build",
+        r"the drafter is quantized as weights unquantized, KV cache unquantized but "
+        r"the target as weights FP8, KV cache unquantized",
+    )
+
+
+def test_generate_trace_in_text(world: World, capsys) -> None:
+    code, out, err = run_cli(_generate(world, "--trace", "--max_new_tokens", "6"), capsys)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("[0] ") and lines[1].startswith("    step 0: drafted [")
+    assert sum(line.startswith("    step ") for line in lines) >= 2
+
+
+def test_build_config_on_a_cpu_host_exits_3(world: World, tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr("dflash_trt.pipeline.gpu_build_available", lambda: False)
+    code, out, err = run_cli(["build", "--config", str(world.profile), "--output_dir", str(tmp_path / "ws")], capsys)
+    assert code == 3
+    assert "needs a GPU host" in out
+    assert err.endswith(
+        "\ndflash-trt build: stopped before the engine: this host has no CUDA GPU with TensorRT-LLM "
+        "1.2.x; the checkpoint is ready, finish with the command above on a GPU host\n"
+    )  # after progress
+    assert (tmp_path / "ws" / "checkpoint" / "config.json").is_file()
