@@ -20,6 +20,9 @@ from dflash_trt.checkpoint import convert as convert_module
 from dflash_trt.checkpoint.convert import convert_checkpoint
 from dflash_trt.checkpoint.verify import verify_checkpoint
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.quant.calibrate import calibrate_pair
+from dflash_trt.reference.decode import speculative_generate
+from dflash_trt.reference.model import load_golden_model
 from dflash_trt.tokenizer import load_tokenizer
 
 FP16_MAX = torch.finfo(torch.float16).max
@@ -194,3 +197,13 @@ def test_build_config_redoes_a_checkpoint_whose_source_was_rewritten(world: Worl
     _rewrite_in_place(target / "model.safetensors")
     _, out, _ = run_cli(argv, capsys)
     assert "[1/3] checkpoint" in out and ": stale, running" in out
+
+
+def test_progress_reports_every_generated_token_and_calibrated_prompt(world: World) -> None:
+    model = load_golden_model(world.checkpoint)
+    counts: list[int] = []
+    results = speculative_generate(model, [[5, 6, 7], [8, 9]], 12, [], progress=counts.append)
+    assert sum(counts) == sum(len(r.output_ids) for r in results) == 24 and len(counts) > 2
+    prompts: list[int] = []
+    calibrate_pair(model, [[5, 6, 7], [8, 9], [10]], 4, "fp8", "fp8", progress=prompts.append)
+    assert sum(prompts) == 2 * 3  # the target pass, then the drafter pass over the quantized target

@@ -103,6 +103,8 @@ def speculative_generate(
     for seq, token in zip(seqs, first.tolist(), strict=True):
         seq.tokens.append(token)
         seq.stopped = bool(torch.isin(torch.tensor(token), stops))
+    if progress is not None:
+        progress(batch)
 
     offsets = torch.arange(block)
     while any(s.active for s in seqs):
