@@ -221,6 +221,16 @@ def test_generate_refuses_a_tampered_checkpoint(world: World, tmp_path: Path, ca
     assert snapshot(world.root, tmp_path) == before
 
 
+def test_build_refuses_a_checkpoint_changed_after_conversion(world: World, tmp_path: Path, capsys) -> None:
+    """Checked before anything else of the build (here: before finding no TensorRT-LLM)."""
+    checkpoint = _tampered(world, tmp_path, _flip_byte, keep_record=True)
+    before = snapshot(world.root, tmp_path)
+    argv = ["build", "--checkpoint_dir", str(checkpoint), "--output_dir", str(tmp_path / "engine")]
+    code, _, err = run_cli(argv, capsys)
+    assert_refused(code, err, "build", r"rank0\.safetensors changed after conversion")
+    assert snapshot(world.root, tmp_path) == before
+
+
 def test_the_untampered_checkpoint_generates(world: World, capsys) -> None:
     code, out, err = run_cli(
         [
