@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
-import importlib.util
 import signal
 import sys
 import threading
@@ -59,8 +58,8 @@ class CommandParser(argparse.ArgumentParser):
 
 def _summary(name: str) -> str:
     """The first sentence of a command module's docstring, read without importing the module (and torch)."""
-    spec = importlib.util.find_spec(f"dflash_trt.commands.{name}")
-    doc = ast.get_docstring(ast.parse(Path(spec.origin).read_text(encoding="utf-8"))) or ""
+    source = Path(__file__).with_name("commands") / f"{name}.py"
+    doc = ast.get_docstring(ast.parse(source.read_text(encoding="utf-8"))) or ""
     first = " ".join(doc.split("\n\n")[0].split())
     return first.split(": ", 1)[1] if first.startswith("`") and ": " in first else first
 
