@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import signal
 import sys
 import threading
+from pathlib import Path
+from typing import NoReturn
 
 from dflash_trt.errors import DFlashTrtError
 
@@ -22,14 +25,59 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _worth_showing(default: object) -> bool:
+    """Not for flags (False), options without a default (None) or suppressed ones; 0 is a real default."""
+    return default is not None and default is not False and default != argparse.SUPPRESS
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless it has none worth showing or already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if "default" in help_text or not _worth_showing(action.default) or not action.option_strings:
+            return help_text
+        return f"{help_text} (default: %(default)s)"
+
+
+class CommandParser(argparse.ArgumentParser):
+    def __init__(self, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(**kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        """One line, like every other refusal (the usage is one `--help` away)."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def add_argument(self, *args, **kwargs) -> argparse.Action:
+        """An option given without help still shows its default."""
+        if kwargs.get("help") is None and _worth_showing(kwargs.get("default")) and args[0].startswith("-"):
+            kwargs["help"] = "(default: %(default)s)"
+        return super().add_argument(*args, **kwargs)
+
+
+def _summary(name: str) -> str:
+    """The first sentence of a command module's docstring, read without importing the module (and torch)."""
+    source = Path(__file__).with_name("commands") / f"{name}.py"
+    doc = ast.get_docstring(ast.parse(source.read_text(encoding="utf-8"))) or ""
+    first = " ".join(doc.split("\n\n")[0].split())
+    return first.split(": ", 1)[1] if first.startswith("`") and ": " in first else first
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The full parser; given `argv`, only the command it names is imported (the others are listed by name), so
+    `dflash-trt --help` and every other command's work skip the imports of commands not run."""
     parser = argparse.ArgumentParser(
         prog="dflash-trt",
         description="Convert, check and run DFlash speculative decoding for TensorRT-LLM 1.2.x engines.",
     )
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CommandParser)
+    chosen = None if argv is None else next((arg for arg in argv if not arg.startswith("-")), "")
     for name in COMMANDS:
-        importlib.import_module(f"dflash_trt.commands.{name}").register(subparsers)
+        if chosen is None or name == chosen:
+            importlib.import_module(f"dflash_trt.commands.{name}").register(subparsers)
+        else:
+            subparsers.add_parser(name, help=_summary(name), add_help=False)
     return parser
 
 
@@ -37,7 +85,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args) or 0)
     except DFlashTrtError as exc:
-        print(f"dflash-trt {args.command}: error: {exc}", file=sys.stderr)
+        message = " ".join(str(exc).splitlines())  # one line, whatever a library's text held
+        print(f"dflash-trt {args.command}: error: {message}", file=sys.stderr)
         return 2
     except Terminated:
         print(f"dflash-trt {args.command}: terminated", file=sys.stderr)
@@ -56,8 +105,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     if threading.current_thread() is not threading.main_thread():
         return _run(args)
     previous = signal.signal(signal.SIGTERM, _raise_terminated)

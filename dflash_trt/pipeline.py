@@ -48,6 +48,8 @@ from dflash_trt.trtllm.build_plan import (
 from dflash_trt.trtllm.plugin import LIBRARY_ENV, default_library_path
 
 STAGE_RECORD = ".dflash_stage.json"
+# Exit status of `build --config` on a host that cannot build the engine: not a failure, not a finished build.
+STOPPED_BEFORE_ENGINE = 3
 # Files up to this size are hashed by content. Larger ones (weights) would cost minutes to hash on every run: an
 # HF hub blob is named by the sha256 of its content, so its name is its identity; any other large file is known by
 # size, modification time (which every write changes) and a hash of its first and last SAMPLE_BYTES.
@@ -445,5 +447,9 @@ def run_profile(args: argparse.Namespace, settings_override: Callable | None = N
     if getattr(args, "checkpoint_dir", None):
         raise DFlashTrtError("--checkpoint_dir does not combine with --config: the profile names the models")
     inp = resolve_inputs(args, settings_override)
-    run_pipeline(inp, dry_run=args.dry_run)
+    outcomes = run_pipeline(inp, dry_run=args.dry_run)
+    if ("engine", "needs gpu") in outcomes:
+        print("dflash-trt build: stopped before the engine: this host has no CUDA GPU with TensorRT-LLM 1.2.x; the "
+              "checkpoint is ready, finish with the command above on a GPU host", file=sys.stderr)
+        return STOPPED_BEFORE_ENGINE
     return 0

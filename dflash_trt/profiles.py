@@ -262,9 +262,11 @@ def load_profile(path: str | Path) -> BuildProfile:
     if not path.is_file():
         raise DFlashTrtError(f"build profile {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise DFlashTrtError(f"{path}: not valid YAML ({exc})") from None
+    except RecursionError:
+        raise DFlashTrtError(f"{path}: nested too deeply to be a build profile") from None
     profile = parse_profile(data, path)
     dataset = profile.calibration_dataset(path)
     if dataset is not None and not dataset.exists():

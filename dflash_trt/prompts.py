@@ -15,16 +15,30 @@ from dflash_trt.errors import DFlashTrtError
 # Folders written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk` hold one of these.
 SAVED_DATASET_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")
 PROMPT_COLUMNS = ("text", "input_ids")
+# Per-request options other tools accept on a prompt line. Options here apply to a whole run, so a line carrying
+# one is refused: ignoring it would run something other than what the file asks for. Other keys (an id, a source)
+# are metadata and pass.
+PER_LINE_OPTIONS = frozenset({
+    "max_new_tokens", "max_tokens", "output_len", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+    "end_id", "ignore_eos", "block_size", "num_beams", "beam_width", "sampling_params", "logprobs",
+})
 
 
 def _jsonl_records(path: Path) -> Iterator[tuple[str, object]]:
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DFlashTrtError(f"prompt file {path} is not UTF-8 text (byte {exc.start} cannot be decoded)") from None
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            yield f"{path}:{number}", json.loads(line)
+            record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DFlashTrtError(f"{path}:{number} is not valid JSON: {exc.msg}") from None
+        except RecursionError:
+            raise DFlashTrtError(f"{path}:{number} is nested too deeply") from None
+        yield f"{path}:{number}", record
 
 
 def _load_dataset_folder(path: Path):
@@ -72,6 +86,12 @@ def read_prompts(path: str | Path, tokenizer=None, limit: int | None = None) -> 
     for where, record in records:
         if limit is not None and len(prompts) >= limit:
             break
+        if isinstance(record, dict) and PER_LINE_OPTIONS & set(record):
+            option = sorted(PER_LINE_OPTIONS & set(record))[0]
+            raise DFlashTrtError(f"{where}: per-prompt option '{option}' is not supported; set it for the "
+                                 "whole run on the command line")
+        if isinstance(record, dict) and "input_ids" in record and "text" in record:
+            raise DFlashTrtError(f"{where} gives both input_ids and text; keep one")
         if isinstance(record, dict) and isinstance(record.get("input_ids"), list):
             ids = record["input_ids"]
             if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from _hostile_cli import World, hub_snapshot, make_world, run_cli
+from dflash_trt.conversion.calibrate import calibrate_pair
 from safetensors.torch import load_file, save_file
 
 from dflash_trt import pipeline
@@ -20,6 +21,8 @@ from dflash_trt.conversion import convert as convert_module
 from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.conversion.verify import verify_checkpoint
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.reference.decode import speculative_generate
+from dflash_trt.reference.model import load_golden_model
 from dflash_trt.tokenizer import load_tokenizer
 
 FP16_MAX = torch.finfo(torch.float16).max
@@ -111,7 +114,7 @@ def test_hub_cache_links_are_followed_and_their_files_copied(world: World, tmp_p
     draft = hub_snapshot(world.draft, tmp_path / "hub", "models--org--tiny-dflash")
     out = tmp_path / "ckpt"
     convert_checkpoint(target, draft, out, dtype="float32")
-    copied = sorted(p.name for p in out.iterdir() if not p.name.startswith(("rank", "config")))
+    copied = sorted(p.name for p in out.iterdir() if not p.name.startswith(("rank", "config", "dflash_")))
     assert copied == ["generation_config.json", "tokenizer.json", "tokenizer_config.json"]
     for name in copied:
         assert not (out / name).is_symlink() and (out / name).read_bytes() == (world.target / name).read_bytes()
@@ -194,3 +197,13 @@ def test_build_config_redoes_a_checkpoint_whose_source_was_rewritten(world: Worl
     _rewrite_in_place(target / "model.safetensors")
     _, out, _ = run_cli(argv, capsys)
     assert "[1/3] checkpoint" in out and ": stale, running" in out
+
+
+def test_progress_reports_every_generated_token_and_calibrated_prompt(world: World) -> None:
+    model = load_golden_model(world.checkpoint)
+    counts: list[int] = []
+    results = speculative_generate(model, [[5, 6, 7], [8, 9]], 12, [], progress=counts.append)
+    assert sum(counts) == sum(len(r.output_ids) for r in results) == 24 and len(counts) > 2
+    prompts: list[int] = []
+    calibrate_pair(model, [[5, 6, 7], [8, 9], [10]], 4, "fp8", "fp8", progress=prompts.append)
+    assert sum(prompts) == 2 * 3  # the target pass, then the drafter pass over the quantized target

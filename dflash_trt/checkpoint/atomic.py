@@ -77,7 +77,7 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-def _remove_stale_partials(output_dir: Path) -> None:
+def remove_stale_partials(output_dir: Path) -> None:
     """Delete leftovers of killed runs for this destination (their writer process is gone), so reruns start clean."""
     for stale in output_dir.parent.glob(f".{output_dir.name}{PARTIAL_MARKER}*"):
         pid = stale.name.rsplit("-", 1)[-1]
@@ -119,7 +119,7 @@ def atomic_directory(
     staging = output_dir.parent / f".{output_dir.name}{PARTIAL_MARKER}{os.getpid()}"
     try:
         output_dir.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_partials(output_dir)
+        remove_stale_partials(output_dir)
         staging.mkdir()
     except OSError as exc:
         raise DFlashTrtError(f"cannot create output {output_dir}: {exc.strerror or exc}") from None

@@ -11,7 +11,7 @@ import json
 import sys
 import time
 
-from dflash_trt.conversion.convert import convert_checkpoint
+from dflash_trt.conversion.convert import convert_checkpoint, resolve_quantization
 from dflash_trt.formats import DTYPES, KV_CACHE_DTYPES, NONE, QFORMATS
 
 
@@ -45,6 +45,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
+    quant, _ = resolve_quantization(args.model_dir, args.qformat, args.dflash_qformat, args.kv_cache_dtype)
+    if quant.qformat != quant.dflash_qformat:
+        print(f"dflash-trt convert: warning: target weights {quant.qformat} but drafter weights "
+              f"{quant.dflash_qformat}: `dflash-trt build` will refuse this checkpoint (one engine quantizes both "
+              "alike); verify and generate can still use it", file=sys.stderr)
     result = convert_checkpoint(
         args.model_dir,
         args.dflash_model_dir,

@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
+from dflash_trt.errors import DFlashTrtError
 from dflash_trt.prompts import read_prompts
 from dflash_trt.reference.decode import SequenceResult, speculative_generate
 from dflash_trt.reference.model import load_golden_model
@@ -53,11 +58,39 @@ def sequence_record(result: SequenceResult, tokenizer, trace: bool) -> dict[str,
     return record
 
 
+# torch.Generator seeds are 64-bit; the largest positive one keeps the value meaningful on every platform.
+MAX_SEED = 2**63 - 1
+
+
+def check_arguments(args: argparse.Namespace, prompts: list[list[int]], max_position_embeddings: int) -> None:
+    """Refuse, before any decoding, what would fail half-way (allocation, overflow) or decode silently wrong
+    (positions past what the model was trained for, a NaN temperature)."""
+    for name in ("temperature", "top_p"):
+        if not math.isfinite(getattr(args, name)):
+            raise DFlashTrtError(f"--{name} must be a finite number, got {getattr(args, name)}")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise DFlashTrtError(f"--seed must lie in [0, {MAX_SEED}], got {args.seed}")
+    if args.max_new_tokens < 1:
+        raise DFlashTrtError(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}")
+    longest = max(len(p) for p in prompts)
+    if longest + args.max_new_tokens > max_position_embeddings:
+        raise DFlashTrtError(
+            f"the longest prompt ({longest} tokens) plus --max_new_tokens {args.max_new_tokens} exceeds the target's "
+            f"max_position_embeddings ({max_position_embeddings}); shorten the prompts or ask for fewer tokens"
+        )
+
+
+def _print_trace(record: dict) -> None:
+    for number, step in enumerate(record["steps"]):
+        print(f"    step {number}: drafted {step['draft_ids']}, accepted {step['accepted']}")
+
+
 def run(args: argparse.Namespace) -> int:
     checkpoint_dir = Path(args.checkpoint_dir)
     model = load_golden_model(checkpoint_dir)
     tokenizer = load_tokenizer(checkpoint_dir)
     prompts = read_prompts(args.input_file, tokenizer)
+    check_arguments(args, prompts, model.target.spec.max_position_embeddings)
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
     if args.ignore_eos:
         stop_ids = []
@@ -66,7 +99,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         stop_ids = list(model.target.spec.eos_token_ids)
     started = time.perf_counter()
-    results = speculative_generate(model, prompts, args.max_new_tokens, stop_ids, sampling, args.seed, args.block_size)
+    total = args.max_new_tokens * len(prompts)
+    with tqdm(total=total, desc="generate", unit="token", disable=not sys.stderr.isatty()) as bar:
+        results = speculative_generate(model, prompts, args.max_new_tokens, stop_ids, sampling, args.seed,
+                                       args.block_size, progress=bar.update)
     seconds = time.perf_counter() - started
     generated = sum(len(r.output_ids) for r in results)
     report: dict[str, Any] = {
@@ -82,5 +118,7 @@ def run(args: argparse.Namespace) -> int:
     for i, record in enumerate(report["sequences"]):
         shown = record.get("output_text", record["output_ids"])
         print(f"[{i}] {shown!r}  acceptance {record['acceptance_lengths']}")
+        if args.trace:
+            _print_trace(record)
     print(f"mean acceptance length {report['mean_acceptance_length']:.2f}, {generated} tokens in {seconds:.2f} s")
     return 0

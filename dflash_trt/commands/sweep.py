@@ -11,6 +11,7 @@ from pathlib import Path
 from dflash_trt.bench.driver import FollowerRank
 from dflash_trt.bench.targets import describe
 from dflash_trt.checkpoint.atomic import check_output_apart
+from dflash_trt.errors import DFlashTrtError
 from dflash_trt.perf.report import analyze_records
 from dflash_trt.perf.sweep import (
     USER_SPEED_METRICS,
@@ -60,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
                                         "the model_path": cfg.model_path, "the tokenizer_dir": cfg.tokenizer_dir,
                                         **{f"engine {e.name}": e.target.engine_dir or e.target.checkpoint_dir
                                            for e in cfg.engines}})
+    if Path(cfg.output_dir).exists() and not Path(cfg.output_dir).is_dir():
+        raise DFlashTrtError(f"output_dir {cfg.output_dir}: Not a directory (a file is in the way)")
     if args.analyze_only:
         records = load_records(cfg.output_dir)
     else:

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from dflash_trt import tensor_names as names
 from dflash_trt.errors import DFlashTrtError
@@ -136,12 +137,17 @@ def observe_amax(model) -> Iterator[CalibrationAmax]:
 
 
 def calibrate(
-    model, prompts: list[list[int]], max_new_tokens: int = 32, batch_size: int = CALIBRATION_BATCH
+    model, prompts: list[list[int]], max_new_tokens: int = 32, batch_size: int = CALIBRATION_BATCH,
+    progress: Callable[[int], None] | None = None,
 ) -> CalibrationAmax:
-    """Amaxes observed while speculatively generating (greedy) from every prompt, `batch_size` at a time."""
+    """Amaxes observed while speculatively generating (greedy) from every prompt, `batch_size` at a time;
+    `progress` hears how many prompts each batch finished."""
     with torch.no_grad(), observe_amax(model) as amax:
         for start in range(0, len(prompts), batch_size):
-            speculative_generate(model, prompts[start : start + batch_size], max_new_tokens)
+            batch = prompts[start : start + batch_size]
+            speculative_generate(model, batch, max_new_tokens)
+            if progress is not None:
+                progress(len(batch))
     return amax
 
 
@@ -184,16 +190,22 @@ def quantized_model(
         yield
 
 
+def calibration_passes(qformat: str, kv_cache_dtype: str) -> int:
+    """How many times `calibrate_pair` decodes the prompts."""
+    return 1 if qformat == NONE and kv_cache_dtype == NONE else 2
+
+
 def calibrate_pair(
-    model, prompts: list[list[int]], max_new_tokens: int, qformat: str, kv_cache_dtype: str = NONE
+    model, prompts: list[list[int]], max_new_tokens: int, qformat: str, kv_cache_dtype: str = NONE,
+    progress: Callable[[int], None] | None = None,
 ) -> CalibrationAmax:
     """Target amaxes from the model as loaded; drafter amaxes with the target running quantized, so the drafter
     is calibrated on the context features the quantized target actually produces."""
-    target_pass = calibrate(model, prompts, max_new_tokens)
-    if qformat == NONE and kv_cache_dtype == NONE:
+    target_pass = calibrate(model, prompts, max_new_tokens, progress=progress)
+    if calibration_passes(qformat, kv_cache_dtype) == 1:
         return target_pass
     with quantized_model(model, qformat, None, kv_cache_dtype, target_pass):
-        draft_pass = calibrate(model, prompts, max_new_tokens)
+        draft_pass = calibrate(model, prompts, max_new_tokens, progress=progress)
     return target_pass.merged(draft_pass, names.DRAFT_PREFIX + ".")
 
 
@@ -225,6 +237,7 @@ def calibrate_checkpoint(
     calib_size: int = 64,
     calib_max_seq_len: int = 512,
     max_new_tokens: int = CALIBRATION_NEW_TOKENS,
+    show_progress: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Activation and KV-cache scales for quantizing an unquantized converted checkpoint as `quant` says
     (`qformat`, `dflash_qformat`, `kv_cache_dtype`), from the first `calib_size` prompts of `calib_dataset`,
@@ -239,5 +252,7 @@ def calibrate_checkpoint(
     prompts = read_prompts(calib_dataset, load_tokenizer(checkpoint_dir), limit=calib_size)
     prompts = [p[:calib_max_seq_len] for p in prompts]
     model = load_golden_model(checkpoint_dir)
-    amax = calibrate_pair(model, prompts, max_new_tokens, quant.qformat, quant.kv_cache_dtype)
+    total = len(prompts) * calibration_passes(quant.qformat, quant.kv_cache_dtype)
+    with tqdm(total=total, desc="calibrate", unit="prompt", disable=not show_progress) as bar:
+        amax = calibrate_pair(model, prompts, max_new_tokens, quant.qformat, quant.kv_cache_dtype, bar.update)
     return calibration_tensors(amax, quant.qformat, quant.kv_cache_dtype, quant.dflash_qformat)

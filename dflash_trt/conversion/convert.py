@@ -352,16 +352,15 @@ def convert_checkpoint(
         raise DFlashTrtError(f"--dtype must be one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
     if workers < 1:
         raise DFlashTrtError(f"--workers must be >= 1, got {workers}")
-    prequantized = read_hf_quant_config(model_dir)
-    if prequantized is not None:
-        quant = prequantized_input.quant_settings(prequantized, qformat, dflash_qformat, kv_cache_dtype)
-    else:
-        quant = QuantSettings(qformat, qformat if dflash_qformat is None else dflash_qformat, kv_cache_dtype or NONE)
+    quant, prequantized = resolve_quantization(model_dir, qformat, dflash_qformat, kv_cache_dtype)
     # A pre-quantized target brings its own scales; the drafter's (and its KV cache's) always come from calibration.
     needs_calibration = (quant.dflash_qformat != NONE or (prequantized is None and quant.qformat != NONE)
                          or quant.kv_cache_dtype == FP8)
     if needs_calibration and calib_dataset is None:
         raise DFlashTrtError("quantization needs --calib_dataset FILE.jsonl: its prompts set the activation scales")
+    if calib_dataset is not None and not needs_calibration:
+        raise DFlashTrtError("--calib_dataset is only read when quantizing (--qformat, --dflash_qformat or "
+                             "--kv_cache_dtype fp8); drop it or choose a format")
     model_dir, dflash_model_dir, output_dir = Path(model_dir), Path(dflash_model_dir), Path(output_dir)
     inputs = {"--model_dir": model_dir, "--dflash_model_dir": dflash_model_dir, "--calib_dataset": calib_dataset}
     check_output_apart(output_dir, inputs)
@@ -369,6 +368,8 @@ def convert_checkpoint(
     target = load_target_spec(model_dir)
     draft = load_draft_spec(dflash_model_dir, target)
     tokenizer = tokenizer_files(model_dir)
+    if needs_calibration:
+        check_calibration_prompts(model_dir, Path(calib_dataset), calib_size, calib_max_seq_len)
     check_tp(target_heads(target), target.intermediate_size, tp_size, "target")
     check_tp(target_heads(draft), draft.intermediate_size, tp_size, "drafter")
     plan = ConversionPlan(model_dir, dflash_model_dir, target, draft, TORCH_DTYPES[dtype], tp_size, quant,
@@ -382,7 +383,7 @@ def convert_checkpoint(
         scales = {}
         if needs_calibration and calib_dataset is not None:
             scales = calibrated_scales(model_dir, dflash_model_dir, output_dir.parent, dtype, quant,
-                                       Path(calib_dataset), calib_size, calib_max_seq_len)
+                                       Path(calib_dataset), calib_size, calib_max_seq_len, show_progress)
         if prequantized is not None:
             scales.update(prequantized_input.carried_scales(prequantized, plan.layout, target_reader))
         plan = replace(plan, scales=scales)
@@ -412,9 +413,31 @@ def convert_checkpoint(
     return ConversionResult(output_dir, tp_size, len(layout), bytes_written)
 
 
+def resolve_quantization(
+    model_dir: str | Path, qformat: str, dflash_qformat: str | None, kv_cache_dtype: str | None
+) -> tuple[QuantSettings, PrequantizedFormat | None]:
+    """The formats a conversion will write (a pre-quantized target keeps its own) and the target's own format."""
+    prequantized = read_hf_quant_config(model_dir)
+    if prequantized is not None:
+        return prequantized_input.quant_settings(prequantized, qformat, dflash_qformat, kv_cache_dtype), prequantized
+    quant = QuantSettings(qformat, qformat if dflash_qformat is None else dflash_qformat, kv_cache_dtype or NONE)
+    return quant, None
+
+
+def check_calibration_prompts(model_dir: Path, calib_dataset: Path, calib_size: int, calib_max_seq_len: int) -> None:
+    """Read the calibration prompts before any work, so a bad file is reported as itself, not after a conversion
+    and under the name of an internal scratch folder."""
+    from dflash_trt.prompts import read_prompts
+    from dflash_trt.tokenizer import load_tokenizer
+
+    if calib_size < 1 or calib_max_seq_len < 1:
+        raise DFlashTrtError("--calib_size and --calib_max_seq_len must be >= 1.")
+    read_prompts(calib_dataset, load_tokenizer(model_dir), limit=calib_size)
+
+
 def calibrated_scales(
     model_dir: Path, dflash_model_dir: Path, work_dir: Path, dtype: str, quant: QuantSettings, calib_dataset: Path,
-    calib_size: int, calib_max_seq_len: int,
+    calib_size: int, calib_max_seq_len: int, show_progress: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Activation and KV scales from the golden model of the unquantized conversion, run over calibration prompts."""
     from dflash_trt.conversion.calibrate import calibrate_checkpoint
@@ -424,4 +447,5 @@ def calibrated_scales(
     with scratch_directory(work_dir, "calibration") as scratch:
         plain = scratch / "checkpoint"  # a pre-quantized target keeps its weights in it; nothing else is
         convert_checkpoint(model_dir, dflash_model_dir, plain, dtype=dtype, dflash_qformat=NONE, kv_cache_dtype=NONE)
-        return calibrate_checkpoint(plain, quant, calib_dataset, calib_size, calib_max_seq_len)
+        return calibrate_checkpoint(plain, quant, calib_dataset, calib_size, calib_max_seq_len,
+                                    show_progress=show_progress)

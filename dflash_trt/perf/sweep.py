@@ -215,8 +215,10 @@ def load_sweep_config(path: str | Path) -> SweepConfig:
         data = yaml.safe_load(path.read_text())
     except OSError as exc:
         raise DFlashTrtError(f"cannot read sweep config {path}: {exc.strerror}") from exc
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise DFlashTrtError(f"sweep config {path} is not valid YAML: {exc}") from exc
+    except RecursionError:
+        raise DFlashTrtError(f"sweep config {path} is nested too deeply") from None
     return parse_sweep_config(data, path.parent)
 
 

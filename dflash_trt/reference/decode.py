@@ -8,6 +8,7 @@ decoding with the same target, the baseline every speedup is measured against.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -68,8 +69,10 @@ def speculative_generate(
     sampling: SamplingParams | None = None,
     seed: int = 0,
     block_size: int | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> list[SequenceResult]:
-    """Generate for every prompt at once; results are identical to running each prompt alone (greedy)."""
+    """Generate for every prompt at once; results are identical to running each prompt alone (greedy).
+    `progress` hears how many tokens each step produced."""
     sampling = sampling or SamplingParams()
     target, draft = model.target, model.draft
     block = draft.spec.block_size if block_size is None else block_size
@@ -100,6 +103,8 @@ def speculative_generate(
     for seq, token in zip(seqs, first.tolist(), strict=True):
         seq.tokens.append(token)
         seq.stopped = bool(torch.isin(torch.tensor(token), stops))
+    if progress is not None:
+        progress(batch)
 
     offsets = torch.arange(block)
     while any(s.active for s in seqs):
@@ -151,6 +156,8 @@ def speculative_generate(
             seq.result.steps.append(StepTrace(drafts.tolist(), accepted))
         if block > 1:
             draft.inject(taps, block_positions, produced_mask, draft_cache)
+        if progress is not None:
+            progress(int(produced_mask.sum()))
 
     for seq in seqs:
         seq.result.output_ids = seq.tokens[len(seq.result.input_ids) :]

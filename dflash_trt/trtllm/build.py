@@ -18,7 +18,8 @@ from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
-from dflash_trt.checkpoint.atomic import check_output_apart
+from dflash_trt.checkpoint.atomic import check_output_apart, remove_stale_partials
+from dflash_trt.checkpoint.integrity import check_integrity
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.trtllm.build_plan import (
     MANIFEST_NAME,
@@ -130,7 +131,9 @@ def run_engine_build(plan: EngineBuildPlan, overwrite: bool = False) -> Path:
     check_output_apart(output, {"--checkpoint_dir": plan.checkpoint_dir, "--plugin_library": plan.plugin_library})
     if output.exists() and any(output.iterdir()) and not overwrite:
         raise DFlashTrtError(f"{output} already exists and is not empty; pass --overwrite to replace it")
+    check_integrity(plan.checkpoint_dir)  # one read pass, small next to the build; an edited checkpoint is refused
     version = check_build_host(plan)
+    remove_stale_partials(output)
     staging = output.with_name(f".{output.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     env = dict(os.environ, **{PLUGIN_LIBRARY_ENV: str(Path(plan.plugin_library).resolve())})

@@ -269,9 +269,12 @@ def check_quantization(facts: CheckpointFacts) -> None:
     target = (facts.quant_algo, facts.kv_cache_quant_algo)
     draft = (facts.draft_quant_algo, facts.draft_kv_cache_quant_algo)
     if draft != target:
+        def spelled(algos: tuple) -> str:
+            return f"weights {algos[0] or 'unquantized'}, KV cache {algos[1] or 'unquantized'}"
+
         raise DFlashTrtError(
-            f"the drafter is quantized as {draft} but the target as {target}; one engine applies one quantization "
-            "(weights, KV cache) to both, so convert them with the same formats"
+            f"the drafter is quantized as {spelled(draft)} but the target as {spelled(target)}; one engine applies "
+            "one quantization (weights, KV cache) to both, so convert them with the same formats"
         )
 
 

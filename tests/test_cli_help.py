@@ -1,0 +1,75 @@
+"""`--help` answers at once (no torch import for the command list) and every option's help shows its default."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_trt.cli import COMMANDS, main
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_top_level_help_imports_neither_torch_nor_any_command() -> None:
+    script = (
+        "import sys, contextlib, io\n"
+        "from dflash_trt.cli import main\n"
+        "out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out):\n"
+        "    try:\n"
+        "        main(['--help'])\n"
+        "    except SystemExit as exc:\n"
+        "        assert exc.code == 0\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'pydantic')\n"
+        "               or m.startswith('dflash_trt.commands.'))\n"
+        "print(heavy)\n"
+        "print(out.getvalue())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode == 0, done.stderr
+    heavy, _, help_text = done.stdout.partition("\n")
+    assert heavy == "[]"
+    for name in COMMANDS:
+        assert f"\n    {name} " in help_text
+
+
+@pytest.mark.parametrize(
+    ("argv", "shown"),
+    [
+        (["convert", "--help"], "weight dtype (default: bfloat16)"),
+        (["generate", "--help"], "(default: 64)"),
+        (["demo", "--help"], "workspace for the demo's outputs (default: demo_out)"),
+    ],
+)
+def test_subcommand_help_shows_defaults(argv: list[str], shown: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_code:
+        main(argv)
+    assert exit_code.value.code == 0
+    assert shown in " ".join(capsys.readouterr().out.split())
+
+
+def test_an_unknown_command_is_one_usage_error(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_code:
+        main(["convrt", "--model_dir", "x"])
+    assert exit_code.value.code == 2
+    assert "invalid choice: 'convrt'" in capsys.readouterr().err
+
+
+def test_a_bad_option_value_is_one_line(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_code:
+        main(["convert", "--model_dir", "m", "--dflash_model_dir", "d", "--output_dir", "o", "--tp_size", "two"])
+    err = capsys.readouterr().err
+    assert exit_code.value.code == 2
+    assert err == (
+        "dflash-trt convert: error: argument --tp_size: invalid int value: 'two' (see dflash-trt convert --help)\n"
+    )
