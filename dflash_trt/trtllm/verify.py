@@ -71,9 +71,16 @@ def sample_rows(logits: Tensor, temperature: Tensor, uniform: Tensor, vocab_size
     return where(sampled, drawn, cast(argmax(logits, 1, keepdim=True), "int32"))
 
 
-def verify_drafts(logits: Tensor, draft_tokens: Tensor, draft_lens: Tensor, temperature: Tensor,
-                  rand_data_validation: Tensor, rand_data_sample: Tensor, vocab_size: int,
-                  max_draft_len: int) -> tuple[Tensor, Tensor]:
+def verify_drafts(
+    logits: Tensor,
+    draft_tokens: Tensor,
+    draft_lens: Tensor,
+    temperature: Tensor,
+    rand_data_validation: Tensor,
+    rand_data_sample: Tensor,
+    vocab_size: int,
+    max_draft_len: int,
+) -> tuple[Tensor, Tensor]:
     """(accepted_tokens [bs, K+1], num_accepted_tokens [bs]) as the runtime reads them: the first n tokens are the
     accepted drafts and the bonus, n >= 1. `logits` are the packed target rows (padded vocabulary allowed)."""
     k = max_draft_len
