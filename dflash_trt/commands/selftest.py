@@ -3,7 +3,8 @@
 Converts the embedded tiny trained pair, builds its engine with TensorRT-LLM 1.2.x (plugin library required),
 runs held-out prompts through `ModelRunnerCpp` in EAGLE mode and through the golden model, and fails unless every
 token and every per-step acceptance length agree; then a short `trtllm-bench` run of the same engine reports its
-speed and acceptance. Greedy decoding, the engine's only mode.
+speed and acceptance. Greedy decoding: temperature 0 is sent explicitly, since a request without one is sampled
+at the runtime's default temperature of 1.0.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def engine_generate(engine_dir: Path, plugin_library: str, prompts: list[list[in
     lengths = [[len(p)] for p in prompts]
     final = None
     for out in runner.generate([torch.tensor(p, dtype=torch.int32) for p in prompts],
-                               max_new_tokens=max_new_tokens, end_id=end_id, pad_id=end_id, streaming=True,
+                               max_new_tokens=max_new_tokens, end_id=end_id, pad_id=end_id, temperature=0.0,
+                               streaming=True,
                                return_dict=True, output_sequence_lengths=True):
         final = out
         for b, seq_len in enumerate(out["sequence_lengths"][:, 0].tolist()):

@@ -15,10 +15,12 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dflash_trt import sampling_rules
 from dflash_trt.checkpoint.atomic import atomic_directory
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.profiles import BuildProfile
+from dflash_trt.sampling_rules import ENGINE_SAMPLING
 from dflash_trt.triton import processing as P
 from dflash_trt.triton.pbtxt import EnsembleStep, ModelConfig, Tensor, render
 from dflash_trt.trtllm.build_plan import MANIFEST_NAME, SAMPLING_POLICY, chain_eagle_choices
@@ -33,6 +35,7 @@ SETTINGS_FILE = "dflash_triton.json"
 LAUNCH_SCRIPT = "launch_triton.sh"
 CLIENT_FILE = "client.py"
 PROCESSING_FILE = "dflash_processing.py"
+SAMPLING_RULES_FILE = "dflash_sampling_rules.py"
 # Makes libdflash_trt_plugins.so register its creators when it is loaded (plugins/src/pluginRegistration.cpp):
 # the tensorrtllm backend never calls initDflashTrtPlugins itself.
 REGISTER_ON_LOAD_ENV = "DFLASH_TRT_LOAD_PLUGINS"
@@ -106,6 +109,7 @@ def preprocessing_config(s: RepositorySettings) -> ModelConfig:
             _scalar(P.PAD_ID, "TYPE_INT32", optional=True),
             Tensor(P.STOP_WORDS, "TYPE_STRING", (-1,), optional=True),
             Tensor(P.BAD_WORDS, "TYPE_STRING", (-1,), optional=True),
+            *(_scalar(name, dtype, optional=True) for name, dtype in P.SAMPLING_INPUTS.items()),
         ),
         outputs=(
             Tensor(P.INPUT_ID, "TYPE_INT32", (-1,)),
@@ -115,6 +119,7 @@ def preprocessing_config(s: RepositorySettings) -> ModelConfig:
             Tensor(P.BAD_WORDS_IDS, "TYPE_INT32", (2, -1)),
             _scalar(P.OUT_END_ID, "TYPE_INT32"),
             _scalar(P.OUT_PAD_ID, "TYPE_INT32"),
+            _scalar(P.OUT_TEMPERATURE, "TYPE_FP32"),
         ),
         instance_count=s.instance_count,
         parameters={
@@ -155,6 +160,7 @@ def tensorrt_llm_config(s: RepositorySettings) -> ModelConfig:
             Tensor(P.LLM_STOP_WORDS, "TYPE_INT32", (2, -1), optional=True, allow_ragged_batch=True),
             Tensor(P.LLM_BAD_WORDS, "TYPE_INT32", (2, -1), optional=True, allow_ragged_batch=True),
             _backend_scalar(P.LLM_TEMPERATURE, "TYPE_FP32"),
+            _backend_scalar(P.LLM_RANDOM_SEED, "TYPE_UINT64"),
             _backend_scalar(P.LLM_STREAMING, "TYPE_BOOL"),
             _backend_scalar(P.LLM_STOP, "TYPE_BOOL"),
             _backend_scalar(P.LLM_RETURN_PERF_METRICS, "TYPE_BOOL"),
@@ -195,6 +201,8 @@ REQUEST_INPUTS = (
     Tensor(P.REQUEST_STOP_WORDS, "TYPE_STRING", (-1,), optional=True),
     Tensor(P.REQUEST_BAD_WORDS, "TYPE_STRING", (-1,), optional=True),
     _scalar(P.REQUEST_PERF_METRICS, "TYPE_BOOL", optional=True),
+    _scalar(P.REQUEST_RANDOM_SEED, "TYPE_UINT64", optional=True),
+    *(_scalar(name, dtype, optional=True) for name, dtype in P.SAMPLING_INPUTS.items()),
 )
 REQUEST_OUTPUTS = (
     Tensor(P.TEXT_OUTPUT, "TYPE_STRING", (-1,)),
@@ -331,12 +339,18 @@ def write_repository(s: RepositorySettings, output_dir: str | Path, overwrite: b
             if name in python_models:
                 shutil.copyfile(_source("models") / python_models[name], version_dir / "model.py")
                 shutil.copyfile(_source("processing.py"), version_dir / PROCESSING_FILE)
+                shutil.copyfile(Path(sampling_rules.__file__), version_dir / SAMPLING_RULES_FILE)
         script = staging / LAUNCH_SCRIPT
         script.write_text(launch_script(s))
         script.chmod(0o755)
         shutil.copyfile(_source("client.py"), staging / CLIENT_FILE)
         (staging / SETTINGS_FILE).write_text(json.dumps(asdict(s), indent=2) + "\n")
     return Path(output_dir)
+
+
+def _max_temperature(sampling: str | None) -> float:
+    """Engines that verify by exact-match sampling take any temperature; older greedy-only engines none above 0."""
+    return math.inf if sampling == ENGINE_SAMPLING else 0.0
 
 
 def _read_json(path: Path, what: str) -> dict:
@@ -357,7 +371,7 @@ def settings_from_engine(engine_dir: str | Path, tokenizer_dir: str | Path, **se
             max_input_len=int(build["max_input_len"]),
             max_draft_len=int(manifest["max_draft_len"]),
             world_size=int(manifest.get("tp_size", 1)),
-            max_temperature=float(manifest.get("max_temperature", 0.0)),
+            max_temperature=_max_temperature(manifest.get("sampling")),
             **serving,
         )
     except KeyError as exc:
@@ -378,7 +392,7 @@ def settings_from_profile(profile: BuildProfile, engine_dir: str | Path, tokeniz
         max_input_len=eng.max_input_len,
         max_draft_len=eng.max_draft_len,
         world_size=profile.checkpoint.tp_size,
-        max_temperature=0.0 if SAMPLING_POLICY == "greedy" else math.inf,
+        max_temperature=_max_temperature(SAMPLING_POLICY),
         kv_cache_free_gpu_mem_fraction=serving.kv_cache_free_gpu_mem_fraction,
         batch_scheduler_policy=serving.batch_scheduler_policy,
         enable_chunked_context=serving.enable_chunked_context,

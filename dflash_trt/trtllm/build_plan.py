@@ -18,6 +18,7 @@ from dflash_trt.checkpoint.trtllm_config import ARCHITECTURE, specs_from_config
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.reference.rope import RopeConfig
+from dflash_trt.sampling_rules import ENGINE_SAMPLING, HONOURED
 from dflash_trt.spec import SLIDING_ATTENTION, TARGET_ARCHITECTURES
 from dflash_trt.trtllm.plugin import LIBRARY_ENV, PLUGIN_NAMESPACE, default_library_path
 
@@ -34,8 +35,8 @@ REQUIRED_TRTLLM = "1.2"
 # builder.build() asserts both for SpeculativeDecodingMode.EAGLE.
 MAX_EAGLE_BATCH_SIZE = 512
 MAX_EAGLE_DRAFT_LEN = 256
-# The engine verifies greedily (EagleSampleAndAcceptDraftTokens, greedy flag): temperature > 0 must be refused.
-SAMPLING_POLICY = "greedy"
+# How the engine verifies drafts: greedy at temperature 0, exact-match sampling above (trtllm/verify.py).
+SAMPLING_POLICY = ENGINE_SAMPLING
 GEMM_PLUGIN_CHOICES = ("auto", "float16", "bfloat16", "float32", "fp8", "nvfp4", "disable")
 KV_CACHE_TYPES = ("paged",)
 LOGITS_DTYPES = ("float32", "float16")
@@ -375,7 +376,7 @@ def manifest(facts: CheckpointFacts, settings: EngineBuildSettings, plugin_libra
         "num_draft_layers": facts.num_draft_layers,
         "draft_kv_layer_offset": facts.num_target_layers,
         "sampling": SAMPLING_POLICY,
-        "max_temperature": 0.0,
+        "honoured_sampling_parameters": list(HONOURED),
         "plugin_library": plugin_library,
         "plugin_namespace": PLUGIN_NAMESPACE,
         "max_batch_size": settings.max_batch_size,
