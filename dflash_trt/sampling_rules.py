@@ -69,3 +69,20 @@ def sampling_refusal(params: Mapping[str, object]) -> str | None:
             f"omit it or send {allowed}"
         )
     return None
+
+
+class SamplingRefused(ValueError):
+    """A request asked for sampling the engine cannot honour; the message says which parameter and why."""
+
+
+def engine_request_sampling(params: Mapping[str, object]) -> dict[str, float | int]:
+    """What to send the runtime with a request: its temperature, always (0 when not given, because the runtime's
+    own default is 1.0), and its seed when given. Raises SamplingRefused for anything the engine cannot honour."""
+    refusal = sampling_refusal(params)
+    if refusal is not None:
+        raise SamplingRefused(refusal)
+    values = {ALIASES.get(name, name): value for name, value in params.items() if value is not None}
+    sampling: dict[str, float | int] = {"temperature": float(values.get("temperature", 0.0))}
+    if "seed" in values:
+        sampling["seed"] = int(values["seed"])
+    return sampling

@@ -43,6 +43,7 @@ def engine_generate(engine_dir: Path, plugin_library: str, prompts: list[list[in
     from tensorrt_llm.runtime import ModelRunnerCpp
 
     import dflash_trt.trtllm.model  # noqa: F401  (registers DFlashForCausalLM for EngineConfig parsing)
+    from dflash_trt.sampling_rules import engine_request_sampling
     from dflash_trt.trtllm.plugin import load_plugin_library
 
     load_plugin_library(plugin_library)
@@ -52,8 +53,8 @@ def engine_generate(engine_dir: Path, plugin_library: str, prompts: list[list[in
     lengths = [[len(p)] for p in prompts]
     final = None
     for out in runner.generate([torch.tensor(p, dtype=torch.int32) for p in prompts],
-                               max_new_tokens=max_new_tokens, end_id=end_id, pad_id=end_id, temperature=0.0,
-                               streaming=True,
+                               max_new_tokens=max_new_tokens, end_id=end_id, pad_id=end_id,
+                               **engine_request_sampling({}), streaming=True,
                                return_dict=True, output_sequence_lengths=True):
         final = out
         for b, seq_len in enumerate(out["sequence_lengths"][:, 0].tolist()):
