@@ -348,7 +348,7 @@ def write_repository(s: RepositorySettings, output_dir: str | Path, overwrite: b
     return Path(output_dir)
 
 
-def _max_temperature(sampling: str | None) -> float:
+def max_temperature_for_sampling(sampling: str | None) -> float:
     """Engines that verify by exact-match sampling take any temperature; older greedy-only engines none above 0."""
     return math.inf if sampling == ENGINE_SAMPLING else 0.0
 
@@ -371,7 +371,7 @@ def settings_from_engine(engine_dir: str | Path, tokenizer_dir: str | Path, **se
             max_input_len=int(build["max_input_len"]),
             max_draft_len=int(manifest["max_draft_len"]),
             world_size=int(manifest.get("tp_size", 1)),
-            max_temperature=_max_temperature(manifest.get("sampling")),
+            max_temperature=max_temperature_for_sampling(manifest.get("sampling")),
             **serving,
         )
     except KeyError as exc:
@@ -392,7 +392,7 @@ def settings_from_profile(profile: BuildProfile, engine_dir: str | Path, tokeniz
         max_input_len=eng.max_input_len,
         max_draft_len=eng.max_draft_len,
         world_size=profile.checkpoint.tp_size,
-        max_temperature=_max_temperature(SAMPLING_POLICY),
+        max_temperature=max_temperature_for_sampling(SAMPLING_POLICY),
         kv_cache_free_gpu_mem_fraction=serving.kv_cache_free_gpu_mem_fraction,
         batch_scheduler_policy=serving.batch_scheduler_policy,
         enable_chunked_context=serving.enable_chunked_context,
