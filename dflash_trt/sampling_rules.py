@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
 # What the engine honours per request; `dflash_trt.json` records it.
 HONOURED = ("temperature", "seed")
@@ -44,11 +45,11 @@ ALIASES = {
 }
 
 
-def _show(value: float) -> str:
+def _show(value: object) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def sampling_refusal(params: Mapping[str, object]) -> str | None:
+def sampling_refusal(params: Mapping[str, Any]) -> str | None:
     """The refusal message for the first parameter the engine cannot honour, or None when all can be.
 
     `params` maps parameter names (any spelling in ALIASES) to scalars; None means "not sent". Names outside
@@ -75,7 +76,7 @@ class SamplingRefused(ValueError):
     """A request asked for sampling the engine cannot honour; the message says which parameter and why."""
 
 
-def engine_request_sampling(params: Mapping[str, object]) -> dict[str, float | int]:
+def engine_request_sampling(params: Mapping[str, Any]) -> dict[str, float | int]:
     """What to send the runtime with a request: its temperature, always (0 when not given, because the runtime's
     own default is 1.0), and its seed when given. Raises SamplingRefused for anything the engine cannot honour."""
     refusal = sampling_refusal(params)
