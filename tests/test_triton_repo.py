@@ -624,6 +624,12 @@ def test_unsupported_sampling_parameters_are_refused(sampler: P.Preprocessor, na
         sampler.preprocess(_request(["a", "b"], **{name: np.array([[neutral], [value]], dtype)}))
 
 
+def test_every_sampling_input_has_a_rule():
+    from dflash_trt.sampling_rules import NEUTRAL
+
+    assert set(P.SAMPLING_INPUTS) <= set(NEUTRAL)
+
+
 def test_top_k_one_is_greedy_only(sampler: P.Preprocessor):
     sampler.preprocess(_request(["a"], top_k=np.array([[1]], np.int32)))
     with pytest.raises(ValueError, match="top_k 1 refused"):
