@@ -346,7 +346,8 @@ def test_launch_script_preloads_the_plugin(tmp_path: Path, tokenizer_dir: Path, 
 
 # ---------------------------------------------------------------- client over the real gRPC protocol
 
-TYPE_TO_WIRE = {"TYPE_STRING": "BYTES", "TYPE_INT32": "INT32", "TYPE_BOOL": "BOOL", "TYPE_FP32": "FP32"}
+TYPE_TO_WIRE = {"TYPE_STRING": "BYTES", "TYPE_INT32": "INT32", "TYPE_BOOL": "BOOL", "TYPE_FP32": "FP32",
+                "TYPE_UINT64": "UINT64"}
 
 
 def _bytes_tensor(values: list[bytes]) -> bytes:
@@ -401,8 +402,8 @@ def test_client_streams_text_and_acceptance(tmp_path: Path, tokenizer_dir: Path)
     server, port, seen = _loopback_server(ensemble, ["Draft", "ing é", "!"])
     try:
         chunks: list[str] = []
-        gen = triton_client.stream_generate(f"127.0.0.1:{port}", "the fox", 16, temperature=0.0,
-                                            stop_words=["dog"], on_text=chunks.append, timeout_s=30)
+        gen = triton_client.stream_generate(f"127.0.0.1:{port}", "the fox", 16, temperature=0.7,
+                                            stop_words=["dog"], on_text=chunks.append, timeout_s=30, seed=42)
     finally:
         server.stop(0)
     assert gen.errors == [] and gen.text == "Drafting é!" and chunks == ["Draft", "ing é", "!"]
@@ -412,6 +413,8 @@ def test_client_streams_text_and_acceptance(tmp_path: Path, tokenizer_dir: Path)
     sent = {t.name: raw for t, raw in zip(request.inputs, request.raw_input_contents, strict=True)}
     assert sent["text_input"] == _bytes_tensor([b"the fox"]) and sent["stop_words"] == _bytes_tensor([b"dog"])
     assert np.frombuffer(sent["max_tokens"], np.int32).tolist() == [16]
+    assert np.frombuffer(sent["random_seed"], np.uint64).tolist() == [42]
+    assert np.frombuffer(sent["temperature"], np.float32).tolist() == [pytest.approx(0.7)]
     assert sent["stream"] == b"\x01" and sent["return_perf_metrics"] == b"\x01"
     # 45 drafted tokens over steps of 15 drafts = 3 steps; (27 accepted + 3 bonus) / 3 = 10 tokens per step.
     assert "mean acceptance length 10.00" in triton_client.summary(gen, 15)
