@@ -258,3 +258,7 @@ def test_engine_method_refuses_what_the_engine_cannot_honour(tiny, tmp_path, cap
     err = capsys.readouterr().err
     assert "top_p 0.9 refused" in err and "--sampling reference" in err
     assert main([*base, "--top_k", "5", "--sampling", "reference", "--max_new_tokens", "2"]) == 0
+    capsys.readouterr()
+    missing = ["generate", "--checkpoint_dir", str(tmp_path / "missing"), "--input_file", str(path)]
+    assert main([*missing, "--temperature", "0.5", "--top_k", "3"]) == 2  # refused before anything is loaded
+    assert "top_k 3 refused" in capsys.readouterr().err

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from dflash_trt.prompts import read_prompts
-from dflash_trt.reference.decode import SequenceResult, speculative_generate
+from dflash_trt.reference.decode import SequenceResult, per_sequence_sampling, speculative_generate
 from dflash_trt.reference.model import load_golden_model
 from dflash_trt.reference.sampling import ENGINE, METHODS, SamplingParams
 from dflash_trt.reference.stats import mean_acceptance_length, per_position_acceptance
@@ -59,10 +59,11 @@ def sequence_record(result: SequenceResult, tokenizer, trace: bool) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     checkpoint_dir = Path(args.checkpoint_dir)
+    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.sampling)
+    per_sequence_sampling(sampling, 1)  # refuse what the chosen rule cannot honour before loading anything
     model = load_golden_model(checkpoint_dir)
     tokenizer = load_tokenizer(checkpoint_dir)
     prompts = read_prompts(args.input_file, tokenizer)
-    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.sampling)
     if args.ignore_eos:
         stop_ids = []
     elif args.stop_token_ids is not None:

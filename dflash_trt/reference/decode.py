@@ -69,7 +69,7 @@ def _check_prompts(prompts: list[list[int]], vocab_size: int, max_new_tokens: li
             raise DFlashTrtError(f"max_new_tokens must be >= 1, got {new} for prompt {i}")
 
 
-def _per_sequence_sampling(sampling: SamplingParams | list[SamplingParams] | None, batch: int
+def per_sequence_sampling(sampling: SamplingParams | list[SamplingParams] | None, batch: int
                            ) -> list[SamplingParams]:
     """One SamplingParams per sequence; refuses what the engine method cannot honour (top-k / top-p)."""
     if sampling is None or isinstance(sampling, SamplingParams):
@@ -101,7 +101,7 @@ def speculative_generate(
     """Generate for every prompt at once; results are identical to running each prompt alone (greedy, or with the
     engine's sampling when each sequence gets the same seed). `sampling` may be one SamplingParams per prompt (engine
     method only); `seeds` overrides the per-sequence seeds `seed + i` of the engine method."""
-    per_sequence = _per_sequence_sampling(sampling, len(prompts))
+    per_sequence = per_sequence_sampling(sampling, len(prompts))
     sampling = per_sequence[0]
     reference = any(p.method == REFERENCE and not p.greedy for p in per_sequence)
     target, draft = model.target, model.draft
