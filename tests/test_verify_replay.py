@@ -13,32 +13,48 @@ from _pairs import PairVariant, make_pair
 from dflash_trt.checkpoint.convert import convert_checkpoint
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import GoldenModel, load_golden_model
-from dflash_trt.reference.sampling import SamplingParams
+from dflash_trt.reference.sampling import SamplingParams, sample_by_uniform
+from dflash_trt.trtllm.build_plan import vocab_blocks
 
 BLOCK = 4
 K = BLOCK - 1
 
 
+def engine_sample_rows(rows, temperatures, uniforms, vocab_size):
+    """The ops of verify.sample_rows in torch: two-level inverse CDF in fp32, argmax where the temperature is 0.
+    (Block masses are summed by torch here and by a TensorRT reduce there: the same fp32 sums up to ordering.)"""
+    padded = rows.shape[-1]
+    if padded > vocab_size:
+        rows = rows + torch.tensor([[0.0] * vocab_size + [-torch.inf] * (padded - vocab_size)])
+    sampled = temperatures > 0.0
+    inverse = 1.0 / torch.where(sampled, temperatures, torch.tensor([[1.0]]))
+    weights = torch.exp((rows - rows.amax(1, keepdim=True)) * inverse)
+    count, width = vocab_blocks(padded)
+    weights = torch.cat([weights, torch.zeros(len(weights), count * width - padded)], dim=1)
+    blocks = weights.view(-1, count, width)
+    block_mass = blocks.sum(2)
+    block_cdf = torch.cumsum(block_mass, 1)
+    threshold = uniforms * block_cdf[:, count - 1 : count]
+    block = torch.minimum((block_cdf < threshold).to(torch.int32).sum(1).view(-1, 1), torch.tensor([[count - 1]]))
+    before = torch.gather(block_cdf - block_mass, 1, block.long())
+    inside = torch.gather(blocks, 1, block.long().view(-1, 1, 1).expand(-1, 1, width)).view(-1, width)
+    offset = (torch.cumsum(inside, 1) < threshold - before).to(torch.int32).sum(1).view(-1, 1)
+    drawn = torch.minimum(
+        block * width + torch.minimum(offset, torch.tensor([[width - 1]])), torch.tensor([[vocab_size - 1]])
+    )
+    return torch.where(sampled, drawn, rows.argmax(1, keepdim=True).to(torch.int32))
+
+
 def engine_verify(logits, draft_tokens, draft_lens, temperature, rand_validation, rand_sample, vocab_size):
-    """The ops of verify.verify_drafts (slot_logit_rows, sample_rows), one for one in torch, fp32 like the engine."""
+    """The ops of verify.verify_drafts (slot_logit_rows, then sample_rows), one for one in torch."""
     rows_per_request = draft_lens + 1
     offsets = torch.cumsum(rows_per_request, 0) - rows_per_request
     local = torch.minimum(torch.arange(K + 1)[None], draft_lens[:, None])
     rows = logits.index_select(0, (offsets[:, None] + local).reshape(-1))
-    padded = rows.shape[-1]
-    if padded > vocab_size:
-        rows = rows + torch.tensor([[0.0] * vocab_size + [-torch.inf] * (padded - vocab_size)])
     temperatures = temperature[:, None].expand(-1, K + 1).reshape(-1, 1)
     generation = (draft_lens > 0)[:, None].expand(-1, K + 1)
     uniforms = torch.where(generation, rand_validation, rand_sample[:, None].expand(-1, K + 1)).reshape(-1, 1)
-    sampled = temperatures > 0.0
-    inverse = 1.0 / torch.where(sampled, temperatures, torch.tensor([[1.0]]))
-    weights = torch.exp((rows - rows.amax(1, keepdim=True)) * inverse)
-    cumulative = torch.cumsum(weights, 1)
-    total = cumulative[:, padded - 1 : padded]
-    below = (cumulative < uniforms * total).to(torch.int32)
-    drawn = torch.minimum(below.sum(1).view(-1, 1), torch.tensor([[vocab_size - 1]]))
-    tokens = torch.where(sampled, drawn, rows.argmax(1, keepdim=True).to(torch.int32)).view(-1, K + 1)
+    tokens = engine_sample_rows(rows, temperatures, uniforms, vocab_size).view(-1, K + 1)
     drafts = torch.cat([draft_tokens, torch.full((len(draft_lens), 1), -1, dtype=torch.int32)], dim=1)
     slots = torch.arange(K + 1)[None]
     kept = (tokens == drafts).to(torch.int32) * (slots < draft_lens[:, None]).to(torch.int32)
@@ -122,3 +138,15 @@ def test_in_graph_verification_takes_the_golden_decisions(golden: GoldenModel, p
             checked += 1
             accepted_seen += accepted
     assert checked >= 10 and accepted_seen > 0
+
+
+def test_two_level_fp32_inverse_cdf_matches_the_float64_rule_on_a_real_vocabulary():
+    """Qwen3's 151936 tokens, peaked and flat rows: the engine's fp32 sampler picks the golden float64 rule's token."""
+    generator = torch.Generator().manual_seed(0)
+    vocab, rows = 151936, 48
+    logits = torch.randn(rows, vocab, generator=generator) * torch.linspace(0.5, 8.0, rows)[:, None]
+    temperatures = torch.tensor([0.3, 0.7, 1.0, 1.6] * (rows // 4))[:, None]
+    uniforms = torch.rand(rows, 1, generator=generator)
+    engine = engine_sample_rows(logits, temperatures, uniforms, vocab)[:, 0]
+    golden = torch.stack([sample_by_uniform(logits[i], float(temperatures[i]), uniforms[i, 0]) for i in range(rows)])
+    assert engine.tolist() == golden.tolist()

@@ -131,6 +131,14 @@ def chain_draft_paths(max_draft_len: int) -> list[list[int]]:
     return [list(range(width))] + [[-1] * width for _ in range(max_draft_len)]
 
 
+def vocab_blocks(padded_vocab: int) -> tuple[int, int]:
+    """(blocks, block width) of the engine's two-level inverse CDF (trtllm/verify.py), about sqrt(V) each: every fp32
+    prefix sum then runs over a small mass, so rounding moves a token's probability by ~1e-7 of its block's mass
+    rather than of the whole distribution."""
+    width = math.isqrt(padded_vocab - 1) + 1
+    return -(-padded_vocab // width), width
+
+
 def block_mask(block_size: int, causal: bool) -> list[list[bool]]:
     """Which block tokens each block query sees: all (DFlash full attention) or itself and earlier (causal)."""
     return [[(not causal) or key <= query for key in range(block_size)] for query in range(block_size)]

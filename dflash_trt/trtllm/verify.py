@@ -8,8 +8,9 @@ mismatching `x_j` is the bonus token. Uniforms: `rand_data_validation[b, j]` for
 step), `rand_data_sample[b]` for a context request, whose first token is sampled from its single logits row (the
 runtime draws it when the request is set up; its `rand_data_validation` row is stale then).
 `dflash_trt.reference.sampling.exact_match_accept` is the same rule in torch; tests replay these ops against it.
-Only tensorrt_llm.functional ops; the vocabulary-wide prefix sum uses TensorRT-LLM's CumsumLastDim plugin (an
-exact fp32 scan, where a matmul with a triangular matrix could round through TF32).
+Only tensorrt_llm.functional ops. The inverse CDF is two-level (block masses, then one block) so that no prefix sum
+runs over the whole vocabulary in fp32; the prefix sums use TensorRT-LLM's CumsumLastDim plugin (an fp32 scan,
+where a matmul with a triangular matrix could round through TF32).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tensorrt_llm.functional import (
     eq,
     exp,
     expand,
+    gather,
     index_select,
     max,
     minimum,
@@ -34,6 +36,8 @@ from tensorrt_llm.functional import (
     unsqueeze,
     where,
 )
+
+from dflash_trt.trtllm.build_plan import vocab_blocks
 
 
 def _i32(values) -> Tensor:
@@ -55,8 +59,8 @@ def slot_logit_rows(draft_lens: Tensor, max_draft_len: int) -> Tensor:
 
 def sample_rows(logits: Tensor, temperature: Tensor, uniform: Tensor, vocab_size: int) -> Tensor:
     """One token per row of `logits [N, Vpad]` (fp32; columns from `vocab_size` on are lm_head padding): argmax where
-    `temperature [N, 1]` is 0, else the number of tokens whose cumulative softmax(z / T) mass stays below `uniform
-    [N, 1]` times the total (the inverse CDF). Returns [N, 1] int32."""
+    `temperature [N, 1]` is 0, else the inverse CDF of softmax(z / T) at `uniform [N, 1]`: the block whose cumulative
+    mass first reaches `uniform` times the total, then the token inside it. Returns [N, 1] int32."""
     padded = logits.size(-1)
     rows = shape(logits, 0)
     if padded > vocab_size:
@@ -64,10 +68,21 @@ def sample_rows(logits: Tensor, temperature: Tensor, uniform: Tensor, vocab_size
     sampled = temperature > 0.0
     inverse = _f32([[1.0]]) / where(sampled, temperature, _f32([[1.0]]))
     weights = exp((logits - max(logits, 1, keepdim=True)) * inverse)
-    cumulative = cumsum(weights, 1)
-    total = slice(cumulative, [0, padded - 1], concat([rows, 1]))
-    below = cast(cumulative < uniform * total, "int32")
-    drawn = minimum(sum(below, dim=1).view(concat([rows, 1])), _i32([[vocab_size - 1]]))
+    count, width = vocab_blocks(padded)
+    if count * width > padded:
+        weights = concat(
+            [weights, expand(_f32([[0.0] * (count * width - padded)]), concat([rows, count * width - padded]))], dim=1
+        )
+    blocks = weights.view([-1, count, width])
+    block_mass = sum(blocks, dim=2)
+    block_cdf = cumsum(block_mass, 1)
+    threshold = uniform * slice(block_cdf, [0, count - 1], concat([rows, 1]))
+    block = minimum(sum(cast(block_cdf < threshold, "int32"), dim=1).view([-1, 1]), _i32([[count - 1]]))
+    before = gather(block_cdf - block_mass, 1, block)
+    inside = gather(blocks, 1, expand(block.view([-1, 1, 1]), concat([rows, 1, width])))
+    inside_cdf = cumsum(inside.view([-1, width]), 1)
+    offset = sum(cast(inside_cdf < threshold - before, "int32"), dim=1).view([-1, 1])
+    drawn = minimum(block * width + minimum(offset, _i32([[width - 1]])), _i32([[vocab_size - 1]]))
     return where(sampled, drawn, cast(argmax(logits, 1, keepdim=True), "int32"))
 
 
