@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import re
 import shlex
@@ -35,7 +34,7 @@ from dflash_trt.profiles import (
     resolve_model_dir,
 )
 from dflash_trt.recorded_configs import ModelSource, load_recorded_configs, local_source, recorded_source
-from dflash_trt.triton.repository import RepositorySettings, serving_fields
+from dflash_trt.triton.repository import RepositorySettings, max_temperature_for_sampling, serving_fields
 from dflash_trt.triton.serving import ServingSettings
 from dflash_trt.trtllm.build_plan import (
     SAMPLING_POLICY,
@@ -173,7 +172,7 @@ def settings_from_profile(profile: BuildProfile, engine_dir: str | Path, tokeniz
         max_input_len=eng.max_input_len,
         max_draft_len=eng.max_draft_len,
         world_size=profile.checkpoint.tp_size,
-        max_temperature=0.0 if SAMPLING_POLICY == "greedy" else math.inf,
+        max_temperature=max_temperature_for_sampling(SAMPLING_POLICY),
         **serving_fields(serving or profile.serving),
     )
 

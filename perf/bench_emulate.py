@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import torch
-from dflash_trt.conversion.convert import convert_checkpoint
 
+from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.emulation.runtime import EmulatedRuntime
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import load_golden_model

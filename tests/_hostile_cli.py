@@ -63,7 +63,9 @@ def make_world(root: Path) -> World:
     world.plugin.write_bytes(b"\x7fELF not really")
     world.engine.mkdir()
     (world.engine / "config.json").write_text(
-        json.dumps({"pretrained_config": {"vocab_size": 512}, "build_config": {"max_batch_size": 4, "max_input_len": 64}})
+        json.dumps(
+            {"pretrained_config": {"vocab_size": 512}, "build_config": {"max_batch_size": 4, "max_input_len": 64}}
+        )
     )
     manifest = {"max_batch_size": 4, "max_draft_len": 15, "tp_size": 1, "plugin_library": str(world.plugin)}
     (world.engine / "dflash_trt.json").write_text(json.dumps(manifest))

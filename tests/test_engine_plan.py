@@ -121,7 +121,7 @@ def test_manifest_records_what_runners_need(ckpt: Path, tmp_path: Path):
     assert manifest["target_layer_ids"] == [1, 4] and manifest["mask_token_id"] == 999
     assert manifest["draft_kv_layer_offset"] == 6
     assert manifest["eagle_choices"] == [[0] * d for d in range(1, 16)]
-    assert manifest["sampling"] == "greedy" and manifest["max_temperature"] == 0.0
+    assert manifest["sampling"] == "exact_match" and manifest["honoured_sampling_parameters"] == ["temperature", "seed"]
     # builder.build(): max_seq_len += max_draft_len (15), then += num_eagle_layers (15 for one chain)
     assert manifest["max_seq_len"] == 2048 + 15 + 15
     assert manifest["plugin_library"] == "/x.so" and manifest["plugin_namespace"] == "dflash_trt"

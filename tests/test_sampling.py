@@ -91,3 +91,27 @@ def test_end_to_end_sampling_matches_target_distribution(tmp_path):
     observed = torch.cat([counts.flatten()[big], counts.flatten()[~big].sum()[None]])
     wanted = torch.cat([expected.flatten()[big], expected.flatten()[~big].sum()[None]])
     assert chisquare(observed.numpy(), wanted.numpy() * observed.sum().item() / wanted.sum().item()).pvalue > 1e-3
+
+
+def test_inverse_cdf_sampling_boundaries_by_hand():
+    """Probabilities 0.2 / 0.5 / 0.3: token 0 below u = 0.2, token 1 up to 0.7, token 2 above; T = 0 is argmax."""
+    from dflash_trt.reference.sampling import sample_by_uniform
+
+    logits = torch.log(torch.tensor([0.2, 0.5, 0.3]))
+    picks = [int(sample_by_uniform(logits, 1.0, torch.tensor(u))) for u in (0.01, 0.19, 0.21, 0.69, 0.71, 1.0)]
+    assert picks == [0, 0, 1, 1, 2, 2]
+    assert int(sample_by_uniform(logits, 0.0, torch.tensor(0.01))) == 1
+    # T = 2 flattens to softmax(log p / 2) ∝ sqrt(p): 0.4472 / 0.7071 / 0.5477 -> cumulative 0.2626, 0.6780.
+    picks = [int(sample_by_uniform(logits, 2.0, torch.tensor(u))) for u in (0.26, 0.27, 0.67, 0.68)]
+    assert picks == [0, 1, 1, 2]
+
+
+def test_exact_match_accept_stops_at_the_first_mismatching_sample():
+    from dflash_trt.reference.sampling import exact_match_accept
+
+    logits = torch.log(torch.tensor([[0.5, 0.5], [0.5, 0.5], [0.5, 0.5]]))
+    drafts = torch.tensor([1, 0])
+    # u < 0.5 samples token 0, u >= 0.5 token 1.
+    assert exact_match_accept(drafts, logits, 1.0, torch.tensor([0.9, 0.1, 0.7])) == (2, 1)
+    assert exact_match_accept(drafts, logits, 1.0, torch.tensor([0.9, 0.6, 0.1])) == (1, 1)
+    assert exact_match_accept(drafts, logits, 1.0, torch.tensor([0.2, 0.1, 0.1])) == (0, 0)

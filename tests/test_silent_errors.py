@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from _hostile_cli import World, hub_snapshot, make_world, run_cli
-from dflash_trt.conversion.calibrate import calibrate_pair
 from safetensors.torch import load_file, save_file
 
 from dflash_trt import pipeline
 from dflash_trt.conversion import convert as convert_module
+from dflash_trt.conversion.calibrate import calibrate_pair
 from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.conversion.verify import verify_checkpoint
 from dflash_trt.errors import DFlashTrtError

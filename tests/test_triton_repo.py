@@ -146,7 +146,7 @@ def test_repository_for_a_profile_parses_and_is_wired(tmp_path: Path, tokenizer_
     assert trt.max_batch_size == prof.engine.max_batch_size
     assert {"acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens"} <= {o.name for o in trt.output}
     pre = _params(configs["preprocessing"])
-    assert float(pre["max_temperature"]) == 0.0 and int(pre["max_input_len"]) == prof.engine.max_input_len
+    assert float(pre["max_temperature"]) == float("inf") and int(pre["max_input_len"]) == prof.engine.max_input_len
     for path in [*repo.glob("*/config.pbtxt"), repo / SETTINGS_FILE]:  # no fill_template placeholder left
         assert "${" not in path.read_text(), path
     assert (repo / "preprocessing/1/model.py").is_file() and (repo / f"postprocessing/1/{PROCESSING_FILE}").is_file()
@@ -413,7 +413,8 @@ def test_launch_script_preloads_the_plugin(tmp_path: Path, tokenizer_dir: Path, 
 
 # ---------------------------------------------------------------- client over the real gRPC protocol
 
-TYPE_TO_WIRE = {"TYPE_STRING": "BYTES", "TYPE_INT32": "INT32", "TYPE_BOOL": "BOOL", "TYPE_FP32": "FP32"}
+TYPE_TO_WIRE = {"TYPE_STRING": "BYTES", "TYPE_INT32": "INT32", "TYPE_BOOL": "BOOL", "TYPE_FP32": "FP32",
+                "TYPE_UINT64": "UINT64"}
 
 
 def _bytes_tensor(values: list[bytes]) -> bytes:
@@ -468,8 +469,8 @@ def test_client_streams_text_and_acceptance(tmp_path: Path, tokenizer_dir: Path)
     server, port, seen = _loopback_server(ensemble, ["Draft", "ing é", "!"])
     try:
         chunks: list[str] = []
-        gen = triton_client.stream_generate(f"127.0.0.1:{port}", "the fox", 16, temperature=0.0,
-                                            stop_words=["dog"], on_text=chunks.append, timeout_s=30)
+        gen = triton_client.stream_generate(f"127.0.0.1:{port}", "the fox", 16, temperature=0.7,
+                                            stop_words=["dog"], on_text=chunks.append, timeout_s=30, seed=42)
     finally:
         server.stop(0)
     assert gen.errors == [] and gen.text == "Drafting é!" and chunks == ["Draft", "ing é", "!"]
@@ -479,6 +480,8 @@ def test_client_streams_text_and_acceptance(tmp_path: Path, tokenizer_dir: Path)
     sent = {t.name: raw for t, raw in zip(request.inputs, request.raw_input_contents, strict=True)}
     assert sent["text_input"] == _bytes_tensor([b"the fox"]) and sent["stop_words"] == _bytes_tensor([b"dog"])
     assert np.frombuffer(sent["max_tokens"], np.int32).tolist() == [16]
+    assert np.frombuffer(sent["random_seed"], np.uint64).tolist() == [42]
+    assert np.frombuffer(sent["temperature"], np.float32).tolist() == [pytest.approx(0.7)]
     assert sent["stream"] == b"\x01" and sent["return_perf_metrics"] == b"\x01"
     # 45 drafted tokens over steps of 15 drafts = 3 steps; (27 accepted + 3 bonus) / 3 = 10 tokens per step.
     assert "mean acceptance length 10.00" in triton_client.summary(gen, 15)
@@ -658,3 +661,78 @@ def test_bls_model_streams_whole_characters_to_the_engine_interface(tmp_path: Pa
     bls.execute([hot])
     (error_response, _), final = hot.sender.sent
     assert "temperature 0.9 refused" in error_response.error.message and final == (None, 1)
+
+
+# ---------------------------------------------------------------- sampling parameters (engines with exact sampling)
+
+
+@pytest.fixture(scope="module")
+def sampler(tokenizer_dir: Path) -> P.Preprocessor:
+    return P.Preprocessor.from_dir(str(tokenizer_dir), add_special_tokens=False, max_input_len=32,
+                                   max_temperature=float("inf"))
+
+
+def test_temperature_reaches_the_engine_and_defaults_to_greedy(sampler: P.Preprocessor):
+    """Without a temperature the runtime would sample at its default of 1.0, so preprocessing always sends one."""
+    out = sampler.preprocess(_request(["the dog", "the fox"]))
+    assert out[P.OUT_TEMPERATURE].tolist() == [[0.0], [0.0]] and out[P.OUT_TEMPERATURE].dtype == np.float32
+    hot = sampler.preprocess(_request(["the dog", "the fox"], **{P.TEMPERATURE: np.array([[0.7], [0.0]], np.float32)}))
+    assert hot[P.OUT_TEMPERATURE].tolist() == [[pytest.approx(0.7)], [0.0]]
+
+
+@pytest.mark.parametrize("name, value, dtype", [
+    ("top_k", 40, np.int32), ("top_p", 0.9, np.float32), ("repetition_penalty", 1.2, np.float32),
+    ("presence_penalty", 0.5, np.float32), ("frequency_penalty", 0.5, np.float32),
+    ("length_penalty", 2.0, np.float32), ("min_tokens", 5, np.int32), ("beam_width", 4, np.int32),
+    ("num_return_sequences", 2, np.int32)])
+def test_unsupported_sampling_parameters_are_refused(sampler: P.Preprocessor, name: str, value, dtype):
+    neutral = {"top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+               "frequency_penalty": 0.0, "length_penalty": 1.0, "min_tokens": 1, "beam_width": 1,
+               "num_return_sequences": 1}[name]
+    sampler.preprocess(_request(["a", "b"], **{name: np.array([[neutral], [neutral]], dtype)}))
+    with pytest.raises(ValueError, match=f"^{name} .* refused: a DFlash engine samples with temperature and seed"):
+        sampler.preprocess(_request(["a", "b"], **{name: np.array([[neutral], [value]], dtype)}))
+
+
+def test_every_sampling_input_has_a_rule():
+    from dflash_trt.sampling_rules import NEUTRAL
+
+    assert set(P.SAMPLING_INPUTS) <= set(NEUTRAL)
+
+
+def test_top_k_one_is_greedy_only(sampler: P.Preprocessor):
+    sampler.preprocess(_request(["a"], top_k=np.array([[1]], np.int32)))
+    with pytest.raises(ValueError, match="top_k 1 refused"):
+        sampler.preprocess(_request(["a"], top_k=np.array([[1]], np.int32),
+                                    **{P.TEMPERATURE: np.array([[0.5]], np.float32)}))
+    with pytest.raises(ValueError, match="temperature -1.0 refused: it must be a finite number >= 0"):
+        sampler.preprocess(_request(["a"], **{P.TEMPERATURE: np.array([[-1.0]], np.float32)}))
+
+
+def test_settings_from_an_exact_sampling_engine_take_any_temperature(tmp_path: Path, tokenizer_dir: Path):
+    engine = _engine_dir(tmp_path / "eng", sampling="exact_match")
+    assert settings_from_engine(engine, tokenizer_dir).max_temperature == float("inf")
+
+
+def test_bls_sends_temperature_and_seed_and_refuses_top_p(tmp_path: Path, tokenizer_dir: Path, monkeypatch):
+    """Inside Triton dflash_trt may be absent: the models use the rules file copied next to them."""
+    monkeypatch.setitem(sys.modules, "dflash_trt.sampling_rules", None)
+    repo = write_repository(_settings(tokenizer_dir, max_temperature=float("inf")), tmp_path / "repo")
+    bls = _load_model(repo, "tensorrt_llm_bls", monkeypatch)
+    assert sys.modules["dflash_processing"].sampling_refusal.__module__ == "dflash_sampling_rules"
+    _StandInPbUtils.engine_responses, _StandInPbUtils.llm_requests = [], []
+    request = _BlsRequest({"text_input": np.array([[b"the fox"]], object), "max_tokens": np.array([[4]], np.int32),
+                           "temperature": np.array([[0.8]], np.float32),
+                           "random_seed": np.array([[1234]], np.uint64)})
+    bls.execute([request])
+    [llm] = _StandInPbUtils.llm_requests
+    assert llm.inputs["temperature"].tolist() == [[pytest.approx(0.8)]]
+    assert llm.inputs["random_seed"].tolist() == [[1234]]
+    refused = _BlsRequest({"text_input": np.array([[b"the fox"]], object), "max_tokens": np.array([[4]], np.int32),
+                           "top_p": np.array([[0.5]], np.float32)})
+    bls.execute([refused])
+    (error, _), final = refused.sender.sent
+    assert error.error.message.startswith("top_p 0.5 refused") and final == (None, 1)
+    pre = _load_model(repo, "preprocessing", monkeypatch)
+    [response] = pre.execute([_request(["the fox"], top_k=np.array([[3]], np.int32))])
+    assert response.error.message.startswith("top_k 3 refused")

@@ -27,7 +27,7 @@ from dflash_trt.reference.stats import mean_acceptance_length, per_position_acce
 from dflash_trt.tiny.corpus import generate as generate_problems
 from dflash_trt.tiny.heldout import asset_dir, draft_dir, is_correct, load_heldout, target_dir
 from dflash_trt.tokenizer import load_tokenizer
-from dflash_trt.triton.repository import RepositorySettings, write_repository
+from dflash_trt.triton.repository import RepositorySettings, max_temperature_for_sampling, write_repository
 from dflash_trt.trtllm.build_plan import EngineBuildSettings, plan_engine_build
 
 
@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
         RepositorySettings(engine_dir=plan.output_dir, tokenizer_dir=str(target_dir()),
                            plugin_library=plan.plugin_library, max_batch_size=settings.max_batch_size,
                            max_input_len=settings.max_input_len, max_draft_len=block - 1, world_size=1,
-                           max_temperature=0.0),
+                           max_temperature=max_temperature_for_sampling(plan.dflash_manifest["sampling"])),
         out / "triton_repository", overwrite=args.overwrite)
     say(f"      build plan → {out / 'build_plan.json'}; Triton repository → {repository}")
     summary["build_command"] = plan.shell_command()

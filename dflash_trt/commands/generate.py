@@ -1,7 +1,10 @@
 """`dflash-trt generate`: speculative decoding of a converted checkpoint with the torch golden model.
 
 Each input line is `{"input_ids": [...]}` or, when the checkpoint directory holds a tokenizer, `{"text": "..."}`.
-Stops at the target's EOS ids unless `--stop_token_ids` or `--ignore_eos` say otherwise.
+Stops at the target's EOS ids unless `--stop_token_ids` or `--ignore_eos` say otherwise. At --temperature > 0 the
+default `--sampling engine` is the engine's rule (argmax drafts, one target sample per verified position, accepted
+while it equals the draft; temperature only, like the engine); `--sampling reference` is dflash_generate's rejection
+sampling of sampled drafts (honours --top_p / --top_k). Both reproduce the target's distribution exactly.
 """
 
 from __future__ import annotations
@@ -18,9 +21,9 @@ from tqdm import tqdm
 
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.prompts import read_prompts
-from dflash_trt.reference.decode import SequenceResult, speculative_generate
+from dflash_trt.reference.decode import SequenceResult, per_sequence_sampling, speculative_generate
 from dflash_trt.reference.model import load_golden_model
-from dflash_trt.reference.sampling import SamplingParams
+from dflash_trt.reference.sampling import ENGINE, METHODS, SamplingParams
 from dflash_trt.reference.stats import mean_acceptance_length, per_position_acceptance
 from dflash_trt.tokenizer import load_tokenizer
 
@@ -33,9 +36,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--input_file", required=True, help="jsonl prompts")
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top_p", type=float, default=1.0)
-    parser.add_argument("--top_k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--top_p", type=float, default=1.0, help="--sampling reference only")
+    parser.add_argument("--top_k", type=int, default=0, help="--sampling reference only")
+    parser.add_argument("--sampling", choices=METHODS, default=ENGINE,
+                        help="rule at temperature > 0: the engine's (default) or dflash_generate's")
+    parser.add_argument("--seed", type=int, default=0, help="sequence i draws from seed + i (engine rule)")
     parser.add_argument("--block_size", type=int, default=None, help="verify block (default: the drafter's)")
     stops = parser.add_mutually_exclusive_group()
     stops.add_argument("--stop_token_ids", type=int, nargs="+", default=None, help="replace the EOS stop ids")
@@ -87,11 +92,12 @@ def _print_trace(record: dict) -> None:
 
 def run(args: argparse.Namespace) -> int:
     checkpoint_dir = Path(args.checkpoint_dir)
+    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.sampling)
+    per_sequence_sampling(sampling, 1)  # refuse what the chosen rule cannot honour before loading anything
     model = load_golden_model(checkpoint_dir)
     tokenizer = load_tokenizer(checkpoint_dir)
     prompts = read_prompts(args.input_file, tokenizer)
     check_arguments(args, prompts, model.target.spec.max_position_embeddings)
-    sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
     if args.ignore_eos:
         stop_ids = []
     elif args.stop_token_ids is not None:

@@ -1,10 +1,11 @@
 """`dflash-trt selftest`: prove on this GPU host that the DFlash engine decodes exactly like the golden model.
 
-Converts the embedded tiny trained pair, builds its engine with TensorRT-LLM 1.2.x (plugin library required),
-runs held-out prompts through the executor in EAGLE mode (all in flight at once, streamed, one response per
-decoding iteration: `dflash_trt.bench`) and through the golden model, and fails unless every token and every
-acceptance length both define the same way agree; then a short concurrency-1 run of the same load generator
-reports the engine's speed and acceptance. Greedy decoding, the engine's only mode.
+Converts the embedded tiny trained pair, builds its engine with TensorRT-LLM 1.2.x (plugin library required), runs
+held-out prompts through the executor in EAGLE mode (all in flight at once, streamed, one response per decoding
+iteration: `dflash_trt.bench`) and through the golden model, and fails unless every token and every acceptance
+length both define the same way agree; then a short concurrency-1 run of the same load generator reports the
+engine's speed and acceptance. Greedy decoding: temperature 0 is sent explicitly, since a request without one is
+sampled at the runtime's default temperature of 1.0.
 """
 
 from __future__ import annotations

@@ -15,7 +15,16 @@ import torch
 
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.reference.model import GoldenModel
-from dflash_trt.reference.sampling import SamplingParams, pick_tokens, rejection_accept, sampling_probs
+from dflash_trt.reference.sampling import (
+    REFERENCE,
+    SamplingParams,
+    exact_match_accept,
+    pick_tokens,
+    rejection_accept,
+    sample_by_uniform,
+    sampling_probs,
+)
+from dflash_trt.sampling_rules import sampling_refusal
 
 
 @dataclass
@@ -61,19 +70,43 @@ def _check_prompts(prompts: list[list[int]], vocab_size: int, max_new_tokens: li
             raise DFlashTrtError(f"max_new_tokens must be >= 1, got {new} for prompt {i}")
 
 
+def per_sequence_sampling(sampling: SamplingParams | list[SamplingParams] | None, batch: int
+                           ) -> list[SamplingParams]:
+    """One SamplingParams per sequence; refuses what the engine method cannot honour (top-k / top-p)."""
+    if sampling is None or isinstance(sampling, SamplingParams):
+        params = [sampling or SamplingParams()] * batch
+    else:
+        params = list(sampling)
+        if len(params) != batch:
+            raise DFlashTrtError(f"got {len(params)} sampling settings for {batch} prompts")
+    if any(p.method == REFERENCE and not p.greedy for p in params) and len(set(params)) > 1:
+        raise DFlashTrtError("the reference sampling method takes one setting for the whole batch")
+    for p in params:
+        if p.method != REFERENCE:
+            refusal = sampling_refusal({"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k})
+            if refusal is not None:
+                raise DFlashTrtError(f"{refusal} (the reference method honours it: --sampling reference)")
+    return params
+
+
 def speculative_generate(
     model: GoldenModel,
     prompts: list[list[int]],
     max_new_tokens: int | list[int],
     stop_token_ids: list[int] | None = None,
-    sampling: SamplingParams | None = None,
+    sampling: SamplingParams | list[SamplingParams] | None = None,
     seed: int = 0,
     block_size: int | None = None,
+    seeds: list[int] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> list[SequenceResult]:
-    """Generate for every prompt at once; results are identical to running each prompt alone (greedy).
-    `progress` hears how many tokens each step produced."""
-    sampling = sampling or SamplingParams()
+    """Generate for every prompt at once; results are identical to running each prompt alone (greedy, or with the
+    engine's sampling when each sequence gets the same seed). `sampling` may be one SamplingParams per prompt (engine
+    method only); `seeds` overrides the per-sequence seeds `seed + i` of the engine method. `progress` hears how many
+    tokens each step produced."""
+    per_sequence = per_sequence_sampling(sampling, len(prompts))
+    sampling = per_sequence[0]
+    reference = any(p.method == REFERENCE and not p.greedy for p in per_sequence)
     target, draft = model.target, model.draft
     block = draft.spec.block_size if block_size is None else block_size
     if not 1 <= block <= draft.spec.block_size:
@@ -82,6 +115,11 @@ def speculative_generate(
     _check_prompts(prompts, target.spec.vocab_size, news)
     stops = torch.tensor(sorted(set(stop_token_ids or [])), dtype=torch.long)
     generator = torch.Generator().manual_seed(seed)
+    sequence_seeds = list(seeds) if seeds is not None else [seed + i for i in range(len(prompts))]
+    if len(sequence_seeds) != len(prompts):
+        raise DFlashTrtError(f"got {len(sequence_seeds)} seeds for {len(prompts)} prompts")
+    generators = [torch.Generator().manual_seed(s) for s in sequence_seeds]
+    temperatures = [p.temperature for p in per_sequence]
     seqs = [
         _Sequence(SequenceResult(list(p)), list(p), len(p) + n) for p, n in zip(prompts, news, strict=True)
     ]
@@ -99,7 +137,13 @@ def speculative_generate(
     logits, taps = target.forward(tokens, positions, valid, target_cache)
     if block > 1:
         draft.inject(taps, positions, valid, draft_cache)
-    first = pick_tokens(logits[torch.arange(batch), lengths - 1], sampling, generator)
+    last_logits = logits[torch.arange(batch), lengths - 1]
+    if reference:
+        first = pick_tokens(last_logits, sampling, generator)
+    else:
+        # The runtime's first uniform of a request (rand_data_sample, drawn when the request is set up).
+        first = torch.cat([sample_by_uniform(last_logits[b : b + 1], temperatures[b], torch.rand(1, generator=g))
+                           for b, g in enumerate(generators)])
     for seq, token in zip(seqs, first.tolist(), strict=True):
         seq.tokens.append(token)
         seq.stopped = bool(torch.isin(torch.tensor(token), stops))
@@ -117,7 +161,7 @@ def speculative_generate(
         draft_probs = None
         if block > 1:
             draft_logits = draft.logits(draft.forward(block_ids, start, block_valid, draft_cache)[:, 1:])
-            if sampling.greedy:
+            if not reference:
                 block_ids[:, 1:] = draft_logits.argmax(dim=-1)
             else:
                 draft_probs = sampling_probs(draft_logits, sampling)
@@ -133,10 +177,10 @@ def speculative_generate(
                 continue
             v = int(verify[b])
             drafts = block_ids[b, 1:v]
-            if sampling.greedy:
-                posterior = logits[b, :v].argmax(dim=-1)
-                accepted = int((drafts == posterior[: v - 1]).to(torch.int64).cumprod(0).sum())
-                bonus = int(posterior[accepted])
+            if not reference:
+                # The runtime hands the engine one uniform per verified position (rand_data_validation).
+                uniforms = torch.rand(block, generator=generators[b])[:v]
+                accepted, bonus = exact_match_accept(drafts, logits[b, :v], temperatures[b], uniforms)
             elif v > 1:
                 assert draft_probs is not None  # v > 1 means block > 1, so the drafts were sampled above
                 accepted, bonus = rejection_accept(

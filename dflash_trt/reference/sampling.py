@@ -1,4 +1,10 @@
-"""Token sampling and lossless speculative acceptance, with the reference's temperature / top-k / top-p semantics."""
+"""Token sampling and the two lossless speculative acceptance rules the golden loop offers at temperature > 0.
+
+`engine` (the default, what the DFlash engine runs): argmax drafts; at each verified position one target token is
+sampled from softmax(z / T) by inverse CDF with one uniform; drafts are accepted while the sample equals them and the
+first mismatching sample is the bonus token. `reference` (parity with `dflash.model.dflash_generate`): drafts sampled
+from the drafter, then rejection sampling with the reference's temperature / top-k / top-p semantics.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +14,23 @@ import torch
 
 from dflash_trt.errors import DFlashTrtError
 
+ENGINE = "engine"
+REFERENCE = "reference"
+METHODS = (ENGINE, REFERENCE)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    method: str = ENGINE
 
     def __post_init__(self) -> None:
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise DFlashTrtError("temperature and top_k must be >= 0 and top_p must be in (0, 1]")
+        if self.method not in METHODS:
+            raise DFlashTrtError(f"sampling method must be one of {', '.join(METHODS)}, got {self.method!r}")
 
     @property
     def greedy(self) -> bool:
@@ -83,3 +96,29 @@ def rejection_accept(
         return accepted, int(sample_from(target_probs[n], generator))
     residual = residual_distribution(target_probs[accepted], draft_probs[accepted])
     return accepted, int(sample_from(residual, generator))
+
+
+def sample_by_uniform(logits: torch.Tensor, temperature: float, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of `logits` `[..., V]` from softmax(logits / T), by inverse CDF: the smallest token whose
+    cumulative probability reaches the row's uniform. T = 0 is argmax. This is the engine's sampling rule."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    scaled = (logits.double() - logits.double().amax(dim=-1, keepdim=True)) / temperature
+    cumulative = torch.exp(scaled).cumsum(dim=-1)
+    threshold = uniforms.double()[..., None] * cumulative[..., -1:]
+    return (cumulative < threshold).sum(dim=-1).clamp_max(logits.shape[-1] - 1)
+
+
+def exact_match_accept(
+    draft_tokens: torch.Tensor, target_logits: torch.Tensor, temperature: float, uniforms: torch.Tensor
+) -> tuple[int, int]:
+    """The engine's verification of argmax drafts: sample position i with uniform i, accept while it equals draft i.
+
+    draft_tokens `[n]`, target_logits `[n + 1, V]`, uniforms `[n + 1]` -> (accepted drafts, next token). The next token
+    is the first mismatching sample (or the sample after the last draft), so the output is distributed exactly as
+    sampling from the target alone: each emitted token is a fresh target sample given the tokens before it.
+    """
+    n = draft_tokens.shape[0]
+    samples = sample_by_uniform(target_logits, temperature, uniforms)
+    accepted = int((samples[:n] == draft_tokens).to(torch.int64).cumprod(0).sum())
+    return accepted, int(samples[accepted])

@@ -38,7 +38,8 @@ def acceptance_length_from_counts(accepted: int, drafted: int, max_draft_len: in
     return math.nan if steps == 0 else (accepted + steps) / steps
 
 
-def request_inputs(prompt: str, max_tokens: int, temperature: float | None, stop_words: list[str]):
+def request_inputs(prompt: str, max_tokens: int, temperature: float | None, stop_words: list[str],
+                   seed: int | None = None):
     """The ensemble's inputs for one request (batch of 1), streaming and perf metrics on."""
     import tritonclient.grpc as grpcclient
 
@@ -55,6 +56,8 @@ def request_inputs(prompt: str, max_tokens: int, temperature: float | None, stop
     ]
     if temperature is not None:
         inputs.append(tensor("temperature", np.array([[temperature]], dtype=np.float32), "FP32"))
+    if seed is not None:
+        inputs.append(tensor("random_seed", np.array([[seed]], dtype=np.uint64), "UINT64"))
     if stop_words:
         words = np.array([[w.encode("utf-8") for w in stop_words]], dtype=object)
         inputs.append(tensor("stop_words", words, "BYTES"))
@@ -68,7 +71,7 @@ def _scalar(result, name: str):
 
 def stream_generate(url: str, prompt: str, max_tokens: int, *, model: str = "ensemble",
                     temperature: float | None = None, stop_words: Sequence[str] = (), on_text=None,
-                    timeout_s: float = 600.0) -> Generation:
+                    timeout_s: float = 600.0, seed: int | None = None) -> Generation:
     """Send one streaming request and collect every response until the server marks the last one."""
     import tritonclient.grpc as grpcclient
 
@@ -78,7 +81,7 @@ def stream_generate(url: str, prompt: str, max_tokens: int, *, model: str = "ens
     start = time.perf_counter()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     try:
-        client.async_stream_infer(model, request_inputs(prompt, max_tokens, temperature, list(stop_words)),
+        client.async_stream_infer(model, request_inputs(prompt, max_tokens, temperature, list(stop_words), seed),
                                   enable_empty_final_response=True)
         while True:
             result, error = responses.get(timeout=timeout_s)
@@ -132,12 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--max_tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (the default)")
+    parser.add_argument("--seed", type=int, default=None, help="random seed of a sampled request")
     parser.add_argument("--stop_words", nargs="*", default=[])
     parser.add_argument("--max_draft_len", type=int, default=None,
                         help="drafts per step, for the acceptance length (default: from dflash_triton.json)")
     args = parser.parse_args(argv)
     gen = stream_generate(args.url, args.prompt, args.max_tokens, model=args.model, temperature=args.temperature,
-                          stop_words=args.stop_words, on_text=lambda t: print(t, end="", flush=True))
+                          stop_words=args.stop_words, on_text=lambda t: print(t, end="", flush=True),
+                          seed=args.seed)
     print()
     if gen.errors:
         print("error: " + "; ".join(gen.errors), file=sys.stderr)

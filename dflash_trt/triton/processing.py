@@ -1,9 +1,10 @@
 """Tokenizer work of the DFlash Triton repository: text -> engine inputs and engine outputs -> text.
 
-This file is copied next to the Triton Python models (as `dflash_processing.py`), so it imports neither Triton nor
-the rest of dflash_trt: the `model.py` files only move numpy arrays between Triton and the functions here, and
-the tests run these functions with a real tokenizer on CPU. The tensor names of every model in the repository,
-and how a request's tensors flow between them, are defined here, once.
+This file is copied next to the Triton Python models (as `dflash_processing.py`, and `dflash_trt.sampling_rules` as
+`dflash_sampling_rules.py`), so it imports neither Triton nor the rest of dflash_trt: the `model.py` files only move
+numpy arrays between Triton and the functions here, and the tests run these functions with a real tokenizer on CPU.
+The tensor names of every model in the repository, and how a request's tensors flow between them, are defined here,
+once.
 """
 
 from __future__ import annotations
@@ -13,6 +14,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+
+try:
+    from dflash_trt.sampling_rules import sampling_refusal
+except ImportError:  # inside Triton, where dflash_trt need not be installed: the copy next to this file
+    from dflash_sampling_rules import sampling_refusal
 
 # preprocessing model
 QUERY = "QUERY"
@@ -29,6 +35,20 @@ STOP_WORDS_IDS = "STOP_WORDS_IDS"
 BAD_WORDS_IDS = "BAD_WORDS_IDS"
 OUT_END_ID = "OUT_END_ID"
 OUT_PAD_ID = "OUT_PAD_ID"
+OUT_TEMPERATURE = "OUT_TEMPERATURE"
+# Sampling parameters a client may send (the names of TensorRT-LLM's Triton ensembles), each an optional [1] input
+# of `ensemble`, `tensorrt_llm_bls` and `preprocessing`, which refuses any value the engine would silently ignore.
+SAMPLING_INPUTS = {
+    "top_k": "TYPE_INT32",
+    "top_p": "TYPE_FP32",
+    "repetition_penalty": "TYPE_FP32",
+    "presence_penalty": "TYPE_FP32",
+    "frequency_penalty": "TYPE_FP32",
+    "length_penalty": "TYPE_FP32",
+    "min_tokens": "TYPE_INT32",
+    "beam_width": "TYPE_INT32",
+    "num_return_sequences": "TYPE_INT32",
+}
 # postprocessing model
 TOKENS_BATCH = "TOKENS_BATCH"
 SEQUENCE_LENGTH = "SEQUENCE_LENGTH"
@@ -42,6 +62,7 @@ LLM_PAD_ID = "pad_id"
 LLM_STOP_WORDS = "stop_words_list"
 LLM_BAD_WORDS = "bad_words_list"
 LLM_TEMPERATURE = "temperature"
+LLM_RANDOM_SEED = "random_seed"
 LLM_STREAMING = "streaming"
 LLM_STOP = "stop"
 LLM_RETURN_PERF_METRICS = "return_perf_metrics"
@@ -53,6 +74,7 @@ TEXT_INPUT = "text_input"
 MAX_TOKENS = "max_tokens"
 STREAM = "stream"
 REQUEST_TEMPERATURE = "temperature"
+REQUEST_RANDOM_SEED = "random_seed"
 REQUEST_END_ID = "end_id"
 REQUEST_PAD_ID = "pad_id"
 REQUEST_STOP_WORDS = "stop_words"
@@ -69,6 +91,7 @@ REQUEST_TO_PRE = {
     REQUEST_PAD_ID: PAD_ID,
     REQUEST_STOP_WORDS: STOP_WORDS,
     REQUEST_BAD_WORDS: BAD_WORDS,
+    **{name: name for name in SAMPLING_INPUTS},
 }
 # Preprocessing output -> tensorrt_llm input.
 PRE_TO_LLM = {
@@ -79,10 +102,11 @@ PRE_TO_LLM = {
     BAD_WORDS_IDS: LLM_BAD_WORDS,
     OUT_END_ID: LLM_END_ID,
     OUT_PAD_ID: LLM_PAD_ID,
+    OUT_TEMPERATURE: LLM_TEMPERATURE,
 }
 # Request tensor passed to tensorrt_llm unchanged.
 REQUEST_TO_LLM = {
-    REQUEST_TEMPERATURE: LLM_TEMPERATURE,
+    REQUEST_RANDOM_SEED: LLM_RANDOM_SEED,
     STREAM: LLM_STREAMING,
     REQUEST_PERF_METRICS: LLM_RETURN_PERF_METRICS,
 }
@@ -161,9 +185,18 @@ class Preprocessor:
             max_temperature=float(params["max_temperature"]),
         )
 
-    def check_temperature(self, temperature: np.ndarray | None) -> None:
-        if temperature is None:
-            return
+    def check_sampling(self, inputs: dict[str, np.ndarray], batch: int) -> np.ndarray:
+        """Each request's temperature (0 when not sent: greedy, never the runtime's default of 1), after refusing
+        any sampling parameter the engine cannot honour."""
+        temperature = inputs.get(TEMPERATURE)
+        temperature = (np.zeros((batch, 1), np.float32) if temperature is None
+                       else np.asarray(temperature, dtype=np.float32).reshape(batch, 1))
+        for row in range(batch):
+            params = {name: np.asarray(inputs[name]).reshape(batch)[row].item()
+                      for name in SAMPLING_INPUTS if inputs.get(name) is not None}
+            refusal = sampling_refusal({"temperature": float(temperature[row, 0]), **params})
+            if refusal is not None:
+                raise ValueError(refusal)
         worst = float(np.max(temperature))
         if worst > self.max_temperature:
             raise ValueError(
@@ -171,6 +204,7 @@ class Preprocessor:
                 f"request would silently decode greedily; send temperature <= {self.max_temperature:g} "
                 "(0 means greedy)"
             )
+        return temperature
 
     def encode(self, queries: list[str]) -> tuple[np.ndarray, np.ndarray]:
         ids = [self.tokenizer.encode(q, add_special_tokens=self.add_special_tokens) for q in queries]
@@ -196,8 +230,8 @@ class Preprocessor:
 
     def preprocess(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Triton input tensors by name -> output tensors by name; raises ValueError with the user's message."""
-        self.check_temperature(inputs.get(TEMPERATURE))
         queries = [row[0] for row in texts(inputs[QUERY])]
+        temperature = self.check_sampling(inputs, len(queries))
         output_len = np.asarray(inputs[REQUEST_OUTPUT_LEN], dtype=np.int32).reshape(-1, 1)
         if (output_len < 1).any():
             raise ValueError("max_tokens must be at least 1")
@@ -215,6 +249,7 @@ class Preprocessor:
                          else np.full((batch, 1), self.end_id, dtype=np.int32)),
             OUT_PAD_ID: (np.asarray(pad_id, dtype=np.int32).reshape(-1, 1) if pad_id is not None
                          else np.full((batch, 1), self.pad_id, dtype=np.int32)),
+            OUT_TEMPERATURE: temperature,
         }
 
 

@@ -10,14 +10,17 @@ value comes from the engine's manifest or a build profile, so no placeholder is 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dflash_trt import sampling_rules
 from dflash_trt.checkpoint.atomic import InputPaths, atomic_directory
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import read_json_object
+from dflash_trt.sampling_rules import ENGINE_SAMPLING
 from dflash_trt.triton import processing as P
 from dflash_trt.triton.pbtxt import EnsembleStep, ModelConfig, Tensor, render
 from dflash_trt.triton.serving import ServingSettings, override_serving
@@ -33,6 +36,7 @@ SETTINGS_FILE = "dflash_triton.json"
 LAUNCH_SCRIPT = "launch_triton.sh"
 CLIENT_FILE = "client.py"
 PROCESSING_FILE = "dflash_processing.py"
+SAMPLING_RULES_FILE = "dflash_sampling_rules.py"
 # Makes libdflash_trt_plugins.so register its creators when it is loaded (plugins/src/pluginRegistration.cpp):
 # the tensorrtllm backend never calls initDflashTrtPlugins itself.
 REGISTER_ON_LOAD_ENV = "DFLASH_TRT_LOAD_PLUGINS"
@@ -129,6 +133,7 @@ def preprocessing_config(s: RepositorySettings) -> ModelConfig:
             _scalar(P.PAD_ID, "TYPE_INT32", optional=True),
             Tensor(P.STOP_WORDS, "TYPE_STRING", (-1,), optional=True),
             Tensor(P.BAD_WORDS, "TYPE_STRING", (-1,), optional=True),
+            *(_scalar(name, dtype, optional=True) for name, dtype in P.SAMPLING_INPUTS.items()),
         ),
         outputs=(
             Tensor(P.INPUT_ID, "TYPE_INT32", (-1,)),
@@ -138,6 +143,7 @@ def preprocessing_config(s: RepositorySettings) -> ModelConfig:
             Tensor(P.BAD_WORDS_IDS, "TYPE_INT32", (2, -1)),
             _scalar(P.OUT_END_ID, "TYPE_INT32"),
             _scalar(P.OUT_PAD_ID, "TYPE_INT32"),
+            _scalar(P.OUT_TEMPERATURE, "TYPE_FP32"),
         ),
         instance_count=s.instance_count,
         parameters={
@@ -178,6 +184,7 @@ def tensorrt_llm_config(s: RepositorySettings) -> ModelConfig:
             Tensor(P.LLM_STOP_WORDS, "TYPE_INT32", (2, -1), optional=True, allow_ragged_batch=True),
             Tensor(P.LLM_BAD_WORDS, "TYPE_INT32", (2, -1), optional=True, allow_ragged_batch=True),
             _backend_scalar(P.LLM_TEMPERATURE, "TYPE_FP32"),
+            _backend_scalar(P.LLM_RANDOM_SEED, "TYPE_UINT64"),
             _backend_scalar(P.LLM_STREAMING, "TYPE_BOOL"),
             _backend_scalar(P.LLM_STOP, "TYPE_BOOL"),
             _backend_scalar(P.LLM_RETURN_PERF_METRICS, "TYPE_BOOL"),
@@ -218,6 +225,8 @@ REQUEST_INPUTS = (
     Tensor(P.REQUEST_STOP_WORDS, "TYPE_STRING", (-1,), optional=True),
     Tensor(P.REQUEST_BAD_WORDS, "TYPE_STRING", (-1,), optional=True),
     _scalar(P.REQUEST_PERF_METRICS, "TYPE_BOOL", optional=True),
+    _scalar(P.REQUEST_RANDOM_SEED, "TYPE_UINT64", optional=True),
+    *(_scalar(name, dtype, optional=True) for name, dtype in P.SAMPLING_INPUTS.items()),
 )
 REQUEST_OUTPUTS = (
     Tensor(P.TEXT_OUTPUT, "TYPE_STRING", (-1,)),
@@ -361,12 +370,18 @@ def write_repository(
             if name in python_models:
                 shutil.copyfile(_source("models") / python_models[name], version_dir / "model.py")
                 shutil.copyfile(_source("processing.py"), version_dir / PROCESSING_FILE)
+                shutil.copyfile(Path(sampling_rules.__file__), version_dir / SAMPLING_RULES_FILE)
         script = staging / LAUNCH_SCRIPT
         script.write_text(launch_script(s))
         script.chmod(0o755)
         shutil.copyfile(_source("client.py"), staging / CLIENT_FILE)
         (staging / SETTINGS_FILE).write_text(json.dumps(asdict(s), indent=2) + "\n")
     return Path(output_dir)
+
+
+def max_temperature_for_sampling(sampling: str | None) -> float:
+    """Engines that verify by exact-match sampling take any temperature; older greedy-only engines none above 0."""
+    return math.inf if sampling == ENGINE_SAMPLING else 0.0
 
 
 def _read_json(path: Path, what: str) -> dict:
@@ -388,7 +403,7 @@ def settings_from_engine(engine_dir: str | Path, tokenizer_dir: str | Path,
             max_input_len=int(build["max_input_len"]),
             max_draft_len=int(manifest["max_draft_len"]),
             world_size=int(manifest.get("tp_size", 1)),
-            max_temperature=float(manifest.get("max_temperature", 0.0)),
+            max_temperature=max_temperature_for_sampling(manifest.get("sampling")),
             **serving_fields(serving or ServingSettings()),
         )
     except KeyError as exc:

@@ -20,6 +20,7 @@ from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import FP8, NVFP4, QFORMATS, quant_algo
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.rope import RopeConfig
+from dflash_trt.sampling_rules import ENGINE_SAMPLING, HONOURED
 from dflash_trt.spec import SLIDING_ATTENTION, TARGET_ARCHITECTURES
 from dflash_trt.trtllm.plugin import LIBRARY_ENV, PLUGIN_NAMESPACE, default_library_path
 
@@ -38,8 +39,8 @@ RANK_BUILD_MODULE = "dflash_trt.trtllm.rank_build"
 # builder.build() asserts both for SpeculativeDecodingMode.EAGLE.
 MAX_EAGLE_BATCH_SIZE = 512
 MAX_EAGLE_DRAFT_LEN = 256
-# The engine verifies greedily (EagleSampleAndAcceptDraftTokens, greedy flag): temperature > 0 must be refused.
-SAMPLING_POLICY = "greedy"
+# How the engine verifies drafts: greedy at temperature 0, exact-match sampling above (trtllm/verify.py).
+SAMPLING_POLICY = ENGINE_SAMPLING
 GEMM_PLUGIN_CHOICES = ("auto", "float16", "bfloat16", "float32", "fp8", "nvfp4", "disable")
 # GEMM plugins that only run weights quantized in the format they are named after.
 QUANTIZED_GEMM_PLUGINS = (FP8, NVFP4)
@@ -162,6 +163,14 @@ def chain_draft_paths(max_draft_len: int) -> list[list[int]]:
     """The `draft_paths` rows a chain produces: row 0 visits every node, the other K rows are unused (-1)."""
     width = max_draft_len + 1
     return [list(range(width))] + [[-1] * width for _ in range(max_draft_len)]
+
+
+def vocab_blocks(padded_vocab: int) -> tuple[int, int]:
+    """(blocks, block width) of the engine's two-level inverse CDF (trtllm/verify.py), about sqrt(V) each: every fp32
+    prefix sum then runs over a small mass, so rounding moves a token's probability by ~1e-7 of its block's mass
+    rather than of the whole distribution."""
+    width = math.isqrt(padded_vocab - 1) + 1
+    return -(-padded_vocab // width), width
 
 
 def block_mask(block_size: int, causal: bool) -> list[list[bool]]:
@@ -448,7 +457,7 @@ def manifest(facts: CheckpointFacts, settings: EngineBuildSettings, plugin_libra
         "num_draft_layers": facts.num_draft_layers,
         "draft_kv_layer_offset": facts.num_target_layers,
         "sampling": SAMPLING_POLICY,
-        "max_temperature": 0.0,
+        "honoured_sampling_parameters": list(HONOURED),
         "plugin_library": plugin_library,
         "plugin_namespace": PLUGIN_NAMESPACE,
         "max_batch_size": settings.max_batch_size,

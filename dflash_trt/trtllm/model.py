@@ -2,10 +2,11 @@
 
 `trtllm-build --model_cls_file <this file> --model_cls_name DFlashForCausalLM` loads it; importing it registers the
 class in `tensorrt_llm.models.MODEL_MAP` so `PretrainedConfig.from_dict` finds the checkpoint's architecture. Per
-step (docs/engine.md §2): stock target decoder layers with our own loop keeping the tap outputs; the stock greedy
-EAGLE accept plugin; in-graph bookkeeping with static shapes and validity masks; KV injection of the accepted
-tokens' context K/V into the draft layers' pages (our plugin); the draft block as one spec-decoding generation step
-of the stock attention plugin; next drafts from the target's lm_head. Imports TensorRT-LLM, so GPU hosts only.
+step (docs/engine.md §2): stock target decoder layers with our own loop keeping the tap outputs; verification,
+greedy or exactly sampled per request (`verify.py`); in-graph bookkeeping with static shapes and validity masks;
+KV injection of the accepted tokens' context K/V into the draft layers' pages (our plugin); the draft block as one
+spec-decoding generation step of the stock attention plugin; next drafts from the target's lm_head. Imports
+TensorRT-LLM, so GPU hosts only.
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ from tensorrt_llm.layers import (
     SpecDecodingParams,
 )
 from tensorrt_llm.models import MODEL_MAP
-from tensorrt_llm.models.eagle.model import TreeParams, eagle_sample_and_accept_draft_plugin
 from tensorrt_llm.models.generation_mixin import GenerationMixin
 from tensorrt_llm.models.llama.config import LLaMAConfig
 from tensorrt_llm.models.llama.model import LLaMADecoderLayer
@@ -61,15 +61,15 @@ from tensorrt_llm.module import Module, ModuleList
 
 from dflash_trt.checkpoint.trtllm_config import ARCHITECTURE, draft_spec_from_config, rotary_scaling
 from dflash_trt.spec import DraftSpec
-from dflash_trt.trtllm.build_plan import block_packed_mask
+from dflash_trt.trtllm.build_plan import block_packed_mask, chain_draft_paths
 from dflash_trt.trtllm.plugin import KVInjectionGeometry, kv_injection_layer
+from dflash_trt.trtllm.verify import verify_drafts
 
 # Keys only DFlash reads; the target's TensorRT-LLM config class must not see them.
 DFLASH_KEYS = ("architecture", "base_architecture", "dflash_config", "dflash_format_version", "eos_token_ids",
                "vocab_size_padded", "max_draft_len", "num_eagle_layers", "max_non_leaves_per_layer",
                "eagle_net_config", "mapping", "quantization")
-EAGLE_INPUTS = ("draft_tokens", "draft_lens", "eagle_temperature", "rand_data_validation", "posterior_alpha",
-                "posterior_threshold", "tree_params", "greedy_sampling", "use_dynamic_tree",
+EAGLE_INPUTS = ("draft_tokens", "draft_lens", "eagle_temperature", "rand_data_validation", "rand_data_sample",
                 "host_gen_eagle_net_request_types", "host_gen_eagle_net_context_lengths",
                 "host_gen_eagle_net_past_key_value_lengths")
 
@@ -286,8 +286,7 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
 
     def forward(self, input_ids, position_ids, use_cache, last_token_ids, kv_cache_params, attention_params,
                 spec_decoding_params, draft_tokens, draft_lens, eagle_temperature, rand_data_validation,
-                posterior_alpha, posterior_threshold, tree_params, greedy_sampling, use_dynamic_tree,
-                host_gen_eagle_net_request_types, host_gen_eagle_net_context_lengths,
+                rand_data_sample, host_gen_eagle_net_request_types, host_gen_eagle_net_context_lengths,
                 host_gen_eagle_net_past_key_value_lengths, attention_mask=None):
         assert use_cache and default_net().plugin_config.paged_kv_cache
         attention_params = Attention.fill_attention_params(self, attention_params)
@@ -298,10 +297,14 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         logits = self.lm_head(last)
         logits.mark_output("logits", self.config.logits_dtype)
 
-        accepted_tokens, num_accepted, accepted_paths, _, _, next_draft_paths, _ = (
-            eagle_sample_and_accept_draft_plugin(
-                cast(logits, "float32"), draft_tokens, draft_lens, eagle_temperature, rand_data_validation,
-                posterior_alpha, posterior_threshold, tree_params, greedy_sampling, use_dynamic_tree))
+        accepted_tokens, num_accepted = verify_drafts(
+            cast(logits, "float32"), draft_tokens, draft_lens, eagle_temperature, rand_data_validation,
+            rand_data_sample, self.config.vocab_size, self.max_draft_len)
+        # One chain: the accepted path is always path 0 and the next step's paths are the chain again.
+        accepted_paths = expand(i32([0]), shape(draft_lens))
+        width = self.max_draft_len + 1
+        paths = concat([shape(draft_lens, 0), width, width])
+        next_draft_paths = expand(i32([chain_draft_paths(self.max_draft_len)]), paths)
 
         book = self.bookkeeping(input_ids, position_ids, attention_params.context_lengths, draft_lens,
                                 accepted_tokens, num_accepted)
@@ -455,16 +458,11 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         batch = ("batch_size", bb_range)
         draft_len = ("draft_len", [k] * profiles)
         decoding_len = ("decoding_len", [k + 1] * profiles)
-        path_len = ("path_len", [k + 1] * profiles)
         inputs["draft_tokens"] = declare("draft_tokens", trt.int32, [batch, draft_len])
         inputs["draft_lens"] = declare("draft_lens", trt.int32, [batch])
         inputs["eagle_temperature"] = declare("eagle_temperature", trt.float32, [batch])
         inputs["rand_data_validation"] = declare("rand_data_validation", trt.float32, [batch, decoding_len])
-        inputs["posterior_alpha"] = declare("posterior_alpha", trt.float32, [batch])
-        inputs["posterior_threshold"] = declare("posterior_threshold", trt.float32, [batch])
-        inputs["tree_params"] = TreeParams(paths=declare("draft_paths", trt.int32, [batch, decoding_len, path_len]))
-        inputs["greedy_sampling"] = Tensor(name="greedy_sampling", dtype=trt.int32, shape=[1])
-        inputs["use_dynamic_tree"] = Tensor(name="use_dynamic_tree", dtype=trt.int32, shape=[1])
+        inputs["rand_data_sample"] = declare("rand_data_sample", trt.float32, [batch])
         for name in EAGLE_INPUTS[-3:]:
             inputs[name] = declare(name, trt.int32, [batch])
         return inputs

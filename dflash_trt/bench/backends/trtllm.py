@@ -26,6 +26,7 @@ from typing import Any
 from dflash_trt.bench.driver import Backend, BenchRequest, Deliver, FollowerRank, Response, threadsafe_deliver
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import read_json_object
+from dflash_trt.sampling_rules import engine_request_sampling
 from dflash_trt.trtllm.build_plan import MANIFEST_NAME
 
 POLL = timedelta(milliseconds=20)
@@ -177,7 +178,8 @@ class TrtllmBackend(Backend):
                 input_token_ids=request.input_ids,
                 max_tokens=request.max_new_tokens,
                 streaming=True,
-                sampling_config=trtllm.SamplingConfig(beam_width=1),
+                # Temperature 0 is sent explicitly: a request without one is sampled at the runtime's default 1.0.
+                sampling_config=trtllm.SamplingConfig(beam_width=1, **engine_request_sampling({})),
                 output_config=trtllm.OutputConfig(exclude_input_from_output=True),
                 end_id=self.end_id,
                 pad_id=max(self.end_id, 0),

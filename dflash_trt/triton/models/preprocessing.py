@@ -10,13 +10,14 @@ from dflash_processing import (
     PAD_ID,
     QUERY,
     REQUEST_OUTPUT_LEN,
+    SAMPLING_INPUTS,
     STOP_WORDS,
     TEMPERATURE,
     Preprocessor,
     model_parameters,
 )
 
-INPUTS = (QUERY, REQUEST_OUTPUT_LEN, TEMPERATURE, END_ID, PAD_ID, STOP_WORDS, BAD_WORDS)
+INPUTS = (QUERY, REQUEST_OUTPUT_LEN, TEMPERATURE, END_ID, PAD_ID, STOP_WORDS, BAD_WORDS, *SAMPLING_INPUTS)
 
 
 class TritonPythonModel:

@@ -1,0 +1,89 @@
+"""What a DFlash engine honours of a request's sampling parameters, and the one message that refuses the rest.
+
+The engine samples each request with its temperature and the runtime's random numbers, which TensorRT-LLM 1.2.x
+seeds from the request's seed (docs/engine.md §6); temperature 0 is greedy. Its EAGLE runtime hands the engine
+nothing else of the request's sampling config, so top-k, top-p, penalties and beams would be silently ignored: every
+entry point (`generate`, the engine runners, the Triton models, `bench`) refuses them here instead, with one message.
+
+Standard library only: the Triton repository copies this file next to its Python models.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+# What the engine honours per request; `dflash_trt.json` records it.
+HONOURED = ("temperature", "seed")
+# How the engine verifies drafts at temperature > 0: argmax drafts, one target sample per position, accepted while
+# it equals the draft (the first mismatching sample is the bonus token). Exactly the target's distribution.
+ENGINE_SAMPLING = "exact_match"
+
+# Every other parameter a TensorRT-LLM or Triton user may send, with the values that switch it off.
+NEUTRAL: dict[str, tuple[float, ...]] = {
+    "top_k": (0,),
+    "top_p": (1.0,),
+    "min_p": (0.0,),
+    "repetition_penalty": (1.0,),
+    "presence_penalty": (0.0,),
+    "frequency_penalty": (0.0,),
+    "length_penalty": (0.0, 1.0),
+    "no_repeat_ngram_size": (0,),
+    "min_tokens": (0, 1),
+    "beam_width": (1,),
+    "num_return_sequences": (1,),
+}
+# Other spellings of the same parameters (TensorRT-LLM's executor and Triton backend, Hugging Face).
+ALIASES = {
+    "runtime_top_k": "top_k",
+    "runtime_top_p": "top_p",
+    "num_beams": "beam_width",
+    "n": "num_return_sequences",
+    "min_length": "min_tokens",
+    "random_seed": "seed",
+}
+
+
+def _show(value: object) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def sampling_refusal(params: Mapping[str, Any]) -> str | None:
+    """The refusal message for the first parameter the engine cannot honour, or None when all can be.
+
+    `params` maps parameter names (any spelling in ALIASES) to scalars; None means "not sent". Names outside
+    HONOURED and NEUTRAL are not sampling parameters and are left to the caller.
+    """
+    values = {ALIASES.get(name, name): value for name, value in params.items() if value is not None}
+    temperature = values.get("temperature", 0.0)
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+        return f"temperature {temperature!r} refused: it must be a finite number >= 0 (0 means greedy)"
+    for name, neutral in NEUTRAL.items():
+        value = values.get(name)
+        if value is None or value in neutral or (name == "top_k" and value == 1 and temperature == 0):
+            continue
+        allowed = " or ".join(_show(v) for v in neutral)
+        return (
+            f"{name} {_show(value)} refused: a DFlash engine samples with temperature and seed only "
+            f"(TensorRT-LLM's EAGLE runtime never passes {name} to the engine, so it would be silently ignored); "
+            f"omit it or send {allowed}"
+        )
+    return None
+
+
+class SamplingRefused(ValueError):
+    """A request asked for sampling the engine cannot honour; the message says which parameter and why."""
+
+
+def engine_request_sampling(params: Mapping[str, Any]) -> dict[str, float | int]:
+    """What to send the runtime with a request: its temperature, always (0 when not given, because the runtime's
+    own default is 1.0), and its seed when given. Raises SamplingRefused for anything the engine cannot honour."""
+    refusal = sampling_refusal(params)
+    if refusal is not None:
+        raise SamplingRefused(refusal)
+    values = {ALIASES.get(name, name): value for name, value in params.items() if value is not None}
+    sampling: dict[str, float | int] = {"temperature": float(values.get("temperature", 0.0))}
+    if "seed" in values:
+        sampling["seed"] = int(values["seed"])
+    return sampling

@@ -1,0 +1,118 @@
+"""In-graph verification of the drafts, per request greedy (temperature 0) or sampled exactly (docs/engine.md §6).
+
+Replaces the stock EAGLE accept plugin, whose non-greedy mode is typical acceptance (not distribution-preserving)
+and which is greedy or not for the whole batch. Per request `b` with temperature `T_b`, each verified position `j`
+gets one target token `x_j`: argmax at `T_b = 0`, otherwise the inverse-CDF sample of softmax(z_j / T_b) at the
+runtime's uniform `u_j`. The drafts (argmax of the drafter) are accepted while `x_j` equals them; the first
+mismatching `x_j` is the bonus token. Uniforms: `rand_data_validation[b, j]` for a generation request (fresh each
+step), `rand_data_sample[b]` for a context request, whose first token is sampled from its single logits row (the
+runtime draws it when the request is set up; its `rand_data_validation` row is stale then).
+`dflash_trt.reference.sampling.exact_match_accept` is the same rule in torch; tests replay these ops against it.
+Only tensorrt_llm.functional ops. The inverse CDF is two-level (block masses, then one block) so that no prefix sum
+runs over the whole vocabulary in fp32; the prefix sums use TensorRT-LLM's CumsumLastDim plugin (an fp32 scan,
+where a matmul with a triangular matrix could round through TF32).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from tensorrt_llm.functional import (
+    Tensor,
+    argmax,
+    cast,
+    concat,
+    constant,
+    cumsum,
+    eq,
+    exp,
+    expand,
+    gather,
+    index_select,
+    max,
+    minimum,
+    shape,
+    slice,
+    sum,
+    unsqueeze,
+    where,
+)
+
+from dflash_trt.trtllm.build_plan import vocab_blocks
+
+
+def _i32(values) -> Tensor:
+    return constant(np.ascontiguousarray(np.array(values, dtype=np.int32)))
+
+
+def _f32(values) -> Tensor:
+    return constant(np.ascontiguousarray(np.array(values, dtype=np.float32)))
+
+
+def slot_logit_rows(draft_lens: Tensor, max_draft_len: int) -> Tensor:
+    """Packed logits row of every (request, slot j <= K): the runtime gathers `draft_lens + 1` rows per request
+    (assembleTargetLogitsOffsets); slots past a request's rows repeat its last row and are never read."""
+    rows = draft_lens + 1
+    offsets = cumsum(rows, 0, prefer_plugin=False) - rows
+    local = minimum(_i32([list(range(max_draft_len + 1))]), unsqueeze(draft_lens, 1))
+    return (unsqueeze(offsets, 1) + local).view(concat([shape(draft_lens, 0) * (max_draft_len + 1)]))
+
+
+def sample_rows(logits: Tensor, temperature: Tensor, uniform: Tensor, vocab_size: int) -> Tensor:
+    """One token per row of `logits [N, Vpad]` (fp32; columns from `vocab_size` on are lm_head padding): argmax where
+    `temperature [N, 1]` is 0, else the inverse CDF of softmax(z / T) at `uniform [N, 1]`: the block whose cumulative
+    mass first reaches `uniform` times the total, then the token inside it. Returns [N, 1] int32."""
+    padded = logits.size(-1)
+    rows = shape(logits, 0)
+    if padded > vocab_size:
+        logits = logits + _f32([[0.0] * vocab_size + [-np.inf] * (padded - vocab_size)])
+    sampled = temperature > 0.0
+    inverse = _f32([[1.0]]) / where(sampled, temperature, _f32([[1.0]]))
+    weights = exp((logits - max(logits, 1, keepdim=True)) * inverse)
+    count, width = vocab_blocks(padded)
+    if count * width > padded:
+        weights = concat(
+            [weights, expand(_f32([[0.0] * (count * width - padded)]), concat([rows, count * width - padded]))], dim=1
+        )
+    blocks = weights.view([-1, count, width])
+    block_mass = sum(blocks, dim=2)
+    block_cdf = cumsum(block_mass, 1)
+    threshold = uniform * slice(block_cdf, [0, count - 1], concat([rows, 1]))
+    block = minimum(sum(cast(block_cdf < threshold, "int32"), dim=1).view([-1, 1]), _i32([[count - 1]]))
+    before = gather(block_cdf - block_mass, 1, block)
+    inside = gather(blocks, 1, expand(block.view([-1, 1, 1]), concat([rows, 1, width])))
+    inside_cdf = cumsum(inside.view([-1, width]), 1)
+    offset = sum(cast(inside_cdf < threshold - before, "int32"), dim=1).view([-1, 1])
+    drawn = minimum(block * width + minimum(offset, _i32([[width - 1]])), _i32([[vocab_size - 1]]))
+    return where(sampled, drawn, cast(argmax(logits, 1, keepdim=True), "int32"))
+
+
+def verify_drafts(
+    logits: Tensor,
+    draft_tokens: Tensor,
+    draft_lens: Tensor,
+    temperature: Tensor,
+    rand_data_validation: Tensor,
+    rand_data_sample: Tensor,
+    vocab_size: int,
+    max_draft_len: int,
+) -> tuple[Tensor, Tensor]:
+    """(accepted_tokens [bs, K+1], num_accepted_tokens [bs]) as the runtime reads them: the first n tokens are the
+    accepted drafts and the bonus, n >= 1. `logits` are the packed target rows (padded vocabulary allowed)."""
+    k = max_draft_len
+    batch = shape(draft_lens, 0)
+    width = concat([batch, k + 1])
+    rows = index_select(logits, 0, slot_logit_rows(draft_lens, k))
+    per_slot = concat([batch * (k + 1), 1])
+    temperatures = expand(unsqueeze(temperature, 1), width).view(per_slot)
+    generation = expand(unsqueeze(draft_lens > 0, 1), width)
+    uniforms = where(generation, rand_data_validation, expand(unsqueeze(rand_data_sample, 1), width))
+    tokens = sample_rows(rows, temperatures, uniforms.view(per_slot), vocab_size).view(width)
+
+    # Slot j < draft_len keeps draft j while the sample equals it; the first slot that does not is the bonus.
+    drafts = concat([draft_tokens, expand(_i32([[-1]]), concat([batch, 1]))], dim=1)
+    slots = _i32([list(range(k + 1))])
+    kept = cast(eq(tokens, drafts), "int32") * cast(slots < unsqueeze(draft_lens, 1), "int32")
+    # max over j of -j (rejected) or -(K+1) (kept) is minus the first rejected slot; slot K is always rejected.
+    negated = where(kept > 0, _i32([[-(k + 1)]]), _i32([[-j for j in range(k + 1)]]))
+    first_rejected = _i32([0]) - max(negated, 1)
+    return tokens, first_rejected + 1

@@ -1,0 +1,264 @@
+"""Both sampling methods of the golden loop reproduce the target's law exactly (enumeration on a tiny vocabulary),
+and `dflash-trt generate` at T > 0 does so statistically, per sequence temperature and reproducibly per seed.
+
+The enumerations drive the loop's own rules (`sample_by_uniform` / `exact_match_accept` for the engine method,
+`sampling_probs` / `residual_distribution` for the reference method) on the golden model's real logits; the target
+law is the product of the target's own conditionals, computed independently in float64.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+from _pairs import PairVariant, make_pair
+from scipy.stats import chisquare
+
+from dflash_trt.cli import main
+from dflash_trt.conversion.convert import convert_checkpoint
+from dflash_trt.reference.decode import speculative_generate
+from dflash_trt.reference.model import GoldenModel, load_golden_model
+from dflash_trt.reference.sampling import (
+    REFERENCE,
+    SamplingParams,
+    exact_match_accept,
+    residual_distribution,
+    sample_by_uniform,
+    sampling_probs,
+)
+
+VOCAB, K, PROMPT = 8, 2, [3, 5, 7]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[Path, GoldenModel]:
+    root = tmp_path_factory.mktemp("tiny")
+    target_dir, draft_dir = make_pair(
+        root, PairVariant(vocab=VOCAB, block_size=K + 1, init_std=0.15, taps=[1, 3], seed=3)
+    )
+    convert_checkpoint(target_dir, draft_dir, root / "ckpt", dtype="float32")
+    return root / "ckpt", load_golden_model(root / "ckpt")
+
+
+def target_rows(model: GoldenModel, sequences: list[list[int]]) -> torch.Tensor:
+    """Target logits after every token of each (equal-length) sequence, fresh cache: `[n, len, V]`."""
+    tokens = torch.tensor(sequences)
+    positions = torch.arange(tokens.shape[1]).expand(len(sequences), -1)
+    cache = model.target.new_cache(len(sequences), tokens.shape[1] + 1)
+    logits, _ = model.target.forward(tokens, positions, torch.ones_like(tokens, dtype=torch.bool), cache)
+    return logits
+
+
+def draft_logits(model: GoldenModel, prefix: list[int]) -> torch.Tensor:
+    """The drafter's `[K, V]` logits for the block after `prefix`: context = every token but the last (the anchor)."""
+    n = len(prefix)
+    tokens = torch.tensor([prefix])
+    positions = torch.arange(n)[None]
+    valid = torch.ones_like(tokens, dtype=torch.bool)
+    _, taps = model.target.forward(tokens, positions, valid, model.target.new_cache(1, n + K + 1))
+    cache = model.draft.new_cache(1, n + K + 1)
+    model.draft.inject(taps[:, : n - 1], positions[:, : n - 1], valid[:, : n - 1], cache)
+    block = torch.tensor([[prefix[-1]] + [model.draft.spec.mask_token_id] * K])
+    hidden = model.draft.forward(block, torch.tensor([n - 1]), torch.ones(1, K + 1, dtype=torch.bool), cache)
+    return model.draft.logits(hidden[:, 1:])[0]
+
+
+def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.softmax(logits.double() / temperature, dim=-1)
+
+
+def target_law(model: GoldenModel, length: int, temperature: float) -> dict[tuple[int, ...], float]:
+    """P(continuation) = product of the target's tempered conditionals, for every continuation of `length`."""
+    continuations = list(itertools.product(range(VOCAB), repeat=length))
+    rows = target_rows(model, [PROMPT + list(c[:-1]) for c in continuations])[:, len(PROMPT) - 1 :]
+    probs = tempered(rows, temperature)
+    chosen = probs.gather(-1, torch.tensor(continuations)[:, :, None])[:, :, 0]
+    return dict(zip(continuations, chosen.prod(dim=1).tolist(), strict=True))
+
+
+def cells(probs: torch.Tensor) -> list[tuple[int, float, float]]:
+    """(token, probability, a uniform inside the token's inverse-CDF interval) for every token of mass > 1e-12."""
+    upper = probs.cumsum(0)
+    return [(t, float(probs[t]), float(upper[t] - probs[t] / 2)) for t in range(len(probs)) if probs[t] > 1e-12]
+
+
+def engine_law(model: GoldenModel, length: int, temperature: float) -> dict[tuple[int, ...], float]:
+    """Enumerate every uniform cell the engine rule can meet: argmax drafts, one sample per verified position."""
+    law: dict[tuple[int, ...], float] = defaultdict(float)
+
+    def step(prefix: list[int], weight: float) -> None:
+        emitted = prefix[len(PROMPT) :]
+        if len(emitted) == length:
+            law[tuple(emitted)] += weight
+            return
+        drafts = draft_logits(model, prefix).argmax(dim=-1)
+        rows = target_rows(model, [prefix + drafts.tolist()])[0, len(prefix) - 1 :]
+
+        def walk(uniforms: list[float], weight: float) -> None:
+            j = len(uniforms)
+            for token, p, u in cells(tempered(rows[j], temperature)):
+                if j < K and token == int(drafts[j]):
+                    walk(uniforms + [u], weight * p)
+                    continue
+                padded = torch.tensor(uniforms + [u] + [0.5] * (K - j))
+                accepted, bonus = exact_match_accept(drafts, rows, temperature, padded)
+                assert (accepted, bonus) == (j, token)
+                new = (drafts[:accepted].tolist() + [bonus])[: length - len(emitted)]
+                step(prefix + new, weight * p)
+
+        walk([], weight)
+
+    first = target_rows(model, [PROMPT])[0, -1]
+    for token, p, u in cells(tempered(first, temperature)):
+        assert int(sample_by_uniform(first, temperature, torch.tensor(u))) == token
+        step(PROMPT + [token], p)
+    return law
+
+
+def reference_law(model: GoldenModel, length: int, params: SamplingParams) -> dict[tuple[int, ...], float]:
+    """Enumerate sampled drafts (independent per-position marginals), accept-with-min(1, p/q), residual resample."""
+    law: dict[tuple[int, ...], float] = defaultdict(float)
+    frontier = defaultdict(float)
+    first = sampling_probs(target_rows(model, [PROMPT])[0, -1], params).double()
+    for token in range(VOCAB):
+        frontier[(token,)] += float(first[token])
+    while frontier:
+        emitted, weight = frontier.popitem()
+        if len(emitted) == length:
+            law[emitted] += weight
+            continue
+        prefix = PROMPT + list(emitted)
+        q = sampling_probs(draft_logits(model, prefix), params).double()
+        combos = list(itertools.product(range(VOCAB), repeat=K))
+        p = sampling_probs(target_rows(model, [prefix + list(c) for c in combos])[:, len(prefix) - 1 :], params)
+        p = p.double()
+        for c, drafts in enumerate(combos):
+            reach = weight * float(torch.prod(q[torch.arange(K), torch.tensor(drafts)]))
+            for j in range(K + 1):
+                if j == K:
+                    outcome = p[c, K]
+                else:
+                    ratio = float(p[c, j, drafts[j]] / q[j, drafts[j]])
+                    outcome = (1 - min(1.0, ratio)) * residual_distribution(p[c, j], q[j])
+                for token in range(VOCAB):
+                    new = (list(drafts[:j]) + [token])[: length - len(emitted)]
+                    frontier[emitted + tuple(new)] += reach * float(outcome[token])
+                if j < K:
+                    reach *= min(1.0, float(p[c, j, drafts[j]] / q[j, drafts[j]]))
+    return law
+
+
+def assert_same_law(law: dict, expected: dict) -> None:
+    assert sum(law.values()) == pytest.approx(1.0, abs=1e-7)
+    worst = max(abs(law.get(seq, 0.0) - p) for seq, p in expected.items())
+    assert worst < 1e-6 and set(law) <= set(expected)
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.3])
+def test_engine_rule_reproduces_the_target_law_exactly(tiny, temperature):
+    _, model = tiny
+    law = engine_law(model, 3, temperature)
+    assert_same_law(law, target_law(model, 3, temperature))
+
+
+def test_reference_rule_reproduces_the_target_law_exactly(tiny):
+    _, model = tiny
+    params = SamplingParams(temperature=0.8, method=REFERENCE)
+    law = reference_law(model, 3, params)
+    expected = target_law(model, 3, 0.8)
+    assert_same_law(law, expected)
+
+
+def _generate(ckpt: Path, tmp_path: Path, capsys, prompts: list[list[int]], *flags: str) -> list[list[int]]:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts))
+    assert (
+        main(["generate", "--checkpoint_dir", str(ckpt), "--input_file", str(path), "--ignore_eos", "--json", *flags])
+        == 0
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert set(report) == {
+        "sequences",
+        "mean_acceptance_length",
+        "per_position_acceptance",
+        "generated_tokens",
+        "tokens_per_second",
+    }
+    return [s["output_ids"] for s in report["sequences"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, temperature", [("engine", 0.7), ("reference", 1.0)])
+def test_generate_cli_samples_the_target_law(tiny, tmp_path, capsys, method, temperature):
+    """Thousands of 2-token continuations of one prompt from `dflash-trt generate`, against the exact law."""
+    ckpt, model = tiny
+    samples = 3000
+    outputs = _generate(
+        ckpt,
+        tmp_path,
+        capsys,
+        [PROMPT] * samples,
+        "--max_new_tokens",
+        "2",
+        "--temperature",
+        str(temperature),
+        "--seed",
+        "11",
+        "--sampling",
+        method,
+    )
+    counts = torch.zeros(VOCAB * VOCAB)
+    for out in outputs:
+        counts[out[0] * VOCAB + out[1]] += 1
+    law = target_law(model, 2, temperature)
+    expected = torch.tensor([law[(a, b)] for a in range(VOCAB) for b in range(VOCAB)]) * samples
+    big = expected >= 5
+    observed, wanted = counts[big], expected[big]
+    if not big.all():  # cells too rare for the chi-square approximation are pooled
+        observed = torch.cat([observed, counts[~big].sum()[None]])
+        wanted = torch.cat([wanted, expected[~big].sum()[None]])
+    assert chisquare(observed.numpy(), wanted.numpy() * samples / float(wanted.sum())).pvalue > 1e-3
+
+
+def test_generate_is_reproducible_for_a_seed(tiny, tmp_path, capsys):
+    ckpt, _ = tiny
+    prompts = [PROMPT, [4, 4, 2, 6], PROMPT]
+    args = ("--max_new_tokens", "10", "--temperature", "1.0")
+    first = _generate(ckpt, tmp_path, capsys, prompts, *args, "--seed", "5")
+    again = _generate(ckpt, tmp_path, capsys, prompts, *args, "--seed", "5")
+    other = _generate(ckpt, tmp_path, capsys, prompts, *args, "--seed", "6")
+    assert first == again and first != other
+    assert first[0] != first[2]  # the same prompt twice in one batch draws from its own random stream
+
+
+def test_mixed_temperatures_in_one_batch_equal_each_sequence_alone(tiny):
+    _, model = tiny
+    prompts = [PROMPT, [4, 4, 2, 6], [1, 2], [7, 6, 6, 6, 0]]
+    temperatures = [0.0, 0.9, 0.0, 1.4]
+    params = [SamplingParams(t) for t in temperatures]
+    seeds = [21, 22, 23, 24]
+    batched = speculative_generate(model, prompts, 9, sampling=params, seeds=seeds)
+    for prompt, p, seed, result in zip(prompts, params, seeds, batched, strict=True):
+        (alone,) = speculative_generate(model, [prompt], 9, sampling=p, seeds=[seed])
+        assert (alone.output_ids, alone.acceptance_lengths) == (result.output_ids, result.acceptance_lengths)
+    greedy = speculative_generate(model, [prompts[0], prompts[2]], 9)
+    assert [batched[0].output_ids, batched[2].output_ids] == [g.output_ids for g in greedy]
+
+
+def test_engine_method_refuses_what_the_engine_cannot_honour(tiny, tmp_path, capsys):
+    ckpt, _ = tiny
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"input_ids": PROMPT}) + "\n")
+    base = ["generate", "--checkpoint_dir", str(ckpt), "--input_file", str(path), "--temperature", "0.8"]
+    assert main([*base, "--top_p", "0.9"]) == 2
+    err = capsys.readouterr().err
+    assert "top_p 0.9 refused" in err and "--sampling reference" in err
+    assert main([*base, "--top_k", "5", "--sampling", "reference", "--max_new_tokens", "2"]) == 0
+    capsys.readouterr()
+    missing = ["generate", "--checkpoint_dir", str(tmp_path / "missing"), "--input_file", str(path)]
+    assert main([*missing, "--temperature", "0.5", "--top_k", "3"]) == 2  # refused before anything is loaded
+    assert "top_k 3 refused" in capsys.readouterr().err
