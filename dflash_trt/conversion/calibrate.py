@@ -138,7 +138,7 @@ def observe_amax(model) -> Iterator[CalibrationAmax]:
 
 def calibrate(
     model, prompts: list[list[int]], max_new_tokens: int = 32, batch_size: int = CALIBRATION_BATCH,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int], object] | None = None,
 ) -> CalibrationAmax:
     """Amaxes observed while speculatively generating (greedy) from every prompt, `batch_size` at a time;
     `progress` hears how many prompts each batch finished."""
@@ -197,7 +197,7 @@ def calibration_passes(qformat: str, kv_cache_dtype: str) -> int:
 
 def calibrate_pair(
     model, prompts: list[list[int]], max_new_tokens: int, qformat: str, kv_cache_dtype: str = NONE,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int], object] | None = None,
 ) -> CalibrationAmax:
     """Target amaxes from the model as loaded; drafter amaxes with the target running quantized, so the drafter
     is calibrated on the context features the quantized target actually produces."""

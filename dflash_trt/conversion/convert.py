@@ -368,7 +368,7 @@ def convert_checkpoint(
     target = load_target_spec(model_dir)
     draft = load_draft_spec(dflash_model_dir, target)
     tokenizer = tokenizer_files(model_dir)
-    if needs_calibration:
+    if needs_calibration and calib_dataset is not None:
         check_calibration_prompts(model_dir, Path(calib_dataset), calib_size, calib_max_seq_len)
     check_tp(target_heads(target), target.intermediate_size, tp_size, "target")
     check_tp(target_heads(draft), draft.intermediate_size, tp_size, "drafter")

@@ -98,7 +98,7 @@ def speculative_generate(
     seed: int = 0,
     block_size: int | None = None,
     seeds: list[int] | None = None,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int], object] | None = None,
 ) -> list[SequenceResult]:
     """Generate for every prompt at once; results are identical to running each prompt alone (greedy, or with the
     engine's sampling when each sequence gets the same seed). `sampling` may be one SamplingParams per prompt (engine

@@ -18,7 +18,7 @@ import numpy as np
 try:
     from dflash_trt.sampling_rules import sampling_refusal
 except ImportError:  # inside Triton, where dflash_trt need not be installed: the copy next to this file
-    from dflash_sampling_rules import sampling_refusal
+    from dflash_sampling_rules import sampling_refusal  # type: ignore[no-redef]
 
 # preprocessing model
 QUERY = "QUERY"
