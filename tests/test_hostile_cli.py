@@ -308,6 +308,14 @@ def _generate(w: World, *extra: str, prompts: Path | None = None) -> list[str]:
     return ["generate", "--checkpoint_dir", str(w.checkpoint), "--input_file", str(prompts or w.prompts), *extra]
 
 
+def _generate_with(w: World, tmp: Path, name: str, text: str) -> list[str]:
+    """generate on a copy of the checkpoint whose file `name` holds `text`."""
+    checkpoint = shutil.copytree(w.checkpoint, tmp / "ckpt")
+    (checkpoint / name).write_text(text)
+    (checkpoint / "evil.py").write_text(f"open({str(tmp / 'code-ran')!r}, 'w')\n")
+    return ["generate", "--checkpoint_dir", str(checkpoint), "--input_file", str(w.prompts)]
+
+
 UNWRITABLE = Path("/sys/dflash-hostile/out")  # sysfs refuses new folders even to root
 NESTED = "[" * 100_000 + "]" * 100_000
 FP8 = ("--qformat", "fp8")
@@ -510,6 +518,19 @@ HOSTILE: dict[str, tuple[Case, str]] = {
         r"per-prompt option 'temperature'",
     ),
     "generate from a prompt folder": (lambda w, t: _generate(w, prompts=t), r"is a directory"),
+    "generate with a corrupt tokenizer": (
+        lambda w, t: _generate_with(w, t, "tokenizer.json", '{"model": {"type": "BPE", "vocab": 7}}'),
+        r"the tokenizer in .* cannot be loaded",
+    ),
+    "generate with tokenizer code in auto_map": (
+        lambda w, t: _generate_with(
+            w,
+            t,
+            "tokenizer_config.json",
+            json.dumps({"tokenizer_class": "Evil", "auto_map": {"AutoTokenizer": [None, "evil.Evil"]}}),
+        ),
+        r"the tokenizer in .* cannot be loaded",
+    ),
 }
 
 
@@ -521,7 +542,7 @@ def test_hostile_input_is_refused_cleanly(world: World, tmp_path: Path, capsys, 
     code, out, err = run_cli(argv, capsys)
     assert_refused(code, err, argv[0], message)
     assert snapshot(world.root, asset_dir(), tmp_path) == before
-    assert not UNWRITABLE.exists()
+    assert not UNWRITABLE.exists() and not (tmp_path / "code-ran").exists()
 
 
 def test_a_full_disk_while_writing_the_triton_repository(world: World, tmp_path: Path, capsys, monkeypatch) -> None:
