@@ -26,6 +26,7 @@ from dflash_trt import __version__
 from dflash_trt.checkpoint.atomic import check_output_apart
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.profiles import BuildProfile, check_against_checkpoints, load_profile, resolve_model_dir
+from dflash_trt.spec import load_draft_spec, load_target_spec
 from dflash_trt.trtllm.build_plan import EngineBuildPlan, EngineBuildSettings, plan_engine_build, settings_dict
 from dflash_trt.trtllm.plugin import LIBRARY_ENV
 
@@ -231,6 +232,7 @@ def resolve_inputs(args: argparse.Namespace, settings_override: Callable | None 
 
     target, draft = resolve(m.target, m.target_revision), resolve(m.draft, m.draft_revision)
     tokenizer = resolve(m.tokenizer, None) if m.tokenizer else target
+    load_draft_spec(draft, load_target_spec(target))  # strict types and values first: the profile checks read raw
     check_against_checkpoints(profile, target, draft)
     settings = engine_settings(profile)
     if settings_override is not None:

@@ -284,6 +284,12 @@ def _file(tmp: Path, name: str, data: bytes | str) -> Path:
     return path
 
 
+def _profile_for(w: World, tmp: Path, models: tuple[Path, Path]) -> Path:
+    """The world's build profile, pointed at other model folders."""
+    text = w.profile.read_text().replace(str(w.target), str(models[0])).replace(str(w.draft), str(models[1]))
+    return _file(tmp, "profile.yaml", text)
+
+
 def _folder(path: Path) -> Path:
     path.mkdir()
     return path
@@ -471,6 +477,28 @@ HOSTILE: dict[str, tuple[Case, str]] = {
     "build from a profile nested absurdly": (
         lambda w, t: ["build", "--config", str(_file(t, "p.yaml", "a: " + NESTED)), "--dry_run"],
         r"nested too deeply|not valid YAML",
+    ),
+    "build --config over a string head count": (
+        lambda w, t: [
+            "build",
+            "--config",
+            str(_profile_for(w, t, _models_with(w, t, "target", num_attention_heads="4"))),
+            "--output_dir",
+            str(t / "ws"),
+            "--dry_run",
+        ],
+        r"target config: 'num_attention_heads' must be an integer",
+    ),
+    "build --config over a NaN drafter eps": (
+        lambda w, t: [
+            "build",
+            "--config",
+            str(_profile_for(w, t, _models_with(w, t, "draft", rms_norm_eps=math.nan))),
+            "--output_dir",
+            str(t / "ws"),
+            "--dry_run",
+        ],
+        r"drafter config: 'rms_norm_eps' must be",
     ),
     # demo
     "demo onto a file": (
