@@ -127,6 +127,10 @@ OUTPUT_AMONG_INPUTS: dict[str, tuple[Case, str]] = {
         lambda w, t: ["demo", "--output_dir", str(asset_dir() / "out")],
         r"lies inside the input the embedded tiny pair",
     ),
+    "selftest inside the embedded pair": (
+        lambda w, t: ["selftest", "--output_dir", str(asset_dir() / "target")],
+        r"is the input the embedded tiny pair|lies inside the input the embedded",
+    ),
     "sweep results over its dataset": (
         lambda w, t: ["sweep", "--config", str(w.sweep)],
         r"contains the input --config",
