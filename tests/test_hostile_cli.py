@@ -208,6 +208,10 @@ TAMPERED: dict[str, tuple[Callable[[World, Path], Path], str]] = {
         lambda w, t: _tampered(w, t, _edit_config(dtype="float16")),
         r"is torch\.float32, but config\.json says torch\.float16",
     ),
+    "hidden size edited": (
+        lambda w, t: _tampered(w, t, _edit_config(hidden_size=96)),
+        r"has shape \(128,\), but config\.json implies \(96,\)|has shape .* but config\.json implies",
+    ),
     "NaN weight": (lambda w, t: _tampered(w, t, _nan_weight), r"'transformer\.layers\.2\.mlp\.proj\.weight' holds NaN"),
 }
 
