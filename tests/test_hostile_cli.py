@@ -210,7 +210,7 @@ TAMPERED: dict[str, tuple[Callable[[World, Path], Path], str]] = {
     ),
     "hidden size edited": (
         lambda w, t: _tampered(w, t, _edit_config(hidden_size=96)),
-        r"has shape \(128,\), but config\.json implies \(96,\)|has shape .* but config\.json implies",
+        r"'dflash\.fc\.weight' has shape \(128, 256\), but config\.json implies \(96, 192\)",
     ),
     "NaN weight": (lambda w, t: _tampered(w, t, _nan_weight), r"'transformer\.layers\.2\.mlp\.proj\.weight' holds NaN"),
 }
