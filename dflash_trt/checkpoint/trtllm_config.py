@@ -175,8 +175,10 @@ def _positive_finite(value: object) -> bool:
 def _check_values(target: TargetSpec, draft: DraftSpec) -> None:
     """The values the golden model and the engine compute with, by type and meaning: a config edited by hand (a
     string "false", a NaN epsilon, a tap past the last layer) must not decode into silently wrong text."""
-    flags = {"attn_bias": target.attention_bias, "mlp_bias": target.mlp_bias, "qk_layernorm": target.qk_norm,
-             "tie_word_embeddings": target.tie_word_embeddings, "dflash_config.attn_bias": draft.attention_bias}
+    flags: dict[str, object] = {
+        "attn_bias": target.attention_bias, "mlp_bias": target.mlp_bias, "qk_layernorm": target.qk_norm,
+        "tie_word_embeddings": target.tie_word_embeddings, "dflash_config.attn_bias": draft.attention_bias,
+    }
     flags.update({f"dflash_config.causal[{i}]": causal for i, causal in enumerate(draft.causal)})
     for key, value in flags.items():
         if not isinstance(value, bool):
@@ -186,11 +188,11 @@ def _check_values(target: TargetSpec, draft: DraftSpec) -> None:
                 "dflash_config.input_embedding_scale": draft.input_embedding_scale,
                 "dflash_config.output_multiplier": draft.output_multiplier,
                 "dflash_config.final_logit_softcapping": draft.final_logit_softcapping}
-    for key, value in positive.items():
-        if key.endswith("softcapping") and value is None:
+    for key, number in positive.items():
+        if key.endswith("softcapping") and number is None:
             continue
-        if not _positive_finite(value):
-            raise DFlashTrtError(f"checkpoint config.json: '{key}' must be a finite number > 0, got {value!r:.80}")
+        if not _positive_finite(number):
+            raise DFlashTrtError(f"checkpoint config.json: '{key}' must be a finite number > 0, got {number!r:.80}")
     ids = {"dflash_config.mask_token_id": [draft.mask_token_id], "eos_token_ids": list(target.eos_token_ids)}
     ids["dflash_config.target_layer_ids"] = list(draft.target_layer_ids)
     bounds = {"dflash_config.target_layer_ids": target.num_hidden_layers}
