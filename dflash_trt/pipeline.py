@@ -34,6 +34,7 @@ from dflash_trt.profiles import (
     resolve_model_dir,
 )
 from dflash_trt.recorded_configs import ModelSource, load_recorded_configs, local_source, recorded_source
+from dflash_trt.spec import parse_draft_config, parse_target_config
 from dflash_trt.triton.repository import RepositorySettings, max_temperature_for_sampling, serving_fields
 from dflash_trt.triton.serving import ServingSettings
 from dflash_trt.trtllm.build_plan import (
@@ -297,6 +298,8 @@ def resolve_inputs(args: argparse.Namespace, settings_override: Callable | None 
     tokenizer = (_model_source(m.tokenizer, None, args, lambda ref: ModelSource(ref, None, None), read_config=False)
                  if m.tokenizer else target)
     if target.config is not None and draft.config is not None:
+        # Strict types and values first: the profile checks read the raw configs.
+        parse_draft_config(draft.config, parse_target_config(target.config, target.path))
         check_against_configs(profile, target.config, draft.config, draft.shown)
     if target.path is not None and draft.path is not None:
         for warning in checkpoint_warnings(profile, target.path, draft.path):

@@ -135,8 +135,8 @@ def _optional_bool(cfg: dict, key: str, what: str, default: bool) -> bool:
 
 def _optional_str(cfg: dict, key: str, what: str) -> str | None:
     value = cfg.get(key)
-    if value is not None and not isinstance(value, str):
-        raise DFlashTrtError(f"{what} config: '{key}' must be a string, got {_brief(value)}")
+    if value is not None and (not isinstance(value, str) or not value):
+        raise DFlashTrtError(f"{what} config: '{key}' must be a non-empty string, got {_brief(value)}")
     return value
 
 

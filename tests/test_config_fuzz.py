@@ -13,6 +13,7 @@ import copy
 import json
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dflash_trt.checkpoint.trtllm_config import checkpoint_config, specs_from_config
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.spec import DraftSpec, TargetSpec, parse_draft_config, parse_target_config
 from dflash_trt.tiny.heldout import draft_dir, target_dir
@@ -214,3 +216,49 @@ def test_the_unedited_configs_parse() -> None:
     """The properties above start from configs that are valid as they are."""
     assert parse_draft_config(DRAFT, _TARGET_SPEC).block_size == DRAFT["block_size"]
     assert not _TARGET_SPEC.tie_word_embeddings and _TARGET_SPEC.rope.theta == 10000.0
+
+
+# The converted checkpoint's own config.json, which generate and the engine build read back (an edit after
+# conversion is caught by the integrity record; one without it must still be refused or read as it says).
+CHECKPOINT = checkpoint_config(_TARGET_SPEC, parse_draft_config(DRAFT, _TARGET_SPEC), "float32")
+CHECKPOINT_KEYS: dict[tuple[str, ...], tuple[str, Callable[[tuple[TargetSpec, DraftSpec]], Any] | None]] = {
+    ("architecture",): (OTHER, None),
+    ("vocab_size",): (INT, lambda s: s[0].vocab_size),
+    ("hidden_size",): (INT, lambda s: s[0].hidden_size),
+    ("num_hidden_layers",): (INT, lambda s: s[0].num_hidden_layers),
+    ("head_size",): (INT, lambda s: s[0].head_dim),
+    ("max_position_embeddings",): (INT, lambda s: s[0].max_position_embeddings),
+    ("norm_epsilon",): (NUMBER, lambda s: s[0].rms_norm_eps),
+    ("rotary_base",): (NUMBER, lambda s: s[0].rope.theta),
+    ("rotary_scaling",): (OTHER, None),
+    ("attn_bias",): (BOOL, lambda s: s[0].attention_bias),
+    ("mlp_bias",): (BOOL, lambda s: s[0].mlp_bias),
+    ("qk_layernorm",): (BOOL, lambda s: s[0].qk_norm),
+    ("tie_word_embeddings",): (BOOL, lambda s: s[0].tie_word_embeddings),
+    ("eos_token_ids",): (OTHER, None),
+    ("dflash_config", "norm_epsilon"): (NUMBER, lambda s: s[1].rms_norm_eps),
+    ("dflash_config", "attn_bias"): (BOOL, lambda s: s[1].attention_bias),
+    ("dflash_config", "mask_token_id"): (INT, lambda s: s[1].mask_token_id),
+    ("dflash_config", "block_size"): (INT, lambda s: s[1].block_size),
+    ("dflash_config", "target_layer_ids"): (OTHER, None),
+    ("dflash_config", "layer_types"): (OTHER, None),
+    ("dflash_config", "causal"): (OTHER, None),
+    ("dflash_config", "sliding_window"): (INT, lambda s: s[1].sliding_window),
+    ("dflash_config", "input_embedding_scale"): (NUMBER, lambda s: s[1].input_embedding_scale),
+    ("dflash_config", "output_multiplier"): (NUMBER, lambda s: s[1].output_multiplier),
+    ("dflash_config", "final_logit_softcapping"): (NUMBER, lambda s: s[1].final_logit_softcapping),
+}
+
+
+@pytest.mark.parametrize("path", list(CHECKPOINT_KEYS), ids=".".join)
+@_FUZZ
+@given(value=JSON_VALUES)
+def test_any_value_in_a_checkpoint_config_key(path: tuple[str, ...], value: Any) -> None:
+    kind, field = CHECKPOINT_KEYS[path]
+    _check(specs_from_config, CHECKPOINT, path, kind, field, value)
+
+
+def test_the_unedited_checkpoint_config_reads_back() -> None:
+    target, draft = specs_from_config(CHECKPOINT)  # the source dtype is not part of a converted checkpoint
+    assert target == replace(_TARGET_SPEC, torch_dtype=None)
+    assert draft == replace(parse_draft_config(DRAFT, _TARGET_SPEC), torch_dtype=None)

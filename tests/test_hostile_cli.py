@@ -127,6 +127,10 @@ OUTPUT_AMONG_INPUTS: dict[str, tuple[Case, str]] = {
         lambda w, t: ["demo", "--output_dir", str(asset_dir() / "out")],
         r"lies inside the input the embedded tiny pair",
     ),
+    "selftest inside the embedded pair": (
+        lambda w, t: ["selftest", "--output_dir", str(asset_dir() / "target")],
+        r"is the input the embedded tiny pair|lies inside the input the embedded",
+    ),
     "sweep results over its dataset": (
         lambda w, t: ["sweep", "--config", str(w.sweep)],
         r"contains the input --config",
@@ -204,6 +208,10 @@ TAMPERED: dict[str, tuple[Callable[[World, Path], Path], str]] = {
     "dtype edited": (
         lambda w, t: _tampered(w, t, _edit_config(dtype="float16")),
         r"is torch\.float32, but config\.json says torch\.float16",
+    ),
+    "hidden size edited": (
+        lambda w, t: _tampered(w, t, _edit_config(hidden_size=96)),
+        r"'dflash\.fc\.weight' has shape \(128, 256\), but config\.json implies \(96, 192\)",
     ),
     "NaN weight": (lambda w, t: _tampered(w, t, _nan_weight), r"'transformer\.layers\.2\.mlp\.proj\.weight' holds NaN"),
 }
@@ -286,6 +294,12 @@ def _file(tmp: Path, name: str, data: bytes | str) -> Path:
     return path
 
 
+def _profile_for(w: World, tmp: Path, models: tuple[Path, Path]) -> Path:
+    """The world's build profile, pointed at other model folders."""
+    text = w.profile.read_text().replace(str(w.target), str(models[0])).replace(str(w.draft), str(models[1]))
+    return _file(tmp, "profile.yaml", text)
+
+
 def _folder(path: Path) -> Path:
     path.mkdir()
     return path
@@ -308,6 +322,14 @@ def _escaping_tokenizer(w: World, tmp: Path) -> tuple[Path, Path]:
 
 def _generate(w: World, *extra: str, prompts: Path | None = None) -> list[str]:
     return ["generate", "--checkpoint_dir", str(w.checkpoint), "--input_file", str(prompts or w.prompts), *extra]
+
+
+def _generate_with(w: World, tmp: Path, name: str, text: str) -> list[str]:
+    """generate on a copy of the checkpoint whose file `name` holds `text`."""
+    checkpoint = shutil.copytree(w.checkpoint, tmp / "ckpt")
+    (checkpoint / name).write_text(text)
+    (checkpoint / "evil.py").write_text(f"open({str(tmp / 'code-ran')!r}, 'w')\n")
+    return ["generate", "--checkpoint_dir", str(checkpoint), "--input_file", str(w.prompts)]
 
 
 UNWRITABLE = Path("/sys/dflash-hostile/out")  # sysfs refuses new folders even to root
@@ -467,6 +489,28 @@ HOSTILE: dict[str, tuple[Case, str]] = {
         lambda w, t: ["build", "--config", str(_file(t, "p.yaml", "a: " + NESTED)), "--dry_run"],
         r"nested too deeply|not valid YAML",
     ),
+    "build --config over a string head count": (
+        lambda w, t: [
+            "build",
+            "--config",
+            str(_profile_for(w, t, _models_with(w, t, "target", num_attention_heads="4"))),
+            "--output_dir",
+            str(t / "ws"),
+            "--dry_run",
+        ],
+        r"target config: 'num_attention_heads' must be an integer",
+    ),
+    "build --config over a NaN drafter eps": (
+        lambda w, t: [
+            "build",
+            "--config",
+            str(_profile_for(w, t, _models_with(w, t, "draft", rms_norm_eps=math.nan))),
+            "--output_dir",
+            str(t / "ws"),
+            "--dry_run",
+        ],
+        r"drafter config: 'rms_norm_eps' must be",
+    ),
     # demo
     "demo onto a file": (
         lambda w, t: ["demo", "--output_dir", str(_file(t, "f", "x")), "--num_prompts", "1"],
@@ -516,6 +560,19 @@ HOSTILE: dict[str, tuple[Case, str]] = {
         lambda w, t: _generate(w, prompts=t),
         r"is not a readable HF datasets folder|is a folder; reading an HF datasets folder needs",
     ),
+    "generate with a corrupt tokenizer": (
+        lambda w, t: _generate_with(w, t, "tokenizer.json", '{"model": {"type": "BPE", "vocab": 7}}'),
+        r"the tokenizer in .* cannot be loaded",
+    ),
+    "generate with tokenizer code in auto_map": (
+        lambda w, t: _generate_with(
+            w,
+            t,
+            "tokenizer_config.json",
+            json.dumps({"tokenizer_class": "Evil", "auto_map": {"AutoTokenizer": [None, "evil.Evil"]}}),
+        ),
+        r"the tokenizer in .* cannot be loaded",
+    ),
 }
 
 
@@ -527,7 +584,7 @@ def test_hostile_input_is_refused_cleanly(world: World, tmp_path: Path, capsys, 
     code, out, err = run_cli(argv, capsys)
     assert_refused(code, err, argv[0], message)
     assert snapshot(world.root, asset_dir(), tmp_path) == before
-    assert not UNWRITABLE.exists()
+    assert not UNWRITABLE.exists() and not (tmp_path / "code-ran").exists()
 
 
 def test_a_full_disk_while_writing_the_triton_repository(world: World, tmp_path: Path, capsys, monkeypatch) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -207,3 +209,21 @@ def test_progress_reports_every_generated_token_and_calibrated_prompt(world: Wor
     prompts: list[int] = []
     calibrate_pair(model, [[5, 6, 7], [8, 9], [10]], 4, "fp8", "fp8", progress=prompts.append)
     assert sum(prompts) == 2 * 3  # the target pass, then the drafter pass over the quantized target
+
+
+def test_a_calibrating_convert_removes_scratch_left_by_a_killed_run(world: World, tmp_path: Path) -> None:
+    """What a SIGKILL during calibration leaves (a whole unquantized checkpoint) is gone after the next run."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".dflash-calibration-{int(dead.stdout)}-abc123" / "checkpoint"
+    shutil.copytree(world.checkpoint, stale)
+    convert_checkpoint(
+        world.target,
+        world.draft,
+        tmp_path / "fp8",
+        dtype="float32",
+        qformat="fp8",
+        calib_dataset=world.prompts,
+        calib_size=1,
+        calib_max_seq_len=4,
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fp8"]

@@ -6,12 +6,13 @@ TensorRT-LLM 1.2.x loads it as a `PretrainedConfig` (unknown keys ride along as 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import DTYPES, NONE, quantization_config
 from dflash_trt.rope import SCALING_FIELDS, RopeConfig
-from dflash_trt.spec import DecoderSpec, DraftSpec, TargetSpec, check_dimension
+from dflash_trt.spec import FULL_ATTENTION, SLIDING_ATTENTION, DecoderSpec, DraftSpec, TargetSpec, check_dimension
 
 ARCHITECTURE = "DFlashForCausalLM"
 FORMAT_VERSION = 1
@@ -44,6 +45,8 @@ def rotary_scaling(rope: RopeConfig) -> dict[str, Any] | None:
 
 
 def rope_from_config(head_dim: int, base: float, scaling: dict[str, Any] | None) -> RopeConfig:
+    if not _positive_finite(base):
+        raise DFlashTrtError(f"checkpoint config.json: 'rotary_base' must be a finite number > 0, got {base!r:.80}")
     fields = dict(scaling or {})
     rope_type = fields.pop("type", "default")
     return RopeConfig(head_dim=head_dim, theta=float(base), rope_type=rope_type, **fields)
@@ -130,9 +133,10 @@ def target_spec_from_config(config: dict[str, Any]) -> TargetSpec:
             max_position_embeddings=config["max_position_embeddings"],
             eos_token_ids=tuple(config.get("eos_token_ids", [])),
         )
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise _malformed(exc) from None
     _check_dimensions(target, "checkpoint")
+    check_dimension(target.max_position_embeddings, "max_position_embeddings", "checkpoint")
     return target
 
 
@@ -155,7 +159,7 @@ def draft_spec_from_config(config: dict[str, Any]) -> DraftSpec:
             output_multiplier=d["output_multiplier"],
             final_logit_softcapping=d["final_logit_softcapping"],
         )
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise _malformed(exc) from None
     _check_dimensions(draft, "checkpoint dflash_config")
     check_dimension(draft.block_size, "block_size", "checkpoint dflash_config", minimum=2)
@@ -165,5 +169,57 @@ def draft_spec_from_config(config: dict[str, Any]) -> DraftSpec:
 def specs_from_config(config: dict[str, Any]) -> tuple[TargetSpec, DraftSpec]:
     """Rebuild the exact specs the checkpoint was converted from."""
     if config.get("architecture") != ARCHITECTURE or "dflash_config" not in config:
-        raise DFlashTrtError(f"not a dflash-trt checkpoint: config.json architecture is {config.get('architecture')!r}")
-    return target_spec_from_config(config), draft_spec_from_config(config)
+        raise DFlashTrtError(
+            f"not a dflash-trt checkpoint: config.json architecture is {config.get('architecture')!r:.80}"
+        )
+    target, draft = target_spec_from_config(config), draft_spec_from_config(config)
+    _check_values(target, draft)
+    return target, draft
+
+
+def _positive_finite(value: object) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return 0 < float(value) < math.inf
+    except OverflowError:  # an integer beyond any float
+        return False
+
+
+def _check_values(target: TargetSpec, draft: DraftSpec) -> None:
+    """The values the golden model and the engine compute with, by type and meaning: a config edited by hand (a
+    string "false", a NaN epsilon, a tap past the last layer) must not decode into silently wrong text."""
+    flags: dict[str, object] = {
+        "attn_bias": target.attention_bias, "mlp_bias": target.mlp_bias, "qk_layernorm": target.qk_norm,
+        "tie_word_embeddings": target.tie_word_embeddings, "dflash_config.attn_bias": draft.attention_bias,
+    }
+    flags.update({f"dflash_config.causal[{i}]": causal for i, causal in enumerate(draft.causal)})
+    for key, value in flags.items():
+        if not isinstance(value, bool):
+            raise DFlashTrtError(f"checkpoint config.json: '{key}' must be true or false, got {value!r:.80}")
+    positive = {"norm_epsilon": target.rms_norm_eps, "rotary_base": target.rope.theta,
+                "dflash_config.norm_epsilon": draft.rms_norm_eps, "dflash_config.rotary_base": draft.rope.theta,
+                "dflash_config.input_embedding_scale": draft.input_embedding_scale,
+                "dflash_config.output_multiplier": draft.output_multiplier,
+                "dflash_config.final_logit_softcapping": draft.final_logit_softcapping}
+    for key, number in positive.items():
+        if key.endswith("softcapping") and number is None:
+            continue
+        if not _positive_finite(number):
+            raise DFlashTrtError(f"checkpoint config.json: '{key}' must be a finite number > 0, got {number!r:.80}")
+    ids = {"dflash_config.mask_token_id": [draft.mask_token_id], "eos_token_ids": list(target.eos_token_ids)}
+    ids["dflash_config.target_layer_ids"] = list(draft.target_layer_ids)
+    bounds = {"dflash_config.target_layer_ids": target.num_hidden_layers}
+    for key, values in ids.items():
+        bound = bounds.get(key, target.vocab_size)
+        if not values and key != "eos_token_ids" or any(
+                isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < bound for v in values):
+            raise DFlashTrtError(f"checkpoint config.json: '{key}' must hold integers in [0, {bound}), "
+                                 f"got {values!r:.80}")
+    kinds = draft.layer_types
+    if len(kinds) != draft.num_hidden_layers or len(draft.causal) != len(kinds) or not all(
+            kind in (FULL_ATTENTION, SLIDING_ATTENTION) for kind in kinds):
+        raise DFlashTrtError("checkpoint config.json: dflash_config.layer_types / causal must name one known "
+                             "attention kind per draft layer")
+    if draft.sliding_window is not None:
+        check_dimension(draft.sliding_window, "sliding_window", "checkpoint dflash_config")

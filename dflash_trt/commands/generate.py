@@ -67,9 +67,9 @@ def sequence_record(result: SequenceResult, tokenizer, trace: bool) -> dict[str,
 MAX_SEED = 2**63 - 1
 
 
-def check_arguments(args: argparse.Namespace, prompts: list[list[int]], max_position_embeddings: int) -> None:
-    """Refuse, before any decoding, what would fail half-way (allocation, overflow) or decode silently wrong
-    (positions past what the model was trained for, a NaN temperature)."""
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse, before loading anything, values that would fail half-way (overflow) or decode silently wrong
+    (a NaN temperature)."""
     for name in ("temperature", "top_p"):
         if not math.isfinite(getattr(args, name)):
             raise DFlashTrtError(f"--{name} must be a finite number, got {getattr(args, name)}")
@@ -77,6 +77,10 @@ def check_arguments(args: argparse.Namespace, prompts: list[list[int]], max_posi
         raise DFlashTrtError(f"--seed must lie in [0, {MAX_SEED}], got {args.seed}")
     if args.max_new_tokens < 1:
         raise DFlashTrtError(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}")
+
+
+def check_lengths(args: argparse.Namespace, prompts: list[list[int]], max_position_embeddings: int) -> None:
+    """Positions past what the model was trained for decode garbage, and a huge request fails allocating."""
     longest = max(len(p) for p in prompts)
     if longest + args.max_new_tokens > max_position_embeddings:
         raise DFlashTrtError(
@@ -91,13 +95,14 @@ def _print_trace(record: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_arguments(args)
     checkpoint_dir = Path(args.checkpoint_dir)
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.sampling)
     per_sequence_sampling(sampling, 1)  # refuse what the chosen rule cannot honour before loading anything
     model = load_golden_model(checkpoint_dir)
     tokenizer = load_tokenizer(checkpoint_dir)
     prompts = read_prompts(args.input_file, tokenizer)
-    check_arguments(args, prompts, model.target.spec.max_position_embeddings)
+    check_lengths(args, prompts, model.target.spec.max_position_embeddings)
     if args.ignore_eos:
         stop_ids = []
     elif args.stop_token_ids is not None:

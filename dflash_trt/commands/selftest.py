@@ -130,16 +130,18 @@ def compare(golden, tokens: list[list[int]], acceptance: list[list[int]], max_ne
 
 
 def run(args: argparse.Namespace) -> int:
+    from dflash_trt.checkpoint.atomic import check_output_apart
     from dflash_trt.conversion.convert import convert_checkpoint
     from dflash_trt.reference.decode import speculative_generate
     from dflash_trt.reference.model import load_golden_model
-    from dflash_trt.tiny.heldout import draft_dir, load_heldout, target_dir
+    from dflash_trt.tiny.heldout import asset_dir, draft_dir, load_heldout, target_dir
     from dflash_trt.tokenizer import load_tokenizer
     from dflash_trt.trtllm.build import require_tensorrt_llm, run_engine_build
     from dflash_trt.trtllm.build_plan import plan_engine_build
 
-    require_tensorrt_llm()  # before any work: the self-test is meaningless without TensorRT-LLM 1.2.x
     out = Path(args.output_dir)
+    check_output_apart(out, {"the embedded tiny pair": asset_dir(), "--plugin_library": args.plugin_library})
+    require_tensorrt_llm()  # before any work: the self-test is meaningless without TensorRT-LLM 1.2.x
     checkpoint = out / f"checkpoint-{args.dtype}"
     convert_checkpoint(target_dir(), draft_dir(), checkpoint, dtype=args.dtype, overwrite=args.overwrite)
     tokenizer = load_tokenizer(checkpoint)

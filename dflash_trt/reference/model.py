@@ -360,6 +360,11 @@ def load_rank_tensors(
                 )
             split, out = stored_split(layout, name, pieces[0].dim())
             tensors[name] = merge(pieces, split, out.heads if out else None, out.shape[0] if out else None)
+            if name in layout and pieces[0].element_size() > 1 and tuple(tensors[name].shape) != layout[name].shape:
+                raise DFlashTrtError(
+                    f"checkpoint {checkpoint_dir} tensor '{name}' has shape {tuple(tensors[name].shape)}, but "
+                    f"config.json implies {layout[name].shape}"
+                )
         missing = sorted(set(layout) - set(tensors))
         if missing:
             raise DFlashTrtError(f"checkpoint {checkpoint_dir} is missing tensor '{missing[0]}'")
