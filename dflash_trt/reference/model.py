@@ -26,7 +26,7 @@ from dflash_trt.reference.kv_injection import injected_kv
 from dflash_trt.reference.norm import rms_norm
 from dflash_trt.reference.quantized import dequantized_weight, fake_quantize_fp8, fake_quantize_input, weight_format
 from dflash_trt.reference.rope import apply_rope, rope_cos_sin
-from dflash_trt.spec import DraftSpec, TargetSpec
+from dflash_trt.spec import DraftSpec, MoeSpec, TargetSpec
 
 Observer = Callable[[str, torch.Tensor], None]
 
@@ -56,9 +56,53 @@ class Linear:
                    weight_format(weight), scale)
 
 
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert weights and indices `[tokens, top_k]` from fp32 router logits, as TensorRT-LLM's MixtureOfExperts
+    routes: RENORMALIZE takes the top-k logits and softmaxes over them (Qwen3-MoE's norm_topk_prob), NONE softmaxes
+    over all experts and keeps the top-k probabilities as they are."""
+    if renormalize:
+        top, chosen = torch.topk(logits, top_k, dim=-1)
+        return torch.softmax(top, dim=-1), chosen
+    return torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+
+
+@dataclass
+class SparseMlp:
+    """A mixture-of-experts MLP: float32 router, top-k SwiGLU experts, routing-weighted sum of their outputs."""
+
+    router: torch.Tensor  # float32 [experts, hidden]
+    fc: torch.Tensor  # [experts, 2 * inter, hidden]: up_proj rows, then gate_proj rows
+    proj: torch.Tensor  # [experts, hidden, inter]
+    top_k: int
+    renormalize: bool
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = route(F.linear(flat.float(), self.router), self.top_k, self.renormalize)
+        out = torch.zeros_like(flat)
+        inter = self.fc.shape[1] // 2
+        for expert in chosen.unique().tolist():
+            token, slot = (chosen == expert).nonzero(as_tuple=True)
+            up, gate = F.linear(flat[token], self.fc[expert]).split(inter, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.proj[expert])
+            out.index_add_(0, token, y * weights[token, slot, None].to(y.dtype))
+        return out.view(x.shape)
+
+    @classmethod
+    def load(cls, tensors: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype, moe: MoeSpec) -> SparseMlp:
+        return cls(
+            router=tensors[names.tensor(prefix, names.MOE_ROUTER)].float(),
+            fc=tensors[names.tensor(prefix, names.MOE_FC)].to(dtype),
+            proj=tensors[names.tensor(prefix, names.MOE_PROJ)].to(dtype),
+            top_k=moe.top_k,
+            renormalize=moe.norm_topk_prob,
+        )
+
+
 @dataclass
 class LayerWeights:
-    """One decoder layer under TensorRT-LLM names (qkv fused; mlp.fc = gate_proj, mlp.gate = up_proj)."""
+    """One decoder layer under TensorRT-LLM names (qkv fused; mlp.fc = gate_proj, mlp.gate = up_proj), or with a
+    mixture-of-experts MLP (`sparse`) in place of fc / gate / proj."""
 
     prefix: str
     input_norm: torch.Tensor
@@ -67,14 +111,17 @@ class LayerWeights:
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor
-    fc: Linear
-    gate: Linear
-    proj: Linear
+    fc: Linear | None
+    gate: Linear | None
+    proj: Linear | None
     kv_scale: torch.Tensor | None
     kv_observer: Observer | None = None  # calibration sees every K and V this layer stores
+    sparse: SparseMlp | None = None
 
     @classmethod
-    def load(cls, tensors: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype) -> LayerWeights:
+    def load(
+        cls, tensors: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype, moe: MoeSpec | None = None
+    ) -> LayerWeights:
         def norm(module: str) -> torch.Tensor | None:
             weight = tensors.get(names.tensor(prefix, module))
             return None if weight is None else weight.to(dtype)
@@ -90,16 +137,19 @@ class LayerWeights:
             q_norm=norm(names.Q_LAYERNORM),
             k_norm=norm(names.K_LAYERNORM),
             post_norm=norm(names.POST_LAYERNORM),
-            fc=lin(names.MLP_FC),
-            gate=lin(names.MLP_GATE),
-            proj=lin(names.MLP_PROJ),
+            fc=None if moe else lin(names.MLP_FC),
+            gate=None if moe else lin(names.MLP_GATE),
+            proj=None if moe else lin(names.MLP_PROJ),
             kv_scale=tensors.get(names.kv_cache_scale(prefix)),
+            sparse=SparseMlp.load(tensors, prefix, dtype, moe) if moe else None,
         )
 
     def linears(self) -> tuple[Linear, ...]:
-        return self.qkv, self.dense, self.fc, self.gate, self.proj
+        return tuple(lin for lin in (self.qkv, self.dense, self.fc, self.gate, self.proj) if lin is not None)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sparse is not None:
+            return self.sparse(x)
         return self.proj(F.silu(self.fc(x)) * self.gate(x))
 
     def split_qkv(self, x: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
@@ -157,7 +207,8 @@ class TargetModel:
                  dtype: torch.dtype):
         self.spec = spec
         self.embedding = tensors[names.VOCAB_EMBEDDING].to(dtype)
-        self.layers = [LayerWeights.load(tensors, names.target_layer(i), dtype) for i in range(spec.num_hidden_layers)]
+        self.layers = [LayerWeights.load(tensors, names.target_layer(i), dtype, spec.moe if spec.is_sparse(i) else None)
+                       for i in range(spec.num_hidden_layers)]
         self.final_norm = tensors[names.TARGET_FINAL_NORM].to(dtype)
         self.lm_head = Linear.load(tensors, names.LM_HEAD.removesuffix("." + names.WEIGHT), dtype)
         self.tap_layers = tap_layers
@@ -309,9 +360,11 @@ class GoldenModel:
         return [*(lin for layer in self.layers() for lin in layer.linears()), self.target.lm_head, self.draft.fc]
 
 
-def load_rank_tensors(checkpoint_dir: Path, tp_size: int, target: TargetSpec, draft: DraftSpec) -> dict:
+def load_rank_tensors(
+    checkpoint_dir: Path, tp_size: int, target: TargetSpec, draft: DraftSpec, moe_ep_size: int = 1
+) -> dict:
     """All tensors of a checkpoint, shards merged back into full tensors."""
-    layout = {out.name: out for out in checkpoint_layout(target, draft)}
+    layout = {out.name: out for out in checkpoint_layout(target, draft, moe_ep_size)}
     files = []
     try:
         for rank in range(tp_size):
@@ -323,7 +376,7 @@ def load_rank_tensors(checkpoint_dir: Path, tp_size: int, target: TargetSpec, dr
         for name in files[0].names():
             pieces = [f.get(name, copy=True) for f in files]
             split, out = stored_split(layout, name, pieces[0].dim())
-            tensors[name] = merge(pieces, split, out and out.heads, out and out.shape[0])
+            tensors[name] = merge(pieces, split, out and out.heads, out and out.shape[0], out and out.experts)
         missing = sorted(set(layout) - set(tensors))
         if missing:
             raise DFlashTrtError(f"checkpoint {checkpoint_dir} is missing tensor '{missing[0]}'")
@@ -338,6 +391,8 @@ def load_golden_model(checkpoint_dir: str | Path, compute_dtype: torch.dtype = t
     config = read_json_object(checkpoint_dir / "config.json",
                               f"{checkpoint_dir} is not a converted checkpoint (no config.json)")
     target_spec, draft_spec = specs_from_config(config)
-    tensors = load_rank_tensors(checkpoint_dir, config["mapping"]["tp_size"], target_spec, draft_spec)
+    mapping = config["mapping"]
+    tensors = load_rank_tensors(checkpoint_dir, mapping["tp_size"], target_spec, draft_spec,
+                                mapping.get("moe_ep_size", 1))
     target = TargetModel(target_spec, tensors, draft_spec.target_layer_ids, compute_dtype)
     return GoldenModel(target, DraftModel(draft_spec, tensors, target, compute_dtype), config)
