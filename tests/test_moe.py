@@ -392,3 +392,20 @@ def test_expert_parallel_on_a_dense_target_and_quantized_experts_are_refused(tmp
     moe_target, moe_draft = make_pair(tmp_path / "moe", VARIANTS["e2-top1-tied"])
     with pytest.raises(DFlashTrtError, match="not supported yet"):
         convert_checkpoint(moe_target, moe_draft, tmp_path / "q", qformat="fp8", calib_dataset=tmp_path / "x.jsonl")
+
+
+# ------------------------------------------------------------------------------------------------- engine plan
+def test_engine_plan_builds_all_sparse_targets_and_refuses_dense_layers_among_them(parallel, converted, tmp_path):
+    from dflash_trt.trtllm.build_plan import EngineBuildSettings, plan_engine_build
+
+    golden, _, _ = converted
+    _, _, checkpoints = parallel  # layer 1 of that target keeps a dense MLP
+    with pytest.raises(DFlashTrtError, match=r"dense MLPs on layers \[1\]"):
+        plan_engine_build(checkpoints[2, 2], tmp_path / "e", EngineBuildSettings(), plugin_library="/x.so")
+    spec = golden.target.spec
+    if len(spec.moe.sparse_layers) == spec.num_hidden_layers:
+        ckpt = tmp_path / "all_sparse"
+        ckpt.mkdir()
+        (ckpt / "config.json").write_text(json.dumps(golden.config))
+        plan = plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings(), plugin_library="/x.so")
+        assert plan.dflash_manifest["tp_size"] == 1

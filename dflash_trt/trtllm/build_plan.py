@@ -87,6 +87,7 @@ class CheckpointFacts:
     draft_rope: RopeConfig
     draft_quant_algo: str | None = None
     draft_kv_cache_quant_algo: str | None = None
+    sparse_layers: tuple[int, ...] = ()  # mixture-of-experts layers of a Qwen3-MoE target
 
     @property
     def max_draft_len(self) -> int:
@@ -195,6 +196,7 @@ def read_checkpoint_facts(checkpoint_dir: str | Path) -> CheckpointFacts:
         draft_rope=draft.rope,
         draft_quant_algo=draft_quant.get("quant_algo"),
         draft_kv_cache_quant_algo=draft_quant.get("kv_cache_quant_algo"),
+        sparse_layers=target.moe.sparse_layers if target.moe is not None else (),
     )
 
 
@@ -231,6 +233,18 @@ def check_quantization(facts: CheckpointFacts) -> None:
         raise DFlashTrtError(
             f"the drafter is quantized as {draft} but the target as {target}; one engine applies one quantization "
             "(weights, KV cache) to both, so convert them with the same formats"
+        )
+
+
+def check_moe_layers(facts: CheckpointFacts) -> None:
+    """TensorRT-LLM 1.2.x's QWenDecoderLayer builds every layer of a qwen3_moe config as MixtureOfExperts (it reads
+    no per-layer sparsity), so a target that keeps dense MLPs on some layers converts and decodes in the golden
+    model but cannot be built."""
+    if facts.sparse_layers and len(facts.sparse_layers) != facts.num_target_layers:
+        dense = sorted(set(range(facts.num_target_layers)) - set(facts.sparse_layers))
+        raise DFlashTrtError(
+            f"the target keeps dense MLPs on layers {dense} among its mixture-of-experts layers; TensorRT-LLM 1.2.x's "
+            "Qwen3-MoE decoder layers are all sparse, so this pair can be converted and verified but not built"
         )
 
 
@@ -393,6 +407,7 @@ def plan_engine_build(checkpoint_dir: str | Path, output_dir: str | Path, settin
     check_kv_geometry(facts)
     check_rope(facts)
     check_quantization(facts)
+    check_moe_layers(facts)
     check_sliding_window(facts, settings)
     check_settings(facts, settings)
     library = str(plugin_library) if plugin_library is not None else str(default_library_path())
