@@ -328,9 +328,9 @@ def convert_checkpoint(
     target = load_target_spec(model_dir)
     draft = load_draft_spec(dflash_model_dir, target)
     check_parallel(target, draft, tp_size, moe_ep_size)
-    if target.moe is not None and quant.qformat != NONE:
-        raise DFlashTrtError("quantizing the experts of a mixture-of-experts target is not supported yet; "
-                             "convert it with --qformat none (the drafter may still be quantized)")
+    if target.moe is not None and prequantized is not None:
+        raise DFlashTrtError("pre-quantized mixture-of-experts targets are not supported yet; convert the "
+                             "unquantized checkpoint with --qformat fp8")
     plan = ConversionPlan(model_dir, dflash_model_dir, target, draft, TORCH_DTYPES[dtype], tp_size, quant,
                           prequantized=prequantized, moe_ep_size=moe_ep_size)
     plan.check_formats()

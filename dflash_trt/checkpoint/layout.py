@@ -155,13 +155,16 @@ def stored_split(layout: dict[str, OutputTensor], name: str, ndim: int) -> tuple
     """How any stored tensor splits over ranks, quantization tensors included.
 
     A layout tensor splits by its own rule; a tensor hanging off a linear (`<module>.weights_scaling_factor`, ...)
-    splits like that linear's weight when it has per-row data (NVFP4 block scales) and is replicated when it is a
-    per-tensor scale; anything else is replicated.
+    splits like that linear's weight when it has per-row data (NVFP4 block scales), goes with its expert when it is a
+    per-expert scale of stacked experts, and is replicated when it is a per-tensor scale; anything else is
+    replicated.
     """
     out = layout.get(name)
     if out is not None:
         return out.split, out
     parent = layout.get(f"{name.rsplit('.', 1)[0]}.{names.WEIGHT}")
+    if parent is not None and parent.experts is not None and ndim == 2:
+        return Split.EXPERTS, parent  # one scale per expert: it goes where its expert goes
     if parent is not None and ndim >= 2:
         return parent.split, parent
     return Split.REPLICATE, None

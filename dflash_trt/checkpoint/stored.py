@@ -14,7 +14,7 @@ import torch
 
 from dflash_trt.checkpoint import names
 from dflash_trt.checkpoint.layout import OutputTensor, stored_split
-from dflash_trt.checkpoint.sharding import Split, shard, sharded_shape
+from dflash_trt.checkpoint.sharding import shard, sharded_shape
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.quant.formats import (
     FP8,
@@ -98,7 +98,7 @@ def stored_full(
         weight = full.to(dtype)
         partners = partner_weights(out)
         amax = None
-        if len(partners) > 1 and load_partner is not None:
+        if len(partners) > 1 and load_partner is not None and weight.dim() == 2:
             amax = torch.stack([weight_amax(weight if p == out.name else load_partner(p).to(dtype))
                                 for p in partners]).max()
         stored = quantize_weight(out.name, weight, qformat, amax)
@@ -129,7 +129,7 @@ def stored_entries(
     entries = {}
     for name, tensor in stored_full(out, stand_in, dtype, quant, scales).items():
         shape = (out.shape[0], *tensor.shape[1:]) if tensor.dim() >= 2 else tuple(tensor.shape)
-        split = out.split if name == out.name or tensor.dim() >= 2 else Split.REPLICATE
+        split, _ = stored_split({out.name: out}, name, tensor.dim())
         entries[name] = (tensor.dtype, sharded_shape(shape, split, tp_size, out.heads, out.experts))
     return entries
 

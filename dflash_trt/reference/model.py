@@ -68,34 +68,63 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 @dataclass
 class SparseMlp:
-    """A mixture-of-experts MLP: float32 router, top-k SwiGLU experts, routing-weighted sum of their outputs."""
+    """A mixture-of-experts MLP as TensorRT-LLM's MoE plugin runs it: float32 router on the unrounded input, top-k
+    SwiGLU experts, routing-weighted sum. With quantized experts the fc input and the experts' intermediate are
+    rounded with one static scale each (shared by all experts), the weights dequantized per expert."""
 
+    prefix: str
     router: torch.Tensor  # float32 [experts, hidden]
     fc: torch.Tensor  # [experts, 2 * inter, hidden]: up_proj rows, then gate_proj rows
     proj: torch.Tensor  # [experts, hidden, inter]
     top_k: int
     renormalize: bool
+    input_format: str = NONE
+    fc_input_scale: torch.Tensor | None = None
+    proj_input_scale: torch.Tensor | None = None
+    observer: Observer | None = None  # calibration sees the fc input and every expert's intermediate
+
+    @property
+    def fc_name(self) -> str:
+        return f"{self.prefix}.{names.MOE_FC}"
+
+    @property
+    def proj_name(self) -> str:
+        return f"{self.prefix}.{names.MOE_PROJ}"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.observer is not None:
+            self.observer(self.fc_name, x)
         flat = x.reshape(-1, x.shape[-1])
         weights, chosen = route(F.linear(flat.float(), self.router), self.top_k, self.renormalize)
+        rounded = fake_quantize_input(flat, self.fc_input_scale, self.input_format)
         out = torch.zeros_like(flat)
         inter = self.fc.shape[1] // 2
+        seen = flat.new_zeros(*chosen.shape, inter) if self.observer is not None else None
         for expert in chosen.unique().tolist():
             token, slot = (chosen == expert).nonzero(as_tuple=True)
-            up, gate = F.linear(flat[token], self.fc[expert]).split(inter, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.proj[expert])
+            up, gate = F.linear(rounded[token], self.fc[expert]).split(inter, dim=-1)
+            hidden = F.silu(gate) * up
+            if seen is not None:
+                seen[token, slot] = hidden
+            y = F.linear(fake_quantize_input(hidden, self.proj_input_scale, self.input_format), self.proj[expert])
             out.index_add_(0, token, y * weights[token, slot, None].to(y.dtype))
+        if seen is not None:  # shaped like x, so the observer can drop padding rows
+            self.observer(self.proj_name, seen.view(*x.shape[:-1], -1))
         return out.view(x.shape)
 
     @classmethod
     def load(cls, tensors: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype, moe: MoeSpec) -> SparseMlp:
+        fc, proj = f"{prefix}.{names.MOE_FC}", f"{prefix}.{names.MOE_PROJ}"
         return cls(
+            prefix=prefix,
             router=tensors[names.tensor(prefix, names.MOE_ROUTER)].float(),
-            fc=tensors[names.tensor(prefix, names.MOE_FC)].to(dtype),
-            proj=tensors[names.tensor(prefix, names.MOE_PROJ)].to(dtype),
+            fc=dequantized_weight(tensors, fc).to(dtype),
+            proj=dequantized_weight(tensors, proj).to(dtype),
             top_k=moe.top_k,
             renormalize=moe.norm_topk_prob,
+            input_format=weight_format(tensors[f"{fc}.{names.WEIGHT}"]),
+            fc_input_scale=tensors.get(f"{fc}.{names.ACTIVATION_SCALING_FACTOR}"),
+            proj_input_scale=tensors.get(f"{proj}.{names.ACTIVATION_SCALING_FACTOR}"),
         )
 
 
@@ -358,6 +387,10 @@ class GoldenModel:
     def linears(self) -> list[Linear]:
         """Every linear of target and drafter (lm_head and drafter fc included), for calibration observers."""
         return [*(lin for layer in self.layers() for lin in layer.linears()), self.target.lm_head, self.draft.fc]
+
+    def sparse_mlps(self) -> list[SparseMlp]:
+        """The target's mixture-of-experts MLPs (their experts are quantized and calibrated as stacks)."""
+        return [layer.sparse for layer in self.target.layers if layer.sparse is not None]
 
 
 def load_rank_tensors(
