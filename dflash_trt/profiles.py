@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.spec import QWEN3_MOE, parse_target_config
 
 
 @dataclass(frozen=True)
@@ -322,11 +323,16 @@ def _check_heads(who: str, heads: int, kv_heads: int, tp: int) -> None:
 
 
 def _linear_weights(cfg: dict) -> int:
-    """Weights of the decoder layers' linears (attention + gated MLP)."""
+    """Weights of the decoder layers' linears (attention + gated MLP; every expert of a MoE target: all are held)."""
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     kv, head_dim = cfg.get("num_key_value_heads", heads), cfg.get("head_dim") or hidden // heads
     attention = hidden * (heads + 2 * kv) * head_dim + heads * head_dim * hidden
-    return cfg["num_hidden_layers"] * (attention + 3 * hidden * cfg["intermediate_size"])
+    mlps = cfg["num_hidden_layers"] * 3 * hidden * cfg["intermediate_size"]
+    if (cfg.get("architectures") or [None])[0] == QWEN3_MOE:
+        moe = parse_target_config(cfg).moe
+        sparse = len(moe.sparse_layers)
+        mlps += sparse * 3 * hidden * (moe.num_experts * moe.intermediate_size - cfg["intermediate_size"])
+    return cfg["num_hidden_layers"] * attention + mlps
 
 
 def weight_gb_per_gpu(profile: BuildProfile, target: dict, draft: dict) -> float:

@@ -385,13 +385,16 @@ def test_parallel_sizes_that_cannot_split_are_refused(parallel, tmp_path, tp, ep
         convert_checkpoint(target_dir, draft_dir, tmp_path / "out", tp_size=tp, moe_ep_size=ep)
 
 
-def test_expert_parallel_on_a_dense_target_and_quantized_experts_are_refused(tmp_path):
+def test_expert_parallel_on_a_dense_target_and_nvfp4_experts_are_refused(tmp_path):
     target_dir, draft_dir = make_pair(tmp_path / "dense", PairVariant())
     with pytest.raises(DFlashTrtError, match="mixture-of-experts targets only"):
         convert_checkpoint(target_dir, draft_dir, tmp_path / "out", tp_size=2, moe_ep_size=2)
     moe_target, moe_draft = make_pair(tmp_path / "moe", VARIANTS["e2-top1-tied"])
-    with pytest.raises(DFlashTrtError, match="not supported yet"):
-        convert_checkpoint(moe_target, moe_draft, tmp_path / "q", qformat="fp8", calib_dataset=tmp_path / "x.jsonl")
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text('{"input_ids": [3, 4, 5]}\n')
+    with pytest.raises(DFlashTrtError, match="use --qformat fp8 for MoE targets"):
+        convert_checkpoint(moe_target, moe_draft, tmp_path / "q", qformat="nvfp4", calib_dataset=calib)
+    assert not (tmp_path / "q").exists()
 
 
 # ------------------------------------------------------------------------------------------------- engine plan
@@ -409,3 +412,64 @@ def test_engine_plan_builds_all_sparse_targets_and_refuses_dense_layers_among_th
         (ckpt / "config.json").write_text(json.dumps(golden.config))
         plan = plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings(), plugin_library="/x.so")
         assert plan.dflash_manifest["tp_size"] == 1
+
+
+# ------------------------------------------------------------------------------------------- sizing and plan
+CODER_DRAFTER = {
+    "architectures": ["DFlashDraftModel"],
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "block_size": 16,
+    "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 12, 23, 34, 45]},
+}
+
+
+def test_profile_sizing_holds_every_expert():
+    from pathlib import Path
+
+    from dflash_trt.profiles import load_profile, weight_gb_per_gpu
+
+    root = Path(__file__).resolve().parents[1]
+    profile = load_profile(root / "build_configs/h100-fp8/qwen3-coder-30b-a3b.yaml")
+    attention = 2048 * (32 + 2 * 4) * 128 + 32 * 128 * 2048
+    target = 48 * (attention + 128 * 3 * 2048 * 768)
+    draft = 8 * (attention + 3 * 2048 * 6144) + 5 * 2048 * 2048
+    embeddings = 2 * 151936 * 2048
+    assert 30e9 < target + embeddings < 31.5e9  # the published 30.5B
+    want = (embeddings * 2 + (target + draft) * 1) / 1e9  # bf16 embeddings, FP8 linears
+    assert weight_gb_per_gpu(profile, CODER_30B_A3B, CODER_DRAFTER) == pytest.approx(want)
+
+
+def test_plan_costs_a_moe_target_by_its_active_experts(tmp_path, capsys):
+    from dflash_trt.perf.shapes import target_from_spec
+
+    stack = target_from_spec(parse_target_config(CODER_30B_A3B)).stack
+    assert (stack.num_experts, stack.experts_per_token, stack.intermediate) == (128, 8, 768)
+    assert stack.experts_touched(1) == pytest.approx(8) and stack.experts_touched(4096) == pytest.approx(128)
+    for name, config in (("target", CODER_30B_A3B), ("draft", CODER_DRAFTER)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    argv = [
+        "plan",
+        "--model_dir",
+        str(tmp_path / "target"),
+        "--dflash_model_dir",
+        str(tmp_path / "draft"),
+        "--gpu",
+        "h200",
+        "--qformat",
+        "fp8",
+        "--acceptance_length",
+        "4",
+        "--concurrency",
+        "1,64",
+        "--json",
+    ]
+    assert main(argv) == 0
+    curves = json.loads(capsys.readouterr().out)["curves"]
+    assert [p["concurrency"] for p in curves["dflash"]] == [1, 64]

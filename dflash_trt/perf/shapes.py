@@ -11,13 +11,18 @@ EAGLE3_TAPS = 3  # EAGLE-3 fuses low, middle and high target layers
 
 
 def target_from_spec(spec: TargetSpec) -> TargetModel:
+    """A Qwen3-MoE target is costed as all-sparse (its experts' size, top-k of them per token): the layers that keep
+    a dense MLP, if any, are counted as sparse too."""
+    moe = spec.moe
     stack = StackShape(
         num_layers=spec.num_hidden_layers,
         hidden=spec.hidden_size,
-        intermediate=spec.intermediate_size,
+        intermediate=moe.intermediate_size if moe else spec.intermediate_size,
         num_heads=spec.num_attention_heads,
         num_kv_heads=spec.num_key_value_heads,
         head_dim=spec.head_dim,
+        num_experts=moe.num_experts if moe else 0,
+        experts_per_token=moe.top_k if moe else 0,
     )
     return TargetModel(stack=stack, vocab=spec.vocab_size)
 
