@@ -199,3 +199,53 @@ def test_calibration_sees_the_moe_input_of_valid_tokens_only(fp8_pair, tmp_path)
         amax.input_amax("transformer.layers.0.mlp.fc").reshape(()), torch.stack(seen).max(), rtol=1e-6, atol=0
     )
     assert float(amax.input_amax("transformer.layers.0.mlp.proj")) > 0
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_prequantized_fp8_moe_target_is_carried_over(fp8_pair, tmp_path):
+    """modelopt's own PTQ + unified HF export of the MoE target: its per-expert FP8 bytes land in the stacks."""
+    from modelopt.torch.export import export_hf_checkpoint
+    from transformers import Qwen3MoeForCausalLM
+
+    target_dir, draft_dir, _ = fp8_pair
+    model = Qwen3MoeForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, 90, (2, 16), generator=torch.Generator().manual_seed(0))
+    mtq.quantize(model, copy.deepcopy(mtq.FP8_DEFAULT_CFG), forward_loop=lambda m: m(input_ids=ids))
+    exported = tmp_path / "exported"
+    export_hf_checkpoint(model, dtype=torch.bfloat16, export_dir=str(exported))
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text("\n".join(json.dumps({"input_ids": [i, i + 1, 5, 6]}) for i in range(10, 20)) + "\n")
+    for tp, ep in ((1, 1), (4, 2)):
+        convert_checkpoint(
+            exported,
+            draft_dir,
+            tmp_path / f"ckpt{tp}",
+            dtype="bfloat16",
+            tp_size=tp,
+            moe_ep_size=ep,
+            calib_dataset=calib,
+            calib_size=4,
+        )
+        assert verify_checkpoint(tmp_path / f"ckpt{tp}", exported, draft_dir).ok
+    source = load_file(exported / "model.safetensors")
+    stored = load_file(tmp_path / "ckpt1" / "rank0.safetensors")
+    expert = "model.layers.2.mlp.experts.{}.{}_proj.{}"
+    for e in range(4):
+        assert torch.equal(
+            source[expert.format(e, "gate", "weight_scale")], source[expert.format(e, "up", "weight_scale")]
+        )
+        want = torch.cat([source[expert.format(e, "up", "weight")], source[expert.format(e, "gate", "weight")]])
+        assert torch.equal(stored["transformer.layers.2.mlp.fc.weight"][e].view(torch.uint8), want.view(torch.uint8))
+        assert float(stored["transformer.layers.2.mlp.fc.weights_scaling_factor"][e]) == float(
+            source[expert.format(e, "gate", "weight_scale")]
+        )
+    inputs = [float(source[expert.format(e, "down", "input_scale")]) for e in range(4)]
+    assert float(stored["transformer.layers.2.mlp.proj.activation_scaling_factor"]) == max(inputs)
+    golden = load_golden_model(tmp_path / "ckpt1")
+    prompts = [[3, 4, 5, 6, 7], [9, 10]]
+    spec = speculative_generate(golden, prompts, 12)
+    assert [r.output_ids for r in spec] == [
+        r.output_ids for r in speculative_generate(golden, prompts, 12, block_size=1)
+    ]
+    sharded = speculative_generate(load_golden_model(tmp_path / "ckpt4"), prompts, 12)
+    assert [r.output_ids for r in sharded] == [r.output_ids for r in spec]

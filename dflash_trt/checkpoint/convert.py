@@ -90,8 +90,7 @@ def check_sources(
     if prequantized is not None:
         expected, scales = prequantized_input.source_expectations(target, prequantized, expected)
         extra += scales
-        carried = set(scales) | {f"model.layers.{i}.{m}.weight" for i in range(target.num_hidden_layers)
-                                 for m in prequantized_input.HF_LINEARS}
+        carried = set(scales) | prequantized_input.carried_weights(target)
     check_tensor_shapes(expected, _source_shapes(target_reader), "target", extra)
     check_tensor_shapes(draft_tensor_shapes(draft), _source_shapes(draft_reader), "drafter")
     for what, reader in (("target", target_reader), ("drafter", draft_reader)):
@@ -328,9 +327,6 @@ def convert_checkpoint(
     target = load_target_spec(model_dir)
     draft = load_draft_spec(dflash_model_dir, target)
     check_parallel(target, draft, tp_size, moe_ep_size)
-    if target.moe is not None and prequantized is not None:
-        raise DFlashTrtError("pre-quantized mixture-of-experts targets are not supported yet; convert the "
-                             "unquantized checkpoint with --qformat fp8")
     plan = ConversionPlan(model_dir, dflash_model_dir, target, draft, TORCH_DTYPES[dtype], tp_size, quant,
                           prequantized=prequantized, moe_ep_size=moe_ep_size)
     plan.check_formats()
