@@ -24,7 +24,7 @@ from dflash_trt.checkpoint.atomic import atomic_directory, check_destination
 from dflash_trt.checkpoint.hf_reader import HFCheckpointReader
 from dflash_trt.checkpoint.layout import DRAFT, TARGET, OutputTensor, checkpoint_layout, target_heads
 from dflash_trt.checkpoint.safetensors_io import SafetensorsFile, StreamingSafetensorsWriter, tensor_has_nonfinite
-from dflash_trt.checkpoint.sharding import Split, check_moe_parallel, check_tp, pad_vocab_size
+from dflash_trt.checkpoint.sharding import ExpertLayout, Split, check_moe_parallel, check_tp, pad_vocab_size
 from dflash_trt.checkpoint.stored import QuantSettings, kv_scale_name, rank_pieces, rank_stored, stored_entries
 from dflash_trt.checkpoint.trtllm_config import checkpoint_config
 from dflash_trt.errors import DFlashTrtError
@@ -191,10 +191,10 @@ def _expert_blocks(
 
     fc: the expert's up_proj rows, then its gate_proj rows, each cut to this rank's moe_tp slice (rows mapped only);
     proj: the expert's down_proj columns of this slice. Every rank checks its own slice for NaN/Inf."""
-    reader = readers[TARGET]
-    group, index, count = out.experts.ranks(plan.tp_size, rank)
-    per_expert = len(out.sources) // out.experts.num_experts
-    for expert in out.experts.experts_of(group):
+    reader, experts = readers[TARGET], out.experts or ExpertLayout(out.shape[0])
+    group, index, count = experts.ranks(plan.tp_size, rank)
+    per_expert = len(out.sources) // experts.num_experts
+    for expert in experts.experts_of(group):
         pieces = []
         for _, name in out.sources[expert * per_expert : (expert + 1) * per_expert]:
             if out.split is Split.EXPERT_FC:

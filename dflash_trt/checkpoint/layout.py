@@ -128,7 +128,7 @@ def checkpoint_layout(target: TargetSpec, draft: DraftSpec, moe_ep_size: int = 1
             prefix, TARGET, src_prefix, h, target.intermediate_size, target_heads(target),
             target.attention_bias, target.mlp_bias, target.qk_norm,
         )
-        if target.is_sparse(i):
+        if target.moe is not None and target.moe.is_sparse(i):
             dense_mlp = {names.tensor(prefix, m) for m in (names.MLP_FC, names.MLP_GATE, names.MLP_PROJ)}
             moe = _moe_tensors(prefix, src_prefix, h, target.moe, moe_ep_size)
             at = next(k for k, t in enumerate(layer) if t.name in dense_mlp)

@@ -35,9 +35,10 @@ HF_KV_SCALES = {"self_attn.k_proj": "k_scale", "self_attn.v_proj": "v_scale"}
 def hf_linears(target: TargetSpec, layer: int) -> tuple[str, ...]:
     """The quantized HF linears of one target layer, relative to `model.layers.{layer}.`: a sparse layer's MLP is
     its experts' gate/up/down projections (the router stays unquantized)."""
-    if not target.is_sparse(layer):
+    moe = target.moe
+    if moe is None or not moe.is_sparse(layer):
         return HF_LINEARS
-    experts = tuple(hf_expert("", e, leaf).removesuffix(".weight") for e in range(target.moe.num_experts)
+    experts = tuple(hf_expert("", e, leaf).removesuffix(".weight") for e in range(moe.num_experts)
                     for leaf in ("gate_proj", "up_proj", "down_proj"))
     return (*HF_LINEARS[:4], *experts)
 
@@ -109,9 +110,10 @@ def _carried_experts(
         prefix = weight_name.removesuffix("weight")
         return {name[len(prefix) :]: reader.get(name) for name in reader.names() if name.startswith(prefix)}
 
-    per_expert = len(out.sources) // out.experts.num_experts
+    num_experts = out.shape[0]
+    per_expert = len(out.sources) // num_experts
     weights, scales, inputs = [], [], []
-    for expert in range(out.experts.num_experts):
+    for expert in range(num_experts):
         sources = [name for _, name in out.sources[expert * per_expert : (expert + 1) * per_expert]]
         if out.split is Split.EXPERT_FC:  # sources are (up, gate); the shared scale is the pair's
             gate, up = share_prequantized([part(sources[1]), part(sources[0])], fmt.qformat)

@@ -164,7 +164,7 @@ def shard(
     if tp_size == 1 or split is Split.REPLICATE:
         return full
     if split in _EXPERT_SPLITS:
-        return _shard_experts(full, split, experts, tp_size, rank)
+        return _shard_experts(full, split, experts or ExpertLayout(full.shape[0]), tp_size, rank)
     if split is Split.QKV:
         return _split_qkv(full, heads, tp_size, rank)
     if split is Split.VOCAB:
@@ -184,8 +184,9 @@ def sharded_shape(
     if tp_size == 1 or split is Split.REPLICATE:
         return shape
     if split in _EXPERT_SPLITS:
-        count = tp_size // experts.ep_size
-        out = [shape[0] // experts.ep_size, *shape[1:]]
+        ep_size = experts.ep_size if experts else 1
+        count = tp_size // ep_size
+        out = [shape[0] // ep_size, *shape[1:]]
         if split is not Split.EXPERTS:
             out[1 if split is Split.EXPERT_FC else 2] //= count
         return tuple(out)
@@ -207,7 +208,7 @@ def merge(
     if len(shards) == 1 or split is Split.REPLICATE:
         return shards[0]
     if split in _EXPERT_SPLITS:
-        return _merge_experts(shards, split, experts)
+        return _merge_experts(shards, split, experts or ExpertLayout(shards[0].shape[0]))
     if split is Split.QKV:
         return _merge_qkv(shards, heads)
     if split is Split.VOCAB:

@@ -50,7 +50,7 @@ def checkpoint_config(
 ) -> dict[str, Any]:
     if dtype not in DTYPES:
         raise DFlashTrtError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    config = {
+    config: dict[str, Any] = {
         "architecture": ARCHITECTURE,
         "base_architecture": target.architecture,
         "dtype": dtype,

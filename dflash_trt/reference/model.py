@@ -92,14 +92,15 @@ class SparseMlp:
         return f"{self.prefix}.{names.MOE_PROJ}"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.observer is not None:
-            self.observer(self.fc_name, x)
+        observer = self.observer
+        if observer is not None:
+            observer(self.fc_name, x)
         flat = x.reshape(-1, x.shape[-1])
         weights, chosen = route(F.linear(flat.float(), self.router), self.top_k, self.renormalize)
         rounded = fake_quantize_input(flat, self.fc_input_scale, self.input_format)
         out = torch.zeros_like(flat)
         inter = self.fc.shape[1] // 2
-        seen = flat.new_zeros(*chosen.shape, inter) if self.observer is not None else None
+        seen = flat.new_zeros(*chosen.shape, inter) if observer is not None else None
         for expert in chosen.unique().tolist():
             token, slot = (chosen == expert).nonzero(as_tuple=True)
             up, gate = F.linear(rounded[token], self.fc[expert]).split(inter, dim=-1)
@@ -108,8 +109,8 @@ class SparseMlp:
                 seen[token, slot] = hidden
             y = F.linear(fake_quantize_input(hidden, self.proj_input_scale, self.input_format), self.proj[expert])
             out.index_add_(0, token, y * weights[token, slot, None].to(y.dtype))
-        if seen is not None:  # shaped like x, so the observer can drop padding rows
-            self.observer(self.proj_name, seen.view(*x.shape[:-1], -1))
+        if observer is not None and seen is not None:  # shaped like x, so the observer can drop padding rows
+            observer(self.proj_name, seen.view(*x.shape[:-1], -1))
         return out.view(x.shape)
 
     @classmethod
@@ -179,6 +180,7 @@ class LayerWeights:
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.sparse is not None:
             return self.sparse(x)
+        assert self.fc and self.gate and self.proj  # a dense layer loads all three
         return self.proj(F.silu(self.fc(x)) * self.gate(x))
 
     def split_qkv(self, x: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
@@ -409,7 +411,8 @@ def load_rank_tensors(
         for name in files[0].names():
             pieces = [f.get(name, copy=True) for f in files]
             split, out = stored_split(layout, name, pieces[0].dim())
-            tensors[name] = merge(pieces, split, out and out.heads, out and out.shape[0], out and out.experts)
+            tensors[name] = merge(pieces, split, out and out.heads, out and out.shape[0],
+                           None if out is None else out.experts)
         missing = sorted(set(layout) - set(tensors))
         if missing:
             raise DFlashTrtError(f"checkpoint {checkpoint_dir} is missing tensor '{missing[0]}'")
