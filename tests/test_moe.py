@@ -473,3 +473,18 @@ def test_plan_costs_a_moe_target_by_its_active_experts(tmp_path, capsys):
     assert main(argv) == 0
     curves = json.loads(capsys.readouterr().out)["curves"]
     assert [p["concurrency"] for p in curves["dflash"]] == [1, 64]
+
+
+def test_verify_catches_a_changed_expert_slice(parallel, tmp_path):
+    import shutil
+
+    target_dir, draft_dir, checkpoints = parallel
+    ckpt = tmp_path / "tampered"
+    shutil.copytree(checkpoints[4, 2], ckpt)
+    tensors = load_file(ckpt / "rank3.safetensors")
+    tensors["transformer.layers.2.mlp.proj.weight"][1, 5, 3] += 1.0  # rank 3: experts 2-3, second slice
+    save_file(tensors, ckpt / "rank3.safetensors", metadata={"format": "pt"})
+    report = verify_checkpoint(ckpt, target_dir, draft_dir)
+    assert report.problems == [
+        "rank3.safetensors tensor 'transformer.layers.2.mlp.proj.weight' differs from its source"
+    ]
