@@ -36,6 +36,11 @@ TARGETS = {
         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0, "rope_scaling": LLAMA_ROPE, "max_position_embeddings": 131072,
         "hidden_act": "silu", "eos_token_id": [128001, 128008, 128009]},
+    "Qwen/Qwen3-Coder-30B-A3B-Instruct": {
+        **QWEN3, "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128,
+        "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True, "rope_theta": 10000000.0,
+        "max_position_embeddings": 262144},
 }
 
 
@@ -53,6 +58,9 @@ DRAFTS = {
     "AICP-Labs/qwen3-32b-dflash-en-zh": _draft(TARGETS["Qwen/Qwen3-32B"], 16, [1, 16, 31, 46, 61], 151669),
     "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat": _draft(TARGETS["meta-llama/Llama-3.1-8B-Instruct"], 10,
                                                           [1, 8, 15, 22, 29], 128002),
+    "z-lab/Qwen3-Coder-30B-A3B-DFlash": {
+        **_draft(TARGETS["Qwen/Qwen3-Coder-30B-A3B-Instruct"], 16, [1, 7, 13, 19, 26, 32, 38, 44], 151669),
+        "num_hidden_layers": 8, "num_key_value_heads": 4},
 }
 
 
