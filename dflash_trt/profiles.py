@@ -20,6 +20,7 @@ from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import BYTES_PER_WEIGHT, ENGINE_DTYPES, KV_CACHE_DTYPES, NONE, NVFP4, QFORMATS
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.perf.gpus import GPUS, GpuSpec
+from dflash_trt.spec import QWEN3_MOE, parse_target_config
 from dflash_trt.triton.serving import ServingSettings
 from dflash_trt.trtllm.build_plan import (
     GEMM_PLUGIN_CHOICES,
@@ -348,11 +349,16 @@ def check_tp_heads(who: str, heads: int, kv_heads: int, tp: int) -> None:
 
 
 def _linear_weights(cfg: dict) -> int:
-    """Weights of the decoder layers' linears (attention + gated MLP)."""
+    """Weights of the decoder layers' linears (attention + gated MLP; every expert of a MoE target: all are held)."""
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     kv, head_dim = cfg.get("num_key_value_heads", heads), cfg.get("head_dim") or hidden // heads
     attention = hidden * (heads + 2 * kv) * head_dim + heads * head_dim * hidden
-    return cfg["num_hidden_layers"] * (attention + 3 * hidden * cfg["intermediate_size"])
+    mlps = cfg["num_hidden_layers"] * 3 * hidden * cfg["intermediate_size"]
+    moe = parse_target_config(cfg).moe if (cfg.get("architectures") or [None])[0] == QWEN3_MOE else None
+    if moe is not None:
+        sparse = len(moe.sparse_layers)
+        mlps += sparse * 3 * hidden * (moe.num_experts * moe.intermediate_size - cfg["intermediate_size"])
+    return cfg["num_hidden_layers"] * attention + mlps
 
 
 def weight_gb_per_gpu(profile: BuildProfile, target: dict, draft: dict) -> float:

@@ -16,12 +16,33 @@ from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.rope import SUPPORTED_ROPE_TYPES, RopeConfig
 
-TARGET_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
+QWEN3 = "Qwen3ForCausalLM"
+QWEN3_MOE = "Qwen3MoeForCausalLM"
+TARGET_ARCHITECTURES = (QWEN3, QWEN3_MOE, "LlamaForCausalLM")
 DRAFT_ARCHITECTURE = "DFlashDraftModel"
 UNSUPPORTED_DRAFT_ARCHITECTURES = {"DFlash2DraftModel": "DFlash2 drafters (DFlash2DraftModel) are not supported yet"}
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 SUPPORTED_ACTIVATIONS = ("silu",)
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """The sparse MLPs of a Qwen3-MoE target: which layers route, over how many experts, and how.
+
+    A sparse layer's MLP is `num_experts` SwiGLU experts of `intermediate_size`; a float32 router picks `top_k` of
+    them per token by softmax probability, renormalized over the chosen ones when `norm_topk_prob`. The other
+    layers (`mlp_only_layers`, `decoder_sparse_step`) keep a dense MLP of the target's `intermediate_size`.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    sparse_layers: tuple[int, ...]
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer in self.sparse_layers
 
 
 @dataclass(frozen=True)
@@ -52,6 +73,11 @@ class TargetSpec(DecoderSpec):
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    moe: MoeSpec | None = None
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has a mixture-of-experts MLP."""
+        return self.moe is not None and self.moe.is_sparse(layer)
 
 
 @dataclass(frozen=True)
@@ -88,6 +114,10 @@ DIMENSION_LIMITS = {
     "num_key_value_heads": 1 << 10,
     "head_dim": 1 << 12,
     "block_size": 1 << 10,
+    "num_experts": 1 << 12,
+    "num_experts_per_tok": 1 << 10,
+    "moe_intermediate_size": 1 << 20,
+    "decoder_sparse_step": 1 << 10,
 }
 
 
@@ -258,6 +288,37 @@ def _activation(cfg: dict, what: str) -> str:
     return act
 
 
+def _parse_moe(cfg: dict, num_layers: int) -> MoeSpec:
+    """Qwen3-MoE keys with transformers' defaults and its rule for which layers are sparse."""
+    what = "target"
+    count = cfg.get("num_experts", cfg.get("num_local_experts", 128))
+    if "num_local_experts" in cfg and cfg["num_local_experts"] != count:
+        raise DFlashTrtError(f"{what} config: num_experts ({count}) and num_local_experts "
+                             f"({cfg['num_local_experts']}) disagree")
+    num_experts = check_dimension(count, "num_experts", what, minimum=2)
+    top_k = check_dimension(cfg.get("num_experts_per_tok", 8), "num_experts_per_tok", what)
+    if top_k > num_experts:
+        raise DFlashTrtError(f"{what} config: num_experts_per_tok ({top_k}) exceeds num_experts ({num_experts})")
+    inter = check_dimension(cfg.get("moe_intermediate_size", 768), "moe_intermediate_size", what)
+    step = check_dimension(cfg.get("decoder_sparse_step", 1), "decoder_sparse_step", what)
+    dense = cfg.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in dense
+    ):
+        raise DFlashTrtError(f"{what} config: 'mlp_only_layers' must list layer indices below {num_layers}, "
+                             f"got {dense!r}")
+    norm = cfg.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise DFlashTrtError(f"{what} config: 'norm_topk_prob' must be true or false, got {norm!r}")
+    if cfg.get("shared_expert_intermediate_size"):
+        raise DFlashTrtError(f"{what} config: shared experts are not supported (Qwen3-MoE has none)")
+    sparse = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    if not sparse:
+        raise DFlashTrtError(f"{what} config: no layer is sparse (decoder_sparse_step / mlp_only_layers); "
+                             "convert it as a dense Qwen3ForCausalLM")
+    return MoeSpec(num_experts, top_k, inter, norm, sparse)
+
+
 def parse_target_config(cfg: dict, model_dir: str | Path | None = None) -> TargetSpec:
     """`model_dir` (where generation_config.json may add end-of-sequence ids) is None for a config alone."""
     what = "target"
@@ -266,8 +327,9 @@ def parse_target_config(cfg: dict, model_dir: str | Path | None = None) -> Targe
         raise DFlashTrtError(
             f"target architecture {architecture!r} is not supported (supported: {', '.join(TARGET_ARCHITECTURES)})"
         )
-    is_qwen3 = architecture == "Qwen3ForCausalLM"
+    is_qwen3 = architecture in (QWEN3, QWEN3_MOE)
     hidden, heads, kv_heads, head_dim = _attention_dims(cfg, what, 128 if is_qwen3 else None)
+    num_layers = _require_int(cfg, "num_hidden_layers", what)
     if is_qwen3 and _optional_bool(cfg, "use_sliding_window", what, False):
         raise DFlashTrtError("target config: sliding-window attention in the target is not supported yet")
     return TargetSpec(
@@ -275,7 +337,7 @@ def parse_target_config(cfg: dict, model_dir: str | Path | None = None) -> Targe
         vocab_size=_require_int(cfg, "vocab_size", what),
         hidden_size=hidden,
         intermediate_size=_require_int(cfg, "intermediate_size", what),
-        num_hidden_layers=_require_int(cfg, "num_hidden_layers", what),
+        num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
@@ -289,6 +351,7 @@ def parse_target_config(cfg: dict, model_dir: str | Path | None = None) -> Targe
         rope=parse_rope(cfg, head_dim, what),
         eos_token_ids=_eos_ids(cfg, None if model_dir is None else Path(model_dir)),
         torch_dtype=_optional_str(cfg, "dtype", what) or _optional_str(cfg, "torch_dtype", what),
+        moe=_parse_moe(cfg, num_layers) if architecture == QWEN3_MOE else None,
     )
 
 
@@ -433,6 +496,10 @@ def target_tensor_shapes(spec: TargetSpec) -> dict[str, tuple[int, ...]]:
     for i in range(spec.num_hidden_layers):
         p = f"model.layers.{i}."
         shapes.update(_decoder_layer_shapes(p, h, q, kv, spec.intermediate_size, spec.attention_bias))
+        if spec.moe is not None and spec.moe.is_sparse(i):
+            for leaf in ("gate_proj", "up_proj", "down_proj"):
+                del shapes[f"{p}mlp.{leaf}.weight"]
+            shapes.update(expert_tensor_shapes(p, h, spec.moe))
         if spec.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (hd,)
             shapes[p + "self_attn.k_norm.weight"] = (hd,)
@@ -440,6 +507,25 @@ def target_tensor_shapes(spec: TargetSpec) -> dict[str, tuple[int, ...]]:
             shapes[p + "mlp.gate_proj.bias"] = (spec.intermediate_size,)
             shapes[p + "mlp.up_proj.bias"] = (spec.intermediate_size,)
             shapes[p + "mlp.down_proj.bias"] = (h,)
+    return shapes
+
+
+def hf_expert(layer_prefix: str, expert: int, leaf: str) -> str:
+    """HF name of one expert's weight: `hf_expert("model.layers.3.", 7, "up_proj")`."""
+    return f"{layer_prefix}mlp.experts.{expert}.{leaf}.weight"
+
+
+def hf_router(layer_prefix: str) -> str:
+    return f"{layer_prefix}mlp.gate.weight"
+
+
+def expert_tensor_shapes(p: str, hidden: int, moe: MoeSpec) -> dict[str, tuple[int, ...]]:
+    """A sparse layer's router and per-expert gate/up/down weights, as HF stores them."""
+    shapes: dict[str, tuple[int, ...]] = {hf_router(p): (moe.num_experts, hidden)}
+    for e in range(moe.num_experts):
+        shapes[hf_expert(p, e, "gate_proj")] = (moe.intermediate_size, hidden)
+        shapes[hf_expert(p, e, "up_proj")] = (moe.intermediate_size, hidden)
+        shapes[hf_expert(p, e, "down_proj")] = (hidden, moe.intermediate_size)
     return shapes
 
 

@@ -28,6 +28,10 @@ MLP_FC = "mlp.fc"  # HF gate_proj: the activated branch
 MLP_GATE = "mlp.gate"  # HF up_proj: the multiplied branch
 MLP_PROJ = "mlp.proj"  # HF down_proj
 ATTENTION = "attention"
+# A sparse (mixture-of-experts) layer's MLP, as TensorRT-LLM's MixtureOfExperts names it.
+MOE_ROUTER = "mlp.router"  # float32 [experts, hidden]; never quantized
+MOE_FC = MLP_FC  # stacked [experts, 2 * inter, hidden]: up_proj rows first, then gate_proj (the activated half)
+MOE_PROJ = MLP_PROJ  # stacked [experts, hidden, inter]: down_proj
 
 LINEAR_MODULES = (QKV, DENSE, MLP_FC, MLP_GATE, MLP_PROJ)
 

@@ -11,12 +11,19 @@ from pathlib import Path
 
 import torch
 from dflash.model import DFlashDraftModel
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 
 @dataclass
 class PairVariant:
-    arch: str = "qwen3"  # or "llama"
+    arch: str = "qwen3"  # or "llama", "qwen3_moe"
     vocab: int = 96
     hidden: int = 64
     intermediate: int = 96
@@ -42,6 +49,10 @@ class PairVariant:
     top_level: dict = field(default_factory=dict)
     init_std: float = 0.25
     seed: int = 0
+    # qwen3_moe only: Qwen3MoeConfig keys (num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob,
+    # mlp_only_layers, decoder_sparse_step)
+    moe: dict = field(default_factory=lambda: {"num_experts": 4, "num_experts_per_tok": 2,
+                                               "moe_intermediate_size": 32, "norm_topk_prob": True})
 
 
 def _randomize(model: torch.nn.Module, std: float, seed: int) -> None:
@@ -66,6 +77,8 @@ def make_target(path: Path, v: PairVariant) -> torch.nn.Module:
         common["rope_parameters"] = v.rope
     if v.arch == "qwen3":
         cfg, cls = Qwen3Config(**common), Qwen3ForCausalLM
+    elif v.arch == "qwen3_moe":
+        cfg, cls = Qwen3MoeConfig(**common, **v.moe), Qwen3MoeForCausalLM
     else:
         cfg, cls = LlamaConfig(mlp_bias=v.target_bias, **common), LlamaForCausalLM
     cfg.architectures = [cls.__name__]

@@ -24,8 +24,13 @@ GPU_DIRS = {"h100-fp8", "h200-fp8", "b200-nvfp4", "b300-nvfp4"}
 MODELS = {"qwen3-4b", "qwen3-8b", "llama-3.1-8b-instruct", "qwen3-32b"}
 
 
+# Qwen3-Coder-30B-A3B (mixture of experts) is FP8 on every GPU: 1.2.x cannot load NVFP4 experts from a checkpoint.
+MOE_DIRS = {"h100-fp8", "h200-fp8", "b200-fp8", "b300-fp8"}
+
+
 def test_the_full_matrix_is_shipped():
-    assert {(p.parent.name, p.stem) for p in SHIPPED} == {(g, m) for g in GPU_DIRS for m in MODELS}
+    dense = {(g, m) for g in GPU_DIRS for m in MODELS}
+    assert {(p.parent.name, p.stem) for p in SHIPPED} == dense | {(g, "qwen3-coder-30b-a3b") for g in MOE_DIRS}
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: f"{p.parent.name}/{p.stem}")

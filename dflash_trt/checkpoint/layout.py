@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from dflash_trt import tensor_names as names
-from dflash_trt.checkpoint.sharding import HeadLayout, Split
-from dflash_trt.spec import DraftSpec, TargetSpec
+from dflash_trt.checkpoint.sharding import ExpertLayout, HeadLayout, Split
+from dflash_trt.spec import DraftSpec, MoeSpec, TargetSpec, hf_expert, hf_router
 
 TARGET = "target"
 DRAFT = "draft"
@@ -27,9 +27,13 @@ class OutputTensor:
     shape: tuple[int, ...]  # unsharded
     split: Split = Split.REPLICATE
     heads: HeadLayout | None = None
+    experts: ExpertLayout | None = None
+    dtype: torch.dtype | None = None  # stored in this dtype whatever --dtype says (the MoE router: float32)
 
     def assemble(self, loaded: list[torch.Tensor]) -> torch.Tensor:
-        return loaded[0] if len(loaded) == 1 else torch.cat(loaded, dim=0)
+        """Sources concatenated by rows; a stacked expert tensor is its experts' row blocks in order."""
+        full = loaded[0] if len(loaded) == 1 else torch.cat(loaded, dim=0)
+        return full.view(self.shape) if len(self.shape) == 3 else full
 
 
 def _layer_tensors(
@@ -93,19 +97,44 @@ def _layer_tensors(
     return out
 
 
+def _moe_tensors(out_prefix: str, src_prefix: str, hidden: int, moe: MoeSpec, ep_size: int) -> list[OutputTensor]:
+    """A sparse layer's router and stacked experts: expert e's fc block is its up_proj rows then its gate_proj rows."""
+    experts = ExpertLayout(moe.num_experts, ep_size)
+    inter, count = moe.intermediate_size, moe.num_experts
+    fc_sources = tuple((TARGET, hf_expert(src_prefix, e, leaf))
+                       for e in range(count) for leaf in ("up_proj", "gate_proj"))
+    proj_sources = tuple((TARGET, hf_expert(src_prefix, e, "down_proj")) for e in range(count))
+    return [
+        OutputTensor(names.tensor(out_prefix, names.MOE_ROUTER), ((TARGET, hf_router(src_prefix)),), (count, hidden),
+                     dtype=torch.float32),
+        OutputTensor(names.tensor(out_prefix, names.MOE_FC), fc_sources, (count, 2 * inter, hidden), Split.EXPERT_FC,
+                     experts=experts),
+        OutputTensor(names.tensor(out_prefix, names.MOE_PROJ), proj_sources, (count, hidden, inter),
+                     Split.EXPERT_PROJ, experts=experts),
+    ]
+
+
 def target_heads(spec: TargetSpec | DraftSpec) -> HeadLayout:
     return HeadLayout(spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim)
 
 
-def checkpoint_layout(target: TargetSpec, draft: DraftSpec) -> list[OutputTensor]:
-    """Every output tensor, target first, in the order they are written."""
+def checkpoint_layout(target: TargetSpec, draft: DraftSpec, moe_ep_size: int = 1) -> list[OutputTensor]:
+    """Every output tensor, target first, in the order they are written (`moe_ep_size`: expert-parallel groups)."""
     h, vocab = target.hidden_size, target.vocab_size
     out = [OutputTensor(names.VOCAB_EMBEDDING, ((TARGET, "model.embed_tokens.weight"),), (vocab, h))]
     for i in range(target.num_hidden_layers):
-        out += _layer_tensors(
-            names.target_layer(i), TARGET, f"model.layers.{i}.", h, target.intermediate_size, target_heads(target),
+        prefix, src_prefix = names.target_layer(i), f"model.layers.{i}."
+        layer = _layer_tensors(
+            prefix, TARGET, src_prefix, h, target.intermediate_size, target_heads(target),
             target.attention_bias, target.mlp_bias, target.qk_norm,
         )
+        if target.moe is not None and target.moe.is_sparse(i):
+            dense_mlp = {names.tensor(prefix, m) for m in (names.MLP_FC, names.MLP_GATE, names.MLP_PROJ)}
+            moe = _moe_tensors(prefix, src_prefix, h, target.moe, moe_ep_size)
+            at = next(k for k, t in enumerate(layer) if t.name in dense_mlp)
+            layer = [t for t in layer if t.name not in dense_mlp]
+            layer[at:at] = moe
+        out += layer
     out.append(OutputTensor(names.TARGET_FINAL_NORM, ((TARGET, "model.norm.weight"),), (h,)))
     head_source = "model.embed_tokens.weight" if target.tie_word_embeddings else "lm_head.weight"
     out.append(OutputTensor(names.LM_HEAD, ((TARGET, head_source),), (vocab, h), Split.VOCAB))
@@ -126,13 +155,16 @@ def stored_split(layout: dict[str, OutputTensor], name: str, ndim: int) -> tuple
     """How any stored tensor splits over ranks, quantization tensors included.
 
     A layout tensor splits by its own rule; a tensor hanging off a linear (`<module>.weights_scaling_factor`, ...)
-    splits like that linear's weight when it has per-row data (NVFP4 block scales) and is replicated when it is a
-    per-tensor scale; anything else is replicated.
+    splits like that linear's weight when it has per-row data (NVFP4 block scales), goes with its expert when it is a
+    per-expert scale of stacked experts, and is replicated when it is a per-tensor scale; anything else is
+    replicated.
     """
     out = layout.get(name)
     if out is not None:
         return out.split, out
     parent = layout.get(f"{name.rsplit('.', 1)[0]}.{names.WEIGHT}")
+    if parent is not None and parent.experts is not None and ndim == 2:
+        return Split.EXPERTS, parent  # one scale per expert: it goes where its expert goes
     if parent is not None and ndim >= 2:
         return parent.split, parent
     return Split.REPLICATE, None

@@ -4,6 +4,11 @@
 `verify` to reassemble any TP checkpoint. Both follow TensorRT-LLM 1.2.x: column-parallel linears (qkv, mlp.fc,
 mlp.gate, lm_head) split on dim 0, row-parallel ones (dense, mlp.proj) on dim 1, KV heads replicated when there are
 fewer of them than ranks, and the vocabulary padded to a multiple of tp.
+
+Mixture-of-experts tensors (stacked `[experts, ...]`) split over `moe_ep_size` expert groups times `moe_tp_size`
+slices of each expert (`tp = moe_tp * moe_ep`; rank r holds expert group `r % moe_ep` and slice `r // moe_ep`, as
+TensorRT-LLM's `Mapping` numbers them): the experts of a group are a contiguous range, the up and gate halves of
+the stacked fc are each cut by rows, the stacked proj by columns, the router is replicated.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ class Split(str, Enum):
     COLUMNS = "columns"  # dim 1: row-parallel weight
     QKV = "qkv"  # fused q|k|v rows, split per head group
     VOCAB = "vocab"  # rows padded to a multiple of tp, then split
+    EXPERT_FC = "expert_fc"  # [experts, up|gate rows, in]: expert group, then each half's rows
+    EXPERT_PROJ = "expert_proj"  # [experts, out, in]: expert group, then columns
+    EXPERTS = "experts"  # [experts, ...] per-expert values: expert group only
 
 
 @dataclass(frozen=True)
@@ -31,6 +39,67 @@ class HeadLayout:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How stacked expert tensors spread over ranks: `ep_size` expert groups (moe_ep_size), the rest of tp slices
+    each expert (moe_tp_size)."""
+
+    num_experts: int
+    ep_size: int = 1
+
+    def ranks(self, tp_size: int, rank: int) -> tuple[int, int, int]:
+        """(expert group, slice index, slice count) of `rank`."""
+        return rank % self.ep_size, rank // self.ep_size, tp_size // self.ep_size
+
+    def experts_of(self, group: int) -> range:
+        per_group = self.num_experts // self.ep_size
+        return range(group * per_group, (group + 1) * per_group)
+
+
+def check_moe_parallel(num_experts: int, intermediate_size: int, tp_size: int, ep_size: int) -> None:
+    """Refuse expert parallelism TensorRT-LLM's MixtureOfExperts cannot lay out, with the reason."""
+    if ep_size < 1 or tp_size % ep_size:
+        raise DFlashTrtError(f"--moe_ep_size must divide tp_size {tp_size}, got {ep_size}")
+    if num_experts % ep_size:
+        raise DFlashTrtError(f"{num_experts} experts cannot be split into {ep_size} expert-parallel groups")
+    moe_tp = tp_size // ep_size
+    if intermediate_size % moe_tp:
+        raise DFlashTrtError(
+            f"moe_intermediate_size {intermediate_size} is not divisible by moe_tp_size {moe_tp} (tp / moe_ep_size)"
+        )
+
+
+def _shard_experts(full: torch.Tensor, split: Split, experts: ExpertLayout, tp_size: int, rank: int) -> torch.Tensor:
+    group, index, count = experts.ranks(tp_size, rank)
+    chosen = experts.experts_of(group)
+    mine = full[chosen.start : chosen.stop]
+    if split is Split.EXPERT_FC:
+        up, gate = mine.chunk(2, dim=1)
+        return torch.cat([up.chunk(count, dim=1)[index], gate.chunk(count, dim=1)[index]], dim=1)
+    if split is Split.EXPERT_PROJ:
+        return mine.chunk(count, dim=2)[index]
+    return mine
+
+
+def _merge_experts(shards: list[torch.Tensor], split: Split, experts: ExpertLayout) -> torch.Tensor:
+    tp_size = len(shards)
+    groups = []
+    for group in range(experts.ep_size):
+        pieces = [shards[index * experts.ep_size + group] for index in range(tp_size // experts.ep_size)]
+        if split is Split.EXPERT_FC:
+            halves = [piece.chunk(2, dim=1) for piece in pieces]
+            groups.append(torch.cat([torch.cat([h[0] for h in halves], dim=1),
+                                     torch.cat([h[1] for h in halves], dim=1)], dim=1))
+        elif split is Split.EXPERT_PROJ:
+            groups.append(torch.cat(pieces, dim=2))
+        else:
+            groups.append(pieces[0])
+    return torch.cat(groups, dim=0)
+
+
+_EXPERT_SPLITS = (Split.EXPERT_FC, Split.EXPERT_PROJ, Split.EXPERTS)
 
 
 def pad_vocab_size(vocab_size: int, tp_size: int) -> int:
@@ -94,11 +163,14 @@ def _need_heads(heads: HeadLayout | None) -> HeadLayout:
 
 
 def shard(
-    full: torch.Tensor, split: Split, tp_size: int, rank: int, heads: HeadLayout | None = None
+    full: torch.Tensor, split: Split, tp_size: int, rank: int, heads: HeadLayout | None = None,
+    experts: ExpertLayout | None = None,
 ) -> torch.Tensor:
     """This rank's piece of `full` (a view where possible)."""
     if tp_size == 1 or split is Split.REPLICATE:
         return full
+    if split in _EXPERT_SPLITS:
+        return _shard_experts(full, split, experts or ExpertLayout(full.shape[0]), tp_size, rank)
     if split is Split.QKV:
         return _split_qkv(full, _need_heads(heads), tp_size, rank)
     if split is Split.VOCAB:
@@ -112,10 +184,18 @@ def shard(
 
 
 def sharded_shape(
-    shape: tuple[int, ...], split: Split, tp_size: int, heads: HeadLayout | None = None
+    shape: tuple[int, ...], split: Split, tp_size: int, heads: HeadLayout | None = None,
+    experts: ExpertLayout | None = None,
 ) -> tuple[int, ...]:
     if tp_size == 1 or split is Split.REPLICATE:
         return shape
+    if split in _EXPERT_SPLITS:
+        ep_size = experts.ep_size if experts else 1
+        count = tp_size // ep_size
+        out = [shape[0] // ep_size, *shape[1:]]
+        if split is not Split.EXPERTS:
+            out[1 if split is Split.EXPERT_FC else 2] //= count
+        return tuple(out)
     if split is Split.QKV:
         layout = _need_heads(heads)
         q_size, _ = _qkv_sizes(layout)
@@ -128,11 +208,14 @@ def sharded_shape(
 
 
 def merge(
-    shards: list[torch.Tensor], split: Split, heads: HeadLayout | None = None, vocab_size: int | None = None
+    shards: list[torch.Tensor], split: Split, heads: HeadLayout | None = None, vocab_size: int | None = None,
+    experts: ExpertLayout | None = None,
 ) -> torch.Tensor:
     """Inverse of `shard` over all ranks."""
     if len(shards) == 1 or split is Split.REPLICATE:
         return shards[0]
+    if split in _EXPERT_SPLITS:
+        return _merge_experts(shards, split, experts or ExpertLayout(shards[0].shape[0]))
     if split is Split.QKV:
         return _merge_qkv(shards, _need_heads(heads))
     if split is Split.VOCAB:

@@ -14,7 +14,7 @@ import torch
 
 from dflash_trt import tensor_names as names
 from dflash_trt.checkpoint.layout import OutputTensor, stored_split
-from dflash_trt.checkpoint.sharding import Split, shard, sharded_shape
+from dflash_trt.checkpoint.sharding import shard, sharded_shape
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import (
     FP8,
@@ -91,12 +91,12 @@ def stored_full(
     qformat = quant.format_of(out.name)
     module = quantized_linear(out.name) if qformat != NONE else None
     if module is None:
-        stored = {out.name: full.to(dtype)}
+        stored = {out.name: full.to(out.dtype or dtype)}
     else:
         weight = full.to(dtype)
         partners = partner_weights(out)
         amax = None
-        if len(partners) > 1 and load_partner is not None:
+        if len(partners) > 1 and load_partner is not None and weight.dim() == 2:
             amax = torch.stack([weight_amax(weight if p == out.name else load_partner(p).to(dtype))
                                 for p in partners]).max()
         stored = quantize_weight(out.name, weight, qformat, amax)
@@ -123,12 +123,12 @@ def stored_entries(
     then take the real row count, per-tensor scales keep theirs.
     """
     check_quantizable(out.name, out.shape, quant.format_of(out.name), tp_size)
-    stand_in = torch.ones((2, *out.shape[1:]), dtype=dtype) if len(out.shape) == 2 else torch.ones(out.shape)
+    stand_in = torch.ones((2, *out.shape[1:]), dtype=dtype) if len(out.shape) >= 2 else torch.ones(out.shape)
     entries = {}
     for name, tensor in stored_full(out, stand_in, dtype, quant, scales).items():
         shape = (out.shape[0], *tensor.shape[1:]) if tensor.dim() >= 2 else tuple(tensor.shape)
-        split = out.split if name == out.name or tensor.dim() >= 2 else Split.REPLICATE
-        entries[name] = (tensor.dtype, sharded_shape(shape, split, tp_size, out.heads))
+        split, _ = stored_split({out.name: out}, name, tensor.dim())
+        entries[name] = (tensor.dtype, sharded_shape(shape, split, tp_size, out.heads, out.experts))
     return entries
 
 
@@ -138,7 +138,7 @@ def rank_pieces(out: OutputTensor, stored: dict[str, torch.Tensor], tp_size: int
     pieces = {}
     for name, tensor in stored.items():
         split, _ = stored_split(layout, name, tensor.dim())
-        pieces[name] = shard(tensor, split, tp_size, rank, out.heads).contiguous()
+        pieces[name] = shard(tensor, split, tp_size, rank, out.heads, out.experts).contiguous()
     return pieces
 
 
@@ -155,7 +155,8 @@ def rank_stored(
     """Everything rank `rank` stores for `out`. Unquantized tensors are split before the cast (only the piece is
     copied); a quantized weight is quantized whole, since its per-tensor scales cover every rank."""
     if quant.format_of(out.name) == NONE or quantized_linear(out.name) is None:
-        pieces = {out.name: shard(full, out.split, tp_size, rank, out.heads).to(dtype).contiguous()}
+        piece = shard(full, out.split, tp_size, rank, out.heads, out.experts)
+        pieces = {out.name: piece.to(out.dtype or dtype).contiguous()}
         kv_name = kv_scale_name(out)
         if kv_name is not None and quant.kv_cache_dtype == FP8:
             pieces[kv_name] = _scale(scales, kv_name.rsplit(".", 1)[0], names.KV_CACHE_SCALING_FACTOR)

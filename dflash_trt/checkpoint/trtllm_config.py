@@ -12,9 +12,21 @@ from typing import Any
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import DTYPES, NONE, quantization_config
 from dflash_trt.rope import SCALING_FIELDS, RopeConfig
-from dflash_trt.spec import FULL_ATTENTION, SLIDING_ATTENTION, DecoderSpec, DraftSpec, TargetSpec, check_dimension
+from dflash_trt.spec import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    DecoderSpec,
+    DraftSpec,
+    MoeSpec,
+    TargetSpec,
+    check_dimension,
+)
 
 ARCHITECTURE = "DFlashForCausalLM"
+# TensorRT-LLM's MoeConfig.ExpertScaleNormalizationMode: NONE = softmax over all experts, then top-k (weights as
+# they are); RENORMALIZE = top-k of the router logits, softmax over them (= Qwen3-MoE's norm_topk_prob).
+MOE_NORMALIZATION_NONE = 0
+MOE_NORMALIZATION_RENORMALIZE = 1
 FORMAT_VERSION = 1
 
 # The decoder-stack fields target and drafter share (`DecoderSpec`): spec attribute -> config.json key, in
@@ -72,10 +84,11 @@ def checkpoint_config(
     quantization: dict[str, Any] | None = None,
     draft_quantization: dict[str, Any] | None = None,
     vocab_size_padded: int | None = None,
+    moe_ep_size: int = 1,
 ) -> dict[str, Any]:
     if dtype not in DTYPES:
         raise DFlashTrtError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    return {
+    config: dict[str, Any] = {
         "architecture": ARCHITECTURE,
         "base_architecture": target.architecture,
         "dtype": dtype,
@@ -108,6 +121,41 @@ def checkpoint_config(
             "quantization": draft_quantization or quantization_config(NONE),
         },
     }
+    if target.moe is not None:
+        config.update(moe_config(target.moe))
+        config["mapping"].update(moe_tp_size=tp_size // moe_ep_size, moe_ep_size=moe_ep_size)
+    return config
+
+
+def moe_config(moe: MoeSpec) -> dict[str, Any]:
+    """The keys TensorRT-LLM's QWenConfig (qwen_type qwen3_moe) reads (`moe` is a MoeConfig dict), plus the list
+    of sparse layers the golden model needs when some layers keep a dense MLP."""
+    normalization = MOE_NORMALIZATION_RENORMALIZE if moe.norm_topk_prob else MOE_NORMALIZATION_NONE
+    return {
+        "moe": {"num_experts": moe.num_experts, "top_k": moe.top_k, "normalization_mode": normalization},
+        "moe_intermediate_size": moe.intermediate_size,
+        "moe_sparse_layers": list(moe.sparse_layers),
+    }
+
+
+def moe_from_config(config: dict[str, Any]) -> MoeSpec | None:
+    if "moe" not in config:
+        return None
+    moe = config["moe"]
+    if moe["normalization_mode"] not in (MOE_NORMALIZATION_NONE, MOE_NORMALIZATION_RENORMALIZE):
+        raise DFlashTrtError(f"checkpoint config.json: unsupported moe normalization_mode "
+                             f"{moe['normalization_mode']!r}")
+    spec = MoeSpec(
+        num_experts=check_dimension(moe["num_experts"], "num_experts", "checkpoint", minimum=2),
+        top_k=check_dimension(moe["top_k"], "num_experts_per_tok", "checkpoint"),
+        intermediate_size=check_dimension(config["moe_intermediate_size"], "moe_intermediate_size", "checkpoint"),
+        norm_topk_prob=moe["normalization_mode"] == MOE_NORMALIZATION_RENORMALIZE,
+        sparse_layers=tuple(config["moe_sparse_layers"]),
+    )
+    layers = range(config["num_hidden_layers"])
+    if spec.top_k > spec.num_experts or not all(type(i) is int and i in layers for i in spec.sparse_layers):
+        raise DFlashTrtError("checkpoint config.json: malformed moe top_k or moe_sparse_layers")
+    return spec
 
 
 def _check_dimensions(spec: DecoderSpec, what: str) -> None:
@@ -132,6 +180,7 @@ def target_spec_from_config(config: dict[str, Any]) -> TargetSpec:
             tie_word_embeddings=config["tie_word_embeddings"],
             max_position_embeddings=config["max_position_embeddings"],
             eos_token_ids=tuple(config.get("eos_token_ids", [])),
+            moe=moe_from_config(config),
         )
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise _malformed(exc) from None

@@ -22,6 +22,8 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="weight dtype")
     parser.add_argument("--tp_size", type=int, default=1, help="tensor-parallel ranks (default 1)")
     parser.add_argument("--pp_size", type=int, default=1, help="pipeline-parallel ranks (only 1 is supported)")
+    parser.add_argument("--moe_ep_size", type=int, default=1,
+                        help="expert-parallel groups of a MoE target; each expert splits over tp / this (default 1)")
     parser.add_argument("--workers", type=int, default=1, help="rank files written in parallel (default 1)")
     parser.add_argument("--qformat", choices=QFORMATS, default=NONE, help="target weights: fp8 (Hopper) or nvfp4")
     parser.add_argument("--dflash_qformat", choices=QFORMATS, default=None, help="drafter weights (default: --qformat)")
@@ -65,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         calib_dataset=args.calib_dataset,
         calib_size=args.calib_size,
         calib_max_seq_len=args.calib_max_seq_len,
+        moe_ep_size=args.moe_ep_size,
         show_progress=sys.stderr.isatty(),
     )
     summary = {

@@ -35,7 +35,7 @@ from tqdm import tqdm
 from dflash_trt import tensor_names as names
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import FP8, NONE, NVFP4, fused_partners, quantized_linear
-from dflash_trt.quant.fp8 import dequantize_fp8, fp8_activation_scale, kv_cache_scale
+from dflash_trt.quant.fp8 import dequantize_fp8, dequantize_fp8_experts, fp8_activation_scale, kv_cache_scale
 from dflash_trt.quant.linears import quantize_tensors
 from dflash_trt.quant.nvfp4 import dequantize_nvfp4, nvfp4_activation_scale
 from dflash_trt.reference.decode import speculative_generate
@@ -129,7 +129,7 @@ def observe_amax(model) -> Iterator[CalibrationAmax]:
         amax.see(names.kv_cache_scale(layer_prefix), x)
 
     with contextlib.ExitStack() as stack:
-        for linear in model.linears():
+        for linear in [*model.linears(), *model.sparse_mlps()]:
             stack.enter_context(_patched(linear, "observer", linear_observer))
         for layer in (*target.layers, *draft.layers):
             stack.enter_context(_patched(layer, "kv_observer", kv_observer))
@@ -154,6 +154,8 @@ def calibrate(
 def _dequantized(quantized: dict[str, torch.Tensor], module: str, qformat: str) -> torch.Tensor:
     weight = quantized[f"{module}.{names.WEIGHT}"]
     scale = quantized[f"{module}.{names.WEIGHTS_SCALING_FACTOR}"]
+    if weight.dim() == 3:
+        return dequantize_fp8_experts(weight, scale)
     if qformat == FP8:
         return dequantize_fp8(weight, scale)
     return dequantize_nvfp4(weight, scale, quantized[f"{module}.{names.WEIGHTS_SCALING_FACTOR_2}"])
@@ -167,6 +169,15 @@ def _quantize_part(stack: contextlib.ExitStack, layers, linears, qformat: str, k
         stack.enter_context(_patched(lin, "weight", _dequantized(quantized, lin.name, qformat).to(lin.weight.dtype)))
         stack.enter_context(_patched(lin, "input_format", qformat))
         stack.enter_context(_patched(lin, "input_scale", scales[f"{lin.name}.{names.ACTIVATION_SCALING_FACTOR}"]))
+    for sparse in [layer.sparse for layer in layers if layer.sparse is not None and qformat != NONE]:
+        stacks = {f"{sparse.fc_name}.{names.WEIGHT}": sparse.fc, f"{sparse.proj_name}.{names.WEIGHT}": sparse.proj}
+        quantized = quantize_tensors(stacks, qformat)
+        for attribute, module in (("fc", sparse.fc_name), ("proj", sparse.proj_name)):
+            weight = getattr(sparse, attribute)
+            stack.enter_context(_patched(sparse, attribute, _dequantized(quantized, module, qformat).to(weight.dtype)))
+            scale = scales[f"{module}.{names.ACTIVATION_SCALING_FACTOR}"]
+            stack.enter_context(_patched(sparse, f"{attribute}_input_scale", scale))
+        stack.enter_context(_patched(sparse, "input_format", qformat))
     if kv_cache_dtype == FP8:
         for layer in layers:
             stack.enter_context(_patched(layer, "kv_scale", scales[names.kv_cache_scale(layer.prefix)]))
@@ -216,12 +227,15 @@ def calibration_tensors(
     `dflash_qformat` (default: the target's `qformat`)."""
     out: dict[str, torch.Tensor] = {}
     draft_format = qformat if dflash_qformat is None else dflash_qformat
+    observed = set(amax.names())
     for module in amax.names():
         fmt = draft_format if module.startswith(names.DRAFT_PREFIX + ".") else qformat
         if fmt not in (FP8, NVFP4) or quantized_linear(f"{module}.{names.WEIGHT}") is None:
             continue
         scale = fp8_activation_scale if fmt == FP8 else nvfp4_activation_scale
-        shared = torch.stack([amax.input_amax(m) for m in fused_partners(module)]).max()
+        # A sparse layer's stacked fc has no mlp.gate partner: it shares nothing.
+        partners = [m for m in fused_partners(module) if m in observed]
+        shared = torch.stack([amax.input_amax(m) for m in partners]).max()
         out[f"{module}.{names.ACTIVATION_SCALING_FACTOR}"] = scale(shared)
     if kv_cache_dtype == FP8:
         for name in amax.names():

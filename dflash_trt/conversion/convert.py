@@ -27,7 +27,7 @@ from dflash_trt.checkpoint.hf_reader import HFCheckpointReader
 from dflash_trt.checkpoint.integrity import write_integrity_record
 from dflash_trt.checkpoint.layout import DRAFT, TARGET, OutputTensor, checkpoint_layout, target_heads
 from dflash_trt.checkpoint.safetensors_io import SafetensorsFile, StreamingSafetensorsWriter, tensor_has_nonfinite
-from dflash_trt.checkpoint.sharding import Split, check_tp, pad_vocab_size
+from dflash_trt.checkpoint.sharding import ExpertLayout, Split, check_moe_parallel, check_tp, pad_vocab_size
 from dflash_trt.checkpoint.stored import QuantSettings, kv_scale_name, rank_pieces, rank_stored, stored_entries
 from dflash_trt.checkpoint.trtllm_config import checkpoint_config
 from dflash_trt.conversion import prequantized_input
@@ -96,8 +96,7 @@ def check_sources(
     if prequantized is not None:
         expected, scales = prequantized_input.source_expectations(target, prequantized, expected)
         extra += scales
-        carried = set(scales) | {f"model.layers.{i}.{m}.weight" for i in range(target.num_hidden_layers)
-                                 for m in prequantized_input.HF_LINEARS}
+        carried = set(scales) | prequantized_input.carried_weights(target)
     check_tensor_shapes(expected, _source_shapes(target_reader), "target", extra)
     check_tensor_shapes(draft_tensor_shapes(draft), _source_shapes(draft_reader), "drafter")
     for what, reader in (("target", target_reader), ("drafter", draft_reader)):
@@ -150,10 +149,11 @@ class ConversionPlan:
     quant: QuantSettings = QuantSettings()
     scales: dict = field(default_factory=dict)  # calibrated activation / KV-cache scales by checkpoint name
     prequantized: PrequantizedFormat | None = None  # the target's own quantization, carried over
+    moe_ep_size: int = 1  # expert-parallel groups of a mixture-of-experts target (moe_tp_size = tp / this)
 
     @property
     def layout(self) -> list[OutputTensor]:
-        return checkpoint_layout(self.target, self.draft)
+        return checkpoint_layout(self.target, self.draft, self.moe_ep_size)
 
     def check_formats(self) -> None:
         """Refuse, before anything is read, weights the chosen formats cannot hold (NVFP4 blocks per rank)."""
@@ -198,6 +198,39 @@ def _streamable(plan: ConversionPlan, out: OutputTensor, readers: dict[str, HFCh
     return readers[model].nbytes(name) >= STREAM_MIN_BYTES
 
 
+def _streams_experts(plan: ConversionPlan, out: OutputTensor) -> bool:
+    """Unquantized stacked experts are written expert by expert (never a whole layer in memory)."""
+    return out.split in (Split.EXPERT_FC, Split.EXPERT_PROJ) and (
+        plan.quant.format_of(out.name) == NONE or quantized_linear(out.name) is None
+    )
+
+
+def _expert_blocks(
+    plan: ConversionPlan, out: OutputTensor, readers: dict[str, HFCheckpointReader], rank: int
+) -> Iterator[torch.Tensor]:
+    """This rank's slice of each of its experts, as `[1, rows, columns]` blocks of the stacked tensor.
+
+    fc: the expert's up_proj rows, then its gate_proj rows, each cut to this rank's moe_tp slice (rows mapped only);
+    proj: the expert's down_proj columns of this slice. Every rank checks its own slice for NaN/Inf."""
+    reader, experts = readers[TARGET], out.experts or ExpertLayout(out.shape[0])
+    group, index, count = experts.ranks(plan.tp_size, rank)
+    per_expert = len(out.sources) // experts.num_experts
+    for expert in experts.experts_of(group):
+        pieces = []
+        for _, name in out.sources[expert * per_expert : (expert + 1) * per_expert]:
+            if out.split is Split.EXPERT_FC:
+                rows = reader.shape(name)[0] // count
+                piece = reader.get_rows(name, index * rows, (index + 1) * rows)
+            else:
+                piece = reader.get(name).chunk(count, dim=1)[index]
+            if tensor_has_nonfinite(piece):
+                raise DFlashTrtError(f"target tensor '{name}' contains NaN or Inf values")
+            pieces.append(piece.to(plan.dtype))
+        stored = torch.cat(pieces, dim=0).unsqueeze(0)
+        check_stored_finite(out, out.name, stored)
+        yield stored
+
+
 def _row_blocks(
     plan: ConversionPlan, out: OutputTensor, readers: dict[str, HFCheckpointReader], rank: int
 ) -> Iterator[torch.Tensor]:
@@ -219,7 +252,7 @@ def _row_blocks(
         if check_finite and tensor_has_nonfinite(block):
             what = "target" if model == TARGET else "drafter"
             raise DFlashTrtError(f"{what} tensor '{name}' contains NaN or Inf values")
-        stored = block.to(plan.dtype)
+        stored = block.to(out.dtype or plan.dtype)
         check_stored_finite(out, out.name, stored)
         yield stored
     if padding:
@@ -234,8 +267,10 @@ def _write_rank(
     written = 0
     with StreamingSafetensorsWriter(path, entries, metadata={"format": "pt"}) as writer:
         for out in plan.layout:
-            if _streamable(plan, out, readers):
-                writer.write_rows(out.name, _row_blocks(plan, out, readers, rank))
+            streamed = (_expert_blocks(plan, out, readers, rank) if _streams_experts(plan, out)
+                        else _row_blocks(plan, out, readers, rank) if _streamable(plan, out, readers) else None)
+            if streamed is not None:
+                writer.write_rows(out.name, streamed)
                 dtype, shape = entries[out.name]
                 written += math.prod(shape) * dtype.itemsize
             else:
@@ -339,12 +374,14 @@ def convert_checkpoint(
     calib_dataset: str | Path | None = None,
     calib_size: int = 64,
     calib_max_seq_len: int = 512,
+    moe_ep_size: int = 1,
 ) -> ConversionResult:
     """Convert and publish atomically; raises DFlashTrtError (nothing written) on any bad input.
 
     `workers` > 1 writes that many rank files at once, each in its own process. Quantization (`qformat` of the
     target, `dflash_qformat` of the drafter, default: the target's; `kv_cache_dtype`) takes its activation and KV
-    scales from a calibration run of the golden model over the prompts of `calib_dataset`.
+    scales from a calibration run of the golden model over the prompts of `calib_dataset`. A mixture-of-experts
+    target's experts split over `moe_ep_size` expert-parallel groups and tp / `moe_ep_size` slices of each.
     """
     if pp_size != 1:
         raise DFlashTrtError("--pp_size > 1 is not supported: TensorRT-LLM speculative decoding engines need pp_size 1")
@@ -370,13 +407,12 @@ def convert_checkpoint(
     tokenizer = tokenizer_files(model_dir)
     if needs_calibration and calib_dataset is not None:
         check_calibration_prompts(model_dir, Path(calib_dataset), calib_size, calib_max_seq_len)
-    check_tp(target_heads(target), target.intermediate_size, tp_size, "target")
-    check_tp(target_heads(draft), draft.intermediate_size, tp_size, "drafter")
+    check_parallel(target, draft, tp_size, moe_ep_size)
     plan = ConversionPlan(model_dir, dflash_model_dir, target, draft, TORCH_DTYPES[dtype], tp_size, quant,
-                          prequantized=prequantized)
+                          prequantized=prequantized, moe_ep_size=moe_ep_size)
     plan.check_formats()
     config = checkpoint_config(target, draft, dtype, tp_size, quant.config(draft=False), quant.config(draft=True),
-                               vocab_size_padded=pad_vocab_size(target.vocab_size, tp_size))
+                               vocab_size_padded=pad_vocab_size(target.vocab_size, tp_size), moe_ep_size=moe_ep_size)
     with HFCheckpointReader(model_dir) as target_reader, HFCheckpointReader(dflash_model_dir) as draft_reader:
         check_sources(target, draft, target_reader, draft_reader, prequantized)
         readers = {TARGET: target_reader, DRAFT: draft_reader}
@@ -433,6 +469,15 @@ def check_calibration_prompts(model_dir: Path, calib_dataset: Path, calib_size: 
     if calib_size < 1 or calib_max_seq_len < 1:
         raise DFlashTrtError("--calib_size and --calib_max_seq_len must be >= 1.")
     read_prompts(calib_dataset, load_tokenizer(model_dir), limit=calib_size)
+def check_parallel(target: TargetSpec, draft: DraftSpec, tp_size: int, moe_ep_size: int) -> None:
+    """Refuse tp / moe_ep sizes TensorRT-LLM cannot split these models by (dense MLPs by tp, experts by both)."""
+    has_dense_mlp = target.moe is None or len(target.moe.sparse_layers) < target.num_hidden_layers
+    check_tp(target_heads(target), target.intermediate_size if has_dense_mlp else tp_size, tp_size, "target")
+    check_tp(target_heads(draft), draft.intermediate_size, tp_size, "drafter")
+    if target.moe is not None:
+        check_moe_parallel(target.moe.num_experts, target.moe.intermediate_size, tp_size, moe_ep_size)
+    elif moe_ep_size != 1:
+        raise DFlashTrtError("--moe_ep_size applies to mixture-of-experts targets only")
 
 
 def calibrated_scales(

@@ -12,6 +12,7 @@ import torch
 from dflash_trt import tensor_names as names
 from dflash_trt.checkpoint.hf_reader import HFCheckpointReader
 from dflash_trt.checkpoint.layout import OutputTensor
+from dflash_trt.checkpoint.sharding import Split
 from dflash_trt.checkpoint.stored import QuantSettings
 from dflash_trt.conversion.prequantized import (
     HF_INPUT_SCALE,
@@ -20,14 +21,31 @@ from dflash_trt.conversion.prequantized import (
     PrequantizedFormat,
     hf_members,
     prequantized_module_tensors,
+    share_prequantized,
 )
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import NONE, NVFP4, quantized_linear
-from dflash_trt.spec import TargetSpec
+from dflash_trt.spec import TargetSpec, hf_expert
 
 HF_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
               "mlp.up_proj", "mlp.down_proj")
 HF_KV_SCALES = {"self_attn.k_proj": "k_scale", "self_attn.v_proj": "v_scale"}
+
+
+def hf_linears(target: TargetSpec, layer: int) -> tuple[str, ...]:
+    """The quantized HF linears of one target layer, relative to `model.layers.{layer}.`: a sparse layer's MLP is
+    its experts' gate/up/down projections (the router stays unquantized)."""
+    moe = target.moe
+    if moe is None or not moe.is_sparse(layer):
+        return HF_LINEARS
+    experts = tuple(hf_expert("", e, leaf).removesuffix(".weight") for e in range(moe.num_experts)
+                    for leaf in ("gate_proj", "up_proj", "down_proj"))
+    return (*HF_LINEARS[:4], *experts)
+
+
+def carried_weights(target: TargetSpec) -> set[str]:
+    """HF weights a pre-quantized target stores quantized (exempt from the float dtype check)."""
+    return {f"model.layers.{i}.{m}.weight" for i in range(target.num_hidden_layers) for m in hf_linears(target, i)}
 
 
 def quant_settings(
@@ -51,7 +69,7 @@ def source_expectations(
     expected = dict(expected)
     extra = []
     for i in range(target.num_hidden_layers):
-        for module in HF_LINEARS:
+        for module in hf_linears(target, i):
             prefix = f"model.layers.{i}.{module}."
             if fmt.qformat == NVFP4:
                 out_features, in_features = expected[prefix + "weight"]
@@ -71,12 +89,45 @@ def carried_tensors(
     module = quantized_linear(out.name)
     if module is None:
         return None
+    if out.split in (Split.EXPERT_FC, Split.EXPERT_PROJ):
+        return _carried_experts(fmt, out, module, reader)
     index = int(out.name.split(".")[2])
     layer, hf_layer = names.target_layer(index), f"model.layers.{index}"
     relative = module[len(layer) + 1 :]
     wanted = tuple(f"{hf_layer}.{member}." for member in hf_members(relative))
     hf_tensors = {name: reader.get(name) for name in reader.names() if name.startswith(wanted)}
     return prequantized_module_tensors(hf_tensors, hf_layer, layer, relative, fmt)
+
+
+def _carried_experts(
+    fmt: PrequantizedFormat, out: OutputTensor, module: str, reader: HFCheckpointReader
+) -> dict[str, torch.Tensor]:
+    """Stacked experts from per-expert HF linears: each expert's gate and up share their larger scale (as for a
+    dense gate/up pair), the per-expert scales stack to `[experts, 1]`, and the one input scale the MoE plugin takes
+    is the largest of the experts' (as TensorRT-LLM's own MoE weight loader takes it)."""
+
+    def part(weight_name: str) -> dict[str, torch.Tensor]:
+        prefix = weight_name.removesuffix("weight")
+        return {name[len(prefix) :]: reader.get(name) for name in reader.names() if name.startswith(prefix)}
+
+    num_experts = out.shape[0]
+    per_expert = len(out.sources) // num_experts
+    weights, scales, inputs = [], [], []
+    for expert in range(num_experts):
+        sources = [name for _, name in out.sources[expert * per_expert : (expert + 1) * per_expert]]
+        if out.split is Split.EXPERT_FC:  # sources are (up, gate); the shared scale is the pair's
+            gate, up = share_prequantized([part(sources[1]), part(sources[0])], fmt.qformat)
+            members = [up, gate]
+        else:
+            members = share_prequantized([part(sources[0])], fmt.qformat)
+        weights.append(torch.cat([m[names.WEIGHT] for m in members]))
+        scales.append(members[0][names.WEIGHTS_SCALING_FACTOR].reshape(1))
+        inputs.append(members[0][names.ACTIVATION_SCALING_FACTOR].reshape(1))
+    return {
+        f"{module}.{names.WEIGHT}": torch.stack(weights),
+        f"{module}.{names.WEIGHTS_SCALING_FACTOR}": torch.stack(scales),
+        f"{module}.{names.ACTIVATION_SCALING_FACTOR}": torch.stack(inputs).max(dim=0).values,
+    }
 
 
 def carried_scales(

@@ -63,20 +63,24 @@ def verify_checkpoint(checkpoint_dir: str | Path, model_dir: str | Path, dflash_
         tp_size, dtype_name = stored["mapping"]["tp_size"], stored["dtype"]
     except (KeyError, TypeError) as exc:
         raise DFlashTrtError(f"{config_path} is not a dflash-trt checkpoint config: {exc}") from None
+    moe_ep_size = stored["mapping"].get("moe_ep_size", 1)
     if dtype_name not in TORCH_DTYPES or not isinstance(tp_size, int) or tp_size < 1:
         raise DFlashTrtError(f"{config_path} has an invalid dtype or tp_size")
+    if not isinstance(moe_ep_size, int) or moe_ep_size < 1 or tp_size % moe_ep_size:
+        raise DFlashTrtError(f"{config_path} has an invalid moe_ep_size")
     report.tp_size = tp_size
     target = load_target_spec(model_dir)
     draft = load_draft_spec(dflash_model_dir, target)
     quant = QuantSettings.from_config(stored)
     expected = checkpoint_config(target, draft, dtype_name, tp_size, quant.config(draft=False),
-                                 quant.config(draft=True), vocab_size_padded=pad_vocab_size(target.vocab_size, tp_size))
+                                 quant.config(draft=True), vocab_size_padded=pad_vocab_size(target.vocab_size, tp_size),
+                                 moe_ep_size=moe_ep_size)
     for key in sorted(set(expected) | set(stored)):
         if expected.get(key) != stored.get(key):
             report.problems.append(f"config.json key '{key}' differs from what the sources give")
     prequantized = read_hf_quant_config(model_dir)
     plan = ConversionPlan(Path(model_dir), Path(dflash_model_dir), target, draft, TORCH_DTYPES[dtype_name], tp_size,
-                          quant, prequantized=prequantized)
+                          quant, prequantized=prequantized, moe_ep_size=moe_ep_size)
     entries = plan.entries() if not quant.enabled else None
     with HFCheckpointReader(model_dir) as target_reader, HFCheckpointReader(dflash_model_dir) as draft_reader:
         check_sources(target, draft, target_reader, draft_reader, prequantized)

@@ -53,6 +53,18 @@ QWEN3_32B_DFLASH = QWEN3_8B_DFLASH_B16 | {
     "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 16, 31, 46, 61]},
 }  # fmt: skip
 
+QWEN3_CODER_30B_A3B = QWEN3_8B | {
+    "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True, "rope_theta": 10000000,
+    "max_position_embeddings": 262144,
+}  # fmt: skip
+# Assumed beyond its model card (8 layers, hidden 2048, 32 query / 4 KV heads of 128): MLP width and taps.
+QWEN3_CODER_30B_A3B_DFLASH = QWEN3_8B_DFLASH_B16 | {
+    "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 8, "num_key_value_heads": 4,
+    "rope_theta": 10000000, "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 12, 23, 34, 45]},
+}  # fmt: skip
+
 # gpt-oss-120b is a MoE model (outside the target families the converter accepts), so its shape is written
 # directly: 36 layers, hidden 2880, 64 x 64 query heads, 8 KV heads, 128 experts top-4 of width 2880,
 # alternate layers windowed to 128 tokens, vocab 201088 (its config.json).
@@ -106,6 +118,10 @@ PAIRS: dict[str, Pair] = {
     "qwen3-32b": Pair(
         lambda: (target(QWEN3_32B), dflash(QWEN3_32B, QWEN3_32B_DFLASH)),
         "Qwen/Qwen3-32B", "AICP-Labs/qwen3-32b-dflash-en-zh",
+    ),
+    "qwen3-coder-30b-a3b": Pair(
+        lambda: (target(QWEN3_CODER_30B_A3B), dflash(QWEN3_CODER_30B_A3B, QWEN3_CODER_30B_A3B_DFLASH)),
+        "Qwen/Qwen3-Coder-30B-A3B-Instruct", "z-lab/Qwen3-Coder-30B-A3B-DFlash",
     ),
     "gpt-oss-120b": Pair(
         lambda: (GPT_OSS_120B, GPT_OSS_120B_DFLASH),

@@ -12,20 +12,27 @@ EAGLE3_TAPS = 3  # EAGLE-3 fuses low, middle and high target layers
 
 
 def stack_from_spec(spec: DecoderSpec, **extra: Any) -> StackShape:
-    """The decoder stack's shape, from the fields every spec shares."""
-    return StackShape(
-        num_layers=spec.num_hidden_layers,
-        hidden=spec.hidden_size,
-        intermediate=spec.intermediate_size,
-        num_heads=spec.num_attention_heads,
-        num_kv_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim,
-        **extra,
-    )
+    """The decoder stack's shape, from the fields every spec shares (`extra` adds or overrides fields)."""
+    fields: dict[str, Any] = {
+        "num_layers": spec.num_hidden_layers,
+        "hidden": spec.hidden_size,
+        "intermediate": spec.intermediate_size,
+        "num_heads": spec.num_attention_heads,
+        "num_kv_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+    }
+    return StackShape(**{**fields, **extra})
 
 
 def target_from_spec(spec: TargetSpec) -> TargetShape:
-    return TargetShape(stack=stack_from_spec(spec), vocab=spec.vocab_size, tied_embeddings=spec.tie_word_embeddings)
+    """A Qwen3-MoE target is costed as all-sparse (its experts' size, top-k of them per token): the layers that keep
+    a dense MLP, if any, are counted as sparse too."""
+    moe = spec.moe
+    experts = {} if moe is None else {
+        "intermediate": moe.intermediate_size, "num_experts": moe.num_experts, "experts_per_token": moe.top_k,
+    }
+    return TargetShape(stack=stack_from_spec(spec, **experts), vocab=spec.vocab_size,
+                       tied_embeddings=spec.tie_word_embeddings)
 
 
 def dflash_from_spec(spec: DraftSpec) -> DFlashShape:

@@ -6,6 +6,8 @@ Public functions:
 - `quantize_fp8(weight, scale=None)`: `FP8Weight(weight: float8_e4m3fn (out, in), weights_scaling_factor)`.
 - `quantize_fp8_shared(weights)`: several linears TensorRT-LLM fuses into one GEMM (mlp.fc + mlp.gate), quantized
   with one shared scale, the larger of their own.
+- `quantize_fp8_experts(stacked)` / `dequantize_fp8_experts(weight, scale, dtype)`: stacked MoE experts
+  `[experts, out, in]`, one scale per expert (`[experts, 1]`).
 - `dequantize_fp8(weight, scale, dtype)`: what the engine multiplies back, for the golden model.
 - `fp8_activation_scale(amax)`: `activation_scaling_factor` (fp32, (1,)) from a calibrated input amax; the same
   formula as the weight scale (modelopt's `get_scaling_factor`).
@@ -70,6 +72,22 @@ def quantize_fp8(weight: torch.Tensor, scale: torch.Tensor | None = None) -> FP8
         block = weight[start : start + rows]
         out[start : start + rows] = torch.div(block.float(), scale).to(torch.float8_e4m3fn)
     return FP8Weight(weight=out, weights_scaling_factor=scale.clone())
+
+
+def quantize_fp8_experts(stacked: torch.Tensor) -> FP8Weight:
+    """Stacked expert weights `[experts, out, in]` with one scale per expert (`[experts, 1]`), as TensorRT-LLM's
+    MoE plugin takes them and modelopt's stacked-expert export writes them. An expert's fc block holds its up and
+    gate rows, so its own amax is the larger of the two: the scale modelopt's gate/up fusion shares."""
+    scales = torch.stack([fp8_weight_scale(fp8_amax(expert)) for expert in stacked])
+    out = torch.empty(stacked.shape, dtype=torch.float8_e4m3fn, device=stacked.device)
+    for index, (expert, scale) in enumerate(zip(stacked, scales, strict=True)):
+        out[index] = quantize_fp8(expert, scale).weight
+    return FP8Weight(weight=out, weights_scaling_factor=scales)
+
+
+def dequantize_fp8_experts(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32):
+    """Stacked FP8 experts times their per-expert scales."""
+    return (weight.float() * scale.float().reshape(-1, 1, 1)).to(dtype)
 
 
 def quantize_fp8_shared(weights: Sequence[torch.Tensor]) -> list[FP8Weight]:

@@ -19,7 +19,7 @@ import torch
 from dflash_trt import tensor_names as names
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import FP8, NONE, NVFP4, NVFP4_BLOCK_SIZE, fused_partners, quant_algo, quantized_linear
-from dflash_trt.quant.fp8 import fp8_amax, fp8_weight_scale, quantize_fp8
+from dflash_trt.quant.fp8 import fp8_amax, fp8_weight_scale, quantize_fp8, quantize_fp8_experts
 from dflash_trt.quant.nvfp4 import check_nvfp4_in_features, nvfp4_global_scale, quantize_nvfp4
 
 # Row-parallel linears split their in-features over TP ranks (see checkpoint.sharding).
@@ -30,6 +30,11 @@ def check_quantizable(tensor_name: str, shape: Sequence[int], qformat: str, tp_s
     """Refuse a weight the format cannot hold: NVFP4 needs in-features, per TP rank, in whole blocks of 16."""
     if qformat != NVFP4 or quantized_linear(tensor_name) is None:
         return
+    if len(shape) == 3:
+        raise DFlashTrtError(
+            f"NVFP4 mixture-of-experts weights ({tensor_name}) cannot be loaded by TensorRT-LLM 1.2.x from a "
+            "checkpoint (its NVFP4 preprocessing takes 2-D block scales only); use --qformat fp8 for MoE targets."
+        )
     in_features = shape[1]
     check_nvfp4_in_features(in_features, tensor_name)
     module = quantized_linear(tensor_name) or ""
@@ -55,7 +60,11 @@ def quantize_weight(
         return {tensor_name: weight}
     check_quantizable(tensor_name, weight.shape, qformat)
     out: dict[str, torch.Tensor] = {}
-    if qformat == FP8:
+    if weight.dim() == 3:  # stacked MoE experts: one scale per expert
+        fp8 = quantize_fp8_experts(weight)
+        out[tensor_name] = fp8.weight
+        out[f"{module}.{names.WEIGHTS_SCALING_FACTOR}"] = fp8.weights_scaling_factor
+    elif qformat == FP8:
         fp8 = quantize_fp8(weight, None if amax is None else fp8_weight_scale(amax))
         out[tensor_name] = fp8.weight
         out[f"{module}.{names.WEIGHTS_SCALING_FACTOR}"] = fp8.weights_scaling_factor
@@ -74,7 +83,8 @@ def quantize_tensors(tensors: Mapping[str, torch.Tensor], qformat: str) -> dict[
     for name, tensor in tensors.items():
         module = quantized_linear(name)
         amax = None
-        if qformat != NONE and module is not None and len(partners := fused_partners(module)) > 1:
+        partners = fused_partners(module) if module is not None and tensor.dim() == 2 else ()
+        if qformat != NONE and len(partners) > 1:
             weights = [f"{m}.{names.WEIGHT}" for m in partners]
             missing = [w for w in weights if w not in tensors]
             if missing:

@@ -27,7 +27,7 @@ from dflash_trt.reference.kv_injection import injected_kv
 from dflash_trt.reference.norm import rms_norm
 from dflash_trt.reference.quantized import dequantized_weight, fake_quantize_fp8, fake_quantize_input, weight_format
 from dflash_trt.rope import apply_rope, rope_cos_sin
-from dflash_trt.spec import DraftSpec, TargetSpec
+from dflash_trt.spec import DraftSpec, MoeSpec, TargetSpec
 
 Observer = Callable[[str, torch.Tensor], None]
 
@@ -57,9 +57,83 @@ class Linear:
                    weight_format(weight), scale)
 
 
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert weights and indices `[tokens, top_k]` from fp32 router logits, as TensorRT-LLM's MixtureOfExperts
+    routes: RENORMALIZE takes the top-k logits and softmaxes over them (Qwen3-MoE's norm_topk_prob), NONE softmaxes
+    over all experts and keeps the top-k probabilities as they are."""
+    if renormalize:
+        top, chosen = torch.topk(logits, top_k, dim=-1)
+        return torch.softmax(top, dim=-1), chosen
+    return torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+
+
+@dataclass
+class SparseMlp:
+    """A mixture-of-experts MLP as TensorRT-LLM's MoE plugin runs it: float32 router on the unrounded input, top-k
+    SwiGLU experts, routing-weighted sum. With quantized experts the fc input and the experts' intermediate are
+    rounded with one static scale each (shared by all experts), the weights dequantized per expert."""
+
+    prefix: str
+    router: torch.Tensor  # float32 [experts, hidden]
+    fc: torch.Tensor  # [experts, 2 * inter, hidden]: up_proj rows, then gate_proj rows
+    proj: torch.Tensor  # [experts, hidden, inter]
+    top_k: int
+    renormalize: bool
+    input_format: str = NONE
+    fc_input_scale: torch.Tensor | None = None
+    proj_input_scale: torch.Tensor | None = None
+    observer: Observer | None = None  # calibration sees the fc input and every expert's intermediate
+
+    @property
+    def fc_name(self) -> str:
+        return f"{self.prefix}.{names.MOE_FC}"
+
+    @property
+    def proj_name(self) -> str:
+        return f"{self.prefix}.{names.MOE_PROJ}"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        observer = self.observer
+        if observer is not None:
+            observer(self.fc_name, x)
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = route(F.linear(flat.float(), self.router), self.top_k, self.renormalize)
+        rounded = fake_quantize_input(flat, self.fc_input_scale, self.input_format)
+        out = torch.zeros_like(flat)
+        inter = self.fc.shape[1] // 2
+        seen = flat.new_zeros(*chosen.shape, inter) if observer is not None else None
+        for expert in chosen.unique().tolist():
+            token, slot = (chosen == expert).nonzero(as_tuple=True)
+            up, gate = F.linear(rounded[token], self.fc[expert]).split(inter, dim=-1)
+            hidden = F.silu(gate) * up
+            if seen is not None:
+                seen[token, slot] = hidden
+            y = F.linear(fake_quantize_input(hidden, self.proj_input_scale, self.input_format), self.proj[expert])
+            out.index_add_(0, token, y * weights[token, slot, None].to(y.dtype))
+        if observer is not None and seen is not None:  # shaped like x, so the observer can drop padding rows
+            observer(self.proj_name, seen.view(*x.shape[:-1], -1))
+        return out.view(x.shape)
+
+    @classmethod
+    def load(cls, tensors: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype, moe: MoeSpec) -> SparseMlp:
+        fc, proj = f"{prefix}.{names.MOE_FC}", f"{prefix}.{names.MOE_PROJ}"
+        return cls(
+            prefix=prefix,
+            router=tensors[names.tensor(prefix, names.MOE_ROUTER)].float(),
+            fc=dequantized_weight(tensors, fc).to(dtype),
+            proj=dequantized_weight(tensors, proj).to(dtype),
+            top_k=moe.top_k,
+            renormalize=moe.norm_topk_prob,
+            input_format=weight_format(tensors[f"{fc}.{names.WEIGHT}"]),
+            fc_input_scale=tensors.get(f"{fc}.{names.ACTIVATION_SCALING_FACTOR}"),
+            proj_input_scale=tensors.get(f"{proj}.{names.ACTIVATION_SCALING_FACTOR}"),
+        )
+
+
 @dataclass
 class LayerWeights:
-    """One decoder layer under TensorRT-LLM names (qkv fused; mlp.fc = gate_proj, mlp.gate = up_proj)."""
+    """One decoder layer under TensorRT-LLM names (qkv fused; mlp.fc = gate_proj, mlp.gate = up_proj), or with a
+    mixture-of-experts MLP (`sparse`) in place of fc / gate / proj."""
 
     prefix: str
     input_norm: torch.Tensor
@@ -68,11 +142,12 @@ class LayerWeights:
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor
-    fc: Linear
-    gate: Linear
-    proj: Linear
+    fc: Linear | None
+    gate: Linear | None
+    proj: Linear | None
     kv_scale: torch.Tensor | None
     kv_observer: Observer | None = None  # calibration sees every K and V this layer stores
+    sparse: SparseMlp | None = None
 
     def qk_norms(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The q/k norm weights of a layer that has them (every draft layer, Qwen3 target layers)."""
@@ -81,7 +156,9 @@ class LayerWeights:
         return self.q_norm, self.k_norm
 
     @classmethod
-    def load(cls, tensors: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype) -> LayerWeights:
+    def load(
+        cls, tensors: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype, moe: MoeSpec | None = None
+    ) -> LayerWeights:
         def norm(module: str) -> torch.Tensor | None:
             weight = tensors.get(names.tensor(prefix, module))
             return None if weight is None else weight.to(dtype)
@@ -97,16 +174,20 @@ class LayerWeights:
             q_norm=norm(names.Q_LAYERNORM),
             k_norm=norm(names.K_LAYERNORM),
             post_norm=tensors[names.tensor(prefix, names.POST_LAYERNORM)].to(dtype),
-            fc=lin(names.MLP_FC),
-            gate=lin(names.MLP_GATE),
-            proj=lin(names.MLP_PROJ),
+            fc=None if moe else lin(names.MLP_FC),
+            gate=None if moe else lin(names.MLP_GATE),
+            proj=None if moe else lin(names.MLP_PROJ),
             kv_scale=tensors.get(names.kv_cache_scale(prefix)),
+            sparse=SparseMlp.load(tensors, prefix, dtype, moe) if moe else None,
         )
 
     def linears(self) -> tuple[Linear, ...]:
-        return self.qkv, self.dense, self.fc, self.gate, self.proj
+        return tuple(lin for lin in (self.qkv, self.dense, self.fc, self.gate, self.proj) if lin is not None)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sparse is not None:
+            return self.sparse(x)
+        assert self.fc and self.gate and self.proj  # a dense layer loads all three
         return self.proj(F.silu(self.fc(x)) * self.gate(x))
 
     def split_qkv(self, x: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
@@ -164,7 +245,8 @@ class TargetModel:
                  dtype: torch.dtype):
         self.spec = spec
         self.embedding = tensors[names.VOCAB_EMBEDDING].to(dtype)
-        self.layers = [LayerWeights.load(tensors, names.target_layer(i), dtype) for i in range(spec.num_hidden_layers)]
+        self.layers = [LayerWeights.load(tensors, names.target_layer(i), dtype, spec.moe if spec.is_sparse(i) else None)
+                       for i in range(spec.num_hidden_layers)]
         self.final_norm = tensors[names.TARGET_FINAL_NORM].to(dtype)
         self.lm_head = Linear.load(tensors, names.LM_HEAD.removesuffix("." + names.WEIGHT), dtype)
         self.tap_layers = tap_layers
@@ -316,6 +398,9 @@ class GoldenModel:
         """Every linear of target and drafter (lm_head and drafter fc included), for calibration observers."""
         return [*(lin for layer in self.layers() for lin in layer.linears()), self.target.lm_head, self.draft.fc]
 
+    def sparse_mlps(self) -> list[SparseMlp]:
+        """The target's mixture-of-experts MLPs (their experts are quantized and calibrated as stacks)."""
+        return [layer.sparse for layer in self.target.layers if layer.sparse is not None]
 
 def _belongs_to(layout: dict, name: str) -> bool:
     """A tensor of the layout, a quantization tensor of one of its linears, or a layer's KV-cache scale."""
@@ -327,11 +412,16 @@ def _belongs_to(layout: dict, name: str) -> bool:
 
 
 def load_rank_tensors(
-    checkpoint_dir: Path, tp_size: int, target: TargetSpec, draft: DraftSpec, dtype: torch.dtype | None = None
+    checkpoint_dir: Path,
+    tp_size: int,
+    target: TargetSpec,
+    draft: DraftSpec,
+    dtype: torch.dtype | None = None,
+    moe_ep_size: int = 1,
 ) -> dict:
     """All tensors of a checkpoint, shards merged back into full tensors; exactly the tensors its config promises
     (no layer silently ignored), every one finite, unquantized ones in the config's `dtype`."""
-    layout = {out.name: out for out in checkpoint_layout(target, draft)}
+    layout = {out.name: out for out in checkpoint_layout(target, draft, moe_ep_size)}
     files = []
     try:
         for rank in range(tp_size):
@@ -354,12 +444,14 @@ def load_rank_tensors(
             pieces = [f.get(name, copy=True) for f in files]
             if any(tensor_has_nonfinite(piece) for piece in pieces):
                 raise DFlashTrtError(f"checkpoint {checkpoint_dir} tensor '{name}' holds NaN or Inf")
-            if dtype is not None and name in layout and pieces[0].element_size() > 1 and pieces[0].dtype != dtype:
+            expected = layout[name].dtype or dtype if name in layout else None  # a router keeps its own dtype
+            if expected is not None and pieces[0].element_size() > 1 and pieces[0].dtype != expected:
                 raise DFlashTrtError(
-                    f"checkpoint {checkpoint_dir} tensor '{name}' is {pieces[0].dtype}, but config.json says {dtype}"
+                    f"checkpoint {checkpoint_dir} tensor '{name}' is {pieces[0].dtype}, but config.json says {expected}"
                 )
             split, out = stored_split(layout, name, pieces[0].dim())
-            tensors[name] = merge(pieces, split, out.heads if out else None, out.shape[0] if out else None)
+            tensors[name] = merge(pieces, split, out.heads if out else None, out.shape[0] if out else None,
+                                 out.experts if out else None)
             if name in layout and pieces[0].element_size() > 1 and tuple(tensors[name].shape) != layout[name].shape:
                 raise DFlashTrtError(
                     f"checkpoint {checkpoint_dir} tensor '{name}' has shape {tuple(tensors[name].shape)}, but "
@@ -382,6 +474,8 @@ def load_golden_model(checkpoint_dir: str | Path, compute_dtype: torch.dtype = t
     check_integrity(checkpoint_dir)
     dtype = getattr(torch, str(config.get("dtype")), None)  # the converter's --dtype, a torch dtype name
     dtype = dtype if isinstance(dtype, torch.dtype) else None
-    tensors = load_rank_tensors(checkpoint_dir, config["mapping"]["tp_size"], target_spec, draft_spec, dtype)
+    mapping = config["mapping"]
+    tensors = load_rank_tensors(checkpoint_dir, mapping["tp_size"], target_spec, draft_spec, dtype,
+                                mapping.get("moe_ep_size", 1))
     target = TargetModel(target_spec, tensors, draft_spec.target_layer_ids, compute_dtype)
     return GoldenModel(target, DraftModel(draft_spec, tensors, target, compute_dtype), config)

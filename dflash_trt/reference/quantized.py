@@ -13,7 +13,7 @@ import torch
 from dflash_trt import tensor_names as names
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import FP8, NONE, NVFP4
-from dflash_trt.quant.fp8 import dequantize_fp8
+from dflash_trt.quant.fp8 import dequantize_fp8, dequantize_fp8_experts
 from dflash_trt.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from dflash_trt.reference.kv_injection import to_cache_dtype
 
@@ -36,7 +36,7 @@ def dequantized_weight(tensors: dict[str, torch.Tensor], module: str) -> torch.T
     try:
         scale = tensors[f"{module}.{names.WEIGHTS_SCALING_FACTOR}"]
         if kind == FP8:
-            return dequantize_fp8(weight, scale)
+            return dequantize_fp8(weight, scale) if weight.dim() == 2 else dequantize_fp8_experts(weight, scale)
         return dequantize_nvfp4(weight, scale, tensors[f"{module}.{names.WEIGHTS_SCALING_FACTOR_2}"])
     except KeyError as exc:
         raise DFlashTrtError(f"quantized weight of {module} has no {exc.args[0]}") from None

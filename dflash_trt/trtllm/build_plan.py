@@ -102,6 +102,7 @@ class CheckpointFacts:
     max_position_embeddings: int
     draft_quant_algo: str | None = None
     draft_kv_cache_quant_algo: str | None = None
+    sparse_layers: tuple[int, ...] = ()  # mixture-of-experts layers of a Qwen3-MoE target
 
     @property
     def max_draft_len(self) -> int:
@@ -239,6 +240,7 @@ def read_checkpoint_facts(checkpoint_dir: str | Path) -> CheckpointFacts:
         max_position_embeddings=target.max_position_embeddings,
         draft_quant_algo=draft_quant.get("quant_algo"),
         draft_kv_cache_quant_algo=draft_quant.get("kv_cache_quant_algo"),
+        sparse_layers=target.moe.sparse_layers if target.moe is not None else (),
     )
 
 
@@ -307,6 +309,18 @@ def check_rank_files(checkpoint_dir: Path, facts: CheckpointFacts) -> None:
         raise DFlashTrtError(
             f"checkpoint directory {checkpoint_dir} lacks {', '.join(missing)} (tp_size {facts.tp_size}); "
             "convert it again"
+        )
+
+
+def check_moe_layers(facts: CheckpointFacts) -> None:
+    """TensorRT-LLM 1.2.x's QWenDecoderLayer builds every layer of a qwen3_moe config as MixtureOfExperts (it reads
+    no per-layer sparsity), so a target that keeps dense MLPs on some layers converts and decodes in the golden
+    model but cannot be built."""
+    if facts.sparse_layers and len(facts.sparse_layers) != facts.num_target_layers:
+        dense = sorted(set(range(facts.num_target_layers)) - set(facts.sparse_layers))
+        raise DFlashTrtError(
+            f"the target keeps dense MLPs on layers {dense} among its mixture-of-experts layers; TensorRT-LLM 1.2.x's "
+            "Qwen3-MoE decoder layers are all sparse, so this pair can be converted and verified but not built"
         )
 
 
@@ -479,6 +493,7 @@ def plan_engine_build(checkpoint_dir: str | Path, output_dir: str | Path, settin
     check_kv_geometry(facts)
     check_rope(facts)
     check_quantization(facts)
+    check_moe_layers(facts)
     check_sliding_window(facts, settings)
     check_settings(facts, settings)
     if require_weights:

@@ -118,6 +118,12 @@ class DFlashConfig(PretrainedConfig):
         fields.update(architecture=self.base_architecture, mapping=self.mapping, quantization=self.quantization)
         if self.base_architecture == "Qwen3ForCausalLM":
             return QWenConfig(qwen_type="qwen3", seq_length=8192, **fields)
+        if self.base_architecture == "Qwen3MoeForCausalLM":
+            # `moe` (a MoeConfig dict) and `moe_intermediate_size` come from the checkpoint; every layer is sparse.
+            # MixtureOfExperts fuses up|gate into one GEMM only for a gated activation, hence swiglu (as
+            # QWenConfig.from_hugging_face sets it for qwen3_moe).
+            fields["hidden_act"] = "swiglu"
+            return QWenConfig(qwen_type="qwen3_moe", seq_length=8192, **fields)
         return LLaMAConfig(**fields)
 
 
@@ -207,7 +213,7 @@ class DFlashTarget(Module):
     def __init__(self, config: DFlashConfig):
         super().__init__()
         target = config.target_config()
-        layer_cls = QWenDecoderLayer if config.base_architecture == "Qwen3ForCausalLM" else LLaMADecoderLayer
+        layer_cls = LLaMADecoderLayer if config.base_architecture == "LlamaForCausalLM" else QWenDecoderLayer
         self.vocab_embedding = Embedding(config.vocab_size, config.hidden_size, dtype=config.dtype)
         self.layers = ModuleList([layer_cls(target, i) for i in range(config.num_hidden_layers)])
         for layer in self.layers:
@@ -263,6 +269,9 @@ def refuse_unsupported(config: DFlashConfig) -> None:
         raise ValueError("DFlash engines do not support pipeline parallelism")
     if (d.num_key_value_heads, d.head_dim) != (config.num_key_value_heads, config.head_size):
         raise ValueError("the drafter's KV geometry differs from the target's; the shared KV pool cannot hold it")
+    sparse = getattr(config, "moe_sparse_layers", None)
+    if sparse is not None and len(sparse) != config.num_hidden_layers:
+        raise ValueError("the stock Qwen3-MoE decoder layers are all sparse; dense layers among them cannot be built")
 
 
 def i32(values) -> Tensor:

@@ -1,0 +1,217 @@
+"""Mixture-of-experts conversion: memory and throughput on a synthetic Qwen3-MoE checkpoint, next to a plain copy.
+
+Builds a random-bf16 target with Qwen3-Coder-30B-A3B's layer shapes (hidden 2048, 32 q / 4 kv heads of 128, 128
+experts of moe_intermediate 768, top-8, every layer sparse; vocabulary cut to 32768 so the experts dominate) with
+enough layers for ≥ 1 GiB (one layer of experts alone is 1.13 GiB, most of the checkpoint), two shards + index, and
+a one-layer drafter. Each contender runs in its own child process (the driver of perf/bench_convert.py: peak RSS is
+the child's VmHWM, RssAnon / RssFile sampled every 10 ms, times of the work alone, inputs in the page cache):
+
+- baseline: `dflash-trt convert` of a tiny MoE pair (interpreter + torch + converter code, no real data);
+- convert at tp 1, and at tp 4 with `--moe_ep_size 2` (two expert groups, each expert split in two);
+- plain copy: `shutil.copyfile` of every input file, each fsynced.
+
+A converter that stacked a whole layer of experts before writing would need more than a layer (1.13 GiB) above the
+baseline; streaming expert by expert keeps it near one expert.
+
+    python perf/bench_convert_moe.py [--layers N] [--repeats N] [--keep DIR]
+
+Protocol of perf/bench_all.py: the last stdout line is one JSON object with the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from bench_convert import _write_random, directory_bytes, measure, weight_files
+from transformers import Qwen3Config, Qwen3MoeConfig
+
+from dflash_trt.spec import QWEN3_MOE, draft_tensor_shapes, load_draft_spec, load_target_spec, target_tensor_shapes
+
+CODER_LAYER = dict(
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    vocab_size=32768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=768,
+    norm_topk_prob=True,
+)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    norm_topk_prob=True,
+)
+MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
+
+
+def build_moe_pair(root: Path, dims: dict, layers: int) -> tuple[Path, Path, int]:
+    """A random bf16 Qwen3-MoE target (2 shards + index) and a one-layer drafter; their dirs and weight bytes."""
+    target_dir, draft_dir = root / "target", root / "draft"
+    target_dir.mkdir(parents=True)
+    draft_dir.mkdir()
+    target_cfg = Qwen3MoeConfig(
+        **dims,
+        num_hidden_layers=layers,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+        max_position_embeddings=40960,
+        eos_token_id=1,
+    )
+    target_cfg.architectures = [QWEN3_MOE]
+    target_cfg.save_pretrained(target_dir)
+    draft_cfg = Qwen3Config(
+        **{k: v for k, v in dims.items() if k not in MOE_KEYS}, num_hidden_layers=1, max_position_embeddings=40960
+    )
+    draft_cfg.architectures = ["DFlashDraftModel"]
+    draft_cfg.num_target_layers = layers
+    draft_cfg.block_size = 16
+    draft_cfg.dflash_config = {"mask_token_id": dims["vocab_size"] - 1, "target_layer_ids": [0, layers - 1]}
+    draft_cfg.save_pretrained(draft_dir)
+
+    target = load_target_spec(target_dir)
+    generator = torch.Generator().manual_seed(0)
+    shapes = target_tensor_shapes(target)
+    names = list(shapes)
+    shards = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
+    total, weight_map = 0, {}
+    for file_name, members in shards.items():
+        total += _write_random(target_dir / file_name, {n: shapes[n] for n in members}, generator)
+        weight_map |= dict.fromkeys(members, file_name)
+    (target_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    draft = load_draft_spec(draft_dir, target)
+    total += _write_random(draft_dir / "model.safetensors", draft_tensor_shapes(draft), generator)
+    return target_dir, draft_dir, total
+
+
+def convert_argv(target_dir: Path, draft_dir: Path, out: Path, tp: int, ep: int) -> list[str]:
+    return [
+        "convert",
+        "--model_dir",
+        str(target_dir),
+        "--dflash_model_dir",
+        str(draft_dir),
+        "--output_dir",
+        str(out),
+        "--tp_size",
+        str(tp),
+        "--moe_ep_size",
+        str(ep),
+        "--dtype",
+        "bfloat16",
+    ]
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=1, help="target layers (1 gives a 1.4 GiB pair)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per contender; best time, highest peaks")
+    parser.add_argument("--keep", type=Path, help="work in this directory and keep it (default: a temp dir)")
+    args = parser.parse_args(argv)
+    root = args.keep or Path(tempfile.mkdtemp(prefix="bench_convert_moe_"))
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        return _run(root, args.layers, args.repeats)
+    finally:
+        if args.keep is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _run(root: Path, layers: int, repeats: int) -> int:
+    started = time.perf_counter()
+    tiny_target, tiny_draft, _ = build_moe_pair(root / "tiny", TINY, 2)
+    target_dir, draft_dir, size = build_moe_pair(root / "big", CODER_LAYER, layers)
+    print(f"synthetic MoE checkpoint: {_gib(size)} in {time.perf_counter() - started:.1f} s", flush=True)
+    results, written = {}, {}
+
+    def remove(path: Path) -> Callable[[], None]:
+        return lambda: shutil.rmtree(path)
+
+    tiny_out = root / "tiny_out"
+    results["baseline"] = measure(
+        "convert", {"argv": convert_argv(tiny_target, tiny_draft, tiny_out, 1, 1)}, repeats, remove(tiny_out)
+    )
+    for name, tp, ep in (("tp1", 1, 1), ("tp4_ep2", 4, 2)):
+        out = root / name
+
+        def cleanup(out: Path = out, name: str = name) -> None:
+            written[name] = directory_bytes(out)
+            shutil.rmtree(out)
+
+        results[name] = measure("convert", {"argv": convert_argv(target_dir, draft_dir, out, tp, ep)}, repeats, cleanup)
+    copy_dir = root / "copy"
+
+    def fresh_copy_dir() -> None:
+        shutil.rmtree(copy_dir, ignore_errors=True)
+        copy_dir.mkdir()
+
+    fresh_copy_dir()
+    results["copy"] = measure(
+        "copy", {"files": weight_files(target_dir, draft_dir), "out": str(copy_dir)}, repeats, fresh_copy_dir
+    )
+
+    base = results["baseline"]
+    for name, r in results.items():
+        r["rss_above_baseline"] = r["peak_rss"] - base["peak_rss"]
+        r["anon_above_baseline"] = r["RssAnon"] - base["RssAnon"]
+        if name != "baseline":
+            r["gb_per_s"] = size / r["seconds"] / 1e9
+        rate = f"{r['gb_per_s']:5.2f} GB/s" if "gb_per_s" in r else "       -  "
+        print(
+            f"{name:9s} {r['seconds']:7.2f} s  {rate}  peak RSS {_gib(r['peak_rss'])} "
+            f"(+{_gib(r['rss_above_baseline'])} over baseline; peak anon {_gib(r['RssAnon'])}, "
+            f"peak file-mapped {_gib(r['RssFile'])})",
+            flush=True,
+        )
+
+    def fraction(name: str, key: str) -> float:
+        return round(results[name][key] / size, 4)
+
+    def speed(name: str) -> float:
+        return round(results["copy"]["seconds"] / results[name]["seconds"], 4)
+
+    ratios = {
+        "moe_convert_tp1_rss_above_baseline_vs_checkpoint_bytes": fraction("tp1", "rss_above_baseline"),
+        "moe_convert_tp4_ep2_rss_above_baseline_vs_checkpoint_bytes": fraction("tp4_ep2", "rss_above_baseline"),
+        "moe_convert_tp1_anon_above_baseline_vs_checkpoint_bytes": fraction("tp1", "anon_above_baseline"),
+        "moe_convert_tp1_throughput_vs_copy": speed("tp1"),
+        "moe_convert_tp4_ep2_throughput_vs_copy": speed("tp4_ep2"),
+    }
+    details = {
+        "checkpoint_bytes": size,
+        "target_layers": layers,
+        "repeats": repeats,
+        "cpu_threads": torch.get_num_threads(),
+        "bytes_written": written,
+        **{name: {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for name, r in results.items()},
+    }
+    print(json.dumps({"name": "convert_moe", "ratios": ratios, "details": details}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
