@@ -26,7 +26,6 @@ from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.emulation import functional as F
 from dflash_trt.emulation.aliasing import load_engine_module
 from dflash_trt.emulation.functional import EmulationError, Network, PluginConfig, net_guard
-from dflash_trt.emulation.plugins import TreeParams, eagle_sample_and_accept_draft_plugin
 from dflash_trt.emulation.runtime import EmulatedRuntime
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.reference.decode import SequenceResult, speculative_generate
@@ -370,30 +369,6 @@ def test_functional_dtype_and_broadcast_rules():
         assert F.cumsum(_t([1, 2, 3, 4]), 0, prefer_plugin=False).data.tolist() == [1, 3, 6, 10]
         assert net.cumsum_square_elements == [16]
         assert F.argmax(_t([[0.1, 0.9, 0.2]], torch.float32), -1, keepdim=True).data.dtype == torch.int32
-
-
-def test_greedy_chain_accept_plugin():
-    vocab = 6
-    # Request 0: context (1 logit row); request 1: K = 3 drafts [4, 2, 5] verified by targets [4, 2, 1, 3].
-    targets = [3, 4, 2, 1, 3]
-    logits = torch.full((5, vocab), -1.0)
-    logits[torch.arange(5), torch.tensor(targets)] = 1.0
-    paths = torch.tensor([[0, 1, 2, 3], [-1] * 4, [-1] * 4, [-1] * 4], dtype=torch.int32).expand(2, 4, 4)
-    outs = eagle_sample_and_accept_draft_plugin(
-        F.Tensor(data=logits),
-        _t([[0, 0, 0], [4, 2, 5]]),
-        _t([0, 3]),
-        None,
-        None,
-        None,
-        None,
-        TreeParams(paths=F.Tensor(data=paths.clone())),
-        _t([1]),
-        _t([0]),
-    )
-    accepted, num, best = (o.data.tolist() for o in outs[:3])
-    assert num == [1, 3] and best == [0, 0]
-    assert accepted[0][0] == 3 and accepted[1][:3] == [4, 2, 1]
 
 
 def test_engine_config_is_the_converters_typed_spec(tiny):

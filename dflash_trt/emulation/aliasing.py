@@ -2,8 +2,8 @@
 `dflash_trt/trtllm/model.py` against them.
 
 `load_engine_module()` installs the stand-in modules in `sys.modules` only while it executes fresh copies of
-`dflash_trt/trtllm/plugin.py` and `model.py` (their `import tensorrt` / `from tensorrt_llm... import` lines then
-bind the stand-ins), and restores `sys.modules` afterwards, so nothing else in the process sees a fake
+`dflash_trt/trtllm/plugin.py`, `verify.py` and `model.py` (their `import tensorrt` / `from tensorrt_llm... import`
+lines then bind the stand-ins), and restores `sys.modules` afterwards, so nothing else in the process sees a fake
 TensorRT-LLM. The one substitution outside the stand-ins is the plugin library loader: dlopen of the CUDA library
 becomes the registration of the emulated plugin creator.
 """
@@ -79,12 +79,11 @@ REGISTRY: dict[str, dict[str, Any]] = {
             "gt",
             "eq",
             "minimum",
-            "maximum",
-            "op_and",
             "op_or",
             "where",
             "cast",
             "tanh",
+            "exp",
             "shape",
             "view",
             "unsqueeze",
@@ -93,10 +92,10 @@ REGISTRY: dict[str, dict[str, Any]] = {
             "expand",
             "gather",
             "index_select",
-            "scatter",
             "arange",
             "cumsum",
             "sum",
+            "max",
             "argmax",
             "gather_last_token_logits",
         )
@@ -117,11 +116,6 @@ REGISTRY: dict[str, dict[str, Any]] = {
     }
     | {"AttentionMaskType": F.AttentionMaskType},
     "tensorrt_llm.models": {"MODEL_MAP": models.MODEL_MAP},
-    "tensorrt_llm.models.eagle": {},
-    "tensorrt_llm.models.eagle.model": {
-        "TreeParams": plugins.TreeParams,
-        "eagle_sample_and_accept_draft_plugin": plugins.eagle_sample_and_accept_draft_plugin,
-    },
     "tensorrt_llm.models.generation_mixin": {"GenerationMixin": models.GenerationMixin},
     "tensorrt_llm.models.llama": {},
     "tensorrt_llm.models.llama.config": {"LLaMAConfig": models.LLaMAConfig},
@@ -193,8 +187,10 @@ def load_engine_module() -> types.ModuleType:
         return _engine_module
     import dflash_trt.trtllm.build_plan  # noqa: F401  (bound to the real plugin module, not the fresh copy)
 
-    with stand_ins_installed(("dflash_trt.trtllm.plugin", "dflash_trt.trtllm.model")):
+    fresh = ("dflash_trt.trtllm.plugin", "dflash_trt.trtllm.verify", "dflash_trt.trtllm.model")
+    with stand_ins_installed(fresh):
         plugin = _exec_source("dflash_trt.trtllm.plugin", ENGINE_PACKAGE / "plugin.py")
         setattr(plugin, "load_plugin_library", plugins.load_emulated_plugin_library)  # noqa: B010
+        _exec_source("dflash_trt.trtllm.verify", ENGINE_PACKAGE / "verify.py")
         _engine_module = _exec_source("dflash_trt.trtllm.model", ENGINE_PACKAGE / "model.py")
     return _engine_module
