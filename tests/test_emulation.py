@@ -9,6 +9,7 @@ networks below change acceptance as well.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib.util
 import json
@@ -24,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from dflash_trt import cli
 from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.emulation import functional as F
-from dflash_trt.emulation.aliasing import load_engine_module
+from dflash_trt.emulation.aliasing import ENGINE_PACKAGE, ENGINE_SOURCES, REGISTRY, load_engine_module
 from dflash_trt.emulation.functional import EmulationError, Network, PluginConfig, net_guard
 from dflash_trt.emulation.runtime import EmulatedRuntime
 from dflash_trt.errors import DFlashTrtError
@@ -439,6 +440,31 @@ def test_strict_loading_by_tensorrt_llm_names(tiny, tmp_path):
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         assert EmulatedRuntime(extra).model.unused_tensors == ["dflash.unused"]
+
+
+def engine_imports() -> set[str]:
+    """What the engine's sources take from tensorrt / tensorrt_llm: `from M import x` as `M.x`, `import M as m`
+    followed by `m.x` as `M.x` (function-level imports included)."""
+    external = ("tensorrt", "tensorrt_llm")
+    found: set[str] = set()
+    for source in ENGINE_SOURCES:
+        tree = ast.parse((ENGINE_PACKAGE / f"{source}.py").read_text())
+        modules = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in external:
+                found |= {f"{node.module}.{alias.name}" for alias in node.names}
+            elif isinstance(node, ast.Import):
+                modules |= {a.asname or a.name: a.name for a in node.names if a.name.split(".")[0] in external}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+                found.add(f"{modules[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_the_registry_emulates_exactly_what_the_engine_imports():
+    registered = {f"{module}.{name}" for module, symbols in REGISTRY.items() for name in symbols}
+    assert registered == engine_imports()
+    assert "tensorrt_llm.functional.exp" in registered and "tensorrt.int32" in registered  # the walk sees both kinds
 
 
 def test_stand_ins_are_visible_only_inside_the_emulation(tiny):

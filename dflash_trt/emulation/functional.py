@@ -263,10 +263,6 @@ def _trt_dtype(dtype: Any) -> trt.DataType:
     return trt.DataType(dtype)
 
 
-def str_dtype_to_trt(dtype: str) -> trt.DataType:
-    return _trt_dtype(dtype)
-
-
 # --------------------------------------------------------------------------------------------------------- constants
 
 
