@@ -7,9 +7,9 @@ quoted from it, not guessed): Python ints become int32 constants of shape [1] an
 network is strongly typed (BuildConfig default), so mixed float types, bool arithmetic or a non-bool `where`
 condition fail as TensorRT would reject them. `shape()` yields int64 (TensorRT 10's IShapeLayer), `argmax`
 int32 indices (ITopKLayer); `exp` takes floating-point tensors only and the reductions (`sum`, `max`) no bool, as
-TensorRT's unary and reduce layers. `cumsum` over the last dimension runs the CumsumLastDim plugin when preferred
-(with its dtype limits) and otherwise builds the [n, n] lower-triangle product the source builds; the network's
-ledger records that size so tests can bound the activations it implies.
+TensorRT's unary and reduce layers require. `cumsum` over the last dimension runs the CumsumLastDim plugin when
+preferred (with its dtype limits) and otherwise builds the [n, n] lower-triangle product the source builds; the
+network's ledger records that size so tests can bound the activations it implies.
 A tensor produced by a plugin with side effects (our KV injection) is lazy: its layer runs when a consumer reads it,
 and never if nothing does, because TensorRT orders layers only by data dependencies and drops unused ones.
 """
