@@ -9,6 +9,7 @@ networks below change acceptance as well.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib.util
 import json
@@ -24,13 +25,13 @@ from safetensors.torch import load_file, save_file
 from dflash_trt import cli
 from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.emulation import functional as F
-from dflash_trt.emulation.aliasing import load_engine_module
+from dflash_trt.emulation.aliasing import ENGINE_PACKAGE, ENGINE_SOURCES, REGISTRY, load_engine_module
 from dflash_trt.emulation.functional import EmulationError, Network, PluginConfig, net_guard
-from dflash_trt.emulation.plugins import TreeParams, eagle_sample_and_accept_draft_plugin
 from dflash_trt.emulation.runtime import EmulatedRuntime
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.reference.decode import SequenceResult, speculative_generate
 from dflash_trt.reference.model import load_golden_model
+from dflash_trt.reference.sampling import SamplingParams
 from dflash_trt.tiny.heldout import draft_dir, load_heldout, target_dir
 from dflash_trt.tokenizer import load_tokenizer
 
@@ -234,6 +235,158 @@ def test_a_missing_passthrough_ordering_is_caught(engine, monkeypatch, tiny, tin
     assert _broken(tiny, tiny_prompts, tiny_golden) is not None
 
 
+# ------------------------------------------------------------------ sampled verification (docs/engine.md §6)
+
+@pytest.fixture(scope="module")
+def random_pair(tmp_path_factory) -> Path:
+    variant, _ = VARIANTS["qwen3-gqa-b8"]
+    return convert(tmp_path_factory.mktemp("random-pair"), variant)
+
+
+def sampled_mismatch(golden: list[SequenceResult], emulated: list[SequenceResult], max_new_tokens: int) -> str | None:
+    """The first difference between the engine's sampled decoding and the golden loop's run with K more tokens.
+
+    Near its budget the golden loop verifies a shortened block, which drafts and accepts differently; at T > 0 the
+    uniforms of the following steps then land on other positions and the last tokens differ. Given K more tokens, the
+    golden loop verifies a full block wherever the engine does, so the engine's tokens are its first
+    `max_new_tokens`, every engine step (drafts, accepted drafts) is the golden step of the same number, and so is
+    every acceptance length but the engine's last, which the budget clips.
+    """
+    for i, (g, e) in enumerate(zip(golden, emulated, strict=True)):
+        if e.output_ids != g.output_ids[:max_new_tokens]:
+            return f"sequence {i}: tokens {e.output_ids} != {g.output_ids[:max_new_tokens]}"
+        steps = len(e.steps)
+        if len(g.steps) < steps:
+            return f"sequence {i}: {steps} steps, the golden loop took {len(g.steps)}"
+        for step, (gs, es) in enumerate(zip(g.steps, e.steps, strict=False)):
+            if (es.draft_ids, es.accepted) != (gs.draft_ids, gs.accepted):
+                return f"sequence {i} step {step}: drafts/accepted {es} != {gs}"
+        expected = g.acceptance_lengths[:steps]
+        if steps and (e.acceptance_lengths[:-1] != expected[:-1] or e.acceptance_lengths[-1] > expected[-1]):
+            return f"sequence {i}: acceptance {e.acceptance_lengths} != {expected}"
+    return None
+
+
+# One temperature for the batch, and a mixed batch (greedy and two sampled temperatures, cycled over the prompts).
+SAMPLED = {"t0.7": [0.7], "mixed": [0.0, 0.9, 1.3]}
+SAMPLED_TOKENS = 20
+
+
+def per_request(setting: str, count: int) -> list[float]:
+    temperatures = SAMPLED[setting]
+    return [temperatures[i % len(temperatures)] for i in range(count)]
+
+
+def sampled_runs(ckpt: Path, prompts: list[list[int]], setting: str, **runtime) -> tuple[list, list, list]:
+    """(greedy golden, sampled golden with K more tokens, sampled emulation): per-sequence seeds 40 + i on both
+    sides; two slots, so later requests reuse a slot and see its stale uniforms in their context steps."""
+    temperatures = per_request(setting, len(prompts))
+    sampling = [SamplingParams(t) for t in temperatures]
+    seeds = [40 + i for i in range(len(prompts))]
+    model = load_golden_model(ckpt)
+    k = model.draft.spec.block_size - 1
+    greedy = speculative_generate(model, prompts, SAMPLED_TOKENS, STOP)
+    golden = speculative_generate(model, prompts, SAMPLED_TOKENS + k, STOP, sampling, seeds=seeds)
+    emulated = EmulatedRuntime(ckpt, max_batch_size=2, **runtime).generate(
+        prompts, SAMPLED_TOKENS, STOP, temperature=temperatures, seeds=seeds
+    )
+    return greedy, golden, emulated
+
+
+# Small pages and a step budget that chunks the long prompt.
+TINY_SAMPLING_RUNTIME = {"tokens_per_block": 16, "max_num_tokens": 2 * TINY_BLOCK}
+
+
+@pytest.fixture
+def tiny_sampling_prompts(tiny_prompts) -> list[list[int]]:
+    """Two held-out problems (the second long enough to be chunked) and prompts off the training distribution, where
+    the target's entropy is high enough for sampling to change the output."""
+    return [tiny_prompts[0], tiny_prompts[-1], *PROMPTS]
+
+
+@pytest.mark.parametrize("setting", list(SAMPLED))
+@pytest.mark.parametrize("pair", ["tiny", "random"])
+def test_sampled_decoding_matches_the_golden_model(pair, setting, request):
+    if pair == "tiny":
+        ckpt, prompts = request.getfixturevalue("tiny"), request.getfixturevalue("tiny_sampling_prompts")
+        runtime = TINY_SAMPLING_RUNTIME
+    else:
+        ckpt, prompts, runtime = request.getfixturevalue("random_pair"), PROMPTS, {}
+    greedy, golden, emulated = sampled_runs(ckpt, prompts, setting, **runtime)
+    assert sampled_mismatch(golden, emulated, SAMPLED_TOKENS) is None
+    temperatures = per_request(setting, len(prompts))
+    # Sampling really happened, and a greedy request in the mixed batch decodes exactly greedily.
+    assert any(g.output_ids != e.output_ids for g, e, t in zip(greedy, emulated, temperatures, strict=True) if t)
+    assert all(g.output_ids == e.output_ids for g, e, t in zip(greedy, emulated, temperatures, strict=True) if not t)
+    if pair == "tiny":
+        assert max(max(e.acceptance_lengths) for e in emulated) >= 8  # long blocks accepted while sampling
+
+
+def _rolled_uniforms(original):
+    """rand_data_validation shifted by one position: slot j verified with the uniform of slot j + 1."""
+
+    def verify(logits, draft_tokens, draft_lens, temperature, rand_data_validation, rand_data_sample, *rest):
+        shifted = F.Tensor(data=rand_data_validation.data.roll(-1, dims=1))
+        return original(logits, draft_tokens, draft_lens, temperature, shifted, rand_data_sample, *rest)
+
+    return verify
+
+
+def _first_token_from_validation_row(original):
+    """A context request's first token drawn with its (stale) rand_data_validation row instead of rand_data_sample."""
+
+    def verify(logits, draft_tokens, draft_lens, temperature, rand_data_validation, rand_data_sample, *rest):
+        column = F.Tensor(data=rand_data_validation.data[:, 0].clone())
+        return original(logits, draft_tokens, draft_lens, temperature, rand_data_validation, column, *rest)
+
+    return verify
+
+
+@pytest.mark.parametrize("breakage", [_rolled_uniforms, _first_token_from_validation_row], ids=lambda f: f.__name__)
+def test_a_broken_sampled_verification_is_caught(engine, monkeypatch, tiny, tiny_sampling_prompts, breakage):
+    monkeypatch.setattr(engine, "verify_drafts", breakage(engine.verify_drafts))
+    _, golden, emulated = sampled_runs(tiny, tiny_sampling_prompts, "mixed", **TINY_SAMPLING_RUNTIME)
+    assert sampled_mismatch(golden, emulated, SAMPLED_TOKENS) is not None
+
+
+def test_cli_emulate_samples_like_generate(tiny, tmp_path, capsys):
+    """`emulate --temperature T --seed S` against `generate` with the same flags and K more tokens (see
+    sampled_mismatch): the same tokens, and the same acceptance lengths up to the engine's clipped last step."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS[:3]))
+    args = ["--checkpoint_dir", str(tiny), "--input_file", str(prompts), "--json"]
+    sampled = ["--temperature", "0.7", "--seed", "9"]
+    assert cli.main(["generate", *args, *sampled, "--max_new_tokens", str(40 + TINY_BLOCK - 1)]) == 0
+    generated = json.loads(capsys.readouterr().out)
+    engine = ["--max_new_tokens", "40", "--max_batch_size", "2", "--tokens_per_block", "16"]
+    assert cli.main(["emulate", *args, *sampled, *engine]) == 0
+    emulated = json.loads(capsys.readouterr().out)
+    assert cli.main(["emulate", *args, *engine]) == 0
+    greedy = json.loads(capsys.readouterr().out)
+    for g, e in zip(generated["sequences"], emulated["sequences"], strict=True):
+        assert e["output_ids"] == g["output_ids"][:40]
+        steps = len(e["acceptance_lengths"])
+        assert e["acceptance_lengths"][:-1] == g["acceptance_lengths"][: steps - 1]
+    assert [s["output_ids"] for s in greedy["sequences"]] != [s["output_ids"] for s in emulated["sequences"]]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--temperature", "-0.5"], "temperature -0.5 refused"),
+        (["--temperature", "nan"], "temperature nan refused"),
+        (["--seed", "-1"], "--seed must lie in"),
+    ],
+)
+def test_cli_emulate_refuses_sampling_the_engine_cannot_honour(tmp_path, capsys, flags, message):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"input_ids": [1, 2]}) + "\n")
+    argv = ["emulate", "--checkpoint_dir", str(tmp_path / "ckpt"), "--input_file", str(prompts), *flags]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dflash-trt emulate: error:") and message in err[0]
+
+
 # ----------------------------------------------------------------------------------- engine facts the emulation checks
 
 
@@ -287,6 +440,31 @@ def test_strict_loading_by_tensorrt_llm_names(tiny, tmp_path):
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         assert EmulatedRuntime(extra).model.unused_tensors == ["dflash.unused"]
+
+
+def engine_imports() -> set[str]:
+    """What the engine's sources take from tensorrt / tensorrt_llm: `from M import x` as `M.x`, `import M as m`
+    followed by `m.x` as `M.x` (function-level imports included)."""
+    external = ("tensorrt", "tensorrt_llm")
+    found: set[str] = set()
+    for source in ENGINE_SOURCES:
+        tree = ast.parse((ENGINE_PACKAGE / f"{source}.py").read_text())
+        modules = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in external:
+                found |= {f"{node.module}.{alias.name}" for alias in node.names}
+            elif isinstance(node, ast.Import):
+                modules |= {a.asname or a.name: a.name for a in node.names if a.name.split(".")[0] in external}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+                found.add(f"{modules[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_the_registry_emulates_exactly_what_the_engine_imports():
+    registered = {f"{module}.{name}" for module, symbols in REGISTRY.items() for name in symbols}
+    assert registered == engine_imports()
+    assert "tensorrt_llm.functional.exp" in registered and "tensorrt.int32" in registered  # the walk sees both kinds
 
 
 def test_stand_ins_are_visible_only_inside_the_emulation(tiny):
@@ -372,28 +550,30 @@ def test_functional_dtype_and_broadcast_rules():
         assert F.argmax(_t([[0.1, 0.9, 0.2]], torch.float32), -1, keepdim=True).data.dtype == torch.int32
 
 
-def test_greedy_chain_accept_plugin():
-    vocab = 6
-    # Request 0: context (1 logit row); request 1: K = 3 drafts [4, 2, 5] verified by targets [4, 2, 1, 3].
-    targets = [3, 4, 2, 1, 3]
-    logits = torch.full((5, vocab), -1.0)
-    logits[torch.arange(5), torch.tensor(targets)] = 1.0
-    paths = torch.tensor([[0, 1, 2, 3], [-1] * 4, [-1] * 4, [-1] * 4], dtype=torch.int32).expand(2, 4, 4)
-    outs = eagle_sample_and_accept_draft_plugin(
-        F.Tensor(data=logits),
-        _t([[0, 0, 0], [4, 2, 5]]),
-        _t([0, 3]),
-        None,
-        None,
-        None,
-        None,
-        TreeParams(paths=F.Tensor(data=paths.clone())),
-        _t([1]),
-        _t([0]),
-    )
-    accepted, num, best = (o.data.tolist() for o in outs[:3])
-    assert num == [1, 3] and best == [0, 0]
-    assert accepted[0][0] == 3 and accepted[1][:3] == [4, 2, 1]
+def test_functional_ops_of_the_sampled_verification():
+    with net_guard(Network(PluginConfig())):
+        logits = _t([[1.0, 3.0, 2.0], [0.5, -1.0, 0.0]], torch.float32)
+        assert F.max(logits, 1, keepdim=True).data.tolist() == [[3.0], [0.5]]
+        assert F.max(_t([[-1, -3, -2]]), 1).data.tolist() == [-1]  # int32 stays int32 (IReduceLayer)
+        assert F.max(_t([[-1, -3, -2]]), 1).data.dtype == torch.int32
+        assert F.exp(_t([0.0, 1.0], torch.float32)).data.tolist() == pytest.approx([1.0, 2.718281828])
+        with pytest.raises(EmulationError, match="exp of a INT32"):
+            F.exp(_t([1]))
+        with pytest.raises(EmulationError, match="max of a bool"):
+            F.max(_t([True], torch.bool), 0)
+        assert (_t([1.0], torch.float32) / _t([[4.0], [2.0]], torch.float32)).data.tolist() == [[0.25], [0.5]]
+        assert F.eq(_t([[1, 2]]), _t([2])).data.tolist() == [[False, True]]
+        assert F.minimum(_t([[1, 5]]), 3).data.tolist() == [[1, 3]]
+        assert logits.size(-1) == 3 and logits.size() == (2, 3)
+        # CumsumLastDim: any rank through a rank-2 view, the input's dtype, no [n, n] intermediates.
+        assert F.cumsum(_t([1, 2, 3]), 0).data.tolist() == [1, 3, 6]
+        assert F.cumsum(_t([[[1, 2], [3, 4]]]), -1).data.tolist() == [[[1, 3], [3, 7]]]
+        assert F.cumsum(logits, 1).data.dtype == torch.float32
+        assert F.default_net().cumsum_square_elements == []
+        with pytest.raises(EmulationError, match="CumsumLastDim plugin does not take INT64"):
+            F.cumsum(F.shape(_t([[1, 2]])), 0)
+        # Another dimension: the loop, any numeric type.
+        assert F.cumsum(_t([[1, 2], [3, 4]]), 0).data.tolist() == [[1, 2], [4, 6]]
 
 
 def test_engine_config_is_the_converters_typed_spec(tiny):

@@ -1,8 +1,10 @@
 """`dflash-trt emulate`: decode through the engine network (`dflash_trt/trtllm/model.py`) on a CPU.
 
 The unmodified network runs under the emulated TensorRT-LLM 1.2.x API and EAGLE runtime loop
-(`dflash_trt.emulation`): in-flight batching, chunked prompts, a paged KV pool. The output has `generate`'s JSON
-schema, so the two can be compared token for token and acceptance for acceptance.
+(`dflash_trt.emulation`): in-flight batching, chunked prompts, a paged KV pool. At --temperature > 0 the network
+verifies the drafts by sampling, with the uniforms the golden loop draws (sequence i from seed + i), so the output
+equals `generate --temperature T --seed S`. The output has `generate`'s JSON schema, so the two can be compared
+token for token and acceptance for acceptance.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ import json
 import time
 from pathlib import Path
 
-from dflash_trt.commands.generate import sequence_record
+from dflash_trt.commands.generate import MAX_SEED, sequence_record
+from dflash_trt.errors import DFlashTrtError
 from dflash_trt.prompts import read_prompts
 from dflash_trt.reference.stats import mean_acceptance_length, per_position_acceptance
+from dflash_trt.sampling_rules import sampling_refusal
 from dflash_trt.tokenizer import load_tokenizer
 
 
@@ -32,12 +36,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--max_num_tokens", type=int, default=None, help="tokens per step; longer prompts are chunked (default 8192)"
     )
     parser.add_argument("--tokens_per_block", type=int, default=32, help="paged KV block size")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--seed", type=int, default=0, help="sequence i draws from seed + i, as generate")
     parser.add_argument("--ignore_eos", action="store_true", help="never stop before --max_new_tokens")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
 
+def check_sampling(args: argparse.Namespace) -> None:
+    """What the engine cannot honour is refused before anything is loaded, in sampling_rules' words."""
+    refusal = sampling_refusal({"temperature": args.temperature, "seed": args.seed})
+    if refusal is not None:
+        raise DFlashTrtError(refusal)
+    if not 0 <= args.seed <= MAX_SEED:
+        raise DFlashTrtError(f"--seed must lie in [0, {MAX_SEED}], got {args.seed}")
+
+
 def run(args: argparse.Namespace) -> int:
+    check_sampling(args)
     from dflash_trt.emulation.runtime import EmulatedRuntime
 
     checkpoint_dir = Path(args.checkpoint_dir)
@@ -46,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.input_file, tokenizer)
     stop_ids = [] if args.ignore_eos else list(runtime.eos_token_ids)
     started = time.perf_counter()
-    results = runtime.generate(prompts, args.max_new_tokens, stop_ids)
+    results = runtime.generate(prompts, args.max_new_tokens, stop_ids, temperature=args.temperature, seed=args.seed)
     seconds = time.perf_counter() - started
     generated = sum(len(r.output_ids) for r in results)
     sequences = [sequence_record(r, tokenizer, False) for r in results]

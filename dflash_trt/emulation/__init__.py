@@ -1,9 +1,10 @@
 """The engine network on a CPU: a torch execution of the TensorRT-LLM 1.2.x API subset `trtllm/model.py` uses, and
 the runtime's EAGLE step loop around it (`dflash-trt emulate`, docs/engine.md §11).
 
-`aliasing` holds the registry of emulated symbols and loads the unmodified `model.py` against them; `functional`,
-`module`, `layers`, `quantization`, `rope`, `models` and `plugins` are the stand-ins; `kv_pool` and `runtime` the
-paged KV cache and the in-flight batching loop. Each behaviour follows the 1.2-era TensorRT-LLM source file its
+`aliasing` holds the registry of emulated symbols and loads the unmodified `model.py` (and the `verify.py` and
+`plugin.py` it imports) against them; `functional`, `module`, `layers`, `quantization`, `rope`, `models` and
+`plugins` are the stand-ins; `kv_pool` and `runtime` the paged KV cache and the in-flight batching loop with the
+runtime's per-request temperatures and uniforms. Each behaviour follows the 1.2-era TensorRT-LLM source file its
 docstring names; those copies carry commit ids but no release tags (as noted in tests/data/trtllm_api.json), and
-kernel behaviour (XQA's packed mask, the accept kernel) was read, never run.
+kernel behaviour (XQA's packed mask, the CumsumLastDim scan) was read, never run.
 """

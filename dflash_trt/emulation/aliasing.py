@@ -2,8 +2,8 @@
 `dflash_trt/trtllm/model.py` against them.
 
 `load_engine_module()` installs the stand-in modules in `sys.modules` only while it executes fresh copies of
-`dflash_trt/trtllm/plugin.py` and `model.py` (their `import tensorrt` / `from tensorrt_llm... import` lines then
-bind the stand-ins), and restores `sys.modules` afterwards, so nothing else in the process sees a fake
+`dflash_trt/trtllm/plugin.py`, `verify.py` and `model.py` (their `import tensorrt` / `from tensorrt_llm... import`
+lines then bind the stand-ins), and restores `sys.modules` afterwards, so nothing else in the process sees a fake
 TensorRT-LLM. The one substitution outside the stand-ins is the plugin library loader: dlopen of the CUDA library
 becomes the registration of the emulated plugin creator.
 """
@@ -22,8 +22,7 @@ from typing import Any
 from dflash_trt.emulation import functional as F
 from dflash_trt.emulation import layers, models, plugins, trt
 from dflash_trt.emulation.functional import EmulationError
-from dflash_trt.emulation.module import Module, ModuleList, Parameter
-from dflash_trt.emulation.quantization import QuantMode
+from dflash_trt.emulation.module import Module, ModuleList
 
 
 class KVCacheType(enum.IntEnum):
@@ -36,67 +35,48 @@ def pad_vocab_size(vocab_size: int, tp_size: int) -> int:
     return -(-vocab_size // tp_size) * tp_size
 
 
+# Exactly the symbols the engine's sources take from tensorrt / tensorrt_llm (tests/test_emulation.py checks it).
 REGISTRY: dict[str, dict[str, Any]] = {
     "tensorrt": {
         name: getattr(trt, name)
         for name in (
-            "DataType",
             "float32",
-            "float16",
-            "bfloat16",
             "int32",
-            "int64",
-            "int8",
-            "bool",
-            "fp8",
             "PluginField",
             "PluginFieldCollection",
             "PluginFieldType",
             "TensorRTPhase",
-            "TensorLocation",
             "get_plugin_registry",
         )
     },
     "tensorrt_llm": {},
     "tensorrt_llm._common": {"default_net": F.default_net, "default_trtnet": F.default_trtnet},
-    "tensorrt_llm._utils": {"pad_vocab_size": pad_vocab_size, "str_dtype_to_trt": F.str_dtype_to_trt},
+    "tensorrt_llm._utils": {"pad_vocab_size": pad_vocab_size},
     "tensorrt_llm.bindings": {"KVCacheType": KVCacheType},
     "tensorrt_llm.functional": {
         name: getattr(F, name)
         for name in (
             "Tensor",
             "LayerNormType",
-            "AttentionMaskType",
-            "PositionEmbeddingType",
             "_create_tensor",
             "constant",
-            "add",
-            "sub",
-            "mul",
-            "div",
-            "floordiv",
-            "lt",
-            "gt",
             "eq",
             "minimum",
-            "maximum",
-            "op_and",
-            "op_or",
             "where",
             "cast",
             "tanh",
+            "exp",
             "shape",
-            "view",
             "unsqueeze",
             "concat",
             "slice",
             "expand",
             "gather",
             "index_select",
-            "scatter",
             "arange",
             "cumsum",
             "sum",
+            "max",
             "argmax",
             "gather_last_token_logits",
         )
@@ -106,22 +86,15 @@ REGISTRY: dict[str, dict[str, Any]] = {
         for name in (
             "Attention",
             "ColumnLinear",
-            "RowLinear",
             "Embedding",
             "GatedMLP",
             "RmsNorm",
             "KeyValueCacheParams",
             "SpecDecodingParams",
-            "AttentionParams",
         )
     }
     | {"AttentionMaskType": F.AttentionMaskType},
     "tensorrt_llm.models": {"MODEL_MAP": models.MODEL_MAP},
-    "tensorrt_llm.models.eagle": {},
-    "tensorrt_llm.models.eagle.model": {
-        "TreeParams": plugins.TreeParams,
-        "eagle_sample_and_accept_draft_plugin": plugins.eagle_sample_and_accept_draft_plugin,
-    },
     "tensorrt_llm.models.generation_mixin": {"GenerationMixin": models.GenerationMixin},
     "tensorrt_llm.models.llama": {},
     "tensorrt_llm.models.llama.config": {"LLaMAConfig": models.LLaMAConfig},
@@ -129,16 +102,15 @@ REGISTRY: dict[str, dict[str, Any]] = {
     "tensorrt_llm.models.modeling_utils": {
         "DecoderModelForCausalLM": models.DecoderModelForCausalLM,
         "PretrainedConfig": models.PretrainedConfig,
-        "PretrainedModel": models.PretrainedModel,
     },
     "tensorrt_llm.models.qwen": {},
     "tensorrt_llm.models.qwen.config": {"QWenConfig": models.QWenConfig},
     "tensorrt_llm.models.qwen.model": {"QWenDecoderLayer": models.QWenDecoderLayer},
     "tensorrt_llm.module": {"Module": Module, "ModuleList": ModuleList},
-    "tensorrt_llm.parameter": {"Parameter": Parameter},
-    "tensorrt_llm.quantization": {"QuantMode": QuantMode},
 }
 ENGINE_PACKAGE = Path(__file__).resolve().parents[1] / "trtllm"
+# The engine's sources that import TensorRT-LLM, in the order they are executed (model.py imports the others).
+ENGINE_SOURCES = ("plugin", "verify", "model")
 _engine_module: types.ModuleType | None = None
 
 
@@ -193,8 +165,9 @@ def load_engine_module() -> types.ModuleType:
         return _engine_module
     import dflash_trt.trtllm.build_plan  # noqa: F401  (bound to the real plugin module, not the fresh copy)
 
-    with stand_ins_installed(("dflash_trt.trtllm.plugin", "dflash_trt.trtllm.model")):
-        plugin = _exec_source("dflash_trt.trtllm.plugin", ENGINE_PACKAGE / "plugin.py")
-        setattr(plugin, "load_plugin_library", plugins.load_emulated_plugin_library)  # noqa: B010
-        _engine_module = _exec_source("dflash_trt.trtllm.model", ENGINE_PACKAGE / "model.py")
+    names = tuple(f"dflash_trt.trtllm.{source}" for source in ENGINE_SOURCES)
+    with stand_ins_installed(names):
+        fresh = {name: _exec_source(name, ENGINE_PACKAGE / f"{name.rpartition('.')[2]}.py") for name in names}
+    setattr(fresh["dflash_trt.trtllm.plugin"], "load_plugin_library", plugins.load_emulated_plugin_library)  # noqa: B010
+    _engine_module = fresh["dflash_trt.trtllm.model"]
     return _engine_module

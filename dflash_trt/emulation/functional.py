@@ -6,14 +6,17 @@ quoted from it, not guessed): Python ints become int32 constants of shape [1] an
 `elementwise_binary`); ranks are matched by prepending 1s (`expand_dims_like`), then TensorRT broadcasting; the
 network is strongly typed (BuildConfig default), so mixed float types, bool arithmetic or a non-bool `where`
 condition fail as TensorRT would reject them. `shape()` yields int64 (TensorRT 10's IShapeLayer), `argmax`
-int32 indices (ITopKLayer). `cumsum` over the last dimension without the plugin builds the [n, n] lower-triangle
-product the source builds; the network's ledger records its size so tests can bound the activations it implies.
+int32 indices (ITopKLayer); `exp` takes floating-point tensors only and the reductions (`sum`, `max`) no bool, as
+TensorRT's unary and reduce layers require. `cumsum` over the last dimension runs the CumsumLastDim plugin when
+preferred (with its dtype limits) and otherwise builds the [n, n] lower-triangle product the source builds; the
+network's ledger records that size so tests can bound the activations it implies.
 A tensor produced by a plugin with side effects (our KV injection) is lazy: its layer runs when a consumer reads it,
 and never if nothing does, because TensorRT orders layers only by data dependencies and drops unused ones.
 """
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import enum
 from collections.abc import Callable, Iterator, Sequence
@@ -184,6 +187,8 @@ class Tensor:
         return tuple(self.data.shape)
 
     def size(self, dim: int | None = None) -> Any:
+        """The shape (or one dimension). TensorRT's static shape says -1 for a dynamic dimension; the emulation
+        knows only executed sizes, so it cannot tell: the network calls it on static dimensions only."""
         return self.shape if dim is None else self.shape[dim]
 
     def rank(self) -> int:
@@ -256,10 +261,6 @@ def _trt_dtype(dtype: Any) -> trt.DataType:
             raise EmulationError(f"unknown dtype string {dtype!r}")
         return trt.STR_DTYPES[dtype]
     return trt.DataType(dtype)
-
-
-def str_dtype_to_trt(dtype: str) -> trt.DataType:
-    return _trt_dtype(dtype)
 
 
 # --------------------------------------------------------------------------------------------------------- constants
@@ -365,14 +366,6 @@ def minimum(a: Any, b: Any) -> Tensor:
     return _binary(a, b, torch.minimum)
 
 
-def maximum(a: Any, b: Any) -> Tensor:
-    return _binary(a, b, torch.maximum)
-
-
-def op_and(a: Any, b: Any) -> Tensor:
-    return _binary(a, b, torch.logical_and, ("bool",))
-
-
 def op_or(a: Any, b: Any) -> Tensor:
     return _binary(a, b, torch.logical_or, ("bool",))
 
@@ -384,7 +377,7 @@ def where(condition: Any, left: Any, right: Any) -> Tensor:
         raise EmulationError(f"where() condition must be bool, got {condition.dtype.name} (ISelectLayer)")
     if left.dtype != right.dtype:
         raise EmulationError(f"where() branches of different types {left.dtype.name} and {right.dtype.name}")
-    largest = max((condition, left, right), key=Tensor.rank)
+    largest = builtins.max((condition, left, right), key=Tensor.rank)
     condition, left, right = (_expand_dims_like(t, largest) for t in (condition, left, right))
     _broadcast_shapes(condition.shape, left.shape, right.shape)
     return _wrap(torch.where(condition.data, left.data, right.data))
@@ -397,6 +390,13 @@ def cast(x: Tensor, dtype: Any) -> Tensor:
 def tanh(x: Tensor) -> Tensor:
     _require_float(x, "tanh")
     return _wrap(torch.tanh(x.data))
+
+
+def exp(x: Tensor) -> Tensor:
+    """IUnaryLayer EXP (functional.py `unary`). TensorRT's Unary operator table gives EXP no int32 / int64 / bool
+    input (only int8, which this network never has), so integer tensors are refused."""
+    _require_float(x, "exp")
+    return _wrap(torch.exp(x.data))
 
 
 def _require_float(x: Tensor, what: str) -> None:
@@ -520,17 +520,6 @@ def index_select(x: Tensor, dim: int, index: Tensor) -> Tensor:
     return _wrap(x.data.index_select(dim, idx))
 
 
-def scatter(x: Tensor, dim: int, indices: Tensor, updates: Tensor) -> Tensor:
-    """IScatterLayer ELEMENT mode; duplicate indices are undefined behaviour there, so they are refused here."""
-    idx = _indices(indices, "scatter")
-    if x.dtype != updates.dtype or indices.rank() != x.rank() or indices.shape != updates.shape:
-        raise EmulationError("scatter needs updates of the input's dtype and indices shaped like the updates")
-    _check_range(idx, x.shape[dim], "scatter")
-    if dim == 0 and idx.dim() == 1 and idx.unique().numel() != idx.numel():
-        raise EmulationError("scatter with duplicate indices (undefined in TensorRT)")
-    return _wrap(x.data.scatter(dim, idx, updates.data))
-
-
 def arange(start: Tensor | int, end: Tensor | int, dtype: str) -> Tensor:
     res = _trt_dtype(dtype)
     if isinstance(start, int):
@@ -549,11 +538,26 @@ def arange(start: Tensor | int, end: Tensor | int, dtype: str) -> Tensor:
     return _wrap(torch.arange(lo, hi, dtype=trt.TORCH_DTYPES[res]))
 
 
+# CumsumLastDimPlugin's constructor: "Only support int, float, half, and bfloat16".
+CUMSUM_PLUGIN_DTYPES = (trt.float32, trt.float16, trt.bfloat16, trt.int32)
+
+
 def cumsum(x: Tensor, dim: int, prefer_plugin: bool = True) -> Tensor:
+    """Inclusive prefix sum, by functional.py's three paths. Last dimension with `prefer_plugin`: the CumsumLastDim
+    plugin on a rank-2 view (cumsumLastDimPlugin.cpp: one scan per row, output of the input's type and shape).
+    Last dimension without it: sum(unsqueeze(x, -2) * lower_triangle) over an [n, n] triangle, recorded in the
+    network's ledger. Any other dimension: an ILoopLayer running sum."""
     if x.rank() < 1 or not -x.rank() <= dim < x.rank():
         raise EmulationError(f"cumsum dim {dim} of a rank-{x.rank()} tensor")
+    if x.dtype == trt.bool:
+        raise EmulationError("cumsum of a bool tensor")
     dim %= x.rank()
-    if dim == x.rank() - 1 and not prefer_plugin:
+    if dim == x.rank() - 1 and prefer_plugin:
+        if x.dtype not in CUMSUM_PLUGIN_DTYPES:
+            raise EmulationError(f"the CumsumLastDim plugin does not take {x.dtype.name}")
+        rows = x.data.reshape(-1, x.shape[-1])
+        return _wrap(torch.cumsum(rows, 1).to(x.data.dtype).reshape(x.shape))
+    if dim == x.rank() - 1:
         n = x.shape[-1]
         default_net().cumsum_square_elements.append(n * n)
         lower = (torch.arange(n)[None, :] <= torch.arange(n)[:, None]).to(x.data.dtype)
@@ -561,11 +565,21 @@ def cumsum(x: Tensor, dim: int, prefer_plugin: bool = True) -> Tensor:
     return _wrap(torch.cumsum(x.data, dim).to(x.data.dtype))
 
 
+def _reduce(x: Tensor, what: str) -> None:
+    if x.dtype == trt.bool:
+        raise EmulationError(f"{what} of a bool tensor (IReduceLayer)")
+
+
 def sum(x: Tensor, dim: int, keepdim: bool = False) -> Tensor:  # noqa: A001 (TensorRT-LLM's name)
     """IReduceLayer SUM; the result keeps the input's dtype."""
-    if x.dtype == trt.bool:
-        raise EmulationError("sum of a bool tensor")
+    _reduce(x, "sum")
     return _wrap(torch.sum(x.data, dim=dim, keepdim=keepdim).to(x.data.dtype))
+
+
+def max(x: Tensor, dim: int, keepdim: bool = False) -> Tensor:  # noqa: A001 (TensorRT-LLM's name)
+    """IReduceLayer MAX over one dimension (functional.py `max`), in the input's dtype."""
+    _reduce(x, "max")
+    return _wrap(torch.amax(x.data, dim=dim, keepdim=keepdim))
 
 
 def argmax(x: Tensor, dim: int, keepdim: bool = False) -> Tensor:

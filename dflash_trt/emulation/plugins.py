@@ -1,105 +1,31 @@
-"""The two plugins of the network besides attention: the stock EAGLE accept plugin (greedy chain) and ours.
+"""Our plugin, `DFlashKVInjection`, registered when the emulated plugin library is "loaded".
 
-`eagle_sample_and_accept_draft_plugin` follows the 1.2.x wrapper's contract (tensorrt_llm/models/eagle/model.py:
-inputs, seven outputs) and the greedy path of `EagleSampleAndAcceptDraftTokens` [read, not run]: request b owns
-`draft_lens[b] + 1` consecutive logit rows; the target token of node i is the argmax of its row; walking each path
-of `draft_paths[b]`, a draft node is accepted while its token equals the target token of its parent; the longest
-path wins (the first on ties). `accepted_tokens[b]` = target tokens along it (accepted drafts, then the bonus),
-`num_accepted_tokens[b]` = accepted drafts + 1, `accepted_paths[b]` = its index; `next_draft_paths` is the input
-paths (EAGLE-1); `next_draft_tokens` / `next_draft_lens` are scratch the runtime does not read from a DFlash engine.
-
-`DFlashKVInjection` is registered when the emulated plugin library is "loaded". It is built from the creation
-fields `plugin_fields` defines and receives the inputs in `kv_injection_layer`'s order. K = RoPE(rmsnorm(k) * w)
-with the RoPE table rebuilt from its `rope_inv_freq` / `rope_attention_scaling` fields, V as is, computed in fp32
-and rounded once; it writes through `PagedKVCacheLayout` and `to_cache_dtype` of the torch definition
-(`dflash_trt.reference.kv_injection`), resolving each layer's pool from `host_kv_cache_pool_mapping[offset + l]`.
-Its output is a lazy copy of `passthrough`: the write happens when the consumer reads it (see functional.py).
+It is built from the creation fields `plugin_fields` defines and receives the inputs in `kv_injection_layer`'s
+order. K = RoPE(rmsnorm(k) * w) with the RoPE table rebuilt from its `rope_inv_freq` / `rope_attention_scaling`
+fields, V as is, computed in fp32 and rounded once; it writes through `PagedKVCacheLayout` and `to_cache_dtype` of
+the torch definition (`dflash_trt.reference.kv_injection`), resolving each layer's pool from
+`host_kv_cache_pool_mapping[offset + l]`. Its output is a lazy copy of `passthrough`: the write happens when the
+consumer reads it (see functional.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from dflash_trt.emulation import trt
-from dflash_trt.emulation.functional import EmulationError, Tensor, _wrap
+from dflash_trt.emulation.functional import EmulationError, Tensor
 from dflash_trt.emulation.kv_pool import pool_at
 from dflash_trt.reference.kv_injection import PagedKVCacheLayout, to_cache_dtype
 from dflash_trt.trtllm.plugin import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION
-
-
-@dataclass
-class TreeParams:
-    paths: Tensor | None = None
 
 
 def _int32(t: Tensor, what: str, rank: int) -> torch.Tensor:
     if t.dtype != trt.int32 or t.rank() != rank:
         raise EmulationError(f"{what} must be int32 of rank {rank}, got {t.dtype.name} rank {t.rank()}")
     return t.data
-
-
-def eagle_sample_and_accept_draft_plugin(
-    lm_logits: Any = None,
-    draft_tokens: Any = None,
-    draft_lens: Any = None,
-    eagle_temperature: Any = None,
-    rand_data_validation: Any = None,
-    posterior_alpha: Any = None,
-    posterior_threshold: Any = None,
-    tree_params: Any = None,
-    greedy_sampling: Any = None,
-    use_dynamic_tree: Any = None,
-) -> tuple[Tensor, ...]:
-    if lm_logits.dtype != trt.float32 or lm_logits.rank() != 2:
-        raise EmulationError("the accept plugin takes float32 [tokens, vocab] logits")
-    drafts = _int32(draft_tokens, "draft_tokens", 2)
-    lens = _int32(draft_lens, "draft_lens", 1)
-    paths = _int32(tree_params.paths, "draft_paths", 3)
-    if int(_int32(greedy_sampling, "greedy_sampling", 1)[0]) == 0:
-        raise EmulationError("the emulation runs the greedy accept path only (greedy_sampling = 1)")
-    if int(_int32(use_dynamic_tree, "use_dynamic_tree", 1)[0]) != 0:
-        raise EmulationError("use_dynamic_tree must be 0 (EAGLE-2 off)")
-    batch, k = drafts.shape
-    rows = (lens + 1).tolist()
-    if sum(rows) != lm_logits.shape[0]:
-        raise EmulationError(f"{lm_logits.shape[0]} logit rows for draft_lens {lens.tolist()}")
-    targets = torch.argmax(lm_logits.data, dim=-1).to(torch.int32).split(rows)
-    accepted = torch.zeros(batch, k + 1, dtype=torch.int32)
-    num_accepted = torch.zeros(batch, dtype=torch.int32)
-    best_paths = torch.zeros(batch, dtype=torch.int32)
-    for b in range(batch):
-        best, best_len = 0, -1
-        for p, path in enumerate(paths[b].tolist()):
-            if path[0] != 0:  # unused path rows are -1
-                continue
-            length = 0
-            for parent, node in zip(path, path[1:], strict=False):
-                if node < 0 or node > int(lens[b]) or int(drafts[b, node - 1]) != int(targets[b][parent]):
-                    break
-                length += 1
-            if length > best_len:
-                best, best_len = p, length
-        nodes = paths[b, best, : best_len + 1].tolist()
-        accepted[b, : best_len + 1] = torch.stack([targets[b][n] for n in nodes])
-        num_accepted[b] = best_len + 1
-        best_paths[b] = best
-    scratch_tokens = torch.zeros(batch, k, dtype=torch.int32)
-    return (
-        _wrap(accepted),
-        _wrap(num_accepted),
-        _wrap(best_paths),
-        _wrap(scratch_tokens),
-        _wrap(torch.zeros(batch, dtype=torch.int32)),
-        _wrap(paths.clone()),
-        _wrap(torch.zeros(batch + 1, dtype=torch.int32)),
-    )
-
-
-# ------------------------------------------------------------------------------------------------ DFlashKVInjection
 
 
 def _field(fields: dict[str, Any], name: str) -> Any:

@@ -12,8 +12,14 @@ inputs from the chain `draft_paths` (generation lengths K+1, position offsets = 
 ancestors), `draft_tokens` / `draft_lens` from the previous step's `next_draft_*` outputs, the
 `host_gen_eagle_net_*` bounds (a new request: its prompt length; after a step with `S` tokens: `S + K + 1` and
 `S + K`, `unpackEagleData`), and one paged pool for target + draft layers with `host_kv_cache_pool_mapping`
-row `l` = (pool 0, layer l). After a step: the accepted tokens (clipped at `max_new_tokens` and at a stop token),
-the EAGLE KV rewind along the accepted path, the next drafts.
+row `l` = (pool 0, layer l). Sampling inputs (docs/engine.md §6): `eagle_temperature` is the request's temperature
+(0 = greedy); each request owns a random state seeded from its seed, which draws `rand_data_sample` once when the
+request is set up and a fresh `rand_data_validation` row of K+1 uniforms before each of its generation steps, into
+the rows of the request's batch slot; a context request's validation row is whatever its slot last held (NaN for a
+slot never used), as the runtime leaves it stale. The draws are torch's, made in the golden loop's order (one
+uniform for the first token, then K+1 per verify step), not the runtime's curand: the emulation shows the network
+computes the rule from the uniforms it is given. After a step: the accepted tokens (clipped at `max_new_tokens`
+and at a stop token), the EAGLE KV rewind along the accepted path, the next drafts.
 """
 
 from __future__ import annotations
@@ -29,10 +35,10 @@ from dflash_trt.emulation.aliasing import load_engine_module, stand_ins_installe
 from dflash_trt.emulation.functional import EmulationError, Network, PluginConfig, Tensor, net_guard
 from dflash_trt.emulation.kv_pool import BlockManager, KVPool
 from dflash_trt.emulation.layers import AttentionParams, KeyValueCacheParams, SpecDecodingParams
-from dflash_trt.emulation.plugins import TreeParams
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.reference.decode import SequenceResult, StepTrace
+from dflash_trt.sampling_rules import sampling_refusal
 from dflash_trt.trtllm.build_plan import (
     EngineBuildSettings,
     chain_draft_paths,
@@ -69,6 +75,8 @@ class Request:
     prompt: list[int]
     max_new_tokens: int
     arrival: int = 0
+    temperature: float = 0.0
+    seed: int = 0
     output: list[int] = field(default_factory=list)
     acceptance: list[int] = field(default_factory=list)
     steps: list[StepTrace] = field(default_factory=list)
@@ -77,6 +85,8 @@ class Request:
     draft_len: int = 0
     finished: bool = False
     bound: int = 0  # host_gen_eagle_net past-length bound for the next step
+    slot: int = -1  # batch slot while in flight: the row of the runtime's per-request sampling buffers
+    random: torch.Generator = field(default_factory=torch.Generator)
 
     @property
     def generating(self) -> bool:
@@ -85,6 +95,33 @@ class Request:
     @property
     def anchor_position(self) -> int:
         return len(self.prompt) + len(self.output) - 1
+
+
+class SamplingSlots:
+    """The runtime's per-slot sampling buffers, `rand_data_sample [slots]` and `rand_data_validation [slots, K+1]`.
+
+    Only the slot's current request draws into its rows, from its own random state; the rows keep their values
+    when the request leaves, so the next occupant's context steps see its predecessor's uniforms.
+    """
+
+    def __init__(self, slots: int, width: int):
+        self.sample = torch.full((slots,), float("nan"))
+        self.validation = torch.full((slots, width), float("nan"))
+        self.free = list(range(slots))
+
+    def join(self, r: Request) -> None:
+        """Set the request up: the lowest free slot, its random state seeded, its first token's uniform drawn."""
+        r.slot = min(self.free)
+        self.free.remove(r.slot)
+        r.random.manual_seed(r.seed)
+        self.sample[r.slot] = torch.rand(1, generator=r.random)
+
+    def draw_validation(self, r: Request) -> None:
+        """Fresh uniforms for the K+1 positions a generation step verifies."""
+        self.validation[r.slot] = torch.rand(self.validation.shape[1], generator=r.random)
+
+    def leave(self, r: Request) -> None:
+        self.free.append(r.slot)
 
 
 @dataclass
@@ -149,12 +186,26 @@ class EmulatedRuntime:
         max_new_tokens: int | list[int],
         stop_token_ids: list[int] | None = None,
         arrivals: list[int] | None = None,
+        temperature: float | list[float] = 0.0,
+        seed: int = 0,
+        seeds: list[int] | None = None,
     ) -> list[SequenceResult]:
-        news = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        arrivals = arrivals or [0] * len(prompts)
+        """Decode every prompt. Request i samples at `temperature` (or its own entry of the list; 0 = greedy) with a
+        random state seeded `seed + i`, or `seeds[i]`: the per-sequence seeds of `speculative_generate`."""
+        count = len(prompts)
+        news = [max_new_tokens] * count if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        arrivals = arrivals or [0] * count
+        temperatures = [temperature] * count if isinstance(temperature, (int, float)) else list(temperature)
+        seeds = list(seeds) if seeds is not None else [seed + i for i in range(count)]
+        if len(temperatures) != count or len(seeds) != count:
+            raise DFlashTrtError(f"got {len(temperatures)} temperatures and {len(seeds)} seeds for {count} prompts")
+        for t in temperatures:
+            refusal = sampling_refusal({"temperature": t})
+            if refusal is not None:
+                raise DFlashTrtError(refusal)
         requests = [
-            Request(i, list(p), n, a, bound=len(p))
-            for i, (p, n, a) in enumerate(zip(prompts, news, arrivals, strict=True))
+            Request(i, list(p), n, a, float(t), s, bound=len(p))
+            for i, (p, n, a, t, s) in enumerate(zip(prompts, news, arrivals, temperatures, seeds, strict=True))
         ]
         for r in requests:
             if not r.prompt or r.max_new_tokens < 1:
@@ -177,23 +228,25 @@ class EmulatedRuntime:
             self.cache_dtype,
         )
         try:
-            self._loop(requests, BlockManager(pool, max_blocks), stops)
+            self._loop(requests, BlockManager(pool, max_blocks), SamplingSlots(self.max_batch_size, self.block), stops)
         finally:
             pool.release()
         return [SequenceResult(r.prompt, r.output, r.acceptance, r.steps) for r in requests]
 
-    def _loop(self, requests: list[Request], blocks: BlockManager, stops: set[int]) -> None:
+    def _loop(self, requests: list[Request], blocks: BlockManager, slots: SamplingSlots, stops: set[int]) -> None:
         waiting = sorted(requests, key=lambda r: (r.arrival, r.index))
         active: list[Request] = []
         step = 0
         while waiting or active:
             while waiting and waiting[0].arrival <= step and len(active) < self.max_batch_size:
                 active.append(waiting.pop(0))
+                slots.join(active[-1])
             batch = self._schedule(active)
             if batch:
-                self._step(batch, blocks, stops)
+                self._step(batch, blocks, slots, stops)
                 for r in [r for r in active if r.finished]:
                     blocks.release(r.index)
+                    slots.leave(r)
                     active.remove(r)
             step += 1
 
@@ -214,12 +267,16 @@ class EmulatedRuntime:
             budget -= chunk
         return context + [(r, self.block) for r in generation]
 
-    def _step(self, batch: list[tuple[Request, int]], blocks: BlockManager, stops: set[int]) -> None:
+    def _step(
+        self, batch: list[tuple[Request, int]], blocks: BlockManager, slots: SamplingSlots, stops: set[int]
+    ) -> None:
         for r, rows in batch:
             # The target writes the step's rows, the draft pass a block right after the drafter context.
             end = r.prefilled + rows if not r.generating else r.anchor_position + rows
             blocks.ensure(r.index, end + self.block)
-        inputs = self._inputs(batch, blocks)
+            if r.generating:
+                slots.draw_validation(r)
+        inputs = self._inputs(batch, blocks, slots)
         network = Network(PluginConfig(tokens_per_block=self.tokens_per_block))
         with stand_ins_installed(), net_guard(network), torch.no_grad():
             self.model.forward(**inputs)
@@ -272,7 +329,7 @@ class EmulatedRuntime:
             r.finished = True
         return len(kept)
 
-    def _inputs(self, batch: list[tuple[Request, int]], blocks: BlockManager) -> dict[str, Any]:
+    def _inputs(self, batch: list[tuple[Request, int]], blocks: BlockManager, slots: SamplingSlots) -> dict[str, Any]:
         k, width = self.k, self.block
         ids: list[int] = []
         positions: list[int] = []
@@ -347,7 +404,7 @@ class EmulatedRuntime:
             max_context_length=max(ctx_lengths),
             host_request_types=_host_i32(types),
         )
-        zeros = torch.zeros(batch_size, dtype=torch.float32)
+        rows_of_slots = torch.tensor([r.slot for r, _ in batch])
         return {
             "input_ids": _i32(ids),
             "position_ids": _i32(positions),
@@ -358,13 +415,9 @@ class EmulatedRuntime:
             "spec_decoding_params": spec,
             "draft_tokens": Tensor(data=torch.tensor(draft_tokens, dtype=torch.int32).reshape(batch_size, k)),
             "draft_lens": _i32(draft_lens),
-            "eagle_temperature": Tensor(data=zeros.clone()),
-            "rand_data_validation": Tensor(data=torch.zeros(batch_size, width)),
-            "posterior_alpha": Tensor(data=zeros.clone()),
-            "posterior_threshold": Tensor(data=zeros.clone()),
-            "tree_params": TreeParams(paths=_i32(self.paths.expand(batch_size, width, width).clone())),
-            "greedy_sampling": _i32([1]),
-            "use_dynamic_tree": _i32([0]),
+            "eagle_temperature": Tensor(data=torch.tensor([r.temperature for r, _ in batch], dtype=torch.float32)),
+            "rand_data_validation": Tensor(data=slots.validation[rows_of_slots]),
+            "rand_data_sample": Tensor(data=slots.sample[rows_of_slots]),
             "host_gen_eagle_net_request_types": _host_i32([1] * batch_size),
             "host_gen_eagle_net_context_lengths": _host_i32(
                 [b + 1 if t else b for b, t in zip(bounds, types, strict=True)]
