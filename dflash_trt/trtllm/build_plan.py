@@ -354,7 +354,7 @@ def check_settings(facts: CheckpointFacts, settings: EngineBuildSettings) -> Non
     if settings.gemm_plugin not in GEMM_PLUGIN_CHOICES:
         raise DFlashTrtError(f"--gemm_plugin must be one of {', '.join(GEMM_PLUGIN_CHOICES)}")
     if settings.logits_dtype not in LOGITS_DTYPES:
-        raise DFlashTrtError("--logits_dtype must be float32 or float16 (the EAGLE accept plugin reads only these)")
+        raise DFlashTrtError("--logits_dtype must be float32 or float16 (the dtypes the in-graph verification is checked for)")
     if not 1 <= settings.max_batch_size <= MAX_EAGLE_BATCH_SIZE:
         raise DFlashTrtError(f"--max_batch_size must lie in [1, {MAX_EAGLE_BATCH_SIZE}] for EAGLE-mode engines")
     if k > MAX_EAGLE_DRAFT_LEN:
