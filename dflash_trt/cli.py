@@ -99,8 +99,11 @@ def _run(args: argparse.Namespace) -> int:
         print(f"dflash-trt {args.command}: error: {exc.strerror or exc}{where}", file=sys.stderr)
         return 2
     except MemoryError:
-        print(f"dflash-trt {args.command}: error: out of memory; ask for less (fewer or shorter prompts, fewer "
-              "new tokens, a smaller model)", file=sys.stderr)
+        print(
+            f"dflash-trt {args.command}: error: out of memory; ask for less (fewer or shorter prompts, fewer "
+            "new tokens, a smaller model)",
+            file=sys.stderr,
+        )
         return 2
 
 

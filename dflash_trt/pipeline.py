@@ -160,8 +160,13 @@ def engine_settings(profile: BuildProfile) -> EngineBuildSettings:
     return EngineBuildSettings(**profile.engine.model_dump(include=shared))
 
 
-def settings_from_profile(profile: BuildProfile, engine_dir: str | Path, tokenizer_dir: str | Path,
-                          plugin_library: str | Path, serving: ServingSettings | None = None) -> RepositorySettings:
+def settings_from_profile(
+    profile: BuildProfile,
+    engine_dir: str | Path,
+    tokenizer_dir: str | Path,
+    plugin_library: str | Path,
+    serving: ServingSettings | None = None,
+) -> RepositorySettings:
     """Settings for the engine a build profile will produce, so the repository can be reviewed before the build;
     `serving` replaces the profile's serving section (already validated overrides)."""
     eng = profile.engine
@@ -189,15 +194,27 @@ def quantization_kwargs(profile: BuildProfile, profile_path: Path) -> dict:
         return {}
     q = profile.quantization
     formats = {"qformat": q.qformat, "dflash_qformat": q.dflash_qformat, "kv_cache_dtype": q.kv_cache_dtype}
-    calibration = dict(zip(CALIBRATION_PARAMETERS, (str(dataset), q.calibration.size, q.calibration.max_seq_len),
-                           strict=True))
+    calibration = dict(
+        zip(CALIBRATION_PARAMETERS, (str(dataset), q.calibration.size, q.calibration.max_seq_len), strict=True)
+    )
     return {**formats, **calibration}
 
 
 def convert_command(profile: BuildProfile, target: str, draft: str, output: Path, quant: dict) -> str:
-    argv = ["dflash-trt", "convert", "--model_dir", target, "--dflash_model_dir", draft,
-            "--output_dir", str(output), "--dtype", profile.checkpoint.dtype,
-            "--tp_size", str(profile.checkpoint.tp_size)]
+    argv = [
+        "dflash-trt",
+        "convert",
+        "--model_dir",
+        target,
+        "--dflash_model_dir",
+        draft,
+        "--output_dir",
+        str(output),
+        "--dtype",
+        profile.checkpoint.dtype,
+        "--tp_size",
+        str(profile.checkpoint.tp_size),
+    ]
     for key, value in quant.items():
         argv += [f"--{key}", str(value)]
     return shlex.join(argv)
@@ -213,19 +230,31 @@ def planned_checkpoint_config(profile: BuildProfile, target: ModelSource, draft:
     target_spec = parse_target_config(target.config, target.path)
     draft_spec = parse_draft_config(draft.config, target_spec)
     q = profile.quantization
-    return checkpoint_config(target_spec, draft_spec, profile.checkpoint.dtype, profile.checkpoint.tp_size,
-                             quantization=quantization_config(q.qformat, q.kv_cache_dtype),
-                             draft_quantization=quantization_config(q.dflash_qformat, q.kv_cache_dtype))
+    return checkpoint_config(
+        target_spec,
+        draft_spec,
+        profile.checkpoint.dtype,
+        profile.checkpoint.tp_size,
+        quantization=quantization_config(q.qformat, q.kv_cache_dtype),
+        draft_quantization=quantization_config(q.dflash_qformat, q.kv_cache_dtype),
+    )
 
 
-def plan_engine(profile: BuildProfile, ws: Workspace, settings: EngineBuildSettings, target: ModelSource,
-                draft: ModelSource, plugin_library: str | None) -> EngineBuildPlan:
+def plan_engine(
+    profile: BuildProfile,
+    ws: Workspace,
+    settings: EngineBuildSettings,
+    target: ModelSource,
+    draft: ModelSource,
+    plugin_library: str | None,
+) -> EngineBuildPlan:
     """The engine build for the workspace's checkpoint; planned from the would-be config when it is not written yet.
     Weight files are not required here: the checkpoint stage's record decides whether they are complete, and the
     engine stage plans again, with them, right before it builds."""
     if (ws.checkpoint / "config.json").is_file():
-        return plan_engine_build(ws.checkpoint, ws.engine, settings, plugin_library=plugin_library,
-                                 require_weights=False)
+        return plan_engine_build(
+            ws.checkpoint, ws.engine, settings, plugin_library=plugin_library, require_weights=False
+        )
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(planned_checkpoint_config(profile, target, draft)))
         plan = plan_engine_build(tmp, ws.engine, settings, plugin_library=plugin_library, require_weights=False)
@@ -264,8 +293,13 @@ class PipelineInputs:
         return self.target.config is not None and self.draft.config is not None
 
 
-def _model_source(ref: str, revision: str | None, args: argparse.Namespace, recorded: Callable[[str], ModelSource],
-                  read_config: bool = True) -> ModelSource:
+def _model_source(
+    ref: str,
+    revision: str | None,
+    args: argparse.Namespace,
+    recorded: Callable[[str], ModelSource],
+    read_config: bool = True,
+) -> ModelSource:
     """The model's directory; in a dry run, an HF id that is not downloaded falls back to its recorded config."""
     cache = Path(args.hf_cache) if args.hf_cache else None
     dry_run = getattr(args, "dry_run", False)
@@ -295,8 +329,11 @@ def resolve_inputs(args: argparse.Namespace, settings_override: Callable | None 
 
     target = _model_source(m.target, m.target_revision, args, recorded)
     draft = _model_source(m.draft, m.draft_revision, args, recorded)
-    tokenizer = (_model_source(m.tokenizer, None, args, lambda ref: ModelSource(ref, None, None), read_config=False)
-                 if m.tokenizer else target)
+    tokenizer = (
+        _model_source(m.tokenizer, None, args, lambda ref: ModelSource(ref, None, None), read_config=False)
+        if m.tokenizer
+        else target
+    )
     if target.config is not None and draft.config is not None:
         # Strict types and values first: the profile checks read the raw configs.
         parse_draft_config(draft.config, parse_target_config(target.config, target.path))
@@ -309,9 +346,17 @@ def resolve_inputs(args: argparse.Namespace, settings_override: Callable | None 
         settings = settings_override(args, settings)
     ws = workspace(profile, args.output_dir)
     calibration = quantization_kwargs(profile, Path(args.config)).get("calib_dataset")
-    check_output_apart(ws.root, {"--config": args.config, "the target model": target.path, "the drafter": draft.path,
-                                 "the tokenizer": tokenizer.path, "the calibration dataset": calibration,
-                                 "--plugin_library": args.plugin_library})
+    check_output_apart(
+        ws.root,
+        {
+            "--config": args.config,
+            "the target model": target.path,
+            "the drafter": draft.path,
+            "the tokenizer": tokenizer.path,
+            "the calibration dataset": calibration,
+            "--plugin_library": args.plugin_library,
+        },
+    )
     return PipelineInputs(profile, Path(args.config), ws, target, draft, tokenizer, settings, args.plugin_library)
 
 
@@ -324,9 +369,11 @@ def offline_notes(inp: PipelineInputs) -> list[str]:
         if model.config is not None:
             notes.append(f"{role} {model.ref}: not downloaded; planned from its recorded config.json fields")
         elif model.unknown_reason is not None:
-            notes.append(f"{role} {model.ref}: not downloaded and its shapes are unknown ({model.unknown_reason}); "
-                         "head counts against tp_size, block size, memory, KV geometry, RoPE and max_seq_len are "
-                         "checked once its config.json is available")
+            notes.append(
+                f"{role} {model.ref}: not downloaded and its shapes are unknown ({model.unknown_reason}); "
+                "head counts against tp_size, block size, memory, KV geometry, RoPE and max_seq_len are "
+                "checked once its config.json is available"
+            )
         else:
             notes.append(f"{role} {model.ref}: not downloaded")
     return notes
@@ -337,17 +384,34 @@ def stages(inp: PipelineInputs) -> list[Stage]:
     reported from their outputs alone."""
     profile, ws = inp.profile, inp.ws
     quant = quantization_kwargs(profile, inp.profile_path)
-    ckpt_fp = fingerprint({
-        "stage": "checkpoint", "version": __version__,
-        "target": directory_fingerprint(inp.target.directory), "draft": directory_fingerprint(inp.draft.directory),
-        "checkpoint": profile.checkpoint.model_dump(), "quantization": quant,
-    }) if inp.local else None
+    ckpt_fp = (
+        fingerprint(
+            {
+                "stage": "checkpoint",
+                "version": __version__,
+                "target": directory_fingerprint(inp.target.directory),
+                "draft": directory_fingerprint(inp.draft.directory),
+                "checkpoint": profile.checkpoint.model_dump(),
+                "quantization": quant,
+            }
+        )
+        if inp.local
+        else None
+    )
 
     def run_checkpoint() -> None:
         from dflash_trt.conversion.convert import convert_checkpoint
 
-        convert_checkpoint(inp.target.directory, inp.draft.directory, ws.checkpoint, dtype=profile.checkpoint.dtype,
-                tp_size=profile.checkpoint.tp_size, overwrite=True, show_progress=True, **quant)
+        convert_checkpoint(
+            inp.target.directory,
+            inp.draft.directory,
+            ws.checkpoint,
+            dtype=profile.checkpoint.dtype,
+            tp_size=profile.checkpoint.tp_size,
+            overwrite=True,
+            show_progress=True,
+            **quant,
+        )
 
     if inp.configs_known:
         plan = plan_engine(profile, ws, inp.settings, inp.target, inp.draft, inp.plugin_library)
@@ -358,33 +422,64 @@ def stages(inp: PipelineInputs) -> list[Stage]:
         library = str(Path(inp.plugin_library or default_library_path()).absolute())
         build_argv = build_command(str(ws.checkpoint), str(ws.engine), profile.engine.max_draft_len, inp.settings)
         engine_command = f"{LIBRARY_ENV}={shlex.quote(library)} {shlex.join(build_argv)}"
-    engine_fp = fingerprint({"stage": "engine", "checkpoint": ckpt_fp, "settings": settings_dict(inp.settings),
-                             "command": build_argv}) if ckpt_fp else None
+    engine_fp = (
+        fingerprint(
+            {"stage": "engine", "checkpoint": ckpt_fp, "settings": settings_dict(inp.settings), "command": build_argv}
+        )
+        if ckpt_fp
+        else None
+    )
 
     def run_engine() -> None:
         from dflash_trt.trtllm.build import run_engine_build
 
-        run_engine_build(plan_engine_build(ws.checkpoint, ws.engine, inp.settings,
-                                           plugin_library=inp.plugin_library), overwrite=True)
+        run_engine_build(
+            plan_engine_build(ws.checkpoint, ws.engine, inp.settings, plugin_library=inp.plugin_library), overwrite=True
+        )
 
     from dflash_trt.triton.repository import write_repository
 
     repo_settings = settings_from_profile(profile, ws.engine, inp.tokenizer.shown, library)
-    triton_fp = fingerprint({"stage": "triton", "engine": engine_fp,
-                             "tokenizer": directory_fingerprint(inp.tokenizer.directory),
-                             "settings": dataclasses.asdict(repo_settings)}) if engine_fp else None
-    triton_command = shlex.join(["dflash-trt", "triton", "--engine_dir", str(ws.engine), "--tokenizer_dir",
-                                 inp.tokenizer.shown, "--output_dir", str(ws.triton)])
+    triton_fp = (
+        fingerprint(
+            {
+                "stage": "triton",
+                "engine": engine_fp,
+                "tokenizer": directory_fingerprint(inp.tokenizer.directory),
+                "settings": dataclasses.asdict(repo_settings),
+            }
+        )
+        if engine_fp
+        else None
+    )
+    triton_command = shlex.join(
+        [
+            "dflash-trt",
+            "triton",
+            "--engine_dir",
+            str(ws.engine),
+            "--tokenizer_dir",
+            inp.tokenizer.shown,
+            "--output_dir",
+            str(ws.triton),
+        ]
+    )
 
     def run_triton() -> None:
         from dflash_trt.triton.repository import settings_from_engine
 
-        write_repository(settings_from_engine(ws.engine, inp.tokenizer.directory, profile.serving), ws.triton,
-                         overwrite=True)
+        write_repository(
+            settings_from_engine(ws.engine, inp.tokenizer.directory, profile.serving), ws.triton, overwrite=True
+        )
 
     return [
-        Stage("checkpoint", ws.checkpoint, ckpt_fp,
-              convert_command(profile, inp.target.shown, inp.draft.shown, ws.checkpoint, quant), run_checkpoint),
+        Stage(
+            "checkpoint",
+            ws.checkpoint,
+            ckpt_fp,
+            convert_command(profile, inp.target.shown, inp.draft.shown, ws.checkpoint, quant),
+            run_checkpoint,
+        ),
         Stage("engine", ws.engine, engine_fp, engine_command, run_engine),
         Stage("triton", ws.triton, triton_fp, triton_command, run_triton),
     ]
@@ -397,8 +492,9 @@ def resume_command(inp: PipelineInputs) -> str:
     return shlex.join(argv)
 
 
-def run_pipeline(inp: PipelineInputs, *, dry_run: bool = False, gpu: bool | None = None,
-                 out=None) -> list[tuple[str, str]]:
+def run_pipeline(
+    inp: PipelineInputs, *, dry_run: bool = False, gpu: bool | None = None, out=None
+) -> list[tuple[str, str]]:
     """Run (or with dry_run, only report) every stage; returns (stage, outcome) pairs."""
     out = out or sys.stdout
     plan = stages(inp)
@@ -436,13 +532,20 @@ def run_pipeline(inp: PipelineInputs, *, dry_run: bool = False, gpu: bool | None
 
 def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags `dflash-trt build` gains for profile-driven builds."""
-    parser.add_argument("--config", default=None,
-                        help="build profile (build_configs/*/*.yaml): run checkpoint -> engine -> Triton repository; "
-                             "--output_dir is then the workspace (default out/<profile name>)")
-    parser.add_argument("--hf_cache", default=None, help="HF hub cache holding the profile's models "
-                                                         "(default: $HF_HUB_CACHE or ~/.cache/huggingface/hub)")
-    parser.add_argument("--download", action="store_true",
-                        help="download models missing from the HF cache (never done otherwise)")
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="build profile (build_configs/*/*.yaml): run checkpoint -> engine -> Triton repository; "
+        "--output_dir is then the workspace (default out/<profile name>)",
+    )
+    parser.add_argument(
+        "--hf_cache",
+        default=None,
+        help="HF hub cache holding the profile's models (default: $HF_HUB_CACHE or ~/.cache/huggingface/hub)",
+    )
+    parser.add_argument(
+        "--download", action="store_true", help="download models missing from the HF cache (never done otherwise)"
+    )
 
 
 def run_profile(args: argparse.Namespace, settings_override: Callable | None = None) -> int:
@@ -451,7 +554,10 @@ def run_profile(args: argparse.Namespace, settings_override: Callable | None = N
     inp = resolve_inputs(args, settings_override)
     outcomes = run_pipeline(inp, dry_run=args.dry_run)
     if ("engine", "needs gpu") in outcomes:
-        print("dflash-trt build: stopped before the engine: this host has no CUDA GPU with TensorRT-LLM 1.2.x; the "
-              "checkpoint is ready, finish with the command above on a GPU host", file=sys.stderr)
+        print(
+            "dflash-trt build: stopped before the engine: this host has no CUDA GPU with TensorRT-LLM 1.2.x; the "
+            "checkpoint is ready, finish with the command above on a GPU host",
+            file=sys.stderr,
+        )
         return STOPPED_BEFORE_ENGINE
     return 0

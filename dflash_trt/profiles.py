@@ -35,7 +35,6 @@ from dflash_trt.trtllm.build_plan import (
 MAX_WEIGHT_SHARE = 0.8
 
 
-
 def _one_of(choices: Sequence[str]) -> AfterValidator:
     """A field validator for a vocabulary defined elsewhere (formats, build_plan, perf.gpus), so it is spelled once."""
 
@@ -68,8 +67,9 @@ class ModelSources(_Strict):
     tokenizer: str | None = Field(default=None, description="defaults to the target")
     block_size: int = Field(ge=2, le=64, description="the drafter's trained block size, checked at build time")
     recorded_configs: str | None = Field(
-        default=None, description="YAML of config.json fields per HF id, for dry runs without the models; relative "
-                                  "to the profile")
+        default=None,
+        description="YAML of config.json fields per HF id, for dry runs without the models; relative to the profile",
+    )
 
     @property
     def tokenizer_source(self) -> str:

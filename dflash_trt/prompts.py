@@ -18,10 +18,26 @@ PROMPT_COLUMNS = ("text", "input_ids")
 # Per-request options other tools accept on a prompt line. Options here apply to a whole run, so a line carrying
 # one is refused: ignoring it would run something other than what the file asks for. Other keys (an id, a source)
 # are metadata and pass.
-PER_LINE_OPTIONS = frozenset({
-    "max_new_tokens", "max_tokens", "output_len", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-    "end_id", "ignore_eos", "block_size", "num_beams", "beam_width", "sampling_params", "logprobs",
-})
+PER_LINE_OPTIONS = frozenset(
+    {
+        "max_new_tokens",
+        "max_tokens",
+        "output_len",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "end_id",
+        "ignore_eos",
+        "block_size",
+        "num_beams",
+        "beam_width",
+        "sampling_params",
+        "logprobs",
+    }
+)
 
 
 def _jsonl_records(path: Path) -> Iterator[tuple[str, object]]:
@@ -68,8 +84,10 @@ def _dataset_records(path: Path) -> Iterator[tuple[str, object]]:
     data = _load_dataset_folder(path)
     columns = [c for c in PROMPT_COLUMNS if c in data.column_names]
     if not columns:
-        raise DFlashTrtError(f"prompt folder {path} has no {' or '.join(PROMPT_COLUMNS)} column "
-                             f"(columns: {', '.join(data.column_names)})")
+        raise DFlashTrtError(
+            f"prompt folder {path} has no {' or '.join(PROMPT_COLUMNS)} column "
+            f"(columns: {', '.join(data.column_names)})"
+        )
     for index, row in enumerate(data.select_columns(columns[:1])):
         yield f"{path}[{index}]", row
 
@@ -88,8 +106,9 @@ def read_prompts(path: str | Path, tokenizer=None, limit: int | None = None) -> 
             break
         if isinstance(record, dict) and PER_LINE_OPTIONS & set(record):
             option = sorted(PER_LINE_OPTIONS & set(record))[0]
-            raise DFlashTrtError(f"{where}: per-prompt option '{option}' is not supported; set it for the "
-                                 "whole run on the command line")
+            raise DFlashTrtError(
+                f"{where}: per-prompt option '{option}' is not supported; set it for the whole run on the command line"
+            )
         if isinstance(record, dict) and "input_ids" in record and "text" in record:
             raise DFlashTrtError(f"{where} gives both input_ids and text; keep one")
         if isinstance(record, dict) and isinstance(record.get("input_ids"), list):

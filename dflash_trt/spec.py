@@ -274,8 +274,9 @@ def _attention_dims(cfg: dict, what: str, default_head_dim: int | None) -> tuple
             f"{what} config: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
         )
     head_dim = cfg.get("head_dim")
-    head_dim = check_dimension(default_head_dim or hidden // heads if head_dim is None else head_dim, "head_dim", what,
-                               minimum=2)
+    head_dim = check_dimension(
+        default_head_dim or hidden // heads if head_dim is None else head_dim, "head_dim", what, minimum=2
+    )
     if head_dim % 2:
         raise DFlashTrtError(f"{what} config: 'head_dim' must be even for rotary embeddings, got {head_dim}")
     return hidden, heads, kv_heads, head_dim
@@ -293,8 +294,9 @@ def _parse_moe(cfg: dict, num_layers: int) -> MoeSpec:
     what = "target"
     count = cfg.get("num_experts", cfg.get("num_local_experts", 128))
     if "num_local_experts" in cfg and cfg["num_local_experts"] != count:
-        raise DFlashTrtError(f"{what} config: num_experts ({count}) and num_local_experts "
-                             f"({cfg['num_local_experts']}) disagree")
+        raise DFlashTrtError(
+            f"{what} config: num_experts ({count}) and num_local_experts ({cfg['num_local_experts']}) disagree"
+        )
     num_experts = check_dimension(count, "num_experts", what, minimum=2)
     top_k = check_dimension(cfg.get("num_experts_per_tok", 8), "num_experts_per_tok", what)
     if top_k > num_experts:
@@ -305,8 +307,9 @@ def _parse_moe(cfg: dict, num_layers: int) -> MoeSpec:
     if not isinstance(dense, list) or not all(
         isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in dense
     ):
-        raise DFlashTrtError(f"{what} config: 'mlp_only_layers' must list layer indices below {num_layers}, "
-                             f"got {dense!r}")
+        raise DFlashTrtError(
+            f"{what} config: 'mlp_only_layers' must list layer indices below {num_layers}, got {dense!r}"
+        )
     norm = cfg.get("norm_topk_prob", False)
     if not isinstance(norm, bool):
         raise DFlashTrtError(f"{what} config: 'norm_topk_prob' must be true or false, got {norm!r}")
@@ -314,8 +317,10 @@ def _parse_moe(cfg: dict, num_layers: int) -> MoeSpec:
         raise DFlashTrtError(f"{what} config: shared experts are not supported (Qwen3-MoE has none)")
     sparse = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
     if not sparse:
-        raise DFlashTrtError(f"{what} config: no layer is sparse (decoder_sparse_step / mlp_only_layers); "
-                             "convert it as a dense Qwen3ForCausalLM")
+        raise DFlashTrtError(
+            f"{what} config: no layer is sparse (decoder_sparse_step / mlp_only_layers); "
+            "convert it as a dense Qwen3ForCausalLM"
+        )
     return MoeSpec(num_experts, top_k, inter, norm, sparse)
 
 
@@ -421,8 +426,11 @@ def parse_draft_config(cfg: dict, target: TargetSpec) -> DraftSpec:
         raise DFlashTrtError(f"vocab mismatch: drafter vocab_size {vocab} != target vocab_size {target.vocab_size}")
     num_layers = _require_int(cfg, "num_hidden_layers", what)
     num_target_layers = cfg.get("num_target_layers")
-    num_target_layers = target.num_hidden_layers if num_target_layers is None else check_dimension(
-        num_target_layers, "num_target_layers", what)
+    num_target_layers = (
+        target.num_hidden_layers
+        if num_target_layers is None
+        else check_dimension(num_target_layers, "num_target_layers", what)
+    )
     taps = _draft_value(cfg, "target_layer_ids")
     if taps is None:
         taps = build_target_layer_ids(num_target_layers, num_layers)

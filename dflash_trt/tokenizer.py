@@ -24,5 +24,6 @@ def load_tokenizer(directory: str | Path):
         return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
     except Exception as exc:  # a third-party loader: all its failures mean "unusable tokenizer"
         detail = " ".join(str(exc).split())[:200] or type(exc).__name__
-        raise DFlashTrtError(f"the tokenizer in {directory} cannot be loaded (checkpoint code is never run): "
-                             f"{detail}") from None
+        raise DFlashTrtError(
+            f"the tokenizer in {directory} cannot be loaded (checkpoint code is never run): {detail}"
+        ) from None

@@ -39,10 +39,17 @@ from dflash_trt.checkpoint.safetensors_io import StreamingSafetensorsWriter
 from dflash_trt.spec import draft_tensor_shapes, load_draft_spec, load_target_spec, target_tensor_shapes
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_attention_heads=32, num_key_value_heads=8,
-                head_dim=128, vocab_size=151936)
-TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            vocab_size=256)
+QWEN3_4B = dict(
+    hidden_size=2560,
+    intermediate_size=9728,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+)
+TINY = dict(
+    hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256
+)
 
 # Runs in each child: samples /proc/self/status while doing one job, then prints the job's time and peaks.
 CHILD = r"""
@@ -113,24 +120,34 @@ def build_pair(root: Path, dims: dict, layers: int, draft_layers: int = 1) -> tu
     target_dir, draft_dir = root / "target", root / "draft"
     target_dir.mkdir(parents=True)
     draft_dir.mkdir()
-    target_cfg = Qwen3Config(**dims, num_hidden_layers=layers, tie_word_embeddings=False, torch_dtype="bfloat16",
-                             max_position_embeddings=40960, eos_token_id=1)
+    target_cfg = Qwen3Config(
+        **dims,
+        num_hidden_layers=layers,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+        max_position_embeddings=40960,
+        eos_token_id=1,
+    )
     target_cfg.architectures = ["Qwen3ForCausalLM"]
     target_cfg.save_pretrained(target_dir)
     draft_cfg = Qwen3Config(**dims, num_hidden_layers=draft_layers, max_position_embeddings=40960)
     draft_cfg.architectures = ["DFlashDraftModel"]
     draft_cfg.num_target_layers = layers
     draft_cfg.block_size = 16
-    draft_cfg.dflash_config = {"mask_token_id": dims["vocab_size"] - 1,
-                               "target_layer_ids": sorted({0, layers // 2, layers - 1})}
+    draft_cfg.dflash_config = {
+        "mask_token_id": dims["vocab_size"] - 1,
+        "target_layer_ids": sorted({0, layers // 2, layers - 1}),
+    }
     draft_cfg.save_pretrained(draft_dir)
 
     target = load_target_spec(target_dir)
     generator = torch.Generator().manual_seed(0)
     shapes = target_tensor_shapes(target)
     names = list(shapes)
-    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     total = 0
     weight_map = {}
     for file_name, members in shards.items():
@@ -156,8 +173,13 @@ def measure(job: str, args: dict, repeats: int, cleanup: Callable[[], None]) -> 
     best: dict = {}
     for _ in range(repeats):
         os.sync()  # no dirty pages of an earlier step may be flushed on this job's time
-        proc = subprocess.run([sys.executable, "-c", CHILD, job, json.dumps(args)], cwd=REPO_ROOT,
-                              capture_output=True, text=True, check=False)
+        proc = subprocess.run(
+            [sys.executable, "-c", CHILD, job, json.dumps(args)],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"{job} child failed ({proc.returncode}): {proc.stderr[-2000:]}")
         result = json.loads(proc.stdout.splitlines()[-1])
@@ -167,8 +189,19 @@ def measure(job: str, args: dict, repeats: int, cleanup: Callable[[], None]) -> 
 
 
 def convert_argv(target_dir: Path, draft_dir: Path, out: Path, tp: int) -> list[str]:
-    return ["convert", "--model_dir", str(target_dir), "--dflash_model_dir", str(draft_dir), "--output_dir",
-            str(out), "--tp_size", str(tp), "--dtype", "bfloat16"]
+    return [
+        "convert",
+        "--model_dir",
+        str(target_dir),
+        "--dflash_model_dir",
+        str(draft_dir),
+        "--output_dir",
+        str(out),
+        "--tp_size",
+        str(tp),
+        "--dtype",
+        "bfloat16",
+    ]
 
 
 def directory_bytes(directory: Path) -> int:
@@ -206,8 +239,9 @@ def _run(root: Path, layers: int, repeats: int) -> int:
         return lambda: shutil.rmtree(path) if path.is_dir() else path.unlink()
 
     tiny_out = root / "tiny_out"
-    results["baseline"] = measure("convert", {"argv": convert_argv(tiny_target, tiny_draft, tiny_out, 1)}, repeats,
-                                  remove(tiny_out))
+    results["baseline"] = measure(
+        "convert", {"argv": convert_argv(tiny_target, tiny_draft, tiny_out, 1)}, repeats, remove(tiny_out)
+    )
     written = {}
     for tp in (1, 8):
         out = root / f"tp{tp}"
@@ -216,8 +250,9 @@ def _run(root: Path, layers: int, repeats: int) -> int:
             written[tp] = directory_bytes(out)
             shutil.rmtree(out)
 
-        results[f"tp{tp}"] = measure("convert", {"argv": convert_argv(target_dir, draft_dir, out, tp)}, repeats,
-                                     cleanup)
+        results[f"tp{tp}"] = measure(
+            "convert", {"argv": convert_argv(target_dir, draft_dir, out, tp)}, repeats, cleanup
+        )
     copy_dir = root / "copy"
 
     def fresh_copy_dir() -> None:
@@ -227,8 +262,9 @@ def _run(root: Path, layers: int, repeats: int) -> int:
     fresh_copy_dir()
     results["copy"] = measure("copy", {"files": inputs, "out": str(copy_dir)}, repeats, fresh_copy_dir)
     naive_out = root / "naive.safetensors"
-    results["naive"] = measure("naive", {"files": inputs, "out": str(naive_out), "layers": layers}, repeats,
-                               remove(naive_out))
+    results["naive"] = measure(
+        "naive", {"files": inputs, "out": str(naive_out), "layers": layers}, repeats, remove(naive_out)
+    )
 
     base = results["baseline"]
     for name, r in results.items():
@@ -237,9 +273,12 @@ def _run(root: Path, layers: int, repeats: int) -> int:
         if name != "baseline":  # the baseline converts a tiny pair, not the checkpoint
             r["gb_per_s"] = size / r["seconds"] / 1e9
         rate = f"{r['gb_per_s']:5.2f} GB/s" if "gb_per_s" in r else "       -  "
-        print(f"{name:9s} {r['seconds']:7.2f} s  {rate}  peak RSS {_gib(r['peak_rss'])} "
-              f"(+{_gib(r['rss_above_baseline'])} over baseline; peak anon {_gib(r['RssAnon'])}, "
-              f"peak file-mapped {_gib(r['RssFile'])})", flush=True)
+        print(
+            f"{name:9s} {r['seconds']:7.2f} s  {rate}  peak RSS {_gib(r['peak_rss'])} "
+            f"(+{_gib(r['rss_above_baseline'])} over baseline; peak anon {_gib(r['RssAnon'])}, "
+            f"peak file-mapped {_gib(r['RssFile'])})",
+            flush=True,
+        )
 
     def fraction(name: str, key: str) -> float:
         return round(results[name][key] / size, 4)
@@ -256,13 +295,18 @@ def _run(root: Path, layers: int, repeats: int) -> int:
         "convert_tp1_throughput_vs_copy": speed("tp1"),
         "convert_tp8_throughput_vs_copy": speed("tp8"),
         # tp 8 writes the replicated embedding and norms 8 times: its write rate against the copy's.
-        "convert_tp8_bytes_written_per_s_vs_copy": round(written[8] / results["tp8"]["seconds"]
-                                                         / (size / results["copy"]["seconds"]), 4),
+        "convert_tp8_bytes_written_per_s_vs_copy": round(
+            written[8] / results["tp8"]["seconds"] / (size / results["copy"]["seconds"]), 4
+        ),
         "naive_throughput_vs_copy": speed("naive"),
     }
     details = {
-        "checkpoint_bytes": size, "target_layers": layers, "repeats": repeats, "cpu_threads": torch.get_num_threads(),
-        "tp1_bytes_written": written[1], "tp8_bytes_written": written[8],
+        "checkpoint_bytes": size,
+        "target_layers": layers,
+        "repeats": repeats,
+        "cpu_threads": torch.get_num_threads(),
+        "tp1_bytes_written": written[1],
+        "tp8_bytes_written": written[8],
         **{name: {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for name, r in results.items()},
     }
     print(json.dumps({"name": "convert", "ratios": ratios, "details": details}))

@@ -55,8 +55,11 @@ def main() -> int:
             print("speculative output differs from target-only output", file=sys.stderr)
             return 1
         ratios[f"dflash_tok_s_vs_target_only_tok_s_batch{batch}"] = round(spec_rate / ar_rate, 3)
-        details[f"batch{batch}"] = {"dflash_tok_s": round(spec_rate, 1), "target_only_tok_s": round(ar_rate, 1),
-                                    "mean_acceptance_length": round(mean_acceptance_length(spec), 3)}
+        details[f"batch{batch}"] = {
+            "dflash_tok_s": round(spec_rate, 1),
+            "target_only_tok_s": round(ar_rate, 1),
+            "mean_acceptance_length": round(mean_acceptance_length(spec), 3),
+        }
     print(json.dumps({"name": "decode", "ratios": ratios, "details": details}))
     return 0
 

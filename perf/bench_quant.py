@@ -103,8 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=4096)
     parser.add_argument("--cols", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, nargs="+", default=None,
-                        help="torch intra-op thread counts to measure (default: 1 and torch's default)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=None,
+        help="torch intra-op thread counts to measure (default: 1 and torch's default)",
+    )
     parser.add_argument("--json", action="store_true", help="print only the final JSON line")
     args = parser.parse_args(argv)
     thread_counts = args.threads or sorted({1, torch.get_num_threads()})
@@ -122,8 +127,15 @@ def main(argv: list[str] | None = None) -> int:
             )
     # Last line: the perf/bench_all.py protocol (ratios of ours over modelopt, same run, same machine).
     ratios = {f"{r['format']}_gb_s_vs_modelopt_gb_s_{r['threads']}thread": r["speedup"] for r in results}
-    print(json.dumps({"name": "quant", "ratios": ratios,
-                      "details": {"load_average_1min": os.getloadavg()[0], "results": results}}))
+    print(
+        json.dumps(
+            {
+                "name": "quant",
+                "ratios": ratios,
+                "details": {"load_average_1min": os.getloadavg()[0], "results": results},
+            }
+        )
+    )
     return 0 if all(r["identical"] for r in results) else 1
 
 

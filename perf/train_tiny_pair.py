@@ -1,6 +1,6 @@
 """Train the embedded tiny target + DFlash drafter pair on the CPU (25-40 minutes, one core).
 
-    nice -n 10 python perf/train_tiny_pair.py --output_dir dflash_trt/assets/tiny_pair
+nice -n 10 python perf/train_tiny_pair.py --output_dir dflash_trt/assets/tiny_pair
 """
 
 from __future__ import annotations

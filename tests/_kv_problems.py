@@ -20,9 +20,19 @@ ROPES = {
 
 
 def paged_problem(
-    gen: torch.Generator, seq_slots: torch.Tensor, positions: torch.Tensor, seqs: int, max_blocks: int,
-    heads: int, head_dim: int, layers: int, tpb: int, cache_dtype: torch.dtype, secondary: bool,
-    first_layer: int, spare_blocks: int,
+    gen: torch.Generator,
+    seq_slots: torch.Tensor,
+    positions: torch.Tensor,
+    seqs: int,
+    max_blocks: int,
+    heads: int,
+    head_dim: int,
+    layers: int,
+    tpb: int,
+    cache_dtype: torch.dtype,
+    secondary: bool,
+    first_layer: int,
+    spare_blocks: int,
 ):
     """Block table (int32, as the attention plugin gets it), layout and a random pool for the given destinations."""
     layers_in_pool = layers + first_layer

@@ -51,8 +51,14 @@ class PairVariant:
     seed: int = 0
     # qwen3_moe only: Qwen3MoeConfig keys (num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob,
     # mlp_only_layers, decoder_sparse_step)
-    moe: dict = field(default_factory=lambda: {"num_experts": 4, "num_experts_per_tok": 2,
-                                               "moe_intermediate_size": 32, "norm_topk_prob": True})
+    moe: dict = field(
+        default_factory=lambda: {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+        }
+    )
 
 
 def _randomize(model: torch.nn.Module, std: float, seed: int) -> None:
@@ -68,9 +74,17 @@ def _randomize(model: torch.nn.Module, std: float, seed: int) -> None:
 
 def make_target(path: Path, v: PairVariant) -> torch.nn.Module:
     common = dict(
-        vocab_size=v.vocab, hidden_size=v.hidden, intermediate_size=v.intermediate, num_hidden_layers=v.layers,
-        num_attention_heads=v.heads, num_key_value_heads=v.kv_heads, head_dim=v.head_dim,
-        max_position_embeddings=512, tie_word_embeddings=v.tie, attention_bias=v.target_bias, eos_token_id=1,
+        vocab_size=v.vocab,
+        hidden_size=v.hidden,
+        intermediate_size=v.intermediate,
+        num_hidden_layers=v.layers,
+        num_attention_heads=v.heads,
+        num_key_value_heads=v.kv_heads,
+        head_dim=v.head_dim,
+        max_position_embeddings=512,
+        tie_word_embeddings=v.tie,
+        attention_bias=v.target_bias,
+        eos_token_id=1,
         bos_token_id=0,
     )
     if v.rope:
@@ -93,9 +107,15 @@ def make_target(path: Path, v: PairVariant) -> torch.nn.Module:
 
 def make_draft(path: Path, v: PairVariant) -> DFlashDraftModel:
     kwargs = dict(
-        vocab_size=v.vocab, hidden_size=v.hidden, intermediate_size=v.draft_intermediate,
-        num_hidden_layers=v.draft_layers, num_attention_heads=v.draft_heads, num_key_value_heads=v.draft_kv_heads,
-        head_dim=v.draft_head_dim, max_position_embeddings=512, attention_bias=v.draft_bias,
+        vocab_size=v.vocab,
+        hidden_size=v.hidden,
+        intermediate_size=v.draft_intermediate,
+        num_hidden_layers=v.draft_layers,
+        num_attention_heads=v.draft_heads,
+        num_key_value_heads=v.draft_kv_heads,
+        head_dim=v.draft_head_dim,
+        max_position_embeddings=512,
+        attention_bias=v.draft_bias,
     )
     if v.rope:
         kwargs["rope_parameters"] = v.rope

@@ -104,12 +104,18 @@ def test_nan_weight_refused_and_nothing_written(biased_pair, tmp_path, edited_co
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda t: t.pop("layers.1.self_attn.q_norm.weight"), "drafter checkpoint is missing tensor "
-                                                              "'layers.1.self_attn.q_norm.weight'"),
-        (lambda t: t.update({"layers.9.mlp.up_proj.weight": torch.zeros(2)}),
-         "drafter checkpoint has unexpected tensor 'layers.9.mlp.up_proj.weight'"),
-        (lambda t: t.update({"fc.weight": torch.zeros(64, 64)}),
-         r"drafter tensor 'fc.weight' has shape \(64, 64\), expected \(64, 128\)"),
+        (
+            lambda t: t.pop("layers.1.self_attn.q_norm.weight"),
+            "drafter checkpoint is missing tensor 'layers.1.self_attn.q_norm.weight'",
+        ),
+        (
+            lambda t: t.update({"layers.9.mlp.up_proj.weight": torch.zeros(2)}),
+            "drafter checkpoint has unexpected tensor 'layers.9.mlp.up_proj.weight'",
+        ),
+        (
+            lambda t: t.update({"fc.weight": torch.zeros(64, 64)}),
+            r"drafter tensor 'fc.weight' has shape \(64, 64\), expected \(64, 128\)",
+        ),
     ],
 )
 def test_tensor_set_mismatches_are_refused(biased_pair, tmp_path, edited_copy, edit, message):
@@ -128,12 +134,35 @@ def test_tensor_set_mismatches_are_refused(biased_pair, tmp_path, edited_copy, e
 
 def test_cli_errors_are_one_line_and_exit_2(biased_pair, tmp_path, capsys):
     target_dir, draft_dir = biased_pair
-    code = main(["convert", "--model_dir", str(draft_dir), "--dflash_model_dir", str(draft_dir),
-                 "--output_dir", str(tmp_path / "x")])
+    code = main(
+        [
+            "convert",
+            "--model_dir",
+            str(draft_dir),
+            "--dflash_model_dir",
+            str(draft_dir),
+            "--output_dir",
+            str(tmp_path / "x"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "target architecture 'DFlashDraftModel' is not supported" in err
-    assert main(["convert", "--model_dir", str(target_dir), "--dflash_model_dir", str(draft_dir),
-                 "--output_dir", str(tmp_path / "x"), "--pp_size", "2"]) == 2
+    assert (
+        main(
+            [
+                "convert",
+                "--model_dir",
+                str(target_dir),
+                "--dflash_model_dir",
+                str(draft_dir),
+                "--output_dir",
+                str(tmp_path / "x"),
+                "--pp_size",
+                "2",
+            ]
+        )
+        == 2
+    )
     assert "pp_size > 1 is not supported" in capsys.readouterr().err
 
 
@@ -142,14 +171,30 @@ def test_verify_passes_then_catches_tampering(biased_pair, tmp_path, capsys):
 
     target_dir, draft_dir = biased_pair
     ckpt = tmp_path / "ckpt"
-    assert main(["convert", "--model_dir", str(target_dir), "--dflash_model_dir", str(draft_dir),
-                 "--output_dir", str(ckpt), "--dtype", "float16", "--json"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "--model_dir",
+                str(target_dir),
+                "--dflash_model_dir",
+                str(draft_dir),
+                "--output_dir",
+                str(ckpt),
+                "--dtype",
+                "float16",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["tensors_per_rank"] > 0
     assert verify_checkpoint(ckpt, target_dir, draft_dir).ok
     tensors = load_file(ckpt / "rank0.safetensors")
     tensors[names.DRAFT_HIDDEN_NORM][0] += 1
     (ckpt / "rank0.safetensors").unlink()
     save_file(tensors, ckpt / "rank0.safetensors")
-    code = main(["verify", "--checkpoint_dir", str(ckpt), "--model_dir", str(target_dir),
-                 "--dflash_model_dir", str(draft_dir)])
+    code = main(
+        ["verify", "--checkpoint_dir", str(ckpt), "--model_dir", str(target_dir), "--dflash_model_dir", str(draft_dir)]
+    )
     assert code == 1 and "dflash.hidden_norm.weight' differs from its source" in capsys.readouterr().out

@@ -28,8 +28,20 @@ from dflash_trt.conversion.verify import verify_checkpoint
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 # Large enough that writing 8 bf16 rank files takes far longer than the poll interval below (~70 MB of float32).
-BIG = PairVariant(vocab=4096, hidden=256, intermediate=1024, layers=16, heads=8, kv_heads=2, head_dim=32,
-                  draft_heads=8, draft_kv_heads=2, draft_head_dim=32, draft_intermediate=512, taps=[1, 8, 14])
+BIG = PairVariant(
+    vocab=4096,
+    hidden=256,
+    intermediate=1024,
+    layers=16,
+    heads=8,
+    kv_heads=2,
+    head_dim=32,
+    draft_heads=8,
+    draft_kv_heads=2,
+    draft_head_dim=32,
+    draft_intermediate=512,
+    taps=[1, 8, 14],
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,15 +55,24 @@ def small_pair(tmp_path_factory):
 
 
 def _convert_args(target_dir: Path, draft_dir: Path, out: Path, *extra: str) -> list[str]:
-    return ["convert", "--model_dir", str(target_dir), "--dflash_model_dir", str(draft_dir), "--output_dir", str(out),
-            *extra]
+    return [
+        "convert",
+        "--model_dir",
+        str(target_dir),
+        "--dflash_model_dir",
+        str(draft_dir),
+        "--output_dir",
+        str(out),
+        *extra,
+    ]
 
 
 def _snapshot(directory: Path) -> dict[str, tuple[str, int]]:
     """name -> (sha256, mtime_ns) of every file under `directory`."""
     return {
         str(p.relative_to(directory)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
-        for p in sorted(directory.rglob("*")) if p.is_file()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
     }
 
 
@@ -85,8 +106,20 @@ def test_sigkill_mid_write_leaves_nothing_under_the_output_name(big_pair, tmp_pa
     assert not staging.exists() and not _partials(out)
     assert sorted(p.name for p in out.glob("rank*.safetensors")) == [f"rank{r}.safetensors" for r in range(8)]
     capsys.readouterr()
-    assert main(["verify", "--checkpoint_dir", str(out), "--model_dir", str(target_dir),
-                 "--dflash_model_dir", str(draft_dir)]) == 0
+    assert (
+        main(
+            [
+                "verify",
+                "--checkpoint_dir",
+                str(out),
+                "--model_dir",
+                str(target_dir),
+                "--dflash_model_dir",
+                str(draft_dir),
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.startswith("OK: ")
 
 

@@ -121,8 +121,10 @@ def _shard(t: Path, duplicate: str | None = None, shard_name_of: Callable[[str],
     """Split the target's weights into two shard files plus an index, optionally storing one tensor twice."""
     header, data = _read(t / WEIGHTS)
     names = _by_offset(header)
-    halves = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
+    halves = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     if duplicate is not None:
         halves["model-00001-of-00002.safetensors"].append(duplicate)
         halves["model-00002-of-00002.safetensors"].append(duplicate)
@@ -179,25 +181,46 @@ CASES = {
     "absurd header length": (_header_length(2**63 + 5), [], r"header, above the 104857600-byte limit"),
     "overlapping offsets": (_overlap, [], r"overlaps the tensor stored before it"),
     "out-of-range offsets": (_out_of_range, [], r"model\.safetensors: 1099511627776 unreferenced bytes precede"),
-    "integer dtype": (_retype("model.layers.0.mlp.down_proj.weight", "I32"), [],
-                      r"target tensor 'model\.layers\.0\.mlp\.down_proj\.weight' has dtype torch\.int32"),
-    "dtype with another size": (_retype("model.norm.weight", "F16"), [],
-                                r"'model\.norm\.weight' \(F16 \[64\]\) needs 128 bytes but its data_offsets span 256"),
-    "shape against config": (_reshape, [],
-                             r"target tensor 'model\.layers\.3\.mlp\.up_proj\.weight' has shape \(64, 96\), "
-                             r"expected \(96, 64\)"),
-    "NaN in a target weight": (_poke("target", "model.layers.1.self_attn.k_proj.weight", 77, math.nan), [],
-                               r"target tensor 'model\.layers\.1\.self_attn\.k_proj\.weight' contains NaN or Inf"),
-    "Inf in a drafter weight": (_poke("draft", "layers.1.mlp.down_proj.weight", 5, math.inf), ["--tp_size", "2"],
-                                r"drafter tensor 'layers\.1\.mlp\.down_proj\.weight' contains NaN or Inf"),
-    "-Inf in lm_head at tp 2": (_poke("target", "lm_head.weight", 96 * 64 - 1, -math.inf), ["--tp_size", "2"],
-                                r"target tensor 'lm_head\.weight' contains NaN or Inf"),
+    "integer dtype": (
+        _retype("model.layers.0.mlp.down_proj.weight", "I32"),
+        [],
+        r"target tensor 'model\.layers\.0\.mlp\.down_proj\.weight' has dtype torch\.int32",
+    ),
+    "dtype with another size": (
+        _retype("model.norm.weight", "F16"),
+        [],
+        r"'model\.norm\.weight' \(F16 \[64\]\) needs 128 bytes but its data_offsets span 256",
+    ),
+    "shape against config": (
+        _reshape,
+        [],
+        r"target tensor 'model\.layers\.3\.mlp\.up_proj\.weight' has shape \(64, 96\), "
+        r"expected \(96, 64\)",
+    ),
+    "NaN in a target weight": (
+        _poke("target", "model.layers.1.self_attn.k_proj.weight", 77, math.nan),
+        [],
+        r"target tensor 'model\.layers\.1\.self_attn\.k_proj\.weight' contains NaN or Inf",
+    ),
+    "Inf in a drafter weight": (
+        _poke("draft", "layers.1.mlp.down_proj.weight", 5, math.inf),
+        ["--tp_size", "2"],
+        r"drafter tensor 'layers\.1\.mlp\.down_proj\.weight' contains NaN or Inf",
+    ),
+    "-Inf in lm_head at tp 2": (
+        _poke("target", "lm_head.weight", 96 * 64 - 1, -math.inf),
+        ["--tp_size", "2"],
+        r"target tensor 'lm_head\.weight' contains NaN or Inf",
+    ),
     "duplicate across shards": (_duplicate_across_shards, [], r"tensor 'model\.norm\.weight' is stored twice"),
     "shard outside the directory": (_shard_outside_the_directory, [], r"which is not a file name in that directory"),
     "tensor name escaping upward": (_extra_tensor("../x"), [], r"drafter checkpoint has unexpected tensor '\.\./x'"),
     "tensor name with an absolute path": (_extra_tensor("/tmp/x/../../etc/x"), [], r"unexpected tensor '/tmp/x/"),
-    "tensor name with a newline": (_extra_tensor("../y\nTraceback (most recent call last):"), [],
-                                   r"unexpected tensor '\.\./y\\nTraceback"),
+    "tensor name with a newline": (
+        _extra_tensor("../y\nTraceback (most recent call last):"),
+        [],
+        r"unexpected tensor '\.\./y\\nTraceback",
+    ),
     "pickle-only weights": (_pickle_only, [], r"only pickle weights \(pytorch_model\.bin\).*never loaded"),
 }
 
@@ -211,8 +234,9 @@ def _run_convert(target: Path, draft: Path, out: Path, extra: list[str]) -> tupl
     """Exit code and stderr of `dflash-trt convert`; any exception other than a refusal escapes and fails the test."""
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
-        code = main(["convert", "--model_dir", str(target), "--dflash_model_dir", str(draft),
-                     "--output_dir", str(out), *extra])
+        code = main(
+            ["convert", "--model_dir", str(target), "--dflash_model_dir", str(draft), "--output_dir", str(out), *extra]
+        )
     return code, stderr.getvalue()
 
 

@@ -55,8 +55,14 @@ def test_prequantized_target_is_carried_over(prequantized_inputs, tmp_path, qfor
     convert_checkpoint(exported, draft_dir, ckpt, dtype="bfloat16", calib_dataset=calib, calib_size=8)
     stored = load_file(ckpt / "rank0.safetensors")
     source = load_file(exported / "model.safetensors")
-    parts = [{k.split(f"model.layers.1.self_attn.{p}_proj.")[1]: v for k, v in source.items()
-              if k.startswith(f"model.layers.1.self_attn.{p}_proj.")} for p in "qkv"]
+    parts = [
+        {
+            k.split(f"model.layers.1.self_attn.{p}_proj.")[1]: v
+            for k, v in source.items()
+            if k.startswith(f"model.layers.1.self_attn.{p}_proj.")
+        }
+        for p in "qkv"
+    ]
     fused = fuse_prequantized(parts, qformat)
     prefix = f"{names.target_layer(1)}.{names.QKV}"
     for leaf, tensor in fused.items():

@@ -107,7 +107,20 @@ def test_quantization_refusals(calibrated_pair, tmp_path, capsys):
     odd_target, odd_draft = make_pair(tmp_path / "odd", PairVariant(intermediate=128, draft_intermediate=96))
     with pytest.raises(DFlashTrtError, match="96 in-features to split into whole blocks of 16 per rank"):
         convert_checkpoint(odd_target, odd_draft, tmp_path / "b", qformat="nvfp4", tp_size=4, calib_dataset=calib)
-    code = main(["convert", "--model_dir", str(target_dir), "--dflash_model_dir", str(draft_dir), "--output_dir",
-                 str(tmp_path / "c"), "--qformat", "fp8", "--calib_dataset", str(tmp_path / "missing.jsonl")])
+    code = main(
+        [
+            "convert",
+            "--model_dir",
+            str(target_dir),
+            "--dflash_model_dir",
+            str(draft_dir),
+            "--output_dir",
+            str(tmp_path / "c"),
+            "--qformat",
+            "fp8",
+            "--calib_dataset",
+            str(tmp_path / "missing.jsonl"),
+        ]
+    )
     assert code == 2 and "missing.jsonl does not exist" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["odd"]

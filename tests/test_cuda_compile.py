@@ -75,8 +75,13 @@ def test_python_fields_match_plugin_sources() -> None:
     header = (PLUGINS / "src" / "kvInjectionPlugin.h").read_text()
     cpp_fields = re.findall(r'kField\w+ = "(\w+)"', source)
     geometry = plugin.KVInjectionGeometry(
-        num_layers=1, num_kv_heads=1, head_dim=64, layer_idx_offset=0, tokens_per_block=32,
-        rope=RopeConfig(64, 10000.0), eps=1e-6,
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=64,
+        layer_idx_offset=0,
+        tokens_per_block=32,
+        rope=RopeConfig(64, 10000.0),
+        eps=1e-6,
     )
     py_fields = plugin.plugin_fields(geometry, type_id=7, cache_fp8=False)
     assert [name for name, _, _ in py_fields] == cpp_fields
@@ -131,9 +136,17 @@ def test_plugin_fields_carry_the_rope_table_and_refuse_bad_geometry() -> None:
     from dflash_trt.rope import inv_freq_and_scale
 
     rope = RopeConfig(128, 1_000_000.0, "yarn", factor=4.0, original_max_position_embeddings=32768)
+
     def fields_of(head_dim: int, tokens_per_block: int) -> list:
-        geometry = plugin.KVInjectionGeometry(num_layers=2, num_kv_heads=8, head_dim=head_dim, layer_idx_offset=36,
-                                              tokens_per_block=tokens_per_block, rope=rope, eps=1e-6)
+        geometry = plugin.KVInjectionGeometry(
+            num_layers=2,
+            num_kv_heads=8,
+            head_dim=head_dim,
+            layer_idx_offset=36,
+            tokens_per_block=tokens_per_block,
+            rope=rope,
+            eps=1e-6,
+        )
         return plugin.plugin_fields(geometry, type_id=7, cache_fp8=True)
 
     fields = {name: value for name, value, _ in fields_of(128, 64)}

@@ -34,7 +34,8 @@ def test_demo_runs_the_whole_cpu_job(tmp_path, capsys):
     assert report["build_command"].startswith("trtllm-build --checkpoint_dir")
     sweep = report["sweep"]  # the load generator's sweep on the same pair: DFlash vs the target alone
     assert {(p["engine"], p["concurrency"]) for p in sweep["points"]} == {
-        (e, c) for e in ("dflash", "ar") for c in (1, 2, 4)}
+        (e, c) for e in ("dflash", "ar") for c in (1, 2, 4)
+    }
     assert sweep["dflash_vs_ar_c1"] > 1.0
     assert (out / "sweep" / "pareto.png").is_file() and (out / "sweep" / "results.json").is_file()
     config = (out / "triton_repository" / "tensorrt_llm" / "config.pbtxt").read_text()
@@ -86,7 +87,7 @@ def test_golden_model_matches_dflash_generate_on_the_trained_pair(tiny_checkpoin
     drafter = reference.DFlashDraftModel.from_pretrained(draft_dir(), dtype=torch.float32).eval()
     for prompt, result in zip(prompts[:4], ours, strict=True):
         stats = reference.dflash_generate(drafter, target, torch.tensor([prompt]), 48, stops, return_stats=True)
-        assert result.output_ids == stats.output_ids[0, len(prompt):].tolist()
+        assert result.output_ids == stats.output_ids[0, len(prompt) :].tolist()
         assert result.acceptance_lengths == stats.acceptance_lengths
     assert mean_acceptance_length(ours) >= 4.0
 
@@ -96,8 +97,21 @@ def test_generate_cli_takes_text_prompts_with_the_checkpoint_tokenizer(tiny_chec
     heldout = load_heldout(limit=2)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"text": p.text}) + "\n" for p in heldout))
-    assert main(["generate", "--checkpoint_dir", str(checkpoint), "--input_file", str(prompts),
-                 "--max_new_tokens", "64", "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--checkpoint_dir",
+                str(checkpoint),
+                "--input_file",
+                str(prompts),
+                "--max_new_tokens",
+                "64",
+                "--json",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     for record, prompt in zip(report["sequences"], heldout, strict=True):
         assert f"ans {prompt.answer}" in record["output_text"]

@@ -237,6 +237,7 @@ def test_a_missing_passthrough_ordering_is_caught(engine, monkeypatch, tiny, tin
 
 # ------------------------------------------------------------------ sampled verification (docs/engine.md §6)
 
+
 @pytest.fixture(scope="module")
 def random_pair(tmp_path_factory) -> Path:
     variant, _ = VARIANTS["qwen3-gqa-b8"]

@@ -182,7 +182,8 @@ def test_refuses_drafter_quantized_unlike_the_target(tmp_path: Path):
     with pytest.raises(DFlashTrtError, match=r"one engine applies one quantization"):
         plan_engine_build(root, tmp_path / "e", EngineBuildSettings())
     (root / "config.json").write_text(
-        json.dumps(checkpoint_config(target, draft, "bfloat16", quantization=fp8, draft_quantization=fp8)))
+        json.dumps(checkpoint_config(target, draft, "bfloat16", quantization=fp8, draft_quantization=fp8))
+    )
     plan = plan_engine_build(root, tmp_path / "e", EngineBuildSettings(use_fp8_context_fmha=True))
     assert plan.dflash_manifest["quant_algo"] == "FP8" and plan.dflash_manifest["kv_cache_quant_algo"] == "FP8"
 
@@ -192,19 +193,29 @@ def test_refuses_drafter_quantized_unlike_the_target(tmp_path: Path):
 # golden model reads; None-valued parameters must be absent, since `.get(key, default)` returns a present None.
 ROPE_KEYS = {
     "linear": ({"rope_type": "linear", "factor": 2.0}, {"type", "factor"}),
-    "llama3": ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192},
-               {"type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
-    "yarn": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
-             {"type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate"}),
+    "llama3": (
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        {"type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+    ),
+    "yarn": (
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+        {"type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate"},
+    ),
 }
 
 
 @pytest.mark.parametrize("rope_type", sorted(ROPE_KEYS))
 def test_rotary_scaling_carries_only_the_keys_its_type_uses(tmp_path: Path, rope_type: str):
     scaling, keys = ROPE_KEYS[rope_type]
-    ckpt = write_checkpoint(tmp_path / "c", {**TARGET_HF, "rope_scaling": scaling},
-                            {**DRAFT_HF, "rope_scaling": scaling})
+    ckpt = write_checkpoint(
+        tmp_path / "c", {**TARGET_HF, "rope_scaling": scaling}, {**DRAFT_HF, "rope_scaling": scaling}
+    )
     config = json.loads((ckpt / "config.json").read_text())
     for rotary in (config["rotary_scaling"], config["dflash_config"]["rotary_scaling"]):
         assert set(rotary) == keys and None not in rotary.values()
@@ -216,8 +227,9 @@ def test_rotary_scaling_carries_only_the_keys_its_type_uses(tmp_path: Path, rope
 
 def test_refuses_yarn_parameters_trtllm_does_not_read(tmp_path: Path):
     scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "attention_factor": 1.2}
-    ckpt = write_checkpoint(tmp_path / "c", {**TARGET_HF, "rope_scaling": scaling},
-                            {**DRAFT_HF, "rope_scaling": scaling})
+    ckpt = write_checkpoint(
+        tmp_path / "c", {**TARGET_HF, "rope_scaling": scaling}, {**DRAFT_HF, "rope_scaling": scaling}
+    )
     assert json.loads((ckpt / "config.json").read_text())["rotary_scaling"]["attention_factor"] == 1.2
     with pytest.raises(DFlashTrtError, match="attention_factor or truncate=false"):
         plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings())
@@ -242,8 +254,10 @@ def test_refuses_draft_rope_unlike_the_target(tmp_path: Path):
         ({"gemm_plugin": "int4"}, "--gemm_plugin"),
         ({"max_input_len": 9000}, "max_input_len"),
         ({"tokens_per_block": 24}, "tokens_per_block"),
-        ({"tokens_per_block": 8}, "--tokens_per_block must be one of 16, 32, 64, 128: speculative decoding generates "
-                                  "through XQA"),
+        (
+            {"tokens_per_block": 8},
+            "--tokens_per_block must be one of 16, 32, 64, 128: speculative decoding generates through XQA",
+        ),
         ({"max_seq_len": 40961}, "max_seq_len 40961 exceeds the target's max_position_embeddings 40960"),
         ({"gemm_plugin": "fp8"}, "gemm_plugin fp8 needs fp8 weights, but they are none"),
         ({"gemm_plugin": "nvfp4"}, "gemm_plugin nvfp4 needs nvfp4 weights, but they are none"),
@@ -263,17 +277,21 @@ def test_refuses_a_checkpoint_missing_rank_files(tmp_path: Path, capsys):
         plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings())
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--gemm_plugin", "nvfp4"], "gemm_plugin nvfp4 needs nvfp4 weights"),
-    (["--max_seq_len", "50000", "--max_input_len", "1024"], "exceeds the target's max_position_embeddings 40960"),
-    (["--tokens_per_block", "8"], "--tokens_per_block must be one of 16, 32, 64, 128"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--gemm_plugin", "nvfp4"], "gemm_plugin nvfp4 needs nvfp4 weights"),
+        (["--max_seq_len", "50000", "--max_input_len", "1024"], "exceeds the target's max_position_embeddings 40960"),
+        (["--tokens_per_block", "8"], "--tokens_per_block must be one of 16, 32, 64, 128"),
+    ],
+)
 def test_checkpoint_dir_dry_run_applies_the_profile_checks(ckpt: Path, tmp_path: Path, capsys, argv, message):
     """`build --dry_run --checkpoint_dir` refuses what a profile-driven build refuses (one set of checks)."""
     from dflash_trt.cli import main as cli_main
 
-    assert cli_main(["build", "--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e"), *argv,
-                     "--dry_run"]) == 2
+    assert (
+        cli_main(["build", "--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e"), *argv, "--dry_run"]) == 2
+    )
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
 
@@ -284,8 +302,12 @@ def test_max_num_tokens_boundary(ckpt: Path, tmp_path: Path):
 
 
 def test_sliding_window_drafter_only_within_its_window(tmp_path: Path):
-    draft = {**DRAFT_HF, "use_sliding_window": True, "sliding_window": 4096,
-             "layer_types": ["full_attention", "sliding_attention"]}
+    draft = {
+        **DRAFT_HF,
+        "use_sliding_window": True,
+        "sliding_window": 4096,
+        "layer_types": ["full_attention", "sliding_attention"],
+    }
     ckpt = write_checkpoint(tmp_path / "c", draft_hf=draft)
     fits = EngineBuildSettings(max_seq_len=4096 - 16, max_input_len=1024)
     assert plan_engine_build(ckpt, tmp_path / "e", fits).command
@@ -314,8 +336,21 @@ def cli(argv: list[str]) -> argparse.Namespace:
 
 
 def test_dry_run_prints_command_config_and_manifest(ckpt: Path, tmp_path: Path, capsys):
-    args = cli(["--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e"), "--max_batch_size", "4",
-                "--multiple_profiles", "enable", "--dry_run", "--", "--strip_plan"])
+    args = cli(
+        [
+            "--checkpoint_dir",
+            str(ckpt),
+            "--output_dir",
+            str(tmp_path / "e"),
+            "--max_batch_size",
+            "4",
+            "--multiple_profiles",
+            "enable",
+            "--dry_run",
+            "--",
+            "--strip_plan",
+        ]
+    )
     assert args.func(args) == 0
     out = capsys.readouterr().out
     command_line = out.splitlines()[1]
@@ -435,7 +470,8 @@ def test_step_bookkeeping_mirrors_the_golden_loop(tmp_path: Path):
             counts.append(n)
             expect.append((set(range(start, next_start)), next_start, tokens[next_start]))
         request, valid, positions, ctx_len, anchor = engine_bookkeeping(
-            np.array(position_ids), np.array(ctx_lens), np.array(drafts), np.array(accepted), np.array(counts))
+            np.array(position_ids), np.array(ctx_lens), np.array(drafts), np.array(accepted), np.array(counts)
+        )
         for b, (injected, next_ctx, next_anchor) in enumerate(expect):
             assert set(positions[(request == b) & valid].tolist()) == injected
             assert ctx_len[b] == next_ctx and anchor[b] == next_anchor
@@ -460,8 +496,9 @@ def test_selftest_workload_fits_the_tiny_target_and_exceeds_one_chunk(tmp_path: 
     (ckpt / "config.json").write_text(json.dumps(checkpoint_config(target, draft, "float16")))
     (ckpt / "rank0.safetensors").touch()
     tokenizer = load_tokenizer(target_dir())
-    settings, prompts = selftest_workload([p.text for p in load_heldout(limit=64)], tokenizer, 8, draft.block_size,
-                                          chunked)
+    settings, prompts = selftest_workload(
+        [p.text for p in load_heldout(limit=64)], tokenizer, 8, draft.block_size, chunked
+    )
     plan_engine_build(ckpt, tmp_path / "e", settings)
     assert len(prompts) == 8 and all(0 < len(p) <= settings.max_input_len for p in prompts)
     assert settings.max_seq_len <= target.max_position_embeddings
@@ -476,9 +513,11 @@ def test_selftest_comparison_reports_each_disagreement():
     golden = [SequenceResult([1], [5, 6, 7], [2, 1]), SequenceResult([2], [8, 9], [2])]
     assert compare(golden, [[5, 6, 7], [8, 9]], [[2, 1], [2]], 64, 4) == []
     assert compare(golden, [[5, 6, 8], [8, 9]], [[2, 1], [2]], 64, 4) == [
-        "prompt 0: engine tokens differ from the golden model"]
+        "prompt 0: engine tokens differ from the golden model"
+    ]
     assert compare(golden, [[5, 6, 7], [8, 9]], [[1, 2], [2]], 64, 4) == [
-        "prompt 0: acceptance lengths [1, 2] != golden [2, 1] (first 2 steps)"]
+        "prompt 0: acceptance lengths [1, 2] != golden [2, 1] (first 2 steps)"
+    ]
 
 
 def test_selftest_ignores_the_steps_where_the_golden_loop_shrinks_its_block():
@@ -494,6 +533,8 @@ def test_selftest_ignores_the_steps_where_the_golden_loop_shrinks_its_block():
     golden = [SequenceResult([1], tokens, [3, 4, 1, 1])]
     assert compare(golden, [tokens], [[3, 4, 2]], 10, 4) == []
     assert compare(golden, [tokens], [[3, 3, 3]], 10, 4) == [
-        "prompt 0: acceptance lengths [3, 3] != golden [3, 4] (first 2 steps)"]
+        "prompt 0: acceptance lengths [3, 3] != golden [3, 4] (first 2 steps)"
+    ]
     assert compare(golden, [tokens[:-1] + [0]], [[3, 4, 2]], 10, 4) == [
-        "prompt 0: engine tokens differ from the golden model"]
+        "prompt 0: engine tokens differ from the golden model"
+    ]

@@ -154,8 +154,18 @@ def test_the_same_commands_with_outputs_apart_succeed(world: World, tmp_path: Pa
     assert run_cli(_convert(world, tmp_path / "ckpt"), capsys)[0] == 0
     assert run_cli(_triton(world, tmp_path / "repo"), capsys)[0] == 0
     code, _, err = run_cli(
-        ["build", "--checkpoint_dir", str(world.checkpoint), "--output_dir", str(tmp_path / "engine"), "--dry_run",
-         "--max_seq_len", "128", "--max_input_len", "64"],
+        [
+            "build",
+            "--checkpoint_dir",
+            str(world.checkpoint),
+            "--output_dir",
+            str(tmp_path / "engine"),
+            "--dry_run",
+            "--max_seq_len",
+            "128",
+            "--max_input_len",
+            "64",
+        ],
         capsys,
     )
     assert code == 0, err
@@ -234,8 +244,17 @@ def test_build_refuses_a_checkpoint_changed_after_conversion(world: World, tmp_p
     """Checked before anything else of the build (here: before finding no TensorRT-LLM)."""
     checkpoint = _tampered(world, tmp_path, _flip_byte, keep_record=True)
     before = snapshot(world.root, tmp_path)
-    argv = ["build", "--checkpoint_dir", str(checkpoint), "--output_dir", str(tmp_path / "engine"),
-            "--max_seq_len", "128", "--max_input_len", "64"]
+    argv = [
+        "build",
+        "--checkpoint_dir",
+        str(checkpoint),
+        "--output_dir",
+        str(tmp_path / "engine"),
+        "--max_seq_len",
+        "128",
+        "--max_input_len",
+        "64",
+    ]
     code, _, err = run_cli(argv, capsys)
     assert_refused(code, err, "build", r"rank0\.safetensors changed after conversion")
     assert snapshot(world.root, tmp_path) == before
@@ -473,8 +492,17 @@ HOSTILE: dict[str, tuple[Case, str]] = {
     ),
     # build
     "build without TensorRT-LLM": (
-        lambda w, t: ["build", "--checkpoint_dir", str(w.checkpoint), "--output_dir", str(t / "engine"),
-                      "--max_seq_len", "128", "--max_input_len", "64"],
+        lambda w, t: [
+            "build",
+            "--checkpoint_dir",
+            str(w.checkpoint),
+            "--output_dir",
+            str(t / "engine"),
+            "--max_seq_len",
+            "128",
+            "--max_input_len",
+            "64",
+        ],
         r"TensorRT-LLM|tensorrt_llm",
     ),
     "build from a profile that is not YAML": (

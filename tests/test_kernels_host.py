@@ -131,8 +131,21 @@ def _paged_problem(gen, heads, head_dim, layers, tokens, tpb, cache_dtype, secon
         )
     seq_slots = torch.tensor([s for s, _ in pairs], dtype=torch.int32)
     positions = torch.tensor([p for _, p in pairs], dtype=torch.int32)
-    layout, offsets, pool = paged_problem(gen, seq_slots, positions, seqs, max_blocks, heads, head_dim, layers, tpb,
-                                          cache_dtype, secondary, first_layer=2, spare_blocks=3)
+    layout, offsets, pool = paged_problem(
+        gen,
+        seq_slots,
+        positions,
+        seqs,
+        max_blocks,
+        heads,
+        head_dim,
+        layers,
+        tpb,
+        cache_dtype,
+        secondary,
+        first_layer=2,
+        spare_blocks=3,
+    )
     return layout, offsets, seq_slots, positions, pool
 
 

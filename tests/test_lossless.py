@@ -20,17 +20,32 @@ RAGGED = [[5, 6, 7, 8, 9, 10, 11], [12], [13, 14, 15], [16, 17, 18, 19, 20, 21, 
 @pytest.fixture(scope="module", params=["qwen3", "llama-sliding"])
 def setup(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
-    variant = PairVariant() if request.param == "qwen3" else PairVariant(
-        arch="llama", tie=True, draft_layers=2, sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+    variant = (
+        PairVariant()
+        if request.param == "qwen3"
+        else PairVariant(
+            arch="llama",
+            tie=True,
+            draft_layers=2,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+        )
+    )
     target_dir, draft_dir = make_pair(root, variant)
     convert_checkpoint(target_dir, draft_dir, root / "ckpt", dtype="float32")
     return root / "ckpt", AutoModelForCausalLM.from_pretrained(target_dir).eval()
 
 
 def _hf_greedy(model, prompt, max_new):
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=max_new,
+        min_new_tokens=max_new,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def test_batch_one_equals_target_alone(setup):
@@ -68,8 +83,23 @@ def test_generate_cli_json(setup, tmp_path, capsys):
     ckpt, hf = setup
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"input_ids": p}) for p in RAGGED[:3]) + "\n")
-    assert main(["generate", "--checkpoint_dir", str(ckpt), "--input_file", str(prompts), "--max_new_tokens", "12",
-                 "--ignore_eos", "--trace", "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--checkpoint_dir",
+                str(ckpt),
+                "--input_file",
+                str(prompts),
+                "--max_new_tokens",
+                "12",
+                "--ignore_eos",
+                "--trace",
+                "--json",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert [s["input_ids"] for s in report["sequences"]] == RAGGED[:3]
     for record, prompt in zip(report["sequences"], RAGGED[:3], strict=True):

@@ -100,8 +100,9 @@ def test_frontier_is_exactly_the_non_dominated_set(pairs):
 
     def dominated(p):
         return any(
-            q.tok_s_user >= p.tok_s_user and q.tok_s_gpu >= p.tok_s_gpu and (q.tok_s_user, q.tok_s_gpu) != (
-                p.tok_s_user, p.tok_s_gpu)
+            q.tok_s_user >= p.tok_s_user
+            and q.tok_s_gpu >= p.tok_s_gpu
+            and (q.tok_s_user, q.tok_s_gpu) != (p.tok_s_user, p.tok_s_gpu)
             for q in pts
         )
 
@@ -113,6 +114,8 @@ def test_html_report_is_self_contained_and_lists_every_engine():
     pts = [Point("ar", 1, 100.0, 100.0), Point("ar", 8, 50.0, 400.0), Point("dflash <b>", 1, 300.0, 300.0)]
     html = render_html(pts, "tok/s/user = 1000 / TPOT", title="t")
     assert html.startswith("<!DOCTYPE html>") and "<svg" in html
-    assert "dflash &lt;b&gt;" in html and "<script" not in html and "http" not in html.replace(
-        "http://www.w3.org/2000/svg", ""
+    assert (
+        "dflash &lt;b&gt;" in html
+        and "<script" not in html
+        and "http" not in html.replace("http://www.w3.org/2000/svg", "")
     )

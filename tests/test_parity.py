@@ -17,17 +17,41 @@ from dflash_trt.reference.model import load_golden_model
 VARIANTS = {
     "qwen3-gqa-b8": PairVariant(),
     "qwen3-tied-b4-one-tap": PairVariant(tie=True, block_size=4, taps=[3], draft_layers=1),
-    "llama-bias-headdim": PairVariant(arch="llama", target_bias=True, head_dim=24, heads=4, kv_heads=1,
-                                      draft_head_dim=8, draft_heads=8, draft_kv_heads=4, draft_bias=True),
-    "qwen3-b16-scales-softcap": PairVariant(block_size=16, taps=[0, 1, 3], draft_layers=3,
-                                            dflash_extra={"input_embedding_scale": 1.7, "output_multiplier": 0.6,
-                                                          "final_logit_softcapping": 2.5}),
-    "qwen3-sliding-mix": PairVariant(draft_layers=3, sliding_window=5,
-                                     layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    "llama-bias-headdim": PairVariant(
+        arch="llama",
+        target_bias=True,
+        head_dim=24,
+        heads=4,
+        kv_heads=1,
+        draft_head_dim=8,
+        draft_heads=8,
+        draft_kv_heads=4,
+        draft_bias=True,
+    ),
+    "qwen3-b16-scales-softcap": PairVariant(
+        block_size=16,
+        taps=[0, 1, 3],
+        draft_layers=3,
+        dflash_extra={"input_embedding_scale": 1.7, "output_multiplier": 0.6, "final_logit_softcapping": 2.5},
+    ),
+    "qwen3-sliding-mix": PairVariant(
+        draft_layers=3, sliding_window=5, layer_types=["sliding_attention", "full_attention", "sliding_attention"]
+    ),
     "llama3-rope-noncausal-window": PairVariant(
-        arch="llama", tie=True, is_causal=False, sliding_window=3, layer_types=["sliding_attention"] * 2,
-        rope={"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0, "low_freq_factor": 1.0,
-              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+        arch="llama",
+        tie=True,
+        is_causal=False,
+        sliding_window=3,
+        layer_types=["sliding_attention"] * 2,
+        rope={
+            "rope_type": "llama3",
+            "rope_theta": 5000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     "qwen3-causal-full-top-level-keys": PairVariant(is_causal=True, taps=None, top_level={"block_size": 6}),
 }
 PROMPTS = [[3, 4, 5, 6, 7], [9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
@@ -52,8 +76,9 @@ def test_target_logits_and_taps_match_transformers(parity_models):
     positions = torch.arange(ids.shape[1])[None]
     logits, taps = golden.target.forward(ids, positions, torch.ones_like(ids, dtype=torch.bool), cache)
     torch.testing.assert_close(logits, out.logits, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(taps, reference.extract_context_feature(out.hidden_states, ref_draft.target_layer_ids),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        taps, reference.extract_context_feature(out.hidden_states, ref_draft.target_layer_ids), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_drafter_forward_matches_reference(parity_models):
@@ -88,10 +113,11 @@ def _reference_run(ref_draft, hf_target, prompt, max_new, stop_ids, monkeypatch)
         return logits
 
     monkeypatch.setattr(ref_draft, "compute_logits", recording)
-    stats = reference.dflash_generate(ref_draft, hf_target, torch.tensor([prompt]), max_new, stop_ids,
-                                      return_stats=True)
+    stats = reference.dflash_generate(
+        ref_draft, hf_target, torch.tensor([prompt]), max_new, stop_ids, return_stats=True
+    )
     monkeypatch.setattr(ref_draft, "compute_logits", original)
-    return stats.output_ids[0, len(prompt):].tolist(), stats.acceptance_lengths, drafts
+    return stats.output_ids[0, len(prompt) :].tolist(), stats.acceptance_lengths, drafts
 
 
 @pytest.mark.parametrize("max_new, stops", [(30, None), (13, [5, 17, 40, 60])])

@@ -152,8 +152,6 @@ def test_drafter_shape_counts_sliding_layers_from_the_spec():
     assert drafter.num_taps == 5 and drafter.block_size == 16
 
 
-
-
 def test_concurrency_regime_matches_a_hand_computed_roofline():
     """One 1-layer target (144 params, vocab 10) and a drafter reduced to its lm_head rows, B = 2, tau = 2,
     bandwidth 1000 B/s, tensor rate 10^4 FLOP/s, no overheads. By hand, per iteration at concurrency c:

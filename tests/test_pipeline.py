@@ -24,16 +24,33 @@ RECORDED = yaml.safe_load((ROOT / "build_configs/recorded_configs.yaml").read_te
 # full plan path also runs for their profiles when a config.json is on disk.
 STAND_IN_DRAFTS = {
     "AICP-Labs/qwen3-32b-dflash-en-zh": {
-        "architectures": ["DFlashDraftModel"], "num_hidden_layers": 5, "num_attention_heads": 32,
-        "num_key_value_heads": 8, "head_dim": 128, "hidden_size": 5120, "intermediate_size": 25600,
-        "num_target_layers": 64, "block_size": 16, "rope_theta": 1000000, "rms_norm_eps": 1e-6,
-        "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 16, 31, 46, 61]}},
+        "architectures": ["DFlashDraftModel"],
+        "num_hidden_layers": 5,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "hidden_size": 5120,
+        "intermediate_size": 25600,
+        "num_target_layers": 64,
+        "block_size": 16,
+        "rope_theta": 1000000,
+        "rms_norm_eps": 1e-6,
+        "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 16, 31, 46, 61]},
+    },
     "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat": {
-        "architectures": ["DFlashDraftModel"], "num_hidden_layers": 5, "num_attention_heads": 32,
-        "num_key_value_heads": 8, "head_dim": 128, "hidden_size": 4096, "intermediate_size": 14336,
-        "num_target_layers": 32, "block_size": 10, "rms_norm_eps": 1e-5,
+        "architectures": ["DFlashDraftModel"],
+        "num_hidden_layers": 5,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_target_layers": 32,
+        "block_size": 10,
+        "rms_norm_eps": 1e-5,
         **{k: RECORDED["meta-llama/Llama-3.1-8B-Instruct"][k] for k in ("rope_theta", "rope_scaling")},
-        "dflash_config": {"mask_token_id": 128002, "target_layer_ids": [1, 8, 15, 22, 29]}},
+        "dflash_config": {"mask_token_id": 128002, "target_layer_ids": [1, 8, 15, 22, 29]},
+    },
 }
 HUB_CONFIGS = {**{ref: cfg for ref, cfg in RECORDED.items() if "unknown" not in cfg}, **STAND_IN_DRAFTS}
 
@@ -73,8 +90,7 @@ def _trtllm_build_flags() -> set[str]:
 def test_dry_run_of_every_profile(path: Path, hub: Path, tmp_path: Path, capsys):
     profile = load_profile(path)
     ws = tmp_path / "ws"
-    assert cli_main(["build", "--config", str(path), "--hf_cache", str(hub), "--output_dir", str(ws),
-                     "--dry_run"]) == 0
+    assert cli_main(["build", "--config", str(path), "--hf_cache", str(hub), "--output_dir", str(ws), "--dry_run"]) == 0
     out = capsys.readouterr().out
     commands = _stage_commands(out)
     assert list(commands) == ["checkpoint", "engine", "triton"]
@@ -98,24 +114,54 @@ def test_dry_run_of_every_profile(path: Path, hub: Path, tmp_path: Path, capsys)
 def test_dry_runs_name_only_flags_trtllm_build_accepts(hub: Path, tmp_path: Path, capsys):
     accepted = _trtllm_build_flags()
     for path in PROFILES:
-        assert cli_main(["build", "--config", str(path), "--hf_cache", str(hub), "--output_dir",
-                         str(tmp_path / path.stem), "--dry_run"]) == 0
+        assert (
+            cli_main(
+                [
+                    "build",
+                    "--config",
+                    str(path),
+                    "--hf_cache",
+                    str(hub),
+                    "--output_dir",
+                    str(tmp_path / path.stem),
+                    "--dry_run",
+                ]
+            )
+            == 0
+        )
         _, *build = shlex.split(_stage_commands(capsys.readouterr().out)["engine"])
         assert {a for a in build if a.startswith("--")} <= accepted, path
 
 
 def test_typed_flags_override_the_profile(hub: Path, tmp_path: Path, capsys):
     path = ROOT / "build_configs/h200-fp8/qwen3-8b.yaml"
-    assert cli_main(["build", "--config", str(path), "--hf_cache", str(hub), "--output_dir", str(tmp_path / "ws"),
-                     "--max_batch_size", "64", "--dry_run"]) == 0
+    assert (
+        cli_main(
+            [
+                "build",
+                "--config",
+                str(path),
+                "--hf_cache",
+                str(hub),
+                "--output_dir",
+                str(tmp_path / "ws"),
+                "--max_batch_size",
+                "64",
+                "--dry_run",
+            ]
+        )
+        == 0
+    )
     build = shlex.split(_stage_commands(capsys.readouterr().out)["engine"])
     assert build[build.index("--max_batch_size") + 1] == "64"
 
 
 def test_missing_models_are_not_downloaded(tmp_path: Path, capsys):
     path = ROOT / "build_configs/h100-fp8/qwen3-4b.yaml"
-    assert cli_main(["build", "--config", str(path), "--hf_cache", str(tmp_path), "--output_dir",
-                     str(tmp_path / "ws")]) == 2
+    assert (
+        cli_main(["build", "--config", str(path), "--hf_cache", str(tmp_path), "--output_dir", str(tmp_path / "ws")])
+        == 2
+    )
     assert "Qwen/Qwen3-4B is not in the HF cache" in capsys.readouterr().err
     assert not (tmp_path / "ws").exists()
 
@@ -154,15 +200,21 @@ def test_dry_run_of_every_profile_on_a_fresh_machine(path: Path, fresh_machine: 
     assert flags["--max_batch_size"] == str(profile.engine.max_batch_size)
     assert flags["--checkpoint_dir"] == str(ws / "checkpoint")
     offline = [line for line in out.splitlines() if line.startswith("offline: ")]
-    assert f"offline: target {profile.model.target}: not downloaded; planned from its recorded config.json " \
-           "fields" in offline
+    assert (
+        f"offline: target {profile.model.target}: not downloaded; planned from its recorded config.json "
+        "fields" in offline
+    )
     drafter = RECORDED[profile.model.draft]
     if "unknown" in drafter:
-        assert any(line.startswith(f"offline: drafter {profile.model.draft}: not downloaded and its shapes are "
-                                   "unknown") for line in offline)
+        assert any(
+            line.startswith(f"offline: drafter {profile.model.draft}: not downloaded and its shapes are unknown")
+            for line in offline
+        )
     else:
-        assert f"offline: drafter {profile.model.draft}: not downloaded; planned from its recorded config.json " \
-               "fields" in offline
+        assert (
+            f"offline: drafter {profile.model.draft}: not downloaded; planned from its recorded config.json "
+            "fields" in offline
+        )
     assert not ws.exists() and not any(fresh_machine.iterdir()), "a dry run writes and downloads nothing"
 
 
@@ -184,8 +236,9 @@ def test_offline_dry_run_applies_the_checks_to_recorded_configs(fresh_machine: P
 
 def test_offline_dry_run_with_a_separate_tokenizer(fresh_machine: Path, tmp_path: Path, capsys):
     data = yaml.safe_load((ROOT / "build_configs/b200-nvfp4/qwen3-4b.yaml").read_text())
-    data["model"].update(tokenizer="acme/qwen3-chat-tokenizer",
-                         recorded_configs=str(ROOT / "build_configs/recorded_configs.yaml"))
+    data["model"].update(
+        tokenizer="acme/qwen3-chat-tokenizer", recorded_configs=str(ROOT / "build_configs/recorded_configs.yaml")
+    )
     data["quantization"]["calibration"]["dataset"] = str(ROOT / "build_configs/calibration.jsonl")
     path = tmp_path / "tok.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -218,11 +271,19 @@ def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
 def _tiny_profile(tmp_path: Path, pair: tuple[Path, Path], **engine) -> Path:
     target, draft = pair
     data = {
-        "name": "tiny", "gpu": "b300",
+        "name": "tiny",
+        "gpu": "b300",
         "model": {"target": str(target), "draft": str(draft), "block_size": 8},
         "quantization": {"qformat": "none", "dflash_qformat": "none", "kv_cache_dtype": "none"},
-        "engine": {"max_batch_size": 4, "max_input_len": 64, "max_seq_len": 128, "max_num_tokens": 256,
-                   "max_draft_len": 7, "gemm_plugin": "auto", **engine},
+        "engine": {
+            "max_batch_size": 4,
+            "max_input_len": 64,
+            "max_seq_len": 128,
+            "max_num_tokens": 256,
+            "max_draft_len": 7,
+            "gemm_plugin": "auto",
+            **engine,
+        },
         "serving": {"instance_count": 1},
         "sweep": {"concurrency": [1, 4], "interactivity_band": [100, 200]},
     }
@@ -232,8 +293,14 @@ def _tiny_profile(tmp_path: Path, pair: tuple[Path, Path], **engine) -> Path:
 
 
 def _run(profile: Path, ws: Path, gpu: bool, capsys) -> tuple[list[tuple[str, str]], str]:
-    args = pipeline.argparse.Namespace(config=str(profile), hf_cache=None, download=False, output_dir=str(ws),
-                                       plugin_library="/opt/dflash/libdflash_trt_plugins.so", dry_run=False)
+    args = pipeline.argparse.Namespace(
+        config=str(profile),
+        hf_cache=None,
+        download=False,
+        output_dir=str(ws),
+        plugin_library="/opt/dflash/libdflash_trt_plugins.so",
+        dry_run=False,
+    )
     outcomes = pipeline.run_pipeline(pipeline.resolve_inputs(args), gpu=gpu)
     return outcomes, capsys.readouterr().out
 

@@ -71,8 +71,12 @@ def _with(changes: dict) -> dict:
 INVALID = [
     ({"gpu": "h100"}, "p.yaml: qformat nvfp4 needs Blackwell (SM100/SM103); h100 is SM90"),
     (
-        {"gpu": "h200", "quantization.qformat": "fp8", "engine.gemm_plugin": "fp8",
-         "quantization.dflash_qformat": "nvfp4"},
+        {
+            "gpu": "h200",
+            "quantization.qformat": "fp8",
+            "engine.gemm_plugin": "fp8",
+            "quantization.dflash_qformat": "nvfp4",
+        },
         "dflash_qformat nvfp4 needs Blackwell (SM100/SM103); h200 is SM90",
     ),
     (
@@ -136,16 +140,27 @@ def _write_config(path: Path, **cfg) -> Path:
     return path
 
 
-QWEN3_32B = {"hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64, "vocab_size": 151936,
-             "head_dim": 128}
+QWEN3_32B = {
+    "hidden_size": 5120,
+    "intermediate_size": 25600,
+    "num_hidden_layers": 64,
+    "vocab_size": 151936,
+    "head_dim": 128,
+}
 
 
 def _pair(tmp_path: Path, *, heads=64, kv=8, d_heads=32, d_kv=8, block=16, max_pos=40960):
-    target = _write_config(tmp_path / "t", num_attention_heads=heads, num_key_value_heads=kv,
-                           max_position_embeddings=max_pos, **QWEN3_32B)
-    draft = _write_config(tmp_path / "d", num_attention_heads=d_heads, num_key_value_heads=d_kv,
-                          block_size=block, dflash_config={"mask_token_id": 1, "target_layer_ids": [1, 2, 3, 4, 5]},
-                          **{**QWEN3_32B, "num_hidden_layers": 5})
+    target = _write_config(
+        tmp_path / "t", num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=max_pos, **QWEN3_32B
+    )
+    draft = _write_config(
+        tmp_path / "d",
+        num_attention_heads=d_heads,
+        num_key_value_heads=d_kv,
+        block_size=block,
+        dflash_config={"mask_token_id": 1, "target_layer_ids": [1, 2, 3, 4, 5]},
+        **{**QWEN3_32B, "num_hidden_layers": 5},
+    )
     return target, draft
 
 
@@ -194,8 +209,13 @@ def test_weights_must_fit_the_gpu(tmp_path: Path):
 def test_block_size_nested_in_dflash_config_is_read(tmp_path: Path):
     profile = load_profile(ROOT / "build_configs/b200-nvfp4/qwen3-4b.yaml")
     target = _write_config(tmp_path / "t", num_attention_heads=32, num_key_value_heads=8, **QWEN3_32B)
-    draft = _write_config(tmp_path / "d", num_attention_heads=32, num_key_value_heads=8,
-                          dflash_config={"block_size": 8}, **{**QWEN3_32B, "num_hidden_layers": 5})
+    draft = _write_config(
+        tmp_path / "d",
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        dflash_config={"block_size": 8},
+        **{**QWEN3_32B, "num_hidden_layers": 5},
+    )
     with pytest.raises(DFlashTrtError, match="trained with block_size 8"):
         check_against_checkpoints(profile, target, draft)
 

@@ -20,7 +20,11 @@ def test_acceptance_table(tmp_path: Path) -> None:
     model = load_golden_model(tmp_path / "ckpt")
     rows = acceptance_table(model, [[3, 4, 5, 6], [7, 8]], [[10, 11, 12], [20, 21, 22, 23]], 6)
     assert [(r.target, r.drafter, r.kv_cache) for r in rows[:4]] == [
-        ("none", "none", "none"), ("none", "fp8", "none"), ("none", "nvfp4", "none"), ("fp8", "none", "none")]
+        ("none", "none", "none"),
+        ("none", "fp8", "none"),
+        ("none", "nvfp4", "none"),
+        ("fp8", "none", "none"),
+    ]
     assert len(rows) == 18
     for row in rows:
         assert 1.0 <= row.mean_acceptance_length <= model.draft.spec.block_size

@@ -26,8 +26,11 @@ reference = pytest.importorskip("dflash.model")
 PROMPTS = [[3, 4, 5, 6, 7], [9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
 MAX_NEW = 12
 HF_LINEARS = {
-    names.DENSE: ("self_attn.o_proj",), names.MLP_FC: ("mlp.gate_proj",), names.MLP_GATE: ("mlp.up_proj",),
-    names.MLP_PROJ: ("mlp.down_proj",), names.QKV: ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    names.DENSE: ("self_attn.o_proj",),
+    names.MLP_FC: ("mlp.gate_proj",),
+    names.MLP_GATE: ("mlp.up_proj",),
+    names.MLP_PROJ: ("mlp.down_proj",),
+    names.QKV: ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
 }
 
 
@@ -56,8 +59,11 @@ def modelopt_calibrated(pair: tuple[Path, Path]):
 
     try:
         # Nested so both models are calibrating during the same decoding runs.
-        mtq.quantize(target, copy.deepcopy(cfg), forward_loop=lambda _: mtq.quantize(draft, copy.deepcopy(cfg),
-                                                                                      forward_loop=decode))
+        mtq.quantize(
+            target,
+            copy.deepcopy(cfg),
+            forward_loop=lambda _: mtq.quantize(draft, copy.deepcopy(cfg), forward_loop=decode),
+        )
     finally:
         reference._cuda_time = timer
     return target, draft
@@ -132,8 +138,9 @@ def test_calibrate_checkpoint_for_the_converter(pair: tuple[Path, Path], tmp_pat
     dataset = tmp_path / "calib.jsonl"
     dataset.write_text("\n".join(json.dumps({"input_ids": p}) for p in PROMPTS) + "\n")
     quant = QuantSettings(qformat="nvfp4", dflash_qformat="fp8", kv_cache_dtype="fp8")
-    scales = cal.calibrate_checkpoint(tmp_path / "ckpt", quant, dataset, calib_size=2, calib_max_seq_len=4,
-                                      max_new_tokens=5)
+    scales = cal.calibrate_checkpoint(
+        tmp_path / "ckpt", quant, dataset, calib_size=2, calib_max_seq_len=4, max_new_tokens=5
+    )
     qkv = f"attention.qkv.{names.ACTIVATION_SCALING_FACTOR}"
     assert scales[f"transformer.layers.0.{qkv}"].shape == ()  # NVFP4 target
     assert scales[f"dflash.layers.0.{qkv}"].shape == (1,)  # FP8 drafter

@@ -23,13 +23,18 @@ WEIGHT_LEAVES = (names.WEIGHT, names.WEIGHTS_SCALING_FACTOR, names.WEIGHTS_SCALI
 # ---------------------------------------------------------------------------------------------- config / names
 def test_quantization_config_dicts() -> None:
     assert formats.quantization_config("fp8", "fp8") == {
-        "quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "group_size": 16,
+        "quant_algo": "FP8",
+        "kv_cache_quant_algo": "FP8",
+        "group_size": 16,
         "exclude_modules": ["lm_head", "dflash.fc"],
     }
     assert formats.quantization_config("nvfp4")["quant_algo"] == "NVFP4"
     assert formats.quantization_config("nvfp4")["kv_cache_quant_algo"] is None
     assert formats.quantization_config("none", "fp8") == {
-        "quant_algo": None, "kv_cache_quant_algo": "FP8", "group_size": 16, "exclude_modules": [],
+        "quant_algo": None,
+        "kv_cache_quant_algo": "FP8",
+        "group_size": 16,
+        "exclude_modules": [],
     }
     with pytest.raises(DFlashTrtError, match="--qformat must be one of none, fp8, nvfp4"):
         formats.quantization_config("int8")
@@ -48,10 +53,17 @@ def test_which_tensors_are_quantized() -> None:
     for name, module in quantized.items():
         assert formats.quantized_linear(name) == module
     kept = [
-        names.LM_HEAD, names.DRAFT_FC, names.VOCAB_EMBEDDING, names.DRAFT_HIDDEN_NORM, names.TARGET_FINAL_NORM,
-        "transformer.layers.0.attention.qkv.bias", "transformer.layers.0.input_layernorm.weight",
-        "transformer.layers.0.attention.q_layernorm.weight", "dflash.layers.0.post_layernorm.weight",
-        "transformer.layers.x.attention.qkv.weight", "other.layers.0.attention.qkv.weight",
+        names.LM_HEAD,
+        names.DRAFT_FC,
+        names.VOCAB_EMBEDDING,
+        names.DRAFT_HIDDEN_NORM,
+        names.TARGET_FINAL_NORM,
+        "transformer.layers.0.attention.qkv.bias",
+        "transformer.layers.0.input_layernorm.weight",
+        "transformer.layers.0.attention.q_layernorm.weight",
+        "dflash.layers.0.post_layernorm.weight",
+        "transformer.layers.x.attention.qkv.weight",
+        "other.layers.0.attention.qkv.weight",
     ]
     for name in kept:
         assert formats.quantized_linear(name) is None, name
@@ -119,14 +131,21 @@ def _modelopt_export(qformat: str, target_dir: Path, tmp: Path):
     cfg = copy.deepcopy(mtq.FP8_DEFAULT_CFG if qformat == "fp8" else mtq.NVFP4_DEFAULT_CFG)
     cfg["quant_cfg"] = cfg["quant_cfg"] + copy.deepcopy(mtq.FP8_KV_CFG["quant_cfg"])
     model = mtq.quantize(model, cfg, forward_loop=forward_loop)
-    export_tensorrt_llm_checkpoint(copy.deepcopy(model), decoder_type="qwen", dtype=torch.bfloat16,
-                                   export_dir=str(tmp), inference_tensor_parallel=1)
+    export_tensorrt_llm_checkpoint(
+        copy.deepcopy(model),
+        decoder_type="qwen",
+        dtype=torch.bfloat16,
+        export_dir=str(tmp),
+        inference_tensor_parallel=1,
+    )
     return load_file(str(tmp / "rank0.safetensors")), model
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
     )
 
 
@@ -158,8 +177,11 @@ def test_converted_target_matches_modelopt_export(
     activation_scale = fp8_activation_scale if qformat == "fp8" else nvfp4_activation_scale
     hf_layer = model.model.layers[0]
     inputs = {
-        "attention.qkv": hf_layer.self_attn.q_proj, "attention.dense": hf_layer.self_attn.o_proj,
-        "mlp.fc": hf_layer.mlp.gate_proj, "mlp.gate": hf_layer.mlp.up_proj, "mlp.proj": hf_layer.mlp.down_proj,
+        "attention.qkv": hf_layer.self_attn.q_proj,
+        "attention.dense": hf_layer.self_attn.o_proj,
+        "mlp.fc": hf_layer.mlp.gate_proj,
+        "mlp.gate": hf_layer.mlp.up_proj,
+        "mlp.proj": hf_layer.mlp.down_proj,
     }
     for module, hf_module in inputs.items():
         amax = hf_module.input_quantizer.amax

@@ -38,8 +38,10 @@ CALIBRATION = [[3, 4, 5, 6, 7, 8, 9], [20, 21, 22], [40, 41, 42, 43, 44, 45]]
 PROMPTS = [[5, 9, 14, 2, 33], [11, 12], [60, 61, 62, 63, 64, 65, 66, 67]]
 FP8_OPERAND_ERROR = 2**-4 / math.sqrt(3)
 NVFP4_OPERAND_ERROR = 0.10
-GEMM_ERROR = {"fp8": math.hypot(FP8_OPERAND_ERROR, FP8_OPERAND_ERROR),
-              "nvfp4": math.hypot(NVFP4_OPERAND_ERROR, NVFP4_OPERAND_ERROR)}
+GEMM_ERROR = {
+    "fp8": math.hypot(FP8_OPERAND_ERROR, FP8_OPERAND_ERROR),
+    "nvfp4": math.hypot(NVFP4_OPERAND_ERROR, NVFP4_OPERAND_ERROR),
+}
 
 
 def _quantized_checkpoint(source: Path, out: Path, qformat: str, kv_cache_dtype: str, amax=None) -> Path:

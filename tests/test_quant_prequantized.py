@@ -69,8 +69,9 @@ def test_nvfp4_prequantized_fuses_bit_exactly(target_dir: Path, tmp_path: Path) 
         qkv = fuse_prequantized(_parts(exported, layer, QKV), "nvfp4")
         ours = quantize_nvfp4(torch.cat([original[f"model.layers.{layer}.{m}.weight"] for m in QKV]))
         assert torch.equal(qkv[names.WEIGHT], ours.weight)
-        assert torch.equal(qkv[names.WEIGHTS_SCALING_FACTOR].view(torch.uint8),
-                           ours.weights_scaling_factor.view(torch.uint8))
+        assert torch.equal(
+            qkv[names.WEIGHTS_SCALING_FACTOR].view(torch.uint8), ours.weights_scaling_factor.view(torch.uint8)
+        )
         assert torch.equal(qkv[names.WEIGHTS_SCALING_FACTOR_2], ours.weights_scaling_factor_2)
         assert qkv[names.ACTIVATION_SCALING_FACTOR].shape == ()
         fused = [fuse_prequantized(p, "nvfp4") for p in ([part] for part in _parts(exported, layer, GATE_UP))]
@@ -94,8 +95,9 @@ def test_fp8_prequantized_fuses_within_one_rounding(target_dir: Path, tmp_path: 
     # The member owning the largest scale keeps its bytes.
     owner = max(range(3), key=lambda i: float(parts[i]["weight_scale"]))
     rows = [0, 64, 96, 128]
-    assert torch.equal(qkv[names.WEIGHT][rows[owner] : rows[owner + 1]].view(torch.uint8),
-                       parts[owner]["weight"].view(torch.uint8))
+    assert torch.equal(
+        qkv[names.WEIGHT][rows[owner] : rows[owner + 1]].view(torch.uint8), parts[owner]["weight"].view(torch.uint8)
+    )
     k, v = parts[1]["k_scale"], parts[2]["v_scale"]
     assert prequantized_kv_cache_scale(k, v).tolist() == [max(float(k), float(v))]
 
@@ -112,8 +114,12 @@ def test_nvfp4_layers_carry_over_as_our_own_quantization(pair: tuple[Path, Path]
     carried = {}
     for layer in range(4):
         carried.update(prequantized_layer_tensors(exported, f"model.layers.{layer}", names.target_layer(layer), fmt))
-    weight_side = {n for n in ours if n.startswith("transformer.layers.") and n.rsplit(".", 1)[1] in (
-        names.WEIGHTS_SCALING_FACTOR, names.WEIGHTS_SCALING_FACTOR_2)}
+    weight_side = {
+        n
+        for n in ours
+        if n.startswith("transformer.layers.")
+        and n.rsplit(".", 1)[1] in (names.WEIGHTS_SCALING_FACTOR, names.WEIGHTS_SCALING_FACTOR_2)
+    }
     weight_side |= {n.rsplit(".", 1)[0] + ".weight" for n in weight_side}
     assert weight_side <= set(carried)
     for name in weight_side:

@@ -164,9 +164,7 @@ def test_chunk_boundaries_do_not_change_bytes(qformat: str, monkeypatch: pytest.
 def test_shared_scale_matches_modelopt_fusion(qformat: str, dtype: torch.dtype) -> None:
     """mlp.fc + mlp.gate (and q, k, v) share the larger scale, exactly as modelopt's fusion preprocessing."""
     gen = torch.Generator().manual_seed(2)
-    weights = [
-        (torch.randn(32, 64, generator=gen) * s).to(dtype) for s in (0.01, 0.3, 0.05)
-    ]
+    weights = [(torch.randn(32, 64, generator=gen) * s).to(dtype) for s in (0.01, 0.3, 0.05)]
     ours = quantize_fp8_shared(weights) if qformat == FP8 else quantize_nvfp4_shared(weights)
     reference = _oracle_fused(weights, qformat)
     for i, (mine, ref) in enumerate(zip(ours, reference, strict=True)):
@@ -243,7 +241,9 @@ def test_dequantize_matches_modelopt(dtype: torch.dtype) -> None:
     w = (torch.randn(24, 96, generator=gen) * 0.1).to(dtype)
     nv = quantize_nvfp4(w)
     theirs = NVFP4QTensor(w.shape, torch.float32, nv.weight).dequantize(
-        dtype=torch.float32, scale=nv.weights_scaling_factor, double_scale=nv.weights_scaling_factor_2,
+        dtype=torch.float32,
+        scale=nv.weights_scaling_factor,
+        double_scale=nv.weights_scaling_factor_2,
         block_sizes={-1: 16},
     )
     assert torch.equal(dequantize_nvfp4(nv.weight, nv.weights_scaling_factor, nv.weights_scaling_factor_2), theirs)
@@ -274,8 +274,10 @@ def test_scale_formulas_by_hand() -> None:
 BAD_WEIGHTS = {
     "nan": (torch.tensor([[float("nan")] + [0.0] * 15]), "cannot quantize a weight holding inf or NaN values"),
     "inf": (torch.tensor([[1.0] * 15 + [float("-inf")]]), "cannot quantize a weight holding inf or NaN values"),
-    "int": (torch.ones(2, 16, dtype=torch.int32),
-            r"cannot quantize a torch\.int32 tensor; expected float32, float16 or bfloat16"),
+    "int": (
+        torch.ones(2, 16, dtype=torch.int32),
+        r"cannot quantize a torch\.int32 tensor; expected float32, float16 or bfloat16",
+    ),
     "1d": (torch.ones(16), r"cannot quantize a tensor of shape \(16,\); expected \(out, in\)"),
     "empty": (torch.ones(0, 16), "cannot quantize an empty weight"),
 }
@@ -325,7 +327,9 @@ def test_property_nvfp4_and_fp8_match_modelopt_primitives() -> None:
 
     @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(
-        rows=st.integers(1, 6), blocks=st.integers(1, 3), dtype=st.sampled_from(DTYPES),
+        rows=st.integers(1, 6),
+        blocks=st.integers(1, 3),
+        dtype=st.sampled_from(DTYPES),
         data=st.data(),
     )
     def check(rows: int, blocks: int, dtype: torch.dtype, data) -> None:

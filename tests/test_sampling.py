@@ -50,8 +50,8 @@ def test_accept_then_resample_reproduces_target_exactly(seed):
     for d in range(vocab):
         ratio = float(p[d] / q[d])
         if ratio < 1:
-            assert count_accepted(p[d:d + 1], q[d:d + 1], torch.tensor([ratio * (1 - 1e-9)], dtype=p.dtype)) == 1
-            assert count_accepted(p[d:d + 1], q[d:d + 1], torch.tensor([ratio * (1 + 1e-9)], dtype=p.dtype)) == 0
+            assert count_accepted(p[d : d + 1], q[d : d + 1], torch.tensor([ratio * (1 - 1e-9)], dtype=p.dtype)) == 1
+            assert count_accepted(p[d : d + 1], q[d : d + 1], torch.tensor([ratio * (1 + 1e-9)], dtype=p.dtype)) == 0
     accept_prob = torch.minimum(torch.ones_like(p), p / q)
     output = q * accept_prob + (1 - (q * accept_prob).sum()) * residual_distribution(p, q)
     torch.testing.assert_close(output, p, rtol=0, atol=1e-12)

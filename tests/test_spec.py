@@ -43,12 +43,22 @@ def test_default_taps_match_reference(num_target, num_draft):
 def test_draft_keys_may_sit_top_level_or_in_dflash_config(pair):
     target_cfg, draft_cfg = _configs(pair)
     target = parse_target_config(target_cfg)
-    nested = dict(draft_cfg, block_size=4, dflash_config={"block_size": 16, "mask_token_id": 5,
-                                                           "target_layer_ids": [1, 3], "output_multiplier": 0.5})
+    nested = dict(
+        draft_cfg,
+        block_size=4,
+        dflash_config={"block_size": 16, "mask_token_id": 5, "target_layer_ids": [1, 3], "output_multiplier": 0.5},
+    )
     spec = parse_draft_config(nested, target)
     assert (spec.block_size, spec.mask_token_id, spec.target_layer_ids, spec.output_multiplier) == (16, 5, (1, 3), 0.5)
-    top = dict(draft_cfg, block_size=4, mask_token_id=7, target_layer_ids=[2], input_embedding_scale=3.0,
-               final_logit_softcapping=30.0, dflash_config={})
+    top = dict(
+        draft_cfg,
+        block_size=4,
+        mask_token_id=7,
+        target_layer_ids=[2],
+        input_embedding_scale=3.0,
+        final_logit_softcapping=30.0,
+        dflash_config={},
+    )
     spec = parse_draft_config(top, target)
     assert (spec.block_size, spec.mask_token_id, spec.target_layer_ids) == (4, 7, (2,))
     assert (spec.input_embedding_scale, spec.final_logit_softcapping) == (3.0, 30.0)
@@ -64,8 +74,11 @@ def test_missing_taps_use_reference_default(pair):
 @pytest.mark.parametrize(
     "extra",
     [
-        {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "use_sliding_window": True,
-         "sliding_window": 6},
+        {
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "use_sliding_window": True,
+            "sliding_window": 6,
+        },
         {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "sliding_window": 6},
         {"use_sliding_window": True, "sliding_window": 9, "max_window_layers": 1},
         {"is_causal": True},
@@ -89,31 +102,68 @@ def test_layer_kinds_match_reference_attention_modules(pair, extra):
     [
         {"rope_type": "default", "rope_theta": 1e6},
         {"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0},
-        {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-         "original_max_position_embeddings": 8192},
+        {
+            "rope_type": "llama3",
+            "rope_theta": 5e5,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
         {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 4096},
-        {"rope_type": "yarn", "rope_theta": 5e4, "factor": 64.0, "original_max_position_embeddings": 4096,
-         "beta_fast": 16.0, "beta_slow": 2.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+        {
+            "rope_type": "yarn",
+            "rope_theta": 5e4,
+            "factor": 64.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 16.0,
+            "beta_slow": 2.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
     ],
 )
 def test_rope_tables_match_transformers(rope):
-    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 512, "intermediate_size": 64,
-           "num_hidden_layers": 1, "num_attention_heads": 4, "head_dim": 128, "max_position_embeddings": 32768,
-           "rope_parameters": rope}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 32,
+        "hidden_size": 512,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "head_dim": 128,
+        "max_position_embeddings": 32768,
+        "rope_parameters": rope,
+    }
     spec = parse_target_config(cfg)
     hf = Qwen3Config(**{k: v for k, v in cfg.items() if k != "architectures"})
-    want_freq, want_scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf, "cpu") if rope["rope_type"] != "default" else (
-        1.0 / (rope["rope_theta"] ** (torch.arange(0, 128, 2, dtype=torch.int64).float() / 128)), 1.0)
+    want_freq, want_scale = (
+        ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf, "cpu")
+        if rope["rope_type"] != "default"
+        else (1.0 / (rope["rope_theta"] ** (torch.arange(0, 128, 2, dtype=torch.int64).float() / 128)), 1.0)
+    )
     freq, scale = inv_freq_and_scale(spec.rope)
     torch.testing.assert_close(freq, want_freq.float(), rtol=0, atol=0)
     assert scale == pytest.approx(want_scale)
 
 
 def test_legacy_rope_scaling_keys_are_read():
-    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 64, "intermediate_size": 64,
-           "num_hidden_layers": 1, "num_attention_heads": 4, "rope_theta": 500000.0,
-           "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                            "original_max_position_embeddings": 8192}}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 32,
+        "hidden_size": 64,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    }
     spec = parse_target_config(cfg)
     assert (spec.rope.rope_type, spec.rope.theta, spec.rope.factor, spec.head_dim) == ("llama3", 500000.0, 8.0, 16)
 
@@ -124,8 +174,10 @@ BAD_DRAFTS = [
     ({"hidden_size": 32}, "hidden sizes differ: drafter hidden_size 32 != target hidden_size 64"),
     ({"vocab_size": 100}, "vocab mismatch: drafter vocab_size 100 != target vocab_size 96"),
     ({"dflash_config": {"mask_token_id": 96, "target_layer_ids": [0]}}, "mask_token_id 96 is outside the target"),
-    ({"dflash_config": {"mask_token_id": 5, "target_layer_ids": [0, 4]}},
-     "target layer id 4 is outside the target's 4 layers"),
+    (
+        {"dflash_config": {"mask_token_id": 5, "target_layer_ids": [0, 4]}},
+        "target layer id 4 is outside the target's 4 layers",
+    ),
     ({"dflash_config": {"mask_token_id": 5, "target_layer_ids": []}}, "'target_layer_ids' must be a non-empty list"),
     ({"block_size": 1}, "'block_size' must be an integer >= 2"),
     ({"block_size": 10**6}, "'block_size' must be an integer >= 2 and <= 1024"),

@@ -40,10 +40,14 @@ def _fixture(name: str) -> dict:
 
 def _ar_engine(root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps({
-        "pretrained_config": {"vocab_size": 64, "mapping": {"world_size": 1}},
-        "build_config": {"max_batch_size": 8},
-    }))
+    (root / "config.json").write_text(
+        json.dumps(
+            {
+                "pretrained_config": {"vocab_size": 64, "mapping": {"world_size": 1}},
+                "build_config": {"max_batch_size": 8},
+            }
+        )
+    )
     return root
 
 
@@ -171,8 +175,10 @@ def test_missing_report_after_success_is_a_failed_point(tmp_path):
         ({"concurrency": [2, 2]}, "twice"),
         ({"engines": [{"name": "d", "kind": "medusa", "engine_dir": "x"}]}, "kind"),
         ({"engines": [{"name": "d", "kind": "dflash", "engine_dir": "x"}]}, "'ar' engine"),
-        ({"engines": [{"name": "d", "kind": "dflash", "engine_dir": "x", "runner": "trtllm-bench"}]},
-         "only for AR engines"),
+        (
+            {"engines": [{"name": "d", "kind": "dflash", "engine_dir": "x", "runner": "trtllm-bench"}]},
+            "only for AR engines",
+        ),
         ({"engines": [{"name": "a", "kind": "ar", "engine_dir": "x", "checkpoint_dir": "y"}]}, "exactly one of"),
         ({"engines": [{"name": "a", "kind": "ar", "engine_dir": "x", "bogus": 1}]}, "unknown key"),
         ({"synthetic": "8,8,4"}, "exactly one of 'dataset'"),
@@ -225,12 +231,17 @@ def test_cpu_sweep_of_the_embedded_pair_through_the_load_generator(tmp_path, cap
     summary = json.loads(capsys.readouterr().out)
     records = load_records(tmp_path / "sweep")
     assert sorted((r["engine"], r["concurrency"], r["status"]) for r in records) == [
-        ("ar", 1, "ok"), ("ar", 2, "ok"), ("dflash", 1, "ok"), ("dflash", 2, "ok")]
+        ("ar", 1, "ok"),
+        ("ar", 2, "ok"),
+        ("dflash", 1, "ok"),
+        ("dflash", 2, "ok"),
+    ]
     by_key = {(r["engine"], r["concurrency"]): r for r in records}
     assert by_key["dflash", 1]["acceptance_length"] > 2.0 and by_key["ar", 1]["acceptance_length"] == 1.0
     # The same prompts, so the same tokens: speculation is lossless under the sweep's in-flight batching.
-    assert [r["output_ids"] for r in by_key["dflash", 2]["per_request"]] == \
-        [r["output_ids"] for r in by_key["ar", 2]["per_request"]]
+    assert [r["output_ids"] for r in by_key["dflash", 2]["per_request"]] == [
+        r["output_ids"] for r in by_key["ar", 2]["per_request"]
+    ]
     assert len(load_results(tmp_path / "sweep" / "results.json")) == 4
     assert summary["baseline"] == "ar" and summary["png_written"]
     assert (tmp_path / "sweep" / "pareto.png").stat().st_size > 0

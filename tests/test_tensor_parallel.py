@@ -30,13 +30,36 @@ TP_SIZES = (1, 2, 4, 8)
 VARIANTS = {
     # Llama with attention and mlp biases; 2 KV heads (replicated at tp 4 and 8); drafter with 1 KV head.
     "llama_bias": PairVariant(
-        arch="llama", vocab=93, hidden=64, intermediate=96, heads=8, kv_heads=2, head_dim=8, target_bias=True,
-        draft_heads=8, draft_kv_heads=1, draft_head_dim=8, draft_intermediate=80, draft_bias=True, seed=3,
+        arch="llama",
+        vocab=93,
+        hidden=64,
+        intermediate=96,
+        heads=8,
+        kv_heads=2,
+        head_dim=8,
+        target_bias=True,
+        draft_heads=8,
+        draft_kv_heads=1,
+        draft_head_dim=8,
+        draft_intermediate=80,
+        draft_bias=True,
+        seed=3,
     ),
     # Qwen3 with tied embeddings: lm_head comes from the embedding and is padded (vocab 101 is prime).
     "qwen3_tied": PairVariant(
-        arch="qwen3", vocab=101, hidden=64, intermediate=64, heads=8, kv_heads=4, head_dim=16, tie=True,
-        draft_heads=8, draft_kv_heads=2, draft_head_dim=8, draft_intermediate=72, seed=5,
+        arch="qwen3",
+        vocab=101,
+        hidden=64,
+        intermediate=64,
+        heads=8,
+        kv_heads=4,
+        head_dim=16,
+        tie=True,
+        draft_heads=8,
+        draft_kv_heads=2,
+        draft_head_dim=8,
+        draft_intermediate=72,
+        seed=5,
     ),
 }
 
@@ -71,11 +94,13 @@ def _kv_heads_of(rank: int, num_kv: int, tp: int) -> list[int]:
 
 
 def _expected_qkv(q, k, v, rank, tp, num_heads, num_kv, head_dim) -> torch.Tensor:
-    return torch.cat([
-        _rows_of_heads(q, _q_heads_of(rank, num_heads, tp), head_dim),
-        _rows_of_heads(k, _kv_heads_of(rank, num_kv, tp), head_dim),
-        _rows_of_heads(v, _kv_heads_of(rank, num_kv, tp), head_dim),
-    ])
+    return torch.cat(
+        [
+            _rows_of_heads(q, _q_heads_of(rank, num_heads, tp), head_dim),
+            _rows_of_heads(k, _kv_heads_of(rank, num_kv, tp), head_dim),
+            _rows_of_heads(v, _kv_heads_of(rank, num_kv, tp), head_dim),
+        ]
+    )
 
 
 def _chunk(tensor: torch.Tensor, rank: int, tp: int, dim: int) -> torch.Tensor:
@@ -85,16 +110,32 @@ def _chunk(tensor: torch.Tensor, rank: int, tp: int, dim: int) -> torch.Tensor:
 
 
 def _expected_layer(
-    src: dict, out_prefix: str, src_prefix: str, rank: int, tp: int, heads: int, kv: int, head_dim: int,
-    attention_bias: bool, mlp_bias: bool, qk_norm: bool,
+    src: dict,
+    out_prefix: str,
+    src_prefix: str,
+    rank: int,
+    tp: int,
+    heads: int,
+    kv: int,
+    head_dim: int,
+    attention_bias: bool,
+    mlp_bias: bool,
+    qk_norm: bool,
 ) -> dict[str, torch.Tensor]:
     attn, mlp = f"{src_prefix}self_attn.", f"{src_prefix}mlp."
     out = {
         f"{out_prefix}.input_layernorm.weight": src[f"{src_prefix}input_layernorm.weight"],
         f"{out_prefix}.post_layernorm.weight": src[f"{src_prefix}post_attention_layernorm.weight"],
         f"{out_prefix}.attention.qkv.weight": _expected_qkv(
-            src[f"{attn}q_proj.weight"], src[f"{attn}k_proj.weight"], src[f"{attn}v_proj.weight"],
-            rank, tp, heads, kv, head_dim),
+            src[f"{attn}q_proj.weight"],
+            src[f"{attn}k_proj.weight"],
+            src[f"{attn}v_proj.weight"],
+            rank,
+            tp,
+            heads,
+            kv,
+            head_dim,
+        ),
         f"{out_prefix}.attention.dense.weight": _chunk(src[f"{attn}o_proj.weight"], rank, tp, 1),
         f"{out_prefix}.mlp.fc.weight": _chunk(src[f"{mlp}gate_proj.weight"], rank, tp, 0),
         f"{out_prefix}.mlp.gate.weight": _chunk(src[f"{mlp}up_proj.weight"], rank, tp, 0),
@@ -105,8 +146,15 @@ def _expected_layer(
         out[f"{out_prefix}.attention.k_layernorm.weight"] = src[f"{attn}k_norm.weight"]
     if attention_bias:
         out[f"{out_prefix}.attention.qkv.bias"] = _expected_qkv(
-            src[f"{attn}q_proj.bias"], src[f"{attn}k_proj.bias"], src[f"{attn}v_proj.bias"],
-            rank, tp, heads, kv, head_dim)
+            src[f"{attn}q_proj.bias"],
+            src[f"{attn}k_proj.bias"],
+            src[f"{attn}v_proj.bias"],
+            rank,
+            tp,
+            heads,
+            kv,
+            head_dim,
+        )
         out[f"{out_prefix}.attention.dense.bias"] = src[f"{attn}o_proj.bias"]
     if mlp_bias:
         out[f"{out_prefix}.mlp.fc.bias"] = _chunk(src[f"{mlp}gate_proj.bias"], rank, tp, 0)
@@ -130,11 +178,33 @@ def _expected_rank(v: PairVariant, hf: dict, zl: dict, rank: int, tp: int) -> di
         "dflash.ln_f.weight": zl["norm.weight"],
     }
     for i in range(v.layers):
-        out |= _expected_layer(hf, f"transformer.layers.{i}", f"model.layers.{i}.", rank, tp, v.heads, v.kv_heads,
-                               v.head_dim, v.target_bias, v.target_bias and v.arch == "llama", v.arch == "qwen3")
+        out |= _expected_layer(
+            hf,
+            f"transformer.layers.{i}",
+            f"model.layers.{i}.",
+            rank,
+            tp,
+            v.heads,
+            v.kv_heads,
+            v.head_dim,
+            v.target_bias,
+            v.target_bias and v.arch == "llama",
+            v.arch == "qwen3",
+        )
     for i in range(v.draft_layers):
-        out |= _expected_layer(zl, f"dflash.layers.{i}", f"layers.{i}.", rank, tp, v.draft_heads, v.draft_kv_heads,
-                               v.draft_head_dim, v.draft_bias, False, True)
+        out |= _expected_layer(
+            zl,
+            f"dflash.layers.{i}",
+            f"layers.{i}.",
+            rank,
+            tp,
+            v.draft_heads,
+            v.draft_kv_heads,
+            v.draft_head_dim,
+            v.draft_bias,
+            False,
+            True,
+        )
     return out
 
 
@@ -163,8 +233,12 @@ def test_pieces_reassemble_to_the_unsharded_tensors(tp_checkpoints):
         assert torch.equal(head[: v.vocab], full["lm_head.weight"]) and not head[v.vocab :].any()
         for i in range(v.layers):
             layer = f"transformer.layers.{i}"
-            for name, dim in (("mlp.fc.weight", 0), ("mlp.gate.weight", 0), ("mlp.proj.weight", 1),
-                              ("attention.dense.weight", 1)):
+            for name, dim in (
+                ("mlp.fc.weight", 0),
+                ("mlp.gate.weight", 0),
+                ("mlp.proj.weight", 1),
+                ("attention.dense.weight", 1),
+            ):
                 merged = torch.cat([r[f"{layer}.{name}"] for r in ranks], dim=dim)
                 assert torch.equal(merged, full[f"{layer}.{name}"]), (tp, layer, name)
             q_rows = v.heads * v.head_dim // tp
@@ -195,8 +269,9 @@ def test_golden_model_tokens_are_identical_across_tp(tp_checkpoints):
     assert all(runs[tp] == runs[1] for tp in TP_SIZES), runs
     hf_model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     for prompt, (output_ids, _) in zip(prompts, runs[1], strict=True):
-        greedy = hf_model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
-                                   pad_token_id=0)
+        greedy = hf_model.generate(
+            torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
         assert output_ids == greedy[0, len(prompt) :].tolist()
 
 
@@ -211,8 +286,19 @@ def test_parallel_workers_write_the_same_bytes(tp_checkpoints, tmp_path):
 def test_tp_that_does_not_divide_the_heads_is_refused(tp_checkpoints, tmp_path, capsys):
     _, target_dir, draft_dir, _ = tp_checkpoints
     out = tmp_path / "bad"
-    code = main(["convert", "--model_dir", str(target_dir), "--dflash_model_dir", str(draft_dir),
-                 "--output_dir", str(out), "--tp_size", "3"])
+    code = main(
+        [
+            "convert",
+            "--model_dir",
+            str(target_dir),
+            "--dflash_model_dir",
+            str(draft_dir),
+            "--output_dir",
+            str(out),
+            "--tp_size",
+            "3",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
     assert "8 attention heads cannot be split over tp_size 3" in err

@@ -47,20 +47,31 @@ def tokenizer_dir(tmp_path_factory) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOS, PAD, IM_END],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog", "speculative decoding drafts a block"] * 20,
-                            trainer)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=[EOS, PAD, IM_END], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(
+        ["the quick brown fox jumps over the lazy dog", "speculative decoding drafts a block"] * 20, trainer
+    )
     tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": PAD}))
+    (d / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": PAD})
+    )
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))
     return d
 
 
 def _settings(tokenizer_dir: Path, **changes) -> RepositorySettings:
-    base = dict(engine_dir="/engines/qwen3-8b", tokenizer_dir=str(tokenizer_dir), plugin_library="/opt/lib/x.so",
-                max_batch_size=64, max_input_len=4096, max_draft_len=15, world_size=1, max_temperature=0.0)
+    base = dict(
+        engine_dir="/engines/qwen3-8b",
+        tokenizer_dir=str(tokenizer_dir),
+        plugin_library="/opt/lib/x.so",
+        max_batch_size=64,
+        max_input_len=4096,
+        max_draft_len=15,
+        world_size=1,
+        max_temperature=0.0,
+    )
     return RepositorySettings(**{**base, **changes})
 
 
@@ -174,8 +185,10 @@ def test_paths_written_into_configs_are_absolute(tmp_path: Path, tokenizer_dir: 
     """The backend refuses a relative gpt_model_path; Triton runs elsewhere than where the repository was made."""
     monkeypatch.chdir(tmp_path)
     tokenizer = Path(os.path.relpath(tokenizer_dir, tmp_path))
-    repo = write_repository(_settings(tokenizer, engine_dir="demo_out/engine",
-                                      plugin_library="plugins/build/libdflash_trt_plugins.so"), tmp_path / "repo")
+    repo = write_repository(
+        _settings(tokenizer, engine_dir="demo_out/engine", plugin_library="plugins/build/libdflash_trt_plugins.so"),
+        tmp_path / "repo",
+    )
     configs = _configs(repo)
     assert _params(configs["tensorrt_llm"])["gpt_model_path"] == str(tmp_path / "demo_out/engine")
     for name in ("tensorrt_llm", "preprocessing", "postprocessing", "tensorrt_llm_bls"):
@@ -185,20 +198,30 @@ def test_paths_written_into_configs_are_absolute(tmp_path: Path, tokenizer_dir: 
     assert f"DEFAULT_PLUGIN='{tmp_path}/plugins/build/libdflash_trt_plugins.so'" in (repo / LAUNCH_SCRIPT).read_text()
 
 
-@pytest.mark.parametrize("flag,value,message", [
-    ("--kv_cache_free_gpu_mem_fraction", "5", "--kv_cache_free_gpu_mem_fraction: Input should be less than 1"),
-    ("--kv_cache_free_gpu_mem_fraction", "nan", "--kv_cache_free_gpu_mem_fraction: Input should be a finite number"),
-    ("--kv_cache_free_gpu_mem_fraction", "0", "--kv_cache_free_gpu_mem_fraction: Input should be greater than 0"),
-    ("--instance_count", "0", "--instance_count: Input should be greater than or equal to 1"),
-])
-def test_cli_overrides_are_checked_by_the_profile_schema(tmp_path: Path, tokenizer_dir: Path, capsys, flag: str,
-                                                         value: str, message: str):
+@pytest.mark.parametrize(
+    "flag,value,message",
+    [
+        ("--kv_cache_free_gpu_mem_fraction", "5", "--kv_cache_free_gpu_mem_fraction: Input should be less than 1"),
+        (
+            "--kv_cache_free_gpu_mem_fraction",
+            "nan",
+            "--kv_cache_free_gpu_mem_fraction: Input should be a finite number",
+        ),
+        ("--kv_cache_free_gpu_mem_fraction", "0", "--kv_cache_free_gpu_mem_fraction: Input should be greater than 0"),
+        ("--instance_count", "0", "--instance_count: Input should be greater than or equal to 1"),
+    ],
+)
+def test_cli_overrides_are_checked_by_the_profile_schema(
+    tmp_path: Path, tokenizer_dir: Path, capsys, flag: str, value: str, message: str
+):
     engine = _engine_dir(tmp_path / "eng")
     profile = ROOT / "build_configs/b200-nvfp4/qwen3-4b.yaml"
     for source in (["--engine_dir", str(engine)], ["--config", str(profile), "--work_dir", str(tmp_path / "ws")]):
         out = tmp_path / "repo"
-        assert cli_main(["triton", *source, "--tokenizer_dir", str(tokenizer_dir), "--output_dir", str(out),
-                         flag, value]) == 2
+        assert (
+            cli_main(["triton", *source, "--tokenizer_dir", str(tokenizer_dir), "--output_dir", str(out), flag, value])
+            == 2
+        )
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1
         assert not out.exists()
@@ -222,8 +245,12 @@ def test_python_models_import_only_what_processing_defines(tmp_path: Path, token
     repo = write_repository(_settings(tokenizer_dir), tmp_path / "repo")
     for name in ("preprocessing", "postprocessing", "tensorrt_llm_bls"):
         tree = ast.parse((repo / name / "1/model.py").read_text())
-        imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "dflash_processing"
-                    for a in n.names]
+        imported = [
+            a.name
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and n.module == "dflash_processing"
+            for a in n.names
+        ]
         assert imported and all(hasattr(P, a) for a in imported)
         classes = [n.name for n in tree.body if isinstance(n, ast.ClassDef)]
         assert classes == ["TritonPythonModel"]
@@ -242,8 +269,13 @@ def test_write_repository_refuses_to_overwrite(tmp_path: Path, tokenizer_dir: Pa
 def _engine_dir(path: Path, **manifest) -> Path:
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps({"build_config": {"max_batch_size": 128, "max_input_len": 2048}}))
-    base = {"max_batch_size": 128, "max_draft_len": 9, "tp_size": 2, "plugin_library": "/p/lib.so",
-            "max_temperature": 0.0}
+    base = {
+        "max_batch_size": 128,
+        "max_draft_len": 9,
+        "tp_size": 2,
+        "plugin_library": "/p/lib.so",
+        "max_temperature": 0.0,
+    }
     (path / "dflash_trt.json").write_text(json.dumps({**base, **manifest}))
     return path
 
@@ -263,21 +295,61 @@ def test_settings_from_engine_reads_the_manifest(tmp_path: Path, tokenizer_dir: 
 
 def test_cli_writes_a_repository_from_an_engine_and_from_a_profile(tmp_path: Path, tokenizer_dir: Path, capsys):
     engine = _engine_dir(tmp_path / "eng")
-    assert cli_main(["triton", "--engine_dir", str(engine), "--tokenizer_dir", str(tokenizer_dir),
-                     "--output_dir", str(tmp_path / "r1")]) == 0
+    assert (
+        cli_main(
+            [
+                "triton",
+                "--engine_dir",
+                str(engine),
+                "--tokenizer_dir",
+                str(tokenizer_dir),
+                "--output_dir",
+                str(tmp_path / "r1"),
+            ]
+        )
+        == 0
+    )
     assert _params(_configs(tmp_path / "r1")["tensorrt_llm"])["gpt_model_path"] == str(engine.absolute())
     assert "launch_triton.sh" in capsys.readouterr().out
     profile = ROOT / "build_configs/b200-nvfp4/qwen3-4b.yaml"
-    assert cli_main(["triton", "--config", str(profile), "--tokenizer_dir", str(tokenizer_dir),
-                     "--work_dir", str(tmp_path / "ws"), "--output_dir", str(tmp_path / "r2"),
-                     "--instance_count", "2", "--json"]) == 0
+    assert (
+        cli_main(
+            [
+                "triton",
+                "--config",
+                str(profile),
+                "--tokenizer_dir",
+                str(tokenizer_dir),
+                "--work_dir",
+                str(tmp_path / "ws"),
+                "--output_dir",
+                str(tmp_path / "r2"),
+                "--instance_count",
+                "2",
+                "--json",
+            ]
+        )
+        == 0
+    )
     printed = json.loads(capsys.readouterr().out)
     assert printed["engine_dir"] == str((tmp_path / "ws/engine").absolute()) and printed["instance_count"] == 2
     configs = _configs(tmp_path / "r2")
     check_ensemble_wiring(configs)
     assert configs["preprocessing"].instance_group[0].count == 2
-    assert cli_main(["triton", "--engine_dir", str(engine), "--tokenizer_dir", str(tmp_path),
-                     "--output_dir", str(tmp_path / "r3")]) == 2
+    assert (
+        cli_main(
+            [
+                "triton",
+                "--engine_dir",
+                str(engine),
+                "--tokenizer_dir",
+                str(tmp_path),
+                "--output_dir",
+                str(tmp_path / "r3"),
+            ]
+        )
+        == 2
+    )
     assert "holds no tokenizer" in capsys.readouterr().err
 
 
@@ -286,14 +358,13 @@ def test_cli_writes_a_repository_from_an_engine_and_from_a_profile(tmp_path: Pat
 
 @pytest.fixture(scope="module")
 def pre(tokenizer_dir: Path) -> P.Preprocessor:
-    return P.Preprocessor.from_dir(str(tokenizer_dir), add_special_tokens=False, max_input_len=32,
-                                   max_temperature=0.0)
+    return P.Preprocessor.from_dir(str(tokenizer_dir), add_special_tokens=False, max_input_len=32, max_temperature=0.0)
 
 
 def decode_word_list(row: np.ndarray) -> list[list[int]]:
     """The backend's convertWordList: the second half of the flattened [2, L] row holds end offsets until -1."""
     flat = row.reshape(-1).tolist()
-    ids, offsets = flat[: len(flat) // 2], flat[len(flat) // 2:]
+    ids, offsets = flat[: len(flat) // 2], flat[len(flat) // 2 :]
     words, start = [], 0
     for end in offsets:
         if end == -1:
@@ -304,8 +375,10 @@ def decode_word_list(row: np.ndarray) -> list[list[int]]:
 
 
 def _request(texts: list[str], **extra) -> dict:
-    inputs = {P.QUERY: np.array([[t.encode()] for t in texts], dtype=object),
-              P.REQUEST_OUTPUT_LEN: np.array([[8]] * len(texts), dtype=np.int32)}
+    inputs = {
+        P.QUERY: np.array([[t.encode()] for t in texts], dtype=object),
+        P.REQUEST_OUTPUT_LEN: np.array([[8]] * len(texts), dtype=np.int32),
+    }
     inputs.update(extra)
     return inputs
 
@@ -330,16 +403,20 @@ def test_stop_and_bad_words_use_trtllm_word_lists(pre: P.Preprocessor):
     assert out[P.STOP_WORDS_IDS].shape[:2] == (2, 2)
     im_end = tok.convert_tokens_to_ids(IM_END)  # generation_config's second eos id becomes a stop word
     first = decode_word_list(out[P.STOP_WORDS_IDS][0])
-    assert first == [tok.encode("lazy dog", add_special_tokens=False), tok.encode("fox", add_special_tokens=False),
-                     [im_end]]
+    assert first == [
+        tok.encode("lazy dog", add_special_tokens=False),
+        tok.encode("fox", add_special_tokens=False),
+        [im_end],
+    ]
     assert decode_word_list(out[P.STOP_WORDS_IDS][1]) == [tok.encode("block", add_special_tokens=False), [im_end]]
     assert [decode_word_list(r) for r in out[P.BAD_WORDS_IDS]] == [[], []]
     assert tok.decode(first[0]) == "lazy dog"
 
 
 def test_explicit_end_and_pad_ids_pass_through(pre: P.Preprocessor):
-    out = pre.preprocess(_request(["the dog"], **{P.END_ID: np.array([[7]], np.int32),
-                                                  P.PAD_ID: np.array([[9]], np.int32)}))
+    out = pre.preprocess(
+        _request(["the dog"], **{P.END_ID: np.array([[7]], np.int32), P.PAD_ID: np.array([[9]], np.int32)})
+    )
     assert (out[P.OUT_END_ID].tolist(), out[P.OUT_PAD_ID].tolist()) == ([[7]], [[9]])
 
 
@@ -347,8 +424,9 @@ def test_sampling_requests_are_refused_greedy_accepted(pre: P.Preprocessor, toke
     with pytest.raises(ValueError, match="temperature 0.7 refused: this DFlash engine verifies drafts greedily"):
         pre.preprocess(_request(["the dog"], **{P.TEMPERATURE: np.array([[0.7]], np.float32)}))
     pre.preprocess(_request(["the dog"], **{P.TEMPERATURE: np.array([[0.0]], np.float32)}))
-    lossless = P.Preprocessor.from_dir(str(tokenizer_dir), add_special_tokens=False, max_input_len=32,
-                                       max_temperature=float("inf"))
+    lossless = P.Preprocessor.from_dir(
+        str(tokenizer_dir), add_special_tokens=False, max_input_len=32, max_temperature=float("inf")
+    )
     lossless.preprocess(_request(["the dog"], **{P.TEMPERATURE: np.array([[0.7]], np.float32)}))
 
 
@@ -376,8 +454,10 @@ def test_postprocess_detokenizes_streamed_chunks(pre: P.Preprocessor, tokenizer_
 
 
 def _fake_binary(path: Path, record: Path) -> Path:
-    path.write_text(f'#!/usr/bin/env bash\n{{ echo "LD_PRELOAD=$LD_PRELOAD $DFLASH_TRT_LOAD_PLUGINS"; '
-                    f'printf "%s\\n" "$@"; }} > {record}\n')
+    path.write_text(
+        f'#!/usr/bin/env bash\n{{ echo "LD_PRELOAD=$LD_PRELOAD $DFLASH_TRT_LOAD_PLUGINS"; '
+        f'printf "%s\\n" "$@"; }} > {record}\n'
+    )
     path.chmod(0o755)
     return path
 
@@ -386,17 +466,23 @@ def _fake_binary(path: Path, record: Path) -> Path:
 def test_launch_script_preloads_the_plugin(tmp_path: Path, tokenizer_dir: Path, world_size: int):
     plugin = tmp_path / "libdflash_trt_plugins.so"
     plugin.write_bytes(b"\x7fELF")
-    repo = write_repository(_settings(tokenizer_dir, plugin_library=str(plugin), world_size=world_size),
-                            tmp_path / "repo")
+    repo = write_repository(
+        _settings(tokenizer_dir, plugin_library=str(plugin), world_size=world_size), tmp_path / "repo"
+    )
     record = tmp_path / "argv.txt"
-    env = dict(os.environ, TRITONSERVER=str(_fake_binary(tmp_path / "tritonserver", record)),
-               MPIRUN=str(_fake_binary(tmp_path / "mpirun", record)), LD_PRELOAD="")
+    env = dict(
+        os.environ,
+        TRITONSERVER=str(_fake_binary(tmp_path / "tritonserver", record)),
+        MPIRUN=str(_fake_binary(tmp_path / "mpirun", record)),
+        LD_PRELOAD="",
+    )
     env.pop("DFLASH_TRT_PLUGIN_LIB", None)
     env.pop("DFLASH_TRT_LOAD_PLUGINS", None)
     elsewhere = tmp_path / "elsewhere"  # the script does not depend on the directory it is started from
     elsewhere.mkdir()
-    subprocess.run(["bash", str(repo / LAUNCH_SCRIPT), "--grpc-port=9001"], env=env, check=True, timeout=30,
-                   cwd=elsewhere)
+    subprocess.run(
+        ["bash", str(repo / LAUNCH_SCRIPT), "--grpc-port=9001"], env=env, check=True, timeout=30, cwd=elsewhere
+    )
     lines = record.read_text().splitlines()
     assert f"--model-repository={repo.absolute()}" in lines and "--grpc-port=9001" in lines
     if world_size == 1:
@@ -413,8 +499,13 @@ def test_launch_script_preloads_the_plugin(tmp_path: Path, tokenizer_dir: Path, 
 
 # ---------------------------------------------------------------- client over the real gRPC protocol
 
-TYPE_TO_WIRE = {"TYPE_STRING": "BYTES", "TYPE_INT32": "INT32", "TYPE_BOOL": "BOOL", "TYPE_FP32": "FP32",
-                "TYPE_UINT64": "UINT64"}
+TYPE_TO_WIRE = {
+    "TYPE_STRING": "BYTES",
+    "TYPE_INT32": "INT32",
+    "TYPE_BOOL": "BOOL",
+    "TYPE_FP32": "FP32",
+    "TYPE_UINT64": "UINT64",
+}
 
 
 def _bytes_tensor(values: list[bytes]) -> bytes:
@@ -449,11 +540,14 @@ def _loopback_server(ensemble, pieces: list[str]):
                 assert {n for n, (_, _, opt) in declared.items() if not opt} <= set(names)
                 for piece in pieces:
                     yield response(request, [("text_output", "BYTES", [1, 1], _bytes_tensor([piece.encode()]))])
-                yield response(request, [
-                    ("acceptance_rate", "FP32", [1, 1], np.array([0.6], np.float32).tobytes()),
-                    ("total_accepted_draft_tokens", "INT32", [1, 1], np.array([27], np.int32).tobytes()),
-                    ("total_draft_tokens", "INT32", [1, 1], np.array([45], np.int32).tobytes()),
-                ])
+                yield response(
+                    request,
+                    [
+                        ("acceptance_rate", "FP32", [1, 1], np.array([0.6], np.float32).tobytes()),
+                        ("total_accepted_draft_tokens", "INT32", [1, 1], np.array([27], np.int32).tobytes()),
+                        ("total_draft_tokens", "INT32", [1, 1], np.array([45], np.int32).tobytes()),
+                    ],
+                )
                 yield response(request, [], final=True)
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
@@ -469,8 +563,16 @@ def test_client_streams_text_and_acceptance(tmp_path: Path, tokenizer_dir: Path)
     server, port, seen = _loopback_server(ensemble, ["Draft", "ing é", "!"])
     try:
         chunks: list[str] = []
-        gen = triton_client.stream_generate(f"127.0.0.1:{port}", "the fox", 16, temperature=0.7,
-                                            stop_words=["dog"], on_text=chunks.append, timeout_s=30, seed=42)
+        gen = triton_client.stream_generate(
+            f"127.0.0.1:{port}",
+            "the fox",
+            16,
+            temperature=0.7,
+            stop_words=["dog"],
+            on_text=chunks.append,
+            timeout_s=30,
+            seed=42,
+        )
     finally:
         server.stop(0)
     assert gen.errors == [] and gen.text == "Drafting é!" and chunks == ["Draft", "ing é", "!"]
@@ -595,8 +697,11 @@ def _load_model(repo: Path, name: str, monkeypatch):
 def test_python_models_run_their_configs(tmp_path: Path, tokenizer_dir: Path, monkeypatch):
     repo = write_repository(_settings(tokenizer_dir, max_input_len=6), tmp_path / "repo")
     pre = _load_model(repo, "preprocessing", monkeypatch)
-    ok, hot, long = (_request(["the fox"]), _request(["the fox"], **{P.TEMPERATURE: np.array([[1.0]], np.float32)}),
-                     _request(["the quick brown fox jumps over the lazy dog"]))
+    ok, hot, long = (
+        _request(["the fox"]),
+        _request(["the fox"], **{P.TEMPERATURE: np.array([[1.0]], np.float32)}),
+        _request(["the quick brown fox jumps over the lazy dog"]),
+    )
     responses = pre.execute([ok, hot, long])
     declared = {t.name for t in _configs(repo)["preprocessing"].output}
     assert responses[0].error is None and set(responses[0].outputs) == declared
@@ -621,26 +726,40 @@ def test_stream_detokenizer_never_splits_a_character(pre: P.Preprocessor):
 
 
 def _dtype_name(array: np.ndarray) -> str:
-    return {np.dtype(np.int32): "TYPE_INT32", np.dtype(np.float32): "TYPE_FP32", np.dtype(bool): "TYPE_BOOL",
-            np.dtype(object): "TYPE_STRING"}[array.dtype]
+    return {
+        np.dtype(np.int32): "TYPE_INT32",
+        np.dtype(np.float32): "TYPE_FP32",
+        np.dtype(bool): "TYPE_BOOL",
+        np.dtype(object): "TYPE_STRING",
+    }[array.dtype]
 
 
-def test_bls_model_streams_whole_characters_to_the_engine_interface(tmp_path: Path, tokenizer_dir: Path,
-                                                                    monkeypatch):
+def test_bls_model_streams_whole_characters_to_the_engine_interface(tmp_path: Path, tokenizer_dir: Path, monkeypatch):
     repo = write_repository(_settings(tokenizer_dir), tmp_path / "repo")
     configs = _configs(repo)
     bls = _load_model(repo, "tensorrt_llm_bls", monkeypatch)
     tok = bls.preprocessor.tokenizer
     answer = "a block é 日本"
     ids = tok.encode(answer, add_special_tokens=False)
-    chunks = [ids[i:i + 3] for i in range(0, len(ids), 3)]  # blocks of accepted tokens, split mid-character
+    chunks = [ids[i : i + 3] for i in range(0, len(ids), 3)]  # blocks of accepted tokens, split mid-character
     _StandInPbUtils.engine_responses = [
         {"output_ids": np.array([[c]], np.int32), "sequence_length": np.array([[len(c)]], np.int32)} for c in chunks
-    ] + [{"acceptance_rate": np.array([[0.5]], np.float32), "total_accepted_draft_tokens": np.array([[3]], np.int32),
-          "total_draft_tokens": np.array([[6]], np.int32)}]
+    ] + [
+        {
+            "acceptance_rate": np.array([[0.5]], np.float32),
+            "total_accepted_draft_tokens": np.array([[3]], np.int32),
+            "total_draft_tokens": np.array([[6]], np.int32),
+        }
+    ]
     _StandInPbUtils.llm_requests = []
-    request = _BlsRequest({"text_input": np.array([[b"the fox"]], object), "max_tokens": np.array([[16]], np.int32),
-                           "stream": np.array([[True]]), "return_perf_metrics": np.array([[True]])})
+    request = _BlsRequest(
+        {
+            "text_input": np.array([[b"the fox"]], object),
+            "max_tokens": np.array([[16]], np.int32),
+            "stream": np.array([[True]]),
+            "return_perf_metrics": np.array([[True]]),
+        }
+    )
     assert bls.execute([request]) is None
     [llm] = _StandInPbUtils.llm_requests
     trt = {t.name: t for t in configs["tensorrt_llm"].input}
@@ -656,8 +775,13 @@ def test_bls_model_streams_whole_characters_to_the_engine_interface(tmp_path: Pa
     assert responses[-1].outputs["total_draft_tokens"].tolist() == [[6]]
     assert request.sender.sent[-1] == (None, 1)  # the final flag closes the stream
 
-    hot = _BlsRequest({"text_input": np.array([[b"the fox"]], object), "max_tokens": np.array([[4]], np.int32),
-                       "temperature": np.array([[0.9]], np.float32)})
+    hot = _BlsRequest(
+        {
+            "text_input": np.array([[b"the fox"]], object),
+            "max_tokens": np.array([[4]], np.int32),
+            "temperature": np.array([[0.9]], np.float32),
+        }
+    )
     bls.execute([hot])
     (error_response, _), final = hot.sender.sent
     assert "temperature 0.9 refused" in error_response.error.message and final == (None, 1)
@@ -668,8 +792,9 @@ def test_bls_model_streams_whole_characters_to_the_engine_interface(tmp_path: Pa
 
 @pytest.fixture(scope="module")
 def sampler(tokenizer_dir: Path) -> P.Preprocessor:
-    return P.Preprocessor.from_dir(str(tokenizer_dir), add_special_tokens=False, max_input_len=32,
-                                   max_temperature=float("inf"))
+    return P.Preprocessor.from_dir(
+        str(tokenizer_dir), add_special_tokens=False, max_input_len=32, max_temperature=float("inf")
+    )
 
 
 def test_temperature_reaches_the_engine_and_defaults_to_greedy(sampler: P.Preprocessor):
@@ -680,15 +805,32 @@ def test_temperature_reaches_the_engine_and_defaults_to_greedy(sampler: P.Prepro
     assert hot[P.OUT_TEMPERATURE].tolist() == [[pytest.approx(0.7)], [0.0]]
 
 
-@pytest.mark.parametrize("name, value, dtype", [
-    ("top_k", 40, np.int32), ("top_p", 0.9, np.float32), ("repetition_penalty", 1.2, np.float32),
-    ("presence_penalty", 0.5, np.float32), ("frequency_penalty", 0.5, np.float32),
-    ("length_penalty", 2.0, np.float32), ("min_tokens", 5, np.int32), ("beam_width", 4, np.int32),
-    ("num_return_sequences", 2, np.int32)])
+@pytest.mark.parametrize(
+    "name, value, dtype",
+    [
+        ("top_k", 40, np.int32),
+        ("top_p", 0.9, np.float32),
+        ("repetition_penalty", 1.2, np.float32),
+        ("presence_penalty", 0.5, np.float32),
+        ("frequency_penalty", 0.5, np.float32),
+        ("length_penalty", 2.0, np.float32),
+        ("min_tokens", 5, np.int32),
+        ("beam_width", 4, np.int32),
+        ("num_return_sequences", 2, np.int32),
+    ],
+)
 def test_unsupported_sampling_parameters_are_refused(sampler: P.Preprocessor, name: str, value, dtype):
-    neutral = {"top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
-               "frequency_penalty": 0.0, "length_penalty": 1.0, "min_tokens": 1, "beam_width": 1,
-               "num_return_sequences": 1}[name]
+    neutral = {
+        "top_k": 0,
+        "top_p": 1.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "length_penalty": 1.0,
+        "min_tokens": 1,
+        "beam_width": 1,
+        "num_return_sequences": 1,
+    }[name]
     sampler.preprocess(_request(["a", "b"], **{name: np.array([[neutral], [neutral]], dtype)}))
     with pytest.raises(ValueError, match=f"^{name} .* refused: a DFlash engine samples with temperature and seed"):
         sampler.preprocess(_request(["a", "b"], **{name: np.array([[neutral], [value]], dtype)}))
@@ -703,8 +845,9 @@ def test_every_sampling_input_has_a_rule():
 def test_top_k_one_is_greedy_only(sampler: P.Preprocessor):
     sampler.preprocess(_request(["a"], top_k=np.array([[1]], np.int32)))
     with pytest.raises(ValueError, match="top_k 1 refused"):
-        sampler.preprocess(_request(["a"], top_k=np.array([[1]], np.int32),
-                                    **{P.TEMPERATURE: np.array([[0.5]], np.float32)}))
+        sampler.preprocess(
+            _request(["a"], top_k=np.array([[1]], np.int32), **{P.TEMPERATURE: np.array([[0.5]], np.float32)})
+        )
     with pytest.raises(ValueError, match="temperature -1.0 refused: it must be a finite number >= 0"):
         sampler.preprocess(_request(["a"], **{P.TEMPERATURE: np.array([[-1.0]], np.float32)}))
 
@@ -721,15 +864,25 @@ def test_bls_sends_temperature_and_seed_and_refuses_top_p(tmp_path: Path, tokeni
     bls = _load_model(repo, "tensorrt_llm_bls", monkeypatch)
     assert sys.modules["dflash_processing"].sampling_refusal.__module__ == "dflash_sampling_rules"
     _StandInPbUtils.engine_responses, _StandInPbUtils.llm_requests = [], []
-    request = _BlsRequest({"text_input": np.array([[b"the fox"]], object), "max_tokens": np.array([[4]], np.int32),
-                           "temperature": np.array([[0.8]], np.float32),
-                           "random_seed": np.array([[1234]], np.uint64)})
+    request = _BlsRequest(
+        {
+            "text_input": np.array([[b"the fox"]], object),
+            "max_tokens": np.array([[4]], np.int32),
+            "temperature": np.array([[0.8]], np.float32),
+            "random_seed": np.array([[1234]], np.uint64),
+        }
+    )
     bls.execute([request])
     [llm] = _StandInPbUtils.llm_requests
     assert llm.inputs["temperature"].tolist() == [[pytest.approx(0.8)]]
     assert llm.inputs["random_seed"].tolist() == [[1234]]
-    refused = _BlsRequest({"text_input": np.array([[b"the fox"]], object), "max_tokens": np.array([[4]], np.int32),
-                           "top_p": np.array([[0.5]], np.float32)})
+    refused = _BlsRequest(
+        {
+            "text_input": np.array([[b"the fox"]], object),
+            "max_tokens": np.array([[4]], np.int32),
+            "top_p": np.array([[0.5]], np.float32),
+        }
+    )
     bls.execute([refused])
     (error, _), final = refused.sender.sent
     assert error.error.message.startswith("top_p 0.5 refused") and final == (None, 1)

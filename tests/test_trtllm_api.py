@@ -133,8 +133,10 @@ def test_walk_sees_what_it_should(tmp_path: Path):
     )
     symbols, keywords = uses(module)
     assert symbols == {"tensorrt_llm.functional.concat", "tensorrt.PluginFieldType.INT32"}
-    assert [(s, k) for s, k, _ in keywords] == [("tensorrt_llm.functional.concat", "dim"),
-                                                ("tensorrt_llm.functional.concat", "bogus")]
+    assert [(s, k) for s, k, _ in keywords] == [
+        ("tensorrt_llm.functional.concat", "dim"),
+        ("tensorrt_llm.functional.concat", "bogus"),
+    ]
     params, open_kwargs = parameters("concat(inputs: Sequence[Union[Tensor, int]], dim: int = 0) -> Tensor")
     assert params == {"inputs", "dim"} and not open_kwargs
 

@@ -93,7 +93,7 @@ def scratch_directory(parent: Path, purpose: str) -> Iterator[Path]:
     try:
         parent.mkdir(parents=True, exist_ok=True)
         for stale in parent.glob(f"{prefix}*"):
-            pid = stale.name[len(prefix):].split("-", 1)[0]
+            pid = stale.name[len(prefix) :].split("-", 1)[0]
             if pid.isdigit() and int(pid) != os.getpid() and not _process_alive(int(pid)):
                 shutil.rmtree(stale, ignore_errors=True)
         scratch = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent))

@@ -55,45 +55,78 @@ def _layer_tensors(
         return tuple((model, name) for name in leaf)
 
     out = [
-        OutputTensor(names.tensor(out_prefix, names.INPUT_LAYERNORM), src(f"{src_prefix}input_layernorm.weight"),
-                     (hidden,)),
+        OutputTensor(
+            names.tensor(out_prefix, names.INPUT_LAYERNORM), src(f"{src_prefix}input_layernorm.weight"), (hidden,)
+        ),
         OutputTensor(
             names.tensor(out_prefix, names.QKV),
             src(f"{attn}q_proj.weight", f"{attn}k_proj.weight", f"{attn}v_proj.weight"),
-            (q_size + 2 * kv_size, hidden), Split.QKV, heads,
+            (q_size + 2 * kv_size, hidden),
+            Split.QKV,
+            heads,
         ),
-        OutputTensor(names.tensor(out_prefix, names.DENSE), src(f"{attn}o_proj.weight"), (hidden, q_size),
-                     Split.COLUMNS),
-        OutputTensor(names.tensor(out_prefix, names.POST_LAYERNORM),
-                     src(f"{src_prefix}post_attention_layernorm.weight"), (hidden,)),
-        OutputTensor(names.tensor(out_prefix, names.MLP_FC), src(f"{mlp}gate_proj.weight"), (intermediate, hidden),
-                     Split.ROWS),
-        OutputTensor(names.tensor(out_prefix, names.MLP_GATE), src(f"{mlp}up_proj.weight"), (intermediate, hidden),
-                     Split.ROWS),
-        OutputTensor(names.tensor(out_prefix, names.MLP_PROJ), src(f"{mlp}down_proj.weight"), (hidden, intermediate),
-                     Split.COLUMNS),
+        OutputTensor(
+            names.tensor(out_prefix, names.DENSE), src(f"{attn}o_proj.weight"), (hidden, q_size), Split.COLUMNS
+        ),
+        OutputTensor(
+            names.tensor(out_prefix, names.POST_LAYERNORM),
+            src(f"{src_prefix}post_attention_layernorm.weight"),
+            (hidden,),
+        ),
+        OutputTensor(
+            names.tensor(out_prefix, names.MLP_FC), src(f"{mlp}gate_proj.weight"), (intermediate, hidden), Split.ROWS
+        ),
+        OutputTensor(
+            names.tensor(out_prefix, names.MLP_GATE), src(f"{mlp}up_proj.weight"), (intermediate, hidden), Split.ROWS
+        ),
+        OutputTensor(
+            names.tensor(out_prefix, names.MLP_PROJ),
+            src(f"{mlp}down_proj.weight"),
+            (hidden, intermediate),
+            Split.COLUMNS,
+        ),
     ]
     if qk_norm:
-        out.append(OutputTensor(names.tensor(out_prefix, names.Q_LAYERNORM), src(f"{attn}q_norm.weight"),
-                                (heads.head_dim,)))
-        out.append(OutputTensor(names.tensor(out_prefix, names.K_LAYERNORM), src(f"{attn}k_norm.weight"),
-                                (heads.head_dim,)))
+        out.append(
+            OutputTensor(names.tensor(out_prefix, names.Q_LAYERNORM), src(f"{attn}q_norm.weight"), (heads.head_dim,))
+        )
+        out.append(
+            OutputTensor(names.tensor(out_prefix, names.K_LAYERNORM), src(f"{attn}k_norm.weight"), (heads.head_dim,))
+        )
     if attention_bias:
-        out.append(OutputTensor(
-            names.tensor(out_prefix, names.QKV, names.BIAS),
-            src(f"{attn}q_proj.bias", f"{attn}k_proj.bias", f"{attn}v_proj.bias"),
-            (q_size + 2 * kv_size,), Split.QKV, heads,
-        ))
+        out.append(
+            OutputTensor(
+                names.tensor(out_prefix, names.QKV, names.BIAS),
+                src(f"{attn}q_proj.bias", f"{attn}k_proj.bias", f"{attn}v_proj.bias"),
+                (q_size + 2 * kv_size,),
+                Split.QKV,
+                heads,
+            )
+        )
         # Row-parallel biases are added once after the all-reduce, so every rank holds the full bias.
-        out.append(OutputTensor(names.tensor(out_prefix, names.DENSE, names.BIAS), src(f"{attn}o_proj.bias"),
-                                (hidden,)))
+        out.append(
+            OutputTensor(names.tensor(out_prefix, names.DENSE, names.BIAS), src(f"{attn}o_proj.bias"), (hidden,))
+        )
     if mlp_bias:
-        out.append(OutputTensor(names.tensor(out_prefix, names.MLP_FC, names.BIAS), src(f"{mlp}gate_proj.bias"),
-                                (intermediate,), Split.ROWS))
-        out.append(OutputTensor(names.tensor(out_prefix, names.MLP_GATE, names.BIAS), src(f"{mlp}up_proj.bias"),
-                                (intermediate,), Split.ROWS))
-        out.append(OutputTensor(names.tensor(out_prefix, names.MLP_PROJ, names.BIAS), src(f"{mlp}down_proj.bias"),
-                                (hidden,)))
+        out.append(
+            OutputTensor(
+                names.tensor(out_prefix, names.MLP_FC, names.BIAS),
+                src(f"{mlp}gate_proj.bias"),
+                (intermediate,),
+                Split.ROWS,
+            )
+        )
+        out.append(
+            OutputTensor(
+                names.tensor(out_prefix, names.MLP_GATE, names.BIAS),
+                src(f"{mlp}up_proj.bias"),
+                (intermediate,),
+                Split.ROWS,
+            )
+        )
+        out.append(
+            OutputTensor(names.tensor(out_prefix, names.MLP_PROJ, names.BIAS), src(f"{mlp}down_proj.bias"), (hidden,))
+        )
     return out
 
 
@@ -101,16 +134,31 @@ def _moe_tensors(out_prefix: str, src_prefix: str, hidden: int, moe: MoeSpec, ep
     """A sparse layer's router and stacked experts: expert e's fc block is its up_proj rows then its gate_proj rows."""
     experts = ExpertLayout(moe.num_experts, ep_size)
     inter, count = moe.intermediate_size, moe.num_experts
-    fc_sources = tuple((TARGET, hf_expert(src_prefix, e, leaf))
-                       for e in range(count) for leaf in ("up_proj", "gate_proj"))
+    fc_sources = tuple(
+        (TARGET, hf_expert(src_prefix, e, leaf)) for e in range(count) for leaf in ("up_proj", "gate_proj")
+    )
     proj_sources = tuple((TARGET, hf_expert(src_prefix, e, "down_proj")) for e in range(count))
     return [
-        OutputTensor(names.tensor(out_prefix, names.MOE_ROUTER), ((TARGET, hf_router(src_prefix)),), (count, hidden),
-                     dtype=torch.float32),
-        OutputTensor(names.tensor(out_prefix, names.MOE_FC), fc_sources, (count, 2 * inter, hidden), Split.EXPERT_FC,
-                     experts=experts),
-        OutputTensor(names.tensor(out_prefix, names.MOE_PROJ), proj_sources, (count, hidden, inter),
-                     Split.EXPERT_PROJ, experts=experts),
+        OutputTensor(
+            names.tensor(out_prefix, names.MOE_ROUTER),
+            ((TARGET, hf_router(src_prefix)),),
+            (count, hidden),
+            dtype=torch.float32,
+        ),
+        OutputTensor(
+            names.tensor(out_prefix, names.MOE_FC),
+            fc_sources,
+            (count, 2 * inter, hidden),
+            Split.EXPERT_FC,
+            experts=experts,
+        ),
+        OutputTensor(
+            names.tensor(out_prefix, names.MOE_PROJ),
+            proj_sources,
+            (count, hidden, inter),
+            Split.EXPERT_PROJ,
+            experts=experts,
+        ),
     ]
 
 
@@ -125,8 +173,15 @@ def checkpoint_layout(target: TargetSpec, draft: DraftSpec, moe_ep_size: int = 1
     for i in range(target.num_hidden_layers):
         prefix, src_prefix = names.target_layer(i), f"model.layers.{i}."
         layer = _layer_tensors(
-            prefix, TARGET, src_prefix, h, target.intermediate_size, target_heads(target),
-            target.attention_bias, target.mlp_bias, target.qk_norm,
+            prefix,
+            TARGET,
+            src_prefix,
+            h,
+            target.intermediate_size,
+            target_heads(target),
+            target.attention_bias,
+            target.mlp_bias,
+            target.qk_norm,
         )
         if target.moe is not None and target.moe.is_sparse(i):
             dense_mlp = {names.tensor(prefix, m) for m in (names.MLP_FC, names.MLP_GATE, names.MLP_PROJ)}
@@ -144,8 +199,15 @@ def checkpoint_layout(target: TargetSpec, draft: DraftSpec, moe_ep_size: int = 1
     out.append(OutputTensor(names.DRAFT_HIDDEN_NORM, ((DRAFT, "hidden_norm.weight"),), (h,)))
     for i in range(draft.num_hidden_layers):
         out += _layer_tensors(
-            names.draft_layer(i), DRAFT, f"layers.{i}.", h, draft.intermediate_size, target_heads(draft),
-            draft.attention_bias, False, True,
+            names.draft_layer(i),
+            DRAFT,
+            f"layers.{i}.",
+            h,
+            draft.intermediate_size,
+            target_heads(draft),
+            draft.attention_bias,
+            False,
+            True,
         )
     out.append(OutputTensor(names.DRAFT_FINAL_NORM, ((DRAFT, "norm.weight"),), (h,)))
     return out

@@ -90,8 +90,9 @@ def _merge_experts(shards: list[torch.Tensor], split: Split, experts: ExpertLayo
         pieces = [shards[index * experts.ep_size + group] for index in range(tp_size // experts.ep_size)]
         if split is Split.EXPERT_FC:
             halves = [piece.chunk(2, dim=1) for piece in pieces]
-            groups.append(torch.cat([torch.cat([h[0] for h in halves], dim=1),
-                                     torch.cat([h[1] for h in halves], dim=1)], dim=1))
+            groups.append(
+                torch.cat([torch.cat([h[0] for h in halves], dim=1), torch.cat([h[1] for h in halves], dim=1)], dim=1)
+            )
         elif split is Split.EXPERT_PROJ:
             groups.append(torch.cat(pieces, dim=2))
         else:
@@ -163,7 +164,11 @@ def _need_heads(heads: HeadLayout | None) -> HeadLayout:
 
 
 def shard(
-    full: torch.Tensor, split: Split, tp_size: int, rank: int, heads: HeadLayout | None = None,
+    full: torch.Tensor,
+    split: Split,
+    tp_size: int,
+    rank: int,
+    heads: HeadLayout | None = None,
     experts: ExpertLayout | None = None,
 ) -> torch.Tensor:
     """This rank's piece of `full` (a view where possible)."""
@@ -184,7 +189,10 @@ def shard(
 
 
 def sharded_shape(
-    shape: tuple[int, ...], split: Split, tp_size: int, heads: HeadLayout | None = None,
+    shape: tuple[int, ...],
+    split: Split,
+    tp_size: int,
+    heads: HeadLayout | None = None,
     experts: ExpertLayout | None = None,
 ) -> tuple[int, ...]:
     if tp_size == 1 or split is Split.REPLICATE:
@@ -208,7 +216,10 @@ def sharded_shape(
 
 
 def merge(
-    shards: list[torch.Tensor], split: Split, heads: HeadLayout | None = None, vocab_size: int | None = None,
+    shards: list[torch.Tensor],
+    split: Split,
+    heads: HeadLayout | None = None,
+    vocab_size: int | None = None,
     experts: ExpertLayout | None = None,
 ) -> torch.Tensor:
     """Inverse of `shard` over all ranks."""

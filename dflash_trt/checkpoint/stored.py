@@ -38,9 +38,11 @@ class QuantSettings:
     kv_cache_dtype: str = NONE
 
     def __post_init__(self) -> None:
-        for flag, value, choices in (("--qformat", self.qformat, QFORMATS),
-                                     ("--dflash_qformat", self.dflash_qformat, QFORMATS),
-                                     ("--kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)):
+        for flag, value, choices in (
+            ("--qformat", self.qformat, QFORMATS),
+            ("--dflash_qformat", self.dflash_qformat, QFORMATS),
+            ("--kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES),
+        ):
             if value not in choices:
                 raise DFlashTrtError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
 
@@ -57,8 +59,9 @@ class QuantSettings:
         formats = {None: NONE, "FP8": FP8, "NVFP4": NVFP4}
         try:
             target, draft = config["quantization"], config["dflash_config"]["quantization"]
-            return cls(formats[target["quant_algo"]], formats[draft["quant_algo"]],
-                       formats[target["kv_cache_quant_algo"]])
+            return cls(
+                formats[target["quant_algo"]], formats[draft["quant_algo"]], formats[target["kv_cache_quant_algo"]]
+            )
         except (KeyError, TypeError):
             raise DFlashTrtError("config.json has a malformed or unsupported 'quantization' section") from None
 
@@ -97,8 +100,9 @@ def stored_full(
         partners = partner_weights(out)
         amax = None
         if len(partners) > 1 and load_partner is not None and weight.dim() == 2:
-            amax = torch.stack([weight_amax(weight if p == out.name else load_partner(p).to(dtype))
-                                for p in partners]).max()
+            amax = torch.stack(
+                [weight_amax(weight if p == out.name else load_partner(p).to(dtype)) for p in partners]
+            ).max()
         stored = quantize_weight(out.name, weight, qformat, amax)
         stored[f"{module}.{names.ACTIVATION_SCALING_FACTOR}"] = _scale(scales, module, names.ACTIVATION_SCALING_FACTOR)
     kv_name = kv_scale_name(out)

@@ -143,8 +143,9 @@ def moe_from_config(config: dict[str, Any]) -> MoeSpec | None:
         return None
     moe = config["moe"]
     if moe["normalization_mode"] not in (MOE_NORMALIZATION_NONE, MOE_NORMALIZATION_RENORMALIZE):
-        raise DFlashTrtError(f"checkpoint config.json: unsupported moe normalization_mode "
-                             f"{moe['normalization_mode']!r}")
+        raise DFlashTrtError(
+            f"checkpoint config.json: unsupported moe normalization_mode {moe['normalization_mode']!r}"
+        )
     spec = MoeSpec(
         num_experts=check_dimension(moe["num_experts"], "num_experts", "checkpoint", minimum=2),
         top_k=check_dimension(moe["top_k"], "num_experts_per_tok", "checkpoint"),
@@ -159,8 +160,15 @@ def moe_from_config(config: dict[str, Any]) -> MoeSpec | None:
 
 
 def _check_dimensions(spec: DecoderSpec, what: str) -> None:
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+    ):
         check_dimension(getattr(spec, key), key, what)
 
 
@@ -239,18 +247,25 @@ def _check_values(target: TargetSpec, draft: DraftSpec) -> None:
     """The values the golden model and the engine compute with, by type and meaning: a config edited by hand (a
     string "false", a NaN epsilon, a tap past the last layer) must not decode into silently wrong text."""
     flags: dict[str, object] = {
-        "attn_bias": target.attention_bias, "mlp_bias": target.mlp_bias, "qk_layernorm": target.qk_norm,
-        "tie_word_embeddings": target.tie_word_embeddings, "dflash_config.attn_bias": draft.attention_bias,
+        "attn_bias": target.attention_bias,
+        "mlp_bias": target.mlp_bias,
+        "qk_layernorm": target.qk_norm,
+        "tie_word_embeddings": target.tie_word_embeddings,
+        "dflash_config.attn_bias": draft.attention_bias,
     }
     flags.update({f"dflash_config.causal[{i}]": causal for i, causal in enumerate(draft.causal)})
     for key, value in flags.items():
         if not isinstance(value, bool):
             raise DFlashTrtError(f"checkpoint config.json: '{key}' must be true or false, got {value!r:.80}")
-    positive = {"norm_epsilon": target.rms_norm_eps, "rotary_base": target.rope.theta,
-                "dflash_config.norm_epsilon": draft.rms_norm_eps, "dflash_config.rotary_base": draft.rope.theta,
-                "dflash_config.input_embedding_scale": draft.input_embedding_scale,
-                "dflash_config.output_multiplier": draft.output_multiplier,
-                "dflash_config.final_logit_softcapping": draft.final_logit_softcapping}
+    positive = {
+        "norm_epsilon": target.rms_norm_eps,
+        "rotary_base": target.rope.theta,
+        "dflash_config.norm_epsilon": draft.rms_norm_eps,
+        "dflash_config.rotary_base": draft.rope.theta,
+        "dflash_config.input_embedding_scale": draft.input_embedding_scale,
+        "dflash_config.output_multiplier": draft.output_multiplier,
+        "dflash_config.final_logit_softcapping": draft.final_logit_softcapping,
+    }
     for key, number in positive.items():
         if key.endswith("softcapping") and number is None:
             continue
@@ -261,14 +276,23 @@ def _check_values(target: TargetSpec, draft: DraftSpec) -> None:
     bounds = {"dflash_config.target_layer_ids": target.num_hidden_layers}
     for key, values in ids.items():
         bound = bounds.get(key, target.vocab_size)
-        if not values and key != "eos_token_ids" or any(
-                isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < bound for v in values):
-            raise DFlashTrtError(f"checkpoint config.json: '{key}' must hold integers in [0, {bound}), "
-                                 f"got {values!r:.80}")
+        if (
+            not values
+            and key != "eos_token_ids"
+            or any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < bound for v in values)
+        ):
+            raise DFlashTrtError(
+                f"checkpoint config.json: '{key}' must hold integers in [0, {bound}), got {values!r:.80}"
+            )
     kinds = draft.layer_types
-    if len(kinds) != draft.num_hidden_layers or len(draft.causal) != len(kinds) or not all(
-            kind in (FULL_ATTENTION, SLIDING_ATTENTION) for kind in kinds):
-        raise DFlashTrtError("checkpoint config.json: dflash_config.layer_types / causal must name one known "
-                             "attention kind per draft layer")
+    if (
+        len(kinds) != draft.num_hidden_layers
+        or len(draft.causal) != len(kinds)
+        or not all(kind in (FULL_ATTENTION, SLIDING_ATTENTION) for kind in kinds)
+    ):
+        raise DFlashTrtError(
+            "checkpoint config.json: dflash_config.layer_types / causal must name one known "
+            "attention kind per draft layer"
+        )
     if draft.sliding_window is not None:
         check_dimension(draft.sliding_window, "sliding_window", "checkpoint dflash_config")

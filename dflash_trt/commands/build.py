@@ -49,20 +49,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for name, kind in SETTING_FLAGS.items():
         parser.add_argument(f"--{name}", type=kind, default=None, help=f"default {getattr(defaults, name)}")
     for name in SWITCH_FLAGS:
-        parser.add_argument(f"--{name}", choices=SWITCH, default=None,
-                            help=f"default {'enable' if getattr(defaults, name) else 'disable'}")
-    parser.add_argument("--gemm_plugin", choices=GEMM_PLUGIN_CHOICES, default=None,
-                        help=f"default {defaults.gemm_plugin}")
+        parser.add_argument(
+            f"--{name}",
+            choices=SWITCH,
+            default=None,
+            help=f"default {'enable' if getattr(defaults, name) else 'disable'}",
+        )
+    parser.add_argument(
+        "--gemm_plugin", choices=GEMM_PLUGIN_CHOICES, default=None, help=f"default {defaults.gemm_plugin}"
+    )
     parser.add_argument("--kv_cache_type", choices=KV_CACHE_TYPES, default=None, help="default paged")
     parser.add_argument("--logits_dtype", choices=LOGITS_DTYPES, default=None, help="default float32")
-    parser.add_argument("--plugin_library", default=None,
-                        help="libdflash_trt_plugins.so (default: $DFLASH_TRT_PLUGIN_LIB, else plugins/build)")
-    parser.add_argument("--dry_run", action="store_true",
-                        help="validate and print the trtllm-build command and BuildConfig; build nothing")
+    parser.add_argument(
+        "--plugin_library",
+        default=None,
+        help="libdflash_trt_plugins.so (default: $DFLASH_TRT_PLUGIN_LIB, else plugins/build)",
+    )
+    parser.add_argument(
+        "--dry_run",
+        action="store_true",
+        help="validate and print the trtllm-build command and BuildConfig; build nothing",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output_dir")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
-    parser.add_argument("extra_flags", nargs=argparse.REMAINDER,
-                        help="after `--`: further trtllm-build flags, passed through verbatim")
+    parser.add_argument(
+        "extra_flags", nargs=argparse.REMAINDER, help="after `--`: further trtllm-build flags, passed through verbatim"
+    )
     parser.set_defaults(func=run)
 
 
@@ -84,8 +96,9 @@ def run(args: argparse.Namespace) -> int:
         return run_profile(args, settings_override=settings_from_args)
     if args.checkpoint_dir is None or args.output_dir is None:
         raise DFlashTrtError("give --checkpoint_dir and --output_dir, or a build profile with --config")
-    check_output_apart(args.output_dir, {"--checkpoint_dir": args.checkpoint_dir,
-                                         "--plugin_library": args.plugin_library})
+    check_output_apart(
+        args.output_dir, {"--checkpoint_dir": args.checkpoint_dir, "--plugin_library": args.plugin_library}
+    )
     settings = settings_from_args(args)
     plan = plan_engine_build(args.checkpoint_dir, args.output_dir, settings, plugin_library=args.plugin_library)
     if args.dry_run:

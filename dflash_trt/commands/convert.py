@@ -22,24 +22,36 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="weight dtype")
     parser.add_argument("--tp_size", type=int, default=1, help="tensor-parallel ranks (default 1)")
     parser.add_argument("--pp_size", type=int, default=1, help="pipeline-parallel ranks (only 1 is supported)")
-    parser.add_argument("--moe_ep_size", type=int, default=1,
-                        help="expert-parallel groups of a MoE target; each expert splits over tp / this (default 1)")
+    parser.add_argument(
+        "--moe_ep_size",
+        type=int,
+        default=1,
+        help="expert-parallel groups of a MoE target; each expert splits over tp / this (default 1)",
+    )
     parser.add_argument("--workers", type=int, default=1, help="rank files written in parallel (default 1)")
     parser.add_argument("--qformat", choices=QFORMATS, default=NONE, help="target weights: fp8 (Hopper) or nvfp4")
     parser.add_argument("--dflash_qformat", choices=QFORMATS, default=None, help="drafter weights (default: --qformat)")
-    parser.add_argument("--kv_cache_dtype", choices=KV_CACHE_DTYPES, default=None,
-                        help="fp8: FP8 KV cache (default: a pre-quantized target's, else none)")
-    parser.add_argument("--calib_dataset", default=None,
-                        help="calibration prompts: jsonl ({'text'} or {'input_ids'} per line) or a local HF datasets "
-                             "folder with a text or input_ids column")
+    parser.add_argument(
+        "--kv_cache_dtype",
+        choices=KV_CACHE_DTYPES,
+        default=None,
+        help="fp8: FP8 KV cache (default: a pre-quantized target's, else none)",
+    )
+    parser.add_argument(
+        "--calib_dataset",
+        default=None,
+        help="calibration prompts: jsonl ({'text'} or {'input_ids'} per line) or a local HF datasets "
+        "folder with a text or input_ids column",
+    )
     parser.add_argument("--calib_size", type=int, default=64, help="calibration prompts used (default 64)")
     parser.add_argument("--calib_max_seq_len", type=int, default=512, help="calibration prompt tokens kept")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output_dir")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("convert", help="convert a target + DFlash drafter into one TensorRT-LLM checkpoint",
-                                   description=__doc__)
+    parser = subparsers.add_parser(
+        "convert", help="convert a target + DFlash drafter into one TensorRT-LLM checkpoint", description=__doc__
+    )
     add_convert_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print a JSON summary")
     parser.set_defaults(func=run)
@@ -49,9 +61,12 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     quant, _ = resolve_quantization(args.model_dir, args.qformat, args.dflash_qformat, args.kv_cache_dtype)
     if quant.qformat != quant.dflash_qformat:
-        print(f"dflash-trt convert: warning: target weights {quant.qformat} but drafter weights "
-              f"{quant.dflash_qformat}: `dflash-trt build` will refuse this checkpoint (one engine quantizes both "
-              "alike); verify and generate can still use it", file=sys.stderr)
+        print(
+            f"dflash-trt convert: warning: target weights {quant.qformat} but drafter weights "
+            f"{quant.dflash_qformat}: `dflash-trt build` will refuse this checkpoint (one engine quantizes both "
+            "alike); verify and generate can still use it",
+            file=sys.stderr,
+        )
     result = convert_checkpoint(
         args.model_dir,
         args.dflash_model_dir,
@@ -80,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     else:
-        print(f"wrote {result.output_dir} ({result.tp_size} rank file(s), {result.bytes_written / 2**20:.1f} MiB) "
-              f"in {summary['seconds']} s")
+        print(
+            f"wrote {result.output_dir} ({result.tp_size} rank file(s), {result.bytes_written / 2**20:.1f} MiB) "
+            f"in {summary['seconds']} s"
+        )
     return 0

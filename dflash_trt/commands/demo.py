@@ -32,8 +32,9 @@ from dflash_trt.trtllm.build_plan import EngineBuildSettings, plan_engine_build
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("demo", help="convert, verify and run the embedded tiny pair end to end",
-                                   description=__doc__)
+    parser = subparsers.add_parser(
+        "demo", help="convert, verify and run the embedded tiny pair end to end", description=__doc__
+    )
     parser.add_argument("--output_dir", default="demo_out", help="workspace for the demo's outputs")
     parser.add_argument("--overwrite", action="store_true", help="replace outputs of an earlier demo run")
     parser.add_argument("--num_prompts", type=int, default=16, help="held-out prompts to decode")
@@ -45,8 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def write_calibration_prompts(path: Path, count: int = 32) -> Path:
     """Prompts from the tiny corpus's training split (never the held-out ones) to calibrate activation scales."""
-    lines = [json.dumps({"text": problem.prompt}) for problem in generate_problems(seed=2024, count=count,
-                                                                                 heldout=False)]
+    lines = [
+        json.dumps({"text": problem.prompt}) for problem in generate_problems(seed=2024, count=count, heldout=False)
+    ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -56,8 +58,15 @@ SWEEP_CONCURRENCY = (1, 2, 4)
 SWEEP_PROMPTS = 6
 
 
-def demo_sweep(checkpoint: Path, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int], out: Path,
-               overwrite: bool, say) -> dict:
+def demo_sweep(
+    checkpoint: Path,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    stop_ids: list[int],
+    out: Path,
+    overwrite: bool,
+    say,
+) -> dict:
     """`dflash-trt bench --checkpoint_dir C --concurrency 1,2,4 --baseline ar` on the held-out prompts."""
     from dflash_trt.bench.driver import BenchRequest
     from dflash_trt.bench.measure import measure_point
@@ -65,20 +74,32 @@ def demo_sweep(checkpoint: Path, prompts: list[list[int]], max_new_tokens: int, 
     from dflash_trt.bench.workload import Workload
     from dflash_trt.commands.bench import write_outputs
 
-    workload = Workload([BenchRequest(i, p, max_new_tokens) for i, p in enumerate(prompts)], ignore_eos=False,
-                        description={"kind": "demo held-out prompts", "count": len(prompts),
-                                     "max_new_tokens": max_new_tokens})
+    workload = Workload(
+        [BenchRequest(i, p, max_new_tokens) for i, p in enumerate(prompts)],
+        ignore_eos=False,
+        description={"kind": "demo held-out prompts", "count": len(prompts), "max_new_tokens": max_new_tokens},
+    )
     points = []
     for kind in ("dflash", "ar"):
         factory = backend_factory(Target(kind, checkpoint_dir=str(checkpoint)), workload)
         points += [measure_point(factory, workload, kind, concurrency=c) for c in SWEEP_CONCURRENCY]
     write_outputs(out, points, workload.description, overwrite)
-    rows = [{"engine": p["engine"], "concurrency": p["concurrency"], "output_tok_s": p["throughput_tok_s"],
-             "tok_s_user_p50": p["per_user_tok_s"]["p50"], "ttft_p50_s": p["ttft_s"]["p50"],
-             "acceptance_length": p["acceptance_length"]} for p in points]
+    rows = [
+        {
+            "engine": p["engine"],
+            "concurrency": p["concurrency"],
+            "output_tok_s": p["throughput_tok_s"],
+            "tok_s_user_p50": p["per_user_tok_s"]["p50"],
+            "ttft_p50_s": p["ttft_s"]["p50"],
+            "acceptance_length": p["acceptance_length"],
+        }
+        for p in points
+    ]
     for row in rows:
-        say(f"      {row['engine']:6s} c={row['concurrency']}: {row['output_tok_s']:7.1f} tok/s, "
-            f"{row['tok_s_user_p50']:7.1f} tok/s/user (p50), acceptance {row['acceptance_length']:.2f}")
+        say(
+            f"      {row['engine']:6s} c={row['concurrency']}: {row['output_tok_s']:7.1f} tok/s, "
+            f"{row['tok_s_user_p50']:7.1f} tok/s/user (p50), acceptance {row['acceptance_length']:.2f}"
+        )
     by = {(r["engine"], r["concurrency"]): r["output_tok_s"] for r in rows}
     ratio = by["dflash", 1] / by["ar", 1]
     say(f"      DFlash vs target alone at concurrency 1: {ratio:.2f}x; plot: {out / 'pareto.png'}")
@@ -123,9 +144,16 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for prompt, result in zip(heldout, spec_results, strict=True):
         text = tokenizer.decode(result.output_ids)
-        rows.append({"prompt": prompt.text, "answer": prompt.answer, "correct": is_correct(text, prompt.answer),
-                     "mean_acceptance": sum(result.acceptance_lengths) / len(result.acceptance_lengths),
-                     "steps": len(result.acceptance_lengths), "tokens": len(result.output_ids)})
+        rows.append(
+            {
+                "prompt": prompt.text,
+                "answer": prompt.answer,
+                "correct": is_correct(text, prompt.answer),
+                "mean_acceptance": sum(result.acceptance_lengths) / len(result.acceptance_lengths),
+                "steps": len(result.acceptance_lengths),
+                "tokens": len(result.output_ids),
+            }
+        )
     generated = sum(len(r.output_ids) for r in spec_results)
     summary = {
         "checkpoint_dir": str(checkpoint),
@@ -140,66 +168,99 @@ def run(args: argparse.Namespace) -> int:
         "prompts": rows,
     }
     for i, row in enumerate(rows):
-        say(f"      [{i:2d}] {'ok ' if row['correct'] else 'BAD'} {row['tokens']:3d} tokens in {row['steps']:3d} steps "
-            f"(acceptance {row['mean_acceptance']:.2f})  {row['prompt'].splitlines()[0]}")
+        say(
+            f"      [{i:2d}] {'ok ' if row['correct'] else 'BAD'} {row['tokens']:3d} tokens in {row['steps']:3d} steps "
+            f"(acceptance {row['mean_acceptance']:.2f})  {row['prompt'].splitlines()[0]}"
+        )
     say(f"      lossless vs target alone: {lossless}; answers correct: {summary['accuracy']:.0%}")
-    say(f"      mean acceptance length {summary['mean_acceptance_length']:.2f} of {block}; per position: "
-        + " ".join(f"{p:.2f}" for p in summary["per_position_acceptance"] if p is not None))
-    say(f"      {summary['dflash_tokens_per_second']:.0f} tok/s with DFlash vs "
+    say(
+        f"      mean acceptance length {summary['mean_acceptance_length']:.2f} of {block}; per position: "
+        + " ".join(f"{p:.2f}" for p in summary["per_position_acceptance"] if p is not None)
+    )
+    say(
+        f"      {summary['dflash_tokens_per_second']:.0f} tok/s with DFlash vs "
         f"{summary['target_only_tokens_per_second']:.0f} tok/s target alone "
-        f"({summary['speedup']:.2f}x, CPU golden model)")
+        f"({summary['speedup']:.2f}x, CPU golden model)"
+    )
 
     say("[4/7] quantize for the engine's GPUs (FP8: Hopper, NVFP4: Blackwell), calibrated on training-split prompts")
     calibration = write_calibration_prompts(out / "calibration.jsonl")
     summary["quantized"] = {}
     for qformat in (FP8, NVFP4):
         quantized = out / f"checkpoint-{qformat}"
-        convert_checkpoint(target_dir(), draft_dir(), quantized, dtype=args.dtype, qformat=qformat,
-                           kv_cache_dtype=FP8, calib_dataset=calibration, overwrite=args.overwrite)
+        convert_checkpoint(
+            target_dir(),
+            draft_dir(),
+            quantized,
+            dtype=args.dtype,
+            qformat=qformat,
+            kv_cache_dtype=FP8,
+            calib_dataset=calibration,
+            overwrite=args.overwrite,
+        )
         qmodel = load_golden_model(quantized)
         q_results = speculative_generate(qmodel, prompts, args.max_new_tokens, stop_ids)
         q_alone = speculative_generate(qmodel, prompts, args.max_new_tokens, stop_ids, block_size=1)
         row = {
             "checkpoint_dir": str(quantized),
             "lossless_vs_quantized_target": all(
-                s.output_ids == a.output_ids for s, a in zip(q_results, q_alone, strict=True)),
-            "accuracy": sum(is_correct(tokenizer.decode(r.output_ids), p.answer)
-                            for r, p in zip(q_results, heldout, strict=True)) / len(heldout),
+                s.output_ids == a.output_ids for s, a in zip(q_results, q_alone, strict=True)
+            ),
+            "accuracy": sum(
+                is_correct(tokenizer.decode(r.output_ids), p.answer) for r, p in zip(q_results, heldout, strict=True)
+            )
+            / len(heldout),
             "mean_acceptance_length": mean_acceptance_length(q_results),
         }
         summary["quantized"][qformat] = row
-        say(f"      {qformat:5s} weights + FP8 KV cache: mean acceptance {row['mean_acceptance_length']:.2f}, "
+        say(
+            f"      {qformat:5s} weights + FP8 KV cache: mean acceptance {row['mean_acceptance_length']:.2f}, "
             f"answers correct {row['accuracy']:.0%}, lossless vs the {qformat} target alone: "
-            f"{row['lossless_vs_quantized_target']}")
+            f"{row['lossless_vs_quantized_target']}"
+        )
 
     say("[5/7] plan the TensorRT-LLM 1.2.x engine build and its Triton model repository")
     # The tiny target was trained with 256 positions (max_position_embeddings): the engine may not go beyond.
     settings = EngineBuildSettings(max_batch_size=8, max_input_len=128, max_seq_len=256, max_num_tokens=512)
     plan = plan_engine_build(checkpoint, out / "engine", settings)
-    (out / "build_plan.json").write_text(json.dumps({"command": plan.command, "build_config": plan.build_config},
-                                                    indent=2) + "\n")
+    (out / "build_plan.json").write_text(
+        json.dumps({"command": plan.command, "build_config": plan.build_config}, indent=2) + "\n"
+    )
     repository = write_repository(
-        RepositorySettings(engine_dir=plan.output_dir, tokenizer_dir=str(target_dir()),
-                           plugin_library=plan.plugin_library, max_batch_size=settings.max_batch_size,
-                           max_input_len=settings.max_input_len, max_draft_len=block - 1, world_size=1,
-                           max_temperature=max_temperature_for_sampling(plan.dflash_manifest["sampling"])),
-        out / "triton_repository", overwrite=args.overwrite)
+        RepositorySettings(
+            engine_dir=plan.output_dir,
+            tokenizer_dir=str(target_dir()),
+            plugin_library=plan.plugin_library,
+            max_batch_size=settings.max_batch_size,
+            max_input_len=settings.max_input_len,
+            max_draft_len=block - 1,
+            world_size=1,
+            max_temperature=max_temperature_for_sampling(plan.dflash_manifest["sampling"]),
+        ),
+        out / "triton_repository",
+        overwrite=args.overwrite,
+    )
     say(f"      build plan → {out / 'build_plan.json'}; Triton repository → {repository}")
     summary["build_command"] = plan.shell_command()
     summary["triton_repository"] = str(repository)
 
-    say(f"[6/7] sweep DFlash vs the target alone at concurrency {', '.join(map(str, SWEEP_CONCURRENCY))} "
-        "(load generator, golden model with in-flight batching)")
-    summary["sweep"] = demo_sweep(checkpoint, prompts[:SWEEP_PROMPTS], args.max_new_tokens, stop_ids,
-                                  out / "sweep", args.overwrite, say)
+    say(
+        f"[6/7] sweep DFlash vs the target alone at concurrency {', '.join(map(str, SWEEP_CONCURRENCY))} "
+        "(load generator, golden model with in-flight batching)"
+    )
+    summary["sweep"] = demo_sweep(
+        checkpoint, prompts[:SWEEP_PROMPTS], args.max_new_tokens, stop_ids, out / "sweep", args.overwrite, say
+    )
 
     say("[7/7] on a GPU host with TensorRT-LLM 1.2.x (NGC release container), run:")
     say("      cmake -S plugins -B plugins/build && cmake --build plugins/build   # libdflash_trt_plugins.so")
     say(f"      dflash-trt build --checkpoint_dir {checkpoint} --output_dir {plan.output_dir}")
     say(f"        (loads the plugin library, then runs: {plan.shell_command()})")
     say(f"      {repository}/launch_triton.sh          # serves the engine")
-    say(f"      dflash-trt bench --engine_dir {plan.output_dir} --input_file prompts.jsonl --concurrency 1,4,16 "
-        "--output_dir bench_out")
+    say(
+        f"      dflash-trt bench --engine_dir {plan.output_dir} --input_file prompts.jsonl --concurrency 1,4,16 "
+        "--output_dir bench_out"
+    )
     say(f"      python {repository}/client.py --prompt $'add 0012 0034\\n'   # the tiny corpus's prompt format")
     if args.json:
         print(json.dumps(summary))

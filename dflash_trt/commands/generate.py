@@ -38,8 +38,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top_p", type=float, default=1.0, help="--sampling reference only")
     parser.add_argument("--top_k", type=int, default=0, help="--sampling reference only")
-    parser.add_argument("--sampling", choices=METHODS, default=ENGINE,
-                        help="rule at temperature > 0: the engine's (default) or dflash_generate's")
+    parser.add_argument(
+        "--sampling",
+        choices=METHODS,
+        default=ENGINE,
+        help="rule at temperature > 0: the engine's (default) or dflash_generate's",
+    )
     parser.add_argument("--seed", type=int, default=0, help="sequence i draws from seed + i (engine rule)")
     parser.add_argument("--block_size", type=int, default=None, help="verify block (default: the drafter's)")
     stops = parser.add_mutually_exclusive_group()
@@ -112,8 +116,9 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     total = args.max_new_tokens * len(prompts)
     with tqdm(total=total, desc="generate", unit="token", disable=not sys.stderr.isatty()) as bar:
-        results = speculative_generate(model, prompts, args.max_new_tokens, stop_ids, sampling, args.seed,
-                                       args.block_size, progress=bar.update)
+        results = speculative_generate(
+            model, prompts, args.max_new_tokens, stop_ids, sampling, args.seed, args.block_size, progress=bar.update
+        )
     seconds = time.perf_counter() - started
     generated = sum(len(r.output_ids) for r in results)
     report: dict[str, Any] = {

@@ -20,17 +20,26 @@ from dflash_trt.formats import ENGINE_DTYPES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("selftest", help="build the tiny pair's engine here and check it against the "
-                                   "golden model (GPU + TensorRT-LLM 1.2.x)", description=__doc__)
+    parser = subparsers.add_parser(
+        "selftest",
+        help="build the tiny pair's engine here and check it against the golden model (GPU + TensorRT-LLM 1.2.x)",
+        description=__doc__,
+    )
     parser.add_argument("--output_dir", default="selftest_out", help="workspace (checkpoint, engine, report)")
-    parser.add_argument("--plugin_library", default=None,
-                        help="libdflash_trt_plugins.so (default: $DFLASH_TRT_PLUGIN_LIB, else plugins/build)")
+    parser.add_argument(
+        "--plugin_library",
+        default=None,
+        help="libdflash_trt_plugins.so (default: $DFLASH_TRT_PLUGIN_LIB, else plugins/build)",
+    )
     parser.add_argument("--num_prompts", type=int, default=8, help="held-out prompts, decoded as one batch")
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--dtype", default="float16", choices=ENGINE_DTYPES)
-    parser.add_argument("--chunked_context", action="store_true",
-                        help="build with the smallest max_num_tokens, add prompts longer than it and decode with "
-                             "chunked context on: the evidence needed before enabling it in serving")
+    parser.add_argument(
+        "--chunked_context",
+        action="store_true",
+        help="build with the smallest max_num_tokens, add prompts longer than it and decode with "
+        "chunked context on: the evidence needed before enabling it in serving",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace outputs of an earlier self-test")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.set_defaults(func=run)
@@ -55,14 +64,24 @@ def selftest_workload(texts: list[str], tokenizer, num_prompts: int, block_size:
         if len(joined) <= max_num_tokens:
             raise DFlashTrtError("the held-out prompts are too short to exceed one context chunk")
         long_len = min(max_num_tokens + block_size, TINY_MAX_INPUT_LEN)
-        prompts[-LONG_PROMPTS:] = [joined[i * block_size:i * block_size + long_len] for i in range(LONG_PROMPTS)]
-    settings = EngineBuildSettings(max_batch_size=batch, max_input_len=TINY_MAX_INPUT_LEN,
-                                   max_seq_len=TINY_MAX_SEQ_LEN, max_num_tokens=max_num_tokens)
+        prompts[-LONG_PROMPTS:] = [joined[i * block_size : i * block_size + long_len] for i in range(LONG_PROMPTS)]
+    settings = EngineBuildSettings(
+        max_batch_size=batch,
+        max_input_len=TINY_MAX_INPUT_LEN,
+        max_seq_len=TINY_MAX_SEQ_LEN,
+        max_num_tokens=max_num_tokens,
+    )
     return settings, prompts
 
 
-def engine_generate(engine_dir: Path, plugin_library: str, prompts: list[list[int]], max_new_tokens: int,
-                    end_id: int, chunked_context: bool = False) -> tuple[list[list[int]], list[list[int]]]:
+def engine_generate(
+    engine_dir: Path,
+    plugin_library: str,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    end_id: int,
+    chunked_context: bool = False,
+) -> tuple[list[list[int]], list[list[int]]]:
     """Generated tokens and per-iteration acceptance lengths of every prompt, from the engine's executor.
 
     Every prompt is in flight at once; each executor response is one decoding iteration, so the tokens it carries
@@ -73,8 +92,7 @@ def engine_generate(engine_dir: Path, plugin_library: str, prompts: list[list[in
     from dflash_trt.bench.driver import BenchRequest, run_load
 
     info = inspect_engine(engine_dir, "dflash", plugin_library)
-    backend = TrtllmBackend(info, max_batch_size=len(prompts), end_id=end_id,
-                            enable_chunked_context=chunked_context)
+    backend = TrtllmBackend(info, max_batch_size=len(prompts), end_id=end_id, enable_chunked_context=chunked_context)
     requests = [BenchRequest(i, p, max_new_tokens) for i, p in enumerate(prompts)]
     trace = asyncio.run(run_load(backend, requests, concurrency=len(requests), timeout_s=600))
     errors = [f"prompt {r.prompt_index}: {r.error}" for r in trace.records if r.error]
@@ -92,10 +110,14 @@ def bench_once(engine_dir: Path, plugin_library: str, prompts: list[list[int]], 
     from dflash_trt.bench.workload import Workload
 
     info = inspect_engine(engine_dir, "dflash", plugin_library)
-    workload = Workload([BenchRequest(i, p, max_new_tokens) for i, p in enumerate(prompts)], ignore_eos=False,
-                        description={"kind": "selftest", "count": len(prompts)})
-    point = measure_point(lambda _: TrtllmBackend(info, max_batch_size=1), workload, "dflash", concurrency=1,
-                          timeout_s=600)
+    workload = Workload(
+        [BenchRequest(i, p, max_new_tokens) for i, p in enumerate(prompts)],
+        ignore_eos=False,
+        description={"kind": "selftest", "count": len(prompts)},
+    )
+    point = measure_point(
+        lambda _: TrtllmBackend(info, max_batch_size=1), workload, "dflash", concurrency=1, timeout_s=600
+    )
     return {k: v for k, v in point.items() if k not in ("per_request", "in_flight_trace")}
 
 
@@ -114,8 +136,9 @@ def comparable_steps(golden_acceptance: list[int], max_new_tokens: int, block_si
     return len(golden_acceptance)
 
 
-def compare(golden, tokens: list[list[int]], acceptance: list[list[int]], max_new_tokens: int,
-            block_size: int) -> list[str]:
+def compare(
+    golden, tokens: list[list[int]], acceptance: list[list[int]], max_new_tokens: int, block_size: int
+) -> list[str]:
     """One line per disagreement: tokens in full, acceptance lengths of the steps both define the same way."""
     problems = []
     for i, result in enumerate(golden):
@@ -124,8 +147,10 @@ def compare(golden, tokens: list[list[int]], acceptance: list[list[int]], max_ne
             continue
         n = comparable_steps(result.acceptance_lengths, max_new_tokens, block_size)
         if acceptance[i][:n] != result.acceptance_lengths[:n]:
-            problems.append(f"prompt {i}: acceptance lengths {acceptance[i][:n]} != golden "
-                            f"{result.acceptance_lengths[:n]} (first {n} steps)")
+            problems.append(
+                f"prompt {i}: acceptance lengths {acceptance[i][:n]} != golden "
+                f"{result.acceptance_lengths[:n]} (first {n} steps)"
+            )
     return problems
 
 
@@ -147,8 +172,9 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(checkpoint)
     golden_model = load_golden_model(checkpoint)
     texts = [p.text for p in load_heldout(limit=max(args.num_prompts, 64))]
-    settings, prompts = selftest_workload(texts, tokenizer, args.num_prompts, golden_model.draft.spec.block_size,
-                                          args.chunked_context)
+    settings, prompts = selftest_workload(
+        texts, tokenizer, args.num_prompts, golden_model.draft.spec.block_size, args.chunked_context
+    )
     plan = plan_engine_build(checkpoint, out / "engine", settings, plugin_library=args.plugin_library)
     engine_dir = run_engine_build(plan, overwrite=args.overwrite)
 
@@ -156,17 +182,25 @@ def run(args: argparse.Namespace) -> int:
     if not stop_ids:
         raise DFlashTrtError("the tiny pair's checkpoint names no eos token; the self-test needs one end id")
     golden = speculative_generate(golden_model, prompts, args.max_new_tokens, stop_ids[:1])
-    tokens, acceptance = engine_generate(engine_dir, plan.plugin_library, prompts, args.max_new_tokens,
-                                         stop_ids[0], chunked_context=args.chunked_context)
+    tokens, acceptance = engine_generate(
+        engine_dir, plan.plugin_library, prompts, args.max_new_tokens, stop_ids[0], chunked_context=args.chunked_context
+    )
     problems = compare(golden, tokens, acceptance, args.max_new_tokens, golden_model.draft.spec.block_size)
-    report = {"engine_dir": str(engine_dir), "prompts": len(prompts), "identical": not problems,
-              "problems": problems,
-              "mean_acceptance_length": sum(map(sum, acceptance)) / max(sum(map(len, acceptance)), 1),
-              "bench": bench_once(engine_dir, plan.plugin_library, prompts, args.max_new_tokens)}
+    report = {
+        "engine_dir": str(engine_dir),
+        "prompts": len(prompts),
+        "identical": not problems,
+        "problems": problems,
+        "mean_acceptance_length": sum(map(sum, acceptance)) / max(sum(map(len, acceptance)), 1),
+        "bench": bench_once(engine_dir, plan.plugin_library, prompts, args.max_new_tokens),
+    }
     (out / "selftest.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report) if args.json else
-          f"{len(prompts)} prompts: engine {'matches' if not problems else 'DIFFERS FROM'} the golden model "
-          f"(mean acceptance {report['mean_acceptance_length']:.2f})")
+    print(
+        json.dumps(report)
+        if args.json
+        else f"{len(prompts)} prompts: engine {'matches' if not problems else 'DIFFERS FROM'} the golden model "
+        f"(mean acceptance {report['mean_acceptance_length']:.2f})"
+    )
     if problems:
         raise DFlashTrtError("; ".join(problems))
     return 0

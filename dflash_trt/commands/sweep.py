@@ -57,15 +57,22 @@ def run(args: argparse.Namespace) -> int:
                     where = ", ".join(f"{k}={v}" for k, v in describe(engine.target).items())
                     print(f"{engine.name} c={c}: dflash-trt load generator on {where}")
         return 0
-    check_output_apart(cfg.output_dir, {"--config": args.config, "the dataset": cfg.dataset,
-                                        "the model_path": cfg.model_path, "the tokenizer_dir": cfg.tokenizer_dir,
-                                        **{f"engine {e.name}": e.target.engine_dir or e.target.checkpoint_dir
-                                           for e in cfg.engines}})
+    check_output_apart(
+        cfg.output_dir,
+        {
+            "--config": args.config,
+            "the dataset": cfg.dataset,
+            "the model_path": cfg.model_path,
+            "the tokenizer_dir": cfg.tokenizer_dir,
+            **{f"engine {e.name}": e.target.engine_dir or e.target.checkpoint_dir for e in cfg.engines},
+        },
+    )
     if Path(cfg.output_dir).exists() and not Path(cfg.output_dir).is_dir():
         raise DFlashTrtError(f"output_dir {cfg.output_dir}: Not a directory (a file is in the way)")
     if args.analyze_only:
         records = load_records(cfg.output_dir)
     else:
+
         def progress(record: dict) -> None:
             status = record["status"] if record["status"] == "ok" else f"FAILED: {record.get('error')}"
             print(f"{record['engine']} c={record['concurrency']}: {status}", file=sys.stderr)

@@ -20,21 +20,30 @@ if TYPE_CHECKING:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("triton", help="write a Triton model repository for a DFlash engine",
-                                   description=__doc__)
+    parser = subparsers.add_parser(
+        "triton", help="write a Triton model repository for a DFlash engine", description=__doc__
+    )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--engine_dir", help="engine built by dflash-trt build")
     source.add_argument("--config", help="build profile; the repository points at the engine it will build")
-    parser.add_argument("--tokenizer_dir", default=None,
-                        help="HF tokenizer directory (required with --engine_dir; overrides the profile's)")
+    parser.add_argument(
+        "--tokenizer_dir",
+        default=None,
+        help="HF tokenizer directory (required with --engine_dir; overrides the profile's)",
+    )
     parser.add_argument("--output_dir", required=True, help="model repository to create")
-    parser.add_argument("--work_dir", default=None,
-                        help="with --config: the build workspace (default out/<profile name>)")
+    parser.add_argument(
+        "--work_dir", default=None, help="with --config: the build workspace (default out/<profile name>)"
+    )
     parser.add_argument("--hf_cache", default=None, help="with --config: HF hub cache holding the tokenizer")
-    parser.add_argument("--download", action="store_true",
-                        help="with --config: download the tokenizer's model if it is not in the HF cache")
-    parser.add_argument("--plugin_library", default=None,
-                        help="with --config: libdflash_trt_plugins.so the launch script preloads")
+    parser.add_argument(
+        "--download",
+        action="store_true",
+        help="with --config: download the tokenizer's model if it is not in the HF cache",
+    )
+    parser.add_argument(
+        "--plugin_library", default=None, help="with --config: libdflash_trt_plugins.so the launch script preloads"
+    )
     parser.add_argument("--kv_cache_free_gpu_mem_fraction", type=float, default=None)
     parser.add_argument("--batch_scheduler_policy", choices=("guaranteed_no_evict", "max_utilization"), default=None)
     parser.add_argument("--instance_count", type=int, default=None, help="pre/post-processing model instances")
@@ -65,8 +74,9 @@ def run(args: argparse.Namespace) -> int:
     if args.engine_dir:
         if args.tokenizer_dir is None:
             raise DFlashTrtError("--tokenizer_dir is required with --engine_dir")
-        settings = settings_from_engine(args.engine_dir, _tokenizer_dir(args.tokenizer_dir),
-                                        _serving(args, ServingSettings()))
+        settings = settings_from_engine(
+            args.engine_dir, _tokenizer_dir(args.tokenizer_dir), _serving(args, ServingSettings())
+        )
     else:
         from dflash_trt.pipeline import settings_from_profile, workspace
         from dflash_trt.profiles import load_profile, resolve_model_dir
@@ -80,8 +90,9 @@ def run(args: argparse.Namespace) -> int:
             model_dir = resolve_model_dir(profile.model.tokenizer_source, cache_dir=cache, allow_download=args.download)
             tokenizer = _tokenizer_dir(str(model_dir))
         library = args.plugin_library or default_library_path()
-        settings = settings_from_profile(profile, workspace(profile, args.work_dir).engine, tokenizer, library,
-                                         _serving(args, profile.serving))
+        settings = settings_from_profile(
+            profile, workspace(profile, args.work_dir).engine, tokenizer, library, _serving(args, profile.serving)
+        )
     path = write_repository(settings, args.output_dir, overwrite=args.overwrite, inputs={"--config": args.config})
     if args.json:
         print(json.dumps({"repository": str(path), **asdict(settings)}, indent=2))

@@ -9,8 +9,9 @@ from dflash_trt.conversion.verify import verify_checkpoint
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("verify", help="check a converted checkpoint against its HF / DFlash sources",
-                                   description=__doc__)
+    parser = subparsers.add_parser(
+        "verify", help="check a converted checkpoint against its HF / DFlash sources", description=__doc__
+    )
     parser.add_argument("--checkpoint_dir", required=True)
     parser.add_argument("--model_dir", required=True, help="HF target the checkpoint was converted from")
     parser.add_argument("--dflash_model_dir", required=True, help="DFlash drafter the checkpoint was converted from")

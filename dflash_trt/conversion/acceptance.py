@@ -62,18 +62,25 @@ def acceptance_table(
                 with quantized_model(model, target, drafter, kv, amax):
                     results = decode()
                 same = sum(a.output_ids == b.output_ids for a, b in zip(results, baseline, strict=True))
-                rows.append(AcceptanceRow(target, drafter, kv, round(mean_acceptance_length(results), 4),
-                                          round(same / len(prompts), 4)))
+                rows.append(
+                    AcceptanceRow(
+                        target, drafter, kv, round(mean_acceptance_length(results), 4), round(same / len(prompts), 4)
+                    )
+                )
     return rows
 
 
 def markdown(rows: list[AcceptanceRow]) -> str:
-    lines = ["| target | drafter | KV cache | mean acceptance length | same output as unquantized |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| target | drafter | KV cache | mean acceptance length | same output as unquantized |",
+        "|---|---|---|---|---|",
+    ]
     label = {NONE: "bf16", FP8: "fp8", NVFP4: "nvfp4"}
     for r in rows:
-        lines.append(f"| {label[r.target]} | {label[r.drafter]} | {label[r.kv_cache]} | "
-                     f"{r.mean_acceptance_length:.2f} | {r.same_output_as_unquantized:.0%} |")
+        lines.append(
+            f"| {label[r.target]} | {label[r.drafter]} | {label[r.kv_cache]} | "
+            f"{r.mean_acceptance_length:.2f} | {r.same_output_as_unquantized:.0%} |"
+        )
     return "\n".join(lines)
 
 
@@ -89,8 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model_dir", type=Path, default=None, help="HF target (default: the tiny pair's)")
     parser.add_argument("--dflash_model_dir", type=Path, default=None, help="DFlash drafter (default: tiny pair's)")
     parser.add_argument("--prompts", type=Path, default=None, help="jsonl prompts (default: tiny pair held-out)")
-    parser.add_argument("--calib_dataset", type=Path, default=None,
-                        help="jsonl calibration prompts (default for the tiny pair: its training split)")
+    parser.add_argument(
+        "--calib_dataset",
+        type=Path,
+        default=None,
+        help="jsonl calibration prompts (default for the tiny pair: its training split)",
+    )
     parser.add_argument("--calib_size", type=int, default=32)
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first N prompts only")
     parser.add_argument("--max_new_tokens", type=int, default=64)
@@ -108,15 +119,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.calib_dataset is not None:
         calib = read_prompts(args.calib_dataset, tokenizer, limit=args.calib_size)
     else:
-        calib = [tokenizer.encode(p.prompt) for p in generate_problems(seed=2024, count=args.calib_size,
-                                                                       heldout=False)]
+        calib = [tokenizer.encode(p.prompt) for p in generate_problems(seed=2024, count=args.calib_size, heldout=False)]
     with tempfile.TemporaryDirectory(prefix="dflash-acceptance-") as tmp:
         convert_checkpoint(model_dir, draft, Path(tmp) / "ckpt", dtype=args.dtype)
         model = load_golden_model(Path(tmp) / "ckpt")
     rows = acceptance_table(model, calib, prompts, args.max_new_tokens, list(model.target.spec.eos_token_ids))
     if args.json:
-        print(json.dumps({"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
-                          "rows": [asdict(r) for r in rows]}))
+        print(
+            json.dumps(
+                {
+                    "prompts": len(prompts),
+                    "max_new_tokens": args.max_new_tokens,
+                    "dtype": args.dtype,
+                    "rows": [asdict(r) for r in rows],
+                }
+            )
+        )
     else:
         print(markdown(rows))
     return 0

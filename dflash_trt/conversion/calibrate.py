@@ -137,7 +137,10 @@ def observe_amax(model) -> Iterator[CalibrationAmax]:
 
 
 def calibrate(
-    model, prompts: list[list[int]], max_new_tokens: int = 32, batch_size: int = CALIBRATION_BATCH,
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int = 32,
+    batch_size: int = CALIBRATION_BATCH,
     progress: Callable[[int], object] | None = None,
 ) -> CalibrationAmax:
     """Amaxes observed while speculatively generating (greedy) from every prompt, `batch_size` at a time;
@@ -193,8 +196,14 @@ def quantized_model(
     scales = calibration_tensors(amax, qformat, kv_cache_dtype, draft_format)
     target, draft = model.target, model.draft
     with contextlib.ExitStack() as stack:
-        _quantize_part(stack, target.layers, [lin for layer in target.layers for lin in layer.linears()], qformat,
-                       kv_cache_dtype, scales)
+        _quantize_part(
+            stack,
+            target.layers,
+            [lin for layer in target.layers for lin in layer.linears()],
+            qformat,
+            kv_cache_dtype,
+            scales,
+        )
         if dflash_qformat is not None:
             draft_linears = [lin for layer in draft.layers for lin in layer.linears()] + [draft.fc]
             _quantize_part(stack, draft.layers, draft_linears, draft_format, kv_cache_dtype, scales)
@@ -207,7 +216,11 @@ def calibration_passes(qformat: str, kv_cache_dtype: str) -> int:
 
 
 def calibrate_pair(
-    model, prompts: list[list[int]], max_new_tokens: int, qformat: str, kv_cache_dtype: str = NONE,
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    qformat: str,
+    kv_cache_dtype: str = NONE,
     progress: Callable[[int], object] | None = None,
 ) -> CalibrationAmax:
     """Target amaxes from the model as loaded; drafter amaxes with the target running quantized, so the drafter

@@ -260,15 +260,23 @@ def _row_blocks(
 
 
 def _write_rank(
-    plan: ConversionPlan, path: Path, readers: dict[str, HFCheckpointReader], rank: int,
+    plan: ConversionPlan,
+    path: Path,
+    readers: dict[str, HFCheckpointReader],
+    rank: int,
     progress: Callable[[int], object],
 ) -> int:
     entries = plan.entries()
     written = 0
     with StreamingSafetensorsWriter(path, entries, metadata={"format": "pt"}) as writer:
         for out in plan.layout:
-            streamed = (_expert_blocks(plan, out, readers, rank) if _streams_experts(plan, out)
-                        else _row_blocks(plan, out, readers, rank) if _streamable(plan, out, readers) else None)
+            streamed = (
+                _expert_blocks(plan, out, readers, rank)
+                if _streams_experts(plan, out)
+                else _row_blocks(plan, out, readers, rank)
+                if _streamable(plan, out, readers)
+                else None
+            )
             if streamed is not None:
                 writer.write_rows(out.name, streamed)
                 dtype, shape = entries[out.name]
@@ -342,8 +350,12 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def _worker_pool(workers: int) -> ProcessPoolExecutor:
     """Spawned (not forked) workers: a fork taken after torch started its OpenMP threads can deadlock in them."""
-    return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_die_with_parent, initargs=(os.getpid(),))
+    return ProcessPoolExecutor(
+        max_workers=workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_die_with_parent,
+        initargs=(os.getpid(),),
+    )
 
 
 def _stop_workers(pool: ProcessPoolExecutor) -> None:
@@ -391,13 +403,16 @@ def convert_checkpoint(
         raise DFlashTrtError(f"--workers must be >= 1, got {workers}")
     quant, prequantized = resolve_quantization(model_dir, qformat, dflash_qformat, kv_cache_dtype)
     # A pre-quantized target brings its own scales; the drafter's (and its KV cache's) always come from calibration.
-    needs_calibration = (quant.dflash_qformat != NONE or (prequantized is None and quant.qformat != NONE)
-                         or quant.kv_cache_dtype == FP8)
+    needs_calibration = (
+        quant.dflash_qformat != NONE or (prequantized is None and quant.qformat != NONE) or quant.kv_cache_dtype == FP8
+    )
     if needs_calibration and calib_dataset is None:
         raise DFlashTrtError("quantization needs --calib_dataset FILE.jsonl: its prompts set the activation scales")
     if calib_dataset is not None and not needs_calibration:
-        raise DFlashTrtError("--calib_dataset is only read when quantizing (--qformat, --dflash_qformat or "
-                             "--kv_cache_dtype fp8); drop it or choose a format")
+        raise DFlashTrtError(
+            "--calib_dataset is only read when quantizing (--qformat, --dflash_qformat or "
+            "--kv_cache_dtype fp8); drop it or choose a format"
+        )
     model_dir, dflash_model_dir, output_dir = Path(model_dir), Path(dflash_model_dir), Path(output_dir)
     inputs = {"--model_dir": model_dir, "--dflash_model_dir": dflash_model_dir, "--calib_dataset": calib_dataset}
     check_output_apart(output_dir, inputs)
@@ -408,18 +423,44 @@ def convert_checkpoint(
     if needs_calibration and calib_dataset is not None:
         check_calibration_prompts(model_dir, Path(calib_dataset), calib_size, calib_max_seq_len)
     check_parallel(target, draft, tp_size, moe_ep_size)
-    plan = ConversionPlan(model_dir, dflash_model_dir, target, draft, TORCH_DTYPES[dtype], tp_size, quant,
-                          prequantized=prequantized, moe_ep_size=moe_ep_size)
+    plan = ConversionPlan(
+        model_dir,
+        dflash_model_dir,
+        target,
+        draft,
+        TORCH_DTYPES[dtype],
+        tp_size,
+        quant,
+        prequantized=prequantized,
+        moe_ep_size=moe_ep_size,
+    )
     plan.check_formats()
-    config = checkpoint_config(target, draft, dtype, tp_size, quant.config(draft=False), quant.config(draft=True),
-                               vocab_size_padded=pad_vocab_size(target.vocab_size, tp_size), moe_ep_size=moe_ep_size)
+    config = checkpoint_config(
+        target,
+        draft,
+        dtype,
+        tp_size,
+        quant.config(draft=False),
+        quant.config(draft=True),
+        vocab_size_padded=pad_vocab_size(target.vocab_size, tp_size),
+        moe_ep_size=moe_ep_size,
+    )
     with HFCheckpointReader(model_dir) as target_reader, HFCheckpointReader(dflash_model_dir) as draft_reader:
         check_sources(target, draft, target_reader, draft_reader, prequantized)
         readers = {TARGET: target_reader, DRAFT: draft_reader}
         scales = {}
         if needs_calibration and calib_dataset is not None:
-            scales = calibrated_scales(model_dir, dflash_model_dir, output_dir.parent, dtype, quant,
-                                       Path(calib_dataset), calib_size, calib_max_seq_len, show_progress)
+            scales = calibrated_scales(
+                model_dir,
+                dflash_model_dir,
+                output_dir.parent,
+                dtype,
+                quant,
+                Path(calib_dataset),
+                calib_size,
+                calib_max_seq_len,
+                show_progress,
+            )
         if prequantized is not None:
             scales.update(prequantized_input.carried_scales(prequantized, plan.layout, target_reader))
         plan = replace(plan, scales=scales)
@@ -434,8 +475,10 @@ def convert_checkpoint(
                 else:
                     with _worker_pool(min(workers, tp_size - 1)) as pool:
                         try:
-                            jobs = [pool.submit(_write_rank_in_worker, plan, staging / rank_file(rank), rank)
-                                    for rank in range(1, tp_size)]
+                            jobs = [
+                                pool.submit(_write_rank_in_worker, plan, staging / rank_file(rank), rank)
+                                for rank in range(1, tp_size)
+                            ]
                             for job in jobs:
                                 bytes_written += job.result()
                                 bar.update(len(layout))
@@ -469,6 +512,8 @@ def check_calibration_prompts(model_dir: Path, calib_dataset: Path, calib_size: 
     if calib_size < 1 or calib_max_seq_len < 1:
         raise DFlashTrtError("--calib_size and --calib_max_seq_len must be >= 1.")
     read_prompts(calib_dataset, load_tokenizer(model_dir), limit=calib_size)
+
+
 def check_parallel(target: TargetSpec, draft: DraftSpec, tp_size: int, moe_ep_size: int) -> None:
     """Refuse tp / moe_ep sizes TensorRT-LLM cannot split these models by (dense MLPs by tp, experts by both)."""
     has_dense_mlp = target.moe is None or len(target.moe.sparse_layers) < target.num_hidden_layers
@@ -481,8 +526,15 @@ def check_parallel(target: TargetSpec, draft: DraftSpec, tp_size: int, moe_ep_si
 
 
 def calibrated_scales(
-    model_dir: Path, dflash_model_dir: Path, work_dir: Path, dtype: str, quant: QuantSettings, calib_dataset: Path,
-    calib_size: int, calib_max_seq_len: int, show_progress: bool = False,
+    model_dir: Path,
+    dflash_model_dir: Path,
+    work_dir: Path,
+    dtype: str,
+    quant: QuantSettings,
+    calib_dataset: Path,
+    calib_size: int,
+    calib_max_seq_len: int,
+    show_progress: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Activation and KV scales from the golden model of the unquantized conversion, run over calibration prompts."""
     from dflash_trt.conversion.calibrate import calibrate_checkpoint
@@ -492,5 +544,6 @@ def calibrated_scales(
     with scratch_directory(work_dir, "calibration") as scratch:
         plain = scratch / "checkpoint"  # a pre-quantized target keeps its weights in it; nothing else is
         convert_checkpoint(model_dir, dflash_model_dir, plain, dtype=dtype, dflash_qformat=NONE, kv_cache_dtype=NONE)
-        return calibrate_checkpoint(plain, quant, calib_dataset, calib_size, calib_max_seq_len,
-                                    show_progress=show_progress)
+        return calibrate_checkpoint(
+            plain, quant, calib_dataset, calib_size, calib_max_seq_len, show_progress=show_progress
+        )

@@ -102,8 +102,9 @@ def _share_nvfp4(parts: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, 
         if not torch.equal(global_scale, shared):
             # Keep each block's product block_scale * global_scale: rescale the block scales (one E4M3 rounding).
             block = (block.float() * global_scale / shared).clamp(min=2.0**-9, max=448.0).to(torch.float8_e4m3fn)
-        out.append({names.WEIGHT: weight, names.WEIGHTS_SCALING_FACTOR: block,
-                    names.WEIGHTS_SCALING_FACTOR_2: shared.clone()})
+        out.append(
+            {names.WEIGHT: weight, names.WEIGHTS_SCALING_FACTOR: block, names.WEIGHTS_SCALING_FACTOR_2: shared.clone()}
+        )
     return out
 
 
@@ -140,7 +141,10 @@ _HF_GROUPS = (
 
 
 def prequantized_module_tensors(
-    hf_tensors: Mapping[str, torch.Tensor], hf_layer_prefix: str, layer_prefix: str, module: str,
+    hf_tensors: Mapping[str, torch.Tensor],
+    hf_layer_prefix: str,
+    layer_prefix: str,
+    module: str,
     fmt: PrequantizedFormat,
 ) -> dict[str, torch.Tensor]:
     """One of our linears (`names.QKV`, ...) of a decoder layer from its HF members, under our checkpoint names;

@@ -27,8 +27,15 @@ from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import NONE, NVFP4, quantized_linear
 from dflash_trt.spec import TargetSpec, hf_expert
 
-HF_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-              "mlp.up_proj", "mlp.down_proj")
+HF_LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 HF_KV_SCALES = {"self_attn.k_proj": "k_scale", "self_attn.v_proj": "v_scale"}
 
 
@@ -38,8 +45,11 @@ def hf_linears(target: TargetSpec, layer: int) -> tuple[str, ...]:
     moe = target.moe
     if moe is None or not moe.is_sparse(layer):
         return HF_LINEARS
-    experts = tuple(hf_expert("", e, leaf).removesuffix(".weight") for e in range(moe.num_experts)
-                    for leaf in ("gate_proj", "up_proj", "down_proj"))
+    experts = tuple(
+        hf_expert("", e, leaf).removesuffix(".weight")
+        for e in range(moe.num_experts)
+        for leaf in ("gate_proj", "up_proj", "down_proj")
+    )
     return (*HF_LINEARS[:4], *experts)
 
 

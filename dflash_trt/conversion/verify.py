@@ -40,18 +40,28 @@ class VerifyReport:
 
     def verdict(self) -> str:
         if self.ok:
-            unchecked = (f"; {self.scales_range_checked} calibrated activation/KV scales were only checked to be "
-                         "finite and positive, not re-derived (that needs the calibration prompts)"
-                         if self.scales_range_checked else "")
-            return (f"OK: {self.checkpoint_dir} matches its sources ({self.tensors_checked} tensors recomputed bit for "
-                    f"bit, tp {self.tp_size}){unchecked}")
+            unchecked = (
+                f"; {self.scales_range_checked} calibrated activation/KV scales were only checked to be "
+                "finite and positive, not re-derived (that needs the calibration prompts)"
+                if self.scales_range_checked
+                else ""
+            )
+            return (
+                f"OK: {self.checkpoint_dir} matches its sources ({self.tensors_checked} tensors recomputed bit for "
+                f"bit, tp {self.tp_size}){unchecked}"
+            )
         more = f" (+{len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
         return f"FAILED: {self.checkpoint_dir}: {self.problems[0]}{more}"
 
     def to_dict(self) -> dict:
-        return {"ok": self.ok, "checkpoint_dir": self.checkpoint_dir, "tp_size": self.tp_size,
-                "tensors_checked": self.tensors_checked, "scales_range_checked": self.scales_range_checked,
-                "problems": self.problems}
+        return {
+            "ok": self.ok,
+            "checkpoint_dir": self.checkpoint_dir,
+            "tp_size": self.tp_size,
+            "tensors_checked": self.tensors_checked,
+            "scales_range_checked": self.scales_range_checked,
+            "problems": self.problems,
+        }
 
 
 def verify_checkpoint(checkpoint_dir: str | Path, model_dir: str | Path, dflash_model_dir: str | Path) -> VerifyReport:
@@ -72,15 +82,31 @@ def verify_checkpoint(checkpoint_dir: str | Path, model_dir: str | Path, dflash_
     target = load_target_spec(model_dir)
     draft = load_draft_spec(dflash_model_dir, target)
     quant = QuantSettings.from_config(stored)
-    expected = checkpoint_config(target, draft, dtype_name, tp_size, quant.config(draft=False),
-                                 quant.config(draft=True), vocab_size_padded=pad_vocab_size(target.vocab_size, tp_size),
-                                 moe_ep_size=moe_ep_size)
+    expected = checkpoint_config(
+        target,
+        draft,
+        dtype_name,
+        tp_size,
+        quant.config(draft=False),
+        quant.config(draft=True),
+        vocab_size_padded=pad_vocab_size(target.vocab_size, tp_size),
+        moe_ep_size=moe_ep_size,
+    )
     for key in sorted(set(expected) | set(stored)):
         if expected.get(key) != stored.get(key):
             report.problems.append(f"config.json key '{key}' differs from what the sources give")
     prequantized = read_hf_quant_config(model_dir)
-    plan = ConversionPlan(Path(model_dir), Path(dflash_model_dir), target, draft, TORCH_DTYPES[dtype_name], tp_size,
-                          quant, prequantized=prequantized, moe_ep_size=moe_ep_size)
+    plan = ConversionPlan(
+        Path(model_dir),
+        Path(dflash_model_dir),
+        target,
+        draft,
+        TORCH_DTYPES[dtype_name],
+        tp_size,
+        quant,
+        prequantized=prequantized,
+        moe_ep_size=moe_ep_size,
+    )
     entries = plan.entries() if not quant.enabled else None
     with HFCheckpointReader(model_dir) as target_reader, HFCheckpointReader(dflash_model_dir) as draft_reader:
         check_sources(target, draft, target_reader, draft_reader, prequantized)
@@ -94,8 +120,11 @@ def verify_checkpoint(checkpoint_dir: str | Path, model_dir: str | Path, dflash_
                 # Calibrated scales cannot be recomputed without the calibration data: take them from the file,
                 # check they are usable, and recompute everything else (weights, weight scales) from the sources.
                 scales = {name: written.get(name, copy=True) for name in written.names() if _is_calibrated(name)}
-                report.problems += [f"{path.name} tensor '{n}' is not a finite positive scale"
-                                    for n, t in scales.items() if not bool(torch.isfinite(t).all() and (t > 0).all())]
+                report.problems += [
+                    f"{path.name} tensor '{n}' is not a finite positive scale"
+                    for n, t in scales.items()
+                    if not bool(torch.isfinite(t).all() and (t > 0).all())
+                ]
                 report.scales_range_checked += len(scales)
                 rank_plan = replace(plan, scales=scales)
                 expected = entries if entries is not None else rank_plan.entries()

@@ -152,8 +152,10 @@ class EmulatedRuntime:
         for check in (check_kv_geometry, check_rope, check_quantization):
             check(self.facts)
         if target.moe is not None:
-            raise DFlashTrtError("the emulation does not cover mixture-of-experts targets (TensorRT-LLM's MoE layer "
-                                 "has no stand-in yet); decode this checkpoint with dflash-trt generate")
+            raise DFlashTrtError(
+                "the emulation does not cover mixture-of-experts targets (TensorRT-LLM's MoE layer "
+                "has no stand-in yet); decode this checkpoint with dflash-trt generate"
+            )
         if raw["mapping"].get("tp_size", 1) != 1 or raw["mapping"].get("pp_size", 1) != 1:
             raise DFlashTrtError("the emulation runs one rank: convert with --tp_size 1")
         if not (checkpoint_dir / "rank0.safetensors").is_file():

@@ -145,8 +145,6 @@ def speedup_table(points: Iterable[Point], baseline: str, levels: Sequence[float
     for level in levels:
         throughput = {name: throughput_at(f, level) for name, f in frontiers.items()}
         base = throughput[baseline]
-        speedup = {
-            name: (None if y is None or base is None else y / base) for name, y in throughput.items()
-        }
+        speedup = {name: (None if y is None or base is None else y / base) for name, y in throughput.items()}
         rows.append(BandRow(tok_s_user=level, throughput=throughput, speedup=speedup))
     return rows

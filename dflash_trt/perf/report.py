@@ -59,9 +59,7 @@ def render_svg(points: Sequence[Point], x_label: str) -> str:
         parts.append(f'<line x1="{_M}" y1="{sy(t):.1f}" x2="{_W - _M}" y2="{sy(t):.1f}" stroke="#ddd"/>')
         parts.append(f'<text x="{_M - 4}" y="{sy(t) + 4:.1f}" text-anchor="end">{_fmt(t)}</text>')
     parts.append(f'<text x="{_W / 2}" y="{_H - 16}" text-anchor="middle">{html.escape(x_label)}</text>')
-    parts.append(
-        f'<text x="14" y="{_H / 2}" text-anchor="middle" transform="rotate(-90 14 {_H / 2})">{Y_LABEL}</text>'
-    )
+    parts.append(f'<text x="14" y="{_H / 2}" text-anchor="middle" transform="rotate(-90 14 {_H / 2})">{Y_LABEL}</text>')
     for i, (name, pts) in enumerate(sorted(group_by_engine(points).items())):
         color = _COLORS[i % len(_COLORS)]
         front = pareto_frontier(pts)
@@ -184,23 +182,27 @@ def analyze_records(
     }
     names = sorted(groups)
     tables: list[Table] = list(extra_tables)
-    tables += [] if baseline is None else [
-        (
-            f"tok/s/GPU at equal interactivity, and speedup over {baseline}",
-            ["tok/s/user", *[f"{n} tok/s/GPU" for n in names], *[f"{n} vs {baseline}" for n in names]],
-            [
-                [f"{r.tok_s_user:.1f}"]
-                + ["-" if r.throughput[n] is None else f"{r.throughput[n]:.1f}" for n in names]
-                + [_ratio(r.speedup[n]) for n in names]
-                for r in rows
-            ],
-        ),
-        (
-            f"Concurrency where speculation stops paying (tok/s/GPU <= {baseline} at equal concurrency)",
-            ["engine", "crossover concurrency"],
-            [[n, "none in the swept range" if c is None else f"{c:.1f}"] for n, c in sorted(crossovers.items())],
-        ),
-    ]
+    tables += (
+        []
+        if baseline is None
+        else [
+            (
+                f"tok/s/GPU at equal interactivity, and speedup over {baseline}",
+                ["tok/s/user", *[f"{n} tok/s/GPU" for n in names], *[f"{n} vs {baseline}" for n in names]],
+                [
+                    [f"{r.tok_s_user:.1f}"]
+                    + ["-" if r.throughput[n] is None else f"{r.throughput[n]:.1f}" for n in names]
+                    + [_ratio(r.speedup[n]) for n in names]
+                    for r in rows
+                ],
+            ),
+            (
+                f"Concurrency where speculation stops paying (tok/s/GPU <= {baseline} at equal concurrency)",
+                ["engine", "crossover concurrency"],
+                [[n, "none in the swept range" if c is None else f"{c:.1f}"] for n, c in sorted(crossovers.items())],
+            ),
+        ]
+    )
     if failed:
         tables.append(("Failed points", ["engine", "concurrency", "error"], [list(f.values()) for f in failed]))
     out = Path(out_dir)

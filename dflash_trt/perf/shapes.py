@@ -28,11 +28,18 @@ def target_from_spec(spec: TargetSpec) -> TargetShape:
     """A Qwen3-MoE target is costed as all-sparse (its experts' size, top-k of them per token): the layers that keep
     a dense MLP, if any, are counted as sparse too."""
     moe = spec.moe
-    experts = {} if moe is None else {
-        "intermediate": moe.intermediate_size, "num_experts": moe.num_experts, "experts_per_token": moe.top_k,
-    }
-    return TargetShape(stack=stack_from_spec(spec, **experts), vocab=spec.vocab_size,
-                       tied_embeddings=spec.tie_word_embeddings)
+    experts = (
+        {}
+        if moe is None
+        else {
+            "intermediate": moe.intermediate_size,
+            "num_experts": moe.num_experts,
+            "experts_per_token": moe.top_k,
+        }
+    )
+    return TargetShape(
+        stack=stack_from_spec(spec, **experts), vocab=spec.vocab_size, tied_embeddings=spec.tie_word_embeddings
+    )
 
 
 def dflash_from_spec(spec: DraftSpec) -> DFlashShape:

@@ -102,8 +102,18 @@ def _positive_int(data: dict, key: str) -> int | None:
 
 def _engine_entry(i: int, e: Any, base: Path) -> EngineEntry:
     where_keys = ("engine_dir", "checkpoint_dir", "triton_url")
-    known = {"name", "kind", "runner", "extra_args", "plugin_library", "eagle_choices", "triton_model", "gpus",
-             "end_id", *where_keys}
+    known = {
+        "name",
+        "kind",
+        "runner",
+        "extra_args",
+        "plugin_library",
+        "eagle_choices",
+        "triton_model",
+        "gpus",
+        "end_id",
+        *where_keys,
+    }
     if not isinstance(e, dict) or not {"name", "kind"} <= set(e):
         raise DFlashTrtError(f"sweep config: engine #{i} needs 'name' and 'kind'")
     name = str(e["name"])
@@ -126,8 +136,8 @@ def _engine_entry(i: int, e: Any, base: Path) -> EngineEntry:
         )
     choices = e.get("eagle_choices")
     if choices is not None and (
-        not isinstance(choices, list) or not all(isinstance(c, list) and all(isinstance(x, int) for x in c)
-                                                 for c in choices)
+        not isinstance(choices, list)
+        or not all(isinstance(c, list) and all(isinstance(x, int) for x in c) for c in choices)
     ):
         raise DFlashTrtError(f"sweep config: engine {name!r} eagle_choices must be a list of integer lists")
     try:
@@ -164,8 +174,9 @@ def parse_sweep_config(data: Any, base_dir: str | Path = ".") -> SweepConfig:
         if key not in data:
             raise DFlashTrtError(f"sweep config: missing required key {key!r}")
     if bool(data.get("dataset")) == bool(data.get("synthetic")):
-        raise DFlashTrtError("sweep config: give exactly one of 'dataset' (jsonl prompts) and 'synthetic' "
-                             "(ISL,OSL,COUNT)")
+        raise DFlashTrtError(
+            "sweep config: give exactly one of 'dataset' (jsonl prompts) and 'synthetic' (ISL,OSL,COUNT)"
+        )
     if data.get("synthetic"):
         parse_synthetic(str(data["synthetic"]))
     conc = data["concurrency"]
@@ -255,8 +266,9 @@ def sweep_workload(cfg: SweepConfig) -> Workload:
     if cfg.synthetic:
         vocabs = {v for v in (vocab_size(e.target) for e in cfg.engines) if v}
         if not vocabs:
-            raise DFlashTrtError("sweep config: synthetic prompts need an engine or checkpoint to take the "
-                                 "vocabulary size from")
+            raise DFlashTrtError(
+                "sweep config: synthetic prompts need an engine or checkpoint to take the vocabulary size from"
+            )
         workload = synthetic_workload(parse_synthetic(cfg.synthetic), min(vocabs), cfg.seed)
     else:
         from dflash_trt.tokenizer import load_tokenizer
@@ -269,10 +281,12 @@ def sweep_workload(cfg: SweepConfig) -> Workload:
 def write_trtllm_bench_dataset(path: Path, workload: Workload) -> None:
     """The same prompts in trtllm-bench's dataset format (`task_id`, `input_ids`, `output_tokens`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(
-        json.dumps({"task_id": i, "input_ids": r.input_ids, "output_tokens": r.max_new_tokens}) + "\n"
-        for i, r in enumerate(workload.requests)
-    ))
+    path.write_text(
+        "".join(
+            json.dumps({"task_id": i, "input_ids": r.input_ids, "output_tokens": r.max_new_tokens}) + "\n"
+            for i, r in enumerate(workload.requests)
+        )
+    )
 
 
 def _section(report: dict, key: str, source: str) -> dict:
@@ -426,8 +440,15 @@ def _driver_point(cfg: SweepConfig, engine: EngineEntry, concurrency: int, workl
     base = {"engine": engine.name, "kind": engine.kind, "concurrency": concurrency, "target": describe(engine.target)}
     try:
         factory = backend_factory(engine.target, workload, cfg.max_batch_size, cfg.kv_cache_free_gpu_mem_fraction)
-        point = measure_point(factory, workload, engine.name, concurrency=concurrency, warmup=cfg.warmup or 0,
-                              seed=cfg.seed, timeout_s=cfg.timeout_s)
+        point = measure_point(
+            factory,
+            workload,
+            engine.name,
+            concurrency=concurrency,
+            warmup=cfg.warmup or 0,
+            seed=cfg.seed,
+            timeout_s=cfg.timeout_s,
+        )
     except FollowerRank:
         raise
     except Exception as exc:  # a failed point is recorded and the sweep goes on, whatever the executor raised
@@ -438,8 +459,9 @@ def _driver_point(cfg: SweepConfig, engine: EngineEntry, concurrency: int, workl
     return base | point | sweep_fields(point) | {"status": "ok"}
 
 
-def run_point(cfg: SweepConfig, engine: EngineEntry, concurrency: int, runner: Runner,
-              workload: Workload | None = None) -> dict:
+def run_point(
+    cfg: SweepConfig, engine: EngineEntry, concurrency: int, runner: Runner, workload: Workload | None = None
+) -> dict:
     """Run (or resume) one point; returns its record, successful or failed, and leaves it in point.json."""
     record_path = point_dir(cfg, engine, concurrency) / "point.json"
     previous = _previous_ok(record_path)

@@ -97,9 +97,7 @@ def quantize_fp8_shared(weights: Sequence[torch.Tensor]) -> list[FP8Weight]:
     return [quantize_fp8(w, scale) for w in weights]
 
 
-def dequantize_fp8(
-    weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """FP8 weight times its scale, computed in fp32 and cast to `dtype`."""
     return (weight.float() * scale.float()).to(dtype)
 

@@ -79,8 +79,8 @@ def _block_amax(weight: torch.Tensor) -> torch.Tensor:
     rows = max(1, _CHUNK_ELEMENTS // in_features)
     for start in range(0, out_features, rows):
         bits = weight[start : start + rows].view(int_dtype) & magnitude_mask
-        amax[start : start + rows] = bits.reshape(-1, in_features // NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE).amax(-1).view(
-            weight.dtype
+        amax[start : start + rows] = (
+            bits.reshape(-1, in_features // NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE).amax(-1).view(weight.dtype)
         )
     return amax.float()
 

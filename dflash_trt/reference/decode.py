@@ -70,8 +70,7 @@ def _check_prompts(prompts: list[list[int]], vocab_size: int, max_new_tokens: li
             raise DFlashTrtError(f"max_new_tokens must be >= 1, got {new} for prompt {i}")
 
 
-def per_sequence_sampling(sampling: SamplingParams | list[SamplingParams] | None, batch: int
-                           ) -> list[SamplingParams]:
+def per_sequence_sampling(sampling: SamplingParams | list[SamplingParams] | None, batch: int) -> list[SamplingParams]:
     """One SamplingParams per sequence; refuses what the engine method cannot honour (top-k / top-p)."""
     if sampling is None or isinstance(sampling, SamplingParams):
         params = [sampling or SamplingParams()] * batch
@@ -120,9 +119,7 @@ def speculative_generate(
         raise DFlashTrtError(f"got {len(sequence_seeds)} seeds for {len(prompts)} prompts")
     generators = [torch.Generator().manual_seed(s) for s in sequence_seeds]
     temperatures = [p.temperature for p in per_sequence]
-    seqs = [
-        _Sequence(SequenceResult(list(p)), list(p), len(p) + n) for p, n in zip(prompts, news, strict=True)
-    ]
+    seqs = [_Sequence(SequenceResult(list(p)), list(p), len(p) + n) for p, n in zip(prompts, news, strict=True)]
     batch = len(seqs)
     capacity = max(s.max_length for s in seqs) + block + 1
     target_cache, draft_cache = target.new_cache(batch, capacity), draft.new_cache(batch, capacity)
@@ -142,8 +139,12 @@ def speculative_generate(
         first = pick_tokens(last_logits, sampling, generator)
     else:
         # The runtime's first uniform of a request (rand_data_sample, drawn when the request is set up).
-        first = torch.cat([sample_by_uniform(last_logits[b : b + 1], temperatures[b], torch.rand(1, generator=g))
-                           for b, g in enumerate(generators)])
+        first = torch.cat(
+            [
+                sample_by_uniform(last_logits[b : b + 1], temperatures[b], torch.rand(1, generator=g))
+                for b, g in enumerate(generators)
+            ]
+        )
     for seq, token in zip(seqs, first.tolist(), strict=True):
         seq.tokens.append(token)
         seq.stopped = bool(torch.isin(torch.tensor(token), stops))

@@ -53,8 +53,13 @@ class Linear:
         weight = tensors[f"{module}.{names.WEIGHT}"]
         bias = tensors.get(f"{module}.{names.BIAS}")
         scale = tensors.get(f"{module}.{names.ACTIVATION_SCALING_FACTOR}")
-        return cls(module, dequantized_weight(tensors, module).to(dtype), None if bias is None else bias.to(dtype),
-                   weight_format(weight), scale)
+        return cls(
+            module,
+            dequantized_weight(tensors, module).to(dtype),
+            None if bias is None else bias.to(dtype),
+            weight_format(weight),
+            scale,
+        )
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,8 +207,9 @@ class KVCache:
     With an FP8 cache each layer's values are stored rounded by its `kv_cache_scaling_factor`.
     """
 
-    def __init__(self, layers: list[LayerWeights], batch: int, kv_heads: int, capacity: int, head_dim: int,
-                 dtype: torch.dtype):
+    def __init__(
+        self, layers: list[LayerWeights], batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype
+    ):
         self.layers = layers
         self.k = [torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype) for _ in layers]
         self.v = [torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype) for _ in layers]
@@ -227,9 +233,7 @@ class KVCache:
         self.v[layer][batch_index, :, slots] = self.stored(layer, v[batch_index, token_index]).to(self.v[layer].dtype)
 
 
-def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float
-) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
     """q `[b, t, h, d]`, k/v `[b, kv, n, d]`, visible `[b, t, n]` → `[b, t, h*d]` (GQA by head groups)."""
     groups = q.shape[2] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
@@ -241,12 +245,15 @@ def attend(
 class TargetModel:
     """The target decoder; returns logits and the concatenated tap features the drafter conditions on."""
 
-    def __init__(self, spec: TargetSpec, tensors: dict[str, torch.Tensor], tap_layers: tuple[int, ...],
-                 dtype: torch.dtype):
+    def __init__(
+        self, spec: TargetSpec, tensors: dict[str, torch.Tensor], tap_layers: tuple[int, ...], dtype: torch.dtype
+    ):
         self.spec = spec
         self.embedding = tensors[names.VOCAB_EMBEDDING].to(dtype)
-        self.layers = [LayerWeights.load(tensors, names.target_layer(i), dtype, spec.moe if spec.is_sparse(i) else None)
-                       for i in range(spec.num_hidden_layers)]
+        self.layers = [
+            LayerWeights.load(tensors, names.target_layer(i), dtype, spec.moe if spec.is_sparse(i) else None)
+            for i in range(spec.num_hidden_layers)
+        ]
         self.final_norm = tensors[names.TARGET_FINAL_NORM].to(dtype)
         self.lm_head = Linear.load(tensors, names.LM_HEAD.removesuffix("." + names.WEIGHT), dtype)
         self.tap_layers = tap_layers
@@ -402,6 +409,7 @@ class GoldenModel:
         """The target's mixture-of-experts MLPs (their experts are quantized and calibrated as stacks)."""
         return [layer.sparse for layer in self.target.layers if layer.sparse is not None]
 
+
 def _belongs_to(layout: dict, name: str) -> bool:
     """A tensor of the layout, a quantization tensor of one of its linears, or a layer's KV-cache scale."""
     module = name.rsplit(".", 1)[0]
@@ -450,8 +458,9 @@ def load_rank_tensors(
                     f"checkpoint {checkpoint_dir} tensor '{name}' is {pieces[0].dtype}, but config.json says {expected}"
                 )
             split, out = stored_split(layout, name, pieces[0].dim())
-            tensors[name] = merge(pieces, split, out.heads if out else None, out.shape[0] if out else None,
-                                 out.experts if out else None)
+            tensors[name] = merge(
+                pieces, split, out.heads if out else None, out.shape[0] if out else None, out.experts if out else None
+            )
             if name in layout and pieces[0].element_size() > 1 and tuple(tensors[name].shape) != layout[name].shape:
                 raise DFlashTrtError(
                     f"checkpoint {checkpoint_dir} tensor '{name}' has shape {tuple(tensors[name].shape)}, but "
@@ -468,14 +477,16 @@ def load_rank_tensors(
 
 def load_golden_model(checkpoint_dir: str | Path, compute_dtype: torch.dtype = torch.float32) -> GoldenModel:
     checkpoint_dir = Path(checkpoint_dir)
-    config = read_json_object(checkpoint_dir / "config.json",
-                              f"{checkpoint_dir} is not a converted checkpoint (no config.json)")
+    config = read_json_object(
+        checkpoint_dir / "config.json", f"{checkpoint_dir} is not a converted checkpoint (no config.json)"
+    )
     target_spec, draft_spec = specs_from_config(config)
     check_integrity(checkpoint_dir)
     dtype = getattr(torch, str(config.get("dtype")), None)  # the converter's --dtype, a torch dtype name
     dtype = dtype if isinstance(dtype, torch.dtype) else None
     mapping = config["mapping"]
-    tensors = load_rank_tensors(checkpoint_dir, mapping["tp_size"], target_spec, draft_spec, dtype,
-                                mapping.get("moe_ep_size", 1))
+    tensors = load_rank_tensors(
+        checkpoint_dir, mapping["tp_size"], target_spec, draft_spec, dtype, mapping.get("moe_ep_size", 1)
+    )
     target = TargetModel(target_spec, tensors, draft_spec.target_layer_ids, compute_dtype)
     return GoldenModel(target, DraftModel(draft_spec, tensors, target, compute_dtype), config)

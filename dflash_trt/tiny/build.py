@@ -70,8 +70,15 @@ def build_pair(out_dir: Path, recipe: Recipe, command: str, log: train.Log = pri
 
     target = Qwen3ForCausalLM(models.target_config(tokenizer.eos_token_id, tokenizer.pad_token_id))
     started = time.perf_counter()
-    train.train_target(target, encoded, steps=recipe.target_steps, batch_size=recipe.target_batch,
-                       lr=recipe.target_lr, seed=recipe.seed, log=log)
+    train.train_target(
+        target,
+        encoded,
+        steps=recipe.target_steps,
+        batch_size=recipe.target_batch,
+        lr=recipe.target_lr,
+        seed=recipe.seed,
+        log=log,
+    )
     target_seconds = time.perf_counter() - started
     accuracy = evaluate.greedy_accuracy(target, tokenizer, heldout)
     log(f"target held-out greedy accuracy {accuracy:.3f} after {target_seconds:.0f}s")
@@ -81,9 +88,18 @@ def build_pair(out_dir: Path, recipe: Recipe, command: str, log: train.Log = pri
 
     draft = DFlashDraftModel(models.draft_config(target.config, tokenizer.mask_token_id))
     started = time.perf_counter()
-    train.train_draft(draft, target, encoded, steps=recipe.draft_steps, batch_size=recipe.draft_batch,
-                      num_anchors=recipe.draft_anchors, gamma=recipe.draft_gamma, lr=recipe.draft_lr,
-                      seed=recipe.seed, log=log)
+    train.train_draft(
+        draft,
+        target,
+        encoded,
+        steps=recipe.draft_steps,
+        batch_size=recipe.draft_batch,
+        num_anchors=recipe.draft_anchors,
+        gamma=recipe.draft_gamma,
+        lr=recipe.draft_lr,
+        seed=recipe.seed,
+        log=log,
+    )
     draft_seconds = time.perf_counter() - started
     runs = evaluate.speculative_runs(draft, target, tokenizer, heldout)
     acceptance = evaluate.per_prompt_mean_acceptance_length(runs)

@@ -70,8 +70,10 @@ def greedy_accuracy(
     target: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, prompts: list[HeldoutPrompt]
 ) -> float:
     completions = greedy_token_ids(target, tokenizer, prompts)
-    hits = sum(is_correct(str(tokenizer.decode(ids, skip_special_tokens=True)), p.answer)
-               for ids, p in zip(completions, prompts, strict=True))
+    hits = sum(
+        is_correct(str(tokenizer.decode(ids, skip_special_tokens=True)), p.answer)
+        for ids, p in zip(completions, prompts, strict=True)
+    )
     return hits / len(prompts)
 
 
@@ -97,10 +99,12 @@ def speculative_runs(
             stats = dflash_generate(
                 draft, target, input_ids, max_new_tokens, [tokenizer.eos_token_id], return_stats=True
             )
-            runs.append(SpeculativeRun(
-                new_token_ids=stats.output_ids[0, input_ids.shape[1]:].tolist(),
-                acceptance_lengths=list(stats.acceptance_lengths),
-            ))
+            runs.append(
+                SpeculativeRun(
+                    new_token_ids=stats.output_ids[0, input_ids.shape[1] :].tolist(),
+                    acceptance_lengths=list(stats.acceptance_lengths),
+                )
+            )
     return runs
 
 

@@ -134,8 +134,10 @@ def draft_batch(
     context_part = sees_context[:, :, None, :].expand(batch, num_anchors, block_size, seq)
     block_part = same_block[None, :, None, :, None].expand(batch, num_anchors, block_size, num_anchors, block_size)
     mask = torch.cat(
-        [context_part.reshape(batch, num_anchors * block_size, seq),
-         block_part.reshape(batch, num_anchors * block_size, num_anchors * block_size)],
+        [
+            context_part.reshape(batch, num_anchors * block_size, seq),
+            block_part.reshape(batch, num_anchors * block_size, num_anchors * block_size),
+        ],
         dim=-1,
     )
     position_ids = torch.cat([torch.arange(seq).expand(batch, seq), block_pos.view(batch, -1)], dim=1)

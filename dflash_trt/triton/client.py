@@ -38,8 +38,9 @@ def acceptance_length_from_counts(accepted: int, drafted: int, max_draft_len: in
     return math.nan if steps == 0 else (accepted + steps) / steps
 
 
-def request_inputs(prompt: str, max_tokens: int, temperature: float | None, stop_words: list[str],
-                   seed: int | None = None):
+def request_inputs(
+    prompt: str, max_tokens: int, temperature: float | None, stop_words: list[str], seed: int | None = None
+):
     """The ensemble's inputs for one request (batch of 1), streaming and perf metrics on."""
     import tritonclient.grpc as grpcclient
 
@@ -69,9 +70,18 @@ def _scalar(result, name: str):
     return None if value is None else value.reshape(-1)[0].item()
 
 
-def stream_generate(url: str, prompt: str, max_tokens: int, *, model: str = "ensemble",
-                    temperature: float | None = None, stop_words: Sequence[str] = (), on_text=None,
-                    timeout_s: float = 600.0, seed: int | None = None) -> Generation:
+def stream_generate(
+    url: str,
+    prompt: str,
+    max_tokens: int,
+    *,
+    model: str = "ensemble",
+    temperature: float | None = None,
+    stop_words: Sequence[str] = (),
+    on_text=None,
+    timeout_s: float = 600.0,
+    seed: int | None = None,
+) -> Generation:
     """Send one streaming request and collect every response until the server marks the last one."""
     import tritonclient.grpc as grpcclient
 
@@ -81,8 +91,11 @@ def stream_generate(url: str, prompt: str, max_tokens: int, *, model: str = "ens
     start = time.perf_counter()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     try:
-        client.async_stream_infer(model, request_inputs(prompt, max_tokens, temperature, list(stop_words), seed),
-                                  enable_empty_final_response=True)
+        client.async_stream_infer(
+            model,
+            request_inputs(prompt, max_tokens, temperature, list(stop_words), seed),
+            enable_empty_final_response=True,
+        )
         while True:
             result, error = responses.get(timeout=timeout_s)
             if error is not None:
@@ -95,9 +108,11 @@ def stream_generate(url: str, prompt: str, max_tokens: int, *, model: str = "ens
                 out.chunks += 1
                 if on_text is not None:
                     on_text(piece)
-            for attr, name in (("acceptance_rate", "acceptance_rate"),
-                               ("accepted_draft_tokens", "total_accepted_draft_tokens"),
-                               ("draft_tokens", "total_draft_tokens")):
+            for attr, name in (
+                ("acceptance_rate", "acceptance_rate"),
+                ("accepted_draft_tokens", "total_accepted_draft_tokens"),
+                ("draft_tokens", "total_draft_tokens"),
+            ):
                 value = _scalar(result, name)
                 if value is not None:
                     setattr(out, attr, value)
@@ -137,12 +152,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (the default)")
     parser.add_argument("--seed", type=int, default=None, help="random seed of a sampled request")
     parser.add_argument("--stop_words", nargs="*", default=[])
-    parser.add_argument("--max_draft_len", type=int, default=None,
-                        help="drafts per step, for the acceptance length (default: from dflash_triton.json)")
+    parser.add_argument(
+        "--max_draft_len",
+        type=int,
+        default=None,
+        help="drafts per step, for the acceptance length (default: from dflash_triton.json)",
+    )
     args = parser.parse_args(argv)
-    gen = stream_generate(args.url, args.prompt, args.max_tokens, model=args.model, temperature=args.temperature,
-                          stop_words=args.stop_words, on_text=lambda t: print(t, end="", flush=True),
-                          seed=args.seed)
+    gen = stream_generate(
+        args.url,
+        args.prompt,
+        args.max_tokens,
+        model=args.model,
+        temperature=args.temperature,
+        stop_words=args.stop_words,
+        on_text=lambda t: print(t, end="", flush=True),
+        seed=args.seed,
+    )
     print()
     if gen.errors:
         print("error: " + "; ".join(gen.errors), file=sys.stderr)

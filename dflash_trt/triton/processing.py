@@ -159,8 +159,15 @@ def model_parameters(model_config_json: str) -> dict[str, str]:
 class Preprocessor:
     """Request text and options -> the `tensorrt_llm` model's inputs, refusing what the engine cannot honour."""
 
-    def __init__(self, tokenizer, *, add_special_tokens: bool, max_input_len: int, max_temperature: float,
-                 extra_stop_ids: Sequence[int] = ()):
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        add_special_tokens: bool,
+        max_input_len: int,
+        max_temperature: float,
+        extra_stop_ids: Sequence[int] = (),
+    ):
         self.tokenizer = tokenizer
         self.add_special_tokens = add_special_tokens
         self.max_input_len = max_input_len
@@ -189,11 +196,17 @@ class Preprocessor:
         """Each request's temperature (0 when not sent: greedy, never the runtime's default of 1), after refusing
         any sampling parameter the engine cannot honour."""
         temperature = inputs.get(TEMPERATURE)
-        temperature = (np.zeros((batch, 1), np.float32) if temperature is None
-                       else np.asarray(temperature, dtype=np.float32).reshape(batch, 1))
+        temperature = (
+            np.zeros((batch, 1), np.float32)
+            if temperature is None
+            else np.asarray(temperature, dtype=np.float32).reshape(batch, 1)
+        )
         for row in range(batch):
-            params = {name: np.asarray(inputs[name]).reshape(batch)[row].item()
-                      for name in SAMPLING_INPUTS if inputs.get(name) is not None}
+            params = {
+                name: np.asarray(inputs[name]).reshape(batch)[row].item()
+                for name in SAMPLING_INPUTS
+                if inputs.get(name) is not None
+            }
             refusal = sampling_refusal({"temperature": float(temperature[row, 0]), **params})
             if refusal is not None:
                 raise ValueError(refusal)
@@ -245,10 +258,16 @@ class Preprocessor:
             OUT_REQUEST_OUTPUT_LEN: output_len,
             STOP_WORDS_IDS: self._words(inputs.get(STOP_WORDS), batch, with_eos=True),
             BAD_WORDS_IDS: self._words(inputs.get(BAD_WORDS), batch, with_eos=False),
-            OUT_END_ID: (np.asarray(end_id, dtype=np.int32).reshape(-1, 1) if end_id is not None
-                         else np.full((batch, 1), self.end_id, dtype=np.int32)),
-            OUT_PAD_ID: (np.asarray(pad_id, dtype=np.int32).reshape(-1, 1) if pad_id is not None
-                         else np.full((batch, 1), self.pad_id, dtype=np.int32)),
+            OUT_END_ID: (
+                np.asarray(end_id, dtype=np.int32).reshape(-1, 1)
+                if end_id is not None
+                else np.full((batch, 1), self.end_id, dtype=np.int32)
+            ),
+            OUT_PAD_ID: (
+                np.asarray(pad_id, dtype=np.int32).reshape(-1, 1)
+                if pad_id is not None
+                else np.full((batch, 1), self.pad_id, dtype=np.int32)
+            ),
             OUT_TEMPERATURE: temperature,
         }
 
@@ -296,12 +315,12 @@ class StreamDetokenizer:
         text = self._text()
         if text.endswith("\ufffd"):
             return ""
-        piece, self.released = text[self.released:], len(text)
+        piece, self.released = text[self.released :], len(text)
         return piece
 
     def flush(self) -> str:
         text = self._text()
-        piece, self.released = text[self.released:], len(text)
+        piece, self.released = text[self.released :], len(text)
         return piece
 
 

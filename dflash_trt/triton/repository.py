@@ -388,8 +388,9 @@ def _read_json(path: Path, what: str) -> dict:
     return read_json_object(path, f"{path.parent} is not a DFlash engine directory: {what} {path.name} is missing")
 
 
-def settings_from_engine(engine_dir: str | Path, tokenizer_dir: str | Path,
-                         serving: ServingSettings | None = None) -> RepositorySettings:
+def settings_from_engine(
+    engine_dir: str | Path, tokenizer_dir: str | Path, serving: ServingSettings | None = None
+) -> RepositorySettings:
     """Settings for a built engine: sizes from its config.json and DFlash manifest, serving knobs as given."""
     engine_dir = Path(engine_dir).absolute()
     manifest = _read_json(engine_dir / MANIFEST_NAME, "the DFlash manifest")

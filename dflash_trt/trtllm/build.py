@@ -68,8 +68,9 @@ def check_build_host(plan: EngineBuildPlan) -> str:
         import torch
 
         if torch.cuda.device_count() < plan.parallel_workers:
-            raise DFlashTrtError(f"--workers {plan.parallel_workers} needs as many GPUs; this host has "
-                                 f"{torch.cuda.device_count()}")
+            raise DFlashTrtError(
+                f"--workers {plan.parallel_workers} needs as many GPUs; this host has {torch.cuda.device_count()}"
+            )
     return version
 
 
@@ -79,8 +80,12 @@ def _staged_command(plan: EngineBuildPlan, staging: Path) -> list[str]:
     return command
 
 
-def run_rank_builds(commands: list[list[str]], workers: int, env: dict[str, str],
-                    launch: Callable[..., subprocess.Popen] = subprocess.Popen) -> list[int]:
+def run_rank_builds(
+    commands: list[list[str]],
+    workers: int,
+    env: dict[str, str],
+    launch: Callable[..., subprocess.Popen] = subprocess.Popen,
+) -> list[int]:
     """Run one build process per rank, `workers` at a time; the first failure stops the others (a rank's engine is
     useless without the rest). Returns the ranks that failed."""
     pending = list(enumerate(commands))
@@ -120,8 +125,10 @@ def _build(plan: EngineBuildPlan, staging: Path, env: dict[str, str]) -> None:
         return
     failed = run_rank_builds(rank_commands, plan.parallel_workers, env)
     if failed:
-        raise DFlashTrtError(f"building rank {', '.join(map(str, sorted(failed)))} failed (its log is above); the "
-                             "other ranks were stopped")
+        raise DFlashTrtError(
+            f"building rank {', '.join(map(str, sorted(failed)))} failed (its log is above); the "
+            "other ranks were stopped"
+        )
 
 
 def run_engine_build(plan: EngineBuildPlan, overwrite: bool = False) -> Path:
@@ -142,8 +149,7 @@ def run_engine_build(plan: EngineBuildPlan, overwrite: bool = False) -> Path:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    manifest = dict(plan.dflash_manifest, tensorrt_llm_version=version,
-                    tensorrt_version=installed_version("tensorrt"))
+    manifest = dict(plan.dflash_manifest, tensorrt_llm_version=version, tensorrt_version=installed_version("tensorrt"))
     (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
     if output.exists():
         shutil.rmtree(output)

@@ -132,16 +132,27 @@ class EngineBuildPlan:
         if self.parallel_workers == 1:
             return []
         args = (command or self.command)[1:]
-        return [[python, "-m", RANK_BUILD_MODULE, "--rank", str(rank), "--gpus", str(self.parallel_workers), "--",
-                 *args] for rank in range(self.world_size)]
+        return [
+            [python, "-m", RANK_BUILD_MODULE, "--rank", str(rank), "--gpus", str(self.parallel_workers), "--", *args]
+            for rank in range(self.world_size)
+        ]
 
     def shell_command(self, with_library: bool = False) -> str:
         """The build as a shell line; `with_library` sets the plugin library variable for the build processes."""
         env = f"{LIBRARY_ENV}={shlex.quote(self.plugin_library)} " if with_library else ""
         if self.parallel_workers == 1:
             return env + shlex.join(self.command)
-        one_rank = ["python", "-m", RANK_BUILD_MODULE, "--rank", "{}", "--gpus", str(self.parallel_workers), "--",
-                    *self.command[1:]]
+        one_rank = [
+            "python",
+            "-m",
+            RANK_BUILD_MODULE,
+            "--rank",
+            "{}",
+            "--gpus",
+            str(self.parallel_workers),
+            "--",
+            *self.command[1:],
+        ]
         return f"seq 0 {self.world_size - 1} | {env}xargs -P {self.parallel_workers} -I{{}} {shlex.join(one_rank)}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -280,6 +291,7 @@ def check_quantization(facts: CheckpointFacts) -> None:
     target = (facts.quant_algo, facts.kv_cache_quant_algo)
     draft = (facts.draft_quant_algo, facts.draft_kv_cache_quant_algo)
     if draft != target:
+
         def spelled(algos: tuple) -> str:
             return f"weights {algos[0] or 'unquantized'}, KV cache {algos[1] or 'unquantized'}"
 
@@ -347,14 +359,18 @@ def check_settings(facts: CheckpointFacts, settings: EngineBuildSettings) -> Non
     if settings.max_beam_width != 1:
         raise DFlashTrtError("speculative decoding engines support only --max_beam_width 1")
     if settings.kv_cache_type not in KV_CACHE_TYPES:
-        raise DFlashTrtError(f"--kv_cache_type must be paged (EAGLE-mode engines need the paged KV cache), got "
-                             f"{settings.kv_cache_type!r}")
+        raise DFlashTrtError(
+            f"--kv_cache_type must be paged (EAGLE-mode engines need the paged KV cache), got "
+            f"{settings.kv_cache_type!r}"
+        )
     if not settings.use_paged_context_fmha:
         raise DFlashTrtError("EAGLE-mode engines need --use_paged_context_fmha enable")
     if settings.gemm_plugin not in GEMM_PLUGIN_CHOICES:
         raise DFlashTrtError(f"--gemm_plugin must be one of {', '.join(GEMM_PLUGIN_CHOICES)}")
     if settings.logits_dtype not in LOGITS_DTYPES:
-        raise DFlashTrtError("--logits_dtype must be float32 or float16 (the dtypes the in-graph verification is checked for)")
+        raise DFlashTrtError(
+            "--logits_dtype must be float32 or float16 (the dtypes the in-graph verification is checked for)"
+        )
     if not 1 <= settings.max_batch_size <= MAX_EAGLE_BATCH_SIZE:
         raise DFlashTrtError(f"--max_batch_size must lie in [1, {MAX_EAGLE_BATCH_SIZE}] for EAGLE-mode engines")
     if k > MAX_EAGLE_DRAFT_LEN:
@@ -398,26 +414,45 @@ def model_class_file() -> Path:
 def build_command(checkpoint_dir: str, output_dir: str, max_draft_len: int, settings: EngineBuildSettings) -> list[str]:
     return [
         TRTLLM_BUILD,
-        "--checkpoint_dir", checkpoint_dir,
-        "--output_dir", output_dir,
-        "--model_cls_file", str(model_class_file()),
-        "--model_cls_name", MODEL_CLASS_NAME,
-        "--speculative_decoding_mode", SPECULATIVE_DECODING_MODE,
-        "--max_draft_len", str(max_draft_len),
-        "--max_batch_size", str(settings.max_batch_size),
-        "--max_input_len", str(settings.max_input_len),
-        "--max_seq_len", str(settings.max_seq_len),
-        "--max_num_tokens", str(settings.max_num_tokens),
-        "--max_beam_width", str(settings.max_beam_width),
-        "--kv_cache_type", settings.kv_cache_type,
-        "--gemm_plugin", settings.gemm_plugin,
-        "--use_paged_context_fmha", _switch(settings.use_paged_context_fmha),
-        "--use_fp8_context_fmha", _switch(settings.use_fp8_context_fmha),
-        "--multiple_profiles", _switch(settings.multiple_profiles),
-        "--tokens_per_block", str(settings.tokens_per_block),
-        "--logits_dtype", settings.logits_dtype,
+        "--checkpoint_dir",
+        checkpoint_dir,
+        "--output_dir",
+        output_dir,
+        "--model_cls_file",
+        str(model_class_file()),
+        "--model_cls_name",
+        MODEL_CLASS_NAME,
+        "--speculative_decoding_mode",
+        SPECULATIVE_DECODING_MODE,
+        "--max_draft_len",
+        str(max_draft_len),
+        "--max_batch_size",
+        str(settings.max_batch_size),
+        "--max_input_len",
+        str(settings.max_input_len),
+        "--max_seq_len",
+        str(settings.max_seq_len),
+        "--max_num_tokens",
+        str(settings.max_num_tokens),
+        "--max_beam_width",
+        str(settings.max_beam_width),
+        "--kv_cache_type",
+        settings.kv_cache_type,
+        "--gemm_plugin",
+        settings.gemm_plugin,
+        "--use_paged_context_fmha",
+        _switch(settings.use_paged_context_fmha),
+        "--use_fp8_context_fmha",
+        _switch(settings.use_fp8_context_fmha),
+        "--multiple_profiles",
+        _switch(settings.multiple_profiles),
+        "--tokens_per_block",
+        str(settings.tokens_per_block),
+        "--logits_dtype",
+        settings.logits_dtype,
         # trtllm-build's worker pool cannot load our class: ranks run in parallel as separate processes instead.
-        "--workers", "1",
+        "--workers",
+        "1",
         *settings.extra_flags,
     ]
 
@@ -482,8 +517,13 @@ def manifest(facts: CheckpointFacts, settings: EngineBuildSettings, plugin_libra
     }
 
 
-def plan_engine_build(checkpoint_dir: str | Path, output_dir: str | Path, settings: EngineBuildSettings,
-                      plugin_library: str | Path | None = None, require_weights: bool = True) -> EngineBuildPlan:
+def plan_engine_build(
+    checkpoint_dir: str | Path,
+    output_dir: str | Path,
+    settings: EngineBuildSettings,
+    plugin_library: str | Path | None = None,
+    require_weights: bool = True,
+) -> EngineBuildPlan:
     """Validate a converted checkpoint against the build settings and return the exact build to run.
 
     Build profiles plan through here too (from the config.json the converter will write, `require_weights`

@@ -66,12 +66,30 @@ from dflash_trt.trtllm.plugin import KVInjectionGeometry, kv_injection_layer
 from dflash_trt.trtllm.verify import verify_drafts
 
 # Keys only DFlash reads; the target's TensorRT-LLM config class must not see them.
-DFLASH_KEYS = ("architecture", "base_architecture", "dflash_config", "dflash_format_version", "eos_token_ids",
-               "vocab_size_padded", "max_draft_len", "num_eagle_layers", "max_non_leaves_per_layer",
-               "eagle_net_config", "mapping", "quantization")
-EAGLE_INPUTS = ("draft_tokens", "draft_lens", "eagle_temperature", "rand_data_validation", "rand_data_sample",
-                "host_gen_eagle_net_request_types", "host_gen_eagle_net_context_lengths",
-                "host_gen_eagle_net_past_key_value_lengths")
+DFLASH_KEYS = (
+    "architecture",
+    "base_architecture",
+    "dflash_config",
+    "dflash_format_version",
+    "eos_token_ids",
+    "vocab_size_padded",
+    "max_draft_len",
+    "num_eagle_layers",
+    "max_non_leaves_per_layer",
+    "eagle_net_config",
+    "mapping",
+    "quantization",
+)
+EAGLE_INPUTS = (
+    "draft_tokens",
+    "draft_lens",
+    "eagle_temperature",
+    "rand_data_validation",
+    "rand_data_sample",
+    "host_gen_eagle_net_request_types",
+    "host_gen_eagle_net_context_lengths",
+    "host_gen_eagle_net_past_key_value_lengths",
+)
 
 
 @dataclass(frozen=True)
@@ -200,8 +218,15 @@ class DFlashDrafter(Module):
         hidden = d.hidden_size
         # Replicated on every rank, as the converter writes dflash.fc (unsplit): its output feeds every rank's
         # context K/V, and the GEMM is small next to the target's.
-        self.fc = ColumnLinear(len(d.target_layer_ids) * config.hidden_size, hidden, bias=False,
-                               dtype=config.dtype, tp_group=None, tp_size=1, gather_output=True)
+        self.fc = ColumnLinear(
+            len(d.target_layer_ids) * config.hidden_size,
+            hidden,
+            bias=False,
+            dtype=config.dtype,
+            tp_group=None,
+            tp_size=1,
+            gather_output=True,
+        )
         self.hidden_norm = RmsNorm(normalized_shape=hidden, eps=d.rms_norm_eps, dtype=config.dtype)
         self.layers = ModuleList([DFlashDraftLayer(config, i) for i in range(d.num_hidden_layers)])
         self.ln_f = RmsNorm(normalized_shape=hidden, eps=d.rms_norm_eps, dtype=config.dtype)
@@ -244,8 +269,9 @@ class DFlashTarget(Module):
         return final, concat([taps[i] for i in self.taps], dim=-1)
 
 
-def layer_kv_params(params: KeyValueCacheParams, host_past_key_value_lengths: Tensor | None = None
-                    ) -> KeyValueCacheParams:
+def layer_kv_params(
+    params: KeyValueCacheParams, host_past_key_value_lengths: Tensor | None = None
+) -> KeyValueCacheParams:
     """Per-layer KV params as DecoderLayerList builds them (paged pool: no per-layer past tensor)."""
     if host_past_key_value_lengths is None:
         host_past_key_value_lengths = params.host_past_key_value_lengths
@@ -283,9 +309,15 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
 
     def __init__(self, config: DFlashConfig):
         refuse_unsupported(config)
-        lm_head = ColumnLinear(config.hidden_size, pad_vocab_size(config.vocab_size, config.mapping.tp_size),
-                               bias=False, dtype=config.dtype, tp_group=config.mapping.tp_group,
-                               tp_size=config.mapping.tp_size, gather_output=True)
+        lm_head = ColumnLinear(
+            config.hidden_size,
+            pad_vocab_size(config.vocab_size, config.mapping.tp_size),
+            bias=False,
+            dtype=config.dtype,
+            tp_group=config.mapping.tp_group,
+            tp_size=config.mapping.tp_size,
+            gather_output=True,
+        )
         super().__init__(config, DFlashTarget(config), lm_head)
         self.dflash = DFlashDrafter(config)
         self.block_size = config.draft.block_size
@@ -293,10 +325,25 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         self.mask_token_id = config.draft.mask_token_id
         self.draft_rope = config.draft.rope
 
-    def forward(self, input_ids, position_ids, use_cache, last_token_ids, kv_cache_params, attention_params,
-                spec_decoding_params, draft_tokens, draft_lens, eagle_temperature, rand_data_validation,
-                rand_data_sample, host_gen_eagle_net_request_types, host_gen_eagle_net_context_lengths,
-                host_gen_eagle_net_past_key_value_lengths, attention_mask=None):
+    def forward(
+        self,
+        input_ids,
+        position_ids,
+        use_cache,
+        last_token_ids,
+        kv_cache_params,
+        attention_params,
+        spec_decoding_params,
+        draft_tokens,
+        draft_lens,
+        eagle_temperature,
+        rand_data_validation,
+        rand_data_sample,
+        host_gen_eagle_net_request_types,
+        host_gen_eagle_net_context_lengths,
+        host_gen_eagle_net_past_key_value_lengths,
+        attention_mask=None,
+    ):
         assert use_cache and default_net().plugin_config.paged_kv_cache
         attention_params = Attention.fill_attention_params(self, attention_params)
         hidden_states, taps = self.transformer(input_ids, spec_decoding_params, kv_cache_params, attention_params)
@@ -307,20 +354,35 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         logits.mark_output("logits", self.config.logits_dtype)
 
         accepted_tokens, num_accepted = verify_drafts(
-            cast(logits, "float32"), draft_tokens, draft_lens, eagle_temperature, rand_data_validation,
-            rand_data_sample, self.config.vocab_size, self.max_draft_len)
+            cast(logits, "float32"),
+            draft_tokens,
+            draft_lens,
+            eagle_temperature,
+            rand_data_validation,
+            rand_data_sample,
+            self.config.vocab_size,
+            self.max_draft_len,
+        )
         # One chain: the accepted path is always path 0 and the next step's paths are the chain again.
         accepted_paths = expand(i32([0]), shape(draft_lens))
         width = self.max_draft_len + 1
         paths = concat([shape(draft_lens, 0), width, width])
         next_draft_paths = expand(i32([chain_draft_paths(self.max_draft_len)]), paths)
 
-        book = self.bookkeeping(input_ids, position_ids, attention_params.context_lengths, draft_lens,
-                                accepted_tokens, num_accepted)
+        book = self.bookkeeping(
+            input_ids, position_ids, attention_params.context_lengths, draft_lens, accepted_tokens, num_accepted
+        )
         written = self.inject_context(taps, book, kv_cache_params)
-        next_draft_tokens = self.draft_block(book, written, kv_cache_params, attention_params, spec_decoding_params,
-                                             host_gen_eagle_net_request_types, host_gen_eagle_net_context_lengths,
-                                             host_gen_eagle_net_past_key_value_lengths)
+        next_draft_tokens = self.draft_block(
+            book,
+            written,
+            kv_cache_params,
+            attention_params,
+            spec_decoding_params,
+            host_gen_eagle_net_request_types,
+            host_gen_eagle_net_context_lengths,
+            host_gen_eagle_net_past_key_value_lengths,
+        )
         next_draft_lens = expand(i32([self.max_draft_len]), shape(draft_lens))
 
         accepted_tokens.mark_output("accepted_tokens")
@@ -331,8 +393,9 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         next_draft_paths.mark_output("next_draft_paths")
         return next_draft_tokens
 
-    def bookkeeping(self, input_ids, position_ids, context_lengths, draft_lens, accepted_tokens,
-                    num_accepted) -> StepBook:
+    def bookkeeping(
+        self, input_ids, position_ids, context_lengths, draft_lens, accepted_tokens, num_accepted
+    ) -> StepBook:
         """Per-token request index, position and validity; per-request drafter context length and anchor (§2.3).
 
         The runtime gives a context request one position id per input token but a generation request a single one
@@ -353,8 +416,7 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         valid = cast(local < index_select(valid_len, 0, request), "int32")
         positions = index_select(first_position, 0, request) + local
         anchor = gather(accepted_tokens, 1, unsqueeze(num_accepted - 1, 1))
-        return StepBook(request, valid, positions, first_position + valid_len, anchor, shape(draft_lens, 0),
-                        draft_lens)
+        return StepBook(request, valid, positions, first_position + valid_len, anchor, shape(draft_lens, 0), draft_lens)
 
     def inject_context(self, taps, book: StepBook, kv_cache_params) -> Tensor:
         """Write the valid tokens' context K/V into every draft layer's pages; returns the ordering token."""
@@ -382,14 +444,31 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
             k_norm = concat([unsqueeze(layers[i].attention.k_layernorm.weight.value, 0) for i in group], dim=0)
             scale = layers[group[0]].attention.kv_cache_rcp_scaling_factor.value if fp8_cache else None
             token = kv_injection_layer(
-                ctx_kv, k_norm, book.positions, book.request, book.valid, passthrough=token,
-                geometry=KVInjectionGeometry(num_layers=len(group),
-                                             layer_idx_offset=self.config.num_hidden_layers + group[0], **geometry),
-                kv_scale_orig_quant=scale, **common)
+                ctx_kv,
+                k_norm,
+                book.positions,
+                book.request,
+                book.valid,
+                passthrough=token,
+                geometry=KVInjectionGeometry(
+                    num_layers=len(group), layer_idx_offset=self.config.num_hidden_layers + group[0], **geometry
+                ),
+                kv_scale_orig_quant=scale,
+                **common,
+            )
         return token
 
-    def draft_block(self, book: StepBook, written, kv_cache_params, attention_params, spec_decoding_params,
-                    host_request_types, host_context_lengths, host_past_key_value_lengths) -> Tensor:
+    def draft_block(
+        self,
+        book: StepBook,
+        written,
+        kv_cache_params,
+        attention_params,
+        spec_decoding_params,
+        host_request_types,
+        host_context_lengths,
+        host_past_key_value_lengths,
+    ) -> Tensor:
         """Run `[anchor, MASK x K]` through the draft layers as one spec-decoding generation step; argmax slots 1..K."""
         b, k = self.block_size, self.max_draft_len
         batch = book.batch
@@ -445,7 +524,8 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
             use_gpt_attention_plugin=plugin_config.gpt_attention_plugin,
             use_gemm_plugin=plugin_config.gemm_plugin,
             remove_input_padding=plugin_config.remove_input_padding,
-            kv_cache_type=kv_cache_type)
+            kv_cache_type=kv_cache_type,
+        )
         _, ranges = GenerationMixin.get_profiles_ranges(
             max_batch_size=kwargs["max_batch_size"],
             max_beam_width=kwargs["max_beam_width"],
@@ -456,13 +536,18 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
             opt_num_tokens=kwargs.get("opt_num_tokens"),
             enable_ctx_gen_opt_profiles=ctx_gen_profiles,
             multiple_profiles=plugin_config.multiple_profiles,
-            kv_cache_type=kv_cache_type)
+            kv_cache_type=kv_cache_type,
+        )
         bb_range = ranges["bb_range"]
         profiles = len(bb_range)
 
         def declare(name, dtype, dims):
-            return Tensor(name=name, dtype=dtype, shape=[-1 if n == "batch_size" else v[0] for n, v in dims],
-                          dim_range=OrderedDict(dims))
+            return Tensor(
+                name=name,
+                dtype=dtype,
+                shape=[-1 if n == "batch_size" else v[0] for n, v in dims],
+                dim_range=OrderedDict(dims),
+            )
 
         batch = ("batch_size", bb_range)
         draft_len = ("draft_len", [k] * profiles)

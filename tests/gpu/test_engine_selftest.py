@@ -70,8 +70,9 @@ def test_engine_matches_golden_model(engine):
     from dflash_trt.reference.model import load_golden_model
 
     engine_dir, checkpoint, library = engine
-    golden = speculative_generate(load_golden_model(checkpoint), PROMPTS, max_new_tokens=MAX_NEW,
-                                  stop_token_ids=[END_ID])
+    golden = speculative_generate(
+        load_golden_model(checkpoint), PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=[END_ID]
+    )
     tokens, acceptance = engine_generate(engine_dir, str(library), PROMPTS, MAX_NEW, END_ID)
     assert compare(golden, tokens, acceptance, MAX_NEW, 8) == []
 
@@ -100,11 +101,31 @@ def test_bench_drives_the_engine_in_flight(engine, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
     out = tmp_path / "bench"
-    assert main(["bench", "--engine_dir", str(engine_dir), "--plugin_library", str(library), "--input_file",
-                 str(prompts), "--max_new_tokens", str(MAX_NEW), "--end_id", str(END_ID), "--concurrency", "1,3",
-                 "--output_dir", str(out)]) == 0
-    golden = speculative_generate(load_golden_model(checkpoint), PROMPTS, max_new_tokens=MAX_NEW,
-                                  stop_token_ids=[END_ID])
+    assert (
+        main(
+            [
+                "bench",
+                "--engine_dir",
+                str(engine_dir),
+                "--plugin_library",
+                str(library),
+                "--input_file",
+                str(prompts),
+                "--max_new_tokens",
+                str(MAX_NEW),
+                "--end_id",
+                str(END_ID),
+                "--concurrency",
+                "1,3",
+                "--output_dir",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    golden = speculative_generate(
+        load_golden_model(checkpoint), PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=[END_ID]
+    )
     for point in load_results(out / "results.json"):
         assert point["failed"] == 0 and point["max_in_flight"] == point["concurrency"]
         for request in point["per_request"]:

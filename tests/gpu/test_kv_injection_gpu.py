@@ -47,8 +47,21 @@ def _problem(gen, heads, head_dim, layers, tokens, tpb, cache_dtype, secondary: 
     flat = torch.randperm(seqs * max_blocks * tpb, generator=gen)[:tokens]
     seq_slots = (flat // (max_blocks * tpb)).to(torch.int32)
     positions = (flat % (max_blocks * tpb)).to(torch.int32)
-    layout, offsets, pool = paged_problem(gen, seq_slots, positions, seqs, max_blocks, heads, head_dim, layers, tpb,
-                                          cache_dtype, secondary, first_layer=1, spare_blocks=5)
+    layout, offsets, pool = paged_problem(
+        gen,
+        seq_slots,
+        positions,
+        seqs,
+        max_blocks,
+        heads,
+        head_dim,
+        layers,
+        tpb,
+        cache_dtype,
+        secondary,
+        first_layer=1,
+        spare_blocks=5,
+    )
     return layout, offsets, seq_slots, positions, pool
 
 

@@ -152,7 +152,10 @@ class TrtllmBackend(Backend):
             decoding.eagle_config = trtllm.EagleConfig(self.info.eagle_choices, True, None, False, None)
         kv_cache = trtllm.KvCacheConfig(free_gpu_memory_fraction=self.kv_fraction, enable_block_reuse=False)
         return trtllm.ExecutorConfig(
-            max_beam_width=1, max_batch_size=self.max_batch_size, kv_cache_config=kv_cache, decoding_config=decoding,
+            max_beam_width=1,
+            max_batch_size=self.max_batch_size,
+            kv_cache_config=kv_cache,
+            decoding_config=decoding,
             enable_chunked_context=self.enable_chunked_context,
         )
 
