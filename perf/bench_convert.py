@@ -188,7 +188,8 @@ def measure(job: str, args: dict, repeats: int, cleanup: Callable[[], None]) -> 
     return best
 
 
-def convert_argv(target_dir: Path, draft_dir: Path, out: Path, tp: int) -> list[str]:
+def convert_argv(target_dir: Path, draft_dir: Path, out: Path, tp: int, *extra: str) -> list[str]:
+    """`dflash-trt convert` of a bf16 checkpoint at tensor-parallel size `tp` (plus any `extra` flags)."""
     return [
         "convert",
         "--model_dir",
@@ -199,6 +200,7 @@ def convert_argv(target_dir: Path, draft_dir: Path, out: Path, tp: int) -> list[
         str(out),
         "--tp_size",
         str(tp),
+        *extra,
         "--dtype",
         "bfloat16",
     ]
@@ -208,19 +210,55 @@ def directory_bytes(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=2, help="target layers (2 gives a 2.2 GB pair)")
+def run_in_work_dir(
+    run: Callable[[Path, int, int], int], argv: list[str] | None, doc: str | None, layers: int, layers_help: str
+) -> int:
+    """The command line both conversion benchmarks share: --layers, --repeats, --keep (else a temp dir)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=layers, help=layers_help)
     parser.add_argument("--repeats", type=int, default=2, help="runs per contender; best time, highest peaks")
     parser.add_argument("--keep", type=Path, help="work in this directory and keep it (default: a temp dir)")
     args = parser.parse_args(argv)
     root = args.keep or Path(tempfile.mkdtemp(prefix="bench_convert_"))
     root.mkdir(parents=True, exist_ok=True)
     try:
-        return _run(root, args.layers, args.repeats)
+        return run(root, args.layers, args.repeats)
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def measure_copy(root: Path, inputs: list[str], repeats: int) -> dict:
+    """The plain-copy contender: every input file copied and fsynced into a fresh folder."""
+    copy_dir = root / "copy"
+
+    def fresh_copy_dir() -> None:
+        shutil.rmtree(copy_dir, ignore_errors=True)
+        copy_dir.mkdir()
+
+    fresh_copy_dir()
+    return measure("copy", {"files": inputs, "out": str(copy_dir)}, repeats, fresh_copy_dir)
+
+
+def report(results: dict[str, dict], size: int) -> None:
+    """Adds the above-baseline peaks and the rate to each contender's result, and prints one line each."""
+    base = results["baseline"]
+    for name, r in results.items():
+        r["rss_above_baseline"] = r["peak_rss"] - base["peak_rss"]
+        r["anon_above_baseline"] = r["RssAnon"] - base["RssAnon"]
+        if name != "baseline":  # the baseline converts a tiny pair, not the checkpoint
+            r["gb_per_s"] = size / r["seconds"] / 1e9
+        rate = f"{r['gb_per_s']:5.2f} GB/s" if "gb_per_s" in r else "       -  "
+        print(
+            f"{name:9s} {r['seconds']:7.2f} s  {rate}  peak RSS {_gib(r['peak_rss'])} "
+            f"(+{_gib(r['rss_above_baseline'])} over baseline; peak anon {_gib(r['RssAnon'])}, "
+            f"peak file-mapped {_gib(r['RssFile'])})",
+            flush=True,
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_in_work_dir(_run, argv, __doc__, 2, "target layers (2 gives a 2.2 GB pair)")
 
 
 def _gib(nbytes: float) -> str:
@@ -253,32 +291,13 @@ def _run(root: Path, layers: int, repeats: int) -> int:
         results[f"tp{tp}"] = measure(
             "convert", {"argv": convert_argv(target_dir, draft_dir, out, tp)}, repeats, cleanup
         )
-    copy_dir = root / "copy"
-
-    def fresh_copy_dir() -> None:
-        shutil.rmtree(copy_dir, ignore_errors=True)
-        copy_dir.mkdir()
-
-    fresh_copy_dir()
-    results["copy"] = measure("copy", {"files": inputs, "out": str(copy_dir)}, repeats, fresh_copy_dir)
+    results["copy"] = measure_copy(root, inputs, repeats)
     naive_out = root / "naive.safetensors"
     results["naive"] = measure(
         "naive", {"files": inputs, "out": str(naive_out), "layers": layers}, repeats, remove(naive_out)
     )
 
-    base = results["baseline"]
-    for name, r in results.items():
-        r["rss_above_baseline"] = r["peak_rss"] - base["peak_rss"]
-        r["anon_above_baseline"] = r["RssAnon"] - base["RssAnon"]
-        if name != "baseline":  # the baseline converts a tiny pair, not the checkpoint
-            r["gb_per_s"] = size / r["seconds"] / 1e9
-        rate = f"{r['gb_per_s']:5.2f} GB/s" if "gb_per_s" in r else "       -  "
-        print(
-            f"{name:9s} {r['seconds']:7.2f} s  {rate}  peak RSS {_gib(r['peak_rss'])} "
-            f"(+{_gib(r['rss_above_baseline'])} over baseline; peak anon {_gib(r['RssAnon'])}, "
-            f"peak file-mapped {_gib(r['RssFile'])})",
-            flush=True,
-        )
+    report(results, size)
 
     def fraction(name: str, key: str) -> float:
         return round(results[name][key] / size, 4)

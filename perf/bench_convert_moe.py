@@ -20,17 +20,25 @@ Protocol of perf/bench_all.py: the last stdout line is one JSON object with the 
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from bench_convert import _write_random, directory_bytes, measure, weight_files
+from bench_convert import (
+    _gib,
+    _write_random,
+    convert_argv,
+    directory_bytes,
+    measure,
+    measure_copy,
+    report,
+    run_in_work_dir,
+    weight_files,
+)
 from transformers import Qwen3Config, Qwen3MoeConfig
 
 from dflash_trt.spec import QWEN3_MOE, draft_tensor_shapes, load_draft_spec, load_target_spec, target_tensor_shapes
@@ -104,41 +112,8 @@ def build_moe_pair(root: Path, dims: dict, layers: int) -> tuple[Path, Path, int
     return target_dir, draft_dir, total
 
 
-def convert_argv(target_dir: Path, draft_dir: Path, out: Path, tp: int, ep: int) -> list[str]:
-    return [
-        "convert",
-        "--model_dir",
-        str(target_dir),
-        "--dflash_model_dir",
-        str(draft_dir),
-        "--output_dir",
-        str(out),
-        "--tp_size",
-        str(tp),
-        "--moe_ep_size",
-        str(ep),
-        "--dtype",
-        "bfloat16",
-    ]
-
-
-def _gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.2f} GiB"
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=1, help="target layers (1 gives a 1.4 GiB pair)")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per contender; best time, highest peaks")
-    parser.add_argument("--keep", type=Path, help="work in this directory and keep it (default: a temp dir)")
-    args = parser.parse_args(argv)
-    root = args.keep or Path(tempfile.mkdtemp(prefix="bench_convert_moe_"))
-    root.mkdir(parents=True, exist_ok=True)
-    try:
-        return _run(root, args.layers, args.repeats)
-    finally:
-        if args.keep is None:
-            shutil.rmtree(root, ignore_errors=True)
+    return run_in_work_dir(_run, argv, __doc__, 1, "target layers (1 gives a 1.4 GiB pair)")
 
 
 def _run(root: Path, layers: int, repeats: int) -> int:
@@ -153,7 +128,7 @@ def _run(root: Path, layers: int, repeats: int) -> int:
 
     tiny_out = root / "tiny_out"
     results["baseline"] = measure(
-        "convert", {"argv": convert_argv(tiny_target, tiny_draft, tiny_out, 1, 1)}, repeats, remove(tiny_out)
+        "convert", {"argv": convert_argv(tiny_target, tiny_draft, tiny_out, 1)}, repeats, remove(tiny_out)
     )
     for name, tp, ep in (("tp1", 1, 1), ("tp4_ep2", 4, 2)):
         out = root / name
@@ -162,31 +137,15 @@ def _run(root: Path, layers: int, repeats: int) -> int:
             written[name] = directory_bytes(out)
             shutil.rmtree(out)
 
-        results[name] = measure("convert", {"argv": convert_argv(target_dir, draft_dir, out, tp, ep)}, repeats, cleanup)
-    copy_dir = root / "copy"
-
-    def fresh_copy_dir() -> None:
-        shutil.rmtree(copy_dir, ignore_errors=True)
-        copy_dir.mkdir()
-
-    fresh_copy_dir()
-    results["copy"] = measure(
-        "copy", {"files": weight_files(target_dir, draft_dir), "out": str(copy_dir)}, repeats, fresh_copy_dir
-    )
-
-    base = results["baseline"]
-    for name, r in results.items():
-        r["rss_above_baseline"] = r["peak_rss"] - base["peak_rss"]
-        r["anon_above_baseline"] = r["RssAnon"] - base["RssAnon"]
-        if name != "baseline":
-            r["gb_per_s"] = size / r["seconds"] / 1e9
-        rate = f"{r['gb_per_s']:5.2f} GB/s" if "gb_per_s" in r else "       -  "
-        print(
-            f"{name:9s} {r['seconds']:7.2f} s  {rate}  peak RSS {_gib(r['peak_rss'])} "
-            f"(+{_gib(r['rss_above_baseline'])} over baseline; peak anon {_gib(r['RssAnon'])}, "
-            f"peak file-mapped {_gib(r['RssFile'])})",
-            flush=True,
+        results[name] = measure(
+            "convert",
+            {"argv": convert_argv(target_dir, draft_dir, out, tp, "--moe_ep_size", str(ep))},
+            repeats,
+            cleanup,
         )
+    results["copy"] = measure_copy(root, weight_files(target_dir, draft_dir), repeats)
+
+    report(results, size)
 
     def fraction(name: str, key: str) -> float:
         return round(results[name][key] / size, 4)
