@@ -5,7 +5,7 @@ The quantized checkpoint is built the way the converter will: full tensors quant
 activation and KV scales from `calibrate_pair` on calibration prompts (the drafter calibrated on the quantized
 target's features), written next to the converted config.
 
-Bound (docs/quantization.md §5): a quantized GEMM's output carries the relative rounding error of its weight and
+Bound (docs/quantization.md §6): a quantized GEMM's output carries the relative rounding error of its weight and
 its input, added in quadrature: FP8 E4M3 rounds to 3 mantissa bits (RMS relative error about 2**-4 / sqrt(3)
 = 0.036 per operand, 0.051 per GEMM); NVFP4 rounds to E2M1 under per-16 scales (measured RMS about 0.10 per operand,
 0.14 per GEMM). Each decoder layer adds two branch outputs (attention, MLP) to the residual stream, each the end of

@@ -1,4 +1,6 @@
-"""The TensorRT-LLM 1.2.x engine path: build plan (pure Python), network (`model`), build driver (`build`).
+"""The TensorRT-LLM 1.2.x engine path: build plan (pure Python), network (`model`), in-graph verification
+(`verify`), plugin wrapper (`plugin`), build driver (`build`, `rank_build`).
 
-Only `build_plan` is importable everywhere; `model` and `build` import `tensorrt_llm` and run on GPU hosts.
+`model` and `verify` import `tensorrt_llm` at import time and run on GPU hosts (or under `dflash_trt.emulation`);
+`build_plan`, `plugin`, `build` and `rank_build` import everywhere and reach TensorRT-LLM only when they run it.
 """
