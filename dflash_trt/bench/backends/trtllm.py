@@ -148,7 +148,7 @@ class TrtllmBackend(Backend):
         decoding = trtllm.DecodingConfig()
         if self.info.kind != "ar" and self.info.eagle_choices is not None:
             # Positional, as ModelRunnerCpp.from_dir passes it: choices, greedy_sampling, posterior_threshold,
-            # use_dynamic_tree, dynamic_tree_max_topK. Greedy: the engine's only lossless mode.
+            # use_dynamic_tree, dynamic_tree_max_topK. DFlash engines verify in-graph and ignore the greedy flag.
             decoding.eagle_config = trtllm.EagleConfig(self.info.eagle_choices, True, None, False, None)
         kv_cache = trtllm.KvCacheConfig(free_gpu_memory_fraction=self.kv_fraction, enable_block_reuse=False)
         return trtllm.ExecutorConfig(
