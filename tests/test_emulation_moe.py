@@ -18,6 +18,7 @@ import torch
 from _pairs import PairVariant
 from test_emulation import PROMPTS, SAMPLED_TOKENS, STOP, convert, sampled_mismatch, sampled_runs
 
+from dflash_trt import cli
 from dflash_trt.emulation import models
 from dflash_trt.emulation.aliasing import load_engine_module
 from dflash_trt.emulation.runtime import EmulatedRuntime
@@ -80,6 +81,25 @@ def test_sampled_decoding_of_a_moe_target(moe_pairs):
     greedy, golden, emulated = sampled_runs(ckpt, PROMPTS[:3], "mixed", tokens_per_block=16)
     assert sampled_mismatch(golden, emulated, SAMPLED_TOKENS) is None
     assert any(g.output_ids != e.output_ids for g, e in zip(greedy[1:], emulated[1:], strict=True))
+
+
+@pytest.mark.parametrize("sampling", [[], ["--temperature", "0.9", "--seed", "3"]], ids=["greedy", "sampled"])
+def test_cli_emulate_decodes_a_moe_target_like_generate(moe_pairs, tmp_path, capsys, sampling):
+    """`emulate` against `generate` run K tokens further: the same tokens, and the same acceptance lengths up to the
+    engine's clipped last step."""
+    ckpt, _ = moe_pairs["e4-top2-norm"]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
+    args = ["--checkpoint_dir", str(ckpt), "--input_file", str(prompts), "--json", *sampling]
+    k = load_golden_model(ckpt).draft.spec.block_size - 1
+    assert cli.main(["generate", *args, "--max_new_tokens", str(MAX_NEW + k)]) == 0
+    generated = json.loads(capsys.readouterr().out)["sequences"]
+    assert cli.main(["emulate", *args, "--max_new_tokens", str(MAX_NEW), "--max_batch_size", "2"]) == 0
+    emulated = json.loads(capsys.readouterr().out)["sequences"]
+    for g, e in zip(generated, emulated, strict=True):
+        assert e["output_ids"] == g["output_ids"][:MAX_NEW]
+        steps = len(e["acceptance_lengths"])
+        assert e["acceptance_lengths"][:-1] == g["acceptance_lengths"][: steps - 1]
 
 
 # ------------------------------------------------------------------------------------ deliberately broken networks
