@@ -42,7 +42,10 @@ BYTES_PER_WEIGHT = {NONE: 2.0, FP8: 1.0, NVFP4: 0.5 + 1 / NVFP4_BLOCK_SIZE}
 
 LM_HEAD_MODULE = names.LM_HEAD.removesuffix("." + names.WEIGHT)
 DRAFT_FC_MODULE = names.DRAFT_FC.removesuffix("." + names.WEIGHT)
-EXCLUDE_MODULES = (LM_HEAD_MODULE, DRAFT_FC_MODULE)
+# Explicit exclusions replace TensorRT-LLM 1.2.x's default list (quantize.py `quantize_layers`), which is where
+# '*router' came from: without this entry FP8 would swap each MoE router for an FP8RowLinear the checkpoint cannot fill.
+MOE_ROUTER_MODULES = f"{names.TARGET_PREFIX}.layers.*.{names.MOE_ROUTER}"
+EXCLUDE_MODULES = (LM_HEAD_MODULE, DRAFT_FC_MODULE, MOE_ROUTER_MODULES)
 
 _LAYER_PREFIXES = (names.TARGET_PREFIX + ".layers.", names.DRAFT_PREFIX + ".layers.")
 

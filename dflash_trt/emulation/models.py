@@ -1,6 +1,8 @@
 """The stand-in `tensorrt_llm.models` pieces: Mapping, PretrainedConfig + QWenConfig / LLaMAConfig, the stock
-QWenDecoderLayer (Qwen3 branch) and LLaMADecoderLayer, PretrainedModel's construction / checkpoint loading and
-DecoderModelForCausalLM, following 1.2.x models/{modeling_utils, qwen/{config,model}, llama/{config,model}}.py.
+QWenDecoderLayer (Qwen3 and Qwen3-MoE branches) and LLaMADecoderLayer, PretrainedModel's construction /
+checkpoint loading and DecoderModelForCausalLM, following 1.2.x models/{modeling_utils, qwen/{config,model},
+llama/{config,model}}.py. QWenConfig turns its `moe` dict into a `MoeConfig` (qwen/config.py); QWenDecoderLayer
+gives every layer a `MOE` of `moe_intermediate_size` once `moe.has_moe()` (qwen/model.py) [read, not run].
 
 Faithful details that matter to our network: QWenDecoderLayer builds its q/k RmsNorm through `Attention(...,
 qk_layernorm=True, layernorm_type=RmsNorm)` without `eps`, so they get Attention's default 1e-5, and passes
@@ -24,6 +26,7 @@ from dflash_trt.checkpoint.safetensors_io import SafetensorsFile
 from dflash_trt.emulation.functional import AttentionMaskType, EmulationError, LayerNormType
 from dflash_trt.emulation.layers import Attention, GatedMLP, Linear, RmsNorm
 from dflash_trt.emulation.module import Module
+from dflash_trt.emulation.moe import MOE, MoeConfig
 from dflash_trt.emulation.quantization import FP8, NVFP4, QuantConfig, quantize
 
 MODEL_MAP: dict[str, type] = {}
@@ -126,9 +129,22 @@ class QWenConfig(PretrainedConfig):
     ):
         self.mlp_bias, self.attn_bias = mlp_bias, attn_bias
         self.rotary_base, self.rotary_scaling = rotary_base, rotary_scaling
-        if moe:
-            raise EmulationError("the emulation has no MoE layers yet")
+        self.mlp_only_layers, self.decoder_sparse_step = mlp_only_layers or [], decoder_sparse_step
+        if moe is None:
+            moe = MoeConfig(
+                num_experts=kwargs.pop("moe_num_experts", 0),
+                top_k=kwargs.pop("moe_top_k", 0),
+                normalization_mode=kwargs.pop("moe_normalization_mode", MoeConfig.ExpertScaleNormalizationMode.NONE),
+            )
+        elif isinstance(moe, dict):
+            moe = MoeConfig.from_dict(moe)
+        self.moe = moe.validate()
         super().__init__(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        output = super().to_dict()
+        output["moe"] = self.moe.to_dict()
+        return output
 
 
 class LLaMAConfig(PretrainedConfig):
@@ -183,8 +199,9 @@ def _residual_block(
 class QWenDecoderLayer(Module):
     def __init__(self, config: QWenConfig, layer_idx: int):
         super().__init__()
-        if getattr(config, "qwen_type", None) != "qwen3":
-            raise EmulationError("the emulation builds the Qwen3 branch of QWenDecoderLayer")
+        qwen_type = getattr(config, "qwen_type", None)
+        if qwen_type not in ("qwen3", "qwen3_moe"):
+            raise EmulationError("the emulation builds the Qwen3 and Qwen3-MoE branches of QWenDecoderLayer")
         self.layer_idx = layer_idx
         self.config = config
         self.input_layernorm = RmsNorm(normalized_shape=config.hidden_size, eps=config.norm_epsilon, dtype=config.dtype)
@@ -207,14 +224,24 @@ class QWenDecoderLayer(Module):
             qk_layernorm=True,
             layernorm_type=LayerNormType.RmsNorm,
         )
-        self.mlp = GatedMLP(
+        # Every layer gets the MoE MLP once the config has experts (mlp_only_layers is not read), sized by
+        # moe_intermediate_size for qwen3_moe.
+        mlp_cls: Any = GatedMLP
+        mlp_kwargs: dict[str, Any] = {}
+        inter = config.intermediate_size or 4 * config.hidden_size
+        if config.moe.has_moe():
+            mlp_cls, mlp_kwargs = MOE, {"moe_config": config.moe, "mapping": config.mapping}
+            if qwen_type == "qwen3_moe":
+                inter = getattr(config, "moe_intermediate_size")  # noqa: B009 (a kwargs field of the config)
+        self.mlp = mlp_cls(
             hidden_size=config.hidden_size,
-            ffn_hidden_size=config.intermediate_size or 4 * config.hidden_size,
+            ffn_hidden_size=inter,
             hidden_act=config.hidden_act,
             dtype=config.dtype,
             bias=config.mlp_bias,
             tp_size=config.mapping.tp_size,
             quant_mode=config.quant_mode,
+            **mlp_kwargs,
         )
         self.post_layernorm = RmsNorm(normalized_shape=config.hidden_size, eps=config.norm_epsilon, dtype=config.dtype)
 

@@ -43,6 +43,7 @@ from dflash_trt.trtllm.build_plan import (
     EngineBuildSettings,
     chain_draft_paths,
     check_kv_geometry,
+    check_moe_layers,
     check_quantization,
     check_rope,
     check_sliding_window,
@@ -149,13 +150,8 @@ class EmulatedRuntime:
         target, _ = specs_from_config(raw)
         # What `dflash-trt build` refuses, the emulated engine refuses too.
         self.facts = read_checkpoint_facts(checkpoint_dir)
-        for check in (check_kv_geometry, check_rope, check_quantization):
+        for check in (check_kv_geometry, check_rope, check_quantization, check_moe_layers):
             check(self.facts)
-        if target.moe is not None:
-            raise DFlashTrtError(
-                "the emulation does not cover mixture-of-experts targets (TensorRT-LLM's MoE layer "
-                "has no stand-in yet); decode this checkpoint with dflash-trt generate"
-            )
         if raw["mapping"].get("tp_size", 1) != 1 or raw["mapping"].get("pp_size", 1) != 1:
             raise DFlashTrtError("the emulation runs one rank: convert with --tp_size 1")
         if not (checkpoint_dir / "rank0.safetensors").is_file():
