@@ -9,6 +9,7 @@ points are fitted and which are held out is decided in `evaluation.py`.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -26,10 +27,11 @@ from dflash_trt.spec import parse_draft_config, parse_target_config
 
 
 def _recorded(ref: str) -> dict:
+    """A copy of `ref`'s recorded config.json fields, so nothing here can change what dry runs plan with."""
     entry = packaged_recorded_configs()[ref]
     if isinstance(entry, str):
         raise DFlashTrtError(f"{ref}'s config.json is not recorded ({entry})")
-    return entry
+    return copy.deepcopy(entry)
 
 
 def zlab_taps(num_target_layers: int, num_taps: int = 5) -> list[int]:
