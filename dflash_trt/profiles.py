@@ -20,6 +20,7 @@ from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import BYTES_PER_WEIGHT, ENGINE_DTYPES, KV_CACHE_DTYPES, NONE, NVFP4, QFORMATS
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.perf.gpus import GPUS, GpuSpec
+from dflash_trt.recorded_configs import PACKAGED_RECORDED_CONFIGS
 from dflash_trt.spec import QWEN3_MOE, parse_target_config
 from dflash_trt.triton.serving import ServingSettings
 from dflash_trt.trtllm.build_plan import (
@@ -68,7 +69,8 @@ class ModelSources(_Strict):
     block_size: int = Field(ge=2, le=64, description="the drafter's trained block size, checked at build time")
     recorded_configs: str | None = Field(
         default=None,
-        description="YAML of config.json fields per HF id, for dry runs without the models; relative to the profile",
+        description="YAML of config.json fields per HF id, for dry runs without the models; relative to the profile. "
+        "Omitted: the file shipped with the package; null: none",
     )
 
     @property
@@ -189,6 +191,9 @@ class BuildProfile(_Strict):
         return _beside(profile_path, self.quantization.calibration.dataset)
 
     def recorded_configs_path(self, profile_path: str | Path) -> Path | None:
+        """The profile's recorded configs; a profile that does not name any uses the ones shipped with the package."""
+        if "recorded_configs" not in self.model.model_fields_set:
+            return PACKAGED_RECORDED_CONFIGS
         return None if self.model.recorded_configs is None else _beside(profile_path, self.model.recorded_configs)
 
     @model_validator(mode="after")

@@ -1,14 +1,18 @@
 """Models a build profile names, as the pipeline sees them: a local directory, or, for a dry run on a machine that
-has not downloaded them, the `config.json` fields recorded in the repository (`build_configs/recorded_configs.yaml`).
+has not downloaded them, the `config.json` fields recorded once and shipped with the package
+(`dflash_trt/assets/recorded_configs.yaml`, `PACKAGED_RECORDED_CONFIGS`).
 
 A dry run is how a build is reviewed before tens of GB are fetched, so it must work offline. Planning reads only
 the two `config.json` files; a recorded copy stands in for a missing one, and a model recorded as `unknown` leaves
-the checks that need its shapes for the real run (the dry run says which).
+the checks that need its shapes for the real run (the dry run says which). The performance model reads its public
+model shapes from the same file (`packaged_recorded_configs`), so each value is written once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
+from importlib import resources
 from pathlib import Path
 
 import yaml
@@ -17,6 +21,7 @@ from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import read_json_object
 
 UNKNOWN = "unknown"
+PACKAGED_RECORDED_CONFIGS = Path(str(resources.files("dflash_trt") / "assets" / "recorded_configs.yaml"))
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,12 @@ def load_recorded_configs(path: Path) -> dict[str, dict | str]:
         else:
             recorded[str(ref)] = entry
     return recorded
+
+
+@cache
+def packaged_recorded_configs() -> dict[str, dict | str]:
+    """The recorded configs shipped with the package, read once per process."""
+    return load_recorded_configs(PACKAGED_RECORDED_CONFIGS)
 
 
 def recorded_source(ref: str, recorded: dict[str, dict | str], where: Path) -> ModelSource:

@@ -101,6 +101,33 @@ def test_shapes_reproduce_published_parameter_counts(shape: TargetShape, publish
     assert shape.params() == pytest.approx(published_params, rel=0.01)
 
 
+def test_zlab_taps_follow_the_dflash_package_and_the_recorded_drafters():
+    from dflash.model import build_target_layer_ids
+
+    for layers in (32, 36, 48, 64):
+        assert published.zlab_taps(layers) == build_target_layer_ids(layers, 5)
+    for drafter in (published.QWEN3_4B_DFLASH_B16, published.QWEN3_8B_DFLASH_B16):
+        assert published.zlab_taps(36) == drafter["dflash_config"]["target_layer_ids"]
+
+
+def test_assumed_drafters_take_the_recorded_targets_values():
+    # Equal to the shapes written out by hand before they were derived (hidden, MLP, KV heads, taps, block).
+    for target, drafter, expected in [
+        (published.LLAMA31_8B, published.LLAMA31_8B_DFLASH, (5, 4096, 14336, 32, 8, 10, [1, 8, 15, 22, 29])),
+        (published.QWEN3_32B, published.QWEN3_32B_DFLASH, (5, 5120, 25600, 32, 8, 16, [1, 16, 31, 46, 61])),
+        (
+            published.QWEN3_CODER_30B_A3B,
+            published.QWEN3_CODER_30B_A3B_DFLASH,
+            (8, 2048, 6144, 32, 4, 16, [1, 12, 23, 34, 45]),
+        ),
+    ]:
+        shape = published.dflash(target, drafter)
+        s = shape.stack
+        got = (s.num_layers, s.hidden, s.intermediate, s.num_heads, s.num_kv_heads, shape.block_size)
+        assert got + (drafter["dflash_config"]["target_layer_ids"],) == expected
+        assert s.head_dim == 128 and drafter["rope_theta"] == target["rope_theta"]
+
+
 def test_moe_active_parameters_per_token():
     # gpt-oss-120b model card: 5.1B active parameters per token (embeddings counted once, as the card does).
     active = published.GPT_OSS_120B.params(active=True) - published.GPT_OSS_120B.vocab * 2880

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PROFILES = sorted((ROOT / "build_configs").glob("*/*.yaml"))
 API = json.loads((ROOT / "tests/data/trtllm_api.json").read_text())
 
-RECORDED = yaml.safe_load((ROOT / "build_configs/recorded_configs.yaml").read_text())
+RECORDED_PATH = ROOT / "dflash_trt/assets/recorded_configs.yaml"
+RECORDED = yaml.safe_load(RECORDED_PATH.read_text())
 # Stand-ins for the two drafters whose config.json is recorded as unknown (plausible z-lab-format shapes), so the
 # full plan path also runs for their profiles when a config.json is on disk.
 STAND_IN_DRAFTS = {
@@ -220,7 +221,7 @@ def test_dry_run_of_every_profile_on_a_fresh_machine(path: Path, fresh_machine: 
 
 def test_offline_dry_run_applies_the_checks_to_recorded_configs(fresh_machine: Path, tmp_path: Path, capsys):
     data = yaml.safe_load((ROOT / "build_configs/h200-fp8/qwen3-8b.yaml").read_text())
-    data["model"]["recorded_configs"] = str(ROOT / "build_configs/recorded_configs.yaml")
+    data["model"]["recorded_configs"] = str(RECORDED_PATH)
     data["quantization"]["calibration"]["dataset"] = str(ROOT / "build_configs/calibration.jsonl")
     data["engine"]["max_seq_len"] = 50000  # beyond Qwen3-8B's recorded max_position_embeddings 40960
     path = tmp_path / "long.yaml"
@@ -236,9 +237,7 @@ def test_offline_dry_run_applies_the_checks_to_recorded_configs(fresh_machine: P
 
 def test_offline_dry_run_with_a_separate_tokenizer(fresh_machine: Path, tmp_path: Path, capsys):
     data = yaml.safe_load((ROOT / "build_configs/b200-nvfp4/qwen3-4b.yaml").read_text())
-    data["model"].update(
-        tokenizer="acme/qwen3-chat-tokenizer", recorded_configs=str(ROOT / "build_configs/recorded_configs.yaml")
-    )
+    data["model"].update(tokenizer="acme/qwen3-chat-tokenizer", recorded_configs=str(RECORDED_PATH))
     data["quantization"]["calibration"]["dataset"] = str(ROOT / "build_configs/calibration.jsonl")
     path = tmp_path / "tok.yaml"
     path.write_text(yaml.safe_dump(data))

@@ -117,6 +117,14 @@ def test_impossible_combination_is_rejected(changes: dict, message: str):
     assert str(err.value).startswith("p.yaml: ")
 
 
+def test_recorded_configs_default_to_the_packaged_file():
+    packaged = ROOT / "dflash_trt/assets/recorded_configs.yaml"
+    assert parse_profile(_base(), "d/p.yaml").recorded_configs_path("d/p.yaml") == packaged
+    named = parse_profile(_with({"model.recorded_configs": "mine.yaml"}), "d/p.yaml")
+    assert named.recorded_configs_path("d/p.yaml") == Path("d/mine.yaml")
+    assert parse_profile(_with({"model.recorded_configs": None}), "d/p.yaml").recorded_configs_path("d/p.yaml") is None
+
+
 def test_load_profile_reports_missing_file_and_bad_yaml(tmp_path: Path):
     with pytest.raises(DFlashTrtError, match="does not exist"):
         load_profile(tmp_path / "nope.yaml")

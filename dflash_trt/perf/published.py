@@ -1,4 +1,5 @@
-"""Published DFlash / EAGLE-3 figures exactly as their sources state them, and the model shapes behind them.
+"""Published DFlash / EAGLE-3 figures exactly as their sources state them, and the model shapes behind them
+(the recorded config.json values, plus labelled assumptions for drafters whose config.json was not read).
 
 Each `Published` point names its source document and carries only what that document states. Whatever the
 source leaves open (GPU, precision, concurrency, acceptance length, lengths) is an `Unknown`: the candidate
@@ -8,6 +9,7 @@ points are fitted and which are held out is decided in `evaluation.py`.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -15,55 +17,66 @@ from functools import partial
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.perf.model import DFlashShape, StackShape, TargetShape
 from dflash_trt.perf.shapes import dflash_from_spec, target_from_spec
+from dflash_trt.recorded_configs import packaged_recorded_configs
 from dflash_trt.spec import parse_draft_config, parse_target_config
 
-# ---- model shapes (public config.json values unless marked) ------------------------------------------------
+# ---- model shapes ------------------------------------------------------------------------------------------
+# Targets and the drafters whose config.json was read are the recorded configs (dflash_trt/assets/
+# recorded_configs.yaml), the same values a dry run plans with. A drafter recorded there as `unknown` gets an
+# assumed config below, built from its recorded target so that no recorded value is written a second time.
 
-QWEN3_8B = {
-    "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
-    "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-    "rope_theta": 1000000, "max_position_embeddings": 40960, "tie_word_embeddings": False,
-}  # fmt: skip
-QWEN3_4B = QWEN3_8B | {"hidden_size": 2560, "intermediate_size": 9728, "tie_word_embeddings": True}
-QWEN3_32B = QWEN3_8B | {
-    "hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64, "num_attention_heads": 64,
-}  # fmt: skip
-LLAMA31_8B = {
-    "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 500000.0,
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192},
-    "max_position_embeddings": 131072,
-}  # fmt: skip
-QWEN3_8B_DFLASH_B16 = {
-    "architectures": ["DFlashDraftModel"], "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 5,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "block_size": 16, "rope_theta": 1000000,
-    "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
-}  # fmt: skip
-QWEN3_4B_DFLASH_B16 = QWEN3_8B_DFLASH_B16 | {"hidden_size": 2560, "intermediate_size": 9728}
-# Assumed: the layer count and MLP width of the Llama drafter are not published; taken like the Qwen3-8B drafter's.
-LLAMA31_8B_DFLASH = QWEN3_8B_DFLASH_B16 | {
-    "intermediate_size": 14336, "block_size": 10, "rope_theta": 500000.0,
-    "dflash_config": {"mask_token_id": 128002, "target_layer_ids": [1, 8, 15, 22, 29]},
-}  # fmt: skip
-# Assumed: the third-party Qwen3-32B drafter's config is not recorded here; taken as a 5-layer z-lab-style drafter
-# of the target's width with 32 query / 8 KV heads and block 16.
-QWEN3_32B_DFLASH = QWEN3_8B_DFLASH_B16 | {
-    "hidden_size": 5120, "intermediate_size": 25600,
-    "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 16, 31, 46, 61]},
-}  # fmt: skip
 
-QWEN3_CODER_30B_A3B = QWEN3_8B | {
-    "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
-    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128,
-    "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True, "rope_theta": 10000000,
-    "max_position_embeddings": 262144,
-}  # fmt: skip
+def _recorded(ref: str) -> dict:
+    """A copy of `ref`'s recorded config.json fields, so nothing here can change what dry runs plan with."""
+    entry = packaged_recorded_configs()[ref]
+    if isinstance(entry, str):
+        raise DFlashTrtError(f"{ref}'s config.json is not recorded ({entry})")
+    return copy.deepcopy(entry)
+
+
+def zlab_taps(num_target_layers: int, num_taps: int = 5) -> list[int]:
+    """z-lab's tap layers: `num_taps` target layers spread evenly from layer 1 to layer L - 3."""
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_taps - 1)) for i in range(num_taps)]
+
+
+def assumed_drafter(target_cfg: dict, *, num_layers: int, block_size: int, mask_token_id: int) -> dict:
+    """A z-lab-style DFlash drafter config for `target_cfg` whose own config.json is not recorded (ASSUMED): the
+    target's width, MLP width, KV heads and RoPE base, 32 query heads of 128, five taps spread z-lab's way."""
+    taken = ("hidden_size", "intermediate_size", "num_key_value_heads", "rope_theta")
+    return {
+        "architectures": ["DFlashDraftModel"],
+        **{key: target_cfg[key] for key in taken},
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 32,
+        "head_dim": 128,
+        "block_size": block_size,
+        "dflash_config": {
+            "mask_token_id": mask_token_id,
+            "target_layer_ids": zlab_taps(target_cfg["num_hidden_layers"]),
+        },
+    }
+
+
+QWEN3_4B = _recorded("Qwen/Qwen3-4B")
+QWEN3_8B = _recorded("Qwen/Qwen3-8B")
+QWEN3_32B = _recorded("Qwen/Qwen3-32B")
+LLAMA31_8B = _recorded("meta-llama/Llama-3.1-8B-Instruct")
+QWEN3_CODER_30B_A3B = _recorded("Qwen/Qwen3-Coder-30B-A3B-Instruct")
+QWEN3_4B_DFLASH_B16 = _recorded("z-lab/Qwen3-4B-DFlash-b16")
+QWEN3_8B_DFLASH_B16 = _recorded("z-lab/Qwen3-8B-DFlash-b16")
+QWEN3_MASK_TOKEN_ID = QWEN3_8B_DFLASH_B16["dflash_config"]["mask_token_id"]  # one Qwen3 tokenizer for all sizes
+
+# Assumed: the Llama drafter's layer count and MLP width are not published; taken like the Qwen3-8B drafter's
+# (5 layers, the target's MLP width). Block 10 and mask token 128002 (a reserved Llama-3 special token) assumed too.
+LLAMA31_8B_DFLASH = assumed_drafter(LLAMA31_8B, num_layers=5, block_size=10, mask_token_id=128002)
+# Assumed: the third-party Qwen3-32B drafter's config is not recorded; taken as a 5-layer z-lab-style drafter of
+# the target's width with 32 query / 8 KV heads and block 16.
+QWEN3_32B_DFLASH = assumed_drafter(QWEN3_32B, num_layers=5, block_size=16, mask_token_id=QWEN3_MASK_TOKEN_ID)
 # Assumed beyond its model card (8 layers, hidden 2048, 32 query / 4 KV heads of 128): MLP width and taps.
-QWEN3_CODER_30B_A3B_DFLASH = QWEN3_8B_DFLASH_B16 | {
-    "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 8, "num_key_value_heads": 4,
-    "rope_theta": 10000000, "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 12, 23, 34, 45]},
-}  # fmt: skip
+QWEN3_CODER_30B_A3B_DFLASH = assumed_drafter(
+    QWEN3_CODER_30B_A3B, num_layers=8, block_size=16, mask_token_id=QWEN3_MASK_TOKEN_ID
+)
 
 # gpt-oss-120b is a MoE model (outside the target families the converter accepts), so its shape is written
 # directly: 36 layers, hidden 2880, 64 x 64 query heads, 8 KV heads, 128 experts top-4 of width 2880,
