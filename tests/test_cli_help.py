@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ast
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_trt.cli import COMMANDS, main
+from dflash_trt.cli import COMMANDS, build_parser, main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,6 +63,26 @@ def test_command_help_imports_no_heavy_package(command: str) -> None:
     assert imported == []
     assert help_text.startswith(f"usage: dflash-trt {command} ")
     assert "options:" in help_text
+
+
+def _command_parser(command: str) -> argparse.ArgumentParser:
+    parser = build_parser([command])
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return subparsers.choices[command]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_option_with_a_default_shows_it(command: str) -> None:
+    parser = _command_parser(command)
+    formatter = parser._get_formatter()
+    unshown = []
+    for action in parser._actions:
+        if not action.option_strings or action.default in (None, False, argparse.SUPPRESS):
+            continue
+        rendered = " ".join(formatter._format_action(action).split())
+        if "default" not in rendered or str(action.default) not in rendered:
+            unshown.append(f"{action.option_strings[0]} (default {action.default!r}): {rendered}")
+    assert unshown == []
 
 
 @pytest.mark.parametrize(
