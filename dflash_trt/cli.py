@@ -40,8 +40,14 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{help_text} (default: %(default)s)"
 
 
+class RawDescriptionHelpFormatter(argparse.RawDescriptionHelpFormatter, HelpFormatter):
+    """HelpFormatter for a description laid out by hand (a usage block keeps its line breaks)."""
+
+
 class CommandParser(argparse.ArgumentParser):
     def __init__(self, **kwargs) -> None:
+        if kwargs.get("formatter_class") is argparse.RawDescriptionHelpFormatter:
+            kwargs["formatter_class"] = RawDescriptionHelpFormatter  # a hand-laid description, defaults still shown
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(**kwargs)
 

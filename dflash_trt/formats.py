@@ -3,9 +3,10 @@ config and which modules stay in high precision. Every layer speaks this vocabul
 (`--dtype`, `--qformat none|fp8|nvfp4`); the quantizers themselves live in `quant`.
 
 Public:
-- `DTYPES`: the `--dtype` choices of a checkpoint (`TORCH_DTYPES`: as torch dtypes, also the float types a source
-  weight may have); `ENGINE_DTYPES`: those an engine is built in (half precision: the KV-injection plugin's
-  activations, and what build profiles accept).
+- `DTYPES`: the `--dtype` choices of a checkpoint (`torch_dtypes()`: as torch dtypes, also the float types a source
+  weight may have; built on first use, so that reading this vocabulary, as `--help` does, never imports torch);
+  `ENGINE_DTYPES`: those an engine is built in (half precision: the KV-injection plugin's activations, and what
+  build profiles accept).
 - `BYTES_PER_WEIGHT[qformat]`: storage of one linear weight, scales included ("none" keeps 16-bit weights).
 - `QFORMATS` ("none", "fp8", "nvfp4") and `KV_CACHE_DTYPES` ("none", "fp8"): the `--qformat` /
   `--dflash_qformat` / `--kv_cache_dtype` choices; `quant_algo(qformat)` is TensorRT-LLM's name (or None).
@@ -21,15 +22,17 @@ Public:
 from __future__ import annotations
 
 import fnmatch
+import functools
 from collections.abc import Iterable, Sequence
-
-import torch
+from typing import TYPE_CHECKING
 
 from dflash_trt import tensor_names as names
 from dflash_trt.errors import DFlashTrtError
 
+if TYPE_CHECKING:
+    import torch
+
 DTYPES = ("float32", "float16", "bfloat16")
-TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}
 ENGINE_DTYPES = ("float16", "bfloat16")
 
 NONE, FP8, NVFP4 = "none", "fp8", "nvfp4"
@@ -48,6 +51,14 @@ MOE_ROUTER_MODULES = f"{names.TARGET_PREFIX}.layers.*.{names.MOE_ROUTER}"
 EXCLUDE_MODULES = (LM_HEAD_MODULE, DRAFT_FC_MODULE, MOE_ROUTER_MODULES)
 
 _LAYER_PREFIXES = (names.TARGET_PREFIX + ".layers.", names.DRAFT_PREFIX + ".layers.")
+
+
+@functools.cache
+def torch_dtypes() -> dict[str, torch.dtype]:
+    """`DTYPES` as torch dtypes, keyed by name."""
+    import torch
+
+    return {name: getattr(torch, name) for name in DTYPES}
 
 
 def _check_choice(value: str, choices: Sequence[str], flag: str) -> None:

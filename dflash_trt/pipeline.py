@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dflash_trt import __version__
 from dflash_trt.capacity import checkpoint_warnings
@@ -35,7 +36,6 @@ from dflash_trt.profiles import (
 )
 from dflash_trt.recorded_configs import ModelSource, load_recorded_configs, local_source, recorded_source
 from dflash_trt.spec import parse_draft_config, parse_target_config
-from dflash_trt.triton.repository import RepositorySettings, max_temperature_for_sampling, serving_fields
 from dflash_trt.triton.serving import ServingSettings
 from dflash_trt.trtllm.build_plan import (
     SAMPLING_POLICY,
@@ -46,6 +46,9 @@ from dflash_trt.trtllm.build_plan import (
     settings_dict,
 )
 from dflash_trt.trtllm.plugin import LIBRARY_ENV, default_library_path
+
+if TYPE_CHECKING:  # the repository writer imports numpy (its processing code), which `--help` must not
+    from dflash_trt.triton.repository import RepositorySettings
 
 STAGE_RECORD = ".dflash_stage.json"
 # Exit status of `build --config` on a host that cannot build the engine: not a failure, not a finished build.
@@ -169,6 +172,8 @@ def settings_from_profile(
 ) -> RepositorySettings:
     """Settings for the engine a build profile will produce, so the repository can be reviewed before the build;
     `serving` replaces the profile's serving section (already validated overrides)."""
+    from dflash_trt.triton.repository import RepositorySettings, max_temperature_for_sampling, serving_fields
+
     eng = profile.engine
     return RepositorySettings(
         engine_dir=str(Path(engine_dir).absolute()),

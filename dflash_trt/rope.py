@@ -1,15 +1,19 @@
 """Rotary position embeddings as Qwen3 / Llama 3.x define them (neox, rotate-half layout).
 
 One definition serves the golden model, the KV-injection reference and the host-compiled kernel tests, so the
-frequency table of every supported scaling type (default, linear, llama3, yarn) is spelled exactly once.
+frequency table of every supported scaling type (default, linear, llama3, yarn) is spelled exactly once. The
+config is read by torch-free modules too (`spec`, build plans, `--help`), so torch is imported only where cos/sin are
+computed.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # The RopeConfig fields each scaling type reads; every other field keeps its default for that type.
@@ -53,6 +57,8 @@ class RopeConfig:
 
 
 def _base_inv_freq(cfg: RopeConfig) -> torch.Tensor:
+    import torch
+
     exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).to(torch.float32) / cfg.head_dim
     return 1.0 / (cfg.theta**exponents)
 
@@ -65,6 +71,8 @@ def _original_context(cfg: RopeConfig) -> int:
 
 
 def _llama3_inv_freq(cfg: RopeConfig) -> torch.Tensor:
+    import torch
+
     inv_freq = _base_inv_freq(cfg)
     old_context = _original_context(cfg)
     low_freq_wavelen = old_context / cfg.low_freq_factor
@@ -82,6 +90,8 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def _yarn_inv_freq_and_scale(cfg: RopeConfig) -> tuple[torch.Tensor, float]:
+    import torch
+
     dim, base, factor, old_context = cfg.head_dim, cfg.theta, cfg.factor, _original_context(cfg)
     if cfg.attention_factor is not None:
         attention = cfg.attention_factor
@@ -123,6 +133,8 @@ def inv_freq_and_scale(cfg: RopeConfig) -> tuple[torch.Tensor, float]:
 
 def rope_cos_sin(positions: torch.Tensor, cfg: RopeConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape `positions.shape + (head_dim,)` in float32, halves duplicated (rotate-half layout)."""
+    import torch
+
     inv_freq, scale = inv_freq_and_scale(cfg)
     angles = positions.to(torch.float32)[..., None] * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
@@ -131,6 +143,8 @@ def rope_cos_sin(positions: torch.Tensor, cfg: RopeConfig) -> tuple[torch.Tensor
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate `x[..., head_dim]`; cos/sin must broadcast against x. Computed in x's dtype like HF does."""
+    import torch
+
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)

@@ -19,6 +19,11 @@ HONOURED = ("temperature", "seed")
 # How the engine verifies drafts at temperature > 0: argmax drafts, one target sample per position, accepted while
 # it equals the draft (the first mismatching sample is the bonus token). Exactly the target's distribution.
 ENGINE_SAMPLING = "exact_match"
+# The golden loop's two lossless acceptance rules at temperature > 0 (`generate --sampling`): the engine's above,
+# and `dflash_generate`'s rejection sampling of sampled drafts (dflash_trt.reference.sampling runs both).
+ENGINE = "engine"
+REFERENCE = "reference"
+METHODS = (ENGINE, REFERENCE)
 
 # Every other parameter a TensorRT-LLM or Triton user may send, with the values that switch it off.
 NEUTRAL: dict[str, tuple[float, ...]] = {

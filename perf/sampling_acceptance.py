@@ -19,8 +19,9 @@ from pathlib import Path
 from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import load_golden_model
-from dflash_trt.reference.sampling import ENGINE, REFERENCE, SamplingParams
+from dflash_trt.reference.sampling import SamplingParams
 from dflash_trt.reference.stats import mean_acceptance_length
+from dflash_trt.sampling_rules import ENGINE, REFERENCE
 from dflash_trt.tiny.heldout import draft_dir, load_heldout, target_dir
 from dflash_trt.tokenizer import load_tokenizer
 

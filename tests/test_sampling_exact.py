@@ -23,13 +23,13 @@ from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import GoldenModel, load_golden_model
 from dflash_trt.reference.sampling import (
-    REFERENCE,
     SamplingParams,
     exact_match_accept,
     residual_distribution,
     sample_by_uniform,
     sampling_probs,
 )
+from dflash_trt.sampling_rules import REFERENCE
 
 VOCAB, K, PROMPT = 8, 2, [3, 5, 7]
 

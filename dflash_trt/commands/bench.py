@@ -63,7 +63,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="executor batch limit (default: the engine's; CPU: the largest concurrency, else 16)",
     )
-    p.add_argument("--kv_cache_free_gpu_mem_fraction", type=float, default=None)
+    p.add_argument(
+        "--kv_cache_free_gpu_mem_fraction",
+        type=float,
+        default=None,
+        help="--engine_dir: share of free GPU memory for the KV cache (default: the executor's own)",
+    )
     p.add_argument("--triton_model", default="tensorrt_llm", help="model that takes token ids (default tensorrt_llm)")
     p.add_argument("--gpus", type=int, default=1, help="GPUs behind --triton_url (divides tok/s per GPU)")
     p.add_argument(

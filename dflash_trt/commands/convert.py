@@ -11,7 +11,6 @@ import json
 import sys
 import time
 
-from dflash_trt.conversion.convert import convert_checkpoint, resolve_quantization
 from dflash_trt.formats import DTYPES, KV_CACHE_DTYPES, NONE, QFORMATS
 
 
@@ -58,6 +57,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dflash_trt.conversion.convert import convert_checkpoint, resolve_quantization
+
     started = time.perf_counter()
     quant, _ = resolve_quantization(args.model_dir, args.qformat, args.dflash_qformat, args.kv_cache_dtype)
     if quant.qformat != quant.dflash_qformat:

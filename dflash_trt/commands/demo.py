@@ -14,20 +14,12 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
 from dflash_trt.checkpoint.atomic import check_output_apart
-from dflash_trt.conversion.convert import convert_checkpoint
-from dflash_trt.conversion.verify import verify_checkpoint
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import DTYPES, FP8, NVFP4
-from dflash_trt.reference.decode import speculative_generate
-from dflash_trt.reference.model import load_golden_model
-from dflash_trt.reference.stats import mean_acceptance_length, per_position_acceptance
 from dflash_trt.tiny.corpus import generate as generate_problems
 from dflash_trt.tiny.heldout import asset_dir, draft_dir, is_correct, load_heldout, target_dir
 from dflash_trt.tokenizer import load_tokenizer
-from dflash_trt.triton.repository import RepositorySettings, max_temperature_for_sampling, write_repository
 from dflash_trt.trtllm.build_plan import EngineBuildSettings, plan_engine_build
 
 
@@ -107,12 +99,23 @@ def demo_sweep(
 
 
 def _timed_generate(model, prompts, max_new_tokens, stop_ids, block_size=None):
+    from dflash_trt.reference.decode import speculative_generate
+
     started = time.perf_counter()
     results = speculative_generate(model, prompts, max_new_tokens, stop_ids, block_size=block_size)
     return results, time.perf_counter() - started
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from dflash_trt.conversion.convert import convert_checkpoint
+    from dflash_trt.conversion.verify import verify_checkpoint
+    from dflash_trt.reference.decode import speculative_generate
+    from dflash_trt.reference.model import load_golden_model
+    from dflash_trt.reference.stats import mean_acceptance_length, per_position_acceptance
+    from dflash_trt.triton.repository import RepositorySettings, max_temperature_for_sampling, write_repository
+
     # The embedded pair is tiny: one intra-op thread is fastest, and keeps tokens/s comparable between runs.
     torch.set_num_threads(1)
     if not target_dir().is_dir() or not draft_dir().is_dir():

@@ -17,7 +17,6 @@ from pathlib import Path
 from dflash_trt.commands.generate import MAX_SEED, sequence_record
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.prompts import read_prompts
-from dflash_trt.reference.stats import mean_acceptance_length, per_position_acceptance
 from dflash_trt.sampling_rules import sampling_refusal
 from dflash_trt.tokenizer import load_tokenizer
 
@@ -55,6 +54,7 @@ def check_sampling(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     check_sampling(args)
     from dflash_trt.emulation.runtime import EmulatedRuntime
+    from dflash_trt.reference.stats import mean_acceptance_length, per_position_acceptance
 
     checkpoint_dir = Path(args.checkpoint_dir)
     runtime = EmulatedRuntime(checkpoint_dir, args.max_batch_size, args.max_num_tokens, args.tokens_per_block)

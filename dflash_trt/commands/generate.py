@@ -15,17 +15,17 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.prompts import read_prompts
-from dflash_trt.reference.decode import SequenceResult, per_sequence_sampling, speculative_generate
-from dflash_trt.reference.model import load_golden_model
-from dflash_trt.reference.sampling import ENGINE, METHODS, SamplingParams
-from dflash_trt.reference.stats import mean_acceptance_length, per_position_acceptance
+from dflash_trt.sampling_rules import ENGINE, METHODS
 from dflash_trt.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from dflash_trt.reference.decode import SequenceResult
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -99,6 +99,11 @@ def _print_trace(record: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dflash_trt.reference.decode import per_sequence_sampling, speculative_generate
+    from dflash_trt.reference.model import load_golden_model
+    from dflash_trt.reference.sampling import SamplingParams
+    from dflash_trt.reference.stats import mean_acceptance_length, per_position_acceptance
+
     check_arguments(args)
     checkpoint_dir = Path(args.checkpoint_dir)
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.sampling)

@@ -11,15 +11,13 @@ import argparse
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from dflash_trt.errors import DFlashTrtError
-
-if TYPE_CHECKING:
-    from dflash_trt.triton.serving import ServingSettings
+from dflash_trt.triton.serving import ServingSettings, override_serving
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    defaults = ServingSettings()
     parser = subparsers.add_parser(
         "triton", help="write a Triton model repository for a DFlash engine", description=__doc__
     )
@@ -44,9 +42,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--plugin_library", default=None, help="with --config: libdflash_trt_plugins.so the launch script preloads"
     )
-    parser.add_argument("--kv_cache_free_gpu_mem_fraction", type=float, default=None)
-    parser.add_argument("--batch_scheduler_policy", choices=("guaranteed_no_evict", "max_utilization"), default=None)
-    parser.add_argument("--instance_count", type=int, default=None, help="pre/post-processing model instances")
+    parser.add_argument(
+        "--kv_cache_free_gpu_mem_fraction",
+        type=float,
+        default=None,
+        help="share of free GPU memory for the KV cache (default: the profile's with --config, else "
+        f"{defaults.kv_cache_free_gpu_mem_fraction})",
+    )
+    parser.add_argument(
+        "--batch_scheduler_policy",
+        choices=("guaranteed_no_evict", "max_utilization"),
+        default=None,
+        help=f"default: the profile's with --config, else {defaults.batch_scheduler_policy}",
+    )
+    parser.add_argument(
+        "--instance_count",
+        type=int,
+        default=None,
+        help=f"pre/post-processing model instances (default: the profile's with --config, else "
+        f"{defaults.instance_count})",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output_dir")
     parser.add_argument("--json", action="store_true", help="print the repository settings as JSON")
     parser.set_defaults(func=run)
@@ -61,15 +76,12 @@ def _tokenizer_dir(path: str) -> Path:
 
 def _serving(args: argparse.Namespace, base: ServingSettings) -> ServingSettings:
     """`base` with the serving flags the user typed, checked by the build profile schema."""
-    from dflash_trt.triton.serving import override_serving
-
     names = ("kv_cache_free_gpu_mem_fraction", "batch_scheduler_policy", "instance_count")
     return override_serving(base, {name: getattr(args, name) for name in names if getattr(args, name) is not None})
 
 
 def run(args: argparse.Namespace) -> int:
     from dflash_trt.triton.repository import settings_from_engine, write_repository
-    from dflash_trt.triton.serving import ServingSettings
 
     if args.engine_dir:
         if args.tokenizer_dir is None:

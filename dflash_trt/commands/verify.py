@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from dflash_trt.conversion.verify import verify_checkpoint
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -20,6 +18,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dflash_trt.conversion.verify import verify_checkpoint
+
     report = verify_checkpoint(args.checkpoint_dir, args.model_dir, args.dflash_model_dir)
     print(json.dumps(report.to_dict()) if args.json else report.verdict())
     return 0 if report.ok else 1

@@ -33,7 +33,7 @@ from dflash_trt.checkpoint.trtllm_config import checkpoint_config
 from dflash_trt.conversion import prequantized_input
 from dflash_trt.conversion.prequantized import PrequantizedFormat, read_hf_quant_config
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.formats import FP8, NONE, TORCH_DTYPES, quantized_linear
+from dflash_trt.formats import DTYPES, FP8, NONE, quantized_linear, torch_dtypes
 from dflash_trt.quant.linears import check_quantizable
 from dflash_trt.spec import (
     DraftSpec,
@@ -45,7 +45,7 @@ from dflash_trt.spec import (
     target_tensor_shapes,
 )
 
-SOURCE_FLOAT_DTYPES = tuple(TORCH_DTYPES.values())
+SOURCE_FLOAT_DTYPES = tuple(torch_dtypes().values())
 # Plain data files a user expects next to the checkpoint (for `generate --input_file` with text). Never code.
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -397,8 +397,8 @@ def convert_checkpoint(
     """
     if pp_size != 1:
         raise DFlashTrtError("--pp_size > 1 is not supported: TensorRT-LLM speculative decoding engines need pp_size 1")
-    if dtype not in TORCH_DTYPES:
-        raise DFlashTrtError(f"--dtype must be one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
+    if dtype not in DTYPES:
+        raise DFlashTrtError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if workers < 1:
         raise DFlashTrtError(f"--workers must be >= 1, got {workers}")
     quant, prequantized = resolve_quantization(model_dir, qformat, dflash_qformat, kv_cache_dtype)
@@ -428,7 +428,7 @@ def convert_checkpoint(
         dflash_model_dir,
         target,
         draft,
-        TORCH_DTYPES[dtype],
+        torch_dtypes()[dtype],
         tp_size,
         quant,
         prequantized=prequantized,

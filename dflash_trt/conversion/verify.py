@@ -21,7 +21,7 @@ from dflash_trt.checkpoint.trtllm_config import checkpoint_config
 from dflash_trt.conversion.convert import ConversionPlan, check_sources, rank_file, rank_tensors
 from dflash_trt.conversion.prequantized import read_hf_quant_config
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.formats import TORCH_DTYPES
+from dflash_trt.formats import DTYPES, torch_dtypes
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.spec import load_draft_spec, load_target_spec
 
@@ -74,7 +74,7 @@ def verify_checkpoint(checkpoint_dir: str | Path, model_dir: str | Path, dflash_
     except (KeyError, TypeError) as exc:
         raise DFlashTrtError(f"{config_path} is not a dflash-trt checkpoint config: {exc}") from None
     moe_ep_size = stored["mapping"].get("moe_ep_size", 1)
-    if dtype_name not in TORCH_DTYPES or not isinstance(tp_size, int) or tp_size < 1:
+    if dtype_name not in DTYPES or not isinstance(tp_size, int) or tp_size < 1:
         raise DFlashTrtError(f"{config_path} has an invalid dtype or tp_size")
     if not isinstance(moe_ep_size, int) or moe_ep_size < 1 or tp_size % moe_ep_size:
         raise DFlashTrtError(f"{config_path} has an invalid moe_ep_size")
@@ -101,7 +101,7 @@ def verify_checkpoint(checkpoint_dir: str | Path, model_dir: str | Path, dflash_
         Path(dflash_model_dir),
         target,
         draft,
-        TORCH_DTYPES[dtype_name],
+        torch_dtypes()[dtype_name],
         tp_size,
         quant,
         prequantized=prequantized,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.formats import TORCH_DTYPES
+from dflash_trt.formats import torch_dtypes
 
-FLOAT_DTYPES = tuple(TORCH_DTYPES.values())
+FLOAT_DTYPES = tuple(torch_dtypes().values())
 
 
 def check_weight(weight: torch.Tensor) -> None:

@@ -16,7 +16,6 @@ import torch
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.reference.model import GoldenModel
 from dflash_trt.reference.sampling import (
-    REFERENCE,
     SamplingParams,
     exact_match_accept,
     pick_tokens,
@@ -24,7 +23,7 @@ from dflash_trt.reference.sampling import (
     sample_by_uniform,
     sampling_probs,
 )
-from dflash_trt.sampling_rules import sampling_refusal
+from dflash_trt.sampling_rules import REFERENCE, sampling_refusal
 
 
 @dataclass

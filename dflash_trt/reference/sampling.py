@@ -13,10 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_trt.errors import DFlashTrtError
-
-ENGINE = "engine"
-REFERENCE = "reference"
-METHODS = (ENGINE, REFERENCE)
+from dflash_trt.sampling_rules import ENGINE, METHODS
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,6 @@ from typing import Any
 
 from dflash_trt import __version__
 from dflash_trt.checkpoint.trtllm_config import ARCHITECTURE, specs_from_config
-from dflash_trt.conversion.convert import rank_file
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import FP8, NVFP4, QFORMATS, quant_algo
 from dflash_trt.jsonfile import read_json_object
@@ -315,6 +314,8 @@ def weights_qformat(facts: CheckpointFacts) -> str:
 
 def check_rank_files(checkpoint_dir: Path, facts: CheckpointFacts) -> None:
     """Every rank's weights must be there before trtllm-build spends minutes on the first rank."""
+    from dflash_trt.conversion.convert import rank_file  # the converter imports torch; a plan reads no tensor
+
     ranks = range(facts.tp_size * facts.pp_size)
     missing = [rank_file(r) for r in ranks if not (checkpoint_dir / rank_file(r)).is_file()]
     if missing:
