@@ -15,7 +15,7 @@ from dflash_trt.formats import DTYPES, KV_CACHE_DTYPES, NONE, QFORMATS
 
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model_dir", required=True, help="HF target model directory (Qwen3 / Llama 3.x)")
+    parser.add_argument("--model_dir", required=True, help="HF target model directory (Qwen3, Qwen3-MoE or Llama 3.x)")
     parser.add_argument("--dflash_model_dir", required=True, help="z-lab DFlash drafter directory")
     parser.add_argument("--output_dir", required=True, help="TensorRT-LLM checkpoint directory to create")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="weight dtype")
