@@ -196,6 +196,39 @@ def _residual_block(
     return (hidden_states, presents) if use_cache else hidden_states
 
 
+def _stock_attention(config: Any, layer_idx: int, **extra: Any) -> Attention:
+    """The attention both stock decoder layers build (qwen/model.py, llama/model.py); Qwen3 adds its q/k norm."""
+    return Attention(
+        local_layer_idx=layer_idx,
+        hidden_size=config.hidden_size,
+        attention_head_size=config.head_size,
+        num_attention_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        max_position_embeddings=config.max_position_embeddings or 1024,
+        dtype=config.dtype,
+        attention_mask_type=AttentionMaskType.causal,
+        bias=config.attn_bias,
+        position_embedding_type=config.position_embedding_type,
+        rotary_embedding_base=config.rotary_base,
+        rotary_embedding_scaling=config.rotary_scaling,
+        tp_size=config.mapping.tp_size,
+        quant_mode=config.quant_mode,
+        **extra,
+    )
+
+
+def _stock_mlp_kwargs(config: Any) -> dict[str, Any]:
+    """The MLP arguments both stock decoder layers pass, whatever the MLP class and width."""
+    return {
+        "hidden_size": config.hidden_size,
+        "hidden_act": config.hidden_act,
+        "dtype": config.dtype,
+        "bias": config.mlp_bias,
+        "tp_size": config.mapping.tp_size,
+        "quant_mode": config.quant_mode,
+    }
+
+
 class QWenDecoderLayer(Module):
     def __init__(self, config: QWenConfig, layer_idx: int):
         super().__init__()
@@ -205,24 +238,8 @@ class QWenDecoderLayer(Module):
         self.layer_idx = layer_idx
         self.config = config
         self.input_layernorm = RmsNorm(normalized_shape=config.hidden_size, eps=config.norm_epsilon, dtype=config.dtype)
-        self.attention = Attention(
-            local_layer_idx=layer_idx,
-            hidden_size=config.hidden_size,
-            attention_head_size=config.head_size,
-            num_attention_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads,
-            max_position_embeddings=config.max_position_embeddings or 1024,
-            dtype=config.dtype,
-            attention_mask_type=AttentionMaskType.causal,
-            bias=config.attn_bias,
-            position_embedding_type=config.position_embedding_type,
-            rotary_embedding_base=config.rotary_base,
-            rotary_embedding_scaling=config.rotary_scaling,
-            tp_size=config.mapping.tp_size,
-            quant_mode=config.quant_mode,
-            dense_bias=False,
-            qk_layernorm=True,
-            layernorm_type=LayerNormType.RmsNorm,
+        self.attention = _stock_attention(
+            config, layer_idx, dense_bias=False, qk_layernorm=True, layernorm_type=LayerNormType.RmsNorm
         )
         # Every layer gets the MoE MLP once the config has experts (mlp_only_layers is not read), sized by
         # moe_intermediate_size for qwen3_moe.
@@ -233,16 +250,7 @@ class QWenDecoderLayer(Module):
             mlp_cls, mlp_kwargs = MOE, {"moe_config": config.moe, "mapping": config.mapping}
             if qwen_type == "qwen3_moe":
                 inter = getattr(config, "moe_intermediate_size")  # noqa: B009 (a kwargs field of the config)
-        self.mlp = mlp_cls(
-            hidden_size=config.hidden_size,
-            ffn_hidden_size=inter,
-            hidden_act=config.hidden_act,
-            dtype=config.dtype,
-            bias=config.mlp_bias,
-            tp_size=config.mapping.tp_size,
-            quant_mode=config.quant_mode,
-            **mlp_kwargs,
-        )
+        self.mlp = mlp_cls(ffn_hidden_size=inter, **_stock_mlp_kwargs(config), **mlp_kwargs)
         self.post_layernorm = RmsNorm(normalized_shape=config.hidden_size, eps=config.norm_epsilon, dtype=config.dtype)
 
     def forward(
@@ -264,30 +272,9 @@ class LLaMADecoderLayer(Module):
         self.layer_idx = layer_idx
         self.config = config
         self.input_layernorm = RmsNorm(normalized_shape=config.hidden_size, eps=config.norm_epsilon, dtype=config.dtype)
-        self.attention = Attention(
-            local_layer_idx=layer_idx,
-            hidden_size=config.hidden_size,
-            attention_head_size=config.head_size,
-            num_attention_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads,
-            max_position_embeddings=config.max_position_embeddings or 1024,
-            dtype=config.dtype,
-            attention_mask_type=AttentionMaskType.causal,
-            bias=config.attn_bias,
-            position_embedding_type=config.position_embedding_type,
-            rotary_embedding_base=config.rotary_base,
-            rotary_embedding_scaling=config.rotary_scaling,
-            tp_size=config.mapping.tp_size,
-            quant_mode=config.quant_mode,
-        )
+        self.attention = _stock_attention(config, layer_idx)
         self.mlp = GatedMLP(
-            hidden_size=config.hidden_size,
-            ffn_hidden_size=config.intermediate_size or 4 * config.hidden_size,
-            hidden_act=config.hidden_act,
-            dtype=config.dtype,
-            bias=config.mlp_bias,
-            tp_size=config.mapping.tp_size,
-            quant_mode=config.quant_mode,
+            ffn_hidden_size=config.intermediate_size or 4 * config.hidden_size, **_stock_mlp_kwargs(config)
         )
         self.post_layernorm = RmsNorm(normalized_shape=config.hidden_size, eps=config.norm_epsilon, dtype=config.dtype)
 
