@@ -240,6 +240,32 @@ def measure_copy(root: Path, inputs: list[str], repeats: int) -> dict:
     return measure("copy", {"files": inputs, "out": str(copy_dir)}, repeats, fresh_copy_dir)
 
 
+def remove(path: Path) -> Callable[[], None]:
+    """A contender's cleanup: delete what it wrote (a folder or a file)."""
+    return lambda: shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def measure_baseline(root: Path, tiny_target: Path, tiny_draft: Path, repeats: int) -> dict:
+    """The baseline contender: `dflash-trt convert` of a tiny pair (interpreter + torch + converter, no real data)."""
+    tiny_out = root / "tiny_out"
+    return measure("convert", {"argv": convert_argv(tiny_target, tiny_draft, tiny_out, 1)}, repeats, remove(tiny_out))
+
+
+def fraction(results: dict[str, dict], size: int, name: str, key: str) -> float:
+    """A contender's `key` (bytes) as a share of the checkpoint."""
+    return round(results[name][key] / size, 4)
+
+
+def speed(results: dict[str, dict], name: str) -> float:
+    """A contender's throughput against the plain copy's."""
+    return round(results["copy"]["seconds"] / results[name]["seconds"], 4)
+
+
+def rounded(results: dict[str, dict]) -> dict[str, dict]:
+    """Every contender's result with floats rounded for the JSON line."""
+    return {name: {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for name, r in results.items()}
+
+
 def report(results: dict[str, dict], size: int) -> None:
     """Adds the above-baseline peaks and the rate to each contender's result, and prints one line each."""
     base = results["baseline"]
@@ -271,15 +297,7 @@ def _run(root: Path, layers: int, repeats: int) -> int:
     target_dir, draft_dir, size = build_pair(root / "big", QWEN3_4B, layers)
     print(f"synthetic checkpoint: {_gib(size)} in {time.perf_counter() - started:.1f} s", flush=True)
     inputs = weight_files(target_dir, draft_dir)
-    results = {}
-
-    def remove(path: Path) -> Callable[[], None]:
-        return lambda: shutil.rmtree(path) if path.is_dir() else path.unlink()
-
-    tiny_out = root / "tiny_out"
-    results["baseline"] = measure(
-        "convert", {"argv": convert_argv(tiny_target, tiny_draft, tiny_out, 1)}, repeats, remove(tiny_out)
-    )
+    results = {"baseline": measure_baseline(root, tiny_target, tiny_draft, repeats)}
     written = {}
     for tp in (1, 8):
         out = root / f"tp{tp}"
@@ -299,25 +317,19 @@ def _run(root: Path, layers: int, repeats: int) -> int:
 
     report(results, size)
 
-    def fraction(name: str, key: str) -> float:
-        return round(results[name][key] / size, 4)
-
-    def speed(name: str) -> float:
-        return round(results["copy"]["seconds"] / results[name]["seconds"], 4)
-
     ratios = {
-        "convert_tp1_rss_above_baseline_vs_checkpoint_bytes": fraction("tp1", "rss_above_baseline"),
-        "convert_tp8_rss_above_baseline_vs_checkpoint_bytes": fraction("tp8", "rss_above_baseline"),
-        "naive_rss_above_baseline_vs_checkpoint_bytes": fraction("naive", "rss_above_baseline"),
-        "convert_tp1_anon_above_baseline_vs_checkpoint_bytes": fraction("tp1", "anon_above_baseline"),
-        "convert_tp8_anon_above_baseline_vs_checkpoint_bytes": fraction("tp8", "anon_above_baseline"),
-        "convert_tp1_throughput_vs_copy": speed("tp1"),
-        "convert_tp8_throughput_vs_copy": speed("tp8"),
+        "convert_tp1_rss_above_baseline_vs_checkpoint_bytes": fraction(results, size, "tp1", "rss_above_baseline"),
+        "convert_tp8_rss_above_baseline_vs_checkpoint_bytes": fraction(results, size, "tp8", "rss_above_baseline"),
+        "naive_rss_above_baseline_vs_checkpoint_bytes": fraction(results, size, "naive", "rss_above_baseline"),
+        "convert_tp1_anon_above_baseline_vs_checkpoint_bytes": fraction(results, size, "tp1", "anon_above_baseline"),
+        "convert_tp8_anon_above_baseline_vs_checkpoint_bytes": fraction(results, size, "tp8", "anon_above_baseline"),
+        "convert_tp1_throughput_vs_copy": speed(results, "tp1"),
+        "convert_tp8_throughput_vs_copy": speed(results, "tp8"),
         # tp 8 writes the replicated embedding and norms 8 times: its write rate against the copy's.
         "convert_tp8_bytes_written_per_s_vs_copy": round(
             written[8] / results["tp8"]["seconds"] / (size / results["copy"]["seconds"]), 4
         ),
-        "naive_throughput_vs_copy": speed("naive"),
+        "naive_throughput_vs_copy": speed(results, "naive"),
     }
     details = {
         "checkpoint_bytes": size,
@@ -326,7 +338,7 @@ def _run(root: Path, layers: int, repeats: int) -> int:
         "cpu_threads": torch.get_num_threads(),
         "tp1_bytes_written": written[1],
         "tp8_bytes_written": written[8],
-        **{name: {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for name, r in results.items()},
+        **rounded(results),
     }
     print(json.dumps({"name": "convert", "ratios": ratios, "details": details}))
     return 0

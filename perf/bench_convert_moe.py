@@ -24,7 +24,6 @@ import json
 import shutil
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,10 +32,14 @@ from bench_convert import (
     _write_random,
     convert_argv,
     directory_bytes,
+    fraction,
     measure,
+    measure_baseline,
     measure_copy,
     report,
+    rounded,
     run_in_work_dir,
+    speed,
     weight_files,
 )
 from transformers import Qwen3Config, Qwen3MoeConfig
@@ -121,15 +124,8 @@ def _run(root: Path, layers: int, repeats: int) -> int:
     tiny_target, tiny_draft, _ = build_moe_pair(root / "tiny", TINY, 2)
     target_dir, draft_dir, size = build_moe_pair(root / "big", CODER_LAYER, layers)
     print(f"synthetic MoE checkpoint: {_gib(size)} in {time.perf_counter() - started:.1f} s", flush=True)
-    results, written = {}, {}
-
-    def remove(path: Path) -> Callable[[], None]:
-        return lambda: shutil.rmtree(path)
-
-    tiny_out = root / "tiny_out"
-    results["baseline"] = measure(
-        "convert", {"argv": convert_argv(tiny_target, tiny_draft, tiny_out, 1)}, repeats, remove(tiny_out)
-    )
+    results = {"baseline": measure_baseline(root, tiny_target, tiny_draft, repeats)}
+    written = {}
     for name, tp, ep in (("tp1", 1, 1), ("tp4_ep2", 4, 2)):
         out = root / name
 
@@ -147,18 +143,16 @@ def _run(root: Path, layers: int, repeats: int) -> int:
 
     report(results, size)
 
-    def fraction(name: str, key: str) -> float:
-        return round(results[name][key] / size, 4)
-
-    def speed(name: str) -> float:
-        return round(results["copy"]["seconds"] / results[name]["seconds"], 4)
-
     ratios = {
-        "moe_convert_tp1_rss_above_baseline_vs_checkpoint_bytes": fraction("tp1", "rss_above_baseline"),
-        "moe_convert_tp4_ep2_rss_above_baseline_vs_checkpoint_bytes": fraction("tp4_ep2", "rss_above_baseline"),
-        "moe_convert_tp1_anon_above_baseline_vs_checkpoint_bytes": fraction("tp1", "anon_above_baseline"),
-        "moe_convert_tp1_throughput_vs_copy": speed("tp1"),
-        "moe_convert_tp4_ep2_throughput_vs_copy": speed("tp4_ep2"),
+        "moe_convert_tp1_rss_above_baseline_vs_checkpoint_bytes": fraction(results, size, "tp1", "rss_above_baseline"),
+        "moe_convert_tp4_ep2_rss_above_baseline_vs_checkpoint_bytes": fraction(
+            results, size, "tp4_ep2", "rss_above_baseline"
+        ),
+        "moe_convert_tp1_anon_above_baseline_vs_checkpoint_bytes": fraction(
+            results, size, "tp1", "anon_above_baseline"
+        ),
+        "moe_convert_tp1_throughput_vs_copy": speed(results, "tp1"),
+        "moe_convert_tp4_ep2_throughput_vs_copy": speed(results, "tp4_ep2"),
     }
     details = {
         "checkpoint_bytes": size,
@@ -166,7 +160,7 @@ def _run(root: Path, layers: int, repeats: int) -> int:
         "repeats": repeats,
         "cpu_threads": torch.get_num_threads(),
         "bytes_written": written,
-        **{name: {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for name, r in results.items()},
+        **rounded(results),
     }
     print(json.dumps({"name": "convert_moe", "ratios": ratios, "details": details}))
     return 0
