@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _pairs import PairVariant, make_pair
+from _emulation import PROMPTS, SAMPLED, SAMPLED_TOKENS, STOP, convert, per_request, sampled_mismatch, sampled_runs
+from _pairs import PairVariant
 from safetensors.torch import load_file, save_file
 
 from dflash_trt import cli
@@ -31,12 +32,9 @@ from dflash_trt.emulation.runtime import EmulatedRuntime
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.reference.decode import SequenceResult, speculative_generate
 from dflash_trt.reference.model import load_golden_model
-from dflash_trt.reference.sampling import SamplingParams
 from dflash_trt.tiny.heldout import draft_dir, load_heldout, target_dir
 from dflash_trt.tokenizer import load_tokenizer
 
-PROMPTS = [[3, 4, 5, 6, 7], [9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19], [20, 21, 22, 23]]
-STOP = [1]  # the fixture targets' eos
 TINY_BLOCK = 16  # the embedded drafter's block size
 
 # Every build-compatible fixture variant (sliding-window drafters are refused, see the test below).
@@ -107,12 +105,6 @@ def mismatch(golden: list[SequenceResult], emulated: list[SequenceResult], block
             if ea != ga:
                 return f"sequence {i} step {step}: acceptance {ea} != {ga}"
     return None
-
-
-def convert(root: Path, variant: PairVariant, **kwargs) -> Path:
-    make_pair(root, variant)
-    convert_checkpoint(root / "target", root / "draft", root / "ckpt", dtype="float32", **kwargs)
-    return root / "ckpt"
 
 
 @pytest.fixture(scope="module")
@@ -242,56 +234,6 @@ def test_a_missing_passthrough_ordering_is_caught(engine, monkeypatch, tiny, tin
 def random_pair(tmp_path_factory) -> Path:
     variant, _ = VARIANTS["qwen3-gqa-b8"]
     return convert(tmp_path_factory.mktemp("random-pair"), variant)
-
-
-def sampled_mismatch(golden: list[SequenceResult], emulated: list[SequenceResult], max_new_tokens: int) -> str | None:
-    """The first difference between the engine's sampled decoding and the golden loop's run with K more tokens.
-
-    Near its budget the golden loop verifies a shortened block, which drafts and accepts differently; at T > 0 the
-    uniforms of the following steps then land on other positions and the last tokens differ. Given K more tokens, the
-    golden loop verifies a full block wherever the engine does, so the engine's tokens are its first
-    `max_new_tokens`, every engine step (drafts, accepted drafts) is the golden step of the same number, and so is
-    every acceptance length but the engine's last, which the budget clips.
-    """
-    for i, (g, e) in enumerate(zip(golden, emulated, strict=True)):
-        if e.output_ids != g.output_ids[:max_new_tokens]:
-            return f"sequence {i}: tokens {e.output_ids} != {g.output_ids[:max_new_tokens]}"
-        steps = len(e.steps)
-        if len(g.steps) < steps:
-            return f"sequence {i}: {steps} steps, the golden loop took {len(g.steps)}"
-        for step, (gs, es) in enumerate(zip(g.steps, e.steps, strict=False)):
-            if (es.draft_ids, es.accepted) != (gs.draft_ids, gs.accepted):
-                return f"sequence {i} step {step}: drafts/accepted {es} != {gs}"
-        expected = g.acceptance_lengths[:steps]
-        if steps and (e.acceptance_lengths[:-1] != expected[:-1] or e.acceptance_lengths[-1] > expected[-1]):
-            return f"sequence {i}: acceptance {e.acceptance_lengths} != {expected}"
-    return None
-
-
-# One temperature for the batch, and a mixed batch (greedy and two sampled temperatures, cycled over the prompts).
-SAMPLED = {"t0.7": [0.7], "mixed": [0.0, 0.9, 1.3]}
-SAMPLED_TOKENS = 20
-
-
-def per_request(setting: str, count: int) -> list[float]:
-    temperatures = SAMPLED[setting]
-    return [temperatures[i % len(temperatures)] for i in range(count)]
-
-
-def sampled_runs(ckpt: Path, prompts: list[list[int]], setting: str, **runtime) -> tuple[list, list, list]:
-    """(greedy golden, sampled golden with K more tokens, sampled emulation): per-sequence seeds 40 + i on both
-    sides; two slots, so later requests reuse a slot and see its stale uniforms in their context steps."""
-    temperatures = per_request(setting, len(prompts))
-    sampling = [SamplingParams(t) for t in temperatures]
-    seeds = [40 + i for i in range(len(prompts))]
-    model = load_golden_model(ckpt)
-    k = model.draft.spec.block_size - 1
-    greedy = speculative_generate(model, prompts, SAMPLED_TOKENS, STOP)
-    golden = speculative_generate(model, prompts, SAMPLED_TOKENS + k, STOP, sampling, seeds=seeds)
-    emulated = EmulatedRuntime(ckpt, max_batch_size=2, **runtime).generate(
-        prompts, SAMPLED_TOKENS, STOP, temperature=temperatures, seeds=seeds
-    )
-    return greedy, golden, emulated
 
 
 # Small pages and a step budget that chunks the long prompt.

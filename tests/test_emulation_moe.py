@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from _emulation import PROMPTS, SAMPLED_TOKENS, STOP, convert, sampled_mismatch, sampled_runs
 from _pairs import PairVariant
-from test_emulation import PROMPTS, SAMPLED_TOKENS, STOP, convert, sampled_mismatch, sampled_runs
 
 from dflash_trt import cli
 from dflash_trt.emulation import models

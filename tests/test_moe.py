@@ -16,8 +16,8 @@ import dflash.model as reference
 import pytest
 import torch
 from _pairs import PairVariant, make_pair
+from _reference import assert_matches_dflash_generate
 from safetensors.torch import load_file, save_file
-from test_parity import _reference_run
 from transformers import AutoModelForCausalLM
 
 from dflash_trt.cli import main
@@ -194,13 +194,7 @@ def test_routing_is_not_trivial(converted):
 
 @pytest.mark.parametrize("max_new, stops", [(30, None), (13, [5, 17, 40, 60])])
 def test_generate_matches_dflash_generate(converted, monkeypatch, max_new, stops):
-    golden, hf_target, ref_draft = converted
-    ours = speculative_generate(golden, PROMPTS, max_new, stops)
-    for prompt, result in zip(PROMPTS, ours, strict=True):
-        tokens, acceptance, drafts = _reference_run(ref_draft, hf_target, prompt, max_new, stops, monkeypatch)
-        assert result.output_ids == tokens
-        assert result.acceptance_lengths == acceptance
-        assert [step.draft_ids for step in result.steps] == [d for d in drafts if d]
+    assert_matches_dflash_generate(*converted, PROMPTS, max_new, stops, monkeypatch)
 
 
 def test_ragged_batch_is_lossless_against_hf_greedy(converted):

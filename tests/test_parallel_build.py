@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from test_engine_plan import write_checkpoint
+from _engine_checkpoints import write_checkpoint
 
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.trtllm import build as engine_build

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import time
-
 import dflash.model as reference
 import pytest
 import torch
 from _pairs import PairVariant, make_pair
+from _reference import assert_matches_dflash_generate
 from transformers import AutoModelForCausalLM
 
 from dflash_trt.conversion.convert import convert_checkpoint
-from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import load_golden_model
 
 VARIANTS = {
@@ -101,31 +99,6 @@ def test_drafter_forward_matches_reference(parity_models):
     torch.testing.assert_close(golden.draft.logits(got), want_logits, rtol=1e-5, atol=1e-5)
 
 
-def _reference_run(ref_draft, hf_target, prompt, max_new, stop_ids, monkeypatch):
-    """dflash_generate with its CUDA timer swapped for a CPU clock, recording the drafted tokens of each step."""
-    monkeypatch.setattr(reference, "_cuda_time", time.perf_counter)
-    drafts = []
-    original = ref_draft.compute_logits
-
-    def recording(hidden, head):
-        logits = original(hidden, head)
-        drafts.append(logits.argmax(-1)[0].tolist())
-        return logits
-
-    monkeypatch.setattr(ref_draft, "compute_logits", recording)
-    stats = reference.dflash_generate(
-        ref_draft, hf_target, torch.tensor([prompt]), max_new, stop_ids, return_stats=True
-    )
-    monkeypatch.setattr(ref_draft, "compute_logits", original)
-    return stats.output_ids[0, len(prompt) :].tolist(), stats.acceptance_lengths, drafts
-
-
 @pytest.mark.parametrize("max_new, stops", [(30, None), (13, [5, 17, 40, 60])])
 def test_generate_matches_dflash_generate(parity_models, monkeypatch, max_new, stops):
-    golden, hf_target, ref_draft = parity_models
-    ours = speculative_generate(golden, PROMPTS, max_new, stops)
-    for prompt, result in zip(PROMPTS, ours, strict=True):
-        tokens, acceptance, drafts = _reference_run(ref_draft, hf_target, prompt, max_new, stops, monkeypatch)
-        assert result.output_ids == tokens
-        assert result.acceptance_lengths == acceptance
-        assert [step.draft_ids for step in result.steps] == [d for d in drafts if d]
+    assert_matches_dflash_generate(*parity_models, PROMPTS, max_new, stops, monkeypatch)
