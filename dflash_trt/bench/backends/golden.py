@@ -24,6 +24,7 @@ import torch
 from dflash_trt.bench.driver import Backend, BenchRequest, Deliver, Response, threadsafe_deliver
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.reference.model import GoldenModel
+from dflash_trt.reference.sampling import exact_match_accept
 
 
 @dataclass
@@ -171,12 +172,11 @@ class GoldenExecutor:
 
     @staticmethod
     def _accept(s: _Running, block_ids: torch.Tensor, logits: torch.Tensor, verify: int) -> list[int]:
-        """The reference loop's greedy rule: the longest draft prefix the target agrees with, plus the target's
-        own next token, clipped to the output budget."""
+        """The golden loop's rule at temperature 0 (the longest draft prefix the target agrees with, plus the
+        target's own next token), clipped to the output budget. Greedy: the uniforms are never read."""
         drafts = block_ids[1:verify]
-        posterior = logits[:verify].argmax(dim=-1)
-        accepted = int((drafts == posterior[: verify - 1]).to(torch.int64).cumprod(0).sum())
-        new = drafts[:accepted].tolist() + [int(posterior[accepted])]
+        accepted, bonus = exact_match_accept(drafts, logits[:verify], 0.0, torch.zeros(verify))
+        new = drafts[:accepted].tolist() + [bonus]
         return new[: min(accepted + 1, s.max_length - s.start - 1)]
 
 
