@@ -108,6 +108,15 @@ def plan_capacity(
     pool = free * profile.serving.kv_cache_free_gpu_mem_fraction
     per_token = kv_bytes_per_token(target, drafter, kv_dtype, tp)
     blocks = int(pool // (per_token * TOKENS_PER_BLOCK))
+    if sequences_that_fit(blocks, eng.max_seq_len, eng.max_draft_len, TOKENS_PER_BLOCK) < 1:
+        # 1.2.x clampWindowSizesToFitAtLeastOneSequence would shrink the attention window below max_seq_len: a
+        # cyclic cache, while KV injection writes absolute pages (docs/engine.md §4).
+        raise DFlashTrtError(
+            f"{profile.name}: the KV pool ({pool / 1e9:.2f} GB) cannot hold one sequence of max_seq_len "
+            f"{eng.max_seq_len}, so TensorRT-LLM would shrink the attention window below it and the drafter would "
+            "read KV pages never written; lower max_seq_len, raise kv_cache_free_gpu_mem_fraction or tp_size, or "
+            "quantize"
+        )
     return Capacity(
         weights_bytes=weights,
         activation_bytes=activations,

@@ -73,6 +73,18 @@ def test_weights_beyond_memory_are_one_clear_error():
         _capacity(parse_profile(data))
 
 
+def test_a_pool_without_room_for_one_full_sequence_is_refused():
+    """1.2.x would clamp the attention window below max_seq_len (a cyclic cache against absolute KV-injection
+    pages). The worked example's pool is 21,984 blocks of 32 tokens: max_seq_len 703,473 (+ 15 drafts) needs
+    exactly 21,984 of them, 703,474 one more than the pool holds."""
+    data = yaml.safe_load(H100_QWEN3_8B.read_text())
+    data["engine"]["max_seq_len"] = 21_984 * 32 - 15
+    assert _capacity(parse_profile(data)).sequences_at_max_seq_len == 1
+    data["engine"]["max_seq_len"] += 1
+    with pytest.raises(DFlashTrtError, match="cannot hold one sequence of max_seq_len 703474, so TensorRT-LLM would"):
+        _capacity(parse_profile(data))
+
+
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_shipped_profile_comment_states_the_computed_capacity(path: Path):
     profile = load_profile(path)

@@ -232,6 +232,15 @@ def test_repository_settings_refuse_kv_block_reuse_however_built(tokenizer_dir: 
         _settings(tokenizer_dir, enable_kv_cache_reuse=True)
 
 
+def test_serving_settings_refuse_an_attention_window(tokenizer_dir: Path):
+    with pytest.raises(DFlashTrtError, match="max_attention_window_size: must stay unset .* makes the KV cache cyclic"):
+        _settings(tokenizer_dir, max_attention_window_size=4096)
+    data = yaml.safe_load((ROOT / "build_configs/h200-fp8/qwen3-8b.yaml").read_text())
+    data["serving"]["max_attention_window_size"] = 1024
+    with pytest.raises(DFlashTrtError, match="serving.max_attention_window_size: must stay unset"):
+        parse_profile(data, "p.yaml")
+
+
 def test_profiles_refuse_kv_block_reuse():
     data = yaml.safe_load((ROOT / "build_configs/h200-fp8/qwen3-8b.yaml").read_text())
     data["serving"]["enable_kv_cache_reuse"] = True
@@ -411,6 +420,16 @@ def test_stop_and_bad_words_use_trtllm_word_lists(pre: P.Preprocessor):
     assert decode_word_list(out[P.STOP_WORDS_IDS][1]) == [tok.encode("block", add_special_tokens=False), [im_end]]
     assert [decode_word_list(r) for r in out[P.BAD_WORDS_IDS]] == [[], []]
     assert tok.decode(first[0]) == "lazy dog"
+
+
+def test_bad_words_are_refused_empty_ones_accepted(pre: P.Preprocessor):
+    """The EAGLE decoding mode bans no words: a request sending some is refused rather than silently unbanned."""
+    empty = np.array([[b""], [b""]], dtype=object)
+    out = pre.preprocess(_request(["the fox", "a block"], **{P.BAD_WORDS: empty}))
+    assert [decode_word_list(r) for r in out[P.BAD_WORDS_IDS]] == [[], []]
+    bad = np.array([[b""], [b"fox"]], dtype=object)
+    with pytest.raises(ValueError, match="^bad_words refused: it bans words, which TensorRT-LLM's EAGLE decoding mode"):
+        pre.preprocess(_request(["the fox", "a block"], **{P.BAD_WORDS: bad}))
 
 
 def test_explicit_end_and_pad_ids_pass_through(pre: P.Preprocessor):

@@ -194,19 +194,21 @@ class Preprocessor:
 
     def check_sampling(self, inputs: dict[str, np.ndarray], batch: int) -> np.ndarray:
         """Each request's temperature (0 when not sent: greedy, never the runtime's default of 1), after refusing
-        any sampling parameter the engine cannot honour."""
+        any sampling parameter or bad word the engine cannot honour."""
         temperature = inputs.get(TEMPERATURE)
         temperature = (
             np.zeros((batch, 1), np.float32)
             if temperature is None
             else np.asarray(temperature, dtype=np.float32).reshape(batch, 1)
         )
+        bad_words = texts(inputs[BAD_WORDS]) if inputs.get(BAD_WORDS) is not None else [[] for _ in range(batch)]
         for row in range(batch):
             params = {
                 name: np.asarray(inputs[name]).reshape(batch)[row].item()
                 for name in SAMPLING_INPUTS
                 if inputs.get(name) is not None
             }
+            params["bad_words"] = bad_words[row]
             refusal = sampling_refusal({"temperature": float(temperature[row, 0]), **params})
             if refusal is not None:
                 raise ValueError(refusal)

@@ -83,6 +83,7 @@ class RepositorySettings:
     enable_kv_cache_reuse: bool = SERVING_DEFAULTS.enable_kv_cache_reuse
     max_queue_delay_microseconds: int = SERVING_DEFAULTS.max_queue_delay_microseconds
     instance_count: int = SERVING_DEFAULTS.instance_count
+    max_attention_window_size: int | None = SERVING_DEFAULTS.max_attention_window_size
     add_special_tokens: bool = True
     skip_special_tokens: bool = True
 
