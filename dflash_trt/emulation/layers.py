@@ -36,6 +36,7 @@ from dflash_trt.emulation.functional import (
 from dflash_trt.emulation.kv_pool import resolve_pool
 from dflash_trt.emulation.module import Module, Parameter
 from dflash_trt.emulation.quantization import FP8, NVFP4, QuantMode
+from dflash_trt.emulation.ranks import allgather, allreduce
 from dflash_trt.emulation.rope import cos_sin_table
 from dflash_trt.quant.nvfp4 import NVFP4_BLOCK_SIZE, dequantize_nvfp4, quantize_nvfp4
 
@@ -57,23 +58,10 @@ def _fp8_round(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(Module):
-    """ColumnLinear / RowLinear at tp_size 1; `quantize_as` turns it into FP8Linear / FP4Linear."""
+    """The GEMM of ColumnLinear / RowLinear on one rank; `quantize_as` turns it into FP8Linear / FP4Linear."""
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
-        dtype: Any = None,
-        tp_group: Any = None,
-        tp_size: int = 1,
-        gather_output: bool = True,
-        is_qkv: bool = False,
-        **unused: Any,
-    ):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: Any):
         super().__init__()
-        if tp_size != 1:
-            raise EmulationError("the emulation runs one rank (tp_size 1)")
         self.in_features, self.out_features = in_features, out_features
         self.dtype = _dtype(dtype)
         self.quant_algo: str | None = None
@@ -124,16 +112,67 @@ class Linear(Module):
             return values.reshape(x.shape)
         return x
 
-    def forward(self, x: Tensor, lora_runtime_params: Any = None, **unused: Any) -> Tensor:
+    def _gemm(self, x: Tensor) -> torch.Tensor:
         if not x.data.is_floating_point():
             raise EmulationError(f"a linear layer fed a {x.dtype.name} tensor")
-        bias = None if self.bias is None else self.bias.raw.float()
-        out = F.linear(self._rounded_input(x.data.float()), self._dequantized_weight(), bias)
-        return _wrap(out.to(x.data.dtype))
+        return F.linear(self._rounded_input(x.data.float()), self._dequantized_weight())
+
+    def _bias(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias.raw.float()
 
 
-ColumnLinear = Linear
-RowLinear = Linear
+class ColumnLinear(Linear):
+    """Output features split over the tp ranks (weight `[out / tp, in]`); `gather_output` all-gathers them back
+    (layers/linear.py `ColumnLinear`: bias on the local slice, then `allgather(x, tp_group, gather_dim=-1)`)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        dtype: Any = None,
+        tp_group: Any = None,
+        tp_size: int = 1,
+        gather_output: bool = True,
+        is_qkv: bool = False,
+        **unused: Any,
+    ):
+        if out_features % tp_size:
+            raise EmulationError(f"ColumnLinear: {out_features} output features do not split over tp {tp_size}")
+        super().__init__(in_features, out_features // tp_size, bias, dtype)
+        self.tp_group, self.tp_size, self.gather_output = tp_group, tp_size, gather_output
+
+    def forward(self, x: Tensor, lora_runtime_params: Any = None, **unused: Any) -> Tensor:
+        out = _wrap(self._bias(self._gemm(x)).to(x.data.dtype))
+        if self.gather_output and self.tp_size > 1 and self.tp_group is not None:
+            out = allgather(out, self.tp_group, gather_dim=-1)
+        return out
+
+
+class RowLinear(Linear):
+    """Input features split over the tp ranks (weight `[out, in / tp]`); the partial products are all-reduced
+    before the bias is added (layers/linear.py `RowLinear`)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        dtype: Any = None,
+        tp_group: Any = None,
+        tp_size: int = 1,
+        **unused: Any,
+    ):
+        if in_features % tp_size:
+            raise EmulationError(f"RowLinear: {in_features} input features do not split over tp {tp_size}")
+        super().__init__(in_features // tp_size, out_features, bias, dtype)
+        self.tp_group, self.tp_size = tp_group, tp_size
+
+    def forward(self, x: Tensor, lora_runtime_params: Any = None, **unused: Any) -> Tensor:
+        out = _wrap(self._gemm(x))
+        if self.tp_size > 1 and self.tp_group is not None:
+            out = allreduce(out, self.tp_group)
+        return _wrap(self._bias(out.data).to(x.data.dtype))
 
 
 class Embedding(Module):
@@ -198,9 +237,10 @@ class GatedMLP(Module):
         if hidden_act not in _ACTIVATIONS:
             raise EmulationError(f"unsupported activation function: {hidden_act}")
         self.hidden_act = hidden_act
-        self.fc = ColumnLinear(hidden_size, ffn_hidden_size, bias=bias, dtype=dtype, tp_size=tp_size)
-        self.gate = ColumnLinear(hidden_size, ffn_hidden_size, bias=bias, dtype=dtype, tp_size=tp_size)
-        self.proj = RowLinear(ffn_hidden_size, hidden_size, bias=bias, dtype=dtype, tp_size=tp_size)
+        split = {"dtype": dtype, "tp_group": tp_group, "tp_size": tp_size}
+        self.fc = ColumnLinear(hidden_size, ffn_hidden_size, bias=bias, gather_output=False, **split)
+        self.gate = ColumnLinear(hidden_size, ffn_hidden_size, bias=bias, gather_output=False, **split)
+        self.proj = RowLinear(ffn_hidden_size, hidden_size, bias=bias, **split)
 
     def forward(self, hidden_states: Tensor, lora_layer_params: Any = None, **unused: Any) -> Tensor:
         inter = _ACTIVATIONS[self.hidden_act](self.fc(hidden_states).data)
@@ -292,8 +332,13 @@ class Attention(Module):
     ):
         super().__init__()
         self.local_layer_idx = local_layer_idx
+        if num_attention_heads % tp_size:
+            raise EmulationError(f"{num_attention_heads} attention heads do not split over tp {tp_size}")
         self.num_attention_heads = num_attention_heads // tp_size
-        self.num_attention_kv_heads = (num_kv_heads or num_attention_heads) // tp_size
+        # KV heads are replicated when there are fewer than ranks (attention.py: ceil division).
+        self.num_attention_kv_heads = (
+            (num_kv_heads + tp_size - 1) // tp_size if num_kv_heads is not None else self.num_attention_heads
+        )
         self.attention_head_size = attention_head_size or hidden_size // num_attention_heads
         self.attention_mask_type = attention_mask_type
         self.position_embedding_type = position_embedding_type
@@ -302,17 +347,20 @@ class Attention(Module):
         d = self.attention_head_size
         self.qkv = ColumnLinear(
             hidden_size,
-            (self.num_attention_heads + 2 * self.num_attention_kv_heads) * d,
+            tp_size * (self.num_attention_heads + 2 * self.num_attention_kv_heads) * d,
             bias=bias,
             dtype=dtype,
+            tp_group=tp_group,
             tp_size=tp_size,
+            gather_output=False,
             is_qkv=True,
         )
         self.dense = RowLinear(
-            self.num_attention_heads * d,
+            tp_size * self.num_attention_heads * d,
             hidden_size,
             bias=bias if dense_bias is None else dense_bias,
             dtype=dtype,
+            tp_group=tp_group,
             tp_size=tp_size,
         )
         self.qk_layernorm = qk_layernorm
