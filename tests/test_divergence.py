@@ -142,9 +142,12 @@ def test_near_tie_label_and_resolution_of_each_precision():
     assert not Divergence(0, "x").near_tie
     assert "near-tie" in str(Divergence(0, "x", margin=0.01, resolution=0.02))
     plain = {"dtype": "float32", "quantization": quantization_config("none")}
-    assert resolution(plain) == 2.0**-23
-    assert resolution({**plain, "dtype": "bfloat16"}) == 2.0**-7
-    assert resolution({**plain, "dtype": "float16"}) == 2.0**-10
-    assert resolution({**plain, "quantization": quantization_config("none", "fp8")}) == 2.0**-3
+    assert resolution(plain) == 4 * torch.finfo(torch.float32).eps
+    assert resolution({**plain, "dtype": "bfloat16"}) == 4 * torch.finfo(torch.bfloat16).eps
+    assert resolution({**plain, "dtype": "float16"}) == 4 * torch.finfo(torch.float16).eps
+    assert (
+        resolution({**plain, "quantization": quantization_config("none", "fp8")})
+        == torch.finfo(torch.float8_e4m3fn).eps
+    )
     drafter_nvfp4 = {**plain, "dflash_config": {"quantization": quantization_config("nvfp4")}}
     assert resolution(drafter_nvfp4) == 2.0**-1

@@ -108,7 +108,8 @@ class EmulatedEngine:
             config.head_size,
         )
         fp8_cache = config.quantization.kv_cache_quant_algo == "FP8"
-        self.cache_dtype = torch.float8_e4m3fn if fp8_cache else torch.float32
+        # The cache holds the activations' dtype (the checkpoint's), or FP8.
+        self.cache_dtype = torch.float8_e4m3fn if fp8_cache else getattr(torch, config.dtype)
         self.paths = torch.tensor(chain_draft_paths(self.k), dtype=torch.int32)
         self.stats = StepStats()
 

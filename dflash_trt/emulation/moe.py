@@ -166,14 +166,16 @@ class MixtureOfExperts(Module):
             if not 0 <= local < self.experts_per_node:
                 continue
             token, slot = (chosen.reshape(-1, self.top_k) == e).nonzero(as_tuple=True)
-            fused = self.fc.expert(rows[token], local)
-            hidden = _GATED[self.hidden_act](fused[:, inter:]) * fused[:, :inter]
-            out.index_add_(
-                0, token, self.proj.expert(hidden, local) * scales.reshape(-1, self.top_k)[token, slot, None]
-            )
+            # Each grouped GEMM's output and the activation are in the activations' dtype; the routing-weighted sum
+            # accumulates in fp32 and is rounded once (the plugin's finalize step).
+            fused = self.fc.expert(rows[token], local).to(x.dtype)
+            hidden = (_GATED[self.hidden_act](fused[:, inter:]) * fused[:, :inter]).float()
+            expert_out = self.proj.expert(hidden, local).to(x.dtype).float()
+            out.index_add_(0, token, expert_out * scales.reshape(-1, self.top_k)[token, slot, None])
+        result = _wrap(out.reshape(x.shape).to(x.dtype))
         if self.tp_size > 1 and self.tp_group is not None:
-            out = allreduce(_wrap(out), self.tp_group).data
-        return _wrap(out.reshape(x.shape).to(x.dtype))
+            result = allreduce(result, self.tp_group)
+        return result
 
 
 MOE = MixtureOfExperts
