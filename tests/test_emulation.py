@@ -80,6 +80,28 @@ VARIANTS = {
         32,
     ),
     "qwen3-causal-drafter": (PairVariant(is_causal=True, taps=None, top_level={"block_size": 6}), 16),
+    # Drafters with their own RoPE: another theta than the target's, and plain RoPE under a llama3-scaled target.
+    "qwen3-drafter-own-theta": (
+        PairVariant(
+            rope={"rope_type": "default", "rope_theta": 1e6}, draft_rope={"rope_type": "default", "rope_theta": 500.0}
+        ),
+        16,
+    ),
+    "llama3-target-plain-drafter": (
+        PairVariant(
+            arch="llama",
+            rope={
+                "rope_type": "llama3",
+                "rope_theta": 5000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            draft_rope={"rope_type": "default", "rope_theta": 20.0},
+        ),
+        32,
+    ),
 }
 
 
@@ -201,6 +223,21 @@ def test_a_missing_passthrough_ordering_is_caught(engine, monkeypatch, tiny, tin
 
     monkeypatch.setattr(engine.DFlashForCausalLM, "inject_context", unordered)
     assert _broken(tiny, tiny_prompts, tiny_golden) != []
+
+
+def test_a_drafter_given_the_targets_rope_tables_is_caught(engine, monkeypatch, tmp_path):
+    """The block pass run with the model-wide (target) RoPE tables while the injection used the drafter's own."""
+    ckpt = convert(tmp_path, VARIANTS["qwen3-drafter-own-theta"][0])
+    model = load_golden_model(ckpt)
+    golden = speculative_generate(model, PROMPTS, 12 + model.draft.spec.block_size - 1, STOP)
+    original = engine.Attention.fill_attention_params
+
+    def targets_tables(model_cls, params):
+        return params if isinstance(model_cls, engine.DFlashDrafter) else original(model_cls, params)
+
+    monkeypatch.setattr(engine.Attention, "fill_attention_params", staticmethod(targets_tables))
+    emulated = EmulatedRuntime(ckpt, max_batch_size=2, tokens_per_block=16).generate(PROMPTS, 12, STOP)
+    assert divergences(ckpt, golden, emulated, 12) != []
 
 
 # ------------------------------------------------------------------ sampled verification (docs/engine.md §6)

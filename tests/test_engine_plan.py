@@ -197,10 +197,14 @@ def test_refuses_yarn_parameters_trtllm_does_not_read(tmp_path: Path):
         plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings())
 
 
-def test_refuses_draft_rope_unlike_the_target(tmp_path: Path):
+def test_a_drafter_with_its_own_rope_builds_but_its_yarn_is_checked_too(tmp_path: Path):
+    """The drafter gets its own RoPE tables (model.py); its yarn parameters face the same 1.2.x table builder."""
     ckpt = write_checkpoint(tmp_path / "c", draft_hf={**DRAFT_HF, "rope_theta": 10000.0})
-    with pytest.raises(DFlashTrtError, match="RoPE parameters differ"):
-        plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings())
+    assert plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings()).checkpoint_dir == str(ckpt.resolve())
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+    ckpt = write_checkpoint(tmp_path / "y", draft_hf={**DRAFT_HF, "rope_scaling": {**yarn, "truncate": False}})
+    with pytest.raises(DFlashTrtError, match="the drafter's yarn RoPE sets attention_factor or truncate=false"):
+        plan_engine_build(ckpt, tmp_path / "e2", EngineBuildSettings())
 
 
 @pytest.mark.parametrize(
