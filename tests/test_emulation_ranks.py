@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _emulation import PROMPTS, STOP
+from _emulation import PROMPTS, SAMPLED_TOKENS, STOP, per_request, sampled_runs
 from _pairs import PairVariant, make_pair
 
 from dflash_trt import cli
@@ -86,6 +86,16 @@ def test_ranks_decode_exactly_like_the_tp1_golden_model(pairs, name, tp, ep):
         experts = runtime.model.transformer.layers[0].mlp
         assert experts.experts_per_node == MOE["num_experts"] // ep
         assert experts.expert_inter_size == MOE["moe_intermediate_size"] // (tp // ep)
+
+
+@pytest.mark.parametrize("name, tp, ep", [("qwen3-gqa", 4, 1), ("qwen3-moe", 2, 2)], ids=["tp4", "moe-tp2-ep2"])
+def test_sampled_decoding_at_tp_matches_the_golden_model(pairs, name, tp, ep):
+    """A batch mixing greedy and two temperatures: every rank draws the same verification from the gathered logits."""
+    ckpt, _, _ = _sharded(pairs, name, tp, ep)
+    greedy, golden, emulated = sampled_runs(ckpt, PROMPTS, "mixed", tokens_per_block=16)
+    temperatures = per_request("mixed", len(PROMPTS))
+    assert compare_decodings(load_golden_model(ckpt), golden, emulated, SAMPLED_TOKENS, temperatures) == []
+    assert any(g.output_ids != e.output_ids for g, e, t in zip(greedy, emulated, temperatures, strict=True) if t)
 
 
 def test_rank_networks_load_their_own_rank_file(pairs):
