@@ -26,23 +26,42 @@ def _capacity(profile, shape=None):
 
 def test_worked_example_h100_fp8_qwen3_8b_by_hand():
     cap = _capacity(load_profile(H100_QWEN3_8B))
+    # The device reports 81559 MiB, not 80 decimal GB.
+    assert cap.memory_bytes == 81559 * 2**20 == 85_520_809_984
     # Weights: one Qwen3-8B layer = attention 4096 x (32 + 2 x 8) x 128 + 32 x 128 x 4096 = 41,943,040
-    # plus MLP 3 x 4096 x 12288 = 150,994,944, i.e. 192,937,984; 36 target + 5 drafter layers, fc 5 x 4096^2,
-    # all FP8 (1 B); untied embeddings + lm_head 2 x 151936 x 4096 at 2 B.
+    # plus MLP 3 x 4096 x 12288 = 150,994,944, i.e. 192,937,984; 36 target + 5 drafter layers in FP8 (1 B).
+    # In bf16 and on every rank: the embedding 151936 x 4096 and the drafter's fc 5 x 4096^2 (both replicated by
+    # the converter, the fc excluded from quantization); the lm_head 151936 x 4096 (its own tensor).
     layer = 4096 * 48 * 128 + 32 * 128 * 4096 + 3 * 4096 * 12288
-    weights = (41 * layer + 5 * 4096**2) * 1 + 2 * 151936 * 4096 * 2
-    assert layer == 192_937_984 and cap.weights_bytes == weights == 10_483_662_848
+    weights = 41 * layer * 1 + 151936 * 4096 * 2 + 5 * 4096**2 * 2 + 151936 * 4096 * 2
+    assert layer == 192_937_984 and cap.weights_bytes == weights == 10_567_548_928
     # Activations: 8192 tokens x (2 x 4096 + 48 x 128 + 2 x 12288) x 2 B, plus fp32 logits for 128 x 16 rows.
     activations = 8192 * (2 * 4096 + 48 * 128 + 2 * 12288) * 2 + 128 * 16 * 151936 * 4
     assert cap.activation_bytes == activations == 1_882_193_920
-    # Pool: 0.9 x (80 GB - weights - activations - 2 GB runtime); a token is 41 layers x K,V x 8 heads x 128 x 1 B.
-    pool = 0.9 * (80e9 - weights - activations - 2e9)
+    # Pool: 0.9 x (85.52 GB - weights - activations - 2 GB runtime); a token is 41 layers x K,V x 8 heads x 128 B.
+    pool = 0.9 * (85_520_809_984 - weights - activations - 2e9)
     assert cap.kv_pool_bytes == pytest.approx(pool) and cap.kv_bytes_per_token == 41 * 2 * 8 * 128 == 83_968
     blocks = math.floor(pool / (83_968 * 32))
-    assert cap.blocks == blocks == 21_984
-    # A sequence reserves its length plus the 15 draft tokens, in whole 32-token blocks.
-    assert cap.sequences_at_shape == blocks // math.ceil((1024 + 1024 + 15) / 32) == 338
-    assert cap.sequences_at_max_seq_len == blocks // math.ceil((8192 + 15) / 32) == 85
+    assert cap.blocks == blocks == 23_805
+    # A sequence reserves prompt + output, plus the EAGLE-mode step headroom maxPathLen + maxDecodingTokens =
+    # 2 x (15 + 1) = 32 tokens, in whole 32-token blocks.
+    assert cap.headroom_tokens == 32
+    assert cap.sequences_at_shape == blocks // math.ceil((1024 + 1024 + 32) / 32) == 366
+    assert cap.sequences_at_max_seq_len == blocks // math.ceil((8192 + 32) / 32) == 92
+
+
+def test_tied_target_still_pays_for_its_own_lm_head_and_tp_replicates_the_embedding():
+    data = yaml.safe_load((ROOT / "build_configs/h100-fp8/qwen3-4b.yaml").read_text())
+    tp1 = _capacity(parse_profile(data))
+    target, drafter = PAIRS["qwen3-4b"].load()
+    assert target.tied_embeddings  # Qwen3-4B ties them; the converter writes lm_head from embed_tokens anyway
+    t = target.stack
+    linears = t.num_layers * t.layer_params(False) + drafter.stack.num_layers * drafter.stack.layer_params(False)
+    embedding, fc = target.vocab * t.hidden * 2, drafter.num_taps * t.hidden**2 * 2
+    assert tp1.weights_bytes == linears + embedding + fc + target.vocab * t.hidden * 2
+    data["checkpoint"]["tp_size"] = 2
+    tp2 = _capacity(parse_profile(data))
+    assert tp2.weights_bytes == linears / 2 + embedding + fc + math.ceil(target.vocab / 2) * t.hidden * 2
 
 
 def test_tensor_parallel_splits_weights_and_kv_heads():
@@ -50,7 +69,9 @@ def test_tensor_parallel_splits_weights_and_kv_heads():
     tp2 = _capacity(parse_profile(data))
     data["checkpoint"]["tp_size"] = 8
     tp8 = _capacity(parse_profile(data))
-    assert tp8.weights_bytes == pytest.approx(tp2.weights_bytes / 4)
+    target, drafter = PAIRS["qwen3-32b"].load()
+    replicated = (target.vocab + drafter.num_taps * target.stack.hidden) * target.stack.hidden * 2
+    assert tp8.weights_bytes - replicated == pytest.approx((tp2.weights_bytes - replicated) / 4)
     # 8 KV heads: 4 per rank at TP 2, 1 per rank at TP 8 (69 layers x K,V x 128 x 1 B per head).
     assert (tp2.kv_bytes_per_token, tp8.kv_bytes_per_token) == (69 * 2 * 4 * 128, 69 * 2 * 1 * 128)
 
@@ -58,9 +79,9 @@ def test_tensor_parallel_splits_weights_and_kv_heads():
 def test_a_batch_the_pool_cannot_hold_is_warned_about():
     profile = load_profile(H100_QWEN3_8B)
     assert capacity_warnings(profile, _capacity(profile)) == []
-    long = _capacity(profile, (4096, 4096))  # ceil((8192 + 15) / 32) = 257 blocks each: 85 sequences < 128
+    long = _capacity(profile, (4096, 4096))  # ceil((8192 + 32) / 32) = 257 blocks each: 92 sequences < 128
     (warning,) = capacity_warnings(profile, long)
-    assert "max_batch_size 128 cannot be held at 4096/4096 tokens" in warning and "about 85" in warning
+    assert "max_batch_size 128 cannot be held at 4096/4096 tokens" in warning and "about 92" in warning
 
 
 def test_weights_beyond_memory_are_one_clear_error():
@@ -68,8 +89,8 @@ def test_weights_beyond_memory_are_one_clear_error():
     data["quantization"].update(qformat="none", dflash_qformat="none")
     data["engine"]["gemm_plugin"] = "auto"
     data["checkpoint"]["tp_size"] = 1
-    data["engine"]["max_num_tokens"] = 65536  # bf16 weights 70.5 GB + 9.4 GB of activations + 2 GB > 80 GB
-    with pytest.raises(DFlashTrtError, match="exceed h100's 80 GB per GPU"):
+    data["engine"]["max_num_tokens"] = 131072  # bf16 weights 70.2 GB + 21.3 GB of activations + 2 GB > 85.5 GB
+    with pytest.raises(DFlashTrtError, match="exceed h100's 85.5 GB per GPU"):
         _capacity(parse_profile(data))
 
 

@@ -34,22 +34,61 @@ def test_fit_set_is_fixed_and_disjoint_from_the_evaluation():
     rows = evaluation.evaluate()
     fit = [r for r in rows if r.split == "fit"]
     assert {r.point.id for r in fit} == evaluation.fit_set_ids() == {
-        "zlab-qwen3-8b-dflash-gsm8k", "zlab-qwen3-8b-dflash-humaneval", "sglang-v1-c1", "sglang-v2-c1",
+        "zlab-qwen3-8b-dflash-gsm8k", "sglang-v1-c1", "sglang-v1-c32", "sglang-v2-c1", "sglang-v2-c32",
     }  # fmt: skip
     assert all(abs(r.error) < 1e-3 for r in fit)
     held_out = [r for r in rows if r.split == "eval" and r.error is not None]
-    # Held-out points above concurrency 1 and in throughput-at-interactivity form exist, each next to k * tau.
+    # Held-out points above concurrency 1 and in throughput-at-interactivity form exist, each next to both baselines.
     above = [r for r in held_out if r.regime == "concurrency > 1"]
     assert len(above) >= 6 and all(r.point.concurrency > 1 for r in above)
     assert any(r.point.metric == "ratio_at_interactivity" for r in rows if r.split == "eval")
-    assert all(r.baseline_predicted is not None for r in above if r.point.metric == "speedup")
+    assert all(r.k_tau is not None and r.persistence is not None for r in above if r.point.metric == "speedup")
+
+
+def test_persistence_carries_the_sources_own_concurrency_1_figure():
+    rows = {r.point.id: r for r in evaluation.evaluate()}
+    # The card's block-10 row: 1.8x at one user, so persistence says 1.8x at 8, 16 and 32 users.
+    assert [rows[f"card-gpt-oss-120b-b10-c{c}"].persistence for c in (8, 16, 32)] == [1.8, 1.8, 1.8]
+    assert rows["card-gpt-oss-120b-b10-c32"].persistence_error == pytest.approx(1.8 / 1.5 - 1)
+    # For a throughput row each user keeps the single-user speed: 32 x 1161.88 tok/s.
+    assert rows["sglang-v2-c32"].persistence == pytest.approx(32 * 1161.88)
+    assert rows["card-gpt-oss-120b-b10-c1"].persistence is None  # it is the anchor itself
+    above = next(s for s in evaluation.summarize(evaluation.evaluate()) if s.group.startswith("concurrency > 1, "))
+    # Median |error| of persistence over the card's six rows above one user, by hand: 1/12, 0, 1/12, 1/8, 1/8, 1/5.
+    assert above.persistence[0] == 6 and above.persistence[1] == pytest.approx((1 / 12 + 1 / 8) / 2)
+
+
+def test_duplicates_and_substituted_inputs_are_labelled():
+    rows = {r.point.id: r for r in evaluation.evaluate()}
+    humaneval = rows["zlab-qwen3-8b-dflash-humaneval"]
+    assert humaneval.split == "duplicate" and evaluation.duplicate_of(humaneval.point) == "zlab-qwen3-8b-dflash-gsm8k"
+    assert humaneval.predicted is None  # it counts in no summary
+    assert rows["paper-qwen3-8b-dflash-gsm8k"].point.tau.kind == "assumed"
+    assert evaluation.k_tau_by_construction(rows["zlab-qwen3-8b-dflash-math500"].point)
+    assert not evaluation.k_tau_by_construction(rows["zlab-qwen3-4b-dflash-math500"].point)
+
+
+def test_both_readings_of_the_sglang_overhead_fit_and_give_a_range():
+    step, spec = evaluation.calibrations("sglang-v2")
+    assert step.step_overhead_s > 0 and step.spec_overhead_s == 0 and step.token_overhead_s > 0
+    assert spec.spec_overhead_s == pytest.approx(step.step_overhead_s) and spec.step_overhead_s == 0
+    for p in map(published.point, ("sglang-v2-c1", "sglang-v2-c32")):
+        for cal in (step, spec):
+            assert evaluation.predict(p, (cal,))[0] == pytest.approx(p.published, rel=1e-3)
+    card = published.point("card-gpt-oss-120b-b10-c1")
+    lo, hi = evaluation.predict(card, (step, spec))[1]
+    # Charging the residual to AR too makes AR slower, so the predicted speedup is higher under that reading.
+    assert evaluation.predict(card, (step,))[0] == pytest.approx(hi) and evaluation.predict(card, (spec,))[0] == lo
+    assert hi > 2 * lo
+    # The README's single-user speedup is fitted only by charging the residual to speculative steps.
+    assert [c.name for c in evaluation.calibrations("hf-transformers")] == ["hf-transformers (spec-only)"]
 
 
 def test_baseline_k_is_the_fit_rows_speedup_over_tau():
-    # Both fit speedup rows publish 5.20x at tau 6.55, so least relative squares gives k = 5.20 / 6.55.
+    # The fit speedup row publishes 5.20x at tau 6.55, so least relative squares gives k = 5.20 / 6.55.
     assert evaluation.baseline_k() == pytest.approx(5.20 / 6.55)
     gsm8k = next(r for r in evaluation.evaluate() if r.point.id == "zlab-qwen3-4b-dflash-gsm8k")
-    assert gsm8k.baseline_predicted == pytest.approx(5.20 / 6.55 * 6.50)
+    assert gsm8k.k_tau == pytest.approx(5.20 / 6.55 * 6.50)
 
 
 def test_published_values_are_kept_as_sourced_and_disagreements_kept():
@@ -70,11 +109,12 @@ def test_published_values_are_kept_as_sourced_and_disagreements_kept():
 
 def test_validate_json_has_the_interface_keys(capsys):
     rows = _json(["--validate"], capsys)
-    keys = {"source", "metric", "published", "predicted", "baseline_predicted", "split", "concurrency"}
+    keys = {"source", "metric", "published", "predicted", "baselines", "split", "concurrency", "calibrations"}
     assert len(rows) == len(POINTS) and all(keys <= set(r) for r in rows)
-    assert {r["split"] for r in rows} == {"fit", "eval"}
+    assert all(set(r["baselines"]) == {"k_tau", "persistence"} for r in rows)
+    assert {r["split"] for r in rows} == {"fit", "eval", "duplicate"}
     blog = next(r for r in rows if r["id"] == "blog-gpt-oss-120b-dflash-speed-bench")
-    assert blog["concurrency"] is None and "fixed number of users" in blog["unknowns"]["concurrency"]
+    assert blog["concurrency"] is None and "fixed number of users" in blog["unknowns"]["concurrency"]["why"]
 
 
 def test_docs_carry_the_current_evaluation_tables():
@@ -86,28 +126,39 @@ def test_provenance_names_a_kind_and_source_for_every_constant(capsys):
     table = _json(["--provenance"], capsys)
     assert all(set(c) == {"value", "kind", "source"} and c["kind"] in ("datasheet", "measured", "assumed", "fitted")
                and c["source"] for c in table.values())  # fmt: skip
-    assert table["calibration.sglang-v2.step_overhead_s"]["kind"] == "fitted"
-    assert "sglang-v2-c1" in table["calibration.sglang-v2.step_overhead_s"]["source"]
-    assert table["calibration.trtllm.step_overhead_s"]["kind"] == "assumed"
+    assert table["calibration.sglang-v2.every-step.step_overhead_s"]["kind"] == "fitted"
+    assert "sglang-v2-c32" in table["calibration.sglang-v2.spec-only.token_overhead_s"]["source"]
+    assert table["calibration.trtllm.spec-only.spec_overhead_s"]["kind"] == "assumed"
     assert table["calibration.compute_efficiency"]["kind"] == "assumed"
     assert table["gpu.h100.hbm_bandwidth"] == {"value": 3.35e12, "kind": "datasheet",
                                                "source": get_gpu("h100").source}  # fmt: skip
+    # Memory is the device's report; B200's bandwidth the HGX per-GPU figure; B300 has no vendor document here.
+    assert table["gpu.h100.hbm_bytes"]["value"] == 81559 * 2**20 and table["gpu.h100.hbm_bytes"]["kind"] == "measured"
+    assert table["gpu.b200.hbm_bandwidth"]["value"] == 7.7e12
+    assert all(table[f"gpu.b300.{f}"]["kind"] == "assumed" for f in ("hbm_bytes", "hbm_bandwidth", "nvfp4_flops"))
+    assert "allocateKvCache.cpp" in table["capacity.step_headroom_tokens"]["source"]
 
 
 def test_preset_without_acceptance_uses_the_published_tau_and_says_so(capsys):
     out = _json(["--preset", "qwen3-8b", "--gpu", "h100", "--qformat", "fp8", "--concurrency", "1,8"], capsys)
     assert "6.55" in out["notes"][0] and "z-lab README" in out["notes"][0]
-    assert out["calibration"]["source"].startswith("assumed equal to the sglang-v2 fit")
-    dep = Deployment(get_gpu("h100"), "fp8", "bf16", 1, evaluation.calibration("trtllm"))
+    assert [c["name"] for c in out["calibrations"]] == ["trtllm (every-step)", "trtllm (spec-only)"]
+    assert all(c["source"].startswith("assumed equal to") for c in out["calibrations"])
     tgt, drafter = PAIRS["qwen3-8b"].load()
-    it = Method("dflash", drafter, Acceptance.from_mean(6.55, 16)).iteration(tgt, 8, mean_context(1024, 1024), dep)
-    assert out["curves"]["dflash"][1]["tok_s_user"] == pytest.approx(it.tok_s_user())
+    method = Method("dflash", drafter, Acceptance.from_mean(6.55, 16))
+    speeds = []
+    for cal in evaluation.calibrations("trtllm"):
+        dep = Deployment(get_gpu("h100"), "fp8", "bf16", 1, cal)
+        speeds.append(method.iteration(tgt, 8, mean_context(1024, 1024), dep).tok_s_user())
+    point = out["curves"]["dflash"][1]
+    assert (point["concurrency"], point["batch"], point["fits"]) == (8, 8, True)
+    assert point["tok_s_user"] == pytest.approx([min(speeds), max(speeds)])
 
 
 def test_plan_config_prints_the_capacity(capsys):
     rc, out, err = _plan(["--config", str(ROOT / "build_configs/h100-fp8/qwen3-8b.yaml")], capsys)
     assert rc == 0 and err == ""
-    assert "338 at 1024/1024 tokens, 85 at max_seq_len 8192" in out
+    assert "366 at 1024/1024 tokens, 92 at max_seq_len 8192" in out
     rc, out, err = _plan(["--config", str(ROOT / "build_configs/h100-fp8/qwen3-8b.yaml"), "--isl", "4096",
                           "--osl", "4096"], capsys)  # fmt: skip
     assert rc == 0 and err.startswith("warning: ") and "max_batch_size 128 cannot be held" in err
@@ -220,11 +271,11 @@ def test_published_shapes_have_drafters_for_every_shipped_profile():
 
 def test_docs_state_the_current_fitted_constants():
     doc = (ROOT / "docs" / "performance.md").read_text()
-    spec = evaluation.calibration("hf-transformers").spec_overhead_s
-    v2, v1 = (evaluation.calibration(h).step_overhead_s for h in ("sglang-v2", "sglang-v1"))
-    assert f"| {1e3 * spec:.3f} ms | fitted |" in doc
-    assert f"| {1e3 * v2:.2f} ms / {1e3 * v1:.2f} ms | fitted |" in doc
-    assert f"| {1e3 * evaluation.calibration('trtllm').step_overhead_s:.2f} ms | assumed |" in doc
+    (spec,) = evaluation.calibrations("hf-transformers")
+    v2, v1 = (evaluation.calibrations(h)[0] for h in ("sglang-v2", "sglang-v1"))
+    assert f"| {1e3 * spec.spec_overhead_s:.3f} ms | fitted |" in doc
+    assert f"| {1e3 * v2.step_overhead_s:.2f} ms / {1e3 * v1.step_overhead_s:.2f} ms | fitted |" in doc
+    assert f"| {1e6 * v2.token_overhead_s:.1f} µs / {1e6 * v1.token_overhead_s:.1f} µs | fitted |" in doc
     assert f"| {evaluation.baseline_k():.3f} | fitted |" in doc
 
 

@@ -13,12 +13,14 @@ import json
 import math
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import KV_CACHE_DTYPES, NONE, QFORMATS
-from dflash_trt.perf.evaluation import HARNESSES, calibration
+from dflash_trt.perf.evaluation import HARNESSES, calibrations
 from dflash_trt.perf.gpus import GPUS, get_gpu
+from dflash_trt.perf.memory import EngineLimits, FeasiblePoint, feasible_curve
 from dflash_trt.perf.model import (
     PRECISION,
     Acceptance,
@@ -28,9 +30,8 @@ from dflash_trt.perf.model import (
     Method,
     TargetShape,
     mean_context,
-    predict_curve,
 )
-from dflash_trt.perf.pareto import crossover_concurrency, speedup_table
+from dflash_trt.perf.pareto import Point, crossover_concurrency, speedup_table
 from dflash_trt.perf.published import PAIRS, pair_for_models
 from dflash_trt.perf.shapes import eagle3_like, load_models
 from dflash_trt.profiles import check_tp_heads, load_profile
@@ -73,8 +74,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256", help="comma-separated list")
     p.add_argument("--isl", type=int, help="mean input length in tokens (default 1024; --config: the sweep's)")
     p.add_argument("--osl", type=int, help="mean output length in tokens (default 1024; --config: the sweep's)")
-    p.add_argument("--calibration", choices=HARNESSES, default="trtllm", help="which fitted overheads to use")
+    p.add_argument(
+        "--calibration",
+        default="trtllm",
+        help=f"fitted overheads: one of {', '.join(HARNESSES)} (every reading that fits is shown as a range) or a "
+        "file written by --calibrate --output (refused on other hardware)",
+    )
     p.add_argument("--levels", help="comma-separated tok/s/user values for the speedup-vs-AR table")
+    p.add_argument(
+        "--max_batch_size",
+        type=int,
+        help="engine limit the curves respect (default: the largest --concurrency, the engine this sweep needs)",
+    )
+    p.add_argument(
+        "--max_num_tokens",
+        type=int,
+        default=EngineLimits.max_num_tokens,
+        help="engine limit the curves respect (default: %(default)s, trtllm-build's)",
+    )
     what = p.add_mutually_exclusive_group()
     what.add_argument("--config", help="build profile YAML: print its memory budget and the sequences that fit")
     what.add_argument(
@@ -82,6 +99,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     what.add_argument("--validate", action="store_true", help="print the model vs every published point and exit")
     what.add_argument("--provenance", action="store_true", help="print every constant's value, kind and source")
+    p.add_argument("--output", help="with --calibrate: write the stamped calibration to this JSON file")
+    p.add_argument("--overwrite", action="store_true", help="with --output: replace an existing file")
     p.add_argument("--json", action="store_true", help="print machine-readable output")
     p.set_defaults(func=run)
 
@@ -238,17 +257,55 @@ def _deployment(args: argparse.Namespace, target: TargetShape, drafter: DFlashSh
 
 
 def _calibrate(args: argparse.Namespace) -> None:
-    from dflash_trt.perf.calibrate import fit, read_bench_points
+    from dflash_trt.perf.calibrate import fit, hardware_of, read_bench_results, write_calibration
 
     target, drafter = _models(args)
-    points = read_bench_points(args.calibrate)
+    results = read_bench_results(args.calibrate)
+    given = (args.isl, args.osl) != (None, None)
+    lengths = _lengths(args, results.lengths or DEFAULT_LENGTHS)
+    if results.lengths is not None and given and lengths != results.lengths:
+        raise DFlashTrtError(
+            f"{args.calibrate} ran at {results.lengths[0]}/{results.lengths[1]} tokens but --isl/--osl say "
+            f"{lengths[0]}/{lengths[1]}: drop them to use the recorded lengths"
+        )
+    prov = results.provenance
+    hardware = hardware_of(prov) if prov is not None else None
+    if hardware in GPUS and hardware != args.gpu:
+        raise DFlashTrtError(f"{args.calibrate} ran on {hardware}, not on --gpu {args.gpu}: pass --gpu {hardware}")
+    if args.output and prov is None:
+        raise DFlashTrtError(
+            f"{args.calibrate} has no 'provenance' object saying where it ran, so a calibration from it cannot be "
+            "stamped: rerun `dflash-trt bench`, which records it"
+        )
     dep = _deployment(args, target, drafter, Calibration("measured"))
-    cal, residuals = fit(points, target, drafter, dep, mean_context(*_lengths(args, DEFAULT_LENGTHS)), args.calibrate)
+    cal, residuals = fit(results.points, target, drafter, dep, mean_context(*lengths), args.calibrate)
+    stamp = None
+    if prov is not None:
+        stamp = {
+            "hardware": hardware,
+            "gpus": prov["host"]["gpus"],
+            "cpu": prov["host"]["cpu"],
+            "backend": prov["backend"],
+            "target": prov["target"],
+            "gpu": args.gpu,
+            "tp_size": args.tp_size,
+            "precision": dep.precision,
+            "kv_dtype": dep.kv_dtype,
+            "isl": lengths[0],
+            "osl": lengths[1],
+            "results": str(args.calibrate),
+            "git_revision": prov.get("git_revision"),
+            "started": prov.get("started"),
+        }
+    if args.output:
+        assert stamp is not None  # refused above when the results carry no provenance
+        write_calibration(args.output, cal, stamp, args.overwrite)
     if args.json:
         _emit(
             json.dumps(
                 {
                     "calibration": vars(cal),
+                    "stamp": stamp,
                     "residuals": [
                         vars(r.point) | {"predicted_tok_s_user": r.predicted_tok_s_user, "error": r.error}
                         for r in residuals
@@ -258,21 +315,85 @@ def _calibrate(args: argparse.Namespace) -> None:
             )
         )
         return
-    head = f"calibration: step_overhead_s {cal.step_overhead_s:.6f}, spec_overhead_s {cal.spec_overhead_s:.6f}"
+    head = (
+        f"calibration: step_overhead_s {cal.step_overhead_s:.6f}, spec_overhead_s {cal.spec_overhead_s:.6f}, "
+        f"token_overhead_s {cal.token_overhead_s:.3e}"
+    )
+    where = (
+        "not stamped: the results carry no provenance"
+        if stamp is None
+        else f"measured on {stamp['hardware']} with the {stamp['backend']} backend at {lengths[0]}/{lengths[1]} tokens"
+    )
     columns = f"{'mode':<8} {'conc':>6} {'tau':>6} {'measured':>10} {'model':>10} {'error':>8}"
-    lines = [f"{head} ({cal.source})", columns]
+    lines = [f"{head} ({cal.source})", where, columns]
     for r in residuals:
         p = r.point
         lines.append(
             f"{p.mode:<8} {p.concurrency:>6} {p.acceptance_length:>6.2f} {p.tok_s_user:>10.1f} "
             f"{r.predicted_tok_s_user:>10.1f} {100 * r.error:>+7.1f}%"
         )
+    if args.output:
+        lines.append(f"wrote {args.output}")
     _emit("\n".join(lines))
+
+
+def _calibrations(args: argparse.Namespace) -> tuple[tuple[Calibration, ...], list[str]]:
+    """The built-in harness's readings, or a calibration file's one fit (refused on other hardware)."""
+    if args.calibration in HARNESSES:
+        return calibrations(args.calibration), []
+    from dflash_trt.perf.calibrate import load_calibration
+
+    path = Path(args.calibration)
+    if not path.is_file():
+        raise DFlashTrtError(
+            f"--calibration must be one of {', '.join(HARNESSES)} or a calibration file; {path} does not exist"
+        )
+    cal, stamp = load_calibration(path)
+    if stamp["hardware"] != args.gpu:
+        raise DFlashTrtError(
+            f"{path} was fitted on {stamp['hardware']} ({stamp['backend']} backend); it does not apply to --gpu "
+            f"{args.gpu}: calibrate on the hardware you plan for"
+        )
+    notes = [
+        f"note: {path} was fitted at {key} {stamp[key]}, this plan uses {mine}"
+        for key, mine in (
+            ("tp_size", args.tp_size),
+            ("precision", PRECISION[args.qformat]),
+            ("kv_dtype", PRECISION[args.kv_cache_dtype]),
+        )
+        if stamp[key] != mine
+    ]
+    head = f"calibration file {path}: {stamp['backend']} backend, {stamp['isl']}/{stamp['osl']} tokens"
+    return (cal,), [head, *notes]
+
+
+def _limits(args: argparse.Namespace, concurrencies: list[int]) -> EngineLimits:
+    batch = max(concurrencies) if args.max_batch_size is None else args.max_batch_size
+    for flag, value in (("max_batch_size", batch), ("max_num_tokens", args.max_num_tokens)):
+        if value < 1:
+            raise DFlashTrtError(f"--{flag} must be a positive integer, got {value}")
+    return EngineLimits(batch, args.max_num_tokens)
+
+
+def _ran(curve: list[FeasiblePoint]) -> list[Point]:
+    """The distinct batches that run (a capped request repeats the largest one)."""
+    seen, out = set(), []
+    for fp in curve:
+        if fp.point is not None and fp.batch not in seen:
+            seen.add(fp.batch)
+            out.append(Point(fp.point.engine, fp.batch, fp.point.tok_s_user, fp.point.tok_s_gpu))
+    return out
+
+
+def _span(values: list[float]) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:.1f}" if math.isclose(lo, hi, rel_tol=5e-4) else f"{lo:.1f}-{hi:.1f}"
 
 
 def _curves(args: argparse.Namespace) -> None:
     target, drafter = _models(args)
-    dep = _deployment(args, target, drafter, calibration(args.calibration))
+    cals, cal_notes = _calibrations(args)
+    dep = _deployment(args, target, drafter, cals[0])
     methods, notes = [Method("ar")], []
     if drafter is not None:
         pair = PAIRS[args.preset] if args.preset else None
@@ -288,21 +409,46 @@ def _curves(args: argparse.Namespace) -> None:
         acc = Acceptance.from_mean(args.eagle3_acceptance_length, args.eagle3_steps + 1)
         methods.append(Method("eagle3", eagle3_like(target, args.eagle3_steps), acc))
     conc = _ints(args.concurrency, "--concurrency")
-    ctx = mean_context(*_lengths(args, DEFAULT_LENGTHS))
-    curves = {m.name: predict_curve(m, target, dep, conc, ctx) for m in methods}
-    points = [p for curve in curves.values() for p in curve]
-    levels = _levels(args.levels) if args.levels else [p.tok_s_user for p in curves["ar"]]
-    table = speedup_table(points, "ar", levels)
-    crossovers = {n: crossover_concurrency(c, curves["ar"]).concurrency for n, c in curves.items() if n != "ar"}
+    lengths = _lengths(args, DEFAULT_LENGTHS)
+    limits = _limits(args, conc)
+    readings = {}
+    for cal in cals:
+        d = replace(dep, calibration=cal)
+        feasible = {m.name: feasible_curve(m, target, d, conc, lengths, limits) for m in methods}
+        curves = {n: _ran(c) for n, c in feasible.items()}
+        if not curves["ar"]:
+            raise DFlashTrtError(f"nothing fits: {feasible['ar'][0].reason}; raise --tp_size or quantize")
+        levels = _levels(args.levels) if args.levels else [p.tok_s_user for p in curves["ar"]]
+        table = speedup_table([p for c in curves.values() for p in c], "ar", levels)
+        crossovers = {
+            n: crossover_concurrency(c, curves["ar"]).concurrency for n, c in curves.items() if n != "ar" and c
+        }
+        readings[cal.name] = (feasible, table, crossovers)
+    first = next(iter(readings.values()))[0]
     if args.json:
+        merged = {}
+        for name, curve in first.items():
+            rows = []
+            for i, fp in enumerate(curve):
+                row = fp.as_json()
+                for key in ("tok_s_user", "tok_s_gpu"):
+                    vals = [r[0][name][i].as_json()[key] for r in readings.values()]
+                    row[key] = None if vals[0] is None else [min(vals), max(vals)]
+                rows.append(row)
+            merged[name] = rows
         _emit(
             json.dumps(
                 {
-                    "calibration": vars(dep.calibration),
-                    "notes": notes,
-                    "curves": {n: [vars(p) for p in c] for n, c in curves.items()},
-                    "speedup_vs_ar": [{"tok_s_user": r.tok_s_user, "speedup": r.speedup} for r in table],
-                    "crossover_concurrency_vs_ar": crossovers,
+                    "calibrations": [vars(c) for c in cals],
+                    "notes": notes + cal_notes,
+                    "lengths": list(lengths),
+                    "limits": vars(limits),
+                    "curves": merged,
+                    "speedup_vs_ar": {
+                        n: [{"tok_s_user": r.tok_s_user, "speedup": r.speedup} for r in t]
+                        for n, (_, t, _) in readings.items()
+                    },
+                    "crossover_concurrency_vs_ar": {n: c for n, (_, _, c) in readings.items()},
                     "caveat": BAND_CAVEAT,
                 },
                 indent=2,
@@ -310,18 +456,31 @@ def _curves(args: argparse.Namespace) -> None:
         )
         return
     lines = [
-        f"{args.gpu} x{args.tp_size} {args.qformat}, calibration {dep.calibration.name} "
-        f"({dep.calibration.source}); tok/s/user = 1/TPOT",
+        f"{args.gpu} x{args.tp_size} {args.qformat}, {lengths[0]}/{lengths[1]} tokens; tok/s/user = 1/TPOT",
+        *[f"calibration {c.name} ({c.source})" for c in cals],
         *notes,
-        f"{'method':<8} {'conc':>6} {'tok/s/user':>11} {'tok/s/GPU':>11}",
+        *cal_notes,
     ]
-    for name, curve in curves.items():
-        lines += [f"{name:<8} {p.concurrency:>6} {p.tok_s_user:>11.1f} {p.tok_s_gpu:>11.1f}" for p in curve]
-    for r in table:
-        cells = ", ".join(f"{n} {'-' if s is None else f'{s:.2f}x'}" for n, s in r.speedup.items() if n != "ar")
-        lines.append(f"at {r.tok_s_user:.1f} tok/s/user vs ar: {cells}")
-    for name, c in crossovers.items():
-        lines.append(f"{name}: stops paying at concurrency {'> swept range' if c is None else f'{c:.1f}'}")
+    if len(cals) > 1:
+        lines.append(
+            "no calibration fits this harness's overhead unambiguously: each cell is the range over the readings "
+            "above (fit your own with --calibrate)"
+        )
+    lines.append(f"{'method':<8} {'conc':>6} {'batch':>6} {'tok/s/user':>15} {'tok/s/GPU':>17}  fits")
+    for name, curve in first.items():
+        for i, fp in enumerate(curve):
+            pts = [r[0][name][i].point for r in readings.values()]
+            user = "-" if fp.point is None else _span([p.tok_s_user for p in pts if p])
+            gpu = "-" if fp.point is None else _span([p.tok_s_gpu for p in pts if p])
+            fits = "yes" if fp.fits else f"no: {fp.reason}"
+            lines.append(f"{name:<8} {fp.requested:>6} {fp.batch:>6} {user:>15} {gpu:>17}  {fits}")
+    for reading, (_, table, crossovers) in readings.items():
+        for r in table:
+            cells = ", ".join(f"{n} {'-' if v is None else f'{v:.2f}x'}" for n, v in r.speedup.items() if n != "ar")
+            lines.append(f"[{reading}] at {r.tok_s_user:.1f} tok/s/user vs ar: {cells}")
+        for name, c in crossovers.items():
+            where = "> swept range" if c is None else f"{c:.1f}"
+            lines.append(f"[{reading}] {name}: stops paying at concurrency {where}")
     lines.append(BAND_CAVEAT)
     _emit("\n".join(lines))
 

@@ -274,8 +274,8 @@ def _paper() -> list[Published]:
         Published(
             f"paper-qwen3-8b-dflash-{d.lower().replace('-', '')}", "dflash-paper", "qwen3-8b",
             f"Qwen3-8B DFlash, {d}", "speedup", s, "hf-transformers", gpu, BF16_CHECKPOINTS, 1,
-            Unknown((readme_tau[d],), "the paper's acceptance length is not recorded here: the README's for "
-                    "the same pair and dataset", "datasheet"),
+            Unknown((readme_tau[d],), "substituted: the paper's acceptance length is not recorded here, so the "
+                    "README's for the same pair and dataset is assumed"),
             note="disagrees with the README's row for the same pair and dataset; both are kept. Harness assumed "
             "the README's (transformers)",
         )
