@@ -80,7 +80,8 @@ def plan_capacity(
         headroom_tokens=headroom_tokens(k),
         blocks=b.blocks,
         shape=(isl, osl),
-        sequences_at_shape=b.blocks // blocks_per_sequence(isl, osl, k, tpb),
+        # The engine refuses a request longer than max_seq_len, however many blocks are free.
+        sequences_at_shape=0 if isl + osl > eng.max_seq_len else b.blocks // blocks_per_sequence(isl, osl, k, tpb),
         max_seq_len=eng.max_seq_len,
         sequences_at_max_seq_len=b.blocks // blocks_per_sequence(eng.max_seq_len, 0, k, tpb),
     )
@@ -89,6 +90,9 @@ def plan_capacity(
 def capacity_warnings(profile: BuildProfile, capacity: Capacity) -> list[str]:
     """What a user should know before serving: a batch the pool cannot hold at the sweep's shape."""
     warnings = []
+    if sum(capacity.shape) > capacity.max_seq_len:
+        isl, osl = capacity.shape
+        return [f"{profile.name}: {isl}/{osl} tokens exceed max_seq_len {capacity.max_seq_len}: no such request runs"]
     if capacity.sequences_at_shape < profile.engine.max_batch_size:
         isl, osl = capacity.shape
         warnings.append(
@@ -100,7 +104,11 @@ def capacity_warnings(profile: BuildProfile, capacity: Capacity) -> list[str]:
 
 
 def checkpoint_warnings(profile: BuildProfile, target_dir: Path, draft_dir: Path) -> list[str]:
-    """`capacity_warnings` for the checkpoints a build is about to use (only their config.json is read)."""
+    """`capacity_warnings` for the checkpoints a build is about to use (only their config.json is read). A sweep
+    shape longer than the engine's max_seq_len is left to `plan --config`: the build cannot tell whether that
+    sweep (which defaults to 1024/1024) will ever be run against this engine."""
+    if profile.sweep.input_len + profile.sweep.output_len > profile.engine.max_seq_len:
+        return []
     target, drafter = load_models(target_dir, draft_dir)
     assert drafter is not None  # load_models reads a drafter whenever its folder is given
     return capacity_warnings(profile, plan_capacity(profile, target, drafter))

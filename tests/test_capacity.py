@@ -135,3 +135,62 @@ def test_build_checks_warn_from_the_checkpoint_configs(tmp_path: Path):
     data["sweep"].update(input_len=4096, output_len=4096)
     (warning,) = checkpoint_warnings(parse_profile(data), tmp_path / "t", tmp_path / "d")
     assert "max_batch_size 128 cannot be held at 4096/4096 tokens" in warning
+
+
+def test_a_shape_longer_than_max_seq_len_holds_no_sequence():
+    data = yaml.safe_load(H100_QWEN3_8B.read_text())
+    data["engine"].update(max_seq_len=128, max_input_len=64)
+    profile = parse_profile(data)
+    cap = _capacity(profile, (1024, 1024))
+    assert cap.blocks > 20_000 and cap.sequences_at_shape == 0  # plenty of blocks, but no 2048-token request runs
+    (warning,) = capacity_warnings(profile, cap)
+    assert "1024/1024 tokens exceed max_seq_len 128" in warning
+
+
+def _feasible(method_name: str, concurrency: list[int], lengths=(1024, 1024), limits=None, gpu="h100", **dep_kw):
+    from dflash_trt.perf.gpus import get_gpu
+    from dflash_trt.perf.memory import EngineLimits, feasible_curve
+    from dflash_trt.perf.model import Acceptance, Deployment, Method
+
+    target, drafter = PAIRS[dep_kw.pop("pair", "qwen3-8b")].load()
+    method = Method("ar") if method_name == "ar" else Method("dflash", drafter, Acceptance.from_mean(5.0, 16))
+    dep = Deployment(get_gpu(gpu), dep_kw.get("precision", "fp8"), dep_kw.get("kv_dtype", "fp8"), dep_kw.get("tp", 1))
+    return feasible_curve(method, target, dep, concurrency, lengths, limits or EngineLimits(max(concurrency)))
+
+
+def test_every_curve_point_is_capped_at_what_the_kv_pool_holds():
+    from dflash_trt.perf.memory import EngineLimits
+
+    # Qwen3-8B DFlash in FP8 on one H100, 2048 users at 8k/8k. By hand, per GPU: weights 10,567,548,928 B (as in
+    # the worked example); activations 8192 x 38,912 x 2 + 2048 x 16 x 151,936 x 4 = 20,551,041,024 B; the pool
+    # 0.9 x (85,520,809,984 - weights - activations - 2e9) = 46,962,997,228.8 B = 17,478 blocks of 2,686,976 B; a
+    # sequence needs ceil((16,384 + 32) / 32) = 513 blocks, so 34 sequences run.
+    pool = 0.9 * (85_520_809_984 - 10_567_548_928 - (8192 * 38_912 * 2 + 2048 * 16 * 151_936 * 4) - 2e9)
+    assert int(pool // 2_686_976) // 513 == 34
+    (point,) = _feasible("dflash", [2048], (8192, 8192), EngineLimits(2048, 8192))
+    assert (point.requested, point.batch, point.fits) == (2048, 34, False)
+    assert "KV pool holds 34 sequences of 8192+8192 tokens" in point.reason
+    assert point.point is not None and point.point.concurrency == 2048  # reported at the request, computed at 34
+    # A billion users run no more than the pool holds either.
+    (huge,) = _feasible("ar", [10**9], (1024, 1024), EngineLimits())
+    assert not huge.fits and 0 < huge.batch < 2048 and "KV pool holds" in huge.reason
+
+
+def test_engine_limits_cap_the_batch_too():
+    from dflash_trt.perf.memory import EngineLimits
+
+    # max_num_tokens 1024 holds 1024 // 16 = 64 DFlash sequences per step (a 16-token block each), AR 1024.
+    tokens = _feasible("dflash", [32, 128], limits=EngineLimits(256, 1024))
+    assert [(p.batch, p.fits) for p in tokens] == [(32, True), (64, False)]
+    assert "max_num_tokens 1024 holds 64 sequences of 16 tokens per step" in tokens[1].reason
+    batch = _feasible("ar", [32, 128], limits=EngineLimits(100, 8192))
+    assert [(p.batch, p.fits) for p in batch] == [(32, True), (100, False)] and "max_batch_size 100" in batch[1].reason
+
+
+def test_weights_that_do_not_fit_leave_no_point():
+    # gpt-oss-120b in bf16: 116.8 B parameters x 2 B = 234 GB on one 85.5 GB H100.
+    curve = _feasible("ar", [1, 8], pair="gpt-oss-120b", precision="bf16", kv_dtype="bf16")
+    assert all(p.batch == 0 and p.point is None and not p.fits for p in curve)
+    assert "exceed H100 SXM's 85.5 GB per GPU at tp 1" in curve[0].reason
+    # On eight H200s in MXFP4 the same model fits.
+    assert all(p.fits for p in _feasible("ar", [1, 8], pair="gpt-oss-120b", precision="mxfp4", gpu="h200", tp=8))

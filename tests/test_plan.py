@@ -290,3 +290,92 @@ def test_calibrate_with_dflash_points_only_fits_the_step_overhead(tmp_path: Path
     rc, text, _ = _plan(["--preset", "qwen3-8b", "--gpu", "h200", "--qformat", "fp8", "--calibrate", str(results)],
                         capsys)  # fmt: skip
     assert rc == 0 and text.splitlines()[0].startswith("calibration: step_overhead_s 0.002000")
+
+
+def _stamped(path: Path, gpus: list[str], lengths=(1024, 1024)) -> Path:
+    """The synthetic results with the provenance object and per-request records a bench run writes."""
+    _bench_results(path, step=1.5e-3, spec=0.4e-3)
+    data = json.loads(path.read_text())
+    data["provenance"] = {"backend": "trtllm", "target": "Qwen/Qwen3-8B", "host": {"cpu": "Xeon 8480", "gpus": gpus},
+                          "versions": {"tensorrt_llm": "1.2.0"}, "git_revision": None,
+                          "started": "2026-01-01T00:00:00Z"}  # fmt: skip
+    for p in data["points"]:
+        p["per_request"] = [{"input_len": lengths[0], "output_ids": [1] * lengths[1]}] * 2
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_calibration_file_is_stamped_and_applies_only_to_its_hardware(tmp_path: Path, capsys):
+    results = _stamped(tmp_path / "results.json", ["NVIDIA H200", "NVIDIA H200"])
+    cal_file = tmp_path / "cal.json"
+    base = ["--preset", "qwen3-8b", "--gpu", "h200", "--qformat", "fp8"]
+    out = _json([*base, "--calibrate", str(results), "--output", str(cal_file)], capsys)
+    stamp = out["stamp"]
+    assert (stamp["hardware"], stamp["backend"], stamp["gpu"], stamp["isl"], stamp["osl"]) == (
+        "h200", "trtllm", "h200", 1024, 1024)  # fmt: skip
+    written = json.loads(cal_file.read_text())
+    assert written["stamp"] == stamp and written["calibration"]["step_overhead_s"] == pytest.approx(1.5e-3, rel=1e-3)
+    # Used on the same hardware, the curve is the one the fitted overheads give.
+    curve = _json([*base, "--calibration", str(cal_file), "--concurrency", "4"], capsys)
+    tgt, drafter = PAIRS["qwen3-8b"].load()
+    dep = Deployment(get_gpu("h200"), "fp8", "bf16", 1, Calibration(step_overhead_s=1.5e-3, spec_overhead_s=0.4e-3))
+    it = Method("dflash", drafter, Acceptance.from_mean(6.55, 16)).iteration(tgt, 4, mean_context(1024, 1024), dep)
+    lo, hi = curve["curves"]["dflash"][0]["tok_s_user"]
+    assert lo == hi == pytest.approx(it.tok_s_user(), rel=1e-3)
+    # Anywhere else it is refused in one line.
+    rc, text, err = _plan(["--preset", "qwen3-8b", "--gpu", "h100", "--qformat", "fp8", "--calibration",
+                           str(cal_file)], capsys)  # fmt: skip
+    assert rc == 2 and text == "" and len(err.strip().splitlines()) == 1
+    assert "was fitted on h200 (trtllm backend); it does not apply to --gpu h100" in err
+    # The file is not overwritten unasked.
+    rc, _, err = _plan([*base, "--calibrate", str(results), "--output", str(cal_file)], capsys)
+    assert rc == 2 and "exists: pass --overwrite" in err
+    assert _plan([*base, "--calibrate", str(results), "--output", str(cal_file), "--overwrite"], capsys)[0] == 0
+
+
+def test_calibration_refuses_foreign_or_unstamped_results(tmp_path: Path, capsys):
+    base = ["--preset", "qwen3-8b", "--gpu", "h200", "--qformat", "fp8", "--calibrate"]
+    h100 = _stamped(tmp_path / "h100.json", ["NVIDIA H100 80GB HBM3"])
+    rc, _, err = _plan([*base, str(h100)], capsys)
+    assert rc == 2 and "ran on h100, not on --gpu h200" in err
+    unstamped = _bench_results(tmp_path / "old.json", step=1e-3, spec=0.0)
+    rc, _, err = _plan([*base, str(unstamped), "--output", str(tmp_path / "cal.json")], capsys)
+    assert rc == 2 and "has no 'provenance' object" in err and not (tmp_path / "cal.json").exists()
+    # A CPU run is stamped as such and applies to no GPU.
+    cpu = _stamped(tmp_path / "cpu.json", [])
+    _json([*base, str(cpu), "--output", str(tmp_path / "cpu-cal.json")], capsys)
+    rc, _, err = _plan(["--preset", "qwen3-8b", "--gpu", "h200", "--calibration", str(tmp_path / "cpu-cal.json")],
+                       capsys)  # fmt: skip
+    assert rc == 2 and "was fitted on cpu: Xeon 8480" in err
+    # The lengths the results ran at are used; contradicting flags are refused.
+    short = _stamped(tmp_path / "short.json", ["NVIDIA H200"], lengths=(100, 50))
+    assert _json([*base, str(short)], capsys)["stamp"] is not None
+    rc, _, err = _plan([*base, str(short), "--isl", "1024"], capsys)
+    assert rc == 2 and "ran at 100/50 tokens but --isl/--osl say 1024/50" in err
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{", "cannot read calibration"),
+        ('{"format": "other"}', "is not a calibration file"),
+        ('{"format": "dflash-trt-calibration/1", "calibration": {}, "stamp": {}}', "needs a 'calibration' object"),
+    ],
+)
+def test_bad_calibration_files_are_one_clear_error(tmp_path: Path, content: str, message: str, capsys):
+    path = tmp_path / "cal.json"
+    path.write_text(content)
+    rc, out, err = _plan(["--preset", "qwen3-8b", "--calibration", str(path)], capsys)
+    assert rc == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_bad_calibration_values_are_refused(tmp_path: Path, capsys):
+    results = _stamped(tmp_path / "results.json", ["NVIDIA H200"])
+    cal_file = tmp_path / "cal.json"
+    _json(["--preset", "qwen3-8b", "--gpu", "h200", "--qformat", "fp8", "--calibrate", str(results), "--output",
+           str(cal_file)], capsys)  # fmt: skip
+    data = json.loads(cal_file.read_text())
+    data["calibration"]["step_overhead_s"] = float("nan")
+    cal_file.write_text(json.dumps(data))
+    rc, _, err = _plan(["--preset", "qwen3-8b", "--gpu", "h200", "--calibration", str(cal_file)], capsys)
+    assert rc == 2 and "calibration.step_overhead_s must be a finite number >= 0" in err

@@ -84,7 +84,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max_batch_size",
         type=int,
-        help="engine limit the curves respect (default: the largest --concurrency, the engine this sweep needs)",
+        help="engine limit the curves respect (default: the largest --concurrency, at most trtllm-build's 2048)",
     )
     p.add_argument(
         "--max_num_tokens",
@@ -368,7 +368,8 @@ def _calibrations(args: argparse.Namespace) -> tuple[tuple[Calibration, ...], li
 
 
 def _limits(args: argparse.Namespace, concurrencies: list[int]) -> EngineLimits:
-    batch = max(concurrencies) if args.max_batch_size is None else args.max_batch_size
+    default = min(max(concurrencies), EngineLimits.max_batch_size)
+    batch = default if args.max_batch_size is None else args.max_batch_size
     for flag, value in (("max_batch_size", batch), ("max_num_tokens", args.max_num_tokens)):
         if value < 1:
             raise DFlashTrtError(f"--{flag} must be a positive integer, got {value}")
@@ -416,13 +417,16 @@ def _curves(args: argparse.Namespace) -> None:
         d = replace(dep, calibration=cal)
         feasible = {m.name: feasible_curve(m, target, d, conc, lengths, limits) for m in methods}
         curves = {n: _ran(c) for n, c in feasible.items()}
-        if not curves["ar"]:
-            raise DFlashTrtError(f"nothing fits: {feasible['ar'][0].reason}; raise --tp_size or quantize")
-        levels = _levels(args.levels) if args.levels else [p.tok_s_user for p in curves["ar"]]
-        table = speedup_table([p for c in curves.values() for p in c], "ar", levels)
-        crossovers = {
-            n: crossover_concurrency(c, curves["ar"]).concurrency for n, c in curves.items() if n != "ar" and c
-        }
+        table, crossovers = [], {}
+        if curves["ar"]:  # nothing to compare against when not even AR's weights fit
+            levels = _levels(args.levels) if args.levels else [p.tok_s_user for p in curves["ar"]]
+            table = speedup_table([p for c in curves.values() for p in c], "ar", levels)
+            ar_batches = {p.concurrency for p in curves["ar"]}
+            crossovers = {
+                n: crossover_concurrency(c, curves["ar"]).concurrency
+                for n, c in curves.items()
+                if n != "ar" and ar_batches & {p.concurrency for p in c}  # capped batches may share none
+            }
         readings[cal.name] = (feasible, table, crossovers)
     first = next(iter(readings.values()))[0]
     if args.json:
