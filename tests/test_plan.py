@@ -379,3 +379,32 @@ def test_bad_calibration_values_are_refused(tmp_path: Path, capsys):
     cal_file.write_text(json.dumps(data))
     rc, _, err = _plan(["--preset", "qwen3-8b", "--gpu", "h200", "--calibration", str(cal_file)], capsys)
     assert rc == 2 and "calibration.step_overhead_s must be a finite number >= 0" in err
+
+
+def test_workload_and_temperature_pick_the_published_acceptance_lengths(capsys):
+    # The README: GSM8K 6.55 at T=0 and 6.04 at T=1; chat (MT-Bench, Alpaca) 4.25 and 3.16 at T=0.
+    assert published.workload_taus("qwen3-8b", "gsm8k", 1.0) == {"gsm8k": 6.04}
+    assert published.workload_taus("qwen3-8b", "chat", None) == {"mtbench": 4.25, "alpaca": 3.16}
+    out = _json(["--preset", "qwen3-8b", "--gpu", "b200", "--workload", "chat", "--concurrency", "1",
+                 "--calibration", "sglang-v1"], capsys)  # fmt: skip
+    assert "mtbench 4.25, alpaca 3.16; range 3.16-4.25" in out["notes"][0]
+    tgt, drafter = PAIRS["qwen3-8b"].load()
+    speeds = [
+        Method("dflash", drafter, Acceptance.from_mean(tau, 16)).iteration(tgt, 1, mean_context(1024, 1024),
+                                                                           Deployment(get_gpu("b200"), calibration=cal))
+        .tok_s_user()
+        for tau in (3.16, 4.25) for cal in evaluation.calibrations("sglang-v1")
+    ]  # fmt: skip
+    assert out["curves"]["dflash"][0]["tok_s_user"] == pytest.approx([min(speeds), max(speeds)])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--workload", "poetry"], "no published acceptance length for workload 'poetry'"),
+        (["--temperature", "0.5"], "at temperature 0.5"),
+    ],
+)
+def test_unpublished_workloads_are_refused(argv: list[str], message: str, capsys):
+    rc, out, err = _plan(["--preset", "qwen3-8b", *argv], capsys)
+    assert rc == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1

@@ -32,7 +32,7 @@ from dflash_trt.perf.model import (
     mean_context,
 )
 from dflash_trt.perf.pareto import Point, crossover_concurrency, speedup_table
-from dflash_trt.perf.published import PAIRS, pair_for_models
+from dflash_trt.perf.published import PAIRS, TAU_SOURCES, TAUS, WORKLOADS, pair_for_models, workload_taus
 from dflash_trt.perf.shapes import eagle3_like, load_models
 from dflash_trt.profiles import check_tp_heads, load_profile
 
@@ -67,6 +67,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--acceptance_json",
         help='JSON with "histogram" (steps yielding 1..B tokens) or "per_position" (conditional acceptance rates)',
+    )
+    p.add_argument(
+        "--workload",
+        default="gsm8k",
+        help=f"with --preset: the dataset (or {', '.join(WORKLOADS)}) whose published acceptance lengths to use",
+    )
+    p.add_argument(
+        "--temperature", type=float, help="with --preset: the sampling temperature of those lengths (0 or 1)"
     )
     p.add_argument("--max_draft_len", type=int, help="draft fewer tokens than the drafter's block (block - 1)")
     p.add_argument("--eagle3_acceptance_length", type=float, help="also predict an EAGLE-3-like drafter")
@@ -144,10 +152,25 @@ def _lengths(args: argparse.Namespace, default: tuple[int, int]) -> tuple[int, i
     return isl, osl
 
 
-def load_acceptance(
-    args: argparse.Namespace, block: int, published: tuple[float, str] | None
-) -> tuple[Acceptance, str]:
-    """The DFlash acceptance distribution and a note saying where it came from."""
+def _published_taus(args: argparse.Namespace) -> tuple[list[float], str]:
+    """The published acceptance lengths of --workload at --temperature for --preset, and a note naming them."""
+    if not args.preset or args.preset not in TAUS:
+        raise DFlashTrtError(
+            "no acceptance length is published for this pair: give --acceptance_length or "
+            "--acceptance_json (e.g. measured by `dflash-trt bench`)"
+        )
+    found = workload_taus(args.preset, args.workload, args.temperature)
+    temp = "not stated" if args.temperature is None and args.preset == "gpt-oss-120b" else args.temperature or 0
+    per = ", ".join(f"{d} {t}" for d, t in found.items())
+    spread = f"; range {min(found.values())}-{max(found.values())}" if len(found) > 1 else ""
+    source = TAU_SOURCES[args.preset]
+    note = f"acceptance length per dataset, workload {args.workload} at T={temp}: {per}{spread} ({source})"
+    return sorted({min(found.values()), max(found.values())}), note
+
+
+def load_acceptance(args: argparse.Namespace, block: int) -> tuple[list[Acceptance], str]:
+    """The DFlash acceptance distributions (one per end of a published range) and a note saying where they came
+    from."""
     if args.acceptance_length is not None and args.acceptance_json is not None:
         raise DFlashTrtError("give at most one of --acceptance_length and --acceptance_json")
     if args.acceptance_json:
@@ -166,22 +189,17 @@ def load_acceptance(
         acc = Acceptance.from_histogram(values) if "histogram" in data else Acceptance.from_position_rates(values)
         if acc.max_length > block:
             raise DFlashTrtError(f"{path} describes blocks of {acc.max_length} tokens; the drafter's block is {block}")
-        note = f"acceptance from {path}"
+        accs, note = [acc], f"acceptance from {path}"
     elif args.acceptance_length is not None:
-        acc, note = Acceptance.from_mean(args.acceptance_length, block), "acceptance length given"
-    elif published is not None:
-        acc = Acceptance.from_mean(published[0], block)
-        note = f"acceptance length {published[0]} published for this pair ({published[1]})"
+        accs, note = [Acceptance.from_mean(args.acceptance_length, block)], "acceptance length given"
     else:
-        raise DFlashTrtError(
-            "no acceptance length is published for this pair: give --acceptance_length or "
-            "--acceptance_json (e.g. measured by `dflash-trt bench`)"
-        )
+        taus, note = _published_taus(args)
+        accs = [Acceptance.from_mean(t, block) for t in taus]
     if args.max_draft_len is not None:
         if not 1 <= args.max_draft_len < block:
             raise DFlashTrtError(f"--max_draft_len must lie in [1, {block - 1}]")
-        acc = acc.truncated(args.max_draft_len + 1)
-    return acc, note
+        accs = [a.truncated(args.max_draft_len + 1) for a in accs]
+    return accs, note
 
 
 def _check_tp(target: TargetShape, drafter: DFlashShape | None, tp: int) -> None:
@@ -395,39 +413,44 @@ def _curves(args: argparse.Namespace) -> None:
     target, drafter = _models(args)
     cals, cal_notes = _calibrations(args)
     dep = _deployment(args, target, drafter, cals[0])
-    methods, notes = [Method("ar")], []
+    notes: list[str] = []
+    dflash_accs: list[Acceptance | None] = [None]
     if drafter is not None:
-        pair = PAIRS[args.preset] if args.preset else None
-        published = (pair.tau, pair.tau_source) if pair is not None and pair.tau is not None else None
-        acc, note = load_acceptance(args, drafter.block_size, published)
-        methods.append(Method("dflash", drafter, acc))
+        accs, note = load_acceptance(args, drafter.block_size)
+        dflash_accs = list(accs)
         notes.append(note)
     elif args.acceptance_length is not None or args.acceptance_json:
         raise DFlashTrtError("an acceptance distribution needs a drafter: pass --dflash_model_dir")
+    extra = []
     if args.eagle3_acceptance_length is not None:
         if args.eagle3_steps < 1:
             raise DFlashTrtError(f"--eagle3_steps must be a positive integer, got {args.eagle3_steps}")
-        acc = Acceptance.from_mean(args.eagle3_acceptance_length, args.eagle3_steps + 1)
-        methods.append(Method("eagle3", eagle3_like(target, args.eagle3_steps), acc))
+        eagle_acc = Acceptance.from_mean(args.eagle3_acceptance_length, args.eagle3_steps + 1)
+        extra.append(Method("eagle3", eagle3_like(target, args.eagle3_steps), eagle_acc))
     conc = _ints(args.concurrency, "--concurrency")
     lengths = _lengths(args, DEFAULT_LENGTHS)
     limits = _limits(args, conc)
     readings = {}
     for cal in cals:
-        d = replace(dep, calibration=cal)
-        feasible = {m.name: feasible_curve(m, target, d, conc, lengths, limits) for m in methods}
-        curves = {n: _ran(c) for n, c in feasible.items()}
-        table, crossovers = [], {}
-        if curves["ar"]:  # nothing to compare against when not even AR's weights fit
-            levels = _levels(args.levels) if args.levels else [p.tok_s_user for p in curves["ar"]]
-            table = speedup_table([p for c in curves.values() for p in c], "ar", levels)
-            ar_batches = {p.concurrency for p in curves["ar"]}
-            crossovers = {
-                n: crossover_concurrency(c, curves["ar"]).concurrency
-                for n, c in curves.items()
-                if n != "ar" and ar_batches & {p.concurrency for p in c}  # capped batches may share none
-            }
-        readings[cal.name] = (feasible, table, crossovers)
+        for dflash_acc in dflash_accs:
+            dflash = [Method("dflash", drafter, dflash_acc)] if dflash_acc is not None else []
+            methods = [Method("ar"), *dflash, *extra]
+            d = replace(dep, calibration=cal)
+            feasible = {m.name: feasible_curve(m, target, d, conc, lengths, limits) for m in methods}
+            curves = {n: _ran(c) for n, c in feasible.items()}
+            table, crossovers = [], {}
+            if curves["ar"]:  # nothing to compare against when not even AR's weights fit
+                levels = _levels(args.levels) if args.levels else [p.tok_s_user for p in curves["ar"]]
+                table = speedup_table([p for c in curves.values() for p in c], "ar", levels)
+                ar_batches = {p.concurrency for p in curves["ar"]}
+                crossovers = {
+                    n: crossover_concurrency(c, curves["ar"]).concurrency
+                    for n, c in curves.items()
+                    if n != "ar" and ar_batches & {p.concurrency for p in c}  # capped batches may share none
+                }
+            tau = "" if dflash_acc is None or len(dflash_accs) == 1 else f", tau {dflash_acc.mean():.2f}"
+            label = cal.name + tau
+            readings[label] = (feasible, table, crossovers)
     first = next(iter(readings.values()))[0]
     if args.json:
         merged = {}
@@ -470,6 +493,8 @@ def _curves(args: argparse.Namespace) -> None:
             "no calibration fits this harness's overhead unambiguously: each cell is the range over the readings "
             "above (fit your own with --calibrate)"
         )
+    if len(dflash_accs) > 1:
+        lines.append("each dflash cell spans the workload's lowest and highest published acceptance length")
     lines.append(f"{'method':<8} {'conc':>6} {'batch':>6} {'tok/s/user':>15} {'tok/s/GPU':>17}  fits")
     for name, curve in first.items():
         for i, fp in enumerate(curve):
