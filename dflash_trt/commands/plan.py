@@ -105,8 +105,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     what.add_argument(
         "--calibrate", metavar="RESULTS_JSON", help="fit the overheads to a `dflash-trt bench` results.json"
     )
+    what.add_argument(
+        "--node",
+        metavar="NxGPU",
+        help="users one node (e.g. 8xb300) serves at --min_tok_s_user: best TP x replicas x batch per method",
+    )
     what.add_argument("--validate", action="store_true", help="print the model vs every published point and exit")
     what.add_argument("--provenance", action="store_true", help="print every constant's value, kind and source")
+    p.add_argument("--min_tok_s_user", type=float, default=500.0, help="with --node: the speed every user must get")
     p.add_argument("--output", help="with --calibrate: write the stamped calibration to this JSON file")
     p.add_argument("--overwrite", action="store_true", help="with --output: replace an existing file")
     p.add_argument("--json", action="store_true", help="print machine-readable output")
@@ -514,6 +520,71 @@ def _curves(args: argparse.Namespace) -> None:
     _emit("\n".join(lines))
 
 
+def _node(args: argparse.Namespace) -> None:
+    from dflash_trt.perf.node import parse_node, plan_node
+
+    target, drafter = _models(args)
+    _, gpu = parse_node(args.node)
+    args.gpu = gpu
+    cals, cal_notes = _calibrations(args)
+    methods: dict[str, list[Method]] = {"ar": [Method("ar")]}
+    notes = [*cal_notes]
+    if drafter is not None:
+        accs, note = load_acceptance(args, drafter.block_size)
+        methods["dflash"] = [Method("dflash", drafter, a) for a in accs]
+        notes.append(note)
+    if args.eagle3_acceptance_length is not None:
+        if args.eagle3_steps < 1:
+            raise DFlashTrtError(f"--eagle3_steps must be a positive integer, got {args.eagle3_steps}")
+        acc = Acceptance.from_mean(args.eagle3_acceptance_length, args.eagle3_steps + 1)
+        methods["eagle3"] = [Method("eagle3", eagle3_like(target, args.eagle3_steps), acc)]
+    else:
+        notes.append("eagle3: not planned (give --eagle3_acceptance_length)")
+    lengths = _lengths(args, DEFAULT_LENGTHS)
+    precision, kv = PRECISION[args.qformat], PRECISION[args.kv_cache_dtype]
+    Deployment(get_gpu(gpu), precision, kv)  # refuses a precision the GPU lacks
+    rows = plan_node(methods, target, args.node, precision, kv, cals, lengths, args.min_tok_s_user)
+    if args.json:
+        _emit(
+            json.dumps(
+                {
+                    "node": args.node,
+                    "min_tok_s_user": args.min_tok_s_user,
+                    "lengths": list(lengths),
+                    "notes": notes,
+                    "rows": [
+                        {
+                            "reading": r.reading,
+                            "layouts": {n: None if lay is None else lay.as_json() for n, lay in r.layouts.items()},
+                            "users_vs_ar": {n: r.ratio(n) for n in r.layouts if n != "ar"},
+                        }
+                        for r in rows
+                    ],
+                },
+                indent=2,
+            )
+        )
+        return
+    lines = [
+        f"{args.node} {args.qformat}, {lengths[0]}/{lengths[1]} tokens, every user at >= {args.min_tok_s_user:g} "
+        "tok/s/user",
+        *notes,
+    ]
+    for r in rows:
+        lines.append(f"[{r.reading}]")
+        for name, lay in r.layouts.items():
+            if lay is None:
+                lines.append(f"  {name:<7} cannot give one user {args.min_tok_s_user:g} tok/s on any layout that fits")
+                continue
+            ratio = r.ratio(name)
+            vs = "" if name == "ar" else (", AR serves none" if ratio is None else f", {ratio:.2f}x AR's users")
+            lines.append(
+                f"  {name:<7} tp {lay.tp} x {lay.replicas} replicas x {lay.batch} users = {lay.users} users, "
+                f"{lay.tok_s_user:.0f} tok/s/user, {lay.tok_s_node:,.0f} tok/s/node (limit: {lay.limit}){vs}"
+            )
+    _emit("\n".join(lines))
+
+
 def run(args: argparse.Namespace) -> int:
     if args.validate:
         _validate(args)
@@ -523,6 +594,8 @@ def run(args: argparse.Namespace) -> int:
         _capacity(args)
     elif args.calibrate:
         _calibrate(args)
+    elif args.node:
+        _node(args)
     else:
         _curves(args)
     return 0
