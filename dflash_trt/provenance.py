@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from dflash_trt.perf import evaluation, memory, model
 from dflash_trt.perf.gpus import GPUS
-from dflash_trt.perf.published import POINTS, Unknown
+from dflash_trt.perf.published import POINTS, TAU_SOURCES, TAUS, Unknown
 
 KINDS = ("datasheet", "measured", "assumed", "fitted")
 
@@ -122,9 +122,23 @@ def _unknown_constants() -> dict[str, Constant]:
     return out
 
 
+def _tau_constants() -> dict[str, Constant]:
+    out = {}
+    for pair, taus in TAUS.items():
+        for (dataset, temperature), tau in taus.items():
+            temp = "unstated" if temperature is None else f"{temperature:g}"
+            out[f"tau.{pair}.{dataset}.t{temp}"] = Constant(tau, "datasheet", TAU_SOURCES[pair])
+    return out
+
+
 def constants() -> dict[str, Constant]:
     return (
-        _gpu_constants() | _format_constants() | _calibration_constants() | _capacity_constants() | _unknown_constants()
+        _gpu_constants()
+        | _format_constants()
+        | _calibration_constants()
+        | _capacity_constants()
+        | _tau_constants()
+        | _unknown_constants()
     )
 
 

@@ -108,7 +108,11 @@ def test_published_values_are_kept_as_sourced_and_disagreements_kept():
 
 
 def test_validate_json_has_the_interface_keys(capsys):
-    rows = _json(["--validate"], capsys)
+    out = _json(["--validate"], capsys)
+    rows = out["points"]
+    above = next(s for s in out["summaries"] if s["group"] == "concurrency > 1, speedup rows (all three predict)")
+    assert above["persistence"]["points"] == above["model"]["points"] == above["k_tau"]["points"] == 6
+    assert above["persistence"]["median_abs_error"] == pytest.approx((1 / 12 + 1 / 8) / 2)
     keys = {"source", "metric", "published", "predicted", "baselines", "split", "concurrency", "calibrations"}
     assert len(rows) == len(POINTS) and all(keys <= set(r) for r in rows)
     assert all(set(r["baselines"]) == {"k_tau", "persistence"} for r in rows)

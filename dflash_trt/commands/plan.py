@@ -229,7 +229,18 @@ def _validate(args: argparse.Namespace) -> None:
 
     rows = evaluation.evaluate()
     if args.json:
-        _emit(json.dumps([r.as_json() for r in rows], indent=2))
+        predictors = ("model", "k_tau", "persistence")
+        summaries = [
+            {
+                "group": s.group,
+                **{
+                    name: {"points": n, "median_abs_error": med, "worst_error": worst}
+                    for name, (n, med, worst) in zip(predictors, (s.model, s.k_tau, s.persistence), strict=True)
+                },
+            }
+            for s in evaluation.summarize(rows)
+        ]
+        _emit(json.dumps({"points": [r.as_json() for r in rows], "summaries": summaries}, indent=2))
     else:
         shape = evaluation.markdown_band_shape(evaluation.band_shape())
         _emit(f"{evaluation.markdown_tables(rows)}\n\nShape of the >15x claim (gpt-oss-120b, 8x B300, MXFP4):\n{shape}")
