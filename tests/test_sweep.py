@@ -228,7 +228,9 @@ def test_cpu_sweep_of_the_embedded_pair_through_the_load_generator(tmp_path, cap
     cfg_path = tmp_path / "sweep.yaml"
     cfg_path.write_text(json.dumps(config))
     assert main(["sweep", "--config", str(cfg_path), "--json"]) == 0
-    summary = json.loads(capsys.readouterr().out)
+    first = capsys.readouterr()
+    summary = json.loads(first.out)
+    assert first.err.count(": ok") == 4 and "skipped" not in first.err and "warning" not in first.err
     records = load_records(tmp_path / "sweep")
     assert sorted((r["engine"], r["concurrency"], r["status"]) for r in records) == [
         ("ar", 1, "ok"),
@@ -248,6 +250,11 @@ def test_cpu_sweep_of_the_embedded_pair_through_the_load_generator(tmp_path, cap
     before = (tmp_path / "sweep" / "dflash" / "c00001" / "point.json").stat().st_mtime_ns
     assert main(["sweep", "--config", str(cfg_path), "--json"]) == 0
     assert (tmp_path / "sweep" / "dflash" / "c00001" / "point.json").stat().st_mtime_ns == before
+    rerun = capsys.readouterr().err.splitlines()
+    assert rerun == [f"{e} c={c}: skipped (measured by an earlier run; delete its point.json to measure again)"
+                     for e in ("dflash", "ar") for c in (1, 2)]  # fmt: skip
+    provenance = json.loads((tmp_path / "sweep" / "results.json").read_text())["provenance"]
+    assert provenance["backend"] == "golden" and provenance["target"] == str((tmp_path / "ckpt").resolve())
 
 
 def _bench_all():

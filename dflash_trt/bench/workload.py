@@ -16,6 +16,15 @@ from dflash_trt.bench.driver import BenchRequest
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.prompts import read_prompts
 
+# Shipped real-text prompts (math, code, chat, several languages; written for this project), for sweeps.
+REAL_PROMPTS = "build_configs/calibration.jsonl"
+SYNTHETIC_WARNING = (
+    "warning: synthetic prompts are random token ids; a drafter accepts almost none of its drafts on them "
+    "(acceptance near 1 instead of several tokens per step on real text), so speculative speedups measured on "
+    f"them are far too low. Measure DFlash on real prompts, e.g. {REAL_PROMPTS} in the repository "
+    "(bench --input_file, or a sweep config's dataset:)."
+)
+
 
 @dataclass(frozen=True)
 class Synthetic:

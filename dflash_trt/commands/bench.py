@@ -12,7 +12,6 @@ closed-loop concurrency or Poisson arrivals; write results.json, report.html and
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile
@@ -22,9 +21,16 @@ from typing import Any
 from dflash_trt.bench.driver import FollowerRank
 from dflash_trt.bench.measure import measure_point
 from dflash_trt.bench.results import RESULTS_FILE, sweep_fields, write_results
-from dflash_trt.bench.targets import Target, backend_factory, check_target, vocab_size
-from dflash_trt.bench.workload import Workload, file_workload, parse_synthetic, synthetic_workload
+from dflash_trt.bench.targets import Target, backend_factory, check_target, provenance, vocab_size
+from dflash_trt.bench.workload import (
+    SYNTHETIC_WARNING,
+    Workload,
+    file_workload,
+    parse_synthetic,
+    synthetic_workload,
+)
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.jsonfile import strict_json
 from dflash_trt.tokenizer import load_tokenizer
 
 
@@ -45,7 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     prompts.add_argument(
         "--synthetic",
         metavar="ISL,OSL,COUNT",
-        help="random token prompts of ISL tokens, OSL output tokens each (end tokens ignored), COUNT of them",
+        help="random token prompts of ISL tokens, OSL output tokens each (end tokens ignored), COUNT of them; "
+        "they understate speculative speedups (drafts are rarely accepted on random ids): prefer --input_file",
     )
     p.add_argument("--concurrency", help="comma-separated closed-loop user counts, e.g. 1,2,4")
     p.add_argument("--request_rate", help="comma-separated open-loop Poisson arrival rates (requests/s)")
@@ -121,10 +128,13 @@ def targets(args: argparse.Namespace) -> dict[str, Target]:
 
 def build_workload(args: argparse.Namespace, target: Target) -> Workload:
     if args.synthetic:
+        synthetic = parse_synthetic(args.synthetic)
         vocab = vocab_size(target) or args.vocab_size
         if not vocab:
             raise DFlashTrtError("--synthetic with --triton_url needs --vocab_size (the model's token range)")
-        workload = synthetic_workload(parse_synthetic(args.synthetic), vocab, args.seed)
+        workload = synthetic_workload(synthetic, vocab, args.seed)
+        if target.kind != "ar":
+            print(SYNTHETIC_WARNING, file=sys.stderr)
     else:
         if not Path(args.input_file).is_file():  # before the (slow) tokenizer load
             raise DFlashTrtError(f"prompt file {args.input_file} does not exist")
@@ -155,7 +165,7 @@ def points_table(points: list[dict[str, Any]]):
             str(p["requests"]),
             str(p["failed"]),
             cell(p["throughput_tok_s"]),
-            cell(p["per_user_tok_s"] and p["per_user_tok_s"]["p50"]),
+            cell(sweep_fields(p)["tok_s_user_tpot"]),
             cell(p["ttft_s"] and p["ttft_s"]["p50"] * 1000),
             cell(p["tpot_s"] and p["tpot_s"]["p50"] * 1000, "{:.2f}"),
             cell(p["acceptance_length"], "{:.2f}"),
@@ -170,7 +180,7 @@ def points_table(points: list[dict[str, Any]]):
         "requests",
         "failed",
         "output tok/s",
-        "tok/s/user p50",
+        "tok/s/user (1 / mean TPOT)",
         "TTFT p50 (ms)",
         "TPOT p50 (ms)",
         "acceptance",
@@ -179,7 +189,23 @@ def points_table(points: list[dict[str, Any]]):
     return "Measured points", header, rows
 
 
-def write_outputs(out: Path, points: list[dict[str, Any]], workload: dict[str, Any], overwrite: bool) -> dict:
+def provenance_table(provenance: dict[str, Any]):
+    host = provenance["host"]
+    rows = [
+        ["backend", provenance["backend"]],
+        ["target", provenance["target"]],
+        ["CPU", host["cpu"]],
+        ["GPUs", ", ".join(host["gpus"]) or "none"],
+        ["versions", ", ".join(f"{k} {v}" for k, v in sorted(provenance["versions"].items()))],
+        ["git revision", provenance["git_revision"] or "-"],
+        ["started", provenance["started"]],
+    ]
+    return "Where these numbers come from", ["", ""], rows
+
+
+def write_outputs(
+    out: Path, points: list[dict[str, Any]], workload: dict[str, Any], provenance: dict[str, Any], overwrite: bool
+) -> dict:
     """results.json, report.html and pareto.png, staged next to `out` and renamed into place."""
     from dflash_trt.perf.report import analyze_records
 
@@ -189,9 +215,11 @@ def write_outputs(out: Path, points: list[dict[str, Any]], workload: dict[str, A
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     try:
-        write_results(staging / RESULTS_FILE, points, workload)
+        write_results(staging / RESULTS_FILE, points, workload, provenance)
         records = analysis_records(points)
-        summary = analyze_records(records, "tpot", None, staging, [points_table(points)]) if records else {}
+        title = f"dflash-trt bench, {provenance['backend']} backend: throughput vs interactivity"
+        tables = [provenance_table(provenance), points_table(points)]
+        summary = analyze_records(records, "tpot", None, staging, tables, title) if records else {}
         if out.exists():
             shutil.rmtree(out) if out.is_dir() else out.unlink()
         staging.rename(out)
@@ -211,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
         raise DFlashTrtError(f"output folder {out} already exists; pass --overwrite to replace it")
     chosen = targets(args)
     workload = build_workload(args, chosen["dflash"])
+    origin = provenance(chosen["dflash"])
 
     def progress(point: dict) -> None:
         where = f"c={point['concurrency']}" if point["concurrency"] else f"rate={point['request_rate']:g}/s"
@@ -244,9 +273,11 @@ def run(args: argparse.Namespace) -> int:
                 progress(point)
     if follower:
         return 0  # rank 0 writes the results
-    write_outputs(out, points, workload.description, args.overwrite)
+    write_outputs(out, points, workload.description, origin, args.overwrite)
     if args.json:
-        print(json.dumps([{k: v for k, v in p.items() if k not in ("per_request", "in_flight_trace")} for p in points]))
+        print(
+            strict_json([{k: v for k, v in p.items() if k not in ("per_request", "in_flight_trace")} for p in points]),
+        )
     else:
         print(f"results: {out / RESULTS_FILE}; report: {out / 'report.html'}")
     return 0

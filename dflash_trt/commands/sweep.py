@@ -10,6 +10,7 @@ from pathlib import Path
 
 from dflash_trt.bench.driver import FollowerRank
 from dflash_trt.bench.targets import describe
+from dflash_trt.bench.workload import SYNTHETIC_WARNING
 from dflash_trt.checkpoint.atomic import check_output_apart
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.perf.report import analyze_records
@@ -73,10 +74,14 @@ def run(args: argparse.Namespace) -> int:
         records = load_records(cfg.output_dir)
     else:
 
-        def progress(record: dict) -> None:
+        def progress(record: dict, reused: bool) -> None:
             status = record["status"] if record["status"] == "ok" else f"FAILED: {record.get('error')}"
+            if reused:
+                status = "skipped (measured by an earlier run; delete its point.json to measure again)"
             print(f"{record['engine']} c={record['concurrency']}: {status}", file=sys.stderr)
 
+        if cfg.synthetic and any(e.kind != "ar" for e in cfg.engines):
+            print(SYNTHETIC_WARNING, file=sys.stderr)
         try:
             records = run_sweep(cfg, progress=progress)
         except FollowerRank:

@@ -9,7 +9,6 @@ value comes from the engine's manifest or a build profile, so no placeholder is 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -19,7 +18,7 @@ from pathlib import Path
 from dflash_trt import sampling_rules
 from dflash_trt.checkpoint.atomic import InputPaths, atomic_directory
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.jsonfile import read_json_object
+from dflash_trt.jsonfile import read_json_object, strict_json
 from dflash_trt.sampling_rules import ENGINE_SAMPLING
 from dflash_trt.triton import processing as P
 from dflash_trt.triton.pbtxt import EnsembleStep, ModelConfig, Tensor, render
@@ -375,7 +374,7 @@ def write_repository(
         script.write_text(launch_script(s))
         script.chmod(0o755)
         shutil.copyfile(_source("client.py"), staging / CLIENT_FILE)
-        (staging / SETTINGS_FILE).write_text(json.dumps(asdict(s), indent=2) + "\n")
+        (staging / SETTINGS_FILE).write_text(strict_json(asdict(s), indent=2) + "\n")
     return Path(output_dir)
 
 

@@ -183,6 +183,8 @@ class GoldenExecutor:
 class GoldenBackend(Backend):
     """The golden executor served from a worker thread (`dflash-trt bench --checkpoint_dir`)."""
 
+    gpus = 0  # it runs on the CPU: its throughput is the host's, not a GPU's
+
     def __init__(
         self,
         model: GoldenModel,
