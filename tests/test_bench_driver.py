@@ -75,6 +75,21 @@ def test_closed_loop_holds_exactly_n_in_flight_and_records_every_response():
         assert record.response_s == sorted(record.response_s) and record.sent_s <= record.response_s[0]
 
 
+def test_progress_hears_every_finished_request_once():
+    finished = []
+    trace = asyncio.run(
+        run_load(
+            ScriptedBackend([[1, 3, 2, 4], [1, 1, 1], [1, 5]]),
+            _requests(5),
+            concurrency=2,
+            on_request_done=lambda: finished.append(1),
+        )
+    )
+    assert len(finished) == 5 == len(trace.records)
+    cpu = point_from_run(trace, mode="dflash", engine="dflash", gpus=0, concurrency=2)
+    assert cpu["gpus"] == 0 and cpu["throughput_tok_s_per_gpu"] is None  # no GPU to divide by
+
+
 def test_point_statistics_match_hand_computed_values():
     splits = [[1, 3, 2, 4], [1, 1, 1], [1, 5]]
     trace = asyncio.run(run_load(ScriptedBackend(splits), _requests(6), concurrency=2))

@@ -863,6 +863,13 @@ def test_bls_sends_temperature_and_seed_and_refuses_top_p(tmp_path: Path, tokeni
     repo = write_repository(_settings(tokenizer_dir, max_temperature=float("inf")), tmp_path / "repo")
     bls = _load_model(repo, "tensorrt_llm_bls", monkeypatch)
     assert sys.modules["dflash_processing"].sampling_refusal.__module__ == "dflash_sampling_rules"
+    assert sys.modules["dflash_processing"].encode_chat.__module__ == "dflash_chat"  # chats work there too
+
+    def refuse(name: str):
+        raise ValueError(f"not strict JSON: {name}")
+
+    # Strict JSON: "any temperature" is null, not Infinity.
+    assert json.loads((repo / "dflash_triton.json").read_text(), parse_constant=refuse)["max_temperature"] is None
     _StandInPbUtils.engine_responses, _StandInPbUtils.llm_requests = [], []
     request = _BlsRequest(
         {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 from dflash_trt.bench.driver import FollowerRank, run_load
@@ -25,8 +26,10 @@ def measure_point(
     seed: int = 0,
     timeout_s: float | None = None,
     max_in_flight: int | None = None,
+    on_request_done: Callable[[], object] | None = None,
 ) -> dict[str, Any]:
-    """Each point gets a fresh backend, so no point inherits another's queue or cache state.
+    """Each point gets a fresh backend, so no point inherits another's queue or cache state. `on_request_done`
+    hears each measured (not warm-up) request finish.
 
     On a follower MPI rank the warm-up's and the run's executors are still built (in step with rank 0), then
     `FollowerRank` is raised."""
@@ -45,6 +48,7 @@ def measure_point(
             request_rate=request_rate,
             seed=seed,
             timeout_s=timeout_s,
+            on_request_done=on_request_done,
         )
     )
     return point_from_run(

@@ -79,10 +79,16 @@ def synthetic_workload(spec: Synthetic, vocab_size: int, seed: int = 0) -> Workl
     return Workload(requests, ignore_eos=True, description=description)
 
 
-def file_workload(path: str | Path, max_new_tokens: int, tokenizer=None, limit: int | None = None) -> Workload:
+def file_workload(
+    path: str | Path,
+    max_new_tokens: int,
+    tokenizer=None,
+    limit: int | None = None,
+    chat_kwargs: dict[str, Any] | None = None,
+) -> Workload:
     if max_new_tokens < 1:
         raise DFlashTrtError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
-    prompts = read_prompts(path, tokenizer, limit)
+    prompts = read_prompts(path, tokenizer, limit, chat_kwargs)
     requests = [BenchRequest(i, ids, max_new_tokens) for i, ids in enumerate(prompts)]
     description = {
         "kind": "file",
@@ -90,4 +96,6 @@ def file_workload(path: str | Path, max_new_tokens: int, tokenizer=None, limit: 
         "count": len(requests),
         "max_new_tokens": max_new_tokens,
     }
+    if chat_kwargs is not None:
+        description["chat_template_kwargs"] = chat_kwargs
     return Workload(requests, ignore_eos=False, description=description)

@@ -18,11 +18,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from dflash_trt.bench.driver import FollowerRank
 from dflash_trt.bench.measure import measure_point
 from dflash_trt.bench.results import RESULTS_FILE, sweep_fields, write_results
 from dflash_trt.bench.targets import Target, backend_factory, check_target, provenance, vocab_size
 from dflash_trt.bench.workload import (
+    REAL_PROMPTS,
     SYNTHETIC_WARNING,
     Workload,
     file_workload,
@@ -31,6 +34,7 @@ from dflash_trt.bench.workload import (
 )
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import strict_json
+from dflash_trt.prompts import CHAT_TEMPLATE_KWARGS_HELP, parse_chat_template_kwargs
 from dflash_trt.tokenizer import load_tokenizer
 
 
@@ -47,7 +51,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     target.add_argument("--checkpoint_dir", help="converted checkpoint: the golden model with in-flight batching, CPU")
     target.add_argument("--triton_url", help="Triton gRPC endpoint HOST:PORT of a deployed repository")
     prompts = p.add_mutually_exclusive_group(required=True)
-    prompts.add_argument("--input_file", help='jsonl prompts, {"input_ids": [...]} or {"text": "..."} per line')
+    prompts.add_argument(
+        "--input_file",
+        help='jsonl prompts, {"input_ids": [...]}, {"text": "..."} or {"messages": [...]} per line; real text, '
+        f"e.g. {REAL_PROMPTS} (in the repository)",
+    )
+    p.add_argument("--chat_template_kwargs", default=None, help=CHAT_TEMPLATE_KWARGS_HELP)
     prompts.add_argument(
         "--synthetic",
         metavar="ISL,OSL,COUNT",
@@ -140,7 +149,8 @@ def build_workload(args: argparse.Namespace, target: Target) -> Workload:
             raise DFlashTrtError(f"prompt file {args.input_file} does not exist")
         tokenizer_dir = args.tokenizer_dir or args.checkpoint_dir
         tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
-        workload = file_workload(args.input_file, args.max_new_tokens, tokenizer)
+        chat_kwargs = parse_chat_template_kwargs(args.chat_template_kwargs)
+        workload = file_workload(args.input_file, args.max_new_tokens, tokenizer, chat_kwargs=chat_kwargs)
     return workload if args.num_requests is None else workload.resized(args.num_requests)
 
 
@@ -253,6 +263,8 @@ def run(args: argparse.Namespace) -> int:
     for name, target in chosen.items():
         factory = backend_factory(target, workload, args.max_batch_size, args.kv_cache_free_gpu_mem_fraction)
         for concurrency, rate in [(c, None) for c in concurrencies] + [(None, r) for r in rates]:
+            where = f"c={concurrency}" if concurrency else f"rate={rate:g}/s"
+            bar = tqdm(total=len(workload.requests), desc=f"{name} {where}", unit="req", disable=args.json, leave=False)
             try:
                 point = measure_point(
                     factory,
@@ -264,10 +276,13 @@ def run(args: argparse.Namespace) -> int:
                     seed=args.seed,
                     timeout_s=args.timeout_s,
                     max_in_flight=args.max_batch_size,
+                    on_request_done=bar.update,
                 )
             except FollowerRank:
                 follower = True
                 continue
+            finally:
+                bar.close()
             points.append(point)
             if not args.json:
                 progress(point)

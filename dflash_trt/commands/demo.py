@@ -248,6 +248,7 @@ def run(args: argparse.Namespace) -> int:
             kv_cache_dtype=FP8,
             calib_dataset=calibration,
             overwrite=args.overwrite,
+            show_progress=not args.json,
         )
         qmodel = load_golden_model(quantized)
         q_results = speculative_generate(qmodel, prompts, args.max_new_tokens, stop_ids)
