@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_trt.cli import main
+from dflash_trt.cli import build_parser, main
 from dflash_trt.perf import evaluation, published
 from dflash_trt.perf.gpus import get_gpu
 from dflash_trt.perf.model import Acceptance, Calibration, Deployment, Method, mean_context
@@ -239,3 +239,24 @@ def test_calibrate_with_dflash_points_only_fits_the_step_overhead(tmp_path: Path
     rc, text, _ = _plan(["--preset", "qwen3-8b", "--gpu", "h200", "--qformat", "fp8", "--calibrate", str(results)],
                         capsys)  # fmt: skip
     assert rc == 0 and text.splitlines()[0].startswith("calibration: step_overhead_s 0.002000")
+
+
+def test_plan_labels_its_header_and_explains_every_speedup(capsys):
+    assert main(["plan", "--preset", "qwen3-8b", "--gpu", "h100", "--qformat", "fp8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("GPU h100 (--gpu), TP 1, fp8 weights (--qformat), 16-bit KV cache;")
+    rows = [line for line in lines if line.startswith("at ") and "tok/s/user:" in line]
+    assert rows and "equal interactivity" in lines[lines.index(rows[0]) - 1]
+    for row in rows:
+        ratio = float(row.split("dflash ", 1)[1].split("x", 1)[0])
+        assert " vs ar c=" in row  # both concurrencies named
+        assert ("extreme because" in row) == (ratio >= 10.0)
+    assert any("extreme because" in row for row in rows)
+
+
+def test_plan_header_names_the_flags_defaults(capsys):
+    defaults = build_parser(["plan"]).parse_args(["plan", "--preset", "qwen3-8b"])
+    assert main(["plan", "--preset", "qwen3-8b"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.startswith(f"GPU {defaults.gpu} (--gpu), TP {defaults.tp_size}, 16-bit weights (--qformat)")
+    assert defaults.qformat == "none"
