@@ -202,6 +202,24 @@ def _provenance(args: argparse.Namespace) -> None:
     _emit("\n".join(f"{name}\t{c['value']}\t{c['kind']}\t{c['source']}" for name, c in table.items()))
 
 
+def _profile_models_on_disk(profile) -> tuple[TargetShape, DFlashShape]:
+    """Shapes of a profile's models that are local folders (or already in the HF cache): their config.json."""
+    from dflash_trt.profiles import resolve_model_dir
+
+    try:
+        target_dir = resolve_model_dir(profile.model.target)
+        draft_dir = resolve_model_dir(profile.model.draft)
+    except DFlashTrtError:
+        raise DFlashTrtError(
+            f"the shapes of {profile.model.target} + {profile.model.draft} are not recorded and not on this machine "
+            "(no local folder, not in the HF cache): pass --model_dir and --dflash_model_dir (only their "
+            "config.json is read)"
+        ) from None
+    target, drafter = load_models(str(target_dir), str(draft_dir))
+    assert drafter is not None  # load_models reads a drafter whenever its folder is given
+    return target, drafter
+
+
 def _capacity(args: argparse.Namespace) -> None:
     from dflash_trt.capacity import capacity_warnings, describe, plan_capacity
 
@@ -212,14 +230,10 @@ def _capacity(args: argparse.Namespace) -> None:
         target, maybe_drafter = load_models(args.model_dir, args.dflash_model_dir)
         assert maybe_drafter is not None  # load_models reads a drafter whenever its folder is given
         drafter = maybe_drafter
-    else:
-        key = pair_for_models(profile.model.target, profile.model.draft)
-        if key is None:
-            raise DFlashTrtError(
-                f"the shapes of {profile.model.target} + {profile.model.draft} are not known offline: pass "
-                "--model_dir and --dflash_model_dir (only their config.json is read)"
-            )
+    elif (key := pair_for_models(profile.model.target, profile.model.draft)) is not None:
         target, drafter = PAIRS[key].load()
+    else:
+        target, drafter = _profile_models_on_disk(profile)
     _check_tp(target, drafter, profile.checkpoint.tp_size)
     shape = _lengths(args, (profile.sweep.input_len, profile.sweep.output_len))
     cap = plan_capacity(profile, target, drafter, shape)
