@@ -7,6 +7,8 @@ import re
 import shlex
 from pathlib import Path
 
+import yaml
+
 from dflash_trt.cli import main
 from dflash_trt.commands.build import readable_json
 
@@ -43,3 +45,13 @@ def test_dry_run_json_keeps_short_lists_on_one_line():
     assert json.loads(text) == manifest
     assert len(text.splitlines()) == 11
     assert '"eagle_choices": [[0], [0, 0],' in text
+
+
+def test_the_sweep_example_measures_real_text():
+    doc = (REPO_ROOT / "docs" / "performance.md").read_text()
+    blocks = [block.split("```", 1)[0] for block in doc.split("```yaml\n")[1:]]
+    example = yaml.safe_load(next(block for block in blocks if block.startswith("# sweep.yaml")))
+    assert "synthetic" not in example
+    dataset = REPO_ROOT / example["dataset"]
+    lines = dataset.read_text().splitlines()
+    assert len(lines) > 500 and all(isinstance(json.loads(line)["text"], str) for line in lines)
