@@ -78,6 +78,8 @@ def test_synthetic_closed_and_open_loop_points_with_the_ar_baseline(checkpoint, 
         (["--synthetic", "6,8,2", "--concurrency", "0"], "positive numbers"),
         (["--synthetic", "6,8,2", "--request_rate", "x"], "positive numbers"),
         (["--input_file", "/nonexistent/p.jsonl"], "does not exist"),
+        (["--synthetic", "6,8,2", "--chat_template_kwargs", "{}"], "applies to --input_file prompts"),
+        (["--input_file", "/nonexistent/p.jsonl", "--chat_template_kwargs", "x"], "must be a JSON object"),
     ],
 )
 def test_bad_input_is_one_clear_error(checkpoint, tmp_path, capsys, extra, message):

@@ -244,6 +244,9 @@ def run(args: argparse.Namespace) -> int:
     rates = _numbers(args.request_rate, float, "--request_rate")
     if not concurrencies and not rates:
         raise DFlashTrtError("give --concurrency and/or --request_rate")
+    if args.synthetic and args.chat_template_kwargs is not None:
+        raise DFlashTrtError("--chat_template_kwargs applies to --input_file prompts, not --synthetic token ids")
+    parse_chat_template_kwargs(args.chat_template_kwargs)  # refused before any model loads
     out = Path(args.output_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
         raise DFlashTrtError(f"output folder {out} already exists; pass --overwrite to replace it")
