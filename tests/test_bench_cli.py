@@ -13,6 +13,7 @@ import pytest
 import torch
 import transformers
 
+from dflash_trt.bench import measure
 from dflash_trt.bench.results import POINT_KEYS, load_results
 from dflash_trt.cli import main
 from dflash_trt.conversion.convert import convert_checkpoint
@@ -118,14 +119,17 @@ def _cpu_model_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def test_results_say_where_they_came_from_and_label_a_cpu_run_as_such(checkpoint, tmp_path, capsys):
+def test_results_say_where_they_came_from_and_label_a_cpu_run_as_such(checkpoint, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(measure, "PROGRESS_DELAY_S", 0.0)  # the bar shows at once, not after a second
     started = datetime.now(timezone.utc).replace(microsecond=0)
     out = tmp_path / "out"
     argv = ["bench", "--checkpoint_dir", str(checkpoint), "--input_file", str(asset_dir() / "heldout.jsonl"),
             "--num_requests", "2", "--max_new_tokens", "8", "--concurrency", "1", "--baseline", "ar",
             "--output_dir", str(out)]  # fmt: skip
     assert main(argv) == 0
-    assert "warning" not in capsys.readouterr().err  # real prompts: nothing to warn about
+    err = capsys.readouterr().err
+    assert "warning" not in err  # real prompts: nothing to warn about
+    assert "dflash c=1:   0%| " in err and "/2 [" in err  # each point's requests have a progress bar
     data = json.loads((out / "results.json").read_text())
     provenance = data["provenance"]
     assert provenance["backend"] == "golden" and provenance["target"] == str(checkpoint.resolve())

@@ -7,12 +7,21 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
+from tqdm import tqdm
+
 from dflash_trt.bench.driver import FollowerRank, run_load
 from dflash_trt.bench.results import point_from_run
 from dflash_trt.bench.targets import BackendFactory
 from dflash_trt.bench.workload import Workload
 
 DEFAULT_OPEN_LOOP_BATCH = 16
+# A point's progress bar appears once it has run this long: a refusal at start stays one line, a quick point quiet.
+PROGRESS_DELAY_S = 1.0
+
+
+def request_bar(total: int, description: str, enabled: bool = True) -> tqdm:
+    """The bar of one point's requests (`measure_point`'s `on_request_done` is its `update`)."""
+    return tqdm(total=total, desc=description, unit="req", leave=False, disable=not enabled, delay=PROGRESS_DELAY_S)
 
 
 def measure_point(

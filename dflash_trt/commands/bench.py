@@ -18,10 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from dflash_trt.bench.driver import FollowerRank
-from dflash_trt.bench.measure import measure_point
+from dflash_trt.bench.measure import measure_point, request_bar
 from dflash_trt.bench.results import RESULTS_FILE, sweep_fields, write_results
 from dflash_trt.bench.targets import Target, backend_factory, check_target, provenance, vocab_size
 from dflash_trt.bench.workload import (
@@ -267,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
         factory = backend_factory(target, workload, args.max_batch_size, args.kv_cache_free_gpu_mem_fraction)
         for concurrency, rate in [(c, None) for c in concurrencies] + [(None, r) for r in rates]:
             where = f"c={concurrency}" if concurrency else f"rate={rate:g}/s"
-            bar = tqdm(total=len(workload.requests), desc=f"{name} {where}", unit="req", disable=args.json, leave=False)
+            bar = request_bar(len(workload.requests), f"{name} {where}", enabled=not args.json)
             try:
                 point = measure_point(
                     factory,

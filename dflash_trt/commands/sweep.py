@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         if cfg.synthetic and any(e.kind != "ar" for e in cfg.engines):
             print(SYNTHETIC_WARNING, file=sys.stderr)
         try:
-            records = run_sweep(cfg, progress=progress)
+            records = run_sweep(cfg, progress=progress, show_progress=not args.json)
         except FollowerRank:
             return 0  # a multi-GPU engine's other rank: rank 0 writes the report
     levels = [float(v) for v in args.levels.split(",")] if args.levels else None

@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from dflash_trt.bench.driver import FollowerRank
-from dflash_trt.bench.measure import measure_point
+from dflash_trt.bench.measure import measure_point, request_bar
 from dflash_trt.bench.results import RESULTS_FILE, sweep_fields, write_results
 from dflash_trt.bench.targets import KINDS, Target, backend_factory, check_target, describe, provenance, vocab_size
 from dflash_trt.bench.workload import Workload, file_workload, parse_synthetic, synthetic_workload
@@ -436,8 +436,11 @@ def _trtllm_bench_point(cfg: SweepConfig, engine: EngineEntry, concurrency: int,
         return base | {"status": "failed", "returncode": rc, "error": str(exc), "log_tail": _log_tail(log_path)}
 
 
-def _driver_point(cfg: SweepConfig, engine: EngineEntry, concurrency: int, workload: Workload) -> dict:
+def _driver_point(
+    cfg: SweepConfig, engine: EngineEntry, concurrency: int, workload: Workload, show_progress: bool = False
+) -> dict:
     base = {"engine": engine.name, "kind": engine.kind, "concurrency": concurrency, "target": describe(engine.target)}
+    bar = request_bar(len(workload.requests), f"{engine.name} c={concurrency}", show_progress)
     try:
         factory = backend_factory(engine.target, workload, cfg.max_batch_size, cfg.kv_cache_free_gpu_mem_fraction)
         point = measure_point(
@@ -448,11 +451,14 @@ def _driver_point(cfg: SweepConfig, engine: EngineEntry, concurrency: int, workl
             warmup=cfg.warmup or 0,
             seed=cfg.seed,
             timeout_s=cfg.timeout_s,
+            on_request_done=bar.update,
         )
     except FollowerRank:
         raise
     except Exception as exc:  # a failed point is recorded and the sweep goes on, whatever the executor raised
         return base | {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        bar.close()
     if not point["requests"]:
         errors = {r["error"] for r in point["per_request"] if r["error"]}
         return base | {"status": "failed", "error": "no request finished: " + "; ".join(sorted(errors))}
@@ -460,7 +466,12 @@ def _driver_point(cfg: SweepConfig, engine: EngineEntry, concurrency: int, workl
 
 
 def run_point(
-    cfg: SweepConfig, engine: EngineEntry, concurrency: int, runner: Runner, workload: Workload | None = None
+    cfg: SweepConfig,
+    engine: EngineEntry,
+    concurrency: int,
+    runner: Runner,
+    workload: Workload | None = None,
+    show_progress: bool = False,
 ) -> tuple[dict, bool]:
     """Run (or resume) one point; returns its record, successful or failed, left in point.json, and whether it
     was reused from an earlier run of the same point instead of measured now."""
@@ -471,17 +482,21 @@ def run_point(
     if engine.runner == "trtllm-bench":
         record = _trtllm_bench_point(cfg, engine, concurrency, runner)
     else:
-        record = _driver_point(cfg, engine, concurrency, workload or sweep_workload(cfg))
+        record = _driver_point(cfg, engine, concurrency, workload or sweep_workload(cfg), show_progress)
     write_json_atomic(record_path, record)
     return record, False
 
 
 def run_sweep(
-    cfg: SweepConfig, runner: Runner = subprocess_runner, progress: Callable[[dict, bool], None] | None = None
+    cfg: SweepConfig,
+    runner: Runner = subprocess_runner,
+    progress: Callable[[dict, bool], None] | None = None,
+    show_progress: bool = False,
 ):
     """Every (engine, concurrency) point in order; failed points are recorded and the sweep goes on. The driver's
     points are also collected in `<output_dir>/results.json` (the `dflash-trt bench` schema). `progress` hears
-    each point's record and whether it was reused from an earlier run."""
+    each point's record and whether it was reused from an earlier run; `show_progress` draws a bar of each point's
+    requests."""
     for engine in cfg.engines:
         check_target(engine.target)
     workload = sweep_workload(cfg)
@@ -492,7 +507,7 @@ def run_sweep(
     for engine in cfg.engines:
         for c in cfg.concurrency:
             try:
-                record, reused = run_point(cfg, engine, c, runner, workload)
+                record, reused = run_point(cfg, engine, c, runner, workload, show_progress)
             except FollowerRank:
                 follower = True
                 continue
