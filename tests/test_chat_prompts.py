@@ -119,3 +119,12 @@ def test_long_prompts_do_not_print_the_tokenizers_length_warning(tmp_path, capfd
     assert len(ids) > tokenizer.model_max_length  # long enough that transformers would warn
     captured = capfd.readouterr()
     assert "Token indices sequence length" not in captured.out + captured.err
+
+
+def test_triton_refuses_chat_template_kwargs_that_are_no_json_object(tmp_path, capsys):
+    argv = ["triton", "--engine_dir", str(tmp_path / "e"), "--tokenizer_dir", str(target_dir()),
+            "--output_dir", str(tmp_path / "r"), "--chat_template_kwargs", "[true]"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--chat_template_kwargs must be a JSON object" in err[0]
+    assert not (tmp_path / "r").exists()

@@ -68,7 +68,7 @@ def _run_gpu_host_commands(commands: list[str], out, tmp_path, capsys) -> None:
     argv[argv.index("--output_dir") + 1] = str(tmp_path / "bench")
     assert main([*argv, "--num_requests", "2", "--max_new_tokens", "8"]) == 0
     assert json.loads((tmp_path / "bench" / "results.json").read_text())["workload"]["path"] == str(prompts.resolve())
-    assert subprocess.run(["bash", "-n", launch], check=False).returncode == 0
+    assert subprocess.run(["bash", "-n", *shlex.split(launch)], check=False).returncode == 0
     script = shlex.split(client)
     assert subprocess.run([sys.executable, script[1], "--help"], capture_output=True, check=False).returncode == 0
 

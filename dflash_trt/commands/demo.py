@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import time
 from pathlib import Path
 
@@ -78,14 +79,15 @@ def gpu_host_commands(
         for name in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens")
     )
     concurrency = ",".join(map(str, GPU_HOST_CONCURRENCY))
+    ckpt, engine, repo = shlex.quote(str(checkpoint)), shlex.quote(engine_dir), Path(repository)
     return [
         "cmake -S plugins -B plugins/build && cmake --build plugins/build",
-        f"dflash-trt build --checkpoint_dir {checkpoint} --output_dir {engine_dir} {limits}",
-        f"{repository}/launch_triton.sh",
-        f"dflash-trt bench --engine_dir {engine_dir} --tokenizer_dir {checkpoint} --input_file {prompts_file} "
+        f"dflash-trt build --checkpoint_dir {ckpt} --output_dir {engine} {limits}",
+        shlex.quote(str(repo / "launch_triton.sh")),
+        f"dflash-trt bench --engine_dir {engine} --tokenizer_dir {ckpt} --input_file {shlex.quote(str(prompts_file))} "
         f"--max_new_tokens {max_new_tokens} --concurrency {concurrency} "
-        f"--output_dir {checkpoint.parent / 'bench_gpu'}",
-        f"python {repository}/client.py --prompt $'add 0012 0034\\n'",
+        f"--output_dir {shlex.quote(str(checkpoint.parent / 'bench_gpu'))}",
+        f"python {shlex.quote(str(repo / 'client.py'))} --prompt $'add 0012 0034\\n'",
     ]
 
 
