@@ -60,7 +60,5 @@ def render_chat(tokenizer, messages: object, given: dict[str, Any] | None) -> st
 
 
 def encode_chat(tokenizer, messages: object, given: dict[str, Any] | None) -> list[int]:
-    """Token ids of the rendered chat; the template writes the special tokens itself. verbose=False: the length
-    warning of transformers speaks of the tokenizer's model_max_length, the callers check their own limits."""
-    text = render_chat(tokenizer, messages, given)
-    return list(tokenizer.encode(text, add_special_tokens=False, verbose=False))
+    """Token ids of the rendered chat; the template writes the special tokens itself."""
+    return list(tokenizer.encode(render_chat(tokenizer, messages, given), add_special_tokens=False))

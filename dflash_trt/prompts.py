@@ -151,9 +151,7 @@ def read_prompts(
         elif isinstance(record, dict) and isinstance(record.get("text"), str):
             if tokenizer is None:
                 raise DFlashTrtError(f"{where} gives text but the checkpoint directory has no tokenizer")
-            # verbose=False: transformers' "longer than the specified maximum sequence length" warning speaks of
-            # the tokenizer's model_max_length; the runs that read prompts check lengths against their own limits.
-            prompts.append(tokenizer.encode(record["text"], verbose=False))
+            prompts.append(tokenizer.encode(record["text"]))
         elif isinstance(record, dict) and "messages" in record:
             prompts.append(_encode_chat(tokenizer, record["messages"], chat_kwargs, where))
         else:
