@@ -10,7 +10,6 @@ sampling of sampled drafts (honours --top_p / --top_k). Both reproduce the targe
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.jsonfile import strict_json
 from dflash_trt.prompts import CHAT_TEMPLATE_KWARGS_HELP, parse_chat_template_kwargs, read_prompts
 from dflash_trt.sampling_rules import ENGINE, METHODS
 from dflash_trt.tokenizer import load_tokenizer
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         "tokens_per_second": generated / seconds if seconds > 0 else None,
     }
     if args.json:
-        print(json.dumps(report))
+        print(strict_json(report))
         return 0
     for i, record in enumerate(report["sequences"]):
         shown = record.get("output_text", record["output_ids"])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from dflash_trt.bench.targets import describe
 from dflash_trt.bench.workload import SYNTHETIC_WARNING
 from dflash_trt.checkpoint.atomic import check_output_apart
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.jsonfile import strict_json
 from dflash_trt.perf.report import analyze_records
 from dflash_trt.perf.sweep import (
     USER_SPEED_METRICS,
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     summary = analyze_records(records, args.user_metric, levels, cfg.output_dir)
     write_json_atomic(Path(cfg.output_dir) / "summary.json", summary)
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(strict_json(summary, indent=2))
     else:
         print(f"x axis: {summary['x_axis']}")
         for row in summary["speedup_vs_ar"]:

@@ -13,6 +13,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.jsonfile import strict_json
 from dflash_trt.prompts import CHAT_TEMPLATE_KWARGS_HELP, parse_chat_template_kwargs
 from dflash_trt.triton.serving import ServingSettings, override_serving
 
@@ -112,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     settings = replace(settings, chat_template_kwargs=chat_kwargs)
     path = write_repository(settings, args.output_dir, overwrite=args.overwrite, inputs={"--config": args.config})
     if args.json:
-        print(json.dumps({"repository": str(path), **asdict(settings)}, indent=2))
+        print(strict_json({"repository": str(path), **asdict(settings)}, indent=2))
     else:
         print(f"Triton repository written to {path}")
         print(f"start it with: {path / 'launch_triton.sh'}")

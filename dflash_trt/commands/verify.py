@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.jsonfile import strict_json
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -39,5 +39,5 @@ def run(args: argparse.Namespace) -> int:
             raise DFlashTrtError("--calib_size and --calib_max_seq_len must be >= 1")
         calibration = Calibration(Path(args.calib_dataset), args.calib_size, args.calib_max_seq_len)
     report = verify_checkpoint(args.checkpoint_dir, args.model_dir, args.dflash_model_dir, calibration)
-    print(json.dumps(report.to_dict()) if args.json else report.verdict())
+    print(strict_json(report.to_dict()) if args.json else report.verdict())
     return 0 if report.ok else 1
