@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     say = (lambda *_: None) if args.json else print
     checkpoint = out / f"checkpoint-{args.dtype}"
 
-    say(f"[1/7] convert {target_dir().name} + {draft_dir().name} → {checkpoint}")
+    say(f"[1/7] convert the embedded tiny pair ({asset_dir()}: target/, draft/, heldout.jsonl) → {checkpoint}")
     convert_checkpoint(target_dir(), draft_dir(), checkpoint, dtype=args.dtype, overwrite=args.overwrite)
 
     say("[2/7] verify every tensor against its source")
@@ -218,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
         "dflash_tokens_per_second": generated / spec_seconds,
         "target_only_tokens_per_second": generated / ar_seconds,
         "speedup": ar_seconds / spec_seconds,
+        "speedup_compares": f"wall time of one offline batch of {len(prompts)} prompts, DFlash vs the target alone",
         "prompts": rows,
     }
     for i, row in enumerate(rows):
