@@ -118,12 +118,12 @@ def test_a_bad_option_value_is_one_line(capsys) -> None:
 
 
 def test_version_and_which_commands_need_a_gpu(capsys) -> None:
-    from dflash_trt import __version__
+    from importlib import metadata
 
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0
-    assert capsys.readouterr().out.strip() == f"dflash-trt {__version__}"
+    assert capsys.readouterr().out.strip() == f"dflash-trt {metadata.version('dflash-trt')}"  # the installed release
     with pytest.raises(SystemExit):
         main(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())
