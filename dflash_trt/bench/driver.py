@@ -24,11 +24,14 @@ from dflash_trt.errors import DFlashTrtError
 
 @dataclass(frozen=True)
 class BenchRequest:
-    """One request of the workload: the prompt's index in the prompt set, its tokens and its output budget."""
+    """One request of the workload: the prompt's index in the prompt set, its tokens and its output budget, and
+    how it samples (temperature 0 = greedy; `seed` None leaves the seed to the backend's default)."""
 
     prompt_index: int
     input_ids: list[int]
     max_new_tokens: int
+    temperature: float = 0.0
+    seed: int | None = None
 
 
 @dataclass(slots=True)

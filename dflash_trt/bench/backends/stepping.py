@@ -1,0 +1,90 @@
+"""A backend over any step-wise CPU executor: the executor runs in a worker thread that hands each step's
+responses to the event loop, as the GPU executor's own threads do (torch releases the GIL inside its kernels).
+
+Both CPU executors (the golden model's and the emulated engine's) take requests, advance every running request by
+one iteration per `step` and answer with that iteration's tokens; this module owns the thread around them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Protocol
+
+from dflash_trt.bench.driver import Backend, BenchRequest, Deliver, Response, threadsafe_deliver
+from dflash_trt.errors import DFlashTrtError
+
+
+class SteppingExecutor(Protocol):
+    def add(self, request_id: int, request: BenchRequest) -> None: ...
+
+    def cancel(self, request_id: int) -> None: ...
+
+    def step(self) -> list[Response]: ...
+
+    def has_work(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class SteppingBackend(Backend):
+    """Serves a fresh executor (from `make_executor`) per `start`, in one worker thread."""
+
+    def __init__(self, make_executor: Callable[[], SteppingExecutor], mode: str):
+        self.make_executor = make_executor
+        self.mode = mode
+        self.executor: SteppingExecutor | None = None  # the running (or last run) executor
+        self._pending: list[tuple[int, BenchRequest]] = []
+        self._cancelled: list[int] = []
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    async def start(self, deliver: Deliver) -> None:
+        executor = self.executor = self.make_executor()
+        self._stopping = False
+        send = threadsafe_deliver(deliver)
+        self._thread = threading.Thread(target=self._serve, args=(executor, send), name="cpu-executor", daemon=True)
+        self._thread.start()
+
+    def submit(self, request_id: int, request: BenchRequest) -> None:
+        with self._wake:
+            self._pending.append((request_id, request))
+            self._wake.notify()
+
+    def cancel(self, request_id: int) -> None:
+        """Stop decoding `request_id` before its next step; it gets no further responses."""
+        with self._wake:
+            self._cancelled.append(request_id)
+            self._wake.notify()
+
+    def _serve(self, executor: SteppingExecutor, send: Deliver) -> None:
+        while True:
+            with self._wake:
+                while not (self._stopping or self._pending or self._cancelled or executor.has_work()):
+                    self._wake.wait()
+                if self._stopping:
+                    executor.close()
+                    return
+                pending, self._pending = self._pending, []
+                cancelled, self._cancelled = self._cancelled, []
+            failed = []
+            for request_id, request in pending:
+                try:
+                    executor.add(request_id, request)
+                except DFlashTrtError as exc:
+                    failed.append(Response(request_id, [], True, str(exc)))
+            for request_id in cancelled:
+                executor.cancel(request_id)
+            responses = executor.step() if executor.has_work() else []
+            if failed or responses:
+                send(failed + responses)
+
+    async def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
