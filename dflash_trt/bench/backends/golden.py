@@ -193,8 +193,6 @@ class GoldenExecutor:
 class GoldenBackend(SteppingBackend):
     """The golden executor served from a worker thread (`dflash-trt bench --checkpoint_dir`)."""
 
-    gpus = 0  # it runs on the CPU: its throughput is the host's, not a GPU's
-
     def __init__(
         self,
         model: GoldenModel,
