@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -194,3 +195,28 @@ def test_weights_that_do_not_fit_leave_no_point():
     assert "exceed H100 SXM's 85.5 GB per GPU at tp 1" in curve[0].reason
     # On eight H200s in MXFP4 the same model fits.
     assert all(p.fits for p in _feasible("ar", [1, 8], pair="gpt-oss-120b", precision="mxfp4", gpu="h200", tp=8))
+
+
+def test_plan_config_reads_local_model_folders(tmp_path: Path, capsys):
+    """A profile naming local folders plans from their config.json, exactly as from the recorded configs."""
+    from dflash_trt.cli import main
+    from dflash_trt.recorded_configs import packaged_recorded_configs
+
+    recorded = packaged_recorded_configs()
+    data = yaml.safe_load(H100_QWEN3_8B.read_text())
+    for role in ("target", "draft"):
+        folder = tmp_path / role
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(recorded[data["model"][role]]))
+    assert main(["plan", "--config", str(H100_QWEN3_8B), "--json"]) == 0
+    from_recorded = json.loads(capsys.readouterr().out)
+    data["model"] |= {"target": str(tmp_path / "target"), "draft": str(tmp_path / "draft")}
+    data["quantization"]["calibration"]["dataset"] = str(ROOT / "build_configs/calibration.jsonl")
+    local = tmp_path / "local.yaml"
+    local.write_text(yaml.safe_dump(data))
+    assert main(["plan", "--config", str(local), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["capacity"] == from_recorded["capacity"]
+    data["model"]["target"] = str(tmp_path / "absent")
+    local.write_text(yaml.safe_dump(data))
+    assert main(["plan", "--config", str(local)]) == 2
+    assert "not recorded and not on this machine" in capsys.readouterr().err

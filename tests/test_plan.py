@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_trt.cli import main
+from dflash_trt.cli import build_parser, main
 from dflash_trt.perf import evaluation, published
 from dflash_trt.perf.gpus import get_gpu
 from dflash_trt.perf.model import Acceptance, Calibration, Deployment, Method, mean_context
@@ -412,3 +412,25 @@ def test_workload_and_temperature_pick_the_published_acceptance_lengths(capsys):
 def test_unpublished_workloads_are_refused(argv: list[str], message: str, capsys):
     rc, out, err = _plan(["--preset", "qwen3-8b", *argv], capsys)
     assert rc == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_plan_labels_its_header_and_explains_every_speedup(capsys):
+    assert main(["plan", "--preset", "qwen3-8b", "--gpu", "h100", "--qformat", "fp8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("GPU h100 (--gpu), TP 1, fp8 weights (--qformat), 16-bit KV cache;")
+    # One row per interactivity level and overhead reading: "[reading] at X tok/s/user: dflash ..."
+    rows = [line for line in lines if line.split("] ", 1)[-1].startswith("at ") and "tok/s/user:" in line]
+    assert rows and "equal interactivity" in lines[lines.index(rows[0]) - 1]
+    for row in rows:
+        ratio = float(row.split("dflash ", 1)[1].split("x", 1)[0])
+        assert " vs ar c=" in row  # both concurrencies named
+        assert ("extreme because" in row) == (ratio >= 10.0)
+    assert any("extreme because" in row for row in rows)
+
+
+def test_plan_header_names_the_flags_defaults(capsys):
+    defaults = build_parser(["plan"]).parse_args(["plan", "--preset", "qwen3-8b"])
+    assert main(["plan", "--preset", "qwen3-8b"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.startswith(f"GPU {defaults.gpu} (--gpu), TP {defaults.tp_size}, 16-bit weights (--qformat)")
+    assert defaults.qformat == "none"

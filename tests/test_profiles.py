@@ -258,3 +258,27 @@ def test_resolve_model_dir_prefers_paths_and_never_downloads_unasked(tmp_path: P
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     _fake_hub(tmp_path / "hub", "Qwen/Qwen3-4B", ["only"], main=None)
     assert resolve_model_dir("Qwen/Qwen3-4B").name == "only"
+
+
+def test_nvfp4_with_float16_is_one_rule_for_profiles_convert_and_build(tmp_path: Path, capsys):
+    """TensorRT-LLM 1.2.x's FP4 GEMM plugin writes float, half or bfloat16 outputs (read in its sources), and the
+    NVFP4 quantizer is exact for float16 weights: profiles, convert and build all accept the pair."""
+    from dflash_trt.cli import main
+    from dflash_trt.commands.demo import write_calibration_prompts
+    from dflash_trt.tiny.heldout import draft_dir, target_dir
+
+    assert parse_profile(_with({"checkpoint": {"dtype": "float16"}}), "p.yaml").checkpoint.dtype == "float16"
+    calibration = write_calibration_prompts(tmp_path / "calib.jsonl", count=4)
+    checkpoint = tmp_path / "ckpt"
+    convert = ["convert", "--model_dir", str(target_dir()), "--dflash_model_dir", str(draft_dir()),
+               "--output_dir", str(checkpoint), "--dtype", "float16", "--qformat", "nvfp4",
+               "--calib_dataset", str(calibration), "--calib_size", "4"]  # fmt: skip
+    assert main(convert) == 0
+    build = ["build", "--checkpoint_dir", str(checkpoint), "--output_dir", str(tmp_path / "engine"),
+             "--max_batch_size", "8", "--max_input_len", "128", "--max_seq_len", "256", "--max_num_tokens", "512",
+             "--dry_run", "--json"]  # fmt: skip
+    capsys.readouterr()
+    assert main(build) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["dflash_manifest"]["quant_algo"] == "NVFP4"
+    assert json.loads((checkpoint / "config.json").read_text())["dtype"] == "float16"

@@ -256,6 +256,24 @@ def _provenance(args: argparse.Namespace) -> None:
     _emit("\n".join(f"{name}\t{c['value']}\t{c['kind']}\t{c['source']}" for name, c in table.items()))
 
 
+def _profile_models_on_disk(profile) -> tuple[TargetShape, DFlashShape]:
+    """Shapes of a profile's models that are local folders (or already in the HF cache): their config.json."""
+    from dflash_trt.profiles import resolve_model_dir
+
+    try:
+        target_dir = resolve_model_dir(profile.model.target)
+        draft_dir = resolve_model_dir(profile.model.draft)
+    except DFlashTrtError:
+        raise DFlashTrtError(
+            f"the shapes of {profile.model.target} + {profile.model.draft} are not recorded and not on this machine "
+            "(no local folder, not in the HF cache): pass --model_dir and --dflash_model_dir (only their "
+            "config.json is read)"
+        ) from None
+    target, drafter = load_models(str(target_dir), str(draft_dir))
+    assert drafter is not None  # load_models reads a drafter whenever its folder is given
+    return target, drafter
+
+
 def _capacity(args: argparse.Namespace) -> None:
     from dflash_trt.capacity import capacity_warnings, describe, plan_capacity
 
@@ -266,14 +284,10 @@ def _capacity(args: argparse.Namespace) -> None:
         target, maybe_drafter = load_models(args.model_dir, args.dflash_model_dir)
         assert maybe_drafter is not None  # load_models reads a drafter whenever its folder is given
         drafter = maybe_drafter
-    else:
-        key = pair_for_models(profile.model.target, profile.model.draft)
-        if key is None:
-            raise DFlashTrtError(
-                f"the shapes of {profile.model.target} + {profile.model.draft} are not known offline: pass "
-                "--model_dir and --dflash_model_dir (only their config.json is read)"
-            )
+    elif (key := pair_for_models(profile.model.target, profile.model.draft)) is not None:
         target, drafter = PAIRS[key].load()
+    else:
+        target, drafter = _profile_models_on_disk(profile)
     _check_tp(target, drafter, profile.checkpoint.tp_size)
     shape = _lengths(args, (profile.sweep.input_len, profile.sweep.output_len))
     cap = plan_capacity(profile, target, drafter, shape)
@@ -499,8 +513,11 @@ def _curves(args: argparse.Namespace) -> None:
             )
         )
         return
+    weights = "16-bit" if args.qformat == NONE else args.qformat
+    kv_cache = "16-bit" if args.kv_cache_dtype == NONE else args.kv_cache_dtype
     lines = [
-        f"{args.gpu} x{args.tp_size} {args.qformat}, {lengths[0]}/{lengths[1]} tokens; tok/s/user = 1/TPOT",
+        f"GPU {args.gpu} (--gpu), TP {args.tp_size}, {weights} weights (--qformat), {kv_cache} KV cache; "
+        f"{lengths[0]}/{lengths[1]} tokens; tok/s/user = 1/TPOT",
         *[f"calibration {c.name} ({c.source})" for c in cals],
         *notes,
         *cal_notes,
@@ -520,10 +537,14 @@ def _curves(args: argparse.Namespace) -> None:
             gpu = "-" if fp.point is None else _span([p.tok_s_gpu for p in pts if p])
             fits = "yes" if fp.fits else f"no: {fp.reason}"
             lines.append(f"{name:<8} {fp.requested:>6} {fp.batch:>6} {user:>15} {gpu:>17}  {fits}")
-    for reading, (_, table, crossovers) in readings.items():
+    lines.append("speedup = tok/s/GPU over ar's at equal interactivity (each method at its own concurrency):")
+    for reading, (feasible, table, crossovers) in readings.items():
+        curves = {n: _ran(c) for n, c in feasible.items()}
         for r in table:
-            cells = ", ".join(f"{n} {'-' if v is None else f'{v:.2f}x'}" for n, v in r.speedup.items() if n != "ar")
-            lines.append(f"[{reading}] at {r.tok_s_user:.1f} tok/s/user vs ar: {cells}")
+            cells = ", ".join(
+                speedup_cell(n, s, curves[n], r.tok_s_user, curves["ar"]) for n, s in r.speedup.items() if n != "ar"
+            )
+            lines.append(f"[{reading}] at {r.tok_s_user:.1f} tok/s/user: {cells}")
         for name, c in crossovers.items():
             where = "> swept range" if c is None else f"{c:.1f}"
             lines.append(f"[{reading}] {name}: stops paying at concurrency {where}")
@@ -594,6 +615,38 @@ def _node(args: argparse.Namespace) -> None:
                 f"{lay.tok_s_user:.0f} tok/s/user, {lay.tok_s_node:,.0f} tok/s/node (limit: {lay.limit}){vs}"
             )
     _emit("\n".join(lines))
+
+
+EXTREME_RATIO = 10.0
+
+
+def _concurrency_at(curve: list, tok_s_user: float) -> str:
+    """The concurrency at which a predicted curve serves each user `tok_s_user`: a point, or the two it lies
+    between (the speedup interpolates between them)."""
+    by_concurrency = sorted(curve, key=lambda p: p.concurrency)
+    fast = [p for p in by_concurrency if p.tok_s_user >= tok_s_user * (1 - 1e-9)]
+    if not fast:
+        return "-"
+    last = fast[-1]
+    slower = [p for p in by_concurrency if p.concurrency > last.concurrency]
+    if abs(last.tok_s_user - tok_s_user) <= 1e-9 * tok_s_user or not slower:
+        return str(last.concurrency)
+    return f"{last.concurrency}..{slower[0].concurrency}"
+
+
+def speedup_cell(name: str, speedup: float | None, curve: list, tok_s_user: float, ar_curve: list) -> str:
+    """`dflash 4.09x (c=16..32 vs ar c=4)`; an extreme ratio says why in the same line."""
+    if speedup is None:
+        return f"{name} - (never this fast)"
+    own, ar = _concurrency_at(curve, tok_s_user), _concurrency_at(ar_curve, tok_s_user)
+    text = f"{name} {speedup:.2f}x (c={own} vs ar c={ar})"
+    if speedup >= EXTREME_RATIO:
+        ceiling = max(p.tok_s_user for p in ar_curve)
+        text += (
+            f": extreme because this speed is near ar's one-user ceiling ({ceiling:.0f} tok/s/user), where ar "
+            "serves only a few users; it measures capacity at this speed, not faster tokens"
+        )
+    return text
 
 
 def run(args: argparse.Namespace) -> int:
