@@ -7,6 +7,7 @@ from pathlib import Path
 from dflash_trt.errors import DFlashTrtError
 
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer.model", "vocab.json")
+UNLIMITED = int(1e30)  # what transformers itself uses for a tokenizer without a length limit
 
 
 def load_tokenizer(directory: str | Path):
@@ -21,9 +22,14 @@ def load_tokenizer(directory: str | Path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
     except Exception as exc:  # a third-party loader: all its failures mean "unusable tokenizer"
         detail = " ".join(str(exc).split())[:200] or type(exc).__name__
         raise DFlashTrtError(
             f"the tokenizer in {directory} cannot be loaded (checkpoint code is never run): {detail}"
         ) from None
+    # Every run checks prompt lengths against the model's own limits (max_position_embeddings, --max_seq_len,
+    # calibration's cut); the tokenizer's model_max_length would only print transformers' "Token indices sequence
+    # length is longer than the specified maximum" warning, which names no flag of ours.
+    tokenizer.model_max_length = UNLIMITED
+    return tokenizer

@@ -882,6 +882,13 @@ def test_bls_sends_temperature_and_seed_and_refuses_top_p(tmp_path: Path, tokeni
     repo = write_repository(_settings(tokenizer_dir, max_temperature=float("inf")), tmp_path / "repo")
     bls = _load_model(repo, "tensorrt_llm_bls", monkeypatch)
     assert sys.modules["dflash_processing"].sampling_refusal.__module__ == "dflash_sampling_rules"
+    assert sys.modules["dflash_processing"].encode_chat.__module__ == "dflash_chat"  # chats work there too
+
+    def refuse(name: str):
+        raise ValueError(f"not strict JSON: {name}")
+
+    # Strict JSON: "any temperature" is null, not Infinity.
+    assert json.loads((repo / "dflash_triton.json").read_text(), parse_constant=refuse)["max_temperature"] is None
     _StandInPbUtils.engine_responses, _StandInPbUtils.llm_requests = [], []
     request = _BlsRequest(
         {
@@ -908,3 +915,17 @@ def test_bls_sends_temperature_and_seed_and_refuses_top_p(tmp_path: Path, tokeni
     pre = _load_model(repo, "preprocessing", monkeypatch)
     [response] = pre.execute([_request(["the fox"], top_k=np.array([[3]], np.int32))])
     assert response.error.message.startswith("top_k 3 refused")
+
+
+def test_triton_json_output_is_strict_json(tmp_path: Path, tokenizer_dir: Path, capsys):
+    """An exact-sampling engine takes any temperature: `--json` says so with null, never Infinity."""
+    engine = _engine_dir(tmp_path / "eng", sampling="exact_match")
+    argv = ["triton", "--engine_dir", str(engine), "--tokenizer_dir", str(tokenizer_dir),
+            "--output_dir", str(tmp_path / "repo"), "--json"]  # fmt: skip
+    assert cli_main(argv) == 0
+
+    def refuse(name: str):
+        raise ValueError(f"not strict JSON: {name}")
+
+    printed = json.loads(capsys.readouterr().out, parse_constant=refuse)
+    assert printed["max_temperature"] is None and printed["chat_template_kwargs"] == "{}"

@@ -119,6 +119,7 @@ class _Run:
         self.t0 = 0.0
         self.all_done = asyncio.Event()
         self.on_finish: Callable[[], None] = lambda: None
+        self.on_done: Callable[[], object] = lambda: None
 
     def send_next(self) -> None:
         request = self.requests[self.next_index]
@@ -148,6 +149,7 @@ class _Run:
                 self.running -= 1
                 self.done += 1
                 self.in_flight.append((now, self.running))
+                self.on_done()
                 self.on_finish()
         if self.done == len(self.requests):
             self.all_done.set()
@@ -161,9 +163,11 @@ async def run_load(
     request_rate: float | None = None,
     seed: int = 0,
     timeout_s: float | None = None,
+    on_request_done: Callable[[], object] | None = None,
 ) -> RunTrace:
     """Send every request, either `concurrency` at a time (a user sends its next request when the previous one
-    finishes) or at Poisson arrivals of `request_rate` per second, and wait for all of them to finish."""
+    finishes) or at Poisson arrivals of `request_rate` per second, and wait for all of them to finish.
+    `on_request_done` (a progress bar) hears each finished request, on the event loop's thread."""
     if (concurrency is None) == (request_rate is None):
         raise DFlashTrtError("give exactly one of concurrency and request_rate")
     if concurrency is not None and concurrency < 1:
@@ -173,6 +177,7 @@ async def run_load(
     if not requests:
         raise DFlashTrtError("no requests to send")
     run = _Run(backend, requests)
+    run.on_done = on_request_done or (lambda: None)
     await backend.start(run.deliver)
     arrivals = None
     try:

@@ -16,6 +16,15 @@ from dflash_trt.bench.driver import BenchRequest
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.prompts import read_prompts
 
+# Shipped real-text prompts (math, code, chat, several languages; written for this project), for sweeps.
+REAL_PROMPTS = "build_configs/calibration.jsonl"
+SYNTHETIC_WARNING = (
+    "warning: synthetic prompts are random token ids; a drafter accepts almost none of its drafts on them "
+    "(acceptance near 1 instead of several tokens per step on real text), so speculative speedups measured on "
+    f"them are far too low. Measure DFlash on real prompts, e.g. {REAL_PROMPTS} in the repository "
+    "(bench --input_file, or a sweep config's dataset:)."
+)
+
 
 @dataclass(frozen=True)
 class Synthetic:
@@ -70,10 +79,16 @@ def synthetic_workload(spec: Synthetic, vocab_size: int, seed: int = 0) -> Workl
     return Workload(requests, ignore_eos=True, description=description)
 
 
-def file_workload(path: str | Path, max_new_tokens: int, tokenizer=None, limit: int | None = None) -> Workload:
+def file_workload(
+    path: str | Path,
+    max_new_tokens: int,
+    tokenizer=None,
+    limit: int | None = None,
+    chat_kwargs: dict[str, Any] | None = None,
+) -> Workload:
     if max_new_tokens < 1:
         raise DFlashTrtError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
-    prompts = read_prompts(path, tokenizer, limit)
+    prompts = read_prompts(path, tokenizer, limit, chat_kwargs)
     requests = [BenchRequest(i, ids, max_new_tokens) for i, ids in enumerate(prompts)]
     description = {
         "kind": "file",
@@ -81,4 +96,6 @@ def file_workload(path: str | Path, max_new_tokens: int, tokenizer=None, limit: 
         "count": len(requests),
         "max_new_tokens": max_new_tokens,
     }
+    if chat_kwargs is not None:
+        description["chat_template_kwargs"] = chat_kwargs
     return Workload(requests, ignore_eos=False, description=description)

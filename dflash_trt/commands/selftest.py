@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 from pathlib import Path
 
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import ENGINE_DTYPES
+from dflash_trt.jsonfile import strict_json
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -177,9 +177,9 @@ def run(args: argparse.Namespace) -> int:
         "mean_acceptance_length": sum(map(sum, acceptance)) / max(sum(map(len, acceptance)), 1),
         "bench": bench_once(engine_dir, plan.plugin_library, prompts, args.max_new_tokens),
     }
-    (out / "selftest.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "selftest.json").write_text(strict_json(report, indent=2) + "\n")
     print(
-        json.dumps(report)
+        strict_json(report)
         if args.json
         else f"{len(prompts)} prompts: engine {'matches' if not problems else 'DIFFERS FROM'} the golden model "
         f"({len(near_ties)} near-ties, mean acceptance {report['mean_acceptance_length']:.2f})"

@@ -31,6 +31,8 @@ class SteppingExecutor(Protocol):
 class SteppingBackend(Backend):
     """Serves a fresh executor (from `make_executor`) per `start`, in one worker thread."""
 
+    gpus = 0  # a CPU executor: its throughput is the host's, not a GPU's
+
     def __init__(self, make_executor: Callable[[], SteppingExecutor], mode: str):
         self.make_executor = make_executor
         self.mode = mode
