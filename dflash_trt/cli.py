@@ -14,7 +14,20 @@ from typing import NoReturn
 from dflash_trt.errors import DFlashTrtError
 
 # Each name is a module in dflash_trt.commands exposing `register(subparsers)`.
-COMMANDS = ["convert", "verify", "generate", "build", "selftest", "triton", "bench", "sweep", "plan", "demo", "emulate"]
+COMMANDS = [
+    "convert",
+    "verify",
+    "generate",
+    "build",
+    "selftest",
+    "triton",
+    "bench",
+    "sweep",
+    "plan",
+    "demo",
+    "emulate",
+    "serve",
+]
 
 
 class Terminated(KeyboardInterrupt):
