@@ -46,9 +46,11 @@ def uvicorn_server(app: FastAPI, drain_timeout_s: int | None = None):
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """A bound socket (port 0 picks a free one), so the caller knows the port before the server starts."""
+    """A listening socket (port 0 picks a free one), so the caller knows the port before the server starts and
+    clients that connect early wait in its backlog instead of being refused."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    sock.listen(2048)
     return sock
