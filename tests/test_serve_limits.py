@@ -64,7 +64,7 @@ def tokenizer():
 
 def held_server(tokenizer, *, max_batch_size=1, max_queue=1, **kwargs):
     backend = HeldBackend()
-    target = ServeTarget(backend, max_batch_size, Limits(256, 128), frozenset())
+    target = ServeTarget(backend, max_batch_size, Limits(256, 128), frozenset(), True)
     return backend, RunningServer(make_app(target, tokenizer, "held", max_queue=max_queue, **kwargs))
 
 
@@ -163,7 +163,7 @@ def test_sigterm_lets_the_streams_in_flight_finish_then_exits(tiny):
     try:
         banner = server.stdout.readline()
         url = banner.split(" on ")[1].split()[0]
-        body = {"prompt": "count 8644", "max_tokens": 120, "temperature": 0, "stream": True}
+        body = {"prompt": "count 8644", "max_tokens": 120, "temperature": 0, "stream": True, "ignore_eos": True}
         body["stream_options"] = {"include_usage": True}
         with httpx.Client(timeout=120) as http, http.stream("POST", f"{url}/completions", json=body) as stream:
             lines = stream.iter_lines()

@@ -71,7 +71,7 @@ def engine(tiny) -> EmulatedEngine:
 def emulated_target(engine: EmulatedEngine, max_seq_len: int = 256) -> ServeTarget:
     eos = frozenset(engine.eos_token_ids)
     backend = EmulatedBackend(engine, max_seq_len, sorted(eos))
-    return ServeTarget(backend, engine.max_batch_size, Limits(max_seq_len, engine.vocab_size), eos)
+    return ServeTarget(backend, engine.max_batch_size, Limits(max_seq_len, engine.vocab_size), eos, True)
 
 
 @pytest.fixture(scope="module")
@@ -95,12 +95,15 @@ def cli_json(argv: list[str]) -> dict:
     return json.loads(out.getvalue())
 
 
-def oracle(command: str, tiny: Path, tmp: Path, lines: list[dict], *extra: str) -> list[list[int]]:
+def oracle_report(command: str, tiny: Path, tmp: Path, lines: list[dict], *extra: str) -> dict:
     prompts = tmp / f"{command}-{len(list(tmp.iterdir()))}.jsonl"
     prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
     argv = [command, "--checkpoint_dir", str(tiny), "--input_file", str(prompts), "--max_new_tokens", str(MAX_NEW)]
-    report = cli_json([*argv, *extra, "--json"])
-    return [s["output_ids"] for s in report["sequences"]]
+    return cli_json([*argv, *extra, "--json"])
+
+
+def oracle(command: str, tiny: Path, tmp: Path, lines: list[dict], *extra: str) -> list[list[int]]:
+    return [s["output_ids"] for s in oracle_report(command, tiny, tmp, lines, *extra)["sequences"]]
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +164,22 @@ def test_completions_with_token_id_prompts_equal_generate(server, tokenizer, tex
         model="tiny", prompt=tokenizer.encode(texts[0]), max_tokens=MAX_NEW, temperature=0
     )
     assert whole.choices[0].text == expected(tokenizer, greedy[0])[0]
+
+
+def test_token_ids_whole_and_per_iteration_equal_generate(server, tiny, texts, tmp_path):
+    """Each streamed chunk carries one engine iteration's tokens: the first token, then each step's acceptance."""
+    report = oracle_report("generate", tiny, tmp_path, [{"text": t} for t in texts])
+    api = client(server)
+    ids = {"return_token_ids": True}
+    for text, want in zip(texts, report["sequences"], strict=True):
+        whole = api.completions.create(model="tiny", prompt=text, max_tokens=MAX_NEW, temperature=0, extra_body=ids)
+        assert whole.choices[0].token_ids == want["output_ids"]
+        chunks = api.completions.create(
+            model="tiny", prompt=text, max_tokens=MAX_NEW, temperature=0, stream=True, extra_body=ids
+        )
+        per_iteration = [c.choices[0].token_ids for c in chunks if c.choices and c.choices[0].token_ids]
+        assert sum(per_iteration, []) == want["output_ids"]
+        assert [len(r) for r in per_iteration] == [1, *want["acceptance_lengths"]]
 
 
 def test_sampled_completions_equal_emulate_with_the_same_seed(server, tokenizer, texts, greedy, sampled):
@@ -279,6 +298,7 @@ REFUSED = [
     ("completions", {"extra_body": {"stop_token_ids": [10_000]}}, "stop_token_ids"),
     ("completions", {"extra_body": {"ignore_this": 1}}, "ignore_this"),
     ("completions", {"prompt": "x" * 300}, "prompt"),
+    ("completions", {"extra_body": {"ignore_eos": True}}, "ignore_eos"),
     ("completions", {"prompt": ["a", "b"]}, "prompt"),
     ("completions", {"prompt": [5, 10_000]}, "prompt"),
     ("chat", {"n": 2}, "n"),

@@ -28,8 +28,17 @@ class Served:
     limits: Limits
     model_name: str
     metrics: Metrics
-    eos_token_ids: frozenset[int]  # ends every request (empty when the server ignores EOS)
+    eos_token_ids: frozenset[int]  # the model's: end a request unless it sends ignore_eos
+    engine_stops_at_eos: bool  # False when serve runs with --ignore_eos: only this server stops at EOS
     created: int = 0
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one engine response adds: its sendable text (maybe empty) and its tokens up to a stop token."""
+
+    text: str
+    token_ids: list[int]
 
 
 class Generation:
@@ -38,7 +47,7 @@ class Generation:
         self.prompt_tokens = len(prompt_ids)
         self.max_tokens = params.max_tokens
         self.arrived = time.perf_counter()
-        stop_ids = params.stop_token_ids | served.eos_token_ids
+        stop_ids = params.stop_token_ids | (frozenset() if params.ignore_eos else served.eos_token_ids)
         self.text = TextStream(served.tokenizer, prompt_ids, params.stop, stop_ids)
         request = BenchRequest(0, prompt_ids, params.max_tokens, params.temperature, params.seed)
         self.request_id = served.client.open(request)
@@ -52,8 +61,9 @@ class Generation:
     def finish_reason(self) -> str | None:
         return self.text.finish_reason
 
-    async def pieces(self) -> AsyncIterator[str]:
-        """Text as it becomes sendable; afterwards `finish_reason` is "stop" or "length". Raises BackendError."""
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """One piece per engine response with tokens, and one for text held back to the end; afterwards
+        `finish_reason` is "stop" or "length". Raises BackendError."""
         metrics, text = self.served.metrics, self.text
         last = None
         try:
@@ -68,15 +78,15 @@ class Generation:
                     metrics.acceptance_length.observe(len(tokens))
                 last = now
                 metrics.output_tokens.inc(len(tokens))
+                counted = text.completion_tokens
                 piece = text.add(tokens)
-                if piece:
-                    yield piece
+                yield Piece(piece, tokens[: text.completion_tokens - counted])
                 if text.finish_reason is not None:
                     return
-            piece = text.finish()
+            rest = text.finish()
             if text.finish_reason is None:
                 text.finish_reason = LENGTH if text.completion_tokens >= self.max_tokens else STOP
-            if piece:
-                yield piece
+            if rest:
+                yield Piece(rest, [])
         finally:
             self.served.client.close(self.request_id)

@@ -32,7 +32,16 @@ def make_app(
 ) -> FastAPI:
     metrics = Metrics()
     client = EngineClient(target.backend, target.max_batch_size, max_queue, metrics)
-    served = Served(client, tokenizer, target.limits, model_name, metrics, target.eos_token_ids, int(time.time()))
+    served = Served(
+        client,
+        tokenizer,
+        target.limits,
+        model_name,
+        metrics,
+        target.eos_token_ids,
+        target.engine_stops_at_eos,
+        int(time.time()),
+    )
     return build_app(served, api_key=api_key, max_body_bytes=max_body_bytes)
 
 

@@ -64,6 +64,7 @@ class GenerationParams:
     seed: int
     stop: list[str]
     stop_token_ids: frozenset[int]
+    ignore_eos: bool
 
 
 def refusal(request: SamplingFields) -> ErrorResponse | None:
@@ -123,4 +124,5 @@ def generation_params(
         seed=secrets.randbelow(MAX_SEED + 1) if seed is None else seed,
         stop=stops,
         stop_token_ids=frozenset(ids),
+        ignore_eos=bool(request.ignore_eos),
     )

@@ -46,6 +46,9 @@ class SamplingFields(Strict):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     user: str | None = None
+    # vLLM's extensions: run past EOS (a server started with --ignore_eos), and each choice's token ids.
+    ignore_eos: bool | None = None
+    return_token_ids: bool | None = None
     # Refused unless neutral (sampling_rules.NEUTRAL; n = 1).
     n: int | None = None
     top_p: float | None = None
@@ -111,6 +114,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -132,6 +136,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -153,6 +158,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -26,7 +26,7 @@ from dflash_trt.server.protocol import (
     DeltaMessage,
     ErrorResponse,
 )
-from dflash_trt.server.serving_common import admit, queue_full, usage_of
+from dflash_trt.server.serving_common import admit, joined, queue_full, usage_of
 
 # Arguments of apply_chat_template that decide what it returns, not what the template sees.
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -80,26 +80,35 @@ async def create_chat_completion(
         "created": int(time.time()),
         "model": served.model_name,
     }
+    with_ids = bool(request.return_token_ids)
     if request.stream:
         usage = bool(request.stream_options and request.stream_options.include_usage)
-        return chat_stream(generation, head, usage)
+        return chat_stream(generation, head, usage, with_ids)
     try:
-        text = "".join([piece async for piece in generation.pieces()])
+        pieces = [piece async for piece in generation.pieces()]
     except BackendError as exc:
         return error(f"the engine failed the request: {exc}", status=SERVER_ERROR)
-    choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=generation.finish_reason)
+    text, token_ids = joined(pieces, with_ids)
+    message = AssistantMessage(content=text)
+    choice = ChatChoice(message=message, finish_reason=generation.finish_reason, token_ids=token_ids)
     return ChatCompletionResponse(**head, choices=[choice], usage=usage_of(generation))
 
 
-def _chunk(head: dict[str, Any], delta: DeltaMessage, finish_reason: str | None = None) -> str:
-    return sse.event(ChatCompletionChunk(**head, choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)]))
+def _chunk(
+    head: dict[str, Any], delta: DeltaMessage, finish_reason: str | None = None, token_ids: list[int] | None = None
+) -> str:
+    choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason, token_ids=token_ids)
+    return sse.event(ChatCompletionChunk(**head, choices=[choice]))
 
 
-async def chat_stream(generation: Generation, head: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
+async def chat_stream(
+    generation: Generation, head: dict[str, Any], include_usage: bool, with_ids: bool
+) -> AsyncIterator[str]:
     yield _chunk(head, DeltaMessage(role="assistant", content=""))
     try:
         async for piece in generation.pieces():
-            yield _chunk(head, DeltaMessage(content=piece))
+            if piece.text or with_ids and piece.token_ids:
+                yield _chunk(head, DeltaMessage(content=piece.text), token_ids=piece.token_ids if with_ids else None)
     except BackendError as exc:
         yield sse.event(error(f"the engine failed the request: {exc}", status=SERVER_ERROR))
         yield sse.DONE

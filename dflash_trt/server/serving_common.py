@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dflash_trt.server.errors import NOT_FOUND, UNAVAILABLE, error
-from dflash_trt.server.generation import Generation, Served
+from dflash_trt.server.generation import Generation, Piece, Served
 from dflash_trt.server.params import GenerationParams, generation_params, refusal
 from dflash_trt.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, Usage
 
@@ -19,6 +19,10 @@ def admit(
     refused = refusal(request)
     if refused is not None:
         return refused
+    if request.ignore_eos and served.engine_stops_at_eos:
+        return error(
+            "ignore_eos refused: this server's engine stops at EOS; start serve with --ignore_eos", "ignore_eos"
+        )
     if not ids:
         return error("the prompt is empty", prompt_param)
     vocab = served.limits.vocab_size
@@ -41,3 +45,9 @@ def usage_of(generation: Generation) -> Usage:
         completion_tokens=generation.completion_tokens,
         total_tokens=generation.prompt_tokens + generation.completion_tokens,
     )
+
+
+def joined(pieces: list[Piece], with_ids: bool) -> tuple[str, list[int] | None]:
+    """A whole answer's text, and its token ids when the request asked for them."""
+    text = "".join(piece.text for piece in pieces)
+    return text, [token for piece in pieces for token in piece.token_ids] if with_ids else None

@@ -17,7 +17,7 @@ from dflash_trt.server.protocol import (
     CompletionResponse,
     ErrorResponse,
 )
-from dflash_trt.server.serving_common import admit, queue_full, usage_of
+from dflash_trt.server.serving_common import admit, joined, queue_full, usage_of
 
 
 def prompt_ids(served: Served, prompt: str | list[str] | list[int] | list[list[int]]) -> list[int] | ErrorResponse:
@@ -45,24 +45,27 @@ async def create_completion(
     except QueueFull:
         return queue_full(served)
     head: dict[str, Any] = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.model_name}
+    with_ids = bool(request.return_token_ids)
     if request.stream:
         usage = bool(request.stream_options and request.stream_options.include_usage)
-        return completion_stream(generation, head, usage)
+        return completion_stream(generation, head, usage, with_ids)
     try:
-        text = "".join([piece async for piece in generation.pieces()])
+        pieces = [piece async for piece in generation.pieces()]
     except BackendError as exc:
         return error(f"the engine failed the request: {exc}", status=SERVER_ERROR)
-    return CompletionResponse(
-        **head,
-        choices=[CompletionChoice(text=text, finish_reason=generation.finish_reason)],
-        usage=usage_of(generation),
-    )
+    text, token_ids = joined(pieces, with_ids)
+    choice = CompletionChoice(text=text, finish_reason=generation.finish_reason, token_ids=token_ids)
+    return CompletionResponse(**head, choices=[choice], usage=usage_of(generation))
 
 
-async def completion_stream(generation: Generation, head: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
+async def completion_stream(
+    generation: Generation, head: dict[str, Any], include_usage: bool, with_ids: bool
+) -> AsyncIterator[str]:
     try:
         async for piece in generation.pieces():
-            yield sse.event(CompletionResponse(**head, choices=[CompletionChoice(text=piece)]))
+            if piece.text or with_ids and piece.token_ids:
+                choice = CompletionChoice(text=piece.text, token_ids=piece.token_ids if with_ids else None)
+                yield sse.event(CompletionResponse(**head, choices=[choice]))
     except BackendError as exc:
         yield sse.event(error(f"the engine failed the request: {exc}", status=SERVER_ERROR))
         yield sse.DONE

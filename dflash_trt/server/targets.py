@@ -2,7 +2,8 @@
 
 A TensorRT-LLM engine directory (the in-process executor, GPU host), a Triton endpoint (its `tensorrt_llm` model
 over gRPC streaming), or a converted checkpoint under the emulated engine (CPU). The backend stops a request at the
-engine's end id; the server also stops at every other EOS id the model lists.
+engine's end id; the server also stops at every other EOS id the model lists. With --ignore_eos the engine never
+stops at EOS and the server stops each request at EOS unless the request sends `ignore_eos`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ class ServeTarget:
     backend: Backend
     max_batch_size: int
     limits: Limits
-    eos_token_ids: frozenset[int]
+    eos_token_ids: frozenset[int]  # the model's
+    engine_stops_at_eos: bool  # False with --ignore_eos: the server stops requests at EOS unless they ignore it
 
 
 def _positive(value: int | None, flag: str) -> None:
@@ -45,9 +47,9 @@ def checkpoint_target(
     if max_seq_len is not None and max_seq_len > longest:
         raise DFlashTrtError(f"--max_seq_len must be <= the target's max_position_embeddings ({longest})")
     seq_len = max_seq_len or longest
-    eos = frozenset() if ignore_eos else frozenset(engine.eos_token_ids)
-    backend = EmulatedBackend(engine, seq_len, sorted(eos))
-    return ServeTarget(backend, engine.max_batch_size, Limits(seq_len, engine.vocab_size), eos)
+    eos = frozenset(engine.eos_token_ids)
+    backend = EmulatedBackend(engine, seq_len, [] if ignore_eos else sorted(eos))
+    return ServeTarget(backend, engine.max_batch_size, Limits(seq_len, engine.vocab_size), eos, not ignore_eos)
 
 
 def engine_target(
@@ -68,9 +70,10 @@ def engine_target(
     seq_len = max_seq_len or seq_len
     listed = config["pretrained_config"].get("eos_token_ids", config["pretrained_config"].get("eos_token_id"))
     eos_ids = listed if isinstance(listed, list) else [] if listed is None else [listed]
-    eos = frozenset() if ignore_eos else frozenset(int(i) for i in eos_ids)
+    eos = frozenset(int(i) for i in eos_ids)
     backend = TrtllmBackend(info, max_batch_size=max_batch_size, ignore_eos=ignore_eos)
-    return ServeTarget(backend, backend.max_batch_size, Limits(seq_len, info.vocab_size or None), eos)
+    limits = Limits(seq_len, info.vocab_size or None)
+    return ServeTarget(backend, backend.max_batch_size, limits, eos, not ignore_eos)
 
 
 def triton_target(
@@ -88,7 +91,9 @@ def triton_target(
     _positive(max_seq_len, "--max_seq_len")
     if max_seq_len is None:
         raise DFlashTrtError("--triton_url needs --max_seq_len (the engine's build max_seq_len; Triton does not say)")
-    eos = frozenset() if ignore_eos else frozenset(eos_token_ids)
     end_id = -1 if ignore_eos or not eos_token_ids else eos_token_ids[0]
     backend = TritonBackend(url, model=model, end_id=end_id)
-    return ServeTarget(backend, max_batch_size or DEFAULT_TRITON_BATCH, Limits(max_seq_len, None), eos)
+    limits = Limits(max_seq_len, None)
+    return ServeTarget(
+        backend, max_batch_size or DEFAULT_TRITON_BATCH, limits, frozenset(eos_token_ids), not ignore_eos
+    )
