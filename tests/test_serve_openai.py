@@ -372,3 +372,27 @@ def test_chat_without_a_template_is_a_clear_400(engine, tiny):
         with pytest.raises(openai.BadRequestError) as refused:
             client(bare).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
     assert refused.value.param == "messages" and "chat template" in refused.value.message
+
+
+def test_bench_over_the_openai_url_measures_what_generate_decodes(server, tiny, chat_tokenizer_dir, texts, tmp_path):
+    """`bench --openai_url` records each request's tokens and per-iteration acceptance from the streamed chunks."""
+    report = oracle_report("generate", tiny, tmp_path, [{"text": t} for t in texts])
+    prompts = tmp_path / "bench.jsonl"
+    prompts.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    out = tmp_path / "bench"
+    argv = ["bench", "--openai_url", f"{server.url}/v1", "--input_file", str(prompts), "--concurrency", "2"]
+    argv += ["--max_new_tokens", str(MAX_NEW), "--tokenizer_dir", str(chat_tokenizer_dir), "--output_dir", str(out)]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(argv) == 0
+    point = json.loads((out / "results.json").read_text())["points"][0]
+    assert point["failed"] == 0 and point["requests"] == len(texts)
+    for entry in point["per_request"]:
+        want = report["sequences"][entry["prompt_index"]]
+        assert entry["output_ids"] == want["output_ids"] and entry["acceptance"] == want["acceptance_lengths"]
+
+
+def test_bench_refuses_an_unreachable_openai_url(tmp_path, capsys):
+    argv = ["bench", "--openai_url", "http://127.0.0.1:9/v1", "--synthetic", "8,8,2", "--vocab_size", "100"]
+    assert main([*argv, "--concurrency", "1", "--output_dir", str(tmp_path / "out")]) == 2
+    assert "cannot reach an OpenAI server at http://127.0.0.1:9/v1" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
