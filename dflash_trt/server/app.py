@@ -16,6 +16,7 @@ from typing import TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.background import BackgroundTask
 
 from dflash_trt.server.errors import BAD_REQUEST, NOT_FOUND, TOO_LARGE, UNAUTHORIZED, error
 from dflash_trt.server.generation import Served
@@ -23,6 +24,7 @@ from dflash_trt.server.metrics import CONTENT_TYPE
 from dflash_trt.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard, ModelList
 from dflash_trt.server.serving_chat import create_chat_completion
 from dflash_trt.server.serving_completion import create_completion
+from dflash_trt.server.sse import EventStream
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 Body = TypeVar("Body", bound=BaseModel)
@@ -30,12 +32,17 @@ Result = TypeVar("Result")
 CLIENT_CLOSED = 499  # what nginx logs for a client that left before the answer; the client never sees it
 
 
-def answer(result: BaseModel | ErrorResponse | AsyncIterator[str]) -> Response:
+def answer(result: BaseModel | ErrorResponse | EventStream) -> Response:
     if isinstance(result, ErrorResponse):
         return JSONResponse(result.model_dump(), status_code=result.status)
     if isinstance(result, BaseModel):
         return Response(result.model_dump_json(), media_type="application/json")
-    return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(
+        result.events,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
+        background=BackgroundTask(result.close),
+    )
 
 
 def validation_error(exc: ValidationError) -> ErrorResponse:
@@ -110,7 +117,7 @@ def build_app(served: Served, *, api_key: str | None = None, max_body_bytes: int
         request: Request,
         endpoint: str,
         schema: type[Body],
-        serve: Callable[[Served, Body], Awaitable[BaseModel | ErrorResponse | AsyncIterator[str]]],
+        serve: Callable[[Served, Body], Awaitable[BaseModel | ErrorResponse | EventStream]],
     ) -> Response:
         refused = unauthorized(request)
         body = await read_body(request, max_body_bytes) if refused is None else refused

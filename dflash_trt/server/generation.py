@@ -89,4 +89,8 @@ class Generation:
             if rest:
                 yield Piece(rest, [])
         finally:
-            self.served.client.close(self.request_id)
+            self.close()
+
+    def close(self) -> None:
+        """Release the request (cancelled in the backend if it still runs there); closing twice is harmless."""
+        self.served.client.close(self.request_id)

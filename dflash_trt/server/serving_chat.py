@@ -64,7 +64,7 @@ def render(served: Served, request: ChatCompletionRequest) -> list[int] | ErrorR
 
 async def create_chat_completion(
     served: Served, request: ChatCompletionRequest
-) -> ChatCompletionResponse | AsyncIterator[str] | ErrorResponse:
+) -> ChatCompletionResponse | sse.EventStream | ErrorResponse:
     ids = render(served, request)
     if isinstance(ids, ErrorResponse):
         return ids
@@ -83,7 +83,7 @@ async def create_chat_completion(
     with_ids = bool(request.return_token_ids)
     if request.stream:
         usage = bool(request.stream_options and request.stream_options.include_usage)
-        return chat_stream(generation, head, usage, with_ids)
+        return sse.EventStream(chat_stream(generation, head, usage, with_ids), generation.close)
     try:
         pieces = [piece async for piece in generation.pieces()]
     except BackendError as exc:

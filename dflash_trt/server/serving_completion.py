@@ -33,7 +33,7 @@ def prompt_ids(served: Served, prompt: str | list[str] | list[int] | list[list[i
 
 async def create_completion(
     served: Served, request: CompletionRequest
-) -> CompletionResponse | AsyncIterator[str] | ErrorResponse:
+) -> CompletionResponse | sse.EventStream | ErrorResponse:
     ids = prompt_ids(served, request.prompt)
     if isinstance(ids, ErrorResponse):
         return ids
@@ -48,7 +48,7 @@ async def create_completion(
     with_ids = bool(request.return_token_ids)
     if request.stream:
         usage = bool(request.stream_options and request.stream_options.include_usage)
-        return completion_stream(generation, head, usage, with_ids)
+        return sse.EventStream(completion_stream(generation, head, usage, with_ids), generation.close)
     try:
         pieces = [piece async for piece in generation.pieces()]
     except BackendError as exc:
