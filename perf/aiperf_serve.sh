@@ -6,7 +6,8 @@
 #
 # The checkpoint's tokenizer gets a minimal chat template (in a copy under OUTPUT_DIR) when it has none, so the
 # chat endpoint can render prompts; aiperf counts tokens with the same copy. The server runs with --ignore_eos and
-# every request sends ignore_eos, so each produces exactly OSL tokens. Settings: CONCURRENCY (8), REQUESTS (64),
+# every request sends ignore_eos, so each produces exactly OSL tokens; aiperf counts output tokens from the
+# server's usage (re-tokenizing the text undercounts: special tokens are not part of it). Settings: CONCURRENCY (8), REQUESTS (64),
 # ISL (64), OSL (64), PORT (8011), MAX_BATCH_SIZE (8). aiperf's own report lands in OUTPUT_DIR/aiperf.
 set -euo pipefail
 
@@ -64,6 +65,7 @@ aiperf profile \
     --output-tokens-mean "$osl" \
     --output-tokens-stddev 0 \
     --extra-inputs ignore_eos:true \
+    --use-server-token-count \
     --random-seed 123 \
     --artifact-dir "$out/aiperf"
 curl -s "http://127.0.0.1:$port/metrics" >"$out/metrics.txt"
