@@ -333,6 +333,11 @@ def test_malformed_bodies_and_unknown_models(server):
     for body in (b"{", b"[1, 2]", b'{"prompt": "x", "max_tokens": "many"}', b'{"max_tokens": 2}'):
         answer = httpx.post(f"{server.url}/v1/completions", content=body)
         assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request_error"
+    for field, value in (("max_tokens", True), ("max_tokens", 2.5), ("temperature", "hot"), ("stream", "yes")):
+        answer = httpx.post(f"{server.url}/v1/completions", json={"prompt": "add 1 2", field: value})
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == field
+    answer = httpx.post(f"{server.url}/v1/completions", content=b'{"prompt": "add 1 2", "temperature": NaN}')
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "temperature"
     with pytest.raises(openai.NotFoundError):
         client(server).completions.create(model="other", prompt="add 1 2", max_tokens=2)
 
