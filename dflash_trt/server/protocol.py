@@ -18,7 +18,6 @@ class Strict(BaseModel):
 
 class StreamOptions(Strict):
     include_usage: bool | None = None
-    continuous_usage_stats: bool | None = None
 
 
 class TextPart(Strict):
