@@ -205,11 +205,13 @@ class TrtllmBackend(Backend):
             for r in self.executor.await_responses(timeout=POLL):
                 if r.has_error():
                     batch.append(Response(r.client_id, [], True, r.error_msg))
+                    final = True
                 else:
                     result = r.result
                     batch.append(Response(r.client_id, list(result.output_token_ids[0]), result.is_final))
-                    if result.is_final:
-                        self._executor_ids.pop(r.client_id, None)
+                    final = result.is_final
+                if final:
+                    self._executor_ids.pop(r.client_id, None)
             if batch:
                 send(batch)
 
