@@ -3,8 +3,8 @@
 An instant backend stands in for the GPU: every in-flight request gets 4 tokens per iteration (a DFlash step),
 either as fast as the event loop allows (throughput) or one iteration every 13.3 ms (64 users at 300 tok/s/user,
 TPOT 3.33 ms). The server runs in its own process (uvicorn, the app, the tiny pair's tokenizer detokenizing every
-token); the load generator is `bench`'s, in this process, over the OpenAI backend (HTTP streaming), 64 users in a
-closed loop. Two ratios (`make bench` protocol):
+token); the load generator is `bench --openai_url`'s, in this process, over the OpenAI backend (HTTP streaming),
+64 users in a closed loop. Two ratios (`make bench` protocol):
 
 - `server_tok_s_per_cpu_s_vs_20000`: streamed output tokens per CPU-second of the server process, over 20,000
   (the details add the same at one token per response: plain autoregressive decoding's worst case).
@@ -82,55 +82,6 @@ class InstantBackend(Backend):
         pass
 
 
-class LeanClient(Backend):
-    """A minimal HTTP/1.1 streaming client (one keep-alive connection per user, chunked SSE parsed by hand), so
-    the measuring side costs as little CPU as possible; bench's OpenAI backend (httpx) is measured too."""
-
-    def __init__(self, port: int):
-        self.port = port
-        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
-        self.tasks: set[asyncio.Task] = set()
-
-    async def start(self, deliver):
-        self.deliver = deliver
-
-    def submit(self, request_id, request):
-        task = asyncio.get_running_loop().create_task(self._stream(request_id, request))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-
-    def cancel(self, request_id):
-        raise AssertionError("the benchmark never cancels")
-
-    async def _stream(self, request_id, request):
-        reader, writer = self.idle.pop() if self.idle else await asyncio.open_connection("127.0.0.1", self.port)
-        body = json.dumps(
-            {
-                "prompt": request.input_ids,
-                "max_tokens": request.max_new_tokens,
-                "temperature": 0,
-                "stream": True,
-                "return_token_ids": True,
-            }
-        ).encode()
-        head = "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-        writer.write(head.encode() + f"content-length: {len(body)}\r\n\r\n".encode() + body)
-        while (await reader.readline()) != b"\r\n":
-            pass  # status line and headers (200, chunked: checked by the token count below)
-        while size := int(await reader.readline(), 16):
-            data = await reader.readexactly(size + 2)
-            for line in data.split(b"\n"):
-                if line.startswith(b"data: {"):
-                    choice = json.loads(line[6:])["choices"][0]
-                    self.deliver([Response(request_id, choice["token_ids"] or [], choice["finish_reason"] is not None)])
-        await reader.readline()
-        self.idle.append((reader, writer))
-
-    async def stop(self):
-        for _, writer in self.idle:
-            writer.close()
-
-
 def serve(sock, interval_s: float, tokens: list[int]) -> None:
     """The server process: the real app over the instant backend (tiny pair tokenizer), until terminated."""
     from dflash_trt.server.launch import make_app, uvicorn_server
@@ -164,9 +115,7 @@ def mean_tpot(backend: Backend, count: int) -> tuple[float, float, int]:
     return statistics.fmean(tpots), trace.duration_s, tokens
 
 
-def through_http(
-    interval_s: float, count: int, lean: bool, tokens: list[int] = TOKENS
-) -> tuple[float, float, int, float]:
+def through_http(interval_s: float, count: int, tokens: list[int] = TOKENS) -> tuple[float, float, int, float]:
     """Mean TPOT, wall seconds, tokens and server CPU-seconds of a run through a fresh server process."""
     from dflash_trt.bench.backends.openai_http import OpenAIBackend
     from dflash_trt.server.launch import listen
@@ -177,7 +126,7 @@ def through_http(
     server.start()
 
     def client() -> Backend:
-        return LeanClient(port) if lean else OpenAIBackend(f"http://127.0.0.1:{port}/v1")
+        return OpenAIBackend(f"http://127.0.0.1:{port}/v1")
 
     try:
         asyncio.run(mean_tpot_warm(client(), USERS))  # warm-up: imports, connections, first requests
@@ -195,13 +144,12 @@ async def mean_tpot_warm(backend: Backend, count: int) -> None:
 
 def main() -> None:
     count = USERS * 4
-    _, fast_s, fast_tokens, fast_cpu = through_http(0.0, count, lean=True)
+    _, fast_s, fast_tokens, fast_cpu = through_http(0.0, count)
     server_rate = fast_tokens / fast_cpu
-    _, _, single_tokens, single_cpu = through_http(0.0, USERS, lean=True, tokens=TOKENS[:1])
+    _, _, single_tokens, single_cpu = through_http(0.0, USERS, tokens=TOKENS[:1])
     paced = USERS * 2
     direct_tpot, _, _ = mean_tpot(InstantBackend(PACED_INTERVAL_S), paced)
-    http_tpot, _, _, _ = through_http(PACED_INTERVAL_S, paced, lean=True)
-    httpx_tpot, _, _, _ = through_http(PACED_INTERVAL_S, paced, lean=False)
+    http_tpot, _, _, _ = through_http(PACED_INTERVAL_S, paced)
     print(
         json.dumps(
             {
@@ -217,7 +165,6 @@ def main() -> None:
                     "server_tok_per_cpu_s_1_token_responses": round(single_tokens / single_cpu),
                     "tpot_direct_ms": round(direct_tpot * 1e3, 3),
                     "tpot_http_ms": round(http_tpot * 1e3, 3),
-                    "tpot_http_bench_openai_backend_ms": round(httpx_tpot * 1e3, 3),
                     "users": USERS,
                     "tokens_per_response": len(TOKENS),
                     "cores": os.cpu_count(),

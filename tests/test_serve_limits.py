@@ -179,3 +179,32 @@ def test_sigterm_lets_the_streams_in_flight_finish_then_exits(tiny):
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+def test_the_bench_openai_backend_cancels_by_closing_and_reports_refusals(tokenizer):
+    """bench's OpenAI backend: `cancel` closes the request's connection (the server cancels it in its backend), and a
+    request the server refuses comes back as that request's error."""
+    from dflash_trt.bench.backends.openai_http import OpenAIBackend
+    from dflash_trt.bench.driver import BenchRequest
+
+    backend, running = held_server(tokenizer, max_batch_size=2, max_queue=0)
+    seen: list[Response] = []
+
+    async def scenario(url: str) -> None:
+        client = OpenAIBackend(f"{url}/v1")
+        await client.start(seen.extend)
+        client.submit(10, BenchRequest(0, [5, 6], 8))
+        client.submit(11, BenchRequest(1, [5, 6], 10_000))
+        while not (any(r.request_id == 10 for r in seen) and any(r.request_id == 11 for r in seen)):
+            await asyncio.sleep(0.01)
+        client.cancel(10)
+        await asyncio.to_thread(wait_for, lambda: backend.cancelled == [0])
+        await client.stop()
+
+    with running:
+        asyncio.run(scenario(running.url))
+    assert [(r.tokens, r.final) for r in seen if r.request_id == 10] == [([7], False)]
+    refused = [r for r in seen if r.request_id == 11]
+    assert (
+        len(refused) == 1 and refused[0].final and "HTTP 400" in refused[0].error and "max_tokens" in refused[0].error
+    )
