@@ -15,7 +15,20 @@ from dflash_trt import __version__
 from dflash_trt.errors import DFlashTrtError
 
 # Each name is a module in dflash_trt.commands exposing `register(subparsers)`.
-COMMANDS = ["convert", "verify", "generate", "build", "selftest", "triton", "bench", "sweep", "plan", "demo", "emulate"]
+COMMANDS = [
+    "convert",
+    "verify",
+    "generate",
+    "build",
+    "selftest",
+    "triton",
+    "bench",
+    "sweep",
+    "plan",
+    "demo",
+    "emulate",
+    "serve",
+]
 
 GPU_EPILOG = (
     "Needs a GPU host with TensorRT-LLM 1.2.x: build (except --dry_run), selftest, and bench / sweep on an engine "

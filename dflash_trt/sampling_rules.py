@@ -17,6 +17,8 @@ from typing import Any
 
 # What the engine honours per request; `dflash_trt.json` records it.
 HONOURED = ("temperature", "seed")
+# torch.Generator seeds are 64-bit; the largest positive one keeps the value meaningful on every platform.
+MAX_SEED = 2**63 - 1
 # How the engine verifies drafts at temperature > 0: argmax drafts, one target sample per position, accepted while
 # it equals the draft (the first mismatching sample is the bonus token). Exactly the target's distribution.
 ENGINE_SAMPLING = "exact_match"

@@ -59,6 +59,9 @@ class InstantBackend(Backend):
         if self.active:
             self._schedule()
 
+    def cancel(self, request_id):
+        self.active.pop(request_id, None)
+
     async def stop(self):
         pass
 

@@ -51,6 +51,9 @@ class ScriptedBackend(Backend):
             self.deliver([Response(request_id, list(range(token, token + n)), i == len(chunks) - 1)])
             token += n
 
+    def cancel(self, request_id):
+        raise AssertionError("the driver never cancels")
+
     async def stop(self):
         await asyncio.gather(*self.tasks)
 

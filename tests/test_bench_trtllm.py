@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from dflash_trt.bench.backends.trtllm import TrtllmBackend, inspect_engine
-from dflash_trt.bench.driver import BenchRequest, FollowerRank, run_load
+from dflash_trt.bench.driver import BenchRequest, FollowerRank, Response, run_load
 from dflash_trt.cli import main
 from dflash_trt.errors import DFlashTrtError
 
@@ -61,6 +61,9 @@ class ScriptedExecutor:
         self.requests: dict[int, list | None] = {}
         self.lock = threading.Lock()
         self.shut = False
+        self.ids: dict[int, int] = {}  # client id -> the id enqueue_request returned
+        self.cancelled: list[int] = []
+        self.enqueued: list = []
         ScriptedExecutor.instances.append(self)
 
     def can_enqueue_requests(self):
@@ -68,9 +71,11 @@ class ScriptedExecutor:
 
     def enqueue_request(self, request):
         with self.lock:
+            self.enqueued.append(request)
             chunks = [[1], [2, 3, 4], [5, 6]] if 13 not in request.kwargs["input_token_ids"] else None
             self.requests[request.kwargs["client_id"]] = chunks
-        return len(self.requests)
+            self.ids[request.kwargs["client_id"]] = 1000 + len(self.ids)
+            return self.ids[request.kwargs["client_id"]]
 
     def await_responses(self, timeout):
         time.sleep(0.001)
@@ -89,6 +94,11 @@ class ScriptedExecutor:
                 if not chunks:
                     del self.requests[client_id]
         return out
+
+    def cancel_request(self, id):
+        with self.lock:
+            self.cancelled.append(id)
+            self.requests = {c: chunks for c, chunks in self.requests.items() if self.ids[c] != id}
 
     def shutdown(self):
         self.shut = True
@@ -220,3 +230,26 @@ def test_bench_cli_on_a_host_without_tensorrt_llm_is_one_clear_error(tmp_path, c
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "tensorrt_llm 1.2.x is not installed" in err[0]
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_requests_carry_their_sampling_and_cancel_with_the_executor_id(tmp_path):
+    info = inspect_engine(write_engine(tmp_path / "ar", kind="ar"), kind="ar")
+    backend = TrtllmBackend(info, trtllm=double(), prepare=lambda _: None)
+    seen: list[Response] = []
+
+    async def run():
+        await backend.start(seen.extend)
+        backend.submit(5, BenchRequest(0, [9, 9], 8, temperature=0.7, seed=11))
+        backend.submit(6, BenchRequest(1, [8], 8))
+        backend.cancel(6)
+        backend.cancel(6)  # already gone: nothing more is sent
+        while not any(r.final for r in seen):
+            await asyncio.sleep(0.005)
+        await backend.stop()
+
+    asyncio.run(run())
+    executor = ScriptedExecutor.instances[-1]
+    assert executor.cancelled == [executor.ids[6]] == [1001]
+    assert {r.request_id for r in seen} == {5}
+    sampling = [call.kwargs["sampling_config"].kwargs for call in executor.enqueued]
+    assert sampling == [{"beam_width": 1, "temperature": 0.7, "seed": 11}, {"beam_width": 1, "temperature": 0.0}]

@@ -69,6 +69,10 @@ class Backend(ABC):
         """Send one request without waiting for it (called on the event loop's thread)."""
 
     @abstractmethod
+    def cancel(self, request_id: int) -> None:
+        """Stop serving `request_id` (a client went away); responses that still arrive for it may be ignored."""
+
+    @abstractmethod
     async def stop(self) -> None:
         """Release what `start` acquired; requests still running may be dropped."""
 

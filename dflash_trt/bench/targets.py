@@ -1,9 +1,9 @@
 """What a benchmark point runs against, and the backend that serves it: one place for `bench` and `sweep`.
 
 A target is an engine directory (TensorRT-LLM executor), a converted checkpoint (CPU golden model; kind "ar" runs
-its target alone) or a Triton endpoint, with its kind ("dflash", "ar", "eagle3"). Bad targets are refused
-before anything runs: a missing engine, a DFlash engine without `dflash_trt.json` or plugin library, an unreachable
-server (when the first point starts).
+its target alone), a Triton endpoint or an OpenAI endpoint (`dflash-trt serve`), with its kind ("dflash", "ar",
+"eagle3"). Bad targets are refused before anything runs: a missing engine, a DFlash engine without
+`dflash_trt.json` or plugin library, an unreachable server (when the first point starts).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class Target:
     engine_dir: str | None = None
     checkpoint_dir: str | None = None
     triton_url: str | None = None
+    openai_url: str | None = None
     plugin_library: str | None = None
     eagle_choices: tuple[tuple[int, ...], ...] | None = None
     triton_model: str = "tensorrt_llm"
@@ -37,9 +38,11 @@ class Target:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise DFlashTrtError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
-        given = [x for x in (self.engine_dir, self.checkpoint_dir, self.triton_url) if x]
+        given = [x for x in (self.engine_dir, self.checkpoint_dir, self.triton_url, self.openai_url) if x]
         if len(given) != 1:
-            raise DFlashTrtError("a benchmark target is exactly one of engine_dir, checkpoint_dir and triton_url")
+            raise DFlashTrtError(
+                "a benchmark target is exactly one of engine_dir, checkpoint_dir, triton_url and openai_url"
+            )
         if self.checkpoint_dir and self.kind == "eagle3":
             raise DFlashTrtError("a converted DFlash checkpoint runs as kind 'dflash' or 'ar', not 'eagle3'")
 
@@ -105,6 +108,11 @@ def backend_factory(
             end_id=target.end_id,
             kv_cache_free_gpu_memory_fraction=kv_cache_free_gpu_mem_fraction,
         )
+    if target.openai_url:
+        from dflash_trt.bench.backends.openai_http import OpenAIBackend
+
+        url = target.openai_url
+        return lambda in_flight: OpenAIBackend(url, mode=target.kind, gpus=target.gpus, ignore_eos=workload.ignore_eos)
     from dflash_trt.bench.backends.triton import TritonBackend
 
     end_id = -1 if workload.ignore_eos else target.end_id
@@ -125,5 +133,10 @@ def provenance(target: Target) -> dict[str, Any]:
 
 
 def describe(target: Target) -> dict[str, Any]:
-    where = {"engine_dir": target.engine_dir, "checkpoint_dir": target.checkpoint_dir, "triton_url": target.triton_url}
+    where = {
+        "engine_dir": target.engine_dir,
+        "checkpoint_dir": target.checkpoint_dir,
+        "triton_url": target.triton_url,
+        "openai_url": target.openai_url,
+    }
     return {"kind": target.kind, **{k: v for k, v in where.items() if v}}

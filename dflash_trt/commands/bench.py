@@ -1,7 +1,7 @@
 """`dflash-trt bench`: drive a DFlash engine (TensorRT-LLM executor), a Triton server or the CPU golden model with
 closed-loop concurrency or Poisson arrivals; write results.json, report.html and pareto.png.
 
-    dflash-trt bench (--engine_dir E | --checkpoint_dir C | --triton_url HOST:PORT)
+    dflash-trt bench (--engine_dir E | --checkpoint_dir C | --triton_url HOST:PORT | --openai_url URL)
                      (--input_file P.jsonl | --synthetic ISL,OSL,COUNT) --concurrency 1,2,4
                      [--request_rate R] [--max_new_tokens N] [--baseline ar] --output_dir D
 
@@ -48,6 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     target.add_argument("--engine_dir", help="DFlash engine (dflash-trt build): TensorRT-LLM 1.2.x executor, GPU")
     target.add_argument("--checkpoint_dir", help="converted checkpoint: the golden model with in-flight batching, CPU")
     target.add_argument("--triton_url", help="Triton gRPC endpoint HOST:PORT of a deployed repository")
+    target.add_argument("--openai_url", help="OpenAI endpoint http://HOST:PORT/v1 (dflash-trt serve)")
     prompts = p.add_mutually_exclusive_group(required=True)
     prompts.add_argument(
         "--input_file",
@@ -84,7 +85,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="--engine_dir: share of free GPU memory for the KV cache (default: the executor's own)",
     )
     p.add_argument("--triton_model", default="tensorrt_llm", help="model that takes token ids (default tensorrt_llm)")
-    p.add_argument("--gpus", type=int, default=1, help="GPUs behind --triton_url (divides tok/s per GPU)")
+    p.add_argument(
+        "--gpus", type=int, default=1, help="GPUs behind --triton_url / --openai_url (divides tok/s per GPU)"
+    )
     p.add_argument(
         "--end_id",
         type=int,
@@ -121,8 +124,11 @@ def targets(args: argparse.Namespace) -> dict[str, Target]:
         "gpus": args.gpus,
         "end_id": args.end_id,
     }
-    out = {"dflash": Target("dflash", args.engine_dir, args.checkpoint_dir, args.triton_url, **common)}
+    where = (args.engine_dir, args.checkpoint_dir, args.triton_url, args.openai_url)
+    out = {"dflash": Target("dflash", *where, **common)}
     if args.baseline == "ar":
+        if args.openai_url:
+            raise DFlashTrtError("--baseline ar is not available with --openai_url; bench the AR server separately")
         if args.engine_dir and not args.baseline_engine_dir:
             raise DFlashTrtError("--baseline ar with --engine_dir needs --baseline_engine_dir (an AR engine)")
         if args.triton_url and not args.baseline_triton_url:
@@ -138,7 +144,7 @@ def build_workload(args: argparse.Namespace, target: Target) -> Workload:
         synthetic = parse_synthetic(args.synthetic)
         vocab = vocab_size(target) or args.vocab_size
         if not vocab:
-            raise DFlashTrtError("--synthetic with --triton_url needs --vocab_size (the model's token range)")
+            raise DFlashTrtError("--synthetic with a server URL needs --vocab_size (the model's token range)")
         workload = synthetic_workload(synthetic, vocab, args.seed)
         if target.kind != "ar":
             print(SYNTHETIC_WARNING, file=sys.stderr)

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import strict_json
 from dflash_trt.prompts import CHAT_TEMPLATE_KWARGS_HELP, parse_chat_template_kwargs, read_prompts
-from dflash_trt.sampling_rules import ENGINE, METHODS
+from dflash_trt.sampling_rules import ENGINE, MAX_SEED, METHODS
 from dflash_trt.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
@@ -68,10 +68,6 @@ def sequence_record(result: SequenceResult, tokenizer, trace: bool) -> dict[str,
     if trace:
         record["steps"] = [{"draft_ids": s.draft_ids, "accepted": s.accepted} for s in result.steps]
     return record
-
-
-# torch.Generator seeds are 64-bit; the largest positive one keeps the value meaningful on every platform.
-MAX_SEED = 2**63 - 1
 
 
 def check_arguments(args: argparse.Namespace) -> None:

@@ -63,7 +63,7 @@ class TritonBackend(Backend):
         self.connect_timeout_s = connect_timeout_s
         self.client: Any = None
         self.deliver: Deliver = lambda batch: None
-        self.tasks: set[asyncio.Task] = set()
+        self.tasks: dict[int, asyncio.Task] = {}  # request id -> the task holding its stream
 
     async def start(self, deliver: Deliver) -> None:
         import tritonclient.grpc.aio as grpcclient
@@ -82,8 +82,14 @@ class TritonBackend(Backend):
 
     def submit(self, request_id: int, request: BenchRequest) -> None:
         task = asyncio.get_running_loop().create_task(self._stream(request_id, request))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        self.tasks[request_id] = task
+        task.add_done_callback(lambda _: self.tasks.pop(request_id, None))
+
+    def cancel(self, request_id: int) -> None:
+        """Close the request's stream: Triton cancels a request whose gRPC stream its client cancelled."""
+        task = self.tasks.get(request_id)
+        if task is not None:
+            task.cancel()
 
     async def _stream(self, request_id: int, request: BenchRequest) -> None:
         import grpc
@@ -118,10 +124,11 @@ class TritonBackend(Backend):
             done.set()
 
     async def stop(self) -> None:
-        for task in list(self.tasks):
+        tasks = list(self.tasks.values())
+        for task in tasks:
             task.cancel()
-        if self.tasks:
-            await asyncio.gather(*self.tasks, return_exceptions=True)
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
         if self.client is not None:
             await self.client.close()
             self.client = None

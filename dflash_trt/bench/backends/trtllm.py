@@ -140,6 +140,7 @@ class TrtllmBackend(Backend):
         self.trtllm = trtllm
         self.prepare = prepare
         self.executor: Any = None
+        self._executor_ids: dict[int, int] = {}  # our request id -> the executor's, for cancel_request
         self._stopping = threading.Event()
         self._poller: threading.Thread | None = None
 
@@ -176,13 +177,14 @@ class TrtllmBackend(Backend):
 
     def submit(self, request_id: int, request: BenchRequest) -> None:
         trtllm = self.trtllm
-        self.executor.enqueue_request(
+        sampling = engine_request_sampling({"temperature": request.temperature, "seed": request.seed})
+        self._executor_ids[request_id] = self.executor.enqueue_request(
             trtllm.Request(
                 input_token_ids=request.input_ids,
                 max_tokens=request.max_new_tokens,
                 streaming=True,
                 # Temperature 0 is sent explicitly: a request without one is sampled at the runtime's default 1.0.
-                sampling_config=trtllm.SamplingConfig(beam_width=1, **engine_request_sampling({})),
+                sampling_config=trtllm.SamplingConfig(beam_width=1, **sampling),
                 output_config=trtllm.OutputConfig(exclude_input_from_output=True),
                 end_id=self.end_id,
                 pad_id=max(self.end_id, 0),
@@ -190,15 +192,26 @@ class TrtllmBackend(Backend):
             )
         )
 
+    def cancel(self, request_id: int) -> None:
+        """`Executor.cancel_request(id)` with the id `enqueue_request` returned; the executor ends the request at
+        its next iteration."""
+        executor_id = self._executor_ids.pop(request_id, None)
+        if executor_id is not None:
+            self.executor.cancel_request(executor_id)
+
     def _poll(self, send: Deliver) -> None:
         while not self._stopping.is_set():
             batch = []
             for r in self.executor.await_responses(timeout=POLL):
                 if r.has_error():
                     batch.append(Response(r.client_id, [], True, r.error_msg))
+                    final = True
                 else:
                     result = r.result
                     batch.append(Response(r.client_id, list(result.output_token_ids[0]), result.is_final))
+                    final = result.is_final
+                if final:
+                    self._executor_ids.pop(r.client_id, None)
             if batch:
                 send(batch)
 

@@ -1,0 +1,92 @@
+"""`dflash-trt serve`: an OpenAI-compatible endpoint (/v1/completions, /v1/chat/completions, /v1/models, /health,
+/metrics) over a DFlash engine (TensorRT-LLM executor), a Triton deployment, or a converted checkpoint (CPU).
+
+Temperature and seed are honoured; parameters the engine cannot honour (n > 1, top_p < 1, top_k, penalties,
+logprobs, logit_bias, tools, response_format, ...) are refused with HTTP 400 naming them. SIGTERM finishes the
+requests in flight, then exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from dflash_trt.errors import DFlashTrtError
+from dflash_trt.tokenizer import load_tokenizer
+
+API_KEY_ENV = "DFLASH_TRT_API_KEY"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="OpenAI-compatible HTTP endpoint over an engine, Triton or a checkpoint", description=__doc__
+    )
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--engine_dir", help="DFlash engine (dflash-trt build): TensorRT-LLM 1.2.x executor, GPU")
+    target.add_argument("--triton_url", help="Triton gRPC endpoint HOST:PORT of a deployed repository")
+    target.add_argument("--checkpoint_dir", help="converted checkpoint: the emulated engine on the CPU")
+    parser.add_argument("--tokenizer_dir", help="tokenizer (default: the checkpoint's; required otherwise)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served_model_name", help="model name clients send (default: the folder's name)")
+    parser.add_argument("--max_batch_size", type=int, help="requests in the engine at once (default: the engine's)")
+    parser.add_argument("--max_queue_size", type=int, default=1024, help="requests waiting beyond that; then 503")
+    parser.add_argument("--max_seq_len", type=int, help="prompt + output tokens per request (default: the engine's)")
+    parser.add_argument("--plugin_library", help="libdflash_trt_plugins.so (default: the one dflash_trt.json names)")
+    parser.add_argument("--triton_model", default="tensorrt_llm", help="model that takes token ids")
+    parser.add_argument("--ignore_eos", action="store_true", help="never stop at EOS (benchmarks)")
+    parser.add_argument("--max_request_bytes", type=int, default=8 * 1024 * 1024, help="largest request body")
+    parser.add_argument("--drain_timeout_s", type=int, help="on SIGTERM, wait at most this long for requests")
+    parser.add_argument("--api_key", help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV})")
+    parser.set_defaults(func=run)
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise DFlashTrtError(f"--port must lie in [0, 65535], got {args.port}")
+    if args.max_queue_size < 0:
+        raise DFlashTrtError(f"--max_queue_size must be >= 0, got {args.max_queue_size}")
+    if args.max_request_bytes < 1024:
+        raise DFlashTrtError(f"--max_request_bytes must be >= 1024, got {args.max_request_bytes}")
+    if args.drain_timeout_s is not None and args.drain_timeout_s < 1:
+        raise DFlashTrtError(f"--drain_timeout_s must be >= 1, got {args.drain_timeout_s}")
+    if not (args.tokenizer_dir or args.checkpoint_dir):
+        raise DFlashTrtError("--engine_dir and --triton_url need --tokenizer_dir")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dflash_trt.server.launch import listen, make_app, uvicorn_server
+    from dflash_trt.server.targets import checkpoint_target, engine_target, triton_target
+
+    check_arguments(args)
+    tokenizer_dir = args.tokenizer_dir or args.checkpoint_dir
+    tokenizer = load_tokenizer(tokenizer_dir)
+    if tokenizer is None:
+        raise DFlashTrtError(f"{tokenizer_dir} holds no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
+    if args.checkpoint_dir:
+        target = checkpoint_target(args.checkpoint_dir, args.max_batch_size, args.max_seq_len, args.ignore_eos)
+    elif args.engine_dir:
+        target = engine_target(
+            args.engine_dir, args.plugin_library, args.max_batch_size, args.max_seq_len, args.ignore_eos
+        )
+    else:
+        eos = getattr(tokenizer, "eos_token_id", None)
+        eos_ids = [] if eos is None else [eos]
+        target = triton_target(
+            args.triton_url, args.triton_model, args.max_batch_size, args.max_seq_len, eos_ids, args.ignore_eos
+        )
+    name = args.served_model_name or Path(args.checkpoint_dir or args.engine_dir or args.triton_model).name
+    app = make_app(
+        target,
+        tokenizer,
+        name,
+        max_queue=args.max_queue_size,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_body_bytes=args.max_request_bytes,
+    )
+    sock = listen(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    print(f"serving {name!r} on http://{host}:{port}/v1 (Ctrl-C or SIGTERM to stop)", flush=True)
+    uvicorn_server(app, args.drain_timeout_s).run(sockets=[sock])
+    return 0

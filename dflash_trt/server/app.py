@@ -1,0 +1,169 @@
+"""The FastAPI app: routes, body parsing and limits, the API key, and turning error values into HTTP answers.
+
+Bodies are read and validated here (not by FastAPI's dependency injection) so that every malformed body, unknown
+field and oversized upload gets one OpenAI-style 400/413 naming what is wrong. A non-streamed request whose client
+disconnects is cancelled; a streamed one is cancelled by Starlette closing its stream on disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.background import BackgroundTask
+
+from dflash_trt.server.errors import BAD_REQUEST, NOT_FOUND, TOO_LARGE, UNAUTHORIZED, error
+from dflash_trt.server.generation import Served
+from dflash_trt.server.metrics import CONTENT_TYPE
+from dflash_trt.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard, ModelList
+from dflash_trt.server.serving_chat import create_chat_completion
+from dflash_trt.server.serving_completion import create_completion
+from dflash_trt.server.sse import EventStream
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+Body = TypeVar("Body", bound=BaseModel)
+Result = TypeVar("Result")
+CLIENT_CLOSED = 499  # what nginx logs for a client that left before the answer; the client never sees it
+
+
+def answer(result: BaseModel | ErrorResponse | EventStream) -> Response:
+    if isinstance(result, ErrorResponse):
+        return JSONResponse(result.model_dump(), status_code=result.status)
+    if isinstance(result, BaseModel):
+        return Response(result.model_dump_json(), media_type="application/json")
+    return StreamingResponse(
+        result.events,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
+        background=BackgroundTask(result.close),
+    )
+
+
+def validation_error(exc: ValidationError) -> ErrorResponse:
+    first = exc.errors(include_url=False)[0]
+    where = [str(part) for part in first["loc"] if not isinstance(part, int)]
+    kind = first["type"]
+    if kind == "json_invalid":
+        return error(f"the body is not valid JSON: {first['msg']}")
+    if kind == "extra_forbidden":
+        name = ".".join(where)
+        return error(f"unknown parameter {name!r}: this server does not know it, so it cannot honour it", name)
+    if not where:
+        return error(f"the body must be a JSON object: {first['msg']}")
+    name = where[0] if kind == "missing" else ".".join(where)
+    return error(f"{name}: {first['msg']}", where[0])
+
+
+async def read_body(request: Request, limit: int) -> bytes | ErrorResponse:
+    too_large = error(f"the body exceeds {limit} bytes", status=TOO_LARGE)
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        return too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def until_disconnected(request: Request, work: Awaitable[Result]) -> Result | None:
+    """`work`'s result, or None with `work` cancelled when the client goes away first (its request leaves the
+    engine). Only for work that starts after the body has been read: the watcher consumes what the client sends."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return None
+
+
+def build_app(served: Served, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await served.client.start()
+        try:
+            yield
+        finally:
+            await served.client.stop()
+
+    app = FastAPI(title="dflash-trt", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    expected = None if api_key is None else f"Bearer {api_key}".encode()
+
+    def unauthorized(request: Request) -> ErrorResponse | None:
+        if expected is None:
+            return None
+        given = request.headers.get("authorization", "").encode()
+        if hmac.compare_digest(given, expected):
+            return None
+        return error("a valid API key is required (Authorization: Bearer KEY)", status=UNAUTHORIZED)
+
+    async def generate(
+        request: Request,
+        endpoint: str,
+        schema: type[Body],
+        serve: Callable[[Served, Body], Awaitable[BaseModel | ErrorResponse | EventStream]],
+    ) -> Response:
+        refused = unauthorized(request)
+        body = await read_body(request, max_body_bytes) if refused is None else refused
+        if isinstance(body, ErrorResponse):
+            response = answer(body)
+        else:
+            try:
+                parsed = schema.model_validate_json(body)
+            except ValidationError as exc:
+                response = answer(validation_error(exc))
+            else:
+                result = await until_disconnected(request, serve(served, parsed))
+                response = Response(status_code=CLIENT_CLOSED) if result is None else answer(result)
+        served.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        return response
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, "completions", CompletionRequest, create_completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, "chat", ChatCompletionRequest, create_chat_completion)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        refused = unauthorized(request)
+        if refused is not None:
+            return answer(refused)
+        card = ModelCard(id=served.model_name, created=served.created, max_model_len=served.limits.max_seq_len)
+        return answer(ModelList(data=[card]))
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(served.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return answer(error(f"no route {request.method} {request.url.path}", status=NOT_FOUND))
+
+    @app.exception_handler(405)
+    async def wrong_method(request: Request, exc: Exception) -> Response:
+        return answer(error(f"{request.method} is not allowed on {request.url.path}", status=BAD_REQUEST))
+
+    return app

@@ -1,0 +1,46 @@
+"""`dflash-trt serve` refuses bad flags and targets with one line and exit 2, before it listens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dflash_trt.cli import main
+from dflash_trt.conversion.convert import convert_checkpoint
+from dflash_trt.tiny.heldout import draft_dir, target_dir
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny") / "ckpt"
+    convert_checkpoint(target_dir(), draft_dir(), out, dtype="float32")
+    return out
+
+
+CASES = [
+    (["--port", "70000"], "--port must lie in [0, 65535]"),
+    (["--max_queue_size", "-1"], "--max_queue_size must be >= 0"),
+    (["--max_request_bytes", "10"], "--max_request_bytes must be >= 1024"),
+    (["--drain_timeout_s", "0"], "--drain_timeout_s must be >= 1"),
+    (["--max_batch_size", "0"], "--max_batch_size must be >= 1"),
+    (["--max_seq_len", "100000"], "--max_seq_len must be <= the target's max_position_embeddings (256)"),
+]
+
+
+@pytest.mark.parametrize(("extra", "message"), CASES, ids=[c[1] for c in CASES])
+def test_bad_flags_are_one_clear_error(tiny, capsys, extra, message):
+    assert main(["serve", "--checkpoint_dir", str(tiny), *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_targets_without_what_they_need_are_refused(tiny, tmp_path, capsys):
+    assert main(["serve", "--triton_url", "127.0.0.1:1"]) == 2
+    assert "--engine_dir and --triton_url need --tokenizer_dir" in capsys.readouterr().err
+    assert main(["serve", "--triton_url", "127.0.0.1:1", "--tokenizer_dir", str(tiny)]) == 2
+    assert "--triton_url needs --max_seq_len" in capsys.readouterr().err
+    assert main(["serve", "--checkpoint_dir", str(tmp_path / "missing")]) == 2
+    assert "holds no tokenizer" in capsys.readouterr().err
+    assert main(["serve", "--engine_dir", str(tmp_path), "--tokenizer_dir", str(tiny)]) == 2
+    assert "holds no engine" in capsys.readouterr().err
