@@ -4,6 +4,7 @@ real gRPC protocol to a loopback server."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -170,14 +171,15 @@ SHIPPED = sorted((ROOT / "build_configs").glob("*/*.yaml"))
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_every_profile_repository_keeps_eagle_safe_serving(tmp_path: Path, tokenizer_dir: Path, path: Path):
-    """Chunked context and KV block reuse off, and one BLS instance per request the engine can batch."""
+    """Chunked context and KV block reuse off; the BLS (a coroutine serving many requests per instance) has the
+    profile's few instances, never one stub per batch slot."""
     prof = load_profile(path)
     repo = write_repository(settings_from_profile(prof, tmp_path / "engine", tokenizer_dir, "lib.so"), tmp_path / "r")
     configs = _configs(repo)
     params = _params(configs["tensorrt_llm"])
     assert params["decoding_mode"] == "eagle"
     assert (params["enable_chunked_context"], params["enable_kv_cache_reuse"]) == ("false", "false")
-    assert configs["tensorrt_llm_bls"].instance_group[0].count == prof.engine.max_batch_size
+    assert configs["tensorrt_llm_bls"].instance_group[0].count == prof.serving.instance_count < 8
     assert configs["preprocessing"].instance_group[0].count == prof.serving.instance_count
 
 
@@ -647,11 +649,12 @@ class _StandInPbUtils:
             self.inputs = {t.name(): t.as_numpy() for t in inputs}
             _StandInPbUtils.llm_requests.append(self)
 
-        def exec(self, decoupled):
-            assert decoupled
-            for outputs in _StandInPbUtils.engine_responses:
-                tensors = [_StandInPbUtils.Tensor(k, v) for k, v in outputs.items()]
-                yield _StandInPbUtils.InferenceResponse(tensors)
+        async def async_exec(self, decoupled):
+            assert decoupled  # the python backend answers with a blocking iterator over the responses
+            return iter(
+                _StandInPbUtils.InferenceResponse([_StandInPbUtils.Tensor(k, v) for k, v in outputs.items()])
+                for outputs in _StandInPbUtils.engine_responses
+            )
 
     @staticmethod
     def get_input_tensor_by_name(request, name):
@@ -760,7 +763,7 @@ def test_bls_model_streams_whole_characters_to_the_engine_interface(tmp_path: Pa
             "return_perf_metrics": np.array([[True]]),
         }
     )
-    assert bls.execute([request]) is None
+    assert asyncio.run(bls.execute([request])) is None
     [llm] = _StandInPbUtils.llm_requests
     trt = {t.name: t for t in configs["tensorrt_llm"].input}
     assert llm.model_name == "tensorrt_llm" and set(llm.inputs) <= set(trt)
@@ -782,7 +785,7 @@ def test_bls_model_streams_whole_characters_to_the_engine_interface(tmp_path: Pa
             "temperature": np.array([[0.9]], np.float32),
         }
     )
-    bls.execute([hot])
+    asyncio.run(bls.execute([hot]))
     (error_response, _), final = hot.sender.sent
     assert "temperature 0.9 refused" in error_response.error.message and final == (None, 1)
 
@@ -872,7 +875,7 @@ def test_bls_sends_temperature_and_seed_and_refuses_top_p(tmp_path: Path, tokeni
             "random_seed": np.array([[1234]], np.uint64),
         }
     )
-    bls.execute([request])
+    asyncio.run(bls.execute([request]))
     [llm] = _StandInPbUtils.llm_requests
     assert llm.inputs["temperature"].tolist() == [[pytest.approx(0.8)]]
     assert llm.inputs["random_seed"].tolist() == [[1234]]
@@ -883,7 +886,7 @@ def test_bls_sends_temperature_and_seed_and_refuses_top_p(tmp_path: Path, tokeni
             "top_p": np.array([[0.5]], np.float32),
         }
     )
-    bls.execute([refused])
+    asyncio.run(bls.execute([refused]))
     (error, _), final = refused.sender.sent
     assert error.error.message.startswith("top_p 0.5 refused") and final == (None, 1)
     pre = _load_model(repo, "preprocessing", monkeypatch)

@@ -2,7 +2,9 @@
 engine, with a launch script that preloads the plugin library and a streaming gRPC client.
 
 Give `--engine_dir` for a built engine, or `--config PROFILE` to lay the repository out for the engine that profile
-will build (so deployment can be reviewed before the build).
+will build (so deployment can be reviewed before the build), or `--checkpoint_dir` for a converted checkpoint: a
+CPU-served repository whose `tensorrt_llm` model runs the engine network under the emulation with the same
+interface, so clients and ensembles can be developed and tested without a GPU.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from pathlib import Path
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.triton.serving import ServingSettings, override_serving
 
+CPU_MAX_BATCH_SIZE = 8  # --checkpoint_dir's default
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     defaults = ServingSettings()
@@ -24,10 +28,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--engine_dir", help="engine built by dflash-trt build")
     source.add_argument("--config", help="build profile; the repository points at the engine it will build")
+    source.add_argument(
+        "--checkpoint_dir", help="converted checkpoint (TP 1): a CPU-served repository running the emulated engine"
+    )
     parser.add_argument(
         "--tokenizer_dir",
         default=None,
-        help="HF tokenizer directory (required with --engine_dir; overrides the profile's)",
+        help="HF tokenizer directory (required with --engine_dir and --checkpoint_dir; overrides the profile's)",
+    )
+    parser.add_argument(
+        "--max_batch_size",
+        type=int,
+        default=None,
+        help=f"with --checkpoint_dir: requests decoded together (default {CPU_MAX_BATCH_SIZE})",
+    )
+    parser.add_argument(
+        "--max_seq_len",
+        type=int,
+        default=None,
+        help="with --checkpoint_dir: prompt + output tokens per request (default: the target's context, at most 2048)",
     )
     parser.add_argument("--output_dir", required=True, help="model repository to create")
     parser.add_argument(
@@ -81,14 +100,28 @@ def _serving(args: argparse.Namespace, base: ServingSettings) -> ServingSettings
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash_trt.triton.repository import settings_from_engine, write_repository
+    from dflash_trt.triton.repository import settings_from_checkpoint, settings_from_engine, write_repository
 
-    if args.engine_dir:
+    for flag in ("max_batch_size", "max_seq_len"):
+        if getattr(args, flag) is not None and not args.checkpoint_dir:
+            raise DFlashTrtError(f"--{flag} applies to --checkpoint_dir only (an engine fixes its own)")
+    if args.engine_dir or args.checkpoint_dir:
         if args.tokenizer_dir is None:
-            raise DFlashTrtError("--tokenizer_dir is required with --engine_dir")
-        settings = settings_from_engine(
-            args.engine_dir, _tokenizer_dir(args.tokenizer_dir), _serving(args, ServingSettings())
-        )
+            raise DFlashTrtError(
+                f"--tokenizer_dir is required with {'--engine_dir' if args.engine_dir else '--checkpoint_dir'}"
+            )
+        serving = _serving(args, ServingSettings())
+        tokenizer = _tokenizer_dir(args.tokenizer_dir)
+        if args.engine_dir:
+            settings = settings_from_engine(args.engine_dir, tokenizer, serving)
+        else:
+            settings = settings_from_checkpoint(
+                args.checkpoint_dir,
+                tokenizer,
+                CPU_MAX_BATCH_SIZE if args.max_batch_size is None else args.max_batch_size,
+                args.max_seq_len,
+                serving,
+            )
     else:
         from dflash_trt.pipeline import settings_from_profile, workspace
         from dflash_trt.profiles import load_profile, resolve_model_dir

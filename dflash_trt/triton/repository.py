@@ -5,6 +5,10 @@ tokenizer) -> `tensorrt_llm` (C++ backend, the engine in EAGLE mode with one cha
 (Python, detokenizer), and `tensorrt_llm_bls` offers the same request interface from one Python model. Every
 value comes from the engine's manifest or a build profile, so no placeholder is left to fill by hand;
 `launch_triton.sh` preloads the DFlash plugin library before the backend loads the engine.
+
+For a converted checkpoint instead of an engine (a CPU-served repository), `tensorrt_llm` is a Python model with
+the same tensors, batching and decoupling that runs the engine network under the emulation
+(`emulated_llm.py`); every other model is the same.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ PERF_OUTPUTS = (
 
 
 SERVING_DEFAULTS = ServingSettings()
+DEFAULT_CPU_MAX_SEQ_LEN = 2048
 
 
 @dataclass(frozen=True)
@@ -69,9 +74,9 @@ class RepositorySettings:
     and decoder model paths are empty"), and Triton does not start in the directory the repository was written from.
     """
 
-    engine_dir: str
+    engine_dir: str  # "" for a CPU-served repository
     tokenizer_dir: str
-    plugin_library: str
+    plugin_library: str  # "" for a CPU-served repository
     max_batch_size: int
     max_input_len: int
     max_draft_len: int
@@ -85,16 +90,23 @@ class RepositorySettings:
     instance_count: int = SERVING_DEFAULTS.instance_count
     add_special_tokens: bool = True
     skip_special_tokens: bool = True
+    # A CPU-served repository: the converted checkpoint the emulated engine loads, its sequence and page sizes.
+    checkpoint_dir: str = ""
+    max_seq_len: int = 0
+    tokens_per_block: int = 32
 
     def __post_init__(self) -> None:
+        if bool(self.engine_dir) == bool(self.checkpoint_dir):
+            raise DFlashTrtError("a Triton repository serves either an engine or a converted checkpoint")
         for name in PATH_FIELDS:
-            object.__setattr__(self, name, os.path.abspath(getattr(self, name)))
+            if getattr(self, name):
+                object.__setattr__(self, name, os.path.abspath(getattr(self, name)))
         # Whoever builds the settings, the serving knobs obey the profile schema (block reuse stays off, ...).
         override_serving(SERVING_DEFAULTS, {name: getattr(self, name) for name in ServingSettings.model_fields})
 
 
 # The settings that name files; every one is written into a config or script as an absolute path.
-PATH_FIELDS = ("engine_dir", "tokenizer_dir", "plugin_library")
+PATH_FIELDS = ("engine_dir", "tokenizer_dir", "plugin_library", "checkpoint_dir")
 
 
 def serving_fields(serving: ServingSettings) -> dict:
@@ -168,9 +180,10 @@ def postprocessing_config(s: RepositorySettings) -> ModelConfig:
 
 
 def tensorrt_llm_config(s: RepositorySettings) -> ModelConfig:
+    """The C++ backend over the engine, or for a checkpoint the Python model with the same I/O over the emulation."""
     return ModelConfig(
         name=TENSORRT_LLM,
-        backend="tensorrtllm",
+        backend="python" if s.checkpoint_dir else "tensorrtllm",
         max_batch_size=s.max_batch_size,
         decoupled=True,
         dynamic_batching=True,
@@ -195,23 +208,37 @@ def tensorrt_llm_config(s: RepositorySettings) -> ModelConfig:
             *(_scalar(name, dtype) for name, dtype in PERF_OUTPUTS),
         ),
         instance_count=1,
-        parameters={
-            "gpt_model_type": "inflight_fused_batching",
-            "gpt_model_path": s.engine_dir,
-            "max_beam_width": "1",
-            "decoding_mode": "eagle",
-            "eagle_choices": eagle_choices_parameter(s.max_draft_len),
-            "batch_scheduler_policy": s.batch_scheduler_policy,
-            "kv_cache_free_gpu_mem_fraction": repr(s.kv_cache_free_gpu_mem_fraction),
-            "enable_chunked_context": _flag(s.enable_chunked_context),
-            "enable_kv_cache_reuse": _flag(s.enable_kv_cache_reuse),
-            "exclude_input_in_output": "true",
-            # The backend looks these three up unconditionally; empty values leave guided decoding off.
-            "tokenizer_dir": s.tokenizer_dir,
-            "guided_decoding_backend": "",
-            "xgrammar_tokenizer_info_path": "",
-        },
+        parameters=emulated_llm_parameters(s) if s.checkpoint_dir else tensorrtllm_parameters(s),
     )
+
+
+def emulated_llm_parameters(s: RepositorySettings) -> dict[str, str]:
+    """What `emulated_llm.Server.from_parameters` reads."""
+    return {
+        "checkpoint_dir": s.checkpoint_dir,
+        "max_batch_size": str(s.max_batch_size),
+        "max_seq_len": str(s.max_seq_len),
+        "tokens_per_block": str(s.tokens_per_block),
+    }
+
+
+def tensorrtllm_parameters(s: RepositorySettings) -> dict[str, str]:
+    return {
+        "gpt_model_type": "inflight_fused_batching",
+        "gpt_model_path": s.engine_dir,
+        "max_beam_width": "1",
+        "decoding_mode": "eagle",
+        "eagle_choices": eagle_choices_parameter(s.max_draft_len),
+        "batch_scheduler_policy": s.batch_scheduler_policy,
+        "kv_cache_free_gpu_mem_fraction": repr(s.kv_cache_free_gpu_mem_fraction),
+        "enable_chunked_context": _flag(s.enable_chunked_context),
+        "enable_kv_cache_reuse": _flag(s.enable_kv_cache_reuse),
+        "exclude_input_in_output": "true",
+        # The backend looks these three up unconditionally; empty values leave guided decoding off.
+        "tokenizer_dir": s.tokenizer_dir,
+        "guided_decoding_backend": "",
+        "xgrammar_tokenizer_info_path": "",
+    }
 
 
 # The request interface shared by `ensemble` and `tensorrt_llm_bls`.
@@ -274,8 +301,9 @@ def ensemble_config(s: RepositorySettings) -> ModelConfig:
 
 def bls_config(s: RepositorySettings) -> ModelConfig:
     """One Python model doing pre-processing, the tensorrt_llm call and streaming detokenization that never splits
-    a character. Each instance serves one request at a time, so there are `max_batch_size` instances (the
-    tensorrtllm backend's own guidance), letting the BLS path fill the engine's batch as the ensemble does."""
+    a character. Its `execute` is a coroutine serving many requests at once, so `instance_count` instances fill
+    the engine's batch as the ensemble does, without the `max_batch_size` stubs (each importing transformers) that
+    one-request-per-instance models need."""
     return ModelConfig(
         name=BLS,
         backend="python",
@@ -283,7 +311,7 @@ def bls_config(s: RepositorySettings) -> ModelConfig:
         decoupled=True,
         inputs=REQUEST_INPUTS,
         outputs=REQUEST_OUTPUTS,
-        instance_count=s.max_batch_size,
+        instance_count=s.instance_count,
         parameters={
             "tokenizer_dir": s.tokenizer_dir,
             "add_special_tokens": _flag(s.add_special_tokens),
@@ -309,8 +337,22 @@ def _sh_quote(text: str) -> str:
     return "'" + text.replace("'", "'\"'\"'") + "'"
 
 
+def cpu_launch_script() -> str:
+    """Bash launcher of a CPU-served repository: no engine, so no plugin library and one server process."""
+    return """#!/usr/bin/env bash
+# Start Triton on this CPU-served DFlash repository (tensorrt_llm runs the emulated engine in a Python model, whose
+# environment must have dflash_trt installed). Extra arguments go to tritonserver (e.g. --grpc-port 9001).
+# Environment override: TRITONSERVER (server binary).
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+exec "${TRITONSERVER:-tritonserver}" --model-repository="$HERE" --disable-auto-complete-config "$@"
+"""
+
+
 def launch_script(s: RepositorySettings) -> str:
     """Bash launcher: preload the plugin library, then one tritonserver (or one MPI rank per GPU for TP > 1)."""
+    if s.checkpoint_dir:
+        return cpu_launch_script()
     return f"""#!/usr/bin/env bash
 # Start Triton on this DFlash repository. The engine's layers reference the DFlash plugins, so their library is
 # preloaded into every server process, and told to register its plugins on load, before the tensorrtllm backend
@@ -361,7 +403,15 @@ def write_repository(
     The engine, tokenizer and plugin library it serves, and any further `inputs`, must lie outside `output_dir`.
     """
     python_models = {PREPROCESSING: "preprocessing.py", POSTPROCESSING: "postprocessing.py", BLS: "bls.py"}
-    served = {"--engine_dir": s.engine_dir, "--tokenizer_dir": s.tokenizer_dir, "--plugin_library": s.plugin_library}
+    if s.checkpoint_dir:
+        python_models[TENSORRT_LLM] = "tensorrt_llm.py"
+    served = {
+        "--engine_dir": s.engine_dir,
+        "--checkpoint_dir": s.checkpoint_dir,
+        "--tokenizer_dir": s.tokenizer_dir,
+        "--plugin_library": s.plugin_library,
+    }
+    served = {flag: path for flag, path in served.items() if path}
     with atomic_directory(output_dir, overwrite, {**served, **(inputs or {})}) as staging:
         for name, config in model_configs(s).items():
             version_dir = staging / name / "1"
@@ -411,3 +461,44 @@ def settings_from_engine(
         raise DFlashTrtError(
             f"{engine_dir}: engine metadata lacks {exc.args[0]!r}; rebuild with dflash-trt build"
         ) from None
+
+
+def settings_from_checkpoint(
+    checkpoint_dir: str | Path,
+    tokenizer_dir: str | Path,
+    max_batch_size: int,
+    max_seq_len: int | None = None,
+    serving: ServingSettings | None = None,
+) -> RepositorySettings:
+    """Settings for a CPU-served repository over a converted (TP 1) checkpoint; `max_seq_len` defaults to the
+    target's context length, capped at DEFAULT_CPU_MAX_SEQ_LEN so the KV pool stays small on a laptop."""
+    checkpoint_dir = Path(checkpoint_dir).absolute()
+    config = read_json_object(
+        checkpoint_dir / "config.json", f"{checkpoint_dir} is not a converted checkpoint: config.json is missing"
+    )
+    try:
+        mapping = config.get("mapping") or {}
+        if int(mapping.get("tp_size", 1)) != 1 or int(mapping.get("pp_size", 1)) != 1:
+            raise DFlashTrtError(f"{checkpoint_dir}: the CPU-served engine runs one rank; convert with --tp_size 1")
+        longest = int(config["max_position_embeddings"])
+        max_draft_len = int(config["max_draft_len"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DFlashTrtError(f"{checkpoint_dir}/config.json is not a DFlash checkpoint config: {exc}") from None
+    if max_batch_size < 1:
+        raise DFlashTrtError(f"--max_batch_size must be >= 1, got {max_batch_size}")
+    seq_len = min(longest, DEFAULT_CPU_MAX_SEQ_LEN) if max_seq_len is None else max_seq_len
+    if not 2 <= seq_len <= longest:
+        raise DFlashTrtError(f"--max_seq_len must be in 2..{longest} (the target's context), got {seq_len}")
+    return RepositorySettings(
+        engine_dir="",
+        tokenizer_dir=str(tokenizer_dir),
+        plugin_library="",
+        max_batch_size=max_batch_size,
+        max_input_len=seq_len - 1,
+        max_draft_len=max_draft_len,
+        world_size=1,
+        max_temperature=math.inf,
+        checkpoint_dir=str(checkpoint_dir),
+        max_seq_len=seq_len,
+        **serving_fields(serving or ServingSettings()),
+    )
