@@ -33,6 +33,7 @@ class Target:
     triton_model: str = "tensorrt_llm"
     gpus: int = 1
     end_id: int | None = None
+    vocab_size: int | None = None  # a server's token range, when known: its responses are checked against it
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -71,12 +72,12 @@ def check_target(target: Target) -> None:
 
 
 def vocab_size(target: Target) -> int | None:
-    """The token range synthetic prompts may use; None for a server (it does not say)."""
+    """The token range synthetic prompts may use; for a server, what the user said (None: it does not say)."""
     if target.checkpoint_dir:
         return _golden_model(target.checkpoint_dir).target.spec.vocab_size
     if target.engine_dir:
         return _engine_info(target).vocab_size
-    return None
+    return target.vocab_size
 
 
 def backend_factory(
@@ -109,7 +110,12 @@ def backend_factory(
 
     end_id = -1 if workload.ignore_eos else target.end_id
     return lambda in_flight: TritonBackend(
-        str(target.triton_url), model=target.triton_model, mode=target.kind, gpus=target.gpus, end_id=end_id
+        str(target.triton_url),
+        model=target.triton_model,
+        mode=target.kind,
+        gpus=target.gpus,
+        end_id=end_id,
+        vocab_size=target.vocab_size,
     )
 
 

@@ -78,7 +78,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="end token for engine / Triton runs on --input_file (default: the engine config's eos "
         "ids; without one every request runs to --max_new_tokens)",
     )
-    p.add_argument("--vocab_size", type=int, default=None, help="token range of --synthetic prompts for Triton")
+    p.add_argument(
+        "--vocab_size",
+        type=int,
+        default=None,
+        help="the model's token range with --triton_url: synthetic prompts use it, responses are checked against it",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of synthetic prompts and Poisson arrivals")
     p.add_argument("--timeout_s", type=float, default=3600.0, help="give up on a point after this long")
     p.add_argument("--output_dir", required=True, help="folder for results.json, report.html, pareto.png")
@@ -106,6 +111,7 @@ def targets(args: argparse.Namespace) -> dict[str, Target]:
         "triton_model": args.triton_model,
         "gpus": args.gpus,
         "end_id": args.end_id,
+        "vocab_size": args.vocab_size,
     }
     out = {"dflash": Target("dflash", args.engine_dir, args.checkpoint_dir, args.triton_url, **common)}
     if args.baseline == "ar":
@@ -121,7 +127,7 @@ def targets(args: argparse.Namespace) -> dict[str, Target]:
 
 def build_workload(args: argparse.Namespace, target: Target) -> Workload:
     if args.synthetic:
-        vocab = vocab_size(target) or args.vocab_size
+        vocab = vocab_size(target)
         if not vocab:
             raise DFlashTrtError("--synthetic with --triton_url needs --vocab_size (the model's token range)")
         workload = synthetic_workload(parse_synthetic(args.synthetic), vocab, args.seed)
@@ -213,9 +219,8 @@ def run(args: argparse.Namespace) -> int:
     workload = build_workload(args, chosen["dflash"])
 
     def progress(point: dict) -> None:
-        where = f"c={point['concurrency']}" if point["concurrency"] else f"rate={point['request_rate']:g}/s"
         print(
-            f"{point['engine']} {where}: {point['throughput_tok_s']:.1f} tok/s, acceptance "
+            f"{point_name(point)}: {point['throughput_tok_s']:.1f} tok/s, acceptance "
             f"{point['acceptance_length'] or 0:.2f}, {point['failed']} failed",
             file=sys.stderr,
         )
@@ -249,4 +254,20 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps([{k: v for k, v in p.items() if k not in ("per_request", "in_flight_trace")} for p in points]))
     else:
         print(f"results: {out / RESULTS_FILE}; report: {out / 'report.html'}")
+    for point in points:
+        if point["failed"]:
+            failed = f"{point['failed']} requests failed; first: {first_error(point)}"
+            print(f"{point_name(point)}: {failed}", file=sys.stderr)
+    dead = [point for point in points if point["failed"] and not point["requests"]]
+    if dead:
+        raise DFlashTrtError(f"every request of {point_name(dead[0])} failed: {first_error(dead[0])}")
     return 0
+
+
+def point_name(point: dict[str, Any]) -> str:
+    where = f"c={point['concurrency']}" if point["concurrency"] else f"rate={point['request_rate']:g}/s"
+    return f"{point['engine']} {where}"
+
+
+def first_error(point: dict[str, Any]) -> str:
+    return next((r["error"] for r in point["per_request"] if r["error"]), "no output tokens")

@@ -2,7 +2,10 @@
 
 Requests go to the repository's `tensorrt_llm` model with token ids (`input_ids`, `request_output_len`,
 `streaming`), so users measure the server they run without tokenizer work in the loop; in streaming mode the
-`tensorrtllm` backend answers once per decoding iteration with that iteration's new `output_ids`. Each request
+`tensorrtllm` backend answers once per decoding iteration with that iteration's new `output_ids`. Every request
+sends its `temperature` (the backend samples at 1.0 when none is sent, so greedy must be asked for) and its
+`random_seed` when it has one, and every response is checked (integer ids within the vocabulary, no more tokens
+than asked) before it is recorded: a server answering something else fails the request with one line. Each request
 has its own bidirectional stream, held open until its final response (Triton marks it with the
 `triton_final_response` parameter), so an error names the request it belongs to. Tensor names are the
 repository's own (`dflash_trt.triton.processing`).
@@ -23,6 +26,23 @@ DEFAULT_MODEL = "tensorrt_llm"
 FINAL = "triton_final_response"
 
 
+class BadResponse(Exception):
+    """A response that is not what the tensorrtllm backend sends for the request."""
+
+
+def response_tokens(output: np.ndarray | None, vocab_size: int | None) -> list[int]:
+    """The token ids of one response's `output_ids`, refusing float or out-of-range ids."""
+    if output is None:
+        return []
+    if not np.issubdtype(output.dtype, np.integer):
+        raise BadResponse(f"output_ids must be integers, the server sent {output.dtype}")
+    tokens = output.reshape(-1).tolist()
+    if tokens and (min(tokens) < 0 or (vocab_size is not None and max(tokens) >= vocab_size)):
+        bound = f"0..{vocab_size - 1}" if vocab_size is not None else "non-negative"
+        raise BadResponse(f"output_ids outside the vocabulary ({bound}): {min(tokens)}..{max(tokens)}")
+    return tokens
+
+
 def request_inputs(request: BenchRequest, end_id: int | None) -> list:
     import tritonclient.grpc.aio as grpcclient
 
@@ -37,7 +57,10 @@ def request_inputs(request: BenchRequest, end_id: int | None) -> list:
         tensor(P.LLM_INPUT_LENGTHS, np.array([[ids.shape[1]]], dtype=np.int32), "INT32"),
         tensor(P.LLM_REQUEST_OUTPUT_LEN, np.array([[request.max_new_tokens]], dtype=np.int32), "INT32"),
         tensor(P.LLM_STREAMING, np.array([[True]], dtype=bool), "BOOL"),
+        tensor(P.LLM_TEMPERATURE, np.array([[request.temperature]], dtype=np.float32), "FP32"),
     ]
+    if request.seed is not None:
+        inputs.append(tensor(P.LLM_RANDOM_SEED, np.array([[request.seed]], dtype=np.uint64), "UINT64"))
     if end_id is not None:
         inputs.append(tensor(P.LLM_END_ID, np.array([[end_id]], dtype=np.int32), "INT32"))
         inputs.append(tensor(P.LLM_PAD_ID, np.array([[max(end_id, 0)]], dtype=np.int32), "INT32"))
@@ -53,6 +76,7 @@ class TritonBackend(Backend):
         mode: str = "dflash",
         gpus: int = 1,
         end_id: int | None = None,
+        vocab_size: int | None = None,
         connect_timeout_s: float = 10.0,
     ):
         self.url = url
@@ -60,6 +84,7 @@ class TritonBackend(Backend):
         self.mode = mode
         self.gpus = gpus
         self.end_id = end_id
+        self.vocab_size = vocab_size
         self.connect_timeout_s = connect_timeout_s
         self.client: Any = None
         self.deliver: Deliver = lambda batch: None
@@ -99,21 +124,26 @@ class TritonBackend(Backend):
             }
             await done.wait()  # keep our side of the stream open until the final response
 
+        received = 0
         try:
             async for result, error in self.client.stream_infer(one_request()):
                 if error is not None:
                     self.deliver([Response(request_id, [], True, str(error))])
                     return
-                output = result.as_numpy(P.LLM_OUTPUT_IDS)
-                tokens = [] if output is None else output.reshape(-1).tolist()
+                tokens = response_tokens(result.as_numpy(P.LLM_OUTPUT_IDS), self.vocab_size)
+                received += len(tokens)
+                if received > request.max_new_tokens:
+                    raise BadResponse(f"the server sent {received} tokens, {request.max_new_tokens} were asked for")
                 flag = result.get_response().parameters.get(FINAL)
                 final = bool(flag is not None and flag.bool_param)
                 self.deliver([Response(request_id, tokens, final)])
                 if final:
                     return
             self.deliver([Response(request_id, [], True, "the stream ended before a final response")])
-        except (InferenceServerException, grpc.RpcError) as exc:
+        except (InferenceServerException, grpc.RpcError, BadResponse) as exc:
             self.deliver([Response(request_id, [], True, str(exc))])
+        except Exception as exc:  # a malformed response must fail its request, never the task silently
+            self.deliver([Response(request_id, [], True, f"malformed response: {exc}")])
         finally:
             done.set()
 
