@@ -1,11 +1,13 @@
 # Two entry points on a fresh machine: `make demo` (the main job on the embedded pair) and `make test`.
-# Both create or refresh .venv when requirements-ci.txt or pyproject.toml changed, then run.
+# Both create or refresh .venv when requirements-ci.txt or pyproject.toml changed, then run. `make test` also
+# installs a CPU Triton server into .tritonserver/ (`make tritonserver`), which the real-server tests start.
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 PY := $(VENV)/bin/python
+TRITON_STAMP := .tritonserver/.installed
 
-.PHONY: demo test lint bench
+.PHONY: demo test lint bench tritonserver
 
 $(STAMP): requirements-ci.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,6 +17,11 @@ $(STAMP): requirements-ci.txt pyproject.toml
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
+$(TRITON_STAMP): .ci/install_tritonserver.sh $(STAMP)
+	bash .ci/install_tritonserver.sh $(PY)
+
+tritonserver: $(TRITON_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/dflash-trt demo --overwrite
 
@@ -23,7 +30,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check dflash_trt tests perf convert
 	$(PY) -m mypy
 
-test: $(STAMP) lint
+test: $(STAMP) $(TRITON_STAMP) lint
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

@@ -213,8 +213,19 @@ class Server:
             for flight in [f for f in self._running.values() if f.sink.cancelled()]:
                 self.executor.cancel(flight.index)
                 del self._running[flight.index]
-            for out in self.executor.step() if self.executor.has_work() else []:
+            try:
+                outputs = self.executor.step() if self.executor.has_work() else []
+            except Exception as exc:  # a failed step fails the requests it held, never the server
+                self._fail_running(f"the emulated engine failed: {type(exc).__name__}: {exc}")
+                continue
+            for out in outputs:
                 self._respond(self._running[out.index], out.tokens, out.finished)
+
+    def _fail_running(self, message: str) -> None:
+        for flight in list(self._running.values()):
+            self.executor.cancel(flight.index)
+            del self._running[flight.index]
+            flight.sink.send({}, message, True)
 
     def _admit(self, flight: _InFlight) -> None:
         r = flight.request

@@ -471,7 +471,8 @@ def settings_from_checkpoint(
     serving: ServingSettings | None = None,
 ) -> RepositorySettings:
     """Settings for a CPU-served repository over a converted (TP 1) checkpoint; `max_seq_len` defaults to the
-    target's context length, capped at DEFAULT_CPU_MAX_SEQ_LEN so the KV pool stays small on a laptop."""
+    target's context length less one draft block, capped at DEFAULT_CPU_MAX_SEQ_LEN so the KV pool stays small on a
+    laptop."""
     checkpoint_dir = Path(checkpoint_dir).absolute()
     config = read_json_object(
         checkpoint_dir / "config.json", f"{checkpoint_dir} is not a converted checkpoint: config.json is missing"
@@ -486,9 +487,13 @@ def settings_from_checkpoint(
         raise DFlashTrtError(f"{checkpoint_dir}/config.json is not a DFlash checkpoint config: {exc}") from None
     if max_batch_size < 1:
         raise DFlashTrtError(f"--max_batch_size must be >= 1, got {max_batch_size}")
+    # The last verify step drafts a block past the final token, so the block must fit in the context too.
+    longest -= max_draft_len + 1
     seq_len = min(longest, DEFAULT_CPU_MAX_SEQ_LEN) if max_seq_len is None else max_seq_len
     if not 2 <= seq_len <= longest:
-        raise DFlashTrtError(f"--max_seq_len must be in 2..{longest} (the target's context), got {seq_len}")
+        raise DFlashTrtError(
+            f"--max_seq_len must be in 2..{longest} (the target's context less one draft block), got {seq_len}"
+        )
     return RepositorySettings(
         engine_dir="",
         tokenizer_dir=str(tokenizer_dir),
