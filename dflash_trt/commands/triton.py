@@ -87,9 +87,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _tokenizer_dir(path: str) -> Path:
+    """A directory whose tokenizer loads as the repository's Python models will load it (corrupt files refused)."""
+    from dflash_trt.tokenizer import load_tokenizer
+
     directory = Path(path)
-    if not ((directory / "tokenizer.json").is_file() or (directory / "tokenizer_config.json").is_file()):
-        raise DFlashTrtError(f"{directory} holds no tokenizer (tokenizer.json or tokenizer_config.json)")
+    if load_tokenizer(directory) is None:
+        raise DFlashTrtError(f"{directory} holds no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
     return directory
 
 

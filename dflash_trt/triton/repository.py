@@ -25,6 +25,7 @@ from dflash_trt.checkpoint.atomic import InputPaths, atomic_directory
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.sampling_rules import ENGINE_SAMPLING
+from dflash_trt.tokenizer import load_tokenizer
 from dflash_trt.triton import processing as P
 from dflash_trt.triton.pbtxt import EnsembleStep, ModelConfig, Tensor, render
 from dflash_trt.triton.serving import ServingSettings, override_serving
@@ -98,6 +99,11 @@ class RepositorySettings:
     def __post_init__(self) -> None:
         if bool(self.engine_dir) == bool(self.checkpoint_dir):
             raise DFlashTrtError("a Triton repository serves either an engine or a converted checkpoint")
+        if any(c in self.plugin_library for c in LD_PRELOAD_SEPARATORS):
+            raise DFlashTrtError(
+                f"--plugin_library {self.plugin_library!r}: the dynamic loader splits LD_PRELOAD at spaces and colons "
+                "and would silently skip it; move the library to a path without them"
+            )
         for name in PATH_FIELDS:
             if getattr(self, name):
                 object.__setattr__(self, name, os.path.abspath(getattr(self, name)))
@@ -105,6 +111,7 @@ class RepositorySettings:
         override_serving(SERVING_DEFAULTS, {name: getattr(self, name) for name in ServingSettings.model_fields})
 
 
+LD_PRELOAD_SEPARATORS = (" ", ":", "\t", "\n")
 # The settings that name files; every one is written into a config or script as an absolute path.
 PATH_FIELDS = ("engine_dir", "tokenizer_dir", "plugin_library", "checkpoint_dir")
 
@@ -429,6 +436,21 @@ def write_repository(
     return Path(output_dir)
 
 
+def check_tokenizer(tokenizer_dir: str | Path, vocab_size: int, served: str) -> None:
+    """Refuse a tokenizer the repository's Python models could not load, or one of another model: more tokens
+    than the served vocabulary, or no end-of-sequence token to stop on."""
+    tokenizer = load_tokenizer(tokenizer_dir)
+    if tokenizer is None:
+        raise DFlashTrtError(f"--tokenizer_dir {tokenizer_dir} holds no tokenizer (tokenizer.json or vocab.json)")
+    if len(tokenizer) > vocab_size:
+        raise DFlashTrtError(
+            f"--tokenizer_dir {tokenizer_dir}: {len(tokenizer)} tokens, more than the {vocab_size} of {served}; "
+            "it belongs to another model"
+        )
+    if tokenizer.eos_token_id is None:
+        raise DFlashTrtError(f"--tokenizer_dir {tokenizer_dir}: the tokenizer defines no eos token to stop on")
+
+
 def max_temperature_for_sampling(sampling: str | None) -> float:
     """Engines that verify by exact-match sampling take any temperature; older greedy-only engines none above 0."""
     return math.inf if sampling == ENGINE_SAMPLING else 0.0
@@ -444,7 +466,11 @@ def settings_from_engine(
     """Settings for a built engine: sizes from its config.json and DFlash manifest, serving knobs as given."""
     engine_dir = Path(engine_dir).absolute()
     manifest = _read_json(engine_dir / MANIFEST_NAME, "the DFlash manifest")
-    build = _read_json(engine_dir / "config.json", "TensorRT-LLM's engine config").get("build_config") or {}
+    engine_config = _read_json(engine_dir / "config.json", "TensorRT-LLM's engine config")
+    build = engine_config.get("build_config") or {}
+    vocab_size = (engine_config.get("pretrained_config") or {}).get("vocab_size")
+    if isinstance(vocab_size, int):
+        check_tokenizer(tokenizer_dir, vocab_size, f"the engine {engine_dir}")
     try:
         return RepositorySettings(
             engine_dir=str(engine_dir),
@@ -483,10 +509,12 @@ def settings_from_checkpoint(
             raise DFlashTrtError(f"{checkpoint_dir}: the CPU-served engine runs one rank; convert with --tp_size 1")
         longest = int(config["max_position_embeddings"])
         max_draft_len = int(config["max_draft_len"])
+        vocab_size = int(config["vocab_size"])
     except (KeyError, TypeError, ValueError) as exc:
         raise DFlashTrtError(f"{checkpoint_dir}/config.json is not a DFlash checkpoint config: {exc}") from None
     if max_batch_size < 1:
         raise DFlashTrtError(f"--max_batch_size must be >= 1, got {max_batch_size}")
+    check_tokenizer(tokenizer_dir, vocab_size, f"the checkpoint {checkpoint_dir}")
     # The last verify step drafts a block past the final token, so the block must fit in the context too.
     longest -= max_draft_len + 1
     seq_len = min(longest, DEFAULT_CPU_MAX_SEQ_LEN) if max_seq_len is None else max_seq_len
