@@ -162,3 +162,22 @@ def test_a_multi_rank_checkpoint_is_refused(checkpoint, tmp_path):
     (sharded / "config.json").write_text(json.dumps(config))
     with pytest.raises(DFlashTrtError, match="runs one rank; convert with --tp_size 1"):
         settings_from_checkpoint(sharded, checkpoint, 2)
+
+
+def test_the_repository_client_says_how_to_start_a_server_when_none_runs(checkpoint, tmp_path, capsys, monkeypatch):
+    import importlib.util
+    import socket
+    import sys
+
+    repo = write_repository(settings_from_checkpoint(checkpoint, checkpoint, 2), tmp_path / "r")
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spec = importlib.util.spec_from_file_location("repository_client", repo / "client.py")
+    client = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "repository_client", client)  # dataclasses look their module up
+    spec.loader.exec_module(client)
+    assert client.main(["--url", f"127.0.0.1:{port}", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert f"no Triton server at 127.0.0.1:{port}" in err and str(repo / LAUNCH_SCRIPT) in err
+    assert len(err.strip().splitlines()) == 1

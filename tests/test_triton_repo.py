@@ -531,6 +531,9 @@ def _loopback_server(ensemble, pieces: list[str]):
         return service_pb2.ModelStreamInferResponse(infer_response=resp)
 
     class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+        def ServerLive(self, request, context):
+            return service_pb2.ServerLiveResponse(live=True)
+
         def ModelStreamInfer(self, request_iterator, context):
             for request in request_iterator:
                 seen.append(request)
