@@ -132,8 +132,10 @@ def test_unreachable_server_and_missing_model_are_one_clear_error(server):
         asyncio.run(
             run_load(TritonBackend("127.0.0.1:1", connect_timeout_s=5), [BenchRequest(0, [1], 1)], concurrency=1)
         )
-    with pytest.raises(DFlashTrtError, match="no ready model 'ensemble'"):
-        asyncio.run(run_load(TritonBackend(url, model="ensemble"), [BenchRequest(0, [1], 1)], concurrency=1))
+    with pytest.raises(DFlashTrtError, match="no ready model 'llm_v2'"):
+        asyncio.run(run_load(TritonBackend(url, model="llm_v2"), [BenchRequest(0, [1], 1)], concurrency=1))
+    with pytest.raises(DFlashTrtError, match="--triton_model ensemble takes text: give --tokenizer_dir"):
+        TritonBackend(url, model="ensemble")
 
 
 def test_requests_send_greedy_temperature_and_their_seed(server):

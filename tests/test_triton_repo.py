@@ -778,8 +778,9 @@ def test_bls_model_streams_whole_characters_to_the_engine_interface(tmp_path: Pa
     responses = [r for r, _ in request.sender.sent if r is not None]
     text = "".join(r.outputs["text_output"][0, 0].decode() for r in responses if "text_output" in r.outputs)
     assert text == answer and all(r.error is None for r in responses)
-    assert responses[-1].outputs["total_draft_tokens"].tolist() == [[6]]
-    assert request.sender.sent[-1] == (None, 1)  # the final flag closes the stream
+    assert responses[-2].outputs["total_draft_tokens"].tolist() == [[6]]
+    last, flags = request.sender.sent[-1]  # the final flag closes the stream, on an empty response
+    assert (last.outputs, flags) == ({}, 1) and all(f == 0 for _, f in request.sender.sent[:-1])
 
     hot = _BlsRequest(
         {
@@ -789,8 +790,8 @@ def test_bls_model_streams_whole_characters_to_the_engine_interface(tmp_path: Pa
         }
     )
     asyncio.run(bls.execute([hot]))
-    (error_response, _), final = hot.sender.sent
-    assert "temperature 0.9 refused" in error_response.error.message and final == (None, 1)
+    [(error_response, flags)] = hot.sender.sent
+    assert "temperature 0.9 refused" in error_response.error.message and flags == 1
 
 
 # ---------------------------------------------------------------- sampling parameters (engines with exact sampling)
@@ -890,8 +891,8 @@ def test_bls_sends_temperature_and_seed_and_refuses_top_p(tmp_path: Path, tokeni
         }
     )
     asyncio.run(bls.execute([refused]))
-    (error, _), final = refused.sender.sent
-    assert error.error.message.startswith("top_p 0.5 refused") and final == (None, 1)
+    [(error, flags)] = refused.sender.sent
+    assert error.error.message.startswith("top_p 0.5 refused") and flags == 1
     pre = _load_model(repo, "preprocessing", monkeypatch)
     [response] = pre.execute([_request(["the fox"], top_k=np.array([[3]], np.int32))])
     assert response.error.message.startswith("top_k 3 refused")

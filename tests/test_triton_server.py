@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -69,7 +70,7 @@ class RunningServer:
     def url(self) -> str:
         return f"127.0.0.1:{self.grpc}"
 
-    def start(self) -> None:
+    def start(self, **env: str) -> None:
         args = [
             str(self.repo / LAUNCH_SCRIPT),
             "--http-address=127.0.0.1",
@@ -81,8 +82,10 @@ class RunningServer:
         ]
         start = time.perf_counter()
         with open(self.log, "ab") as log:
-            env = {**os.environ, "TRITONSERVER": str(TRITONSERVER)}
-            self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            environ = {**os.environ, "TRITONSERVER": str(TRITONSERVER), **env}
+            self.process = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, env=environ, start_new_session=True
+            )
         deadline = start + START_TIMEOUT_S
         while time.perf_counter() < deadline:
             if self.process.poll() is not None:
@@ -322,21 +325,58 @@ def test_a_client_that_disconnects_frees_its_slot(server, tokenizer, texts):
 
 
 @pytest.mark.parametrize("concurrency", [1, 2, 4])
-def test_bench_tokens_equal_the_golden_loop(server, golden, tokenizer, texts, concurrency):
+@pytest.mark.parametrize("model", ["tensorrt_llm", "tensorrt_llm_bls", "ensemble"])
+def test_bench_tokens_equal_the_golden_loop(server, golden, tokenizer, texts, model, concurrency):
+    """Token ids from tensorrt_llm; from the text models, the streamed text re-tokenized (ids equal where the text
+    round-trips, so the text is compared)."""
     prompts = [tokenizer.encode(t) for t in texts]
-    expected = [speculative_generate(golden, [p], MAX_NEW)[0].output_ids for p in prompts]
+    stops = [] if model == "tensorrt_llm" else list(golden.target.spec.eos_token_ids)  # preprocessing's end_id
+    expected = [speculative_generate(golden, [p], MAX_NEW, stops)[0].output_ids for p in prompts]
     requests = [BenchRequest(i, p, MAX_NEW) for i, p in enumerate(prompts)] * 2
-    backend = TritonBackend(server.url, vocab_size=golden.target.spec.vocab_size)
+    backend = TritonBackend(server.url, model=model, vocab_size=golden.target.spec.vocab_size, tokenizer=tokenizer)
     trace = asyncio.run(run_load(backend, requests, concurrency=concurrency, timeout_s=300))
     assert len(trace.records) == len(requests)
     for record in trace.records:
-        assert record.error is None and record.output_ids == expected[record.prompt_index]
+        assert record.error is None
+        if model == "tensorrt_llm":
+            assert record.output_ids == expected[record.prompt_index]
+        else:
+            text = tokenizer.decode(expected[record.prompt_index], skip_special_tokens=True)
+            assert tokenizer.decode(record.output_ids) == text
     assert max(n for _, n in trace.in_flight) == min(concurrency, len(requests))
 
 
-def test_the_server_restarts_on_the_same_repository(server, golden, tokenizer, texts):
+def _stubs(server) -> list[int]:
+    """The python stubs the server started (children whose command is the stub)."""
+    stubs = []
+    for entry in Path("/proc").iterdir():
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == server.process.pid and b"triton_python_backend_stub" in command:
+            stubs.append(int(entry.name))
+    return stubs
+
+
+def test_the_server_restarts_and_a_preloaded_library_stays_out_of_the_stubs(server, golden, tokenizer, texts, tmp_path):
+    """launch_triton.sh preloads the plugin into the server; each Python model's stub wrapper keeps it out of the
+    stubs. A stand-in library (an empty shared object) is preloaded the same way, through the environment."""
+    compiler = shutil.which("cc")
+    if compiler is None:
+        pytest.skip("no C compiler for the stand-in preload library")
+    (tmp_path / "empty.c").write_text("int dflash_trt_preload_probe(void) { return 1; }\n")
+    library = tmp_path / "libpreload_probe.so"
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(library), str(tmp_path / "empty.c")], check=True)
     server.stop()
-    server.start()
+    server.start(LD_PRELOAD=str(library))
     gen = triton_client.stream_generate(server.url, texts[0], MAX_NEW, model="ensemble", temperature=0.0)
     assert gen.errors == [] and gen.text == _greedy_text(golden, tokenizer, texts[0])
-    print(f"tritonserver start-up: {server.startup_s:.1f} s")
+    assert str(library) in Path(f"/proc/{server.process.pid}/maps").read_text()
+    stubs = _stubs(server)
+    assert len(stubs) == 4  # preprocessing, postprocessing, BLS, tensorrt_llm: one instance each
+    for pid in stubs:
+        assert str(library) not in Path(f"/proc/{pid}/maps").read_text()
+        assert b"LD_PRELOAD=" not in Path(f"/proc/{pid}/environ").read_bytes()
+    print(f"tritonserver start-up: {server.startup_s:.1f} s, {len(stubs)} stubs")

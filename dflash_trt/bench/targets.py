@@ -34,6 +34,7 @@ class Target:
     gpus: int = 1
     end_id: int | None = None
     vocab_size: int | None = None  # a server's token range, when known: its responses are checked against it
+    tokenizer_dir: str | None = None  # the served model's tokenizer: text models take and return text
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -106,8 +107,13 @@ def backend_factory(
             end_id=target.end_id,
             kv_cache_free_gpu_memory_fraction=kv_cache_free_gpu_mem_fraction,
         )
-    from dflash_trt.bench.backends.triton import TritonBackend
+    from dflash_trt.bench.backends.triton import TEXT_MODELS, TritonBackend
 
+    tokenizer = None
+    if target.triton_model in TEXT_MODELS and target.tokenizer_dir:
+        from dflash_trt.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(target.tokenizer_dir)
     end_id = -1 if workload.ignore_eos else target.end_id
     return lambda in_flight: TritonBackend(
         str(target.triton_url),
@@ -116,6 +122,7 @@ def backend_factory(
         gpus=target.gpus,
         end_id=end_id,
         vocab_size=target.vocab_size,
+        tokenizer=tokenizer,
     )
 
 

@@ -69,7 +69,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="--engine_dir: share of free GPU memory for the KV cache (default: the executor's own)",
     )
-    p.add_argument("--triton_model", default="tensorrt_llm", help="model that takes token ids (default tensorrt_llm)")
+    p.add_argument(
+        "--triton_model",
+        default="tensorrt_llm",
+        help="tensorrt_llm (token ids; the default), or ensemble / tensorrt_llm_bls (text: needs --tokenizer_dir)",
+    )
     p.add_argument("--gpus", type=int, default=1, help="GPUs behind --triton_url (divides tok/s per GPU)")
     p.add_argument(
         "--end_id",
@@ -112,6 +116,7 @@ def targets(args: argparse.Namespace) -> dict[str, Target]:
         "gpus": args.gpus,
         "end_id": args.end_id,
         "vocab_size": args.vocab_size,
+        "tokenizer_dir": args.tokenizer_dir,
     }
     out = {"dflash": Target("dflash", args.engine_dir, args.checkpoint_dir, args.triton_url, **common)}
     if args.baseline == "ar":

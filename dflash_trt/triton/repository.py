@@ -42,6 +42,8 @@ LAUNCH_SCRIPT = "launch_triton.sh"
 CLIENT_FILE = "client.py"
 PROCESSING_FILE = "dflash_processing.py"
 SAMPLING_RULES_FILE = "dflash_sampling_rules.py"
+# A stub in a Python model's folder replaces the backend's own (python_backend `StubLauncher::Launch` [read]).
+PYTHON_STUB_FILE = "triton_python_backend_stub"
 # Makes libdflash_trt_plugins.so register its creators when it is loaded (plugins/src/pluginRegistration.cpp):
 # the tensorrtllm backend never calls initDflashTrtPlugins itself.
 REGISTER_ON_LOAD_ENV = "DFLASH_TRT_LOAD_PLUGINS"
@@ -398,6 +400,25 @@ exec "${{CMD[@]}}"
 """
 
 
+def python_stub_wrapper() -> str:
+    """The stub each Python model of the repository starts through: the backend's own stub, without the plugin.
+
+    launch_triton.sh preloads the plugin library (and with it TensorRT and CUDA) for the server, and the python
+    backend starts every stub from the server, with its environment: without this wrapper every stub would map
+    the library and register the plugins. The backend runs the stub as `bash -c "exec STUB MODEL_PATH SHM_REGION
+    SHM_SIZE SHM_GROWTH PARENT_PID PYTHON_LIB IPC_HANDLE NAME"` and first once without arguments, expecting exit
+    status 1 (otherwise it makes the file execute-only, which a script cannot survive); the real stub is
+    `PYTHON_LIB/triton_python_backend_stub` [read: python_backend src/stub_launcher.cc, not run against 2.51's
+    tensorrtllm container]. The two short-lived shells before the stub still start with the preload.
+    """
+    return f"""#!/usr/bin/env bash
+# Starts Triton's python backend stub without the DFlash plugin preload; see dflash_trt/triton/repository.py.
+(( $# >= 6 )) || exit 1
+unset LD_PRELOAD {REGISTER_ON_LOAD_ENV}
+exec "$6/{PYTHON_STUB_FILE}" "$@"
+"""
+
+
 def _source(name: str) -> Path:
     return Path(__file__).with_name(name)
 
@@ -425,6 +446,9 @@ def write_repository(
             version_dir.mkdir(parents=True)
             (staging / name / "config.pbtxt").write_text(render(config))
             if name in python_models:
+                stub = staging / name / PYTHON_STUB_FILE
+                stub.write_text(python_stub_wrapper())
+                stub.chmod(0o755)
                 shutil.copyfile(_source("models") / python_models[name], version_dir / "model.py")
                 shutil.copyfile(_source("processing.py"), version_dir / PROCESSING_FILE)
                 shutil.copyfile(Path(sampling_rules.__file__), version_dir / SAMPLING_RULES_FILE)

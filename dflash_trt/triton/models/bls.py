@@ -38,12 +38,17 @@ class TritonPythonModel:
         return None
 
     async def _answer(self, request):
+        # The final flag rides on a response (an empty one after the text), never alone: clients that did not ask
+        # for empty final responses (the aio gRPC client among them) would otherwise never see the stream end.
         sender = request.get_response_sender()
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         try:
             await self._serve(request, sender)
         except ValueError as exc:
-            sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc))))
-        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            error = pb_utils.TritonError(str(exc))
+            sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=final)
+            return
+        sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=final)
 
     async def _serve(self, request, sender):
         inputs = {}
