@@ -181,3 +181,28 @@ def test_the_repository_client_says_how_to_start_a_server_when_none_runs(checkpo
     err = capsys.readouterr().err
     assert f"no Triton server at 127.0.0.1:{port}" in err and str(repo / LAUNCH_SCRIPT) in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_python_models_start_their_stub_without_the_plugin_preload(checkpoint, tmp_path):
+    """The wrapper in each Python model folder, called as python_backend's stub launcher calls a stub: exit 1 alone
+    (the launcher's probe), else the backend's own stub from PYTHON_LIB with the same arguments, preload dropped."""
+    import os
+    import subprocess
+
+    repo = write_repository(settings_from_checkpoint(checkpoint, checkpoint, 2), tmp_path / "r")
+    backend = tmp_path / "backend"
+    backend.mkdir()
+    record = tmp_path / "record"
+    real = backend / "triton_python_backend_stub"
+    real.write_text(f'#!/usr/bin/env bash\n{{ echo "$@"; env; }} > {record}\n')
+    real.chmod(0o755)
+    env = {**os.environ, "LD_PRELOAD": "", "DFLASH_TRT_LOAD_PLUGINS": "1"}
+    for name in ("preprocessing", "postprocessing", "tensorrt_llm_bls", TENSORRT_LLM):
+        wrapper = repo / name / "triton_python_backend_stub"
+        assert os.access(wrapper, os.X_OK)
+        assert subprocess.run([str(wrapper)], env=env).returncode == 1
+        args = [str(repo / name / "1/model.py"), "region", "1024", "1024", "77", str(backend), "9", f"{name}_0_0"]
+        assert subprocess.run([str(wrapper), *args], env=env).returncode == 0
+        lines = record.read_text().splitlines()
+        assert lines[0] == " ".join(args)
+        assert not any(line.startswith(("LD_PRELOAD=", "DFLASH_TRT_LOAD_PLUGINS=")) for line in lines[1:])
