@@ -206,3 +206,20 @@ def test_python_models_start_their_stub_without_the_plugin_preload(checkpoint, t
         lines = record.read_text().splitlines()
         assert lines[0] == " ".join(args)
         assert not any(line.startswith(("LD_PRELOAD=", "DFLASH_TRT_LOAD_PLUGINS=")) for line in lines[1:])
+
+
+def test_path_map_writes_the_serving_hosts_paths(checkpoint, tmp_path, capsys):
+    """Validated against the files here, written as the serving host mounts them."""
+    here = str(checkpoint.parent.absolute())
+    out = tmp_path / "repo"
+    argv = ["triton", "--checkpoint_dir", str(checkpoint), "--tokenizer_dir", str(checkpoint), "--output_dir"]
+    assert cli_main([*argv, str(out), "--path_map", f"{here}=/models", "--max_batch_size", "2"]) == 0
+    configs = _configs(out)
+    params = {k: v.string_value for k, v in configs[TENSORRT_LLM].parameters.items()}
+    assert params["checkpoint_dir"] == f"/models/{checkpoint.name}"
+    for name in ("preprocessing", "postprocessing", BLS):
+        assert configs[name].parameters["tokenizer_dir"].string_value == f"/models/{checkpoint.name}"
+    assert here not in "".join((d / "config.pbtxt").read_text() for d in out.iterdir() if d.is_dir())
+    capsys.readouterr()
+    assert cli_main([*argv, str(tmp_path / "bad"), "--path_map", "models=/x"]) == 2
+    assert "--path_map 'models=/x': expected HERE=THERE, two absolute paths" in capsys.readouterr().err

@@ -81,6 +81,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"pre/post-processing model instances (default: the profile's with --config, else "
         f"{defaults.instance_count})",
     )
+    parser.add_argument(
+        "--path_map",
+        action="append",
+        default=[],
+        metavar="HERE=THERE",
+        help="write paths under HERE as THERE: for a repository served on a host that mounts the engine, checkpoint, "
+        "tokenizer or plugin elsewhere (repeatable; both absolute)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output_dir")
     parser.add_argument("--json", action="store_true", help="print the repository settings as JSON")
     parser.set_defaults(func=run)
@@ -96,6 +104,16 @@ def _tokenizer_dir(path: str) -> Path:
     return directory
 
 
+def _path_map(items: list[str]) -> list[tuple[str, str]]:
+    pairs = []
+    for item in items:
+        here, sep, there = item.partition("=")
+        if not sep or not here.startswith("/") or not there.startswith("/"):
+            raise DFlashTrtError(f"--path_map {item!r}: expected HERE=THERE, two absolute paths")
+        pairs.append((here, there))
+    return pairs
+
+
 def _serving(args: argparse.Namespace, base: ServingSettings) -> ServingSettings:
     """`base` with the serving flags the user typed, checked by the build profile schema."""
     names = ("kv_cache_free_gpu_mem_fraction", "batch_scheduler_policy", "instance_count")
@@ -103,7 +121,12 @@ def _serving(args: argparse.Namespace, base: ServingSettings) -> ServingSettings
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash_trt.triton.repository import settings_from_checkpoint, settings_from_engine, write_repository
+    from dflash_trt.triton.repository import (
+        relocated,
+        settings_from_checkpoint,
+        settings_from_engine,
+        write_repository,
+    )
 
     for flag in ("max_batch_size", "max_seq_len"):
         if getattr(args, flag) is not None and not args.checkpoint_dir:
@@ -141,7 +164,13 @@ def run(args: argparse.Namespace) -> int:
         settings = settings_from_profile(
             profile, workspace(profile, args.work_dir).engine, tokenizer, library, _serving(args, profile.serving)
         )
-    path = write_repository(settings, args.output_dir, overwrite=args.overwrite, inputs={"--config": args.config})
+    local = {
+        "--engine_dir": settings.engine_dir or None,
+        "--checkpoint_dir": settings.checkpoint_dir or None,
+        "--config": args.config,
+    }
+    settings = relocated(settings, _path_map(args.path_map))
+    path = write_repository(settings, args.output_dir, overwrite=args.overwrite, inputs=local)
     if args.json:
         print(json.dumps({"repository": str(path), **asdict(settings)}, indent=2))
     else:

@@ -17,7 +17,7 @@ import json
 import math
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from dflash_trt import sampling_rules
@@ -116,6 +116,19 @@ class RepositorySettings:
 LD_PRELOAD_SEPARATORS = (" ", ":", "\t", "\n")
 # The settings that name files; every one is written into a config or script as an absolute path.
 PATH_FIELDS = ("engine_dir", "tokenizer_dir", "plugin_library", "checkpoint_dir")
+
+
+def relocated(s: RepositorySettings, path_map: list[tuple[str, str]]) -> RepositorySettings:
+    """The settings with every path under a mapped prefix rewritten: the repository is written here, validated
+    against the files here, and served on a host that mounts them elsewhere (`--path_map HERE=THERE`)."""
+    changes = {}
+    for name in PATH_FIELDS:
+        path = getattr(s, name)
+        for old, new in path_map:
+            if path and (path == old or path.startswith(old.rstrip("/") + "/")):
+                changes[name] = new.rstrip("/") + path[len(old.rstrip("/")) :]
+                break
+    return replace(s, **changes)
 
 
 def serving_fields(serving: ServingSettings) -> dict:
