@@ -223,3 +223,44 @@ def test_path_map_writes_the_serving_hosts_paths(checkpoint, tmp_path, capsys):
     capsys.readouterr()
     assert cli_main([*argv, str(tmp_path / "bad"), "--path_map", "models=/x"]) == 2
     assert "--path_map 'models=/x': expected HERE=THERE, two absolute paths" in capsys.readouterr().err
+
+
+def _engine_settings(checkpoint: Path, **changes) -> RepositorySettings:
+    base = dict(
+        engine_dir="/engines/tiny",
+        tokenizer_dir=str(checkpoint),
+        plugin_library="/opt/lib/libdflash_trt_plugins.so",
+        max_batch_size=8,
+        max_input_len=64,
+        max_draft_len=15,
+        world_size=1,
+        max_temperature=0.0,
+    )
+    return RepositorySettings(**{**base, **changes})
+
+
+@pytest.mark.parametrize(("replicas", "world_size", "groups"), [(8, 1, "0;1;2;3;4;5;6;7"), (4, 2, "0,1;2,3;4,5;6,7")])
+def test_replicas_are_instances_on_their_own_gpus(checkpoint, tmp_path, replicas, world_size, groups):
+    repo = write_repository(_engine_settings(checkpoint, replicas=replicas, world_size=world_size), tmp_path / "r")
+    llm = _configs(repo)[TENSORRT_LLM]
+    assert llm.instance_group[0].count == replicas
+    assert llm.parameters["gpu_device_ids"].string_value == groups
+    script = (repo / LAUNCH_SCRIPT).read_text()
+    assert f"REPLICAS={replicas}" in script and "TRTLLM_ORCHESTRATOR=1" in script
+    single = _configs(write_repository(_engine_settings(checkpoint), tmp_path / "one"))[TENSORRT_LLM]
+    assert single.instance_group[0].count == 1 and "gpu_device_ids" not in single.parameters
+
+
+def test_node_profiles_serve_one_replica_per_group_of_gpus():
+    from dflash_trt.profiles import load_profile
+
+    root = Path(__file__).resolve().parents[1] / "build_configs"
+    for path in [*root.glob("b300-*/*.yaml"), *root.glob("h100-fp8/*.yaml")]:
+        profile = load_profile(path)
+        assert profile.serving.replicas * profile.checkpoint.tp_size == 8, path
+
+
+def test_replicas_flag_is_checked_by_the_serving_schema(checkpoint, tmp_path, capsys):
+    argv = ["triton", "--checkpoint_dir", str(checkpoint), "--tokenizer_dir", str(checkpoint), "--output_dir"]
+    assert cli_main([*argv, str(tmp_path / "r"), "--replicas", "0"]) == 2
+    assert "--replicas: Input should be greater than or equal to 1" in capsys.readouterr().err

@@ -82,6 +82,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         f"{defaults.instance_count})",
     )
     parser.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="copies of the engine on one node, each on its own tp_size GPUs (tensorrtllm orchestrator mode; "
+        f"default: the profile's with --config, else {defaults.replicas})",
+    )
+    parser.add_argument(
         "--path_map",
         action="append",
         default=[],
@@ -116,7 +123,7 @@ def _path_map(items: list[str]) -> list[tuple[str, str]]:
 
 def _serving(args: argparse.Namespace, base: ServingSettings) -> ServingSettings:
     """`base` with the serving flags the user typed, checked by the build profile schema."""
-    names = ("kv_cache_free_gpu_mem_fraction", "batch_scheduler_policy", "instance_count")
+    names = ("kv_cache_free_gpu_mem_fraction", "batch_scheduler_policy", "instance_count", "replicas")
     return override_serving(base, {name: getattr(args, name) for name in names if getattr(args, name) is not None})
 
 

@@ -91,6 +91,7 @@ class RepositorySettings:
     enable_kv_cache_reuse: bool = SERVING_DEFAULTS.enable_kv_cache_reuse
     max_queue_delay_microseconds: int = SERVING_DEFAULTS.max_queue_delay_microseconds
     instance_count: int = SERVING_DEFAULTS.instance_count
+    replicas: int = SERVING_DEFAULTS.replicas
     add_special_tokens: bool = True
     skip_special_tokens: bool = True
     # A CPU-served repository: the converted checkpoint the emulated engine loads, its sequence and page sizes.
@@ -229,9 +230,15 @@ def tensorrt_llm_config(s: RepositorySettings) -> ModelConfig:
             Tensor(P.LLM_SEQUENCE_LENGTH, "TYPE_INT32", (-1,)),
             *(_scalar(name, dtype) for name, dtype in PERF_OUTPUTS),
         ),
-        instance_count=1,
+        instance_count=s.replicas,
         parameters=emulated_llm_parameters(s) if s.checkpoint_dir else tensorrtllm_parameters(s),
     )
+
+
+def replica_device_ids(replicas: int, world_size: int) -> str:
+    """The backend's `gpu_device_ids`: one `;`-separated group of `world_size` GPUs per model instance (instance i
+    takes group i; model_state.cc / model_instance_state.cc [read])."""
+    return ";".join(",".join(str(gpu) for gpu in range(r * world_size, (r + 1) * world_size)) for r in range(replicas))
 
 
 def emulated_llm_parameters(s: RepositorySettings) -> dict[str, str]:
@@ -260,6 +267,7 @@ def tensorrtllm_parameters(s: RepositorySettings) -> dict[str, str]:
         "tokenizer_dir": s.tokenizer_dir,
         "guided_decoding_backend": "",
         "xgrammar_tokenizer_info_path": "",
+        **({"gpu_device_ids": replica_device_ids(s.replicas, s.world_size)} if s.replicas > 1 else {}),
     }
 
 
@@ -385,6 +393,7 @@ HERE="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
 DEFAULT_PLUGIN={_sh_quote(s.plugin_library)}
 PLUGIN="${{{LIBRARY_ENV}:-$DEFAULT_PLUGIN}}"
 WORLD_SIZE={s.world_size}
+REPLICAS={s.replicas}
 TRITONSERVER="${{TRITONSERVER:-tritonserver}}"
 MPIRUN="${{MPIRUN:-mpirun}}"
 if [[ ! -f "$PLUGIN" ]]; then
@@ -393,6 +402,11 @@ if [[ ! -f "$PLUGIN" ]]; then
 fi
 PRELOAD="$PLUGIN${{LD_PRELOAD:+:$LD_PRELOAD}}"
 SERVER_ARGS=(--model-repository="$HERE" --disable-auto-complete-config)
+if (( REPLICAS > 1 )); then
+  # One tensorrt_llm instance per replica, each on its own GPUs (gpu_device_ids): the backend's orchestrator mode
+  # spawns the executor workers (which inherit the preload), so one server process and no mpirun.
+  LD_PRELOAD="$PRELOAD" {REGISTER_ON_LOAD_ENV}=1 TRTLLM_ORCHESTRATOR=1 exec "$TRITONSERVER" "${{SERVER_ARGS[@]}}" "$@"
+fi
 if (( WORLD_SIZE == 1 )); then
   LD_PRELOAD="$PRELOAD" {REGISTER_ON_LOAD_ENV}=1 exec "$TRITONSERVER" "${{SERVER_ARGS[@]}}" "$@"
 fi

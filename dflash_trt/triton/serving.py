@@ -31,6 +31,9 @@ class ServingSettings(BaseModel):
     enable_kv_cache_reuse: bool = False
     max_queue_delay_microseconds: int = Field(default=0, ge=0)
     instance_count: int = Field(default=1, ge=1, description="pre/post-processing Python model instances")
+    replicas: int = Field(
+        default=1, ge=1, le=64, description="copies of the engine, each on its own tp_size GPUs of the node"
+    )
 
     @field_validator("enable_kv_cache_reuse")
     @classmethod
