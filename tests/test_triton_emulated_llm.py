@@ -202,3 +202,22 @@ def test_a_failed_step_fails_its_requests_and_the_server_goes_on(server, prompts
     server.submit(_inputs(prompts[0], 3), second)
     _wait(second)
     assert second.responses[-1][1] is None and len(second.tokens()) == 3
+
+
+class GoneSink(ListSink):
+    """A client that left: every send raises, as the python backend's response sender then does."""
+
+    def send(self, outputs, error, final):
+        self.responses.append((outputs, error, final))
+        raise RuntimeError("the response sender's client is gone")
+
+
+def test_a_client_gone_at_send_time_frees_its_slot(server, prompts):
+    gone = [GoneSink() for _ in range(2)]
+    streaming = {P.LLM_STREAMING: np.array([True]), P.LLM_TEMPERATURE: np.array([0.0], np.float32)}
+    for sink in gone:
+        server.submit(_inputs(prompts[0], MAX_SEQ_LEN - len(prompts[0]), **streaming), sink)
+    after = ListSink()
+    server.submit(_inputs(prompts[1], 3, **streaming), after)
+    _wait(after)
+    assert [len(sink.responses) for sink in gone] == [1, 1] and len(after.tokens()) == 3

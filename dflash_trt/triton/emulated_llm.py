@@ -149,6 +149,14 @@ class _InFlight:
     tokens: list[int] = field(default_factory=list)
 
 
+def _send_quietly(sink: ResponseSink, error: str) -> None:
+    """A final error response; a client that already left cannot be told, and must not stop the worker."""
+    try:
+        sink.send({}, error, True)
+    except Exception:  # the python backend raises when the response sender's client is gone
+        pass
+
+
 def _tensor(value, dtype) -> np.ndarray:
     return np.array([[value]], dtype=dtype)
 
@@ -205,7 +213,7 @@ class Server:
                 stopping = self._stopping
             if stopping:
                 for flight in [*pending, *self._running.values()]:
-                    flight.sink.send({}, "the tensorrt_llm model is unloading", True)
+                    _send_quietly(flight.sink, "the tensorrt_llm model is unloading")
                 self.executor.close()
                 return
             for flight in pending:
@@ -225,7 +233,7 @@ class Server:
         for flight in list(self._running.values()):
             self.executor.cancel(flight.index)
             del self._running[flight.index]
-            flight.sink.send({}, message, True)
+            _send_quietly(flight.sink, message)
 
     def _admit(self, flight: _InFlight) -> None:
         r = flight.request
@@ -233,7 +241,7 @@ class Server:
         try:
             self.executor.add(flight.decoding)
         except DFlashTrtError as exc:
-            flight.sink.send({}, str(exc), True)
+            _send_quietly(flight.sink, str(exc))
             return
         flight.scheduled_ns = self.clock()
         self._running[flight.index] = flight
