@@ -264,3 +264,14 @@ def test_replicas_flag_is_checked_by_the_serving_schema(checkpoint, tmp_path, ca
     argv = ["triton", "--checkpoint_dir", str(checkpoint), "--tokenizer_dir", str(checkpoint), "--output_dir"]
     assert cli_main([*argv, str(tmp_path / "r"), "--replicas", "0"]) == 2
     assert "--replicas: Input should be greater than or equal to 1" in capsys.readouterr().err
+
+
+def test_a_profiles_tokenizer_is_checked_against_its_recorded_target(checkpoint, tmp_path, capsys, monkeypatch):
+    import dflash_trt.recorded_configs as recorded
+
+    profile = Path(__file__).resolve().parents[1] / "build_configs/b200-nvfp4/qwen3-4b.yaml"
+    monkeypatch.setattr(recorded, "packaged_recorded_configs", lambda: {"Qwen/Qwen3-4B": {"vocab_size": 10}})
+    argv = ["triton", "--config", str(profile), "--tokenizer_dir", str(checkpoint)]
+    assert cli_main([*argv, "--work_dir", str(tmp_path / "w"), "--output_dir", str(tmp_path / "r")]) == 2
+    assert "more than the 10 of the profile's target Qwen/Qwen3-4B" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

@@ -111,6 +111,17 @@ def _tokenizer_dir(path: str) -> Path:
     return directory
 
 
+def _check_profile_tokenizer(tokenizer: Path, target: str) -> None:
+    """The tokenizer against the vocabulary recorded for the profile's target (when it is recorded)."""
+    from dflash_trt.recorded_configs import packaged_recorded_configs
+    from dflash_trt.triton.repository import check_tokenizer
+
+    recorded = packaged_recorded_configs().get(target)
+    vocab_size = recorded.get("vocab_size") if isinstance(recorded, dict) else None
+    if isinstance(vocab_size, int):
+        check_tokenizer(tokenizer, vocab_size, f"the profile's target {target}")
+
+
 def _path_map(items: list[str]) -> list[tuple[str, str]]:
     pairs = []
     for item in items:
@@ -167,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
             cache = Path(args.hf_cache) if args.hf_cache else None
             model_dir = resolve_model_dir(profile.model.tokenizer_source, cache_dir=cache, allow_download=args.download)
             tokenizer = _tokenizer_dir(str(model_dir))
+        _check_profile_tokenizer(tokenizer, profile.model.target)
         library = args.plugin_library or default_library_path()
         settings = settings_from_profile(
             profile, workspace(profile, args.work_dir).engine, tokenizer, library, _serving(args, profile.serving)
