@@ -1,11 +1,13 @@
 # Two entry points on a fresh machine: `make demo` (the main job on the embedded pair) and `make test`.
-# Both create or refresh .venv when requirements-ci.txt or pyproject.toml changed, then run.
+# Both create or refresh .venv when requirements-ci.txt or pyproject.toml changed, then run. `make test` also
+# installs a CPU Triton server into .tritonserver/ (`make tritonserver`), which the real-server tests start.
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 PY := $(VENV)/bin/python
+TRITON_STAMP := .tritonserver/.installed
 
-.PHONY: demo test lint bench
+.PHONY: demo test lint bench tritonserver
 
 $(STAMP): requirements-ci.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,6 +16,11 @@ $(STAMP): requirements-ci.txt pyproject.toml
 	$(PY) -m pip install --quiet -r requirements-ci.txt
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
+
+$(TRITON_STAMP): .ci/install_tritonserver.sh $(STAMP)
+	bash .ci/install_tritonserver.sh $(PY)
+
+tritonserver: $(TRITON_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/dflash-trt demo --overwrite
@@ -28,7 +35,7 @@ lint: $(STAMP)
 NUMERICS_TESTS := tests/test_emulation.py tests/test_emulation_moe.py tests/test_divergence.py tests/test_verify_replay.py \
 	tests/test_sampler_support.py tests/test_emulation_ranks.py tests/test_emulation_precision.py
 
-test: $(STAMP) lint
+test: $(STAMP) $(TRITON_STAMP) lint
 	$(PY) -m pytest -q
 	ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q $(NUMERICS_TESTS)
 

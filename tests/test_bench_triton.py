@@ -9,6 +9,7 @@ backend's requests are what the `tensorrt_llm` model reads, and its stream handl
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from concurrent import futures
 
@@ -19,6 +20,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from dflash_trt.bench.backends.triton import TritonBackend
 from dflash_trt.bench.driver import BenchRequest, run_load
+from dflash_trt.cli import main as cli_main
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.triton import processing as P
 
@@ -26,7 +28,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _inputs(request) -> dict[str, np.ndarray]:
-    dtypes = {"INT32": np.int32, "BOOL": np.bool_}
+    dtypes = {"INT32": np.int32, "BOOL": np.bool_, "FP32": np.float32, "UINT64": np.uint64}
     return {
         t.name: np.frombuffer(raw, dtype=dtypes[t.datatype]).reshape(t.shape)
         for t, raw in zip(request.inputs, request.raw_input_contents, strict=True)
@@ -51,6 +53,10 @@ class FakeTensorrtLlm(service_pb2_grpc.GRPCInferenceServiceServicer):
             return
         total = int(inputs[P.LLM_REQUEST_OUTPUT_LEN].reshape(-1)[0])
         start = int(inputs[P.LLM_INPUT_LENGTHS].reshape(-1)[0])
+        first = int(inputs[P.LLM_INPUT_IDS].reshape(-1)[0])
+        if first in MISBEHAVIOURS:
+            yield service_pb2.ModelStreamInferResponse(infer_response=MISBEHAVIOURS[first](request, total))
+            return
         tokens = list(range(start, start + total))
         sizes = [1] + [3, 2] * total
         while tokens:
@@ -64,6 +70,26 @@ class FakeTensorrtLlm(service_pb2_grpc.GRPCInferenceServiceServicer):
             response.raw_output_contents.append(np.array(chunk, dtype=np.int32).tobytes())
             response.parameters["triton_final_response"].bool_param = not tokens
             yield service_pb2.ModelStreamInferResponse(infer_response=response)
+
+
+def _response(request, datatype: str, shape: list[int], raw: bytes, final: bool = True):
+    response = service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id)
+    out = response.outputs.add()
+    out.name, out.datatype = P.LLM_OUTPUT_IDS, datatype
+    out.shape.extend(shape)
+    response.raw_output_contents.append(raw)
+    response.parameters["triton_final_response"].bool_param = final
+    return response
+
+
+# A first prompt token -> a broken answer, as servers other than the tensorrtllm backend have sent.
+MISBEHAVIOURS = {
+    21: lambda req, n: _response(req, "INT32", [1, 1, 10 * n], np.arange(10 * n, dtype=np.int32).tobytes()),
+    22: lambda req, n: _response(req, "INT32", [1, 1, 2], np.array([5, -3], np.int32).tobytes()),
+    23: lambda req, n: _response(req, "FP32", [1, 1, 2], np.array([5.0, 6.5], np.float32).tobytes()),
+    24: lambda req, n: _response(req, "INT32", [1, 1, 5], b"\x01\x02\x03"),
+    25: lambda req, n: _response(req, "INT32", [1, 1, 1], np.array([999], np.int32).tobytes()),
+}
 
 
 @pytest.fixture()
@@ -106,5 +132,50 @@ def test_unreachable_server_and_missing_model_are_one_clear_error(server):
         asyncio.run(
             run_load(TritonBackend("127.0.0.1:1", connect_timeout_s=5), [BenchRequest(0, [1], 1)], concurrency=1)
         )
-    with pytest.raises(DFlashTrtError, match="no ready model 'ensemble'"):
-        asyncio.run(run_load(TritonBackend(url, model="ensemble"), [BenchRequest(0, [1], 1)], concurrency=1))
+    with pytest.raises(DFlashTrtError, match="no ready model 'llm_v2'"):
+        asyncio.run(run_load(TritonBackend(url, model="llm_v2"), [BenchRequest(0, [1], 1)], concurrency=1))
+    with pytest.raises(DFlashTrtError, match="--triton_model ensemble takes text: give --tokenizer_dir"):
+        TritonBackend(url, model="ensemble")
+
+
+def test_requests_send_greedy_temperature_and_their_seed(server):
+    url, servicer = server
+    requests = [BenchRequest(0, [5, 5], 2), BenchRequest(1, [5], 2, temperature=0.7, seed=11)]
+    asyncio.run(run_load(TritonBackend(url), requests, concurrency=1))
+    greedy, sampled = sorted(servicer.seen, key=lambda inputs: inputs[P.LLM_INPUT_IDS].size, reverse=True)
+    assert greedy[P.LLM_TEMPERATURE].reshape(-1).tolist() == [0.0] and P.LLM_RANDOM_SEED not in greedy
+    assert np.allclose(sampled[P.LLM_TEMPERATURE].reshape(-1), [0.7])
+    assert sampled[P.LLM_RANDOM_SEED].reshape(-1).tolist() == [11]
+
+
+def test_malformed_responses_fail_their_request_at_once(server):
+    url, _ = server
+    requests = [BenchRequest(i, [first, 5], 4) for i, first in enumerate(MISBEHAVIOURS)] + [BenchRequest(9, [5], 4)]
+    start = time.perf_counter()
+    trace = asyncio.run(run_load(TritonBackend(url, vocab_size=500), requests, concurrency=6, timeout_s=30))
+    assert time.perf_counter() - start < 10  # failed at once, not after the timeout
+    errors = {r.prompt_index: r.error for r in trace.records}
+    assert errors[9] is None
+    assert "40 tokens, 4 were asked for" in errors[0]
+    assert "outside the vocabulary (0..499): -3..5" in errors[1]
+    assert "must be integers" in errors[2] and "float32" in errors[2]
+    assert "malformed response" in errors[3]
+    assert "outside the vocabulary (0..499): 999..999" in errors[4]
+    assert all("\n" not in e for e in errors.values() if e)
+
+
+def _bench(url: str, tmp_path, prompts: list[list[int]]) -> list[str]:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts))
+    out = tmp_path / "out"
+    argv = ["bench", "--triton_url", url, "--input_file", str(path), "--max_new_tokens", "3"]
+    return [*argv, "--concurrency", "1", "--warmup", "0", "--output_dir", str(out), "--overwrite"]
+
+
+def test_bench_reports_failed_requests_and_fails_when_all_did(server, tmp_path, capsys):
+    url, _ = server
+    assert cli_main(_bench(url, tmp_path, [[5, 5], [13, 5]])) == 0
+    assert "dflash c=1: 1 requests failed; first: input token 13 is not allowed" in capsys.readouterr().err
+    assert cli_main(_bench(url, tmp_path, [[13], [13, 5]])) == 2
+    err = capsys.readouterr().err
+    assert "every request of dflash c=1 failed: input token 13 is not allowed" in err

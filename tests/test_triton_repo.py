@@ -4,6 +4,7 @@ real gRPC protocol to a loopback server."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -170,14 +171,15 @@ SHIPPED = sorted((ROOT / "build_configs").glob("*/*.yaml"))
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_every_profile_repository_keeps_eagle_safe_serving(tmp_path: Path, tokenizer_dir: Path, path: Path):
-    """Chunked context and KV block reuse off, and one BLS instance per request the engine can batch."""
+    """Chunked context and KV block reuse off; the BLS (a coroutine serving many requests per instance) has the
+    profile's few instances, never one stub per batch slot."""
     prof = load_profile(path)
     repo = write_repository(settings_from_profile(prof, tmp_path / "engine", tokenizer_dir, "lib.so"), tmp_path / "r")
     configs = _configs(repo)
     params = _params(configs["tensorrt_llm"])
     assert params["decoding_mode"] == "eagle"
     assert (params["enable_chunked_context"], params["enable_kv_cache_reuse"]) == ("false", "false")
-    assert configs["tensorrt_llm_bls"].instance_group[0].count == prof.engine.max_batch_size
+    assert configs["tensorrt_llm_bls"].instance_group[0].count == prof.serving.instance_count < 8
     assert configs["preprocessing"].instance_group[0].count == prof.serving.instance_count
 
 
@@ -548,6 +550,9 @@ def _loopback_server(ensemble, pieces: list[str]):
         return service_pb2.ModelStreamInferResponse(infer_response=resp)
 
     class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+        def ServerLive(self, request, context):
+            return service_pb2.ServerLiveResponse(live=True)
+
         def ModelStreamInfer(self, request_iterator, context):
             for request in request_iterator:
                 seen.append(request)
@@ -666,11 +671,12 @@ class _StandInPbUtils:
             self.inputs = {t.name(): t.as_numpy() for t in inputs}
             _StandInPbUtils.llm_requests.append(self)
 
-        def exec(self, decoupled):
-            assert decoupled
-            for outputs in _StandInPbUtils.engine_responses:
-                tensors = [_StandInPbUtils.Tensor(k, v) for k, v in outputs.items()]
-                yield _StandInPbUtils.InferenceResponse(tensors)
+        async def async_exec(self, decoupled):
+            assert decoupled  # the python backend answers with a blocking iterator over the responses
+            return iter(
+                _StandInPbUtils.InferenceResponse([_StandInPbUtils.Tensor(k, v) for k, v in outputs.items()])
+                for outputs in _StandInPbUtils.engine_responses
+            )
 
     @staticmethod
     def get_input_tensor_by_name(request, name):
@@ -779,7 +785,7 @@ def test_bls_model_streams_whole_characters_to_the_engine_interface(tmp_path: Pa
             "return_perf_metrics": np.array([[True]]),
         }
     )
-    assert bls.execute([request]) is None
+    assert asyncio.run(bls.execute([request])) is None
     [llm] = _StandInPbUtils.llm_requests
     trt = {t.name: t for t in configs["tensorrt_llm"].input}
     assert llm.model_name == "tensorrt_llm" and set(llm.inputs) <= set(trt)
@@ -791,8 +797,9 @@ def test_bls_model_streams_whole_characters_to_the_engine_interface(tmp_path: Pa
     responses = [r for r, _ in request.sender.sent if r is not None]
     text = "".join(r.outputs["text_output"][0, 0].decode() for r in responses if "text_output" in r.outputs)
     assert text == answer and all(r.error is None for r in responses)
-    assert responses[-1].outputs["total_draft_tokens"].tolist() == [[6]]
-    assert request.sender.sent[-1] == (None, 1)  # the final flag closes the stream
+    assert responses[-2].outputs["total_draft_tokens"].tolist() == [[6]]
+    last, flags = request.sender.sent[-1]  # the final flag closes the stream, on an empty response
+    assert (last.outputs, flags) == ({}, 1) and all(f == 0 for _, f in request.sender.sent[:-1])
 
     hot = _BlsRequest(
         {
@@ -801,9 +808,9 @@ def test_bls_model_streams_whole_characters_to_the_engine_interface(tmp_path: Pa
             "temperature": np.array([[0.9]], np.float32),
         }
     )
-    bls.execute([hot])
-    (error_response, _), final = hot.sender.sent
-    assert "temperature 0.9 refused" in error_response.error.message and final == (None, 1)
+    asyncio.run(bls.execute([hot]))
+    [(error_response, flags)] = hot.sender.sent
+    assert "temperature 0.9 refused" in error_response.error.message and flags == 1
 
 
 # ---------------------------------------------------------------- sampling parameters (engines with exact sampling)
@@ -898,7 +905,7 @@ def test_bls_sends_temperature_and_seed_and_refuses_top_p(tmp_path: Path, tokeni
             "random_seed": np.array([[1234]], np.uint64),
         }
     )
-    bls.execute([request])
+    asyncio.run(bls.execute([request]))
     [llm] = _StandInPbUtils.llm_requests
     assert llm.inputs["temperature"].tolist() == [[pytest.approx(0.8)]]
     assert llm.inputs["random_seed"].tolist() == [[1234]]
@@ -909,9 +916,9 @@ def test_bls_sends_temperature_and_seed_and_refuses_top_p(tmp_path: Path, tokeni
             "top_p": np.array([[0.5]], np.float32),
         }
     )
-    bls.execute([refused])
-    (error, _), final = refused.sender.sent
-    assert error.error.message.startswith("top_p 0.5 refused") and final == (None, 1)
+    asyncio.run(bls.execute([refused]))
+    [(error, flags)] = refused.sender.sent
+    assert error.error.message.startswith("top_p 0.5 refused") and flags == 1
     pre = _load_model(repo, "preprocessing", monkeypatch)
     [response] = pre.execute([_request(["the fox"], top_k=np.array([[3]], np.int32))])
     assert response.error.message.startswith("top_k 3 refused")

@@ -34,6 +34,8 @@ class Target:
     triton_model: str = "tensorrt_llm"
     gpus: int = 1
     end_id: int | None = None
+    vocab_size: int | None = None  # a server's token range, when known: its responses are checked against it
+    tokenizer_dir: str | None = None  # the served model's tokenizer: text models take and return text
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -74,12 +76,12 @@ def check_target(target: Target) -> None:
 
 
 def vocab_size(target: Target) -> int | None:
-    """The token range synthetic prompts may use; None for a server (it does not say)."""
+    """The token range synthetic prompts may use; for a server, what the user said (None: it does not say)."""
     if target.checkpoint_dir:
         return _golden_model(target.checkpoint_dir).target.spec.vocab_size
     if target.engine_dir:
         return _engine_info(target).vocab_size
-    return None
+    return target.vocab_size
 
 
 def backend_factory(
@@ -113,11 +115,22 @@ def backend_factory(
 
         url = target.openai_url
         return lambda in_flight: OpenAIBackend(url, mode=target.kind, gpus=target.gpus, ignore_eos=workload.ignore_eos)
-    from dflash_trt.bench.backends.triton import TritonBackend
+    from dflash_trt.bench.backends.triton import TEXT_MODELS, TritonBackend
 
+    tokenizer = None
+    if target.triton_model in TEXT_MODELS and target.tokenizer_dir:
+        from dflash_trt.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(target.tokenizer_dir)
     end_id = -1 if workload.ignore_eos else target.end_id
     return lambda in_flight: TritonBackend(
-        str(target.triton_url), model=target.triton_model, mode=target.kind, gpus=target.gpus, end_id=end_id
+        str(target.triton_url),
+        model=target.triton_model,
+        mode=target.kind,
+        gpus=target.gpus,
+        end_id=end_id,
+        vocab_size=target.vocab_size,
+        tokenizer=tokenizer,
     )
 
 

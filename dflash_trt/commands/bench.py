@@ -84,7 +84,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="--engine_dir: share of free GPU memory for the KV cache (default: the executor's own)",
     )
-    p.add_argument("--triton_model", default="tensorrt_llm", help="model that takes token ids (default tensorrt_llm)")
+    p.add_argument(
+        "--triton_model",
+        default="tensorrt_llm",
+        help="tensorrt_llm (token ids; the default), or ensemble / tensorrt_llm_bls (text: needs --tokenizer_dir)",
+    )
     p.add_argument(
         "--gpus", type=int, default=1, help="GPUs behind --triton_url / --openai_url (divides tok/s per GPU)"
     )
@@ -95,7 +99,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="end token for engine / Triton runs on --input_file (default: the engine config's eos "
         "ids; without one every request runs to --max_new_tokens)",
     )
-    p.add_argument("--vocab_size", type=int, default=None, help="token range of --synthetic prompts for Triton")
+    p.add_argument(
+        "--vocab_size",
+        type=int,
+        default=None,
+        help="the model's token range with --triton_url: synthetic prompts use it, responses are checked against it",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of synthetic prompts and Poisson arrivals")
     p.add_argument("--timeout_s", type=float, default=3600.0, help="give up on a point after this long")
     p.add_argument("--output_dir", required=True, help="folder for results.json, report.html, pareto.png")
@@ -123,6 +132,8 @@ def targets(args: argparse.Namespace) -> dict[str, Target]:
         "triton_model": args.triton_model,
         "gpus": args.gpus,
         "end_id": args.end_id,
+        "vocab_size": args.vocab_size,
+        "tokenizer_dir": args.tokenizer_dir,
     }
     where = (args.engine_dir, args.checkpoint_dir, args.triton_url, args.openai_url)
     out = {"dflash": Target("dflash", *where, **common)}
@@ -142,7 +153,7 @@ def targets(args: argparse.Namespace) -> dict[str, Target]:
 def build_workload(args: argparse.Namespace, target: Target) -> Workload:
     if args.synthetic:
         synthetic = parse_synthetic(args.synthetic)
-        vocab = vocab_size(target) or args.vocab_size
+        vocab = vocab_size(target)
         if not vocab:
             raise DFlashTrtError("--synthetic with a server URL needs --vocab_size (the model's token range)")
         workload = synthetic_workload(synthetic, vocab, args.seed)
@@ -259,9 +270,8 @@ def run(args: argparse.Namespace) -> int:
     origin = provenance(chosen["dflash"])
 
     def progress(point: dict) -> None:
-        where = f"c={point['concurrency']}" if point["concurrency"] else f"rate={point['request_rate']:g}/s"
         print(
-            f"{point['engine']} {where}: {point['throughput_tok_s']:.1f} tok/s, acceptance "
+            f"{point_name(point)}: {point['throughput_tok_s']:.1f} tok/s, acceptance "
             f"{point['acceptance_length'] or 0:.2f}, {point['failed']} failed",
             file=sys.stderr,
         )
@@ -302,4 +312,20 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         print(f"results: {out / RESULTS_FILE}; report: {out / 'report.html'}")
+    for point in points:
+        if point["failed"]:
+            failed = f"{point['failed']} requests failed; first: {first_error(point)}"
+            print(f"{point_name(point)}: {failed}", file=sys.stderr)
+    dead = [point for point in points if point["failed"] and not point["requests"]]
+    if dead:
+        raise DFlashTrtError(f"every request of {point_name(dead[0])} failed: {first_error(dead[0])}")
     return 0
+
+
+def point_name(point: dict[str, Any]) -> str:
+    where = f"c={point['concurrency']}" if point["concurrency"] else f"rate={point['request_rate']:g}/s"
+    return f"{point['engine']} {where}"
+
+
+def first_error(point: dict[str, Any]) -> str:
+    return next((r["error"] for r in point["per_request"] if r["error"]), "no output tokens")

@@ -59,6 +59,8 @@ class Request:
     max_new_tokens: int
     temperature: float = 0.0
     seed: int = 0
+    # This request's own stop sequences (token ids), on top of the executor's stop tokens; the output keeps them.
+    stop_words: tuple[tuple[int, ...], ...] = ()
     output: list[int] = field(default_factory=list)
     acceptance: list[int] = field(default_factory=list)
     steps: list[StepTrace] = field(default_factory=list)
@@ -257,7 +259,7 @@ class EmulatedExecutor:
         room = r.max_new_tokens - len(r.output)
         kept = tokens[:room]
         for i, token in enumerate(kept):
-            if token in self.stops:
+            if token in self.stops or self._ends_a_stop_word(r, kept[: i + 1]):
                 kept = kept[: i + 1]
                 r.finished = True
                 break
@@ -265,6 +267,13 @@ class EmulatedExecutor:
         if len(r.output) >= r.max_new_tokens:
             r.finished = True
         return kept
+
+    @staticmethod
+    def _ends_a_stop_word(r: Request, new: list[int]) -> bool:
+        if not r.stop_words:
+            return False
+        tail = r.output[-max((len(w) for w in r.stop_words), default=0) :] + new
+        return any(len(tail) >= len(w) and tuple(tail[-len(w) :]) == w for w in r.stop_words)
 
     def _inputs(self, batch: list[tuple[Request, int]]) -> dict[str, Any]:
         engine = self.engine

@@ -143,6 +143,27 @@ def _default_max_draft_len() -> int | None:
     return json.loads(settings.read_text())["max_draft_len"] if settings.is_file() else None
 
 
+def server_unreachable(url: str, timeout_s: float = 5.0) -> str | None:
+    """None when a Triton server answers at `url`; otherwise what to do about it, in one line."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(url=url)
+    try:
+        if client.is_server_live(client_timeout=timeout_s):
+            return None
+        problem = "is not live"
+    except InferenceServerException as exc:
+        problem = f"cannot be reached ({' '.join(str(exc).split())[:120]})"
+    finally:
+        client.close()
+    script = Path(__file__).with_name("launch_triton.sh")
+    return (
+        f"no Triton server at {url}: it {problem}; start one with {script} "
+        "(TRITONSERVER=/path/to/tritonserver when it is not on PATH) and wait until its models are READY"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="localhost:8001", help="Triton gRPC endpoint")
@@ -159,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
         help="drafts per step, for the acceptance length (default: from dflash_triton.json)",
     )
     args = parser.parse_args(argv)
+    problem = server_unreachable(args.url)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     gen = stream_generate(
         args.url,
         args.prompt,

@@ -5,6 +5,10 @@ tokenizer) -> `tensorrt_llm` (C++ backend, the engine in EAGLE mode with one cha
 (Python, detokenizer), and `tensorrt_llm_bls` offers the same request interface from one Python model. Every
 value comes from the engine's manifest or a build profile, so no placeholder is left to fill by hand;
 `launch_triton.sh` preloads the DFlash plugin library before the backend loads the engine.
+
+For a converted checkpoint instead of an engine (a CPU-served repository), `tensorrt_llm` is a Python model with
+the same tensors, batching and decoupling that runs the engine network under the emulation
+(`emulated_llm.py`); every other model is the same.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from dflash_trt import chat, sampling_rules
@@ -20,6 +24,7 @@ from dflash_trt.checkpoint.atomic import InputPaths, atomic_directory
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import read_json_object, strict_json
 from dflash_trt.sampling_rules import ENGINE_SAMPLING
+from dflash_trt.tokenizer import load_tokenizer
 from dflash_trt.triton import processing as P
 from dflash_trt.triton.pbtxt import EnsembleStep, ModelConfig, Tensor, render
 from dflash_trt.triton.serving import ServingSettings, override_serving
@@ -37,6 +42,8 @@ CLIENT_FILE = "client.py"
 PROCESSING_FILE = "dflash_processing.py"
 SAMPLING_RULES_FILE = "dflash_sampling_rules.py"
 CHAT_FILE = "dflash_chat.py"
+# A stub in a Python model's folder replaces the backend's own (python_backend `StubLauncher::Launch` [read]).
+PYTHON_STUB_FILE = "triton_python_backend_stub"
 # Makes libdflash_trt_plugins.so register its creators when it is loaded (plugins/src/pluginRegistration.cpp):
 # the tensorrtllm backend never calls initDflashTrtPlugins itself.
 REGISTER_ON_LOAD_ENV = "DFLASH_TRT_LOAD_PLUGINS"
@@ -58,6 +65,7 @@ PERF_OUTPUTS = (
 
 
 SERVING_DEFAULTS = ServingSettings()
+DEFAULT_CPU_MAX_SEQ_LEN = 2048
 
 
 @dataclass(frozen=True)
@@ -69,9 +77,9 @@ class RepositorySettings:
     and decoder model paths are empty"), and Triton does not start in the directory the repository was written from.
     """
 
-    engine_dir: str
+    engine_dir: str  # "" for a CPU-served repository
     tokenizer_dir: str
-    plugin_library: str
+    plugin_library: str  # "" for a CPU-served repository
     max_batch_size: int
     max_input_len: int
     max_draft_len: int
@@ -84,19 +92,46 @@ class RepositorySettings:
     max_queue_delay_microseconds: int = SERVING_DEFAULTS.max_queue_delay_microseconds
     instance_count: int = SERVING_DEFAULTS.instance_count
     max_attention_window_size: int | None = SERVING_DEFAULTS.max_attention_window_size
+    replicas: int = SERVING_DEFAULTS.replicas
     add_special_tokens: bool = True
     skip_special_tokens: bool = True
     chat_template_kwargs: str = "{}"  # JSON for {"messages": [...]} queries (dflash_trt.chat)
+    # A CPU-served repository: the converted checkpoint the emulated engine loads, its sequence and page sizes.
+    checkpoint_dir: str = ""
+    max_seq_len: int = 0
+    tokens_per_block: int = 32
 
     def __post_init__(self) -> None:
+        if bool(self.engine_dir) == bool(self.checkpoint_dir):
+            raise DFlashTrtError("a Triton repository serves either an engine or a converted checkpoint")
+        if any(c in self.plugin_library for c in LD_PRELOAD_SEPARATORS):
+            raise DFlashTrtError(
+                f"--plugin_library {self.plugin_library!r}: the dynamic loader splits LD_PRELOAD at spaces and colons "
+                "and would silently skip it; move the library to a path without them"
+            )
         for name in PATH_FIELDS:
-            object.__setattr__(self, name, os.path.abspath(getattr(self, name)))
+            if getattr(self, name):
+                object.__setattr__(self, name, os.path.abspath(getattr(self, name)))
         # Whoever builds the settings, the serving knobs obey the profile schema (block reuse stays off, ...).
         override_serving(SERVING_DEFAULTS, {name: getattr(self, name) for name in ServingSettings.model_fields})
 
 
+LD_PRELOAD_SEPARATORS = (" ", ":", "\t", "\n")
 # The settings that name files; every one is written into a config or script as an absolute path.
-PATH_FIELDS = ("engine_dir", "tokenizer_dir", "plugin_library")
+PATH_FIELDS = ("engine_dir", "tokenizer_dir", "plugin_library", "checkpoint_dir")
+
+
+def relocated(s: RepositorySettings, path_map: list[tuple[str, str]]) -> RepositorySettings:
+    """The settings with every path under a mapped prefix rewritten: the repository is written here, validated
+    against the files here, and served on a host that mounts them elsewhere (`--path_map HERE=THERE`)."""
+    changes = {}
+    for name in PATH_FIELDS:
+        path = getattr(s, name)
+        for old, new in path_map:
+            if path and (path == old or path.startswith(old.rstrip("/") + "/")):
+                changes[name] = new.rstrip("/") + path[len(old.rstrip("/")) :]
+                break
+    return replace(s, **changes)
 
 
 def serving_fields(serving: ServingSettings) -> dict:
@@ -171,9 +206,10 @@ def postprocessing_config(s: RepositorySettings) -> ModelConfig:
 
 
 def tensorrt_llm_config(s: RepositorySettings) -> ModelConfig:
+    """The C++ backend over the engine, or for a checkpoint the Python model with the same I/O over the emulation."""
     return ModelConfig(
         name=TENSORRT_LLM,
-        backend="tensorrtllm",
+        backend="python" if s.checkpoint_dir else "tensorrtllm",
         max_batch_size=s.max_batch_size,
         decoupled=True,
         dynamic_batching=True,
@@ -197,24 +233,45 @@ def tensorrt_llm_config(s: RepositorySettings) -> ModelConfig:
             Tensor(P.LLM_SEQUENCE_LENGTH, "TYPE_INT32", (-1,)),
             *(_scalar(name, dtype) for name, dtype in PERF_OUTPUTS),
         ),
-        instance_count=1,
-        parameters={
-            "gpt_model_type": "inflight_fused_batching",
-            "gpt_model_path": s.engine_dir,
-            "max_beam_width": "1",
-            "decoding_mode": "eagle",
-            "eagle_choices": eagle_choices_parameter(s.max_draft_len),
-            "batch_scheduler_policy": s.batch_scheduler_policy,
-            "kv_cache_free_gpu_mem_fraction": repr(s.kv_cache_free_gpu_mem_fraction),
-            "enable_chunked_context": _flag(s.enable_chunked_context),
-            "enable_kv_cache_reuse": _flag(s.enable_kv_cache_reuse),
-            "exclude_input_in_output": "true",
-            # The backend looks these three up unconditionally; empty values leave guided decoding off.
-            "tokenizer_dir": s.tokenizer_dir,
-            "guided_decoding_backend": "",
-            "xgrammar_tokenizer_info_path": "",
-        },
+        instance_count=s.replicas,
+        parameters=emulated_llm_parameters(s) if s.checkpoint_dir else tensorrtllm_parameters(s),
     )
+
+
+def replica_device_ids(replicas: int, world_size: int) -> str:
+    """The backend's `gpu_device_ids`: one `;`-separated group of `world_size` GPUs per model instance (instance i
+    takes group i; model_state.cc / model_instance_state.cc [read])."""
+    return ";".join(",".join(str(gpu) for gpu in range(r * world_size, (r + 1) * world_size)) for r in range(replicas))
+
+
+def emulated_llm_parameters(s: RepositorySettings) -> dict[str, str]:
+    """What `emulated_llm.Server.from_parameters` reads."""
+    return {
+        "checkpoint_dir": s.checkpoint_dir,
+        "max_batch_size": str(s.max_batch_size),
+        "max_seq_len": str(s.max_seq_len),
+        "tokens_per_block": str(s.tokens_per_block),
+    }
+
+
+def tensorrtllm_parameters(s: RepositorySettings) -> dict[str, str]:
+    return {
+        "gpt_model_type": "inflight_fused_batching",
+        "gpt_model_path": s.engine_dir,
+        "max_beam_width": "1",
+        "decoding_mode": "eagle",
+        "eagle_choices": eagle_choices_parameter(s.max_draft_len),
+        "batch_scheduler_policy": s.batch_scheduler_policy,
+        "kv_cache_free_gpu_mem_fraction": repr(s.kv_cache_free_gpu_mem_fraction),
+        "enable_chunked_context": _flag(s.enable_chunked_context),
+        "enable_kv_cache_reuse": _flag(s.enable_kv_cache_reuse),
+        "exclude_input_in_output": "true",
+        # The backend looks these three up unconditionally; empty values leave guided decoding off.
+        "tokenizer_dir": s.tokenizer_dir,
+        "guided_decoding_backend": "",
+        "xgrammar_tokenizer_info_path": "",
+        **({"gpu_device_ids": replica_device_ids(s.replicas, s.world_size)} if s.replicas > 1 else {}),
+    }
 
 
 # The request interface shared by `ensemble` and `tensorrt_llm_bls`.
@@ -277,8 +334,9 @@ def ensemble_config(s: RepositorySettings) -> ModelConfig:
 
 def bls_config(s: RepositorySettings) -> ModelConfig:
     """One Python model doing pre-processing, the tensorrt_llm call and streaming detokenization that never splits
-    a character. Each instance serves one request at a time, so there are `max_batch_size` instances (the
-    tensorrtllm backend's own guidance), letting the BLS path fill the engine's batch as the ensemble does."""
+    a character. Its `execute` is a coroutine serving many requests at once, so `instance_count` instances fill
+    the engine's batch as the ensemble does, without the `max_batch_size` stubs (each importing transformers) that
+    one-request-per-instance models need."""
     return ModelConfig(
         name=BLS,
         backend="python",
@@ -286,7 +344,7 @@ def bls_config(s: RepositorySettings) -> ModelConfig:
         decoupled=True,
         inputs=REQUEST_INPUTS,
         outputs=REQUEST_OUTPUTS,
-        instance_count=s.max_batch_size,
+        instance_count=s.instance_count,
         parameters={
             "tokenizer_dir": s.tokenizer_dir,
             "add_special_tokens": _flag(s.add_special_tokens),
@@ -313,8 +371,22 @@ def _sh_quote(text: str) -> str:
     return "'" + text.replace("'", "'\"'\"'") + "'"
 
 
+def cpu_launch_script() -> str:
+    """Bash launcher of a CPU-served repository: no engine, so no plugin library and one server process."""
+    return """#!/usr/bin/env bash
+# Start Triton on this CPU-served DFlash repository (tensorrt_llm runs the emulated engine in a Python model, whose
+# environment must have dflash_trt installed). Extra arguments go to tritonserver (e.g. --grpc-port 9001).
+# Environment override: TRITONSERVER (server binary).
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+exec "${TRITONSERVER:-tritonserver}" --model-repository="$HERE" --disable-auto-complete-config "$@"
+"""
+
+
 def launch_script(s: RepositorySettings) -> str:
     """Bash launcher: preload the plugin library, then one tritonserver (or one MPI rank per GPU for TP > 1)."""
+    if s.checkpoint_dir:
+        return cpu_launch_script()
     return f"""#!/usr/bin/env bash
 # Start Triton on this DFlash repository. The engine's layers reference the DFlash plugins, so their library is
 # preloaded into every server process, and told to register its plugins on load, before the tensorrtllm backend
@@ -325,6 +397,7 @@ HERE="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
 DEFAULT_PLUGIN={_sh_quote(s.plugin_library)}
 PLUGIN="${{{LIBRARY_ENV}:-$DEFAULT_PLUGIN}}"
 WORLD_SIZE={s.world_size}
+REPLICAS={s.replicas}
 TRITONSERVER="${{TRITONSERVER:-tritonserver}}"
 MPIRUN="${{MPIRUN:-mpirun}}"
 if [[ ! -f "$PLUGIN" ]]; then
@@ -333,6 +406,11 @@ if [[ ! -f "$PLUGIN" ]]; then
 fi
 PRELOAD="$PLUGIN${{LD_PRELOAD:+:$LD_PRELOAD}}"
 SERVER_ARGS=(--model-repository="$HERE" --disable-auto-complete-config)
+if (( REPLICAS > 1 )); then
+  # One tensorrt_llm instance per replica, each on its own GPUs (gpu_device_ids): the backend's orchestrator mode
+  # spawns the executor workers (which inherit the preload), so one server process and no mpirun.
+  LD_PRELOAD="$PRELOAD" {REGISTER_ON_LOAD_ENV}=1 TRTLLM_ORCHESTRATOR=1 exec "$TRITONSERVER" "${{SERVER_ARGS[@]}}" "$@"
+fi
 if (( WORLD_SIZE == 1 )); then
   LD_PRELOAD="$PRELOAD" {REGISTER_ON_LOAD_ENV}=1 exec "$TRITONSERVER" "${{SERVER_ARGS[@]}}" "$@"
 fi
@@ -353,6 +431,25 @@ exec "${{CMD[@]}}"
 """
 
 
+def python_stub_wrapper() -> str:
+    """The stub each Python model of the repository starts through: the backend's own stub, without the plugin.
+
+    launch_triton.sh preloads the plugin library (and with it TensorRT and CUDA) for the server, and the python
+    backend starts every stub from the server, with its environment: without this wrapper every stub would map
+    the library and register the plugins. The backend runs the stub as `bash -c "exec STUB MODEL_PATH SHM_REGION
+    SHM_SIZE SHM_GROWTH PARENT_PID PYTHON_LIB IPC_HANDLE NAME"` and first once without arguments, expecting exit
+    status 1 (otherwise it makes the file execute-only, which a script cannot survive); the real stub is
+    `PYTHON_LIB/triton_python_backend_stub` [read: python_backend src/stub_launcher.cc, not run against 2.51's
+    tensorrtllm container]. The two short-lived shells before the stub still start with the preload.
+    """
+    return f"""#!/usr/bin/env bash
+# Starts Triton's python backend stub without the DFlash plugin preload; see dflash_trt/triton/repository.py.
+(( $# >= 6 )) || exit 1
+unset LD_PRELOAD {REGISTER_ON_LOAD_ENV}
+exec "$6/{PYTHON_STUB_FILE}" "$@"
+"""
+
+
 def _source(name: str) -> Path:
     return Path(__file__).with_name(name)
 
@@ -365,13 +462,24 @@ def write_repository(
     The engine, tokenizer and plugin library it serves, and any further `inputs`, must lie outside `output_dir`.
     """
     python_models = {PREPROCESSING: "preprocessing.py", POSTPROCESSING: "postprocessing.py", BLS: "bls.py"}
-    served = {"--engine_dir": s.engine_dir, "--tokenizer_dir": s.tokenizer_dir, "--plugin_library": s.plugin_library}
+    if s.checkpoint_dir:
+        python_models[TENSORRT_LLM] = "tensorrt_llm.py"
+    served = {
+        "--engine_dir": s.engine_dir,
+        "--checkpoint_dir": s.checkpoint_dir,
+        "--tokenizer_dir": s.tokenizer_dir,
+        "--plugin_library": s.plugin_library,
+    }
+    served = {flag: path for flag, path in served.items() if path}
     with atomic_directory(output_dir, overwrite, {**served, **(inputs or {})}) as staging:
         for name, config in model_configs(s).items():
             version_dir = staging / name / "1"
             version_dir.mkdir(parents=True)
             (staging / name / "config.pbtxt").write_text(render(config))
             if name in python_models:
+                stub = staging / name / PYTHON_STUB_FILE
+                stub.write_text(python_stub_wrapper())
+                stub.chmod(0o755)
                 shutil.copyfile(_source("models") / python_models[name], version_dir / "model.py")
                 shutil.copyfile(_source("processing.py"), version_dir / PROCESSING_FILE)
                 shutil.copyfile(Path(sampling_rules.__file__), version_dir / SAMPLING_RULES_FILE)
@@ -382,6 +490,21 @@ def write_repository(
         shutil.copyfile(_source("client.py"), staging / CLIENT_FILE)
         (staging / SETTINGS_FILE).write_text(strict_json(asdict(s), indent=2) + "\n")
     return Path(output_dir)
+
+
+def check_tokenizer(tokenizer_dir: str | Path, vocab_size: int, served: str) -> None:
+    """Refuse a tokenizer the repository's Python models could not load, or one of another model: more tokens
+    than the served vocabulary, or no end-of-sequence token to stop on."""
+    tokenizer = load_tokenizer(tokenizer_dir)
+    if tokenizer is None:
+        raise DFlashTrtError(f"--tokenizer_dir {tokenizer_dir} holds no tokenizer (tokenizer.json or vocab.json)")
+    if len(tokenizer) > vocab_size:
+        raise DFlashTrtError(
+            f"--tokenizer_dir {tokenizer_dir}: {len(tokenizer)} tokens, more than the {vocab_size} of {served}; "
+            "it belongs to another model"
+        )
+    if tokenizer.eos_token_id is None:
+        raise DFlashTrtError(f"--tokenizer_dir {tokenizer_dir}: the tokenizer defines no eos token to stop on")
 
 
 def max_temperature_for_sampling(sampling: str | None) -> float:
@@ -399,7 +522,11 @@ def settings_from_engine(
     """Settings for a built engine: sizes from its config.json and DFlash manifest, serving knobs as given."""
     engine_dir = Path(engine_dir).absolute()
     manifest = _read_json(engine_dir / MANIFEST_NAME, "the DFlash manifest")
-    build = _read_json(engine_dir / "config.json", "TensorRT-LLM's engine config").get("build_config") or {}
+    engine_config = _read_json(engine_dir / "config.json", "TensorRT-LLM's engine config")
+    build = engine_config.get("build_config") or {}
+    vocab_size = (engine_config.get("pretrained_config") or {}).get("vocab_size")
+    if isinstance(vocab_size, int):
+        check_tokenizer(tokenizer_dir, vocab_size, f"the engine {engine_dir}")
     try:
         return RepositorySettings(
             engine_dir=str(engine_dir),
@@ -416,3 +543,51 @@ def settings_from_engine(
         raise DFlashTrtError(
             f"{engine_dir}: engine metadata lacks {exc.args[0]!r}; rebuild with dflash-trt build"
         ) from None
+
+
+def settings_from_checkpoint(
+    checkpoint_dir: str | Path,
+    tokenizer_dir: str | Path,
+    max_batch_size: int,
+    max_seq_len: int | None = None,
+    serving: ServingSettings | None = None,
+) -> RepositorySettings:
+    """Settings for a CPU-served repository over a converted (TP 1) checkpoint; `max_seq_len` defaults to the
+    target's context length less one draft block, capped at DEFAULT_CPU_MAX_SEQ_LEN so the KV pool stays small on a
+    laptop."""
+    checkpoint_dir = Path(checkpoint_dir).absolute()
+    config = read_json_object(
+        checkpoint_dir / "config.json", f"{checkpoint_dir} is not a converted checkpoint: config.json is missing"
+    )
+    try:
+        mapping = config.get("mapping") or {}
+        if int(mapping.get("tp_size", 1)) != 1 or int(mapping.get("pp_size", 1)) != 1:
+            raise DFlashTrtError(f"{checkpoint_dir}: the CPU-served engine runs one rank; convert with --tp_size 1")
+        longest = int(config["max_position_embeddings"])
+        max_draft_len = int(config["max_draft_len"])
+        vocab_size = int(config["vocab_size"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DFlashTrtError(f"{checkpoint_dir}/config.json is not a DFlash checkpoint config: {exc}") from None
+    if max_batch_size < 1:
+        raise DFlashTrtError(f"--max_batch_size must be >= 1, got {max_batch_size}")
+    check_tokenizer(tokenizer_dir, vocab_size, f"the checkpoint {checkpoint_dir}")
+    # The last verify step drafts a block past the final token, so the block must fit in the context too.
+    longest -= max_draft_len + 1
+    seq_len = min(longest, DEFAULT_CPU_MAX_SEQ_LEN) if max_seq_len is None else max_seq_len
+    if not 2 <= seq_len <= longest:
+        raise DFlashTrtError(
+            f"--max_seq_len must be in 2..{longest} (the target's context less one draft block), got {seq_len}"
+        )
+    return RepositorySettings(
+        engine_dir="",
+        tokenizer_dir=str(tokenizer_dir),
+        plugin_library="",
+        max_batch_size=max_batch_size,
+        max_input_len=seq_len - 1,
+        max_draft_len=max_draft_len,
+        world_size=1,
+        max_temperature=math.inf,
+        checkpoint_dir=str(checkpoint_dir),
+        max_seq_len=seq_len,
+        **serving_fields(serving or ServingSettings()),
+    )

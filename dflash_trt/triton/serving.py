@@ -44,6 +44,10 @@ class ServingSettings(BaseModel):
             )
         return v
 
+    replicas: int = Field(
+        default=1, ge=1, le=64, description="copies of the engine, each on its own tp_size GPUs of the node"
+    )
+
     @field_validator("enable_kv_cache_reuse")
     @classmethod
     def _no_block_reuse(cls, v: bool) -> bool:
