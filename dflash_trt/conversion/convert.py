@@ -359,8 +359,11 @@ def _worker_pool(workers: int) -> ProcessPoolExecutor:
 
 
 def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """Kill the workers mid-rank. Their list is taken first: shutdown() forgets it, and a pool left to shut down
+    by itself would wait for every running rank to finish."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())  # no public kill before Python 3.14
     pool.shutdown(wait=False, cancel_futures=True)
-    for process in list((getattr(pool, "_processes", None) or {}).values()):  # no public kill before Python 3.14
+    for process in processes:
         process.kill()
 
 
