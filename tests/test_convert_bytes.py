@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -97,3 +98,21 @@ def test_streamed_and_parallel_writes_are_byte_identical(exact_pair, tmp_path, m
     convert.convert_checkpoint(*exact_pair, parallel, dtype="float32", tp_size=4, workers=2)
     assert _digests(parallel, 4) == RANK_DIGESTS["float32", 4]
     _check_record(parallel)
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names fsynced descriptors through Linux /proc")
+def test_every_published_file_is_fsynced_once(exact_pair, tmp_path, monkeypatch):
+    """Durability costs one fsync per file, at publish: the rank writers leave theirs to it."""
+    real_fsync, synced = os.fsync, []
+
+    def recording_fsync(fd: int) -> None:
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    out = tmp_path / "ckpt"
+    convert.convert_checkpoint(*exact_pair, out, dtype="bfloat16", tp_size=2)
+    files = sorted(path.name for path in synced if path.parent.name.startswith(".ckpt.partial-"))
+    assert files == sorted(path.name for path in out.iterdir())
+    assert sorted(path.name for path in synced if path.parent == tmp_path) == [f".ckpt.partial-{os.getpid()}"]
+    assert tmp_path in synced  # the rename into place

@@ -42,6 +42,7 @@ _MAP_NORESERVE = getattr(
 )
 # Written bytes handed to the disk in steps of this size while the file is still being written.
 WRITEBACK_BYTES = 32 << 20
+WRITEBACK_ALIGNMENT = 1 << 20  # a multiple of any page size
 # Elements tested per step when a tensor's sum is not finite: bounds that test's temporary memory.
 _NONFINITE_CHUNK = 1 << 22
 
@@ -397,10 +398,12 @@ class StreamingSafetensorsWriter:
         try:
             self._handle.write(data)
             self._written += len(data)
-            if self._written - self._writeback_from >= WRITEBACK_BYTES:
+            # Whole aligned blocks only: a page under writeback can stall the next write() that touches it.
+            ready = self._written - self._written % WRITEBACK_ALIGNMENT
+            if ready - self._writeback_from >= WRITEBACK_BYTES:
                 self._handle.flush()
-                start_writeback(self._handle.fileno(), self._writeback_from, self._written - self._writeback_from)
-                self._writeback_from = self._written
+                start_writeback(self._handle.fileno(), self._writeback_from, ready - self._writeback_from)
+                self._writeback_from = ready
         except OSError as exc:
             self.abort()
             raise DFlashTrtError(f"cannot write {self.path}: {exc.strerror or exc}.") from exc
