@@ -1,4 +1,4 @@
-"""Converter memory and throughput on a synthetic ≥ 2 GB checkpoint, next to a plain copy and a naive converter.
+"""Converter memory and throughput on a synthetic ≥ 2 GB checkpoint, next to `cp -r` + `sync` and a naive converter.
 
 Builds a random-bf16 Qwen3-4B-shaped target (hidden 2560, 32 q / 8 kv heads of 128, intermediate 9728, vocab
 151936, untied lm_head, layers cut so the pair is ≥ 2 GB, two shards + index) and a one-layer DFlash drafter, then
@@ -6,13 +6,17 @@ runs each contender in its own child process, whose peak RSS comes from the OS (
 
 - baseline: `dflash-trt convert` of a tiny pair (interpreter + torch + the converter's code, no real data);
 - convert at tp 1 and tp 8 (`dflash-trt convert`, in the same child driver as the baseline);
-- plain copy: `shutil.copyfile` of every input file, each fsynced (the converter fsyncs its rank files too);
+- copy: `cp -r` of both model folders, then `sync` (what a user compares a conversion with);
 - naive: `safetensors.torch.load_file` of every input, fuse q|k|v, rename, one `save_file` (what loading the whole
   model first costs).
 
-Each child also samples its RssAnon / RssFile every 10 ms, which tells memory the process allocated apart from
-pages of memory-mapped files it has touched. Times are of the work inside the child (interpreter start excluded),
-with the inputs in the page cache for every contender. Throughput is checkpoint bytes processed per second.
+The contenders run in rounds, one run of each per round, so every ratio compares runs taken moments apart (the
+machine may be shared: its load changes from minute to minute). Each round's speed ratio is the copy's time over the
+contender's, both end to end (a fresh process, start-up included, as a user times them); the summary gives the
+median and spread (min-max) over the rounds with the load average (`uptime`) each run started at. Each convert child
+also samples its RssAnon / RssFile every 10 ms, which tells memory the process allocated apart from pages of
+memory-mapped files it has touched, and reports the time of its work alone (interpreter start excluded). Inputs are
+in the page cache for every contender.
 
     python perf/bench_convert.py [--layers N] [--repeats N] [--keep DIR]
 
@@ -25,12 +29,14 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import Qwen3Config
@@ -74,19 +80,11 @@ if job == "convert":
 elif job == "naive":
     import torch
     from safetensors.torch import load_file, save_file
-elif job == "copy":
-    import shutil
 threading.Thread(target=sample, daemon=True).start()
 started = time.perf_counter()
 if job == "convert":
     code = main(args["argv"])
     assert code == 0, code
-elif job == "copy":
-    for source in args["files"]:
-        target = os.path.join(args["out"], os.path.basename(source))
-        shutil.copyfile(source, target)
-        with open(target, "rb+") as handle:
-            os.fsync(handle.fileno())
 elif job == "naive":
     tensors = {}
     for source in args["files"]:
@@ -163,29 +161,84 @@ def weight_files(*dirs: Path) -> list[str]:
     return [str(p) for d in dirs for p in sorted(d.glob("*.safetensors"))]
 
 
-def measure(job: str, args: dict, repeats: int, cleanup: Callable[[], None]) -> dict:
-    """Best time and highest peaks of `repeats` runs of one job, each in a fresh interpreter after a sync.
+def run_child(job: str, args: dict) -> dict:
+    """One run of a job in a fresh interpreter after a sync: the child's own figures, its end-to-end time and the
+    load average it started at.
 
     The peak RSS is the child's VmHWM, read by the child itself just before it exits: the high-water mark of its own
     address space since exec. (`ru_maxrss` of a child is no use here: Linux carries the parent's high-water mark
     over the fork + exec, so every child would report at least this process's size.)
     """
-    best: dict = {}
-    for _ in range(repeats):
-        os.sync()  # no dirty pages of an earlier step may be flushed on this job's time
-        proc = subprocess.run(
-            [sys.executable, "-c", CHILD, job, json.dumps(args)],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"{job} child failed ({proc.returncode}): {proc.stderr[-2000:]}")
-        result = json.loads(proc.stdout.splitlines()[-1])
+    os.sync()  # no dirty pages of an earlier step may be flushed on this job's time
+    load = os.getloadavg()[0]
+    started = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, job, json.dumps(args)], cwd=REPO_ROOT, capture_output=True, text=True, check=False
+    )
+    wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise RuntimeError(f"{job} child failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return {**json.loads(proc.stdout.splitlines()[-1]), "wall_seconds": wall, "load": load}
+
+
+def copy_once(sources: list[Path], out: Path) -> dict:
+    """`cp -r` of the model folders into a fresh folder, then `sync`, timed as one command line."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    os.sync()
+    load = os.getloadavg()[0]
+    started = time.perf_counter()
+    subprocess.run(["cp", "-r", *map(str, sources), str(out)], check=True)
+    subprocess.run(["sync"], check=True)
+    wall = time.perf_counter() - started
+    shutil.rmtree(out)
+    return {"wall_seconds": wall, "load": load}
+
+
+Contender = Callable[[], dict]
+
+
+def child_contender(job: str, args: dict, cleanup: Callable[[], None]) -> Contender:
+    def once() -> dict:
+        result = run_child(job, args)
         cleanup()
-        best = {key: (min if key == "seconds" else max)(value, best.get(key, value)) for key, value in result.items()}
-    return best
+        return result
+
+    return once
+
+
+def run_rounds(contenders: dict[str, Contender], repeats: int) -> dict[str, list[dict]]:
+    """`repeats` rounds of one run of every contender, in order; each contender's runs, round by round."""
+    runs: dict[str, list[dict]] = {name: [] for name in contenders}
+    for round_number in range(repeats):
+        for name, once in contenders.items():
+            runs[name].append(once())
+            print(f"round {round_number + 1}: {name} {runs[name][-1]['wall_seconds']:.2f} s", flush=True)
+    return runs
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per contender: end-to-end and work times (median, spread), the highest peaks, and every run's load."""
+    results = {}
+    for name, rounds in runs.items():
+        result: dict = {"wall_seconds": spread([r["wall_seconds"] for r in rounds])}
+        if "seconds" in rounds[0]:
+            result["seconds"] = spread([r["seconds"] for r in rounds])
+        for key in ("peak_rss", "RssAnon", "RssFile"):
+            if key in rounds[0]:
+                result[key] = max(r[key] for r in rounds)
+        result["loads"] = [round(r["load"], 2) for r in rounds]
+        results[name] = result
+    return results
+
+
+def speed_ratios(runs: dict[str, list[dict]], name: str) -> dict[str, float]:
+    """The copy's end-to-end time over the contender's, round by round: median and spread."""
+    return spread([c["wall_seconds"] / r["wall_seconds"] for c, r in zip(runs["copy"], runs[name], strict=True)])
 
 
 def convert_argv(target_dir: Path, draft_dir: Path, out: Path, tp: int, *extra: str) -> list[str]:
@@ -216,9 +269,11 @@ def run_in_work_dir(
     """The command line both conversion benchmarks share: --layers, --repeats, --keep (else a temp dir)."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=layers, help=layers_help)
-    parser.add_argument("--repeats", type=int, default=2, help="runs per contender; best time, highest peaks")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds (one run of every contender each)")
     parser.add_argument("--keep", type=Path, help="work in this directory and keep it (default: a temp dir)")
     args = parser.parse_args(argv)
+    if args.repeats < 1 or args.layers < 1:
+        parser.error("--repeats and --layers must be >= 1")
     root = args.keep or Path(tempfile.mkdtemp(prefix="bench_convert_"))
     root.mkdir(parents=True, exist_ok=True)
     try:
@@ -228,27 +283,9 @@ def run_in_work_dir(
             shutil.rmtree(root, ignore_errors=True)
 
 
-def measure_copy(root: Path, inputs: list[str], repeats: int) -> dict:
-    """The plain-copy contender: every input file copied and fsynced into a fresh folder."""
-    copy_dir = root / "copy"
-
-    def fresh_copy_dir() -> None:
-        shutil.rmtree(copy_dir, ignore_errors=True)
-        copy_dir.mkdir()
-
-    fresh_copy_dir()
-    return measure("copy", {"files": inputs, "out": str(copy_dir)}, repeats, fresh_copy_dir)
-
-
 def remove(path: Path) -> Callable[[], None]:
     """A contender's cleanup: delete what it wrote (a folder or a file)."""
     return lambda: shutil.rmtree(path) if path.is_dir() else path.unlink()
-
-
-def measure_baseline(root: Path, tiny_target: Path, tiny_draft: Path, repeats: int) -> dict:
-    """The baseline contender: `dflash-trt convert` of a tiny pair (interpreter + torch + converter, no real data)."""
-    tiny_out = root / "tiny_out"
-    return measure("convert", {"argv": convert_argv(tiny_target, tiny_draft, tiny_out, 1)}, repeats, remove(tiny_out))
 
 
 def fraction(results: dict[str, dict], size: int, name: str, key: str) -> float:
@@ -256,31 +293,39 @@ def fraction(results: dict[str, dict], size: int, name: str, key: str) -> float:
     return round(results[name][key] / size, 4)
 
 
-def speed(results: dict[str, dict], name: str) -> float:
-    """A contender's throughput against the plain copy's."""
-    return round(results["copy"]["seconds"] / results[name]["seconds"], 4)
+def rounded(value: Any) -> Any:
+    """Floats rounded to 3 places, anywhere in a nested result."""
+    if isinstance(value, float):
+        return round(value, 3)
+    if isinstance(value, dict):
+        return {k: rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [rounded(v) for v in value]
+    return value
 
 
-def rounded(results: dict[str, dict]) -> dict[str, dict]:
-    """Every contender's result with floats rounded for the JSON line."""
-    return {name: {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for name, r in results.items()}
+def _span(times: dict[str, float]) -> str:
+    return f"{times['median']:6.2f} s ({times['min']:.2f}-{times['max']:.2f})"
 
 
 def report(results: dict[str, dict], size: int) -> None:
     """Adds the above-baseline peaks and the rate to each contender's result, and prints one line each."""
     base = results["baseline"]
     for name, r in results.items():
-        r["rss_above_baseline"] = r["peak_rss"] - base["peak_rss"]
-        r["anon_above_baseline"] = r["RssAnon"] - base["RssAnon"]
+        if "peak_rss" in r:
+            r["rss_above_baseline"] = r["peak_rss"] - base["peak_rss"]
+            r["anon_above_baseline"] = r["RssAnon"] - base["RssAnon"]
         if name != "baseline":  # the baseline converts a tiny pair, not the checkpoint
-            r["gb_per_s"] = size / r["seconds"] / 1e9
+            r["gb_per_s"] = size / r["wall_seconds"]["median"] / 1e9
         rate = f"{r['gb_per_s']:5.2f} GB/s" if "gb_per_s" in r else "       -  "
-        print(
-            f"{name:9s} {r['seconds']:7.2f} s  {rate}  peak RSS {_gib(r['peak_rss'])} "
-            f"(+{_gib(r['rss_above_baseline'])} over baseline; peak anon {_gib(r['RssAnon'])}, "
-            f"peak file-mapped {_gib(r['RssFile'])})",
-            flush=True,
+        work = f"  work {_span(r['seconds'])}" if "seconds" in r else ""
+        memory = (
+            f"  peak RSS {_gib(r['peak_rss'])} (+{_gib(r['rss_above_baseline'])} over baseline; "
+            f"peak anon {_gib(r['RssAnon'])}, peak file-mapped {_gib(r['RssFile'])})"
+            if "peak_rss" in r
+            else ""
         )
+        print(f"{name:9s} end to end {_span(r['wall_seconds'])}  {rate}{work}{memory}  load {r['loads']}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,9 +341,14 @@ def _run(root: Path, layers: int, repeats: int) -> int:
     tiny_target, tiny_draft, _ = build_pair(root / "tiny", TINY, 2)
     target_dir, draft_dir, size = build_pair(root / "big", QWEN3_4B, layers)
     print(f"synthetic checkpoint: {_gib(size)} in {time.perf_counter() - started:.1f} s", flush=True)
-    inputs = weight_files(target_dir, draft_dir)
-    results = {"baseline": measure_baseline(root, tiny_target, tiny_draft, repeats)}
-    written = {}
+    tiny_out, naive_out = root / "tiny_out", root / "naive.safetensors"
+    written: dict[int, int] = {}
+    contenders = {
+        "baseline": child_contender(
+            "convert", {"argv": convert_argv(tiny_target, tiny_draft, tiny_out, 1)}, remove(tiny_out)
+        ),
+        "copy": lambda: copy_once([target_dir, draft_dir], root / "copy"),
+    }
     for tp in (1, 8):
         out = root / f"tp{tp}"
 
@@ -306,16 +356,24 @@ def _run(root: Path, layers: int, repeats: int) -> int:
             written[tp] = directory_bytes(out)
             shutil.rmtree(out)
 
-        results[f"tp{tp}"] = measure(
-            "convert", {"argv": convert_argv(target_dir, draft_dir, out, tp)}, repeats, cleanup
+        contenders[f"tp{tp}"] = child_contender(
+            "convert", {"argv": convert_argv(target_dir, draft_dir, out, tp)}, cleanup
         )
-    results["copy"] = measure_copy(root, inputs, repeats)
-    naive_out = root / "naive.safetensors"
-    results["naive"] = measure(
-        "naive", {"files": inputs, "out": str(naive_out), "layers": layers}, repeats, remove(naive_out)
-    )
-
+    naive_args = {"files": weight_files(target_dir, draft_dir), "out": str(naive_out), "layers": layers}
+    contenders["naive"] = child_contender("naive", naive_args, remove(naive_out))
+    runs = run_rounds(contenders, repeats)
+    results = summarize(runs)
     report(results, size)
+    speeds = {name: speed_ratios(runs, name) for name in ("tp1", "tp8", "naive")}
+    # tp 8 writes the replicated embedding and norms 8 times: its write rate against the copy's.
+    tp8_written = spread(
+        [
+            written[8] / size * c["wall_seconds"] / r["wall_seconds"]
+            for c, r in zip(runs["copy"], runs["tp8"], strict=True)
+        ]
+    )
+    for name, ratio in (*speeds.items(), ("tp8 bytes written", tp8_written)):
+        print(f"{name} vs cp -r + sync: {ratio['median']:.3f} x (rounds {ratio['min']:.3f}-{ratio['max']:.3f})")
 
     ratios = {
         "convert_tp1_rss_above_baseline_vs_checkpoint_bytes": fraction(results, size, "tp1", "rss_above_baseline"),
@@ -323,21 +381,19 @@ def _run(root: Path, layers: int, repeats: int) -> int:
         "naive_rss_above_baseline_vs_checkpoint_bytes": fraction(results, size, "naive", "rss_above_baseline"),
         "convert_tp1_anon_above_baseline_vs_checkpoint_bytes": fraction(results, size, "tp1", "anon_above_baseline"),
         "convert_tp8_anon_above_baseline_vs_checkpoint_bytes": fraction(results, size, "tp8", "anon_above_baseline"),
-        "convert_tp1_throughput_vs_copy": speed(results, "tp1"),
-        "convert_tp8_throughput_vs_copy": speed(results, "tp8"),
-        # tp 8 writes the replicated embedding and norms 8 times: its write rate against the copy's.
-        "convert_tp8_bytes_written_per_s_vs_copy": round(
-            written[8] / results["tp8"]["seconds"] / (size / results["copy"]["seconds"]), 4
-        ),
-        "naive_throughput_vs_copy": speed(results, "naive"),
+        "convert_tp1_throughput_vs_copy": round(speeds["tp1"]["median"], 4),
+        "convert_tp8_throughput_vs_copy": round(speeds["tp8"]["median"], 4),
+        "convert_tp8_bytes_written_per_s_vs_copy": round(tp8_written["median"], 4),
+        "naive_throughput_vs_copy": round(speeds["naive"]["median"], 4),
     }
     details = {
         "checkpoint_bytes": size,
         "target_layers": layers,
-        "repeats": repeats,
+        "rounds": repeats,
         "cpu_threads": torch.get_num_threads(),
         "tp1_bytes_written": written[1],
         "tp8_bytes_written": written[8],
+        "throughput_vs_copy": rounded({**speeds, "tp8_bytes_written": tp8_written}),
         **rounded(results),
     }
     print(json.dumps({"name": "convert", "ratios": ratios, "details": details}))

@@ -3,12 +3,13 @@
 Builds a random-bf16 target with Qwen3-Coder-30B-A3B's layer shapes (hidden 2048, 32 q / 4 kv heads of 128, 128
 experts of moe_intermediate 768, top-8, every layer sparse; vocabulary cut to 32768 so the experts dominate) with
 enough layers for ≥ 1 GiB (one layer of experts alone is 1.13 GiB, most of the checkpoint), two shards + index, and
-a one-layer drafter. Each contender runs in its own child process (the driver of perf/bench_convert.py: peak RSS is
-the child's VmHWM, RssAnon / RssFile sampled every 10 ms, times of the work alone, inputs in the page cache):
+a one-layer drafter. Each contender runs in its own child process, in rounds (the driver of perf/bench_convert.py:
+peak RSS is the child's VmHWM, RssAnon / RssFile sampled every 10 ms; each round's speed ratio is the copy's end-to-end
+time over the contender's, summarized as median and spread with the load average of every run):
 
 - baseline: `dflash-trt convert` of a tiny MoE pair (interpreter + torch + converter code, no real data);
 - convert at tp 1, and at tp 4 with `--moe_ep_size 2` (two expert groups, each expert split in two);
-- plain copy: `shutil.copyfile` of every input file, each fsynced.
+- copy: `cp -r` of both model folders, then `sync`.
 
 A converter that stacked a whole layer of experts before writing would need more than a layer (1.13 GiB) above the
 baseline; streaming expert by expert keeps it near one expert.
@@ -30,17 +31,18 @@ import torch
 from bench_convert import (
     _gib,
     _write_random,
+    child_contender,
     convert_argv,
+    copy_once,
     directory_bytes,
     fraction,
-    measure,
-    measure_baseline,
-    measure_copy,
+    remove,
     report,
     rounded,
     run_in_work_dir,
-    speed,
-    weight_files,
+    run_rounds,
+    speed_ratios,
+    summarize,
 )
 from transformers import Qwen3Config, Qwen3MoeConfig
 
@@ -124,8 +126,14 @@ def _run(root: Path, layers: int, repeats: int) -> int:
     tiny_target, tiny_draft, _ = build_moe_pair(root / "tiny", TINY, 2)
     target_dir, draft_dir, size = build_moe_pair(root / "big", CODER_LAYER, layers)
     print(f"synthetic MoE checkpoint: {_gib(size)} in {time.perf_counter() - started:.1f} s", flush=True)
-    results = {"baseline": measure_baseline(root, tiny_target, tiny_draft, repeats)}
-    written = {}
+    tiny_out = root / "tiny_out"
+    written: dict[str, int] = {}
+    contenders = {
+        "baseline": child_contender(
+            "convert", {"argv": convert_argv(tiny_target, tiny_draft, tiny_out, 1)}, remove(tiny_out)
+        ),
+        "copy": lambda: copy_once([target_dir, draft_dir], root / "copy"),
+    }
     for name, tp, ep in (("tp1", 1, 1), ("tp4_ep2", 4, 2)):
         out = root / name
 
@@ -133,15 +141,14 @@ def _run(root: Path, layers: int, repeats: int) -> int:
             written[name] = directory_bytes(out)
             shutil.rmtree(out)
 
-        results[name] = measure(
-            "convert",
-            {"argv": convert_argv(target_dir, draft_dir, out, tp, "--moe_ep_size", str(ep))},
-            repeats,
-            cleanup,
-        )
-    results["copy"] = measure_copy(root, weight_files(target_dir, draft_dir), repeats)
-
+        argv = convert_argv(target_dir, draft_dir, out, tp, "--moe_ep_size", str(ep))
+        contenders[name] = child_contender("convert", {"argv": argv}, cleanup)
+    runs = run_rounds(contenders, repeats)
+    results = summarize(runs)
     report(results, size)
+    speeds = {name: speed_ratios(runs, name) for name in ("tp1", "tp4_ep2")}
+    for name, ratio in speeds.items():
+        print(f"{name} vs cp -r + sync: {ratio['median']:.3f} x (rounds {ratio['min']:.3f}-{ratio['max']:.3f})")
 
     ratios = {
         "moe_convert_tp1_rss_above_baseline_vs_checkpoint_bytes": fraction(results, size, "tp1", "rss_above_baseline"),
@@ -151,15 +158,16 @@ def _run(root: Path, layers: int, repeats: int) -> int:
         "moe_convert_tp1_anon_above_baseline_vs_checkpoint_bytes": fraction(
             results, size, "tp1", "anon_above_baseline"
         ),
-        "moe_convert_tp1_throughput_vs_copy": speed(results, "tp1"),
-        "moe_convert_tp4_ep2_throughput_vs_copy": speed(results, "tp4_ep2"),
+        "moe_convert_tp1_throughput_vs_copy": round(speeds["tp1"]["median"], 4),
+        "moe_convert_tp4_ep2_throughput_vs_copy": round(speeds["tp4_ep2"]["median"], 4),
     }
     details = {
         "checkpoint_bytes": size,
         "target_layers": layers,
-        "repeats": repeats,
+        "rounds": repeats,
         "cpu_threads": torch.get_num_threads(),
         "bytes_written": written,
+        "throughput_vs_copy": rounded(speeds),
         **rounded(results),
     }
     print(json.dumps({"name": "convert_moe", "ratios": ratios, "details": details}))

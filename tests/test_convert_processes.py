@@ -1,7 +1,9 @@
 """Conversion processes: parallel rank writers that cannot deadlock and die with their parent, SIGTERM handled like
 Ctrl-C, and leftovers of killed runs (staging, calibration scratch) cleaned by the next run.
 
-Signals need real processes, so these tests start `python -m dflash_trt.cli` and watch /proc.
+Signals need real processes, so these tests start the CLI in a child and watch /proc. The signalled runs use
+`_held_convert`, whose rank writers hold once they have announced themselves: each signal arrives while the
+conversion is known to be waiting on its workers, never after it finished.
 """
 
 from __future__ import annotations
@@ -14,14 +16,16 @@ import time
 from pathlib import Path
 
 import pytest
+from _held_convert import HOLD_DIR_VARIABLE, announced
 from _pairs import PairVariant, make_pair
 
 from dflash_trt.checkpoint.atomic import scratch_directory
 from dflash_trt.conversion.convert import convert_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# Heads divisible by 8 for tp 8; spawned workers take seconds to start, so the parent is still waiting for them
-# when the tests signal it.
+TESTS_DIR = Path(__file__).resolve().parent
+HELD_CONVERT = "import sys, _held_convert; sys.exit(_held_convert.main(sys.argv[1:]))"
+# Heads divisible by 8 for tp 8.
 SMALL = PairVariant(heads=8, kv_heads=2, head_dim=8, draft_heads=8, draft_kv_heads=2, draft_head_dim=8)
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="watches processes through Linux /proc")
@@ -50,8 +54,12 @@ def _convert_command(pair: tuple[Path, Path], out: Path, *extra: str) -> list[st
     ]
 
 
-def _start(command: list[str]) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+def _start_held(pair: tuple[Path, Path], out: Path, hold_dir: Path) -> subprocess.Popen:
+    """A tp 8 convert with 2 held workers; its writers announce themselves in `hold_dir`."""
+    hold_dir.mkdir()
+    command = [sys.executable, "-c", HELD_CONVERT, *_convert_command(pair, out, "--workers", "2")[3:]]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join((str(REPO_ROOT), str(TESTS_DIR))))
+    env[HOLD_DIR_VARIABLE] = str(hold_dir)
     return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
@@ -98,10 +106,10 @@ def _assert_gone(workers: list[int]) -> None:
 @pytest.mark.slow
 def test_sigterm_cleans_up_like_ctrl_c(pair, tmp_path: Path) -> None:
     """SIGTERM while spawned workers write ranks: the workers are stopped, staging removed, exit 128 + 15."""
-    out = tmp_path / "ckpt"
-    proc = _start(_convert_command(pair, out, "--workers", "2"))
+    out, hold_dir = tmp_path / "work" / "ckpt", tmp_path / "held"
+    proc = _start_held(pair, out, hold_dir)
     try:
-        _wait_for(lambda: _spawned_workers(proc.pid), proc, "the workers started")
+        _wait_for(lambda: announced(hold_dir), proc, "a worker wrote its rank")
         workers = _spawned_workers(proc.pid)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
@@ -110,16 +118,16 @@ def test_sigterm_cleans_up_like_ctrl_c(pair, tmp_path: Path) -> None:
         proc.stderr.close()
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert err == "dflash-trt convert: terminated\n"
-    assert os.listdir(tmp_path) == []
+    assert os.listdir(out.parent) == []
     _assert_gone(workers)
 
 
 @pytest.mark.slow
 def test_killed_parent_takes_its_spawned_workers_along(pair, tmp_path: Path) -> None:
-    out = tmp_path / "ckpt"
-    proc = _start(_convert_command(pair, out, "--workers", "2"))
+    """Held workers outlive nothing: once the parent is killed the kernel kills them too."""
+    proc = _start_held(pair, tmp_path / "ckpt", tmp_path / "held")
     try:
-        _wait_for(lambda: _spawned_workers(proc.pid), proc, "the workers started")
+        _wait_for(lambda: announced(tmp_path / "held"), proc, "a worker wrote its rank")
         workers = _spawned_workers(proc.pid)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)

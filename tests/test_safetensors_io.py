@@ -104,6 +104,42 @@ def test_writer_output_loads_with_safetensors(tmp_path: Path) -> None:
             _assert_same(reader.get(name), tensor)
 
 
+def test_writer_sha256_is_the_files_and_writeback_keeps_the_bytes(tmp_path: Path, monkeypatch) -> None:
+    """Hashed while written (small buffers inline, large ones on the worker thread) and handed to the disk in
+    aligned steps as the file grows: the digest is hashlib's of the finished file, the bytes are safetensors'."""
+    import hashlib
+
+    from dflash_trt.checkpoint import atomic
+
+    monkeypatch.setattr(safetensors_io, "WRITEBACK_BYTES", 1 << 20)
+    started: list[tuple[int, int]] = []
+    real_start = atomic.start_writeback
+    monkeypatch.setattr(
+        safetensors_io,
+        "start_writeback",
+        lambda fd, offset, length: (started.append((offset, length)), real_start(fd, offset, length)),
+    )
+    gen = torch.Generator().manual_seed(1)
+    tensors = {
+        "small": torch.randn(3, 5, generator=gen),
+        "large": torch.randn(1000, 1031, generator=gen).to(torch.bfloat16),  # ~2 MB: the background thread
+        "odd": torch.randint(0, 256, ((1 << 20) + 3,), dtype=torch.uint8, generator=gen),
+    }
+    path = tmp_path / "hashed.safetensors"
+    writer = StreamingSafetensorsWriter(path, _entries(tensors), fsync=False, sha256=True)
+    with writer:
+        for name, tensor in tensors.items():
+            writer.write(name, tensor)
+        with pytest.raises(DFlashTrtError, match="no digest"):
+            writer.hexdigest()
+    assert writer.hexdigest() == hashlib.sha256(path.read_bytes()).hexdigest()
+    loaded = load_file(path)
+    for name, tensor in tensors.items():
+        _assert_same(loaded[name], tensor)
+    assert started and all(offset % (1 << 20) == 0 and length % (1 << 20) == 0 for offset, length in started)
+    assert [offset for offset, _ in started] == [sum(length for _, length in started[:i]) for i in range(len(started))]
+
+
 def test_writer_accepts_non_contiguous_tensor(tmp_path: Path) -> None:
     base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     transposed = base.t()

@@ -23,6 +23,8 @@ from types import TracebackType
 
 import torch
 
+from dflash_trt.checkpoint.atomic import start_writeback
+from dflash_trt.checkpoint.integrity import BackgroundSha256
 from dflash_trt.errors import DFlashTrtError
 
 # Largest JSON header accepted: far above any real checkpoint's, far below a harmful allocation.
@@ -38,6 +40,9 @@ _TENSOR_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 _MAP_NORESERVE = getattr(
     mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64") else 0
 )
+# Written bytes handed to the disk in steps of this size while the file is still being written.
+WRITEBACK_BYTES = 32 << 20
+WRITEBACK_ALIGNMENT = 1 << 20  # a multiple of any page size
 # Elements tested per step when a tensor's sum is not finite: bounds that test's temporary memory.
 _NONFINITE_CHUNK = 1 << 22
 
@@ -364,11 +369,20 @@ class StreamingSafetensorsWriter:
         path: str | os.PathLike[str],
         entries: dict[str, tuple[torch.dtype, tuple[int, ...]]],
         metadata: dict[str, str] | None = None,
+        fsync: bool = True,
+        sha256: bool = False,
     ) -> None:
+        """`fsync`: make the file durable at close (leave it False when the caller fsyncs at publish);
+        `sha256`: hash every byte as it is written (`hexdigest()` once closed), for an integrity record."""
         self.path = Path(path)
         self._order = list(entries)
         self._entries = {name: (dtype, tuple(shape)) for name, (dtype, shape) in entries.items()}
         self._next = 0
+        self._fsync = fsync
+        self._digest = BackgroundSha256() if sha256 else None
+        self._hexdigest: str | None = None
+        self._written = 0
+        self._writeback_from = 0  # bytes before this were handed to the disk already
         header = _build_header(self.path, self._entries, metadata)
         try:
             self._handle = open(self.path, "xb")
@@ -379,8 +393,17 @@ class StreamingSafetensorsWriter:
         self._write(struct.pack("<Q", len(header)) + header)
 
     def _write(self, data: bytes | memoryview) -> None:
+        if self._digest is not None:
+            self._digest.update(data)  # hashed on another thread while the bytes are written
         try:
             self._handle.write(data)
+            self._written += len(data)
+            # Whole aligned blocks only: a page under writeback can stall the next write() that touches it.
+            ready = self._written - self._written % WRITEBACK_ALIGNMENT
+            if ready - self._writeback_from >= WRITEBACK_BYTES:
+                self._handle.flush()
+                start_writeback(self._handle.fileno(), self._writeback_from, ready - self._writeback_from)
+                self._writeback_from = ready
         except OSError as exc:
             self.abort()
             raise DFlashTrtError(f"cannot write {self.path}: {exc.strerror or exc}.") from exc
@@ -429,7 +452,7 @@ class StreamingSafetensorsWriter:
         self._next += 1
 
     def close(self) -> None:
-        """Flush and fsync; raises (and deletes the file) if some declared tensor was never written."""
+        """Flush (and fsync if asked); raises (and deletes the file) if some declared tensor was never written."""
         if self._handle.closed:
             return
         if self._next != len(self._order):
@@ -440,16 +463,27 @@ class StreamingSafetensorsWriter:
             )
         try:
             self._handle.flush()
-            os.fsync(self._handle.fileno())
+            if self._fsync:
+                os.fsync(self._handle.fileno())
             self._handle.close()
         except OSError as exc:
             self.abort()
             raise DFlashTrtError(f"cannot write {self.path}: {exc.strerror or exc}.") from exc
+        if self._digest is not None:
+            self._hexdigest = self._digest.hexdigest()
+
+    def hexdigest(self) -> str:
+        """sha256 of the whole file as written (a writer opened with `sha256=True`, once closed)."""
+        if self._hexdigest is None:
+            raise DFlashTrtError(f"{self.path}: no digest (not hashed, or not closed yet).")
+        return self._hexdigest
 
     def abort(self) -> None:
         """Close and delete the partial file."""
         if not self._handle.closed:
             self._handle.close()
+        if self._digest is not None:
+            self._digest.close()
         self.path.unlink(missing_ok=True)
 
     def __enter__(self) -> StreamingSafetensorsWriter:

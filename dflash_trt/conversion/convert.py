@@ -14,7 +14,7 @@ import multiprocessing
 import os
 import shutil
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -46,6 +46,7 @@ from dflash_trt.spec import (
 )
 
 SOURCE_FLOAT_DTYPES = tuple(torch_dtypes().values())
+SourceTensors = Iterable[tuple[str, str, torch.Tensor]]  # (TARGET or DRAFT, source name, tensor)
 # Plain data files a user expects next to the checkpoint (for `generate --input_file` with text). Never code.
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -125,6 +126,19 @@ def check_stored_finite(out: OutputTensor, name: str, stored: torch.Tensor) -> N
         )
 
 
+def check_cast_finite(out: OutputTensor, name: str, stored: torch.Tensor, sources: SourceTensors) -> None:
+    """The one NaN/Inf scan of a tensor stored as a plain cast of its sources (or a piece of them): a cast keeps
+    NaN and Inf, so a finite stored tensor proves its sources finite. Only a non-finite one has its `sources`
+    (model, name, tensor; a generator maps them only then) scanned, to tell bad input from a cast that overflowed."""
+    if not tensor_has_nonfinite(stored):
+        return
+    for model, source_name, tensor in sources:
+        if tensor_has_nonfinite(tensor):
+            what = "target" if model == TARGET else "drafter"
+            raise DFlashTrtError(f"{what} tensor '{source_name}' contains NaN or Inf values")
+    check_stored_finite(out, name, stored)
+
+
 def _load_full(out: OutputTensor, readers: dict[str, HFCheckpointReader], check_finite: bool) -> torch.Tensor:
     loaded = []
     for model, name in out.sources:
@@ -198,6 +212,20 @@ def _streamable(plan: ConversionPlan, out: OutputTensor, readers: dict[str, HFCh
     return readers[model].nbytes(name) >= STREAM_MIN_BYTES
 
 
+def _stores_cast(plan: ConversionPlan, out: OutputTensor) -> bool:
+    """Stored as a cast of (a piece of) its sources: neither quantized here nor carried from a quantized target."""
+    if quantized_linear(out.name) is None:
+        return True
+    return plan.quant.format_of(out.name) == NONE and plan.prequantized is None
+
+
+def _source_tensors(
+    out: OutputTensor, readers: dict[str, HFCheckpointReader]
+) -> Iterator[tuple[str, str, torch.Tensor]]:
+    for model, name in out.sources:
+        yield model, name, readers[model].get(name)
+
+
 def _streams_experts(plan: ConversionPlan, out: OutputTensor) -> bool:
     """Unquantized stacked experts are written expert by expert (never a whole layer in memory)."""
     return out.split in (Split.EXPERT_FC, Split.EXPERT_PROJ) and (
@@ -223,11 +251,9 @@ def _expert_blocks(
                 piece = reader.get_rows(name, index * rows, (index + 1) * rows)
             else:
                 piece = reader.get(name).chunk(count, dim=1)[index]
-            if tensor_has_nonfinite(piece):
-                raise DFlashTrtError(f"target tensor '{name}' contains NaN or Inf values")
-            pieces.append(piece.to(plan.dtype))
-        stored = torch.cat(pieces, dim=0).unsqueeze(0)
-        check_stored_finite(out, out.name, stored)
+            pieces.append((TARGET, name, piece))
+        stored = torch.cat([piece.to(plan.dtype) for _, _, piece in pieces], dim=0).unsqueeze(0)
+        check_cast_finite(out, out.name, stored, pieces)
         yield stored
 
 
@@ -249,14 +275,20 @@ def _row_blocks(
     step = max(1, STREAM_BLOCK_BYTES // max(1, reader.nbytes(name) // rows))
     for start in range(first, stop, step):
         block = reader.get_rows(name, start, min(start + step, stop))
-        if check_finite and tensor_has_nonfinite(block):
-            what = "target" if model == TARGET else "drafter"
-            raise DFlashTrtError(f"{what} tensor '{name}' contains NaN or Inf values")
         stored = block.to(out.dtype or plan.dtype)
-        check_stored_finite(out, out.name, stored)
+        if check_finite:
+            check_cast_finite(out, out.name, stored, [(model, name, block)])
         yield stored
     if padding:
         yield torch.zeros((padding, *out.shape[1:]), dtype=plan.dtype)
+
+
+@dataclass(frozen=True)
+class RankWritten:
+    """One rank file as written: its tensor bytes and the sha256 of the whole file (for the integrity record)."""
+
+    tensor_bytes: int
+    sha256: str
 
 
 def _write_rank(
@@ -265,10 +297,12 @@ def _write_rank(
     readers: dict[str, HFCheckpointReader],
     rank: int,
     progress: Callable[[int], object],
-) -> int:
+) -> RankWritten:
+    """Rank `rank`'s file, hashed as it is written; made durable later, by the publish (one fsync per file)."""
     entries = plan.entries()
     written = 0
-    with StreamingSafetensorsWriter(path, entries, metadata={"format": "pt"}) as writer:
+    writer = StreamingSafetensorsWriter(path, entries, metadata={"format": "pt"}, fsync=False, sha256=True)
+    with writer:
         for out in plan.layout:
             streamed = (
                 _expert_blocks(plan, out, readers, rank)
@@ -281,13 +315,20 @@ def _write_rank(
                 writer.write_rows(out.name, streamed)
                 dtype, shape = entries[out.name]
                 written += math.prod(shape) * dtype.itemsize
+            elif _stores_cast(plan, out):
+                # Each rank scans its own piece; a replicated tensor, the same on every rank, is scanned by rank 0.
+                for name, piece in rank_tensors(plan, out, readers, rank, check_finite=False).items():
+                    if rank == 0 or out.split is not Split.REPLICATE:
+                        check_cast_finite(out, name, piece, _source_tensors(out, readers))
+                    writer.write(name, piece)
+                    written += piece.numel() * piece.element_size()
             else:
                 for name, piece in rank_tensors(plan, out, readers, rank, check_finite=rank == 0).items():
                     check_stored_finite(out, name, piece)
                     writer.write(name, piece)
                     written += piece.numel() * piece.element_size()
             progress(1)
-    return written
+    return RankWritten(written, writer.hexdigest())
 
 
 def check_written(staging: Path, plan: ConversionPlan) -> None:
@@ -359,12 +400,15 @@ def _worker_pool(workers: int) -> ProcessPoolExecutor:
 
 
 def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """Kill the workers mid-rank. Their list is taken first: shutdown() forgets it, and a pool left to shut down
+    by itself would wait for every running rank to finish."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())  # no public kill before Python 3.14
     pool.shutdown(wait=False, cancel_futures=True)
-    for process in list((getattr(pool, "_processes", None) or {}).values()):  # no public kill before Python 3.14
+    for process in processes:
         process.kill()
 
 
-def _write_rank_in_worker(plan: ConversionPlan, path: Path, rank: int) -> int:
+def _write_rank_in_worker(plan: ConversionPlan, path: Path, rank: int) -> RankWritten:
     """One rank file in its own process, with its own memory-mapped readers (memory stays one tensor per worker)."""
     with HFCheckpointReader(plan.model_dir) as target_reader, HFCheckpointReader(plan.dflash_model_dir) as draft_reader:
         return _write_rank(plan, path, {TARGET: target_reader, DRAFT: draft_reader}, rank, lambda _: None)
@@ -467,11 +511,11 @@ def convert_checkpoint(
         layout = plan.layout
         with atomic_directory(output_dir, overwrite, inputs) as staging:
             with tqdm(total=len(layout) * tp_size, desc="convert", unit="tensor", disable=not show_progress) as bar:
-                # Rank 0 runs here first: it alone checks every source for NaN/Inf, so bad input fails fast.
-                bytes_written = _write_rank(plan, staging / rank_file(0), readers, 0, bar.update)
+                # Rank 0 runs here first: it checks every replicated tensor for NaN/Inf, so bad input fails fast.
+                ranks = [_write_rank(plan, staging / rank_file(0), readers, 0, bar.update)]
                 if workers == 1 or tp_size == 1:
                     for rank in range(1, tp_size):
-                        bytes_written += _write_rank(plan, staging / rank_file(rank), readers, rank, bar.update)
+                        ranks.append(_write_rank(plan, staging / rank_file(rank), readers, rank, bar.update))
                 else:
                     with _worker_pool(min(workers, tp_size - 1)) as pool:
                         try:
@@ -480,7 +524,7 @@ def convert_checkpoint(
                                 for rank in range(1, tp_size)
                             ]
                             for job in jobs:
-                                bytes_written += job.result()
+                                ranks.append(job.result())
                                 bar.update(len(layout))
                         except BaseException:  # a refusal, Ctrl-C or SIGTERM: stop writing ranks nobody will publish
                             _stop_workers(pool)
@@ -488,8 +532,9 @@ def convert_checkpoint(
             check_written(staging, plan)
             (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             _copy_tokenizer_files(tokenizer, staging)
-            write_integrity_record(staging, ["config.json", *(rank_file(rank) for rank in range(tp_size))])
-    return ConversionResult(output_dir, tp_size, len(layout), bytes_written)
+            digests = {rank_file(rank): written.sha256 for rank, written in enumerate(ranks)}
+            write_integrity_record(staging, ["config.json", *digests], digests)
+    return ConversionResult(output_dir, tp_size, len(layout), sum(written.tensor_bytes for written in ranks))
 
 
 def resolve_quantization(
