@@ -7,6 +7,7 @@ from pathlib import Path
 from dflash_trt.errors import DFlashTrtError
 
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer.model", "vocab.json")
+MAX_LENGTH = 2**62
 
 
 def load_tokenizer(directory: str | Path):
@@ -16,12 +17,16 @@ def load_tokenizer(directory: str | Path):
     of many exception types; every one of them is the same finding for the user: this tokenizer cannot be loaded.
     """
     directory = Path(directory)
+    if not directory.is_dir():
+        raise DFlashTrtError(f"tokenizer folder {directory} does not exist or is not a folder")
     if not any((directory / marker).is_file() for marker in TOKENIZER_MARKERS):
         return None
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
+        # Lengths are checked against the model by each command, in one line; the tokenizer's own limit would only
+        # add a second, multi-line warning for a long prompt.
+        return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False, model_max_length=MAX_LENGTH)
     except Exception as exc:  # a third-party loader: all its failures mean "unusable tokenizer"
         detail = " ".join(str(exc).split())[:200] or type(exc).__name__
         raise DFlashTrtError(

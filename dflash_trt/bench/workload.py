@@ -14,7 +14,15 @@ from typing import Any
 
 from dflash_trt.bench.driver import BenchRequest
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.inputs import MAX_REQUESTS, check_fits_in_memory
 from dflash_trt.prompts import read_prompts
+
+# Prompt and output tokens of one workload, all requests together: each token is held as a Python int (prompts)
+# and a timestamp (responses). It bounds the memory a run grows to before its first point completes.
+MAX_WORKLOAD_TOKENS = 50_000_000
+BYTES_PER_TOKEN = 64
+# The longest sequence a synthetic request may ask for before any model says what it allows.
+MAX_SEQUENCE = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -34,12 +42,37 @@ class Workload:
     def max_seq_len(self) -> int:
         return max(len(r.input_ids) + r.max_new_tokens for r in self.requests)
 
+    def check_positions(self, max_positions: int, where: str) -> None:
+        """Refuse, before any request is sent, a request longer than the model or engine serves."""
+        longest = max(self.requests, key=lambda r: len(r.input_ids) + r.max_new_tokens)
+        check_request_length(len(longest.input_ids), longest.max_new_tokens, max_positions, where)
+
     def resized(self, count: int) -> Workload:
         """`count` requests, cycling through the prompts (a longer run, or a subset, of the same set)."""
-        if count < 1:
-            raise DFlashTrtError(f"the number of requests must be >= 1, got {count}")
+        if not 1 <= count <= MAX_REQUESTS:
+            raise DFlashTrtError(f"the number of requests must be in [1, {MAX_REQUESTS}], got {count}")
+        per_cycle = sum(len(r.input_ids) + r.max_new_tokens for r in self.requests)
+        check_workload_tokens(per_cycle * count // len(self.requests), "--num_requests")
         cycled = [self.requests[i % len(self.requests)] for i in range(count)]
         return Workload(cycled, self.ignore_eos, self.description | {"num_requests": count})
+
+
+def check_request_length(prompt_len: int, new_tokens: int, max_positions: int, where: str) -> None:
+    if prompt_len + new_tokens > max_positions:
+        raise DFlashTrtError(
+            f"a request of {prompt_len} prompt + {new_tokens} output tokens exceeds {where} ({max_positions}); "
+            "shorten the prompts (ISL) or ask for fewer tokens (OSL, --max_new_tokens)"
+        )
+
+
+def check_workload_tokens(tokens: int, what: str) -> None:
+    """A run's prompts and outputs must fit the token bound and this machine's free memory."""
+    if tokens > MAX_WORKLOAD_TOKENS:
+        raise DFlashTrtError(
+            f"{what} asks for {tokens} prompt and output tokens in all; a run holds at most {MAX_WORKLOAD_TOKENS} "
+            "(fewer or shorter requests)"
+        )
+    check_fits_in_memory(tokens * BYTES_PER_TOKEN, f"{what}'s requests and their timings", "fewer or shorter requests")
 
 
 def parse_synthetic(text: str) -> Synthetic:
@@ -48,9 +81,15 @@ def parse_synthetic(text: str) -> Synthetic:
         values = [int(p) for p in parts]
     except ValueError:
         values = []
-    if len(values) != 3 or min(values) < 1:
-        raise DFlashTrtError(f"--synthetic must be ISL,OSL,COUNT with three positive integers, got {text!r}")
-    return Synthetic(*values)
+    limits = (MAX_SEQUENCE, MAX_SEQUENCE, MAX_REQUESTS)
+    if len(values) != 3 or not all(1 <= v <= limit for v, limit in zip(values, limits, strict=True)):
+        raise DFlashTrtError(
+            f"--synthetic must be ISL,OSL,COUNT with ISL and OSL in [1, {MAX_SEQUENCE}] and COUNT in "
+            f"[1, {MAX_REQUESTS}], got {text[:60]!r}"
+        )
+    spec = Synthetic(*values)
+    check_workload_tokens((spec.input_len + spec.output_len) * spec.count, "--synthetic")
+    return spec
 
 
 def synthetic_workload(spec: Synthetic, vocab_size: int, seed: int = 0) -> Workload:

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
+import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,23 @@ from dflash_trt.bench.measure import measure_point
 from dflash_trt.bench.results import RESULTS_FILE, sweep_fields, write_results
 from dflash_trt.bench.targets import Target, backend_factory, check_target, vocab_size
 from dflash_trt.bench.workload import Workload, file_workload, parse_synthetic, synthetic_workload
+from dflash_trt.checkpoint.atomic import atomic_directory, check_destination, check_writable
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.inputs import (
+    CONCURRENCIES,
+    CONCURRENCY,
+    GPUS,
+    MEMORY_FRACTION,
+    POSITIVE_INT,
+    REQUEST_RATES,
+    REQUESTS,
+    SEED,
+    TIMEOUT_S,
+    TOKEN_ID,
+    URL,
+    VOCAB_SIZE,
+    WARMUP,
+)
 from dflash_trt.tokenizer import load_tokenizer
 
 
@@ -39,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--engine_dir", help="DFlash engine (dflash-trt build): TensorRT-LLM 1.2.x executor, GPU")
     target.add_argument("--checkpoint_dir", help="converted checkpoint: the golden model with in-flight batching, CPU")
-    target.add_argument("--triton_url", help="Triton gRPC endpoint HOST:PORT of a deployed repository")
+    target.add_argument("--triton_url", type=URL, help="Triton gRPC endpoint HOST:PORT of a deployed repository")
     prompts = p.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--input_file", help='jsonl prompts, {"input_ids": [...]} or {"text": "..."} per line')
     prompts.add_argument(
@@ -47,56 +62,48 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="ISL,OSL,COUNT",
         help="random token prompts of ISL tokens, OSL output tokens each (end tokens ignored), COUNT of them",
     )
-    p.add_argument("--concurrency", help="comma-separated closed-loop user counts, e.g. 1,2,4")
-    p.add_argument("--request_rate", help="comma-separated open-loop Poisson arrival rates (requests/s)")
-    p.add_argument("--max_new_tokens", type=int, default=128, help="output budget per prompt (--input_file)")
-    p.add_argument("--num_requests", type=int, default=None, help="requests per point (default: every prompt)")
-    p.add_argument("--warmup", type=int, default=0, help="requests sent and discarded before each point")
+    p.add_argument(
+        "--concurrency", type=CONCURRENCIES, default=[], help="comma-separated closed-loop user counts, e.g. 1,2,4"
+    )
+    p.add_argument(
+        "--request_rate", type=REQUEST_RATES, default=[], help="comma-separated open-loop Poisson arrival rates (req/s)"
+    )
+    p.add_argument("--max_new_tokens", type=POSITIVE_INT, default=128, help="output budget per prompt (--input_file)")
+    p.add_argument("--num_requests", type=REQUESTS, default=None, help="requests per point (default: every prompt)")
+    p.add_argument("--warmup", type=WARMUP, default=0, help="requests sent and discarded before each point")
     p.add_argument("--baseline", choices=("ar",), help="also measure the target alone at the same points")
     p.add_argument("--baseline_engine_dir", help="the AR engine for --baseline ar with --engine_dir")
-    p.add_argument("--baseline_triton_url", help="the AR server for --baseline ar with --triton_url")
+    p.add_argument("--baseline_triton_url", type=URL, help="the AR server for --baseline ar with --triton_url")
     p.add_argument("--tokenizer_dir", help="tokenizer for text prompts (default: the checkpoint's)")
     p.add_argument("--plugin_library", help="libdflash_trt_plugins.so (default: the one dflash_trt.json names)")
     p.add_argument(
         "--max_batch_size",
-        type=int,
+        type=CONCURRENCY,
         default=None,
         help="executor batch limit (default: the engine's; CPU: the largest concurrency, else 16)",
     )
     p.add_argument(
         "--kv_cache_free_gpu_mem_fraction",
-        type=float,
+        type=MEMORY_FRACTION,
         default=None,
         help="--engine_dir: share of free GPU memory for the KV cache (default: the executor's own)",
     )
     p.add_argument("--triton_model", default="tensorrt_llm", help="model that takes token ids (default tensorrt_llm)")
-    p.add_argument("--gpus", type=int, default=1, help="GPUs behind --triton_url (divides tok/s per GPU)")
+    p.add_argument("--gpus", type=GPUS, default=1, help="GPUs behind --triton_url (divides tok/s per GPU)")
     p.add_argument(
         "--end_id",
-        type=int,
+        type=TOKEN_ID,
         default=None,
         help="end token for engine / Triton runs on --input_file (default: the engine config's eos "
         "ids; without one every request runs to --max_new_tokens)",
     )
-    p.add_argument("--vocab_size", type=int, default=None, help="token range of --synthetic prompts for Triton")
-    p.add_argument("--seed", type=int, default=0, help="seed of synthetic prompts and Poisson arrivals")
-    p.add_argument("--timeout_s", type=float, default=3600.0, help="give up on a point after this long")
+    p.add_argument("--vocab_size", type=VOCAB_SIZE, default=None, help="token range of --synthetic prompts for Triton")
+    p.add_argument("--seed", type=SEED, default=0, help="seed of synthetic prompts and Poisson arrivals")
+    p.add_argument("--timeout_s", type=TIMEOUT_S, default=3600.0, help="give up on a point after this long")
     p.add_argument("--output_dir", required=True, help="folder for results.json, report.html, pareto.png")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("--json", action="store_true", help="print the points (without per-request data) as JSON")
     p.set_defaults(func=run)
-
-
-def _numbers(text: str | None, kind: type, flag: str) -> list:
-    if text is None:
-        return []
-    try:
-        values = [kind(v) for v in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or any(not v > 0 for v in values):
-        raise DFlashTrtError(f"{flag} must be a comma-separated list of positive numbers, got {text!r}")
-    return values
 
 
 def targets(args: argparse.Namespace) -> dict[str, Target]:
@@ -126,7 +133,7 @@ def build_workload(args: argparse.Namespace, target: Target) -> Workload:
             raise DFlashTrtError("--synthetic with --triton_url needs --vocab_size (the model's token range)")
         workload = synthetic_workload(parse_synthetic(args.synthetic), vocab, args.seed)
     else:
-        if not Path(args.input_file).is_file():  # before the (slow) tokenizer load
+        if not Path(args.input_file).exists():  # before the (slow) tokenizer load
             raise DFlashTrtError(f"prompt file {args.input_file} does not exist")
         tokenizer_dir = args.tokenizer_dir or args.checkpoint_dir
         tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
@@ -179,36 +186,30 @@ def points_table(points: list[dict[str, Any]]):
     return "Measured points", header, rows
 
 
+def check_output(out: Path, overwrite: bool) -> None:
+    """Before any measuring: the folder can be written, and replacing it deletes only an earlier bench output."""
+    check_destination(Path(os.path.abspath(out)), overwrite, "bench")
+    check_writable(out)
+
+
 def write_outputs(out: Path, points: list[dict[str, Any]], workload: dict[str, Any], overwrite: bool) -> dict:
-    """results.json, report.html and pareto.png, staged next to `out` and renamed into place."""
+    """results.json, report.html and pareto.png, published at once (an existing folder is replaced only when an
+    earlier `bench` wrote it)."""
     from dflash_trt.perf.report import analyze_records
 
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise DFlashTrtError(f"output folder {out} already exists; pass --overwrite to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
-    try:
+    with atomic_directory(out, "bench", overwrite) as staging:
         write_results(staging / RESULTS_FILE, points, workload)
         records = analysis_records(points)
         summary = analyze_records(records, "tpot", None, staging, [points_table(points)]) if records else {}
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return summary
 
 
 def run(args: argparse.Namespace) -> int:
-    concurrencies = _numbers(args.concurrency, int, "--concurrency")
-    rates = _numbers(args.request_rate, float, "--request_rate")
+    concurrencies, rates = args.concurrency, args.request_rate
     if not concurrencies and not rates:
         raise DFlashTrtError("give --concurrency and/or --request_rate")
     out = Path(args.output_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
-        raise DFlashTrtError(f"output folder {out} already exists; pass --overwrite to replace it")
+    check_output(out, args.overwrite)
     chosen = targets(args)
     workload = build_workload(args, chosen["dflash"])
 

@@ -396,7 +396,9 @@ def convert_checkpoint(
     target's experts split over `moe_ep_size` expert-parallel groups and tp / `moe_ep_size` slices of each.
     """
     if pp_size != 1:
-        raise DFlashTrtError("--pp_size > 1 is not supported: TensorRT-LLM speculative decoding engines need pp_size 1")
+        raise DFlashTrtError(
+            f"--pp_size must be 1 (TensorRT-LLM speculative decoding engines need pp_size 1), got {pp_size}"
+        )
     if dtype not in DTYPES:
         raise DFlashTrtError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if workers < 1:
@@ -416,7 +418,7 @@ def convert_checkpoint(
     model_dir, dflash_model_dir, output_dir = Path(model_dir), Path(dflash_model_dir), Path(output_dir)
     inputs = {"--model_dir": model_dir, "--dflash_model_dir": dflash_model_dir, "--calib_dataset": calib_dataset}
     check_output_apart(output_dir, inputs)
-    check_destination(output_dir, overwrite)
+    check_destination(output_dir.absolute(), overwrite, "convert")
     target = load_target_spec(model_dir)
     draft = load_draft_spec(dflash_model_dir, target)
     tokenizer = tokenizer_files(model_dir)
@@ -465,7 +467,7 @@ def convert_checkpoint(
             scales.update(prequantized_input.carried_scales(prequantized, plan.layout, target_reader))
         plan = replace(plan, scales=scales)
         layout = plan.layout
-        with atomic_directory(output_dir, overwrite, inputs) as staging:
+        with atomic_directory(output_dir, "convert", overwrite, inputs) as staging:
             with tqdm(total=len(layout) * tp_size, desc="convert", unit="tensor", disable=not show_progress) as bar:
                 # Rank 0 runs here first: it alone checks every source for NaN/Inf, so bad input fails fast.
                 bytes_written = _write_rank(plan, staging / rank_file(0), readers, 0, bar.update)

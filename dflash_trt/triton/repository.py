@@ -362,7 +362,7 @@ def write_repository(
     """
     python_models = {PREPROCESSING: "preprocessing.py", POSTPROCESSING: "postprocessing.py", BLS: "bls.py"}
     served = {"--engine_dir": s.engine_dir, "--tokenizer_dir": s.tokenizer_dir, "--plugin_library": s.plugin_library}
-    with atomic_directory(output_dir, overwrite, {**served, **(inputs or {})}) as staging:
+    with atomic_directory(output_dir, "triton", overwrite, {**served, **(inputs or {})}) as staging:
         for name, config in model_configs(s).items():
             version_dir = staging / name / "1"
             version_dir.mkdir(parents=True)

@@ -18,7 +18,13 @@ from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
-from dflash_trt.checkpoint.atomic import check_output_apart, remove_stale_partials
+from dflash_trt.checkpoint.atomic import (
+    check_destination,
+    check_output_apart,
+    mark_output,
+    remove_stale_partials,
+    staging_path,
+)
 from dflash_trt.checkpoint.integrity import check_integrity
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.trtllm.build_plan import (
@@ -134,14 +140,13 @@ def _build(plan: EngineBuildPlan, staging: Path, env: dict[str, str]) -> None:
 def run_engine_build(plan: EngineBuildPlan, overwrite: bool = False) -> Path:
     """Build the engine into a staging directory (ranks in parallel with `--workers` > 1), add the manifest, then
     move it into place."""
-    output = Path(plan.output_dir)
+    output = Path(os.path.abspath(plan.output_dir))
     check_output_apart(output, {"--checkpoint_dir": plan.checkpoint_dir, "--plugin_library": plan.plugin_library})
-    if output.exists() and any(output.iterdir()) and not overwrite:
-        raise DFlashTrtError(f"{output} already exists and is not empty; pass --overwrite to replace it")
+    check_destination(output, overwrite, "build")
     check_integrity(plan.checkpoint_dir)  # one read pass, small next to the build; an edited checkpoint is refused
     version = check_build_host(plan)
     remove_stale_partials(output)
-    staging = output.with_name(f".{output.name}.partial-{os.getpid()}")
+    staging = staging_path(output, str(os.getpid()))
     shutil.rmtree(staging, ignore_errors=True)
     env = dict(os.environ, **{PLUGIN_LIBRARY_ENV: str(Path(plan.plugin_library).resolve())})
     try:
@@ -151,6 +156,7 @@ def run_engine_build(plan: EngineBuildPlan, overwrite: bool = False) -> Path:
         raise
     manifest = dict(plan.dflash_manifest, tensorrt_llm_version=version, tensorrt_version=installed_version("tensorrt"))
     (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+    mark_output(staging, "build")
     if output.exists():
         shutil.rmtree(output)
     staging.rename(output)
