@@ -79,6 +79,14 @@ def vocab_size(target: Target) -> int | None:
     return None
 
 
+def max_positions(target: Target) -> int | None:
+    """The longest request (prompt + output) the target serves; None for an engine or a server, which refuse a
+    longer request themselves."""
+    if target.checkpoint_dir:
+        return _golden_model(target.checkpoint_dir).target.spec.max_position_embeddings
+    return None
+
+
 def backend_factory(
     target: Target,
     workload: Workload,

@@ -23,6 +23,7 @@ MAX_WORKLOAD_TOKENS = 50_000_000
 BYTES_PER_TOKEN = 64
 # The longest sequence a synthetic request may ask for before any model says what it allows.
 MAX_SEQUENCE = 1 << 22
+MODEL_POSITIONS = "the target's max_position_embeddings"
 
 
 @dataclass(frozen=True)
@@ -41,11 +42,6 @@ class Workload:
     @property
     def max_seq_len(self) -> int:
         return max(len(r.input_ids) + r.max_new_tokens for r in self.requests)
-
-    def check_positions(self, max_positions: int, where: str) -> None:
-        """Refuse, before any request is sent, a request longer than the model or engine serves."""
-        longest = max(self.requests, key=lambda r: len(r.input_ids) + r.max_new_tokens)
-        check_request_length(len(longest.input_ids), longest.max_new_tokens, max_positions, where)
 
     def resized(self, count: int) -> Workload:
         """`count` requests, cycling through the prompts (a longer run, or a subset, of the same set)."""
@@ -92,7 +88,10 @@ def parse_synthetic(text: str) -> Synthetic:
     return spec
 
 
-def synthetic_workload(spec: Synthetic, vocab_size: int, seed: int = 0) -> Workload:
+def synthetic_workload(spec: Synthetic, vocab_size: int, seed: int = 0, max_positions: int | None = None) -> Workload:
+    """`max_positions`: the longest request the model serves, checked before any prompt is drawn."""
+    if max_positions is not None:
+        check_request_length(spec.input_len, spec.output_len, max_positions, MODEL_POSITIONS)
     rng = random.Random(seed)
     requests = [
         BenchRequest(i, [rng.randrange(vocab_size) for _ in range(spec.input_len)], spec.output_len)
@@ -109,10 +108,18 @@ def synthetic_workload(spec: Synthetic, vocab_size: int, seed: int = 0) -> Workl
     return Workload(requests, ignore_eos=True, description=description)
 
 
-def file_workload(path: str | Path, max_new_tokens: int, tokenizer=None, limit: int | None = None) -> Workload:
+def file_workload(
+    path: str | Path, max_new_tokens: int, tokenizer=None, limit: int | None = None, max_positions: int | None = None
+) -> Workload:
     if max_new_tokens < 1:
         raise DFlashTrtError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
+    if max_positions is not None and max_new_tokens >= max_positions:
+        check_request_length(1, max_new_tokens, max_positions, MODEL_POSITIONS)
     prompts = read_prompts(path, tokenizer, limit)
+    if max_positions is not None:
+        longest = max(len(ids) for ids in prompts)
+        check_request_length(longest, max_new_tokens, max_positions, MODEL_POSITIONS)
+    check_workload_tokens(sum(len(ids) + max_new_tokens for ids in prompts), f"the prompts of {path}")
     requests = [BenchRequest(i, ids, max_new_tokens) for i, ids in enumerate(prompts)]
     description = {
         "kind": "file",

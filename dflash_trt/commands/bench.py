@@ -21,7 +21,7 @@ from typing import Any
 from dflash_trt.bench.driver import FollowerRank
 from dflash_trt.bench.measure import measure_point
 from dflash_trt.bench.results import RESULTS_FILE, sweep_fields, write_results
-from dflash_trt.bench.targets import Target, backend_factory, check_target, vocab_size
+from dflash_trt.bench.targets import Target, backend_factory, check_target, max_positions, vocab_size
 from dflash_trt.bench.workload import Workload, file_workload, parse_synthetic, synthetic_workload
 from dflash_trt.checkpoint.atomic import atomic_directory, check_destination, check_writable
 from dflash_trt.errors import DFlashTrtError
@@ -131,13 +131,13 @@ def build_workload(args: argparse.Namespace, target: Target) -> Workload:
         vocab = vocab_size(target) or args.vocab_size
         if not vocab:
             raise DFlashTrtError("--synthetic with --triton_url needs --vocab_size (the model's token range)")
-        workload = synthetic_workload(parse_synthetic(args.synthetic), vocab, args.seed)
+        workload = synthetic_workload(parse_synthetic(args.synthetic), vocab, args.seed, max_positions(target))
     else:
         if not Path(args.input_file).exists():  # before the (slow) tokenizer load
             raise DFlashTrtError(f"prompt file {args.input_file} does not exist")
         tokenizer_dir = args.tokenizer_dir or args.checkpoint_dir
         tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
-        workload = file_workload(args.input_file, args.max_new_tokens, tokenizer)
+        workload = file_workload(args.input_file, args.max_new_tokens, tokenizer, max_positions=max_positions(target))
     return workload if args.num_requests is None else workload.resized(args.num_requests)
 
 

@@ -31,7 +31,7 @@ import yaml
 from dflash_trt.bench.driver import FollowerRank
 from dflash_trt.bench.measure import measure_point
 from dflash_trt.bench.results import RESULTS_FILE, sweep_fields, write_results
-from dflash_trt.bench.targets import KINDS, Target, backend_factory, check_target, describe, vocab_size
+from dflash_trt.bench.targets import KINDS, Target, backend_factory, check_target, describe, max_positions, vocab_size
 from dflash_trt.bench.workload import Workload, file_workload, parse_synthetic, synthetic_workload
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.perf.pareto import Point
@@ -263,18 +263,20 @@ def bench_command(cfg: SweepConfig, engine: EngineEntry, concurrency: int, repor
 
 def sweep_workload(cfg: SweepConfig) -> Workload:
     """The one prompt set every engine of the sweep gets."""
+    limits = [n for n in (max_positions(e.target) for e in cfg.engines) if n]
+    positions = min(limits) if limits else None
     if cfg.synthetic:
         vocabs = {v for v in (vocab_size(e.target) for e in cfg.engines) if v}
         if not vocabs:
             raise DFlashTrtError(
                 "sweep config: synthetic prompts need an engine or checkpoint to take the vocabulary size from"
             )
-        workload = synthetic_workload(parse_synthetic(cfg.synthetic), min(vocabs), cfg.seed)
+        workload = synthetic_workload(parse_synthetic(cfg.synthetic), min(vocabs), cfg.seed, positions)
     else:
         from dflash_trt.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(cfg.tokenizer_dir) if cfg.tokenizer_dir else None
-        workload = file_workload(str(cfg.dataset), cfg.max_new_tokens, tokenizer)
+        workload = file_workload(str(cfg.dataset), cfg.max_new_tokens, tokenizer, max_positions=positions)
     return workload if cfg.num_requests is None else workload.resized(cfg.num_requests)
 
 

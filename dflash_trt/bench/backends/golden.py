@@ -23,6 +23,7 @@ import torch
 
 from dflash_trt.bench.driver import Backend, BenchRequest, Deliver, Response, threadsafe_deliver
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.inputs import check_fits_in_memory
 from dflash_trt.reference.model import GoldenModel
 from dflash_trt.reference.sampling import exact_match_accept
 
@@ -49,6 +50,15 @@ class StepLog:
     generation: list[int] = field(default_factory=list)
 
 
+def cache_bytes(model: GoldenModel, batch: int, capacity: int) -> int:
+    """What `new_cache` of the target and the drafter allocate together for `batch` sequences."""
+    per_position = sum(
+        2 * len(part.layers) * part.spec.num_key_value_heads * part.spec.head_dim
+        for part in (model.target, model.draft)
+    )
+    return batch * capacity * per_position * model.target.embedding.element_size()
+
+
 class GoldenExecutor:
     """Greedy speculative decoding (block 1 = plain autoregressive) with requests joining and leaving per step."""
 
@@ -69,6 +79,11 @@ class GoldenExecutor:
             raise DFlashTrtError(f"max batch size must be >= 1, got {max_batch_size}")
         self.max_seq_len = max_seq_len
         capacity = max_seq_len + self.block + 1
+        check_fits_in_memory(
+            cache_bytes(model, max_batch_size, capacity),
+            f"the CPU executor's KV caches ({max_batch_size} sequences x {capacity} positions)",
+            "lower --max_batch_size or --concurrency, or shorten the requests",
+        )
         self.target_cache = model.target.new_cache(max_batch_size, capacity)
         self.draft_cache = draft.new_cache(max_batch_size, capacity)
         self.slots: list[_Running | None] = [None] * max_batch_size
@@ -84,6 +99,13 @@ class GoldenExecutor:
         if request.max_new_tokens < 1 or len(ids) + request.max_new_tokens > self.max_seq_len:
             raise DFlashTrtError(f"prompt {request.prompt_index}: prompt + max_new_tokens exceeds {self.max_seq_len}")
         self.waiting.append((request_id, request))
+
+    def abandon(self) -> list[int]:
+        """Drop every waiting and running request; their ids."""
+        ids = [request_id for request_id, _ in self.waiting] + [s.request_id for s in self.slots if s is not None]
+        self.waiting.clear()
+        self.slots = [None] * len(self.slots)
+        return ids
 
     def has_work(self) -> bool:
         return bool(self.waiting) or any(s is not None for s in self.slots)
@@ -235,7 +257,12 @@ class GoldenBackend(Backend):
                     executor.add(request_id, request)
                 except DFlashTrtError as exc:
                     failed.append(Response(request_id, [], True, str(exc)))
-            responses = executor.step() if executor.has_work() else []
+            try:
+                responses = executor.step() if executor.has_work() else []
+            except Exception as exc:  # the model failed (out of memory, ...): end every request, never hang the run
+                reason = f"the executor failed: {exc}"
+                send(failed + [Response(request_id, [], True, reason) for request_id in executor.abandon()])
+                return
             if failed or responses:
                 send(failed + responses)
 
