@@ -114,11 +114,15 @@ class ListOf(_Rule):
         return [self.item.parse(part) for part in text.split(",")]
 
     def check(self, value: Any, name: str) -> list:
+        rule = f"a non-empty list of distinct values, each {self.item.describe()}"
         if not isinstance(value, list) or not value:
-            raise _refuse(name, f"a non-empty list, each {self.item.describe()}", value)
-        checked = [self.item.check(v, f"each value of {name}") for v in value]
+            raise _refuse(name, rule, value)
+        try:
+            checked = [self.item.check(v, name) for v in value]
+        except DFlashTrtError:
+            raise _refuse(name, rule, value) from None
         if len(set(checked)) != len(checked):
-            raise _refuse(name, "a list without repeated values", value)
+            raise _refuse(name, rule, value)
         return checked
 
 

@@ -148,7 +148,12 @@ def sweep_fields(point: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_results(path: str | Path, points: Sequence[dict[str, Any]], workload: dict[str, Any]) -> None:
-    Path(path).write_text(json.dumps({"format": FORMAT, "workload": workload, "points": list(points)}) + "\n")
+    """Strict JSON: a non-finite number (which `json` would write as `Infinity`, unreadable elsewhere) is refused."""
+    try:
+        text = json.dumps({"format": FORMAT, "workload": workload, "points": list(points)}, allow_nan=False)
+    except ValueError:
+        raise DFlashTrtError("the results hold a non-finite number; nothing was written") from None
+    Path(path).write_text(text + "\n")
 
 
 def load_results(path: str | Path) -> list[dict[str, Any]]:
