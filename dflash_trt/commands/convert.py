@@ -12,6 +12,7 @@ import sys
 import time
 
 from dflash_trt.formats import DTYPES, KV_CACHE_DTYPES, NONE, QFORMATS
+from dflash_trt.inputs import POSITIVE_INT
 
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,8 +43,14 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         help="calibration prompts: jsonl ({'text'} or {'input_ids'} per line) or a local HF datasets "
         "folder with a text or input_ids column",
     )
-    parser.add_argument("--calib_size", type=int, default=64, help="calibration prompts used (default 64)")
-    parser.add_argument("--calib_max_seq_len", type=int, default=512, help="calibration prompt tokens kept")
+    parser.add_argument("--calib_size", type=POSITIVE_INT, default=64, help="calibration prompts used (default 64)")
+    parser.add_argument(
+        "--calib_max_seq_len",
+        type=POSITIVE_INT,
+        default=None,
+        help="calibration prompt tokens kept, at most the target's max_position_embeddings (default: 512, or "
+        "fewer where the target's positions must also hold the 32 tokens decoded after each prompt)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output_dir")
 
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.inputs import TOKEN_ID
 from dflash_trt.prompts import read_prompts
 from dflash_trt.sampling_rules import ENGINE, METHODS
 from dflash_trt.tokenizer import load_tokenizer
@@ -47,7 +48,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sequence i draws from seed + i (engine rule)")
     parser.add_argument("--block_size", type=int, default=None, help="verify block (default: the drafter's)")
     stops = parser.add_mutually_exclusive_group()
-    stops.add_argument("--stop_token_ids", type=int, nargs="+", default=None, help="replace the EOS stop ids")
+    stops.add_argument(
+        "--stop_token_ids", type=TOKEN_ID, nargs="+", default=None, help="replace the EOS stop ids (token ids)"
+    )
     stops.add_argument("--ignore_eos", action="store_true", help="never stop before --max_new_tokens")
     parser.add_argument("--trace", action="store_true", help="record the drafted tokens of every step")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -69,6 +72,8 @@ def sequence_record(result: SequenceResult, tokenizer, trace: bool) -> dict[str,
 
 # torch.Generator seeds are 64-bit; the largest positive one keeps the value meaningful on every platform.
 MAX_SEED = 2**63 - 1
+# The smallest temperature above 0: a logit of ~100 divided by it stays far inside float32's range.
+MIN_TEMPERATURE = 1e-6
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -77,6 +82,11 @@ def check_arguments(args: argparse.Namespace) -> None:
     for name in ("temperature", "top_p"):
         if not math.isfinite(getattr(args, name)):
             raise DFlashTrtError(f"--{name} must be a finite number, got {getattr(args, name)}")
+    if 0 < args.temperature < MIN_TEMPERATURE:
+        raise DFlashTrtError(
+            f"--temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {args.temperature:g}: logits "
+            "divided by a smaller one overflow float32"
+        )
     if not 0 <= args.seed <= MAX_SEED:
         raise DFlashTrtError(f"--seed must lie in [0, {MAX_SEED}], got {args.seed}")
     if args.max_new_tokens < 1:
@@ -116,6 +126,11 @@ def run(args: argparse.Namespace) -> int:
         stop_ids = []
     elif args.stop_token_ids is not None:
         stop_ids = args.stop_token_ids
+        vocab = model.target.spec.vocab_size
+        if max(stop_ids) >= vocab:
+            raise DFlashTrtError(
+                f"--stop_token_ids must be token ids in [0, {vocab - 1}] (the target's vocabulary), got {max(stop_ids)}"
+            )
     else:
         stop_ids = list(model.target.spec.eos_token_ids)
     started = time.perf_counter()

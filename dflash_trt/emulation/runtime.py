@@ -36,6 +36,7 @@ from dflash_trt.emulation.functional import EmulationError, Network, PluginConfi
 from dflash_trt.emulation.kv_pool import BlockManager, KVPool
 from dflash_trt.emulation.layers import AttentionParams, KeyValueCacheParams, SpecDecodingParams
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.inputs import check_fits_in_memory
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.reference.decode import SequenceResult, StepTrace
 from dflash_trt.sampling_rules import sampling_refusal
@@ -220,6 +221,13 @@ class EmulatedRuntime:
         check_sliding_window(self.facts, EngineBuildSettings(max_seq_len=max_seq_len))
         longest = max_seq_len + 2 * self.block
         max_blocks = -(-longest // self.tokens_per_block)
+        element = torch.empty((), dtype=self.cache_dtype).element_size()
+        check_fits_in_memory(
+            max_blocks * self.max_batch_size * self.num_layers * 2 * self.kv_heads * self.tokens_per_block
+            * self.head_dim * element,
+            f"the emulated KV pool ({self.max_batch_size} sequences x {max_blocks} blocks of {self.tokens_per_block})",
+            "lower --max_batch_size or ask for fewer tokens",
+        )  # fmt: skip
         pool = KVPool(
             max_blocks * self.max_batch_size,
             self.num_layers,
