@@ -226,13 +226,16 @@ class GoldenBackend(Backend):
         self._wake = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._broken: str | None = None  # why the executor thread stopped; later requests fail with it at once
+        self._send: Deliver | None = None
 
     async def start(self, deliver: Deliver) -> None:
         self.executor = GoldenExecutor(
             self.model, self.max_batch_size, self.max_seq_len, self.block_size, self.stop_token_ids
         )
         self._stopping = False
-        send = threadsafe_deliver(deliver)
+        self._broken = None
+        send = self._send = threadsafe_deliver(deliver)
         self._thread = threading.Thread(
             target=self._serve, args=(self.executor, send), name="golden-executor", daemon=True
         )
@@ -240,6 +243,9 @@ class GoldenBackend(Backend):
 
     def submit(self, request_id: int, request: BenchRequest) -> None:
         with self._wake:
+            if self._broken is not None and self._send is not None:
+                self._send([Response(request_id, [], True, self._broken)])
+                return
             self._pending.append((request_id, request))
             self._wake.notify()
 
@@ -260,8 +266,12 @@ class GoldenBackend(Backend):
             try:
                 responses = executor.step() if executor.has_work() else []
             except Exception as exc:  # the model failed (out of memory, ...): end every request, never hang the run
-                reason = f"the executor failed: {exc}"
-                send(failed + [Response(request_id, [], True, reason) for request_id in executor.abandon()])
+                with self._wake:
+                    self._broken = reason = f"the executor failed: {exc}"
+                    late = [request_id for request_id, _ in self._pending]
+                    self._pending = []
+                abandoned = executor.abandon() + late
+                send(failed + [Response(request_id, [], True, reason) for request_id in abandoned])
                 return
             if failed or responses:
                 send(failed + responses)
