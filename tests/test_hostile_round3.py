@@ -482,3 +482,41 @@ def test_a_failing_cpu_executor_ends_the_run_instead_of_hanging(world: World, tm
     results = json.loads((tmp_path / "o" / "results.json").read_text())
     errors = {r["error"] for r in results["points"][0]["per_request"]}
     assert errors == {"the executor failed: cannot allocate 1 TB"}
+
+
+def _clipped(acceptance: list[int], budget: int) -> list[int]:
+    """A full-block run's acceptance lengths as an engine reports them: steps until `budget` tokens, the last cut."""
+    kept: list[int] = []
+    for produced in acceptance:
+        if budget <= 0:
+            break
+        kept.append(min(produced, budget))
+        budget -= kept[-1]
+    return kept
+
+
+def test_emulate_is_the_engines_contract_near_max_new_tokens(world: World, tmp_path: Path, capsys) -> None:
+    """The probe's case: the shipped pair at 13 new tokens, where `generate` shrinks its last block and the engine
+    drafts a full one and clips. The engine's acceptance is the golden loop's run block_size - 1 tokens further,
+    clipped to the budget (`emulate --help`); plain `generate` agrees on every token, not on every length."""
+    from dflash_trt.tiny.heldout import load_heldout
+
+    prompts = _file(tmp_path, "p.jsonl", "".join(json.dumps({"text": p.text}) + "\n" for p in load_heldout(limit=13)))
+    args = ["--checkpoint_dir", str(world.checkpoint), "--input_file", str(prompts), "--json"]
+    block = 16
+    runs = {}
+    for name, argv in {
+        "generate": ["generate", *args, "--max_new_tokens", "13"],
+        "generate_further": ["generate", *args, "--max_new_tokens", str(13 + block - 1)],
+        "emulate": ["emulate", *args, "--max_new_tokens", "13", "--max_batch_size", "8"],
+    }.items():
+        code, out, err = run_cli(argv, capsys)
+        assert code == 0, err
+        runs[name] = json.loads(out)["sequences"]
+    shrunk = 0
+    for plain, further, engine in zip(runs["generate"], runs["generate_further"], runs["emulate"], strict=True):
+        assert engine["output_ids"] == plain["output_ids"] == further["output_ids"][:13]
+        # the first token comes from the context step; the budget left for verify steps is 12
+        assert engine["acceptance_lengths"] == _clipped(further["acceptance_lengths"], 12)
+        shrunk += plain["acceptance_lengths"] != engine["acceptance_lengths"]
+    assert shrunk > 0  # the shortened last block really changes drafts (4 of these 13 prompts)

@@ -2,9 +2,15 @@
 
 The unmodified network runs under the emulated TensorRT-LLM 1.2.x API and EAGLE runtime loop
 (`dflash_trt.emulation`): in-flight batching, chunked prompts, a paged KV pool. At --temperature > 0 the network
-verifies the drafts by sampling, with the uniforms the golden loop draws (sequence i from seed + i), so the output
-equals `generate --temperature T --seed S`. The output has `generate`'s JSON schema, so the two can be compared
-token for token and acceptance for acceptance.
+verifies the drafts by sampling, with the uniforms the golden loop draws (sequence i from seed + i). The output has
+`generate`'s JSON schema.
+
+What it reports is the engine's decoding, which differs from `generate` near --max_new_tokens: the engine (like
+TensorRT-LLM's EAGLE runtime) always drafts and verifies a full block and clips what it accepts to the budget,
+where `generate`'s golden loop verifies a shorter last block. So the output equals the first N tokens of `generate`
+run with --max_new_tokens N + block_size - 1 (the same flags otherwise), and each acceptance length is that run's,
+the last one clipped to N; `generate` with --max_new_tokens N gives the same tokens at temperature 0 but may give
+other acceptance lengths once fewer than block_size - 1 tokens of the budget remain.
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ Stops at the target's EOS ids unless `--stop_token_ids` or `--ignore_eos` say ot
 default `--sampling engine` is the engine's rule (argmax drafts, one target sample per verified position, accepted
 while it equals the draft; temperature only, like the engine); `--sampling reference` is dflash_generate's rejection
 sampling of sampled drafts (honours --top_p / --top_k). Both reproduce the target's distribution exactly.
+
+Near --max_new_tokens this golden loop verifies only the tokens the budget still allows (a shorter last block,
+drafted as such); an engine drafts a full block and clips (see `dflash-trt emulate --help`), so the two agree on
+tokens at temperature 0 but may differ in the last acceptance lengths.
 """
 
 from __future__ import annotations
