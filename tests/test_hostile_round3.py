@@ -520,3 +520,47 @@ def test_emulate_is_the_engines_contract_near_max_new_tokens(world: World, tmp_p
         assert engine["acceptance_lengths"] == _clipped(further["acceptance_lengths"], 12)
         shrunk += plain["acceptance_lengths"] != engine["acceptance_lengths"]
     assert shrunk > 0  # the shortened last block really changes drafts (4 of these 13 prompts)
+
+
+def _open_loop_point(rate: float) -> dict:
+    return {"mode": "ar", "concurrency": None, "request_rate": rate, "throughput_tok_s": 10.0,
+            "tpot_s": {"p50": 0.01}, "acceptance_length": 1.0}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("points", "message"),
+    [
+        (
+            [_open_loop_point(2.0), _open_loop_point(4.0)],
+            r"holds only open-loop points \(bench --request_rate\); calibration fits closed-loop points",
+        ),
+        ([_open_loop_point(1.0)] * 100_001, r"'points' must hold at most 1000 points .*got 100001"),
+    ],
+)
+def test_plan_calibrate_refuses_what_it_cannot_fit(tmp_path: Path, capsys, points: list, message: str) -> None:
+    results = _file(tmp_path, "results.json", json.dumps({"points": points}))
+    code, out, err = run_cli(["plan", "--preset", "qwen3-8b", "--calibrate", str(results)], capsys)
+    assert_refused(code, err, "plan", message)
+    assert out == ""
+
+
+def test_selftest_without_tensorrt_llm_suggests_what_exists(tmp_path: Path, capsys) -> None:
+    code, _, err = run_cli(["selftest", "--output_dir", str(tmp_path / "s")], capsys)
+    assert_refused(code, err, "selftest", r"not installed here; .*\(on a CPU, dflash-trt emulate runs the engine")
+    assert "--dry_run" not in err and not (tmp_path / "s").exists()
+
+
+def test_an_unresponsive_triton_server_is_named_with_a_reason() -> None:
+    """A server that accepts the connection and never answers: the refusal says what happened, not ': '."""
+    import asyncio
+    import socket
+
+    from dflash_trt.bench.backends.triton import TritonBackend
+    from dflash_trt.errors import DFlashTrtError
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        port = silent.getsockname()[1]
+        backend = TritonBackend(f"127.0.0.1:{port}", connect_timeout_s=0.5)
+        with pytest.raises(DFlashTrtError, match=rf"cannot reach a Triton server at 127\.0\.0\.1:{port}: no answer "
+                           r"within 0\.5 s$"):  # fmt: skip
+            asyncio.run(backend.start(lambda batch: None))

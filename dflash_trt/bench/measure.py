@@ -30,8 +30,7 @@ def measure_point(
 
     On a follower MPI rank the warm-up's and the run's executors are still built (in step with rank 0), then
     `FollowerRank` is raised."""
-    # Never more in flight than there are requests: a backend sizes its batch (and its caches) by this.
-    in_flight = min(concurrency or max_in_flight or DEFAULT_OPEN_LOOP_BATCH, len(workload.requests))
+    in_flight = concurrency or max_in_flight or DEFAULT_OPEN_LOOP_BATCH
     if warmup:
         with contextlib.suppress(FollowerRank):
             asyncio.run(

@@ -99,8 +99,14 @@ def backend_factory(
         model = _golden_model(target.checkpoint_dir)
         stops = [] if workload.ignore_eos else list(model.target.spec.eos_token_ids)
         block = 1 if target.kind == "ar" else None
+        # Never more slots than requests: the CPU executor allocates its caches for every slot.
+        requests = len(workload.requests)
         return lambda in_flight: GoldenBackend(
-            model, max_batch_size or in_flight, workload.max_seq_len, block_size=block, stop_token_ids=stops
+            model,
+            max_batch_size or min(in_flight, requests),
+            workload.max_seq_len,
+            block_size=block,
+            stop_token_ids=stops,
         )
     if target.engine_dir:
         from dflash_trt.bench.backends.trtllm import TrtllmBackend

@@ -166,7 +166,9 @@ def run(args: argparse.Namespace) -> int:
 
     out = Path(args.output_dir)
     check_output_apart(out, {"the embedded tiny pair": asset_dir(), "--plugin_library": args.plugin_library})
-    require_tensorrt_llm()  # before any work: the self-test is meaningless without TensorRT-LLM 1.2.x
+    require_tensorrt_llm(
+        " (on a CPU, dflash-trt emulate runs the engine network)"
+    )  # before any work: the self-test is meaningless without TensorRT-LLM 1.2.x
     checkpoint = out / f"checkpoint-{args.dtype}"
     convert_checkpoint(target_dir(), draft_dir(), checkpoint, dtype=args.dtype, overwrite=args.overwrite)
     tokenizer = load_tokenizer(checkpoint)

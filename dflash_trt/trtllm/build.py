@@ -45,13 +45,14 @@ def installed_version(distribution: str) -> str | None:
         return None
 
 
-def require_tensorrt_llm() -> str:
-    """The installed TensorRT-LLM version, or one sentence saying why this host cannot build engines."""
+def require_tensorrt_llm(without: str = "") -> str:
+    """The installed TensorRT-LLM version, or one sentence saying why this host cannot run engines; `without`
+    ends it with what the calling command can do instead (only `build` has a --dry_run)."""
     version = installed_version("tensorrt_llm") or installed_version("tensorrt-llm")
     if version is None:
         raise DFlashTrtError(
-            f"tensorrt_llm {REQUIRED_TRTLLM}.x is not installed here; run the build inside a TensorRT-LLM "
-            f"{REQUIRED_TRTLLM}.x environment (e.g. its NGC release container) or use --dry_run"
+            f"tensorrt_llm {REQUIRED_TRTLLM}.x is not installed here; run inside a TensorRT-LLM "
+            f"{REQUIRED_TRTLLM}.x environment (e.g. its NGC release container){without}"
         )
     if not version.startswith(REQUIRED_TRTLLM + "."):
         raise DFlashTrtError(
@@ -62,7 +63,7 @@ def require_tensorrt_llm() -> str:
 
 def check_build_host(plan: EngineBuildPlan) -> str:
     """Fail early, in one sentence, when this host cannot build; returns the TensorRT-LLM version found."""
-    version = require_tensorrt_llm()
+    version = require_tensorrt_llm(" or use dflash-trt build --dry_run")
     if shutil.which(TRTLLM_BUILD) is None:
         raise DFlashTrtError(f"{TRTLLM_BUILD} is not on PATH although tensorrt_llm {version} is installed")
     if not Path(plan.plugin_library).is_file():
