@@ -190,6 +190,8 @@ CONCURRENCIES = ListOf(CONCURRENCY)
 REQUEST_RATES = ListOf(FloatRange(0.0, MAX_REQUEST_RATE, above_lo=True))
 TIMEOUT_S = FloatRange(0.0, MAX_TIMEOUT_S, above_lo=True)
 GPUS = IntRange(1, MAX_GPUS)
+WORKERS = IntRange(1, MAX_GPUS)  # parallel processes, one per rank at most
+SPEED_LEVELS = ListOf(FloatRange(0.0, 1e9, above_lo=True))  # tok/s/user values of a speedup table
 TOKEN_ID = IntRange(0, MAX_TOKEN_ID)
 VOCAB_SIZE = IntRange(1, MAX_TOKEN_ID)
 SEED = IntRange(0, MAX_SEED)

@@ -241,6 +241,26 @@ REFUSED: dict[str, tuple[Case, str]] = {
         lambda w, t: _convert(w, t, "--output_dir", str(t / "ckpt"), "--pp_size", "0"),
         r"--pp_size must be 1 \(TensorRT-LLM speculative decoding engines need pp_size 1\), got 0",
     ),
+    "convert on zero GPUs": (
+        lambda w, t: _convert(w, t, "--output_dir", str(t / "ckpt"), "--tp_size", "0"),
+        r"argument --tp_size: " + RANGE.format(1, 1024, 0),
+    ),
+    "generate no tokens": (
+        lambda w, t: _generate(w, "--max_new_tokens", "0"),
+        r"argument --max_new_tokens: " + RANGE.format(1, 2**31 - 1, 0),
+    ),
+    "generate with a verify block of 0": (
+        lambda w, t: _generate(w, "--block_size", "0"),
+        r"argument --block_size: " + RANGE.format(1, 2**31 - 1, 0),
+    ),
+    "selftest with no prompts": (
+        lambda w, t: ["selftest", "--output_dir", str(t / "s"), "--num_prompts", "0"],
+        r"argument --num_prompts: " + RANGE.format(1, 200, 0),
+    ),
+    "sweep speed levels that are words": (
+        lambda w, t: ["sweep", "--config", str(w.sweep), "--analyze_only", "--levels", "fast,faster"],
+        r"argument --levels: must be a comma-separated list of distinct values, each a finite number in \(0, 1e\+09\]",
+    ),
     # build: passthrough flags that would override checked values
     "build passthrough of the output folder": (
         lambda w, t: _build(w, t, "--", "--output_dir", "/etc"),

@@ -12,7 +12,7 @@ import json
 
 from dflash_trt.checkpoint.atomic import check_output_apart
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.inputs import POSITIVE_INT, IntRange
+from dflash_trt.inputs import POSITIVE_INT, WORKERS, IntRange
 from dflash_trt.pipeline import add_profile_arguments, run_profile
 from dflash_trt.trtllm.build_plan import (
     GEMM_PLUGIN_CHOICES,
@@ -34,7 +34,7 @@ SETTING_FLAGS: dict[str, IntRange] = {
     "max_num_tokens": POSITIVE_INT,
     "max_beam_width": POSITIVE_INT,
     "tokens_per_block": POSITIVE_INT,
-    "workers": IntRange(1, 1024),
+    "workers": WORKERS,
 }
 DERIVED_DEFAULTS = {
     "max_seq_len": "min(8192, the target's max_position_embeddings and, for a sliding-window drafter, its window "

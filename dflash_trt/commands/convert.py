@@ -12,7 +12,7 @@ import sys
 import time
 
 from dflash_trt.formats import DTYPES, KV_CACHE_DTYPES, NONE, QFORMATS
-from dflash_trt.inputs import POSITIVE_INT
+from dflash_trt.inputs import GPUS, POSITIVE_INT, WORKERS
 
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,15 +20,15 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dflash_model_dir", required=True, help="z-lab DFlash drafter directory")
     parser.add_argument("--output_dir", required=True, help="TensorRT-LLM checkpoint directory to create")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="weight dtype")
-    parser.add_argument("--tp_size", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    parser.add_argument("--tp_size", type=GPUS, default=1, help="tensor-parallel ranks (default 1)")
     parser.add_argument("--pp_size", type=int, default=1, help="pipeline-parallel ranks (only 1 is supported)")
     parser.add_argument(
         "--moe_ep_size",
-        type=int,
+        type=GPUS,
         default=1,
         help="expert-parallel groups of a MoE target; each expert splits over tp / this (default 1)",
     )
-    parser.add_argument("--workers", type=int, default=1, help="rank files written in parallel (default 1)")
+    parser.add_argument("--workers", type=WORKERS, default=1, help="rank files written in parallel (default 1)")
     parser.add_argument("--qformat", choices=QFORMATS, default=NONE, help="target weights: fp8 (Hopper) or nvfp4")
     parser.add_argument("--dflash_qformat", choices=QFORMATS, default=None, help="drafter weights (default: --qformat)")
     parser.add_argument(

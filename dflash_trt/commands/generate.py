@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.inputs import TOKEN_ID
+from dflash_trt.inputs import POSITIVE_INT, TOKEN_ID
 from dflash_trt.prompts import read_prompts
 from dflash_trt.sampling_rules import ENGINE, METHODS
 from dflash_trt.tokenizer import load_tokenizer
@@ -39,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--checkpoint_dir", required=True, help="converted checkpoint (dflash-trt convert)")
     parser.add_argument("--input_file", required=True, help="jsonl prompts")
-    parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--max_new_tokens", type=POSITIVE_INT, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top_p", type=float, default=1.0, help="--sampling reference only")
     parser.add_argument("--top_k", type=int, default=0, help="--sampling reference only")
@@ -50,7 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="rule at temperature > 0: the engine's (default) or dflash_generate's",
     )
     parser.add_argument("--seed", type=int, default=0, help="sequence i draws from seed + i (engine rule)")
-    parser.add_argument("--block_size", type=int, default=None, help="verify block (default: the drafter's)")
+    parser.add_argument("--block_size", type=POSITIVE_INT, default=None, help="verify block (default: the drafter's)")
     stops = parser.add_mutually_exclusive_group()
     stops.add_argument(
         "--stop_token_ids", type=TOKEN_ID, nargs="+", default=None, help="replace the EOS stop ids (token ids)"

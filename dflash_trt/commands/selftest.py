@@ -17,6 +17,8 @@ from pathlib import Path
 
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import ENGINE_DTYPES
+from dflash_trt.inputs import POSITIVE_INT, IntRange
+from dflash_trt.tiny.heldout import heldout_count
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -31,8 +33,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="libdflash_trt_plugins.so (default: $DFLASH_TRT_PLUGIN_LIB, else plugins/build)",
     )
-    parser.add_argument("--num_prompts", type=int, default=8, help="held-out prompts, decoded as one batch")
-    parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument(
+        "--num_prompts", type=IntRange(1, heldout_count()), default=8, help="held-out prompts, decoded as one batch"
+    )
+    parser.add_argument("--max_new_tokens", type=POSITIVE_INT, default=64)
     parser.add_argument("--dtype", default="float16", choices=ENGINE_DTYPES)
     parser.add_argument(
         "--chunked_context",

@@ -12,6 +12,7 @@ from dflash_trt.bench.driver import FollowerRank
 from dflash_trt.bench.targets import describe
 from dflash_trt.checkpoint.atomic import check_output_apart
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.inputs import SPEED_LEVELS
 from dflash_trt.perf.report import analyze_records
 from dflash_trt.perf.sweep import (
     USER_SPEED_METRICS,
@@ -41,7 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="tpot",
         help="x axis: 'tpot' = 1 / mean TPOT (default), 'share' = output tok/s / concurrency",
     )
-    p.add_argument("--levels", help="comma-separated tok/s/user values for the speedup table (default: AR's)")
+    p.add_argument(
+        "--levels", type=SPEED_LEVELS, help="comma-separated tok/s/user values for the speedup table (default: AR's)"
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=run)
 
@@ -81,8 +84,7 @@ def run(args: argparse.Namespace) -> int:
             records = run_sweep(cfg, progress=progress)
         except FollowerRank:
             return 0  # a multi-GPU engine's other rank: rank 0 writes the report
-    levels = [float(v) for v in args.levels.split(",")] if args.levels else None
-    summary = analyze_records(records, args.user_metric, levels, cfg.output_dir)
+    summary = analyze_records(records, args.user_metric, args.levels, cfg.output_dir)
     write_json_atomic(Path(cfg.output_dir) / "summary.json", summary)
     if args.json:
         print(json.dumps(summary, indent=2))
