@@ -584,3 +584,42 @@ def test_an_unresponsive_triton_server_is_named_with_a_reason() -> None:
         with pytest.raises(DFlashTrtError, match=rf"cannot reach a Triton server at 127\.0\.0\.1:{port}: no answer "
                            r"within 0\.5 s$"):  # fmt: skip
             asyncio.run(backend.start(lambda batch: None))
+
+
+# Numeric flags whose range is checked after parsing, by the rules of what they feed: the sampling rules
+# (temperature, top_p, top_k, seed), the serving schema (triton), the performance model (plan), the build's
+# pipeline-parallel refusal. Every other numeric flag takes a rule of dflash_trt.inputs as its argparse type.
+CHECKED_AFTER_PARSING = {
+    ("convert", "--pp_size"),
+    ("generate", "--temperature"),
+    ("generate", "--top_p"),
+    ("generate", "--top_k"),
+    ("generate", "--seed"),
+    ("emulate", "--temperature"),
+    ("emulate", "--seed"),
+    ("triton", "--kv_cache_free_gpu_mem_fraction"),
+    ("triton", "--instance_count"),
+    ("plan", "--tp_size"),
+    ("plan", "--acceptance_length"),
+    ("plan", "--max_draft_len"),
+    ("plan", "--eagle3_acceptance_length"),
+    ("plan", "--eagle3_steps"),
+    ("plan", "--isl"),
+    ("plan", "--osl"),
+}
+
+
+def test_a_new_numeric_flag_is_range_checked_by_construction() -> None:
+    """A flag typed plain `int` / `float` accepts -1, 10**12, inf and nan; it must take a rule (or choices)."""
+    import argparse
+
+    from dflash_trt.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    unchecked = {
+        (name, action.option_strings[0])
+        for name, parser in commands.choices.items()
+        for action in parser._actions
+        if action.type in (int, float) and action.choices is None
+    }
+    assert unchecked == CHECKED_AFTER_PARSING
