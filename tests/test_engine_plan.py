@@ -281,7 +281,8 @@ def test_sliding_window_no_longer_than_the_block_cannot_be_built(tmp_path: Path)
     draft = {**DRAFT_HF, "use_sliding_window": True, "sliding_window": 12, "layer_types": ["sliding_attention"] * 2}
     ckpt = write_checkpoint(tmp_path / "c", draft_hf=draft)
     with pytest.raises(
-        DFlashTrtError, match=r"sliding window \(12\) is no longer than its block \(16\); .* cannot be built"
+        DFlashTrtError,
+        match=r"sliding-window layers have a window \(12\) no longer than its block \(16\); .* cannot be built",
     ):
         plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings(max_seq_len=64, max_input_len=32))
 

@@ -389,8 +389,9 @@ def check_sliding_window(facts: CheckpointFacts, settings: EngineBuildSettings) 
     longest = settings.max_seq_len + facts.block_size
     if facts.sliding_window <= facts.block_size:
         raise DFlashTrtError(
-            f"the drafter's sliding window ({facts.sliding_window}) is no longer than its block ({facts.block_size}); "
-            "TensorRT-LLM 1.2.x spec-decoding attention has no sliding window, so this drafter cannot be built"
+            f"the drafter's sliding-window layers have a window ({facts.sliding_window}) no longer than its block "
+            f"({facts.block_size}); TensorRT-LLM 1.2.x spec-decoding attention has no sliding window, so this drafter "
+            "cannot be built"
         )
     if longest > facts.sliding_window:
         raise DFlashTrtError(
