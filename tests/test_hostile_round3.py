@@ -330,7 +330,7 @@ REFUSED: dict[str, tuple[Case, str]] = {
     ),
     "sweep engine end_id abc": (
         lambda w, t: _sweep_engine_with(w, t, end_id="abc"),
-        r"engine 'ar': 'end_id' must be an integer in \[0, 2147483647\], got 'abc'",
+        r"engine 'ar': 'end_id' must be an integer in \[-1, 2147483647\], got 'abc'",
     ),
     "sweep engine on port 99999": (
         lambda w, t: _sweep_engine_with(w, t, engine_dir=None, triton_url="h:99999"),

@@ -28,6 +28,7 @@ from dflash_trt.errors import DFlashTrtError
 from dflash_trt.inputs import (
     CONCURRENCIES,
     CONCURRENCY,
+    END_ID,
     GPUS,
     MEMORY_FRACTION,
     POSITIVE_INT,
@@ -35,7 +36,6 @@ from dflash_trt.inputs import (
     REQUESTS,
     SEED,
     TIMEOUT_S,
-    TOKEN_ID,
     URL,
     VOCAB_SIZE,
     WARMUP,
@@ -92,10 +92,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus", type=GPUS, default=1, help="GPUs behind --triton_url (divides tok/s per GPU)")
     p.add_argument(
         "--end_id",
-        type=TOKEN_ID,
+        type=END_ID,
         default=None,
         help="end token for engine / Triton runs on --input_file (default: the engine config's eos "
-        "ids; without one every request runs to --max_new_tokens)",
+        "ids; without one, or with -1, every request runs to --max_new_tokens)",
     )
     p.add_argument("--vocab_size", type=VOCAB_SIZE, default=None, help="token range of --synthetic prompts for Triton")
     p.add_argument("--seed", type=SEED, default=0, help="seed of synthetic prompts and Poisson arrivals")

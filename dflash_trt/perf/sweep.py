@@ -37,13 +37,13 @@ from dflash_trt.errors import DFlashTrtError
 from dflash_trt.inputs import (
     CONCURRENCIES,
     CONCURRENCY,
+    END_ID,
     GPUS,
     MEMORY_FRACTION,
     POSITIVE_INT,
     REQUESTS,
     SEED,
     TIMEOUT_S,
-    TOKEN_ID,
     URL,
     WARMUP,
     FloatRange,
@@ -174,7 +174,7 @@ def _engine_entry(i: int, e: Any, base: Path) -> EngineEntry:
             eagle_choices=None if choices is None else tuple(tuple(c) for c in choices),
             triton_model=str(e.get("triton_model", "tensorrt_llm")),
             gpus=_field(e, "gpus", GPUS.check, where) or 1,
-            end_id=_field(e, "end_id", TOKEN_ID.check, where),
+            end_id=_field(e, "end_id", END_ID.check, where),
         )
     except DFlashTrtError as exc:
         raise DFlashTrtError(f"sweep config: engine {name!r}: {exc}") from None
