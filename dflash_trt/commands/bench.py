@@ -63,10 +63,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="random token prompts of ISL tokens, OSL output tokens each (end tokens ignored), COUNT of them",
     )
     p.add_argument(
-        "--concurrency", type=CONCURRENCIES, default=[], help="comma-separated closed-loop user counts, e.g. 1,2,4"
+        "--concurrency", type=CONCURRENCIES, default=None, help="comma-separated closed-loop user counts, e.g. 1,2,4"
     )
     p.add_argument(
-        "--request_rate", type=REQUEST_RATES, default=[], help="comma-separated open-loop Poisson arrival rates (req/s)"
+        "--request_rate",
+        type=REQUEST_RATES,
+        default=None,
+        help="comma-separated open-loop Poisson arrival rates (req/s)",
     )
     p.add_argument("--max_new_tokens", type=POSITIVE_INT, default=128, help="output budget per prompt (--input_file)")
     p.add_argument("--num_requests", type=REQUESTS, default=None, help="requests per point (default: every prompt)")
@@ -101,7 +104,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=SEED, default=0, help="seed of synthetic prompts and Poisson arrivals")
     p.add_argument("--timeout_s", type=TIMEOUT_S, default=3600.0, help="give up on a point after this long")
     p.add_argument("--output_dir", required=True, help="folder for results.json, report.html, pareto.png")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--overwrite", action="store_true", help="replace the results of an earlier bench in --output_dir")
     p.add_argument("--json", action="store_true", help="print the points (without per-request data) as JSON")
     p.set_defaults(func=run)
 
@@ -205,7 +208,7 @@ def write_outputs(out: Path, points: list[dict[str, Any]], workload: dict[str, A
 
 
 def run(args: argparse.Namespace) -> int:
-    concurrencies, rates = args.concurrency, args.request_rate
+    concurrencies, rates = args.concurrency or [], args.request_rate or []
     if not concurrencies and not rates:
         raise DFlashTrtError("give --concurrency and/or --request_rate")
     out = Path(args.output_dir)

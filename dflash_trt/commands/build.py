@@ -79,7 +79,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="validate and print the trtllm-build command and BuildConfig; build nothing",
     )
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output_dir")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an --output_dir an earlier dflash-trt build wrote"
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     parser.add_argument(
         "extra_flags", nargs=argparse.REMAINDER, help="after `--`: further trtllm-build flags, passed through verbatim"

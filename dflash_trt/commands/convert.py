@@ -51,7 +51,9 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         help="calibration prompt tokens kept, at most the target's max_position_embeddings (default: 512, or "
         "fewer where the target's positions must also hold the 32 tokens decoded after each prompt)",
     )
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output_dir")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an --output_dir an earlier dflash-trt convert wrote"
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

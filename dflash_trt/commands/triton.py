@@ -62,7 +62,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"pre/post-processing model instances (default: the profile's with --config, else "
         f"{defaults.instance_count})",
     )
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output_dir")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an --output_dir an earlier dflash-trt triton wrote"
+    )
     parser.add_argument("--json", action="store_true", help="print the repository settings as JSON")
     parser.set_defaults(func=run)
 
