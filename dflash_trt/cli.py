@@ -11,10 +11,16 @@ import threading
 from pathlib import Path
 from typing import NoReturn
 
+from dflash_trt import __version__
 from dflash_trt.errors import DFlashTrtError
 
 # Each name is a module in dflash_trt.commands exposing `register(subparsers)`.
 COMMANDS = ["convert", "verify", "generate", "build", "selftest", "triton", "bench", "sweep", "plan", "demo", "emulate"]
+
+GPU_EPILOG = (
+    "Needs a GPU host with TensorRT-LLM 1.2.x: build (except --dry_run), selftest, and bench / sweep on an engine "
+    "(--engine_dir). Every other command, and bench / sweep on a converted checkpoint, runs on a CPU."
+)
 
 
 class Terminated(KeyboardInterrupt):
@@ -76,7 +82,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dflash-trt",
         description="Convert, check and run DFlash speculative decoding for TensorRT-LLM 1.2.x engines.",
+        epilog=GPU_EPILOG,
     )
+    parser.add_argument("--version", action="version", version=f"dflash-trt {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CommandParser)
     chosen = None if argv is None else next((arg for arg in argv if not arg.startswith("-")), "")
     for name in COMMANDS:

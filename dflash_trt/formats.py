@@ -17,6 +17,9 @@ Public:
 - `quantized_linear(tensor_name)`: the module of a linear weight the format quantizes, else None.
 - `fused_partners(module)`: modules TensorRT-LLM runs as one GEMM with it (mlp.fc with mlp.gate).
 - `NVFP4_BLOCK_SIZE`: values per NVFP4 scale (the config's `group_size`).
+- `RESOLUTION`: the relative logit resolution of each dtype and quantization format (a few of its ulps, see the
+  table); `resolution(config)` is the coarsest a converted checkpoint computes with, the scale below which two
+  implementations' logits may legitimately order a near-tie differently.
 """
 
 from __future__ import annotations
@@ -40,6 +43,11 @@ QFORMATS = (NONE, FP8, NVFP4)
 KV_CACHE_DTYPES = (NONE, FP8)
 _QUANT_ALGO = {NONE: None, FP8: "FP8", NVFP4: "NVFP4"}
 NVFP4_BLOCK_SIZE = 16
+# Relative logit resolution of a network computing in each dtype: 4 ulps (machine epsilon 2^-23, 2^-10, 2^-7), twice
+# the error measured end to end (the embedded pair's bf16 golden model against its fp32 one: up to 1.3 % of the top
+# logit, 1.7 ulps); for quantized inputs one ulp of the format (e4m3: 3 mantissa bits; e2m1: 1), whose rounding
+# errors average out over each GEMM's sum.
+RESOLUTION = {"float32": 2.0**-21, "float16": 2.0**-8, "bfloat16": 2.0**-5, FP8: 2.0**-3, NVFP4: 2.0**-1}
 # NVFP4 packs two values per byte plus one FP8 scale per block of 16.
 BYTES_PER_WEIGHT = {NONE: 2.0, FP8: 1.0, NVFP4: 0.5 + 1 / NVFP4_BLOCK_SIZE}
 
@@ -120,3 +128,19 @@ def fused_partners(module: str) -> tuple[str, ...]:
             stem = module[: -len(member)]
             return (stem + names.MLP_FC, stem + names.MLP_GATE)
     return (module,)
+
+
+def resolution(config: dict) -> float:
+    """The coarsest relative resolution a converted checkpoint's engine computes with: its dtype, either network's
+    quantized GEMM inputs, and the KV cache."""
+    dtype = str(config.get("dtype"))
+    formats = [dtype if dtype in RESOLUTION else "float32"]
+    by_algo = {algo: qformat for qformat, algo in _QUANT_ALGO.items() if algo}
+    for quantization in (
+        config.get("quantization") or {},
+        (config.get("dflash_config") or {}).get("quantization") or {},
+    ):
+        for key in ("quant_algo", "kv_cache_quant_algo"):
+            if quantization.get(key) in by_algo:
+                formats.append(by_algo[quantization[key]])
+    return max(RESOLUTION[f] for f in formats)

@@ -191,7 +191,8 @@ REQUEST_RATES = ListOf(FloatRange(0.0, MAX_REQUEST_RATE, above_lo=True))
 TIMEOUT_S = FloatRange(0.0, MAX_TIMEOUT_S, above_lo=True)
 GPUS = IntRange(1, MAX_GPUS)
 WORKERS = IntRange(1, MAX_GPUS)  # parallel processes, one per rank at most
-SPEED_LEVELS = ListOf(FloatRange(0.0, 1e9, above_lo=True))  # tok/s/user values of a speedup table
+SPEED = FloatRange(0.0, 1e9, above_lo=True)  # tok/s/user
+SPEED_LEVELS = ListOf(SPEED)  # tok/s/user values of a speedup table
 TOKEN_ID = IntRange(0, MAX_TOKEN_ID)
 END_ID = IntRange(-1, MAX_TOKEN_ID)  # TensorRT-LLM's end id; -1 matches no token (requests run to their budget)
 VOCAB_SIZE = IntRange(1, MAX_TOKEN_ID)

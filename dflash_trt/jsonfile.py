@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -27,3 +28,19 @@ def read_json_object(path: str | Path, missing: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise DFlashTrtError(f"{path} must hold a JSON object")
     return data
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def strict_json(data: Any, indent: int | None = None, sort_keys: bool = False) -> str:
+    """JSON every parser accepts: an infinite or NaN number (which Python would write as `Infinity` / `NaN`,
+    outside the JSON standard) is written as null, meaning "no limit" or "not measured"."""
+    return json.dumps(_finite(data), indent=indent, sort_keys=sort_keys, allow_nan=False)

@@ -240,8 +240,6 @@ class BuildProfile(_Strict):
                 f"max_num_tokens {eng.max_num_tokens} is below max_batch_size x block_size + {what} = {need}: "
                 "a full batch of generation steps would leave no room for prefill"
             )
-        if self.checkpoint.dtype == "float16" and q.qformat == "nvfp4":
-            raise ValueError("nvfp4 profiles use dtype bfloat16 (modelopt's NVFP4 export path)")
         if max(self.sweep.concurrency) > eng.max_batch_size:
             raise ValueError(
                 f"sweep concurrency {max(self.sweep.concurrency)} exceeds max_batch_size {eng.max_batch_size}"

@@ -1,5 +1,7 @@
-"""Prompt files: one JSON object per line, `{"input_ids": [...]}` or `{"text": "..."}` (needs a tokenizer); or, for
-calibration on hosts with the `datasets` package, a local HF datasets folder whose rows carry one of those columns.
+"""Prompt files: one JSON object per line, `{"input_ids": [...]}`, `{"text": "..."}` (needs a tokenizer) or
+`{"messages": [{"role": ..., "content": ...}, ...]}` (a chat, rendered with the tokenizer's chat template and a
+generation prompt by `dflash_trt.chat`); or, for calibration on hosts with the `datasets` package, a local HF
+datasets folder whose rows carry one of the first two columns.
 
 `generate` and calibration read the same format, so they share this reader and its error messages.
 """
@@ -9,12 +11,20 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+from dflash_trt.chat import encode_chat, parse_template_kwargs
 from dflash_trt.errors import DFlashTrtError
 
 # Folders written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk` hold one of these.
 SAVED_DATASET_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")
 PROMPT_COLUMNS = ("text", "input_ids")
+PROMPT_KEYS = ("input_ids", "text", "messages")
+CHAT_TEMPLATE_KWARGS_HELP = (
+    'JSON object passed to the tokenizer\'s chat template for {"messages": [...]} prompts, e.g. '
+    "'{\"enable_thinking\": false}' (default: enable_thinking false where the template knows it, as the Qwen3 "
+    "DFlash drafters were trained)"
+)
 # Per-request options other tools accept on a prompt line. Options here apply to a whole run, so a line carrying
 # one is refused: ignoring it would run something other than what the file asks for. Other keys (an id, a source)
 # are metadata and pass.
@@ -93,7 +103,29 @@ def _dataset_records(path: Path) -> Iterator[tuple[str, object]]:
         yield f"{path}[{index}]", row
 
 
-def read_prompts(path: str | Path, tokenizer=None, limit: int | None = None) -> list[list[int]]:
+def parse_chat_template_kwargs(text: str | None, flag: str = "--chat_template_kwargs") -> dict[str, Any] | None:
+    """The user's chat-template arguments, or None when not given."""
+    if text is None:
+        return None
+    try:
+        return parse_template_kwargs(text)
+    except ValueError as exc:
+        raise DFlashTrtError(f"{flag} {exc}") from None
+
+
+def _encode_chat(tokenizer, messages: object, kwargs: dict[str, Any] | None, where: str) -> list[int]:
+    if tokenizer is None:
+        raise DFlashTrtError(f"{where} gives messages but there is no tokenizer")
+    try:
+        return encode_chat(tokenizer, messages, kwargs)
+    except ValueError as exc:
+        raise DFlashTrtError(f"{where}: {exc}") from None
+
+
+def read_prompts(
+    path: str | Path, tokenizer=None, limit: int | None = None, chat_kwargs: dict[str, Any] | None = None
+) -> list[list[int]]:
+    """Token ids of every prompt; `chat_kwargs` go to the chat template of `{"messages": ...}` lines."""
     path = Path(path)
     if path.is_dir():
         records = _dataset_records(path)
@@ -110,8 +142,8 @@ def read_prompts(path: str | Path, tokenizer=None, limit: int | None = None) -> 
             raise DFlashTrtError(
                 f"{where}: per-prompt option '{option}' is not supported; set it for the whole run on the command line"
             )
-        if isinstance(record, dict) and "input_ids" in record and "text" in record:
-            raise DFlashTrtError(f"{where} gives both input_ids and text; keep one")
+        if isinstance(record, dict) and sum(key in record for key in PROMPT_KEYS) > 1:
+            raise DFlashTrtError(f"{where} gives more than one of {', '.join(PROMPT_KEYS)}; keep one")
         if isinstance(record, dict) and isinstance(record.get("input_ids"), list):
             ids = record["input_ids"]
             if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -121,8 +153,10 @@ def read_prompts(path: str | Path, tokenizer=None, limit: int | None = None) -> 
             if tokenizer is None:
                 raise DFlashTrtError(f"{where} gives text but the checkpoint directory has no tokenizer")
             prompts.append(tokenizer.encode(record["text"]))
+        elif isinstance(record, dict) and "messages" in record:
+            prompts.append(_encode_chat(tokenizer, record["messages"], chat_kwargs, where))
         else:
-            raise DFlashTrtError(f'{where} must be {{"input_ids": [...]}} or {{"text": "..."}}')
+            raise DFlashTrtError(f'{where} must be {{"input_ids": [...]}}, {{"text": "..."}} or {{"messages": [...]}}')
     if not prompts:
         raise DFlashTrtError(f"prompt file {path} holds no prompts")
     return prompts

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash_trt import capacity
-from dflash_trt.perf import evaluation, model
+from dflash_trt.perf import evaluation, memory, model
 from dflash_trt.perf.gpus import GPUS
-from dflash_trt.perf.published import POINTS, Unknown
-from dflash_trt.trtllm.build_plan import TOKENS_PER_BLOCK
+from dflash_trt.perf.published import POINTS, TAU_SOURCES, TAUS, Unknown
 
 KINDS = ("datasheet", "measured", "assumed", "fitted")
 
@@ -28,8 +26,9 @@ class Constant:
 def _gpu_constants() -> dict[str, Constant]:
     out = {}
     for key, gpu in GPUS.items():
-        for field in ("hbm_bytes", "hbm_bandwidth", "bf16_flops", "fp8_flops", "nvfp4_flops", "nvlink_bandwidth"):
-            out[f"gpu.{key}.{field}"] = Constant(getattr(gpu, field), "datasheet", gpu.source)
+        out[f"gpu.{key}.hbm_bytes"] = Constant(gpu.hbm_bytes, gpu.memory_kind, gpu.memory_source or gpu.source)
+        for field in ("hbm_bandwidth", "bf16_flops", "fp8_flops", "nvfp4_flops", "nvlink_bandwidth"):
+            out[f"gpu.{key}.{field}"] = Constant(getattr(gpu, field), gpu.kind, gpu.source)
     return out
 
 
@@ -51,17 +50,21 @@ def _format_constants() -> dict[str, Constant]:
 
 def _calibration_constants() -> dict[str, Constant]:
     default = model.Calibration()
-    why = "typical fraction reached by large kernels; never fitted, the same for every harness"
+    why = (
+        "typical fraction reached by large kernels, the same for every harness; not fitted by any code, but they "
+        "were set together with the first comparison table, so that they were not tuned to it cannot be shown"
+    )
     out = {
         "calibration.bandwidth_efficiency": Constant(default.bandwidth_efficiency, "assumed", why),
         "calibration.compute_efficiency": Constant(default.compute_efficiency, "assumed", why),
         "calibration.allreduce_latency_s": Constant(default.allreduce_latency_s, "assumed", "typical NCCL latency"),
     }
     for harness in evaluation.HARNESSES:
-        cal = evaluation.calibration(harness)
         kind = "assumed" if harness in evaluation.TRANSFERRED else "fitted"
-        for field in ("step_overhead_s", "spec_overhead_s"):
-            out[f"calibration.{harness}.{field}"] = Constant(getattr(cal, field), kind, cal.source)
+        for cal in evaluation.calibrations(harness):
+            reading = cal.name.split("(")[-1].rstrip(")")
+            for field in ("step_overhead_s", "spec_overhead_s", "token_overhead_s"):
+                out[f"calibration.{harness}.{reading}.{field}"] = Constant(getattr(cal, field), kind, cal.source)
     fits = ", ".join(sorted(evaluation.fit_set_ids()))
     out["baseline.k"] = Constant(evaluation.baseline_k(), "fitted", f"speedup = k * tau on the fit set ({fits})")
     out["eagle3.draft_vocab"] = Constant(
@@ -73,13 +76,34 @@ def _calibration_constants() -> dict[str, Constant]:
 def _capacity_constants() -> dict[str, Constant]:
     return {
         "capacity.tokens_per_block": Constant(
-            TOKENS_PER_BLOCK, "datasheet", "trtllm-build plugin-config default (TensorRT-LLM 1.2.x sources, not run)"
+            memory.TOKENS_PER_BLOCK,
+            "datasheet",
+            "trtllm-build plugin-config default (TensorRT-LLM 1.2.x sources, not run)",
+        ),
+        "capacity.step_headroom_tokens": Constant(
+            "2 x (draft tokens + 1)",
+            "datasheet",
+            "TensorRT-LLM 1.2.x cpp/tensorrt_llm/batch_manager/allocateKvCache.cpp: EAGLE-mode engines add "
+            "maxPathLen + maxDecodingTokens tokens per step; kvCacheManager.cpp getRemainingBlocksToCompletion "
+            "reserves promptLen + maxNewTokens (read, not run)",
+        ),
+        "capacity.weight_layout": Constant(
+            "linears / tp; embedding and drafter fc replicated; lm_head always written, split by vocabulary rows",
+            "measured",
+            "this converter's tensor layout (checkpoint/layout.py: vocab_embedding and dflash.fc replicated, "
+            "lm_head Split.VOCAB, written from embed_tokens when tied)",
+        ),
+        "capacity.default_limits": Constant(
+            vars(memory.EngineLimits()),
+            "datasheet",
+            "TensorRT-LLM BuildConfig defaults (max_batch_size 2048, max_num_tokens 8192) and the executor's 0.9 KV "
+            "fraction (1.2.x sources, read, not run); plan defaults max_batch_size to the largest --concurrency",
         ),
         "capacity.runtime_reserve_bytes": Constant(
-            capacity.RUNTIME_RESERVE_BYTES, "assumed", "CUDA context, cuBLAS/NCCL workspaces and runtime buffers"
+            memory.RUNTIME_RESERVE_BYTES, "assumed", "CUDA context, cuBLAS/NCCL workspaces and runtime buffers"
         ),
         "capacity.logits_bytes": Constant(
-            capacity.LOGITS_BYTES, "assumed", "fp32 logits for every verified token of a full batch"
+            memory.LOGITS_BYTES, "assumed", "fp32 logits for every verified token of a full batch"
         ),
         "capacity.activation_model": Constant(
             "max_num_tokens x (2 hidden + qkv/tp + 2 intermediate/tp) x 2 B + logits",
@@ -98,9 +122,23 @@ def _unknown_constants() -> dict[str, Constant]:
     return out
 
 
+def _tau_constants() -> dict[str, Constant]:
+    out = {}
+    for pair, taus in TAUS.items():
+        for (dataset, temperature), tau in taus.items():
+            temp = "unstated" if temperature is None else f"{temperature:g}"
+            out[f"tau.{pair}.{dataset}.t{temp}"] = Constant(tau, "datasheet", TAU_SOURCES[pair])
+    return out
+
+
 def constants() -> dict[str, Constant]:
     return (
-        _gpu_constants() | _format_constants() | _calibration_constants() | _capacity_constants() | _unknown_constants()
+        _gpu_constants()
+        | _format_constants()
+        | _calibration_constants()
+        | _capacity_constants()
+        | _tau_constants()
+        | _unknown_constants()
     )
 
 

@@ -2,7 +2,8 @@
 
 The engine samples each request with its temperature and the runtime's random numbers, which TensorRT-LLM 1.2.x
 seeds from the request's seed (docs/engine.md §6); temperature 0 is greedy. Its EAGLE runtime hands the engine
-nothing else of the request's sampling config, so top-k, top-p, penalties and beams would be silently ignored: every
+nothing else of the request's sampling config, so top-k, top-p, penalties and beams would be silently ignored, and
+its EAGLE decoding mode applies no banned words, guided decoding, logits post-processor or embedding bias: every
 entry point (`generate`, the engine runners, the Triton models, `bench`) refuses them here instead, with one message.
 
 Standard library only: the Triton repository copies this file next to its Python models.
@@ -11,7 +12,7 @@ Standard library only: the Triton repository copies this file next to its Python
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 # What the engine honours per request; `dflash_trt.json` records it.
@@ -39,6 +40,15 @@ NEUTRAL: dict[str, tuple[float, ...]] = {
     "beam_width": (1,),
     "num_return_sequences": (1,),
 }
+# Request features the EAGLE decoding mode never applies (1.2.x `executor/types.h` `DecodingMode::Eagle()` sets
+# neither ban-words nor penalties; the engine's in-graph verification sees raw logits), with what they do. Any
+# non-empty value is refused.
+FEATURES = {
+    "bad_words": "bans words",
+    "guided_decoding": "constrains tokens to a grammar, JSON schema or regex",
+    "logits_post_processor": "edits the logits",
+    "embedding_bias": "adds a bias to the logits",
+}
 # Other spellings of the same parameters (TensorRT-LLM's executor and Triton backend, Hugging Face).
 ALIASES = {
     "runtime_top_k": "top_k",
@@ -47,6 +57,13 @@ ALIASES = {
     "n": "num_return_sequences",
     "min_length": "min_tokens",
     "random_seed": "seed",
+    "bad_words_list": "bad_words",
+    "guided_decoding_params": "guided_decoding",
+    "guided_decoding_guide_type": "guided_decoding",
+    "guided_decoding_guide": "guided_decoding",
+    "logits_post_processor_name": "logits_post_processor",
+    "embedding_bias_words": "embedding_bias",
+    "embedding_bias_weights": "embedding_bias",
 }
 
 
@@ -54,13 +71,29 @@ def _show(value: object) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def sampling_refusal(params: Mapping[str, Any]) -> str | None:
-    """The refusal message for the first parameter the engine cannot honour, or None when all can be.
+def _sent(value: object) -> bool:
+    """Whether a feature was really asked for: None, an empty string and an empty (nested) sequence are not."""
+    if isinstance(value, str):
+        return value != ""
+    if isinstance(value, Sequence) or hasattr(value, "tolist"):
+        items = value.tolist() if hasattr(value, "tolist") else value
+        return any(_sent(item) for item in items) if isinstance(items, list | tuple) else _sent(items)
+    return value is not None
 
-    `params` maps parameter names (any spelling in ALIASES) to scalars; None means "not sent". Names outside
-    HONOURED and NEUTRAL are not sampling parameters and are left to the caller.
+
+def sampling_refusal(params: Mapping[str, Any]) -> str | None:
+    """The refusal message for the first parameter or request feature the engine cannot honour, or None.
+
+    `params` maps parameter names (any spelling in ALIASES) to scalars, and FEATURES to their values (a word list,
+    a guide, a name); None means "not sent". Names outside HONOURED, NEUTRAL and FEATURES are left to the caller.
     """
     values = {ALIASES.get(name, name): value for name, value in params.items() if value is not None}
+    for name, effect in FEATURES.items():
+        if _sent(values.get(name)):
+            return (
+                f"{name} refused: it {effect}, which TensorRT-LLM's EAGLE decoding mode never applies to a DFlash "
+                "engine, so it would be silently ignored; omit it"
+            )
     temperature = values.get("temperature", 0.0)
     if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
         return f"temperature {temperature!r} refused: it must be a finite number >= 0 (0 means greedy)"

@@ -7,7 +7,7 @@ from pathlib import Path
 from dflash_trt.errors import DFlashTrtError
 
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer.model", "vocab.json")
-MAX_LENGTH = 2**62
+UNLIMITED = int(1e30)  # what transformers itself uses for a tokenizer without a length limit
 
 
 def load_tokenizer(directory: str | Path):
@@ -24,11 +24,14 @@ def load_tokenizer(directory: str | Path):
     from transformers import AutoTokenizer
 
     try:
-        # Lengths are checked against the model by each command, in one line; the tokenizer's own limit would only
-        # add a second, multi-line warning for a long prompt.
-        return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False, model_max_length=MAX_LENGTH)
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
     except Exception as exc:  # a third-party loader: all its failures mean "unusable tokenizer"
         detail = " ".join(str(exc).split())[:200] or type(exc).__name__
         raise DFlashTrtError(
             f"the tokenizer in {directory} cannot be loaded (checkpoint code is never run): {detail}"
         ) from None
+    # Every run checks prompt lengths against the model's own limits (max_position_embeddings, --max_seq_len,
+    # calibration's cut); the tokenizer's model_max_length would only print transformers' "Token indices sequence
+    # length is longer than the specified maximum" warning, which names no flag of ours.
+    tokenizer.model_max_length = UNLIMITED
+    return tokenizer

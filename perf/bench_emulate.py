@@ -1,8 +1,9 @@
-"""Emulated engine decoding speed on the embedded tiny pair vs the golden model (`generate`), same prompts, same run.
+"""Emulated engine decoding speed on the embedded tiny pair vs the golden model (`generate`), same prompts, same run;
+and the emulation at tp 4 (four rank networks in lockstep, `emulation/ranks.py`) vs at tp 1.
 
 Protocol: perf/bench_all.py. The emulation executes the engine network op by op under the stand-in TensorRT-LLM
 (paged KV reads and writes, the runtime's packing, per-request attention), so it is slower than the golden model's
-batched tensors; this measures by how much, and checks both produce the same tokens.
+batched tensors; this measures by how much, and checks that all three produce the same tokens.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dflash_trt.tokenizer import load_tokenizer
 MAX_NEW_TOKENS = 64
 PROMPTS = 8
 REPEATS = 2
+TP = 4
 
 
 def _best(run) -> tuple[float, list]:
@@ -40,24 +42,32 @@ def _best(run) -> tuple[float, list]:
 def main() -> int:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as scratch:
-        checkpoint = Path(scratch) / "checkpoint"
+        checkpoint, sharded = Path(scratch) / "checkpoint", Path(scratch) / f"checkpoint-tp{TP}"
         convert_checkpoint(target_dir(), draft_dir(), checkpoint, dtype="float32")
+        convert_checkpoint(target_dir(), draft_dir(), sharded, dtype="float32", tp_size=TP)
         golden = load_golden_model(checkpoint)
         runtime = EmulatedRuntime(checkpoint, max_batch_size=PROMPTS, tokens_per_block=32)
+        ranks = EmulatedRuntime(sharded, max_batch_size=PROMPTS, tokens_per_block=32)
         prompts = [load_tokenizer(checkpoint).encode(p.text) for p in load_heldout(limit=PROMPTS)]
     stops = list(golden.target.spec.eos_token_ids)
     golden_rate, expected = _best(lambda: speculative_generate(golden, prompts, MAX_NEW_TOKENS, stops))
     emulated_rate, emulated = _best(lambda: runtime.generate(prompts, MAX_NEW_TOKENS, stops))
-    if [r.output_ids for r in emulated] != [r.output_ids for r in expected]:
-        print("the emulated engine's tokens differ from the golden model's", file=sys.stderr)
-        return 1
+    ranks_rate, emulated_ranks = _best(lambda: ranks.generate(prompts, MAX_NEW_TOKENS, stops))
+    for label, results in (("tp 1", emulated), (f"tp {TP}", emulated_ranks)):
+        if [r.output_ids for r in results] != [r.output_ids for r in expected]:
+            print(f"the emulated engine's tokens at {label} differ from the golden model's", file=sys.stderr)
+            return 1
     print(
         json.dumps(
             {
                 "name": "emulate",
-                "ratios": {"emulated_tok_s_vs_golden_tok_s": round(emulated_rate / golden_rate, 3)},
+                "ratios": {
+                    "emulated_tok_s_vs_golden_tok_s": round(emulated_rate / golden_rate, 3),
+                    f"emulated_tp{TP}_tok_s_vs_tp1_tok_s": round(ranks_rate / emulated_rate, 3),
+                },
                 "details": {
                     "emulated_tok_s": round(emulated_rate, 1),
+                    f"emulated_tp{TP}_tok_s": round(ranks_rate, 1),
                     "golden_tok_s": round(golden_rate, 1),
                     "engine_steps": runtime.stats.steps // REPEATS,
                     "prompts": PROMPTS,

@@ -34,6 +34,7 @@ class PairVariant:
     tie: bool = False
     target_bias: bool = False
     rope: dict | None = None
+    draft_rope: dict | None = None  # the drafter's own RoPE parameters (default: the target's `rope`)
     draft_layers: int = 2
     draft_heads: int = 4
     draft_kv_heads: int = 2
@@ -117,8 +118,8 @@ def make_draft(path: Path, v: PairVariant) -> DFlashDraftModel:
         max_position_embeddings=512,
         attention_bias=v.draft_bias,
     )
-    if v.rope:
-        kwargs["rope_parameters"] = v.rope
+    if v.draft_rope or v.rope:
+        kwargs["rope_parameters"] = v.draft_rope or v.rope
     if v.sliding_window is not None:
         kwargs.update(use_sliding_window=True, sliding_window=v.sliding_window)
     if v.layer_types is not None:

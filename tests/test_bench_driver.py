@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 import numpy as np
 import pytest
 
 from dflash_trt.bench.driver import Backend, BenchRequest, Response, run_load
+from dflash_trt.bench.provenance import collect
 from dflash_trt.bench.results import (
     POINT_KEYS,
     load_results,
@@ -71,6 +73,21 @@ def test_closed_loop_holds_exactly_n_in_flight_and_records_every_response():
         assert record.chunks == chunks and record.output_ids == list(range(sum(chunks)))
         assert len(record.response_s) == len(chunks) and record.finished_s == record.response_s[-1]
         assert record.response_s == sorted(record.response_s) and record.sent_s <= record.response_s[0]
+
+
+def test_progress_hears_every_finished_request_once():
+    finished = []
+    trace = asyncio.run(
+        run_load(
+            ScriptedBackend([[1, 3, 2, 4], [1, 1, 1], [1, 5]]),
+            _requests(5),
+            concurrency=2,
+            on_request_done=lambda: finished.append(1),
+        )
+    )
+    assert len(finished) == 5 == len(trace.records)
+    cpu = point_from_run(trace, mode="dflash", engine="dflash", gpus=0, concurrency=2)
+    assert cpu["gpus"] == 0 and cpu["throughput_tok_s_per_gpu"] is None  # no GPU to divide by
 
 
 def test_point_statistics_match_hand_computed_values():
@@ -143,12 +160,20 @@ def test_summary_and_results_file_round_trip(tmp_path):
     )
     trace = asyncio.run(run_load(ScriptedBackend([[1, 2]]), _requests(2), concurrency=1))
     point = point_from_run(trace, mode="dflash", engine="dflash", concurrency=1)
-    write_results(tmp_path / "results.json", [point], {"kind": "test"})
+    origin = collect("golden", "ckpt")
+    write_results(tmp_path / "results.json", [point], {"kind": "test", "limit": math.inf}, origin)
     assert load_results(tmp_path / "results.json") == json.loads(json.dumps([point]))
+    # Strict JSON: a parser that rejects Infinity / NaN reads it; an unbounded number is written as null.
+    strict = json.loads((tmp_path / "results.json").read_text(), parse_constant=_refuse_constant)
+    assert strict["workload"]["limit"] is None and strict["provenance"] == origin
     broken = tmp_path / "broken.json"
     broken.write_text(json.dumps({"format": "dflash-trt-bench/1", "points": [{"mode": "ar"}]}))
     with pytest.raises(DFlashTrtError, match="lacks"):
         load_results(broken)
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"not strict JSON: {name}")
 
 
 def test_report_without_an_ar_baseline_has_the_plot_and_the_points(tmp_path):
@@ -163,7 +188,7 @@ def test_report_without_an_ar_baseline_has_the_plot_and_the_points(tmp_path):
         )
         for c in (1, 2)
     ]
-    summary = write_outputs(tmp_path / "out", points, {"kind": "test"}, overwrite=False)
+    summary = write_outputs(tmp_path / "out", points, {"kind": "test"}, collect("golden", "ckpt"), overwrite=False)
     assert summary["baseline"] is None and summary["speedup_vs_ar"] == []
     assert [p["concurrency"] for p in summary["frontiers"]["dflash"]] != []
     html = (tmp_path / "out" / "report.html").read_text()

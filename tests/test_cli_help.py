@@ -116,3 +116,16 @@ def test_a_bad_option_value_is_one_line(capsys) -> None:
         "dflash-trt convert: error: argument --tp_size: must be an integer in [1, 1024], got 'two' "
         "(see dflash-trt convert --help)\n"
     )
+
+
+def test_version_and_which_commands_need_a_gpu(capsys) -> None:
+    from importlib import metadata
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"dflash-trt {metadata.version('dflash-trt')}"  # the installed release
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "Needs a GPU host with TensorRT-LLM 1.2.x: build (except --dry_run), selftest" in help_text

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import shlex
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import dflash.model as reference
 import pytest
@@ -43,6 +47,30 @@ def test_demo_runs_the_whole_cpu_job(tmp_path, capsys):
     assert parsed.backend == "tensorrtllm" and parsed.parameters["decoding_mode"].string_value == "eagle"
     assert main(["demo", "--output_dir", str(out), "--num_prompts", "1"]) == 2  # never overwrites unasked
     assert "already exists; pass --overwrite" in capsys.readouterr().err
+    _run_gpu_host_commands(report["gpu_host_commands"], out, tmp_path, capsys)
+
+
+def _run_gpu_host_commands(commands: list[str], out, tmp_path, capsys) -> None:
+    """Step 7's lines as printed, in the form this CPU host can run: the build as its `--dry_run`, the bench
+    against the checkpoint the engine would be built from, the launch script parsed, the client's usage."""
+    cmake, build, launch, bench, client = commands
+    assert cmake.startswith("cmake -S plugins")
+    assert main([*shlex.split(build)[1:], "--dry_run", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    checkpoint = out / "checkpoint-bfloat16"
+    positions = json.loads((checkpoint / "config.json").read_text())["max_position_embeddings"]
+    assert plan["build_config"]["max_seq_len"] == positions  # derived from the checkpoint, written out in full
+    argv = shlex.split(bench)[1:]
+    engine = argv.index("--engine_dir")
+    argv[engine : engine + 2] = ["--checkpoint_dir", str(checkpoint)]
+    prompts = Path(argv[argv.index("--input_file") + 1])
+    assert prompts.is_file()  # the demo writes the prompt file it names
+    argv[argv.index("--output_dir") + 1] = str(tmp_path / "bench")
+    assert main([*argv, "--num_requests", "2", "--max_new_tokens", "8"]) == 0
+    assert json.loads((tmp_path / "bench" / "results.json").read_text())["workload"]["path"] == str(prompts.resolve())
+    assert subprocess.run(["bash", "-n", *shlex.split(launch)], check=False).returncode == 0
+    script = shlex.split(client)
+    assert subprocess.run([sys.executable, script[1], "--help"], capture_output=True, check=False).returncode == 0
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _emulation import PROMPTS, SAMPLED, SAMPLED_TOKENS, STOP, convert, per_request, sampled_mismatch, sampled_runs
+from _emulation import PROMPTS, SAMPLED, SAMPLED_TOKENS, STOP, convert, divergences, per_request, sampled_runs
 from _pairs import PairVariant
 from safetensors.torch import load_file, save_file
 
@@ -80,31 +80,29 @@ VARIANTS = {
         32,
     ),
     "qwen3-causal-drafter": (PairVariant(is_causal=True, taps=None, top_level={"block_size": 6}), 16),
+    # Drafters with their own RoPE: another theta than the target's, and plain RoPE under a llama3-scaled target.
+    "qwen3-drafter-own-theta": (
+        PairVariant(
+            rope={"rope_type": "default", "rope_theta": 1e6}, draft_rope={"rope_type": "default", "rope_theta": 500.0}
+        ),
+        16,
+    ),
+    "llama3-target-plain-drafter": (
+        PairVariant(
+            arch="llama",
+            rope={
+                "rope_type": "llama3",
+                "rope_theta": 5000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            draft_rope={"rope_type": "default", "rope_theta": 20.0},
+        ),
+        32,
+    ),
 }
-
-
-def mismatch(golden: list[SequenceResult], emulated: list[SequenceResult], block: int) -> str | None:
-    """The first difference in tokens, acceptance lengths or drafted tokens, or None.
-
-    Near `max_new_tokens` the golden loop shrinks the block it drafts and verifies (a shorter, differently masked
-    block); the engine always runs the full block and clips. Those final steps draft differently by design, so
-    drafts and acceptance are compared on the steps where the golden block was full; tokens everywhere.
-    """
-    for i, (g, e) in enumerate(zip(golden, emulated, strict=True)):
-        if e.output_ids != g.output_ids:
-            return f"sequence {i}: tokens {e.output_ids} != {g.output_ids}"
-        if len(e.steps) != len(g.steps):
-            return f"sequence {i}: {len(e.steps)} steps != {len(g.steps)}"
-        for step, (gs, es, ga, ea) in enumerate(
-            zip(g.steps, e.steps, g.acceptance_lengths, e.acceptance_lengths, strict=True)
-        ):
-            if len(gs.draft_ids) < block - 1:
-                continue
-            if es.draft_ids != gs.draft_ids:
-                return f"sequence {i} step {step}: drafts {es.draft_ids} != {gs.draft_ids}"
-            if ea != ga:
-                return f"sequence {i} step {step}: acceptance {ea} != {ga}"
-    return None
 
 
 @pytest.fixture(scope="module")
@@ -139,14 +137,14 @@ def test_every_fixture_variant_matches_the_golden_model(name, tmp_path):
     # Two slots for four ragged requests: the last ones join when earlier ones finish.
     runtime = EmulatedRuntime(ckpt, max_batch_size=2, tokens_per_block=tokens_per_block)
     emulated = runtime.generate(PROMPTS, 12, STOP)
-    assert mismatch(golden, emulated, runtime.block) is None
+    assert divergences(ckpt, golden, emulated, 12) == []
     assert runtime.stats.max_batch == 2 and runtime.model.unused_tensors == []
 
 
 def test_chunked_prompts_and_requests_joining_mid_flight(tiny, tiny_prompts, tiny_golden):
     runtime = EmulatedRuntime(tiny, max_batch_size=2, max_num_tokens=2 * TINY_BLOCK, tokens_per_block=16)
     emulated = runtime.generate(tiny_prompts, 24, arrivals=[0, 0, 2, 3, 3, 9])
-    assert mismatch(tiny_golden, emulated, runtime.block) is None
+    assert divergences(tiny, tiny_golden, emulated, 24) == []
     assert runtime.stats.context_chunks > len(tiny_prompts)  # the long prompts took several chunks
     assert max(max(r.acceptance_lengths) for r in emulated) >= 8  # the drafter is really exercised
 
@@ -155,7 +153,7 @@ def test_chunked_prompts_and_requests_joining_mid_flight(tiny, tiny_prompts, tin
 @pytest.mark.parametrize("tokens_per_block", [32, 64])
 def test_tokens_per_block(tiny, tiny_prompts, tiny_golden, tokens_per_block):
     runtime = EmulatedRuntime(tiny, max_batch_size=3, tokens_per_block=tokens_per_block)
-    assert mismatch(tiny_golden, runtime.generate(tiny_prompts, 24), runtime.block) is None
+    assert divergences(tiny, tiny_golden, runtime.generate(tiny_prompts, 24), 24) == []
 
 
 @pytest.mark.slow
@@ -175,7 +173,7 @@ def test_quantized_checkpoints_with_fp8_kv_cache(qformat, tmp_path):
     golden = speculative_generate(load_golden_model(ckpt), PROMPTS, 10, STOP)
     runtime = EmulatedRuntime(ckpt, max_batch_size=4, tokens_per_block=16)
     assert runtime.cache_dtype == torch.float8_e4m3fn
-    assert mismatch(golden, runtime.generate(PROMPTS, 10, STOP), runtime.block) is None
+    assert divergences(ckpt, golden, runtime.generate(PROMPTS, 10, STOP), 10) == []
 
 
 # ------------------------------------------------------------------------------------ deliberately broken networks
@@ -186,11 +184,11 @@ def engine():
     return load_engine_module()
 
 
-def _broken(tiny, tiny_prompts, tiny_golden) -> str | None:
+def _broken(tiny, tiny_prompts, tiny_golden) -> list[str]:
     """Three requests (one long) through the patched network, compared with the golden model."""
     prompts = [tiny_prompts[0], tiny_prompts[1], tiny_prompts[-1]]
     emulated = EmulatedRuntime(tiny, max_batch_size=3, tokens_per_block=16).generate(prompts, 24)
-    return mismatch([tiny_golden[0], tiny_golden[1], tiny_golden[-1]], emulated, TINY_BLOCK)
+    return divergences(tiny, [tiny_golden[0], tiny_golden[1], tiny_golden[-1]], emulated, 24)
 
 
 def test_an_off_by_one_in_the_bookkeeping_is_caught(engine, monkeypatch, tiny, tiny_prompts, tiny_golden):
@@ -201,7 +199,7 @@ def test_an_off_by_one_in_the_bookkeeping_is_caught(engine, monkeypatch, tiny, t
         return dataclasses.replace(book, positions=book.positions + 1)  # injected K/V one slot late
 
     monkeypatch.setattr(engine.DFlashForCausalLM, "bookkeeping", off_by_one)
-    assert _broken(tiny, tiny_prompts, tiny_golden) is not None
+    assert _broken(tiny, tiny_prompts, tiny_golden) != []
 
 
 def test_a_wrong_draft_pool_layer_offset_is_caught(engine, monkeypatch, tiny, tiny_prompts, tiny_golden):
@@ -212,7 +210,7 @@ def test_a_wrong_draft_pool_layer_offset_is_caught(engine, monkeypatch, tiny, ti
         return original(*args, geometry=wrong, **kwargs)
 
     monkeypatch.setattr(engine, "kv_injection_layer", shifted)
-    assert _broken(tiny, tiny_prompts, tiny_golden) is not None
+    assert _broken(tiny, tiny_prompts, tiny_golden) != []
 
 
 def test_a_missing_passthrough_ordering_is_caught(engine, monkeypatch, tiny, tiny_prompts, tiny_golden):
@@ -224,7 +222,22 @@ def test_a_missing_passthrough_ordering_is_caught(engine, monkeypatch, tiny, tin
         return book.ctx_len
 
     monkeypatch.setattr(engine.DFlashForCausalLM, "inject_context", unordered)
-    assert _broken(tiny, tiny_prompts, tiny_golden) is not None
+    assert _broken(tiny, tiny_prompts, tiny_golden) != []
+
+
+def test_a_drafter_given_the_targets_rope_tables_is_caught(engine, monkeypatch, tmp_path):
+    """The block pass run with the model-wide (target) RoPE tables while the injection used the drafter's own."""
+    ckpt = convert(tmp_path, VARIANTS["qwen3-drafter-own-theta"][0])
+    model = load_golden_model(ckpt)
+    golden = speculative_generate(model, PROMPTS, 12 + model.draft.spec.block_size - 1, STOP)
+    original = engine.Attention.fill_attention_params
+
+    def targets_tables(model_cls, params):
+        return params if isinstance(model_cls, engine.DFlashDrafter) else original(model_cls, params)
+
+    monkeypatch.setattr(engine.Attention, "fill_attention_params", staticmethod(targets_tables))
+    emulated = EmulatedRuntime(ckpt, max_batch_size=2, tokens_per_block=16).generate(PROMPTS, 12, STOP)
+    assert divergences(ckpt, golden, emulated, 12) != []
 
 
 # ------------------------------------------------------------------ sampled verification (docs/engine.md §6)
@@ -256,8 +269,8 @@ def test_sampled_decoding_matches_the_golden_model(pair, setting, request):
     else:
         ckpt, prompts, runtime = request.getfixturevalue("random_pair"), PROMPTS, {}
     greedy, golden, emulated = sampled_runs(ckpt, prompts, setting, **runtime)
-    assert sampled_mismatch(golden, emulated, SAMPLED_TOKENS) is None
     temperatures = per_request(setting, len(prompts))
+    assert divergences(ckpt, golden, emulated, SAMPLED_TOKENS, temperatures) == []
     # Sampling really happened, and a greedy request in the mixed batch decodes exactly greedily.
     assert any(g.output_ids != e.output_ids for g, e, t in zip(greedy, emulated, temperatures, strict=True) if t)
     assert all(g.output_ids == e.output_ids for g, e, t in zip(greedy, emulated, temperatures, strict=True) if not t)
@@ -289,12 +302,13 @@ def _first_token_from_validation_row(original):
 def test_a_broken_sampled_verification_is_caught(engine, monkeypatch, tiny, tiny_sampling_prompts, breakage):
     monkeypatch.setattr(engine, "verify_drafts", breakage(engine.verify_drafts))
     _, golden, emulated = sampled_runs(tiny, tiny_sampling_prompts, "mixed", **TINY_SAMPLING_RUNTIME)
-    assert sampled_mismatch(golden, emulated, SAMPLED_TOKENS) is not None
+    temperatures = per_request("mixed", len(tiny_sampling_prompts))
+    assert divergences(tiny, golden, emulated, SAMPLED_TOKENS, temperatures) != []
 
 
 def test_cli_emulate_samples_like_generate(tiny, tmp_path, capsys):
     """`emulate --temperature T --seed S` against `generate` with the same flags and K more tokens (see
-    sampled_mismatch): the same tokens, and the same acceptance lengths up to the engine's clipped last step."""
+    divergences): the same tokens, and the same acceptance lengths up to the engine's clipped last step."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS[:3]))
     args = ["--checkpoint_dir", str(tiny), "--input_file", str(prompts), "--json"]

@@ -4,7 +4,7 @@ Qwen3-MoE decoder layers, whose `MixtureOfExperts` stand-ins (`dflash_trt/emulat
 
 All-sparse tiny random pairs (the build refuses dense layers among sparse ones), with and without `norm_topk_prob`.
 Drafted tokens are compared per step, so a target whose MoE computes anything else shows even where the random
-drafter is rarely accepted. The golden loop runs K tokens further (`sampled_mismatch`), so it verifies a full block
+drafter is rarely accepted. The golden loop runs K tokens further (`divergences`), so it verifies a full block
 wherever the engine does, greedy or sampled.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _emulation import PROMPTS, SAMPLED_TOKENS, STOP, convert, sampled_mismatch, sampled_runs
+from _emulation import PROMPTS, SAMPLED_TOKENS, STOP, convert, divergences, per_request, sampled_runs
 from _pairs import PairVariant
 
 from dflash_trt import cli
@@ -70,7 +70,7 @@ def emulate(ckpt: Path, prompts: list[list[int]] = PROMPTS) -> tuple[EmulatedRun
 def test_moe_targets_decode_like_the_golden_model(moe_pairs, name):
     ckpt, golden = moe_pairs[name]
     runtime, emulated = emulate(ckpt)
-    assert sampled_mismatch(golden, emulated, MAX_NEW) is None
+    assert divergences(ckpt, golden, emulated, MAX_NEW) == []
     assert runtime.model.unused_tensors == []
     layers = list(runtime.model.transformer.layers)
     assert all(type(layer.mlp).__name__ == "MixtureOfExperts" for layer in layers)
@@ -79,7 +79,7 @@ def test_moe_targets_decode_like_the_golden_model(moe_pairs, name):
 def test_sampled_decoding_of_a_moe_target(moe_pairs):
     ckpt, _ = moe_pairs["e8-top3-plain"]
     greedy, golden, emulated = sampled_runs(ckpt, PROMPTS[:3], "mixed", tokens_per_block=16)
-    assert sampled_mismatch(golden, emulated, SAMPLED_TOKENS) is None
+    assert divergences(ckpt, golden, emulated, SAMPLED_TOKENS, per_request("mixed", 3)) == []
     assert any(g.output_ids != e.output_ids for g, e in zip(greedy[1:], emulated[1:], strict=True))
 
 
@@ -105,7 +105,7 @@ def test_cli_emulate_decodes_a_moe_target_like_generate(moe_pairs, tmp_path, cap
 # ------------------------------------------------------------------------------------ deliberately broken networks
 def _caught(ckpt: Path, golden: list) -> bool:
     _, emulated = emulate(ckpt, PROMPTS[:2])
-    return sampled_mismatch(golden[:2], emulated, MAX_NEW) is not None
+    return divergences(ckpt, golden[:2], emulated, MAX_NEW) != []
 
 
 def test_experts_loaded_gate_first_are_caught(moe_pairs, monkeypatch):
@@ -159,4 +159,4 @@ def test_fp8_moe_checkpoint_with_fp8_kv_cache(tmp_path):
     runtime, emulated = emulate(ckpt)
     assert runtime.cache_dtype == torch.float8_e4m3fn
     assert runtime.model.transformer.layers[0].mlp.fc.weight.raw.dtype == torch.float8_e4m3fn
-    assert sampled_mismatch(golden, emulated, MAX_NEW) is None
+    assert divergences(ckpt, golden, emulated, MAX_NEW) == []

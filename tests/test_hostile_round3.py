@@ -604,6 +604,7 @@ CHECKED_AFTER_PARSING = {
     ("plan", "--max_draft_len"),
     ("plan", "--eagle3_acceptance_length"),
     ("plan", "--eagle3_steps"),
+    ("plan", "--temperature"),
     ("plan", "--isl"),
     ("plan", "--osl"),
 }

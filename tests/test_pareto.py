@@ -119,3 +119,40 @@ def test_html_report_is_self_contained_and_lists_every_engine():
         and "<script" not in html
         and "http" not in html.replace("http://www.w3.org/2000/svg", "")
     )
+
+
+def test_png_and_html_show_the_same_title_colours_labels_and_axes(tmp_path, monkeypatch):
+    """The PNG is drawn by matplotlib, the HTML by hand: the figure matplotlib holds and the SVG the page holds
+    must name the same title, axes, per-engine colours and concurrency labels."""
+    import re
+
+    import matplotlib
+    import matplotlib.colors
+    import matplotlib.pyplot as plt
+
+    from dflash_trt.perf.report import Y_LABEL_CPU, write_png
+
+    matplotlib.use("Agg")
+    pts = [Point("ar", 1, 100.0, 100.0), Point("ar", 8, 50.0, 400.0), Point("dflash", 1, 300.0, 300.0)]
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    assert write_png(pts, "tok/s/user", tmp_path / "p.png", title="T on CPU", y_axis=Y_LABEL_CPU)
+    page = render_html(pts, "tok/s/user", "T on CPU", y_axis=Y_LABEL_CPU)
+    (ax,) = figures[0].axes
+    assert ax.get_title() == "T on CPU" and ax.get_ylabel() == Y_LABEL_CPU and Y_LABEL_CPU in page
+    assert "per GPU" not in page
+    png_colours = {
+        line.get_label(): matplotlib.colors.to_hex(line.get_color())
+        for line in ax.get_lines()
+        if not line.get_label().startswith("_")
+    }
+    svg_colours = dict(
+        zip(
+            re.findall(r'<text x="\d+" y="[\d.]+">(\w+)</text>', page),
+            re.findall(r'<rect x="\d+" y="[\d.]+" width="10" height="10" fill="(#\w+)"', page),
+            strict=True,
+        )
+    )
+    assert png_colours == svg_colours == {"ar": svg_colours["ar"], "dflash": svg_colours["dflash"]}
+    png_labels = sorted(text.get_text() for text in ax.texts)
+    assert png_labels == sorted(re.findall(r">(c=\d+)</text>", page)) == ["c=1", "c=1", "c=8"]

@@ -51,6 +51,7 @@ VARIANTS = {
         },
     ),
     "qwen3-causal-full-top-level-keys": PairVariant(is_causal=True, taps=None, top_level={"block_size": 6}),
+    "qwen3-drafter-own-rope": PairVariant(draft_rope={"rope_type": "default", "rope_theta": 500.0}),
 }
 PROMPTS = [[3, 4, 5, 6, 7], [9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
 

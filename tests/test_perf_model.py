@@ -140,7 +140,7 @@ def test_ar_single_stream_is_weight_bandwidth_bound():
     it = Method("ar").iteration(tgt, 1, 1000, dep)
     weights = 2 * (tgt.stack.num_layers * (tgt.stack.attn_params() + tgt.stack.expert_params()) + tgt.vocab * 4096)
     kv = 36 * 1001 * 2 * 8 * 128 * 2
-    assert it.seconds == pytest.approx((weights + kv) / 8e12, rel=1e-6)
+    assert it.seconds == pytest.approx((weights + kv) / 7.7e12, rel=1e-6)  # HGX B200: 7.7 TB/s per GPU
 
 
 def test_speculation_pays_at_low_concurrency_and_stops_paying_when_compute_bound():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_trt.cli import main
+from dflash_trt.cli import build_parser, main
 from dflash_trt.perf import evaluation, published
 from dflash_trt.perf.gpus import get_gpu
 from dflash_trt.perf.model import Acceptance, Calibration, Deployment, Method, mean_context
@@ -34,22 +34,61 @@ def test_fit_set_is_fixed_and_disjoint_from_the_evaluation():
     rows = evaluation.evaluate()
     fit = [r for r in rows if r.split == "fit"]
     assert {r.point.id for r in fit} == evaluation.fit_set_ids() == {
-        "zlab-qwen3-8b-dflash-gsm8k", "zlab-qwen3-8b-dflash-humaneval", "sglang-v1-c1", "sglang-v2-c1",
+        "zlab-qwen3-8b-dflash-gsm8k", "sglang-v1-c1", "sglang-v1-c32", "sglang-v2-c1", "sglang-v2-c32",
     }  # fmt: skip
     assert all(abs(r.error) < 1e-3 for r in fit)
     held_out = [r for r in rows if r.split == "eval" and r.error is not None]
-    # Held-out points above concurrency 1 and in throughput-at-interactivity form exist, each next to k * tau.
+    # Held-out points above concurrency 1 and in throughput-at-interactivity form exist, each next to both baselines.
     above = [r for r in held_out if r.regime == "concurrency > 1"]
     assert len(above) >= 6 and all(r.point.concurrency > 1 for r in above)
     assert any(r.point.metric == "ratio_at_interactivity" for r in rows if r.split == "eval")
-    assert all(r.baseline_predicted is not None for r in above if r.point.metric == "speedup")
+    assert all(r.k_tau is not None and r.persistence is not None for r in above if r.point.metric == "speedup")
+
+
+def test_persistence_carries_the_sources_own_concurrency_1_figure():
+    rows = {r.point.id: r for r in evaluation.evaluate()}
+    # The card's block-10 row: 1.8x at one user, so persistence says 1.8x at 8, 16 and 32 users.
+    assert [rows[f"card-gpt-oss-120b-b10-c{c}"].persistence for c in (8, 16, 32)] == [1.8, 1.8, 1.8]
+    assert rows["card-gpt-oss-120b-b10-c32"].persistence_error == pytest.approx(1.8 / 1.5 - 1)
+    # For a throughput row each user keeps the single-user speed: 32 x 1161.88 tok/s.
+    assert rows["sglang-v2-c32"].persistence == pytest.approx(32 * 1161.88)
+    assert rows["card-gpt-oss-120b-b10-c1"].persistence is None  # it is the anchor itself
+    above = next(s for s in evaluation.summarize(evaluation.evaluate()) if s.group.startswith("concurrency > 1, "))
+    # Median |error| of persistence over the card's six rows above one user, by hand: 1/12, 0, 1/12, 1/8, 1/8, 1/5.
+    assert above.persistence[0] == 6 and above.persistence[1] == pytest.approx((1 / 12 + 1 / 8) / 2)
+
+
+def test_duplicates_and_substituted_inputs_are_labelled():
+    rows = {r.point.id: r for r in evaluation.evaluate()}
+    humaneval = rows["zlab-qwen3-8b-dflash-humaneval"]
+    assert humaneval.split == "duplicate" and evaluation.duplicate_of(humaneval.point) == "zlab-qwen3-8b-dflash-gsm8k"
+    assert humaneval.predicted is None  # it counts in no summary
+    assert rows["paper-qwen3-8b-dflash-gsm8k"].point.tau.kind == "assumed"
+    assert evaluation.k_tau_by_construction(rows["zlab-qwen3-8b-dflash-math500"].point)
+    assert not evaluation.k_tau_by_construction(rows["zlab-qwen3-4b-dflash-math500"].point)
+
+
+def test_both_readings_of_the_sglang_overhead_fit_and_give_a_range():
+    step, spec = evaluation.calibrations("sglang-v2")
+    assert step.step_overhead_s > 0 and step.spec_overhead_s == 0 and step.token_overhead_s > 0
+    assert spec.spec_overhead_s == pytest.approx(step.step_overhead_s) and spec.step_overhead_s == 0
+    for p in map(published.point, ("sglang-v2-c1", "sglang-v2-c32")):
+        for cal in (step, spec):
+            assert evaluation.predict(p, (cal,))[0] == pytest.approx(p.published, rel=1e-3)
+    card = published.point("card-gpt-oss-120b-b10-c1")
+    lo, hi = evaluation.predict(card, (step, spec))[1]
+    # Charging the residual to AR too makes AR slower, so the predicted speedup is higher under that reading.
+    assert evaluation.predict(card, (step,))[0] == pytest.approx(hi) and evaluation.predict(card, (spec,))[0] == lo
+    assert hi > 2 * lo
+    # The README's single-user speedup is fitted only by charging the residual to speculative steps.
+    assert [c.name for c in evaluation.calibrations("hf-transformers")] == ["hf-transformers (spec-only)"]
 
 
 def test_baseline_k_is_the_fit_rows_speedup_over_tau():
-    # Both fit speedup rows publish 5.20x at tau 6.55, so least relative squares gives k = 5.20 / 6.55.
+    # The fit speedup row publishes 5.20x at tau 6.55, so least relative squares gives k = 5.20 / 6.55.
     assert evaluation.baseline_k() == pytest.approx(5.20 / 6.55)
     gsm8k = next(r for r in evaluation.evaluate() if r.point.id == "zlab-qwen3-4b-dflash-gsm8k")
-    assert gsm8k.baseline_predicted == pytest.approx(5.20 / 6.55 * 6.50)
+    assert gsm8k.k_tau == pytest.approx(5.20 / 6.55 * 6.50)
 
 
 def test_published_values_are_kept_as_sourced_and_disagreements_kept():
@@ -69,12 +108,17 @@ def test_published_values_are_kept_as_sourced_and_disagreements_kept():
 
 
 def test_validate_json_has_the_interface_keys(capsys):
-    rows = _json(["--validate"], capsys)
-    keys = {"source", "metric", "published", "predicted", "baseline_predicted", "split", "concurrency"}
+    out = _json(["--validate"], capsys)
+    rows = out["points"]
+    above = next(s for s in out["summaries"] if s["group"] == "concurrency > 1, speedup rows (all three predict)")
+    assert above["persistence"]["points"] == above["model"]["points"] == above["k_tau"]["points"] == 6
+    assert above["persistence"]["median_abs_error"] == pytest.approx((1 / 12 + 1 / 8) / 2)
+    keys = {"source", "metric", "published", "predicted", "baselines", "split", "concurrency", "calibrations"}
     assert len(rows) == len(POINTS) and all(keys <= set(r) for r in rows)
-    assert {r["split"] for r in rows} == {"fit", "eval"}
+    assert all(set(r["baselines"]) == {"k_tau", "persistence"} for r in rows)
+    assert {r["split"] for r in rows} == {"fit", "eval", "duplicate"}
     blog = next(r for r in rows if r["id"] == "blog-gpt-oss-120b-dflash-speed-bench")
-    assert blog["concurrency"] is None and "fixed number of users" in blog["unknowns"]["concurrency"]
+    assert blog["concurrency"] is None and "fixed number of users" in blog["unknowns"]["concurrency"]["why"]
 
 
 def test_docs_carry_the_current_evaluation_tables():
@@ -86,28 +130,39 @@ def test_provenance_names_a_kind_and_source_for_every_constant(capsys):
     table = _json(["--provenance"], capsys)
     assert all(set(c) == {"value", "kind", "source"} and c["kind"] in ("datasheet", "measured", "assumed", "fitted")
                and c["source"] for c in table.values())  # fmt: skip
-    assert table["calibration.sglang-v2.step_overhead_s"]["kind"] == "fitted"
-    assert "sglang-v2-c1" in table["calibration.sglang-v2.step_overhead_s"]["source"]
-    assert table["calibration.trtllm.step_overhead_s"]["kind"] == "assumed"
+    assert table["calibration.sglang-v2.every-step.step_overhead_s"]["kind"] == "fitted"
+    assert "sglang-v2-c32" in table["calibration.sglang-v2.spec-only.token_overhead_s"]["source"]
+    assert table["calibration.trtllm.spec-only.spec_overhead_s"]["kind"] == "assumed"
     assert table["calibration.compute_efficiency"]["kind"] == "assumed"
     assert table["gpu.h100.hbm_bandwidth"] == {"value": 3.35e12, "kind": "datasheet",
                                                "source": get_gpu("h100").source}  # fmt: skip
+    # Memory is the device's report; B200's bandwidth the HGX per-GPU figure; B300 has no vendor document here.
+    assert table["gpu.h100.hbm_bytes"]["value"] == 81559 * 2**20 and table["gpu.h100.hbm_bytes"]["kind"] == "measured"
+    assert table["gpu.b200.hbm_bandwidth"]["value"] == 7.7e12
+    assert all(table[f"gpu.b300.{f}"]["kind"] == "assumed" for f in ("hbm_bytes", "hbm_bandwidth", "nvfp4_flops"))
+    assert "allocateKvCache.cpp" in table["capacity.step_headroom_tokens"]["source"]
 
 
 def test_preset_without_acceptance_uses_the_published_tau_and_says_so(capsys):
     out = _json(["--preset", "qwen3-8b", "--gpu", "h100", "--qformat", "fp8", "--concurrency", "1,8"], capsys)
     assert "6.55" in out["notes"][0] and "z-lab README" in out["notes"][0]
-    assert out["calibration"]["source"].startswith("assumed equal to the sglang-v2 fit")
-    dep = Deployment(get_gpu("h100"), "fp8", "bf16", 1, evaluation.calibration("trtllm"))
+    assert [c["name"] for c in out["calibrations"]] == ["trtllm (every-step)", "trtllm (spec-only)"]
+    assert all(c["source"].startswith("assumed equal to") for c in out["calibrations"])
     tgt, drafter = PAIRS["qwen3-8b"].load()
-    it = Method("dflash", drafter, Acceptance.from_mean(6.55, 16)).iteration(tgt, 8, mean_context(1024, 1024), dep)
-    assert out["curves"]["dflash"][1]["tok_s_user"] == pytest.approx(it.tok_s_user())
+    method = Method("dflash", drafter, Acceptance.from_mean(6.55, 16))
+    speeds = []
+    for cal in evaluation.calibrations("trtllm"):
+        dep = Deployment(get_gpu("h100"), "fp8", "bf16", 1, cal)
+        speeds.append(method.iteration(tgt, 8, mean_context(1024, 1024), dep).tok_s_user())
+    point = out["curves"]["dflash"][1]
+    assert (point["concurrency"], point["batch"], point["fits"]) == (8, 8, True)
+    assert point["tok_s_user"] == pytest.approx([min(speeds), max(speeds)])
 
 
 def test_plan_config_prints_the_capacity(capsys):
     rc, out, err = _plan(["--config", str(ROOT / "build_configs/h100-fp8/qwen3-8b.yaml")], capsys)
     assert rc == 0 and err == ""
-    assert "338 at 1024/1024 tokens, 85 at max_seq_len 8192" in out
+    assert "366 at 1024/1024 tokens, 92 at max_seq_len 8192" in out
     rc, out, err = _plan(["--config", str(ROOT / "build_configs/h100-fp8/qwen3-8b.yaml"), "--isl", "4096",
                           "--osl", "4096"], capsys)  # fmt: skip
     assert rc == 0 and err.startswith("warning: ") and "max_batch_size 128 cannot be held" in err
@@ -220,11 +275,11 @@ def test_published_shapes_have_drafters_for_every_shipped_profile():
 
 def test_docs_state_the_current_fitted_constants():
     doc = (ROOT / "docs" / "performance.md").read_text()
-    spec = evaluation.calibration("hf-transformers").spec_overhead_s
-    v2, v1 = (evaluation.calibration(h).step_overhead_s for h in ("sglang-v2", "sglang-v1"))
-    assert f"| {1e3 * spec:.3f} ms | fitted |" in doc
-    assert f"| {1e3 * v2:.2f} ms / {1e3 * v1:.2f} ms | fitted |" in doc
-    assert f"| {1e3 * evaluation.calibration('trtllm').step_overhead_s:.2f} ms | assumed |" in doc
+    (spec,) = evaluation.calibrations("hf-transformers")
+    v2, v1 = (evaluation.calibrations(h)[0] for h in ("sglang-v2", "sglang-v1"))
+    assert f"| {1e3 * spec.spec_overhead_s:.3f} ms | fitted |" in doc
+    assert f"| {1e3 * v2.step_overhead_s:.2f} ms / {1e3 * v1.step_overhead_s:.2f} ms | fitted |" in doc
+    assert f"| {1e6 * v2.token_overhead_s:.1f} µs / {1e6 * v1.token_overhead_s:.1f} µs | fitted |" in doc
     assert f"| {evaluation.baseline_k():.3f} | fitted |" in doc
 
 
@@ -239,3 +294,143 @@ def test_calibrate_with_dflash_points_only_fits_the_step_overhead(tmp_path: Path
     rc, text, _ = _plan(["--preset", "qwen3-8b", "--gpu", "h200", "--qformat", "fp8", "--calibrate", str(results)],
                         capsys)  # fmt: skip
     assert rc == 0 and text.splitlines()[0].startswith("calibration: step_overhead_s 0.002000")
+
+
+def _stamped(path: Path, gpus: list[str], lengths=(1024, 1024)) -> Path:
+    """The synthetic results with the provenance object and per-request records a bench run writes."""
+    _bench_results(path, step=1.5e-3, spec=0.4e-3)
+    data = json.loads(path.read_text())
+    data["provenance"] = {"backend": "trtllm", "target": "Qwen/Qwen3-8B", "host": {"cpu": "Xeon 8480", "gpus": gpus},
+                          "versions": {"tensorrt_llm": "1.2.0"}, "git_revision": None,
+                          "started": "2026-01-01T00:00:00Z"}  # fmt: skip
+    for p in data["points"]:
+        p["per_request"] = [{"input_len": lengths[0], "output_ids": [1] * lengths[1]}] * 2
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_calibration_file_is_stamped_and_applies_only_to_its_hardware(tmp_path: Path, capsys):
+    results = _stamped(tmp_path / "results.json", ["NVIDIA H200", "NVIDIA H200"])
+    cal_file = tmp_path / "cal.json"
+    base = ["--preset", "qwen3-8b", "--gpu", "h200", "--qformat", "fp8"]
+    out = _json([*base, "--calibrate", str(results), "--output", str(cal_file)], capsys)
+    stamp = out["stamp"]
+    assert (stamp["hardware"], stamp["backend"], stamp["gpu"], stamp["isl"], stamp["osl"]) == (
+        "h200", "trtllm", "h200", 1024, 1024)  # fmt: skip
+    written = json.loads(cal_file.read_text())
+    assert written["stamp"] == stamp and written["calibration"]["step_overhead_s"] == pytest.approx(1.5e-3, rel=1e-3)
+    # Used on the same hardware, the curve is the one the fitted overheads give.
+    curve = _json([*base, "--calibration", str(cal_file), "--concurrency", "4"], capsys)
+    tgt, drafter = PAIRS["qwen3-8b"].load()
+    dep = Deployment(get_gpu("h200"), "fp8", "bf16", 1, Calibration(step_overhead_s=1.5e-3, spec_overhead_s=0.4e-3))
+    it = Method("dflash", drafter, Acceptance.from_mean(6.55, 16)).iteration(tgt, 4, mean_context(1024, 1024), dep)
+    lo, hi = curve["curves"]["dflash"][0]["tok_s_user"]
+    assert lo == hi == pytest.approx(it.tok_s_user(), rel=1e-3)
+    # Anywhere else it is refused in one line.
+    rc, text, err = _plan(["--preset", "qwen3-8b", "--gpu", "h100", "--qformat", "fp8", "--calibration",
+                           str(cal_file)], capsys)  # fmt: skip
+    assert rc == 2 and text == "" and len(err.strip().splitlines()) == 1
+    assert "was fitted on h200 (trtllm backend); it does not apply to --gpu h100" in err
+    # The file is not overwritten unasked.
+    rc, _, err = _plan([*base, "--calibrate", str(results), "--output", str(cal_file)], capsys)
+    assert rc == 2 and "exists: pass --overwrite" in err
+    assert _plan([*base, "--calibrate", str(results), "--output", str(cal_file), "--overwrite"], capsys)[0] == 0
+
+
+def test_calibration_refuses_foreign_or_unstamped_results(tmp_path: Path, capsys):
+    base = ["--preset", "qwen3-8b", "--gpu", "h200", "--qformat", "fp8", "--calibrate"]
+    h100 = _stamped(tmp_path / "h100.json", ["NVIDIA H100 80GB HBM3"])
+    rc, _, err = _plan([*base, str(h100)], capsys)
+    assert rc == 2 and "ran on h100, not on --gpu h200" in err
+    unstamped = _bench_results(tmp_path / "old.json", step=1e-3, spec=0.0)
+    rc, _, err = _plan([*base, str(unstamped), "--output", str(tmp_path / "cal.json")], capsys)
+    assert rc == 2 and "has no 'provenance' object" in err and not (tmp_path / "cal.json").exists()
+    # A CPU run is stamped as such and applies to no GPU.
+    cpu = _stamped(tmp_path / "cpu.json", [])
+    _json([*base, str(cpu), "--output", str(tmp_path / "cpu-cal.json")], capsys)
+    rc, _, err = _plan(["--preset", "qwen3-8b", "--gpu", "h200", "--calibration", str(tmp_path / "cpu-cal.json")],
+                       capsys)  # fmt: skip
+    assert rc == 2 and "was fitted on cpu: Xeon 8480" in err
+    # The lengths the results ran at are used; contradicting flags are refused.
+    short = _stamped(tmp_path / "short.json", ["NVIDIA H200"], lengths=(100, 50))
+    assert _json([*base, str(short)], capsys)["stamp"] is not None
+    rc, _, err = _plan([*base, str(short), "--isl", "1024"], capsys)
+    assert rc == 2 and "ran at 100/50 tokens but --isl/--osl say 1024/50" in err
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{", "cannot read calibration"),
+        ('{"format": "other"}', "is not a calibration file"),
+        ('{"format": "dflash-trt-calibration/1", "calibration": {}, "stamp": {}}', "needs a 'calibration' object"),
+    ],
+)
+def test_bad_calibration_files_are_one_clear_error(tmp_path: Path, content: str, message: str, capsys):
+    path = tmp_path / "cal.json"
+    path.write_text(content)
+    rc, out, err = _plan(["--preset", "qwen3-8b", "--calibration", str(path)], capsys)
+    assert rc == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_bad_calibration_values_are_refused(tmp_path: Path, capsys):
+    results = _stamped(tmp_path / "results.json", ["NVIDIA H200"])
+    cal_file = tmp_path / "cal.json"
+    _json(["--preset", "qwen3-8b", "--gpu", "h200", "--qformat", "fp8", "--calibrate", str(results), "--output",
+           str(cal_file)], capsys)  # fmt: skip
+    data = json.loads(cal_file.read_text())
+    data["calibration"]["step_overhead_s"] = float("nan")
+    cal_file.write_text(json.dumps(data))
+    rc, _, err = _plan(["--preset", "qwen3-8b", "--gpu", "h200", "--calibration", str(cal_file)], capsys)
+    assert rc == 2 and "calibration.step_overhead_s must be a finite number >= 0" in err
+
+
+def test_workload_and_temperature_pick_the_published_acceptance_lengths(capsys):
+    # The README: GSM8K 6.55 at T=0 and 6.04 at T=1; chat (MT-Bench, Alpaca) 4.25 and 3.16 at T=0.
+    assert published.workload_taus("qwen3-8b", "gsm8k", 1.0) == {"gsm8k": 6.04}
+    assert published.workload_taus("qwen3-8b", "chat", None) == {"mtbench": 4.25, "alpaca": 3.16}
+    out = _json(["--preset", "qwen3-8b", "--gpu", "b200", "--workload", "chat", "--concurrency", "1",
+                 "--calibration", "sglang-v1"], capsys)  # fmt: skip
+    assert "mtbench 4.25, alpaca 3.16; range 3.16-4.25" in out["notes"][0]
+    tgt, drafter = PAIRS["qwen3-8b"].load()
+    speeds = [
+        Method("dflash", drafter, Acceptance.from_mean(tau, 16)).iteration(tgt, 1, mean_context(1024, 1024),
+                                                                           Deployment(get_gpu("b200"), calibration=cal))
+        .tok_s_user()
+        for tau in (3.16, 4.25) for cal in evaluation.calibrations("sglang-v1")
+    ]  # fmt: skip
+    assert out["curves"]["dflash"][0]["tok_s_user"] == pytest.approx([min(speeds), max(speeds)])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--workload", "poetry"], "no published acceptance length for workload 'poetry'"),
+        (["--temperature", "0.5"], "at temperature 0.5"),
+    ],
+)
+def test_unpublished_workloads_are_refused(argv: list[str], message: str, capsys):
+    rc, out, err = _plan(["--preset", "qwen3-8b", *argv], capsys)
+    assert rc == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_plan_labels_its_header_and_explains_every_speedup(capsys):
+    assert main(["plan", "--preset", "qwen3-8b", "--gpu", "h100", "--qformat", "fp8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("GPU h100 (--gpu), TP 1, fp8 weights (--qformat), 16-bit KV cache;")
+    # One row per interactivity level and overhead reading: "[reading] at X tok/s/user: dflash ..."
+    rows = [line for line in lines if line.split("] ", 1)[-1].startswith("at ") and "tok/s/user:" in line]
+    assert rows and "equal interactivity" in lines[lines.index(rows[0]) - 1]
+    for row in rows:
+        ratio = float(row.split("dflash ", 1)[1].split("x", 1)[0])
+        assert " vs ar c=" in row  # both concurrencies named
+        assert ("extreme because" in row) == (ratio >= 10.0)
+    assert any("extreme because" in row for row in rows)
+
+
+def test_plan_header_names_the_flags_defaults(capsys):
+    defaults = build_parser(["plan"]).parse_args(["plan", "--preset", "qwen3-8b"])
+    assert main(["plan", "--preset", "qwen3-8b"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.startswith(f"GPU {defaults.gpu} (--gpu), TP {defaults.tp_size}, 16-bit weights (--qformat)")
+    assert defaults.qformat == "none"

@@ -206,8 +206,8 @@ def test_weights_must_fit_the_gpu(tmp_path: Path):
     data["checkpoint"]["tp_size"] = 1
     unquantized = parse_profile(data)
     # 64 layers x (attention 94.4M + MLP 393.2M) + 5 drafter layers + fc = 33.6B linear weights at 2 bytes,
-    # plus untied embeddings and lm_head 2 x 151936 x 5120 at 2 bytes: 70.5 GB > 0.8 x 80 GB.
-    with pytest.raises(DFlashTrtError, match="the weights need about 70 GB per GPU but h100 has 80 GB"):
+    # plus untied embeddings and lm_head 2 x 151936 x 5120 at 2 bytes: 70.5 GB > 0.8 x 85.5 GB (81559 MiB).
+    with pytest.raises(DFlashTrtError, match="the weights need about 70 GB per GPU but h100 has 86 GB"):
         check_against_checkpoints(unquantized, *_pair(tmp_path))
     data["quantization"].update(qformat="fp8", dflash_qformat="fp8")
     data["engine"]["gemm_plugin"] = "fp8"
@@ -258,3 +258,27 @@ def test_resolve_model_dir_prefers_paths_and_never_downloads_unasked(tmp_path: P
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     _fake_hub(tmp_path / "hub", "Qwen/Qwen3-4B", ["only"], main=None)
     assert resolve_model_dir("Qwen/Qwen3-4B").name == "only"
+
+
+def test_nvfp4_with_float16_is_one_rule_for_profiles_convert_and_build(tmp_path: Path, capsys):
+    """TensorRT-LLM 1.2.x's FP4 GEMM plugin writes float, half or bfloat16 outputs (read in its sources), and the
+    NVFP4 quantizer is exact for float16 weights: profiles, convert and build all accept the pair."""
+    from dflash_trt.cli import main
+    from dflash_trt.commands.demo import write_calibration_prompts
+    from dflash_trt.tiny.heldout import draft_dir, target_dir
+
+    assert parse_profile(_with({"checkpoint": {"dtype": "float16"}}), "p.yaml").checkpoint.dtype == "float16"
+    calibration = write_calibration_prompts(tmp_path / "calib.jsonl", count=4)
+    checkpoint = tmp_path / "ckpt"
+    convert = ["convert", "--model_dir", str(target_dir()), "--dflash_model_dir", str(draft_dir()),
+               "--output_dir", str(checkpoint), "--dtype", "float16", "--qformat", "nvfp4",
+               "--calib_dataset", str(calibration), "--calib_size", "4"]  # fmt: skip
+    assert main(convert) == 0
+    build = ["build", "--checkpoint_dir", str(checkpoint), "--output_dir", str(tmp_path / "engine"),
+             "--max_batch_size", "8", "--max_input_len", "128", "--max_seq_len", "256", "--max_num_tokens", "512",
+             "--dry_run", "--json"]  # fmt: skip
+    capsys.readouterr()
+    assert main(build) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["dflash_manifest"]["quant_algo"] == "NVFP4"
+    assert json.loads((checkpoint / "config.json").read_text())["dtype"] == "float16"

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from dflash_trt.sampling_rules import (
+    FEATURES,
     HONOURED,
     NEUTRAL,
     SamplingRefused,
@@ -55,3 +56,28 @@ def test_top_k_one_means_greedy_and_needs_temperature_zero():
 @pytest.mark.parametrize("temperature", [-0.1, math.nan, math.inf, "hot"])
 def test_bad_temperatures_are_refused(temperature):
     assert "must be a finite number >= 0" in sampling_refusal({"temperature": temperature})
+
+
+@pytest.mark.parametrize(
+    "name, spelling, value",
+    [
+        ("bad_words", "bad_words", ["fox"]),
+        ("bad_words", "bad_words_list", [[[17, 18], [2, -1]]]),
+        ("guided_decoding", "guided_decoding_guide_type", "json_schema"),
+        ("guided_decoding", "guided_decoding_params", {"guide": "{}"}),
+        ("logits_post_processor", "logits_post_processor_name", "my_processor"),
+        ("embedding_bias", "embedding_bias_words", ["fox"]),
+        ("embedding_bias", "embedding_bias_weights", [0.5]),
+    ],
+)
+def test_request_features_the_eagle_mode_never_applies_are_refused(name: str, spelling: str, value):
+    message = sampling_refusal({"temperature": 0.0, spelling: value})
+    assert message.startswith(f"{name} refused: it ") and message.endswith("so it would be silently ignored; omit it")
+    with pytest.raises(SamplingRefused, match=f"^{name} refused"):
+        engine_request_sampling({spelling: value})
+
+
+@pytest.mark.parametrize("empty", [None, "", [], [""], [[]], ["", ""]])
+def test_features_not_really_sent_are_accepted(empty):
+    for name in FEATURES:
+        assert sampling_refusal({name: empty}) is None

@@ -231,7 +231,9 @@ def test_cpu_sweep_of_the_embedded_pair_through_the_load_generator(tmp_path, cap
     cfg_path = tmp_path / "sweep.yaml"
     cfg_path.write_text(json.dumps(config))
     assert main(["sweep", "--config", str(cfg_path), "--json"]) == 0
-    summary = json.loads(capsys.readouterr().out)
+    first = capsys.readouterr()
+    summary = json.loads(first.out)
+    assert first.err.count(": ok") == 4 and "skipped" not in first.err and "warning" not in first.err
     records = load_records(tmp_path / "sweep")
     assert sorted((r["engine"], r["concurrency"], r["status"]) for r in records) == [
         ("ar", 1, "ok"),
@@ -251,6 +253,17 @@ def test_cpu_sweep_of_the_embedded_pair_through_the_load_generator(tmp_path, cap
     before = (tmp_path / "sweep" / "dflash" / "c00001" / "point.json").stat().st_mtime_ns
     assert main(["sweep", "--config", str(cfg_path), "--json"]) == 0
     assert (tmp_path / "sweep" / "dflash" / "c00001" / "point.json").stat().st_mtime_ns == before
+    rerun = capsys.readouterr().err.splitlines()
+    assert rerun == [f"{e} c={c}: skipped (measured by an earlier run; delete its point.json to measure again)"
+                     for e in ("dflash", "ar") for c in (1, 2)]  # fmt: skip
+    provenance = json.loads((tmp_path / "sweep" / "results.json").read_text())["provenance"]
+    assert provenance["backend"] == "golden" and provenance["target"] == str((tmp_path / "ckpt").resolve())
+    assert main(["sweep", "--config", str(cfg_path), "--analyze_only"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert "speedup = output tok/s (CPU host, no GPU) over ar at equal tok/s/user" in printed[1]
+    assert all(line.startswith("at ") for line in printed[2 : 2 + len(summary["speedup_vs_ar"])])
+    report = (tmp_path / "sweep" / "report.html").read_text()
+    assert "Where these numbers come from" in report and provenance["started"] in report
 
 
 def _bench_all():

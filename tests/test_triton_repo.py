@@ -232,6 +232,15 @@ def test_repository_settings_refuse_kv_block_reuse_however_built(tokenizer_dir: 
         _settings(tokenizer_dir, enable_kv_cache_reuse=True)
 
 
+def test_serving_settings_refuse_an_attention_window(tokenizer_dir: Path):
+    with pytest.raises(DFlashTrtError, match="max_attention_window_size: must stay unset .* makes the KV cache cyclic"):
+        _settings(tokenizer_dir, max_attention_window_size=4096)
+    data = yaml.safe_load((ROOT / "build_configs/h200-fp8/qwen3-8b.yaml").read_text())
+    data["serving"]["max_attention_window_size"] = 1024
+    with pytest.raises(DFlashTrtError, match="serving.max_attention_window_size: must stay unset"):
+        parse_profile(data, "p.yaml")
+
+
 def test_profiles_refuse_kv_block_reuse():
     data = yaml.safe_load((ROOT / "build_configs/h200-fp8/qwen3-8b.yaml").read_text())
     data["serving"]["enable_kv_cache_reuse"] = True
@@ -411,6 +420,16 @@ def test_stop_and_bad_words_use_trtllm_word_lists(pre: P.Preprocessor):
     assert decode_word_list(out[P.STOP_WORDS_IDS][1]) == [tok.encode("block", add_special_tokens=False), [im_end]]
     assert [decode_word_list(r) for r in out[P.BAD_WORDS_IDS]] == [[], []]
     assert tok.decode(first[0]) == "lazy dog"
+
+
+def test_bad_words_are_refused_empty_ones_accepted(pre: P.Preprocessor):
+    """The EAGLE decoding mode bans no words: a request sending some is refused rather than silently unbanned."""
+    empty = np.array([[b""], [b""]], dtype=object)
+    out = pre.preprocess(_request(["the fox", "a block"], **{P.BAD_WORDS: empty}))
+    assert [decode_word_list(r) for r in out[P.BAD_WORDS_IDS]] == [[], []]
+    bad = np.array([[b""], [b"fox"]], dtype=object)
+    with pytest.raises(ValueError, match="^bad_words refused: it bans words, which TensorRT-LLM's EAGLE decoding mode"):
+        pre.preprocess(_request(["the fox", "a block"], **{P.BAD_WORDS: bad}))
 
 
 def test_explicit_end_and_pad_ids_pass_through(pre: P.Preprocessor):
@@ -863,6 +882,13 @@ def test_bls_sends_temperature_and_seed_and_refuses_top_p(tmp_path: Path, tokeni
     repo = write_repository(_settings(tokenizer_dir, max_temperature=float("inf")), tmp_path / "repo")
     bls = _load_model(repo, "tensorrt_llm_bls", monkeypatch)
     assert sys.modules["dflash_processing"].sampling_refusal.__module__ == "dflash_sampling_rules"
+    assert sys.modules["dflash_processing"].encode_chat.__module__ == "dflash_chat"  # chats work there too
+
+    def refuse(name: str):
+        raise ValueError(f"not strict JSON: {name}")
+
+    # Strict JSON: "any temperature" is null, not Infinity.
+    assert json.loads((repo / "dflash_triton.json").read_text(), parse_constant=refuse)["max_temperature"] is None
     _StandInPbUtils.engine_responses, _StandInPbUtils.llm_requests = [], []
     request = _BlsRequest(
         {
@@ -889,3 +915,17 @@ def test_bls_sends_temperature_and_seed_and_refuses_top_p(tmp_path: Path, tokeni
     pre = _load_model(repo, "preprocessing", monkeypatch)
     [response] = pre.execute([_request(["the fox"], top_k=np.array([[3]], np.int32))])
     assert response.error.message.startswith("top_k 3 refused")
+
+
+def test_triton_json_output_is_strict_json(tmp_path: Path, tokenizer_dir: Path, capsys):
+    """An exact-sampling engine takes any temperature: `--json` says so with null, never Infinity."""
+    engine = _engine_dir(tmp_path / "eng", sampling="exact_match")
+    argv = ["triton", "--engine_dir", str(engine), "--tokenizer_dir", str(tokenizer_dir),
+            "--output_dir", str(tmp_path / "repo"), "--json"]  # fmt: skip
+    assert cli_main(argv) == 0
+
+    def refuse(name: str):
+        raise ValueError(f"not strict JSON: {name}")
+
+    printed = json.loads(capsys.readouterr().out, parse_constant=refuse)
+    assert printed["max_temperature"] is None and printed["chat_template_kwargs"] == "{}"

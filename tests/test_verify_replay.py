@@ -20,6 +20,15 @@ BLOCK = 4
 K = BLOCK - 1
 
 
+def first_reaching(cdf, mass, threshold):
+    """verify._first_reaching: the first positive-mass entry whose cdf reaches the threshold, else the last one."""
+    size = cdf.shape[1]
+    candidate = (mass > 0).to(torch.int32) * (cdf >= threshold).to(torch.int32)
+    first = -torch.where(candidate > 0, -torch.arange(size, dtype=torch.int32), torch.tensor(-size)).amax(1)
+    last = torch.where(mass > 0, torch.arange(size, dtype=torch.int32), torch.tensor(-1, dtype=torch.int32)).amax(1)
+    return torch.where(first < size, first, last).view(-1, 1)
+
+
 def engine_sample_rows(rows, temperatures, uniforms, vocab_size):
     """The ops of verify.sample_rows in torch: two-level inverse CDF in fp32, argmax where the temperature is 0.
     (Block masses are summed by torch here and by a TensorRT reduce there: the same fp32 sums up to ordering.)"""
@@ -35,13 +44,10 @@ def engine_sample_rows(rows, temperatures, uniforms, vocab_size):
     block_mass = blocks.sum(2)
     block_cdf = torch.cumsum(block_mass, 1)
     threshold = uniforms * block_cdf[:, count - 1 : count]
-    block = torch.minimum((block_cdf < threshold).to(torch.int32).sum(1).view(-1, 1), torch.tensor([[count - 1]]))
+    block = first_reaching(block_cdf, block_mass, threshold)
     before = torch.gather(block_cdf - block_mass, 1, block.long())
     inside = torch.gather(blocks, 1, block.long().view(-1, 1, 1).expand(-1, 1, width)).view(-1, width)
-    offset = (torch.cumsum(inside, 1) < threshold - before).to(torch.int32).sum(1).view(-1, 1)
-    drawn = torch.minimum(
-        block * width + torch.minimum(offset, torch.tensor([[width - 1]])), torch.tensor([[vocab_size - 1]])
-    )
+    drawn = block * width + first_reaching(torch.cumsum(inside, 1), inside, threshold - before)
     return torch.where(sampled, drawn, rows.argmax(1, keepdim=True).to(torch.int32))
 
 

@@ -24,11 +24,14 @@ from dflash_trt.errors import DFlashTrtError
 
 @dataclass(frozen=True)
 class BenchRequest:
-    """One request of the workload: the prompt's index in the prompt set, its tokens and its output budget."""
+    """One request of the workload: the prompt's index in the prompt set, its tokens and its output budget, and
+    how it samples (temperature 0 = greedy; `seed` None leaves the seed to the backend's default)."""
 
     prompt_index: int
     input_ids: list[int]
     max_new_tokens: int
+    temperature: float = 0.0
+    seed: int | None = None
 
 
 @dataclass(slots=True)
@@ -116,6 +119,7 @@ class _Run:
         self.t0 = 0.0
         self.all_done = asyncio.Event()
         self.on_finish: Callable[[], None] = lambda: None
+        self.on_done: Callable[[], object] = lambda: None
 
     def send_next(self) -> None:
         request = self.requests[self.next_index]
@@ -145,6 +149,7 @@ class _Run:
                 self.running -= 1
                 self.done += 1
                 self.in_flight.append((now, self.running))
+                self.on_done()
                 self.on_finish()
         if self.done == len(self.requests):
             self.all_done.set()
@@ -158,9 +163,11 @@ async def run_load(
     request_rate: float | None = None,
     seed: int = 0,
     timeout_s: float | None = None,
+    on_request_done: Callable[[], object] | None = None,
 ) -> RunTrace:
     """Send every request, either `concurrency` at a time (a user sends its next request when the previous one
-    finishes) or at Poisson arrivals of `request_rate` per second, and wait for all of them to finish."""
+    finishes) or at Poisson arrivals of `request_rate` per second, and wait for all of them to finish.
+    `on_request_done` (a progress bar) hears each finished request, on the event loop's thread."""
     if (concurrency is None) == (request_rate is None):
         raise DFlashTrtError("give exactly one of concurrency and request_rate")
     if concurrency is not None and concurrency < 1:
@@ -170,6 +177,7 @@ async def run_load(
     if not requests:
         raise DFlashTrtError("no requests to send")
     run = _Run(backend, requests)
+    run.on_done = on_request_done or (lambda: None)
     await backend.start(run.deliver)
     arrivals = None
     try:

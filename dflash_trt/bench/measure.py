@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from typing import Any
+
+from tqdm import tqdm
 
 from dflash_trt.bench.driver import FollowerRank, run_load
 from dflash_trt.bench.results import point_from_run
@@ -12,6 +15,13 @@ from dflash_trt.bench.targets import BackendFactory
 from dflash_trt.bench.workload import Workload
 
 DEFAULT_OPEN_LOOP_BATCH = 16
+# A point's progress bar appears once it has run this long: a refusal at start stays one line, a quick point quiet.
+PROGRESS_DELAY_S = 1.0
+
+
+def request_bar(total: int, description: str, enabled: bool = True) -> tqdm:
+    """The bar of one point's requests (`measure_point`'s `on_request_done` is its `update`)."""
+    return tqdm(total=total, desc=description, unit="req", leave=False, disable=not enabled, delay=PROGRESS_DELAY_S)
 
 
 def measure_point(
@@ -25,8 +35,10 @@ def measure_point(
     seed: int = 0,
     timeout_s: float | None = None,
     max_in_flight: int | None = None,
+    on_request_done: Callable[[], object] | None = None,
 ) -> dict[str, Any]:
-    """Each point gets a fresh backend, so no point inherits another's queue or cache state.
+    """Each point gets a fresh backend, so no point inherits another's queue or cache state. `on_request_done`
+    hears each measured (not warm-up) request finish.
 
     On a follower MPI rank the warm-up's and the run's executors are still built (in step with rank 0), then
     `FollowerRank` is raised."""
@@ -45,6 +57,7 @@ def measure_point(
             request_rate=request_rate,
             seed=seed,
             timeout_s=timeout_s,
+            on_request_done=on_request_done,
         )
     )
     return point_from_run(

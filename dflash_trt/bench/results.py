@@ -1,12 +1,16 @@
 """The one definition of `results.json` and of every per-point statistic it holds.
 
-`results.json` is `{"format": ..., "workload": {...}, "points": [point, ...]}`, one point per (mode, concurrency
-or request rate). A point's keys (what `dflash-trt sweep`, the report and `plan --calibrate` read):
+`results.json` is `{"format": ..., "provenance": {...}, "workload": {...}, "points": [point, ...]}` (strict
+JSON: no Infinity or NaN), one point per (mode, concurrency or request rate); `provenance` is `bench.provenance`'s
+record of backend, target, host, versions, git revision and start time. A point's keys (what `dflash-trt sweep`,
+the report and `plan --calibrate` read):
 
 - `mode` ("dflash", "ar" or "eagle3"), `engine` (the name plotted), `concurrency` (closed loop; null for an
-  open-loop point) and `request_rate` (requests/s; null for a closed-loop point), `gpus`.
+  open-loop point) and `request_rate` (requests/s; null for a closed-loop point), `gpus` (0 for the CPU golden
+  model).
 - `requests` (finished without error), `failed`, `output_tokens` (of the finished requests), `duration_s` (first
-  request sent to last response), `throughput_tok_s` = output_tokens / duration_s, `throughput_tok_s_per_gpu`.
+  request sent to last response), `throughput_tok_s` = output_tokens / duration_s, `throughput_tok_s_per_gpu`
+  (null without GPUs).
 - `per_user_tok_s`, `ttft_s`, `tpot_s`: {p50, p90, p99, mean} over requests. TTFT = first token's arrival minus
   the request's send time; TPOT = (last token's arrival - first token's) / (output tokens - 1); per-user tok/s =
   1 / TPOT, the speed a user watches tokens stream at (requests with one token have neither).
@@ -31,6 +35,7 @@ from typing import Any
 
 from dflash_trt.bench.driver import RequestRecord, RunTrace
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.jsonfile import strict_json
 
 FORMAT = "dflash-trt-bench/1"
 RESULTS_FILE = "results.json"
@@ -123,7 +128,7 @@ def point_from_run(
         "output_tokens": output_tokens,
         "duration_s": duration,
         "throughput_tok_s": throughput,
-        "throughput_tok_s_per_gpu": throughput / gpus,
+        "throughput_tok_s_per_gpu": throughput / gpus if gpus else None,
         "per_user_tok_s": summary([1.0 / t for t in tpots]),
         "ttft_s": summary([r.response_s[0] - r.sent_s for r in ok]),
         "tpot_s": summary(tpots),
@@ -137,23 +142,23 @@ def point_from_run(
 
 
 def sweep_fields(point: dict[str, Any]) -> dict[str, Any]:
-    """The Pareto analysis's view of a point: tok/s/GPU and both tok/s/user definitions of `perf.sweep`."""
+    """The Pareto analysis's view of a point: tok/s/GPU (the host's tok/s for a CPU run, `gpus` 0) and both
+    tok/s/user definitions of `perf.sweep`."""
     tpot = point["tpot_s"]
     concurrency = point["concurrency"]
     return {
-        "tok_s_gpu": point["throughput_tok_s_per_gpu"],
+        "gpus": point["gpus"],
+        "tok_s_gpu": point["throughput_tok_s_per_gpu"] if point["gpus"] else point["throughput_tok_s"],
         "tok_s_user_tpot": 1.0 / tpot["mean"] if tpot and tpot["mean"] > 0 else None,
         "tok_s_user_share": point["throughput_tok_s"] / concurrency if concurrency else None,
     }
 
 
-def write_results(path: str | Path, points: Sequence[dict[str, Any]], workload: dict[str, Any]) -> None:
-    """Strict JSON: a non-finite number (which `json` would write as `Infinity`, unreadable elsewhere) is refused."""
-    try:
-        text = json.dumps({"format": FORMAT, "workload": workload, "points": list(points)}, allow_nan=False)
-    except ValueError:
-        raise DFlashTrtError("the results hold a non-finite number; nothing was written") from None
-    Path(path).write_text(text + "\n")
+def write_results(
+    path: str | Path, points: Sequence[dict[str, Any]], workload: dict[str, Any], provenance: dict[str, Any]
+) -> None:
+    data = {"format": FORMAT, "provenance": provenance, "workload": workload, "points": list(points)}
+    Path(path).write_text(strict_json(data) + "\n")
 
 
 def load_results(path: str | Path) -> list[dict[str, Any]]:

@@ -127,6 +127,17 @@ def backend_factory(
     )
 
 
+def provenance(target: Target) -> dict[str, Any]:
+    """`results.json`'s provenance of a run against `target` starting now."""
+    from dflash_trt.bench.provenance import collect
+
+    if target.engine_dir:
+        return collect("trtllm", str(Path(target.engine_dir).resolve()))
+    if target.checkpoint_dir:
+        return collect("golden", str(Path(target.checkpoint_dir).resolve()))
+    return collect("triton", str(target.triton_url))
+
+
 def describe(target: Target) -> dict[str, Any]:
     where = {"engine_dir": target.engine_dir, "checkpoint_dir": target.checkpoint_dir, "triton_url": target.triton_url}
     return {"kind": target.kind, **{k: v for k, v in where.items() if v}}

@@ -24,6 +24,14 @@ BYTES_PER_TOKEN = 64
 # The longest sequence a synthetic request may ask for before any model says what it allows.
 MAX_SEQUENCE = 1 << 22
 MODEL_POSITIONS = "the target's max_position_embeddings"
+# Shipped real-text prompts (math, code, chat, several languages; written for this project), for sweeps.
+REAL_PROMPTS = "build_configs/calibration.jsonl"
+SYNTHETIC_WARNING = (
+    "warning: synthetic prompts are random token ids; a drafter accepts almost none of its drafts on them "
+    "(acceptance near 1 instead of several tokens per step on real text), so speculative speedups measured on "
+    f"them are far too low. Measure DFlash on real prompts, e.g. {REAL_PROMPTS} in the repository "
+    "(bench --input_file, or a sweep config's dataset:)."
+)
 
 
 @dataclass(frozen=True)
@@ -109,13 +117,18 @@ def synthetic_workload(spec: Synthetic, vocab_size: int, seed: int = 0, max_posi
 
 
 def file_workload(
-    path: str | Path, max_new_tokens: int, tokenizer=None, limit: int | None = None, max_positions: int | None = None
+    path: str | Path,
+    max_new_tokens: int,
+    tokenizer=None,
+    limit: int | None = None,
+    chat_kwargs: dict[str, Any] | None = None,
+    max_positions: int | None = None,
 ) -> Workload:
     if max_new_tokens < 1:
         raise DFlashTrtError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
     if max_positions is not None and max_new_tokens >= max_positions:
         check_request_length(1, max_new_tokens, max_positions, MODEL_POSITIONS)
-    prompts = read_prompts(path, tokenizer, limit)
+    prompts = read_prompts(path, tokenizer, limit, chat_kwargs)
     if max_positions is not None:
         longest = max(len(ids) for ids in prompts)
         check_request_length(longest, max_new_tokens, max_positions, MODEL_POSITIONS)
@@ -127,4 +140,6 @@ def file_workload(
         "count": len(requests),
         "max_new_tokens": max_new_tokens,
     }
+    if chat_kwargs is not None:
+        description["chat_template_kwargs"] = chat_kwargs
     return Workload(requests, ignore_eos=False, description=description)

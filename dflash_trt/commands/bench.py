@@ -12,17 +12,23 @@ closed-loop concurrency or Poisson arrivals; write results.json, report.html and
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from dflash_trt.bench.driver import FollowerRank
-from dflash_trt.bench.measure import measure_point
+from dflash_trt.bench.measure import measure_point, request_bar
 from dflash_trt.bench.results import RESULTS_FILE, sweep_fields, write_results
-from dflash_trt.bench.targets import Target, backend_factory, check_target, max_positions, vocab_size
-from dflash_trt.bench.workload import Workload, file_workload, parse_synthetic, synthetic_workload
+from dflash_trt.bench.targets import Target, backend_factory, check_target, max_positions, provenance, vocab_size
+from dflash_trt.bench.workload import (
+    REAL_PROMPTS,
+    SYNTHETIC_WARNING,
+    Workload,
+    file_workload,
+    parse_synthetic,
+    synthetic_workload,
+)
 from dflash_trt.checkpoint.atomic import atomic_directory, check_destination, check_writable
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.inputs import (
@@ -40,6 +46,8 @@ from dflash_trt.inputs import (
     VOCAB_SIZE,
     WARMUP,
 )
+from dflash_trt.jsonfile import strict_json
+from dflash_trt.prompts import CHAT_TEMPLATE_KWARGS_HELP, parse_chat_template_kwargs
 from dflash_trt.tokenizer import load_tokenizer
 
 
@@ -56,11 +64,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     target.add_argument("--checkpoint_dir", help="converted checkpoint: the golden model with in-flight batching, CPU")
     target.add_argument("--triton_url", type=URL, help="Triton gRPC endpoint HOST:PORT of a deployed repository")
     prompts = p.add_mutually_exclusive_group(required=True)
-    prompts.add_argument("--input_file", help='jsonl prompts, {"input_ids": [...]} or {"text": "..."} per line')
+    prompts.add_argument(
+        "--input_file",
+        help='jsonl prompts, {"input_ids": [...]}, {"text": "..."} or {"messages": [...]} per line; real text, '
+        f"e.g. {REAL_PROMPTS} (in the repository)",
+    )
+    p.add_argument("--chat_template_kwargs", default=None, help=CHAT_TEMPLATE_KWARGS_HELP)
     prompts.add_argument(
         "--synthetic",
         metavar="ISL,OSL,COUNT",
-        help="random token prompts of ISL tokens, OSL output tokens each (end tokens ignored), COUNT of them",
+        help="random token prompts of ISL tokens, OSL output tokens each (end tokens ignored), COUNT of them; "
+        "they understate speculative speedups (drafts are rarely accepted on random ids): prefer --input_file",
     )
     p.add_argument(
         "--concurrency", type=CONCURRENCIES, default=None, help="comma-separated closed-loop user counts, e.g. 1,2,4"
@@ -131,17 +145,29 @@ def targets(args: argparse.Namespace) -> dict[str, Target]:
 
 def build_workload(args: argparse.Namespace, target: Target) -> Workload:
     if args.synthetic:
+        synthetic = parse_synthetic(args.synthetic)
         vocab = vocab_size(target) or args.vocab_size
         if not vocab:
             raise DFlashTrtError("--synthetic with --triton_url needs --vocab_size (the model's token range)")
-        workload = synthetic_workload(parse_synthetic(args.synthetic), vocab, args.seed, max_positions(target))
+        workload = synthetic_workload(synthetic, vocab, args.seed, max_positions(target))
     else:
         if not Path(args.input_file).exists():  # before the (slow) tokenizer load
             raise DFlashTrtError(f"prompt file {args.input_file} does not exist")
         tokenizer_dir = args.tokenizer_dir or args.checkpoint_dir
         tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
-        workload = file_workload(args.input_file, args.max_new_tokens, tokenizer, max_positions=max_positions(target))
-    return workload if args.num_requests is None else workload.resized(args.num_requests)
+        chat_kwargs = parse_chat_template_kwargs(args.chat_template_kwargs)
+        workload = file_workload(
+            args.input_file,
+            args.max_new_tokens,
+            tokenizer,
+            chat_kwargs=chat_kwargs,
+            max_positions=max_positions(target),
+        )
+    if args.num_requests is not None:
+        workload = workload.resized(args.num_requests)
+    if args.synthetic and target.kind != "ar":  # after every refusal, which stays the only line on stderr
+        print(SYNTHETIC_WARNING, file=sys.stderr)
+    return workload
 
 
 def analysis_records(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -165,7 +191,7 @@ def points_table(points: list[dict[str, Any]]):
             str(p["requests"]),
             str(p["failed"]),
             cell(p["throughput_tok_s"]),
-            cell(p["per_user_tok_s"] and p["per_user_tok_s"]["p50"]),
+            cell(sweep_fields(p)["tok_s_user_tpot"]),
             cell(p["ttft_s"] and p["ttft_s"]["p50"] * 1000),
             cell(p["tpot_s"] and p["tpot_s"]["p50"] * 1000, "{:.2f}"),
             cell(p["acceptance_length"], "{:.2f}"),
@@ -180,7 +206,7 @@ def points_table(points: list[dict[str, Any]]):
         "requests",
         "failed",
         "output tok/s",
-        "tok/s/user p50",
+        "tok/s/user (1 / mean TPOT)",
         "TTFT p50 (ms)",
         "TPOT p50 (ms)",
         "acceptance",
@@ -195,15 +221,33 @@ def check_output(out: Path, overwrite: bool) -> None:
     check_writable(out)
 
 
-def write_outputs(out: Path, points: list[dict[str, Any]], workload: dict[str, Any], overwrite: bool) -> dict:
+def provenance_table(provenance: dict[str, Any]):
+    host = provenance["host"]
+    rows = [
+        ["backend", provenance["backend"]],
+        ["target", provenance["target"]],
+        ["CPU", host["cpu"]],
+        ["GPUs", ", ".join(host["gpus"]) or "none"],
+        ["versions", ", ".join(f"{k} {v}" for k, v in sorted(provenance["versions"].items()))],
+        ["git revision", provenance["git_revision"] or "-"],
+        ["started", provenance["started"]],
+    ]
+    return "Where these numbers come from", ["", ""], rows
+
+
+def write_outputs(
+    out: Path, points: list[dict[str, Any]], workload: dict[str, Any], provenance: dict[str, Any], overwrite: bool
+) -> dict:
     """results.json, report.html and pareto.png, published at once (an existing folder is replaced only when an
     earlier `bench` wrote it)."""
     from dflash_trt.perf.report import analyze_records
 
     with atomic_directory(out, "bench", overwrite) as staging:
-        write_results(staging / RESULTS_FILE, points, workload)
+        write_results(staging / RESULTS_FILE, points, workload, provenance)
         records = analysis_records(points)
-        summary = analyze_records(records, "tpot", None, staging, [points_table(points)]) if records else {}
+        title = f"dflash-trt bench, {provenance['backend']} backend: throughput vs interactivity"
+        tables = [provenance_table(provenance), points_table(points)]
+        summary = analyze_records(records, "tpot", None, staging, tables, title) if records else {}
     return summary
 
 
@@ -211,10 +255,14 @@ def run(args: argparse.Namespace) -> int:
     concurrencies, rates = args.concurrency or [], args.request_rate or []
     if not concurrencies and not rates:
         raise DFlashTrtError("give --concurrency and/or --request_rate")
+    if args.synthetic and args.chat_template_kwargs is not None:
+        raise DFlashTrtError("--chat_template_kwargs applies to --input_file prompts, not --synthetic token ids")
+    parse_chat_template_kwargs(args.chat_template_kwargs)  # refused before any model loads
     out = Path(args.output_dir)
     check_output(out, args.overwrite)
     chosen = targets(args)
     workload = build_workload(args, chosen["dflash"])
+    origin = provenance(chosen["dflash"])
 
     def progress(point: dict) -> None:
         where = f"c={point['concurrency']}" if point["concurrency"] else f"rate={point['request_rate']:g}/s"
@@ -228,6 +276,8 @@ def run(args: argparse.Namespace) -> int:
     for name, target in chosen.items():
         factory = backend_factory(target, workload, args.max_batch_size, args.kv_cache_free_gpu_mem_fraction)
         for concurrency, rate in [(c, None) for c in concurrencies] + [(None, r) for r in rates]:
+            where = f"c={concurrency}" if concurrency else f"rate={rate:g}/s"
+            bar = request_bar(len(workload.requests), f"{name} {where}", enabled=not args.json)
             try:
                 point = measure_point(
                     factory,
@@ -239,18 +289,23 @@ def run(args: argparse.Namespace) -> int:
                     seed=args.seed,
                     timeout_s=args.timeout_s,
                     max_in_flight=args.max_batch_size,
+                    on_request_done=bar.update,
                 )
             except FollowerRank:
                 follower = True
                 continue
+            finally:
+                bar.close()
             points.append(point)
             if not args.json:
                 progress(point)
     if follower:
         return 0  # rank 0 writes the results
-    write_outputs(out, points, workload.description, args.overwrite)
+    write_outputs(out, points, workload.description, origin, args.overwrite)
     if args.json:
-        print(json.dumps([{k: v for k, v in p.items() if k not in ("per_request", "in_flight_trace")} for p in points]))
+        print(
+            strict_json([{k: v for k, v in p.items() if k not in ("per_request", "in_flight_trace")} for p in points]),
+        )
     else:
         print(f"results: {out / RESULTS_FILE}; report: {out / 'report.html'}")
     return 0

@@ -102,6 +102,18 @@ def settings_from_args(args: argparse.Namespace, base: EngineBuildSettings | Non
     return dataclasses.replace(base or EngineBuildSettings(), **changes)
 
 
+def readable_json(value: object, level: int = 0) -> str:
+    """Indented JSON whose lists without objects stay on one line (a draft chain's `eagle_choices` is one line,
+    not hundreds)."""
+    pad, inner = "  " * level, "  " * (level + 1)
+    if isinstance(value, dict) and value:
+        items = [f"{inner}{json.dumps(k)}: {readable_json(v, level + 1)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + f"\n{pad}}}"
+    if isinstance(value, list) and any(isinstance(v, dict) for v in value):
+        return "[\n" + ",\n".join(inner + readable_json(v, level + 1) for v in value) + f"\n{pad}]"
+    return json.dumps(value)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.config:
         return run_profile(args, settings_override=settings_from_args)
@@ -119,9 +131,9 @@ def run(args: argparse.Namespace) -> int:
             print("# trtllm-build command")
             print(plan.shell_command())
             print("# BuildConfig (as trtllm-build passes it to BuildConfig.from_dict)")
-            print(json.dumps(plan.build_config, indent=2))
+            print(readable_json(plan.build_config))
             print("# dflash_trt.json")
-            print(json.dumps(plan.dflash_manifest, indent=2))
+            print(readable_json(plan.dflash_manifest))
         return 0
     from dflash_trt.trtllm.build import run_engine_build
 

@@ -7,12 +7,12 @@ Flags follow TensorRT-LLM's `convert_checkpoint.py` (`--model_dir`, `--dflash_mo
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 from dflash_trt.formats import DTYPES, KV_CACHE_DTYPES, NONE, QFORMATS
 from dflash_trt.inputs import GPUS, POSITIVE_INT, WORKERS
+from dflash_trt.jsonfile import strict_json
 
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         "seconds": round(time.perf_counter() - started, 3),
     }
     if args.json:
-        print(json.dumps(summary))
+        print(strict_json(summary))
     else:
         print(
             f"wrote {result.output_dir} ({result.tp_size} rank file(s), {result.bytes_written / 2**20:.1f} MiB) "

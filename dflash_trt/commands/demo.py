@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import time
 from pathlib import Path
 
@@ -19,8 +20,17 @@ from dflash_trt.commands.generate import check_lengths
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import DTYPES, FP8, NVFP4
 from dflash_trt.inputs import POSITIVE_INT, IntRange
+from dflash_trt.jsonfile import strict_json
 from dflash_trt.tiny.corpus import generate as generate_problems
-from dflash_trt.tiny.heldout import asset_dir, draft_dir, heldout_count, is_correct, load_heldout, target_dir
+from dflash_trt.tiny.heldout import (
+    HeldoutPrompt,
+    asset_dir,
+    draft_dir,
+    heldout_count,
+    is_correct,
+    load_heldout,
+    target_dir,
+)
 from dflash_trt.tokenizer import load_tokenizer
 from dflash_trt.trtllm.build_plan import EngineBuildSettings, plan_engine_build
 
@@ -50,7 +60,51 @@ def write_calibration_prompts(path: Path, count: int = 32) -> Path:
     return path
 
 
+def write_prompt_file(path: Path, heldout: list[HeldoutPrompt]) -> Path:
+    """The held-out prompts as a `{"text": ...}` prompt file, so the printed bench command names a real file."""
+    path.write_text("".join(json.dumps({"text": p.text}) + "\n" for p in heldout))
+    return path
+
+
+def demo_build_settings(max_position_embeddings: int) -> EngineBuildSettings:
+    """Engine limits that fit the checkpoint: no sequence beyond the positions the target was trained with."""
+    max_seq_len = min(max_position_embeddings, EngineBuildSettings.max_seq_len)
+    return EngineBuildSettings(
+        max_batch_size=GPU_HOST_CONCURRENCY[-1],
+        max_input_len=max_seq_len // 2,
+        max_seq_len=max_seq_len,
+        max_num_tokens=min(EngineBuildSettings.max_num_tokens, 2 * max_seq_len),
+    )
+
+
+def gpu_host_commands(
+    checkpoint: Path,
+    engine_dir: str,
+    settings: EngineBuildSettings,
+    repository: Path,
+    prompts_file: Path,
+    max_new_tokens: int,
+) -> list[str]:
+    """What step 7 prints, every flag written out so each line runs as printed on a GPU host."""
+    limits = " ".join(
+        f"--{name} {getattr(settings, name)}"
+        for name in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens")
+    )
+    concurrency = ",".join(map(str, GPU_HOST_CONCURRENCY))
+    ckpt, engine, repo = shlex.quote(str(checkpoint)), shlex.quote(engine_dir), Path(repository)
+    return [
+        "cmake -S plugins -B plugins/build && cmake --build plugins/build",
+        f"dflash-trt build --checkpoint_dir {ckpt} --output_dir {engine} {limits}",
+        shlex.quote(str(repo / "launch_triton.sh")),
+        f"dflash-trt bench --engine_dir {engine} --tokenizer_dir {ckpt} --input_file {shlex.quote(str(prompts_file))} "
+        f"--max_new_tokens {max_new_tokens} --concurrency {concurrency} "
+        f"--output_dir {shlex.quote(str(checkpoint.parent / 'bench_gpu'))}",
+        f"python {shlex.quote(str(repo / 'client.py'))} --prompt $'add 0012 0034\\n'",
+    ]
+
+
 SWEEP_CONCURRENCY = (1, 2, 4)
+GPU_HOST_CONCURRENCY = (1, 2, 4, 8)
 SWEEP_PROMPTS = 6
 
 
@@ -66,7 +120,8 @@ def demo_sweep(
     """`dflash-trt bench --checkpoint_dir C --concurrency 1,2,4 --baseline ar` on the held-out prompts."""
     from dflash_trt.bench.driver import BenchRequest
     from dflash_trt.bench.measure import measure_point
-    from dflash_trt.bench.targets import Target, backend_factory
+    from dflash_trt.bench.results import sweep_fields
+    from dflash_trt.bench.targets import Target, backend_factory, provenance
     from dflash_trt.bench.workload import Workload
     from dflash_trt.commands.bench import write_outputs
 
@@ -75,17 +130,17 @@ def demo_sweep(
         ignore_eos=False,
         description={"kind": "demo held-out prompts", "count": len(prompts), "max_new_tokens": max_new_tokens},
     )
-    points = []
+    points, origin = [], provenance(Target("dflash", checkpoint_dir=str(checkpoint)))
     for kind in ("dflash", "ar"):
         factory = backend_factory(Target(kind, checkpoint_dir=str(checkpoint)), workload)
         points += [measure_point(factory, workload, kind, concurrency=c) for c in SWEEP_CONCURRENCY]
-    write_outputs(out, points, workload.description, overwrite)
+    write_outputs(out, points, workload.description, origin, overwrite)
     rows = [
         {
             "engine": p["engine"],
             "concurrency": p["concurrency"],
             "output_tok_s": p["throughput_tok_s"],
-            "tok_s_user_p50": p["per_user_tok_s"]["p50"],
+            "tok_s_user": sweep_fields(p)["tok_s_user_tpot"],
             "ttft_p50_s": p["ttft_s"]["p50"],
             "acceptance_length": p["acceptance_length"],
         }
@@ -94,11 +149,14 @@ def demo_sweep(
     for row in rows:
         say(
             f"      {row['engine']:6s} c={row['concurrency']}: {row['output_tok_s']:7.1f} tok/s, "
-            f"{row['tok_s_user_p50']:7.1f} tok/s/user (p50), acceptance {row['acceptance_length']:.2f}"
+            f"{row['tok_s_user']:7.1f} tok/s/user (1 / mean TPOT), acceptance {row['acceptance_length']:.2f}"
         )
     by = {(r["engine"], r["concurrency"]): r["output_tok_s"] for r in rows}
     ratio = by["dflash", 1] / by["ar", 1]
-    say(f"      DFlash vs target alone at concurrency 1: {ratio:.2f}x; plot: {out / 'pareto.png'}")
+    say(
+        f"      DFlash vs target alone, output tok/s at concurrency 1 (one user at a time): {ratio:.2f}x; "
+        f"plot: {out / 'pareto.png'}"
+    )
     return {"points": rows, "dflash_vs_ar_c1": ratio, "report": str(out / "report.html")}
 
 
@@ -129,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     say = (lambda *_: None) if args.json else print
     checkpoint = out / f"checkpoint-{args.dtype}"
 
-    say(f"[1/7] convert {target_dir().name} + {draft_dir().name} → {checkpoint}")
+    say(f"[1/7] convert the embedded tiny pair ({asset_dir()}: target/, draft/, heldout.jsonl) → {checkpoint}")
     convert_checkpoint(target_dir(), draft_dir(), checkpoint, dtype=args.dtype, overwrite=args.overwrite)
 
     say("[2/7] verify every tensor against its source")
@@ -173,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
         "dflash_tokens_per_second": generated / spec_seconds,
         "target_only_tokens_per_second": generated / ar_seconds,
         "speedup": ar_seconds / spec_seconds,
+        "speedup_compares": f"wall time of one offline batch of {len(prompts)} prompts, DFlash vs the target alone",
         "prompts": rows,
     }
     for i, row in enumerate(rows):
@@ -188,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
     say(
         f"      {summary['dflash_tokens_per_second']:.0f} tok/s with DFlash vs "
         f"{summary['target_only_tokens_per_second']:.0f} tok/s target alone "
-        f"({summary['speedup']:.2f}x, CPU golden model)"
+        f"({summary['speedup']:.2f}x for an offline batch of {len(prompts)} prompts, CPU golden model)"
     )
 
     say("[4/7] quantize for the engine's GPUs (FP8: Hopper, NVFP4: Blackwell), calibrated on training-split prompts")
@@ -205,6 +264,7 @@ def run(args: argparse.Namespace) -> int:
             kv_cache_dtype=FP8,
             calib_dataset=calibration,
             overwrite=args.overwrite,
+            show_progress=not args.json,
         )
         qmodel = load_golden_model(quantized)
         q_results = speculative_generate(qmodel, prompts, args.max_new_tokens, stop_ids)
@@ -228,8 +288,7 @@ def run(args: argparse.Namespace) -> int:
         )
 
     say("[5/7] plan the TensorRT-LLM 1.2.x engine build and its Triton model repository")
-    # The tiny target was trained with 256 positions (max_position_embeddings): the engine may not go beyond.
-    settings = EngineBuildSettings(max_batch_size=8, max_input_len=128, max_seq_len=256, max_num_tokens=512)
+    settings = demo_build_settings(model.target.spec.max_position_embeddings)
     plan = plan_engine_build(checkpoint, out / "engine", settings)
     (out / "build_plan.json").write_text(
         json.dumps({"command": plan.command, "build_config": plan.build_config}, indent=2) + "\n"
@@ -260,18 +319,18 @@ def run(args: argparse.Namespace) -> int:
         checkpoint, prompts[:SWEEP_PROMPTS], args.max_new_tokens, stop_ids, out / "sweep", args.overwrite, say
     )
 
+    prompts_file = write_prompt_file(out / "prompts.jsonl", heldout)
+    commands = gpu_host_commands(checkpoint, plan.output_dir, settings, repository, prompts_file, args.max_new_tokens)
+    summary["gpu_host_commands"] = commands
     say("[7/7] on a GPU host with TensorRT-LLM 1.2.x (NGC release container), run:")
-    say("      cmake -S plugins -B plugins/build && cmake --build plugins/build   # libdflash_trt_plugins.so")
-    say(f"      dflash-trt build --checkpoint_dir {checkpoint} --output_dir {plan.output_dir}")
-    say(f"        (loads the plugin library, then runs: {plan.shell_command()})")
-    say(f"      {repository}/launch_triton.sh          # serves the engine")
-    say(
-        f"      dflash-trt bench --engine_dir {plan.output_dir} --input_file prompts.jsonl --concurrency 1,4,16 "
-        "--output_dir bench_out"
-    )
-    say(f"      python {repository}/client.py --prompt $'add 0012 0034\\n'   # the tiny corpus's prompt format")
+    say(f"      {commands[0]}   # libdflash_trt_plugins.so")
+    say(f"      {commands[1]}")
+    say(f"        (add --dry_run to check it anywhere; it loads the plugin library, then runs: {plan.shell_command()})")
+    say(f"      {commands[2]}          # serves the engine")
+    say(f"      {commands[3]}")
+    say(f"      {commands[4]}   # the tiny corpus's prompt format")
     if args.json:
-        print(json.dumps(summary))
+        print(strict_json(summary))
     if not lossless or not all(r["lossless_vs_quantized_target"] for r in summary["quantized"].values()):
         raise DFlashTrtError("speculative output differs from target-only decoding")
     return 0

@@ -14,7 +14,6 @@ tokens at temperature 0 but may differ in the last acceptance lengths.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -25,7 +24,8 @@ from tqdm import tqdm
 
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.inputs import POSITIVE_INT, TOKEN_ID
-from dflash_trt.prompts import read_prompts
+from dflash_trt.jsonfile import strict_json
+from dflash_trt.prompts import CHAT_TEMPLATE_KWARGS_HELP, parse_chat_template_kwargs, read_prompts
 from dflash_trt.sampling_rules import ENGINE, METHODS
 from dflash_trt.tokenizer import load_tokenizer
 
@@ -38,7 +38,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "generate", help="speculative decoding of a converted checkpoint (CPU golden model)", description=__doc__
     )
     parser.add_argument("--checkpoint_dir", required=True, help="converted checkpoint (dflash-trt convert)")
-    parser.add_argument("--input_file", required=True, help="jsonl prompts")
+    parser.add_argument(
+        "--input_file", required=True, help='jsonl prompts: {"text"}, {"input_ids"} or {"messages"} per line'
+    )
+    parser.add_argument("--chat_template_kwargs", default=None, help=CHAT_TEMPLATE_KWARGS_HELP)
     parser.add_argument("--max_new_tokens", type=POSITIVE_INT, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top_p", type=float, default=1.0, help="--sampling reference only")
@@ -122,9 +125,10 @@ def run(args: argparse.Namespace) -> int:
     checkpoint_dir = Path(args.checkpoint_dir)
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.sampling)
     per_sequence_sampling(sampling, 1)  # refuse what the chosen rule cannot honour before loading anything
+    chat_kwargs = parse_chat_template_kwargs(args.chat_template_kwargs)
     model = load_golden_model(checkpoint_dir)
     tokenizer = load_tokenizer(checkpoint_dir)
-    prompts = read_prompts(args.input_file, tokenizer)
+    prompts = read_prompts(args.input_file, tokenizer, chat_kwargs=chat_kwargs)
     check_lengths(args, prompts, model.target.spec.max_position_embeddings)
     if args.ignore_eos:
         stop_ids = []
@@ -153,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         "tokens_per_second": generated / seconds if seconds > 0 else None,
     }
     if args.json:
-        print(json.dumps(report))
+        print(strict_json(report))
         return 0
     for i, record in enumerate(report["sequences"]):
         shown = record.get("output_text", record["output_ids"])

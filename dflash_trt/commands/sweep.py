@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from pathlib import Path
 
 from dflash_trt.bench.driver import FollowerRank
+from dflash_trt.bench.results import RESULTS_FILE
 from dflash_trt.bench.targets import describe
+from dflash_trt.bench.workload import SYNTHETIC_WARNING
 from dflash_trt.checkpoint.atomic import check_output_apart
+from dflash_trt.commands.bench import provenance_table
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.inputs import SPEED_LEVELS
+from dflash_trt.jsonfile import read_json_object, strict_json
 from dflash_trt.perf.report import analyze_records
 from dflash_trt.perf.sweep import (
     USER_SPEED_METRICS,
@@ -76,25 +79,35 @@ def run(args: argparse.Namespace) -> int:
         records = load_records(cfg.output_dir)
     else:
 
-        def progress(record: dict) -> None:
+        def progress(record: dict, reused: bool) -> None:
             status = record["status"] if record["status"] == "ok" else f"FAILED: {record.get('error')}"
+            if reused:
+                status = "skipped (measured by an earlier run; delete its point.json to measure again)"
             print(f"{record['engine']} c={record['concurrency']}: {status}", file=sys.stderr)
 
+        if cfg.synthetic and any(e.kind != "ar" for e in cfg.engines):
+            print(SYNTHETIC_WARNING, file=sys.stderr)
         try:
-            records = run_sweep(cfg, progress=progress)
+            records = run_sweep(cfg, progress=progress, show_progress=not args.json)
         except FollowerRank:
             return 0  # a multi-GPU engine's other rank: rank 0 writes the report
-    summary = analyze_records(records, args.user_metric, args.levels, cfg.output_dir)
+    results = Path(cfg.output_dir) / RESULTS_FILE
+    origin = read_json_object(results, "").get("provenance") if results.is_file() else None
+    tables = [provenance_table(origin)] if origin else []
+    summary = analyze_records(records, args.user_metric, args.levels, cfg.output_dir, tables)
     write_json_atomic(Path(cfg.output_dir) / "summary.json", summary)
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(strict_json(summary, indent=2))
     else:
         print(f"x axis: {summary['x_axis']}")
+        if summary["speedup_vs_ar"]:
+            what = f"{summary['y_axis']} over {summary['baseline']} at equal tok/s/user"
+            print(f"speedup = {what} (each at its own concurrency):")
         for row in summary["speedup_vs_ar"]:
             cells = ", ".join(
                 f"{name} {'-' if s is None else f'{s:.2f}x'}" for name, s in sorted(row["speedup"].items())
             )
-            print(f"{row['tok_s_user']:.1f} tok/s/user: {cells}")
+            print(f"at {row['tok_s_user']:.1f} tok/s/user: {cells}")
         for name, c in sorted(summary["crossover_concurrency_vs_ar"].items()):
             print(f"{name}: crossover {'none in range' if c is None else f'{c:.1f}'}")
         print(f"report: {Path(cfg.output_dir) / 'report.html'}")

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.jsonfile import strict_json
+from dflash_trt.prompts import CHAT_TEMPLATE_KWARGS_HELP, parse_chat_template_kwargs
 from dflash_trt.triton.serving import ServingSettings, override_serving
 
 
@@ -62,6 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"pre/post-processing model instances (default: the profile's with --config, else "
         f"{defaults.instance_count})",
     )
+    parser.add_argument("--chat_template_kwargs", default=None, help=CHAT_TEMPLATE_KWARGS_HELP)
     parser.add_argument(
         "--overwrite", action="store_true", help="replace an --output_dir an earlier dflash-trt triton wrote"
     )
@@ -85,6 +88,8 @@ def _serving(args: argparse.Namespace, base: ServingSettings) -> ServingSettings
 def run(args: argparse.Namespace) -> int:
     from dflash_trt.triton.repository import settings_from_engine, write_repository
 
+    chat_kwargs = json.dumps(parse_chat_template_kwargs(args.chat_template_kwargs) or {})
+
     if args.engine_dir:
         if args.tokenizer_dir is None:
             raise DFlashTrtError("--tokenizer_dir is required with --engine_dir")
@@ -107,9 +112,10 @@ def run(args: argparse.Namespace) -> int:
         settings = settings_from_profile(
             profile, workspace(profile, args.work_dir).engine, tokenizer, library, _serving(args, profile.serving)
         )
+    settings = replace(settings, chat_template_kwargs=chat_kwargs)
     path = write_repository(settings, args.output_dir, overwrite=args.overwrite, inputs={"--config": args.config})
     if args.json:
-        print(json.dumps({"repository": str(path), **asdict(settings)}, indent=2))
+        print(strict_json({"repository": str(path), **asdict(settings)}, indent=2))
     else:
         print(f"Triton repository written to {path}")
         print(f"start it with: {path / 'launch_triton.sh'}")

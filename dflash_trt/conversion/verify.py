@@ -1,7 +1,10 @@
 """Re-read a converted checkpoint and prove it against its sources: config, every tensor of every rank.
 
 Each stored tensor is recomputed from the HF / z-lab source with the converter's own layout and split rules and
-compared bit for bit, so a truncated write, a wrong shard or a stale config cannot pass.
+compared bit for bit, so a truncated write, a wrong shard or a stale config cannot pass. Calibrated activation and
+KV-cache scales depend on the calibration prompts: given them (`--calib_dataset`, with the conversion's
+`--calib_size` and `--calib_max_seq_len`), calibration is rerun and every scale it yields compared bit for bit;
+without them the scales are only checked to be finite and positive.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class VerifyReport:
     tp_size: int = 0
     tensors_checked: int = 0
     scales_range_checked: int = 0  # calibrated scales: only finite and positive, their values are not re-derived
+    scales_recalibrated: int = 0  # calibrated scales recomputed from the calibration prompts, bit for bit
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -42,10 +46,12 @@ class VerifyReport:
         if self.ok:
             unchecked = (
                 f"; {self.scales_range_checked} calibrated activation/KV scales were only checked to be "
-                "finite and positive, not re-derived (that needs the calibration prompts)"
+                "finite and positive, not re-derived (that needs the calibration prompts: --calib_dataset)"
                 if self.scales_range_checked
                 else ""
             )
+            if self.scales_recalibrated:
+                unchecked = f"; {self.scales_recalibrated} calibrated scales recomputed from the prompts" + unchecked
             return (
                 f"OK: {self.checkpoint_dir} matches its sources ({self.tensors_checked} tensors recomputed bit for "
                 f"bit, tp {self.tp_size}){unchecked}"
@@ -60,11 +66,26 @@ class VerifyReport:
             "tp_size": self.tp_size,
             "tensors_checked": self.tensors_checked,
             "scales_range_checked": self.scales_range_checked,
+            "scales_recalibrated": self.scales_recalibrated,
             "problems": self.problems,
         }
 
 
-def verify_checkpoint(checkpoint_dir: str | Path, model_dir: str | Path, dflash_model_dir: str | Path) -> VerifyReport:
+@dataclass(frozen=True)
+class Calibration:
+    """The calibration run a quantized checkpoint was converted with (convert's --calib_* flags)."""
+
+    dataset: Path
+    size: int = 64
+    max_seq_len: int = 512
+
+
+def verify_checkpoint(
+    checkpoint_dir: str | Path,
+    model_dir: str | Path,
+    dflash_model_dir: str | Path,
+    calibration: Calibration | None = None,
+) -> VerifyReport:
     checkpoint_dir = Path(checkpoint_dir)
     report = VerifyReport(str(checkpoint_dir))
     config_path = checkpoint_dir / "config.json"
@@ -108,6 +129,20 @@ def verify_checkpoint(checkpoint_dir: str | Path, model_dir: str | Path, dflash_
         moe_ep_size=moe_ep_size,
     )
     entries = plan.entries() if not quant.enabled else None
+    recalibrated: dict[str, torch.Tensor] = {}
+    if calibration is not None and quant.enabled:
+        from dflash_trt.conversion.convert import calibrated_scales
+
+        recalibrated = calibrated_scales(
+            Path(model_dir),
+            Path(dflash_model_dir),
+            checkpoint_dir.resolve().parent,
+            dtype_name,
+            quant,
+            calibration.dataset,
+            calibration.size,
+            calibration.max_seq_len,
+        )
     with HFCheckpointReader(model_dir) as target_reader, HFCheckpointReader(dflash_model_dir) as draft_reader:
         check_sources(target, draft, target_reader, draft_reader, prequantized)
         readers = {TARGET: target_reader, DRAFT: draft_reader}
@@ -125,7 +160,14 @@ def verify_checkpoint(checkpoint_dir: str | Path, model_dir: str | Path, dflash_
                     for n, t in scales.items()
                     if not bool(torch.isfinite(t).all() and (t > 0).all())
                 ]
-                report.scales_range_checked += len(scales)
+                report.problems += [
+                    f"{path.name} tensor '{n}' differs from the scale calibration on the given prompts yields "
+                    "(other prompts, --calib_size or --calib_max_seq_len than the conversion's?)"
+                    for n, t in scales.items()
+                    if n in recalibrated and not torch.equal(t, recalibrated[n])
+                ]
+                report.scales_recalibrated += sum(n in recalibrated for n in scales)
+                report.scales_range_checked += sum(n not in recalibrated for n in scales)
                 rank_plan = replace(plan, scales=scales)
                 expected = entries if entries is not None else rank_plan.entries()
                 extra = sorted(set(written.names()) - set(expected))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import enum
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,22 +100,29 @@ class Network:
         self.outputs[name] = tensor if dtype is None else cast(tensor, dtype)
 
 
-_current: list[Network] = []
+# Per thread: tensor-parallel ranks run their networks side by side (`ranks.py`), each in its own thread.
+_building = threading.local()
+
+
+def _networks() -> list[Network]:
+    if not hasattr(_building, "networks"):
+        _building.networks = []
+    return _building.networks
 
 
 @contextlib.contextmanager
 def net_guard(network: Network) -> Iterator[Network]:
-    _current.append(network)
+    _networks().append(network)
     try:
         yield network
     finally:
-        _current.pop()
+        _networks().pop()
 
 
 def default_net() -> Network:
-    if not _current:
+    if not _networks():
         raise EmulationError("no network is being built (default_net() outside net_guard)")
-    return _current[-1]
+    return _networks()[-1]
 
 
 class _Layer:

@@ -34,6 +34,9 @@ class KVPool:
     dtype: torch.dtype
     data: torch.Tensor = field(init=False)
     address: int = field(init=False)
+    # The same blocks on the other tensor-parallel ranks (each rank's pool holds its own KV heads): the block
+    # manager hands out blocks of this pool, and the runtime's rewind moves tokens in every rank's pool.
+    rank_pools: list[KVPool] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         self.data = torch.zeros(
@@ -42,7 +45,17 @@ class KVPool:
         self.address = next(_ADDRESSES)
         _POOLS[self.address] = self
 
+    def pool_of_rank(self, rank: int, tp_size: int) -> KVPool:
+        """Rank `rank`'s pool of this geometry (rank 0's is this one; the others are made on first use)."""
+        while len(self.rank_pools) < tp_size - 1:
+            self.rank_pools.append(
+                KVPool(self.num_blocks, self.layers, self.kv_heads, self.tokens_per_block, self.head_dim, self.dtype)
+            )
+        return self if rank == 0 else self.rank_pools[rank - 1]
+
     def release(self) -> None:
+        for pool in self.rank_pools:
+            pool.release()
         _POOLS.pop(self.address, None)
 
 
@@ -144,8 +157,9 @@ class BlockManager:
         if sources == targets:
             return
         offsets = self.offsets([seq])[0, 0]
-        for layer in range(self.pool.layers):
-            pages = SequencePages(offsets, layer, self.pool)
-            for kind in (0, 1):
-                values = pages.read(kind, torch.tensor(sources))
-                pages.write(kind, torch.tensor(targets), values)
+        for pool in (self.pool, *self.pool.rank_pools):
+            for layer in range(pool.layers):
+                pages = SequencePages(offsets, layer, pool)
+                for kind in (0, 1):
+                    values = pages.read(kind, torch.tensor(sources))
+                    pages.write(kind, torch.tensor(targets), values)

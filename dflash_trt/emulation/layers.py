@@ -30,12 +30,14 @@ from dflash_trt.emulation.functional import (
     LayerNormType,
     PositionEmbeddingType,
     Tensor,
+    _trt_dtype,
     _wrap,
     rms_norm,
 )
 from dflash_trt.emulation.kv_pool import resolve_pool
 from dflash_trt.emulation.module import Module, Parameter
 from dflash_trt.emulation.quantization import FP8, NVFP4, QuantMode
+from dflash_trt.emulation.ranks import allgather, allreduce
 from dflash_trt.emulation.rope import cos_sin_table
 from dflash_trt.quant.nvfp4 import NVFP4_BLOCK_SIZE, dequantize_nvfp4, quantize_nvfp4
 
@@ -44,6 +46,17 @@ FP8_MAX = 448.0
 
 def _dtype(dtype: Any) -> Any:
     return dtype if dtype is not None else "float32"
+
+
+def _torch_dtype(dtype: Any) -> torch.dtype:
+    return trt.TORCH_DTYPES[_trt_dtype(_dtype(dtype))]
+
+
+def _typed(x: Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
+    """The strongly-typed network's rule: a layer built for `dtype` takes exactly that (no implicit cast)."""
+    if x.data.dtype != dtype:
+        raise EmulationError(f"{what} built for {dtype} fed a {x.data.dtype} tensor (the network is strongly typed)")
+    return x.data
 
 
 def _pad_up(value: int, multiple: int) -> int:
@@ -57,23 +70,10 @@ def _fp8_round(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(Module):
-    """ColumnLinear / RowLinear at tp_size 1; `quantize_as` turns it into FP8Linear / FP4Linear."""
+    """The GEMM of ColumnLinear / RowLinear on one rank; `quantize_as` turns it into FP8Linear / FP4Linear."""
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
-        dtype: Any = None,
-        tp_group: Any = None,
-        tp_size: int = 1,
-        gather_output: bool = True,
-        is_qkv: bool = False,
-        **unused: Any,
-    ):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: Any):
         super().__init__()
-        if tp_size != 1:
-            raise EmulationError("the emulation runs one rank (tp_size 1)")
         self.in_features, self.out_features = in_features, out_features
         self.dtype = _dtype(dtype)
         self.quant_algo: str | None = None
@@ -124,16 +124,69 @@ class Linear(Module):
             return values.reshape(x.shape)
         return x
 
+    def _gemm(self, x: Tensor, with_bias: bool) -> torch.Tensor:
+        """The GEMM with fp32 accumulation, its output rounded once to the layer's dtype (a cuBLAS / plugin GEMM);
+        `with_bias` adds the bias in the same fp32 epilogue."""
+        data = _typed(x, _torch_dtype(self.dtype), "a linear layer")
+        bias = self.bias.raw.float() if with_bias and self.bias is not None else None
+        return F.linear(self._rounded_input(data.float()), self._dequantized_weight(), bias).to(data.dtype)
+
+    def _bias(self, y: torch.Tensor) -> torch.Tensor:
+        """The bias as a separate elementwise add in the activations' dtype."""
+        return y if self.bias is None else y + self.bias.raw.to(y.dtype)
+
+
+class ColumnLinear(Linear):
+    """Output features split over the tp ranks (weight `[out / tp, in]`); `gather_output` all-gathers them back
+    (layers/linear.py `ColumnLinear`: bias on the local slice, then `allgather(x, tp_group, gather_dim=-1)`)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        dtype: Any = None,
+        tp_group: Any = None,
+        tp_size: int = 1,
+        gather_output: bool = True,
+        is_qkv: bool = False,
+        **unused: Any,
+    ):
+        if out_features % tp_size:
+            raise EmulationError(f"ColumnLinear: {out_features} output features do not split over tp {tp_size}")
+        super().__init__(in_features, out_features // tp_size, bias, dtype)
+        self.tp_group, self.tp_size, self.gather_output = tp_group, tp_size, gather_output
+
     def forward(self, x: Tensor, lora_runtime_params: Any = None, **unused: Any) -> Tensor:
-        if not x.data.is_floating_point():
-            raise EmulationError(f"a linear layer fed a {x.dtype.name} tensor")
-        bias = None if self.bias is None else self.bias.raw.float()
-        out = F.linear(self._rounded_input(x.data.float()), self._dequantized_weight(), bias)
-        return _wrap(out.to(x.data.dtype))
+        out = _wrap(self._gemm(x, with_bias=True))
+        if self.gather_output and self.tp_size > 1 and self.tp_group is not None:
+            out = allgather(out, self.tp_group, gather_dim=-1)
+        return out
 
 
-ColumnLinear = Linear
-RowLinear = Linear
+class RowLinear(Linear):
+    """Input features split over the tp ranks (weight `[out, in / tp]`); the partial products are all-reduced
+    before the bias is added (layers/linear.py `RowLinear`)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        dtype: Any = None,
+        tp_group: Any = None,
+        tp_size: int = 1,
+        **unused: Any,
+    ):
+        if in_features % tp_size:
+            raise EmulationError(f"RowLinear: {in_features} input features do not split over tp {tp_size}")
+        super().__init__(in_features // tp_size, out_features, bias, dtype)
+        self.tp_group, self.tp_size = tp_group, tp_size
+
+    def forward(self, x: Tensor, lora_runtime_params: Any = None, **unused: Any) -> Tensor:
+        if self.tp_size == 1 or self.tp_group is None:
+            return _wrap(self._gemm(x, with_bias=True))
+        return _wrap(self._bias(allreduce(_wrap(self._gemm(x, with_bias=False)), self.tp_group).data))
 
 
 class Embedding(Module):
@@ -155,7 +208,7 @@ class Embedding(Module):
         table = self.weight.raw
         if x.data.numel() and (int(x.data.min()) < 0 or int(x.data.max()) >= table.shape[0]):
             raise EmulationError("embedding index out of range")
-        return _wrap(table[x.data.long()].float())
+        return _wrap(table[x.data.long()])
 
 
 class RmsNorm(Module):
@@ -175,7 +228,8 @@ class RmsNorm(Module):
     def forward(self, x: Tensor, normalized_shape: Any = None) -> Tensor:
         if x.shape[-1] != self.normalized_shape:
             raise EmulationError(f"RmsNorm over {x.shape[-1]} features, built for {self.normalized_shape}")
-        return _wrap(rms_norm(x.data.float(), self.weight.raw.float(), self.eps))
+        weight = self.weight.raw
+        return _wrap(rms_norm(_typed(x, weight.dtype, "an RmsNorm"), weight, self.eps))
 
 
 _ACTIVATIONS: dict[str, Any] = {"silu": F.silu, "swiglu": F.silu, "gelu": F.gelu, "relu": F.relu}
@@ -198,9 +252,10 @@ class GatedMLP(Module):
         if hidden_act not in _ACTIVATIONS:
             raise EmulationError(f"unsupported activation function: {hidden_act}")
         self.hidden_act = hidden_act
-        self.fc = ColumnLinear(hidden_size, ffn_hidden_size, bias=bias, dtype=dtype, tp_size=tp_size)
-        self.gate = ColumnLinear(hidden_size, ffn_hidden_size, bias=bias, dtype=dtype, tp_size=tp_size)
-        self.proj = RowLinear(ffn_hidden_size, hidden_size, bias=bias, dtype=dtype, tp_size=tp_size)
+        split = {"dtype": dtype, "tp_group": tp_group, "tp_size": tp_size}
+        self.fc = ColumnLinear(hidden_size, ffn_hidden_size, bias=bias, gather_output=False, **split)
+        self.gate = ColumnLinear(hidden_size, ffn_hidden_size, bias=bias, gather_output=False, **split)
+        self.proj = RowLinear(ffn_hidden_size, hidden_size, bias=bias, **split)
 
     def forward(self, hidden_states: Tensor, lora_layer_params: Any = None, **unused: Any) -> Tensor:
         inter = _ACTIVATIONS[self.hidden_act](self.fc(hidden_states).data)
@@ -292,8 +347,13 @@ class Attention(Module):
     ):
         super().__init__()
         self.local_layer_idx = local_layer_idx
+        if num_attention_heads % tp_size:
+            raise EmulationError(f"{num_attention_heads} attention heads do not split over tp {tp_size}")
         self.num_attention_heads = num_attention_heads // tp_size
-        self.num_attention_kv_heads = (num_kv_heads or num_attention_heads) // tp_size
+        # KV heads are replicated when there are fewer than ranks (attention.py: ceil division).
+        self.num_attention_kv_heads = (
+            (num_kv_heads + tp_size - 1) // tp_size if num_kv_heads is not None else self.num_attention_heads
+        )
         self.attention_head_size = attention_head_size or hidden_size // num_attention_heads
         self.attention_mask_type = attention_mask_type
         self.position_embedding_type = position_embedding_type
@@ -302,17 +362,20 @@ class Attention(Module):
         d = self.attention_head_size
         self.qkv = ColumnLinear(
             hidden_size,
-            (self.num_attention_heads + 2 * self.num_attention_kv_heads) * d,
+            tp_size * (self.num_attention_heads + 2 * self.num_attention_kv_heads) * d,
             bias=bias,
             dtype=dtype,
+            tp_group=tp_group,
             tp_size=tp_size,
+            gather_output=False,
             is_qkv=True,
         )
         self.dense = RowLinear(
-            self.num_attention_heads * d,
+            tp_size * self.num_attention_heads * d,
             hidden_size,
             bias=bias if dense_bias is None else dense_bias,
             dtype=dtype,
+            tp_group=tp_group,
             tp_size=tp_size,
         )
         self.qk_layernorm = qk_layernorm
@@ -362,21 +425,24 @@ class Attention(Module):
             raise EmulationError("spec-decoding generation needs a causal mask type (XQA)")
         h, kvh, d = self.num_attention_heads, self.num_attention_kv_heads, self.attention_head_size
         qkv = self.qkv(hidden_states).data
-        tokens = qkv.shape[0]
+        tokens, dtype = qkv.shape[0], qkv.dtype
         q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
         q, k, v = q.reshape(tokens, h, d), k.reshape(tokens, kvh, d), v.reshape(tokens, kvh, d)
         if self.qk_layernorm:
             q = self.q_layernorm(_wrap(q)).data
             k = self.k_layernorm(_wrap(k)).data
-        out = torch.zeros(tokens, h, d, dtype=q.dtype)
+        # The kernels rotate in fp32 and keep q and the cached k in the activations' dtype; softmax(QK^T)V
+        # accumulates in fp32 and its output is rounded once.
+        out = torch.zeros(tokens, h, d, dtype=dtype)
         for rows, positions, rope_positions, visible in self._requests(
             tokens, spec_decoding_params, kv_cache_params, attention_params
         ):
             sl = rows.slice
             cos, sin = self._rope(rope_positions, attention_params)
-            qr, kr = _rotate(q[sl], cos, sin), _rotate(k[sl], cos, sin)
+            qr = _rotate(q[sl].float(), cos, sin).to(dtype)
+            kr = _rotate(k[sl].float(), cos, sin).to(dtype)
             keys, values = self._cache_write_read(kv_cache_params, rows.batch, positions, kr, v[sl], visible.shape[1])
-            out[sl] = _attend(qr, keys, values, visible, 1.0 / (self.q_scaling * d**0.5))
+            out[sl] = _attend(qr.float(), keys, values, visible, 1.0 / (self.q_scaling * d**0.5)).to(dtype)
         context = self.dense(_wrap(out.reshape(tokens, h * d)))
         return context, None
 
@@ -461,8 +527,10 @@ class Attention(Module):
             if self.kv_cache_scaling_factor is None:
                 raise EmulationError("an FP8 KV pool needs the layer's kv_cache_scaling_factor")
             scale, rcp = self.kv_cache_scaling_factor.raw.float(), self.kv_cache_rcp_scaling_factor.raw.float()
+        if rcp is None and pages.dtype != k.dtype:
+            raise EmulationError(f"a {pages.dtype} KV pool for {k.dtype} attention (the cache holds the activations)")
         for kind, values in ((0, k), (1, v)):
-            stored = values if rcp is None else (values * rcp).clamp(-FP8_MAX, FP8_MAX)
+            stored = values if rcp is None else (values.float() * rcp).clamp(-FP8_MAX, FP8_MAX)
             pages.write(kind, positions, stored.to(pages.dtype))
         read = []
         for kind in (0, 1):

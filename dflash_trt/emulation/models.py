@@ -33,14 +33,49 @@ MODEL_MAP: dict[str, type] = {}
 
 
 class Mapping:
-    def __init__(self, world_size: int = 1, rank: int = 0, tp_size: int = 1, pp_size: int = 1, **unused: Any):
-        if tp_size != 1 or pp_size != 1 or world_size != 1:
-            raise EmulationError("the emulation runs single-rank checkpoints (tp_size 1, pp_size 1)")
-        self.world_size, self.rank, self.tp_size, self.pp_size, self.tp_rank = world_size, rank, tp_size, pp_size, 0
-        self.tp_group = [0]
+    """1.2.x `mapping.py` for tensor (and expert) parallelism without pipeline stages: rank r is tp rank r; of the
+    MoE split `tp = moe_tp * moe_ep`, rank r holds expert group `r % moe_ep` and slice `r // moe_ep` of each expert
+    (moe_ep_rank / moe_tp_rank)."""
+
+    def __init__(
+        self,
+        world_size: int = 1,
+        rank: int = 0,
+        tp_size: int = 1,
+        pp_size: int = 1,
+        moe_tp_size: int = -1,
+        moe_ep_size: int = -1,
+        **unused: Any,
+    ):
+        if pp_size != 1:
+            raise EmulationError("the emulation runs tensor-parallel ranks only (pp_size 1)")
+        if world_size != tp_size * pp_size:
+            raise EmulationError(f"world_size {world_size} != tp_size {tp_size} * pp_size {pp_size}")
+        if not 0 <= rank < world_size:
+            raise EmulationError(f"rank {rank} outside world_size {world_size}")
+        if moe_tp_size == -1 and moe_ep_size == -1:
+            moe_tp_size, moe_ep_size = tp_size, 1
+        elif moe_tp_size == -1:
+            moe_tp_size = tp_size // moe_ep_size
+        elif moe_ep_size == -1:
+            moe_ep_size = tp_size // moe_tp_size
+        if moe_tp_size * moe_ep_size != tp_size:
+            raise EmulationError(f"moe_tp_size {moe_tp_size} * moe_ep_size {moe_ep_size} != tp_size {tp_size}")
+        self.world_size, self.rank, self.tp_size, self.pp_size = world_size, rank, tp_size, pp_size
+        self.moe_tp_size, self.moe_ep_size = moe_tp_size, moe_ep_size
+        self.tp_rank = rank % tp_size
+        self.moe_tp_rank = self.tp_rank // moe_ep_size
+        self.moe_ep_rank = self.tp_rank % moe_ep_size
+        self.tp_group = list(range(tp_size))
 
     def to_dict(self) -> dict[str, int]:
-        return {"world_size": self.world_size, "tp_size": self.tp_size, "pp_size": self.pp_size}
+        return {
+            "world_size": self.world_size,
+            "tp_size": self.tp_size,
+            "pp_size": self.pp_size,
+            "moe_tp_size": self.moe_tp_size,
+            "moe_ep_size": self.moe_ep_size,
+        }
 
 
 class PretrainedConfig:
@@ -109,6 +144,9 @@ class PretrainedConfig:
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> PretrainedConfig:
         return cls(**copy.deepcopy(config))
+
+    def set_rank(self, rank: int) -> None:
+        self.mapping = Mapping(**{**self.mapping.to_dict(), "rank": rank})
 
 
 class QWenConfig(PretrainedConfig):
@@ -211,7 +249,9 @@ def _stock_attention(config: Any, layer_idx: int, **extra: Any) -> Attention:
         position_embedding_type=config.position_embedding_type,
         rotary_embedding_base=config.rotary_base,
         rotary_embedding_scaling=config.rotary_scaling,
+        tp_group=config.mapping.tp_group,
         tp_size=config.mapping.tp_size,
+        tp_rank=config.mapping.tp_rank,
         quant_mode=config.quant_mode,
         **extra,
     )
@@ -224,6 +264,7 @@ def _stock_mlp_kwargs(config: Any) -> dict[str, Any]:
         "hidden_act": config.hidden_act,
         "dtype": config.dtype,
         "bias": config.mlp_bias,
+        "tp_group": config.mapping.tp_group,
         "tp_size": config.mapping.tp_size,
         "quant_mode": config.quant_mode,
     }
@@ -315,6 +356,7 @@ class PretrainedModel(Module, metaclass=_PostInitCaller):
         raw = json.loads((ckpt_dir / "config.json").read_text())
         model_cls: Any = MODEL_MAP[raw["architecture"]]
         config = model_cls.config_class.from_dict(raw)
+        config.set_rank(rank)
         reader = SafetensorsFile(ckpt_dir / f"rank{rank}.safetensors")
         try:
             weights = {name: reader.get(name, copy=True) for name in reader.names()}

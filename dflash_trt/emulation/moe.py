@@ -27,6 +27,7 @@ from dflash_trt.emulation.functional import EmulationError, Tensor, _wrap
 from dflash_trt.emulation.layers import RowLinear, _fp8_round
 from dflash_trt.emulation.module import Module, Parameter
 from dflash_trt.emulation.quantization import QuantMode
+from dflash_trt.emulation.ranks import allreduce
 
 # functional.py `is_gated_activation`: the activations whose fc holds both branches.
 _GATED = {"swiglu": F.silu}
@@ -119,8 +120,6 @@ class MixtureOfExperts(Module):
         **unused: Any,
     ):
         super().__init__()
-        if tp_size != 1:
-            raise EmulationError("the emulation runs one rank (tp_size 1)")
         if hidden_act not in _GATED:
             raise EmulationError(f"the emulation runs gated (swiglu) experts, got {hidden_act}")
         if moe_config.normalization_mode not in (_Mode.NONE, _Mode.RENORMALIZE):
@@ -131,10 +130,21 @@ class MixtureOfExperts(Module):
         self.moe_config = moe_config
         self.num_experts, self.top_k = moe_config.num_experts, moe_config.top_k
         self.hidden_act = hidden_act
-        self.expert_inter_size = ffn_hidden_size
+        # Rank r runs experts group `moe_ep_rank` (num_experts / moe_ep of them), each on its slice `moe_tp_rank` of
+        # the intermediate features; the ranks' partial outputs are all-reduced over the tp group.
+        moe_tp, moe_ep = (mapping.moe_tp_size, mapping.moe_ep_size) if mapping is not None else (1, 1)
+        if self.num_experts % moe_ep or ffn_hidden_size % moe_tp:
+            raise EmulationError(
+                f"{self.num_experts} experts of {ffn_hidden_size} do not split over ep {moe_ep} x tp {moe_tp}"
+            )
+        self.experts_per_node = self.num_experts // moe_ep
+        self.first_expert = (mapping.moe_ep_rank if mapping is not None else 0) * self.experts_per_node
+        self.tp_group, self.tp_size = tp_group, tp_size
+        self.expert_inter_size = ffn_hidden_size // moe_tp
+        inter, experts = self.expert_inter_size, self.experts_per_node
         self.router = RowLinear(hidden_size, self.num_experts, bias=False, dtype="float32")
-        self.fc = MOEWeightWrapper(hidden_size, 2 * ffn_hidden_size, self.num_experts, quant_mode, dtype, bias)
-        self.proj = MOEWeightWrapper(ffn_hidden_size, hidden_size, self.num_experts, quant_mode, dtype, bias)
+        self.fc = MOEWeightWrapper(hidden_size, 2 * inter, experts, quant_mode, dtype, bias)
+        self.proj = MOEWeightWrapper(inter, hidden_size, experts, quant_mode, dtype, bias)
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(token_selected_experts, token_final_scales), each [tokens, top_k]."""
@@ -152,11 +162,20 @@ class MixtureOfExperts(Module):
         out = torch.zeros_like(rows)
         inter = self.expert_inter_size
         for e in chosen.unique().tolist():
+            local = e - self.first_expert
+            if not 0 <= local < self.experts_per_node:
+                continue
             token, slot = (chosen.reshape(-1, self.top_k) == e).nonzero(as_tuple=True)
-            fused = self.fc.expert(rows[token], e)
-            hidden = _GATED[self.hidden_act](fused[:, inter:]) * fused[:, :inter]
-            out.index_add_(0, token, self.proj.expert(hidden, e) * scales.reshape(-1, self.top_k)[token, slot, None])
-        return _wrap(out.reshape(x.shape).to(x.dtype))
+            # Each grouped GEMM's output and the activation are in the activations' dtype; the routing-weighted sum
+            # accumulates in fp32 and is rounded once (the plugin's finalize step).
+            fused = self.fc.expert(rows[token], local).to(x.dtype)
+            hidden = (_GATED[self.hidden_act](fused[:, inter:]) * fused[:, :inter]).float()
+            expert_out = self.proj.expert(hidden, local).to(x.dtype).float()
+            out.index_add_(0, token, expert_out * scales.reshape(-1, self.top_k)[token, slot, None])
+        result = _wrap(out.reshape(x.shape).to(x.dtype))
+        if self.tp_size > 1 and self.tp_group is not None:
+            result = allreduce(result, self.tp_group)
+        return result
 
 
 MOE = MixtureOfExperts

@@ -6,6 +6,12 @@ fields, V as is, computed in fp32 and rounded once; it writes through `PagedKVCa
 the torch definition (`dflash_trt.reference.kv_injection`), resolving each layer's pool from
 `host_kv_cache_pool_mapping[offset + l]`. Its output is a lazy copy of `passthrough`: the write happens when the
 consumer reads it (see functional.py).
+
+Formats, as `plugins/src/kvInjectionPlugin.cpp` accepts them: `type_id` HALF or BF16 (its config validation),
+`ctx_kv` and `k_norm_weight` of that type, the index inputs int32, the pool pointers int64, `passthrough` FLOAT,
+HALF, BF16 or INT32 and the output of its type, the FP8 scale FLOAT (`supportsFormatCombination`); the cache holds
+the input type, or FP8. One emulation-only extension: `type_id` FLOAT for float32 checkpoints, which no engine is
+built from (`formats.ENGINE_DTYPES`) but which the emulation runs to compare with the golden model bit for bit.
 """
 
 from __future__ import annotations
@@ -20,6 +26,10 @@ from dflash_trt.emulation.functional import EmulationError, Tensor
 from dflash_trt.emulation.kv_pool import pool_at
 from dflash_trt.reference.kv_injection import PagedKVCacheLayout, to_cache_dtype
 from dflash_trt.trtllm.plugin import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION
+
+# kvInjectionPlugin.cpp: the input types its kernels are instantiated for; FLOAT only in the emulation (above).
+TYPE_IDS = (int(trt.DataType.HALF), int(trt.DataType.BF16))
+EMULATION_ONLY_TYPE_IDS = (int(trt.DataType.FLOAT),)
 
 
 def _int32(t: Tensor, what: str, rank: int) -> torch.Tensor:
@@ -49,11 +59,31 @@ class KVInjectionPlugin:
         self.attention_scaling = float(_field(fields, "rope_attention_scaling")[0])
         if self.inv_freq.numel() * 2 != self.head_dim:
             raise EmulationError("rope_inv_freq must hold head_dim / 2 frequencies")
+        if self.type_id not in (*TYPE_IDS, *EMULATION_ONLY_TYPE_IDS):
+            raise EmulationError(f"{PLUGIN_NAME}: type_id must be HALF or BF16, got {self.type_id}")
+        self.input_type = trt.DataType(self.type_id)
+
+    def _formats(self) -> list[tuple[trt.DataType, ...]]:
+        """Per input position, the types supportsFormatCombination accepts."""
+        index = (trt.int32,)
+        formats: list[tuple[trt.DataType, ...]] = [(self.input_type,), (self.input_type,), index, index, index, index]
+        formats += [(trt.int64,), index]
+        formats.append((trt.float32, trt.float16, trt.bfloat16, trt.int32))
+        if self.cache_fp8:
+            formats.append((trt.float32,))
+        return formats
 
     def add_to_network(self, inputs: list[Tensor]) -> list[Tensor]:
         expected = 10 if self.cache_fp8 else 9
         if len(inputs) != expected:
             raise EmulationError(f"{PLUGIN_NAME} takes {expected} inputs, got {len(inputs)}")
+        for position, (tensor, allowed) in enumerate(zip(inputs, self._formats(), strict=False)):
+            if tensor.dtype not in allowed:
+                names = " or ".join(t.name for t in allowed)
+                raise EmulationError(
+                    f"{PLUGIN_NAME} input {position} is {tensor.dtype.name}; the plugin supports {names} there "
+                    "(supportsFormatCombination)"
+                )
         passthrough = inputs[8]
         return [Tensor(thunk=lambda: self._execute(inputs, passthrough))]
 
@@ -61,8 +91,6 @@ class KVInjectionPlugin:
         ctx_kv, k_norm, positions, seq_slots, valid, offsets, pointers, mapping = inputs[:8]
         if not (pointers.host and mapping.host):
             raise EmulationError("host_kv_cache_pool_pointers / _mapping must be host tensors (network inputs)")
-        if int(ctx_kv.dtype) != self.type_id:
-            raise EmulationError(f"ctx_kv is {ctx_kv.dtype.name}, the plugin was built for type {self.type_id}")
         layers, heads, dim = self.num_layers, self.num_kv_heads, self.head_dim
         if ctx_kv.shape[-1] != layers * 2 * heads * dim or tuple(k_norm.shape) != (layers, dim):
             raise EmulationError(f"ctx_kv {ctx_kv.shape} / k_norm {k_norm.shape} do not match the plugin fields")
@@ -86,8 +114,9 @@ class KVInjectionPlugin:
             pool = pool_at(int(pointers.data[pool_index, 0]))
             if pool is None:
                 raise EmulationError(f"no KV pool at the pointer of pool {pool_index}")
-            if (pool.dtype == torch.float8_e4m3fn) != bool(self.cache_fp8):
-                raise EmulationError("the plugin's cache_fp8 field disagrees with the pool dtype")
+            cache = torch.float8_e4m3fn if self.cache_fp8 else trt.TORCH_DTYPES[self.input_type]
+            if pool.dtype != cache:
+                raise EmulationError(f"a {pool.dtype} KV pool; the plugin writes {cache} (type_id, cache_fp8)")
             block_offsets = offsets.data[pool_index]
             layout = PagedKVCacheLayout(heads, dim, self.tokens_per_block, block_offsets.shape[-1], layer_in_pool)
             flat = pool.data.view(-1)

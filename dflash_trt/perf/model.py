@@ -110,8 +110,11 @@ class Calibration:
     `bandwidth_efficiency`, `compute_efficiency` and `allreduce_latency_s` are assumptions (typical large-GEMM
     and NCCL figures), not fits. The overheads are what `evaluation` (published points) or `calibrate` (a user's
     own bench results) fits, per harness: `step_overhead_s` (per iteration, AR included: launches, scheduling,
-    sampling, host sync) and `spec_overhead_s` (extra per speculative iteration: acceptance, cache rewind, draft
-    inputs). `source` says where the values came from, so every prediction carries it.
+    sampling, host sync), `spec_overhead_s` (extra per speculative iteration: acceptance, cache rewind, draft
+    inputs) and `token_overhead_s` (per token the target takes in one iteration: a sequence's 1 token in AR,
+    its whole verified block in speculation; what grows with the batch beyond the roofline, such as sampling,
+    acceptance and MoE routing per token). `source` says where the values came from, so every prediction
+    carries it.
     """
 
     name: str = "default"
@@ -121,6 +124,12 @@ class Calibration:
     allreduce_latency_s: float = 8e-6
     step_overhead_s: float = 0.0
     spec_overhead_s: float = 0.0
+    token_overhead_s: float = 0.0
+
+    def overhead(self, target_tokens: int, speculative: bool) -> float:
+        """Fixed costs of one iteration in which the target takes `target_tokens` tokens."""
+        spec = self.spec_overhead_s if speculative else 0.0
+        return self.step_overhead_s + target_tokens * self.token_overhead_s + spec
 
 
 @dataclass(frozen=True)
@@ -274,7 +283,7 @@ class Iteration:
 
 def ar_iteration(target: TargetShape, batch: int, ctx: float, dep: Deployment) -> Iteration:
     t = pass_time(stack_pass(target.stack, batch, 1, ctx, dep, batch, target.vocab), dep)
-    return Iteration(t + dep.calibration.step_overhead_s, 1.0, t, 0.0)
+    return Iteration(t + dep.calibration.overhead(batch, False), 1.0, t, 0.0)
 
 
 def dflash_iteration(
@@ -294,8 +303,7 @@ def dflash_iteration(
     inject_flops = 2.0 * injected * (fc_params + drafter.stack.num_layers * drafter.stack.kv_proj_params()) / dep.tp
     draft = replace(draft, bytes=draft.bytes + inject_bytes, linear_flops=draft.linear_flops + inject_flops)
     d = pass_time(draft, dep)
-    cal = dep.calibration
-    return Iteration(verify + d + cal.step_overhead_s + cal.spec_overhead_s, acceptance.mean(), verify, d)
+    return Iteration(verify + d + dep.calibration.overhead(batch * block, True), acceptance.mean(), verify, d)
 
 
 def eagle3_iteration(
@@ -316,8 +324,7 @@ def eagle3_iteration(
         linear_flops=step.linear_flops + 2.0 * batch * fc / dep.tp,
     )
     d = sum(pass_time(fused if i == 0 else step, dep) for i in range(drafter.steps))
-    cal = dep.calibration
-    return Iteration(verify + d + cal.step_overhead_s + cal.spec_overhead_s, acceptance.mean(), verify, d)
+    return Iteration(verify + d + dep.calibration.overhead(batch * width, True), acceptance.mean(), verify, d)
 
 
 @dataclass(frozen=True)

@@ -106,23 +106,19 @@ def dflash(target_cfg: dict, draft_cfg: dict) -> DFlashShape:
 
 @dataclass(frozen=True)
 class Pair:
-    """A target + DFlash drafter pair, with the acceptance length a source publishes for it (if any)."""
+    """A target + DFlash drafter pair and the HF ids it is published under."""
 
     load: Callable[[], tuple[TargetShape, DFlashShape]]
     target_id: str
     draft_id: str
-    tau: float | None = None
-    tau_source: str = ""
 
 
 PAIRS: dict[str, Pair] = {
     "qwen3-8b": Pair(
-        lambda: (target(QWEN3_8B), dflash(QWEN3_8B, QWEN3_8B_DFLASH_B16)),
-        "Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16", 6.55, "z-lab README (initial commit), GSM8K, T=0",
+        lambda: (target(QWEN3_8B), dflash(QWEN3_8B, QWEN3_8B_DFLASH_B16)), "Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16"
     ),
     "qwen3-4b": Pair(
-        lambda: (target(QWEN3_4B), dflash(QWEN3_4B, QWEN3_4B_DFLASH_B16)),
-        "Qwen/Qwen3-4B", "z-lab/Qwen3-4B-DFlash-b16", 6.50, "z-lab README (initial commit), GSM8K, T=0",
+        lambda: (target(QWEN3_4B), dflash(QWEN3_4B, QWEN3_4B_DFLASH_B16)), "Qwen/Qwen3-4B", "z-lab/Qwen3-4B-DFlash-b16"
     ),
     "llama-3.1-8b": Pair(
         lambda: (target(LLAMA31_8B), dflash(LLAMA31_8B, LLAMA31_8B_DFLASH)),
@@ -137,8 +133,7 @@ PAIRS: dict[str, Pair] = {
         "Qwen/Qwen3-Coder-30B-A3B-Instruct", "z-lab/Qwen3-Coder-30B-A3B-DFlash",
     ),
     "gpt-oss-120b": Pair(
-        lambda: (GPT_OSS_120B, GPT_OSS_120B_DFLASH),
-        "openai/gpt-oss-120b", "z-lab/gpt-oss-120b-DFlash", 5.3, "z-lab/gpt-oss-120b-DFlash card, GSM8K, block 10",
+        lambda: (GPT_OSS_120B, GPT_OSS_120B_DFLASH), "openai/gpt-oss-120b", "z-lab/gpt-oss-120b-DFlash"
     ),
 }  # fmt: skip
 
@@ -249,10 +244,14 @@ EAGLE3_ZLAB_STEPS = Unknown(
 )
 
 
+def _dataset_key(name: str) -> str:
+    return name.lower().replace("-", "")
+
+
 def _zlab() -> list[Published]:
     points = []
     for dataset, s8, t8, s4, t4, se, te in ZLAB_ROWS:
-        key = dataset.lower().replace("-", "")
+        key = _dataset_key(dataset)
         row = partial(Published, source="zlab-readme", metric="speedup", harness="hf-transformers", gpu="b200",
                       precision=BF16_CHECKPOINTS, concurrency=1)  # fmt: skip
         points += [
@@ -266,6 +265,63 @@ def _zlab() -> list[Published]:
     return points
 
 
+# Acceptance length per (dataset, temperature) as the sources publish them. The z-lab README's tables at T=0 and
+# T=1 (its T=1 rows came from an exact-match verifier, not rejection sampling); the gpt-oss-120b-DFlash card at
+# block 10 (temperature not stated: None).
+WORKLOADS = {
+    "math": ("gsm8k", "math500", "aime24", "aime25"),
+    "code": ("humaneval", "mbpp", "livecodebench", "swebench"),
+    "chat": ("mtbench", "alpaca"),
+}
+_DATASETS = tuple(d for ds in WORKLOADS.values() for d in ds)
+# The README's T=1 tables in the dataset order of _DATASETS (T=0: ZLAB_ROWS).
+_ZLAB_T1_TAUS = {
+    "qwen3-8b": (6.04, 6.57, 5.06, 5.03, 5.40, 5.17, 6.79, 2.82, 3.74, 2.88),
+    "qwen3-4b": (5.98, 6.67, 4.97, 5.01, 6.05, 5.55, 6.60, 3.09, 4.03, 2.99),
+}
+_CARD_TAUS = {"gsm8k": 5.3, "math500": 5.4, "humaneval": 4.4, "mbpp": 4.6, "mtbench": 3.7}
+
+
+def _taus() -> dict[str, dict[tuple[str, float | None], float]]:
+    out: dict[str, dict[tuple[str, float | None], float]] = {"qwen3-8b": {}, "qwen3-4b": {}}
+    for dataset, _, t8, _, t4, *_ in ZLAB_ROWS:
+        key = _dataset_key(dataset)
+        out["qwen3-8b"][(key, 0.0)], out["qwen3-4b"][(key, 0.0)] = t8, t4
+    for pair, values in _ZLAB_T1_TAUS.items():
+        out[pair].update({(d, 1.0): t for d, t in zip(_DATASETS, values, strict=True)})
+    out["gpt-oss-120b"] = {(d, None): t for d, t in _CARD_TAUS.items()}
+    return out
+
+
+TAUS = _taus()
+TAU_SOURCES = {
+    "qwen3-8b": "z-lab README (initial commit), T=0 and T=1 tables",
+    "qwen3-4b": "z-lab README (initial commit), T=0 and T=1 tables",
+    "gpt-oss-120b": "z-lab/gpt-oss-120b-DFlash card, block 10, temperature not stated",
+}
+
+
+def workload_taus(pair: str, workload: str, temperature: float | None) -> dict[str, float]:
+    """The published acceptance lengths of `workload` (a dataset or one of WORKLOADS) for `pair` at `temperature`
+    (None: whatever the source used, when it states none)."""
+    taus = TAUS.get(pair)
+    if not taus:
+        raise DFlashTrtError(f"no acceptance length is published for {pair}: give --acceptance_length")
+    datasets = WORKLOADS.get(workload, (workload,))
+    temps = sorted({t for _, t in taus}, key=lambda t: -1.0 if t is None else t)
+    if temperature is None and temps != [None]:
+        temperature = 0.0
+    found = {d: taus[(d, temperature)] for d in datasets if (d, temperature) in taus}
+    if not found:
+        known = sorted({d for d, _ in taus})
+        temp_text = ", ".join("not stated" if t is None else f"{t:g}" for t in temps)
+        raise DFlashTrtError(
+            f"{pair} has no published acceptance length for workload {workload!r} at temperature {temperature} "
+            f"(workloads: {', '.join([*WORKLOADS, *known])}; temperatures: {temp_text})"
+        )
+    return found
+
+
 def _paper() -> list[Published]:
     readme_tau = {d: t8 for d, _, t8, *_ in ZLAB_ROWS}
     gpu = Unknown(("b200", "h200"), "not recorded for the paper's table; the README's B200 and an H200")
@@ -274,8 +330,8 @@ def _paper() -> list[Published]:
         Published(
             f"paper-qwen3-8b-dflash-{d.lower().replace('-', '')}", "dflash-paper", "qwen3-8b",
             f"Qwen3-8B DFlash, {d}", "speedup", s, "hf-transformers", gpu, BF16_CHECKPOINTS, 1,
-            Unknown((readme_tau[d],), "the paper's acceptance length is not recorded here: the README's for "
-                    "the same pair and dataset", "datasheet"),
+            Unknown((readme_tau[d],), "substituted: the paper's acceptance length is not recorded here, so the "
+                    "README's for the same pair and dataset is assumed"),
             note="disagrees with the README's row for the same pair and dataset; both are kept. Harness assumed "
             "the README's (transformers)",
         )

@@ -14,7 +14,9 @@ from pathlib import Path
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.perf.pareto import Point, group_by_engine, pareto_frontier
 
-Y_LABEL = "output tok/s per GPU"
+Y_LABEL_GPU = "output tok/s per GPU"
+Y_LABEL_CPU = "output tok/s (CPU host, no GPU)"
+# One colour per engine, in sorted name order, for the HTML and the PNG alike.
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 _W, _H, _M = 720, 440, 64
 
@@ -33,8 +35,19 @@ def _fmt(v: float) -> str:
     return f"{v:,.0f}" if v >= 10 else f"{v:g}"
 
 
-def render_svg(points: Sequence[Point], x_label: str) -> str:
-    """Log-log scatter of all points with each engine's frontier drawn as a line."""
+def y_label(records: Sequence[dict]) -> str:
+    """Per GPU only when every measured point ran on GPUs (a CPU golden-model point records `gpus` 0)."""
+    return Y_LABEL_GPU if all(r.get("gpus", 1) for r in records if r.get("status") == "ok") else Y_LABEL_CPU
+
+
+def _engine_colors(points: Sequence[Point]) -> list[tuple[str, str, list[Point]]]:
+    return [
+        (name, _COLORS[i % len(_COLORS)], pts) for i, (name, pts) in enumerate(sorted(group_by_engine(points).items()))
+    ]
+
+
+def render_svg(points: Sequence[Point], x_label: str, y_axis: str = Y_LABEL_GPU) -> str:
+    """Log-log scatter of all points, each labelled with its concurrency, with each engine's frontier as a line."""
     if not points:
         raise DFlashTrtError("no successful points to plot")
     xs = [p.tok_s_user for p in points]
@@ -59,9 +72,9 @@ def render_svg(points: Sequence[Point], x_label: str) -> str:
         parts.append(f'<line x1="{_M}" y1="{sy(t):.1f}" x2="{_W - _M}" y2="{sy(t):.1f}" stroke="#ddd"/>')
         parts.append(f'<text x="{_M - 4}" y="{sy(t) + 4:.1f}" text-anchor="end">{_fmt(t)}</text>')
     parts.append(f'<text x="{_W / 2}" y="{_H - 16}" text-anchor="middle">{html.escape(x_label)}</text>')
-    parts.append(f'<text x="14" y="{_H / 2}" text-anchor="middle" transform="rotate(-90 14 {_H / 2})">{Y_LABEL}</text>')
-    for i, (name, pts) in enumerate(sorted(group_by_engine(points).items())):
-        color = _COLORS[i % len(_COLORS)]
+    rotate = f"rotate(-90 14 {_H / 2})"
+    parts.append(f'<text x="14" y="{_H / 2}" text-anchor="middle" transform="{rotate}">{html.escape(y_axis)}</text>')
+    for i, (name, color, pts) in enumerate(_engine_colors(points)):
         front = pareto_frontier(pts)
         path = " ".join(f"{sx(p.tok_s_user):.1f},{sy(p.tok_s_gpu):.1f}" for p in front)
         parts.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"/>')
@@ -69,8 +82,10 @@ def render_svg(points: Sequence[Point], x_label: str) -> str:
             parts.append(
                 f'<circle cx="{sx(p.tok_s_user):.1f}" cy="{sy(p.tok_s_gpu):.1f}" r="3.5" fill="{color}">'
                 f"<title>{html.escape(name)} c={p.concurrency}: {p.tok_s_user:.1f} tok/s/user, "
-                f"{p.tok_s_gpu:.1f} tok/s/GPU</title></circle>"
+                f"{p.tok_s_gpu:.1f} {html.escape(y_axis)}</title></circle>"
             )
+            x, y = sx(p.tok_s_user) + 5, sy(p.tok_s_gpu) - 5
+            parts.append(f'<text x="{x:.1f}" y="{y:.1f}" fill="{color}">c={p.concurrency}</text>')
         parts.append(f'<rect x="{_M + 10}" y="{_M + 8 + 16 * i}" width="10" height="10" fill="{color}"/>')
         parts.append(f'<text x="{_M + 26}" y="{_M + 17 + 16 * i}">{html.escape(name)}</text>')
     parts.append("</svg>")
@@ -80,9 +95,11 @@ def render_svg(points: Sequence[Point], x_label: str) -> str:
 Table = tuple[str, Sequence[str], Sequence[Sequence[str]]]
 
 
-def render_html(points: Sequence[Point], x_label: str, title: str, tables: Sequence[Table] = ()) -> str:
+def render_html(
+    points: Sequence[Point], x_label: str, title: str, tables: Sequence[Table] = (), y_axis: str = Y_LABEL_GPU
+) -> str:
     """One page: the plot, then each (caption, header, rows) table; all text escaped, no scripts or links."""
-    body = [f"<h1>{html.escape(title)}</h1>", render_svg(points, x_label)]
+    body = [f"<h1>{html.escape(title)}</h1>", render_svg(points, x_label, y_axis)]
     for caption, header, rows in tables:
         body.append(f"<h2>{html.escape(caption)}</h2><table>")
         body.append("<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>")
@@ -99,8 +116,11 @@ def render_html(points: Sequence[Point], x_label: str, title: str, tables: Seque
     )
 
 
-def write_png(points: Sequence[Point], x_label: str, path: str | Path) -> bool:
-    """Matplotlib PNG of the same plot; returns False (and writes nothing) where matplotlib is not installed."""
+def write_png(
+    points: Sequence[Point], x_label: str, path: str | Path, title: str = "", y_axis: str = Y_LABEL_GPU
+) -> bool:
+    """Matplotlib PNG of the HTML's plot (same title, colours, labels and statistic); returns False (and writes
+    nothing) where matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -109,14 +129,23 @@ def write_png(points: Sequence[Point], x_label: str, path: str | Path) -> bool:
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(8, 5))
-    for name, pts in sorted(group_by_engine(points).items()):
+    for name, color, pts in _engine_colors(points):
         front = pareto_frontier(pts)
-        line = ax.plot([p.tok_s_user for p in front], [p.tok_s_gpu for p in front], "-", label=name)[0]
-        ax.plot([p.tok_s_user for p in pts], [p.tok_s_gpu for p in pts], "o", color=line.get_color())
+        ax.plot([p.tok_s_user for p in front], [p.tok_s_gpu for p in front], "-", color=color, label=name)
+        ax.plot([p.tok_s_user for p in pts], [p.tok_s_gpu for p in pts], "o", color=color)
+        for p in pts:
+            ax.annotate(
+                f"c={p.concurrency}",
+                (p.tok_s_user, p.tok_s_gpu),
+                textcoords="offset points",
+                xytext=(4, 4),
+                color=color,
+            )
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ax.set_title(title)
     ax.set_xlabel(x_label)
-    ax.set_ylabel(Y_LABEL)
+    ax.set_ylabel(y_axis)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -135,6 +164,7 @@ def analyze_records(
     levels: Sequence[float] | None,
     out_dir: str | Path,
     extra_tables: Sequence[Table] = (),
+    title: str = "DFlash sweep: throughput vs interactivity",
 ) -> dict:
     """Frontiers, speedups at equal interactivity and crossover concurrencies; writes report.html (+ PNG).
 
@@ -167,9 +197,12 @@ def analyze_records(
         if r.get("status") != "ok"
     ]
     x_label = USER_SPEED_METRICS[user_metric]
+    y_axis = y_label(records)
+    unit = "tok/s/GPU" if y_axis == Y_LABEL_GPU else "tok/s (CPU)"
     summary: dict[str, object] = {
         "user_metric": user_metric,
         "x_axis": x_label,
+        "y_axis": y_axis,
         "baseline": baseline,
         "frontiers": {
             name: [{"concurrency": p.concurrency, "tok_s_user": p.tok_s_user, "tok_s_gpu": p.tok_s_gpu} for p in f]
@@ -187,8 +220,8 @@ def analyze_records(
         if baseline is None
         else [
             (
-                f"tok/s/GPU at equal interactivity, and speedup over {baseline}",
-                ["tok/s/user", *[f"{n} tok/s/GPU" for n in names], *[f"{n} vs {baseline}" for n in names]],
+                f"{unit} at equal interactivity (same tok/s/user), and speedup over {baseline} there",
+                ["tok/s/user", *[f"{n} {unit}" for n in names], *[f"{n} vs {baseline}" for n in names]],
                 [
                     [f"{r.tok_s_user:.1f}"]
                     + ["-" if r.throughput[n] is None else f"{r.throughput[n]:.1f}" for n in names]
@@ -197,7 +230,7 @@ def analyze_records(
                 ],
             ),
             (
-                f"Concurrency where speculation stops paying (tok/s/GPU <= {baseline} at equal concurrency)",
+                f"Concurrency where speculation stops paying ({unit} <= {baseline} at equal concurrency)",
                 ["engine", "crossover concurrency"],
                 [[n, "none in the swept range" if c is None else f"{c:.1f}"] for n, c in sorted(crossovers.items())],
             ),
@@ -207,6 +240,6 @@ def analyze_records(
         tables.append(("Failed points", ["engine", "concurrency", "error"], [list(f.values()) for f in failed]))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.html").write_text(render_html(points, x_label, "DFlash sweep: throughput vs interactivity", tables))
-    summary["png_written"] = write_png(points, x_label, out / "pareto.png")
+    (out / "report.html").write_text(render_html(points, x_label, title, tables, y_axis))
+    summary["png_written"] = write_png(points, x_label, out / "pareto.png", title, y_axis)
     return summary

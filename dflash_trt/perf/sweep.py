@@ -29,9 +29,18 @@ from typing import Any
 import yaml
 
 from dflash_trt.bench.driver import FollowerRank
-from dflash_trt.bench.measure import measure_point
+from dflash_trt.bench.measure import measure_point, request_bar
 from dflash_trt.bench.results import RESULTS_FILE, sweep_fields, write_results
-from dflash_trt.bench.targets import KINDS, Target, backend_factory, check_target, describe, max_positions, vocab_size
+from dflash_trt.bench.targets import (
+    KINDS,
+    Target,
+    backend_factory,
+    check_target,
+    describe,
+    max_positions,
+    provenance,
+    vocab_size,
+)
 from dflash_trt.bench.workload import Workload, file_workload, parse_synthetic, synthetic_workload
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.inputs import (
@@ -50,7 +59,7 @@ from dflash_trt.inputs import (
     check_bool,
     check_text,
 )
-from dflash_trt.jsonfile import read_json_object
+from dflash_trt.jsonfile import read_json_object, strict_json
 from dflash_trt.perf.pareto import Point
 from dflash_trt.yamlfile import safe_load_unique
 
@@ -397,8 +406,7 @@ def write_json_atomic(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
+        f.write(strict_json(data, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
 
 
@@ -456,8 +464,11 @@ def _trtllm_bench_point(cfg: SweepConfig, engine: EngineEntry, concurrency: int,
         return base | {"status": "failed", "returncode": rc, "error": str(exc), "log_tail": _log_tail(log_path)}
 
 
-def _driver_point(cfg: SweepConfig, engine: EngineEntry, concurrency: int, workload: Workload) -> dict:
+def _driver_point(
+    cfg: SweepConfig, engine: EngineEntry, concurrency: int, workload: Workload, show_progress: bool = False
+) -> dict:
     base = {"engine": engine.name, "kind": engine.kind, "concurrency": concurrency, "target": describe(engine.target)}
+    bar = request_bar(len(workload.requests), f"{engine.name} c={concurrency}", show_progress)
     try:
         factory = backend_factory(engine.target, workload, cfg.max_batch_size, cfg.kv_cache_free_gpu_mem_fraction)
         point = measure_point(
@@ -468,11 +479,14 @@ def _driver_point(cfg: SweepConfig, engine: EngineEntry, concurrency: int, workl
             warmup=cfg.warmup or 0,
             seed=cfg.seed,
             timeout_s=cfg.timeout_s,
+            on_request_done=bar.update,
         )
     except FollowerRank:
         raise
     except Exception as exc:  # a failed point is recorded and the sweep goes on, whatever the executor raised
         return base | {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        bar.close()
     if not point["requests"]:
         errors = {r["error"] for r in point["per_request"] if r["error"]}
         return base | {"status": "failed", "error": "no request finished: " + "; ".join(sorted(errors))}
@@ -480,44 +494,58 @@ def _driver_point(cfg: SweepConfig, engine: EngineEntry, concurrency: int, workl
 
 
 def run_point(
-    cfg: SweepConfig, engine: EngineEntry, concurrency: int, runner: Runner, workload: Workload | None = None
-) -> dict:
-    """Run (or resume) one point; returns its record, successful or failed, and leaves it in point.json."""
+    cfg: SweepConfig,
+    engine: EngineEntry,
+    concurrency: int,
+    runner: Runner,
+    workload: Workload | None = None,
+    show_progress: bool = False,
+) -> tuple[dict, bool]:
+    """Run (or resume) one point; returns its record, successful or failed, left in point.json, and whether it
+    was reused from an earlier run of the same point instead of measured now."""
     record_path = point_dir(cfg, engine, concurrency) / "point.json"
     previous = _previous_ok(record_path)
     if previous is not None:
-        return previous
+        return previous, True
     if engine.runner == "trtllm-bench":
         record = _trtllm_bench_point(cfg, engine, concurrency, runner)
     else:
-        record = _driver_point(cfg, engine, concurrency, workload or sweep_workload(cfg))
+        record = _driver_point(cfg, engine, concurrency, workload or sweep_workload(cfg), show_progress)
     write_json_atomic(record_path, record)
-    return record
+    return record, False
 
 
-def run_sweep(cfg: SweepConfig, runner: Runner = subprocess_runner, progress: Callable[[dict], None] | None = None):
+def run_sweep(
+    cfg: SweepConfig,
+    runner: Runner = subprocess_runner,
+    progress: Callable[[dict, bool], None] | None = None,
+    show_progress: bool = False,
+):
     """Every (engine, concurrency) point in order; failed points are recorded and the sweep goes on. The driver's
-    points are also collected in `<output_dir>/results.json` (the `dflash-trt bench` schema)."""
+    points are also collected in `<output_dir>/results.json` (the `dflash-trt bench` schema). `progress` hears
+    each point's record and whether it was reused from an earlier run; `show_progress` draws a bar of each point's
+    requests."""
     for engine in cfg.engines:
         check_target(engine.target)
     workload = sweep_workload(cfg)
     if any(e.runner == "trtllm-bench" for e in cfg.engines):
         write_trtllm_bench_dataset(Path(cfg.output_dir) / TRTLLM_BENCH_DATASET, workload)
+    origin = provenance(cfg.engines[0].target)
     records, follower = [], False
     for engine in cfg.engines:
         for c in cfg.concurrency:
             try:
-                record = run_point(cfg, engine, c, runner, workload)
+                record, reused = run_point(cfg, engine, c, runner, workload, show_progress)
             except FollowerRank:
                 follower = True
                 continue
             records.append(record)
             if progress is not None:
-                progress(record)
+                progress(record, reused)
     if follower:
         raise FollowerRank()  # rank 0 records and analyses the points
     driver_points = [r for r in records if r.get("status") == "ok" and "per_request" in r]
-    write_results(Path(cfg.output_dir) / RESULTS_FILE, driver_points, workload.description)
+    write_results(Path(cfg.output_dir) / RESULTS_FILE, driver_points, workload.description, origin)
     return records
 
 

@@ -16,8 +16,10 @@ from pathlib import Path
 import numpy as np
 
 try:
+    from dflash_trt.chat import encode_chat, parse_template_kwargs
     from dflash_trt.sampling_rules import sampling_refusal
-except ImportError:  # inside Triton, where dflash_trt need not be installed: the copy next to this file
+except ImportError:  # inside Triton, where dflash_trt need not be installed: the copies next to this file
+    from dflash_chat import encode_chat, parse_template_kwargs  # type: ignore[no-redef]
     from dflash_sampling_rules import sampling_refusal  # type: ignore[no-redef]
 
 # preprocessing model
@@ -150,6 +152,14 @@ def word_list(token_words: list[list[list[int]]]) -> np.ndarray:
     return out
 
 
+def _json_object(text: str) -> dict | None:
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def model_parameters(model_config_json: str) -> dict[str, str]:
     """The string parameters of a model's config, from the JSON Triton's Python backend hands to `initialize`."""
     config = json.loads(model_config_json)
@@ -167,8 +177,10 @@ class Preprocessor:
         max_input_len: int,
         max_temperature: float,
         extra_stop_ids: Sequence[int] = (),
+        chat_template_kwargs: dict | None = None,
     ):
         self.tokenizer = tokenizer
+        self.chat_template_kwargs = chat_template_kwargs
         self.add_special_tokens = add_special_tokens
         self.max_input_len = max_input_len
         self.max_temperature = max_temperature
@@ -190,23 +202,26 @@ class Preprocessor:
             add_special_tokens=params["add_special_tokens"] == "true",
             max_input_len=int(params["max_input_len"]),
             max_temperature=float(params["max_temperature"]),
+            chat_template_kwargs=parse_template_kwargs(params.get("chat_template_kwargs") or "{}"),
         )
 
     def check_sampling(self, inputs: dict[str, np.ndarray], batch: int) -> np.ndarray:
         """Each request's temperature (0 when not sent: greedy, never the runtime's default of 1), after refusing
-        any sampling parameter the engine cannot honour."""
+        any sampling parameter or bad word the engine cannot honour."""
         temperature = inputs.get(TEMPERATURE)
         temperature = (
             np.zeros((batch, 1), np.float32)
             if temperature is None
             else np.asarray(temperature, dtype=np.float32).reshape(batch, 1)
         )
+        bad_words = texts(inputs[BAD_WORDS]) if inputs.get(BAD_WORDS) is not None else [[] for _ in range(batch)]
         for row in range(batch):
             params = {
                 name: np.asarray(inputs[name]).reshape(batch)[row].item()
                 for name in SAMPLING_INPUTS
                 if inputs.get(name) is not None
             }
+            params["bad_words"] = bad_words[row]
             refusal = sampling_refusal({"temperature": float(temperature[row, 0]), **params})
             if refusal is not None:
                 raise ValueError(refusal)
@@ -219,8 +234,15 @@ class Preprocessor:
             )
         return temperature
 
+    def _query_ids(self, query: str) -> list[int]:
+        """A query that is a JSON object with "messages" is a chat, rendered with the tokenizer's template."""
+        chat = _json_object(query) if query.lstrip().startswith("{") else None
+        if chat is not None and "messages" in chat:
+            return encode_chat(self.tokenizer, chat["messages"], self.chat_template_kwargs)
+        return self.tokenizer.encode(query, add_special_tokens=self.add_special_tokens)
+
     def encode(self, queries: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        ids = [self.tokenizer.encode(q, add_special_tokens=self.add_special_tokens) for q in queries]
+        ids = [self._query_ids(q) for q in queries]
         for row in ids:
             if not row:
                 raise ValueError("empty prompt: text_input must contain at least one token")

@@ -9,17 +9,16 @@ value comes from the engine's manifest or a build profile, so no placeholder is 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dflash_trt import sampling_rules
+from dflash_trt import chat, sampling_rules
 from dflash_trt.checkpoint.atomic import InputPaths, atomic_directory
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.jsonfile import read_json_object
+from dflash_trt.jsonfile import read_json_object, strict_json
 from dflash_trt.sampling_rules import ENGINE_SAMPLING
 from dflash_trt.triton import processing as P
 from dflash_trt.triton.pbtxt import EnsembleStep, ModelConfig, Tensor, render
@@ -37,6 +36,7 @@ LAUNCH_SCRIPT = "launch_triton.sh"
 CLIENT_FILE = "client.py"
 PROCESSING_FILE = "dflash_processing.py"
 SAMPLING_RULES_FILE = "dflash_sampling_rules.py"
+CHAT_FILE = "dflash_chat.py"
 # Makes libdflash_trt_plugins.so register its creators when it is loaded (plugins/src/pluginRegistration.cpp):
 # the tensorrtllm backend never calls initDflashTrtPlugins itself.
 REGISTER_ON_LOAD_ENV = "DFLASH_TRT_LOAD_PLUGINS"
@@ -83,8 +83,10 @@ class RepositorySettings:
     enable_kv_cache_reuse: bool = SERVING_DEFAULTS.enable_kv_cache_reuse
     max_queue_delay_microseconds: int = SERVING_DEFAULTS.max_queue_delay_microseconds
     instance_count: int = SERVING_DEFAULTS.instance_count
+    max_attention_window_size: int | None = SERVING_DEFAULTS.max_attention_window_size
     add_special_tokens: bool = True
     skip_special_tokens: bool = True
+    chat_template_kwargs: str = "{}"  # JSON for {"messages": [...]} queries (dflash_trt.chat)
 
     def __post_init__(self) -> None:
         for name in PATH_FIELDS:
@@ -151,6 +153,7 @@ def preprocessing_config(s: RepositorySettings) -> ModelConfig:
             "add_special_tokens": _flag(s.add_special_tokens),
             "max_input_len": str(s.max_input_len),
             "max_temperature": repr(float(s.max_temperature)),
+            "chat_template_kwargs": s.chat_template_kwargs,
         },
     )
 
@@ -290,6 +293,7 @@ def bls_config(s: RepositorySettings) -> ModelConfig:
             "skip_special_tokens": _flag(s.skip_special_tokens),
             "max_input_len": str(s.max_input_len),
             "max_temperature": repr(float(s.max_temperature)),
+            "chat_template_kwargs": s.chat_template_kwargs,
             "tensorrt_llm_model_name": TENSORRT_LLM,
         },
     )
@@ -371,11 +375,12 @@ def write_repository(
                 shutil.copyfile(_source("models") / python_models[name], version_dir / "model.py")
                 shutil.copyfile(_source("processing.py"), version_dir / PROCESSING_FILE)
                 shutil.copyfile(Path(sampling_rules.__file__), version_dir / SAMPLING_RULES_FILE)
+                shutil.copyfile(Path(chat.__file__), version_dir / CHAT_FILE)
         script = staging / LAUNCH_SCRIPT
         script.write_text(launch_script(s))
         script.chmod(0o755)
         shutil.copyfile(_source("client.py"), staging / CLIENT_FILE)
-        (staging / SETTINGS_FILE).write_text(json.dumps(asdict(s), indent=2) + "\n")
+        (staging / SETTINGS_FILE).write_text(strict_json(asdict(s), indent=2) + "\n")
     return Path(output_dir)
 
 

@@ -20,7 +20,8 @@ class ServingSettings(BaseModel):
     Chunked context defaults to off: the tensorrtllm backend's own EAGLE CI turns it off as unsupported, and our
     engine's prefill has not been run in chunks on a GPU yet. KV block reuse is refused: the last anchor's drafter
     K/V in a stored block is written by the block pass rather than by injection, so a request reusing that block
-    would draft from a context the golden model never sees (outputs stay lossless, acceptance drops).
+    would draft from a context the golden model never sees (outputs stay lossless, acceptance drops). An attention
+    window shorter than max_seq_len is refused too (a cyclic cache against absolute injection pages).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)  # `true` is not 1, "false" not true
@@ -31,6 +32,17 @@ class ServingSettings(BaseModel):
     enable_kv_cache_reuse: bool = False
     max_queue_delay_microseconds: int = Field(default=0, ge=0)
     instance_count: int = Field(default=1, ge=1, description="pre/post-processing Python model instances")
+    max_attention_window_size: int | None = None
+
+    @field_validator("max_attention_window_size")
+    @classmethod
+    def _no_attention_window(cls, v: int | None) -> int | None:
+        if v is not None:
+            raise ValueError(
+                "must stay unset (the engine's max_seq_len): a shorter window makes the KV cache cyclic while "
+                "KV injection writes absolute pages, so the drafter would read pages never written"
+            )
+        return v
 
     @field_validator("enable_kv_cache_reuse")
     @classmethod

@@ -270,24 +270,23 @@ def check_kv_geometry(facts: CheckpointFacts) -> None:
         raise DFlashTrtError(
             f"the drafter's KV geometry ({facts.draft_kv_heads} kv heads x {facts.draft_head_size}) differs from the "
             f"target's ({facts.target_kv_heads} x {facts.target_head_size}); the TensorRT-LLM 1.2.x shared KV pool "
-            "cannot hold it, so this pair can be converted and verified but not built into an engine"
+            "cannot hold it, so this pair can be converted and verified but not built into an engine. Building it "
+            "would need one head_size for every layer (the engine config has one), per-layer kv heads "
+            "(1.2.x's num_kv_heads_per_layer, one pool per head count behind host_kv_cache_pool_mapping) and an "
+            "EAGLE KV rewind that walks each pool with its own stride (1.2.x's rewind takes one)"
         )
 
 
 def check_rope(facts: CheckpointFacts) -> None:
-    """The attention plugin takes its RoPE tables from the model-wide AttentionParams, built from the target's
-    rope; a drafter with other RoPE parameters would silently get the target's."""
-    if facts.draft_rope != facts.target_rope:
-        raise DFlashTrtError(
-            "the drafter's RoPE parameters differ from the target's; the engine shares one RoPE table between them, "
-            "so this pair can be converted and verified but not built into an engine yet"
-        )
-    rope = facts.target_rope
-    if rope.rope_type == "yarn" and (rope.attention_factor is not None or not rope.truncate):
-        raise DFlashTrtError(
-            "the target's yarn RoPE sets attention_factor or truncate=false, which TensorRT-LLM 1.2.x's yarn tables "
-            "do not read (they take factor, original_max_position_embeddings, beta_fast/slow and mscale/_all_dim)"
-        )
+    """Target and drafter each get their own RoPE tables (model.py builds the drafter's from its parameters), but
+    both through TensorRT-LLM 1.2.x's table builder, which reads a subset of yarn's parameters."""
+    for who, rope in (("target", facts.target_rope), ("drafter", facts.draft_rope)):
+        if rope.rope_type == "yarn" and (rope.attention_factor is not None or not rope.truncate):
+            raise DFlashTrtError(
+                f"the {who}'s yarn RoPE sets attention_factor or truncate=false, which TensorRT-LLM 1.2.x's yarn "
+                "tables do not read (they take factor, original_max_position_embeddings, beta_fast/slow and "
+                "mscale/_all_dim)"
+            )
 
 
 def check_quantization(facts: CheckpointFacts) -> None:

@@ -230,6 +230,12 @@ class DFlashDrafter(Module):
         self.hidden_norm = RmsNorm(normalized_shape=hidden, eps=d.rms_norm_eps, dtype=config.dtype)
         self.layers = ModuleList([DFlashDraftLayer(config, i) for i in range(d.num_hidden_layers)])
         self.ln_f = RmsNorm(normalized_shape=hidden, eps=d.rms_norm_eps, dtype=config.dtype)
+        # The drafter's own RoPE tables (the attention plugin takes them per call from AttentionParams, and its
+        # RoPE fields per layer), built the way the model-wide ones are, from the drafter's RoPE parameters.
+        rope = copy.copy(config)
+        rope.rotary_base, rope.rotary_scaling = d.rope.theta, rotary_scaling(d.rope)
+        Attention.create_attention_const_params(self, rope)
+        self.position_embedding_type = config.position_embedding_type
 
 
 class DFlashTarget(Module):
@@ -480,7 +486,7 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         if scale != 1.0:
             hidden = hidden * scale
 
-        params = copy.copy(attention_params)
+        params = Attention.fill_attention_params(self.dflash, copy.copy(attention_params))
         params.sequence_length = ctx_len + b
         params.context_lengths = ctx_len
         params.host_request_types = host_request_types

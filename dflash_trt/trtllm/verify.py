@@ -57,10 +57,24 @@ def slot_logit_rows(draft_lens: Tensor, max_draft_len: int) -> Tensor:
     return (unsqueeze(offsets, 1) + local).view(concat([shape(draft_lens, 0) * (max_draft_len + 1)]))
 
 
+def _first_reaching(cdf: Tensor, mass: Tensor, threshold: Tensor, size: int) -> Tensor:
+    """Index `[N, 1]` of the first entry of positive `mass` whose `cdf` reaches `threshold`; where fp32 rounding
+    leaves every such `cdf` below it, the last entry of positive mass (whose exact cdf does reach it). A
+    zero-mass entry is never chosen, whatever the uniform (curand's lie in (0, 1], so 0+ and 1.0 both occur)."""
+    positive = cast(mass > 0.0, "int32")
+    candidate = positive * cast(cdf >= threshold, "int32")
+    slots = _i32([list(range(size))])
+    # max of -j over candidates is minus the first one; -size where there is none.
+    first = _i32([0]) - max(where(candidate > 0, _i32([[-j for j in range(size)]]), _i32([[-size]])), 1)
+    last_positive = max(where(positive > 0, slots, _i32([[-1]])), 1)
+    return where(first < size, first, last_positive).view([-1, 1])
+
+
 def sample_rows(logits: Tensor, temperature: Tensor, uniform: Tensor, vocab_size: int) -> Tensor:
     """One token per row of `logits [N, Vpad]` (fp32; columns from `vocab_size` on are lm_head padding): argmax where
     `temperature [N, 1]` is 0, else the inverse CDF of softmax(z / T) at `uniform [N, 1]`: the block whose cumulative
-    mass first reaches `uniform` times the total, then the token inside it. Returns [N, 1] int32."""
+    mass first reaches `uniform` times the total, then the token inside it; only tokens of positive weight are ever
+    drawn (padding has none). Returns [N, 1] int32."""
     padded = logits.size(-1)
     rows = shape(logits, 0)
     if padded > vocab_size:
@@ -77,13 +91,11 @@ def sample_rows(logits: Tensor, temperature: Tensor, uniform: Tensor, vocab_size
     block_mass = sum(blocks, dim=2)
     block_cdf = cumsum(block_mass, 1)
     threshold = uniform * slice(block_cdf, [0, count - 1], concat([rows, 1]))
-    block = minimum(sum(cast(block_cdf < threshold, "int32"), dim=1).view([-1, 1]), _i32([[count - 1]]))
+    block = _first_reaching(block_cdf, block_mass, threshold, count)
     before = gather(block_cdf - block_mass, 1, block)
-    inside = gather(blocks, 1, expand(block.view([-1, 1, 1]), concat([rows, 1, width])))
-    inside_cdf = cumsum(inside.view([-1, width]), 1)
-    offset = sum(cast(inside_cdf < threshold - before, "int32"), dim=1).view([-1, 1])
-    drawn = minimum(block * width + minimum(offset, _i32([[width - 1]])), _i32([[vocab_size - 1]]))
-    return where(sampled, drawn, cast(argmax(logits, 1, keepdim=True), "int32"))
+    inside = gather(blocks, 1, expand(block.view([-1, 1, 1]), concat([rows, 1, width]))).view([-1, width])
+    offset = _first_reaching(cumsum(inside, 1), inside, threshold - before, width)
+    return where(sampled, block * width + offset, cast(argmax(logits, 1, keepdim=True), "int32"))
 
 
 def verify_drafts(

@@ -8,20 +8,18 @@ the reference loop's (`dflash_trt.reference.decode.speculative_generate`: greedy
 output budget, stop tokens end a request), so a request's tokens and acceptance lengths equal what the reference
 loop gives for its prompt alone, whatever else is in flight; tests hold the two to that.
 
-The model runs in a worker thread (torch releases the GIL inside its kernels), which hands each step's responses
-to the event loop, as the GPU executor's own threads do.
+The executor runs in the worker thread of `stepping.SteppingBackend`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
-from dflash_trt.bench.driver import Backend, BenchRequest, Deliver, Response, threadsafe_deliver
+from dflash_trt.bench.backends.stepping import SteppingBackend
+from dflash_trt.bench.driver import BenchRequest, Response
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.inputs import check_fits_in_memory
 from dflash_trt.reference.model import GoldenModel
@@ -98,17 +96,22 @@ class GoldenExecutor:
             raise DFlashTrtError(f"prompt {request.prompt_index} is empty or has token ids outside 0..{vocab - 1}")
         if request.max_new_tokens < 1 or len(ids) + request.max_new_tokens > self.max_seq_len:
             raise DFlashTrtError(f"prompt {request.prompt_index}: prompt + max_new_tokens exceeds {self.max_seq_len}")
+        if request.temperature != 0:
+            raise DFlashTrtError("the golden executor decodes greedily (temperature 0); the emulated engine samples")
         self.waiting.append((request_id, request))
 
-    def abandon(self) -> list[int]:
-        """Drop every waiting and running request; their ids."""
-        ids = [request_id for request_id, _ in self.waiting] + [s.request_id for s in self.slots if s is not None]
-        self.waiting.clear()
-        self.slots = [None] * len(self.slots)
-        return ids
+    def cancel(self, request_id: int) -> None:
+        """Forget `request_id`, queued or running; its slot takes the next request at the following step."""
+        self.waiting = deque((i, r) for i, r in self.waiting if i != request_id)
+        self.slots = [None if s is not None and s.request_id == request_id else s for s in self.slots]
 
     def has_work(self) -> bool:
         return bool(self.waiting) or any(s is not None for s in self.slots)
+
+    def close(self) -> None:
+        """Drop every request; the caches go with the executor."""
+        self.waiting.clear()
+        self.slots = [None] * len(self.slots)
 
     def _admit(self) -> None:
         for i, slot in enumerate(self.slots):
@@ -202,7 +205,7 @@ class GoldenExecutor:
         return new[: min(accepted + 1, s.max_length - s.start - 1)]
 
 
-class GoldenBackend(Backend):
+class GoldenBackend(SteppingBackend):
     """The golden executor served from a worker thread (`dflash-trt bench --checkpoint_dir`)."""
 
     def __init__(
@@ -214,72 +217,8 @@ class GoldenBackend(Backend):
         block_size: int | None = None,
         stop_token_ids: list[int] | None = None,
     ):
-        self.model = model
-        self.max_batch_size = max_batch_size
-        self.max_seq_len = max_seq_len
-        self.block_size = block_size
-        self.stop_token_ids = stop_token_ids
         block = model.draft.spec.block_size if block_size is None else block_size
-        self.mode = "dflash" if block > 1 else "ar"
-        self.executor: GoldenExecutor | None = None
-        self._pending: list[tuple[int, BenchRequest]] = []
-        self._wake = threading.Condition()
-        self._stopping = False
-        self._thread: threading.Thread | None = None
-        self._broken: str | None = None  # why the executor thread stopped; later requests fail with it at once
-        self._send: Deliver | None = None
-
-    async def start(self, deliver: Deliver) -> None:
-        self.executor = GoldenExecutor(
-            self.model, self.max_batch_size, self.max_seq_len, self.block_size, self.stop_token_ids
+        super().__init__(
+            lambda: GoldenExecutor(model, max_batch_size, max_seq_len, block_size, stop_token_ids),
+            "dflash" if block > 1 else "ar",
         )
-        self._stopping = False
-        self._broken = None
-        send = self._send = threadsafe_deliver(deliver)
-        self._thread = threading.Thread(
-            target=self._serve, args=(self.executor, send), name="golden-executor", daemon=True
-        )
-        self._thread.start()
-
-    def submit(self, request_id: int, request: BenchRequest) -> None:
-        with self._wake:
-            if self._broken is not None and self._send is not None:
-                self._send([Response(request_id, [], True, self._broken)])
-                return
-            self._pending.append((request_id, request))
-            self._wake.notify()
-
-    def _serve(self, executor: GoldenExecutor, send: Deliver) -> None:
-        while True:
-            with self._wake:
-                while not self._stopping and not self._pending and not executor.has_work():
-                    self._wake.wait()
-                if self._stopping:
-                    return
-                pending, self._pending = self._pending, []
-            failed = []
-            for request_id, request in pending:
-                try:
-                    executor.add(request_id, request)
-                except DFlashTrtError as exc:
-                    failed.append(Response(request_id, [], True, str(exc)))
-            try:
-                responses = executor.step() if executor.has_work() else []
-            except Exception as exc:  # the model failed (out of memory, ...): end every request, never hang the run
-                with self._wake:
-                    self._broken = reason = f"the executor failed: {exc}"
-                    late = [request_id for request_id, _ in self._pending]
-                    self._pending = []
-                abandoned = executor.abandon() + late
-                send(failed + [Response(request_id, [], True, reason) for request_id in abandoned])
-                return
-            if failed or responses:
-                send(failed + responses)
-
-    async def stop(self) -> None:
-        with self._wake:
-            self._stopping = True
-            self._wake.notify()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
-            self._thread = None

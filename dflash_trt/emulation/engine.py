@@ -1,0 +1,158 @@
+"""The emulated engine: a converted checkpoint loaded into the unmodified network, and one network step.
+
+It holds what a built engine fixes (the network, its draft length, its KV geometry and cache dtype, its batch and
+token limits) and runs one forward over inputs the runtime prepared, returning the outputs the runtime binds.
+Requests, scheduling and the KV pages belong to `executor.py`; this module knows nothing of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_trt.checkpoint.trtllm_config import specs_from_config
+from dflash_trt.emulation.aliasing import load_engine_module, stand_ins_installed
+from dflash_trt.emulation.functional import EmulationError, Network, PluginConfig, Tensor, net_guard
+from dflash_trt.emulation.kv_pool import KVPool, pool_at
+from dflash_trt.emulation.ranks import RankGroup
+from dflash_trt.errors import DFlashTrtError
+from dflash_trt.jsonfile import read_json_object
+from dflash_trt.trtllm.build_plan import (
+    chain_draft_paths,
+    check_kv_geometry,
+    check_moe_layers,
+    check_quantization,
+    check_rope,
+    read_checkpoint_facts,
+)
+
+ACCEPT_OUTPUTS = (
+    "accepted_tokens",
+    "num_accepted_tokens",
+    "accepted_paths",
+    "next_draft_tokens",
+    "next_draft_lens",
+    "next_draft_paths",
+    "logits",
+)
+
+
+@dataclass
+class StepStats:
+    """What the engine ran: steps, context chunks, the largest batch and the largest cumsum-by-square scan."""
+
+    steps: int = 0
+    context_chunks: int = 0
+    max_batch: int = 0
+    largest_cumsum_square: int = 0
+
+
+class EmulatedEngine:
+    """One engine (the network from `model.py`) over a converted checkpoint, with the limits a build would fix."""
+
+    def __init__(
+        self,
+        checkpoint_dir: str | Path,
+        max_batch_size: int = 8,
+        max_num_tokens: int | None = None,
+        tokens_per_block: int = 32,
+    ):
+        checkpoint_dir = Path(checkpoint_dir)
+        raw = read_json_object(
+            checkpoint_dir / "config.json", f"{checkpoint_dir} is not a converted checkpoint (no config.json)"
+        )
+        target, _ = specs_from_config(raw)
+        # What `dflash-trt build` refuses, the emulated engine refuses too.
+        self.facts = read_checkpoint_facts(checkpoint_dir)
+        for check in (check_kv_geometry, check_rope, check_quantization, check_moe_layers):
+            check(self.facts)
+        self.tp_size = self.facts.tp_size
+        for rank in range(self.tp_size):
+            if not (checkpoint_dir / f"rank{rank}.safetensors").is_file():
+                raise DFlashTrtError(
+                    f"{checkpoint_dir} has no rank{rank}.safetensors (its config says tp_size {self.tp_size})"
+                )
+        self.vocab_size, self.eos_token_ids = target.vocab_size, target.eos_token_ids
+        self.max_position_embeddings = target.max_position_embeddings
+        engine = load_engine_module()
+        # One network per tensor-parallel rank, each from its own rank file, run in lockstep (ranks.py).
+        self.rank_models = [
+            engine.DFlashForCausalLM.from_checkpoint(checkpoint_dir, rank=rank) for rank in range(self.tp_size)
+        ]
+        self.model = self.rank_models[0]
+        self.ranks = RankGroup(self.tp_size)
+        config = self.model.config
+        self.k = self.model.max_draft_len
+        self.block = self.k + 1
+        if max_batch_size < 1:
+            raise DFlashTrtError(f"--max_batch_size must be >= 1, got {max_batch_size}")
+        if tokens_per_block <= 0 or tokens_per_block & (tokens_per_block - 1):
+            raise DFlashTrtError(f"--tokens_per_block must be a power of two, got {tokens_per_block}")
+        # builder.build() raises max_num_tokens to max_batch_size * (K + 1) for EAGLE engines.
+        floor = max_batch_size * self.block
+        self.max_num_tokens = max(max_num_tokens or 8192, floor)
+        if max_num_tokens is not None and max_num_tokens < floor:
+            raise DFlashTrtError(f"--max_num_tokens must be at least max_batch_size * block_size = {floor}")
+        self.max_batch_size = max_batch_size
+        self.tokens_per_block = tokens_per_block
+        self.num_target_layers = config.num_hidden_layers
+        self.num_layers = config.num_hidden_layers + config.eagle_net_config["num_hidden_layers"]
+        # Per rank: the pool of each rank holds its own (possibly replicated) KV heads.
+        self.kv_heads, self.head_dim = (
+            self.model.transformer.layers[0].attention.num_attention_kv_heads,
+            config.head_size,
+        )
+        fp8_cache = config.quantization.kv_cache_quant_algo == "FP8"
+        # The cache holds the activations' dtype (the checkpoint's), or FP8.
+        self.cache_dtype = torch.float8_e4m3fn if fp8_cache else getattr(torch, config.dtype)
+        self.paths = torch.tensor(chain_draft_paths(self.k), dtype=torch.int32)
+        self.stats = StepStats()
+
+    def run(self, inputs: dict[str, Any], batch_size: int) -> dict[str, torch.Tensor]:
+        """One network forward over `batch_size` requests: the outputs the runtime binds, checked as it binds them.
+        With tensor parallelism every rank runs its network on its own pool, in lockstep; the ranks must agree on
+        every output (all of them follow the all-gathered logits), and the runtime reads rank 0's."""
+        pool = pool_at(int(inputs["kv_cache_params"].host_kv_cache_pool_pointers.data[0, 0]))
+        if pool is None:
+            raise EmulationError("no KV pool at the runtime's pool pointer")
+        work = [
+            partial(self._forward, model, _on_pool(inputs, pool.pool_of_rank(rank, self.tp_size)))
+            for rank, model in enumerate(self.rank_models)
+        ]
+        with stand_ins_installed():
+            results = [work[0]()] if self.tp_size == 1 else self.ranks.run(work)
+        outputs, network = results[0]
+        for rank, (other, _) in enumerate(results[1:], start=1):
+            differing = [name for name in ACCEPT_OUTPUTS if not torch.equal(other[name], outputs[name])]
+            if differing:
+                raise EmulationError(f"tp rank {rank} disagrees with rank 0 on {differing}")
+        self.stats.steps += 1
+        self.stats.max_batch = max(self.stats.max_batch, batch_size)
+        self.stats.largest_cumsum_square = max([self.stats.largest_cumsum_square, *network.cumsum_square_elements])
+        return outputs
+
+    def _forward(self, model: Any, inputs: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Network]:
+        """One rank's network forward and the outputs it marked."""
+        network = Network(PluginConfig(tokens_per_block=self.tokens_per_block))
+        with net_guard(network), torch.no_grad():
+            model.forward(**inputs)
+        outputs = {}
+        for name in ACCEPT_OUTPUTS:
+            if name not in network.outputs:
+                raise EmulationError(f"the network did not mark output '{name}'")
+            outputs[name] = network.outputs[name].data
+            if name != "logits" and outputs[name].dtype != torch.int32:
+                raise EmulationError(f"output '{name}' is {outputs[name].dtype}, the runtime binds int32")
+        return outputs, network
+
+
+def _on_pool(inputs: dict[str, Any], pool: KVPool) -> dict[str, Any]:
+    """The runtime's inputs for one rank: the same, with that rank's pool behind the pool pointer."""
+    kv = inputs["kv_cache_params"]
+    pointers = Tensor(data=torch.tensor([[pool.address, 0]], dtype=torch.int64), host=True)
+    return {**inputs, "kv_cache_params": dataclasses.replace(kv, host_kv_cache_pool_pointers=pointers)}

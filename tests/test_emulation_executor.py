@@ -1,0 +1,108 @@
+"""The emulated engine request by request (`emulation/executor.py`, `bench/backends/emulated.py`): what a server
+sees. Oracles: the golden loop (`speculative_generate`) on each prompt alone for greedy tokens, and the emulated
+engine decoding the same request alone for sampled ones (a request's tokens may not depend on what else is in
+flight); cancelled requests give their slot and pages back."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from dflash_trt.bench.backends.emulated import EmulatedBackend
+from dflash_trt.bench.driver import BenchRequest, run_load
+from dflash_trt.conversion.convert import convert_checkpoint
+from dflash_trt.emulation.engine import EmulatedEngine
+from dflash_trt.emulation.executor import EmulatedExecutor, Request
+from dflash_trt.errors import DFlashTrtError
+from dflash_trt.reference.decode import speculative_generate
+from dflash_trt.reference.model import load_golden_model
+from dflash_trt.tiny.heldout import draft_dir, load_heldout, target_dir
+from dflash_trt.tokenizer import load_tokenizer
+
+MAX_NEW = 20
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny") / "ckpt"
+    convert_checkpoint(target_dir(), draft_dir(), out, dtype="float32")
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny) -> list[list[int]]:
+    tokenizer = load_tokenizer(tiny)
+    texts = [item.text for item in load_heldout(limit=4)]
+    return [tokenizer.encode(t) for t in texts] + [tokenizer.encode(texts[0])[:5]]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny) -> EmulatedEngine:
+    return EmulatedEngine(tiny, max_batch_size=2, tokens_per_block=16)
+
+
+@pytest.fixture(scope="module")
+def golden(tiny, prompts) -> list[list[int]]:
+    model = load_golden_model(tiny)
+    return [speculative_generate(model, [p], MAX_NEW)[0].output_ids for p in prompts]
+
+
+def _drain(executor: EmulatedExecutor) -> dict[int, list[list[int]]]:
+    chunks: dict[int, list[list[int]]] = {}
+    while executor.has_work():
+        for out in executor.step():
+            chunks.setdefault(out.index, []).append(out.tokens)
+    return chunks
+
+
+def test_streamed_responses_through_the_backend_equal_the_golden_tokens(engine, prompts, golden):
+    requests = [BenchRequest(i, p, MAX_NEW) for i, p in enumerate(prompts)]
+    trace = asyncio.run(run_load(EmulatedBackend(engine, 256), requests, concurrency=2, timeout_s=600))
+    for record in trace.records:
+        assert record.error is None
+        assert record.output_ids == golden[record.prompt_index]
+        assert record.chunks[0] == 1  # the context step answers with the first token alone
+        assert sum(record.chunks) == MAX_NEW and max(record.chunks) > 1
+
+
+def test_a_cancelled_request_frees_its_slot_and_pages(engine, prompts, golden):
+    executor = EmulatedExecutor(engine, 256)
+    free_before = len(executor.blocks.free)
+    for i in range(3):
+        executor.add(Request(i, prompts[i], MAX_NEW))
+    first = executor.step()  # two slots: requests 0 and 1 run, 2 waits
+    assert sorted(out.index for out in first) == [0, 1]
+    assert executor.cancel(0) and executor.cancel(2) and not executor.cancel(99)
+    executor.add(Request(3, prompts[3], MAX_NEW))
+    chunks = _drain(executor)
+    assert set(chunks) == {1, 3}
+    assert sum(chunks[3], []) == golden[3]
+    assert sum([first[1].tokens, *chunks[1]], []) == golden[1]
+    assert len(executor.blocks.free) == free_before and sorted(executor.slots.free) == [0, 1]
+    executor.close()
+
+
+def test_a_sampled_request_decodes_the_same_alone_and_in_company(engine, prompts):
+    alone = EmulatedExecutor(engine, 256)
+    alone.add(Request(0, prompts[1], MAX_NEW, temperature=0.8, seed=7))
+    expected = sum(_drain(alone)[0], [])
+    alone.close()
+    busy = EmulatedExecutor(engine, 256)
+    busy.add(Request(5, prompts[0], MAX_NEW, temperature=1.1, seed=3))
+    busy.step()
+    busy.add(Request(6, prompts[1], MAX_NEW, temperature=0.8, seed=7))
+    assert sum(_drain(busy)[6], []) == expected
+    busy.close()
+
+
+def test_requests_the_engine_cannot_take_are_refused(engine):
+    executor = EmulatedExecutor(engine, 32)
+    with pytest.raises(DFlashTrtError, match="exceeds max_seq_len 32"):
+        executor.add(Request(0, [5] * 20, 13))
+    with pytest.raises(DFlashTrtError, match="outside the vocabulary"):
+        executor.add(Request(1, [engine.vocab_size], 4))
+    with pytest.raises(DFlashTrtError, match="temperature"):
+        executor.add(Request(2, [5, 6], 4, temperature=-1.0))
+    executor.close()

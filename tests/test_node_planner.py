@@ -1,0 +1,101 @@
+"""`plan --node`: the users a node serves at a per-user speed, checked against a brute-force search."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash_trt.cli import main
+from dflash_trt.errors import DFlashTrtError
+from dflash_trt.perf.gpus import get_gpu
+from dflash_trt.perf.memory import EngineLimits, batch_limit, budget, draft_len
+from dflash_trt.perf.model import Acceptance, Calibration, Deployment, Method, mean_context
+from dflash_trt.perf.node import best_layout, parse_node
+from dflash_trt.perf.published import PAIRS
+
+CAL = Calibration("unit", step_overhead_s=0.5e-3, token_overhead_s=2e-6)
+
+
+def _brute_force(method: Method, gpus: int, gpu: str, target_speed: float) -> tuple[int, int]:
+    """Most users over every tp dividing the node and every batch up to what fits, scanning batch by batch."""
+    tgt, _ = PAIRS["qwen3-8b"].load()
+    best = (0, 0)
+    for tp in (1, 2, 4, 8):
+        if gpus % tp:
+            continue
+        dep = Deployment(get_gpu(gpu), "fp8", "fp8", tp, CAL)
+        k = draft_len(method)
+        cap = batch_limit(budget(tgt, method.drafter, dep, EngineLimits(), k), EngineLimits(), 1024, 1024, k,
+                          10**9, dep).batch  # fmt: skip
+        ok = [b for b in range(1, cap + 1)
+              if method.iteration(tgt, b, mean_context(1024, 1024), dep).tok_s_user() >= target_speed]  # fmt: skip
+        if ok and (gpus // tp) * max(ok) > best[0]:
+            best = ((gpus // tp) * max(ok), tp)
+    return best
+
+
+@pytest.mark.parametrize("speed", [300.0, 800.0])
+def test_best_layout_matches_a_brute_force_search(speed: float):
+    tgt, drafter = PAIRS["qwen3-8b"].load()
+    for method in (Method("ar"), Method("dflash", drafter, Acceptance.from_mean(6.55, 16))):
+        layout = best_layout(method, tgt, 8, "h200", "fp8", "fp8", CAL, (1024, 1024), speed)
+        users, tp = _brute_force(method, 8, "h200", speed)
+        if users == 0:
+            assert layout is None
+            continue
+        assert layout is not None and (layout.users, layout.tp) == (users, tp)
+        assert layout.tok_s_user >= speed and layout.replicas * layout.tp == 8
+
+
+def test_no_layout_when_one_user_cannot_reach_the_speed():
+    tgt, _ = PAIRS["qwen3-8b"].load()
+    slow = Calibration("slow", step_overhead_s=0.01)  # every step costs 10 ms: at most 100 tok/s/user for AR
+    assert best_layout(Method("ar"), tgt, 8, "b300", "fp8", "fp8", slow, (1024, 1024), 500.0) is None
+
+
+def test_node_cli_reports_users_and_the_ratio_to_ar(capsys):
+    rc = main(["plan", "--preset", "qwen3-8b", "--node", "8xb300", "--qformat", "nvfp4", "--min_tok_s_user", "500",
+               "--eagle3_acceptance_length", "2.89", "--eagle3_steps", "7", "--json"])  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and [r["reading"].split(";")[0] for r in out["rows"]] == [
+        "trtllm (every-step)",
+        "trtllm (spec-only)",
+    ]
+    for row in out["rows"]:
+        lay = row["layouts"]
+        assert set(lay) == {"ar", "dflash", "eagle3"}
+        for name, ratio in row["users_vs_ar"].items():
+            if lay["ar"] is None or lay[name] is None:
+                assert ratio is None
+            else:
+                assert ratio == pytest.approx(lay[name]["users"] / lay["ar"]["users"])
+                assert lay[name]["users"] == lay[name]["replicas"] * lay[name]["batch"]
+
+
+@pytest.mark.parametrize("text", ["8", "8xa100", "0xb300", "b300x8"])
+def test_bad_node_is_one_clear_error(text: str, capsys):
+    with pytest.raises(DFlashTrtError, match="--node must look like 8xb300"):
+        parse_node(text)
+    assert main(["plan", "--preset", "qwen3-8b", "--node", text]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--node must look like 8xb300" in err
+
+
+def test_docs_carry_the_current_node_table():
+    from pathlib import Path
+
+    from dflash_trt.perf.evaluation import calibrations
+    from dflash_trt.perf.node import markdown_node, plan_node
+    from dflash_trt.perf.shapes import eagle3_like
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "performance.md").read_text()
+    tgt, drafter = PAIRS["qwen3-8b"].load()
+    methods = {
+        "ar": [Method("ar")],
+        "eagle3": [Method("eagle3", eagle3_like(tgt, 7), Acceptance.from_mean(2.89, 8))],
+        "dflash": [Method("dflash", drafter, Acceptance.from_mean(6.55, 16))],
+    }
+    for node, precision in (("8xh100", "fp8"), ("8xh200", "fp8"), ("8xb200", "nvfp4"), ("8xb300", "nvfp4")):
+        rows = plan_node(methods, tgt, node, precision, "fp8", calibrations("trtllm"), (1024, 1024), 500.0)
+        assert markdown_node(node, rows) in doc, f"regenerate the {node} rows of docs/performance.md §3.7"
