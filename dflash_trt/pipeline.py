@@ -557,7 +557,10 @@ def run_profile(args: argparse.Namespace, settings_override: Callable | None = N
     if getattr(args, "checkpoint_dir", None):
         raise DFlashTrtError("--checkpoint_dir does not combine with --config: the profile names the models")
     inp = resolve_inputs(args, settings_override)
-    outcomes = run_pipeline(inp, dry_run=args.dry_run)
+    as_json = getattr(args, "json", False)
+    outcomes = run_pipeline(inp, dry_run=args.dry_run, out=sys.stderr if as_json else None)
+    if as_json:  # the progress went to stderr; stdout holds only the JSON
+        print(json.dumps({"stages": [{"stage": stage, "outcome": outcome} for stage, outcome in outcomes]}))
     if ("engine", "needs gpu") in outcomes:
         print(
             "dflash-trt build: stopped before the engine: this host has no CUDA GPU with TensorRT-LLM 1.2.x; the "

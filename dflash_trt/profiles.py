@@ -30,6 +30,7 @@ from dflash_trt.trtllm.build_plan import (
     TOKENS_PER_BLOCK,
     check_gemm_plugin,
 )
+from dflash_trt.yamlfile import safe_load_unique
 
 # Share of GPU memory the weights may take; the rest holds the KV pool (drafter layers included), activations
 # and the CUDA context.
@@ -55,7 +56,8 @@ GpuName = Annotated[str, _one_of(tuple(GPUS))]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: `max_batch_size: true` is not 1 and `use_fp8_context_fmha: "false"` is not true
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class ModelSources(_Strict):
@@ -139,7 +141,9 @@ class EngineSettings(_Strict):
 
 class SweepSettings(_Strict):
     concurrency: list[int] = Field(min_length=1)
-    interactivity_band: tuple[float, float] = Field(description="target output tokens/s per user: low, high")
+    interactivity_band: tuple[float, float] = Field(
+        strict=False, description="target output tokens/s per user: low, high"
+    )
     input_len: int = Field(default=1024, ge=1)
     output_len: int = Field(default=1024, ge=1)
 
@@ -266,7 +270,7 @@ def load_profile(path: str | Path) -> BuildProfile:
     if not path.is_file():
         raise DFlashTrtError(f"build profile {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = safe_load_unique(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise DFlashTrtError(f"{path}: not valid YAML ({exc})") from None
     except RecursionError:

@@ -55,7 +55,8 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, object]]:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise DFlashTrtError(f"prompt file {path} is not UTF-8 text (byte {exc.start} cannot be decoded)") from None
-    for number, line in enumerate(text.splitlines(), start=1):
+    # Lines end at "\n" only: `splitlines` would also cut at U+2028 or U+0085, which JSON strings may hold.
+    for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
@@ -128,7 +129,7 @@ def read_prompts(
     path = Path(path)
     if path.is_dir():
         records = _dataset_records(path)
-    elif path.is_file():
+    elif path.exists():  # a file, or a pipe such as /dev/stdin
         records = _jsonl_records(path)
     else:
         raise DFlashTrtError(f"prompt file {path} does not exist")

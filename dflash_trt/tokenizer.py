@@ -17,6 +17,8 @@ def load_tokenizer(directory: str | Path):
     of many exception types; every one of them is the same finding for the user: this tokenizer cannot be loaded.
     """
     directory = Path(directory)
+    if not directory.is_dir():
+        raise DFlashTrtError(f"tokenizer folder {directory} does not exist or is not a folder")
     if not any((directory / marker).is_file() for marker in TOKENIZER_MARKERS):
         return None
     from transformers import AutoTokenizer

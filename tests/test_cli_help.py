@@ -113,7 +113,8 @@ def test_a_bad_option_value_is_one_line(capsys) -> None:
     err = capsys.readouterr().err
     assert exit_code.value.code == 2
     assert err == (
-        "dflash-trt convert: error: argument --tp_size: invalid int value: 'two' (see dflash-trt convert --help)\n"
+        "dflash-trt convert: error: argument --tp_size: must be an integer in [1, 1024], got 'two' "
+        "(see dflash-trt convert --help)\n"
     )
 
 

@@ -75,8 +75,15 @@ def test_existing_output_is_kept_without_overwrite(biased_pair, tmp_path):
     with pytest.raises(DFlashTrtError, match="already exists; pass --overwrite"):
         convert_checkpoint(target_dir, draft_dir, out)
     assert (out / "keep.txt").read_text() == "mine"
+    # --overwrite replaces only what an earlier convert wrote: a folder of the user's files is never deleted.
+    with pytest.raises(DFlashTrtError, match="holds files dflash-trt did not write"):
+        convert_checkpoint(target_dir, draft_dir, out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    (out / "keep.txt").unlink()
+    convert_checkpoint(target_dir, draft_dir, out)  # an empty folder is filled
+    (out / "stray.txt").write_text("left by a user in our output")
     convert_checkpoint(target_dir, draft_dir, out, overwrite=True)
-    assert not (out / "keep.txt").exists() and (out / "rank0.safetensors").is_file()
+    assert not (out / "stray.txt").exists() and (out / "rank0.safetensors").is_file()
     assert not list(tmp_path.glob(".ckpt.partial-*"))
 
 
@@ -163,7 +170,10 @@ def test_cli_errors_are_one_line_and_exit_2(biased_pair, tmp_path, capsys):
         )
         == 2
     )
-    assert "pp_size > 1 is not supported" in capsys.readouterr().err
+    assert (
+        "--pp_size must be 1 (TensorRT-LLM speculative decoding engines need pp_size 1), got 2"
+        in capsys.readouterr().err
+    )
 
 
 def test_verify_passes_then_catches_tampering(biased_pair, tmp_path, capsys):

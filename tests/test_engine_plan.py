@@ -281,6 +281,28 @@ def test_sliding_window_drafter_only_within_its_window(tmp_path: Path):
         plan_engine_build(ckpt, tmp_path / "e", replace(fits, max_seq_len=4081))
 
 
+def test_sliding_window_no_longer_than_the_block_cannot_be_built(tmp_path: Path):
+    draft = {**DRAFT_HF, "use_sliding_window": True, "sliding_window": 12, "layer_types": ["sliding_attention"] * 2}
+    ckpt = write_checkpoint(tmp_path / "c", draft_hf=draft)
+    with pytest.raises(
+        DFlashTrtError,
+        match=r"sliding-window layers have a window \(12\) no longer than its block \(16\); .* cannot be built",
+    ):
+        plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings(max_seq_len=64, max_input_len=32))
+
+
+def test_the_default_max_seq_len_fits_a_sliding_window(tmp_path: Path, capsys):
+    """Without --max_seq_len the build takes the longest the drafter's window allows (window - block size)."""
+    draft = {**DRAFT_HF, "use_sliding_window": True, "sliding_window": 4096, "layer_types": ["sliding_attention"] * 2}
+    ckpt = write_checkpoint(tmp_path / "c", draft_hf=draft)
+    from dflash_trt.cli import main as cli_main
+
+    argv = ["build", "--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e"), "--dry_run", "--json"]
+    assert cli_main(argv) == 0
+    config = json.loads(capsys.readouterr().out)["build_config"]
+    assert (config["max_seq_len"], config["max_input_len"]) == (4096 - 16, 4096 - 16)
+
+
 def test_refuses_pipeline_parallel_and_foreign_checkpoints(tmp_path: Path):
     ckpt = write_checkpoint(tmp_path / "pp", mapping={"world_size": 2, "tp_size": 1, "pp_size": 2})
     with pytest.raises(DFlashTrtError, match="pipeline parallelism"):

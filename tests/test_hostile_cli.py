@@ -462,7 +462,10 @@ HOSTILE: dict[str, tuple[Case, str]] = {
         lambda w, t: _convert(w, t / "o", *FP8),
         r"quantization needs --calib_dataset",
     ),
-    "convert with --workers 0": (lambda w, t: _convert(w, t / "o", "--workers", "0"), r"--workers must be >= 1"),
+    "convert with --workers 0": (
+        lambda w, t: _convert(w, t / "o", "--workers", "0"),
+        r"argument --workers: must be an integer in \[1, 1024\], got '0'",
+    ),
     # triton
     "triton onto a file": (lambda w, t: _triton(w, _file(t, "f", "x")), r"exists and is not a directory"),
     "triton where nothing may be written": (lambda w, t: _triton(w, UNWRITABLE), r"cannot create output"),
@@ -574,6 +577,10 @@ HOSTILE: dict[str, tuple[Case, str]] = {
     "generate with an overflowing seed": (lambda w, t: _generate(w, "--seed", str(2**70)), r"--seed must lie in"),
     "generate a trillion tokens": (
         lambda w, t: _generate(w, "--max_new_tokens", str(10**12)),
+        r"argument --max_new_tokens: must be an integer in \[1, 2147483647\], got '1000000000000'",
+    ),
+    "generate more tokens than the model has positions": (
+        lambda w, t: _generate(w, "--max_new_tokens", "1000"),
         r"exceeds the target's max_position_embeddings \(256\)",
     ),
     "generate from a prompt longer than the model": (

@@ -18,6 +18,7 @@ from _hostile_cli import World, hub_snapshot, make_world, run_cli
 from safetensors.torch import load_file, save_file
 
 from dflash_trt import pipeline
+from dflash_trt.checkpoint.atomic import OUTPUT_MARKER
 from dflash_trt.conversion import convert as convert_module
 from dflash_trt.conversion.calibrate import calibrate_pair
 from dflash_trt.conversion.convert import convert_checkpoint
@@ -116,7 +117,8 @@ def test_hub_cache_links_are_followed_and_their_files_copied(world: World, tmp_p
     draft = hub_snapshot(world.draft, tmp_path / "hub", "models--org--tiny-dflash")
     out = tmp_path / "ckpt"
     convert_checkpoint(target, draft, out, dtype="float32")
-    copied = sorted(p.name for p in out.iterdir() if not p.name.startswith(("rank", "config", "dflash_")))
+    ours = ("rank", "config", "dflash_", OUTPUT_MARKER)
+    copied = sorted(p.name for p in out.iterdir() if not p.name.startswith(ours))
     assert copied == ["generation_config.json", "tokenizer.json", "tokenizer_config.json"]
     for name in copied:
         assert not (out / name).is_symlink() and (out / name).read_bytes() == (world.target / name).read_bytes()

@@ -171,8 +171,11 @@ def test_missing_report_after_success_is_a_failed_point(tmp_path):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"concurrency": [0, 2]}, "positive integers"),
-        ({"concurrency": [2, 2]}, "twice"),
+        (
+            {"concurrency": [0, 2]},
+            r"'concurrency' must be a non-empty list of distinct values, each an integer in \[1, ",
+        ),
+        ({"concurrency": [2, 2]}, "distinct values"),
         ({"engines": [{"name": "d", "kind": "medusa", "engine_dir": "x"}]}, "kind"),
         ({"engines": [{"name": "d", "kind": "dflash", "engine_dir": "x"}]}, "'ar' engine"),
         (

@@ -84,6 +84,14 @@ def vocab_size(target: Target) -> int | None:
     return target.vocab_size
 
 
+def max_positions(target: Target) -> int | None:
+    """The longest request (prompt + output) the target serves; None for an engine or a server, which refuse a
+    longer request themselves."""
+    if target.checkpoint_dir:
+        return _golden_model(target.checkpoint_dir).target.spec.max_position_embeddings
+    return None
+
+
 def backend_factory(
     target: Target,
     workload: Workload,
@@ -96,8 +104,14 @@ def backend_factory(
         model = _golden_model(target.checkpoint_dir)
         stops = [] if workload.ignore_eos else list(model.target.spec.eos_token_ids)
         block = 1 if target.kind == "ar" else None
+        # Never more slots than requests: the CPU executor allocates its caches for every slot.
+        requests = len(workload.requests)
         return lambda in_flight: GoldenBackend(
-            model, max_batch_size or in_flight, workload.max_seq_len, block_size=block, stop_token_ids=stops
+            model,
+            max_batch_size or min(in_flight, requests),
+            workload.max_seq_len,
+            block_size=block,
+            stop_token_ids=stops,
         )
     if target.engine_dir:
         from dflash_trt.bench.backends.trtllm import TrtllmBackend

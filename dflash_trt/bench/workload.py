@@ -14,8 +14,16 @@ from typing import Any
 
 from dflash_trt.bench.driver import BenchRequest
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.inputs import MAX_REQUESTS, check_fits_in_memory
 from dflash_trt.prompts import read_prompts
 
+# Prompt and output tokens of one workload, all requests together: each token is held as a Python int (prompts)
+# and a timestamp (responses). It bounds the memory a run grows to before its first point completes.
+MAX_WORKLOAD_TOKENS = 50_000_000
+BYTES_PER_TOKEN = 64
+# The longest sequence a synthetic request may ask for before any model says what it allows.
+MAX_SEQUENCE = 1 << 22
+MODEL_POSITIONS = "the target's max_position_embeddings"
 # Shipped real-text prompts (math, code, chat, several languages; written for this project), for sweeps.
 REAL_PROMPTS = "build_configs/calibration.jsonl"
 SYNTHETIC_WARNING = (
@@ -45,10 +53,30 @@ class Workload:
 
     def resized(self, count: int) -> Workload:
         """`count` requests, cycling through the prompts (a longer run, or a subset, of the same set)."""
-        if count < 1:
-            raise DFlashTrtError(f"the number of requests must be >= 1, got {count}")
+        if not 1 <= count <= MAX_REQUESTS:
+            raise DFlashTrtError(f"the number of requests must be in [1, {MAX_REQUESTS}], got {count}")
+        per_cycle = sum(len(r.input_ids) + r.max_new_tokens for r in self.requests)
+        check_workload_tokens(per_cycle * count // len(self.requests), "--num_requests")
         cycled = [self.requests[i % len(self.requests)] for i in range(count)]
         return Workload(cycled, self.ignore_eos, self.description | {"num_requests": count})
+
+
+def check_request_length(prompt_len: int, new_tokens: int, max_positions: int, where: str) -> None:
+    if prompt_len + new_tokens > max_positions:
+        raise DFlashTrtError(
+            f"a request of {prompt_len} prompt + {new_tokens} output tokens exceeds {where} ({max_positions}); "
+            "shorten the prompts (ISL) or ask for fewer tokens (OSL, --max_new_tokens)"
+        )
+
+
+def check_workload_tokens(tokens: int, what: str) -> None:
+    """A run's prompts and outputs must fit the token bound and this machine's free memory."""
+    if tokens > MAX_WORKLOAD_TOKENS:
+        raise DFlashTrtError(
+            f"{what} asks for {tokens} prompt and output tokens in all; a run holds at most {MAX_WORKLOAD_TOKENS} "
+            "(fewer or shorter requests)"
+        )
+    check_fits_in_memory(tokens * BYTES_PER_TOKEN, f"{what}'s requests and their timings", "fewer or shorter requests")
 
 
 def parse_synthetic(text: str) -> Synthetic:
@@ -57,12 +85,21 @@ def parse_synthetic(text: str) -> Synthetic:
         values = [int(p) for p in parts]
     except ValueError:
         values = []
-    if len(values) != 3 or min(values) < 1:
-        raise DFlashTrtError(f"--synthetic must be ISL,OSL,COUNT with three positive integers, got {text!r}")
-    return Synthetic(*values)
+    limits = (MAX_SEQUENCE, MAX_SEQUENCE, MAX_REQUESTS)
+    if len(values) != 3 or not all(1 <= v <= limit for v, limit in zip(values, limits, strict=True)):
+        raise DFlashTrtError(
+            f"--synthetic must be ISL,OSL,COUNT with ISL and OSL in [1, {MAX_SEQUENCE}] and COUNT in "
+            f"[1, {MAX_REQUESTS}], got {text[:60]!r}"
+        )
+    spec = Synthetic(*values)
+    check_workload_tokens((spec.input_len + spec.output_len) * spec.count, "--synthetic")
+    return spec
 
 
-def synthetic_workload(spec: Synthetic, vocab_size: int, seed: int = 0) -> Workload:
+def synthetic_workload(spec: Synthetic, vocab_size: int, seed: int = 0, max_positions: int | None = None) -> Workload:
+    """`max_positions`: the longest request the model serves, checked before any prompt is drawn."""
+    if max_positions is not None:
+        check_request_length(spec.input_len, spec.output_len, max_positions, MODEL_POSITIONS)
     rng = random.Random(seed)
     requests = [
         BenchRequest(i, [rng.randrange(vocab_size) for _ in range(spec.input_len)], spec.output_len)
@@ -85,10 +122,17 @@ def file_workload(
     tokenizer=None,
     limit: int | None = None,
     chat_kwargs: dict[str, Any] | None = None,
+    max_positions: int | None = None,
 ) -> Workload:
     if max_new_tokens < 1:
         raise DFlashTrtError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
+    if max_positions is not None and max_new_tokens >= max_positions:
+        check_request_length(1, max_new_tokens, max_positions, MODEL_POSITIONS)
     prompts = read_prompts(path, tokenizer, limit, chat_kwargs)
+    if max_positions is not None:
+        longest = max(len(ids) for ids in prompts)
+        check_request_length(longest, max_new_tokens, max_positions, MODEL_POSITIONS)
+    check_workload_tokens(sum(len(ids) + max_new_tokens for ids in prompts), f"the prompts of {path}")
     requests = [BenchRequest(i, ids, max_new_tokens) for i, ids in enumerate(prompts)]
     description = {
         "kind": "file",

@@ -12,16 +12,15 @@ closed-loop concurrency or Poisson arrivals; write results.json, report.html and
 from __future__ import annotations
 
 import argparse
-import shutil
+import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from dflash_trt.bench.driver import FollowerRank
 from dflash_trt.bench.measure import measure_point, request_bar
 from dflash_trt.bench.results import RESULTS_FILE, sweep_fields, write_results
-from dflash_trt.bench.targets import Target, backend_factory, check_target, provenance, vocab_size
+from dflash_trt.bench.targets import Target, backend_factory, check_target, max_positions, provenance, vocab_size
 from dflash_trt.bench.workload import (
     REAL_PROMPTS,
     SYNTHETIC_WARNING,
@@ -30,7 +29,23 @@ from dflash_trt.bench.workload import (
     parse_synthetic,
     synthetic_workload,
 )
+from dflash_trt.checkpoint.atomic import atomic_directory, check_destination, check_writable
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.inputs import (
+    CONCURRENCIES,
+    CONCURRENCY,
+    END_ID,
+    GPUS,
+    MEMORY_FRACTION,
+    POSITIVE_INT,
+    REQUEST_RATES,
+    REQUESTS,
+    SEED,
+    TIMEOUT_S,
+    URL,
+    VOCAB_SIZE,
+    WARMUP,
+)
 from dflash_trt.jsonfile import strict_json
 from dflash_trt.prompts import CHAT_TEMPLATE_KWARGS_HELP, parse_chat_template_kwargs
 from dflash_trt.tokenizer import load_tokenizer
@@ -47,7 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--engine_dir", help="DFlash engine (dflash-trt build): TensorRT-LLM 1.2.x executor, GPU")
     target.add_argument("--checkpoint_dir", help="converted checkpoint: the golden model with in-flight batching, CPU")
-    target.add_argument("--triton_url", help="Triton gRPC endpoint HOST:PORT of a deployed repository")
+    target.add_argument("--triton_url", type=URL, help="Triton gRPC endpoint HOST:PORT of a deployed repository")
     target.add_argument("--openai_url", help="OpenAI endpoint http://HOST:PORT/v1 (dflash-trt serve)")
     prompts = p.add_mutually_exclusive_group(required=True)
     prompts.add_argument(
@@ -62,25 +77,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="random token prompts of ISL tokens, OSL output tokens each (end tokens ignored), COUNT of them; "
         "they understate speculative speedups (drafts are rarely accepted on random ids): prefer --input_file",
     )
-    p.add_argument("--concurrency", help="comma-separated closed-loop user counts, e.g. 1,2,4")
-    p.add_argument("--request_rate", help="comma-separated open-loop Poisson arrival rates (requests/s)")
-    p.add_argument("--max_new_tokens", type=int, default=128, help="output budget per prompt (--input_file)")
-    p.add_argument("--num_requests", type=int, default=None, help="requests per point (default: every prompt)")
-    p.add_argument("--warmup", type=int, default=0, help="requests sent and discarded before each point")
+    p.add_argument(
+        "--concurrency", type=CONCURRENCIES, default=None, help="comma-separated closed-loop user counts, e.g. 1,2,4"
+    )
+    p.add_argument(
+        "--request_rate",
+        type=REQUEST_RATES,
+        default=None,
+        help="comma-separated open-loop Poisson arrival rates (req/s)",
+    )
+    p.add_argument("--max_new_tokens", type=POSITIVE_INT, default=128, help="output budget per prompt (--input_file)")
+    p.add_argument("--num_requests", type=REQUESTS, default=None, help="requests per point (default: every prompt)")
+    p.add_argument("--warmup", type=WARMUP, default=0, help="requests sent and discarded before each point")
     p.add_argument("--baseline", choices=("ar",), help="also measure the target alone at the same points")
     p.add_argument("--baseline_engine_dir", help="the AR engine for --baseline ar with --engine_dir")
-    p.add_argument("--baseline_triton_url", help="the AR server for --baseline ar with --triton_url")
+    p.add_argument("--baseline_triton_url", type=URL, help="the AR server for --baseline ar with --triton_url")
     p.add_argument("--tokenizer_dir", help="tokenizer for text prompts (default: the checkpoint's)")
     p.add_argument("--plugin_library", help="libdflash_trt_plugins.so (default: the one dflash_trt.json names)")
     p.add_argument(
         "--max_batch_size",
-        type=int,
+        type=CONCURRENCY,
         default=None,
         help="executor batch limit (default: the engine's; CPU: the largest concurrency, else 16)",
     )
     p.add_argument(
         "--kv_cache_free_gpu_mem_fraction",
-        type=float,
+        type=MEMORY_FRACTION,
         default=None,
         help="--engine_dir: share of free GPU memory for the KV cache (default: the executor's own)",
     )
@@ -90,39 +112,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="tensorrt_llm (token ids; the default), or ensemble / tensorrt_llm_bls (text: needs --tokenizer_dir)",
     )
     p.add_argument(
-        "--gpus", type=int, default=1, help="GPUs behind --triton_url / --openai_url (divides tok/s per GPU)"
+        "--gpus", type=GPUS, default=1, help="GPUs behind --triton_url / --openai_url (divides tok/s per GPU)"
     )
     p.add_argument(
         "--end_id",
-        type=int,
+        type=END_ID,
         default=None,
         help="end token for engine / Triton runs on --input_file (default: the engine config's eos "
-        "ids; without one every request runs to --max_new_tokens)",
+        "ids; without one, or with -1, every request runs to --max_new_tokens)",
     )
     p.add_argument(
         "--vocab_size",
-        type=int,
+        type=VOCAB_SIZE,
         default=None,
         help="the model's token range with --triton_url: synthetic prompts use it, responses are checked against it",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of synthetic prompts and Poisson arrivals")
-    p.add_argument("--timeout_s", type=float, default=3600.0, help="give up on a point after this long")
+    p.add_argument("--seed", type=SEED, default=0, help="seed of synthetic prompts and Poisson arrivals")
+    p.add_argument("--timeout_s", type=TIMEOUT_S, default=3600.0, help="give up on a point after this long")
     p.add_argument("--output_dir", required=True, help="folder for results.json, report.html, pareto.png")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--overwrite", action="store_true", help="replace the results of an earlier bench in --output_dir")
     p.add_argument("--json", action="store_true", help="print the points (without per-request data) as JSON")
     p.set_defaults(func=run)
-
-
-def _numbers(text: str | None, kind: type, flag: str) -> list:
-    if text is None:
-        return []
-    try:
-        values = [kind(v) for v in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or any(not v > 0 for v in values):
-        raise DFlashTrtError(f"{flag} must be a comma-separated list of positive numbers, got {text!r}")
-    return values
 
 
 def targets(args: argparse.Namespace) -> dict[str, Target]:
@@ -156,17 +166,25 @@ def build_workload(args: argparse.Namespace, target: Target) -> Workload:
         vocab = vocab_size(target)
         if not vocab:
             raise DFlashTrtError("--synthetic with a server URL needs --vocab_size (the model's token range)")
-        workload = synthetic_workload(synthetic, vocab, args.seed)
-        if target.kind != "ar":
-            print(SYNTHETIC_WARNING, file=sys.stderr)
+        workload = synthetic_workload(synthetic, vocab, args.seed, max_positions(target))
     else:
-        if not Path(args.input_file).is_file():  # before the (slow) tokenizer load
+        if not Path(args.input_file).exists():  # before the (slow) tokenizer load
             raise DFlashTrtError(f"prompt file {args.input_file} does not exist")
         tokenizer_dir = args.tokenizer_dir or args.checkpoint_dir
         tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
         chat_kwargs = parse_chat_template_kwargs(args.chat_template_kwargs)
-        workload = file_workload(args.input_file, args.max_new_tokens, tokenizer, chat_kwargs=chat_kwargs)
-    return workload if args.num_requests is None else workload.resized(args.num_requests)
+        workload = file_workload(
+            args.input_file,
+            args.max_new_tokens,
+            tokenizer,
+            chat_kwargs=chat_kwargs,
+            max_positions=max_positions(target),
+        )
+    if args.num_requests is not None:
+        workload = workload.resized(args.num_requests)
+    if args.synthetic and target.kind != "ar":  # after every refusal, which stays the only line on stderr
+        print(SYNTHETIC_WARNING, file=sys.stderr)
+    return workload
 
 
 def analysis_records(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -214,6 +232,12 @@ def points_table(points: list[dict[str, Any]]):
     return "Measured points", header, rows
 
 
+def check_output(out: Path, overwrite: bool) -> None:
+    """Before any measuring: the folder can be written, and replacing it deletes only an earlier bench output."""
+    check_destination(Path(os.path.abspath(out)), overwrite, "bench")
+    check_writable(out)
+
+
 def provenance_table(provenance: dict[str, Any]):
     host = provenance["host"]
     rows = [
@@ -231,40 +255,28 @@ def provenance_table(provenance: dict[str, Any]):
 def write_outputs(
     out: Path, points: list[dict[str, Any]], workload: dict[str, Any], provenance: dict[str, Any], overwrite: bool
 ) -> dict:
-    """results.json, report.html and pareto.png, staged next to `out` and renamed into place."""
+    """results.json, report.html and pareto.png, published at once (an existing folder is replaced only when an
+    earlier `bench` wrote it)."""
     from dflash_trt.perf.report import analyze_records
 
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise DFlashTrtError(f"output folder {out} already exists; pass --overwrite to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
-    try:
+    with atomic_directory(out, "bench", overwrite) as staging:
         write_results(staging / RESULTS_FILE, points, workload, provenance)
         records = analysis_records(points)
         title = f"dflash-trt bench, {provenance['backend']} backend: throughput vs interactivity"
         tables = [provenance_table(provenance), points_table(points)]
         summary = analyze_records(records, "tpot", None, staging, tables, title) if records else {}
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return summary
 
 
 def run(args: argparse.Namespace) -> int:
-    concurrencies = _numbers(args.concurrency, int, "--concurrency")
-    rates = _numbers(args.request_rate, float, "--request_rate")
+    concurrencies, rates = args.concurrency or [], args.request_rate or []
     if not concurrencies and not rates:
         raise DFlashTrtError("give --concurrency and/or --request_rate")
     if args.synthetic and args.chat_template_kwargs is not None:
         raise DFlashTrtError("--chat_template_kwargs applies to --input_file prompts, not --synthetic token ids")
     parse_chat_template_kwargs(args.chat_template_kwargs)  # refused before any model loads
     out = Path(args.output_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
-        raise DFlashTrtError(f"output folder {out} already exists; pass --overwrite to replace it")
+    check_output(out, args.overwrite)
     chosen = targets(args)
     workload = build_workload(args, chosen["dflash"])
     origin = provenance(chosen["dflash"])

@@ -12,26 +12,34 @@ import json
 
 from dflash_trt.checkpoint.atomic import check_output_apart
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.inputs import POSITIVE_INT, WORKERS, IntRange
 from dflash_trt.pipeline import add_profile_arguments, run_profile
 from dflash_trt.trtllm.build_plan import (
     GEMM_PLUGIN_CHOICES,
     KV_CACHE_TYPES,
     LOGITS_DTYPES,
+    MAX_EAGLE_BATCH_SIZE,
     EngineBuildSettings,
+    fit_lengths,
     plan_engine_build,
 )
 
 SWITCH = ("enable", "disable")
 # Flags whose value lands unchanged in EngineBuildSettings; each defaults to None so only what the user typed
-# overrides the base settings.
-SETTING_FLAGS: dict[str, type] = {
-    "max_batch_size": int,
-    "max_input_len": int,
-    "max_seq_len": int,
-    "max_num_tokens": int,
-    "max_beam_width": int,
-    "tokens_per_block": int,
-    "workers": int,
+# overrides the base settings. The ranges here are the type's; the plan checks them against the model and EAGLE.
+SETTING_FLAGS: dict[str, IntRange] = {
+    "max_batch_size": IntRange(1, MAX_EAGLE_BATCH_SIZE),
+    "max_input_len": POSITIVE_INT,
+    "max_seq_len": POSITIVE_INT,
+    "max_num_tokens": POSITIVE_INT,
+    "max_beam_width": POSITIVE_INT,
+    "tokens_per_block": POSITIVE_INT,
+    "workers": WORKERS,
+}
+DERIVED_DEFAULTS = {
+    "max_seq_len": "min(8192, the target's max_position_embeddings and, for a sliding-window drafter, its window "
+    "minus the block size)",
+    "max_input_len": "min(4096, --max_seq_len)",
 }
 SWITCH_FLAGS = ("use_paged_context_fmha", "use_fp8_context_fmha", "multiple_profiles")
 
@@ -47,7 +55,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--output_dir", help="engine directory to create (with --config: the workspace)")
     add_profile_arguments(parser)
     for name, kind in SETTING_FLAGS.items():
-        parser.add_argument(f"--{name}", type=kind, default=None, help=f"default {getattr(defaults, name)}")
+        shown = DERIVED_DEFAULTS.get(name, getattr(defaults, name))
+        parser.add_argument(f"--{name}", type=kind, default=None, help=f"default {shown}")
     for name in SWITCH_FLAGS:
         parser.add_argument(
             f"--{name}",
@@ -70,7 +79,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="validate and print the trtllm-build command and BuildConfig; build nothing",
     )
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output_dir")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an --output_dir an earlier dflash-trt build wrote"
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     parser.add_argument(
         "extra_flags", nargs=argparse.REMAINDER, help="after `--`: further trtllm-build flags, passed through verbatim"
@@ -111,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     check_output_apart(
         args.output_dir, {"--checkpoint_dir": args.checkpoint_dir, "--plugin_library": args.plugin_library}
     )
-    settings = settings_from_args(args)
+    settings = fit_lengths(args.checkpoint_dir, settings_from_args(args), args.max_seq_len, args.max_input_len)
     plan = plan_engine_build(args.checkpoint_dir, args.output_dir, settings, plugin_library=args.plugin_library)
     if args.dry_run:
         if args.json:

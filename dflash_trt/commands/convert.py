@@ -11,6 +11,7 @@ import sys
 import time
 
 from dflash_trt.formats import DTYPES, KV_CACHE_DTYPES, NONE, QFORMATS
+from dflash_trt.inputs import GPUS, POSITIVE_INT, WORKERS
 from dflash_trt.jsonfile import strict_json
 
 
@@ -19,15 +20,15 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dflash_model_dir", required=True, help="z-lab DFlash drafter directory")
     parser.add_argument("--output_dir", required=True, help="TensorRT-LLM checkpoint directory to create")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="weight dtype")
-    parser.add_argument("--tp_size", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    parser.add_argument("--tp_size", type=GPUS, default=1, help="tensor-parallel ranks (default 1)")
     parser.add_argument("--pp_size", type=int, default=1, help="pipeline-parallel ranks (only 1 is supported)")
     parser.add_argument(
         "--moe_ep_size",
-        type=int,
+        type=GPUS,
         default=1,
         help="expert-parallel groups of a MoE target; each expert splits over tp / this (default 1)",
     )
-    parser.add_argument("--workers", type=int, default=1, help="rank files written in parallel (default 1)")
+    parser.add_argument("--workers", type=WORKERS, default=1, help="rank files written in parallel (default 1)")
     parser.add_argument("--qformat", choices=QFORMATS, default=NONE, help="target weights: fp8 (Hopper) or nvfp4")
     parser.add_argument("--dflash_qformat", choices=QFORMATS, default=None, help="drafter weights (default: --qformat)")
     parser.add_argument(
@@ -42,9 +43,17 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         help="calibration prompts: jsonl ({'text'} or {'input_ids'} per line) or a local HF datasets "
         "folder with a text or input_ids column",
     )
-    parser.add_argument("--calib_size", type=int, default=64, help="calibration prompts used (default 64)")
-    parser.add_argument("--calib_max_seq_len", type=int, default=512, help="calibration prompt tokens kept")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output_dir")
+    parser.add_argument("--calib_size", type=POSITIVE_INT, default=64, help="calibration prompts used (default 64)")
+    parser.add_argument(
+        "--calib_max_seq_len",
+        type=POSITIVE_INT,
+        default=None,
+        help="calibration prompt tokens kept, at most the target's max_position_embeddings (default: 512, or "
+        "fewer where the target's positions must also hold the 32 tokens decoded after each prompt)",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an --output_dir an earlier dflash-trt convert wrote"
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

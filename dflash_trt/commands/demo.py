@@ -16,11 +16,21 @@ import time
 from pathlib import Path
 
 from dflash_trt.checkpoint.atomic import check_output_apart
+from dflash_trt.commands.generate import check_lengths
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import DTYPES, FP8, NVFP4
+from dflash_trt.inputs import POSITIVE_INT, IntRange
 from dflash_trt.jsonfile import strict_json
 from dflash_trt.tiny.corpus import generate as generate_problems
-from dflash_trt.tiny.heldout import HeldoutPrompt, asset_dir, draft_dir, is_correct, load_heldout, target_dir
+from dflash_trt.tiny.heldout import (
+    HeldoutPrompt,
+    asset_dir,
+    draft_dir,
+    heldout_count,
+    is_correct,
+    load_heldout,
+    target_dir,
+)
 from dflash_trt.tokenizer import load_tokenizer
 from dflash_trt.trtllm.build_plan import EngineBuildSettings, plan_engine_build
 
@@ -31,8 +41,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--output_dir", default="demo_out", help="workspace for the demo's outputs")
     parser.add_argument("--overwrite", action="store_true", help="replace outputs of an earlier demo run")
-    parser.add_argument("--num_prompts", type=int, default=16, help="held-out prompts to decode")
-    parser.add_argument("--max_new_tokens", type=int, default=96)
+    parser.add_argument(
+        "--num_prompts", type=IntRange(1, heldout_count()), default=16, help="held-out prompts to decode"
+    )
+    parser.add_argument("--max_new_tokens", type=POSITIVE_INT, default=96)
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.set_defaults(func=run)
@@ -188,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(checkpoint)
     prompts = [tokenizer.encode(p.text) for p in heldout]
     model = load_golden_model(checkpoint)
+    check_lengths(args, prompts, model.target.spec.max_position_embeddings)
     stop_ids = list(model.target.spec.eos_token_ids)
     block = model.draft.spec.block_size
     say(f"[3/7] decode {len(prompts)} held-out prompts: DFlash block {block} vs target alone (golden model, CPU)")

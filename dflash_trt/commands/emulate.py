@@ -2,9 +2,15 @@
 
 The unmodified network runs under the emulated TensorRT-LLM 1.2.x API and EAGLE runtime loop
 (`dflash_trt.emulation`): in-flight batching, chunked prompts, a paged KV pool. At --temperature > 0 the network
-verifies the drafts by sampling, with the uniforms the golden loop draws (sequence i from seed + i), so the output
-equals `generate --temperature T --seed S`. The output has `generate`'s JSON schema, so the two can be compared
-token for token and acceptance for acceptance.
+verifies the drafts by sampling, with the uniforms the golden loop draws (sequence i from seed + i). The output has
+`generate`'s JSON schema.
+
+What it reports is the engine's decoding, which differs from `generate` near --max_new_tokens: the engine (like
+TensorRT-LLM's EAGLE runtime) always drafts and verifies a full block and clips what it accepts to the budget,
+where `generate`'s golden loop verifies a shorter last block. So the output equals the first N tokens of `generate`
+run with --max_new_tokens N + block_size - 1 (the same flags otherwise), and each acceptance length is that run's,
+the last one clipped to N; `generate` with --max_new_tokens N gives the same tokens at temperature 0 but may give
+other acceptance lengths once fewer than block_size - 1 tokens of the budget remain.
 """
 
 from __future__ import annotations
@@ -14,11 +20,13 @@ import json
 import time
 from pathlib import Path
 
-from dflash_trt.commands.generate import MAX_SEED, sequence_record
+from dflash_trt.commands.generate import MAX_SEED, check_lengths, sequence_record
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.inputs import POSITIVE_INT, IntRange
 from dflash_trt.prompts import read_prompts
 from dflash_trt.sampling_rules import sampling_refusal
 from dflash_trt.tokenizer import load_tokenizer
+from dflash_trt.trtllm.build_plan import MAX_EAGLE_BATCH_SIZE, XQA_TOKENS_PER_BLOCK
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -29,12 +37,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--checkpoint_dir", required=True, help="converted checkpoint (dflash-trt convert), tp 1")
     parser.add_argument("--input_file", required=True, help="jsonl prompts")
-    parser.add_argument("--max_new_tokens", type=int, default=64)
-    parser.add_argument("--max_batch_size", type=int, default=8, help="requests in flight at once")
+    parser.add_argument("--max_new_tokens", type=POSITIVE_INT, default=64)
     parser.add_argument(
-        "--max_num_tokens", type=int, default=None, help="tokens per step; longer prompts are chunked (default 8192)"
+        "--max_batch_size",
+        type=IntRange(1, MAX_EAGLE_BATCH_SIZE),
+        default=8,
+        help="requests in flight at once (at most the EAGLE engines' limit)",
     )
-    parser.add_argument("--tokens_per_block", type=int, default=32, help="paged KV block size")
+    parser.add_argument(
+        "--max_num_tokens",
+        type=POSITIVE_INT,
+        default=None,
+        help="tokens per step; longer prompts are chunked (default 8192)",
+    )
+    parser.add_argument(
+        "--tokens_per_block",
+        type=int,
+        choices=XQA_TOKENS_PER_BLOCK,
+        default=32,
+        help="paged KV block size (the sizes an engine builds with)",
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--seed", type=int, default=0, help="sequence i draws from seed + i, as generate")
     parser.add_argument("--ignore_eos", action="store_true", help="never stop before --max_new_tokens")
@@ -60,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     runtime = EmulatedRuntime(checkpoint_dir, args.max_batch_size, args.max_num_tokens, args.tokens_per_block)
     tokenizer = load_tokenizer(checkpoint_dir)
     prompts = read_prompts(args.input_file, tokenizer)
+    check_lengths(args, prompts, runtime.facts.max_position_embeddings)
     stop_ids = [] if args.ignore_eos else list(runtime.eos_token_ids)
     started = time.perf_counter()
     results = runtime.generate(prompts, args.max_new_tokens, stop_ids, temperature=args.temperature, seed=args.seed)

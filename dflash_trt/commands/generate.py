@@ -5,6 +5,10 @@ Stops at the target's EOS ids unless `--stop_token_ids` or `--ignore_eos` say ot
 default `--sampling engine` is the engine's rule (argmax drafts, one target sample per verified position, accepted
 while it equals the draft; temperature only, like the engine); `--sampling reference` is dflash_generate's rejection
 sampling of sampled drafts (honours --top_p / --top_k). Both reproduce the target's distribution exactly.
+
+Near --max_new_tokens this golden loop verifies only the tokens the budget still allows (a shorter last block,
+drafted as such); an engine drafts a full block and clips (see `dflash-trt emulate --help`), so the two agree on
+tokens at temperature 0 but may differ in the last acceptance lengths.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.inputs import POSITIVE_INT, TOKEN_ID
 from dflash_trt.jsonfile import strict_json
 from dflash_trt.prompts import CHAT_TEMPLATE_KWARGS_HELP, parse_chat_template_kwargs, read_prompts
 from dflash_trt.sampling_rules import ENGINE, MAX_SEED, METHODS
@@ -37,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--input_file", required=True, help='jsonl prompts: {"text"}, {"input_ids"} or {"messages"} per line'
     )
     parser.add_argument("--chat_template_kwargs", default=None, help=CHAT_TEMPLATE_KWARGS_HELP)
-    parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--max_new_tokens", type=POSITIVE_INT, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top_p", type=float, default=1.0, help="--sampling reference only")
     parser.add_argument("--top_k", type=int, default=0, help="--sampling reference only")
@@ -48,9 +53,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="rule at temperature > 0: the engine's (default) or dflash_generate's",
     )
     parser.add_argument("--seed", type=int, default=0, help="sequence i draws from seed + i (engine rule)")
-    parser.add_argument("--block_size", type=int, default=None, help="verify block (default: the drafter's)")
+    parser.add_argument("--block_size", type=POSITIVE_INT, default=None, help="verify block (default: the drafter's)")
     stops = parser.add_mutually_exclusive_group()
-    stops.add_argument("--stop_token_ids", type=int, nargs="+", default=None, help="replace the EOS stop ids")
+    stops.add_argument(
+        "--stop_token_ids", type=TOKEN_ID, nargs="+", default=None, help="replace the EOS stop ids (token ids)"
+    )
     stops.add_argument("--ignore_eos", action="store_true", help="never stop before --max_new_tokens")
     parser.add_argument("--trace", action="store_true", help="record the drafted tokens of every step")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -70,12 +77,21 @@ def sequence_record(result: SequenceResult, tokenizer, trace: bool) -> dict[str,
     return record
 
 
+# The smallest temperature above 0: a logit of ~100 divided by it stays far inside float32's range.
+MIN_TEMPERATURE = 1e-6
+
+
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuse, before loading anything, values that would fail half-way (overflow) or decode silently wrong
     (a NaN temperature)."""
     for name in ("temperature", "top_p"):
         if not math.isfinite(getattr(args, name)):
             raise DFlashTrtError(f"--{name} must be a finite number, got {getattr(args, name)}")
+    if 0 < args.temperature < MIN_TEMPERATURE:
+        raise DFlashTrtError(
+            f"--temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {args.temperature:g}: logits "
+            "divided by a smaller one overflow float32"
+        )
     if not 0 <= args.seed <= MAX_SEED:
         raise DFlashTrtError(f"--seed must lie in [0, {MAX_SEED}], got {args.seed}")
     if args.max_new_tokens < 1:
@@ -116,6 +132,11 @@ def run(args: argparse.Namespace) -> int:
         stop_ids = []
     elif args.stop_token_ids is not None:
         stop_ids = args.stop_token_ids
+        vocab = model.target.spec.vocab_size
+        if max(stop_ids) >= vocab:
+            raise DFlashTrtError(
+                f"--stop_token_ids must be token ids in [0, {vocab - 1}] (the target's vocabulary), got {max(stop_ids)}"
+            )
     else:
         stop_ids = list(model.target.spec.eos_token_ids)
     started = time.perf_counter()

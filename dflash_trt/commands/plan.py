@@ -18,6 +18,7 @@ from pathlib import Path
 
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import KV_CACHE_DTYPES, NONE, QFORMATS
+from dflash_trt.inputs import POSITIVE_INT, SPEED
 from dflash_trt.perf.evaluation import HARNESSES, calibrations
 from dflash_trt.perf.gpus import GPUS, get_gpu
 from dflash_trt.perf.memory import EngineLimits, FeasiblePoint, feasible_curve
@@ -91,12 +92,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--levels", help="comma-separated tok/s/user values for the speedup-vs-AR table")
     p.add_argument(
         "--max_batch_size",
-        type=int,
+        type=POSITIVE_INT,
         help="engine limit the curves respect (default: the largest --concurrency, at most trtllm-build's 2048)",
     )
     p.add_argument(
         "--max_num_tokens",
-        type=int,
+        type=POSITIVE_INT,
         default=EngineLimits.max_num_tokens,
         help="engine limit the curves respect (default: %(default)s, trtllm-build's)",
     )
@@ -112,7 +113,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     what.add_argument("--validate", action="store_true", help="print the model vs every published point and exit")
     what.add_argument("--provenance", action="store_true", help="print every constant's value, kind and source")
-    p.add_argument("--min_tok_s_user", type=float, default=500.0, help="with --node: the speed every user must get")
+    p.add_argument("--min_tok_s_user", type=SPEED, default=500.0, help="with --node: the speed every user must get")
     p.add_argument("--output", help="with --calibrate: write the stamped calibration to this JSON file")
     p.add_argument("--overwrite", action="store_true", help="with --output: replace an existing file")
     p.add_argument("--json", action="store_true", help="print machine-readable output")
@@ -419,9 +420,6 @@ def _calibrations(args: argparse.Namespace) -> tuple[tuple[Calibration, ...], li
 def _limits(args: argparse.Namespace, concurrencies: list[int]) -> EngineLimits:
     default = min(max(concurrencies), EngineLimits.max_batch_size)
     batch = default if args.max_batch_size is None else args.max_batch_size
-    for flag, value in (("max_batch_size", batch), ("max_num_tokens", args.max_num_tokens)):
-        if value < 1:
-            raise DFlashTrtError(f"--{flag} must be a positive integer, got {value}")
     return EngineLimits(batch, args.max_num_tokens)
 
 

@@ -18,7 +18,9 @@ from pathlib import Path
 
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import ENGINE_DTYPES
+from dflash_trt.inputs import POSITIVE_INT, IntRange
 from dflash_trt.jsonfile import strict_json
+from dflash_trt.tiny.heldout import heldout_count
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -33,8 +35,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="libdflash_trt_plugins.so (default: $DFLASH_TRT_PLUGIN_LIB, else plugins/build)",
     )
-    parser.add_argument("--num_prompts", type=int, default=8, help="held-out prompts, decoded as one batch")
-    parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument(
+        "--num_prompts", type=IntRange(1, heldout_count()), default=8, help="held-out prompts, decoded as one batch"
+    )
+    parser.add_argument("--max_new_tokens", type=POSITIVE_INT, default=64)
     parser.add_argument("--dtype", default="float16", choices=ENGINE_DTYPES)
     parser.add_argument(
         "--chunked_context",
@@ -146,7 +150,9 @@ def run(args: argparse.Namespace) -> int:
 
     out = Path(args.output_dir)
     check_output_apart(out, {"the embedded tiny pair": asset_dir(), "--plugin_library": args.plugin_library})
-    require_tensorrt_llm()  # before any work: the self-test is meaningless without TensorRT-LLM 1.2.x
+    require_tensorrt_llm(
+        " (on a CPU, dflash-trt emulate runs the engine network)"
+    )  # before any work: the self-test is meaningless without TensorRT-LLM 1.2.x
     checkpoint = out / f"checkpoint-{args.dtype}"
     convert_checkpoint(target_dir(), draft_dir(), checkpoint, dtype=args.dtype, overwrite=args.overwrite)
     tokenizer = load_tokenizer(checkpoint)

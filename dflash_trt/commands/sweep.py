@@ -14,6 +14,7 @@ from dflash_trt.bench.workload import SYNTHETIC_WARNING
 from dflash_trt.checkpoint.atomic import check_output_apart
 from dflash_trt.commands.bench import provenance_table
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.inputs import SPEED_LEVELS
 from dflash_trt.jsonfile import read_json_object, strict_json
 from dflash_trt.perf.report import analyze_records
 from dflash_trt.perf.sweep import (
@@ -44,7 +45,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="tpot",
         help="x axis: 'tpot' = 1 / mean TPOT (default), 'share' = output tok/s / concurrency",
     )
-    p.add_argument("--levels", help="comma-separated tok/s/user values for the speedup table (default: AR's)")
+    p.add_argument(
+        "--levels", type=SPEED_LEVELS, help="comma-separated tok/s/user values for the speedup table (default: AR's)"
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=run)
 
@@ -88,11 +91,10 @@ def run(args: argparse.Namespace) -> int:
             records = run_sweep(cfg, progress=progress, show_progress=not args.json)
         except FollowerRank:
             return 0  # a multi-GPU engine's other rank: rank 0 writes the report
-    levels = [float(v) for v in args.levels.split(",")] if args.levels else None
     results = Path(cfg.output_dir) / RESULTS_FILE
     origin = read_json_object(results, "").get("provenance") if results.is_file() else None
     tables = [provenance_table(origin)] if origin else []
-    summary = analyze_records(records, args.user_metric, levels, cfg.output_dir, tables)
+    summary = analyze_records(records, args.user_metric, args.levels, cfg.output_dir, tables)
     write_json_atomic(Path(cfg.output_dir) / "summary.json", summary)
     if args.json:
         print(strict_json(summary, indent=2))

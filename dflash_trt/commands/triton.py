@@ -99,7 +99,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="write paths under HERE as THERE: for a repository served on a host that mounts the engine, checkpoint, "
         "tokenizer or plugin elsewhere (repeatable; both absolute)",
     )
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output_dir")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an --output_dir an earlier dflash-trt triton wrote"
+    )
     parser.add_argument("--json", action="store_true", help="print the repository settings as JSON")
     parser.set_defaults(func=run)
 

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.inputs import POSITIVE_INT
 from dflash_trt.jsonfile import strict_json
 
 
@@ -22,8 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="the prompts the checkpoint was calibrated on: rerun calibration and compare every calibrated scale "
         "bit for bit (without it they are only checked to be finite and positive)",
     )
-    parser.add_argument("--calib_size", type=int, default=64, help="as given to convert")
-    parser.add_argument("--calib_max_seq_len", type=int, default=512, help="as given to convert")
+    parser.add_argument("--calib_size", type=POSITIVE_INT, default=64, help="as given to convert")
+    parser.add_argument("--calib_max_seq_len", type=POSITIVE_INT, default=512, help="as given to convert")
     parser.add_argument("--json", action="store_true", help="print the full report as JSON")
     parser.set_defaults(func=run)
 
@@ -35,8 +36,6 @@ def run(args: argparse.Namespace) -> int:
     if args.calib_dataset is not None:
         if not Path(args.calib_dataset).exists():
             raise DFlashTrtError(f"--calib_dataset {args.calib_dataset} does not exist")
-        if args.calib_size < 1 or args.calib_max_seq_len < 1:
-            raise DFlashTrtError("--calib_size and --calib_max_seq_len must be >= 1")
         calibration = Calibration(Path(args.calib_dataset), args.calib_size, args.calib_max_seq_len)
     report = verify_checkpoint(args.checkpoint_dir, args.model_dir, args.dflash_model_dir, calibration)
     print(strict_json(report.to_dict()) if args.json else report.verdict())

@@ -64,6 +64,8 @@ STREAM_BLOCK_BYTES = 32 << 20
 PR_SET_PDEATHSIG = 1  # prctl option: signal this process when its parent dies (linux/prctl.h)
 # Non-parameter buffers some exporters store; they carry no weights the engine needs.
 IGNORED_SOURCE_SUFFIXES = (".rotary_emb.inv_freq",)
+# Calibration prompt tokens kept when the caller does not say (fewer on a model with fewer positions).
+DEFAULT_CALIB_MAX_SEQ_LEN = 512
 
 
 @dataclass(frozen=True)
@@ -429,7 +431,7 @@ def convert_checkpoint(
     kv_cache_dtype: str | None = None,
     calib_dataset: str | Path | None = None,
     calib_size: int = 64,
-    calib_max_seq_len: int = 512,
+    calib_max_seq_len: int | None = None,
     moe_ep_size: int = 1,
 ) -> ConversionResult:
     """Convert and publish atomically; raises DFlashTrtError (nothing written) on any bad input.
@@ -440,7 +442,9 @@ def convert_checkpoint(
     target's experts split over `moe_ep_size` expert-parallel groups and tp / `moe_ep_size` slices of each.
     """
     if pp_size != 1:
-        raise DFlashTrtError("--pp_size > 1 is not supported: TensorRT-LLM speculative decoding engines need pp_size 1")
+        raise DFlashTrtError(
+            f"--pp_size must be 1 (TensorRT-LLM speculative decoding engines need pp_size 1), got {pp_size}"
+        )
     if dtype not in DTYPES:
         raise DFlashTrtError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if workers < 1:
@@ -460,12 +464,13 @@ def convert_checkpoint(
     model_dir, dflash_model_dir, output_dir = Path(model_dir), Path(dflash_model_dir), Path(output_dir)
     inputs = {"--model_dir": model_dir, "--dflash_model_dir": dflash_model_dir, "--calib_dataset": calib_dataset}
     check_output_apart(output_dir, inputs)
-    check_destination(output_dir, overwrite)
+    check_destination(output_dir.absolute(), overwrite, "convert")
     target = load_target_spec(model_dir)
     draft = load_draft_spec(dflash_model_dir, target)
     tokenizer = tokenizer_files(model_dir)
+    cut = default_calib_max_seq_len(target.max_position_embeddings) if calib_max_seq_len is None else calib_max_seq_len
     if needs_calibration and calib_dataset is not None:
-        check_calibration_prompts(model_dir, Path(calib_dataset), calib_size, calib_max_seq_len)
+        check_calibration_prompts(model_dir, Path(calib_dataset), calib_size, cut, target.max_position_embeddings)
     check_parallel(target, draft, tp_size, moe_ep_size)
     plan = ConversionPlan(
         model_dir,
@@ -502,14 +507,14 @@ def convert_checkpoint(
                 quant,
                 Path(calib_dataset),
                 calib_size,
-                calib_max_seq_len,
+                cut,
                 show_progress,
             )
         if prequantized is not None:
             scales.update(prequantized_input.carried_scales(prequantized, plan.layout, target_reader))
         plan = replace(plan, scales=scales)
         layout = plan.layout
-        with atomic_directory(output_dir, overwrite, inputs) as staging:
+        with atomic_directory(output_dir, "convert", overwrite, inputs) as staging:
             with tqdm(total=len(layout) * tp_size, desc="convert", unit="tensor", disable=not show_progress) as bar:
                 # Rank 0 runs here first: it checks every replicated tensor for NaN/Inf, so bad input fails fast.
                 ranks = [_write_rank(plan, staging / rank_file(0), readers, 0, bar.update)]
@@ -548,15 +553,38 @@ def resolve_quantization(
     return quant, None
 
 
-def check_calibration_prompts(model_dir: Path, calib_dataset: Path, calib_size: int, calib_max_seq_len: int) -> None:
+def default_calib_max_seq_len(max_positions: int) -> int:
+    """512 tokens, or fewer where the target's positions must also hold the tokens decoded after the prompt."""
+    from dflash_trt.conversion.calibrate import CALIBRATION_NEW_TOKENS
+
+    return max(1, min(DEFAULT_CALIB_MAX_SEQ_LEN, max_positions - CALIBRATION_NEW_TOKENS))
+
+
+def check_calibration_prompts(
+    model_dir: Path, calib_dataset: Path, calib_size: int, calib_max_seq_len: int, max_positions: int
+) -> None:
     """Read the calibration prompts before any work, so a bad file is reported as itself, not after a conversion
-    and under the name of an internal scratch folder."""
+    and under the name of an internal scratch folder; each one, cut to `calib_max_seq_len` and decoded
+    CALIBRATION_NEW_TOKENS further, must fit the target's positions."""
+    from dflash_trt.conversion.calibrate import CALIBRATION_NEW_TOKENS
     from dflash_trt.prompts import read_prompts
     from dflash_trt.tokenizer import load_tokenizer
 
     if calib_size < 1 or calib_max_seq_len < 1:
         raise DFlashTrtError("--calib_size and --calib_max_seq_len must be >= 1.")
-    read_prompts(calib_dataset, load_tokenizer(model_dir), limit=calib_size)
+    if calib_max_seq_len > max_positions:
+        raise DFlashTrtError(
+            f"--calib_max_seq_len must be in [1, {max_positions}] (the target's max_position_embeddings), "
+            f"got {calib_max_seq_len}"
+        )
+    prompts = read_prompts(calib_dataset, load_tokenizer(model_dir), limit=calib_size)
+    longest = max(min(len(p), calib_max_seq_len) for p in prompts)
+    if longest + CALIBRATION_NEW_TOKENS > max_positions:
+        raise DFlashTrtError(
+            f"a calibration prompt of {longest} tokens (cut at --calib_max_seq_len) plus the {CALIBRATION_NEW_TOKENS} "
+            f"tokens decoded after it exceeds the target's max_position_embeddings ({max_positions}); give "
+            f"--calib_max_seq_len {max_positions - CALIBRATION_NEW_TOKENS} or less"
+        )
 
 
 def check_parallel(target: TargetSpec, draft: DraftSpec, tp_size: int, moe_ep_size: int) -> None:

@@ -37,6 +37,7 @@ from dflash_trt.emulation.functional import Tensor
 from dflash_trt.emulation.kv_pool import BlockManager, KVPool
 from dflash_trt.emulation.layers import AttentionParams, KeyValueCacheParams, SpecDecodingParams
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.inputs import check_fits_in_memory
 from dflash_trt.reference.decode import StepTrace
 from dflash_trt.sampling_rules import sampling_refusal
 from dflash_trt.trtllm.build_plan import EngineBuildSettings, check_sliding_window, pack_mask_rows
@@ -132,6 +133,14 @@ class EmulatedExecutor:
         self.stops = set(stop_token_ids or [])
         longest = max_seq_len + 2 * engine.block
         max_blocks = -(-longest // engine.tokens_per_block)
+        element = torch.empty((), dtype=engine.cache_dtype).element_size()
+        check_fits_in_memory(
+            engine.tp_size * max_blocks * engine.max_batch_size * engine.num_layers * 2 * engine.kv_heads
+            * engine.tokens_per_block * engine.head_dim * element,
+            f"the emulated KV pool ({engine.max_batch_size} sequences x {max_blocks} blocks of "
+            f"{engine.tokens_per_block})",
+            "lower --max_batch_size or ask for fewer tokens",
+        )  # fmt: skip
         self.pool = KVPool(
             max_blocks * engine.max_batch_size,
             engine.num_layers,

@@ -27,6 +27,9 @@ from dflash_trt.perf.sweep import write_json_atomic
 
 OVERHEAD_SEARCH_S = (0.0, 0.05)
 TOKEN_OVERHEAD_SEARCH_S = (0.0, 1e-3)
+# A bench run writes one point per mode and concurrency; each costs a model evaluation per search step, so the
+# fit is bounded here rather than left to run for hours on a file of a million points.
+MAX_POINTS = 1000
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,11 @@ def read_bench_results(path: str | Path) -> BenchResults:
         raise DFlashTrtError(f"cannot read bench results {path}: {exc}") from None
     if not isinstance(data, dict) or not isinstance(data.get("points"), list) or not data["points"]:
         raise DFlashTrtError(f"{path}: expected a JSON object with a non-empty 'points' list")
+    if len(data["points"]) > MAX_POINTS:
+        raise DFlashTrtError(
+            f"{path}: 'points' must hold at most {MAX_POINTS} points (one per mode and concurrency), got "
+            f"{len(data['points'])}"
+        )
     points = []
     for i, p in enumerate(data["points"]):
         where = f"{path}: points[{i}]"
@@ -116,6 +124,8 @@ def read_bench_results(path: str | Path) -> BenchResults:
         mode = p.get("mode")
         if mode not in ("dflash", "ar"):
             raise DFlashTrtError(f"{where}: mode must be 'dflash' or 'ar', got {mode!r}")
+        if p.get("concurrency") is None and p.get("request_rate") is not None:
+            continue  # an open-loop point: its concurrency is whatever the arrivals made it, not a model input
         conc = p.get("concurrency")
         if isinstance(conc, bool) or not isinstance(conc, int) or conc < 1:
             raise DFlashTrtError(f"{where}: concurrency must be a positive integer, got {conc!r}")
@@ -128,6 +138,11 @@ def read_bench_results(path: str | Path) -> BenchResults:
                 _number(p, "throughput_tok_s", where),
                 tau,
             )
+        )
+    if not points:
+        raise DFlashTrtError(
+            f"{path} holds only open-loop points (bench --request_rate); calibration fits closed-loop points: run "
+            "bench with --concurrency"
         )
     return BenchResults(points, _provenance(data, path), _lengths(data))
 

@@ -31,11 +31,37 @@ import yaml
 from dflash_trt.bench.driver import FollowerRank
 from dflash_trt.bench.measure import measure_point, request_bar
 from dflash_trt.bench.results import RESULTS_FILE, sweep_fields, write_results
-from dflash_trt.bench.targets import KINDS, Target, backend_factory, check_target, describe, provenance, vocab_size
+from dflash_trt.bench.targets import (
+    KINDS,
+    Target,
+    backend_factory,
+    check_target,
+    describe,
+    max_positions,
+    provenance,
+    vocab_size,
+)
 from dflash_trt.bench.workload import Workload, file_workload, parse_synthetic, synthetic_workload
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.jsonfile import strict_json
+from dflash_trt.inputs import (
+    CONCURRENCIES,
+    CONCURRENCY,
+    END_ID,
+    GPUS,
+    MEMORY_FRACTION,
+    POSITIVE_INT,
+    REQUESTS,
+    SEED,
+    TIMEOUT_S,
+    URL,
+    WARMUP,
+    FloatRange,
+    check_bool,
+    check_text,
+)
+from dflash_trt.jsonfile import read_json_object, strict_json
 from dflash_trt.perf.pareto import Point
+from dflash_trt.yamlfile import safe_load_unique
 
 ENGINE_KINDS = KINDS
 RUNNERS = ("driver", "trtllm-bench")
@@ -94,11 +120,14 @@ def _str_list(value: Any, key: str) -> tuple[str, ...]:
     return tuple(str(v) for v in value)
 
 
-def _positive_int(data: dict, key: str) -> int | None:
+POINT_STATUSES = ("ok", "failed")
+THROUGHPUT = FloatRange(0.0, 1e12)
+
+
+def _field(data: dict, key: str, rule: Callable[[Any, str], Any], where: str = "sweep config") -> Any:
+    """`data[key]` checked by one of the shared input rules (None when absent)."""
     value = data.get(key)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise DFlashTrtError(f"sweep config: {key!r} must be a positive integer")
-    return value
+    return None if value is None else rule(value, f"{where}: {key!r}")
 
 
 def _engine_entry(i: int, e: Any, base: Path) -> EngineEntry:
@@ -117,7 +146,10 @@ def _engine_entry(i: int, e: Any, base: Path) -> EngineEntry:
     }
     if not isinstance(e, dict) or not {"name", "kind"} <= set(e):
         raise DFlashTrtError(f"sweep config: engine #{i} needs 'name' and 'kind'")
-    name = str(e["name"])
+    name = check_text(e["name"], f"sweep config: engine #{i} 'name'")
+    where = f"sweep config: engine {name!r}"
+    for key in ("engine_dir", "checkpoint_dir", "plugin_library", "triton_model"):
+        _field(e, key, check_text, where)
     unknown = sorted(set(e) - known)
     if unknown:
         raise DFlashTrtError(f"sweep config: engine {name!r} has unknown key(s) {', '.join(unknown)}")
@@ -146,12 +178,12 @@ def _engine_entry(i: int, e: Any, base: Path) -> EngineEntry:
             kind=e["kind"],
             engine_dir=str(base / e["engine_dir"]) if e.get("engine_dir") else None,
             checkpoint_dir=str(base / e["checkpoint_dir"]) if e.get("checkpoint_dir") else None,
-            triton_url=e.get("triton_url"),
+            triton_url=_field(e, "triton_url", URL.check, where),
             plugin_library=str(base / e["plugin_library"]) if e.get("plugin_library") else None,
             eagle_choices=None if choices is None else tuple(tuple(c) for c in choices),
             triton_model=str(e.get("triton_model", "tensorrt_llm")),
-            gpus=_positive_int(e, "gpus") or 1,
-            end_id=e.get("end_id"),
+            gpus=_field(e, "gpus", GPUS.check, where) or 1,
+            end_id=_field(e, "end_id", END_ID.check, where),
         )
     except DFlashTrtError as exc:
         raise DFlashTrtError(f"sweep config: engine {name!r}: {exc}") from None
@@ -180,15 +212,9 @@ def parse_sweep_config(data: Any, base_dir: str | Path = ".") -> SweepConfig:
         )
     if data.get("synthetic"):
         parse_synthetic(str(data["synthetic"]))
-    conc = data["concurrency"]
-    if (
-        not isinstance(conc, list)
-        or not conc
-        or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in conc)
-    ):
-        raise DFlashTrtError("sweep config: 'concurrency' must be a non-empty list of positive integers")
-    if len(set(conc)) != len(conc):
-        raise DFlashTrtError("sweep config: 'concurrency' lists a value twice")
+    conc = CONCURRENCIES.check(data["concurrency"], "sweep config: 'concurrency'")
+    for key in ("dataset", "synthetic", "tokenizer_dir", "output_dir", "model", "model_path"):
+        _field(data, key, check_text)
     engines_raw = data["engines"]
     if not isinstance(engines_raw, list) or not engines_raw:
         raise DFlashTrtError("sweep config: 'engines' must be a non-empty list")
@@ -205,17 +231,17 @@ def parse_sweep_config(data: Any, base_dir: str | Path = ".") -> SweepConfig:
         output_dir=str(base / data.get("output_dir", "sweep_results")),
         dataset=str(base / data["dataset"]) if data.get("dataset") else None,
         synthetic=str(data["synthetic"]) if data.get("synthetic") else None,
-        max_new_tokens=_positive_int(data, "max_new_tokens") or 1024,
+        max_new_tokens=_field(data, "max_new_tokens", POSITIVE_INT.check) or 1024,
         tokenizer_dir=str(base / data["tokenizer_dir"]) if data.get("tokenizer_dir") else None,
-        num_requests=_positive_int(data, "num_requests"),
-        warmup=data.get("warmup"),
-        max_batch_size=_positive_int(data, "max_batch_size"),
-        kv_cache_free_gpu_mem_fraction=data.get("kv_cache_free_gpu_mem_fraction"),
-        seed=int(data.get("seed", 0)),
-        timeout_s=data.get("timeout_s"),
+        num_requests=_field(data, "num_requests", REQUESTS.check),
+        warmup=_field(data, "warmup", WARMUP.check),
+        max_batch_size=_field(data, "max_batch_size", CONCURRENCY.check),
+        kv_cache_free_gpu_mem_fraction=_field(data, "kv_cache_free_gpu_mem_fraction", MEMORY_FRACTION.check),
+        seed=_field(data, "seed", SEED.check) or 0,
+        timeout_s=_field(data, "timeout_s", TIMEOUT_S.check),
         model=str(data["model"]) if data.get("model") else None,
         model_path=str(base / data["model_path"]) if data.get("model_path") else None,
-        streaming=bool(data.get("streaming", True)),
+        streaming=check_bool(data.get("streaming", True), "sweep config: 'streaming'"),
         launcher=_str_list(data.get("launcher"), "launcher"),
         extra_args=_str_list(data.get("extra_args"), "extra_args"),
     )
@@ -224,7 +250,7 @@ def parse_sweep_config(data: Any, base_dir: str | Path = ".") -> SweepConfig:
 def load_sweep_config(path: str | Path) -> SweepConfig:
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = safe_load_unique(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise DFlashTrtError(f"cannot read sweep config {path}: {exc.strerror}") from exc
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
@@ -264,18 +290,20 @@ def bench_command(cfg: SweepConfig, engine: EngineEntry, concurrency: int, repor
 
 def sweep_workload(cfg: SweepConfig) -> Workload:
     """The one prompt set every engine of the sweep gets."""
+    limits = [n for n in (max_positions(e.target) for e in cfg.engines) if n]
+    positions = min(limits) if limits else None
     if cfg.synthetic:
         vocabs = {v for v in (vocab_size(e.target) for e in cfg.engines) if v}
         if not vocabs:
             raise DFlashTrtError(
                 "sweep config: synthetic prompts need an engine or checkpoint to take the vocabulary size from"
             )
-        workload = synthetic_workload(parse_synthetic(cfg.synthetic), min(vocabs), cfg.seed)
+        workload = synthetic_workload(parse_synthetic(cfg.synthetic), min(vocabs), cfg.seed, positions)
     else:
         from dflash_trt.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(cfg.tokenizer_dir) if cfg.tokenizer_dir else None
-        workload = file_workload(str(cfg.dataset), cfg.max_new_tokens, tokenizer)
+        workload = file_workload(str(cfg.dataset), cfg.max_new_tokens, tokenizer, max_positions=positions)
     return workload if cfg.num_requests is None else workload.resized(cfg.num_requests)
 
 
@@ -528,11 +556,24 @@ def load_records(output_dir: str | Path) -> list[dict]:
         raise DFlashTrtError(f"sweep results folder {root} does not exist")
     records = []
     for path in sorted(root.glob("*/c*/point.json")):
-        try:
-            records.append(json.loads(path.read_text()))
-        except json.JSONDecodeError as exc:
-            raise DFlashTrtError(f"{path} is not valid JSON: {exc}") from exc
+        records.append(check_point_record(read_json_object(path, f"{path} disappeared"), str(path)))
     return records
+
+
+def check_point_record(record: dict, where: str) -> dict:
+    """A point record as the analysis reads it: every field it uses present and of its type (a hand-edited or
+    truncated point.json is refused in one line, not met as a KeyError in the middle of the report)."""
+    check_text(record.get("engine"), f"{where}: 'engine'")
+    if record.get("kind") not in KINDS:
+        raise DFlashTrtError(f"{where}: 'kind' must be one of {', '.join(KINDS)}, got {record.get('kind')!r:.40}")
+    CONCURRENCY.check(record.get("concurrency"), f"{where}: 'concurrency'")
+    if record.get("status") not in POINT_STATUSES:
+        raise DFlashTrtError(f"{where}: 'status' must be one of {', '.join(POINT_STATUSES)}")
+    if record["status"] == "ok":
+        THROUGHPUT.check(record.get("tok_s_gpu"), f"{where}: 'tok_s_gpu'")
+        for key in (f"tok_s_user_{metric}" for metric in USER_SPEED_METRICS):
+            _field(record, key, THROUGHPUT.check, where)
+    return record
 
 
 def points_from_records(records: Sequence[dict], user_metric: str = "tpot") -> list[Point]:

@@ -42,6 +42,11 @@ def load_heldout(path: Path | None = None, limit: int | None = None) -> list[Hel
     return prompts[:limit]
 
 
+def heldout_count() -> int:
+    """How many held-out prompts there are (what `demo --num_prompts` may ask for)."""
+    return len(load_heldout())
+
+
 def extract_answer(completion: str) -> str | None:
     """The number on the first `ans N` line of a completion, or None when the model never wrote one."""
     match = ANSWER_PATTERN.search(completion)

@@ -471,7 +471,7 @@ def write_repository(
         "--plugin_library": s.plugin_library,
     }
     served = {flag: path for flag, path in served.items() if path}
-    with atomic_directory(output_dir, overwrite, {**served, **(inputs or {})}) as staging:
+    with atomic_directory(output_dir, "triton", overwrite, {**served, **(inputs or {})}) as staging:
         for name, config in model_configs(s).items():
             version_dir = staging / name / "1"
             version_dir.mkdir(parents=True)

@@ -24,7 +24,7 @@ class ServingSettings(BaseModel):
     window shorter than max_seq_len is refused too (a cyclic cache against absolute injection pages).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)  # `true` is not 1, "false" not true
 
     kv_cache_free_gpu_mem_fraction: float = Field(default=0.9, gt=0.0, lt=1.0, allow_inf_nan=False)
     batch_scheduler_policy: Literal["guaranteed_no_evict", "max_utilization"] = "guaranteed_no_evict"

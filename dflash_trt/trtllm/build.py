@@ -18,7 +18,13 @@ from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
-from dflash_trt.checkpoint.atomic import check_output_apart, remove_stale_partials
+from dflash_trt.checkpoint.atomic import (
+    check_destination,
+    check_output_apart,
+    mark_output,
+    remove_stale_partials,
+    staging_path,
+)
 from dflash_trt.checkpoint.integrity import check_integrity
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.trtllm.build_plan import (
@@ -39,13 +45,14 @@ def installed_version(distribution: str) -> str | None:
         return None
 
 
-def require_tensorrt_llm() -> str:
-    """The installed TensorRT-LLM version, or one sentence saying why this host cannot build engines."""
+def require_tensorrt_llm(without: str = "") -> str:
+    """The installed TensorRT-LLM version, or one sentence saying why this host cannot run engines; `without`
+    ends it with what the calling command can do instead (only `build` has a --dry_run)."""
     version = installed_version("tensorrt_llm") or installed_version("tensorrt-llm")
     if version is None:
         raise DFlashTrtError(
-            f"tensorrt_llm {REQUIRED_TRTLLM}.x is not installed here; run the build inside a TensorRT-LLM "
-            f"{REQUIRED_TRTLLM}.x environment (e.g. its NGC release container) or use --dry_run"
+            f"tensorrt_llm {REQUIRED_TRTLLM}.x is not installed here; run inside a TensorRT-LLM "
+            f"{REQUIRED_TRTLLM}.x environment (e.g. its NGC release container){without}"
         )
     if not version.startswith(REQUIRED_TRTLLM + "."):
         raise DFlashTrtError(
@@ -56,7 +63,7 @@ def require_tensorrt_llm() -> str:
 
 def check_build_host(plan: EngineBuildPlan) -> str:
     """Fail early, in one sentence, when this host cannot build; returns the TensorRT-LLM version found."""
-    version = require_tensorrt_llm()
+    version = require_tensorrt_llm(" or use dflash-trt build --dry_run")
     if shutil.which(TRTLLM_BUILD) is None:
         raise DFlashTrtError(f"{TRTLLM_BUILD} is not on PATH although tensorrt_llm {version} is installed")
     if not Path(plan.plugin_library).is_file():
@@ -134,14 +141,13 @@ def _build(plan: EngineBuildPlan, staging: Path, env: dict[str, str]) -> None:
 def run_engine_build(plan: EngineBuildPlan, overwrite: bool = False) -> Path:
     """Build the engine into a staging directory (ranks in parallel with `--workers` > 1), add the manifest, then
     move it into place."""
-    output = Path(plan.output_dir)
+    output = Path(os.path.abspath(plan.output_dir))
     check_output_apart(output, {"--checkpoint_dir": plan.checkpoint_dir, "--plugin_library": plan.plugin_library})
-    if output.exists() and any(output.iterdir()) and not overwrite:
-        raise DFlashTrtError(f"{output} already exists and is not empty; pass --overwrite to replace it")
+    check_destination(output, overwrite, "build")
     check_integrity(plan.checkpoint_dir)  # one read pass, small next to the build; an edited checkpoint is refused
     version = check_build_host(plan)
     remove_stale_partials(output)
-    staging = output.with_name(f".{output.name}.partial-{os.getpid()}")
+    staging = staging_path(output, str(os.getpid()))
     shutil.rmtree(staging, ignore_errors=True)
     env = dict(os.environ, **{PLUGIN_LIBRARY_ENV: str(Path(plan.plugin_library).resolve())})
     try:
@@ -151,6 +157,7 @@ def run_engine_build(plan: EngineBuildPlan, overwrite: bool = False) -> Path:
         raise
     manifest = dict(plan.dflash_manifest, tensorrt_llm_version=version, tensorrt_version=installed_version("tensorrt"))
     (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+    mark_output(staging, "build")
     if output.exists():
         shutil.rmtree(output)
     staging.rename(output)

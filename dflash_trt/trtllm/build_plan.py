@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import shlex
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,12 @@ XQA_TOKENS_PER_BLOCK = (16, 32, 64, 128)
 TOKENS_PER_BLOCK = 32
 KV_CACHE_TYPES = ("paged",)
 LOGITS_DTYPES = ("float32", "float16")
+# Length defaults for a model that allows them; `dflash-trt build` lowers them to what the checkpoint allows.
+DEFAULT_MAX_SEQ_LEN = 8192
+DEFAULT_MAX_INPUT_LEN = 4096
+# trtllm-build flags that set a value the plan sets under another name, or replace the plan's settings wholesale
+# (read in the 1.2.x sources of tensorrt_llm/commands/build.py, not run): refused after `--` like the plan's own.
+OVERRIDING_BUILD_FLAGS = ("--max_decoder_seq_len", "--paged_kv_cache", "--build_config", "--model_config")
 
 
 @dataclass(frozen=True)
@@ -59,8 +65,8 @@ class EngineBuildSettings:
     """The `trtllm-build` knobs a DFlash engine exposes; defaults suit one H200/B300 serving a few dozen users."""
 
     max_batch_size: int = 64
-    max_input_len: int = 4096
-    max_seq_len: int = 8192
+    max_input_len: int = DEFAULT_MAX_INPUT_LEN
+    max_seq_len: int = DEFAULT_MAX_SEQ_LEN
     max_num_tokens: int = 8192
     max_beam_width: int = 1
     gemm_plugin: str = "auto"
@@ -336,6 +342,41 @@ def check_moe_layers(facts: CheckpointFacts) -> None:
         )
 
 
+def longest_buildable(facts: CheckpointFacts) -> int:
+    """The largest max_seq_len this checkpoint allows: its positions, and its drafter's window (see below)."""
+    longest = facts.max_position_embeddings
+    if SLIDING_ATTENTION in facts.layer_types and facts.sliding_window is not None:
+        longest = min(longest, facts.sliding_window - facts.block_size)
+    return longest
+
+
+def fit_lengths(
+    checkpoint_dir: str | Path, settings: EngineBuildSettings, max_seq_len: int | None, max_input_len: int | None
+) -> EngineBuildSettings:
+    """`settings` with the lengths not given derived from the model, as trtllm-build derives max_seq_len:
+    max_seq_len = min(8192, what the checkpoint allows), max_input_len = min(4096, max_seq_len)."""
+    facts = read_checkpoint_facts(checkpoint_dir)
+    seq_len = max_seq_len if max_seq_len is not None else min(DEFAULT_MAX_SEQ_LEN, max(1, longest_buildable(facts)))
+    input_len = max_input_len if max_input_len is not None else min(DEFAULT_MAX_INPUT_LEN, seq_len)
+    return replace(settings, max_seq_len=seq_len, max_input_len=input_len)
+
+
+def check_extra_flags(settings: EngineBuildSettings) -> None:
+    """Flags after `--` may only add to the command: one the plan sets (or a prefix trtllm-build's argparse would
+    expand to one) would win over the checked value while the BuildConfig and dflash_trt.json still claim ours."""
+    ours = [token for token in build_command("C", "O", 1, replace(settings, extra_flags=())) if token.startswith("--")]
+    for token in settings.extra_flags:
+        name = token.split("=", 1)[0]
+        if not name.startswith("--") or name == "--":
+            continue
+        taken = [flag for flag in (*ours, *OVERRIDING_BUILD_FLAGS) if flag.startswith(name)]
+        if taken:
+            raise DFlashTrtError(
+                f"the trtllm-build flag {name} after `--` would override {taken[0]}, which dflash-trt build sets "
+                "and checks itself; give it as a dflash-trt build flag, and after `--` only flags it does not set"
+            )
+
+
 def check_sliding_window(facts: CheckpointFacts, settings: EngineBuildSettings) -> None:
     """Sliding draft layers are built as causal full attention, exact only while no sequence outgrows the window.
 
@@ -345,6 +386,12 @@ def check_sliding_window(facts: CheckpointFacts, settings: EngineBuildSettings) 
     if SLIDING_ATTENTION not in facts.layer_types or facts.sliding_window is None:
         return
     longest = settings.max_seq_len + facts.block_size
+    if facts.sliding_window <= facts.block_size:
+        raise DFlashTrtError(
+            f"the drafter's sliding-window layers have a window ({facts.sliding_window}) no longer than its block "
+            f"({facts.block_size}); TensorRT-LLM 1.2.x spec-decoding attention has no sliding window, so this drafter "
+            "cannot be built"
+        )
     if longest > facts.sliding_window:
         raise DFlashTrtError(
             f"the drafter has sliding-window layers (window {facts.sliding_window}) and the engine would attend over "
@@ -536,6 +583,7 @@ def plan_engine_build(
     check_moe_layers(facts)
     check_sliding_window(facts, settings)
     check_settings(facts, settings)
+    check_extra_flags(settings)
     if require_weights:
         check_rank_files(Path(checkpoint_dir), facts)
     library = str(Path(plugin_library if plugin_library is not None else default_library_path()).absolute())

@@ -21,6 +21,7 @@ import torch
 from dflash_trt.bench.backends.stepping import SteppingBackend
 from dflash_trt.bench.driver import BenchRequest, Response
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.inputs import check_fits_in_memory
 from dflash_trt.reference.model import GoldenModel
 from dflash_trt.reference.sampling import exact_match_accept
 
@@ -47,6 +48,15 @@ class StepLog:
     generation: list[int] = field(default_factory=list)
 
 
+def cache_bytes(model: GoldenModel, batch: int, capacity: int) -> int:
+    """What `new_cache` of the target and the drafter allocate together for `batch` sequences."""
+    per_position = sum(
+        2 * len(part.layers) * part.spec.num_key_value_heads * part.spec.head_dim
+        for part in (model.target, model.draft)
+    )
+    return batch * capacity * per_position * model.target.embedding.element_size()
+
+
 class GoldenExecutor:
     """Greedy speculative decoding (block 1 = plain autoregressive) with requests joining and leaving per step."""
 
@@ -67,6 +77,11 @@ class GoldenExecutor:
             raise DFlashTrtError(f"max batch size must be >= 1, got {max_batch_size}")
         self.max_seq_len = max_seq_len
         capacity = max_seq_len + self.block + 1
+        check_fits_in_memory(
+            cache_bytes(model, max_batch_size, capacity),
+            f"the CPU executor's KV caches ({max_batch_size} sequences x {capacity} positions)",
+            "lower --max_batch_size or --concurrency, or shorten the requests",
+        )
         self.target_cache = model.target.new_cache(max_batch_size, capacity)
         self.draft_cache = draft.new_cache(max_batch_size, capacity)
         self.slots: list[_Running | None] = [None] * max_batch_size

@@ -42,16 +42,24 @@ class SteppingBackend(Backend):
         self._wake = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._broken: str | None = None  # why the executor thread stopped; later requests fail with it at once
+        self._send: Deliver | None = None
+        self._live: set[int] = set()  # requests handed to the executor and not finished or cancelled
 
     async def start(self, deliver: Deliver) -> None:
         executor = self.executor = self.make_executor()
         self._stopping = False
-        send = threadsafe_deliver(deliver)
+        self._broken = None
+        self._live = set()
+        send = self._send = threadsafe_deliver(deliver)
         self._thread = threading.Thread(target=self._serve, args=(executor, send), name="cpu-executor", daemon=True)
         self._thread.start()
 
     def submit(self, request_id: int, request: BenchRequest) -> None:
         with self._wake:
+            if self._broken is not None and self._send is not None:
+                self._send([Response(request_id, [], True, self._broken)])
+                return
             self._pending.append((request_id, request))
             self._wake.notify()
 
@@ -77,9 +85,24 @@ class SteppingBackend(Backend):
                     executor.add(request_id, request)
                 except DFlashTrtError as exc:
                     failed.append(Response(request_id, [], True, str(exc)))
+                else:
+                    self._live.add(request_id)
             for request_id in cancelled:
                 executor.cancel(request_id)
-            responses = executor.step() if executor.has_work() else []
+                self._live.discard(request_id)
+            try:
+                responses = executor.step() if executor.has_work() else []
+            except Exception as exc:  # the model failed (out of memory, ...): end every request, never hang the run
+                with self._wake:
+                    self._broken = reason = f"the executor failed: {exc}"
+                    late = [request_id for request_id, _ in self._pending]
+                    self._pending = []
+                abandoned = sorted(self._live) + late
+                self._live = set()
+                send(failed + [Response(request_id, [], True, reason) for request_id in abandoned])
+                executor.close()
+                return
+            self._live.difference_update(r.request_id for r in responses if r.final)
             if failed or responses:
                 send(failed + responses)
 

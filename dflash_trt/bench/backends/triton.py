@@ -145,7 +145,8 @@ class TritonBackend(Backend):
             ready = await asyncio.wait_for(self.client.is_model_ready(self.model), self.connect_timeout_s)
         except (asyncio.TimeoutError, InferenceServerException) as exc:
             await self.client.close()
-            raise DFlashTrtError(f"cannot reach a Triton server at {self.url}: {exc or 'timed out'}") from None
+            reason = str(exc) or f"no answer within {self.connect_timeout_s:g} s"  # a timeout has no text of its own
+            raise DFlashTrtError(f"cannot reach a Triton server at {self.url}: {reason}") from None
         if not ready:
             await self.client.close()
             raise DFlashTrtError(f"Triton at {self.url} has no ready model {self.model!r}")
