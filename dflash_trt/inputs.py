@@ -199,3 +199,4 @@ VOCAB_SIZE = IntRange(1, MAX_TOKEN_ID)
 SEED = IntRange(0, MAX_SEED)
 MEMORY_FRACTION = FloatRange(0.0, 1.0, above_lo=True)
 URL = HostPort()
+PORT = IntRange(0, 65535)  # 0: any free port

@@ -496,7 +496,8 @@ def test_a_failing_cpu_executor_ends_the_run_instead_of_hanging(world: World, tm
 
     monkeypatch.setattr(GoldenExecutor, "step", no_memory)
     code, out, err = run_cli(_bench(world, tmp_path, "--json", "--timeout_s", "60"), capsys)
-    assert code == 0, err
+    # Every request failed: the results are written, then bench says so and exits 2.
+    assert code == 2 and err.splitlines()[-1].endswith("failed: the executor failed: cannot allocate 1 TB"), err
     (point,) = json.loads(out)
     assert point["requests"] == 0 and point["failed"] == 2
     results = json.loads((tmp_path / "o" / "results.json").read_text())
@@ -599,6 +600,7 @@ CHECKED_AFTER_PARSING = {
     ("emulate", "--seed"),
     ("triton", "--kv_cache_free_gpu_mem_fraction"),
     ("triton", "--instance_count"),
+    ("triton", "--replicas"),
     ("plan", "--tp_size"),
     ("plan", "--acceptance_length"),
     ("plan", "--max_draft_len"),

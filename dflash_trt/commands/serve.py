@@ -13,7 +13,9 @@ import os
 from pathlib import Path
 
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.inputs import MAX_REQUESTS, MAX_TIMEOUT_S, PORT, POSITIVE_INT, URL, IntRange
 from dflash_trt.tokenizer import load_tokenizer
+from dflash_trt.trtllm.build_plan import MAX_EAGLE_BATCH_SIZE
 
 API_KEY_ENV = "DFLASH_TRT_API_KEY"
 
@@ -24,33 +26,39 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--engine_dir", help="DFlash engine (dflash-trt build): TensorRT-LLM 1.2.x executor, GPU")
-    target.add_argument("--triton_url", help="Triton gRPC endpoint HOST:PORT of a deployed repository")
+    target.add_argument("--triton_url", type=URL, help="Triton gRPC endpoint HOST:PORT of a deployed repository")
     target.add_argument("--checkpoint_dir", help="converted checkpoint: the emulated engine on the CPU")
     parser.add_argument("--tokenizer_dir", help="tokenizer (default: the checkpoint's; required otherwise)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=PORT, default=8000, help="0 picks a free port")
     parser.add_argument("--served_model_name", help="model name clients send (default: the folder's name)")
-    parser.add_argument("--max_batch_size", type=int, help="requests in the engine at once (default: the engine's)")
-    parser.add_argument("--max_queue_size", type=int, default=1024, help="requests waiting beyond that; then 503")
-    parser.add_argument("--max_seq_len", type=int, help="prompt + output tokens per request (default: the engine's)")
+    parser.add_argument(
+        "--max_batch_size",
+        type=IntRange(1, MAX_EAGLE_BATCH_SIZE),
+        help="requests in the engine at once (default: the engine's)",
+    )
+    parser.add_argument(
+        "--max_queue_size", type=IntRange(0, MAX_REQUESTS), default=1024, help="requests waiting beyond that; then 503"
+    )
+    parser.add_argument(
+        "--max_seq_len", type=POSITIVE_INT, help="prompt + output tokens per request (default: the engine's)"
+    )
     parser.add_argument("--plugin_library", help="libdflash_trt_plugins.so (default: the one dflash_trt.json names)")
     parser.add_argument("--triton_model", default="tensorrt_llm", help="model that takes token ids")
     parser.add_argument("--ignore_eos", action="store_true", help="never stop at EOS (benchmarks)")
-    parser.add_argument("--max_request_bytes", type=int, default=8 * 1024 * 1024, help="largest request body")
-    parser.add_argument("--drain_timeout_s", type=int, help="on SIGTERM, wait at most this long for requests")
+    parser.add_argument(
+        "--max_request_bytes", type=IntRange(1024, 2**31 - 1), default=8 * 1024 * 1024, help="largest request body"
+    )
+    parser.add_argument(
+        "--drain_timeout_s",
+        type=IntRange(1, int(MAX_TIMEOUT_S)),
+        help="on SIGTERM, wait at most this long for requests",
+    )
     parser.add_argument("--api_key", help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV})")
     parser.set_defaults(func=run)
 
 
 def check_arguments(args: argparse.Namespace) -> None:
-    if not 0 <= args.port <= 65535:
-        raise DFlashTrtError(f"--port must lie in [0, 65535], got {args.port}")
-    if args.max_queue_size < 0:
-        raise DFlashTrtError(f"--max_queue_size must be >= 0, got {args.max_queue_size}")
-    if args.max_request_bytes < 1024:
-        raise DFlashTrtError(f"--max_request_bytes must be >= 1024, got {args.max_request_bytes}")
-    if args.drain_timeout_s is not None and args.drain_timeout_s < 1:
-        raise DFlashTrtError(f"--drain_timeout_s must be >= 1, got {args.drain_timeout_s}")
     if not (args.tokenizer_dir or args.checkpoint_dir):
         raise DFlashTrtError("--engine_dir and --triton_url need --tokenizer_dir")
 

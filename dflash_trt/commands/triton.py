@@ -15,9 +15,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.inputs import POSITIVE_INT, IntRange
 from dflash_trt.jsonfile import strict_json
 from dflash_trt.prompts import CHAT_TEMPLATE_KWARGS_HELP, parse_chat_template_kwargs
 from dflash_trt.triton.serving import ServingSettings, override_serving
+from dflash_trt.trtllm.build_plan import MAX_EAGLE_BATCH_SIZE
 
 CPU_MAX_BATCH_SIZE = 8  # --checkpoint_dir's default
 
@@ -40,13 +42,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--max_batch_size",
-        type=int,
+        type=IntRange(1, MAX_EAGLE_BATCH_SIZE),
         default=None,
         help=f"with --checkpoint_dir: requests decoded together (default {CPU_MAX_BATCH_SIZE})",
     )
     parser.add_argument(
         "--max_seq_len",
-        type=int,
+        type=POSITIVE_INT,
         default=None,
         help="with --checkpoint_dir: prompt + output tokens per request (default: the target's context, at most 2048)",
     )
