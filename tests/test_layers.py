@@ -106,7 +106,7 @@ def test_packages_import_only_downward() -> None:
 @pytest.mark.parametrize(
     ("code", "expected"),
     [
-        ("from dflash_trt.perf.model import X", "upward: checkpoint/ -> perf/"),
+        ("from dflash_trt.analysis.model import X", "upward: checkpoint/ -> analysis/"),
         ("def f():\n    import dflash_trt.triton.repository", "upward: checkpoint/ -> triton/"),
         ("from dflash_trt import pipeline", "upward: checkpoint/ -> pipeline.py"),
         ("from ..conversion import convert", "upward: checkpoint/ -> conversion/"),
@@ -115,10 +115,10 @@ def test_packages_import_only_downward() -> None:
 def test_an_upward_import_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: str, expected: str):
     fake_root = tmp_path / "repo"
     (fake_root / "dflash_trt" / "checkpoint").mkdir(parents=True)
-    for sub in ("perf", "triton", "conversion"):
+    for sub in ("analysis", "triton", "conversion"):
         (fake_root / "dflash_trt" / sub).mkdir()
         (fake_root / "dflash_trt" / sub / "__init__.py").write_text("")
-    for leaf in ("perf/model.py", "triton/repository.py", "conversion/convert.py", "pipeline.py"):
+    for leaf in ("analysis/model.py", "triton/repository.py", "conversion/convert.py", "pipeline.py"):
         (fake_root / "dflash_trt" / leaf).write_text("")
     offender = fake_root / "dflash_trt" / "checkpoint" / "bad.py"
     offender.write_text(code + "\n")

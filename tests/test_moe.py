@@ -441,7 +441,7 @@ def test_profile_sizing_holds_every_expert():
 
 
 def test_plan_costs_a_moe_target_by_its_active_experts(tmp_path, capsys):
-    from dflash_trt.perf.shapes import target_from_spec
+    from dflash_trt.analysis.shapes import target_from_spec
 
     stack = target_from_spec(parse_target_config(CODER_30B_A3B)).stack
     assert (stack.num_experts, stack.experts_per_token, stack.intermediate) == (128, 8, 768)

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from dflash_trt.analysis import evaluation, published
+from dflash_trt.analysis.gpus import get_gpu
+from dflash_trt.analysis.model import Acceptance, Calibration, Deployment, Method, mean_context
+from dflash_trt.analysis.published import PAIRS, POINTS, SOURCES, Unknown
 from dflash_trt.cli import build_parser, main
-from dflash_trt.perf import evaluation, published
-from dflash_trt.perf.gpus import get_gpu
-from dflash_trt.perf.model import Acceptance, Calibration, Deployment, Method, mean_context
-from dflash_trt.perf.published import PAIRS, POINTS, SOURCES, Unknown
 
 ROOT = Path(__file__).resolve().parents[1]
 

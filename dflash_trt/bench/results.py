@@ -143,7 +143,7 @@ def point_from_run(
 
 def sweep_fields(point: dict[str, Any]) -> dict[str, Any]:
     """The Pareto analysis's view of a point: tok/s/GPU (the host's tok/s for a CPU run, `gpus` 0) and both
-    tok/s/user definitions of `perf.sweep`."""
+    tok/s/user definitions of `analysis.sweep`."""
     tpot = point["tpot_s"]
     concurrency = point["concurrency"]
     return {

@@ -257,7 +257,7 @@ def write_outputs(
 ) -> dict:
     """results.json, report.html and pareto.png, published at once (an existing folder is replaced only when an
     earlier `bench` wrote it)."""
-    from dflash_trt.perf.report import analyze_records
+    from dflash_trt.analysis.report import analyze_records
 
     with atomic_directory(out, "bench", overwrite) as staging:
         write_results(staging / RESULTS_FILE, points, workload, provenance)

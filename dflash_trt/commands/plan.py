@@ -16,13 +16,10 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from dflash_trt.errors import DFlashTrtError
-from dflash_trt.formats import KV_CACHE_DTYPES, NONE, QFORMATS
-from dflash_trt.inputs import POSITIVE_INT, SPEED
-from dflash_trt.perf.evaluation import HARNESSES, calibrations
-from dflash_trt.perf.gpus import GPUS, get_gpu
-from dflash_trt.perf.memory import EngineLimits, FeasiblePoint, feasible_curve
-from dflash_trt.perf.model import (
+from dflash_trt.analysis.evaluation import HARNESSES, calibrations
+from dflash_trt.analysis.gpus import GPUS, get_gpu
+from dflash_trt.analysis.memory import EngineLimits, FeasiblePoint, feasible_curve
+from dflash_trt.analysis.model import (
     PRECISION,
     Acceptance,
     Calibration,
@@ -32,9 +29,12 @@ from dflash_trt.perf.model import (
     TargetShape,
     mean_context,
 )
-from dflash_trt.perf.pareto import Point, crossover_concurrency, speedup_table
-from dflash_trt.perf.published import PAIRS, TAU_SOURCES, TAUS, WORKLOADS, pair_for_models, workload_taus
-from dflash_trt.perf.shapes import eagle3_like, load_models
+from dflash_trt.analysis.pareto import Point, crossover_concurrency, speedup_table
+from dflash_trt.analysis.published import PAIRS, TAU_SOURCES, TAUS, WORKLOADS, pair_for_models, workload_taus
+from dflash_trt.analysis.shapes import eagle3_like, load_models
+from dflash_trt.errors import DFlashTrtError
+from dflash_trt.formats import KV_CACHE_DTYPES, NONE, QFORMATS
+from dflash_trt.inputs import POSITIVE_INT, SPEED
 from dflash_trt.profiles import check_tp_heads, load_profile
 
 DEFAULT_LENGTHS = (1024, 1024)
@@ -226,7 +226,7 @@ def _models(args: argparse.Namespace) -> tuple[TargetShape, DFlashShape | None]:
 
 
 def _validate(args: argparse.Namespace) -> None:
-    from dflash_trt.perf import evaluation
+    from dflash_trt.analysis import evaluation
 
     rows = evaluation.evaluate()
     if args.json:
@@ -307,7 +307,7 @@ def _deployment(args: argparse.Namespace, target: TargetShape, drafter: DFlashSh
 
 
 def _calibrate(args: argparse.Namespace) -> None:
-    from dflash_trt.perf.calibrate import fit, hardware_of, read_bench_results, write_calibration
+    from dflash_trt.analysis.calibrate import fit, hardware_of, read_bench_results, write_calibration
 
     target, drafter = _models(args)
     results = read_bench_results(args.calibrate)
@@ -391,7 +391,7 @@ def _calibrations(args: argparse.Namespace) -> tuple[tuple[Calibration, ...], li
     """The built-in harness's readings, or a calibration file's one fit (refused on other hardware)."""
     if args.calibration in HARNESSES:
         return calibrations(args.calibration), []
-    from dflash_trt.perf.calibrate import load_calibration
+    from dflash_trt.analysis.calibrate import load_calibration
 
     path = Path(args.calibration)
     if not path.is_file():
@@ -551,7 +551,7 @@ def _curves(args: argparse.Namespace) -> None:
 
 
 def _node(args: argparse.Namespace) -> None:
-    from dflash_trt.perf.node import parse_node, plan_node
+    from dflash_trt.analysis.node import parse_node, plan_node
 
     target, drafter = _models(args)
     _, gpu = parse_node(args.node)

@@ -7,6 +7,16 @@ import shlex
 import sys
 from pathlib import Path
 
+from dflash_trt.analysis.report import analyze_records
+from dflash_trt.analysis.sweep import (
+    USER_SPEED_METRICS,
+    bench_command,
+    load_records,
+    load_sweep_config,
+    point_dir,
+    run_sweep,
+    write_json_atomic,
+)
 from dflash_trt.bench.driver import FollowerRank
 from dflash_trt.bench.results import RESULTS_FILE
 from dflash_trt.bench.targets import describe
@@ -16,16 +26,6 @@ from dflash_trt.commands.bench import provenance_table
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.inputs import SPEED_LEVELS
 from dflash_trt.jsonfile import read_json_object, strict_json
-from dflash_trt.perf.report import analyze_records
-from dflash_trt.perf.sweep import (
-    USER_SPEED_METRICS,
-    bench_command,
-    load_records,
-    load_sweep_config,
-    point_dir,
-    run_sweep,
-    write_json_atomic,
-)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
+from dflash_trt.analysis.model import DFlashShape, StackShape, TargetShape
+from dflash_trt.analysis.shapes import dflash_from_spec, target_from_spec
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.perf.model import DFlashShape, StackShape, TargetShape
-from dflash_trt.perf.shapes import dflash_from_spec, target_from_spec
 from dflash_trt.recorded_configs import packaged_recorded_configs
 from dflash_trt.spec import parse_draft_config, parse_target_config
 

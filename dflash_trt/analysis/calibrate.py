@@ -20,10 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from dflash_trt.analysis.gpus import GPUS
+from dflash_trt.analysis.model import Acceptance, Calibration, Deployment, DFlashShape, Method, TargetShape
+from dflash_trt.analysis.sweep import write_json_atomic
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.perf.gpus import GPUS
-from dflash_trt.perf.model import Acceptance, Calibration, Deployment, DFlashShape, Method, TargetShape
-from dflash_trt.perf.sweep import write_json_atomic
 
 OVERHEAD_SEARCH_S = (0.0, 0.05)
 TOKEN_OVERHEAD_SEARCH_S = (0.0, 1e-3)

@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from dflash_trt.analysis.pareto import Point
 from dflash_trt.bench.driver import FollowerRank
 from dflash_trt.bench.measure import measure_point, request_bar
 from dflash_trt.bench.results import RESULTS_FILE, sweep_fields, write_results
@@ -60,7 +61,6 @@ from dflash_trt.inputs import (
     check_text,
 )
 from dflash_trt.jsonfile import read_json_object, strict_json
-from dflash_trt.perf.pareto import Point
 from dflash_trt.yamlfile import safe_load_unique
 
 ENGINE_KINDS = KINDS

@@ -11,8 +11,8 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from dflash_trt.analysis.pareto import Point, group_by_engine, pareto_frontier
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.perf.pareto import Point, group_by_engine, pareto_frontier
 
 Y_LABEL_GPU = "output tok/s per GPU"
 Y_LABEL_CPU = "output tok/s (CPU host, no GPU)"
@@ -171,8 +171,8 @@ def analyze_records(
     Levels default to the AR frontier's own interactivity values, the only ones where a ratio to AR exists;
     without AR points the report holds the plot and frontiers only.
     """
-    from dflash_trt.perf.pareto import crossover_concurrency, speedup_table
-    from dflash_trt.perf.sweep import USER_SPEED_METRICS, points_from_records
+    from dflash_trt.analysis.pareto import crossover_concurrency, speedup_table
+    from dflash_trt.analysis.sweep import USER_SPEED_METRICS, points_from_records
 
     points = points_from_records(records, user_metric)
     kinds = {r["engine"]: r["kind"] for r in records}

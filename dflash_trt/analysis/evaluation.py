@@ -17,14 +17,14 @@ import math
 import statistics
 from dataclasses import dataclass, replace
 
+from dflash_trt.analysis.calibrate import golden_min
+from dflash_trt.analysis.gpus import get_gpu
+from dflash_trt.analysis.memory import EngineLimits, feasible_curve
+from dflash_trt.analysis.model import Acceptance, Calibration, Deployment, DFlashShape, Method, TargetShape
+from dflash_trt.analysis.pareto import Point, pareto_frontier, throughput_at
+from dflash_trt.analysis.published import PAIRS, POINTS, SOURCES, Published, Unknown, point
+from dflash_trt.analysis.shapes import eagle3_like
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.perf.calibrate import golden_min
-from dflash_trt.perf.gpus import get_gpu
-from dflash_trt.perf.memory import EngineLimits, feasible_curve
-from dflash_trt.perf.model import Acceptance, Calibration, Deployment, DFlashShape, Method, TargetShape
-from dflash_trt.perf.pareto import Point, pareto_frontier, throughput_at
-from dflash_trt.perf.published import PAIRS, POINTS, SOURCES, Published, Unknown, point
-from dflash_trt.perf.shapes import eagle3_like
 
 # Written before fitting. Per harness: the points its constants are fitted on. A harness with points at two
 # concurrencies also fits `token_overhead_s` (what grows with the tokens a step verifies).

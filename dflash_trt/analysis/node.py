@@ -12,10 +12,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from dflash_trt.analysis.gpus import GPUS, get_gpu
+from dflash_trt.analysis.memory import EngineLimits, batch_limit, budget, draft_len
+from dflash_trt.analysis.model import Calibration, Deployment, Method, TargetShape, mean_context
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.perf.gpus import GPUS, get_gpu
-from dflash_trt.perf.memory import EngineLimits, batch_limit, budget, draft_len
-from dflash_trt.perf.model import Calibration, Deployment, Method, TargetShape, mean_context
 
 NODE_PATTERN = re.compile(r"^(\d+)x([a-z0-9]+)$")
 
