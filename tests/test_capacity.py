@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from dflash_trt.analysis.published import PAIRS, pair_for_models
-from dflash_trt.capacity import capacity_warnings, plan_capacity
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.profiles import load_profile, parse_profile
+from dflash_trt.pipeline.capacity import capacity_warnings, plan_capacity
+from dflash_trt.pipeline.profiles import load_profile, parse_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "build_configs").glob("*/*.yaml"))
@@ -138,7 +138,7 @@ def test_build_checks_warn_from_the_checkpoint_configs(tmp_path: Path):
     import json
 
     from dflash_trt.analysis import published
-    from dflash_trt.capacity import checkpoint_warnings
+    from dflash_trt.pipeline.capacity import checkpoint_warnings
 
     for name, cfg in (("t", published.QWEN3_8B), ("d", published.QWEN3_8B_DFLASH_B16)):
         (tmp_path / name).mkdir()

@@ -108,7 +108,7 @@ def test_packages_import_only_downward() -> None:
     [
         ("from dflash_trt.analysis.model import X", "upward: checkpoint/ -> analysis/"),
         ("def f():\n    import dflash_trt.triton.repository", "upward: checkpoint/ -> triton/"),
-        ("from dflash_trt import pipeline", "upward: checkpoint/ -> pipeline.py"),
+        ("from dflash_trt import cli", "upward: checkpoint/ -> cli.py"),
         ("from ..conversion import convert", "upward: checkpoint/ -> conversion/"),
     ],
 )
@@ -118,7 +118,7 @@ def test_an_upward_import_is_reported(tmp_path: Path, monkeypatch: pytest.Monkey
     for sub in ("analysis", "triton", "conversion"):
         (fake_root / "dflash_trt" / sub).mkdir()
         (fake_root / "dflash_trt" / sub / "__init__.py").write_text("")
-    for leaf in ("analysis/model.py", "triton/repository.py", "conversion/convert.py", "pipeline.py"):
+    for leaf in ("analysis/model.py", "triton/repository.py", "conversion/convert.py", "cli.py"):
         (fake_root / "dflash_trt" / leaf).write_text("")
     offender = fake_root / "dflash_trt" / "checkpoint" / "bad.py"
     offender.write_text(code + "\n")

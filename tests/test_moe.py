@@ -427,7 +427,7 @@ CODER_DRAFTER = {
 def test_profile_sizing_holds_every_expert():
     from pathlib import Path
 
-    from dflash_trt.profiles import load_profile, weight_gb_per_gpu
+    from dflash_trt.pipeline.profiles import load_profile, weight_gb_per_gpu
 
     root = Path(__file__).resolve().parents[1]
     profile = load_profile(root / "build_configs/h100-fp8/qwen3-coder-30b-a3b.yaml")

@@ -266,7 +266,7 @@ def test_a_closed_pipe_is_one_clear_error():
 
 
 def test_published_shapes_have_drafters_for_every_shipped_profile():
-    from dflash_trt.profiles import load_profile
+    from dflash_trt.pipeline.profiles import load_profile
 
     for path in sorted((ROOT / "build_configs").glob("*/*.yaml")):
         profile = load_profile(path)

@@ -21,8 +21,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from dflash_trt.cli import main as cli_main
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.pipeline import settings_from_profile
-from dflash_trt.profiles import load_profile, parse_profile
+from dflash_trt.pipeline.profiles import load_profile, parse_profile
+from dflash_trt.pipeline.settings import settings_from_profile
 from dflash_trt.triton import client as triton_client
 from dflash_trt.triton import processing as P
 from dflash_trt.triton.repository import (

@@ -16,6 +16,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from dflash_trt.analysis.acceptance_file import read_acceptance_file
 from dflash_trt.analysis.evaluation import HARNESSES, calibrations
 from dflash_trt.analysis.gpus import GPUS, get_gpu
 from dflash_trt.analysis.memory import EngineLimits, FeasiblePoint, feasible_curve
@@ -35,7 +36,7 @@ from dflash_trt.analysis.shapes import eagle3_like, load_models
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import KV_CACHE_DTYPES, NONE, QFORMATS
 from dflash_trt.inputs import POSITIVE_INT, SPEED
-from dflash_trt.profiles import check_tp_heads, load_profile
+from dflash_trt.pipeline.profiles import check_tp_heads, load_profile
 
 DEFAULT_LENGTHS = (1024, 1024)
 BAND_CAVEAT = (
@@ -182,20 +183,7 @@ def load_acceptance(args: argparse.Namespace, block: int) -> tuple[list[Acceptan
         raise DFlashTrtError("give at most one of --acceptance_length and --acceptance_json")
     if args.acceptance_json:
         path = Path(args.acceptance_json)
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise DFlashTrtError(f"cannot read acceptance file {path}: {exc}") from None
-        if not isinstance(data, dict):
-            raise DFlashTrtError(f"{path} must hold a JSON object")
-        values = data.get("histogram", data.get("per_position"))
-        if not isinstance(values, list) or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in values
-        ):
-            raise DFlashTrtError(f"{path} needs a 'histogram' or 'per_position' list of numbers")
-        acc = Acceptance.from_histogram(values) if "histogram" in data else Acceptance.from_position_rates(values)
-        if acc.max_length > block:
-            raise DFlashTrtError(f"{path} describes blocks of {acc.max_length} tokens; the drafter's block is {block}")
+        acc = read_acceptance_file(path, block)
         accs, note = [acc], f"acceptance from {path}"
     elif args.acceptance_length is not None:
         accs, note = [Acceptance.from_mean(args.acceptance_length, block)], "acceptance length given"
@@ -248,7 +236,7 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def _provenance(args: argparse.Namespace) -> None:
-    from dflash_trt import provenance
+    from dflash_trt.pipeline import provenance
 
     table = provenance.as_json()
     if args.json:
@@ -259,7 +247,7 @@ def _provenance(args: argparse.Namespace) -> None:
 
 def _profile_models_on_disk(profile) -> tuple[TargetShape, DFlashShape]:
     """Shapes of a profile's models that are local folders (or already in the HF cache): their config.json."""
-    from dflash_trt.profiles import resolve_model_dir
+    from dflash_trt.pipeline.profiles import resolve_model_dir
 
     try:
         target_dir = resolve_model_dir(profile.model.target)
@@ -276,7 +264,7 @@ def _profile_models_on_disk(profile) -> tuple[TargetShape, DFlashShape]:
 
 
 def _capacity(args: argparse.Namespace) -> None:
-    from dflash_trt.capacity import capacity_warnings, describe, plan_capacity
+    from dflash_trt.pipeline.capacity import capacity_warnings, describe, plan_capacity
 
     profile = load_profile(args.config)
     if args.model_dir:

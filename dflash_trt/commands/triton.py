@@ -174,8 +174,9 @@ def run(args: argparse.Namespace) -> int:
                 serving,
             )
     else:
-        from dflash_trt.pipeline import settings_from_profile, workspace
-        from dflash_trt.profiles import load_profile, resolve_model_dir
+        from dflash_trt.pipeline.profiles import load_profile, resolve_model_dir
+        from dflash_trt.pipeline.settings import settings_from_profile
+        from dflash_trt.pipeline.workspace import workspace
         from dflash_trt.trtllm.plugin import default_library_path
 
         profile = load_profile(args.config)

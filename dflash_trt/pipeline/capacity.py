@@ -15,7 +15,7 @@ from dflash_trt.analysis.memory import EngineLimits, blocks_per_sequence, budget
 from dflash_trt.analysis.model import PRECISION, Deployment, DFlashShape, TargetShape
 from dflash_trt.analysis.shapes import load_models
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.profiles import BuildProfile
+from dflash_trt.pipeline.profiles import BuildProfile
 
 
 @dataclass(frozen=True)
