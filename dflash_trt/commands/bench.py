@@ -59,24 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--engine_dir", help="DFlash engine (dflash-trt build): TensorRT-LLM 1.2.x executor, GPU")
-    target.add_argument("--checkpoint_dir", help="converted checkpoint: the golden model with in-flight batching, CPU")
-    target.add_argument("--triton_url", type=URL, help="Triton gRPC endpoint HOST:PORT of a deployed repository")
-    target.add_argument("--openai_url", help="OpenAI endpoint http://HOST:PORT/v1 (dflash-trt serve)")
-    prompts = p.add_mutually_exclusive_group(required=True)
-    prompts.add_argument(
-        "--input_file",
-        help='jsonl prompts, {"input_ids": [...]}, {"text": "..."} or {"messages": [...]} per line; real text, '
-        f"e.g. {REAL_PROMPTS} (in the repository)",
-    )
-    p.add_argument("--chat_template_kwargs", default=None, help=CHAT_TEMPLATE_KWARGS_HELP)
-    prompts.add_argument(
-        "--synthetic",
-        metavar="ISL,OSL,COUNT",
-        help="random token prompts of ISL tokens, OSL output tokens each (end tokens ignored), COUNT of them; "
-        "they understate speculative speedups (drafts are rarely accepted on random ids): prefer --input_file",
-    )
+    _add_source_arguments(p)
     p.add_argument(
         "--concurrency", type=CONCURRENCIES, default=None, help="comma-separated closed-loop user counts, e.g. 1,2,4"
     )
@@ -133,6 +116,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace the results of an earlier bench in --output_dir")
     p.add_argument("--json", action="store_true", help="print the points (without per-request data) as JSON")
     p.set_defaults(func=run)
+
+
+def _add_source_arguments(p: argparse.ArgumentParser) -> None:
+    """What is measured (an engine, a checkpoint or a server) and the prompts sent to it."""
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--engine_dir", help="DFlash engine (dflash-trt build): TensorRT-LLM 1.2.x executor, GPU")
+    target.add_argument("--checkpoint_dir", help="converted checkpoint: the golden model with in-flight batching, CPU")
+    target.add_argument("--triton_url", type=URL, help="Triton gRPC endpoint HOST:PORT of a deployed repository")
+    target.add_argument("--openai_url", help="OpenAI endpoint http://HOST:PORT/v1 (dflash-trt serve)")
+    prompts = p.add_mutually_exclusive_group(required=True)
+    prompts.add_argument(
+        "--input_file",
+        help='jsonl prompts, {"input_ids": [...]}, {"text": "..."} or {"messages": [...]} per line; real text, '
+        f"e.g. {REAL_PROMPTS} (in the repository)",
+    )
+    p.add_argument("--chat_template_kwargs", default=None, help=CHAT_TEMPLATE_KWARGS_HELP)
+    prompts.add_argument(
+        "--synthetic",
+        metavar="ISL,OSL,COUNT",
+        help="random token prompts of ISL tokens, OSL output tokens each (end tokens ignored), COUNT of them; "
+        "they understate speculative speedups (drafts are rarely accepted on random ids): prefer --input_file",
+    )
 
 
 def targets(args: argparse.Namespace) -> dict[str, Target]:
