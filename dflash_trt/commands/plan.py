@@ -468,37 +468,60 @@ def _curves(args: argparse.Namespace) -> None:
             tau = "" if dflash_acc is None or len(dflash_accs) == 1 else f", tau {dflash_acc.mean():.2f}"
             label = cal.name + tau
             readings[label] = (feasible, table, crossovers)
-    first = next(iter(readings.values()))[0]
+    notes += cal_notes
     if args.json:
-        merged = {}
-        for name, curve in first.items():
-            rows = []
-            for i, fp in enumerate(curve):
-                row = fp.as_json()
-                for key in ("tok_s_user", "tok_s_gpu"):
-                    vals = [r[0][name][i].as_json()[key] for r in readings.values()]
-                    row[key] = None if vals[0] is None else [min(vals), max(vals)]
-                rows.append(row)
-            merged[name] = rows
-        _emit(
-            json.dumps(
-                {
-                    "calibrations": [vars(c) for c in cals],
-                    "notes": notes + cal_notes,
-                    "lengths": list(lengths),
-                    "limits": vars(limits),
-                    "curves": merged,
-                    "speedup_vs_ar": {
-                        n: [{"tok_s_user": r.tok_s_user, "speedup": r.speedup} for r in t]
-                        for n, (_, t, _) in readings.items()
-                    },
-                    "crossover_concurrency_vs_ar": {n: c for n, (_, _, c) in readings.items()},
-                    "caveat": BAND_CAVEAT,
+        _emit_curves_json(readings, cals, notes, lengths, limits)
+    else:
+        _emit_curves_text(args, readings, cals, notes, lengths, len(dflash_accs) > 1)
+
+
+def _emit_curves_json(
+    readings: dict[str, tuple],
+    cals: tuple[Calibration, ...],
+    notes: list[str],
+    lengths: tuple[int, int],
+    limits: object,
+) -> None:
+    first = next(iter(readings.values()))[0]
+    merged = {}
+    for name, curve in first.items():
+        rows = []
+        for i, fp in enumerate(curve):
+            row = fp.as_json()
+            for key in ("tok_s_user", "tok_s_gpu"):
+                vals = [r[0][name][i].as_json()[key] for r in readings.values()]
+                row[key] = None if vals[0] is None else [min(vals), max(vals)]
+            rows.append(row)
+        merged[name] = rows
+    _emit(
+        json.dumps(
+            {
+                "calibrations": [vars(c) for c in cals],
+                "notes": notes,
+                "lengths": list(lengths),
+                "limits": vars(limits),
+                "curves": merged,
+                "speedup_vs_ar": {
+                    n: [{"tok_s_user": r.tok_s_user, "speedup": r.speedup} for r in t]
+                    for n, (_, t, _) in readings.items()
                 },
-                indent=2,
-            )
+                "crossover_concurrency_vs_ar": {n: c for n, (_, _, c) in readings.items()},
+                "caveat": BAND_CAVEAT,
+            },
+            indent=2,
         )
-        return
+    )
+
+
+def _emit_curves_text(
+    args: argparse.Namespace,
+    readings: dict[str, tuple],
+    cals: tuple[Calibration, ...],
+    notes: list[str],
+    lengths: tuple[int, int],
+    acceptance_range: bool,
+) -> None:
+    first = next(iter(readings.values()))[0]
     weights = "16-bit" if args.qformat == NONE else args.qformat
     kv_cache = "16-bit" if args.kv_cache_dtype == NONE else args.kv_cache_dtype
     lines = [
@@ -506,14 +529,13 @@ def _curves(args: argparse.Namespace) -> None:
         f"{lengths[0]}/{lengths[1]} tokens; tok/s/user = 1/TPOT",
         *[f"calibration {c.name} ({c.source})" for c in cals],
         *notes,
-        *cal_notes,
     ]
     if len(cals) > 1:
         lines.append(
             "no calibration fits this harness's overhead unambiguously: each cell is the range over the readings "
             "above (fit your own with --calibrate)"
         )
-    if len(dflash_accs) > 1:
+    if acceptance_range:
         lines.append("each dflash cell spans the workload's lowest and highest published acceptance length")
     lines.append(f"{'method':<8} {'conc':>6} {'batch':>6} {'tok/s/user':>15} {'tok/s/GPU':>17}  fits")
     for name, curve in first.items():
