@@ -19,6 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from dflash_trt.decoding_modes import DFLASH
 from dflash_trt.errors import DFlashTrtError
 
 
@@ -57,7 +58,7 @@ class FollowerRank(Exception):
 class Backend(ABC):
     """What the driver needs from an executor. `mode` is "dflash", "ar" or "eagle3"; `gpus` divides throughput."""
 
-    mode: str = "dflash"
+    mode: str = DFLASH
     gpus: int = 1
 
     @abstractmethod

@@ -34,12 +34,12 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trt.bench.driver import RequestRecord, RunTrace
+from dflash_trt.decoding_modes import DECODING_MODES
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import strict_json
 
 FORMAT = "dflash-trt-bench/1"
 RESULTS_FILE = "results.json"
-MODES = ("dflash", "ar", "eagle3")
 PERCENTILES = (50, 90, 99)
 POINT_KEYS = (
     "mode", "engine", "concurrency", "request_rate", "gpus", "requests", "failed", "output_tokens", "duration_s",
@@ -106,8 +106,8 @@ def point_from_run(
     request_rate: float | None = None,
 ) -> dict[str, Any]:
     """The results point of one measured run."""
-    if mode not in MODES:
-        raise DFlashTrtError(f"unknown mode {mode!r} (known: {', '.join(MODES)})")
+    if mode not in DECODING_MODES:
+        raise DFlashTrtError(f"unknown mode {mode!r} (known: {', '.join(DECODING_MODES)})")
     ok = [r for r in trace.records if r.error is None and r.output_ids]
     output_tokens = sum(len(r.output_ids) for r in ok)
     tpots = [t for t in map(request_tpot, ok) if t is not None]

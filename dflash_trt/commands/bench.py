@@ -30,6 +30,7 @@ from dflash_trt.bench.workload import (
     synthetic_workload,
 )
 from dflash_trt.checkpoint.atomic import atomic_directory, check_destination, check_writable
+from dflash_trt.decoding_modes import AR, DFLASH
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.inputs import (
     CONCURRENCIES,
@@ -89,7 +90,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max_new_tokens", type=POSITIVE_INT, default=128, help="output budget per prompt (--input_file)")
     p.add_argument("--num_requests", type=REQUESTS, default=None, help="requests per point (default: every prompt)")
     p.add_argument("--warmup", type=WARMUP, default=0, help="requests sent and discarded before each point")
-    p.add_argument("--baseline", choices=("ar",), help="also measure the target alone at the same points")
+    p.add_argument("--baseline", choices=(AR,), help="also measure the target alone at the same points")
     p.add_argument("--baseline_engine_dir", help="the AR engine for --baseline ar with --engine_dir")
     p.add_argument("--baseline_triton_url", type=URL, help="the AR server for --baseline ar with --triton_url")
     p.add_argument("--tokenizer_dir", help="tokenizer for text prompts (default: the checkpoint's)")
@@ -146,15 +147,15 @@ def targets(args: argparse.Namespace) -> dict[str, Target]:
         "tokenizer_dir": args.tokenizer_dir,
     }
     where = (args.engine_dir, args.checkpoint_dir, args.triton_url, args.openai_url)
-    out = {"dflash": Target("dflash", *where, **common)}
-    if args.baseline == "ar":
+    out = {DFLASH: Target(DFLASH, *where, **common)}
+    if args.baseline == AR:
         if args.openai_url:
             raise DFlashTrtError("--baseline ar is not available with --openai_url; bench the AR server separately")
         if args.engine_dir and not args.baseline_engine_dir:
             raise DFlashTrtError("--baseline ar with --engine_dir needs --baseline_engine_dir (an AR engine)")
         if args.triton_url and not args.baseline_triton_url:
             raise DFlashTrtError("--baseline ar with --triton_url needs --baseline_triton_url (an AR deployment)")
-        out["ar"] = Target("ar", args.baseline_engine_dir, args.checkpoint_dir, args.baseline_triton_url, **common)
+        out[AR] = Target(AR, args.baseline_engine_dir, args.checkpoint_dir, args.baseline_triton_url, **common)
     for target in out.values():
         check_target(target)
     return out
@@ -182,7 +183,7 @@ def build_workload(args: argparse.Namespace, target: Target) -> Workload:
         )
     if args.num_requests is not None:
         workload = workload.resized(args.num_requests)
-    if args.synthetic and target.kind != "ar":  # after every refusal, which stays the only line on stderr
+    if args.synthetic and target.mode != AR:  # after every refusal, which stays the only line on stderr
         print(SYNTHETIC_WARNING, file=sys.stderr)
     return workload
 
@@ -278,8 +279,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output_dir)
     check_output(out, args.overwrite)
     chosen = targets(args)
-    workload = build_workload(args, chosen["dflash"])
-    origin = provenance(chosen["dflash"])
+    workload = build_workload(args, chosen[DFLASH])
+    origin = provenance(chosen[DFLASH])
 
     def progress(point: dict) -> None:
         print(
