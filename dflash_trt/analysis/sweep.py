@@ -486,10 +486,10 @@ def _driver_point(
         return base | {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
     finally:
         bar.close()
-    if not point["requests"]:
-        errors = {r["error"] for r in point["per_request"] if r["error"]}
+    if not point.requests:
+        errors = {r.error for r in point.per_request if r.error}
         return base | {"status": "failed", "error": "no request finished: " + "; ".join(sorted(errors))}
-    return base | point | sweep_fields(point) | {"status": "ok"}
+    return base | point.to_json() | sweep_fields(point) | {"status": "ok"}
 
 
 def run_point(

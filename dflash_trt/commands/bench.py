@@ -19,7 +19,7 @@ from typing import Any
 
 from dflash_trt.bench.driver import FollowerRank
 from dflash_trt.bench.measure import measure_point, request_bar
-from dflash_trt.bench.results import RESULTS_FILE, sweep_fields, write_results
+from dflash_trt.bench.results import RESULTS_FILE, BenchPoint, sweep_fields, write_results
 from dflash_trt.bench.targets import Target, backend_factory, check_target, max_positions, provenance, vocab_size
 from dflash_trt.bench.workload import (
     REAL_PROMPTS,
@@ -188,32 +188,32 @@ def build_workload(args: argparse.Namespace, target: Target) -> Workload:
     return workload
 
 
-def analysis_records(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def analysis_records(points: list[BenchPoint]) -> list[dict[str, Any]]:
     """Closed-loop points in the shape the Pareto report reads."""
     return [
-        {"engine": p["engine"], "kind": p["mode"], "concurrency": p["concurrency"], "status": "ok", **sweep_fields(p)}
+        {"engine": p.engine, "kind": p.mode, "concurrency": p.concurrency, "status": "ok", **sweep_fields(p)}
         for p in points
-        if p["concurrency"] is not None and p["requests"] and sweep_fields(p)["tok_s_user_tpot"] is not None
+        if p.concurrency is not None and p.requests and sweep_fields(p)["tok_s_user_tpot"] is not None
     ]
 
 
-def points_table(points: list[dict[str, Any]]):
+def points_table(points: list[BenchPoint]):
     def cell(value, fmt="{:.1f}"):
         return "-" if value is None else fmt.format(value)
 
     rows = [
         [
-            p["engine"],
-            cell(p["concurrency"], "{}"),
-            cell(p["request_rate"], "{:g}"),
-            str(p["requests"]),
-            str(p["failed"]),
-            cell(p["throughput_tok_s"]),
+            p.engine,
+            cell(p.concurrency, "{}"),
+            cell(p.request_rate, "{:g}"),
+            str(p.requests),
+            str(p.failed),
+            cell(p.throughput_tok_s),
             cell(sweep_fields(p)["tok_s_user_tpot"]),
-            cell(p["ttft_s"] and p["ttft_s"]["p50"] * 1000),
-            cell(p["tpot_s"] and p["tpot_s"]["p50"] * 1000, "{:.2f}"),
-            cell(p["acceptance_length"], "{:.2f}"),
-            str(p["max_in_flight"]),
+            cell(p.ttft_s and p.ttft_s.p50 * 1000),
+            cell(p.tpot_s and p.tpot_s.p50 * 1000, "{:.2f}"),
+            cell(p.acceptance_length, "{:.2f}"),
+            str(p.max_in_flight),
         ]
         for p in points
     ]
@@ -254,14 +254,14 @@ def provenance_table(provenance: dict[str, Any]):
 
 
 def write_outputs(
-    out: Path, points: list[dict[str, Any]], workload: dict[str, Any], provenance: dict[str, Any], overwrite: bool
+    out: Path, points: list[BenchPoint], workload: dict[str, Any], provenance: dict[str, Any], overwrite: bool
 ) -> dict:
     """results.json, report.html and pareto.png, published at once (an existing folder is replaced only when an
     earlier `bench` wrote it)."""
     from dflash_trt.analysis.report import analyze_records
 
     with atomic_directory(out, "bench", overwrite) as staging:
-        write_results(staging / RESULTS_FILE, points, workload, provenance)
+        write_results(staging / RESULTS_FILE, [p.to_json() for p in points], workload, provenance)
         records = analysis_records(points)
         title = f"dflash-trt bench, {provenance['backend']} backend: throughput vs interactivity"
         tables = [provenance_table(provenance), points_table(points)]
@@ -282,10 +282,10 @@ def run(args: argparse.Namespace) -> int:
     workload = build_workload(args, chosen[DFLASH])
     origin = provenance(chosen[DFLASH])
 
-    def progress(point: dict) -> None:
+    def progress(point: BenchPoint) -> None:
         print(
-            f"{point_name(point)}: {point['throughput_tok_s']:.1f} tok/s, acceptance "
-            f"{point['acceptance_length'] or 0:.2f}, {point['failed']} failed",
+            f"{point_name(point)}: {point.throughput_tok_s:.1f} tok/s, acceptance "
+            f"{point.acceptance_length or 0:.2f}, {point.failed} failed",
             file=sys.stderr,
         )
 
@@ -321,24 +321,24 @@ def run(args: argparse.Namespace) -> int:
     write_outputs(out, points, workload.description, origin, args.overwrite)
     if args.json:
         print(
-            strict_json([{k: v for k, v in p.items() if k not in ("per_request", "in_flight_trace")} for p in points]),
+            strict_json([p.without_detail() for p in points]),
         )
     else:
         print(f"results: {out / RESULTS_FILE}; report: {out / 'report.html'}")
     for point in points:
-        if point["failed"]:
-            failed = f"{point['failed']} requests failed; first: {first_error(point)}"
+        if point.failed:
+            failed = f"{point.failed} requests failed; first: {first_error(point)}"
             print(f"{point_name(point)}: {failed}", file=sys.stderr)
-    dead = [point for point in points if point["failed"] and not point["requests"]]
+    dead = [point for point in points if point.failed and not point.requests]
     if dead:
         raise DFlashTrtError(f"every request of {point_name(dead[0])} failed: {first_error(dead[0])}")
     return 0
 
 
-def point_name(point: dict[str, Any]) -> str:
-    where = f"c={point['concurrency']}" if point["concurrency"] else f"rate={point['request_rate']:g}/s"
-    return f"{point['engine']} {where}"
+def point_name(point: BenchPoint) -> str:
+    where = f"c={point.concurrency}" if point.concurrency else f"rate={point.request_rate:g}/s"
+    return f"{point.engine} {where}"
 
 
-def first_error(point: dict[str, Any]) -> str:
-    return next((r["error"] for r in point["per_request"] if r["error"]), "no output tokens")
+def first_error(point: BenchPoint) -> str:
+    return next((r.error for r in point.per_request if r.error), "no output tokens")

@@ -132,18 +132,18 @@ def demo_sweep(
         description={"kind": "demo held-out prompts", "count": len(prompts), "max_new_tokens": max_new_tokens},
     )
     points, origin = [], provenance(Target(DFLASH, checkpoint_dir=str(checkpoint)))
-    for kind in (DFLASH, AR):
-        factory = backend_factory(Target(kind, checkpoint_dir=str(checkpoint)), workload)
-        points += [measure_point(factory, workload, kind, concurrency=c) for c in SWEEP_CONCURRENCY]
+    for mode in (DFLASH, AR):
+        factory = backend_factory(Target(mode, checkpoint_dir=str(checkpoint)), workload)
+        points += [measure_point(factory, workload, mode, concurrency=c) for c in SWEEP_CONCURRENCY]
     write_outputs(out, points, workload.description, origin, overwrite)
     rows = [
         {
-            "engine": p["engine"],
-            "concurrency": p["concurrency"],
-            "output_tok_s": p["throughput_tok_s"],
+            "engine": p.engine,
+            "concurrency": p.concurrency,
+            "output_tok_s": p.throughput_tok_s,
             "tok_s_user": sweep_fields(p)["tok_s_user_tpot"],
-            "ttft_p50_s": p["ttft_s"]["p50"],
-            "acceptance_length": p["acceptance_length"],
+            "ttft_p50_s": p.ttft_s and p.ttft_s.p50,
+            "acceptance_length": p.acceptance_length,
         }
         for p in points
     ]
