@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dflash_trt.analysis.pareto import Point, group_by_engine, pareto_frontier
+from dflash_trt.decoding_modes import AR, EAGLE3
 from dflash_trt.errors import DFlashTrtError
 
 Y_LABEL_GPU = "output tok/s per GPU"
@@ -175,16 +176,16 @@ def analyze_records(
     from dflash_trt.analysis.sweep import USER_SPEED_METRICS, points_from_records
 
     points = points_from_records(records, user_metric)
-    kinds = {r["engine"]: r["kind"] for r in records}
+    modes = {r["engine"]: r["kind"] for r in records}
     groups = group_by_engine(points)
-    ar = [name for name in groups if kinds.get(name) == "ar"]
+    ar = [name for name in groups if modes.get(name) == AR]
     # Without an AR engine there is nothing to divide by: the plot and frontiers only.
     baseline = ar[0] if ar else None
     frontiers = {name: pareto_frontier(pts) for name, pts in groups.items()}
     if levels is None:
         levels = [p.tok_s_user for p in frontiers[baseline]] if baseline else []
     rows = speedup_table(points, baseline, levels) if baseline else []
-    eagle = [name for name in groups if kinds.get(name) == "eagle3"]
+    eagle = [name for name in groups if modes.get(name) == EAGLE3]
     eagle_rows = speedup_table(points, eagle[0], levels) if eagle and baseline else []
     crossovers = {
         name: crossover_concurrency(pts, groups[baseline]).concurrency

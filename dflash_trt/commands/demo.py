@@ -20,6 +20,7 @@ from typing import Any
 
 from dflash_trt.checkpoint.atomic import check_output_apart
 from dflash_trt.commands.generate import check_lengths
+from dflash_trt.decoding_modes import AR, DFLASH
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import DTYPES, FP8, NVFP4
 from dflash_trt.inputs import POSITIVE_INT, IntRange
@@ -133,19 +134,19 @@ def demo_sweep(
         ignore_eos=False,
         description={"kind": "demo held-out prompts", "count": len(prompts), "max_new_tokens": max_new_tokens},
     )
-    points, origin = [], provenance(Target("dflash", checkpoint_dir=str(checkpoint)))
-    for kind in ("dflash", "ar"):
-        factory = backend_factory(Target(kind, checkpoint_dir=str(checkpoint)), workload)
-        points += [measure_point(factory, workload, kind, concurrency=c) for c in SWEEP_CONCURRENCY]
+    points, origin = [], provenance(Target(DFLASH, checkpoint_dir=str(checkpoint)))
+    for mode in (DFLASH, AR):
+        factory = backend_factory(Target(mode, checkpoint_dir=str(checkpoint)), workload)
+        points += [measure_point(factory, workload, mode, concurrency=c) for c in SWEEP_CONCURRENCY]
     write_outputs(out, points, workload.description, origin, overwrite)
     rows = [
         {
-            "engine": p["engine"],
-            "concurrency": p["concurrency"],
-            "output_tok_s": p["throughput_tok_s"],
+            "engine": p.engine,
+            "concurrency": p.concurrency,
+            "output_tok_s": p.throughput_tok_s,
             "tok_s_user": sweep_fields(p)["tok_s_user_tpot"],
-            "ttft_p50_s": p["ttft_s"]["p50"],
-            "acceptance_length": p["acceptance_length"],
+            "ttft_p50_s": p.ttft_s and p.ttft_s.p50,
+            "acceptance_length": p.acceptance_length,
         }
         for p in points
     ]
@@ -155,7 +156,7 @@ def demo_sweep(
             f"{row['tok_s_user']:7.1f} tok/s/user (1 / mean TPOT), acceptance {row['acceptance_length']:.2f}"
         )
     by = {(r["engine"], r["concurrency"]): r["output_tok_s"] for r in rows}
-    ratio = by["dflash", 1] / by["ar", 1]
+    ratio = by[DFLASH, 1] / by[AR, 1]
     say(
         f"      DFlash vs target alone, output tok/s at concurrency 1 (one user at a time): {ratio:.2f}x; "
         f"plot: {out / 'pareto.png'}"

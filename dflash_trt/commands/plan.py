@@ -33,6 +33,7 @@ from dflash_trt.analysis.model import (
 from dflash_trt.analysis.pareto import Point, crossover_concurrency, speedup_table
 from dflash_trt.analysis.published import PAIRS, TAU_SOURCES, TAUS, WORKLOADS, pair_for_models, workload_taus
 from dflash_trt.analysis.shapes import eagle3_like, load_models
+from dflash_trt.decoding_modes import AR, DFLASH, EAGLE3
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import KV_CACHE_DTYPES, NONE, QFORMATS
 from dflash_trt.inputs import POSITIVE_INT, SPEED
@@ -443,27 +444,27 @@ def _curves(args: argparse.Namespace) -> None:
         if args.eagle3_steps < 1:
             raise DFlashTrtError(f"--eagle3_steps must be a positive integer, got {args.eagle3_steps}")
         eagle_acc = Acceptance.from_mean(args.eagle3_acceptance_length, args.eagle3_steps + 1)
-        extra.append(Method("eagle3", eagle3_like(target, args.eagle3_steps), eagle_acc))
+        extra.append(Method(EAGLE3, eagle3_like(target, args.eagle3_steps), eagle_acc))
     conc = _ints(args.concurrency, "--concurrency")
     lengths = _lengths(args, DEFAULT_LENGTHS)
     limits = _limits(args, conc)
     readings = {}
     for cal in cals:
         for dflash_acc in dflash_accs:
-            dflash = [Method("dflash", drafter, dflash_acc)] if dflash_acc is not None else []
-            methods = [Method("ar"), *dflash, *extra]
+            dflash = [Method(DFLASH, drafter, dflash_acc)] if dflash_acc is not None else []
+            methods = [Method(AR), *dflash, *extra]
             d = replace(dep, calibration=cal)
             feasible = {m.name: feasible_curve(m, target, d, conc, lengths, limits) for m in methods}
             curves = {n: _ran(c) for n, c in feasible.items()}
             table, crossovers = [], {}
-            if curves["ar"]:  # nothing to compare against when not even AR's weights fit
-                levels = _levels(args.levels) if args.levels else [p.tok_s_user for p in curves["ar"]]
-                table = speedup_table([p for c in curves.values() for p in c], "ar", levels)
-                ar_batches = {p.concurrency for p in curves["ar"]}
+            if curves[AR]:  # nothing to compare against when not even AR's weights fit
+                levels = _levels(args.levels) if args.levels else [p.tok_s_user for p in curves[AR]]
+                table = speedup_table([p for c in curves.values() for p in c], AR, levels)
+                ar_batches = {p.concurrency for p in curves[AR]}
                 crossovers = {
-                    n: crossover_concurrency(c, curves["ar"]).concurrency
+                    n: crossover_concurrency(c, curves[AR]).concurrency
                     for n, c in curves.items()
-                    if n != "ar" and ar_batches & {p.concurrency for p in c}  # capped batches may share none
+                    if n != AR and ar_batches & {p.concurrency for p in c}  # capped batches may share none
                 }
             tau = "" if dflash_acc is None or len(dflash_accs) == 1 else f", tau {dflash_acc.mean():.2f}"
             label = cal.name + tau
@@ -550,7 +551,7 @@ def _emit_curves_text(
         curves = {n: _ran(c) for n, c in feasible.items()}
         for r in table:
             cells = ", ".join(
-                speedup_cell(n, s, curves[n], r.tok_s_user, curves["ar"]) for n, s in r.speedup.items() if n != "ar"
+                speedup_cell(n, s, curves[n], r.tok_s_user, curves[AR]) for n, s in r.speedup.items() if n != AR
             )
             lines.append(f"[{reading}] at {r.tok_s_user:.1f} tok/s/user: {cells}")
         for name, c in crossovers.items():
@@ -567,17 +568,17 @@ def _node(args: argparse.Namespace) -> None:
     _, gpu = parse_node(args.node)
     args.gpu = gpu
     cals, cal_notes = _calibrations(args)
-    methods: dict[str, list[Method]] = {"ar": [Method("ar")]}
+    methods: dict[str, list[Method]] = {AR: [Method(AR)]}
     notes = [*cal_notes]
     if drafter is not None:
         accs, note = load_acceptance(args, drafter.block_size)
-        methods["dflash"] = [Method("dflash", drafter, a) for a in accs]
+        methods[DFLASH] = [Method(DFLASH, drafter, a) for a in accs]
         notes.append(note)
     if args.eagle3_acceptance_length is not None:
         if args.eagle3_steps < 1:
             raise DFlashTrtError(f"--eagle3_steps must be a positive integer, got {args.eagle3_steps}")
         acc = Acceptance.from_mean(args.eagle3_acceptance_length, args.eagle3_steps + 1)
-        methods["eagle3"] = [Method("eagle3", eagle3_like(target, args.eagle3_steps), acc)]
+        methods[EAGLE3] = [Method(EAGLE3, eagle3_like(target, args.eagle3_steps), acc)]
     else:
         notes.append("eagle3: not planned (give --eagle3_acceptance_length)")
     lengths = _lengths(args, DEFAULT_LENGTHS)
@@ -596,7 +597,7 @@ def _node(args: argparse.Namespace) -> None:
                         {
                             "reading": r.reading,
                             "layouts": {n: None if lay is None else lay.as_json() for n, lay in r.layouts.items()},
-                            "users_vs_ar": {n: r.ratio(n) for n in r.layouts if n != "ar"},
+                            "users_vs_ar": {n: r.ratio(n) for n in r.layouts if n != AR},
                         }
                         for r in rows
                     ],
@@ -617,7 +618,7 @@ def _node(args: argparse.Namespace) -> None:
                 lines.append(f"  {name:<7} cannot give one user {args.min_tok_s_user:g} tok/s on any layout that fits")
                 continue
             ratio = r.ratio(name)
-            vs = "" if name == "ar" else (", AR serves none" if ratio is None else f", {ratio:.2f}x AR's users")
+            vs = "" if name == AR else (", AR serves none" if ratio is None else f", {ratio:.2f}x AR's users")
             lines.append(
                 f"  {name:<7} tp {lay.tp} x {lay.replicas} replicas x {lay.batch} users = {lay.users} users, "
                 f"{lay.tok_s_user:.0f} tok/s/user, {lay.tok_s_node:,.0f} tok/s/node (limit: {lay.limit}){vs}"

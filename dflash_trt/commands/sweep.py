@@ -23,6 +23,7 @@ from dflash_trt.bench.targets import describe
 from dflash_trt.bench.workload import SYNTHETIC_WARNING
 from dflash_trt.checkpoint.atomic import check_output_apart
 from dflash_trt.commands.bench import provenance_table
+from dflash_trt.decoding_modes import AR
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.inputs import SPEED_LEVELS
 from dflash_trt.jsonfile import read_json_object, strict_json
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
                 status = "skipped (measured by an earlier run; delete its point.json to measure again)"
             print(f"{record['engine']} c={record['concurrency']}: {status}", file=sys.stderr)
 
-        if cfg.synthetic and any(e.kind != "ar" for e in cfg.engines):
+        if cfg.synthetic and any(e.mode != AR for e in cfg.engines):
             print(SYNTHETIC_WARNING, file=sys.stderr)
         try:
             records = run_sweep(cfg, progress=progress, show_progress=not args.json)

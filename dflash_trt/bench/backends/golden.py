@@ -20,6 +20,7 @@ import torch
 
 from dflash_trt.bench.backends.stepping import SteppingBackend
 from dflash_trt.bench.driver import BenchRequest, Response
+from dflash_trt.decoding_modes import AR, DFLASH
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.inputs import check_fits_in_memory
 from dflash_trt.reference.loop_rules import check_request, keep_tokens
@@ -213,5 +214,5 @@ class GoldenBackend(SteppingBackend):
         block = model.draft.spec.block_size if block_size is None else block_size
         super().__init__(
             lambda: GoldenExecutor(model, max_batch_size, max_seq_len, block_size, stop_token_ids),
-            "dflash" if block > 1 else "ar",
+            DFLASH if block > 1 else AR,
         )
