@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from dflash_trt.analysis.pareto import Point, group_by_engine, pareto_frontier
+from dflash_trt.analysis.pareto import BandRow, Point, group_by_engine, pareto_frontier
 from dflash_trt.decoding_modes import AR, EAGLE3
 from dflash_trt.errors import DFlashTrtError
 
@@ -159,6 +159,29 @@ def _ratio(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
 
+def _comparison_tables(
+    rows: Sequence[BandRow], crossovers: dict[str, float | None], names: list[str], unit: str, baseline: str
+) -> list[Table]:
+    """Throughput and speedup over the baseline at equal interactivity, and where speculation stops paying."""
+    return [
+        (
+            f"{unit} at equal interactivity (same tok/s/user), and speedup over {baseline} there",
+            ["tok/s/user", *[f"{n} {unit}" for n in names], *[f"{n} vs {baseline}" for n in names]],
+            [
+                [f"{r.tok_s_user:.1f}"]
+                + ["-" if r.throughput[n] is None else f"{r.throughput[n]:.1f}" for n in names]
+                + [_ratio(r.speedup[n]) for n in names]
+                for r in rows
+            ],
+        ),
+        (
+            f"Concurrency where speculation stops paying ({unit} <= {baseline} at equal concurrency)",
+            ["engine", "crossover concurrency"],
+            [[n, "none in the swept range" if c is None else f"{c:.1f}"] for n, c in sorted(crossovers.items())],
+        ),
+    ]
+
+
 def analyze_records(
     records: Sequence[dict],
     user_metric: str,
@@ -214,29 +237,9 @@ def analyze_records(
         "crossover_concurrency_vs_ar": crossovers,
         "failed_points": failed,
     }
-    names = sorted(groups)
     tables: list[Table] = list(extra_tables)
-    tables += (
-        []
-        if baseline is None
-        else [
-            (
-                f"{unit} at equal interactivity (same tok/s/user), and speedup over {baseline} there",
-                ["tok/s/user", *[f"{n} {unit}" for n in names], *[f"{n} vs {baseline}" for n in names]],
-                [
-                    [f"{r.tok_s_user:.1f}"]
-                    + ["-" if r.throughput[n] is None else f"{r.throughput[n]:.1f}" for n in names]
-                    + [_ratio(r.speedup[n]) for n in names]
-                    for r in rows
-                ],
-            ),
-            (
-                f"Concurrency where speculation stops paying ({unit} <= {baseline} at equal concurrency)",
-                ["engine", "crossover concurrency"],
-                [[n, "none in the swept range" if c is None else f"{c:.1f}"] for n, c in sorted(crossovers.items())],
-            ),
-        ]
-    )
+    if baseline is not None:
+        tables += _comparison_tables(rows, crossovers, sorted(groups), unit, baseline)
     if failed:
         tables.append(("Failed points", ["engine", "concurrency", "error"], [list(f.values()) for f in failed]))
     out = Path(out_dir)
