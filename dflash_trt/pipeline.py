@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -19,7 +20,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -188,24 +189,41 @@ def settings_from_profile(
     )
 
 
-# Calibration knobs are passed only to a converter that takes them; the formats are required once quantizing.
-CALIBRATION_PARAMETERS = ("calib_dataset", "calib_size", "calib_max_seq_len")
+@dataclass(frozen=True)
+class QuantizationSettings:
+    """A quantized profile's converter settings; the field names are `convert`'s flags and `convert_checkpoint`'s
+    parameters, and their order is the order of the checkpoint stage's fingerprint and shown command."""
+
+    qformat: str
+    dflash_qformat: str | None
+    kv_cache_dtype: str | None
+    calib_dataset: str
+    calib_size: int
+    calib_max_seq_len: int | None
+
+    def as_fields(self) -> dict[str, str | int | None]:
+        return asdict(self)
 
 
-def quantization_kwargs(profile: BuildProfile, profile_path: Path) -> dict:
-    """Converter arguments for the profile's quantization (empty for an unquantized profile)."""
+def quantization_settings(profile: BuildProfile, profile_path: Path) -> QuantizationSettings | None:
+    """The profile's quantization for the converter (None for an unquantized profile)."""
     dataset = profile.calibration_dataset(profile_path)
     if dataset is None:
-        return {}
+        return None
     q = profile.quantization
-    formats = {"qformat": q.qformat, "dflash_qformat": q.dflash_qformat, "kv_cache_dtype": q.kv_cache_dtype}
-    calibration = dict(
-        zip(CALIBRATION_PARAMETERS, (str(dataset), q.calibration.size, q.calibration.max_seq_len), strict=True)
+    return QuantizationSettings(
+        qformat=q.qformat,
+        dflash_qformat=q.dflash_qformat,
+        kv_cache_dtype=q.kv_cache_dtype,
+        calib_dataset=str(dataset),
+        calib_size=q.calibration.size,
+        calib_max_seq_len=q.calibration.max_seq_len,
     )
-    return {**formats, **calibration}
 
 
-def convert_command(profile: BuildProfile, target: str, draft: str, output: Path, quant: dict) -> str:
+def convert_command(
+    profile: BuildProfile, target: str, draft: str, output: Path, quant: QuantizationSettings | None
+) -> str:
     argv = [
         "dflash-trt",
         "convert",
@@ -220,7 +238,7 @@ def convert_command(profile: BuildProfile, target: str, draft: str, output: Path
         "--tp_size",
         str(profile.checkpoint.tp_size),
     ]
-    for key, value in quant.items():
+    for key, value in (quant.as_fields() if quant else {}).items():
         argv += [f"--{key}", str(value)]
     return shlex.join(argv)
 
@@ -350,7 +368,7 @@ def resolve_inputs(args: argparse.Namespace, settings_override: Callable | None 
     if settings_override is not None:
         settings = settings_override(args, settings)
     ws = workspace(profile, args.output_dir)
-    calibration = quantization_kwargs(profile, Path(args.config)).get("calib_dataset")
+    quant = quantization_settings(profile, Path(args.config))
     check_output_apart(
         ws.root,
         {
@@ -358,7 +376,7 @@ def resolve_inputs(args: argparse.Namespace, settings_override: Callable | None 
             "the target model": target.path,
             "the drafter": draft.path,
             "the tokenizer": tokenizer.path,
-            "the calibration dataset": calibration,
+            "the calibration dataset": quant.calib_dataset if quant else None,
             "--plugin_library": args.plugin_library,
         },
     )
@@ -388,7 +406,7 @@ def stages(inp: PipelineInputs) -> list[Stage]:
     """The three stages. Without the models on disk (dry runs only) no fingerprint can be taken: stages are then
     reported from their outputs alone."""
     profile, ws = inp.profile, inp.ws
-    quant = quantization_kwargs(profile, inp.profile_path)
+    quant = quantization_settings(profile, inp.profile_path)
     ckpt_fp = (
         fingerprint(
             {
@@ -397,7 +415,7 @@ def stages(inp: PipelineInputs) -> list[Stage]:
                 "target": directory_fingerprint(inp.target.directory),
                 "draft": directory_fingerprint(inp.draft.directory),
                 "checkpoint": profile.checkpoint.model_dump(),
-                "quantization": quant,
+                "quantization": quant.as_fields() if quant else {},
             }
         )
         if inp.local
@@ -407,7 +425,8 @@ def stages(inp: PipelineInputs) -> list[Stage]:
     def run_checkpoint() -> None:
         from dflash_trt.conversion.convert import convert_checkpoint
 
-        convert_checkpoint(
+        convert = functools.partial(
+            convert_checkpoint,
             inp.target.directory,
             inp.draft.directory,
             ws.checkpoint,
@@ -415,7 +434,17 @@ def stages(inp: PipelineInputs) -> list[Stage]:
             tp_size=profile.checkpoint.tp_size,
             overwrite=True,
             show_progress=True,
-            **quant,
+        )
+        if quant is None:
+            convert()
+            return
+        convert(
+            qformat=quant.qformat,
+            dflash_qformat=quant.dflash_qformat,
+            kv_cache_dtype=quant.kv_cache_dtype,
+            calib_dataset=quant.calib_dataset,
+            calib_size=quant.calib_size,
+            calib_max_seq_len=quant.calib_max_seq_len,
         )
 
     if inp.configs_known:
