@@ -14,11 +14,10 @@ from google.protobuf import text_format
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from dflash_trt.triton import processing as P
-from dflash_trt.triton.repository import (
-    RepositorySettings,
-)
+from dflash_trt.triton.repository import RepositorySettings
 
 mc = pytest.importorskip("tritonclient.grpc.model_config_pb2")
+EOS, PAD, IM_END = "<|end|>", "<|pad|>", "<|im_end|>"
 
 
 def write_tokenizer(d: Path) -> Path:
@@ -42,9 +41,6 @@ def write_tokenizer(d: Path) -> Path:
 
 def make_preprocessor(tokenizer_dir: Path) -> P.Preprocessor:
     return P.Preprocessor.from_dir(str(tokenizer_dir), add_special_tokens=False, max_input_len=32, max_temperature=0.0)
-
-
-EOS, PAD, IM_END = "<|end|>", "<|pad|>", "<|im_end|>"
 
 
 def repository_settings(tokenizer_dir: Path, **changes) -> RepositorySettings:
