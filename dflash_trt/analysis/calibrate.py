@@ -23,7 +23,7 @@ from pathlib import Path
 from dflash_trt.analysis.gpus import GPUS
 from dflash_trt.analysis.model import Acceptance, Calibration, Deployment, DFlashShape, Method, TargetShape
 from dflash_trt.analysis.sweep import write_json_atomic
-from dflash_trt.decoding_modes import AR, DFLASH
+from dflash_trt.decoding_modes import AR, DFLASH, DecodingMode
 from dflash_trt.errors import DFlashTrtError
 
 OVERHEAD_SEARCH_S = (0.0, 0.05)
@@ -37,7 +37,7 @@ MAX_POINTS = 1000
 class MeasuredPoint:
     """One (mode, concurrency) point of a bench run: what the fit needs from it."""
 
-    mode: str  # "dflash" or "ar"
+    mode: DecodingMode  # dflash or ar
     concurrency: int
     tok_s_user: float  # 1 / median TPOT
     throughput_tok_s: float

@@ -16,7 +16,7 @@ from functools import partial
 
 from dflash_trt.analysis.model import DFlashShape, StackShape, TargetShape
 from dflash_trt.analysis.shapes import dflash_from_spec, target_from_spec
-from dflash_trt.decoding_modes import AR, DFLASH, EAGLE3
+from dflash_trt.decoding_modes import AR, DFLASH, EAGLE3, DecodingMode
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.recorded_configs import packaged_recorded_configs
 from dflash_trt.spec import parse_draft_config, parse_target_config
@@ -216,8 +216,8 @@ class Published:
     precision: str | Unknown
     concurrency: int | Unknown | None
     tau: float | Unknown | None
-    method: str = DFLASH
-    versus: str = AR
+    method: DecodingMode = DFLASH
+    versus: DecodingMode = AR
     num_gpus: int = 1
     block: int | None = None
     draft_steps: int | Unknown | None = None

@@ -46,7 +46,7 @@ class Target:
                 "a benchmark target is exactly one of engine_dir, checkpoint_dir, triton_url and openai_url"
             )
         if self.checkpoint_dir and self.mode == EAGLE3:
-            raise DFlashTrtError("a converted DFlash checkpoint runs as mode 'dflash' or 'ar', not 'eagle3'")
+            raise DFlashTrtError("a converted DFlash checkpoint runs as kind 'dflash' or 'ar', not 'eagle3'")
 
 
 @lru_cache(maxsize=4)

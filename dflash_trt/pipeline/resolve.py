@@ -16,7 +16,7 @@ from dflash_trt.pipeline.profiles import (
     looks_like_repo_id,
     resolve_model_dir,
 )
-from dflash_trt.pipeline.settings import engine_settings, quantization_kwargs
+from dflash_trt.pipeline.settings import engine_settings, quantization_settings
 from dflash_trt.pipeline.workspace import Workspace, workspace
 from dflash_trt.recorded_configs import ModelSource, load_recorded_configs, local_source, recorded_source
 from dflash_trt.spec import parse_draft_config, parse_target_config
@@ -114,7 +114,7 @@ def resolve_inputs(
     if settings_override is not None:
         settings = settings_override(settings)
     ws = workspace(profile, request.output_dir)
-    calibration = quantization_kwargs(profile, Path(request.config)).get("calib_dataset")
+    quant = quantization_settings(profile, Path(request.config))
     check_output_apart(
         ws.root,
         {
@@ -122,7 +122,7 @@ def resolve_inputs(
             "the target model": target.path,
             "the drafter": draft.path,
             "the tokenizer": tokenizer.path,
-            "the calibration dataset": calibration,
+            "the calibration dataset": quant.calib_dataset if quant else None,
             "--plugin_library": request.plugin_library,
         },
     )

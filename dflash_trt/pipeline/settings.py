@@ -7,6 +7,7 @@ import dataclasses
 import json
 import shlex
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -57,24 +58,41 @@ def settings_from_profile(
     )
 
 
-# Calibration knobs are passed only to a converter that takes them; the formats are required once quantizing.
-CALIBRATION_PARAMETERS = ("calib_dataset", "calib_size", "calib_max_seq_len")
+@dataclass(frozen=True)
+class QuantizationSettings:
+    """A quantized profile's converter settings; the field names are `convert`'s flags and `convert_checkpoint`'s
+    parameters, and their order is the order of the checkpoint stage's fingerprint and shown command."""
+
+    qformat: str
+    dflash_qformat: str | None
+    kv_cache_dtype: str | None
+    calib_dataset: str
+    calib_size: int
+    calib_max_seq_len: int | None
+
+    def as_fields(self) -> dict[str, str | int | None]:
+        return dataclasses.asdict(self)
 
 
-def quantization_kwargs(profile: BuildProfile, profile_path: Path) -> dict:
-    """Converter arguments for the profile's quantization (empty for an unquantized profile)."""
+def quantization_settings(profile: BuildProfile, profile_path: Path) -> QuantizationSettings | None:
+    """The profile's quantization for the converter (None for an unquantized profile)."""
     dataset = profile.calibration_dataset(profile_path)
     if dataset is None:
-        return {}
+        return None
     q = profile.quantization
-    formats = {"qformat": q.qformat, "dflash_qformat": q.dflash_qformat, "kv_cache_dtype": q.kv_cache_dtype}
-    calibration = dict(
-        zip(CALIBRATION_PARAMETERS, (str(dataset), q.calibration.size, q.calibration.max_seq_len), strict=True)
+    return QuantizationSettings(
+        qformat=q.qformat,
+        dflash_qformat=q.dflash_qformat,
+        kv_cache_dtype=q.kv_cache_dtype,
+        calib_dataset=str(dataset),
+        calib_size=q.calibration.size,
+        calib_max_seq_len=q.calibration.max_seq_len,
     )
-    return {**formats, **calibration}
 
 
-def convert_command(profile: BuildProfile, target: str, draft: str, output: Path, quant: dict) -> str:
+def convert_command(
+    profile: BuildProfile, target: str, draft: str, output: Path, quant: QuantizationSettings | None
+) -> str:
     argv = [
         "dflash-trt",
         "convert",
@@ -89,7 +107,7 @@ def convert_command(profile: BuildProfile, target: str, draft: str, output: Path
         "--tp_size",
         str(profile.checkpoint.tp_size),
     ]
-    for key, value in quant.items():
+    for key, value in (quant.as_fields() if quant else {}).items():
         argv += [f"--{key}", str(value)]
     return shlex.join(argv)
 

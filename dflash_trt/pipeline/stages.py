@@ -6,13 +6,14 @@ taken: stages are then reported from their outputs alone."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shlex
 from pathlib import Path
 
 from dflash_trt import __version__
 from dflash_trt.pipeline.fingerprints import directory_fingerprint, fingerprint
 from dflash_trt.pipeline.resolve import PipelineInputs
-from dflash_trt.pipeline.settings import convert_command, plan_engine, quantization_kwargs, settings_from_profile
+from dflash_trt.pipeline.settings import convert_command, plan_engine, quantization_settings, settings_from_profile
 from dflash_trt.pipeline.workspace import Stage
 from dflash_trt.trtllm.build_plan import build_command, plan_engine_build, settings_dict
 from dflash_trt.trtllm.plugin import LIBRARY_ENV, default_library_path
@@ -27,7 +28,7 @@ def stages(inp: PipelineInputs) -> list[Stage]:
 
 def _checkpoint_stage(inp: PipelineInputs) -> Stage:
     profile, ws = inp.profile, inp.ws
-    quant = quantization_kwargs(profile, inp.profile_path)
+    quant = quantization_settings(profile, inp.profile_path)
     ckpt_fp = (
         fingerprint(
             {
@@ -36,7 +37,7 @@ def _checkpoint_stage(inp: PipelineInputs) -> Stage:
                 "target": directory_fingerprint(inp.target.directory),
                 "draft": directory_fingerprint(inp.draft.directory),
                 "checkpoint": profile.checkpoint.model_dump(),
-                "quantization": quant,
+                "quantization": quant.as_fields() if quant else {},
             }
         )
         if inp.local
@@ -46,7 +47,8 @@ def _checkpoint_stage(inp: PipelineInputs) -> Stage:
     def run_checkpoint() -> None:
         from dflash_trt.conversion.convert import convert_checkpoint
 
-        convert_checkpoint(
+        convert = functools.partial(
+            convert_checkpoint,
             inp.target.directory,
             inp.draft.directory,
             ws.checkpoint,
@@ -54,7 +56,17 @@ def _checkpoint_stage(inp: PipelineInputs) -> Stage:
             tp_size=profile.checkpoint.tp_size,
             overwrite=True,
             show_progress=True,
-            **quant,
+        )
+        if quant is None:
+            convert()
+            return
+        convert(
+            qformat=quant.qformat,
+            dflash_qformat=quant.dflash_qformat,
+            kv_cache_dtype=quant.kv_cache_dtype,
+            calib_dataset=quant.calib_dataset,
+            calib_size=quant.calib_size,
+            calib_max_seq_len=quant.calib_max_seq_len,
         )
 
     command = convert_command(profile, inp.target.shown, inp.draft.shown, ws.checkpoint, quant)
