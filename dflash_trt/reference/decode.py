@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.reference.loop_rules import check_request, keep_tokens
-from dflash_trt.reference.model import GoldenModel
+from dflash_trt.reference.model import GoldenModel, KVCache
 from dflash_trt.reference.sampling import (
     SamplingParams,
     exact_match_accept,
@@ -165,8 +165,8 @@ class _Loop:
     block: int
     rule: _AcceptRule
     stops: frozenset[int]
-    target_cache: Any
-    draft_cache: Any
+    target_cache: KVCache
+    draft_cache: KVCache
 
     def keep(self, seq: _Sequence, new: list[int]) -> int:
         """Append what the budget and the stop tokens let a sequence keep of `new`; returns how many."""
