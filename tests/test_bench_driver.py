@@ -90,42 +90,48 @@ def test_progress_hears_every_finished_request_once():
     )
     assert len(finished) == 5 == len(trace.records)
     cpu = point_from_run(trace, mode="dflash", engine="dflash", gpus=0, concurrency=2)
-    assert cpu["gpus"] == 0 and cpu["throughput_tok_s_per_gpu"] is None  # no GPU to divide by
+    assert cpu.gpus == 0 and cpu.throughput_tok_s_per_gpu is None  # no GPU to divide by
 
 
 def test_point_statistics_match_hand_computed_values():
     splits = [[1, 3, 2, 4], [1, 1, 1], [1, 5]]
     trace = asyncio.run(run_load(ScriptedBackend(splits), _requests(6), concurrency=2))
     point = point_from_run(trace, mode="dflash", engine="dflash", gpus=2, concurrency=2)
-    assert set(point) == set(POINT_KEYS)
+    # results.json's point keys, in the order the file has always had them.
+    assert list(point.to_json()) == list(POINT_KEYS) == [
+        "mode", "engine", "concurrency", "request_rate", "gpus", "requests", "failed", "output_tokens", "duration_s",
+        "throughput_tok_s", "throughput_tok_s_per_gpu", "per_user_tok_s", "ttft_s", "tpot_s", "acceptance_length",
+        "acceptance_histogram", "max_in_flight", "mean_in_flight", "in_flight_trace", "per_request",
+    ]  # fmt: skip
+    assert list(point.to_json()["tpot_s"]) == ["p50", "p90", "p99", "mean"]
     tokens = sum(len(r.output_ids) for r in trace.records)
-    assert point["output_tokens"] == tokens == 2 * (10 + 3 + 6)
-    assert point["duration_s"] == max(r.finished_s for r in trace.records)
-    assert point["throughput_tok_s"] == pytest.approx(tokens / point["duration_s"])
-    assert point["throughput_tok_s_per_gpu"] == pytest.approx(point["throughput_tok_s"] / 2)
+    assert point.output_tokens == tokens == 2 * (10 + 3 + 6)
+    assert point.duration_s == max(r.finished_s for r in trace.records)
+    assert point.throughput_tok_s == pytest.approx(tokens / point.duration_s)
+    assert point.throughput_tok_s_per_gpu == pytest.approx(point.throughput_tok_s / 2)
     # Generation iterations (context chunk excluded): 3,2,4 | 1,1 | 5, twice.
     steps = [3, 2, 4, 1, 1, 5] * 2
-    assert point["acceptance_length"] == pytest.approx(sum(steps) / len(steps))
-    assert point["acceptance_histogram"] == [4, 2, 2, 2, 2]
+    assert point.acceptance_length == pytest.approx(sum(steps) / len(steps))
+    assert point.acceptance_histogram == [4, 2, 2, 2, 2]
     ttfts = [r.response_s[0] - r.sent_s for r in trace.records]
-    assert point["ttft_s"]["p90"] == pytest.approx(np.percentile(ttfts, 90))
+    assert point.ttft_s.p90 == pytest.approx(np.percentile(ttfts, 90))
     tpots = [(r.response_s[-1] - r.response_s[0]) / (len(r.output_ids) - 1) for r in trace.records]
-    assert point["tpot_s"]["p50"] == pytest.approx(np.percentile(tpots, 50))
-    assert point["per_user_tok_s"]["p99"] == pytest.approx(np.percentile([1 / t for t in tpots], 99))
-    assert point["max_in_flight"] == 2 and 1.0 < point["mean_in_flight"] <= 2.0
-    entry = point["per_request"][1]
-    assert entry["acceptance"] == [1, 1] and entry["decoding_iterations"] == 3 and entry["output_ids"] == [0, 1, 2]
+    assert point.tpot_s.p50 == pytest.approx(np.percentile(tpots, 50))
+    assert point.per_user_tok_s.p99 == pytest.approx(np.percentile([1 / t for t in tpots], 99))
+    assert point.max_in_flight == 2 and 1.0 < point.mean_in_flight <= 2.0
+    entry = point.per_request[1]
+    assert entry.acceptance == [1, 1] and entry.decoding_iterations == 3 and entry.output_ids == [0, 1, 2]
     fields = sweep_fields(point)
-    assert fields["tok_s_user_tpot"] == pytest.approx(1 / point["tpot_s"]["mean"])
-    assert fields["tok_s_user_share"] == pytest.approx(point["throughput_tok_s"] / 2)
+    assert fields["tok_s_user_tpot"] == pytest.approx(1 / point.tpot_s.mean)
+    assert fields["tok_s_user_share"] == pytest.approx(point.throughput_tok_s / 2)
 
 
 def test_failed_requests_are_counted_not_measured():
     requests = _requests(3) + [BenchRequest(99, [1], 4)]
     trace = asyncio.run(run_load(ScriptedBackend([[2, 2]]), requests, concurrency=4))
     point = point_from_run(trace, mode="ar", engine="ar", concurrency=4)
-    assert point["requests"] == 3 and point["failed"] == 1 and point["output_tokens"] == 12
-    assert point["per_request"][3]["error"] == "prompt too long"
+    assert point.requests == 3 and point.failed == 1 and point.output_tokens == 12
+    assert point.per_request[3].error == "prompt too long"
 
 
 def test_open_loop_sends_at_poisson_times_independent_of_finishes():
@@ -153,19 +159,13 @@ def test_summary_and_results_file_round_trip(tmp_path):
     assert summary([]) is None
     values = [3.0, 1.0, 2.0, 10.0]
     s = summary(values)
-    assert s == pytest.approx(
-        {
-            "p50": np.percentile(values, 50),
-            "p90": np.percentile(values, 90),
-            "p99": np.percentile(values, 99),
-            "mean": 4.0,
-        }
-    )
+    assert s is not None
+    assert (s.p50, s.p90, s.p99, s.mean) == pytest.approx([*np.percentile(values, [50, 90, 99]), 4.0])
     trace = asyncio.run(run_load(ScriptedBackend([[1, 2]]), _requests(2), concurrency=1))
     point = point_from_run(trace, mode="dflash", engine="dflash", concurrency=1)
     origin = collect("golden", "ckpt")
-    write_results(tmp_path / "results.json", [point], {"kind": "test", "limit": math.inf}, origin)
-    assert load_results(tmp_path / "results.json") == json.loads(json.dumps([point]))
+    write_results(tmp_path / "results.json", [point.to_json()], {"kind": "test", "limit": math.inf}, origin)
+    assert load_results(tmp_path / "results.json") == json.loads(json.dumps([point.to_json()]))
     # Strict JSON: a parser that rejects Infinity / NaN reads it; an unbounded number is written as null.
     strict = json.loads((tmp_path / "results.json").read_text(), parse_constant=_refuse_constant)
     assert strict["workload"]["limit"] is None and strict["provenance"] == origin

@@ -25,7 +25,7 @@ from dflash_trt.errors import DFlashTrtError
 CHAIN = [[0], [0, 0], [0, 0, 0]]
 
 
-def write_engine(root: Path, kind: str = "dflash", library: Path | None = None) -> Path:
+def write_engine(root: Path, mode: str = "dflash", library: Path | None = None) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     config = {
         "pretrained_config": {
@@ -36,7 +36,7 @@ def write_engine(root: Path, kind: str = "dflash", library: Path | None = None) 
         "build_config": {"max_batch_size": 8},
     }
     (root / "config.json").write_text(json.dumps(config))
-    if kind == "dflash":
+    if mode == "dflash":
         (root / "dflash_trt.json").write_text(
             json.dumps({"eagle_choices": CHAIN, "plugin_library": str(library or root / "missing.so")})
         )
@@ -140,7 +140,7 @@ def test_dflash_engine_control_flow_against_the_scripted_executor(tmp_path):
 
 
 def test_requests_carry_streaming_end_id_and_our_request_id(tmp_path):
-    info = inspect_engine(write_engine(tmp_path / "ar", kind="ar"), kind="ar")
+    info = inspect_engine(write_engine(tmp_path / "ar", mode="ar"), mode="ar")
     seen = []
     trtllm = double()
     trtllm.Request = lambda **kw: seen.append(kw) or Recorded(**kw)
@@ -152,7 +152,7 @@ def test_requests_carry_streaming_end_id_and_our_request_id(tmp_path):
 
 
 def test_non_leader_rank_shuts_down_and_sends_nothing(tmp_path):
-    info = inspect_engine(write_engine(tmp_path / "ar", kind="ar"), kind="ar")
+    info = inspect_engine(write_engine(tmp_path / "ar", mode="ar"), mode="ar")
     backend = TrtllmBackend(info, trtllm=double(leader=False), prepare=lambda _: None)
     with pytest.raises(FollowerRank):
         asyncio.run(backend.start(lambda batch: None))
@@ -164,7 +164,7 @@ def test_non_leader_rank_shuts_down_and_sends_nothing(tmp_path):
     [
         (lambda root: root / "nope", "does not exist"),
         (lambda root: root.mkdir() or root, "no config.json"),
-        (lambda root: write_engine(root, kind="ar"), "has no dflash_trt.json"),
+        (lambda root: write_engine(root, mode="ar"), "has no dflash_trt.json"),
         (lambda root: write_engine(root), "plugin library .* not found"),
     ],
 )
@@ -177,7 +177,7 @@ def test_bench_cli_refuses_a_bad_engine_with_one_line_and_writes_nothing(tmp_pat
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"input_ids": [1, 2]}\n')
     out = tmp_path / "out"
-    engine = write_engine(tmp_path / "engine", kind="ar")
+    engine = write_engine(tmp_path / "engine", mode="ar")
     argv = [
         "bench",
         "--engine_dir",
@@ -200,7 +200,7 @@ def test_follower_rank_builds_every_executor_rank_0_builds_and_writes_nothing(tm
     from dflash_trt.bench.measure import measure_point
     from dflash_trt.bench.workload import Workload
 
-    info = inspect_engine(write_engine(tmp_path / "ar", kind="ar"), kind="ar")
+    info = inspect_engine(write_engine(tmp_path / "ar", mode="ar"), mode="ar")
     built = []
 
     def factory(in_flight):
@@ -233,7 +233,7 @@ def test_bench_cli_on_a_host_without_tensorrt_llm_is_one_clear_error(tmp_path, c
 
 
 def test_requests_carry_their_sampling_and_cancel_with_the_executor_id(tmp_path):
-    info = inspect_engine(write_engine(tmp_path / "ar", kind="ar"), kind="ar")
+    info = inspect_engine(write_engine(tmp_path / "ar", mode="ar"), mode="ar")
     backend = TrtllmBackend(info, trtllm=double(), prepare=lambda _: None)
     seen: list[Response] = []
 

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.profiles import load_profile
+from dflash_trt.pipeline.profiles import load_profile
 from dflash_trt.prompts import read_prompts
 from dflash_trt.quant.calibration_prompts import CATEGORIES, calibration_prompts
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash_trt.capacity import capacity_warnings, plan_capacity
+from dflash_trt.analysis.published import PAIRS, pair_for_models
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.perf.published import PAIRS, pair_for_models
-from dflash_trt.profiles import load_profile, parse_profile
+from dflash_trt.pipeline.capacity import capacity_warnings, plan_capacity
+from dflash_trt.pipeline.profiles import load_profile, parse_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "build_configs").glob("*/*.yaml"))
@@ -137,8 +137,8 @@ def test_docs_table_states_every_shipped_profile_capacity():
 def test_build_checks_warn_from_the_checkpoint_configs(tmp_path: Path):
     import json
 
-    from dflash_trt.capacity import checkpoint_warnings
-    from dflash_trt.perf import published
+    from dflash_trt.analysis import published
+    from dflash_trt.pipeline.capacity import checkpoint_warnings
 
     for name, cfg in (("t", published.QWEN3_8B), ("d", published.QWEN3_8B_DFLASH_B16)):
         (tmp_path / name).mkdir()
@@ -161,9 +161,9 @@ def test_a_shape_longer_than_max_seq_len_holds_no_sequence():
 
 
 def _feasible(method_name: str, concurrency: list[int], lengths=(1024, 1024), limits=None, gpu="h100", **dep_kw):
-    from dflash_trt.perf.gpus import get_gpu
-    from dflash_trt.perf.memory import EngineLimits, feasible_curve
-    from dflash_trt.perf.model import Acceptance, Deployment, Method
+    from dflash_trt.analysis.gpus import get_gpu
+    from dflash_trt.analysis.memory import EngineLimits, feasible_curve
+    from dflash_trt.analysis.model import Acceptance, Deployment, Method
 
     target, drafter = PAIRS[dep_kw.pop("pair", "qwen3-8b")].load()
     method = Method("ar") if method_name == "ar" else Method("dflash", drafter, Acceptance.from_mean(5.0, 16))
@@ -172,7 +172,7 @@ def _feasible(method_name: str, concurrency: list[int], lengths=(1024, 1024), li
 
 
 def test_every_curve_point_is_capped_at_what_the_kv_pool_holds():
-    from dflash_trt.perf.memory import EngineLimits
+    from dflash_trt.analysis.memory import EngineLimits
 
     # Qwen3-8B DFlash in FP8 on one H100, 2048 users at 8k/8k. By hand, per GPU: weights 10,567,548,928 B (as in
     # the worked example); activations 8192 x 38,912 x 2 + 2048 x 16 x 151,936 x 4 = 20,551,041,024 B; the pool
@@ -190,7 +190,7 @@ def test_every_curve_point_is_capped_at_what_the_kv_pool_holds():
 
 
 def test_engine_limits_cap_the_batch_too():
-    from dflash_trt.perf.memory import EngineLimits
+    from dflash_trt.analysis.memory import EngineLimits
 
     # max_num_tokens 1024 holds 1024 // 16 = 64 DFlash sequences per step (a 16-token block each), AR 1024.
     tokens = _feasible("dflash", [32, 128], limits=EngineLimits(256, 1024))

@@ -25,10 +25,10 @@ from safetensors.torch import load_file, save_file
 
 from dflash_trt import cli
 from dflash_trt.conversion.convert import convert_checkpoint
-from dflash_trt.emulation import functional as F
-from dflash_trt.emulation.aliasing import ENGINE_PACKAGE, ENGINE_SOURCES, REGISTRY, load_engine_module
+from dflash_trt.emulation import functional
 from dflash_trt.emulation.functional import EmulationError, Network, PluginConfig, net_guard
 from dflash_trt.emulation.runtime import EmulatedRuntime
+from dflash_trt.emulation.stand_ins import ENGINE_PACKAGE, ENGINE_SOURCES, REGISTRY, load_engine_module
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.reference.decode import SequenceResult, speculative_generate
 from dflash_trt.reference.model import load_golden_model
@@ -282,7 +282,7 @@ def _rolled_uniforms(original):
     """rand_data_validation shifted by one position: slot j verified with the uniform of slot j + 1."""
 
     def verify(logits, draft_tokens, draft_lens, temperature, rand_data_validation, rand_data_sample, *rest):
-        shifted = F.Tensor(data=rand_data_validation.data.roll(-1, dims=1))
+        shifted = functional.Tensor(data=rand_data_validation.data.roll(-1, dims=1))
         return original(logits, draft_tokens, draft_lens, temperature, shifted, rand_data_sample, *rest)
 
     return verify
@@ -292,7 +292,7 @@ def _first_token_from_validation_row(original):
     """A context request's first token drawn with its (stale) rand_data_validation row instead of rand_data_sample."""
 
     def verify(logits, draft_tokens, draft_lens, temperature, rand_data_validation, rand_data_sample, *rest):
-        column = F.Tensor(data=rand_data_validation.data[:, 0].clone())
+        column = functional.Tensor(data=rand_data_validation.data[:, 0].clone())
         return original(logits, draft_tokens, draft_lens, temperature, rand_data_validation, column, *rest)
 
     return verify
@@ -481,56 +481,56 @@ def test_cli_emulate_bad_input_is_one_error_line(tiny, tmp_path, capsys):
 # --------------------------------------------------------------------------- stand-in ops (1.2.x rules, hand values)
 
 
-def _t(values, dtype=torch.int32) -> F.Tensor:
-    return F.Tensor(data=torch.tensor(values, dtype=dtype))
+def _t(values, dtype=torch.int32) -> functional.Tensor:
+    return functional.Tensor(data=torch.tensor(values, dtype=dtype))
 
 
 def test_functional_dtype_and_broadcast_rules():
     with net_guard(Network(PluginConfig())):
-        assert F.shape(_t([[1, 2, 3]])).data.dtype == torch.int64
-        assert F.shape(_t([[1, 2, 3]]), 1).data.tolist() == 3  # 0-D
-        mixed = _t([1, 2]) + F.shape(_t([5, 6]), 0)  # int32 + int64 -> int64
+        assert functional.shape(_t([[1, 2, 3]])).data.dtype == torch.int64
+        assert functional.shape(_t([[1, 2, 3]]), 1).data.tolist() == 3  # 0-D
+        mixed = _t([1, 2]) + functional.shape(_t([5, 6]), 0)  # int32 + int64 -> int64
         assert mixed.data.dtype == torch.int64 and mixed.data.tolist() == [3, 4]
-        assert F.concat([F.shape(_t([[1]]), 0), 7]).data.tolist() == [1, 7]  # the int becomes int64
+        assert functional.concat([functional.shape(_t([[1]]), 0), 7]).data.tolist() == [1, 7]  # the int becomes int64
         with pytest.raises(EmulationError, match="concat of different types"):
-            F.concat([_t([1]), F.shape(_t([1]))])
+            functional.concat([_t([1]), functional.shape(_t([1]))])
         with pytest.raises(EmulationError, match="condition must be bool"):
-            F.where(_t([1, 0]), 1, 2)
+            functional.where(_t([1, 0]), 1, 2)
         with pytest.raises(EmulationError, match="different types"):
             _t([1.0], torch.float32) + _t([1])
-        assert F.where(_t([1, 0]) > 0, 1, _t([7, 8])).data.tolist() == [1, 8]
-        assert F.arange(_t(0), F.shape(_t([4, 5, 6]), 0), "int32").data.tolist() == [0, 1, 2]
-        assert F.expand(_t([[3]]), F.concat([2, 3])).data.tolist() == [[3, 3, 3], [3, 3, 3]]
-        net = F.default_net()
-        assert F.cumsum(_t([1, 2, 3, 4]), 0, prefer_plugin=False).data.tolist() == [1, 3, 6, 10]
+        assert functional.where(_t([1, 0]) > 0, 1, _t([7, 8])).data.tolist() == [1, 8]
+        assert functional.arange(_t(0), functional.shape(_t([4, 5, 6]), 0), "int32").data.tolist() == [0, 1, 2]
+        assert functional.expand(_t([[3]]), functional.concat([2, 3])).data.tolist() == [[3, 3, 3], [3, 3, 3]]
+        net = functional.default_net()
+        assert functional.cumsum(_t([1, 2, 3, 4]), 0, prefer_plugin=False).data.tolist() == [1, 3, 6, 10]
         assert net.cumsum_square_elements == [16]
-        assert F.argmax(_t([[0.1, 0.9, 0.2]], torch.float32), -1, keepdim=True).data.dtype == torch.int32
+        assert functional.argmax(_t([[0.1, 0.9, 0.2]], torch.float32), -1, keepdim=True).data.dtype == torch.int32
 
 
 def test_functional_ops_of_the_sampled_verification():
     with net_guard(Network(PluginConfig())):
         logits = _t([[1.0, 3.0, 2.0], [0.5, -1.0, 0.0]], torch.float32)
-        assert F.max(logits, 1, keepdim=True).data.tolist() == [[3.0], [0.5]]
-        assert F.max(_t([[-1, -3, -2]]), 1).data.tolist() == [-1]  # int32 stays int32 (IReduceLayer)
-        assert F.max(_t([[-1, -3, -2]]), 1).data.dtype == torch.int32
-        assert F.exp(_t([0.0, 1.0], torch.float32)).data.tolist() == pytest.approx([1.0, 2.718281828])
+        assert functional.max(logits, 1, keepdim=True).data.tolist() == [[3.0], [0.5]]
+        assert functional.max(_t([[-1, -3, -2]]), 1).data.tolist() == [-1]  # int32 stays int32 (IReduceLayer)
+        assert functional.max(_t([[-1, -3, -2]]), 1).data.dtype == torch.int32
+        assert functional.exp(_t([0.0, 1.0], torch.float32)).data.tolist() == pytest.approx([1.0, 2.718281828])
         with pytest.raises(EmulationError, match="exp of a INT32"):
-            F.exp(_t([1]))
+            functional.exp(_t([1]))
         with pytest.raises(EmulationError, match="max of a bool"):
-            F.max(_t([True], torch.bool), 0)
+            functional.max(_t([True], torch.bool), 0)
         assert (_t([1.0], torch.float32) / _t([[4.0], [2.0]], torch.float32)).data.tolist() == [[0.25], [0.5]]
-        assert F.eq(_t([[1, 2]]), _t([2])).data.tolist() == [[False, True]]
-        assert F.minimum(_t([[1, 5]]), 3).data.tolist() == [[1, 3]]
+        assert functional.eq(_t([[1, 2]]), _t([2])).data.tolist() == [[False, True]]
+        assert functional.minimum(_t([[1, 5]]), 3).data.tolist() == [[1, 3]]
         assert logits.size(-1) == 3 and logits.size() == (2, 3)
         # CumsumLastDim: any rank through a rank-2 view, the input's dtype, no [n, n] intermediates.
-        assert F.cumsum(_t([1, 2, 3]), 0).data.tolist() == [1, 3, 6]
-        assert F.cumsum(_t([[[1, 2], [3, 4]]]), -1).data.tolist() == [[[1, 3], [3, 7]]]
-        assert F.cumsum(logits, 1).data.dtype == torch.float32
-        assert F.default_net().cumsum_square_elements == []
+        assert functional.cumsum(_t([1, 2, 3]), 0).data.tolist() == [1, 3, 6]
+        assert functional.cumsum(_t([[[1, 2], [3, 4]]]), -1).data.tolist() == [[[1, 3], [3, 7]]]
+        assert functional.cumsum(logits, 1).data.dtype == torch.float32
+        assert functional.default_net().cumsum_square_elements == []
         with pytest.raises(EmulationError, match="CumsumLastDim plugin does not take INT64"):
-            F.cumsum(F.shape(_t([[1, 2]])), 0)
+            functional.cumsum(functional.shape(_t([[1, 2]])), 0)
         # Another dimension: the loop, any numeric type.
-        assert F.cumsum(_t([[1, 2], [3, 4]]), 0).data.tolist() == [[1, 2], [4, 6]]
+        assert functional.cumsum(_t([[1, 2], [3, 4]]), 0).data.tolist() == [[1, 2], [4, 6]]
 
 
 def test_engine_config_is_the_converters_typed_spec(tiny):

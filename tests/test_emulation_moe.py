@@ -20,8 +20,8 @@ from _pairs import PairVariant
 
 from dflash_trt import cli
 from dflash_trt.emulation import models
-from dflash_trt.emulation.aliasing import load_engine_module
 from dflash_trt.emulation.runtime import EmulatedRuntime
+from dflash_trt.emulation.stand_ins import load_engine_module
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import load_golden_model

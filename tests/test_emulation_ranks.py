@@ -114,7 +114,7 @@ def _local_allreduce(tensor, group, all_reduce_params=None):
 def _reversed_allgather(tensor, group, gather_dim=0):
     running = ranks._running.group
     gathered = running._exchange(ranks._running.rank, tensor.data)
-    return layers._wrap(torch.cat(gathered[::-1], dim=gather_dim))
+    return layers.wrap_tensor(torch.cat(gathered[::-1], dim=gather_dim))
 
 
 @pytest.mark.parametrize(

@@ -674,7 +674,7 @@ def test_generate_trace_in_text(world: World, capsys) -> None:
 
 
 def test_build_config_on_a_cpu_host_exits_3(world: World, tmp_path: Path, capsys, monkeypatch) -> None:
-    monkeypatch.setattr("dflash_trt.pipeline.gpu_build_available", lambda: False)
+    monkeypatch.setattr("dflash_trt.pipeline.run.gpu_build_available", lambda: False)
     code, out, err = run_cli(["build", "--config", str(world.profile), "--output_dir", str(tmp_path / "ws")], capsys)
     assert code == 3
     assert "needs a GPU host" in out

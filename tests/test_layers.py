@@ -106,19 +106,19 @@ def test_packages_import_only_downward() -> None:
 @pytest.mark.parametrize(
     ("code", "expected"),
     [
-        ("from dflash_trt.perf.model import X", "upward: checkpoint/ -> perf/"),
+        ("from dflash_trt.analysis.model import X", "upward: checkpoint/ -> analysis/"),
         ("def f():\n    import dflash_trt.triton.repository", "upward: checkpoint/ -> triton/"),
-        ("from dflash_trt import pipeline", "upward: checkpoint/ -> pipeline.py"),
+        ("from dflash_trt import cli", "upward: checkpoint/ -> cli.py"),
         ("from ..conversion import convert", "upward: checkpoint/ -> conversion/"),
     ],
 )
 def test_an_upward_import_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: str, expected: str):
     fake_root = tmp_path / "repo"
     (fake_root / "dflash_trt" / "checkpoint").mkdir(parents=True)
-    for sub in ("perf", "triton", "conversion"):
+    for sub in ("analysis", "triton", "conversion"):
         (fake_root / "dflash_trt" / sub).mkdir()
         (fake_root / "dflash_trt" / sub / "__init__.py").write_text("")
-    for leaf in ("perf/model.py", "triton/repository.py", "conversion/convert.py", "pipeline.py"):
+    for leaf in ("analysis/model.py", "triton/repository.py", "conversion/convert.py", "cli.py"):
         (fake_root / "dflash_trt" / leaf).write_text("")
     offender = fake_root / "dflash_trt" / "checkpoint" / "bad.py"
     offender.write_text(code + "\n")
@@ -137,3 +137,77 @@ def test_a_sideways_import_between_sibling_packages_is_reported() -> None:
     ]
     # Top-level modules of one layer may use each other (spec.py reads JSON through jsonfile.py).
     assert violations([Edge("dflash_trt.spec", "dflash_trt.jsonfile", 1)], layers) == []
+
+
+def package_circles(edges: list[Edge]) -> list[list[str]]:
+    """Import circles between modules of one package (a lazy import hides a circle; it does not remove it)."""
+    graph: dict[str, set[str]] = {}
+    for e in edges:
+        if e.source != e.target and unit(e.source) == unit(e.target) and unit(e.source).endswith("/"):
+            graph.setdefault(e.source, set()).add(e.target)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return circles
+
+
+def private_imports(path: Path) -> list[str]:
+    """`from m import _name` where m is another dflash_trt module: a private name used as another module's contract."""
+    edges = {e.line: e for e in imports(path)}
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.lineno in edges:
+            private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+            bad += [f"{module_name(path)}:{node.lineno} imports {name}" for name in private]
+    return bad
+
+
+def test_no_module_circle_inside_a_package() -> None:
+    edges = [e for p in package_files() for e in imports(p)]
+    assert package_circles(edges) == []
+
+
+def test_a_module_circle_is_reported() -> None:
+    lazy = [
+        Edge("dflash_trt.emulation.a", "dflash_trt.emulation.b", 1),
+        Edge("dflash_trt.emulation.b", "dflash_trt.emulation.a", 9),
+    ]
+    assert package_circles(lazy) == [["dflash_trt.emulation.a", "dflash_trt.emulation.b"]]
+    assert package_circles(lazy[:1]) == []
+
+
+def test_no_private_name_is_imported_across_modules() -> None:
+    assert [bad for p in package_files() for bad in private_imports(p)] == []
+
+
+def test_a_private_import_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_root = tmp_path / "repo"
+    (fake_root / "dflash_trt" / "quant").mkdir(parents=True)
+    (fake_root / "dflash_trt" / "quant" / "__init__.py").write_text("")
+    (fake_root / "dflash_trt" / "quant" / "fp8.py").write_text("")
+    offender = fake_root / "dflash_trt" / "quant" / "nvfp4.py"
+    offender.write_text("from dflash_trt import __version__\nfrom .fp8 import _round, public\n")
+    monkeypatch.setitem(globals(), "ROOT", fake_root)
+    monkeypatch.setitem(globals(), "PACKAGE", fake_root / "dflash_trt")
+    assert private_imports(offender) == ["dflash_trt.quant.nvfp4:2 imports _round"]

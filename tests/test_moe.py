@@ -427,7 +427,7 @@ CODER_DRAFTER = {
 def test_profile_sizing_holds_every_expert():
     from pathlib import Path
 
-    from dflash_trt.profiles import load_profile, weight_gb_per_gpu
+    from dflash_trt.pipeline.profiles import load_profile, weight_gb_per_gpu
 
     root = Path(__file__).resolve().parents[1]
     profile = load_profile(root / "build_configs/h100-fp8/qwen3-coder-30b-a3b.yaml")
@@ -441,7 +441,7 @@ def test_profile_sizing_holds_every_expert():
 
 
 def test_plan_costs_a_moe_target_by_its_active_experts(tmp_path, capsys):
-    from dflash_trt.perf.shapes import target_from_spec
+    from dflash_trt.analysis.shapes import target_from_spec
 
     stack = target_from_spec(parse_target_config(CODER_30B_A3B)).stack
     assert (stack.num_experts, stack.experts_per_token, stack.intermediate) == (128, 8, 768)

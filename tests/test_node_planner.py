@@ -6,13 +6,13 @@ import json
 
 import pytest
 
+from dflash_trt.analysis.gpus import get_gpu
+from dflash_trt.analysis.memory import EngineLimits, batch_limit, budget, draft_len
+from dflash_trt.analysis.model import Acceptance, Calibration, Deployment, Method, mean_context
+from dflash_trt.analysis.node import best_layout, parse_node
+from dflash_trt.analysis.published import PAIRS
 from dflash_trt.cli import main
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.perf.gpus import get_gpu
-from dflash_trt.perf.memory import EngineLimits, batch_limit, budget, draft_len
-from dflash_trt.perf.model import Acceptance, Calibration, Deployment, Method, mean_context
-from dflash_trt.perf.node import best_layout, parse_node
-from dflash_trt.perf.published import PAIRS
 
 CAL = Calibration("unit", step_overhead_s=0.5e-3, token_overhead_s=2e-6)
 
@@ -85,9 +85,9 @@ def test_bad_node_is_one_clear_error(text: str, capsys):
 def test_docs_carry_the_current_node_table():
     from pathlib import Path
 
-    from dflash_trt.perf.evaluation import calibrations
-    from dflash_trt.perf.node import markdown_node, plan_node
-    from dflash_trt.perf.shapes import eagle3_like
+    from dflash_trt.analysis.evaluation import calibrations
+    from dflash_trt.analysis.node import markdown_node, plan_node
+    from dflash_trt.analysis.shapes import eagle3_like
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "performance.md").read_text()
     tgt, drafter = PAIRS["qwen3-8b"].load()

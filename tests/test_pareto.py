@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_trt.errors import DFlashTrtError
-from dflash_trt.perf.pareto import (
+from dflash_trt.analysis.pareto import (
     Point,
     crossover_concurrency,
     pareto_frontier,
@@ -18,7 +17,8 @@ from dflash_trt.perf.pareto import (
     speedup_table,
     throughput_at,
 )
-from dflash_trt.perf.report import render_html
+from dflash_trt.analysis.report import render_html
+from dflash_trt.errors import DFlashTrtError
 
 
 def P(x, y, c=1, engine="e"):
@@ -130,7 +130,7 @@ def test_png_and_html_show_the_same_title_colours_labels_and_axes(tmp_path, monk
     import matplotlib.colors
     import matplotlib.pyplot as plt
 
-    from dflash_trt.perf.report import Y_LABEL_CPU, write_png
+    from dflash_trt.analysis.report import Y_LABEL_CPU, write_png
 
     matplotlib.use("Agg")
     pts = [Point("ar", 1, 100.0, 100.0), Point("ar", 8, 50.0, 400.0), Point("dflash", 1, 300.0, 300.0)]

@@ -6,10 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from dflash_trt.errors import DFlashTrtError
-from dflash_trt.perf import published
-from dflash_trt.perf.gpus import GPUS, GpuSpec, get_gpu
-from dflash_trt.perf.model import (
+from dflash_trt.analysis import published
+from dflash_trt.analysis.gpus import GPUS, GpuSpec, get_gpu
+from dflash_trt.analysis.model import (
     Acceptance,
     Calibration,
     Deployment,
@@ -21,8 +20,9 @@ from dflash_trt.perf.model import (
     predict_curve,
     stack_pass,
 )
-from dflash_trt.perf.pareto import crossover_concurrency
-from dflash_trt.perf.shapes import dflash_from_spec
+from dflash_trt.analysis.pareto import crossover_concurrency
+from dflash_trt.analysis.shapes import dflash_from_spec
+from dflash_trt.errors import DFlashTrtError
 from dflash_trt.spec import parse_draft_config, parse_target_config
 
 TINY = StackShape(num_layers=2, hidden=4, intermediate=8, num_heads=2, num_kv_heads=1, head_dim=2)

@@ -10,9 +10,12 @@ import pytest
 import yaml
 from _pairs import PairVariant, make_pair
 
-from dflash_trt import pipeline
 from dflash_trt.cli import main as cli_main
-from dflash_trt.profiles import load_profile
+from dflash_trt.pipeline.profiles import load_profile
+from dflash_trt.pipeline.resolve import PipelineRequest, resolve_inputs
+from dflash_trt.pipeline.run import Outcome, StageResult, resume_command, run_pipeline
+from dflash_trt.pipeline.stages import stages
+from dflash_trt.pipeline.workspace import StageState
 from dflash_trt.trtllm.build_plan import MANIFEST_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -291,45 +294,47 @@ def _tiny_profile(tmp_path: Path, pair: tuple[Path, Path], **engine) -> Path:
     return path
 
 
-def _run(profile: Path, ws: Path, gpu: bool, capsys) -> tuple[list[tuple[str, str]], str]:
-    args = pipeline.argparse.Namespace(
-        config=str(profile),
-        hf_cache=None,
-        download=False,
-        output_dir=str(ws),
-        plugin_library="/opt/dflash/libdflash_trt_plugins.so",
-        dry_run=False,
-    )
-    outcomes = pipeline.run_pipeline(pipeline.resolve_inputs(args), gpu=gpu)
-    return outcomes, capsys.readouterr().out
+BUILT, SKIPPED, NEEDS_GPU = Outcome.BUILT, Outcome.SKIPPED, Outcome.NEEDS_GPU
 
 
-def test_cpu_run_stops_after_the_checkpoint_and_resumes(tiny_pair, tmp_path: Path, capsys, monkeypatch):
+def _run(profile: Path, ws: Path, gpu: bool) -> tuple[list[StageResult], str]:
+    """The stages' results and the command that resumes the build."""
+    request = PipelineRequest(str(profile), str(ws), plugin_library="/opt/dflash/libdflash_trt_plugins.so")
+    inp = resolve_inputs(request)
+    return run_pipeline(stages(inp), gpu=gpu), resume_command(inp)
+
+
+def _outcomes(results: list[StageResult]) -> list[tuple[str, Outcome]]:
+    return [(r.stage.name, r.outcome) for r in results]
+
+
+def test_cpu_run_stops_after_the_checkpoint_and_resumes(tiny_pair, tmp_path: Path, monkeypatch):
     profile = _tiny_profile(tmp_path, tiny_pair)
     ws = tmp_path / "ws"
-    outcomes, out = _run(profile, ws, gpu=False, capsys=capsys)
-    assert outcomes == [("checkpoint", "built"), ("engine", "needs gpu")]
+    results, resume = _run(profile, ws, gpu=False)
+    assert _outcomes(results) == [("checkpoint", BUILT), ("engine", NEEDS_GPU)]
     assert json.loads((ws / "checkpoint/config.json").read_text())["max_draft_len"] == 7
-    resume = f"dflash-trt build --config {profile} --output_dir {ws} --plugin_library /opt/dflash/"
-    assert resume in out
-    assert f"DFLASH_TRT_PLUGIN_LIB=/opt/dflash/libdflash_trt_plugins.so trtllm-build --checkpoint_dir {ws}" in out
+    assert resume.startswith(f"dflash-trt build --config {profile} --output_dir {ws} --plugin_library /opt/dflash/")
+    engine = f"DFLASH_TRT_PLUGIN_LIB=/opt/dflash/libdflash_trt_plugins.so trtllm-build --checkpoint_dir {ws}"
+    assert results[1].stage.command.startswith(engine)
 
-    outcomes, _ = _run(profile, ws, gpu=False, capsys=capsys)
-    assert outcomes == [("checkpoint", "skipped"), ("engine", "needs gpu")]
+    results, _ = _run(profile, ws, gpu=False)
+    assert _outcomes(results) == [("checkpoint", SKIPPED), ("engine", NEEDS_GPU)]
 
     (ws / "checkpoint/rank0.safetensors").unlink()  # damaged output: redone
-    outcomes, _ = _run(profile, ws, gpu=False, capsys=capsys)
-    assert outcomes[0] == ("checkpoint", "built") and (ws / "checkpoint/rank0.safetensors").is_file()
+    results, _ = _run(profile, ws, gpu=False)
+    assert results[0].state is StageState.INCOMPLETE and results[0].outcome is BUILT
+    assert (ws / "checkpoint/rank0.safetensors").is_file()
 
     data = yaml.safe_load(profile.read_text())
     data["checkpoint"] = {"dtype": "float16"}  # changed settings: stale, redone
     profile.write_text(yaml.safe_dump(data))
-    outcomes, out = _run(profile, ws, gpu=False, capsys=capsys)
-    assert outcomes[0] == ("checkpoint", "built") and "stale" in out
+    results, _ = _run(profile, ws, gpu=False)
+    assert results[0].state is StageState.STALE and results[0].outcome is BUILT
     assert json.loads((ws / "checkpoint/config.json").read_text())["dtype"] == "float16"
 
 
-def test_gpu_run_builds_engine_and_repository_once(tiny_pair, tmp_path: Path, capsys, monkeypatch):
+def test_gpu_run_builds_engine_and_repository_once(tiny_pair, tmp_path: Path, monkeypatch):
     """The engine stage's trtllm-build is replaced by a writer of what it leaves behind (config.json + manifest):
     this checks the pipeline's bookkeeping, not TensorRT-LLM."""
     calls: list[str] = []
@@ -345,26 +350,26 @@ def test_gpu_run_builds_engine_and_repository_once(tiny_pair, tmp_path: Path, ca
     monkeypatch.setattr("dflash_trt.trtllm.build.run_engine_build", fake_engine_build)
     profile = _tiny_profile(tmp_path, tiny_pair)
     ws = tmp_path / "ws"
-    outcomes, _ = _run(profile, ws, gpu=True, capsys=capsys)
-    assert outcomes == [("checkpoint", "built"), ("engine", "built"), ("triton", "built")]
+    results, _ = _run(profile, ws, gpu=True)
+    assert _outcomes(results) == [("checkpoint", BUILT), ("engine", BUILT), ("triton", BUILT)]
     params = (ws / "triton/tensorrt_llm/config.pbtxt").read_text()
     assert f'"gpt_model_path" value {{ string_value: "{(ws / "engine").absolute()}" }}' in params
     assert '"eagle_choices" value { string_value: "{0}, {0, 0}, {0, 0, 0}' in params
 
-    outcomes, _ = _run(profile, ws, gpu=True, capsys=capsys)
-    assert [o for _, o in outcomes] == ["skipped"] * 3 and len(calls) == 1
+    results, _ = _run(profile, ws, gpu=True)
+    assert [r.outcome for r in results] == [SKIPPED] * 3 and len(calls) == 1
 
     data = yaml.safe_load(profile.read_text())
     data["serving"]["instance_count"] = 2  # a serving knob only touches the repository
     profile.write_text(yaml.safe_dump(data))
-    outcomes, _ = _run(profile, ws, gpu=True, capsys=capsys)
-    assert outcomes == [("checkpoint", "skipped"), ("engine", "skipped"), ("triton", "built")]
+    results, _ = _run(profile, ws, gpu=True)
+    assert _outcomes(results) == [("checkpoint", SKIPPED), ("engine", SKIPPED), ("triton", BUILT)]
 
     data["engine"]["max_batch_size"] = 2  # an engine knob rebuilds the engine and what follows
     data["sweep"]["concurrency"] = [1, 2]
     profile.write_text(yaml.safe_dump(data))
-    outcomes, _ = _run(profile, ws, gpu=True, capsys=capsys)
-    assert outcomes == [("checkpoint", "skipped"), ("engine", "built"), ("triton", "built")] and len(calls) == 2
+    results, _ = _run(profile, ws, gpu=True)
+    assert _outcomes(results) == [("checkpoint", SKIPPED), ("engine", BUILT), ("triton", BUILT)] and len(calls) == 2
     assert json.loads((ws / "engine" / MANIFEST_NAME).read_text())["max_batch_size"] == 2
 
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from dflash_trt.analysis import evaluation, published
+from dflash_trt.analysis.gpus import get_gpu
+from dflash_trt.analysis.model import Acceptance, Calibration, Deployment, Method, mean_context
+from dflash_trt.analysis.published import PAIRS, POINTS, SOURCES, Unknown
 from dflash_trt.cli import build_parser, main
-from dflash_trt.perf import evaluation, published
-from dflash_trt.perf.gpus import get_gpu
-from dflash_trt.perf.model import Acceptance, Calibration, Deployment, Method, mean_context
-from dflash_trt.perf.published import PAIRS, POINTS, SOURCES, Unknown
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -266,7 +266,7 @@ def test_a_closed_pipe_is_one_clear_error():
 
 
 def test_published_shapes_have_drafters_for_every_shipped_profile():
-    from dflash_trt.profiles import load_profile
+    from dflash_trt.pipeline.profiles import load_profile
 
     for path in sorted((ROOT / "build_configs").glob("*/*.yaml")):
         profile = load_profile(path)

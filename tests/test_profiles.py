@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dflash_trt.analysis.gpus import GPUS
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.perf.gpus import GPUS
-from dflash_trt.profiles import (
+from dflash_trt.pipeline.profiles import (
     check_against_checkpoints,
     load_profile,
     parse_profile,

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_trt.emulation import functional as F
-from dflash_trt.emulation.aliasing import load_engine_module
+from dflash_trt.emulation import functional
 from dflash_trt.emulation.functional import Network, PluginConfig, net_guard
+from dflash_trt.emulation.stand_ins import load_engine_module
 from dflash_trt.trtllm.build_plan import vocab_blocks
 
 VOCAB = 1000  # 32 blocks of 32
@@ -30,9 +30,9 @@ def engine_sample(logits: torch.Tensor, temperature: float, uniforms: list[float
     rows = len(uniforms)
     with net_guard(Network(PluginConfig())):
         tokens = sample_rows(
-            F.Tensor(data=logits.float()[None].expand(rows, -1).contiguous()),
-            F.Tensor(data=torch.full((rows, 1), temperature)),
-            F.Tensor(data=torch.tensor(uniforms, dtype=torch.float32)[:, None]),
+            functional.Tensor(data=logits.float()[None].expand(rows, -1).contiguous()),
+            functional.Tensor(data=torch.full((rows, 1), temperature)),
+            functional.Tensor(data=torch.tensor(uniforms, dtype=torch.float32)[:, None]),
             vocab,
         )
         return tokens.data[:, 0].tolist()

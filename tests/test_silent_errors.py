@@ -17,13 +17,13 @@ import torch
 from _hostile_cli import World, hub_snapshot, make_world, run_cli
 from safetensors.torch import load_file, save_file
 
-from dflash_trt import pipeline
 from dflash_trt.checkpoint.atomic import OUTPUT_MARKER
 from dflash_trt.conversion import convert as convert_module
 from dflash_trt.conversion.calibrate import calibrate_pair
 from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.conversion.verify import verify_checkpoint
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.pipeline import fingerprints
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import load_golden_model
 from dflash_trt.tokenizer import load_tokenizer
@@ -174,10 +174,10 @@ def _rewrite_in_place(path: Path) -> None:
 def test_stage_fingerprints_see_large_files_rewritten_in_place(world: World, tmp_path: Path) -> None:
     target = shutil.copytree(world.target, tmp_path / "target")
     weights = target / "model.safetensors"
-    assert weights.stat().st_size > pipeline.CONTENT_HASH_LIMIT
-    before = pipeline.directory_fingerprint(target)
+    assert weights.stat().st_size > fingerprints.CONTENT_HASH_LIMIT
+    before = fingerprints.directory_fingerprint(target)
     _rewrite_in_place(weights)
-    assert pipeline.directory_fingerprint(target) != before
+    assert fingerprints.directory_fingerprint(target) != before
 
 
 def test_hub_blobs_are_known_by_their_content_name(world: World, tmp_path: Path) -> None:
@@ -187,7 +187,7 @@ def test_hub_blobs_are_known_by_their_content_name(world: World, tmp_path: Path)
     second = hub_snapshot(world.target, tmp_path / "b")
     for blob in (tmp_path / "b").rglob("blobs/*"):
         os.utime(blob, ns=(1, 1))
-    assert pipeline.directory_fingerprint(first) == pipeline.directory_fingerprint(second)
+    assert fingerprints.directory_fingerprint(first) == fingerprints.directory_fingerprint(second)
 
 
 def test_build_config_redoes_a_checkpoint_whose_source_was_rewritten(world: World, tmp_path: Path, capsys) -> None:

@@ -10,9 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_trt.commands import sweep as sweep_command
-from dflash_trt.errors import DFlashTrtError
-from dflash_trt.perf.sweep import (
+from dflash_trt.analysis.sweep import (
     bench_command,
     load_records,
     load_sweep_config,
@@ -22,6 +20,8 @@ from dflash_trt.perf.sweep import (
     record_from_report,
     run_sweep,
 )
+from dflash_trt.commands import sweep as sweep_command
+from dflash_trt.errors import DFlashTrtError
 
 FIXTURES = Path(__file__).parent / "data" / "trtllm_bench"
 

@@ -252,7 +252,7 @@ def test_replicas_are_instances_on_their_own_gpus(checkpoint, tmp_path, replicas
 
 
 def test_node_profiles_serve_one_replica_per_group_of_gpus():
-    from dflash_trt.profiles import load_profile
+    from dflash_trt.pipeline.profiles import load_profile
 
     root = Path(__file__).resolve().parents[1] / "build_configs"
     for path in [*root.glob("b300-*/*.yaml"), *root.glob("h100-fp8/*.yaml")]:

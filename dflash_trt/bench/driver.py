@@ -19,6 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from dflash_trt.decoding_modes import DFLASH, DecodingMode
 from dflash_trt.errors import DFlashTrtError
 
 
@@ -55,9 +56,9 @@ class FollowerRank(Exception):
 
 
 class Backend(ABC):
-    """What the driver needs from an executor. `mode` is "dflash", "ar" or "eagle3"; `gpus` divides throughput."""
+    """What the driver needs from an executor. `mode` is its decoding mode; `gpus` divides throughput."""
 
-    mode: str = "dflash"
+    mode: DecodingMode = DFLASH
     gpus: int = 1
 
     @abstractmethod

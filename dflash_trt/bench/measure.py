@@ -5,12 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from typing import Any
 
 from tqdm import tqdm
 
 from dflash_trt.bench.driver import FollowerRank, run_load
-from dflash_trt.bench.results import point_from_run
+from dflash_trt.bench.results import BenchPoint, point_from_run
 from dflash_trt.bench.targets import BackendFactory
 from dflash_trt.bench.workload import Workload
 
@@ -36,7 +35,7 @@ def measure_point(
     timeout_s: float | None = None,
     max_in_flight: int | None = None,
     on_request_done: Callable[[], object] | None = None,
-) -> dict[str, Any]:
+) -> BenchPoint:
     """Each point gets a fresh backend, so no point inherits another's queue or cache state. `on_request_done`
     hears each measured (not warm-up) request finish.
 

@@ -2,27 +2,8 @@
 
 `results.json` is `{"format": ..., "provenance": {...}, "workload": {...}, "points": [point, ...]}` (strict
 JSON: no Infinity or NaN), one point per (mode, concurrency or request rate); `provenance` is `bench.provenance`'s
-record of backend, target, host, versions, git revision and start time. A point's keys (what `dflash-trt sweep`,
-the report and `plan --calibrate` read):
-
-- `mode` ("dflash", "ar" or "eagle3"), `engine` (the name plotted), `concurrency` (closed loop; null for an
-  open-loop point) and `request_rate` (requests/s; null for a closed-loop point), `gpus` (0 for the CPU golden
-  model).
-- `requests` (finished without error), `failed`, `output_tokens` (of the finished requests), `duration_s` (first
-  request sent to last response), `throughput_tok_s` = output_tokens / duration_s, `throughput_tok_s_per_gpu`
-  (null without GPUs).
-- `per_user_tok_s`, `ttft_s`, `tpot_s`: {p50, p90, p99, mean} over requests. TTFT = first token's arrival minus
-  the request's send time; TPOT = (last token's arrival - first token's) / (output tokens - 1); per-user tok/s =
-  1 / TPOT, the speed a user watches tokens stream at (requests with one token have neither).
-- `acceptance_length`: tokens per generation iteration (bonus token included; the context iteration, which yields
-  the first token, is not counted), over all iterations of all requests; 1.0 for AR. `acceptance_histogram`:
-  element i = generation iterations that yielded i + 1 tokens (the format `plan --acceptance_json` reads).
-- `max_in_flight`, `mean_in_flight` (time-weighted between the first send and the last response) and
-  `in_flight_trace` ([seconds, requests in flight] after every send and finish): the concurrency really held.
-- `per_request`: one object per request in send order: `prompt_index`, `input_len`, `output_ids`,
-  `decoding_iterations` (executor responses that carried tokens), `acceptance` (tokens per generation iteration),
-  `ttft_s`, `latency_s`, `response_times_s` (arrival of each response after the send; every token of a response
-  arrives with it), `error`.
+record of backend, target, host, versions, git revision and start time. A point is a `BenchPoint` (what
+`dflash-trt sweep`, the report and `plan --calibrate` read): its fields, in order, are the point's keys.
 """
 
 from __future__ import annotations
@@ -30,22 +11,86 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from dflash_trt.bench.driver import RequestRecord, RunTrace
+from dflash_trt.decoding_modes import DECODING_MODES, DecodingMode
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import strict_json
 
 FORMAT = "dflash-trt-bench/1"
 RESULTS_FILE = "results.json"
-MODES = ("dflash", "ar", "eagle3")
 PERCENTILES = (50, 90, 99)
-POINT_KEYS = (
-    "mode", "engine", "concurrency", "request_rate", "gpus", "requests", "failed", "output_tokens", "duration_s",
-    "throughput_tok_s", "throughput_tok_s_per_gpu", "per_user_tok_s", "ttft_s", "tpot_s", "acceptance_length",
-    "acceptance_histogram", "max_in_flight", "mean_in_flight", "in_flight_trace", "per_request",
-)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Percentiles and mean over requests (`summary`)."""
+
+    p50: float
+    p90: float
+    p99: float
+    mean: float
+
+
+@dataclass(frozen=True)
+class RequestEntry:
+    """One request of a point, in send order."""
+
+    prompt_index: int
+    input_len: int
+    output_ids: list[int]
+    decoding_iterations: int  # executor responses that carried tokens
+    acceptance: list[int]  # tokens per generation iteration
+    ttft_s: float | None
+    latency_s: float | None
+    response_times_s: list[float]  # arrival of each response after the send; a response's tokens arrive with it
+    error: str | None
+
+
+@dataclass(frozen=True)
+class BenchPoint:
+    """One point of results.json, one per (mode, concurrency or request rate); fields in the file's key order.
+
+    TTFT = first token's arrival minus the request's send time; TPOT = (last token's arrival - first token's) /
+    (output tokens - 1); per-user tok/s = 1 / TPOT, the speed a user watches tokens stream at (requests with one
+    token have neither)."""
+
+    mode: DecodingMode
+    engine: str  # the name plotted
+    concurrency: int | None  # closed loop; None for an open-loop point
+    request_rate: float | None  # requests/s; None for a closed-loop point
+    gpus: int  # 0 for the CPU golden model
+    requests: int  # finished without error
+    failed: int
+    output_tokens: int  # of the finished requests
+    duration_s: float  # first request sent to last response
+    throughput_tok_s: float  # output_tokens / duration_s
+    throughput_tok_s_per_gpu: float | None  # None without GPUs
+    per_user_tok_s: Stats | None
+    ttft_s: Stats | None
+    tpot_s: Stats | None
+    # Tokens per generation iteration (bonus token included; the context iteration, which yields the first token,
+    # is not counted) over all iterations of all requests; 1.0 for AR.
+    acceptance_length: float | None
+    acceptance_histogram: list[int]  # element i: generation iterations that yielded i + 1 tokens (plan's format)
+    max_in_flight: int
+    mean_in_flight: float  # time-weighted between the first send and the last response
+    in_flight_trace: list[list[float]]  # [seconds, requests in flight] after every send and finish
+    per_request: list[RequestEntry]
+
+    def to_json(self) -> dict[str, Any]:
+        """The point as results.json holds it."""
+        return asdict(self)
+
+    def without_detail(self) -> dict[str, Any]:
+        """The point without its per-request records and in-flight trace (what `bench --json` prints)."""
+        return {k: v for k, v in self.to_json().items() if k not in ("per_request", "in_flight_trace")}
+
+
+POINT_KEYS = tuple(f.name for f in fields(BenchPoint))
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -56,14 +101,13 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
 
 
-def summary(values: Sequence[float]) -> dict[str, float] | None:
+def summary(values: Sequence[float]) -> Stats | None:
     """{p50, p90, p99, mean} of the values; None when there are none."""
     if not values:
         return None
     ordered = sorted(values)
-    out = {f"p{q}": percentile(ordered, q) for q in PERCENTILES}
-    out["mean"] = sum(ordered) / len(ordered)
-    return out
+    p50, p90, p99 = (percentile(ordered, q) for q in PERCENTILES)
+    return Stats(p50, p90, p99, mean=sum(ordered) / len(ordered))
 
 
 def request_tpot(record: RequestRecord) -> float | None:
@@ -81,33 +125,33 @@ def _mean_in_flight(trace: Sequence[tuple[float, int]], end: float) -> float:
     return area / (end - start) if end > start else float(trace[0][1])
 
 
-def _request_entry(record: RequestRecord) -> dict[str, Any]:
+def _request_entry(record: RequestRecord) -> RequestEntry:
     first = record.response_s[0] - record.sent_s if record.response_s else None
-    return {
-        "prompt_index": record.prompt_index,
-        "input_len": record.input_len,
-        "output_ids": record.output_ids,
-        "decoding_iterations": len(record.chunks),
-        "acceptance": record.chunks[1:],
-        "ttft_s": first,
-        "latency_s": None if record.finished_s is None else record.finished_s - record.sent_s,
-        "response_times_s": [t - record.sent_s for t in record.response_s],
-        "error": record.error,
-    }
+    return RequestEntry(
+        prompt_index=record.prompt_index,
+        input_len=record.input_len,
+        output_ids=record.output_ids,
+        decoding_iterations=len(record.chunks),
+        acceptance=record.chunks[1:],
+        ttft_s=first,
+        latency_s=None if record.finished_s is None else record.finished_s - record.sent_s,
+        response_times_s=[t - record.sent_s for t in record.response_s],
+        error=record.error,
+    )
 
 
 def point_from_run(
     trace: RunTrace,
     *,
-    mode: str,
+    mode: DecodingMode,
     engine: str,
     gpus: int = 1,
     concurrency: int | None = None,
     request_rate: float | None = None,
-) -> dict[str, Any]:
+) -> BenchPoint:
     """The results point of one measured run."""
-    if mode not in MODES:
-        raise DFlashTrtError(f"unknown mode {mode!r} (known: {', '.join(MODES)})")
+    if mode not in DECODING_MODES:
+        raise DFlashTrtError(f"unknown mode {mode!r} (known: {', '.join(DECODING_MODES)})")
     ok = [r for r in trace.records if r.error is None and r.output_ids]
     output_tokens = sum(len(r.output_ids) for r in ok)
     tpots = [t for t in map(request_tpot, ok) if t is not None]
@@ -117,46 +161,47 @@ def point_from_run(
         histogram[n - 1] += 1
     duration = trace.duration_s
     throughput = output_tokens / duration if duration > 0 else 0.0
-    return {
-        "mode": mode,
-        "engine": engine,
-        "concurrency": concurrency,
-        "request_rate": request_rate,
-        "gpus": gpus,
-        "requests": len(ok),
-        "failed": len(trace.records) - len(ok),
-        "output_tokens": output_tokens,
-        "duration_s": duration,
-        "throughput_tok_s": throughput,
-        "throughput_tok_s_per_gpu": throughput / gpus if gpus else None,
-        "per_user_tok_s": summary([1.0 / t for t in tpots]),
-        "ttft_s": summary([r.response_s[0] - r.sent_s for r in ok]),
-        "tpot_s": summary(tpots),
-        "acceptance_length": sum(steps) / len(steps) if steps else None,
-        "acceptance_histogram": histogram,
-        "max_in_flight": max(n for _, n in trace.in_flight),
-        "mean_in_flight": _mean_in_flight(trace.in_flight, duration),
-        "in_flight_trace": [[t, n] for t, n in trace.in_flight],
-        "per_request": [_request_entry(r) for r in trace.records],
-    }
+    return BenchPoint(
+        mode=mode,
+        engine=engine,
+        concurrency=concurrency,
+        request_rate=request_rate,
+        gpus=gpus,
+        requests=len(ok),
+        failed=len(trace.records) - len(ok),
+        output_tokens=output_tokens,
+        duration_s=duration,
+        throughput_tok_s=throughput,
+        throughput_tok_s_per_gpu=throughput / gpus if gpus else None,
+        per_user_tok_s=summary([1.0 / t for t in tpots]),
+        ttft_s=summary([r.response_s[0] - r.sent_s for r in ok]),
+        tpot_s=summary(tpots),
+        acceptance_length=sum(steps) / len(steps) if steps else None,
+        acceptance_histogram=histogram,
+        max_in_flight=max(n for _, n in trace.in_flight),
+        mean_in_flight=_mean_in_flight(trace.in_flight, duration),
+        in_flight_trace=[[t, n] for t, n in trace.in_flight],
+        per_request=[_request_entry(r) for r in trace.records],
+    )
 
 
-def sweep_fields(point: dict[str, Any]) -> dict[str, Any]:
+def sweep_fields(point: BenchPoint) -> dict[str, Any]:
     """The Pareto analysis's view of a point: tok/s/GPU (the host's tok/s for a CPU run, `gpus` 0) and both
-    tok/s/user definitions of `perf.sweep`."""
-    tpot = point["tpot_s"]
-    concurrency = point["concurrency"]
+    tok/s/user definitions of `analysis.sweep`."""
+    tpot = point.tpot_s
+    concurrency = point.concurrency
     return {
-        "gpus": point["gpus"],
-        "tok_s_gpu": point["throughput_tok_s_per_gpu"] if point["gpus"] else point["throughput_tok_s"],
-        "tok_s_user_tpot": 1.0 / tpot["mean"] if tpot and tpot["mean"] > 0 else None,
-        "tok_s_user_share": point["throughput_tok_s"] / concurrency if concurrency else None,
+        "gpus": point.gpus,
+        "tok_s_gpu": point.throughput_tok_s_per_gpu if point.gpus else point.throughput_tok_s,
+        "tok_s_user_tpot": 1.0 / tpot.mean if tpot and tpot.mean > 0 else None,
+        "tok_s_user_share": point.throughput_tok_s / concurrency if concurrency else None,
     }
 
 
 def write_results(
     path: str | Path, points: Sequence[dict[str, Any]], workload: dict[str, Any], provenance: dict[str, Any]
 ) -> None:
+    """`points` as JSON objects: `BenchPoint.to_json()`, or a sweep's records, which extend them."""
     data = {"format": FORMAT, "provenance": provenance, "workload": workload, "points": list(points)}
     Path(path).write_text(strict_json(data) + "\n")
 

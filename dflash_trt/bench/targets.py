@@ -1,7 +1,7 @@
 """What a benchmark point runs against, and the backend that serves it: one place for `bench` and `sweep`.
 
-A target is an engine directory (TensorRT-LLM executor), a converted checkpoint (CPU golden model; kind "ar" runs
-its target alone), a Triton endpoint or an OpenAI endpoint (`dflash-trt serve`), with its kind ("dflash", "ar",
+A target is an engine directory (TensorRT-LLM executor), a converted checkpoint (CPU golden model; mode "ar" runs
+its target alone), a Triton endpoint or an OpenAI endpoint (`dflash-trt serve`), with its decoding mode ("dflash", "ar",
 "eagle3"). Bad targets are refused before anything runs: a missing engine, a DFlash engine without
 `dflash_trt.json` or plugin library, an unreachable server (when the first point starts).
 """
@@ -16,15 +16,15 @@ from typing import Any
 
 from dflash_trt.bench.driver import Backend
 from dflash_trt.bench.workload import Workload
+from dflash_trt.decoding_modes import AR, DECODING_MODES, EAGLE3, DecodingMode
 from dflash_trt.errors import DFlashTrtError
 
-KINDS = ("dflash", "ar", "eagle3")
 BackendFactory = Callable[[int], Backend]  # max requests in flight -> a fresh backend for one point
 
 
 @dataclass(frozen=True)
 class Target:
-    kind: str
+    mode: DecodingMode
     engine_dir: str | None = None
     checkpoint_dir: str | None = None
     triton_url: str | None = None
@@ -38,14 +38,14 @@ class Target:
     tokenizer_dir: str | None = None  # the served model's tokenizer: text models take and return text
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise DFlashTrtError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.mode not in DECODING_MODES:
+            raise DFlashTrtError(f"mode must be one of {', '.join(DECODING_MODES)}, got {self.mode!r}")
         given = [x for x in (self.engine_dir, self.checkpoint_dir, self.triton_url, self.openai_url) if x]
         if len(given) != 1:
             raise DFlashTrtError(
                 "a benchmark target is exactly one of engine_dir, checkpoint_dir, triton_url and openai_url"
             )
-        if self.checkpoint_dir and self.kind == "eagle3":
+        if self.checkpoint_dir and self.mode == EAGLE3:
             raise DFlashTrtError("a converted DFlash checkpoint runs as kind 'dflash' or 'ar', not 'eagle3'")
 
 
@@ -64,7 +64,7 @@ def _engine_info(target: Target):
     from dflash_trt.bench.backends.trtllm import inspect_engine
 
     choices = None if target.eagle_choices is None else [list(c) for c in target.eagle_choices]
-    return inspect_engine(str(target.engine_dir), target.kind, target.plugin_library, choices)
+    return inspect_engine(str(target.engine_dir), target.mode, target.plugin_library, choices)
 
 
 def check_target(target: Target) -> None:
@@ -103,7 +103,7 @@ def backend_factory(
 
         model = _golden_model(target.checkpoint_dir)
         stops = [] if workload.ignore_eos else list(model.target.spec.eos_token_ids)
-        block = 1 if target.kind == "ar" else None
+        block = 1 if target.mode == AR else None
         # Never more slots than requests: the CPU executor allocates its caches for every slot.
         requests = len(workload.requests)
         return lambda in_flight: GoldenBackend(
@@ -128,7 +128,7 @@ def backend_factory(
         from dflash_trt.bench.backends.openai_http import OpenAIBackend
 
         url = target.openai_url
-        return lambda in_flight: OpenAIBackend(url, mode=target.kind, gpus=target.gpus, ignore_eos=workload.ignore_eos)
+        return lambda in_flight: OpenAIBackend(url, mode=target.mode, gpus=target.gpus, ignore_eos=workload.ignore_eos)
     from dflash_trt.bench.backends.triton import TEXT_MODELS, TritonBackend
 
     tokenizer = None
@@ -140,7 +140,7 @@ def backend_factory(
     return lambda in_flight: TritonBackend(
         str(target.triton_url),
         model=target.triton_model,
-        mode=target.kind,
+        mode=target.mode,
         gpus=target.gpus,
         end_id=end_id,
         vocab_size=target.vocab_size,
@@ -166,4 +166,4 @@ def describe(target: Target) -> dict[str, Any]:
         "triton_url": target.triton_url,
         "openai_url": target.openai_url,
     }
-    return {"kind": target.kind, **{k: v for k, v in where.items() if v}}
+    return {"kind": target.mode, **{k: v for k, v in where.items() if v}}

@@ -6,6 +6,7 @@ mapping (q|k|v fused, gate_proj → mlp.fc, up_proj → mlp.gate, down_proj → 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -94,40 +95,48 @@ def _layer_tensors(
             OutputTensor(names.tensor(out_prefix, names.K_LAYERNORM), src(f"{attn}k_norm.weight"), (heads.head_dim,))
         )
     if attention_bias:
-        out.append(
-            OutputTensor(
-                names.tensor(out_prefix, names.QKV, names.BIAS),
-                src(f"{attn}q_proj.bias", f"{attn}k_proj.bias", f"{attn}v_proj.bias"),
-                (q_size + 2 * kv_size,),
-                Split.QKV,
-                heads,
-            )
-        )
-        # Row-parallel biases are added once after the all-reduce, so every rank holds the full bias.
-        out.append(
-            OutputTensor(names.tensor(out_prefix, names.DENSE, names.BIAS), src(f"{attn}o_proj.bias"), (hidden,))
-        )
+        out += _attention_bias_tensors(out_prefix, src, attn, hidden, heads)
     if mlp_bias:
-        out.append(
-            OutputTensor(
-                names.tensor(out_prefix, names.MLP_FC, names.BIAS),
-                src(f"{mlp}gate_proj.bias"),
-                (intermediate,),
-                Split.ROWS,
-            )
-        )
-        out.append(
-            OutputTensor(
-                names.tensor(out_prefix, names.MLP_GATE, names.BIAS),
-                src(f"{mlp}up_proj.bias"),
-                (intermediate,),
-                Split.ROWS,
-            )
-        )
-        out.append(
-            OutputTensor(names.tensor(out_prefix, names.MLP_PROJ, names.BIAS), src(f"{mlp}down_proj.bias"), (hidden,))
-        )
+        out += _mlp_bias_tensors(out_prefix, src, mlp, hidden, intermediate)
     return out
+
+
+Sources = Callable[..., tuple[tuple[str, str], ...]]
+
+
+def _attention_bias_tensors(
+    out_prefix: str, src: Sources, attn: str, hidden: int, heads: HeadLayout
+) -> list[OutputTensor]:
+    qkv_size = (heads.num_heads + 2 * heads.num_kv_heads) * heads.head_dim
+    return [
+        OutputTensor(
+            names.tensor(out_prefix, names.QKV, names.BIAS),
+            src(f"{attn}q_proj.bias", f"{attn}k_proj.bias", f"{attn}v_proj.bias"),
+            (qkv_size,),
+            Split.QKV,
+            heads,
+        ),
+        # Row-parallel biases are added once after the all-reduce, so every rank holds the full bias.
+        OutputTensor(names.tensor(out_prefix, names.DENSE, names.BIAS), src(f"{attn}o_proj.bias"), (hidden,)),
+    ]
+
+
+def _mlp_bias_tensors(out_prefix: str, src: Sources, mlp: str, hidden: int, intermediate: int) -> list[OutputTensor]:
+    return [
+        OutputTensor(
+            names.tensor(out_prefix, names.MLP_FC, names.BIAS),
+            src(f"{mlp}gate_proj.bias"),
+            (intermediate,),
+            Split.ROWS,
+        ),
+        OutputTensor(
+            names.tensor(out_prefix, names.MLP_GATE, names.BIAS),
+            src(f"{mlp}up_proj.bias"),
+            (intermediate,),
+            Split.ROWS,
+        ),
+        OutputTensor(names.tensor(out_prefix, names.MLP_PROJ, names.BIAS), src(f"{mlp}down_proj.bias"), (hidden,)),
+    ]
 
 
 def _moe_tensors(out_prefix: str, src_prefix: str, hidden: int, moe: MoeSpec, ep_size: int) -> list[OutputTensor]:

@@ -19,7 +19,7 @@ from typing import Any
 
 from dflash_trt.bench.driver import FollowerRank
 from dflash_trt.bench.measure import measure_point, request_bar
-from dflash_trt.bench.results import RESULTS_FILE, sweep_fields, write_results
+from dflash_trt.bench.results import RESULTS_FILE, BenchPoint, sweep_fields, write_results
 from dflash_trt.bench.targets import Target, backend_factory, check_target, max_positions, provenance, vocab_size
 from dflash_trt.bench.workload import (
     REAL_PROMPTS,
@@ -30,6 +30,7 @@ from dflash_trt.bench.workload import (
     synthetic_workload,
 )
 from dflash_trt.checkpoint.atomic import atomic_directory, check_destination, check_writable
+from dflash_trt.decoding_modes import AR, DFLASH
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.inputs import (
     CONCURRENCIES,
@@ -59,24 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--engine_dir", help="DFlash engine (dflash-trt build): TensorRT-LLM 1.2.x executor, GPU")
-    target.add_argument("--checkpoint_dir", help="converted checkpoint: the golden model with in-flight batching, CPU")
-    target.add_argument("--triton_url", type=URL, help="Triton gRPC endpoint HOST:PORT of a deployed repository")
-    target.add_argument("--openai_url", help="OpenAI endpoint http://HOST:PORT/v1 (dflash-trt serve)")
-    prompts = p.add_mutually_exclusive_group(required=True)
-    prompts.add_argument(
-        "--input_file",
-        help='jsonl prompts, {"input_ids": [...]}, {"text": "..."} or {"messages": [...]} per line; real text, '
-        f"e.g. {REAL_PROMPTS} (in the repository)",
-    )
-    p.add_argument("--chat_template_kwargs", default=None, help=CHAT_TEMPLATE_KWARGS_HELP)
-    prompts.add_argument(
-        "--synthetic",
-        metavar="ISL,OSL,COUNT",
-        help="random token prompts of ISL tokens, OSL output tokens each (end tokens ignored), COUNT of them; "
-        "they understate speculative speedups (drafts are rarely accepted on random ids): prefer --input_file",
-    )
+    _add_source_arguments(p)
     p.add_argument(
         "--concurrency", type=CONCURRENCIES, default=None, help="comma-separated closed-loop user counts, e.g. 1,2,4"
     )
@@ -89,7 +73,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max_new_tokens", type=POSITIVE_INT, default=128, help="output budget per prompt (--input_file)")
     p.add_argument("--num_requests", type=REQUESTS, default=None, help="requests per point (default: every prompt)")
     p.add_argument("--warmup", type=WARMUP, default=0, help="requests sent and discarded before each point")
-    p.add_argument("--baseline", choices=("ar",), help="also measure the target alone at the same points")
+    p.add_argument("--baseline", choices=(AR,), help="also measure the target alone at the same points")
     p.add_argument("--baseline_engine_dir", help="the AR engine for --baseline ar with --engine_dir")
     p.add_argument("--baseline_triton_url", type=URL, help="the AR server for --baseline ar with --triton_url")
     p.add_argument("--tokenizer_dir", help="tokenizer for text prompts (default: the checkpoint's)")
@@ -135,6 +119,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _add_source_arguments(p: argparse.ArgumentParser) -> None:
+    """What is measured (an engine, a checkpoint or a server) and the prompts sent to it."""
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--engine_dir", help="DFlash engine (dflash-trt build): TensorRT-LLM 1.2.x executor, GPU")
+    target.add_argument("--checkpoint_dir", help="converted checkpoint: the golden model with in-flight batching, CPU")
+    target.add_argument("--triton_url", type=URL, help="Triton gRPC endpoint HOST:PORT of a deployed repository")
+    target.add_argument("--openai_url", help="OpenAI endpoint http://HOST:PORT/v1 (dflash-trt serve)")
+    prompts = p.add_mutually_exclusive_group(required=True)
+    prompts.add_argument(
+        "--input_file",
+        help='jsonl prompts, {"input_ids": [...]}, {"text": "..."} or {"messages": [...]} per line; real text, '
+        f"e.g. {REAL_PROMPTS} (in the repository)",
+    )
+    p.add_argument("--chat_template_kwargs", default=None, help=CHAT_TEMPLATE_KWARGS_HELP)
+    prompts.add_argument(
+        "--synthetic",
+        metavar="ISL,OSL,COUNT",
+        help="random token prompts of ISL tokens, OSL output tokens each (end tokens ignored), COUNT of them; "
+        "they understate speculative speedups (drafts are rarely accepted on random ids): prefer --input_file",
+    )
+
+
 def targets(args: argparse.Namespace) -> dict[str, Target]:
     """The measured target and, with --baseline ar, the target alone, keyed by the name plotted."""
     common = {
@@ -146,15 +152,15 @@ def targets(args: argparse.Namespace) -> dict[str, Target]:
         "tokenizer_dir": args.tokenizer_dir,
     }
     where = (args.engine_dir, args.checkpoint_dir, args.triton_url, args.openai_url)
-    out = {"dflash": Target("dflash", *where, **common)}
-    if args.baseline == "ar":
+    out = {DFLASH: Target(DFLASH, *where, **common)}
+    if args.baseline == AR:
         if args.openai_url:
             raise DFlashTrtError("--baseline ar is not available with --openai_url; bench the AR server separately")
         if args.engine_dir and not args.baseline_engine_dir:
             raise DFlashTrtError("--baseline ar with --engine_dir needs --baseline_engine_dir (an AR engine)")
         if args.triton_url and not args.baseline_triton_url:
             raise DFlashTrtError("--baseline ar with --triton_url needs --baseline_triton_url (an AR deployment)")
-        out["ar"] = Target("ar", args.baseline_engine_dir, args.checkpoint_dir, args.baseline_triton_url, **common)
+        out[AR] = Target(AR, args.baseline_engine_dir, args.checkpoint_dir, args.baseline_triton_url, **common)
     for target in out.values():
         check_target(target)
     return out
@@ -182,37 +188,37 @@ def build_workload(args: argparse.Namespace, target: Target) -> Workload:
         )
     if args.num_requests is not None:
         workload = workload.resized(args.num_requests)
-    if args.synthetic and target.kind != "ar":  # after every refusal, which stays the only line on stderr
+    if args.synthetic and target.mode != AR:  # after every refusal, which stays the only line on stderr
         print(SYNTHETIC_WARNING, file=sys.stderr)
     return workload
 
 
-def analysis_records(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def analysis_records(points: list[BenchPoint]) -> list[dict[str, Any]]:
     """Closed-loop points in the shape the Pareto report reads."""
     return [
-        {"engine": p["engine"], "kind": p["mode"], "concurrency": p["concurrency"], "status": "ok", **sweep_fields(p)}
+        {"engine": p.engine, "kind": p.mode, "concurrency": p.concurrency, "status": "ok", **sweep_fields(p)}
         for p in points
-        if p["concurrency"] is not None and p["requests"] and sweep_fields(p)["tok_s_user_tpot"] is not None
+        if p.concurrency is not None and p.requests and sweep_fields(p)["tok_s_user_tpot"] is not None
     ]
 
 
-def points_table(points: list[dict[str, Any]]):
+def points_table(points: list[BenchPoint]):
     def cell(value, fmt="{:.1f}"):
         return "-" if value is None else fmt.format(value)
 
     rows = [
         [
-            p["engine"],
-            cell(p["concurrency"], "{}"),
-            cell(p["request_rate"], "{:g}"),
-            str(p["requests"]),
-            str(p["failed"]),
-            cell(p["throughput_tok_s"]),
+            p.engine,
+            cell(p.concurrency, "{}"),
+            cell(p.request_rate, "{:g}"),
+            str(p.requests),
+            str(p.failed),
+            cell(p.throughput_tok_s),
             cell(sweep_fields(p)["tok_s_user_tpot"]),
-            cell(p["ttft_s"] and p["ttft_s"]["p50"] * 1000),
-            cell(p["tpot_s"] and p["tpot_s"]["p50"] * 1000, "{:.2f}"),
-            cell(p["acceptance_length"], "{:.2f}"),
-            str(p["max_in_flight"]),
+            cell(p.ttft_s and p.ttft_s.p50 * 1000),
+            cell(p.tpot_s and p.tpot_s.p50 * 1000, "{:.2f}"),
+            cell(p.acceptance_length, "{:.2f}"),
+            str(p.max_in_flight),
         ]
         for p in points
     ]
@@ -253,14 +259,14 @@ def provenance_table(provenance: dict[str, Any]):
 
 
 def write_outputs(
-    out: Path, points: list[dict[str, Any]], workload: dict[str, Any], provenance: dict[str, Any], overwrite: bool
+    out: Path, points: list[BenchPoint], workload: dict[str, Any], provenance: dict[str, Any], overwrite: bool
 ) -> dict:
     """results.json, report.html and pareto.png, published at once (an existing folder is replaced only when an
     earlier `bench` wrote it)."""
-    from dflash_trt.perf.report import analyze_records
+    from dflash_trt.analysis.report import analyze_records
 
     with atomic_directory(out, "bench", overwrite) as staging:
-        write_results(staging / RESULTS_FILE, points, workload, provenance)
+        write_results(staging / RESULTS_FILE, [p.to_json() for p in points], workload, provenance)
         records = analysis_records(points)
         title = f"dflash-trt bench, {provenance['backend']} backend: throughput vs interactivity"
         tables = [provenance_table(provenance), points_table(points)]
@@ -278,13 +284,13 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output_dir)
     check_output(out, args.overwrite)
     chosen = targets(args)
-    workload = build_workload(args, chosen["dflash"])
-    origin = provenance(chosen["dflash"])
+    workload = build_workload(args, chosen[DFLASH])
+    origin = provenance(chosen[DFLASH])
 
-    def progress(point: dict) -> None:
+    def progress(point: BenchPoint) -> None:
         print(
-            f"{point_name(point)}: {point['throughput_tok_s']:.1f} tok/s, acceptance "
-            f"{point['acceptance_length'] or 0:.2f}, {point['failed']} failed",
+            f"{point_name(point)}: {point.throughput_tok_s:.1f} tok/s, acceptance "
+            f"{point.acceptance_length or 0:.2f}, {point.failed} failed",
             file=sys.stderr,
         )
 
@@ -320,24 +326,24 @@ def run(args: argparse.Namespace) -> int:
     write_outputs(out, points, workload.description, origin, args.overwrite)
     if args.json:
         print(
-            strict_json([{k: v for k, v in p.items() if k not in ("per_request", "in_flight_trace")} for p in points]),
+            strict_json([p.without_detail() for p in points]),
         )
     else:
         print(f"results: {out / RESULTS_FILE}; report: {out / 'report.html'}")
     for point in points:
-        if point["failed"]:
-            failed = f"{point['failed']} requests failed; first: {first_error(point)}"
+        if point.failed:
+            failed = f"{point.failed} requests failed; first: {first_error(point)}"
             print(f"{point_name(point)}: {failed}", file=sys.stderr)
-    dead = [point for point in points if point["failed"] and not point["requests"]]
+    dead = [point for point in points if point.failed and not point.requests]
     if dead:
         raise DFlashTrtError(f"every request of {point_name(dead[0])} failed: {first_error(dead[0])}")
     return 0
 
 
-def point_name(point: dict[str, Any]) -> str:
-    where = f"c={point['concurrency']}" if point["concurrency"] else f"rate={point['request_rate']:g}/s"
-    return f"{point['engine']} {where}"
+def point_name(point: BenchPoint) -> str:
+    where = f"c={point.concurrency}" if point.concurrency else f"rate={point.request_rate:g}/s"
+    return f"{point.engine} {where}"
 
 
-def first_error(point: dict[str, Any]) -> str:
-    return next((r["error"] for r in point["per_request"] if r["error"]), "no output tokens")
+def first_error(point: BenchPoint) -> str:
+    return next((r.error for r in point.per_request if r.error), "no output tokens")

@@ -11,9 +11,9 @@ import dataclasses
 import json
 
 from dflash_trt.checkpoint.atomic import check_output_apart
+from dflash_trt.commands.build_profile import add_profile_arguments, run_profile
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.inputs import POSITIVE_INT, WORKERS, IntRange
-from dflash_trt.pipeline import add_profile_arguments, run_profile
 from dflash_trt.trtllm.build_plan import (
     GEMM_PLUGIN_CHOICES,
     KV_CACHE_TYPES,

@@ -13,10 +13,14 @@ import argparse
 import json
 import shlex
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dflash_trt.checkpoint.atomic import check_output_apart
 from dflash_trt.commands.generate import check_lengths
+from dflash_trt.decoding_modes import AR, DFLASH
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import DTYPES, FP8, NVFP4
 from dflash_trt.inputs import POSITIVE_INT, IntRange
@@ -130,19 +134,19 @@ def demo_sweep(
         ignore_eos=False,
         description={"kind": "demo held-out prompts", "count": len(prompts), "max_new_tokens": max_new_tokens},
     )
-    points, origin = [], provenance(Target("dflash", checkpoint_dir=str(checkpoint)))
-    for kind in ("dflash", "ar"):
-        factory = backend_factory(Target(kind, checkpoint_dir=str(checkpoint)), workload)
-        points += [measure_point(factory, workload, kind, concurrency=c) for c in SWEEP_CONCURRENCY]
+    points, origin = [], provenance(Target(DFLASH, checkpoint_dir=str(checkpoint)))
+    for mode in (DFLASH, AR):
+        factory = backend_factory(Target(mode, checkpoint_dir=str(checkpoint)), workload)
+        points += [measure_point(factory, workload, mode, concurrency=c) for c in SWEEP_CONCURRENCY]
     write_outputs(out, points, workload.description, origin, overwrite)
     rows = [
         {
-            "engine": p["engine"],
-            "concurrency": p["concurrency"],
-            "output_tok_s": p["throughput_tok_s"],
+            "engine": p.engine,
+            "concurrency": p.concurrency,
+            "output_tok_s": p.throughput_tok_s,
             "tok_s_user": sweep_fields(p)["tok_s_user_tpot"],
-            "ttft_p50_s": p["ttft_s"]["p50"],
-            "acceptance_length": p["acceptance_length"],
+            "ttft_p50_s": p.ttft_s and p.ttft_s.p50,
+            "acceptance_length": p.acceptance_length,
         }
         for p in points
     ]
@@ -152,7 +156,7 @@ def demo_sweep(
             f"{row['tok_s_user']:7.1f} tok/s/user (1 / mean TPOT), acceptance {row['acceptance_length']:.2f}"
         )
     by = {(r["engine"], r["concurrency"]): r["output_tok_s"] for r in rows}
-    ratio = by["dflash", 1] / by["ar", 1]
+    ratio = by[DFLASH, 1] / by[AR, 1]
     say(
         f"      DFlash vs target alone, output tok/s at concurrency 1 (one user at a time): {ratio:.2f}x; "
         f"plot: {out / 'pareto.png'}"
@@ -168,15 +172,19 @@ def _timed_generate(model, prompts, max_new_tokens, stop_ids, block_size=None):
     return results, time.perf_counter() - started
 
 
+@dataclass
+class _Decoded:
+    """The held-out prompts and the golden model that decodes them, shared by the steps after conversion."""
+
+    heldout: list
+    prompts: list[list[int]]
+    tokenizer: Any
+    model: Any
+    stop_ids: list[int]
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
-
-    from dflash_trt.conversion.convert import convert_checkpoint
-    from dflash_trt.conversion.verify import verify_checkpoint
-    from dflash_trt.reference.decode import speculative_generate
-    from dflash_trt.reference.model import load_golden_model
-    from dflash_trt.reference.stats import mean_acceptance_length, per_position_acceptance
-    from dflash_trt.triton.repository import RepositorySettings, max_temperature_for_sampling, write_repository
 
     # The embedded pair is tiny: one intra-op thread is fastest, and keeps tokens/s comparable between runs.
     torch.set_num_threads(1)
@@ -185,7 +193,48 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output_dir)
     check_output_apart(out, {"the embedded tiny pair": asset_dir()})
     say = (lambda *_: None) if args.json else print
-    checkpoint = out / f"checkpoint-{args.dtype}"
+    checkpoint = _convert_and_verify(args, out / f"checkpoint-{args.dtype}", say)
+    decoded = _load_heldout(args, checkpoint)
+    summary = _decode_heldout(args, checkpoint, decoded, say)
+    summary["quantized"] = _quantized(args, out, decoded, say)
+    plan, settings, repository = _plan_engine_and_repository(args, out, checkpoint, decoded.model, say)
+    summary["build_command"] = plan.shell_command()
+    summary["triton_repository"] = str(repository)
+
+    say(
+        f"[6/7] sweep DFlash vs the target alone at concurrency {', '.join(map(str, SWEEP_CONCURRENCY))} "
+        "(load generator, golden model with in-flight batching)"
+    )
+    summary["sweep"] = demo_sweep(
+        checkpoint,
+        decoded.prompts[:SWEEP_PROMPTS],
+        args.max_new_tokens,
+        decoded.stop_ids,
+        out / "sweep",
+        args.overwrite,
+        say,
+    )
+
+    prompts_file = write_prompt_file(out / "prompts.jsonl", decoded.heldout)
+    commands = gpu_host_commands(checkpoint, plan.output_dir, settings, repository, prompts_file, args.max_new_tokens)
+    summary["gpu_host_commands"] = commands
+    say("[7/7] on a GPU host with TensorRT-LLM 1.2.x (NGC release container), run:")
+    say(f"      {commands[0]}   # libdflash_trt_plugins.so")
+    say(f"      {commands[1]}")
+    say(f"        (add --dry_run to check it anywhere; it loads the plugin library, then runs: {plan.shell_command()})")
+    say(f"      {commands[2]}          # serves the engine")
+    say(f"      {commands[3]}")
+    say(f"      {commands[4]}   # the tiny corpus's prompt format")
+    if args.json:
+        print(strict_json(summary))
+    if not summary["lossless"] or not all(r["lossless_vs_quantized_target"] for r in summary["quantized"].values()):
+        raise DFlashTrtError("speculative output differs from target-only decoding")
+    return 0
+
+
+def _convert_and_verify(args: argparse.Namespace, checkpoint: Path, say: Callable[..., object]) -> Path:
+    from dflash_trt.conversion.convert import convert_checkpoint
+    from dflash_trt.conversion.verify import verify_checkpoint
 
     say(f"[1/7] convert the embedded tiny pair ({asset_dir()}: target/, draft/, heldout.jsonl) → {checkpoint}")
     convert_checkpoint(target_dir(), draft_dir(), checkpoint, dtype=args.dtype, overwrite=args.overwrite)
@@ -195,31 +244,36 @@ def run(args: argparse.Namespace) -> int:
     say("      " + report.verdict())
     if not report.ok:
         raise DFlashTrtError("the converted demo checkpoint failed verification")
+    return checkpoint
+
+
+def _load_heldout(args: argparse.Namespace, checkpoint: Path) -> _Decoded:
+    from dflash_trt.reference.model import load_golden_model
 
     heldout = load_heldout(limit=args.num_prompts)
     tokenizer = load_tokenizer(checkpoint)
     prompts = [tokenizer.encode(p.text) for p in heldout]
     model = load_golden_model(checkpoint)
     check_lengths(args, prompts, model.target.spec.max_position_embeddings)
-    stop_ids = list(model.target.spec.eos_token_ids)
+    return _Decoded(heldout, prompts, tokenizer, model, list(model.target.spec.eos_token_ids))
+
+
+def _decode_heldout(
+    args: argparse.Namespace, checkpoint: Path, decoded: _Decoded, say: Callable[..., object]
+) -> dict[str, Any]:
+    """DFlash against the target alone on the held-out prompts: answers, acceptance and tokens/s."""
+    from dflash_trt.reference.stats import mean_acceptance_length, per_position_acceptance
+
+    model, prompts, stop_ids = decoded.model, decoded.prompts, decoded.stop_ids
     block = model.draft.spec.block_size
     say(f"[3/7] decode {len(prompts)} held-out prompts: DFlash block {block} vs target alone (golden model, CPU)")
     spec_results, spec_seconds = _timed_generate(model, prompts, args.max_new_tokens, stop_ids)
     ar_results, ar_seconds = _timed_generate(model, prompts, args.max_new_tokens, stop_ids, block_size=1)
     lossless = all(s.output_ids == a.output_ids for s, a in zip(spec_results, ar_results, strict=True))
-    rows = []
-    for prompt, result in zip(heldout, spec_results, strict=True):
-        text = tokenizer.decode(result.output_ids)
-        rows.append(
-            {
-                "prompt": prompt.text,
-                "answer": prompt.answer,
-                "correct": is_correct(text, prompt.answer),
-                "mean_acceptance": sum(result.acceptance_lengths) / len(result.acceptance_lengths),
-                "steps": len(result.acceptance_lengths),
-                "tokens": len(result.output_ids),
-            }
-        )
+    rows = [
+        _prompt_row(prompt, result, decoded.tokenizer)
+        for prompt, result in zip(decoded.heldout, spec_results, strict=True)
+    ]
     generated = sum(len(r.output_ids) for r in spec_results)
     summary = {
         "checkpoint_dir": str(checkpoint),
@@ -249,10 +303,34 @@ def run(args: argparse.Namespace) -> int:
         f"{summary['target_only_tokens_per_second']:.0f} tok/s target alone "
         f"({summary['speedup']:.2f}x for an offline batch of {len(prompts)} prompts, CPU golden model)"
     )
+    return summary
 
+
+def _prompt_row(prompt: Any, result: Any, tokenizer: Any) -> dict[str, Any]:
+    text = tokenizer.decode(result.output_ids)
+    return {
+        "prompt": prompt.text,
+        "answer": prompt.answer,
+        "correct": is_correct(text, prompt.answer),
+        "mean_acceptance": sum(result.acceptance_lengths) / len(result.acceptance_lengths),
+        "steps": len(result.acceptance_lengths),
+        "tokens": len(result.output_ids),
+    }
+
+
+def _quantized(
+    args: argparse.Namespace, out: Path, decoded: _Decoded, say: Callable[..., object]
+) -> dict[str, dict[str, Any]]:
+    """FP8 and NVFP4 checkpoints with an FP8 KV cache, calibrated, decoded like the unquantized one."""
+    from dflash_trt.conversion.convert import convert_checkpoint
+    from dflash_trt.reference.decode import speculative_generate
+    from dflash_trt.reference.model import load_golden_model
+    from dflash_trt.reference.stats import mean_acceptance_length
+
+    prompts, stop_ids, heldout, tokenizer = decoded.prompts, decoded.stop_ids, decoded.heldout, decoded.tokenizer
     say("[4/7] quantize for the engine's GPUs (FP8: Hopper, NVFP4: Blackwell), calibrated on training-split prompts")
     calibration = write_calibration_prompts(out / "calibration.jsonl")
-    summary["quantized"] = {}
+    rows = {}
     for qformat in (FP8, NVFP4):
         quantized = out / f"checkpoint-{qformat}"
         convert_checkpoint(
@@ -280,12 +358,19 @@ def run(args: argparse.Namespace) -> int:
             / len(heldout),
             "mean_acceptance_length": mean_acceptance_length(q_results),
         }
-        summary["quantized"][qformat] = row
+        rows[qformat] = row
         say(
             f"      {qformat:5s} weights + FP8 KV cache: mean acceptance {row['mean_acceptance_length']:.2f}, "
             f"answers correct {row['accuracy']:.0%}, lossless vs the {qformat} target alone: "
             f"{row['lossless_vs_quantized_target']}"
         )
+    return rows
+
+
+def _plan_engine_and_repository(
+    args: argparse.Namespace, out: Path, checkpoint: Path, model: Any, say: Callable[..., object]
+) -> tuple[Any, EngineBuildSettings, Path]:
+    from dflash_trt.triton.repository import RepositorySettings, max_temperature_for_sampling, write_repository
 
     say("[5/7] plan the TensorRT-LLM 1.2.x engine build and its Triton model repository")
     settings = demo_build_settings(model.target.spec.max_position_embeddings)
@@ -300,7 +385,7 @@ def run(args: argparse.Namespace) -> int:
             plugin_library=plan.plugin_library,
             max_batch_size=settings.max_batch_size,
             max_input_len=settings.max_input_len,
-            max_draft_len=block - 1,
+            max_draft_len=model.draft.spec.block_size - 1,
             world_size=1,
             max_temperature=max_temperature_for_sampling(plan.dflash_manifest["sampling"]),
         ),
@@ -308,29 +393,4 @@ def run(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
     )
     say(f"      build plan → {out / 'build_plan.json'}; Triton repository → {repository}")
-    summary["build_command"] = plan.shell_command()
-    summary["triton_repository"] = str(repository)
-
-    say(
-        f"[6/7] sweep DFlash vs the target alone at concurrency {', '.join(map(str, SWEEP_CONCURRENCY))} "
-        "(load generator, golden model with in-flight batching)"
-    )
-    summary["sweep"] = demo_sweep(
-        checkpoint, prompts[:SWEEP_PROMPTS], args.max_new_tokens, stop_ids, out / "sweep", args.overwrite, say
-    )
-
-    prompts_file = write_prompt_file(out / "prompts.jsonl", heldout)
-    commands = gpu_host_commands(checkpoint, plan.output_dir, settings, repository, prompts_file, args.max_new_tokens)
-    summary["gpu_host_commands"] = commands
-    say("[7/7] on a GPU host with TensorRT-LLM 1.2.x (NGC release container), run:")
-    say(f"      {commands[0]}   # libdflash_trt_plugins.so")
-    say(f"      {commands[1]}")
-    say(f"        (add --dry_run to check it anywhere; it loads the plugin library, then runs: {plan.shell_command()})")
-    say(f"      {commands[2]}          # serves the engine")
-    say(f"      {commands[3]}")
-    say(f"      {commands[4]}   # the tiny corpus's prompt format")
-    if args.json:
-        print(strict_json(summary))
-    if not lossless or not all(r["lossless_vs_quantized_target"] for r in summary["quantized"].values()):
-        raise DFlashTrtError("speculative output differs from target-only decoding")
-    return 0
+    return plan, settings, repository

@@ -16,13 +16,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from dflash_trt.errors import DFlashTrtError
-from dflash_trt.formats import KV_CACHE_DTYPES, NONE, QFORMATS
-from dflash_trt.inputs import POSITIVE_INT, SPEED
-from dflash_trt.perf.evaluation import HARNESSES, calibrations
-from dflash_trt.perf.gpus import GPUS, get_gpu
-from dflash_trt.perf.memory import EngineLimits, FeasiblePoint, feasible_curve
-from dflash_trt.perf.model import (
+from dflash_trt.analysis.acceptance_file import read_acceptance_file
+from dflash_trt.analysis.evaluation import HARNESSES, calibrations
+from dflash_trt.analysis.gpus import GPUS, get_gpu
+from dflash_trt.analysis.memory import EngineLimits, FeasiblePoint, feasible_curve
+from dflash_trt.analysis.model import (
     PRECISION,
     Acceptance,
     Calibration,
@@ -32,10 +30,14 @@ from dflash_trt.perf.model import (
     TargetShape,
     mean_context,
 )
-from dflash_trt.perf.pareto import Point, crossover_concurrency, speedup_table
-from dflash_trt.perf.published import PAIRS, TAU_SOURCES, TAUS, WORKLOADS, pair_for_models, workload_taus
-from dflash_trt.perf.shapes import eagle3_like, load_models
-from dflash_trt.profiles import check_tp_heads, load_profile
+from dflash_trt.analysis.pareto import Point, crossover_concurrency, speedup_table
+from dflash_trt.analysis.published import PAIRS, TAU_SOURCES, TAUS, WORKLOADS, pair_for_models, workload_taus
+from dflash_trt.analysis.shapes import eagle3_like, load_models
+from dflash_trt.decoding_modes import AR, DFLASH, EAGLE3
+from dflash_trt.errors import DFlashTrtError
+from dflash_trt.formats import KV_CACHE_DTYPES, NONE, QFORMATS
+from dflash_trt.inputs import POSITIVE_INT, SPEED
+from dflash_trt.pipeline.profiles import check_tp_heads, load_profile
 
 DEFAULT_LENGTHS = (1024, 1024)
 BAND_CAVEAT = (
@@ -182,20 +184,7 @@ def load_acceptance(args: argparse.Namespace, block: int) -> tuple[list[Acceptan
         raise DFlashTrtError("give at most one of --acceptance_length and --acceptance_json")
     if args.acceptance_json:
         path = Path(args.acceptance_json)
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise DFlashTrtError(f"cannot read acceptance file {path}: {exc}") from None
-        if not isinstance(data, dict):
-            raise DFlashTrtError(f"{path} must hold a JSON object")
-        values = data.get("histogram", data.get("per_position"))
-        if not isinstance(values, list) or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in values
-        ):
-            raise DFlashTrtError(f"{path} needs a 'histogram' or 'per_position' list of numbers")
-        acc = Acceptance.from_histogram(values) if "histogram" in data else Acceptance.from_position_rates(values)
-        if acc.max_length > block:
-            raise DFlashTrtError(f"{path} describes blocks of {acc.max_length} tokens; the drafter's block is {block}")
+        acc = read_acceptance_file(path, block)
         accs, note = [acc], f"acceptance from {path}"
     elif args.acceptance_length is not None:
         accs, note = [Acceptance.from_mean(args.acceptance_length, block)], "acceptance length given"
@@ -226,7 +215,7 @@ def _models(args: argparse.Namespace) -> tuple[TargetShape, DFlashShape | None]:
 
 
 def _validate(args: argparse.Namespace) -> None:
-    from dflash_trt.perf import evaluation
+    from dflash_trt.analysis import evaluation
 
     rows = evaluation.evaluate()
     if args.json:
@@ -248,7 +237,7 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def _provenance(args: argparse.Namespace) -> None:
-    from dflash_trt import provenance
+    from dflash_trt.pipeline import provenance
 
     table = provenance.as_json()
     if args.json:
@@ -259,7 +248,7 @@ def _provenance(args: argparse.Namespace) -> None:
 
 def _profile_models_on_disk(profile) -> tuple[TargetShape, DFlashShape]:
     """Shapes of a profile's models that are local folders (or already in the HF cache): their config.json."""
-    from dflash_trt.profiles import resolve_model_dir
+    from dflash_trt.pipeline.profiles import resolve_model_dir
 
     try:
         target_dir = resolve_model_dir(profile.model.target)
@@ -276,7 +265,7 @@ def _profile_models_on_disk(profile) -> tuple[TargetShape, DFlashShape]:
 
 
 def _capacity(args: argparse.Namespace) -> None:
-    from dflash_trt.capacity import capacity_warnings, describe, plan_capacity
+    from dflash_trt.pipeline.capacity import capacity_warnings, describe, plan_capacity
 
     profile = load_profile(args.config)
     if args.model_dir:
@@ -307,7 +296,7 @@ def _deployment(args: argparse.Namespace, target: TargetShape, drafter: DFlashSh
 
 
 def _calibrate(args: argparse.Namespace) -> None:
-    from dflash_trt.perf.calibrate import fit, hardware_of, read_bench_results, write_calibration
+    from dflash_trt.analysis.calibrate import fit, hardware_of, read_bench_results, write_calibration
 
     target, drafter = _models(args)
     results = read_bench_results(args.calibrate)
@@ -391,7 +380,7 @@ def _calibrations(args: argparse.Namespace) -> tuple[tuple[Calibration, ...], li
     """The built-in harness's readings, or a calibration file's one fit (refused on other hardware)."""
     if args.calibration in HARNESSES:
         return calibrations(args.calibration), []
-    from dflash_trt.perf.calibrate import load_calibration
+    from dflash_trt.analysis.calibrate import load_calibration
 
     path = Path(args.calibration)
     if not path.is_file():
@@ -455,62 +444,85 @@ def _curves(args: argparse.Namespace) -> None:
         if args.eagle3_steps < 1:
             raise DFlashTrtError(f"--eagle3_steps must be a positive integer, got {args.eagle3_steps}")
         eagle_acc = Acceptance.from_mean(args.eagle3_acceptance_length, args.eagle3_steps + 1)
-        extra.append(Method("eagle3", eagle3_like(target, args.eagle3_steps), eagle_acc))
+        extra.append(Method(EAGLE3, eagle3_like(target, args.eagle3_steps), eagle_acc))
     conc = _ints(args.concurrency, "--concurrency")
     lengths = _lengths(args, DEFAULT_LENGTHS)
     limits = _limits(args, conc)
     readings = {}
     for cal in cals:
         for dflash_acc in dflash_accs:
-            dflash = [Method("dflash", drafter, dflash_acc)] if dflash_acc is not None else []
-            methods = [Method("ar"), *dflash, *extra]
+            dflash = [Method(DFLASH, drafter, dflash_acc)] if dflash_acc is not None else []
+            methods = [Method(AR), *dflash, *extra]
             d = replace(dep, calibration=cal)
             feasible = {m.name: feasible_curve(m, target, d, conc, lengths, limits) for m in methods}
             curves = {n: _ran(c) for n, c in feasible.items()}
             table, crossovers = [], {}
-            if curves["ar"]:  # nothing to compare against when not even AR's weights fit
-                levels = _levels(args.levels) if args.levels else [p.tok_s_user for p in curves["ar"]]
-                table = speedup_table([p for c in curves.values() for p in c], "ar", levels)
-                ar_batches = {p.concurrency for p in curves["ar"]}
+            if curves[AR]:  # nothing to compare against when not even AR's weights fit
+                levels = _levels(args.levels) if args.levels else [p.tok_s_user for p in curves[AR]]
+                table = speedup_table([p for c in curves.values() for p in c], AR, levels)
+                ar_batches = {p.concurrency for p in curves[AR]}
                 crossovers = {
-                    n: crossover_concurrency(c, curves["ar"]).concurrency
+                    n: crossover_concurrency(c, curves[AR]).concurrency
                     for n, c in curves.items()
-                    if n != "ar" and ar_batches & {p.concurrency for p in c}  # capped batches may share none
+                    if n != AR and ar_batches & {p.concurrency for p in c}  # capped batches may share none
                 }
             tau = "" if dflash_acc is None or len(dflash_accs) == 1 else f", tau {dflash_acc.mean():.2f}"
             label = cal.name + tau
             readings[label] = (feasible, table, crossovers)
-    first = next(iter(readings.values()))[0]
+    notes += cal_notes
     if args.json:
-        merged = {}
-        for name, curve in first.items():
-            rows = []
-            for i, fp in enumerate(curve):
-                row = fp.as_json()
-                for key in ("tok_s_user", "tok_s_gpu"):
-                    vals = [r[0][name][i].as_json()[key] for r in readings.values()]
-                    row[key] = None if vals[0] is None else [min(vals), max(vals)]
-                rows.append(row)
-            merged[name] = rows
-        _emit(
-            json.dumps(
-                {
-                    "calibrations": [vars(c) for c in cals],
-                    "notes": notes + cal_notes,
-                    "lengths": list(lengths),
-                    "limits": vars(limits),
-                    "curves": merged,
-                    "speedup_vs_ar": {
-                        n: [{"tok_s_user": r.tok_s_user, "speedup": r.speedup} for r in t]
-                        for n, (_, t, _) in readings.items()
-                    },
-                    "crossover_concurrency_vs_ar": {n: c for n, (_, _, c) in readings.items()},
-                    "caveat": BAND_CAVEAT,
+        _emit_curves_json(readings, cals, notes, lengths, limits)
+    else:
+        _emit_curves_text(args, readings, cals, notes, lengths, len(dflash_accs) > 1)
+
+
+def _emit_curves_json(
+    readings: dict[str, tuple],
+    cals: tuple[Calibration, ...],
+    notes: list[str],
+    lengths: tuple[int, int],
+    limits: object,
+) -> None:
+    first = next(iter(readings.values()))[0]
+    merged = {}
+    for name, curve in first.items():
+        rows = []
+        for i, fp in enumerate(curve):
+            row = fp.as_json()
+            for key in ("tok_s_user", "tok_s_gpu"):
+                vals = [r[0][name][i].as_json()[key] for r in readings.values()]
+                row[key] = None if vals[0] is None else [min(vals), max(vals)]
+            rows.append(row)
+        merged[name] = rows
+    _emit(
+        json.dumps(
+            {
+                "calibrations": [vars(c) for c in cals],
+                "notes": notes,
+                "lengths": list(lengths),
+                "limits": vars(limits),
+                "curves": merged,
+                "speedup_vs_ar": {
+                    n: [{"tok_s_user": r.tok_s_user, "speedup": r.speedup} for r in t]
+                    for n, (_, t, _) in readings.items()
                 },
-                indent=2,
-            )
+                "crossover_concurrency_vs_ar": {n: c for n, (_, _, c) in readings.items()},
+                "caveat": BAND_CAVEAT,
+            },
+            indent=2,
         )
-        return
+    )
+
+
+def _emit_curves_text(
+    args: argparse.Namespace,
+    readings: dict[str, tuple],
+    cals: tuple[Calibration, ...],
+    notes: list[str],
+    lengths: tuple[int, int],
+    acceptance_range: bool,
+) -> None:
+    first = next(iter(readings.values()))[0]
     weights = "16-bit" if args.qformat == NONE else args.qformat
     kv_cache = "16-bit" if args.kv_cache_dtype == NONE else args.kv_cache_dtype
     lines = [
@@ -518,14 +530,13 @@ def _curves(args: argparse.Namespace) -> None:
         f"{lengths[0]}/{lengths[1]} tokens; tok/s/user = 1/TPOT",
         *[f"calibration {c.name} ({c.source})" for c in cals],
         *notes,
-        *cal_notes,
     ]
     if len(cals) > 1:
         lines.append(
             "no calibration fits this harness's overhead unambiguously: each cell is the range over the readings "
             "above (fit your own with --calibrate)"
         )
-    if len(dflash_accs) > 1:
+    if acceptance_range:
         lines.append("each dflash cell spans the workload's lowest and highest published acceptance length")
     lines.append(f"{'method':<8} {'conc':>6} {'batch':>6} {'tok/s/user':>15} {'tok/s/GPU':>17}  fits")
     for name, curve in first.items():
@@ -540,7 +551,7 @@ def _curves(args: argparse.Namespace) -> None:
         curves = {n: _ran(c) for n, c in feasible.items()}
         for r in table:
             cells = ", ".join(
-                speedup_cell(n, s, curves[n], r.tok_s_user, curves["ar"]) for n, s in r.speedup.items() if n != "ar"
+                speedup_cell(n, s, curves[n], r.tok_s_user, curves[AR]) for n, s in r.speedup.items() if n != AR
             )
             lines.append(f"[{reading}] at {r.tok_s_user:.1f} tok/s/user: {cells}")
         for name, c in crossovers.items():
@@ -551,23 +562,23 @@ def _curves(args: argparse.Namespace) -> None:
 
 
 def _node(args: argparse.Namespace) -> None:
-    from dflash_trt.perf.node import parse_node, plan_node
+    from dflash_trt.analysis.node import parse_node, plan_node
 
     target, drafter = _models(args)
     _, gpu = parse_node(args.node)
     args.gpu = gpu
     cals, cal_notes = _calibrations(args)
-    methods: dict[str, list[Method]] = {"ar": [Method("ar")]}
+    methods: dict[str, list[Method]] = {AR: [Method(AR)]}
     notes = [*cal_notes]
     if drafter is not None:
         accs, note = load_acceptance(args, drafter.block_size)
-        methods["dflash"] = [Method("dflash", drafter, a) for a in accs]
+        methods[DFLASH] = [Method(DFLASH, drafter, a) for a in accs]
         notes.append(note)
     if args.eagle3_acceptance_length is not None:
         if args.eagle3_steps < 1:
             raise DFlashTrtError(f"--eagle3_steps must be a positive integer, got {args.eagle3_steps}")
         acc = Acceptance.from_mean(args.eagle3_acceptance_length, args.eagle3_steps + 1)
-        methods["eagle3"] = [Method("eagle3", eagle3_like(target, args.eagle3_steps), acc)]
+        methods[EAGLE3] = [Method(EAGLE3, eagle3_like(target, args.eagle3_steps), acc)]
     else:
         notes.append("eagle3: not planned (give --eagle3_acceptance_length)")
     lengths = _lengths(args, DEFAULT_LENGTHS)
@@ -586,7 +597,7 @@ def _node(args: argparse.Namespace) -> None:
                         {
                             "reading": r.reading,
                             "layouts": {n: None if lay is None else lay.as_json() for n, lay in r.layouts.items()},
-                            "users_vs_ar": {n: r.ratio(n) for n in r.layouts if n != "ar"},
+                            "users_vs_ar": {n: r.ratio(n) for n in r.layouts if n != AR},
                         }
                         for r in rows
                     ],
@@ -607,7 +618,7 @@ def _node(args: argparse.Namespace) -> None:
                 lines.append(f"  {name:<7} cannot give one user {args.min_tok_s_user:g} tok/s on any layout that fits")
                 continue
             ratio = r.ratio(name)
-            vs = "" if name == "ar" else (", AR serves none" if ratio is None else f", {ratio:.2f}x AR's users")
+            vs = "" if name == AR else (", AR serves none" if ratio is None else f", {ratio:.2f}x AR's users")
             lines.append(
                 f"  {name:<7} tp {lay.tp} x {lay.replicas} replicas x {lay.batch} users = {lay.users} users, "
                 f"{lay.tok_s_user:.0f} tok/s/user, {lay.tok_s_node:,.0f} tok/s/node (limit: {lay.limit}){vs}"

@@ -16,6 +16,7 @@ import argparse
 import asyncio
 from pathlib import Path
 
+from dflash_trt.decoding_modes import DFLASH
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import ENGINE_DTYPES
 from dflash_trt.inputs import POSITIVE_INT, IntRange
@@ -97,7 +98,7 @@ def engine_generate(
     from dflash_trt.bench.backends.trtllm import TrtllmBackend, inspect_engine
     from dflash_trt.bench.driver import BenchRequest, run_load
 
-    info = inspect_engine(engine_dir, "dflash", plugin_library)
+    info = inspect_engine(engine_dir, DFLASH, plugin_library)
     backend = TrtllmBackend(info, max_batch_size=len(prompts), end_id=end_id, enable_chunked_context=chunked_context)
     requests = [BenchRequest(i, p, max_new_tokens) for i, p in enumerate(prompts)]
     trace = asyncio.run(run_load(backend, requests, concurrency=len(requests), timeout_s=600))
@@ -115,16 +116,16 @@ def bench_once(engine_dir: Path, plugin_library: str, prompts: list[list[int]], 
     from dflash_trt.bench.measure import measure_point
     from dflash_trt.bench.workload import Workload
 
-    info = inspect_engine(engine_dir, "dflash", plugin_library)
+    info = inspect_engine(engine_dir, DFLASH, plugin_library)
     workload = Workload(
         [BenchRequest(i, p, max_new_tokens) for i, p in enumerate(prompts)],
         ignore_eos=False,
         description={"kind": "selftest", "count": len(prompts)},
     )
     point = measure_point(
-        lambda _: TrtllmBackend(info, max_batch_size=1), workload, "dflash", concurrency=1, timeout_s=600
+        lambda _: TrtllmBackend(info, max_batch_size=1), workload, DFLASH, concurrency=1, timeout_s=600
     )
-    return {k: v for k, v in point.items() if k not in ("per_request", "in_flight_trace")}
+    return point.without_detail()
 
 
 def compare(golden_model, golden, tokens: list[list[int]], acceptance: list[list[int]], max_new_tokens: int) -> list:

@@ -7,17 +7,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from dflash_trt.bench.driver import FollowerRank
-from dflash_trt.bench.results import RESULTS_FILE
-from dflash_trt.bench.targets import describe
-from dflash_trt.bench.workload import SYNTHETIC_WARNING
-from dflash_trt.checkpoint.atomic import check_output_apart
-from dflash_trt.commands.bench import provenance_table
-from dflash_trt.errors import DFlashTrtError
-from dflash_trt.inputs import SPEED_LEVELS
-from dflash_trt.jsonfile import read_json_object, strict_json
-from dflash_trt.perf.report import analyze_records
-from dflash_trt.perf.sweep import (
+from dflash_trt.analysis.report import analyze_records
+from dflash_trt.analysis.sweep import (
     USER_SPEED_METRICS,
     bench_command,
     load_records,
@@ -26,6 +17,16 @@ from dflash_trt.perf.sweep import (
     run_sweep,
     write_json_atomic,
 )
+from dflash_trt.bench.driver import FollowerRank
+from dflash_trt.bench.results import RESULTS_FILE
+from dflash_trt.bench.targets import describe
+from dflash_trt.bench.workload import SYNTHETIC_WARNING
+from dflash_trt.checkpoint.atomic import check_output_apart
+from dflash_trt.commands.bench import provenance_table
+from dflash_trt.decoding_modes import AR
+from dflash_trt.errors import DFlashTrtError
+from dflash_trt.inputs import SPEED_LEVELS
+from dflash_trt.jsonfile import read_json_object, strict_json
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
                 status = "skipped (measured by an earlier run; delete its point.json to measure again)"
             print(f"{record['engine']} c={record['concurrency']}: {status}", file=sys.stderr)
 
-        if cfg.synthetic and any(e.kind != "ar" for e in cfg.engines):
+        if cfg.synthetic and any(e.mode != AR for e in cfg.engines):
             print(SYNTHETIC_WARNING, file=sys.stderr)
         try:
             records = run_sweep(cfg, progress=progress, show_progress=not args.json)

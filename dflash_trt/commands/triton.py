@@ -25,7 +25,6 @@ CPU_MAX_BATCH_SIZE = 8  # --checkpoint_dir's default
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    defaults = ServingSettings()
     parser = subparsers.add_parser(
         "triton", help="write a Triton model repository for a DFlash engine", description=__doc__
     )
@@ -65,6 +64,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--plugin_library", default=None, help="with --config: libdflash_trt_plugins.so the launch script preloads"
     )
+    _add_serving_arguments(parser)
+    parser.add_argument(
+        "--path_map",
+        action="append",
+        default=[],
+        metavar="HERE=THERE",
+        help="write paths under HERE as THERE: for a repository served on a host that mounts the engine, checkpoint, "
+        "tokenizer or plugin elsewhere (repeatable; both absolute)",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an --output_dir an earlier dflash-trt triton wrote"
+    )
+    parser.add_argument("--json", action="store_true", help="print the repository settings as JSON")
+    parser.set_defaults(func=run)
+
+
+def _add_serving_arguments(parser: argparse.ArgumentParser) -> None:
+    """The serving knobs; each defaults to None so only what the user typed overrides the profile's."""
+    defaults = ServingSettings()
     parser.add_argument(
         "--kv_cache_free_gpu_mem_fraction",
         type=float,
@@ -93,19 +111,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="copies of the engine on one node, each on its own tp_size GPUs (tensorrtllm orchestrator mode; "
         f"default: the profile's with --config, else {defaults.replicas})",
     )
-    parser.add_argument(
-        "--path_map",
-        action="append",
-        default=[],
-        metavar="HERE=THERE",
-        help="write paths under HERE as THERE: for a repository served on a host that mounts the engine, checkpoint, "
-        "tokenizer or plugin elsewhere (repeatable; both absolute)",
-    )
-    parser.add_argument(
-        "--overwrite", action="store_true", help="replace an --output_dir an earlier dflash-trt triton wrote"
-    )
-    parser.add_argument("--json", action="store_true", help="print the repository settings as JSON")
-    parser.set_defaults(func=run)
 
 
 def _tokenizer_dir(path: str) -> Path:
@@ -176,8 +181,9 @@ def run(args: argparse.Namespace) -> int:
                 serving,
             )
     else:
-        from dflash_trt.pipeline import settings_from_profile, workspace
-        from dflash_trt.profiles import load_profile, resolve_model_dir
+        from dflash_trt.pipeline.profiles import load_profile, resolve_model_dir
+        from dflash_trt.pipeline.settings import settings_from_profile
+        from dflash_trt.pipeline.workspace import workspace
         from dflash_trt.trtllm.plugin import default_library_path
 
         profile = load_profile(args.config)

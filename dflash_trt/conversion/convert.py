@@ -416,6 +416,76 @@ def _write_rank_in_worker(plan: ConversionPlan, path: Path, rank: int) -> RankWr
         return _write_rank(plan, path, {TARGET: target_reader, DRAFT: draft_reader}, rank, lambda _: None)
 
 
+def _check_run_settings(pp_size: int, dtype: str, workers: int) -> None:
+    if pp_size != 1:
+        raise DFlashTrtError(
+            f"--pp_size must be 1 (TensorRT-LLM speculative decoding engines need pp_size 1), got {pp_size}"
+        )
+    if dtype not in DTYPES:
+        raise DFlashTrtError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if workers < 1:
+        raise DFlashTrtError(f"--workers must be >= 1, got {workers}")
+
+
+def _needs_calibration(
+    quant: QuantSettings, prequantized: PrequantizedFormat | None, calib_dataset: str | Path | None
+) -> bool:
+    """Whether the conversion needs calibration prompts, refusing a dataset given where none is read."""
+    # A pre-quantized target brings its own scales; the drafter's (and its KV cache's) always come from calibration.
+    needs_calibration = (
+        quant.dflash_qformat != NONE or (prequantized is None and quant.qformat != NONE) or quant.kv_cache_dtype == FP8
+    )
+    if needs_calibration and calib_dataset is None:
+        raise DFlashTrtError("quantization needs --calib_dataset FILE.jsonl: its prompts set the activation scales")
+    if calib_dataset is not None and not needs_calibration:
+        raise DFlashTrtError(
+            "--calib_dataset is only read when quantizing (--qformat, --dflash_qformat or "
+            "--kv_cache_dtype fp8); drop it or choose a format"
+        )
+    return needs_calibration
+
+
+def _write_ranks(
+    plan: ConversionPlan, staging: Path, readers: dict, workers: int, show_progress: bool
+) -> list[RankWritten]:
+    """Every rank file: rank 0 here, the others here too or in `workers` processes."""
+    tensors = len(plan.layout)
+    with tqdm(total=tensors * plan.tp_size, desc="convert", unit="tensor", disable=not show_progress) as bar:
+        # Rank 0 runs here first: it checks every replicated tensor for NaN/Inf, so bad input fails fast.
+        ranks = [_write_rank(plan, staging / rank_file(0), readers, 0, bar.update)]
+        if workers == 1 or plan.tp_size == 1:
+            for rank in range(1, plan.tp_size):
+                ranks.append(_write_rank(plan, staging / rank_file(rank), readers, rank, bar.update))
+        else:
+            with _worker_pool(min(workers, plan.tp_size - 1)) as pool:
+                try:
+                    jobs = [
+                        pool.submit(_write_rank_in_worker, plan, staging / rank_file(rank), rank)
+                        for rank in range(1, plan.tp_size)
+                    ]
+                    for job in jobs:
+                        ranks.append(job.result())
+                        bar.update(tensors)
+                except BaseException:  # a refusal, Ctrl-C or SIGTERM: stop writing ranks nobody will publish
+                    _stop_workers(pool)
+                    raise
+    return ranks
+
+
+def _checkpoint_config(plan: ConversionPlan, dtype: str) -> dict:
+    quant, tp_size = plan.quant, plan.tp_size
+    return checkpoint_config(
+        plan.target,
+        plan.draft,
+        dtype,
+        tp_size,
+        quant.config(draft=False),
+        quant.config(draft=True),
+        vocab_size_padded=pad_vocab_size(plan.target.vocab_size, tp_size),
+        moe_ep_size=plan.moe_ep_size,
+    )
+
+
 def convert_checkpoint(
     model_dir: str | Path,
     dflash_model_dir: str | Path,
@@ -441,26 +511,9 @@ def convert_checkpoint(
     scales from a calibration run of the golden model over the prompts of `calib_dataset`. A mixture-of-experts
     target's experts split over `moe_ep_size` expert-parallel groups and tp / `moe_ep_size` slices of each.
     """
-    if pp_size != 1:
-        raise DFlashTrtError(
-            f"--pp_size must be 1 (TensorRT-LLM speculative decoding engines need pp_size 1), got {pp_size}"
-        )
-    if dtype not in DTYPES:
-        raise DFlashTrtError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if workers < 1:
-        raise DFlashTrtError(f"--workers must be >= 1, got {workers}")
+    _check_run_settings(pp_size, dtype, workers)
     quant, prequantized = resolve_quantization(model_dir, qformat, dflash_qformat, kv_cache_dtype)
-    # A pre-quantized target brings its own scales; the drafter's (and its KV cache's) always come from calibration.
-    needs_calibration = (
-        quant.dflash_qformat != NONE or (prequantized is None and quant.qformat != NONE) or quant.kv_cache_dtype == FP8
-    )
-    if needs_calibration and calib_dataset is None:
-        raise DFlashTrtError("quantization needs --calib_dataset FILE.jsonl: its prompts set the activation scales")
-    if calib_dataset is not None and not needs_calibration:
-        raise DFlashTrtError(
-            "--calib_dataset is only read when quantizing (--qformat, --dflash_qformat or "
-            "--kv_cache_dtype fp8); drop it or choose a format"
-        )
+    needs_calibration = _needs_calibration(quant, prequantized, calib_dataset)
     model_dir, dflash_model_dir, output_dir = Path(model_dir), Path(dflash_model_dir), Path(output_dir)
     inputs = {"--model_dir": model_dir, "--dflash_model_dir": dflash_model_dir, "--calib_dataset": calib_dataset}
     check_output_apart(output_dir, inputs)
@@ -484,16 +537,7 @@ def convert_checkpoint(
         moe_ep_size=moe_ep_size,
     )
     plan.check_formats()
-    config = checkpoint_config(
-        target,
-        draft,
-        dtype,
-        tp_size,
-        quant.config(draft=False),
-        quant.config(draft=True),
-        vocab_size_padded=pad_vocab_size(target.vocab_size, tp_size),
-        moe_ep_size=moe_ep_size,
-    )
+    config = _checkpoint_config(plan, dtype)
     with HFCheckpointReader(model_dir) as target_reader, HFCheckpointReader(dflash_model_dir) as draft_reader:
         check_sources(target, draft, target_reader, draft_reader, prequantized)
         readers = {TARGET: target_reader, DRAFT: draft_reader}
@@ -515,25 +559,7 @@ def convert_checkpoint(
         plan = replace(plan, scales=scales)
         layout = plan.layout
         with atomic_directory(output_dir, "convert", overwrite, inputs) as staging:
-            with tqdm(total=len(layout) * tp_size, desc="convert", unit="tensor", disable=not show_progress) as bar:
-                # Rank 0 runs here first: it checks every replicated tensor for NaN/Inf, so bad input fails fast.
-                ranks = [_write_rank(plan, staging / rank_file(0), readers, 0, bar.update)]
-                if workers == 1 or tp_size == 1:
-                    for rank in range(1, tp_size):
-                        ranks.append(_write_rank(plan, staging / rank_file(rank), readers, rank, bar.update))
-                else:
-                    with _worker_pool(min(workers, tp_size - 1)) as pool:
-                        try:
-                            jobs = [
-                                pool.submit(_write_rank_in_worker, plan, staging / rank_file(rank), rank)
-                                for rank in range(1, tp_size)
-                            ]
-                            for job in jobs:
-                                ranks.append(job.result())
-                                bar.update(len(layout))
-                        except BaseException:  # a refusal, Ctrl-C or SIGTERM: stop writing ranks nobody will publish
-                            _stop_workers(pool)
-                            raise
+            ranks = _write_ranks(plan, staging, readers, workers, show_progress)
             check_written(staging, plan)
             (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             _copy_tokenizer_files(tokenizer, staging)

@@ -88,17 +88,7 @@ def verify_checkpoint(
 ) -> VerifyReport:
     checkpoint_dir = Path(checkpoint_dir)
     report = VerifyReport(str(checkpoint_dir))
-    config_path = checkpoint_dir / "config.json"
-    stored = read_json_object(config_path, f"{checkpoint_dir} has no config.json")
-    try:
-        tp_size, dtype_name = stored["mapping"]["tp_size"], stored["dtype"]
-    except (KeyError, TypeError) as exc:
-        raise DFlashTrtError(f"{config_path} is not a dflash-trt checkpoint config: {exc}") from None
-    moe_ep_size = stored["mapping"].get("moe_ep_size", 1)
-    if dtype_name not in DTYPES or not isinstance(tp_size, int) or tp_size < 1:
-        raise DFlashTrtError(f"{config_path} has an invalid dtype or tp_size")
-    if not isinstance(moe_ep_size, int) or moe_ep_size < 1 or tp_size % moe_ep_size:
-        raise DFlashTrtError(f"{config_path} has an invalid moe_ep_size")
+    stored, tp_size, dtype_name, moe_ep_size = _stored_config(checkpoint_dir)
     report.tp_size = tp_size
     target = load_target_spec(model_dir)
     draft = load_draft_spec(dflash_model_dir, target)
@@ -152,40 +142,70 @@ def verify_checkpoint(
                 report.problems.append(f"{path.name} is missing")
                 continue
             with SafetensorsFile(path) as written:
-                # Calibrated scales cannot be recomputed without the calibration data: take them from the file,
-                # check they are usable, and recompute everything else (weights, weight scales) from the sources.
-                scales = {name: written.get(name, copy=True) for name in written.names() if _is_calibrated(name)}
-                report.problems += [
-                    f"{path.name} tensor '{n}' is not a finite positive scale"
-                    for n, t in scales.items()
-                    if not bool(torch.isfinite(t).all() and (t > 0).all())
-                ]
-                report.problems += [
-                    f"{path.name} tensor '{n}' differs from the scale calibration on the given prompts yields "
-                    "(other prompts, --calib_size or --calib_max_seq_len than the conversion's?)"
-                    for n, t in scales.items()
-                    if n in recalibrated and not torch.equal(t, recalibrated[n])
-                ]
-                report.scales_recalibrated += sum(n in recalibrated for n in scales)
-                report.scales_range_checked += sum(n not in recalibrated for n in scales)
-                rank_plan = replace(plan, scales=scales)
-                expected = entries if entries is not None else rank_plan.entries()
-                extra = sorted(set(written.names()) - set(expected))
-                report.problems += [f"{path.name} has unexpected tensor {name!r}" for name in extra]
-                for out in plan.layout:
-                    if any(name not in written for name in _names_of(rank_plan, out)):
-                        report.problems.append(f"{path.name} is missing a tensor of '{out.name}'")
-                        continue
-                    for name, want in rank_tensors(rank_plan, out, readers, rank, check_finite=False).items():
-                        if _is_calibrated(name):
-                            continue  # taken from the file itself above: comparing it with itself proves nothing
-                        got = written.get(name)
-                        if tensor_has_nonfinite(got):
-                            report.problems.append(f"{path.name} tensor '{name}' holds NaN or Inf")
-                        if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
-                            report.problems.append(f"{path.name} tensor '{name}' differs from its source")
-                        report.tensors_checked += 1
+                _check_rank_file(report, written, path.name, plan, entries, recalibrated, readers, rank)
     return report
+
+
+def _stored_config(checkpoint_dir: Path) -> tuple[dict, int, str, int]:
+    """The written config.json and the layout fields every rank file is checked against."""
+    config_path = checkpoint_dir / "config.json"
+    stored = read_json_object(config_path, f"{checkpoint_dir} has no config.json")
+    try:
+        tp_size, dtype_name = stored["mapping"]["tp_size"], stored["dtype"]
+    except (KeyError, TypeError) as exc:
+        raise DFlashTrtError(f"{config_path} is not a dflash-trt checkpoint config: {exc}") from None
+    moe_ep_size = stored["mapping"].get("moe_ep_size", 1)
+    if dtype_name not in DTYPES or not isinstance(tp_size, int) or tp_size < 1:
+        raise DFlashTrtError(f"{config_path} has an invalid dtype or tp_size")
+    if not isinstance(moe_ep_size, int) or moe_ep_size < 1 or tp_size % moe_ep_size:
+        raise DFlashTrtError(f"{config_path} has an invalid moe_ep_size")
+    return stored, tp_size, dtype_name, moe_ep_size
+
+
+def _check_rank_file(
+    report: VerifyReport,
+    written: SafetensorsFile,
+    file_name: str,
+    plan: ConversionPlan,
+    entries: dict | None,
+    recalibrated: dict[str, torch.Tensor],
+    readers: dict,
+    rank: int,
+) -> None:
+    """One rank file against the tensors recomputed from the sources."""
+    # Calibrated scales cannot be recomputed without the calibration data: take them from the file,
+    # check they are usable, and recompute everything else (weights, weight scales) from the sources.
+    scales = {name: written.get(name, copy=True) for name in written.names() if _is_calibrated(name)}
+    report.problems += [
+        f"{file_name} tensor '{n}' is not a finite positive scale"
+        for n, t in scales.items()
+        if not bool(torch.isfinite(t).all() and (t > 0).all())
+    ]
+    report.problems += [
+        f"{file_name} tensor '{n}' differs from the scale calibration on the given prompts yields "
+        "(other prompts, --calib_size or --calib_max_seq_len than the conversion's?)"
+        for n, t in scales.items()
+        if n in recalibrated and not torch.equal(t, recalibrated[n])
+    ]
+    report.scales_recalibrated += sum(n in recalibrated for n in scales)
+    report.scales_range_checked += sum(n not in recalibrated for n in scales)
+    rank_plan = replace(plan, scales=scales)
+    expected = entries if entries is not None else rank_plan.entries()
+    extra = sorted(set(written.names()) - set(expected))
+    report.problems += [f"{file_name} has unexpected tensor {name!r}" for name in extra]
+    for out in plan.layout:
+        if any(name not in written for name in _names_of(rank_plan, out)):
+            report.problems.append(f"{file_name} is missing a tensor of '{out.name}'")
+            continue
+        for name, want in rank_tensors(rank_plan, out, readers, rank, check_finite=False).items():
+            if _is_calibrated(name):
+                continue  # taken from the file itself above: comparing it with itself proves nothing
+            got = written.get(name)
+            if tensor_has_nonfinite(got):
+                report.problems.append(f"{file_name} tensor '{name}' holds NaN or Inf")
+            if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
+                report.problems.append(f"{file_name} tensor '{name}' differs from its source")
+            report.tensors_checked += 1
 
 
 def _is_calibrated(name: str) -> bool:

@@ -1,7 +1,7 @@
 """The engine network on a CPU: a torch execution of the TensorRT-LLM 1.2.x API subset `trtllm/model.py` uses, and
 the runtime's EAGLE step loop around it (`dflash-trt emulate`, docs/engine.md §12).
 
-`aliasing` holds the registry of emulated symbols and loads the unmodified `model.py` (and the `verify.py` and
+`stand_ins` holds the registry of emulated symbols and loads the unmodified `model.py` (and the `verify.py` and
 `plugin.py` it imports) against them; `functional`, `module`, `layers`, `quantization`, `rope`, `models` and
 `plugins` are the stand-ins; `engine` the loaded network and one step of it, `kv_pool` the paged KV cache,
 `executor` the in-flight batching loop (requests added and cancelled at any time, per-iteration responses, the

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from dflash_trt.checkpoint.trtllm_config import specs_from_config
-from dflash_trt.emulation.aliasing import load_engine_module, stand_ins_installed
 from dflash_trt.emulation.functional import EmulationError, Network, PluginConfig, Tensor, net_guard
 from dflash_trt.emulation.kv_pool import KVPool, pool_at
 from dflash_trt.emulation.ranks import RankGroup
+from dflash_trt.emulation.stand_ins import load_engine_module, stand_ins_installed
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.trtllm.build_plan import (

@@ -39,6 +39,7 @@ from dflash_trt.emulation.layers import AttentionParams, KeyValueCacheParams, Sp
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.inputs import check_fits_in_memory
 from dflash_trt.reference.decode import StepTrace
+from dflash_trt.reference.loop_rules import check_request, keep_tokens
 from dflash_trt.sampling_rules import sampling_refusal
 from dflash_trt.trtllm.build_plan import EngineBuildSettings, check_sliding_window, pack_mask_rows
 
@@ -121,6 +122,52 @@ class SamplingSlots:
         self.free.append(r.slot)
 
 
+@dataclass
+class _PackedRows:
+    """The per-request columns of one engine step, in batch order: generation rows carry `[anchor, drafts...]`,
+    context rows a chunk of their prompt."""
+
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    last: list[int] = field(default_factory=list)
+    ctx_lengths: list[int] = field(default_factory=list)
+    seq_lengths: list[int] = field(default_factory=list)
+    past_lengths: list[int] = field(default_factory=list)
+    types: list[int] = field(default_factory=list)
+    draft_tokens: list[list[int]] = field(default_factory=list)
+    draft_lens: list[int] = field(default_factory=list)
+    bounds: list[int] = field(default_factory=list)
+    filled: int = 0  # token rows packed so far
+
+    def add_generation(self, r: Request, count: int) -> None:
+        first = r.anchor_position
+        self.positions.append(first)
+        self.last.extend(range(self.filled + 1, self.filled + count + 1))
+        self.ctx_lengths.append(len(r.prompt) + r.draft_len)
+        self.past_lengths.append(first)
+        self.draft_tokens.append(r.drafts)
+        self.draft_lens.append(r.draft_len)
+        self.types.append(GENERATION_REQUEST)
+        self._add(r, [r.output[-1], *r.drafts], first + count, count)
+
+    def add_context(self, r: Request, count: int, k: int) -> None:
+        first = r.prefilled
+        self.positions.extend(range(first, first + count))
+        self.last.append(self.filled + count)
+        self.ctx_lengths.append(count)
+        self.past_lengths.append(first + count)
+        self.draft_tokens.append([0] * k)
+        self.draft_lens.append(0)
+        self.types.append(CONTEXT_REQUEST)
+        self._add(r, r.prompt[r.prefilled : r.prefilled + count], first + count, count)
+
+    def _add(self, r: Request, tokens: list[int], seq_length: int, count: int) -> None:
+        self.ids.extend(tokens)
+        self.filled += count
+        self.seq_lengths.append(seq_length)
+        self.bounds.append(r.bound)
+
+
 class EmulatedExecutor:
     """Requests in, per-iteration responses out, over one emulated engine and a KV pool sized for `max_seq_len`."""
 
@@ -156,16 +203,7 @@ class EmulatedExecutor:
 
     def check(self, r: Request) -> None:
         """Refuse what the engine refuses, in one line naming the request."""
-        vocab = self.engine.vocab_size
-        if not r.prompt or r.max_new_tokens < 1:
-            raise DFlashTrtError(f"request {r.index}: empty prompt or max_new_tokens < 1")
-        if min(r.prompt) < 0 or max(r.prompt) >= vocab:
-            raise DFlashTrtError(f"prompt {r.index} has token ids outside the vocabulary (0..{vocab - 1})")
-        if len(r.prompt) + r.max_new_tokens > self.max_seq_len:
-            raise DFlashTrtError(
-                f"request {r.index}: prompt ({len(r.prompt)}) + max_new_tokens ({r.max_new_tokens}) exceeds "
-                f"max_seq_len {self.max_seq_len}"
-            )
+        check_request(r.index, r.prompt, r.max_new_tokens, self.engine.vocab_size, self.max_seq_len)
         refusal = sampling_refusal({"temperature": r.temperature})
         if refusal is not None:
             raise DFlashTrtError(refusal)
@@ -265,17 +303,13 @@ class EmulatedExecutor:
         return produced
 
     def _append(self, r: Request, tokens: list[int]) -> list[int]:
-        room = r.max_new_tokens - len(r.output)
-        kept = tokens[:room]
-        for i, token in enumerate(kept):
-            if token in self.stops or self._ends_a_stop_word(r, kept[: i + 1]):
-                kept = kept[: i + 1]
-                r.finished = True
-                break
-        r.output.extend(kept)
-        if len(r.output) >= r.max_new_tokens:
+        kept = keep_tokens(
+            tokens, r.max_new_tokens - len(r.output), self.stops, lambda new: self._ends_a_stop_word(r, new)
+        )
+        r.output.extend(kept.tokens)
+        if kept.stopped or len(r.output) >= r.max_new_tokens:
             r.finished = True
-        return kept
+        return kept.tokens
 
     @staticmethod
     def _ends_a_stop_word(r: Request, new: list[int]) -> bool:
@@ -286,49 +320,51 @@ class EmulatedExecutor:
 
     def _inputs(self, batch: list[tuple[Request, int]]) -> dict[str, Any]:
         engine = self.engine
-        k, width = engine.k, engine.block
-        ids: list[int] = []
-        positions: list[int] = []
-        last: list[int] = []
-        ctx_lengths: list[int] = []
-        seq_lengths: list[int] = []
-        past_lengths: list[int] = []
-        types: list[int] = []
-        draft_tokens: list[list[int]] = []
-        draft_lens: list[int] = []
-        bounds: list[int] = []
-        row = 0
-        for r, rows in batch:
+        packed = _PackedRows()
+        for r, count in batch:
             if r.generating:
-                tokens = [r.output[-1], *r.drafts]
-                first = r.anchor_position
-                positions.append(first)
-                last.extend(range(row + 1, row + rows + 1))
-                ctx_lengths.append(len(r.prompt) + r.draft_len)
-                past_lengths.append(first)
-                draft_tokens.append(r.drafts)
-                draft_lens.append(r.draft_len)
-                types.append(GENERATION_REQUEST)
+                packed.add_generation(r, count)
             else:
-                tokens = r.prompt[r.prefilled : r.prefilled + rows]
-                first = r.prefilled
-                positions.extend(range(first, first + rows))
-                last.append(row + rows)
-                ctx_lengths.append(rows)
-                past_lengths.append(first + rows)
-                draft_tokens.append([0] * k)
-                draft_lens.append(0)
-                types.append(CONTEXT_REQUEST)
-            ids.extend(tokens)
-            seq_lengths.append(first + rows)
-            bounds.append(r.bound)
-            row += rows
+                packed.add_context(r, count, engine.k)
         batch_size = len(batch)
-        num_gen = types.count(GENERATION_REQUEST)
+        ctx_lengths, types, bounds = packed.ctx_lengths, packed.types, packed.bounds
+        attention = AttentionParams(
+            sequence_length=_i32(packed.seq_lengths),
+            context_lengths=_i32(ctx_lengths),
+            host_context_lengths=_host_i32(ctx_lengths),
+            max_context_length=max(ctx_lengths),
+            host_request_types=_host_i32(types),
+        )
+        rows_of_slots = torch.tensor([r.slot for r, _ in batch])
+        return {
+            "input_ids": _i32(packed.ids),
+            "position_ids": _i32(packed.positions),
+            "use_cache": True,
+            "last_token_ids": _i32(packed.last),
+            "kv_cache_params": self._kv_params(batch, packed.past_lengths),
+            "attention_params": attention,
+            "spec_decoding_params": self._spec_params(types.count(GENERATION_REQUEST)),
+            "draft_tokens": Tensor(
+                data=torch.tensor(packed.draft_tokens, dtype=torch.int32).reshape(batch_size, engine.k)
+            ),
+            "draft_lens": _i32(packed.draft_lens),
+            "eagle_temperature": Tensor(data=torch.tensor([r.temperature for r, _ in batch], dtype=torch.float32)),
+            "rand_data_validation": Tensor(data=self.slots.validation[rows_of_slots]),
+            "rand_data_sample": Tensor(data=self.slots.sample[rows_of_slots]),
+            "host_gen_eagle_net_request_types": _host_i32([GENERATION_REQUEST] * batch_size),
+            "host_gen_eagle_net_context_lengths": _host_i32(
+                [b + 1 if t == GENERATION_REQUEST else b for b, t in zip(bounds, types, strict=True)]
+            ),
+            "host_gen_eagle_net_past_key_value_lengths": _host_i32(bounds),
+        }
+
+    def _spec_params(self, num_gen: int) -> SpecDecodingParams:
+        """Every generation row verifies the whole chain of `block` positions under the chain's packed mask."""
+        width = self.engine.block
         depth, ancestors = self._chain_geometry()
         mask_rows = pack_mask_rows(ancestors)
         words = len(mask_rows[0])
-        spec = SpecDecodingParams(
+        return SpecDecodingParams(
             spec_decoding_is_generation_length_variable=True,
             spec_decoding_max_generation_length=width,
             spec_decoding_generation_lengths=_i32([width] * num_gen),
@@ -340,8 +376,12 @@ class EmulatedExecutor:
             ),
             spec_decoding_use=_i32([1]),
         )
+
+    def _kv_params(self, batch: list[tuple[Request, int]], past_lengths: list[int]) -> KeyValueCacheParams:
+        """The paged cache as the runtime hands it over: block offsets per request, one pool, every layer mapped."""
+        engine = self.engine
         offsets = self.blocks.offsets([r.index for r, _ in batch])
-        kv = KeyValueCacheParams(
+        return KeyValueCacheParams(
             past_key_value=[None],
             host_past_key_value_lengths=_host_i32(past_lengths),
             host_max_attention_window_sizes=_host_i32(
@@ -354,35 +394,8 @@ class EmulatedExecutor:
                 data=torch.tensor([[self.pool.address, 0]], dtype=torch.int64), host=True
             ),
             host_kv_cache_pool_mapping=_host_i32([[0, layer] for layer in range(engine.num_layers)]),
-            cache_indirection=_i32(torch.zeros(batch_size, 1, 1)),
+            cache_indirection=_i32(torch.zeros(len(batch), 1, 1)),
         )
-        attention = AttentionParams(
-            sequence_length=_i32(seq_lengths),
-            context_lengths=_i32(ctx_lengths),
-            host_context_lengths=_host_i32(ctx_lengths),
-            max_context_length=max(ctx_lengths),
-            host_request_types=_host_i32(types),
-        )
-        rows_of_slots = torch.tensor([r.slot for r, _ in batch])
-        return {
-            "input_ids": _i32(ids),
-            "position_ids": _i32(positions),
-            "use_cache": True,
-            "last_token_ids": _i32(last),
-            "kv_cache_params": kv,
-            "attention_params": attention,
-            "spec_decoding_params": spec,
-            "draft_tokens": Tensor(data=torch.tensor(draft_tokens, dtype=torch.int32).reshape(batch_size, k)),
-            "draft_lens": _i32(draft_lens),
-            "eagle_temperature": Tensor(data=torch.tensor([r.temperature for r, _ in batch], dtype=torch.float32)),
-            "rand_data_validation": Tensor(data=self.slots.validation[rows_of_slots]),
-            "rand_data_sample": Tensor(data=self.slots.sample[rows_of_slots]),
-            "host_gen_eagle_net_request_types": _host_i32([GENERATION_REQUEST] * batch_size),
-            "host_gen_eagle_net_context_lengths": _host_i32(
-                [b + 1 if t == GENERATION_REQUEST else b for b, t in zip(bounds, types, strict=True)]
-            ),
-            "host_gen_eagle_net_past_key_value_lengths": _host_i32(bounds),
-        }
 
     def _chain_geometry(self) -> tuple[list[int], list[list[bool]]]:
         """Per node of the draft tree: its depth (position offset) and which nodes it may attend (ancestors)."""

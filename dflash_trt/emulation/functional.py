@@ -205,7 +205,7 @@ class Tensor:
     ndim = rank
 
     def mark_output(self, name: str | None = None, dtype: Any = None) -> None:
-        default_net()._mark_output(self, name or self.name or "", _trt_dtype(dtype) if dtype is not None else None)
+        default_net()._mark_output(self, name or self.name or "", trt_dtype(dtype) if dtype is not None else None)
 
     def view(self, shape: Any, zero_is_placeholder: bool = True) -> Tensor:
         return view(self, shape, zero_is_placeholder)
@@ -255,7 +255,8 @@ class Tensor:
     __hash__ = object.__hash__
 
 
-def _wrap(data: torch.Tensor) -> Tensor:
+def wrap_tensor(data: torch.Tensor) -> Tensor:
+    """A torch value as the stand-in network tensor every emulated op returns."""
     return Tensor(data=data)
 
 
@@ -263,7 +264,8 @@ def _create_tensor(trt_tensor: Tensor, producer: Any) -> Tensor:
     return trt_tensor
 
 
-def _trt_dtype(dtype: Any) -> trt.DataType:
+def trt_dtype(dtype: Any) -> trt.DataType:
+    """A dtype as TensorRT-LLM code passes it (a string such as "float16" or a trt.DataType) as a trt.DataType."""
     if isinstance(dtype, str):
         if dtype not in trt.STR_DTYPES:
             raise EmulationError(f"unknown dtype string {dtype!r}")
@@ -277,10 +279,10 @@ def _trt_dtype(dtype: Any) -> trt.DataType:
 def constant(ndarray: np.ndarray, as_dtype: Any = None, as_shape: Any = None) -> Tensor:
     data = torch.from_numpy(np.ascontiguousarray(ndarray).copy())
     if as_dtype is not None:
-        data = data.to(trt.TORCH_DTYPES[_trt_dtype(as_dtype)])
+        data = data.to(trt.TORCH_DTYPES[trt_dtype(as_dtype)])
     if as_shape is not None:
         data = data.reshape(tuple(as_shape))
-    return _wrap(data)
+    return wrap_tensor(data)
 
 
 def constant_to_tensor_(value: Any, dtype: Any = None, to_array: bool = True) -> Tensor:
@@ -288,8 +290,8 @@ def constant_to_tensor_(value: Any, dtype: Any = None, to_array: bool = True) ->
         return value
     if dtype is None:
         dtype = trt.bool if isinstance(value, bool) else trt.int32 if isinstance(value, int) else trt.float32
-    torch_dtype = trt.TORCH_DTYPES[_trt_dtype(dtype)]
-    return _wrap(torch.tensor([value] if to_array else value, dtype=torch_dtype))
+    torch_dtype = trt.TORCH_DTYPES[trt_dtype(dtype)]
+    return wrap_tensor(torch.tensor([value] if to_array else value, dtype=torch_dtype))
 
 
 def constants_to_tensors_(*inputs: Any) -> tuple[Tensor, ...]:
@@ -304,7 +306,7 @@ def constants_to_tensors_(*inputs: Any) -> tuple[Tensor, ...]:
 
 def _expand_dims_like(x: Tensor, like: Tensor) -> Tensor:
     missing = like.rank() - x.rank()
-    return _wrap(x.data.reshape((1,) * missing + tuple(x.data.shape))) if missing > 0 else x
+    return wrap_tensor(x.data.reshape((1,) * missing + tuple(x.data.shape))) if missing > 0 else x
 
 
 def _broadcast_shapes(*shapes: tuple[int, ...]) -> None:
@@ -335,7 +337,7 @@ def _binary(
     if kind not in kinds:
         raise EmulationError(f"elementwise operation not defined for {left.dtype.name}")
     _broadcast_shapes(left.shape, right.shape)
-    return _wrap(op(left.data, right.data))
+    return wrap_tensor(op(left.data, right.data))
 
 
 def add(a: Any, b: Any) -> Tensor:
@@ -388,23 +390,23 @@ def where(condition: Any, left: Any, right: Any) -> Tensor:
     largest = builtins.max((condition, left, right), key=Tensor.rank)
     condition, left, right = (_expand_dims_like(t, largest) for t in (condition, left, right))
     _broadcast_shapes(condition.shape, left.shape, right.shape)
-    return _wrap(torch.where(condition.data, left.data, right.data))
+    return wrap_tensor(torch.where(condition.data, left.data, right.data))
 
 
 def cast(x: Tensor, dtype: Any) -> Tensor:
-    return _wrap(x.data.to(trt.TORCH_DTYPES[_trt_dtype(dtype)]))
+    return wrap_tensor(x.data.to(trt.TORCH_DTYPES[trt_dtype(dtype)]))
 
 
 def tanh(x: Tensor) -> Tensor:
     _require_float(x, "tanh")
-    return _wrap(torch.tanh(x.data))
+    return wrap_tensor(torch.tanh(x.data))
 
 
 def exp(x: Tensor) -> Tensor:
     """IUnaryLayer EXP (functional.py `unary`). TensorRT's Unary operator table gives EXP no int32 / int64 / bool
     input (only int8, which this network never has), so integer tensors are refused."""
     _require_float(x, "exp")
-    return _wrap(torch.exp(x.data))
+    return wrap_tensor(torch.exp(x.data))
 
 
 def _require_float(x: Tensor, what: str) -> None:
@@ -429,7 +431,7 @@ def _dims(value: Any, rank: int | None = None) -> list[int]:
 
 
 def shape(x: Tensor, dim: int | None = None, cast_to_dtype: Any = None, clip_before_cast: Any = None) -> Tensor:
-    result = _wrap(torch.tensor(x.shape, dtype=torch.int64))
+    result = wrap_tensor(torch.tensor(x.shape, dtype=torch.int64))
     if cast_to_dtype is not None:
         result = cast(result, cast_to_dtype)
     if dim is None:
@@ -444,7 +446,7 @@ def view(x: Tensor, new_shape: Any, zero_is_placeholder: bool = True) -> Tensor:
     if zero_is_placeholder:
         dims = [x.shape[i] if d == 0 else d for i, d in enumerate(dims)]
     try:
-        return _wrap(x.data.reshape(dims))
+        return wrap_tensor(x.data.reshape(dims))
     except RuntimeError as exc:
         raise EmulationError(f"view {x.shape} -> {dims}: {exc}") from None
 
@@ -452,7 +454,7 @@ def view(x: Tensor, new_shape: Any, zero_is_placeholder: bool = True) -> Tensor:
 def unsqueeze(x: Tensor, axis: int) -> Tensor:
     if axis < 0:
         axis += x.rank() + 1
-    return _wrap(x.data.unsqueeze(axis))
+    return wrap_tensor(x.data.unsqueeze(axis))
 
 
 def concat(inputs: Sequence[Any], dim: int = 0) -> Tensor:
@@ -462,7 +464,7 @@ def concat(inputs: Sequence[Any], dim: int = 0) -> Tensor:
     if len({t.dtype for t in tensors}) != 1:
         raise EmulationError(f"concat of different types {[t.dtype.name for t in tensors]} (IConcatenationLayer)")
     try:
-        return _wrap(torch.cat([t.data for t in tensors], dim=dim))
+        return wrap_tensor(torch.cat([t.data for t in tensors], dim=dim))
     except RuntimeError as exc:
         raise EmulationError(f"concat: {exc}") from None
 
@@ -485,7 +487,7 @@ def slice(
         if n and not (0 <= b < x.shape[axis] and 0 <= last < x.shape[axis]):
             raise EmulationError(f"slice out of bounds on axis {axis}: start {b} size {n} of {x.shape[axis]}")
         index.append(torch.arange(n, dtype=torch.int64) * s + b)
-    return _wrap(x.data[torch.meshgrid(*index, indexing="ij")] if index else x.data)
+    return wrap_tensor(x.data[torch.meshgrid(*index, indexing="ij")] if index else x.data)
 
 
 def expand(x: Tensor, expand_shape: Tensor) -> Tensor:
@@ -512,12 +514,12 @@ def gather(x: Tensor, dim: int, indices: Tensor | int) -> Tensor:
         dim += x.rank()
     if isinstance(indices, int):
         _check_range(torch.tensor([indices]), x.shape[dim], "gather")
-        return _wrap(x.data.index_select(dim, torch.tensor([indices])))
+        return wrap_tensor(x.data.index_select(dim, torch.tensor([indices])))
     idx = _indices(indices, "gather")
     if indices.rank() != x.rank():
         raise EmulationError(f"gather (GatherElements) needs indices of rank {x.rank()}, got {indices.rank()}")
     _check_range(idx, x.shape[dim], "gather")
-    return _wrap(torch.gather(x.data, dim, idx))
+    return wrap_tensor(torch.gather(x.data, dim, idx))
 
 
 def index_select(x: Tensor, dim: int, index: Tensor) -> Tensor:
@@ -525,11 +527,11 @@ def index_select(x: Tensor, dim: int, index: Tensor) -> Tensor:
         raise EmulationError(f"index_select needs a 1-D index, got rank {index.rank()}")
     idx = _indices(index, "index_select")
     _check_range(idx, x.shape[dim], "index_select")
-    return _wrap(x.data.index_select(dim, idx))
+    return wrap_tensor(x.data.index_select(dim, idx))
 
 
 def arange(start: Tensor | int, end: Tensor | int, dtype: str) -> Tensor:
-    res = _trt_dtype(dtype)
+    res = trt_dtype(dtype)
     if isinstance(start, int):
         if not isinstance(end, int):
             raise EmulationError("arange: start and end must both be ints or both tensors")
@@ -543,7 +545,7 @@ def arange(start: Tensor | int, end: Tensor | int, dtype: str) -> Tensor:
         if start.data.numel() != 1 or end.data.numel() != 1:
             raise EmulationError("arange bounds must hold one value")
         lo, hi = int(start.data.reshape(())), int(end.data.reshape(()))
-    return _wrap(torch.arange(lo, hi, dtype=trt.TORCH_DTYPES[res]))
+    return wrap_tensor(torch.arange(lo, hi, dtype=trt.TORCH_DTYPES[res]))
 
 
 # CumsumLastDimPlugin's constructor: "Only support int, float, half, and bfloat16".
@@ -564,13 +566,13 @@ def cumsum(x: Tensor, dim: int, prefer_plugin: bool = True) -> Tensor:
         if x.dtype not in CUMSUM_PLUGIN_DTYPES:
             raise EmulationError(f"the CumsumLastDim plugin does not take {x.dtype.name}")
         rows = x.data.reshape(-1, x.shape[-1])
-        return _wrap(torch.cumsum(rows, 1).to(x.data.dtype).reshape(x.shape))
+        return wrap_tensor(torch.cumsum(rows, 1).to(x.data.dtype).reshape(x.shape))
     if dim == x.rank() - 1:
         n = x.shape[-1]
         default_net().cumsum_square_elements.append(n * n)
         lower = (torch.arange(n)[None, :] <= torch.arange(n)[:, None]).to(x.data.dtype)
-        return _wrap((x.data.unsqueeze(-2) * lower).sum(-1).to(x.data.dtype))
-    return _wrap(torch.cumsum(x.data, dim).to(x.data.dtype))
+        return wrap_tensor((x.data.unsqueeze(-2) * lower).sum(-1).to(x.data.dtype))
+    return wrap_tensor(torch.cumsum(x.data, dim).to(x.data.dtype))
 
 
 def _reduce(x: Tensor, what: str) -> None:
@@ -581,19 +583,19 @@ def _reduce(x: Tensor, what: str) -> None:
 def sum(x: Tensor, dim: int, keepdim: bool = False) -> Tensor:  # noqa: A001 (TensorRT-LLM's name)
     """IReduceLayer SUM; the result keeps the input's dtype."""
     _reduce(x, "sum")
-    return _wrap(torch.sum(x.data, dim=dim, keepdim=keepdim).to(x.data.dtype))
+    return wrap_tensor(torch.sum(x.data, dim=dim, keepdim=keepdim).to(x.data.dtype))
 
 
 def max(x: Tensor, dim: int, keepdim: bool = False) -> Tensor:  # noqa: A001 (TensorRT-LLM's name)
     """IReduceLayer MAX over one dimension (functional.py `max`), in the input's dtype."""
     _reduce(x, "max")
-    return _wrap(torch.amax(x.data, dim=dim, keepdim=keepdim))
+    return wrap_tensor(torch.amax(x.data, dim=dim, keepdim=keepdim))
 
 
 def argmax(x: Tensor, dim: int, keepdim: bool = False) -> Tensor:
     """ITopKLayer MAX k=1: int32 indices; ties resolve to the first index here (unspecified in TensorRT)."""
     out = torch.argmax(x.data, dim=dim, keepdim=keepdim).to(torch.int32)
-    return _wrap(out)
+    return wrap_tensor(out)
 
 
 def gather_last_token_logits(hidden_states: Tensor, last_token_ids: Tensor, remove_input_padding: bool) -> Tensor:
@@ -609,7 +611,7 @@ def gather_last_token_logits(hidden_states: Tensor, last_token_ids: Tensor, remo
 
 def matmul_linear(x: Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Tensor:
     _require_float(x, "a linear layer")
-    return _wrap(torch.nn.functional.linear(x.data, weight, bias))
+    return wrap_tensor(torch.nn.functional.linear(x.data, weight, bias))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

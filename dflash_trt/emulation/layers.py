@@ -30,9 +30,9 @@ from dflash_trt.emulation.functional import (
     LayerNormType,
     PositionEmbeddingType,
     Tensor,
-    _trt_dtype,
-    _wrap,
     rms_norm,
+    trt_dtype,
+    wrap_tensor,
 )
 from dflash_trt.emulation.kv_pool import resolve_pool
 from dflash_trt.emulation.module import Module, Parameter
@@ -49,7 +49,7 @@ def _dtype(dtype: Any) -> Any:
 
 
 def _torch_dtype(dtype: Any) -> torch.dtype:
-    return trt.TORCH_DTYPES[_trt_dtype(_dtype(dtype))]
+    return trt.TORCH_DTYPES[trt_dtype(_dtype(dtype))]
 
 
 def _typed(x: Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
@@ -63,7 +63,7 @@ def _pad_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
-def _fp8_round(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def fp8_round_trip(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Quantize with a per-tensor scale (x / scale, saturated) to E4M3 and back, in fp32."""
     scale = scale.float().reshape(())
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
@@ -116,7 +116,7 @@ class Linear(Module):
 
     def _rounded_input(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_algo == FP8:
-            return _fp8_round(x, self.activation_scaling_factor.raw)
+            return fp8_round_trip(x, self.activation_scaling_factor.raw)
         if self.quant_algo == NVFP4:  # dynamic per-16 block scales under the static global scale
             flat = x.reshape(-1, x.shape[-1]).float()
             q = quantize_nvfp4(flat, self.activation_global_scaling_factor.raw.float().reshape(()))
@@ -158,7 +158,7 @@ class ColumnLinear(Linear):
         self.tp_group, self.tp_size, self.gather_output = tp_group, tp_size, gather_output
 
     def forward(self, x: Tensor, lora_runtime_params: Any = None, **unused: Any) -> Tensor:
-        out = _wrap(self._gemm(x, with_bias=True))
+        out = wrap_tensor(self._gemm(x, with_bias=True))
         if self.gather_output and self.tp_size > 1 and self.tp_group is not None:
             out = allgather(out, self.tp_group, gather_dim=-1)
         return out
@@ -185,8 +185,8 @@ class RowLinear(Linear):
 
     def forward(self, x: Tensor, lora_runtime_params: Any = None, **unused: Any) -> Tensor:
         if self.tp_size == 1 or self.tp_group is None:
-            return _wrap(self._gemm(x, with_bias=True))
-        return _wrap(self._bias(allreduce(_wrap(self._gemm(x, with_bias=False)), self.tp_group).data))
+            return wrap_tensor(self._gemm(x, with_bias=True))
+        return wrap_tensor(self._bias(allreduce(wrap_tensor(self._gemm(x, with_bias=False)), self.tp_group).data))
 
 
 class Embedding(Module):
@@ -208,7 +208,7 @@ class Embedding(Module):
         table = self.weight.raw
         if x.data.numel() and (int(x.data.min()) < 0 or int(x.data.max()) >= table.shape[0]):
             raise EmulationError("embedding index out of range")
-        return _wrap(table[x.data.long()])
+        return wrap_tensor(table[x.data.long()])
 
 
 class RmsNorm(Module):
@@ -229,7 +229,7 @@ class RmsNorm(Module):
         if x.shape[-1] != self.normalized_shape:
             raise EmulationError(f"RmsNorm over {x.shape[-1]} features, built for {self.normalized_shape}")
         weight = self.weight.raw
-        return _wrap(rms_norm(_typed(x, weight.dtype, "an RmsNorm"), weight, self.eps))
+        return wrap_tensor(rms_norm(_typed(x, weight.dtype, "an RmsNorm"), weight, self.eps))
 
 
 _ACTIVATIONS: dict[str, Any] = {"silu": F.silu, "swiglu": F.silu, "gelu": F.gelu, "relu": F.relu}
@@ -259,7 +259,7 @@ class GatedMLP(Module):
 
     def forward(self, hidden_states: Tensor, lora_layer_params: Any = None, **unused: Any) -> Tensor:
         inter = _ACTIVATIONS[self.hidden_act](self.fc(hidden_states).data)
-        return self.proj(_wrap(inter * self.gate(hidden_states).data))
+        return self.proj(wrap_tensor(inter * self.gate(hidden_states).data))
 
 
 # --------------------------------------------------------------------------------------------------------- attention
@@ -429,8 +429,8 @@ class Attention(Module):
         q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
         q, k, v = q.reshape(tokens, h, d), k.reshape(tokens, kvh, d), v.reshape(tokens, kvh, d)
         if self.qk_layernorm:
-            q = self.q_layernorm(_wrap(q)).data
-            k = self.k_layernorm(_wrap(k)).data
+            q = self.q_layernorm(wrap_tensor(q)).data
+            k = self.k_layernorm(wrap_tensor(k)).data
         # The kernels rotate in fp32 and keep q and the cached k in the activations' dtype; softmax(QK^T)V
         # accumulates in fp32 and its output is rounded once.
         out = torch.zeros(tokens, h, d, dtype=dtype)
@@ -443,7 +443,7 @@ class Attention(Module):
             kr = _rotate(k[sl].float(), cos, sin).to(dtype)
             keys, values = self._cache_write_read(kv_cache_params, rows.batch, positions, kr, v[sl], visible.shape[1])
             out[sl] = _attend(qr.float(), keys, values, visible, 1.0 / (self.q_scaling * d**0.5)).to(dtype)
-        context = self.dense(_wrap(out.reshape(tokens, h * d)))
+        context = self.dense(wrap_tensor(out.reshape(tokens, h * d)))
         return context, None
 
     def _requests(

@@ -15,6 +15,7 @@ scale drop) and `load`: a missing tensor or a misshaped one raises, an extra one
 from __future__ import annotations
 
 import copy
+import fnmatch
 import json
 import warnings
 from pathlib import Path
@@ -27,7 +28,7 @@ from dflash_trt.emulation.functional import AttentionMaskType, EmulationError, L
 from dflash_trt.emulation.layers import Attention, GatedMLP, Linear, RmsNorm
 from dflash_trt.emulation.module import Module
 from dflash_trt.emulation.moe import MOE, MoeConfig
-from dflash_trt.emulation.quantization import FP8, NVFP4, QuantConfig, quantize
+from dflash_trt.emulation.quantization import FP8, NVFP4, QuantConfig
 
 MODEL_MAP: dict[str, type] = {}
 
@@ -338,6 +339,17 @@ class _PostInitCaller(type):
         obj = type.__call__(cls, *args, **kwargs)
         obj.__post_init__()
         return obj
+
+
+def quantize(model: Module, config: QuantConfig) -> None:
+    """The module swap 1.2.x's `PretrainedModel.__post_init__` performs: every ColumnLinear/RowLinear whose dotted
+    name no `exclude_modules` pattern matches (fnmatch) takes the parameters of FP8Linear / FP4Linear
+    (quantization/layers.py); their GEMMs are executed by `Linear.forward`."""
+    if config.quant_algo is None:
+        return
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Linear) and not any(fnmatch.fnmatchcase(name, p) for p in config.exclude_modules):
+            module.quantize_as(config.quant_algo)
 
 
 class PretrainedModel(Module, metaclass=_PostInitCaller):

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from dflash_trt.emulation import trt
-from dflash_trt.emulation.functional import EmulationError, Tensor, _trt_dtype
+from dflash_trt.emulation.functional import EmulationError, Tensor, trt_dtype
 
 # A packed FP4 weight `(out, in)` is stored two values per byte.
 _STORED = {trt.fp4: 2}
@@ -30,7 +30,7 @@ class Parameter:
         dtype: Any = None,
         is_buffer: bool = False,
     ):
-        self.dtype = _trt_dtype(dtype if dtype is not None else "float32")
+        self.dtype = trt_dtype(dtype if dtype is not None else "float32")
         self.shape = tuple(value.shape) if value is not None else tuple(shape or ())
         self._value = value
         self.is_buffer = is_buffer

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dflash_trt.emulation.functional import EmulationError, Tensor, _wrap
-from dflash_trt.emulation.layers import RowLinear, _fp8_round
+from dflash_trt.emulation.functional import EmulationError, Tensor, wrap_tensor
+from dflash_trt.emulation.layers import RowLinear, fp8_round_trip
 from dflash_trt.emulation.module import Module, Parameter
 from dflash_trt.emulation.quantization import QuantMode
 from dflash_trt.emulation.ranks import allreduce
@@ -98,7 +98,7 @@ class MOEWeightWrapper(Module):
         """Expert `e`'s GEMM on fp32 rows, with the FP8 plugin's input rounding and dequantization."""
         weight = self.weight.raw[e].float()
         if self.weights_scaling_factor is not None:
-            x = _fp8_round(x, self.activation_scaling_factor.raw)
+            x = fp8_round_trip(x, self.activation_scaling_factor.raw)
             weight = weight * self.weights_scaling_factor.raw[e].float()
         bias = None if self.bias is None else self.bias.raw[e].float()
         return F.linear(x, weight, bias)
@@ -156,7 +156,7 @@ class MixtureOfExperts(Module):
 
     def forward(self, hidden_states: Tensor, lora_layer_params: Any = None, **unused: Any) -> Tensor:
         x = hidden_states.data
-        logits = self.router(_wrap(x.float())).data
+        logits = self.router(wrap_tensor(x.float())).data
         chosen, scales = self.route(logits)
         rows = x.float().reshape(-1, x.shape[-1])
         out = torch.zeros_like(rows)
@@ -172,7 +172,7 @@ class MixtureOfExperts(Module):
             hidden = (_GATED[self.hidden_act](fused[:, inter:]) * fused[:, :inter]).float()
             expert_out = self.proj.expert(hidden, local).to(x.dtype).float()
             out.index_add_(0, token, expert_out * scales.reshape(-1, self.top_k)[token, slot, None])
-        result = _wrap(out.reshape(x.shape).to(x.dtype))
+        result = wrap_tensor(out.reshape(x.shape).to(x.dtype))
         if self.tp_size > 1 and self.tp_group is not None:
             result = allreduce(result, self.tp_group)
         return result

@@ -1,13 +1,10 @@
 """QuantConfig / QuantMode as 1.2.x reads a checkpoint's `quantization` dict (tensorrt_llm/models/modeling_utils.py
-`QuantConfig`, quantization/mode.py), and `quantize`: the module swap `PretrainedModel.__post_init__` performs.
-
-`quantize` gives every ColumnLinear/RowLinear whose dotted name no `exclude_modules` pattern matches (fnmatch) the
-parameters of FP8Linear / FP4Linear (quantization/layers.py); their GEMMs are executed by `Linear.forward`.
+`QuantConfig`, quantization/mode.py). A leaf of the emulation: the module swap that applies a config to a model's
+linears is `models.quantize`, next to its only caller.
 """
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,13 +64,3 @@ class QuantMode:
 
     def has_kv_cache_quant(self) -> bool:
         return self.kv_cache is not None
-
-
-def quantize(model: Any, config: QuantConfig) -> None:
-    from dflash_trt.emulation.layers import Linear
-
-    if config.quant_algo is None:
-        return
-    for name, module in list(model.named_modules()):
-        if isinstance(module, Linear) and not any(fnmatch.fnmatchcase(name, p) for p in config.exclude_modules):
-            module.quantize_as(config.quant_algo)

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from dflash_trt.emulation.functional import EmulationError, Tensor, _wrap
+from dflash_trt.emulation.functional import EmulationError, Tensor, wrap_tensor
 
 T = TypeVar("T")
 _running = threading.local()
@@ -84,10 +84,10 @@ def allreduce(tensor: Tensor, group: Any, all_reduce_params: Any = None) -> Tens
     total = values[0].float()
     for value in values[1:]:
         total = total + value.float()
-    return _wrap(total.to(tensor.data.dtype))
+    return wrap_tensor(total.to(tensor.data.dtype))
 
 
 def allgather(tensor: Tensor, group: Any, gather_dim: int = 0) -> Tensor:
     """Concatenation of the ranks' tensors along `gather_dim` in rank order (functional.py `allgather`)."""
     running, rank = _current(group)
-    return _wrap(torch.cat(running._exchange(rank, tensor.data), dim=gather_dim))
+    return wrap_tensor(torch.cat(running._exchange(rank, tensor.data), dim=gather_dim))

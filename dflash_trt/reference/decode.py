@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.reference.model import GoldenModel
+from dflash_trt.reference.loop_rules import check_request, keep_tokens
+from dflash_trt.reference.model import GoldenModel, KVCache
 from dflash_trt.reference.sampling import (
     SamplingParams,
     exact_match_accept,
@@ -61,12 +63,7 @@ def _check_prompts(prompts: list[list[int]], vocab_size: int, max_new_tokens: li
     if not prompts:
         raise DFlashTrtError("no prompts given")
     for i, (prompt, new) in enumerate(zip(prompts, max_new_tokens, strict=True)):
-        if not prompt:
-            raise DFlashTrtError(f"prompt {i} is empty")
-        if min(prompt) < 0 or max(prompt) >= vocab_size:
-            raise DFlashTrtError(f"prompt {i} has token ids outside the vocabulary (0..{vocab_size - 1})")
-        if new < 1:
-            raise DFlashTrtError(f"max_new_tokens must be >= 1, got {new} for prompt {i}")
+        check_request(i, prompt, new, vocab_size)
 
 
 def per_sequence_sampling(sampling: SamplingParams | list[SamplingParams] | None, batch: int) -> list[SamplingParams]:
@@ -87,6 +84,159 @@ def per_sequence_sampling(sampling: SamplingParams | list[SamplingParams] | None
     return params
 
 
+class _AcceptRule(Protocol):
+    """How a step picks tokens: the first token after the prompt, the drafts of a block, and the accepted prefix
+    plus one target token of each verified block. Chosen once per call."""
+
+    def first(self, last_logits: torch.Tensor) -> torch.Tensor: ...
+
+    def draft(self, draft_logits: torch.Tensor) -> torch.Tensor: ...
+
+    def accept(self, row: int, drafts: torch.Tensor, logits: torch.Tensor) -> tuple[int, int]: ...
+
+
+@dataclass
+class _EngineRule:
+    """The engine's exact-match rule: drafts are the drafter's argmax; each sequence draws its own uniforms."""
+
+    generators: list[torch.Generator]
+    temperatures: list[float]
+    block: int
+
+    def first(self, last_logits: torch.Tensor) -> torch.Tensor:
+        # The runtime's first uniform of a request (rand_data_sample, drawn when the request is set up).
+        return torch.cat(
+            [
+                sample_by_uniform(last_logits[b : b + 1], self.temperatures[b], torch.rand(1, generator=g))
+                for b, g in enumerate(self.generators)
+            ]
+        )
+
+    def draft(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        return draft_logits.argmax(dim=-1)
+
+    def accept(self, row: int, drafts: torch.Tensor, logits: torch.Tensor) -> tuple[int, int]:
+        # The runtime hands the engine one uniform per verified position (rand_data_validation).
+        uniforms = torch.rand(self.block, generator=self.generators[row])[: len(logits)]
+        return exact_match_accept(drafts, logits, self.temperatures[row], uniforms)
+
+
+@dataclass
+class _ReferenceRule:
+    """Rejection sampling from the drafter's distribution, one generator for the whole batch."""
+
+    sampling: SamplingParams
+    generator: torch.Generator
+    draft_probs: torch.Tensor | None = None
+
+    def first(self, last_logits: torch.Tensor) -> torch.Tensor:
+        return pick_tokens(last_logits, self.sampling, self.generator)
+
+    def draft(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        probs = sampling_probs(draft_logits, self.sampling)
+        self.draft_probs = probs
+        flat = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=self.generator)
+        return flat.view(probs.shape[:-1])
+
+    def accept(self, row: int, drafts: torch.Tensor, logits: torch.Tensor) -> tuple[int, int]:
+        if len(logits) == 1:
+            return 0, int(pick_tokens(logits[0], self.sampling, self.generator))
+        assert self.draft_probs is not None  # more than one verified position means the drafts were sampled
+        target_probs = sampling_probs(logits, self.sampling)
+        return rejection_accept(drafts, self.draft_probs[row, : len(logits) - 1], target_probs, self.generator)
+
+
+def _accept_rule(per_sequence: list[SamplingParams], seed: int, seeds: list[int] | None, block: int) -> _AcceptRule:
+    sequence_seeds = list(seeds) if seeds is not None else [seed + i for i in range(len(per_sequence))]
+    if len(sequence_seeds) != len(per_sequence):
+        raise DFlashTrtError(f"got {len(sequence_seeds)} seeds for {len(per_sequence)} prompts")
+    if any(p.method == REFERENCE and not p.greedy for p in per_sequence):
+        return _ReferenceRule(per_sequence[0], torch.Generator().manual_seed(seed))
+    generators = [torch.Generator().manual_seed(s) for s in sequence_seeds]
+    return _EngineRule(generators, [p.temperature for p in per_sequence], block)
+
+
+@dataclass
+class _Loop:
+    """One batched call's state: the model, its two caches, the sequences, and the rules chosen for the call."""
+
+    model: GoldenModel
+    seqs: list[_Sequence]
+    block: int
+    rule: _AcceptRule
+    stops: frozenset[int]
+    target_cache: KVCache
+    draft_cache: KVCache
+
+    def keep(self, seq: _Sequence, new: list[int]) -> int:
+        """Append what the budget and the stop tokens let a sequence keep of `new`; returns how many."""
+        kept = keep_tokens(new, seq.max_length - len(seq.tokens), self.stops)
+        seq.tokens.extend(kept.tokens)
+        seq.stopped = kept.stopped
+        return len(kept.tokens)
+
+
+def _prefill(loop: _Loop, prompts: list[list[int]]) -> None:
+    """Run the prompts through the target, seed the drafter's context, and pick every sequence's first token."""
+    target, draft, batch = loop.model.target, loop.model.draft, len(prompts)
+    lengths = torch.tensor([len(p) for p in prompts])
+    width = int(lengths.max())
+    tokens = torch.zeros(batch, width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.tensor(p)
+    positions = torch.arange(width).expand(batch, -1)
+    valid = positions < lengths[:, None]
+    logits, taps = target.forward(tokens, positions, valid, loop.target_cache)
+    if loop.block > 1:
+        draft.inject(taps, positions, valid, loop.draft_cache)
+    first = loop.rule.first(logits[torch.arange(batch), lengths - 1])
+    for seq, token in zip(loop.seqs, first.tolist(), strict=True):
+        loop.keep(seq, [token])
+
+
+def _draft_block(loop: _Loop, start: torch.Tensor, verify: torch.Tensor) -> torch.Tensor:
+    """`[anchor, drafts...]` per sequence; the drafter sees only the positions that will be verified."""
+    draft, block = loop.model.draft, loop.block
+    block_ids = torch.full((len(loop.seqs), block), draft.spec.mask_token_id, dtype=torch.long)
+    block_ids[:, 0] = torch.tensor([s.tokens[-1] for s in loop.seqs])
+    if block > 1:
+        block_valid = torch.arange(block) < verify[:, None]
+        draft_logits = draft.logits(draft.forward(block_ids, start, block_valid, loop.draft_cache)[:, 1:])
+        block_ids[:, 1:] = loop.rule.draft(draft_logits)
+    return block_ids
+
+
+def _accept(loop: _Loop, block_ids: torch.Tensor, logits: torch.Tensor, verify: torch.Tensor) -> torch.Tensor:
+    """Keep each active sequence's accepted drafts plus one target token; returns the mask of the kept positions."""
+    produced_mask = torch.zeros(len(loop.seqs), loop.block, dtype=torch.bool)
+    for b, seq in enumerate(loop.seqs):
+        if not seq.active:
+            continue
+        v = int(verify[b])
+        drafts = block_ids[b, 1:v]
+        accepted, bonus = loop.rule.accept(b, drafts, logits[b, :v])
+        produced = loop.keep(seq, drafts[:accepted].tolist() + [bonus])
+        produced_mask[b, :produced] = True
+        seq.result.acceptance_lengths.append(produced)
+        seq.result.steps.append(StepTrace(drafts.tolist(), accepted))
+    return produced_mask
+
+
+def _decode_step(loop: _Loop) -> int:
+    """Draft, verify and accept one block per sequence; returns how many tokens the step produced."""
+    start = torch.tensor([s.start for s in loop.seqs])
+    # Finished sequences ride along verifying only their anchor; nothing of theirs is kept.
+    verify = torch.tensor([min(loop.block, s.max_length - s.start) if s.active else 1 for s in loop.seqs])
+    block_ids = _draft_block(loop, start, verify)
+    block_positions = start[:, None] + torch.arange(loop.block)
+    block_valid = torch.arange(loop.block) < verify[:, None]
+    logits, taps = loop.model.target.forward(block_ids, block_positions, block_valid, loop.target_cache)
+    produced_mask = _accept(loop, block_ids, logits, verify)
+    if loop.block > 1:
+        loop.model.draft.inject(taps, block_positions, produced_mask, loop.draft_cache)
+    return int(produced_mask.sum())
+
+
 def speculative_generate(
     model: GoldenModel,
     prompts: list[list[int]],
@@ -103,106 +253,24 @@ def speculative_generate(
     method only); `seeds` overrides the per-sequence seeds `seed + i` of the engine method. `progress` hears how many
     tokens each step produced."""
     per_sequence = per_sequence_sampling(sampling, len(prompts))
-    sampling = per_sequence[0]
-    reference = any(p.method == REFERENCE and not p.greedy for p in per_sequence)
     target, draft = model.target, model.draft
     block = draft.spec.block_size if block_size is None else block_size
     if not 1 <= block <= draft.spec.block_size:
         raise DFlashTrtError(f"block size must be in 1..{draft.spec.block_size}, got {block}")
     news = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     _check_prompts(prompts, target.spec.vocab_size, news)
-    stops = torch.tensor(sorted(set(stop_token_ids or [])), dtype=torch.long)
-    generator = torch.Generator().manual_seed(seed)
-    sequence_seeds = list(seeds) if seeds is not None else [seed + i for i in range(len(prompts))]
-    if len(sequence_seeds) != len(prompts):
-        raise DFlashTrtError(f"got {len(sequence_seeds)} seeds for {len(prompts)} prompts")
-    generators = [torch.Generator().manual_seed(s) for s in sequence_seeds]
-    temperatures = [p.temperature for p in per_sequence]
+    rule = _accept_rule(per_sequence, seed, seeds, block)
     seqs = [_Sequence(SequenceResult(list(p)), list(p), len(p) + n) for p, n in zip(prompts, news, strict=True)]
-    batch = len(seqs)
     capacity = max(s.max_length for s in seqs) + block + 1
-    target_cache, draft_cache = target.new_cache(batch, capacity), draft.new_cache(batch, capacity)
-
-    lengths = torch.tensor([len(p) for p in prompts])
-    width = int(lengths.max())
-    tokens = torch.zeros(batch, width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = torch.tensor(p)
-    positions = torch.arange(width).expand(batch, -1)
-    valid = positions < lengths[:, None]
-    logits, taps = target.forward(tokens, positions, valid, target_cache)
-    if block > 1:
-        draft.inject(taps, positions, valid, draft_cache)
-    last_logits = logits[torch.arange(batch), lengths - 1]
-    if reference:
-        first = pick_tokens(last_logits, sampling, generator)
-    else:
-        # The runtime's first uniform of a request (rand_data_sample, drawn when the request is set up).
-        first = torch.cat(
-            [
-                sample_by_uniform(last_logits[b : b + 1], temperatures[b], torch.rand(1, generator=g))
-                for b, g in enumerate(generators)
-            ]
-        )
-    for seq, token in zip(seqs, first.tolist(), strict=True):
-        seq.tokens.append(token)
-        seq.stopped = bool(torch.isin(torch.tensor(token), stops))
+    caches = target.new_cache(len(seqs), capacity), draft.new_cache(len(seqs), capacity)
+    loop = _Loop(model, seqs, block, rule, frozenset(stop_token_ids or []), *caches)
+    _prefill(loop, prompts)
     if progress is not None:
-        progress(batch)
-
-    offsets = torch.arange(block)
+        progress(len(seqs))
     while any(s.active for s in seqs):
-        start = torch.tensor([s.start for s in seqs])
-        # Finished sequences ride along verifying only their anchor; nothing of theirs is kept.
-        verify = torch.tensor([min(block, s.max_length - s.start) if s.active else 1 for s in seqs])
-        block_valid = offsets < verify[:, None]
-        block_ids = torch.full((batch, block), draft.spec.mask_token_id, dtype=torch.long)
-        block_ids[:, 0] = torch.tensor([s.tokens[-1] for s in seqs])
-        draft_probs = None
-        if block > 1:
-            draft_logits = draft.logits(draft.forward(block_ids, start, block_valid, draft_cache)[:, 1:])
-            if not reference:
-                block_ids[:, 1:] = draft_logits.argmax(dim=-1)
-            else:
-                draft_probs = sampling_probs(draft_logits, sampling)
-                block_ids[:, 1:] = torch.multinomial(
-                    draft_probs.reshape(-1, draft_probs.shape[-1]), 1, generator=generator
-                ).view(batch, block - 1)
-        block_positions = start[:, None] + offsets
-        logits, taps = target.forward(block_ids, block_positions, block_valid, target_cache)
-
-        produced_mask = torch.zeros(batch, block, dtype=torch.bool)
-        for b, seq in enumerate(seqs):
-            if not seq.active:
-                continue
-            v = int(verify[b])
-            drafts = block_ids[b, 1:v]
-            if not reference:
-                # The runtime hands the engine one uniform per verified position (rand_data_validation).
-                uniforms = torch.rand(block, generator=generators[b])[:v]
-                accepted, bonus = exact_match_accept(drafts, logits[b, :v], temperatures[b], uniforms)
-            elif v > 1:
-                assert draft_probs is not None  # v > 1 means block > 1, so the drafts were sampled above
-                accepted, bonus = rejection_accept(
-                    drafts, draft_probs[b, : v - 1], sampling_probs(logits[b, :v], sampling), generator
-                )
-            else:
-                accepted, bonus = 0, int(pick_tokens(logits[b, 0], sampling, generator))
-            new_tokens = drafts[:accepted].tolist() + [bonus]
-            produced = min(accepted + 1, seq.max_length - seq.start - 1)
-            for i, token in enumerate(new_tokens[:produced]):
-                if token in stops:
-                    produced, seq.stopped = i + 1, True
-                    break
-            produced_mask[b, :produced] = True
-            seq.tokens.extend(new_tokens[:produced])
-            seq.result.acceptance_lengths.append(produced)
-            seq.result.steps.append(StepTrace(drafts.tolist(), accepted))
-        if block > 1:
-            draft.inject(taps, block_positions, produced_mask, draft_cache)
+        produced = _decode_step(loop)
         if progress is not None:
-            progress(int(produced_mask.sum()))
-
+            progress(produced)
     for seq in seqs:
         seq.result.output_ids = seq.tokens[len(seq.result.input_ids) :]
     return [s.result for s in seqs]

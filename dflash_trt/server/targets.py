@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_trt.bench.driver import Backend
+from dflash_trt.decoding_modes import DFLASH
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.server.params import Limits
@@ -60,7 +61,7 @@ def engine_target(
 
     _positive(max_batch_size, "--max_batch_size")
     _positive(max_seq_len, "--max_seq_len")
-    info = inspect_engine(engine_dir, "dflash", plugin_library)
+    info = inspect_engine(engine_dir, DFLASH, plugin_library)
     config = read_json_object(Path(engine_dir) / "config.json", f"{engine_dir} holds no engine (no config.json)")
     seq_len = config["build_config"].get("max_seq_len")
     if not isinstance(seq_len, int) or seq_len < 2:

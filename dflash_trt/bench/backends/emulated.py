@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dflash_trt.bench.backends.stepping import SteppingBackend
 from dflash_trt.bench.driver import BenchRequest, Response
+from dflash_trt.decoding_modes import DFLASH
 from dflash_trt.emulation.engine import EmulatedEngine
 from dflash_trt.emulation.executor import EmulatedExecutor, Request
 
@@ -44,5 +45,5 @@ class EmulatedBackend(SteppingBackend):
     """The emulated engine served from a worker thread; `max_batch_size` is the engine's (fixed when it loaded)."""
 
     def __init__(self, engine: EmulatedEngine, max_seq_len: int, stop_token_ids: list[int] | None = None):
-        super().__init__(lambda: EmulatedStepper(engine, max_seq_len, stop_token_ids), "dflash")
+        super().__init__(lambda: EmulatedStepper(engine, max_seq_len, stop_token_ids), DFLASH)
         self.engine = engine

@@ -20,8 +20,10 @@ import torch
 
 from dflash_trt.bench.backends.stepping import SteppingBackend
 from dflash_trt.bench.driver import BenchRequest, Response
+from dflash_trt.decoding_modes import AR, DFLASH
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.inputs import check_fits_in_memory
+from dflash_trt.reference.loop_rules import check_request, keep_tokens
 from dflash_trt.reference.model import GoldenModel
 from dflash_trt.reference.sampling import exact_match_accept
 
@@ -91,11 +93,7 @@ class GoldenExecutor:
 
     def add(self, request_id: int, request: BenchRequest) -> None:
         vocab = self.model.target.spec.vocab_size
-        ids = request.input_ids
-        if not ids or min(ids) < 0 or max(ids) >= vocab:
-            raise DFlashTrtError(f"prompt {request.prompt_index} is empty or has token ids outside 0..{vocab - 1}")
-        if request.max_new_tokens < 1 or len(ids) + request.max_new_tokens > self.max_seq_len:
-            raise DFlashTrtError(f"prompt {request.prompt_index}: prompt + max_new_tokens exceeds {self.max_seq_len}")
+        check_request(request.prompt_index, request.input_ids, request.max_new_tokens, vocab, self.max_seq_len)
         if request.temperature != 0:
             raise DFlashTrtError("the golden executor decodes greedily (temperature 0); the emulated engine samples")
         self.waiting.append((request_id, request))
@@ -138,21 +136,18 @@ class GoldenExecutor:
 
         produced = {i: [int(logits[i, running[i].prompt_len - 1].argmax())] for i in context}
         for i in generation:
-            produced[i] = self._accept(running[i], block_ids[i], logits[i], int(verify[i]))
+            produced[i] = self._accept(block_ids[i], logits[i], int(verify[i]))
         injected = valid.clone()  # prompts whole; generation rows: the tokens produced this step (set below)
         responses = []
         for i, new in produced.items():
             s = running[i]
-            for n, token in enumerate(new):
-                if token in self.stops:
-                    new = new[: n + 1]
-                    break
+            kept = keep_tokens(new, s.max_length - len(s.tokens), self.stops)
             if s.prefilled:
-                injected[i] = offsets < len(new)
-            s.tokens.extend(new)
+                injected[i] = offsets < len(kept.tokens)
+            s.tokens.extend(kept.tokens)
             s.prefilled = True
-            final = new[-1] in self.stops or len(s.tokens) >= s.max_length
-            responses.append(Response(s.request_id, new, final))
+            final = kept.stopped or len(s.tokens) >= s.max_length
+            responses.append(Response(s.request_id, kept.tokens, final))
             if final:
                 self.slots[i] = None
         if self.block > 1:
@@ -196,13 +191,12 @@ class GoldenExecutor:
         return tokens, positions, valid
 
     @staticmethod
-    def _accept(s: _Running, block_ids: torch.Tensor, logits: torch.Tensor, verify: int) -> list[int]:
-        """The golden loop's rule at temperature 0 (the longest draft prefix the target agrees with, plus the
-        target's own next token), clipped to the output budget. Greedy: the uniforms are never read."""
+    def _accept(block_ids: torch.Tensor, logits: torch.Tensor, verify: int) -> list[int]:
+        """The golden loop's rule at temperature 0: the longest draft prefix the target agrees with, plus the
+        target's own next token (the caller clips it to the output budget). Greedy: the uniforms are never read."""
         drafts = block_ids[1:verify]
         accepted, bonus = exact_match_accept(drafts, logits[:verify], 0.0, torch.zeros(verify))
-        new = drafts[:accepted].tolist() + [bonus]
-        return new[: min(accepted + 1, s.max_length - s.start - 1)]
+        return drafts[:accepted].tolist() + [bonus]
 
 
 class GoldenBackend(SteppingBackend):
@@ -220,5 +214,5 @@ class GoldenBackend(SteppingBackend):
         block = model.draft.spec.block_size if block_size is None else block_size
         super().__init__(
             lambda: GoldenExecutor(model, max_batch_size, max_seq_len, block_size, stop_token_ids),
-            "dflash" if block > 1 else "ar",
+            DFLASH if block > 1 else AR,
         )

@@ -23,6 +23,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from dflash_trt.bench.driver import Backend, BenchRequest, Deliver, Response
+from dflash_trt.decoding_modes import DFLASH, DecodingMode
 from dflash_trt.errors import DFlashTrtError
 
 DATA = b"data: "
@@ -127,7 +128,7 @@ class OpenAIBackend(Backend):
         self,
         url: str,
         *,
-        mode: str = "dflash",
+        mode: DecodingMode = DFLASH,
         gpus: int = 1,
         ignore_eos: bool = False,
         connect_timeout_s: float = 10.0,

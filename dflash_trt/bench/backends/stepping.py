@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from dflash_trt.bench.driver import Backend, BenchRequest, Deliver, Response, threadsafe_deliver
+from dflash_trt.decoding_modes import DecodingMode
 from dflash_trt.errors import DFlashTrtError
 
 
@@ -33,7 +34,7 @@ class SteppingBackend(Backend):
 
     gpus = 0  # a CPU executor: its throughput is the host's, not a GPU's
 
-    def __init__(self, make_executor: Callable[[], SteppingExecutor], mode: str):
+    def __init__(self, make_executor: Callable[[], SteppingExecutor], mode: DecodingMode):
         self.make_executor = make_executor
         self.mode = mode
         self.executor: SteppingExecutor | None = None  # the running (or last run) executor

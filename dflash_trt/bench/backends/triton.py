@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from dflash_trt.bench.driver import Backend, BenchRequest, Deliver, Response
+from dflash_trt.decoding_modes import DFLASH, DecodingMode
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.triton import processing as P
 
@@ -114,7 +115,7 @@ class TritonBackend(Backend):
         url: str,
         *,
         model: str = DEFAULT_MODEL,
-        mode: str = "dflash",
+        mode: DecodingMode = DFLASH,
         gpus: int = 1,
         end_id: int | None = None,
         vocab_size: int | None = None,

@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trt.bench.driver import Backend, BenchRequest, Deliver, FollowerRank, Response, threadsafe_deliver
+from dflash_trt.decoding_modes import AR, DECODING_MODES, DFLASH, DecodingMode
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.sampling_rules import engine_request_sampling
 from dflash_trt.trtllm.build_plan import MANIFEST_NAME
 
 POLL = timedelta(milliseconds=20)
-KINDS = ("dflash", "ar", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class EngineInfo:
     """What the backend needs from an engine directory, read and checked before TensorRT-LLM is imported."""
 
     engine_dir: Path
-    kind: str
+    mode: DecodingMode
     gpus: int
     vocab_size: int
     max_batch_size: int
@@ -49,14 +49,14 @@ class EngineInfo:
 
 def inspect_engine(
     engine_dir: str | Path,
-    kind: str = "dflash",
+    mode: DecodingMode = DFLASH,
     plugin_library: str | Path | None = None,
     eagle_choices: list[list[int]] | None = None,
 ) -> EngineInfo:
     """Check an engine directory: its config.json, and for DFlash its manifest and plugin library."""
     engine_dir = Path(engine_dir)
-    if kind not in KINDS:
-        raise DFlashTrtError(f"engine kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if mode not in DECODING_MODES:
+        raise DFlashTrtError(f"engine mode must be one of {', '.join(DECODING_MODES)}, got {mode!r}")
     if not engine_dir.is_dir():
         raise DFlashTrtError(f"engine directory {engine_dir} does not exist")
     config = read_json_object(engine_dir / "config.json", f"{engine_dir} holds no engine (no config.json)")
@@ -66,7 +66,7 @@ def inspect_engine(
         raise DFlashTrtError(f"{engine_dir / 'config.json'} lacks pretrained_config / build_config")
     mapping = pretrained.get("mapping") or {}
     library = None
-    if kind == "dflash":
+    if mode == DFLASH:
         manifest = read_json_object(
             engine_dir / MANIFEST_NAME,
             f"{engine_dir} has no {MANIFEST_NAME}: not a DFlash engine built by `dflash-trt build` "
@@ -83,7 +83,7 @@ def inspect_engine(
     eos = pretrained.get("eos_token_ids", pretrained.get("eos_token_id"))
     return EngineInfo(
         engine_dir=engine_dir,
-        kind=kind,
+        mode=mode,
         gpus=int(mapping.get("world_size", mapping.get("tp_size", 1) * mapping.get("pp_size", 1))),
         vocab_size=int(pretrained.get("vocab_size", 0)),
         max_batch_size=int(build.get("max_batch_size", 1)),
@@ -105,7 +105,7 @@ def executor_bindings() -> Any:
 
 def prepare_process(info: EngineInfo) -> None:
     """Load the plugin library and register DFlashForCausalLM before the engine is deserialized."""
-    if info.kind != "dflash":
+    if info.mode != DFLASH:
         return
     from dflash_trt.trtllm.plugin import load_plugin_library
 
@@ -129,7 +129,7 @@ class TrtllmBackend(Backend):
         prepare=prepare_process,
     ):
         self.info = info
-        self.mode = info.kind
+        self.mode = info.mode
         self.gpus = info.gpus
         self.max_batch_size = min(max_batch_size or info.max_batch_size, info.max_batch_size)
         # -1 never matches a token (LlmRequest::validate accepts end ids from -1): requests run to max_tokens.
@@ -147,7 +147,7 @@ class TrtllmBackend(Backend):
     def executor_config(self) -> Any:
         trtllm = self.trtllm
         decoding = trtllm.DecodingConfig()
-        if self.info.kind != "ar" and self.info.eagle_choices is not None:
+        if self.info.mode != AR and self.info.eagle_choices is not None:
             # Positional, as ModelRunnerCpp.from_dir passes it: choices, greedy_sampling, posterior_threshold,
             # use_dynamic_tree, dynamic_tree_max_topK. DFlash engines verify in-graph and ignore the greedy flag.
             decoding.eagle_config = trtllm.EagleConfig(self.info.eagle_choices, True, None, False, None)

@@ -16,10 +16,10 @@ from typing import Annotated
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from dflash_trt.analysis.gpus import GPUS, GpuSpec
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import BYTES_PER_WEIGHT, ENGINE_DTYPES, KV_CACHE_DTYPES, NONE, NVFP4, QFORMATS
 from dflash_trt.jsonfile import read_json_object
-from dflash_trt.perf.gpus import GPUS, GpuSpec
 from dflash_trt.recorded_configs import PACKAGED_RECORDED_CONFIGS
 from dflash_trt.spec import QWEN3_MOE, parse_target_config
 from dflash_trt.triton.serving import ServingSettings
@@ -38,7 +38,7 @@ MAX_WEIGHT_SHARE = 0.8
 
 
 def _one_of(choices: Sequence[str]) -> AfterValidator:
-    """A field validator for a vocabulary defined elsewhere (formats, build_plan, perf.gpus), so it is spelled once."""
+    """A field validator for a vocabulary defined elsewhere (formats, build_plan, analysis.gpus): spelled once."""
 
     def check(value: str) -> str:
         if value not in choices:

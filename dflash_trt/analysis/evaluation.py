@@ -17,14 +17,15 @@ import math
 import statistics
 from dataclasses import dataclass, replace
 
+from dflash_trt.analysis.calibrate import golden_min
+from dflash_trt.analysis.gpus import get_gpu
+from dflash_trt.analysis.memory import EngineLimits, feasible_curve
+from dflash_trt.analysis.model import Acceptance, Calibration, Deployment, DFlashShape, Method, TargetShape
+from dflash_trt.analysis.pareto import Point, pareto_frontier, throughput_at
+from dflash_trt.analysis.published import PAIRS, POINTS, SOURCES, Published, Unknown, point
+from dflash_trt.analysis.shapes import eagle3_like
+from dflash_trt.decoding_modes import AR, DFLASH, EAGLE3
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.perf.calibrate import golden_min
-from dflash_trt.perf.gpus import get_gpu
-from dflash_trt.perf.memory import EngineLimits, feasible_curve
-from dflash_trt.perf.model import Acceptance, Calibration, Deployment, DFlashShape, Method, TargetShape
-from dflash_trt.perf.pareto import Point, pareto_frontier, throughput_at
-from dflash_trt.perf.published import PAIRS, POINTS, SOURCES, Published, Unknown, point
-from dflash_trt.perf.shapes import eagle3_like
 
 # Written before fitting. Per harness: the points its constants are fitted on. A harness with points at two
 # concurrencies also fits `token_overhead_s` (what grows with the tokens a step verifies).
@@ -68,11 +69,11 @@ def _acceptance(tau: float, length: int) -> Acceptance:
 
 
 def _method(p: Published, tgt: TargetShape, drafter: DFlashShape, tau: float, steps: int | None) -> Method:
-    if p.method == "eagle3":
+    if p.method == EAGLE3:
         if steps is None:
             raise DFlashTrtError(f"{p.id}: an EAGLE-3 point needs a draft length")
-        return Method("eagle3", eagle3_like(tgt, steps, EAGLE3_DRAFT_VOCAB), _acceptance(tau, steps + 1))
-    return Method("dflash", drafter, _acceptance(tau, p.block or drafter.block_size))
+        return Method(EAGLE3, eagle3_like(tgt, steps, EAGLE3_DRAFT_VOCAB), _acceptance(tau, steps + 1))
+    return Method(DFLASH, drafter, _acceptance(tau, p.block or drafter.block_size))
 
 
 def _frontier(m: Method, tgt: TargetShape, dep: Deployment, lengths: tuple[int, int]) -> list[Point]:
@@ -102,16 +103,16 @@ def _predict_setting(p: Published, s: dict, cal: Calibration) -> float | None:
     isl, osl = s["lengths"]
     method = _method(p, tgt, drafter, s["tau"], s["draft_steps"])
     if p.metric == "ratio_at_interactivity":
-        return band_ratio(method, Method("ar"), tgt, dep, s["interactivity"], (isl, osl))
+        return band_ratio(method, Method(AR), tgt, dep, s["interactivity"], (isl, osl))
     ctx = isl + osl / 2.0
     it = method.iteration(tgt, s["concurrency"], ctx, dep)
     if p.metric == "tok_s":
         return s["concurrency"] * it.tokens_per_seq / it.seconds
-    return it.tok_s_user() / Method("ar").iteration(tgt, s["concurrency"], ctx, dep).tok_s_user()
+    return it.tok_s_user() / Method(AR).iteration(tgt, s["concurrency"], ctx, dep).tok_s_user()
 
 
 def evaluable(p: Published) -> bool:
-    return p.tau is not None and p.versus == "ar"
+    return p.tau is not None and p.versus == AR
 
 
 def _values(p: Published, cals: tuple[Calibration, ...]) -> list[float]:
@@ -438,11 +439,11 @@ def band_shape() -> list[BandShape]:
     rows = []
     for cal in (*transferred, *(replace(Calibration("trtllm"), step_overhead_s=o) for o in SHAPE_OVERHEADS_S)):
         dep = Deployment(get_gpu("b300"), "mxfp4", "bf16", 8, cal)
-        ceiling = Method("ar").iteration(tgt, 1, SHAPE_LENGTHS[0] + SHAPE_LENGTHS[1] / 2, dep).tok_s_user()
+        ceiling = Method(AR).iteration(tgt, 1, SHAPE_LENGTHS[0] + SHAPE_LENGTHS[1] / 2, dep).tok_s_user()
         ratios, users = {}, {}
         for tau in SHAPE_TAUS:
-            method = Method("dflash", drafter, Acceptance.from_mean(tau, drafter.block_size))
-            lo, hi = (band_ratio(method, Method("ar"), tgt, dep, x, SHAPE_LENGTHS) for x in SHAPE_BAND)
+            method = Method(DFLASH, drafter, Acceptance.from_mean(tau, drafter.block_size))
+            lo, hi = (band_ratio(method, Method(AR), tgt, dep, x, SHAPE_LENGTHS) for x in SHAPE_BAND)
             ratios[tau] = (lo, hi)
             curve = feasible_curve(method, tgt, dep, BAND_CONCURRENCIES, SHAPE_LENGTHS, EngineLimits())
             users[tau] = max([fp.batch for fp in curve if fp.point and fp.point.tok_s_user >= sum(SHAPE_BAND) / 2]

@@ -20,10 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from dflash_trt.analysis.gpus import GPUS
+from dflash_trt.analysis.model import Acceptance, Calibration, Deployment, DFlashShape, Method, TargetShape
+from dflash_trt.analysis.sweep import write_json_atomic
+from dflash_trt.decoding_modes import AR, DFLASH, DecodingMode
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.perf.gpus import GPUS
-from dflash_trt.perf.model import Acceptance, Calibration, Deployment, DFlashShape, Method, TargetShape
-from dflash_trt.perf.sweep import write_json_atomic
 
 OVERHEAD_SEARCH_S = (0.0, 0.05)
 TOKEN_OVERHEAD_SEARCH_S = (0.0, 1e-3)
@@ -36,7 +37,7 @@ MAX_POINTS = 1000
 class MeasuredPoint:
     """One (mode, concurrency) point of a bench run: what the fit needs from it."""
 
-    mode: str  # "dflash" or "ar"
+    mode: DecodingMode  # dflash or ar
     concurrency: int
     tok_s_user: float  # 1 / median TPOT
     throughput_tok_s: float
@@ -122,14 +123,14 @@ def read_bench_results(path: str | Path) -> BenchResults:
         if not isinstance(p, dict):
             raise DFlashTrtError(f"{where} must be an object")
         mode = p.get("mode")
-        if mode not in ("dflash", "ar"):
+        if mode not in (DFLASH, AR):
             raise DFlashTrtError(f"{where}: mode must be 'dflash' or 'ar', got {mode!r}")
         if p.get("concurrency") is None and p.get("request_rate") is not None:
             continue  # an open-loop point: its concurrency is whatever the arrivals made it, not a model input
         conc = p.get("concurrency")
         if isinstance(conc, bool) or not isinstance(conc, int) or conc < 1:
             raise DFlashTrtError(f"{where}: concurrency must be a positive integer, got {conc!r}")
-        tau = 1.0 if mode == "ar" else _number(p, "acceptance_length", where)
+        tau = 1.0 if mode == AR else _number(p, "acceptance_length", where)
         points.append(
             MeasuredPoint(
                 mode,
@@ -212,15 +213,15 @@ def _acceptance(mean: float, block: int) -> Acceptance:
 
 
 def _predict(p: MeasuredPoint, target: TargetShape, drafter: DFlashShape | None, dep: Deployment, ctx: float):
-    if p.mode == "ar":
-        return Method("ar").iteration(target, p.concurrency, ctx, dep).tok_s_user()
+    if p.mode == AR:
+        return Method(AR).iteration(target, p.concurrency, ctx, dep).tok_s_user()
     if drafter is None:
         raise DFlashTrtError("the bench results hold DFlash points: the drafter's shape is needed")
     if p.acceptance_length > drafter.block_size:
         raise DFlashTrtError(
             f"measured acceptance length {p.acceptance_length} exceeds the drafter's block {drafter.block_size}"
         )
-    method = Method("dflash", drafter, _acceptance(p.acceptance_length, drafter.block_size))
+    method = Method(DFLASH, drafter, _acceptance(p.acceptance_length, drafter.block_size))
     return method.iteration(target, p.concurrency, ctx, dep).tok_s_user()
 
 
@@ -255,8 +256,8 @@ def fit(
         d = replace(dep, calibration=cal)
         return sum((_predict(p, target, drafter, d, ctx) / p.tok_s_user - 1.0) ** 2 for p in subset)
 
-    ar = [p for p in points if p.mode == "ar"]
-    spec = [p for p in points if p.mode == "dflash"]
+    ar = [p for p in points if p.mode == AR]
+    spec = [p for p in points if p.mode == DFLASH]
     base = replace(dep.calibration, step_overhead_s=0.0, spec_overhead_s=0.0, token_overhead_s=0.0)
     first = ar or spec
 

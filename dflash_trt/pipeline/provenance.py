@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash_trt.perf import evaluation, memory, model
-from dflash_trt.perf.gpus import GPUS
-from dflash_trt.perf.published import POINTS, TAU_SOURCES, TAUS, Unknown
+from dflash_trt.analysis import evaluation, memory, model
+from dflash_trt.analysis.gpus import GPUS
+from dflash_trt.analysis.published import POINTS, TAU_SOURCES, TAUS, Unknown
 
 KINDS = ("datasheet", "measured", "assumed", "fitted")
 

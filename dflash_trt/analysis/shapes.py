@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dflash_trt.perf.model import DFlashShape, Eagle3Shape, StackShape, TargetShape
+from dflash_trt.analysis.model import DFlashShape, Eagle3Shape, StackShape, TargetShape
 from dflash_trt.spec import SLIDING_ATTENTION, DecoderSpec, DraftSpec, TargetSpec, load_draft_spec, load_target_spec
 
 EAGLE3_TAPS = 3  # EAGLE-3 fuses low, middle and high target layers

@@ -14,9 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
+from dflash_trt.analysis.model import DFlashShape, StackShape, TargetShape
+from dflash_trt.analysis.shapes import dflash_from_spec, target_from_spec
+from dflash_trt.decoding_modes import AR, DFLASH, EAGLE3, DecodingMode
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.perf.model import DFlashShape, StackShape, TargetShape
-from dflash_trt.perf.shapes import dflash_from_spec, target_from_spec
 from dflash_trt.recorded_configs import packaged_recorded_configs
 from dflash_trt.spec import parse_draft_config, parse_target_config
 
@@ -215,8 +216,8 @@ class Published:
     precision: str | Unknown
     concurrency: int | Unknown | None
     tau: float | Unknown | None
-    method: str = "dflash"
-    versus: str = "ar"
+    method: DecodingMode = DFLASH
+    versus: DecodingMode = AR
     num_gpus: int = 1
     block: int | None = None
     draft_steps: int | Unknown | None = None
@@ -260,7 +261,7 @@ def _zlab() -> list[Published]:
             row(id=f"zlab-qwen3-4b-dflash-{key}", pair="qwen3-4b", setting=f"Qwen3-4B DFlash, {dataset}",
                 published=s4, tau=t4),
             row(id=f"zlab-qwen3-8b-eagle3-{key}", pair="qwen3-8b", setting=f"Qwen3-8B EAGLE-3, {dataset}",
-                published=se, tau=te, method="eagle3", draft_steps=EAGLE3_ZLAB_STEPS),
+                published=se, tau=te, method=EAGLE3, draft_steps=EAGLE3_ZLAB_STEPS),
         ]  # fmt: skip
     return points
 
@@ -396,14 +397,14 @@ def _blog() -> list[Published]:
                   note="stated as more than 15x the throughput (the concurrent users) of AR at that interactivity"),
         b300x8("blog-gpt-oss-120b-dflash-vs-eagle3-band", "nvidia-blog", "gpt-oss-120b",
                   "gpt-oss-120b DFlash vs EAGLE-3 at 500-600 tok/s/user", "ratio_at_interactivity", 1.5,
-                  concurrency=None, tau=None, versus="eagle3", interactivity=band,
+                  concurrency=None, tau=None, versus=EAGLE3, interactivity=band,
                   note="EAGLE-3's acceptance length and draft length are unpublished: not evaluable"),
         b300x8("blog-gpt-oss-120b-dflash-speed-bench", "nvidia-blog-tables", "gpt-oss-120b",
                   "gpt-oss-120b DFlash, SPEED-Bench average", "speedup", 2.3, concurrency=fixed_users, tau=CARD_TAUS,
                   gpu=table_gpu),
         b300x8("blog-gpt-oss-120b-eagle3-speed-bench", "nvidia-blog-tables", "gpt-oss-120b",
                   "gpt-oss-120b EAGLE-3, SPEED-Bench average", "speedup", 1.7, concurrency=fixed_users, tau=None,
-                  method="eagle3", gpu=table_gpu, note="EAGLE-3's acceptance length is unpublished: not evaluable"),
+                  method=EAGLE3, gpu=table_gpu, note="EAGLE-3's acceptance length is unpublished: not evaluable"),
         Published("blog-llama-3.1-8b-dflash-speed-bench", "nvidia-blog-tables", "llama-3.1-8b",
                   "Llama-3.1-8B-Instruct DFlash, SPEED-Bench average", "speedup", 2.8,
                   gpu=Unknown(("b200", "b300", "h200"), "the tables name no GPU"), precision=LLAMA_PRECISION,
@@ -412,7 +413,7 @@ def _blog() -> list[Published]:
         Published("blog-llama-3.1-8b-eagle3-speed-bench", "nvidia-blog-tables", "llama-3.1-8b",
                   "Llama-3.1-8B-Instruct EAGLE-3, SPEED-Bench average", "speedup", 2.2,
                   gpu=Unknown(("b200", "b300", "h200"), "the tables name no GPU"), precision=LLAMA_PRECISION,
-                  harness="trtllm", concurrency=fixed_users, tau=None, method="eagle3",
+                  harness="trtllm", concurrency=fixed_users, tau=None, method=EAGLE3,
                   note="EAGLE-3's acceptance length is unpublished: not evaluable"),
     ]  # fmt: skip
 

@@ -22,8 +22,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dflash_trt.errors import DFlashTrtError
-from dflash_trt.perf.model import (
+from dflash_trt.analysis.model import (
     ACTIVATION_BYTES,
     KV_BYTES,
     LM_HEAD_BYTES,
@@ -35,7 +34,8 @@ from dflash_trt.perf.model import (
     TargetShape,
     mean_context,
 )
-from dflash_trt.perf.pareto import Point
+from dflash_trt.analysis.pareto import Point
+from dflash_trt.errors import DFlashTrtError
 from dflash_trt.trtllm.build_plan import TOKENS_PER_BLOCK
 
 # Assumed: CUDA context, cuBLAS/NCCL workspaces and runtime buffers per GPU outside the engine's activations.

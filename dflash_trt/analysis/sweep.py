@@ -28,11 +28,11 @@ from typing import Any
 
 import yaml
 
+from dflash_trt.analysis.pareto import Point
 from dflash_trt.bench.driver import FollowerRank
 from dflash_trt.bench.measure import measure_point, request_bar
 from dflash_trt.bench.results import RESULTS_FILE, sweep_fields, write_results
 from dflash_trt.bench.targets import (
-    KINDS,
     Target,
     backend_factory,
     check_target,
@@ -42,6 +42,7 @@ from dflash_trt.bench.targets import (
     vocab_size,
 )
 from dflash_trt.bench.workload import Workload, file_workload, parse_synthetic, synthetic_workload
+from dflash_trt.decoding_modes import AR, DECODING_MODES, DecodingMode
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.inputs import (
     CONCURRENCIES,
@@ -60,10 +61,8 @@ from dflash_trt.inputs import (
     check_text,
 )
 from dflash_trt.jsonfile import read_json_object, strict_json
-from dflash_trt.perf.pareto import Point
 from dflash_trt.yamlfile import safe_load_unique
 
-ENGINE_KINDS = KINDS
 RUNNERS = ("driver", "trtllm-bench")
 PERCENTILE_KEYS = ("p50", "p90", "p95", "p99", "minimum", "maximum", "average")
 # The x-axis definitions a record carries; the analysis names the one it plots.
@@ -77,7 +76,7 @@ TRTLLM_BENCH_DATASET = "trtllm_bench_dataset.jsonl"
 @dataclass(frozen=True)
 class EngineEntry:
     name: str
-    kind: str
+    mode: DecodingMode  # the config's `kind` key
     target: Target
     runner: str = "driver"
     extra_args: tuple[str, ...] = ()
@@ -155,14 +154,14 @@ def _engine_entry(i: int, e: Any, base: Path) -> EngineEntry:
         raise DFlashTrtError(f"sweep config: engine {name!r} has unknown key(s) {', '.join(unknown)}")
     if not name or "/" in name or name.startswith("."):
         raise DFlashTrtError(f"sweep config: engine name {name!r} must be a plain folder name")
-    if e["kind"] not in ENGINE_KINDS:
-        raise DFlashTrtError(f"sweep config: engine {name!r} kind must be one of {', '.join(ENGINE_KINDS)}")
+    if e["kind"] not in DECODING_MODES:
+        raise DFlashTrtError(f"sweep config: engine {name!r} kind must be one of {', '.join(DECODING_MODES)}")
     if sum(1 for k in where_keys if e.get(k)) != 1:
         raise DFlashTrtError(f"sweep config: engine {name!r} needs exactly one of {', '.join(where_keys)}")
     runner = e.get("runner", "driver")
     if runner not in RUNNERS:
         raise DFlashTrtError(f"sweep config: engine {name!r} runner must be one of {', '.join(RUNNERS)}")
-    if runner == "trtllm-bench" and (e["kind"] != "ar" or not e.get("engine_dir")):
+    if runner == "trtllm-bench" and (e["kind"] != AR or not e.get("engine_dir")):
         raise DFlashTrtError(
             f"sweep config: engine {name!r}: runner trtllm-bench works only for AR engines (engine_dir, kind ar); "
             "1.2.x trtllm-bench cannot run EAGLE-mode engines"
@@ -175,7 +174,7 @@ def _engine_entry(i: int, e: Any, base: Path) -> EngineEntry:
         raise DFlashTrtError(f"sweep config: engine {name!r} eagle_choices must be a list of integer lists")
     try:
         target = Target(
-            kind=e["kind"],
+            mode=e["kind"],
             engine_dir=str(base / e["engine_dir"]) if e.get("engine_dir") else None,
             checkpoint_dir=str(base / e["checkpoint_dir"]) if e.get("checkpoint_dir") else None,
             triton_url=_field(e, "triton_url", URL.check, where),
@@ -187,7 +186,7 @@ def _engine_entry(i: int, e: Any, base: Path) -> EngineEntry:
         )
     except DFlashTrtError as exc:
         raise DFlashTrtError(f"sweep config: engine {name!r}: {exc}") from None
-    return EngineEntry(name, e["kind"], target, runner, _str_list(e.get("extra_args"), "extra_args"))
+    return EngineEntry(name, target.mode, target, runner, _str_list(e.get("extra_args"), "extra_args"))
 
 
 def parse_sweep_config(data: Any, base_dir: str | Path = ".") -> SweepConfig:
@@ -221,7 +220,7 @@ def parse_sweep_config(data: Any, base_dir: str | Path = ".") -> SweepConfig:
     engines = [_engine_entry(i, e, base) for i, e in enumerate(engines_raw)]
     if len({e.name for e in engines}) != len(engines):
         raise DFlashTrtError("sweep config: two engines share a name")
-    if not any(e.kind == "ar" for e in engines):
+    if not any(e.mode == AR for e in engines):
         raise DFlashTrtError("sweep config: include one 'ar' engine; speedups are measured against it")
     if any(e.runner == "trtllm-bench" for e in engines) and not data.get("model"):
         raise DFlashTrtError("sweep config: runner trtllm-bench needs 'model' (its --model tokenizer name)")
@@ -341,7 +340,7 @@ def _percentiles(section: dict, key: str, where: str) -> dict[str, float] | None
     return {k: _number(value, k, f"{where}.{key}") for k in PERCENTILE_KEYS if k in value}
 
 
-def record_from_report(report: Any, engine: str, kind: str, concurrency: int, source: str = "report") -> dict:
+def record_from_report(report: Any, engine: str, mode: str, concurrency: int, source: str = "report") -> dict:
     """The per-point record: both tok/s/user definitions, tok/s/GPU, latencies, acceptance."""
     if not isinstance(report, dict):
         raise DFlashTrtError(f"{source}: trtllm-bench report must be a JSON object")
@@ -367,10 +366,10 @@ def record_from_report(report: Any, engine: str, kind: str, concurrency: int, so
     decoding = report.get("decoding_stats")
     acceptance = draft_rate = None
     mean_al = 1.0
-    if kind != "ar":
+    if mode != AR:
         if not isinstance(decoding, dict):
             raise DFlashTrtError(
-                f"{source}: a {kind} engine's report must have 'decoding_stats' (was the engine built with "
+                f"{source}: a {mode} engine's report must have 'decoding_stats' (was the engine built with "
                 "--speculative_decoding_mode?)"
             )
         dwhere = f"{source}: decoding_stats"
@@ -381,7 +380,7 @@ def record_from_report(report: Any, engine: str, kind: str, concurrency: int, so
         mean_al = acceptance["average"]
     return {
         "engine": engine,
-        "kind": kind,
+        "kind": mode,
         "concurrency": concurrency,
         "status": "ok",
         "gpus": world_size,
@@ -449,7 +448,7 @@ def _trtllm_bench_point(cfg: SweepConfig, engine: EngineEntry, concurrency: int,
     cmd = bench_command(cfg, engine, concurrency, report_path)
     log_path = pdir / "bench.log"
     rc = runner(cmd, log_path)
-    base = {"engine": engine.name, "kind": engine.kind, "concurrency": concurrency, "command": shlex.join(cmd)}
+    base = {"engine": engine.name, "kind": engine.mode, "concurrency": concurrency, "command": shlex.join(cmd)}
     try:
         if rc != 0:
             raise DFlashTrtError(f"trtllm-bench exited with status {rc}")
@@ -459,7 +458,7 @@ def _trtllm_bench_point(cfg: SweepConfig, engine: EngineEntry, concurrency: int,
             report = json.loads(report_path.read_text())
         except json.JSONDecodeError as exc:
             raise DFlashTrtError(f"report.json is not valid JSON: {exc}") from exc
-        return base | record_from_report(report, engine.name, engine.kind, concurrency, str(report_path))
+        return base | record_from_report(report, engine.name, engine.mode, concurrency, str(report_path))
     except DFlashTrtError as exc:
         return base | {"status": "failed", "returncode": rc, "error": str(exc), "log_tail": _log_tail(log_path)}
 
@@ -467,7 +466,7 @@ def _trtllm_bench_point(cfg: SweepConfig, engine: EngineEntry, concurrency: int,
 def _driver_point(
     cfg: SweepConfig, engine: EngineEntry, concurrency: int, workload: Workload, show_progress: bool = False
 ) -> dict:
-    base = {"engine": engine.name, "kind": engine.kind, "concurrency": concurrency, "target": describe(engine.target)}
+    base = {"engine": engine.name, "kind": engine.mode, "concurrency": concurrency, "target": describe(engine.target)}
     bar = request_bar(len(workload.requests), f"{engine.name} c={concurrency}", show_progress)
     try:
         factory = backend_factory(engine.target, workload, cfg.max_batch_size, cfg.kv_cache_free_gpu_mem_fraction)
@@ -487,10 +486,10 @@ def _driver_point(
         return base | {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
     finally:
         bar.close()
-    if not point["requests"]:
-        errors = {r["error"] for r in point["per_request"] if r["error"]}
+    if not point.requests:
+        errors = {r.error for r in point.per_request if r.error}
         return base | {"status": "failed", "error": "no request finished: " + "; ".join(sorted(errors))}
-    return base | point | sweep_fields(point) | {"status": "ok"}
+    return base | point.to_json() | sweep_fields(point) | {"status": "ok"}
 
 
 def run_point(
@@ -564,8 +563,10 @@ def check_point_record(record: dict, where: str) -> dict:
     """A point record as the analysis reads it: every field it uses present and of its type (a hand-edited or
     truncated point.json is refused in one line, not met as a KeyError in the middle of the report)."""
     check_text(record.get("engine"), f"{where}: 'engine'")
-    if record.get("kind") not in KINDS:
-        raise DFlashTrtError(f"{where}: 'kind' must be one of {', '.join(KINDS)}, got {record.get('kind')!r:.40}")
+    if record.get("kind") not in DECODING_MODES:
+        raise DFlashTrtError(
+            f"{where}: 'kind' must be one of {', '.join(DECODING_MODES)}, got {record.get('kind')!r:.40}"
+        )
     CONCURRENCY.check(record.get("concurrency"), f"{where}: 'concurrency'")
     if record.get("status") not in POINT_STATUSES:
         raise DFlashTrtError(f"{where}: 'status' must be one of {', '.join(POINT_STATUSES)}")

@@ -11,8 +11,9 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from dflash_trt.analysis.pareto import BandRow, Point, group_by_engine, pareto_frontier
+from dflash_trt.decoding_modes import AR, EAGLE3
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.perf.pareto import Point, group_by_engine, pareto_frontier
 
 Y_LABEL_GPU = "output tok/s per GPU"
 Y_LABEL_CPU = "output tok/s (CPU host, no GPU)"
@@ -158,6 +159,29 @@ def _ratio(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
 
+def _comparison_tables(
+    rows: Sequence[BandRow], crossovers: dict[str, float | None], names: list[str], unit: str, baseline: str
+) -> list[Table]:
+    """Throughput and speedup over the baseline at equal interactivity, and where speculation stops paying."""
+    return [
+        (
+            f"{unit} at equal interactivity (same tok/s/user), and speedup over {baseline} there",
+            ["tok/s/user", *[f"{n} {unit}" for n in names], *[f"{n} vs {baseline}" for n in names]],
+            [
+                [f"{r.tok_s_user:.1f}"]
+                + ["-" if r.throughput[n] is None else f"{r.throughput[n]:.1f}" for n in names]
+                + [_ratio(r.speedup[n]) for n in names]
+                for r in rows
+            ],
+        ),
+        (
+            f"Concurrency where speculation stops paying ({unit} <= {baseline} at equal concurrency)",
+            ["engine", "crossover concurrency"],
+            [[n, "none in the swept range" if c is None else f"{c:.1f}"] for n, c in sorted(crossovers.items())],
+        ),
+    ]
+
+
 def analyze_records(
     records: Sequence[dict],
     user_metric: str,
@@ -171,20 +195,20 @@ def analyze_records(
     Levels default to the AR frontier's own interactivity values, the only ones where a ratio to AR exists;
     without AR points the report holds the plot and frontiers only.
     """
-    from dflash_trt.perf.pareto import crossover_concurrency, speedup_table
-    from dflash_trt.perf.sweep import USER_SPEED_METRICS, points_from_records
+    from dflash_trt.analysis.pareto import crossover_concurrency, speedup_table
+    from dflash_trt.analysis.sweep import USER_SPEED_METRICS, points_from_records
 
     points = points_from_records(records, user_metric)
-    kinds = {r["engine"]: r["kind"] for r in records}
+    modes = {r["engine"]: r["kind"] for r in records}
     groups = group_by_engine(points)
-    ar = [name for name in groups if kinds.get(name) == "ar"]
+    ar = [name for name in groups if modes.get(name) == AR]
     # Without an AR engine there is nothing to divide by: the plot and frontiers only.
     baseline = ar[0] if ar else None
     frontiers = {name: pareto_frontier(pts) for name, pts in groups.items()}
     if levels is None:
         levels = [p.tok_s_user for p in frontiers[baseline]] if baseline else []
     rows = speedup_table(points, baseline, levels) if baseline else []
-    eagle = [name for name in groups if kinds.get(name) == "eagle3"]
+    eagle = [name for name in groups if modes.get(name) == EAGLE3]
     eagle_rows = speedup_table(points, eagle[0], levels) if eagle and baseline else []
     crossovers = {
         name: crossover_concurrency(pts, groups[baseline]).concurrency
@@ -213,29 +237,9 @@ def analyze_records(
         "crossover_concurrency_vs_ar": crossovers,
         "failed_points": failed,
     }
-    names = sorted(groups)
     tables: list[Table] = list(extra_tables)
-    tables += (
-        []
-        if baseline is None
-        else [
-            (
-                f"{unit} at equal interactivity (same tok/s/user), and speedup over {baseline} there",
-                ["tok/s/user", *[f"{n} {unit}" for n in names], *[f"{n} vs {baseline}" for n in names]],
-                [
-                    [f"{r.tok_s_user:.1f}"]
-                    + ["-" if r.throughput[n] is None else f"{r.throughput[n]:.1f}" for n in names]
-                    + [_ratio(r.speedup[n]) for n in names]
-                    for r in rows
-                ],
-            ),
-            (
-                f"Concurrency where speculation stops paying ({unit} <= {baseline} at equal concurrency)",
-                ["engine", "crossover concurrency"],
-                [[n, "none in the swept range" if c is None else f"{c:.1f}"] for n, c in sorted(crossovers.items())],
-            ),
-        ]
-    )
+    if baseline is not None:
+        tables += _comparison_tables(rows, crossovers, sorted(groups), unit, baseline)
     if failed:
         tables.append(("Failed points", ["engine", "concurrency", "error"], [list(f.values()) for f in failed]))
     out = Path(out_dir)

@@ -19,10 +19,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from dflash_trt.analysis.gpus import GpuSpec
+from dflash_trt.analysis.pareto import Point
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import BYTES_PER_WEIGHT, FP8, NONE, NVFP4
-from dflash_trt.perf.gpus import GpuSpec
-from dflash_trt.perf.pareto import Point
 
 # The GEMM input precision of each --qformat / --kv_cache_dtype ("none" keeps 16-bit weights and caches).
 PRECISION = {NONE: "bf16", FP8: "fp8", NVFP4: "nvfp4"}

@@ -3,7 +3,7 @@
 Peaks are dense (without 2:4 sparsity). Memory is the total the device reports in bytes (nvidia-smi's MiB), not
 the marketing size in decimal GB: TensorRT-LLM sizes its KV pool from what the device reports. Each figure's
 kind and source is kept next to it (`plan --provenance`); how much of each peak a real kernel reaches is a
-separate, stated assumption in `dflash_trt.perf.model.Calibration`.
+separate, stated assumption in `dflash_trt.analysis.model.Calibration`.
 """
 
 from __future__ import annotations

@@ -12,10 +12,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from dflash_trt.analysis.gpus import GPUS, get_gpu
+from dflash_trt.analysis.memory import EngineLimits, batch_limit, budget, draft_len
+from dflash_trt.analysis.model import Calibration, Deployment, Method, TargetShape, mean_context
+from dflash_trt.decoding_modes import AR
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.perf.gpus import GPUS, get_gpu
-from dflash_trt.perf.memory import EngineLimits, batch_limit, budget, draft_len
-from dflash_trt.perf.model import Calibration, Deployment, Method, TargetShape, mean_context
 
 NODE_PATTERN = re.compile(r"^(\d+)x([a-z0-9]+)$")
 
@@ -113,7 +114,7 @@ class NodeRow:
 
     def ratio(self, method: str) -> float | None:
         """Users over AR's users; None when either serves nobody at the target (AR not at all: unbounded)."""
-        ar, other = self.layouts.get("ar"), self.layouts.get(method)
+        ar, other = self.layouts.get(AR), self.layouts.get(method)
         return None if ar is None or other is None else other.users / ar.users
 
 
@@ -157,7 +158,7 @@ def markdown_node(node: str, rows: list[NodeRow]) -> str:
                 lines.append(f"| {node} | {r.reading} | {name} | – | 0 | – | – |")
                 continue
             ratio = r.ratio(name)
-            vs = "–" if name == "ar" else ("AR reaches none" if ratio is None else f"{ratio:.2f}×")
+            vs = "–" if name == AR else ("AR reaches none" if ratio is None else f"{ratio:.2f}×")
             lines.append(
                 f"| {node} | {r.reading} | {name} | tp {lay.tp} × {lay.replicas} × {lay.batch} | {lay.users} | "
                 f"{lay.tok_s_node:,.0f} | {vs} |"

@@ -19,8 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dflash_trt.emulation import functional as F
-from dflash_trt.emulation import layers, models, plugins, trt
+from dflash_trt.emulation import functional, layers, models, plugins, trt
 from dflash_trt.emulation.functional import EmulationError
 from dflash_trt.emulation.module import Module, ModuleList
 
@@ -50,11 +49,11 @@ REGISTRY: dict[str, dict[str, Any]] = {
         )
     },
     "tensorrt_llm": {},
-    "tensorrt_llm._common": {"default_net": F.default_net, "default_trtnet": F.default_trtnet},
+    "tensorrt_llm._common": {"default_net": functional.default_net, "default_trtnet": functional.default_trtnet},
     "tensorrt_llm._utils": {"pad_vocab_size": pad_vocab_size},
     "tensorrt_llm.bindings": {"KVCacheType": KVCacheType},
     "tensorrt_llm.functional": {
-        name: getattr(F, name)
+        name: getattr(functional, name)
         for name in (
             "Tensor",
             "LayerNormType",
@@ -93,7 +92,7 @@ REGISTRY: dict[str, dict[str, Any]] = {
             "SpecDecodingParams",
         )
     }
-    | {"AttentionMaskType": F.AttentionMaskType},
+    | {"AttentionMaskType": functional.AttentionMaskType},
     "tensorrt_llm.models": {"MODEL_MAP": models.MODEL_MAP},
     "tensorrt_llm.models.generation_mixin": {"GenerationMixin": models.GenerationMixin},
     "tensorrt_llm.models.llama": {},

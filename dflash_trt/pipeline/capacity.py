@@ -1,7 +1,7 @@
 """How many sequences a build profile's engine can hold in its KV pool, from the profile and the model shapes.
 
 The memory arithmetic (weights per rank, activation and runtime reserves, KV pool, per-sequence reservation
-with the EAGLE-mode step headroom) is `perf/memory.py`'s; this module applies it to a profile's GPU, TP,
+with the EAGLE-mode step headroom) is `analysis/memory.py`'s; this module applies it to a profile's GPU, TP,
 formats and engine limits.
 """
 
@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_trt.analysis.gpus import get_gpu
+from dflash_trt.analysis.memory import EngineLimits, blocks_per_sequence, budget, headroom_tokens
+from dflash_trt.analysis.model import PRECISION, Deployment, DFlashShape, TargetShape
+from dflash_trt.analysis.shapes import load_models
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.perf.gpus import get_gpu
-from dflash_trt.perf.memory import EngineLimits, blocks_per_sequence, budget, headroom_tokens
-from dflash_trt.perf.model import PRECISION, Deployment, DFlashShape, TargetShape
-from dflash_trt.perf.shapes import load_models
-from dflash_trt.profiles import BuildProfile
+from dflash_trt.pipeline.profiles import BuildProfile
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,154 @@
+"""Profile -> settings: the one place a build profile becomes converter arguments, engine build settings and
+Triton repository settings, each planned before the stage that uses it runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dflash_trt.pipeline.profiles import BuildProfile
+from dflash_trt.pipeline.workspace import Workspace
+from dflash_trt.recorded_configs import ModelSource
+from dflash_trt.triton.serving import ServingSettings
+from dflash_trt.trtllm.build_plan import (
+    SAMPLING_POLICY,
+    EngineBuildPlan,
+    EngineBuildSettings,
+    plan_engine_build,
+)
+
+if TYPE_CHECKING:  # the repository writer imports numpy (its processing code), which `--help` must not
+    from dflash_trt.triton.repository import RepositorySettings
+
+
+def engine_settings(profile: BuildProfile) -> EngineBuildSettings:
+    """The profile's `engine` section as build settings: every field both spell the same way (trtllm-build's flag
+    names); `max_draft_len` is not among them, the build takes it from the checkpoint's block size."""
+    shared = {f.name for f in dataclasses.fields(EngineBuildSettings)}
+    return EngineBuildSettings(**profile.engine.model_dump(include=shared))
+
+
+def settings_from_profile(
+    profile: BuildProfile,
+    engine_dir: str | Path,
+    tokenizer_dir: str | Path,
+    plugin_library: str | Path,
+    serving: ServingSettings | None = None,
+) -> RepositorySettings:
+    """Settings for the engine a build profile will produce, so the repository can be reviewed before the build;
+    `serving` replaces the profile's serving section (already validated overrides)."""
+    from dflash_trt.triton.repository import RepositorySettings, max_temperature_for_sampling, serving_fields
+
+    eng = profile.engine
+    return RepositorySettings(
+        engine_dir=str(Path(engine_dir).absolute()),
+        tokenizer_dir=str(Path(tokenizer_dir).absolute()),
+        plugin_library=str(Path(plugin_library).absolute()),
+        max_batch_size=eng.max_batch_size,
+        max_input_len=eng.max_input_len,
+        max_draft_len=eng.max_draft_len,
+        world_size=profile.checkpoint.tp_size,
+        max_temperature=max_temperature_for_sampling(SAMPLING_POLICY),
+        **serving_fields(serving or profile.serving),
+    )
+
+
+@dataclass(frozen=True)
+class QuantizationSettings:
+    """A quantized profile's converter settings; the field names are `convert`'s flags and `convert_checkpoint`'s
+    parameters, and their order is the order of the checkpoint stage's fingerprint and shown command."""
+
+    qformat: str
+    dflash_qformat: str | None
+    kv_cache_dtype: str | None
+    calib_dataset: str
+    calib_size: int
+    calib_max_seq_len: int | None
+
+    def as_fields(self) -> dict[str, str | int | None]:
+        return dataclasses.asdict(self)
+
+
+def quantization_settings(profile: BuildProfile, profile_path: Path) -> QuantizationSettings | None:
+    """The profile's quantization for the converter (None for an unquantized profile)."""
+    dataset = profile.calibration_dataset(profile_path)
+    if dataset is None:
+        return None
+    q = profile.quantization
+    return QuantizationSettings(
+        qformat=q.qformat,
+        dflash_qformat=q.dflash_qformat,
+        kv_cache_dtype=q.kv_cache_dtype,
+        calib_dataset=str(dataset),
+        calib_size=q.calibration.size,
+        calib_max_seq_len=q.calibration.max_seq_len,
+    )
+
+
+def convert_command(
+    profile: BuildProfile, target: str, draft: str, output: Path, quant: QuantizationSettings | None
+) -> str:
+    argv = [
+        "dflash-trt",
+        "convert",
+        "--model_dir",
+        target,
+        "--dflash_model_dir",
+        draft,
+        "--output_dir",
+        str(output),
+        "--dtype",
+        profile.checkpoint.dtype,
+        "--tp_size",
+        str(profile.checkpoint.tp_size),
+    ]
+    for key, value in (quant.as_fields() if quant else {}).items():
+        argv += [f"--{key}", str(value)]
+    return shlex.join(argv)
+
+
+def planned_checkpoint_config(profile: BuildProfile, target: ModelSource, draft: ModelSource) -> dict:
+    """The config.json the checkpoint stage will write, so the engine can be planned before converting."""
+    from dflash_trt.checkpoint.trtllm_config import checkpoint_config
+    from dflash_trt.formats import quantization_config
+    from dflash_trt.spec import parse_draft_config, parse_target_config
+
+    assert target.config is not None and draft.config is not None
+    target_spec = parse_target_config(target.config, target.path)
+    draft_spec = parse_draft_config(draft.config, target_spec)
+    q = profile.quantization
+    return checkpoint_config(
+        target_spec,
+        draft_spec,
+        profile.checkpoint.dtype,
+        profile.checkpoint.tp_size,
+        quantization=quantization_config(q.qformat, q.kv_cache_dtype),
+        draft_quantization=quantization_config(q.dflash_qformat, q.kv_cache_dtype),
+    )
+
+
+def plan_engine(
+    profile: BuildProfile,
+    ws: Workspace,
+    settings: EngineBuildSettings,
+    target: ModelSource,
+    draft: ModelSource,
+    plugin_library: str | None,
+) -> EngineBuildPlan:
+    """The engine build for the workspace's checkpoint; planned from the would-be config when it is not written yet.
+    Weight files are not required here: the checkpoint stage's record decides whether they are complete, and the
+    engine stage plans again, with them, right before it builds."""
+    if (ws.checkpoint / "config.json").is_file():
+        return plan_engine_build(
+            ws.checkpoint, ws.engine, settings, plugin_library=plugin_library, require_weights=False
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(planned_checkpoint_config(profile, target, draft)))
+        plan = plan_engine_build(tmp, ws.engine, settings, plugin_library=plugin_library, require_weights=False)
+    command = [str(ws.checkpoint) if arg == tmp else arg for arg in plan.command]
+    return dataclasses.replace(plan, checkpoint_dir=str(ws.checkpoint), command=command)

@@ -1,0 +1,51 @@
+"""The engine loop's rules that every decoder of this toolkit shares: which requests it accepts, how many new tokens a
+step may keep (the output budget) and where a stop ends a request. Written once so the golden loop, the golden
+executor and the emulated executor cannot drift apart."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+
+from dflash_trt.errors import DFlashTrtError
+
+
+def check_request(
+    index: int, prompt: Sequence[int], max_new_tokens: int, vocab_size: int, max_seq_len: int | None = None
+) -> None:
+    """Refuse, in one line naming the prompt, what the engine refuses: an empty prompt, token ids outside the
+    vocabulary, no output budget, or (when the engine has one) a sequence longer than its max_seq_len."""
+    if not prompt:
+        raise DFlashTrtError(f"prompt {index} is empty")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise DFlashTrtError(f"prompt {index} has token ids outside the vocabulary (0..{vocab_size - 1})")
+    if max_new_tokens < 1:
+        raise DFlashTrtError(f"max_new_tokens must be >= 1, got {max_new_tokens} for prompt {index}")
+    if max_seq_len is not None and len(prompt) + max_new_tokens > max_seq_len:
+        raise DFlashTrtError(
+            f"prompt {index}: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds "
+            f"max_seq_len {max_seq_len}"
+        )
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What a step adds to a request: the tokens kept and whether a stop ended the request with them."""
+
+    tokens: list[int]
+    stopped: bool
+
+
+def keep_tokens(
+    new: Sequence[int],
+    room: int,
+    stops: Collection[int],
+    ends_stop_word: Callable[[list[int]], bool] | None = None,
+) -> Kept:
+    """Clip a step's tokens to the `room` left in the output budget, then cut them after the first stop token (or,
+    when `ends_stop_word` is given, after the first token that completes a stop word)."""
+    kept = list(new[:room])
+    for i, token in enumerate(kept):
+        if token in stops or (ends_stop_word is not None and ends_stop_word(kept[: i + 1])):
+            return Kept(kept[: i + 1], True)
+    return Kept(kept, False)
