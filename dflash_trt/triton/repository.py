@@ -194,13 +194,15 @@ def preprocessing_config(s: RepositorySettings) -> ModelConfig:
 
 
 def postprocessing_config(s: RepositorySettings) -> ModelConfig:
+    """One instance and no dynamic batching: the incomplete characters it holds back between a request's streamed
+    responses live in that instance's memory, and Triton runs one instance's requests in arrival order."""
     return ModelConfig(
         name=POSTPROCESSING,
         backend="python",
         max_batch_size=s.max_batch_size,
         inputs=(Tensor(P.TOKENS_BATCH, "TYPE_INT32", (-1, -1)), Tensor(P.SEQUENCE_LENGTH, "TYPE_INT32", (-1,))),
         outputs=(Tensor(P.OUTPUT, "TYPE_STRING", (-1,)),),
-        instance_count=s.instance_count,
+        instance_count=1,
         parameters={"tokenizer_dir": s.tokenizer_dir, "skip_special_tokens": _flag(s.skip_special_tokens)},
     )
 
