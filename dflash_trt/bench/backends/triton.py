@@ -19,6 +19,7 @@ repository's own (`dflash_trt.triton.processing`).
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import Any
 
 import numpy as np
@@ -134,6 +135,8 @@ class TritonBackend(Backend):
         self.client: Any = None
         self.deliver: Deliver = lambda batch: None
         self.tasks: dict[int, asyncio.Task] = {}  # request id -> the task holding its stream
+        # Triton request ids unique across bench runs: the ensemble keys split characters by them.
+        self.id_prefix = uuid.uuid4().hex
 
     async def start(self, deliver: Deliver) -> None:
         import tritonclient.grpc.aio as grpcclient
@@ -175,7 +178,7 @@ class TritonBackend(Backend):
             inputs, counter = request_inputs(request, self.end_id), None
 
         async def one_request():
-            yield {"model_name": self.model, "inputs": inputs, "request_id": str(request_id)}
+            yield {"model_name": self.model, "inputs": inputs, "request_id": f"{self.id_prefix}-{request_id}"}
             await done.wait()  # keep our side of the stream open until the final response
 
         received = 0
