@@ -32,7 +32,7 @@ class Target:
     plugin_library: str | None = None
     eagle_choices: tuple[tuple[int, ...], ...] | None = None
     triton_model: str = "tensorrt_llm"
-    gpus: int = 1
+    gpus: int | None = None  # behind a server; None: a Triton server's gpu_device_ids say, else 1
     end_id: int | None = None
     vocab_size: int | None = None  # a server's token range, when known: its responses are checked against it
     tokenizer_dir: str | None = None  # the served model's tokenizer: text models take and return text
@@ -128,7 +128,9 @@ def backend_factory(
         from dflash_trt.bench.backends.openai_http import OpenAIBackend
 
         url = target.openai_url
-        return lambda in_flight: OpenAIBackend(url, mode=target.kind, gpus=target.gpus, ignore_eos=workload.ignore_eos)
+        return lambda in_flight: OpenAIBackend(
+            url, mode=target.kind, gpus=target.gpus or 1, ignore_eos=workload.ignore_eos
+        )
     from dflash_trt.bench.backends.triton import TEXT_MODELS, TritonBackend
 
     tokenizer = None

@@ -112,7 +112,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="tensorrt_llm (token ids; the default), or ensemble / tensorrt_llm_bls (text: needs --tokenizer_dir)",
     )
     p.add_argument(
-        "--gpus", type=GPUS, default=1, help="GPUs behind --triton_url / --openai_url (divides tok/s per GPU)"
+        "--gpus",
+        type=GPUS,
+        default=None,
+        help="GPUs behind --triton_url / --openai_url, dividing tok/s per GPU (default: for Triton, the GPUs its "
+        "tensorrt_llm gpu_device_ids place replicas on, else 1)",
     )
     p.add_argument(
         "--end_id",

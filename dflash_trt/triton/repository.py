@@ -42,6 +42,8 @@ CLIENT_FILE = "client.py"
 PROCESSING_FILE = "dflash_processing.py"
 SAMPLING_RULES_FILE = "dflash_sampling_rules.py"
 CHAT_FILE = "dflash_chat.py"
+# tensorrt_llm's parameter placing each replica (model instance) on its GPUs.
+GPU_DEVICE_IDS = "gpu_device_ids"
 # A stub in a Python model's folder replaces the backend's own (python_backend `StubLauncher::Launch` [read]).
 PYTHON_STUB_FILE = "triton_python_backend_stub"
 # Makes libdflash_trt_plugins.so register its creators when it is loaded (plugins/src/pluginRegistration.cpp):
@@ -246,6 +248,16 @@ def replica_device_ids(replicas: int, world_size: int) -> str:
     return ";".join(",".join(str(gpu) for gpu in range(r * world_size, (r + 1) * world_size)) for r in range(replicas))
 
 
+def replica_gpus(device_ids: str) -> tuple[int, int]:
+    """(replicas, GPUs) of a served `gpu_device_ids` value: how a client learns the node behind a server."""
+    groups = [group for group in device_ids.split(";") if group.strip()]
+    try:
+        gpus = {int(gpu) for group in groups for gpu in group.split(",")}
+    except ValueError:
+        raise DFlashTrtError(f"{GPU_DEVICE_IDS} {device_ids!r} is not ';'-separated groups of GPU numbers") from None
+    return len(groups), len(gpus)
+
+
 def emulated_llm_parameters(s: RepositorySettings) -> dict[str, str]:
     """What `emulated_llm.Server.from_parameters` reads."""
     return {
@@ -272,7 +284,7 @@ def tensorrtllm_parameters(s: RepositorySettings) -> dict[str, str]:
         "tokenizer_dir": s.tokenizer_dir,
         "guided_decoding_backend": "",
         "xgrammar_tokenizer_info_path": "",
-        **({"gpu_device_ids": replica_device_ids(s.replicas, s.world_size)} if s.replicas > 1 else {}),
+        **({GPU_DEVICE_IDS: replica_device_ids(s.replicas, s.world_size)} if s.replicas > 1 else {}),
     }
 
 
