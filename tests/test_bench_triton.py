@@ -222,3 +222,12 @@ def test_one_replica_is_reported_per_gpu_as_told(server, tmp_path):
         assert cli_main(argv) == 0
         [point] = json.loads((tmp_path / "out" / "results.json").read_text())["points"]
         assert point["gpus"] == gpus
+
+
+def test_http_protocol_takes_a_text_model_and_its_tokenizer(server, tmp_path, capsys):
+    url, _ = server
+    argv = [*_bench(url, tmp_path, [[5]]), "--triton_protocol", "http"]
+    assert cli_main(argv) == 2
+    assert "--triton_protocol http takes the text models (ensemble, tensorrt_llm_bls)" in capsys.readouterr().err
+    assert cli_main([*argv, "--triton_model", "ensemble"]) == 2
+    assert "--triton_model ensemble takes text: give --tokenizer_dir" in capsys.readouterr().err

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from dflash_trt.bench.backends.triton import TritonBackend
+from dflash_trt.bench.backends.triton_http import TritonHttpBackend
 from dflash_trt.bench.driver import BenchRequest, run_load
 from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.emulation.engine import EmulatedEngine
@@ -417,6 +418,23 @@ def test_bench_tokens_equal_the_golden_loop(server, golden, tokenizer, texts, mo
             text = tokenizer.decode(expected[record.prompt_index], skip_special_tokens=True)
             assert tokenizer.decode(record.output_ids) == text
     assert max(n for _, n in trace.in_flight) == min(concurrency, len(requests))
+
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_bench_over_http_generate_stream_equals_the_golden_loop(server, golden, tokenizer, texts, model, concurrency):
+    prompts = [tokenizer.encode(t) for t in texts]
+    stops = list(golden.target.spec.eos_token_ids)
+    expected = [speculative_generate(golden, [p], MAX_NEW, stops)[0].output_ids for p in prompts]
+    requests = [BenchRequest(i, p, MAX_NEW) for i, p in enumerate(prompts)] * 2
+    backend = TritonHttpBackend(f"http://127.0.0.1:{server.http}", model=model, tokenizer=tokenizer)
+    trace = asyncio.run(run_load(backend, requests, concurrency=concurrency, timeout_s=300))
+    assert len(trace.records) == len(requests)
+    for record in trace.records:
+        assert record.error is None
+        text = tokenizer.decode(expected[record.prompt_index], skip_special_tokens=True)
+        assert tokenizer.decode(record.output_ids) == text
+    assert max(n for _, n in trace.in_flight) == concurrency
 
 
 def _stubs(server) -> list[int]:

@@ -112,6 +112,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="tensorrt_llm (token ids; the default), or ensemble / tensorrt_llm_bls (text: needs --tokenizer_dir)",
     )
     p.add_argument(
+        "--triton_protocol",
+        choices=("grpc", "http"),
+        default="grpc",
+        help="grpc (streaming ModelStreamInfer), or http: ensemble / tensorrt_llm_bls over HTTP generate_stream "
+        "(--triton_url then names the HTTP port)",
+    )
+    p.add_argument(
         "--gpus",
         type=GPUS,
         default=None,
@@ -144,6 +151,7 @@ def targets(args: argparse.Namespace) -> dict[str, Target]:
     common = {
         "plugin_library": args.plugin_library,
         "triton_model": args.triton_model,
+        "triton_protocol": args.triton_protocol,
         "gpus": args.gpus,
         "end_id": args.end_id,
         "vocab_size": args.vocab_size,
