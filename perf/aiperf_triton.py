@@ -5,7 +5,9 @@ A real tritonserver (`make tritonserver`) serves the CPU-served repository of th
 with the same held-out prompts, greedy, the same output budget, in a closed loop at each concurrency: aiperf 0.13
 through its template endpoint (a Jinja payload, `response_field: text_output`, tokens counted by re-tokenizing
 the text with the pair's tokenizer) and bench through `--triton_protocol http` (tokens counted the same way).
-The ratio bench / aiperf of output tokens/s must lie within 1 ± 0.15 at each concurrency.
+Each point is measured `--rounds` times, aiperf and bench alternating, and the medians are compared (on a shared
+machine one run of either moves by tens of percent with the other load); the ratio bench / aiperf of the median
+output tokens/s must lie within 1 ± 0.15 at each concurrency.
 
 aiperf is not a project dependency (about 1.2 GB installed): install it into a venv of its own and name its binary,
     python -m venv /tmp/aiperf-venv && /tmp/aiperf-venv/bin/pip install aiperf==0.13.0
@@ -17,8 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -86,10 +90,21 @@ def stop_server(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def run_aiperf(aiperf: str, port: int, tokenizer: Path, prompts: Path, concurrency: int, requests: int, out: Path):
+def cpu_seconds_of(command: list[str], **kwargs) -> float:
+    """Run `command` to completion; the CPU seconds it and its descendants used (the load generator's own cost,
+    taken from the cores the server shares)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run(command, check=True, **kwargs)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+
+
+def run_aiperf(
+    aiperf: str, port: int, tokenizer: Path, prompts: Path, concurrency: int, requests: int, out: Path
+) -> tuple[float, float]:
     template = out / "payload.json.j2"
     template.write_text(PAYLOAD)
-    artifacts = out / f"aiperf_c{concurrency}"
+    artifacts = out / f"aiperf_c{concurrency}_{len(list(out.glob(f'aiperf_c{concurrency}_*/')))}"
     command = [
         aiperf, "profile",
         "--model", MODEL,
@@ -109,14 +124,16 @@ def run_aiperf(aiperf: str, port: int, tokenizer: Path, prompts: Path, concurren
         "--random-seed", "123",
         "--artifact-dir", str(artifacts),
     ]  # fmt: skip
-    with open(out / f"aiperf_c{concurrency}.log", "wb") as log:
-        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
+    with open(artifacts.with_suffix(".log"), "wb") as log:
+        cpu_s = cpu_seconds_of(command, stdout=log, stderr=subprocess.STDOUT)
     export = json.loads((artifacts / "profile_export_aiperf.json").read_text())  # the profiling phase's
-    return export["output_token_throughput"]["avg"]
+    return export["output_token_throughput"]["avg"], cpu_s
 
 
-def run_bench(port: int, tokenizer: Path, prompts: Path, concurrency: int, requests: int, out: Path) -> float:
-    results = out / f"bench_c{concurrency}"
+def run_bench(
+    port: int, tokenizer: Path, prompts: Path, concurrency: int, requests: int, out: Path
+) -> tuple[float, float]:
+    results = out / f"bench_c{concurrency}_{len(list(out.glob(f'bench_c{concurrency}_*/')))}"
     command = [
         sys.executable, "-m", "dflash_trt.cli", "bench",
         "--triton_url", f"127.0.0.1:{port}",
@@ -131,9 +148,9 @@ def run_bench(port: int, tokenizer: Path, prompts: Path, concurrency: int, reque
         "--output_dir", str(results),
         "--overwrite",
     ]  # fmt: skip
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    cpu_s = cpu_seconds_of(command, stdout=subprocess.DEVNULL)
     [point] = json.loads((results / "results.json").read_text())["points"]
-    return point["throughput_tok_s"]
+    return point["throughput_tok_s"], cpu_s
 
 
 def main() -> None:
@@ -143,6 +160,7 @@ def main() -> None:
     parser.add_argument("--tritonserver", type=Path, default=ROOT / ".tritonserver" / "tritonserver")
     parser.add_argument("--concurrency", default="1,4")
     parser.add_argument("--requests", type=int, default=96, help="measured requests per point and load generator")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating runs of each load generator per point")
     args = parser.parse_args()
     out = args.output_dir
     out.mkdir(parents=True, exist_ok=False)
@@ -157,26 +175,31 @@ def main() -> None:
     try:
         for concurrency in (int(c) for c in args.concurrency.split(",")):
             load_before = os.getloadavg()[0]
-            aiperf = run_aiperf(args.aiperf, port, checkpoint, prompts, concurrency, args.requests, out)
-            bench = run_bench(port, checkpoint, prompts, concurrency, args.requests, out)
+            aiperf, bench = [], []
+            for _ in range(args.rounds):
+                aiperf.append(run_aiperf(args.aiperf, port, checkpoint, prompts, concurrency, args.requests, out))
+                bench.append(run_bench(port, checkpoint, prompts, concurrency, args.requests, out))
             rows.append({
                 "concurrency": concurrency,
-                "aiperf_tok_s": aiperf,
-                "bench_tok_s": bench,
-                "bench_vs_aiperf": bench / aiperf,
+                "aiperf_tok_s": [tok_s for tok_s, _ in aiperf],
+                "bench_tok_s": [tok_s for tok_s, _ in bench],
+                "aiperf_cpu_s": [cpu_s for _, cpu_s in aiperf],
+                "bench_cpu_s": [cpu_s for _, cpu_s in bench],
+                "bench_vs_aiperf": statistics.median(t for t, _ in bench) / statistics.median(t for t, _ in aiperf),
                 "load_avg_1min": [load_before, os.getloadavg()[0]],
             })  # fmt: skip
     finally:
         stop_server(process)
     (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
-    print("| concurrency | aiperf output tok/s | bench output tok/s | bench / aiperf | 1-min load (before, after) |")
+    print("| concurrency | aiperf output tok/s (runs) | bench output tok/s (runs) | bench / aiperf (medians) | load |")
     print("|---|---|---|---|---|")
     for r in rows:
-        load = ", ".join(f"{x:.1f}" for x in r["load_avg_1min"])
-        print(
-            f"| {r['concurrency']} | {r['aiperf_tok_s']:.1f} | {r['bench_tok_s']:.1f} | "
-            f"{r['bench_vs_aiperf']:.3f} | {load} |"
-        )
+        runs = {name: ", ".join(f"{x:.0f}" for x in r[f"{name}_tok_s"]) for name in ("aiperf", "bench")}
+        load = " → ".join(f"{x:.1f}" for x in r["load_avg_1min"])
+        print(f"| {r['concurrency']} | {runs['aiperf']} | {runs['bench']} | {r['bench_vs_aiperf']:.3f} | {load} |")
+    for r in rows:
+        cpu = {name: ", ".join(f"{x:.1f}" for x in r[f"{name}_cpu_s"]) for name in ("aiperf", "bench")}
+        print(f"c={r['concurrency']}: CPU seconds per run, aiperf {cpu['aiperf']}; bench {cpu['bench']}")
     off = [r for r in rows if abs(r["bench_vs_aiperf"] - 1) > TOLERANCE]
     sys.exit(1 if off else 0)
 
