@@ -16,7 +16,7 @@ from concurrent import futures
 import grpc
 import numpy as np
 import pytest
-from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from dflash_trt.bench.backends.triton import TritonBackend
 from dflash_trt.bench.driver import BenchRequest, run_load
@@ -179,3 +179,55 @@ def test_bench_reports_failed_requests_and_fails_when_all_did(server, tmp_path, 
     assert cli_main(_bench(url, tmp_path, [[13], [13, 5]])) == 2
     err = capsys.readouterr().err
     assert "every request of dflash c=1 failed: input token 13 is not allowed" in err
+
+
+class ReplicatedTensorrtLlm(FakeTensorrtLlm):
+    """The same model, described as `dflash-trt triton --replicas` writes it: `gpu_device_ids` naming one group of
+    GPUs per replica."""
+
+    def __init__(self, device_ids: str):
+        super().__init__()
+        self.device_ids = device_ids
+
+    def ModelConfig(self, request, context):
+        config = model_config_pb2.ModelConfig(name=request.name)
+        config.parameters["gpu_device_ids"].string_value = self.device_ids
+        return service_pb2.ModelConfigResponse(config=config)
+
+
+@pytest.mark.parametrize(("device_ids", "gpus"), [("0;1;2;3;4;5;6;7", 8), ("0,1;2,3;4,5;6,7", 8), ("0,1;2,3", 4)])
+def test_a_replicated_deployment_is_reported_per_node_and_per_gpu(tmp_path, capsys, device_ids, gpus):
+    srv = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(ReplicatedTensorrtLlm(device_ids), srv)
+    url = f"127.0.0.1:{srv.add_insecure_port('127.0.0.1:0')}"
+    srv.start()
+    try:
+        argv = _bench(url, tmp_path, [[5, 5], [6]])
+        assert cli_main(argv) == 0
+        [point] = json.loads((tmp_path / "out" / "results.json").read_text())["points"]
+        assert point["gpus"] == gpus and point["output_tokens"] == 6
+        assert point["throughput_tok_s_per_gpu"] == pytest.approx(point["throughput_tok_s"] / gpus)
+        assert cli_main([*argv, "--gpus", str(gpus)]) == 0  # stating the same count is fine
+        assert cli_main([*argv, "--gpus", "1"]) == 2
+        assert f"--gpus 1 disagrees with the server at {url}" in capsys.readouterr().err
+    finally:
+        srv.stop(grace=None)
+
+
+def test_one_replica_is_reported_per_gpu_as_told(server, tmp_path):
+    """A server whose tensorrt_llm names no gpu_device_ids (one replica; this double answers no ModelConfig):
+    --gpus divides, 1 by default."""
+    url, _ = server
+    for argv, gpus in ((_bench(url, tmp_path, [[5]]), 1), ([*_bench(url, tmp_path, [[5]]), "--gpus", "2"], 2)):
+        assert cli_main(argv) == 0
+        [point] = json.loads((tmp_path / "out" / "results.json").read_text())["points"]
+        assert point["gpus"] == gpus
+
+
+def test_http_protocol_takes_a_text_model_and_its_tokenizer(server, tmp_path, capsys):
+    url, _ = server
+    argv = [*_bench(url, tmp_path, [[5]]), "--triton_protocol", "http"]
+    assert cli_main(argv) == 2
+    assert "--triton_protocol http takes the text models (ensemble, tensorrt_llm_bls)" in capsys.readouterr().err
+    assert cli_main([*argv, "--triton_model", "ensemble"]) == 2
+    assert "--triton_model ensemble takes text: give --tokenizer_dir" in capsys.readouterr().err

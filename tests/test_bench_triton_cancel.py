@@ -65,7 +65,7 @@ def test_cancel_ends_only_that_requests_stream():
             await asyncio.sleep(0.01)
         backend.cancel(1)
         deadline = time.monotonic() + 20
-        while servicer.ended != ["1"]:
+        while servicer.ended != [f"{backend.id_prefix}-1"]:
             assert time.monotonic() < deadline, servicer.ended
             await asyncio.sleep(0.01)
         still = seen[2]

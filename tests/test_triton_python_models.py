@@ -49,8 +49,45 @@ def test_python_models_run_their_configs(tmp_path: Path, tokenizer_dir: Path, mo
     assert "accepts at most 6" in responses[2].error.message
     post = load_python_model(repo, "postprocessing", monkeypatch)
     ids = responses[0].outputs[P.INPUT_ID]
-    [done] = post.execute([{P.TOKENS_BATCH: ids[:, None, :], P.SEQUENCE_LENGTH: np.array([[ids.shape[1]]])}])
+    chunk = {P.TOKENS_BATCH: ids[:, None, :], P.SEQUENCE_LENGTH: np.array([[ids.shape[1]]])}
+    [done] = post.execute([_IdentifiedRequest(chunk, "")])
     assert done.outputs[P.OUTPUT][0, 0] == b"the fox"
+
+
+class _IdentifiedRequest(dict):
+    """A request's tensors and the client's request id, which the ensemble copies onto each composing request."""
+
+    def __init__(self, tensors: dict, request_id: str):
+        super().__init__(tensors)
+        self.id = request_id
+
+    def request_id(self) -> str:
+        return self.id
+
+
+def _post_chunk(post, ids: list[int], request_id: str) -> str:
+    chunk = {P.TOKENS_BATCH: np.array([[ids]], np.int32), P.SEQUENCE_LENGTH: np.array([[len(ids)]], np.int32)}
+    [response] = post.execute([_IdentifiedRequest(chunk, request_id)])
+    return response.outputs[P.OUTPUT][0, 0].decode("utf-8")
+
+
+def test_postprocessing_holds_a_split_character_back_per_request_id(
+    tmp_path: Path, tokenizer_dir: Path, pre: P.Preprocessor, monkeypatch
+):
+    repo = write_repository(repository_settings(tokenizer_dir), tmp_path / "repo")
+    post = load_python_model(repo, "postprocessing", monkeypatch)
+    texts = {"a": "drafts é 日本 block 🚀 done", "b": "naïve 数据 🙂 café"}
+    ids = {rid: pre.tokenizer.encode(text, add_special_tokens=False) for rid, text in texts.items()}
+    pieces: dict[str, list[str]] = {"a": [], "b": []}
+    for step in range(max(len(v) for v in ids.values())):  # two requests' one-token chunks, interleaved
+        for rid, row in ids.items():
+            if step < len(row):
+                pieces[rid].append(_post_chunk(post, row[step : step + 1], rid))
+    for rid, text in texts.items():
+        assert "".join(pieces[rid]) == text and not any("\ufffd" in p for p in pieces[rid])
+        assert "" in pieces[rid]  # a lead byte was held back until its continuation arrived
+    anonymous = [_post_chunk(post, ids["a"][i : i + 1], "") for i in range(len(ids["a"]))]
+    assert any("\ufffd" in p for p in anonymous)  # without a request id each chunk is decoded on its own
 
 
 def test_stream_detokenizer_never_splits_a_character(pre: P.Preprocessor):

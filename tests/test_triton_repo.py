@@ -132,6 +132,10 @@ def test_every_profile_repository_keeps_eagle_safe_serving(tmp_path: Path, token
     assert (params["enable_chunked_context"], params["enable_kv_cache_reuse"]) == ("false", "false")
     assert configs["tensorrt_llm_bls"].instance_group[0].count == prof.serving.instance_count < 8
     assert configs["preprocessing"].instance_group[0].count == prof.serving.instance_count
+    assert configs["postprocessing"].instance_group[0].count == 1  # it holds split characters in its own memory
+    assert not configs["postprocessing"].HasField("dynamic_batching")
+    assert configs["postprocessing"].instance_group[0].count == 1  # it holds split characters in its own memory
+    assert not configs["postprocessing"].HasField("dynamic_batching")
 
 
 def test_paths_written_into_configs_are_absolute(tmp_path: Path, tokenizer_dir: Path, monkeypatch):

@@ -18,12 +18,14 @@ import socket
 import subprocess
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from dflash_trt.bench.backends.triton import TritonBackend
+from dflash_trt.bench.backends.triton_http import TritonHttpBackend
 from dflash_trt.bench.driver import BenchRequest, run_load
 from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.emulation.engine import EmulatedEngine
@@ -221,14 +223,16 @@ def test_seeded_sampling_equals_the_emulated_engine(server, checkpoint, golden, 
         assert gen.errors == [] and gen.text == tokenizer.decode(expected, skip_special_tokens=True)
 
 
-def _stream_raw(server, model: str, inputs: list, timeout_s: float = 120) -> tuple[list, list[str]]:
+def _stream_raw(
+    server, model: str, inputs: list, timeout_s: float = 120, request_id: str = ""
+) -> tuple[list, list[str]]:
     """Every response of one streamed request, and its errors."""
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(server.url)
     results, errors = [], []
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     try:
-        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=True)
         while True:
             result, error = responses.get(timeout=timeout_s)
             if error is not None:
@@ -259,6 +263,76 @@ def _llm_inputs(prompt: list[int], max_new: int, **extra) -> list:
     ]
     dtypes = {np.dtype(np.float32): "FP32", np.dtype(np.uint64): "UINT64", np.dtype(np.int32): "INT32"}
     return inputs + [_tensor(name, value, dtypes[value.dtype]) for name, value in extra.items()]
+
+
+def _split_character_tokenizer(checkpoint: Path, lead: str, continuation: str, out: Path) -> Path:
+    """The checkpoint's tokenizer, encoding as before, but decoding `lead` and `continuation` as the two UTF-8
+    bytes of "é" (0xC3 0xA9): a character that spans two tokens, for a model that never learned one."""
+    out.mkdir()
+    for name in ("tokenizer_config.json", "generation_config.json"):
+        shutil.copyfile(checkpoint / name, out / name)
+    spec = json.loads((checkpoint / "tokenizer.json").read_text())
+    spec["decoder"] = {
+        "type": "Sequence",
+        "decoders": [
+            {"type": "Replace", "pattern": {"String": lead}, "content": "<0xC3>"},
+            {"type": "Replace", "pattern": {"String": continuation}, "content": "<0xA9>"},
+            {"type": "ByteFallback"},
+            {"type": "Fuse"},
+        ],
+    }
+    (out / "tokenizer.json").write_text(json.dumps(spec))
+    return out
+
+
+def _ensemble_inputs(text: str) -> list:
+    return [
+        _tensor("text_input", np.array([[text.encode()]], object), "BYTES"),
+        _tensor("max_tokens", np.array([[MAX_NEW]], np.int32), "INT32"),
+        _tensor("stream", np.array([[True]]), "BOOL"),
+    ]
+
+
+def _pieces(results: list) -> list[str]:
+    arrays = [r.as_numpy(P.TEXT_OUTPUT) for r in results]
+    return [b"".join(a.ravel()).decode("utf-8") for a in arrays if a is not None]
+
+
+def test_streamed_ensemble_text_never_splits_a_character(server, checkpoint, golden, tokenizer, texts, tmp_path):
+    """The last token of tensorrt_llm's first streamed response and the first of its second become the two bytes
+    of one character; a server whose tokenizer decodes them so must stream that character whole through the
+    ensemble to clients that send a request id (gRPC `request_id`, HTTP `id`), concurrent requests included."""
+    prompt = tokenizer.encode(texts[0])
+    greedy = np.array([[0.0]], np.float32)
+    results, errors = _stream_raw(server, "tensorrt_llm", _llm_inputs(prompt, MAX_NEW, temperature=greedy))
+    chunks = [
+        r.as_numpy(P.LLM_OUTPUT_IDS).ravel().tolist() for r in results if r.as_numpy(P.LLM_OUTPUT_IDS) is not None
+    ]
+    assert errors == [] and len(chunks) >= 2
+    lead, continuation = tokenizer.convert_ids_to_tokens([chunks[0][-1], chunks[1][0]])
+    assert lead != continuation and not {lead, continuation} & set("<0xC3A9>")  # replaced one after the other
+    split_dir = _split_character_tokenizer(checkpoint, lead, continuation, tmp_path / "split_tokenizer")
+    expected = _greedy_text(golden, load_tokenizer(split_dir), texts[0])
+    assert "é" in expected
+    settings = settings_from_checkpoint(checkpoint, split_dir, max_batch_size=2, max_seq_len=MAX_SEQ_LEN)
+    split_server = RunningServer(write_repository(settings, tmp_path / "repo"), tmp_path / "server.log")
+    try:
+        split_server.start()
+        results, errors = _stream_raw(split_server, "ensemble", _ensemble_inputs(texts[0]))
+        assert errors == [] and "".join(_pieces(results)) != expected  # without an id: each response on its own
+        with ThreadPoolExecutor(2) as pool:
+            streams = pool.map(
+                lambda rid: _stream_raw(split_server, "ensemble", _ensemble_inputs(texts[0]), request_id=rid),
+                ["first", "second"],
+            )
+            for results, errors in streams:
+                assert errors == [] and "".join(_pieces(results)) == expected
+        body = {"id": "over-http", "text_input": texts[0], "max_tokens": MAX_NEW, "stream": True}
+        events = _http_stream(split_server, "ensemble", body)
+        assert all("error" not in e for e in events)
+        assert "".join(e.get("text_output", "") for e in events) == expected
+    finally:
+        split_server.stop()
 
 
 def test_tensorrt_llm_samples_at_one_when_no_temperature_is_sent(server, checkpoint):
@@ -344,6 +418,23 @@ def test_bench_tokens_equal_the_golden_loop(server, golden, tokenizer, texts, mo
             text = tokenizer.decode(expected[record.prompt_index], skip_special_tokens=True)
             assert tokenizer.decode(record.output_ids) == text
     assert max(n for _, n in trace.in_flight) == min(concurrency, len(requests))
+
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_bench_over_http_generate_stream_equals_the_golden_loop(server, golden, tokenizer, texts, model, concurrency):
+    prompts = [tokenizer.encode(t) for t in texts]
+    stops = list(golden.target.spec.eos_token_ids)
+    expected = [speculative_generate(golden, [p], MAX_NEW, stops)[0].output_ids for p in prompts]
+    requests = [BenchRequest(i, p, MAX_NEW) for i, p in enumerate(prompts)] * 2
+    backend = TritonHttpBackend(f"http://127.0.0.1:{server.http}", model=model, tokenizer=tokenizer)
+    trace = asyncio.run(run_load(backend, requests, concurrency=concurrency, timeout_s=300))
+    assert len(trace.records) == len(requests)
+    for record in trace.records:
+        assert record.error is None
+        text = tokenizer.decode(expected[record.prompt_index], skip_special_tokens=True)
+        assert tokenizer.decode(record.output_ids) == text
+    assert max(n for _, n in trace.in_flight) == concurrency
 
 
 def _stubs(server) -> list[int]:

@@ -181,7 +181,7 @@ def _engine_entry(i: int, e: Any, base: Path) -> EngineEntry:
             plugin_library=str(base / e["plugin_library"]) if e.get("plugin_library") else None,
             eagle_choices=None if choices is None else tuple(tuple(c) for c in choices),
             triton_model=str(e.get("triton_model", "tensorrt_llm")),
-            gpus=_field(e, "gpus", GPUS.check, where) or 1,
+            gpus=_field(e, "gpus", GPUS.check, where),
             end_id=_field(e, "end_id", END_ID.check, where),
         )
     except DFlashTrtError as exc:

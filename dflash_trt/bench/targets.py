@@ -32,7 +32,8 @@ class Target:
     plugin_library: str | None = None
     eagle_choices: tuple[tuple[int, ...], ...] | None = None
     triton_model: str = "tensorrt_llm"
-    gpus: int = 1
+    triton_protocol: str = "grpc"  # "http": a text model over HTTP generate_stream, triton_url the HTTP port
+    gpus: int | None = None  # behind a server; None: a Triton server's gpu_device_ids say, else 1
     end_id: int | None = None
     vocab_size: int | None = None  # a server's token range, when known: its responses are checked against it
     tokenizer_dir: str | None = None  # the served model's tokenizer: text models take and return text
@@ -128,7 +129,9 @@ def backend_factory(
         from dflash_trt.bench.backends.openai_http import OpenAIBackend
 
         url = target.openai_url
-        return lambda in_flight: OpenAIBackend(url, mode=target.mode, gpus=target.gpus, ignore_eos=workload.ignore_eos)
+        return lambda in_flight: OpenAIBackend(
+            url, mode=target.mode, gpus=target.gpus or 1, ignore_eos=workload.ignore_eos
+        )
     from dflash_trt.bench.backends.triton import TEXT_MODELS, TritonBackend
 
     tokenizer = None
@@ -137,6 +140,13 @@ def backend_factory(
 
         tokenizer = load_tokenizer(target.tokenizer_dir)
     end_id = -1 if workload.ignore_eos else target.end_id
+    if target.triton_protocol == "http":
+        from dflash_trt.bench.backends.triton_http import TritonHttpBackend
+
+        url = f"http://{target.triton_url}"
+        return lambda in_flight: TritonHttpBackend(
+            url, model=target.triton_model, tokenizer=tokenizer, mode=target.mode, gpus=target.gpus or 1, end_id=end_id
+        )
     return lambda in_flight: TritonBackend(
         str(target.triton_url),
         model=target.triton_model,

@@ -96,7 +96,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="tensorrt_llm (token ids; the default), or ensemble / tensorrt_llm_bls (text: needs --tokenizer_dir)",
     )
     p.add_argument(
-        "--gpus", type=GPUS, default=1, help="GPUs behind --triton_url / --openai_url (divides tok/s per GPU)"
+        "--triton_protocol",
+        choices=("grpc", "http"),
+        default="grpc",
+        help="grpc (streaming ModelStreamInfer), or http: ensemble / tensorrt_llm_bls over HTTP generate_stream "
+        "(--triton_url then names the HTTP port)",
+    )
+    p.add_argument(
+        "--gpus",
+        type=GPUS,
+        default=None,
+        help="GPUs behind --triton_url / --openai_url, dividing tok/s per GPU (default: for Triton, the GPUs its "
+        "tensorrt_llm gpu_device_ids place replicas on, else 1)",
     )
     p.add_argument(
         "--end_id",
@@ -146,6 +157,7 @@ def targets(args: argparse.Namespace) -> dict[str, Target]:
     common = {
         "plugin_library": args.plugin_library,
         "triton_model": args.triton_model,
+        "triton_protocol": args.triton_protocol,
         "gpus": args.gpus,
         "end_id": args.end_id,
         "vocab_size": args.vocab_size,

@@ -12,6 +12,7 @@ import math
 import queue
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,6 +95,7 @@ def stream_generate(
         client.async_stream_infer(
             model,
             request_inputs(prompt, max_tokens, temperature, list(stop_words), seed),
+            request_id=uuid.uuid4().hex,  # lets the ensemble hold back a character split between responses
             enable_empty_final_response=True,
         )
         while True:

@@ -294,18 +294,52 @@ class Preprocessor:
         }
 
 
-class Postprocessor:
-    """Engine output ids -> text. Each streamed response carries only its new tokens."""
+# Token ids the ensemble's postprocessing holds back per request at most: a character is at most 4 UTF-8 bytes, so
+# a longer incomplete tail is not one character and is released as it decodes.
+MAX_HELD_TOKENS = 8
 
-    def __init__(self, tokenizer, *, skip_special_tokens: bool):
+
+class Postprocessor:
+    """Engine output ids -> text. Each streamed response carries only its new tokens.
+
+    The ensemble calls this model once per `tensorrt_llm` response, with no state of its own between the calls and
+    no final flag, so a character whose bytes span two responses would print as two replacement characters. The
+    one thing that identifies a request across those calls is the client's request id, which the ensemble copies
+    onto every request it sends a composing model. With a non-empty id, the ids of an incomplete trailing character
+    are held back under that id and decoded with the next response's ids. Without an id each response is decoded
+    on its own. At most `max_pending` requests are held (the oldest is dropped), so a request that ends inside a
+    character, or is cancelled, leaves nothing behind for long.
+    """
+
+    def __init__(self, tokenizer, *, skip_special_tokens: bool, max_pending: int = 1024):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.max_pending = max_pending
+        self.pending: dict[tuple[str, int, int], list[int]] = {}
 
     @classmethod
     def from_dir(cls, tokenizer_dir: str, **kwargs) -> Postprocessor:
         return cls(load_tokenizer(tokenizer_dir), **kwargs)
 
-    def postprocess(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _held_back(self, key: tuple[str, int, int], ids: list[int]) -> str:
+        """The text of `ids` after the ids held under `key`, less an incomplete trailing character."""
+        ids = self.pending.pop(key, []) + ids
+        text = self._decode(ids)
+        if not text.endswith("\ufffd"):
+            return text
+        for cut in range(len(ids) - 1, max(-1, len(ids) - 1 - MAX_HELD_TOKENS), -1):
+            head = self._decode(ids[:cut])
+            if not head.endswith("\ufffd"):
+                self.pending[key] = ids[cut:]
+                while len(self.pending) > self.max_pending:
+                    del self.pending[next(iter(self.pending))]
+                return head
+        return text
+
+    def postprocess(self, inputs: dict[str, np.ndarray], request_id: str = "") -> dict[str, np.ndarray]:
         tokens = np.asarray(inputs[TOKENS_BATCH])
         lengths = np.asarray(inputs[SEQUENCE_LENGTH])
         if tokens.ndim == 2:  # [batch, L]: one beam
@@ -314,7 +348,7 @@ class Postprocessor:
         for b in range(tokens.shape[0]):
             for beam in range(tokens.shape[1]):
                 ids = tokens[b, beam, : int(lengths[b, beam])].tolist()
-                text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+                text = self._held_back((request_id, b, beam), ids) if request_id else self._decode(ids)
                 out[b, beam] = text.encode("utf-8")
         return {OUTPUT: out}
 

@@ -42,6 +42,8 @@ CLIENT_FILE = "client.py"
 PROCESSING_FILE = "dflash_processing.py"
 SAMPLING_RULES_FILE = "dflash_sampling_rules.py"
 CHAT_FILE = "dflash_chat.py"
+# tensorrt_llm's parameter placing each replica (model instance) on its GPUs.
+GPU_DEVICE_IDS = "gpu_device_ids"
 # A stub in a Python model's folder replaces the backend's own (python_backend `StubLauncher::Launch` [read]).
 PYTHON_STUB_FILE = "triton_python_backend_stub"
 # Makes libdflash_trt_plugins.so register its creators when it is loaded (plugins/src/pluginRegistration.cpp):
@@ -194,13 +196,15 @@ def preprocessing_config(s: RepositorySettings) -> ModelConfig:
 
 
 def postprocessing_config(s: RepositorySettings) -> ModelConfig:
+    """One instance and no dynamic batching: the incomplete characters it holds back between a request's streamed
+    responses live in that instance's memory, and Triton runs one instance's requests in arrival order."""
     return ModelConfig(
         name=POSTPROCESSING,
         backend="python",
         max_batch_size=s.max_batch_size,
         inputs=(Tensor(P.TOKENS_BATCH, "TYPE_INT32", (-1, -1)), Tensor(P.SEQUENCE_LENGTH, "TYPE_INT32", (-1,))),
         outputs=(Tensor(P.OUTPUT, "TYPE_STRING", (-1,)),),
-        instance_count=s.instance_count,
+        instance_count=1,
         parameters={"tokenizer_dir": s.tokenizer_dir, "skip_special_tokens": _flag(s.skip_special_tokens)},
     )
 
@@ -244,6 +248,16 @@ def replica_device_ids(replicas: int, world_size: int) -> str:
     return ";".join(",".join(str(gpu) for gpu in range(r * world_size, (r + 1) * world_size)) for r in range(replicas))
 
 
+def replica_gpus(device_ids: str) -> tuple[int, int]:
+    """(replicas, GPUs) of a served `gpu_device_ids` value: how a client learns the node behind a server."""
+    groups = [group for group in device_ids.split(";") if group.strip()]
+    try:
+        gpus = {int(gpu) for group in groups for gpu in group.split(",")}
+    except ValueError:
+        raise DFlashTrtError(f"{GPU_DEVICE_IDS} {device_ids!r} is not ';'-separated groups of GPU numbers") from None
+    return len(groups), len(gpus)
+
+
 def emulated_llm_parameters(s: RepositorySettings) -> dict[str, str]:
     """What `emulated_llm.Server.from_parameters` reads."""
     return {
@@ -270,7 +284,7 @@ def tensorrtllm_parameters(s: RepositorySettings) -> dict[str, str]:
         "tokenizer_dir": s.tokenizer_dir,
         "guided_decoding_backend": "",
         "xgrammar_tokenizer_info_path": "",
-        **({"gpu_device_ids": replica_device_ids(s.replicas, s.world_size)} if s.replicas > 1 else {}),
+        **({GPU_DEVICE_IDS: replica_device_ids(s.replicas, s.world_size)} if s.replicas > 1 else {}),
     }
 
 

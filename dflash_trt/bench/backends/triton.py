@@ -19,6 +19,7 @@ repository's own (`dflash_trt.triton.processing`).
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ from dflash_trt.bench.driver import Backend, BenchRequest, Deliver, Response
 from dflash_trt.decoding_modes import DFLASH, DecodingMode
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.triton import processing as P
+from dflash_trt.triton.repository import GPU_DEVICE_IDS, TENSORRT_LLM, replica_gpus
 
 DEFAULT_MODEL = "tensorrt_llm"
 TEXT_MODELS = ("ensemble", "tensorrt_llm_bls")  # the repository's text-in, text-out models
@@ -116,7 +118,7 @@ class TritonBackend(Backend):
         *,
         model: str = DEFAULT_MODEL,
         mode: DecodingMode = DFLASH,
-        gpus: int = 1,
+        gpus: int | None = None,
         end_id: int | None = None,
         vocab_size: int | None = None,
         tokenizer=None,
@@ -127,7 +129,8 @@ class TritonBackend(Backend):
         self.url = url
         self.model = model
         self.mode = mode
-        self.gpus = gpus
+        self.gpus_given = gpus  # None: the server's gpu_device_ids say, else 1
+        self.gpus = gpus or 1
         self.end_id = end_id
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer if model in TEXT_MODELS else None
@@ -135,6 +138,8 @@ class TritonBackend(Backend):
         self.client: Any = None
         self.deliver: Deliver = lambda batch: None
         self.tasks: dict[int, asyncio.Task] = {}  # request id -> the task holding its stream
+        # Triton request ids unique across bench runs: the ensemble keys split characters by them.
+        self.id_prefix = uuid.uuid4().hex
 
     async def start(self, deliver: Deliver) -> None:
         import tritonclient.grpc.aio as grpcclient
@@ -151,6 +156,27 @@ class TritonBackend(Backend):
         if not ready:
             await self.client.close()
             raise DFlashTrtError(f"Triton at {self.url} has no ready model {self.model!r}")
+        served = await self._served_gpus()
+        if served is not None:
+            if self.gpus_given is not None and self.gpus_given != served:
+                await self.client.close()
+                raise DFlashTrtError(
+                    f"--gpus {self.gpus_given} disagrees with the server at {self.url}, whose {TENSORRT_LLM} "
+                    f"{GPU_DEVICE_IDS} place its replicas on {served} GPUs; drop --gpus or give {served}"
+                )
+            self.gpus = served
+
+    async def _served_gpus(self) -> int | None:
+        """The GPUs a replicated deployment's `tensorrt_llm` spreads its replicas over (`--replicas`), so tok/s is
+        reported per node and per GPU; None where the server names none (one replica, or not our repository)."""
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            config = await self.client.get_model_config(TENSORRT_LLM, as_json=True)
+        except InferenceServerException:
+            return None
+        device_ids = config.get("config", {}).get("parameters", {}).get(GPU_DEVICE_IDS, {}).get("string_value")
+        return replica_gpus(device_ids)[1] if device_ids else None
 
     def submit(self, request_id: int, request: BenchRequest) -> None:
         task = asyncio.get_running_loop().create_task(self._stream(request_id, request))
@@ -176,7 +202,7 @@ class TritonBackend(Backend):
             inputs, counter = request_inputs(request, self.end_id), None
 
         async def one_request():
-            yield {"model_name": self.model, "inputs": inputs, "request_id": str(request_id)}
+            yield {"model_name": self.model, "inputs": inputs, "request_id": f"{self.id_prefix}-{request_id}"}
             await done.wait()  # keep our side of the stream open until the final response
 
         received = 0

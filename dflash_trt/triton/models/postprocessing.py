@@ -21,7 +21,7 @@ class TritonPythonModel:
                 name: pb_utils.get_input_tensor_by_name(request, name).as_numpy()
                 for name in (TOKENS_BATCH, SEQUENCE_LENGTH)
             }
-            outputs = self.postprocessor.postprocess(inputs)
+            outputs = self.postprocessor.postprocess(inputs, request.request_id())
             tensors = [pb_utils.Tensor(name, array) for name, array in outputs.items()]
             responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
         return responses
