@@ -22,7 +22,8 @@ from contextlib import aclosing
 from typing import Any
 from urllib.parse import urlsplit
 
-from dflash_trt.bench.driver import Backend, BenchRequest, Deliver, Response
+from dflash_trt.bench.backends.streams import StreamPerRequest
+from dflash_trt.bench.driver import BenchRequest, Deliver, Response
 from dflash_trt.decoding_modes import DFLASH, DecodingMode
 from dflash_trt.errors import DFlashTrtError
 
@@ -123,7 +124,7 @@ class HttpClient:
         self.idle.clear()
 
 
-class OpenAIBackend(Backend):
+class OpenAIBackend(StreamPerRequest):
     def __init__(
         self,
         url: str,
@@ -141,7 +142,7 @@ class OpenAIBackend(Backend):
         self.model = ""
         self.client = HttpClient(self.url)
         self.deliver: Deliver = lambda batch: None
-        self.tasks: dict[int, asyncio.Task] = {}
+        super().__init__()
 
     async def start(self, deliver: Deliver) -> None:
         self.deliver = deliver
@@ -158,17 +159,6 @@ class OpenAIBackend(Backend):
         if not listed:
             raise DFlashTrtError(f"{self.url}/models lists no model")
         self.model = str(listed[0]["id"])
-
-    def submit(self, request_id: int, request: BenchRequest) -> None:
-        task = asyncio.get_running_loop().create_task(self._stream(request_id, request))
-        self.tasks[request_id] = task
-        task.add_done_callback(lambda _: self.tasks.pop(request_id, None))
-
-    def cancel(self, request_id: int) -> None:
-        """Close the request's connection: the server cancels a request whose client went away."""
-        task = self.tasks.get(request_id)
-        if task is not None:
-            task.cancel()
 
     async def _stream(self, request_id: int, request: BenchRequest) -> None:
         body = json.dumps(request_body(self.model, request, self.ignore_eos)).encode()
@@ -209,9 +199,5 @@ class OpenAIBackend(Backend):
         self.deliver([Response(request_id, [], True, message)])
 
     async def stop(self) -> None:
-        tasks = list(self.tasks.values())
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await self._cancel_all()
         self.client.close()

@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from dflash_trt.bench.driver import Backend, BenchRequest, Deliver, Response
+from dflash_trt.bench.backends.streams import StreamPerRequest
+from dflash_trt.bench.driver import BenchRequest, Deliver, Response
 from dflash_trt.decoding_modes import DFLASH, DecodingMode
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.triton import processing as P
@@ -111,7 +112,7 @@ def request_inputs(request: BenchRequest, end_id: int | None) -> list:
     return inputs
 
 
-class TritonBackend(Backend):
+class TritonBackend(StreamPerRequest):
     def __init__(
         self,
         url: str,
@@ -137,7 +138,7 @@ class TritonBackend(Backend):
         self.connect_timeout_s = connect_timeout_s
         self.client: Any = None
         self.deliver: Deliver = lambda batch: None
-        self.tasks: dict[int, asyncio.Task] = {}  # request id -> the task holding its stream
+        super().__init__()
         # Triton request ids unique across bench runs: the ensemble keys split characters by them.
         self.id_prefix = uuid.uuid4().hex
 
@@ -177,17 +178,6 @@ class TritonBackend(Backend):
             return None
         device_ids = config.get("config", {}).get("parameters", {}).get(GPU_DEVICE_IDS, {}).get("string_value")
         return replica_gpus(device_ids)[1] if device_ids else None
-
-    def submit(self, request_id: int, request: BenchRequest) -> None:
-        task = asyncio.get_running_loop().create_task(self._stream(request_id, request))
-        self.tasks[request_id] = task
-        task.add_done_callback(lambda _: self.tasks.pop(request_id, None))
-
-    def cancel(self, request_id: int) -> None:
-        """Close the request's stream: Triton cancels a request whose gRPC stream its client cancelled."""
-        task = self.tasks.get(request_id)
-        if task is not None:
-            task.cancel()
 
     async def _stream(self, request_id: int, request: BenchRequest) -> None:
         import grpc
@@ -232,11 +222,7 @@ class TritonBackend(Backend):
             done.set()
 
     async def stop(self) -> None:
-        tasks = list(self.tasks.values())
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await self._cancel_all()
         if self.client is not None:
             await self.client.close()
             self.client = None

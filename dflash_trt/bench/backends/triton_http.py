@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 
 from dflash_trt.bench.backends.openai_http import DATA, HttpClient, HttpError
+from dflash_trt.bench.backends.streams import StreamPerRequest
 from dflash_trt.bench.backends.triton import TEXT_MODELS, BadResponse, TextCounter
-from dflash_trt.bench.driver import Backend, BenchRequest, Deliver, Response
+from dflash_trt.bench.driver import BenchRequest, Deliver, Response
 from dflash_trt.decoding_modes import DFLASH, DecodingMode
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.triton import processing as P
@@ -41,7 +42,7 @@ def generate_body(request: BenchRequest, prompt: str, request_id: str, end_id: i
     return body
 
 
-class TritonHttpBackend(Backend):
+class TritonHttpBackend(StreamPerRequest):
     def __init__(
         self,
         url: str,
@@ -69,7 +70,7 @@ class TritonHttpBackend(Backend):
         self.connect_timeout_s = connect_timeout_s
         self.client = HttpClient(self.url)
         self.deliver: Deliver = lambda batch: None
-        self.tasks: dict[int, asyncio.Task] = {}
+        super().__init__()
         self.id_prefix = uuid.uuid4().hex
 
     async def start(self, deliver: Deliver) -> None:
@@ -87,17 +88,6 @@ class TritonHttpBackend(Backend):
             raise DFlashTrtError(
                 f"no ready model {self.model!r} at the Triton HTTP server {self.url}: {reason}"
             ) from None
-
-    def submit(self, request_id: int, request: BenchRequest) -> None:
-        task = asyncio.get_running_loop().create_task(self._stream(request_id, request))
-        self.tasks[request_id] = task
-        task.add_done_callback(lambda _: self.tasks.pop(request_id, None))
-
-    def cancel(self, request_id: int) -> None:
-        """Close the request's connection: the server cancels a request whose client went away."""
-        task = self.tasks.get(request_id)
-        if task is not None:
-            task.cancel()
 
     async def _stream(self, request_id: int, request: BenchRequest) -> None:
         prompt = self.tokenizer.decode(request.input_ids, skip_special_tokens=True)
@@ -124,9 +114,5 @@ class TritonHttpBackend(Backend):
         self.deliver([Response(request_id, [], True)])
 
     async def stop(self) -> None:
-        tasks = list(self.tasks.values())
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await self._cancel_all()
         self.client.close()
