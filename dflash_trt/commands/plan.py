@@ -9,7 +9,6 @@ sequences a profile's engine holds; `--validate` for the model against every pub
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -37,6 +36,7 @@ from dflash_trt.decoding_modes import AR, DFLASH, EAGLE3
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import KV_CACHE_DTYPES, NONE, QFORMATS
 from dflash_trt.inputs import POSITIVE_INT, SPEED
+from dflash_trt.jsonfile import strict_json
 from dflash_trt.pipeline.profiles import check_tp_heads, load_profile
 
 DEFAULT_LENGTHS = (1024, 1024)
@@ -230,7 +230,7 @@ def _validate(args: argparse.Namespace) -> None:
             }
             for s in evaluation.summarize(rows)
         ]
-        _emit(json.dumps({"points": [r.as_json() for r in rows], "summaries": summaries}, indent=2))
+        _emit(strict_json({"points": [r.as_json() for r in rows], "summaries": summaries}, indent=2))
     else:
         shape = evaluation.markdown_band_shape(evaluation.band_shape())
         _emit(f"{evaluation.markdown_tables(rows)}\n\nShape of the >15x claim (gpt-oss-120b, 8x B300, MXFP4):\n{shape}")
@@ -241,7 +241,7 @@ def _provenance(args: argparse.Namespace) -> None:
 
     table = provenance.as_json()
     if args.json:
-        _emit(json.dumps(table, indent=2))
+        _emit(strict_json(table, indent=2))
         return
     _emit("\n".join(f"{name}\t{c['value']}\t{c['kind']}\t{c['source']}" for name, c in table.items()))
 
@@ -283,7 +283,7 @@ def _capacity(args: argparse.Namespace) -> None:
     cap = plan_capacity(profile, target, drafter, shape)
     warnings = capacity_warnings(profile, cap)
     if args.json:
-        _emit(json.dumps({"profile": profile.name, "capacity": cap.as_json(), "warnings": warnings}, indent=2))
+        _emit(strict_json({"profile": profile.name, "capacity": cap.as_json(), "warnings": warnings}, indent=2))
     else:
         _emit(describe(profile, cap))
     for w in warnings:
@@ -341,7 +341,7 @@ def _calibrate(args: argparse.Namespace) -> None:
         write_calibration(args.output, cal, stamp, args.overwrite)
     if args.json:
         _emit(
-            json.dumps(
+            strict_json(
                 {
                     "calibration": vars(cal),
                     "stamp": stamp,
@@ -495,7 +495,7 @@ def _emit_curves_json(
             rows.append(row)
         merged[name] = rows
     _emit(
-        json.dumps(
+        strict_json(
             {
                 "calibrations": [vars(c) for c in cals],
                 "notes": notes,
@@ -587,7 +587,7 @@ def _node(args: argparse.Namespace) -> None:
     rows = plan_node(methods, target, args.node, precision, kv, cals, lengths, args.min_tok_s_user)
     if args.json:
         _emit(
-            json.dumps(
+            strict_json(
                 {
                     "node": args.node,
                     "min_tok_s_user": args.min_tok_s_user,
