@@ -59,6 +59,18 @@ def converted(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory)
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded trained pair converted in float32 at tp 1: a drafter accepted for long stretches. Shared by
+    every module that serves or emulates it, so never modify it."""
+    from dflash_trt.conversion.convert import convert_checkpoint
+    from dflash_trt.tiny.heldout import draft_dir, target_dir
+
+    out = tmp_path_factory.mktemp("tiny") / "ckpt"
+    convert_checkpoint(target_dir(), draft_dir(), out, dtype="float32")
+    return out
+
+
 EditConfig = Callable[[dict], object]
 
 

@@ -24,7 +24,6 @@ from _pairs import PairVariant
 from safetensors.torch import load_file, save_file
 
 from dflash_trt import cli
-from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.emulation import functional
 from dflash_trt.emulation.functional import EmulationError, Network, PluginConfig, net_guard
 from dflash_trt.emulation.runtime import EmulatedRuntime
@@ -32,7 +31,7 @@ from dflash_trt.emulation.stand_ins import ENGINE_PACKAGE, ENGINE_SOURCES, REGIS
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.reference.decode import SequenceResult, speculative_generate
 from dflash_trt.reference.model import load_golden_model
-from dflash_trt.tiny.heldout import draft_dir, load_heldout, target_dir
+from dflash_trt.tiny.heldout import load_heldout
 from dflash_trt.tokenizer import load_tokenizer
 
 TINY_BLOCK = 16  # the embedded drafter's block size
@@ -103,14 +102,6 @@ VARIANTS = {
         32,
     ),
 }
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    """The embedded trained pair, converted: a drafter that is accepted for long stretches."""
-    out = tmp_path_factory.mktemp("tiny") / "ckpt"
-    convert_checkpoint(target_dir(), draft_dir(), out, dtype="float32")
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -6,29 +6,20 @@ flight); cancelled requests give their slot and pages back."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 
 from dflash_trt.bench.backends.emulated import EmulatedBackend
 from dflash_trt.bench.driver import BenchRequest, run_load
-from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.emulation.engine import EmulatedEngine
 from dflash_trt.emulation.executor import EmulatedExecutor, Request
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import load_golden_model
-from dflash_trt.tiny.heldout import draft_dir, load_heldout, target_dir
+from dflash_trt.tiny.heldout import load_heldout
 from dflash_trt.tokenizer import load_tokenizer
 
 MAX_NEW = 20
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny") / "ckpt"
-    convert_checkpoint(target_dir(), draft_dir(), out, dtype="float32")
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -2,22 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from _hostile_cli import run_cli
 
 from dflash_trt.cli import main
-from dflash_trt.conversion.convert import convert_checkpoint
-from dflash_trt.tiny.heldout import draft_dir, target_dir
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny") / "ckpt"
-    convert_checkpoint(target_dir(), draft_dir(), out, dtype="float32")
-    return out
-
 
 CASES = [
     (["--port", "70000"], "argument --port: must be an integer in [0, 65535], got '70000'"),

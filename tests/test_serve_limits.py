@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -24,11 +23,10 @@ import pytest
 from _server import RunningServer
 
 from dflash_trt.bench.driver import Backend, Response
-from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.server.launch import make_app
 from dflash_trt.server.params import Limits
 from dflash_trt.server.targets import ServeTarget
-from dflash_trt.tiny.heldout import draft_dir, target_dir
+from dflash_trt.tiny.heldout import target_dir
 from dflash_trt.tokenizer import load_tokenizer
 
 
@@ -146,13 +144,6 @@ def test_the_api_key_guards_the_api_and_bodies_are_bounded(tokenizer):
         answer = httpx.post(f"{base}/completions", json=big, headers={"Authorization": "Bearer sesame"})
         assert answer.status_code == 413 and "2048 bytes" in answer.json()["error"]["message"]
     assert backend.submitted == []
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny") / "ckpt"
-    convert_checkpoint(target_dir(), draft_dir(), out, dtype="float32")
-    return out
 
 
 @pytest.mark.slow

@@ -23,12 +23,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dflash_trt.bench.backends.emulated import EmulatedBackend
 from dflash_trt.cli import main
-from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.emulation.engine import EmulatedEngine
 from dflash_trt.server.launch import make_app
 from dflash_trt.server.params import Limits
 from dflash_trt.server.targets import ServeTarget
-from dflash_trt.tiny.heldout import draft_dir, load_heldout, target_dir
+from dflash_trt.tiny.heldout import load_heldout
 from dflash_trt.tokenizer import load_tokenizer
 
 MAX_NEW = 24
@@ -38,13 +37,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant:{% if enable_thinking is defined and not enable_thinking %} /q"
     "{% endif %}{% endif %}"
 )
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny") / "ckpt"
-    convert_checkpoint(target_dir(), draft_dir(), out, dtype="float32")
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,11 @@ import json
 from pathlib import Path
 
 import pytest
+from _triton_repo import repository_settings
 from google.protobuf import text_format
 
 from dflash_trt.cli import main as cli_main
-from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.tiny.heldout import draft_dir, target_dir
 from dflash_trt.triton.repository import (
     BLS,
     LAUNCH_SCRIPT,
@@ -28,10 +27,8 @@ mc = pytest.importorskip("tritonclient.grpc.model_config_pb2")
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("cpu_repo") / "ckpt"
-    convert_checkpoint(target_dir(), draft_dir(), out, dtype="float32")
-    return out
+def checkpoint(tiny: Path) -> Path:
+    return tiny
 
 
 def _configs(repo: Path) -> dict:
@@ -226,17 +223,9 @@ def test_path_map_writes_the_serving_hosts_paths(checkpoint, tmp_path, capsys):
 
 
 def _engine_settings(checkpoint: Path, **changes) -> RepositorySettings:
-    base = dict(
-        engine_dir="/engines/tiny",
-        tokenizer_dir=str(checkpoint),
-        plugin_library="/opt/lib/libdflash_trt_plugins.so",
-        max_batch_size=8,
-        max_input_len=64,
-        max_draft_len=15,
-        world_size=1,
-        max_temperature=0.0,
-    )
-    return RepositorySettings(**{**base, **changes})
+    """An engine repository for the tiny pair's tokenizer (the shared settings, at the tiny pair's sizes)."""
+    tiny = {"engine_dir": "/engines/tiny", "plugin_library": "/opt/lib/libdflash_trt_plugins.so"}
+    return repository_settings(checkpoint, **tiny, max_batch_size=8, max_input_len=64, **changes)
 
 
 @pytest.mark.parametrize(("replicas", "world_size", "groups"), [(8, 1, "0;1;2;3;4;5;6;7"), (4, 2, "0,1;2,3;4,5;6,7")])

@@ -27,12 +27,11 @@ import pytest
 from dflash_trt.bench.backends.triton import TritonBackend
 from dflash_trt.bench.backends.triton_http import TritonHttpBackend
 from dflash_trt.bench.driver import BenchRequest, run_load
-from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.emulation.engine import EmulatedEngine
 from dflash_trt.emulation.executor import EmulatedExecutor, Request
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import load_golden_model
-from dflash_trt.tiny.heldout import draft_dir, load_heldout, target_dir
+from dflash_trt.tiny.heldout import load_heldout
 from dflash_trt.tokenizer import load_tokenizer
 from dflash_trt.triton import client as triton_client
 from dflash_trt.triton import processing as P
@@ -121,10 +120,8 @@ class RunningServer:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("served") / "ckpt"
-    convert_checkpoint(target_dir(), draft_dir(), out, dtype="float32")
-    return out
+def checkpoint(tiny: Path) -> Path:
+    return tiny
 
 
 @pytest.fixture(scope="module")
