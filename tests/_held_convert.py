@@ -20,7 +20,7 @@ from dflash_trt.conversion import convert
 HOLD_DIR_VARIABLE = "HELD_CONVERT_ANNOUNCE_DIR"
 # A held writer that nobody stops (the test failed before signalling) gives up after this long.
 HOLD_SECONDS = 300
-REAL_RANK_WRITER = convert._write_rank_in_worker
+REAL_RANK_WRITER = convert._write_ranks_in_worker
 
 
 def announced(hold_dir: Path) -> list[Path]:
@@ -28,15 +28,15 @@ def announced(hold_dir: Path) -> list[Path]:
     return sorted(hold_dir.glob("rank*"))
 
 
-def held_rank_writer(plan: convert.ConversionPlan, path: Path, rank: int) -> int:
+def held_rank_writer(plan: convert.ConversionPlan, staging: Path, ranks: list[int]) -> dict:
     """The real rank writer, then an announcement, then a hold the parent's signal handling has to end."""
-    written = REAL_RANK_WRITER(plan, path, rank)
-    (Path(os.environ[HOLD_DIR_VARIABLE]) / f"rank{rank}").touch()
+    written = REAL_RANK_WRITER(plan, staging, ranks)
+    (Path(os.environ[HOLD_DIR_VARIABLE]) / f"rank{ranks[0]}").touch()
     time.sleep(HOLD_SECONDS)
     return written
 
 
 def main(argv: list[str]) -> int:
     # The pool pickles the function it runs by module and name: this module's, found again in each spawned worker.
-    convert._write_rank_in_worker = held_rank_writer  # type: ignore[assignment]
+    convert._write_ranks_in_worker = held_rank_writer  # type: ignore[assignment]
     return cli.main(argv)

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 import dflash_trt.conversion.convert as convert
 from dflash_trt.checkpoint.integrity import INTEGRITY_FILE
+from dflash_trt.conversion import rank_writer
 
 VARIANT = PairVariant(vocab=93, heads=4, kv_heads=2)
 # sha256 of rank{N}.safetensors by (dtype, tp_size).
@@ -87,8 +88,8 @@ def test_rank_files_are_byte_identical_to_the_plain_write_path(exact_pair, tmp_p
 
 def test_streamed_and_parallel_writes_are_byte_identical(exact_pair, tmp_path, monkeypatch):
     """Row-block streaming (uneven blocks) and rank files written by spawned workers give the same bytes."""
-    monkeypatch.setattr(convert, "STREAM_MIN_BYTES", 0)
-    monkeypatch.setattr(convert, "STREAM_BLOCK_BYTES", 700)
+    monkeypatch.setattr(rank_writer, "WHOLE_MAX_BYTES", 0)
+    monkeypatch.setattr(rank_writer, "BLOCK_BYTES", 700)
     out = tmp_path / "ckpt"
     convert.convert_checkpoint(*exact_pair, out, dtype="bfloat16", tp_size=2)
     assert _digests(out, 2) == RANK_DIGESTS["bfloat16", 2]

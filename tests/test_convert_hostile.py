@@ -184,7 +184,7 @@ CASES = {
     "integer dtype": (
         _retype("model.layers.0.mlp.down_proj.weight", "I32"),
         [],
-        r"target tensor 'model\.layers\.0\.mlp\.down_proj\.weight' has dtype torch\.int32",
+        r"target tensor 'model\.layers\.0\.mlp\.down_proj\.weight' has dtype I32 \(int32\)",
     ),
     "dtype with another size": (
         _retype("model.norm.weight", "F16"),

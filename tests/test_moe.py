@@ -267,28 +267,32 @@ def test_shards_verify_and_decode_like_tp1(parallel):
 
 
 def test_experts_are_written_one_at_a_time(parallel, tmp_path, monkeypatch):
-    """The converter never assembles a whole layer of experts: each stacked tensor arrives one expert per block."""
-    from dflash_trt.conversion import convert as convert_module
+    """A stacked expert tensor too large to read whole is never assembled: it arrives one expert's part per block."""
+    from dflash_trt.checkpoint.safetensors_io import StreamingSafetensorsWriter
+    from dflash_trt.conversion import rank_writer
 
     target_dir, draft_dir, _ = parallel
-    blocks: dict[str, list[tuple[int, ...]]] = {}
-    original = convert_module.StreamingSafetensorsWriter.write_rows
+    blocks: dict[str, list[int]] = {}  # bytes of each block appended to the last rank's file
+    original_start, original_append = StreamingSafetensorsWriter.start, StreamingSafetensorsWriter.append
 
-    def recording(self, name, stream):
-        blocks[name] = []
+    def start(self, name):
+        if self.path.name == "rank3.safetensors":
+            blocks[name] = []
+        return original_start(self, name)
 
-        def seen():
-            for block in stream:
-                blocks[name].append(tuple(block.shape))
-                yield block
+    def append(self, data):
+        if self.path.name == "rank3.safetensors":
+            blocks[self._order[self._next]].append(data.nbytes)
+        return original_append(self, data)
 
-        return original(self, name, seen())
-
-    monkeypatch.setattr(convert_module.StreamingSafetensorsWriter, "write_rows", recording)
+    monkeypatch.setattr(rank_writer, "WHOLE_MAX_BYTES", 0)
+    monkeypatch.setattr(StreamingSafetensorsWriter, "start", start)
+    monkeypatch.setattr(StreamingSafetensorsWriter, "append", append)
     convert_checkpoint(target_dir, draft_dir, tmp_path / "out", dtype="bfloat16", tp_size=4, moe_ep_size=2)
-    # the last rank's two experts, each cut to its half of the up and gate rows (16 + 16) and down columns
-    assert blocks["transformer.layers.0.mlp.fc.weight"] == [(1, 32, 64)] * 2
-    assert blocks["transformer.layers.0.mlp.proj.weight"] == [(1, 64, 16)] * 2
+    # the last rank's two experts, each cut to its half of the up and gate rows (16 + 16 of 64 bf16 columns) and of
+    # the down columns (64 rows of 16)
+    assert blocks["transformer.layers.0.mlp.fc.weight"] == [16 * 64 * 2] * 4
+    assert blocks["transformer.layers.0.mlp.proj.weight"] == [64 * 16 * 2] * 2
 
 
 # --------------------------------------------------------------------------------------------------- hostile

@@ -166,8 +166,8 @@ def test_writer_without_metadata_has_no_metadata(tmp_path: Path) -> None:
     ("name", "tensor", "message"),
     [
         ("b", torch.zeros(2), "expected tensor 'a' next"),
-        ("a", torch.zeros(2, dtype=torch.float64), "declared torch.float32"),
-        ("a", torch.zeros(3), "declared torch.float32 (2,)"),
+        ("a", torch.zeros(2, dtype=torch.float64), "declared F32"),
+        ("a", torch.zeros(3), "declared F32 (2,)"),
     ],
 )
 def test_writer_rejects_wrong_tensor(tmp_path: Path, name: str, tensor: torch.Tensor, message: str) -> None:

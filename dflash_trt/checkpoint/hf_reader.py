@@ -11,11 +11,14 @@ import json
 import os
 from pathlib import Path
 from types import TracebackType
-
-import torch
+from typing import TYPE_CHECKING
 
 from dflash_trt.checkpoint.safetensors_io import SafetensorsFile, brief
 from dflash_trt.errors import DFlashTrtError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -119,6 +122,10 @@ class HFCheckpointReader:
     def dtype(self, name: str) -> torch.dtype:
         return self._shard(name).dtype(name)
 
+    def dtype_name(self, name: str) -> str:
+        """The safetensors dtype name ("BF16", ...), known without torch."""
+        return self._shard(name).dtype_name(name)
+
     def shape(self, name: str) -> tuple[int, ...]:
         return self._shard(name).shape(name)
 
@@ -135,6 +142,10 @@ class HFCheckpointReader:
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of `name`, mapping only their bytes."""
         return self._shard(name).get_rows(name, start, stop)
+
+    def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of `name` as bit patterns read into a new array (no torch, no map)."""
+        return self._shard(name).read_rows(name, start, stop)
 
     def close(self) -> None:
         for shard in self._files:

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from dflash_trt import tensor_names as names
 from dflash_trt.checkpoint.sharding import ExpertLayout, HeadLayout, Split
 from dflash_trt.spec import DraftSpec, MoeSpec, TargetSpec, hf_expert, hf_router
+
+if TYPE_CHECKING:
+    import torch
 
 TARGET = "target"
 DRAFT = "draft"
@@ -29,10 +31,12 @@ class OutputTensor:
     split: Split = Split.REPLICATE
     heads: HeadLayout | None = None
     experts: ExpertLayout | None = None
-    dtype: torch.dtype | None = None  # stored in this dtype whatever --dtype says (the MoE router: float32)
+    dtype: str | None = None  # a --dtype name stored whatever --dtype says (the MoE router: "float32")
 
     def assemble(self, loaded: list[torch.Tensor]) -> torch.Tensor:
         """Sources concatenated by rows; a stacked expert tensor is its experts' row blocks in order."""
+        import torch
+
         full = loaded[0] if len(loaded) == 1 else torch.cat(loaded, dim=0)
         return full.view(self.shape) if len(self.shape) == 3 else full
 
@@ -152,7 +156,7 @@ def _moe_tensors(out_prefix: str, src_prefix: str, hidden: int, moe: MoeSpec, ep
             names.tensor(out_prefix, names.MOE_ROUTER),
             ((TARGET, hf_router(src_prefix)),),
             (count, hidden),
-            dtype=torch.float32,
+            dtype="float32",
         ),
         OutputTensor(
             names.tensor(out_prefix, names.MOE_FC),

@@ -7,7 +7,6 @@ puts the header first and then streams tensor bytes, holding at most one tensor 
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import mmap
@@ -16,16 +15,19 @@ import platform
 import stat
 import struct
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
-from dflash_trt.checkpoint.atomic import start_writeback
 from dflash_trt.checkpoint.integrity import BackgroundSha256
 from dflash_trt.errors import DFlashTrtError
+
+if TYPE_CHECKING:
+    import torch
 
 # Largest JSON header accepted: far above any real checkpoint's, far below a harmful allocation.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -40,42 +42,135 @@ _TENSOR_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 _MAP_NORESERVE = getattr(
     mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64") else 0
 )
-# Written bytes handed to the disk in steps of this size while the file is still being written.
-WRITEBACK_BYTES = 32 << 20
-WRITEBACK_ALIGNMENT = 1 << 20  # a multiple of any page size
-# Elements tested per step when a tensor's sum is not finite: bounds that test's temporary memory.
-_NONFINITE_CHUNK = 1 << 22
-
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U64": torch.uint64,
-    "U32": torch.uint32,
-    "U16": torch.uint16,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
-    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
-    "F8_E8M0": torch.float8_e8m0fnu,
-    "C64": torch.complex64,
+# safetensors dtype name -> bytes per element. Torch dtypes are looked up by name only where tensors are made:
+# moving bytes (a conversion without a cast) never imports torch.
+DTYPE_SIZES: dict[str, int] = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3FNUZ": 1,
+    "F8_E5M2FNUZ": 1,
+    "F8_E8M0": 1,
+    "C64": 8,
 }
-DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+_TORCH_NAMES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
+    "C64": "complex64",
+}
+# NaN and +-Inf by their bits: with the sign bit masked off, a float is not finite when its bits reach the all-ones
+# exponent (the masked value's high bits). Complex64 is two float32s. The fnuz formats' only NaN is 0x80.
+_NONFINITE_FROM: dict[str, tuple[int, int]] = {
+    "F64": (0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000),
+    "F32": (0x7FFF_FFFF, 0x7F80_0000),
+    "C64": (0x7FFF_FFFF, 0x7F80_0000),
+    "F16": (0x7FFF, 0x7C00),
+    "BF16": (0x7FFF, 0x7F80),
+    "F8_E4M3": (0x7F, 0x7F),
+    "F8_E5M2": (0x7F, 0x7C),
+    "F8_E8M0": (0xFF, 0xFF),
+}
+_NAN_ONLY_0X80 = ("F8_E4M3FNUZ", "F8_E5M2FNUZ")
+_NONFINITE_CHUNK = 1 << 18  # elements per step of the NaN/Inf scan: its temporary stays in the CPU's cache
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name."""
+    import torch
+
+    return getattr(torch, _TORCH_NAMES[name])
+
+
+def readable_dtype(name: str) -> str:
+    """A safetensors dtype name as torch names it ("BF16" -> "bfloat16"), for messages."""
+    return _TORCH_NAMES[name]
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """The safetensors name of a torch dtype (a name is returned as it is, once checked)."""
+    name = dtype if isinstance(dtype, str) else _NAMES_BY_TORCH.get(str(dtype).removeprefix("torch."))
+    if name not in DTYPE_SIZES:
+        raise DFlashTrtError(f"{dtype} is a dtype safetensors cannot store.")
+    return name
+
+
+_NAMES_BY_TORCH = {torch_name: name for name, torch_name in _TORCH_NAMES.items()}
+
+
+def stored_dtype_name(torch_name: str) -> str:
+    """The safetensors name of a torch dtype named as a string ("bfloat16" -> "BF16"), without importing torch."""
+    if torch_name not in _NAMES_BY_TORCH:
+        raise DFlashTrtError(f"{torch_name} is a dtype safetensors cannot store.")
+    return _NAMES_BY_TORCH[torch_name]
+
+
+def bits_view(data: np.ndarray, dtype: str) -> np.ndarray:
+    """A contiguous array's bytes as unsigned integers of `dtype`'s width (its bit patterns)."""
+    return np.ascontiguousarray(data).reshape(-1).view(np.uint8).view(f"<u{DTYPE_SIZES[dtype]}")
+
+
+def bits_have_nonfinite(data: np.ndarray, dtype: str) -> bool:
+    """True if `data`, the bytes of `dtype` values, holds a NaN or +-Inf: a bit test, in cache-sized steps."""
+    if dtype in _NAN_ONLY_0X80:
+        return bool((bits_view(data, dtype) == 0x80).any())
+    rule = _NONFINITE_FROM.get(dtype)
+    if rule is None:  # integers and bool: always finite
+        return False
+    mask, nonfinite_from = rule
+    bits = bits_view(data, dtype)
+    if dtype == "C64":
+        bits = bits.view("<u4")
+    scratch = np.empty(min(bits.size, _NONFINITE_CHUNK), dtype=bits.dtype)
+    for start in range(0, bits.size, _NONFINITE_CHUNK):
+        chunk = bits[start : start + _NONFINITE_CHUNK]
+        masked = scratch[: chunk.size]
+        np.bitwise_and(chunk, mask, out=masked)
+        if masked.max() >= nonfinite_from:
+            return True
+    return False
 
 
 @dataclass(frozen=True, slots=True)
 class _TensorInfo:
-    dtype: torch.dtype
+    dtype: str  # safetensors name
     shape: tuple[int, ...]
     begin: int  # byte offsets relative to the start of the data section
     end: int
+
+
+def _row_bytes(info: _TensorInfo) -> int:
+    """Bytes of one row (dim 0); a 0-d tensor is one row of one element."""
+    if not info.shape:
+        return info.end - info.begin
+    return (info.end - info.begin) // info.shape[0] if info.shape[0] else 0
 
 
 def brief(value: object, limit: int = 80) -> str:
@@ -158,6 +253,10 @@ class SafetensorsFile:
         return info
 
     def dtype(self, name: str) -> torch.dtype:
+        return torch_dtype(self._info(name).dtype)
+
+    def dtype_name(self, name: str) -> str:
+        """The tensor's safetensors dtype name ("BF16", ...), known without torch."""
         return self._info(name).dtype
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -173,36 +272,57 @@ class SafetensorsFile:
     def get(self, name: str, copy: bool = False) -> torch.Tensor:
         """The tensor `name`; a view of the file's map unless `copy` (or its bytes are misaligned)."""
         info = self._info(name)
-        if self._fd is None:
-            raise DFlashTrtError(f"{self.path} is closed.")
-        numel = math.prod(info.shape)
-        if numel == 0:
-            return torch.empty(info.shape, dtype=info.dtype)
-        region, offset = self._region(name, self._data_start + info.begin, info.end - info.begin)
-        if offset % info.dtype.itemsize == 0:
-            tensor = torch.frombuffer(region, dtype=info.dtype, count=numel, offset=offset).view(info.shape)
-            return tensor.clone() if copy else tensor
-        raw = torch.frombuffer(region, dtype=torch.uint8, count=info.end - info.begin, offset=offset)
-        return raw.clone().view(info.dtype).view(info.shape)
+        return self._tensor(name, info, 0, info.shape[0] if info.shape else 1, copy)
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of `name` (dim 0), mapping only their bytes: streaming a huge tensor block by block
         keeps just one block's pages resident."""
         info = self._info(name)
+        self._check_rows(name, info, start, stop)
+        return self._tensor(name, info, start, stop, copy=False)
+
+    def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of `name` read into a new array of their bit patterns (unsigned integers as wide as the
+        dtype, shaped like the rows): bytes to move or test, with no torch and no page of the file left mapped."""
+        info = self._info(name)
+        self._check_rows(name, info, start, stop)
         if self._fd is None:
             raise DFlashTrtError(f"{self.path} is closed.")
+        row_bytes = _row_bytes(info)
+        data = np.empty((stop - start) * row_bytes, dtype=np.uint8)
+        view, done, first = memoryview(data), 0, self._data_start + info.begin + start * row_bytes
+        while done < len(data):
+            try:
+                count = os.preadv(self._fd, [view[done:]], first + done)
+            except OSError as exc:
+                reason = exc.strerror or exc
+                raise DFlashTrtError(f"cannot read tensor {brief(name)} of {self.path}: {reason}.") from exc
+            if count == 0:
+                raise DFlashTrtError(f"{self.path} was truncated while tensor {brief(name)} was read from it.")
+            done += count
+        return data.view(f"<u{DTYPE_SIZES[info.dtype]}").reshape(stop - start, *info.shape[1:])
+
+    def _check_rows(self, name: str, info: _TensorInfo, start: int, stop: int) -> None:
         if not info.shape or not 0 <= start <= stop <= info.shape[0]:
             raise DFlashTrtError(f"rows {start}:{stop} are outside tensor {brief(name)} of shape {info.shape}.")
-        row_bytes = (info.end - info.begin) // info.shape[0] if info.shape[0] else 0
-        shape = (stop - start, *info.shape[1:])
-        if stop == start or row_bytes == 0:
-            return torch.empty(shape, dtype=info.dtype)
-        nbytes = (stop - start) * row_bytes
-        region, offset = self._region(name, self._data_start + info.begin + start * row_bytes, nbytes)
-        if offset % info.dtype.itemsize == 0:
-            return torch.frombuffer(region, dtype=info.dtype, count=math.prod(shape), offset=offset).view(shape)
+
+    def _tensor(self, name: str, info: _TensorInfo, start: int, stop: int, copy: bool) -> torch.Tensor:
+        """Rows [start, stop) (the whole of a 0-d tensor: 0, 1) as a tensor viewing its own map."""
+        import torch
+
+        if self._fd is None:
+            raise DFlashTrtError(f"{self.path} is closed.")
+        dtype = torch_dtype(info.dtype)
+        shape = (stop - start, *info.shape[1:]) if info.shape else ()
+        nbytes = (stop - start) * _row_bytes(info)
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        region, offset = self._region(name, self._data_start + info.begin + start * _row_bytes(info), nbytes)
+        if offset % dtype.itemsize == 0:
+            tensor = torch.frombuffer(region, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset).view(shape)
+            return tensor.clone() if copy else tensor
         raw = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset)
-        return raw.clone().view(info.dtype).view(shape)
+        return raw.clone().view(dtype).view(shape)
 
     def _region(self, name: str, start: int, nbytes: int) -> tuple[mmap.mmap, int]:
         """A map holding bytes [start, start + nbytes) of the file, and where they begin in it."""
@@ -316,7 +436,7 @@ def _parse_entry(path: Path, name: str, entry: object) -> _TensorInfo:
             f"{path}: the header entry of tensor {brief(name)} must have exactly the keys dtype, shape, data_offsets."
         )
     dtype_name = entry["dtype"]
-    if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
+    if not isinstance(dtype_name, str) or dtype_name not in DTYPE_SIZES:
         raise DFlashTrtError(f"{path}: tensor {brief(name)} has unsupported dtype {brief(dtype_name)}.")
     shape = entry["shape"]
     if not isinstance(shape, list) or not all(_is_int(dim) and dim >= 0 for dim in shape):
@@ -333,16 +453,15 @@ def _parse_entry(path: Path, name: str, entry: object) -> _TensorInfo:
         or not 0 <= offsets[0] <= offsets[1]
     ):
         raise DFlashTrtError(f"{path}: tensor {brief(name)} has invalid data_offsets {brief(offsets)}.")
-    dtype = DTYPES[dtype_name]
     span = offsets[1] - offsets[0]
-    expected = _nbytes_capped(shape, dtype.itemsize, _NBYTES_CAP)
+    expected = _nbytes_capped(shape, DTYPE_SIZES[dtype_name], _NBYTES_CAP)
     if expected != span:
         needs = "more than 2**64" if expected > _NBYTES_CAP else str(expected)
         raise DFlashTrtError(
             f"{path}: tensor {brief(name)} ({dtype_name} {brief(shape)}) needs {needs} bytes but its data_offsets "
             f"span {span}."
         )
-    return _TensorInfo(dtype, tuple(shape), offsets[0], offsets[1])
+    return _TensorInfo(dtype_name, tuple(shape), offsets[0], offsets[1])
 
 
 def _nbytes_capped(shape: list[int], itemsize: int, cap: int) -> int:
@@ -360,32 +479,33 @@ def _nbytes_capped(shape: list[int], itemsize: int, cap: int) -> int:
 class StreamingSafetensorsWriter:
     """Writes a safetensors file whose layout is fixed up front: header first, then tensors in entry order.
 
-    Only the tensor being written is in memory. The file is created exclusively (never overwrites) and is
-    deleted again if the writer is closed before every tensor was written or a `with` block fails.
+    Only the tensor being written is in memory, and it may arrive in blocks of bytes (`start`, `append`, `finish`)
+    from any source: a conversion that only moves bytes never makes a tensor. The file is created exclusively (never
+    overwrites) and is deleted again if the writer is closed before every tensor was written or a `with` block fails.
     """
 
     def __init__(
         self,
         path: str | os.PathLike[str],
-        entries: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+        entries: Mapping[str, tuple[str | torch.dtype, tuple[int, ...]]],
         metadata: dict[str, str] | None = None,
         fsync: bool = True,
-        sha256: bool = False,
+        digest: bool = False,
     ) -> None:
-        """`fsync`: make the file durable at close (leave it False when the caller fsyncs at publish);
-        `sha256`: hash every byte as it is written (`hexdigest()` once closed), for an integrity record."""
+        """`entries`: dtype (a safetensors name or a torch dtype) and shape of each tensor, in file order.
+        `fsync`: make the file durable at close (leave it False when the caller fsyncs at publish);
+        `digest`: hash every byte as it is written (`hexdigest()` once closed), for an integrity record."""
         self.path = Path(path)
-        self._order = list(entries)
-        self._entries = {name: (dtype, tuple(shape)) for name, (dtype, shape) in entries.items()}
+        self._entries = {name: (dtype_name(dtype), tuple(shape)) for name, (dtype, shape) in entries.items()}
+        self._order = list(self._entries)
         self._next = 0
+        self._open_bytes = -1  # bytes the tensor being written still expects; -1 between tensors
         self._fsync = fsync
-        self._digest = BackgroundSha256() if sha256 else None
+        self._digest = BackgroundSha256() if digest else None
         self._hexdigest: str | None = None
-        self._written = 0
-        self._writeback_from = 0  # bytes before this were handed to the disk already
         header = _build_header(self.path, self._entries, metadata)
         try:
-            self._handle = open(self.path, "xb")
+            self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         except FileExistsError as exc:
             raise DFlashTrtError(f"{self.path} already exists; refusing to overwrite it.") from exc
         except OSError as exc:
@@ -395,65 +515,81 @@ class StreamingSafetensorsWriter:
     def _write(self, data: bytes | memoryview) -> None:
         if self._digest is not None:
             self._digest.update(data)  # hashed on another thread while the bytes are written
+        view = memoryview(data).cast("B")
         try:
-            self._handle.write(data)
-            self._written += len(data)
-            # Whole aligned blocks only: a page under writeback can stall the next write() that touches it.
-            ready = self._written - self._written % WRITEBACK_ALIGNMENT
-            if ready - self._writeback_from >= WRITEBACK_BYTES:
-                self._handle.flush()
-                start_writeback(self._handle.fileno(), self._writeback_from, ready - self._writeback_from)
-                self._writeback_from = ready
+            while view:
+                view = view[os.write(self._require_open(), view) :]
         except OSError as exc:
             self.abort()
             raise DFlashTrtError(f"cannot write {self.path}: {exc.strerror or exc}.") from exc
 
-    def _next_entry(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
-        if self._handle.closed:
+    def _require_open(self) -> int:
+        if self._fd is None:
             raise DFlashTrtError(f"{self.path} is already closed.")
+        return self._fd
+
+    def start(self, name: str) -> None:
+        """Begin the next tensor, `name`; its bytes follow through `append`."""
+        self._require_open()
+        if self._open_bytes >= 0:
+            raise DFlashTrtError(f"{self.path}: tensor {name!r} started before {self._order[self._next]!r} finished.")
         if self._next >= len(self._order):
             raise DFlashTrtError(f"{self.path}: tensor {name!r} was not declared or is written twice.")
         expected_name = self._order[self._next]
         if name != expected_name:
             raise DFlashTrtError(f"{self.path}: expected tensor {expected_name!r} next, got {name!r}.")
-        return self._entries[name]
+        dtype, shape = self._entries[name]
+        self._open_bytes = math.prod(shape) * DTYPE_SIZES[dtype]
 
-    def _append(self, tensor: torch.Tensor) -> None:
-        if tensor.numel() > 0:
-            data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-            self._write(memoryview(data.numpy().data))
+    def append(self, data: np.ndarray | bytes | memoryview) -> None:
+        """Append bytes of the tensor being written (a contiguous array, bytes or a buffer)."""
+        view = memoryview(np.ascontiguousarray(data) if isinstance(data, np.ndarray) else data).cast("B")
+        if self._open_bytes < 0 or len(view) > self._open_bytes:
+            name = self._order[min(self._next, len(self._order) - 1)]
+            self.abort()
+            raise DFlashTrtError(f"{self.path}: {len(view)} bytes appended beyond tensor {name!r}'s declared size.")
+        if view:
+            self._write(view)
+        self._open_bytes -= len(view)
+
+    def finish(self) -> None:
+        """End the tensor being written; it must have received exactly its declared bytes."""
+        if self._open_bytes != 0:
+            name = self._order[self._next] if self._next < len(self._order) else "?"
+            missing = self._open_bytes
+            self.abort()
+            raise DFlashTrtError(f"{self.path}: tensor {name!r} finished {missing} bytes short of its declared size.")
+        self._open_bytes = -1
+        self._next += 1
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Append `tensor`, which must be the next entry and match its declared dtype and shape."""
-        dtype, shape = self._next_entry(name)
-        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
-            raise DFlashTrtError(
-                f"{self.path}: tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)}, declared {dtype} {shape}."
-            )
-        self._append(tensor)
-        self._next += 1
+        self.write_rows(name, [tensor], whole=True)
 
-    def write_rows(self, name: str, blocks: Iterable[torch.Tensor]) -> None:
+    def write_rows(self, name: str, blocks: Iterable[torch.Tensor], whole: bool = False) -> None:
         """Append the next entry as consecutive blocks of rows (dim 0): a large tensor is never whole in memory."""
-        dtype, shape = self._next_entry(name)
+        self.start(name)
+        dtype, shape = self._entries[name]
         rows = 0
         for block in blocks:
-            if block.dtype != dtype or tuple(block.shape[1:]) != shape[1:] or rows + block.shape[0] > shape[0]:
+            block_shape = tuple(block.shape)
+            fits = block_shape == shape if whole else block_shape[1:] == shape[1:] and rows + block_shape[0] <= shape[0]
+            if dtype_name(block.dtype) != dtype or not fits:
                 self.abort()
                 raise DFlashTrtError(
-                    f"{self.path}: a row block of {name!r} is {block.dtype} {tuple(block.shape)} after {rows} rows, "
-                    f"declared {dtype} {shape}."
+                    f"{self.path}: {'tensor' if whole else 'a row block of'} {name!r} is {block.dtype} {block_shape}"
+                    f"{'' if whole else f' after {rows} rows'}, declared {dtype} {shape}."
                 )
-            self._append(block)
-            rows += block.shape[0]
-        if rows != shape[0]:
+            self.append(tensor_bytes(block))
+            rows += block_shape[0] if block_shape else 1
+        if not whole and rows != shape[0]:
             self.abort()
             raise DFlashTrtError(f"{self.path}: {name!r} got {rows} of its {shape[0]} rows.")
-        self._next += 1
+        self.finish()
 
     def close(self) -> None:
-        """Flush (and fsync if asked); raises (and deletes the file) if some declared tensor was never written."""
-        if self._handle.closed:
+        """Close (fsync first if asked); raises (and deletes the file) if some declared tensor was never written."""
+        if self._fd is None:
             return
         if self._next != len(self._order):
             missing = self._order[self._next]
@@ -461,27 +597,31 @@ class StreamingSafetensorsWriter:
             raise DFlashTrtError(
                 f"{self.path}: closed after {self._next} of {len(self._order)} tensors; {missing!r} is missing."
             )
+        fd, self._fd = self._fd, None
         try:
-            self._handle.flush()
             if self._fsync:
-                os.fsync(self._handle.fileno())
-            self._handle.close()
+                os.fsync(fd)
         except OSError as exc:
+            self._fd = fd
             self.abort()
             raise DFlashTrtError(f"cannot write {self.path}: {exc.strerror or exc}.") from exc
+        finally:
+            if self._fd is None:
+                os.close(fd)
         if self._digest is not None:
             self._hexdigest = self._digest.hexdigest()
 
     def hexdigest(self) -> str:
-        """sha256 of the whole file as written (a writer opened with `sha256=True`, once closed)."""
+        """Digest of the whole file as written (a writer opened with `digest=True`, once closed)."""
         if self._hexdigest is None:
             raise DFlashTrtError(f"{self.path}: no digest (not hashed, or not closed yet).")
         return self._hexdigest
 
     def abort(self) -> None:
         """Close and delete the partial file."""
-        if not self._handle.closed:
-            self._handle.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if self._digest is not None:
             self._digest.close()
         self.path.unlink(missing_ok=True)
@@ -498,8 +638,16 @@ class StreamingSafetensorsWriter:
             self.abort()
 
 
+def tensor_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor's bytes, in row-major order, as a uint8 array (a view where the tensor is contiguous on the CPU)."""
+    import torch
+
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, dtype=np.uint8)
+
+
 def _build_header(
-    path: Path, entries: dict[str, tuple[torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None
+    path: Path, entries: dict[str, tuple[str, tuple[int, ...]]], metadata: dict[str, str] | None
 ) -> bytes:
     """JSON header with offsets in entry order, padded with spaces so the data section starts 8-aligned."""
     header: dict[str, object] = {}
@@ -511,39 +659,18 @@ def _build_header(
     for name, (dtype, shape) in entries.items():
         if not isinstance(name, str) or name == METADATA_KEY:
             raise DFlashTrtError(f"{path}: {name!r} cannot be a tensor name.")
-        if dtype not in DTYPE_NAMES:
-            raise DFlashTrtError(f"{path}: tensor {name!r} has dtype {dtype}, which safetensors cannot store.")
         if not all(_is_int(dim) and dim >= 0 for dim in shape):
             raise DFlashTrtError(f"{path}: tensor {name!r} has invalid shape {shape!r}.")
-        size = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        size = math.prod(shape) * DTYPE_SIZES[dtype]
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     encoded = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     return encoded + b" " * (-(8 + len(encoded)) % _HEADER_ALIGNMENT)
 
 
 def tensor_has_nonfinite(tensor: torch.Tensor) -> bool:
-    """True if a floating or complex tensor holds NaN or +-Inf, in bounded extra memory.
-
-    A sum is non-finite whenever an element is, and one reduction with no temporary is far faster than an
-    elementwise test; only when the sum is not finite (a NaN/Inf, or finite values that overflowed) are the
-    elements tested, chunk by chunk. 8-bit floats have no fast CPU sum: counting their 256 bit patterns is.
-    """
+    """True if a floating or complex tensor holds NaN or +-Inf: the bit test of `bits_have_nonfinite` on its bytes
+    (no sum that finite values could overflow, no temporary as large as the tensor)."""
     if not (tensor.is_floating_point() or tensor.is_complex()):
         return False
-    flat = tensor.detach().reshape(-1)
-    if flat.element_size() == 1:
-        counts = torch.bincount(flat.view(torch.uint8), minlength=256)
-        return bool(counts[_nonfinite_byte_patterns(flat.dtype)].any())
-    if bool(torch.isfinite(flat.sum())):
-        return False
-    return any(
-        not bool(torch.isfinite(flat[start : start + _NONFINITE_CHUNK]).all())
-        for start in range(0, flat.numel(), _NONFINITE_CHUNK)
-    )
-
-
-@functools.cache
-def _nonfinite_byte_patterns(dtype: torch.dtype) -> torch.Tensor:
-    """Mask over the 256 encodings of an 8-bit float type: True where torch decodes NaN or +-Inf."""
-    return ~torch.isfinite(torch.arange(256, dtype=torch.uint8).view(dtype).float())
+    return bits_have_nonfinite(tensor_bytes(tensor), dtype_name(tensor.dtype))

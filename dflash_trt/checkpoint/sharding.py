@@ -15,10 +15,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-
-import torch
+from typing import TYPE_CHECKING
 
 from dflash_trt.errors import DFlashTrtError
+
+if TYPE_CHECKING:
+    import torch
+
+Ranges = tuple[tuple[int, int], ...]  # [start, stop) of each leading dimension; the rest are whole
 
 
 class Split(str, Enum):
@@ -71,19 +75,9 @@ def check_moe_parallel(num_experts: int, intermediate_size: int, tp_size: int, e
         )
 
 
-def _shard_experts(full: torch.Tensor, split: Split, experts: ExpertLayout, tp_size: int, rank: int) -> torch.Tensor:
-    group, index, count = experts.ranks(tp_size, rank)
-    chosen = experts.experts_of(group)
-    mine = full[chosen.start : chosen.stop]
-    if split is Split.EXPERT_FC:
-        up, gate = mine.chunk(2, dim=1)
-        return torch.cat([up.chunk(count, dim=1)[index], gate.chunk(count, dim=1)[index]], dim=1)
-    if split is Split.EXPERT_PROJ:
-        return mine.chunk(count, dim=2)[index]
-    return mine
-
-
 def _merge_experts(shards: list[torch.Tensor], split: Split, experts: ExpertLayout) -> torch.Tensor:
+    import torch
+
     tp_size = len(shards)
     groups = []
     for group in range(experts.ep_size):
@@ -132,16 +126,9 @@ def _qkv_sizes(heads: HeadLayout) -> tuple[int, int]:
     return heads.num_heads * heads.head_dim, heads.num_kv_heads * heads.head_dim
 
 
-def _split_qkv(full: torch.Tensor, heads: HeadLayout, tp_size: int, rank: int) -> torch.Tensor:
-    q_size, kv_size = _qkv_sizes(heads)
-    q, k, v = full.split([q_size, kv_size, kv_size], dim=0)
-    q_rows = q_size // tp_size
-    kv_heads = _kv_heads_of_rank(heads, tp_size, rank)
-    kv_rows = slice(kv_heads.start * heads.head_dim, kv_heads.stop * heads.head_dim)
-    return torch.cat([q[rank * q_rows : (rank + 1) * q_rows], k[kv_rows], v[kv_rows]], dim=0)
-
-
 def _merge_qkv(shards: list[torch.Tensor], heads: HeadLayout) -> torch.Tensor:
+    import torch
+
     tp_size = len(shards)
     q_size, kv_size = _qkv_sizes(heads)
     kv_per_rank = max(heads.num_kv_heads // tp_size, 1) * heads.head_dim
@@ -163,6 +150,68 @@ def _need_heads(heads: HeadLayout | None) -> HeadLayout:
     return heads
 
 
+@dataclass(frozen=True)
+class Piece:
+    """Where one rank's piece of a full tensor comes from: `parts` concatenated along `axis`, each a box of the full
+    tensor (ranges of its leading dimensions) or, as an int, that many rows of zeros (vocabulary padding).
+
+    The split rules exist only here: `shard` cuts a tensor by them, and a conversion that only moves bytes reads
+    each part straight from the source files."""
+
+    axis: int
+    parts: tuple[Ranges | int, ...]
+
+
+def _chunk(size: int, count: int, index: int) -> tuple[int, int]:
+    """Range of the `index`-th of `count` chunks of `size` (torch.chunk's sizes)."""
+    step = -(-size // count)
+    start = min(index * step, size)
+    return start, min(start + step, size)
+
+
+def rank_piece(
+    shape: tuple[int, ...],
+    split: Split,
+    tp_size: int,
+    rank: int,
+    heads: HeadLayout | None = None,
+    experts: ExpertLayout | None = None,
+) -> Piece:
+    """The parts of a tensor of `shape` that rank `rank` holds, in order."""
+    whole = (0, shape[0]) if shape else (0, 1)
+    if tp_size == 1 or split is Split.REPLICATE:
+        return Piece(0, ((whole,),))
+    if split in _EXPERT_SPLITS:
+        group, index, count = (experts or ExpertLayout(shape[0])).ranks(tp_size, rank)
+        chosen = (experts or ExpertLayout(shape[0])).experts_of(group)
+        mine = (chosen.start, chosen.stop)
+        if split is Split.EXPERT_FC:
+            half = shape[1] // 2
+            up, gate = _chunk(half, count, index), _chunk(half, count, index)
+            return Piece(1, ((mine, up), (mine, (half + gate[0], half + gate[1]))))
+        if split is Split.EXPERT_PROJ:
+            return Piece(0, ((mine, (0, shape[1]), _chunk(shape[2], count, index)),))
+        return Piece(0, ((mine,),))
+    if split is Split.QKV:
+        layout = _need_heads(heads)
+        q_size, kv_size = _qkv_sizes(layout)
+        q_rows = q_size // tp_size
+        kv_heads = _kv_heads_of_rank(layout, tp_size, rank)
+        k_first, k_stop = q_size + kv_heads.start * layout.head_dim, q_size + kv_heads.stop * layout.head_dim
+        return Piece(
+            0, (((rank * q_rows, (rank + 1) * q_rows),), ((k_first, k_stop),), ((k_first + kv_size, k_stop + kv_size),))
+        )
+    if split is Split.VOCAB:
+        rows = pad_vocab_size(shape[0], tp_size) // tp_size
+        start, stop = min(rank * rows, shape[0]), min((rank + 1) * rows, shape[0])
+        padding = rows - (stop - start)
+        # only the last ranks hold padding rows; a rank wholly past the vocabulary holds nothing else
+        return Piece(0, (((start, stop),),) * (stop > start) + (padding,) * (padding > 0))
+    if split is Split.ROWS:
+        return Piece(0, ((_chunk(shape[0], tp_size, rank),),))
+    return Piece(0, ((whole, _chunk(shape[1], tp_size, rank)),))
+
+
 def shard(
     full: torch.Tensor,
     split: Split,
@@ -171,21 +220,28 @@ def shard(
     heads: HeadLayout | None = None,
     experts: ExpertLayout | None = None,
 ) -> torch.Tensor:
-    """This rank's piece of `full` (a view where possible)."""
-    if tp_size == 1 or split is Split.REPLICATE:
-        return full
-    if split in _EXPERT_SPLITS:
-        return _shard_experts(full, split, experts or ExpertLayout(full.shape[0]), tp_size, rank)
-    if split is Split.QKV:
-        return _split_qkv(full, _need_heads(heads), tp_size, rank)
-    if split is Split.VOCAB:
-        rows = pad_vocab_size(full.shape[0], tp_size) // tp_size
-        piece = full[rank * rows : (rank + 1) * rows]
-        if piece.shape[0] < rows:  # only the last ranks hold padding rows; pad just their piece
-            piece = torch.cat([piece, full.new_zeros((rows - piece.shape[0], *full.shape[1:]))], dim=0)
-        return piece
-    dim = 0 if split is Split.ROWS else 1
-    return full.chunk(tp_size, dim=dim)[rank]
+    """This rank's piece of `full` (a view where it is one part)."""
+    import torch
+
+    piece = rank_piece(tuple(full.shape), split, tp_size, rank, heads, experts)
+    parts = [
+        full.new_zeros((part, *full.shape[1:])) if isinstance(part, int) else full[tuple(slice(*r) for r in part)]
+        for part in piece.parts
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=piece.axis)
+
+
+def piece_shape(piece: Piece, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Shape of the rank piece `piece` of a tensor of `shape`."""
+    sizes = []
+    for part in piece.parts:
+        if isinstance(part, int):
+            sizes.append((part, *shape[1:]))
+        else:
+            sizes.append(tuple(stop - start for start, stop in part) + tuple(shape[len(part) :]))
+    joined = list(sizes[0])
+    joined[piece.axis] = sum(size[piece.axis] for size in sizes)
+    return tuple(joined) if shape else ()
 
 
 def sharded_shape(
@@ -195,24 +251,8 @@ def sharded_shape(
     heads: HeadLayout | None = None,
     experts: ExpertLayout | None = None,
 ) -> tuple[int, ...]:
-    if tp_size == 1 or split is Split.REPLICATE:
-        return shape
-    if split in _EXPERT_SPLITS:
-        ep_size = experts.ep_size if experts else 1
-        count = tp_size // ep_size
-        out = [shape[0] // ep_size, *shape[1:]]
-        if split is not Split.EXPERTS:
-            out[1 if split is Split.EXPERT_FC else 2] //= count
-        return tuple(out)
-    if split is Split.QKV:
-        layout = _need_heads(heads)
-        q_size, _ = _qkv_sizes(layout)
-        kv_rows = len(_kv_heads_of_rank(layout, tp_size, 0)) * layout.head_dim
-        return (q_size // tp_size + 2 * kv_rows, *shape[1:])
-    if split is Split.VOCAB:
-        return (pad_vocab_size(shape[0], tp_size) // tp_size, *shape[1:])
-    dim = 0 if split is Split.ROWS else 1
-    return tuple(size // tp_size if i == dim else size for i, size in enumerate(shape))
+    """Shape of every rank's piece (rank 0's: they are all alike)."""
+    return piece_shape(rank_piece(shape, split, tp_size, 0, heads, experts), shape)
 
 
 def merge(
@@ -223,6 +263,8 @@ def merge(
     experts: ExpertLayout | None = None,
 ) -> torch.Tensor:
     """Inverse of `shard` over all ranks."""
+    import torch
+
     if len(shards) == 1 or split is Split.REPLICATE:
         return shards[0]
     if split in _EXPERT_SPLITS:

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from dflash_trt import tensor_names as names
 from dflash_trt.checkpoint.layout import OutputTensor, stored_split
@@ -25,8 +24,11 @@ from dflash_trt.formats import (
     fused_partners,
     quantization_config,
     quantized_linear,
+    torch_dtypes,
 )
-from dflash_trt.quant.linears import check_quantizable, quantize_weight, weight_amax
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -91,10 +93,14 @@ def stored_full(
     load_partner: Callable[[str], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The full (unsharded) tensors stored for `out`: `scales` holds calibrated activation and KV scales."""
+    import torch
+
+    from dflash_trt.quant.linears import quantize_weight, weight_amax
+
     qformat = quant.format_of(out.name)
     module = quantized_linear(out.name) if qformat != NONE else None
     if module is None:
-        stored = {out.name: full.to(out.dtype or dtype)}
+        stored = {out.name: full.to(torch_dtypes()[out.dtype] if out.dtype else dtype)}
     else:
         weight = full.to(dtype)
         partners = partner_weights(out)
@@ -126,6 +132,10 @@ def stored_entries(
     Quantizing a two-row stand-in gives the dtypes and trailing dims; per-row tensors (weights, block scales)
     then take the real row count, per-tensor scales keep theirs.
     """
+    import torch
+
+    from dflash_trt.quant.linears import check_quantizable
+
     check_quantizable(out.name, out.shape, quant.format_of(out.name), tp_size)
     stand_in = torch.ones((2, *out.shape[1:]), dtype=dtype) if len(out.shape) >= 2 else torch.ones(out.shape)
     entries = {}
@@ -160,7 +170,7 @@ def rank_stored(
     copied); a quantized weight is quantized whole, since its per-tensor scales cover every rank."""
     if quant.format_of(out.name) == NONE or quantized_linear(out.name) is None:
         piece = shard(full, out.split, tp_size, rank, out.heads, out.experts)
-        pieces = {out.name: piece.to(out.dtype or dtype).contiguous()}
+        pieces = {out.name: piece.to(torch_dtypes()[out.dtype] if out.dtype else dtype).contiguous()}
         kv_name = kv_scale_name(out)
         if kv_name is not None and quant.kv_cache_dtype == FP8:
             pieces[kv_name] = _scale(scales, kv_name.rsplit(".", 1)[0], names.KV_CACHE_SCALING_FACTOR)

@@ -9,32 +9,30 @@ from __future__ import annotations
 
 import ctypes
 import json
-import math
 import multiprocessing
 import os
 import shutil
 import signal
-from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from tqdm import tqdm
 
 from dflash_trt.checkpoint.atomic import atomic_directory, check_destination, check_output_apart, scratch_directory
 from dflash_trt.checkpoint.hf_reader import HFCheckpointReader
 from dflash_trt.checkpoint.integrity import write_integrity_record
-from dflash_trt.checkpoint.layout import DRAFT, TARGET, OutputTensor, checkpoint_layout, target_heads
-from dflash_trt.checkpoint.safetensors_io import SafetensorsFile, StreamingSafetensorsWriter, tensor_has_nonfinite
-from dflash_trt.checkpoint.sharding import ExpertLayout, Split, check_moe_parallel, check_tp, pad_vocab_size
-from dflash_trt.checkpoint.stored import QuantSettings, kv_scale_name, rank_pieces, rank_stored, stored_entries
+from dflash_trt.checkpoint.layout import DRAFT, TARGET, target_heads
+from dflash_trt.checkpoint.safetensors_io import SafetensorsFile, readable_dtype
+from dflash_trt.checkpoint.sharding import check_moe_parallel, check_tp, pad_vocab_size
+from dflash_trt.checkpoint.stored import QuantSettings
 from dflash_trt.checkpoint.trtllm_config import checkpoint_config
-from dflash_trt.conversion import prequantized_input
+from dflash_trt.conversion.plan import ConversionPlan, rank_file
 from dflash_trt.conversion.prequantized import PrequantizedFormat, read_hf_quant_config
+from dflash_trt.conversion.rank_writer import RankWritten, write_rank_files
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.formats import DTYPES, FP8, NONE, quantized_linear, torch_dtypes
-from dflash_trt.quant.linears import check_quantizable
+from dflash_trt.formats import DTYPES, FP8, NONE
 from dflash_trt.spec import (
     DraftSpec,
     TargetSpec,
@@ -45,8 +43,10 @@ from dflash_trt.spec import (
     target_tensor_shapes,
 )
 
-SOURCE_FLOAT_DTYPES = tuple(torch_dtypes().values())
-SourceTensors = Iterable[tuple[str, str, torch.Tensor]]  # (TARGET or DRAFT, source name, tensor)
+if TYPE_CHECKING:
+    import torch
+
+SOURCE_FLOAT_DTYPES = ("F32", "F16", "BF16")  # safetensors names of the float types a source weight may have
 # Plain data files a user expects next to the checkpoint (for `generate --input_file` with text). Never code.
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -58,9 +58,6 @@ TOKENIZER_FILES = (
     "tokenizer.model",
     "chat_template.jinja",
 )
-# Tensors at least this large are streamed in row blocks of about this size (bounded memory for embeddings).
-STREAM_MIN_BYTES = 64 << 20
-STREAM_BLOCK_BYTES = 32 << 20
 PR_SET_PDEATHSIG = 1  # prctl option: signal this process when its parent dies (linux/prctl.h)
 # Non-parameter buffers some exporters store; they carry no weights the engine needs.
 IGNORED_SOURCE_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -74,10 +71,6 @@ class ConversionResult:
     tp_size: int
     num_tensors: int
     bytes_written: int
-
-
-def rank_file(rank: int) -> str:
-    return f"rank{rank}.safetensors"
 
 
 def _source_shapes(reader: HFCheckpointReader) -> dict[str, tuple[int, ...]]:
@@ -97,6 +90,8 @@ def check_sources(
     extra: tuple[str, ...] = ("lm_head.weight",) if target.tie_word_embeddings else ()
     carried: set[str] = set()
     if prequantized is not None:
+        from dflash_trt.conversion import prequantized_input
+
         expected, scales = prequantized_input.source_expectations(target, prequantized, expected)
         extra += scales
         carried = set(scales) | prequantized_input.carried_weights(target)
@@ -106,231 +101,13 @@ def check_sources(
         for name in reader.names():
             if name in carried and what == "target" or name.endswith(IGNORED_SOURCE_SUFFIXES):
                 continue
-            if reader.dtype(name) not in SOURCE_FLOAT_DTYPES:
+            dtype = reader.dtype_name(name)
+            if dtype not in SOURCE_FLOAT_DTYPES:
                 raise DFlashTrtError(
-                    f"{what} tensor '{name}' has dtype {reader.dtype(name)}; expected float32, float16 or bfloat16 "
+                    f"{what} tensor '{name}' has dtype {dtype} ({readable_dtype(dtype)}); expected float32, float16 or "
+                    "bfloat16 "
                     "weights (a pre-quantized target needs its hf_quant_config.json)"
                 )
-
-
-def _source_label(out: OutputTensor) -> str:
-    model, name = out.sources[0]
-    return f"{'target' if model == TARGET else 'drafter'} tensor '{name}'"
-
-
-def check_stored_finite(out: OutputTensor, name: str, stored: torch.Tensor) -> None:
-    """Sources are checked finite, so a non-finite stored value means the cast (or quantization) overflowed: a
-    float16 checkpoint of weights beyond 65504 would otherwise hold +-Inf and decode nothing but garbage."""
-    if tensor_has_nonfinite(stored):
-        raise DFlashTrtError(
-            f"{_source_label(out)} does not fit {str(stored.dtype).removeprefix('torch.')}: its stored form "
-            f"'{name}' holds NaN or Inf (values beyond the type's range); convert with --dtype bfloat16 or float32"
-        )
-
-
-def check_cast_finite(out: OutputTensor, name: str, stored: torch.Tensor, sources: SourceTensors) -> None:
-    """The one NaN/Inf scan of a tensor stored as a plain cast of its sources (or a piece of them): a cast keeps
-    NaN and Inf, so a finite stored tensor proves its sources finite. Only a non-finite one has its `sources`
-    (model, name, tensor; a generator maps them only then) scanned, to tell bad input from a cast that overflowed."""
-    if not tensor_has_nonfinite(stored):
-        return
-    for model, source_name, tensor in sources:
-        if tensor_has_nonfinite(tensor):
-            what = "target" if model == TARGET else "drafter"
-            raise DFlashTrtError(f"{what} tensor '{source_name}' contains NaN or Inf values")
-    check_stored_finite(out, name, stored)
-
-
-def _load_full(out: OutputTensor, readers: dict[str, HFCheckpointReader], check_finite: bool) -> torch.Tensor:
-    loaded = []
-    for model, name in out.sources:
-        tensor = readers[model].get(name)
-        if check_finite and tensor_has_nonfinite(tensor):
-            what = "target" if model == TARGET else "drafter"
-            raise DFlashTrtError(f"{what} tensor '{name}' contains NaN or Inf values")
-        loaded.append(tensor)
-    return out.assemble(loaded)
-
-
-@dataclass(frozen=True)
-class ConversionPlan:
-    """Everything that decides the bytes of every rank file (picklable, so worker processes can take it)."""
-
-    model_dir: Path
-    dflash_model_dir: Path
-    target: TargetSpec
-    draft: DraftSpec
-    dtype: torch.dtype
-    tp_size: int
-    quant: QuantSettings = QuantSettings()
-    scales: dict = field(default_factory=dict)  # calibrated activation / KV-cache scales by checkpoint name
-    prequantized: PrequantizedFormat | None = None  # the target's own quantization, carried over
-    moe_ep_size: int = 1  # expert-parallel groups of a mixture-of-experts target (moe_tp_size = tp / this)
-
-    @property
-    def layout(self) -> list[OutputTensor]:
-        return checkpoint_layout(self.target, self.draft, self.moe_ep_size)
-
-    def check_formats(self) -> None:
-        """Refuse, before anything is read, weights the chosen formats cannot hold (NVFP4 blocks per rank)."""
-        for out in self.layout:
-            check_quantizable(out.name, out.shape, self.quant.format_of(out.name), self.tp_size)
-
-    def entries(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        entries = {}
-        for out in self.layout:
-            entries.update(stored_entries(out, self.dtype, self.quant, self.scales, self.tp_size))
-        return entries
-
-
-def rank_tensors(
-    plan: ConversionPlan, out: OutputTensor, readers: dict[str, HFCheckpointReader], rank: int, check_finite: bool
-) -> dict[str, torch.Tensor]:
-    """Exactly what rank `rank` stores for `out` (also what `verify` recomputes)."""
-    carried = prequantized_input.carried_tensors(plan.prequantized, out, readers[TARGET])
-    if carried is not None:
-        kv_name = kv_scale_name(out)
-        if kv_name is not None and plan.quant.kv_cache_dtype != FP8:
-            carried.pop(kv_name, None)  # the KV cache was asked to stay unquantized
-        elif kv_name is not None and kv_name not in carried:
-            carried[kv_name] = plan.scales[kv_name]  # the checkpoint has no KV scales: calibrated ones
-        return rank_pieces(out, carried, plan.tp_size, rank)
-    by_name = {o.name: o for o in plan.layout}
-
-    def load_partner(name: str) -> torch.Tensor:
-        return _load_full(by_name[name], readers, check_finite=False)
-
-    full = _load_full(out, readers, check_finite)
-    return rank_stored(out, full, plan.dtype, plan.quant, plan.scales, plan.tp_size, rank, load_partner)
-
-
-def _streamable(plan: ConversionPlan, out: OutputTensor, readers: dict[str, HFCheckpointReader]) -> bool:
-    """Large tensors copied row range for row range (embedding, lm_head, mlp.fc/gate) are streamed in blocks."""
-    if len(out.sources) != 1 or out.split not in (Split.REPLICATE, Split.ROWS, Split.VOCAB):
-        return False
-    if plan.quant.format_of(out.name) != NONE and quantized_linear(out.name) is not None:
-        return False
-    model, name = out.sources[0]
-    return readers[model].nbytes(name) >= STREAM_MIN_BYTES
-
-
-def _stores_cast(plan: ConversionPlan, out: OutputTensor) -> bool:
-    """Stored as a cast of (a piece of) its sources: neither quantized here nor carried from a quantized target."""
-    if quantized_linear(out.name) is None:
-        return True
-    return plan.quant.format_of(out.name) == NONE and plan.prequantized is None
-
-
-def _source_tensors(
-    out: OutputTensor, readers: dict[str, HFCheckpointReader]
-) -> Iterator[tuple[str, str, torch.Tensor]]:
-    for model, name in out.sources:
-        yield model, name, readers[model].get(name)
-
-
-def _streams_experts(plan: ConversionPlan, out: OutputTensor) -> bool:
-    """Unquantized stacked experts are written expert by expert (never a whole layer in memory)."""
-    return out.split in (Split.EXPERT_FC, Split.EXPERT_PROJ) and (
-        plan.quant.format_of(out.name) == NONE or quantized_linear(out.name) is None
-    )
-
-
-def _expert_blocks(
-    plan: ConversionPlan, out: OutputTensor, readers: dict[str, HFCheckpointReader], rank: int
-) -> Iterator[torch.Tensor]:
-    """This rank's slice of each of its experts, as `[1, rows, columns]` blocks of the stacked tensor.
-
-    fc: the expert's up_proj rows, then its gate_proj rows, each cut to this rank's moe_tp slice (rows mapped only);
-    proj: the expert's down_proj columns of this slice. Every rank checks its own slice for NaN/Inf."""
-    reader, experts = readers[TARGET], out.experts or ExpertLayout(out.shape[0])
-    group, index, count = experts.ranks(plan.tp_size, rank)
-    per_expert = len(out.sources) // experts.num_experts
-    for expert in experts.experts_of(group):
-        pieces = []
-        for _, name in out.sources[expert * per_expert : (expert + 1) * per_expert]:
-            if out.split is Split.EXPERT_FC:
-                rows = reader.shape(name)[0] // count
-                piece = reader.get_rows(name, index * rows, (index + 1) * rows)
-            else:
-                piece = reader.get(name).chunk(count, dim=1)[index]
-            pieces.append((TARGET, name, piece))
-        stored = torch.cat([piece.to(plan.dtype) for _, _, piece in pieces], dim=0).unsqueeze(0)
-        check_cast_finite(out, out.name, stored, pieces)
-        yield stored
-
-
-def _row_blocks(
-    plan: ConversionPlan, out: OutputTensor, readers: dict[str, HFCheckpointReader], rank: int
-) -> Iterator[torch.Tensor]:
-    """This rank's rows of `out` in blocks of about STREAM_BLOCK_BYTES, each mapped, checked, cast and dropped."""
-    model, name = out.sources[0]
-    reader, rows = readers[model], out.shape[0]
-    first, stop, padding = 0, rows, 0
-    if plan.tp_size > 1 and out.split is Split.ROWS:
-        first, stop = rank * rows // plan.tp_size, (rank + 1) * rows // plan.tp_size
-    elif plan.tp_size > 1 and out.split is Split.VOCAB:
-        per_rank = pad_vocab_size(rows, plan.tp_size) // plan.tp_size
-        first, stop = min(rank * per_rank, rows), min((rank + 1) * per_rank, rows)
-        padding = per_rank - (stop - first)
-    # Every row is checked by exactly one rank: replicated tensors by rank 0, split ones by their owner.
-    check_finite = rank == 0 or out.split is not Split.REPLICATE
-    step = max(1, STREAM_BLOCK_BYTES // max(1, reader.nbytes(name) // rows))
-    for start in range(first, stop, step):
-        block = reader.get_rows(name, start, min(start + step, stop))
-        stored = block.to(out.dtype or plan.dtype)
-        if check_finite:
-            check_cast_finite(out, out.name, stored, [(model, name, block)])
-        yield stored
-    if padding:
-        yield torch.zeros((padding, *out.shape[1:]), dtype=plan.dtype)
-
-
-@dataclass(frozen=True)
-class RankWritten:
-    """One rank file as written: its tensor bytes and the sha256 of the whole file (for the integrity record)."""
-
-    tensor_bytes: int
-    sha256: str
-
-
-def _write_rank(
-    plan: ConversionPlan,
-    path: Path,
-    readers: dict[str, HFCheckpointReader],
-    rank: int,
-    progress: Callable[[int], object],
-) -> RankWritten:
-    """Rank `rank`'s file, hashed as it is written; made durable later, by the publish (one fsync per file)."""
-    entries = plan.entries()
-    written = 0
-    writer = StreamingSafetensorsWriter(path, entries, metadata={"format": "pt"}, fsync=False, sha256=True)
-    with writer:
-        for out in plan.layout:
-            streamed = (
-                _expert_blocks(plan, out, readers, rank)
-                if _streams_experts(plan, out)
-                else _row_blocks(plan, out, readers, rank)
-                if _streamable(plan, out, readers)
-                else None
-            )
-            if streamed is not None:
-                writer.write_rows(out.name, streamed)
-                dtype, shape = entries[out.name]
-                written += math.prod(shape) * dtype.itemsize
-            elif _stores_cast(plan, out):
-                # Each rank scans its own piece; a replicated tensor, the same on every rank, is scanned by rank 0.
-                for name, piece in rank_tensors(plan, out, readers, rank, check_finite=False).items():
-                    if rank == 0 or out.split is not Split.REPLICATE:
-                        check_cast_finite(out, name, piece, _source_tensors(out, readers))
-                    writer.write(name, piece)
-                    written += piece.numel() * piece.element_size()
-            else:
-                for name, piece in rank_tensors(plan, out, readers, rank, check_finite=rank == 0).items():
-                    check_stored_finite(out, name, piece)
-                    writer.write(name, piece)
-                    written += piece.numel() * piece.element_size()
-            progress(1)
-    return RankWritten(written, writer.hexdigest())
 
 
 def check_written(staging: Path, plan: ConversionPlan) -> None:
@@ -341,7 +118,7 @@ def check_written(staging: Path, plan: ConversionPlan) -> None:
             if sorted(written.names()) != sorted(entries):
                 raise DFlashTrtError(f"internal error: {rank_file(rank)} does not hold the planned tensors")
             for name, (dtype, shape) in entries.items():
-                if written.shape(name) != shape or written.dtype(name) != dtype:
+                if written.shape(name) != shape or written.dtype_name(name) != dtype:
                     raise DFlashTrtError(f"internal error: {name} in {rank_file(rank)} was written wrongly")
 
 
@@ -410,10 +187,10 @@ def _stop_workers(pool: ProcessPoolExecutor) -> None:
         process.kill()
 
 
-def _write_rank_in_worker(plan: ConversionPlan, path: Path, rank: int) -> RankWritten:
-    """One rank file in its own process, with its own memory-mapped readers (memory stays one tensor per worker)."""
+def _write_ranks_in_worker(plan: ConversionPlan, staging: Path, ranks: list[int]) -> dict[int, RankWritten]:
+    """Some rank files in their own process, with its own readers (memory stays one tensor per worker)."""
     with HFCheckpointReader(plan.model_dir) as target_reader, HFCheckpointReader(plan.dflash_model_dir) as draft_reader:
-        return _write_rank(plan, path, {TARGET: target_reader, DRAFT: draft_reader}, rank, lambda _: None)
+        return write_rank_files(plan, staging, {TARGET: target_reader, DRAFT: draft_reader}, ranks, lambda _: None)
 
 
 def _check_run_settings(pp_size: int, dtype: str, workers: int) -> None:
@@ -445,31 +222,35 @@ def _needs_calibration(
     return needs_calibration
 
 
+def _rank_groups(tp_size: int, workers: int) -> list[list[int]]:
+    """The ranks split into `workers` runs of consecutive ranks (fewer if there are fewer ranks); rank 0 first."""
+    count = min(workers, tp_size)
+    return [list(range(tp_size))[group * tp_size // count : (group + 1) * tp_size // count] for group in range(count)]
+
+
 def _write_ranks(
     plan: ConversionPlan, staging: Path, readers: dict, workers: int, show_progress: bool
 ) -> list[RankWritten]:
-    """Every rank file: rank 0 here, the others here too or in `workers` processes."""
+    """Every rank file: those of rank 0's group here, each other group in its own process at the same time."""
     tensors = len(plan.layout)
+    here, *elsewhere = _rank_groups(plan.tp_size, workers)
+    written: dict[int, RankWritten] = {}
     with tqdm(total=tensors * plan.tp_size, desc="convert", unit="tensor", disable=not show_progress) as bar:
-        # Rank 0 runs here first: it checks every replicated tensor for NaN/Inf, so bad input fails fast.
-        ranks = [_write_rank(plan, staging / rank_file(0), readers, 0, bar.update)]
-        if workers == 1 or plan.tp_size == 1:
-            for rank in range(1, plan.tp_size):
-                ranks.append(_write_rank(plan, staging / rank_file(rank), readers, rank, bar.update))
+        if not elsewhere:
+            written = write_rank_files(plan, staging, readers, here, bar.update)
         else:
-            with _worker_pool(min(workers, plan.tp_size - 1)) as pool:
+            with _worker_pool(len(elsewhere)) as pool:
                 try:
-                    jobs = [
-                        pool.submit(_write_rank_in_worker, plan, staging / rank_file(rank), rank)
-                        for rank in range(1, plan.tp_size)
-                    ]
-                    for job in jobs:
-                        ranks.append(job.result())
-                        bar.update(tensors)
+                    jobs = [(group, pool.submit(_write_ranks_in_worker, plan, staging, group)) for group in elsewhere]
+                    # Rank 0's group tests every replicated tensor for NaN/Inf: bad input fails here, and fast.
+                    written = write_rank_files(plan, staging, readers, here, bar.update)
+                    for group, job in jobs:
+                        written |= job.result()
+                        bar.update(tensors * len(group))
                 except BaseException:  # a refusal, Ctrl-C or SIGTERM: stop writing ranks nobody will publish
                     _stop_workers(pool)
                     raise
-    return ranks
+    return [written[rank] for rank in range(plan.tp_size)]
 
 
 def _checkpoint_config(plan: ConversionPlan, dtype: str) -> dict:
@@ -530,7 +311,7 @@ def convert_checkpoint(
         dflash_model_dir,
         target,
         draft,
-        torch_dtypes()[dtype],
+        dtype,
         tp_size,
         quant,
         prequantized=prequantized,
@@ -555,6 +336,8 @@ def convert_checkpoint(
                 show_progress,
             )
         if prequantized is not None:
+            from dflash_trt.conversion import prequantized_input
+
             scales.update(prequantized_input.carried_scales(prequantized, plan.layout, target_reader))
         plan = replace(plan, scales=scales)
         layout = plan.layout
@@ -563,7 +346,7 @@ def convert_checkpoint(
             check_written(staging, plan)
             (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             _copy_tokenizer_files(tokenizer, staging)
-            digests = {rank_file(rank): written.sha256 for rank, written in enumerate(ranks)}
+            digests = {rank_file(rank): written.digest for rank, written in enumerate(ranks)}
             write_integrity_record(staging, ["config.json", *digests], digests)
     return ConversionResult(output_dir, tp_size, len(layout), sum(written.tensor_bytes for written in ranks))
 
@@ -574,6 +357,8 @@ def resolve_quantization(
     """The formats a conversion will write (a pre-quantized target keeps its own) and the target's own format."""
     prequantized = read_hf_quant_config(model_dir)
     if prequantized is not None:
+        from dflash_trt.conversion import prequantized_input
+
         return prequantized_input.quant_settings(prequantized, qformat, dflash_qformat, kv_cache_dtype), prequantized
     quant = QuantSettings(qformat, qformat if dflash_qformat is None else dflash_qformat, kv_cache_dtype or NONE)
     return quant, None

@@ -27,13 +27,14 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from dflash_trt import tensor_names as names
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import FP8, NONE, NVFP4
-from dflash_trt.quant.fp8 import dequantize_fp8, quantize_fp8
+
+if TYPE_CHECKING:
+    import torch
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 _ALGOS = {"FP8": FP8, "NVFP4": NVFP4}
@@ -78,6 +79,10 @@ def _require(part: Mapping[str, torch.Tensor], leaf: str, index: int) -> torch.T
 
 
 def _share_fp8(parts: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    import torch
+
+    from dflash_trt.quant.fp8 import dequantize_fp8, quantize_fp8
+
     scales = [_require(p, HF_WEIGHT_SCALE, i).float().reshape(1) for i, p in enumerate(parts)]
     shared = torch.stack(scales).max(dim=0).values
     out = []
@@ -92,6 +97,8 @@ def _share_fp8(parts: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, to
 
 
 def _share_nvfp4(parts: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    import torch
+
     globals_ = [_require(p, HF_WEIGHT_SCALE_2, i).float().reshape(()) for i, p in enumerate(parts)]
     shared = torch.stack(globals_).max()
     out = []
@@ -110,6 +117,8 @@ def _share_nvfp4(parts: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, 
 
 def share_prequantized(parts: Sequence[Mapping[str, torch.Tensor]], qformat: str) -> list[dict[str, torch.Tensor]]:
     """Each HF member's tensors, by our leaf names, with the per-tensor scales its fused group must share."""
+    import torch
+
     if not parts:
         raise DFlashTrtError("a fused linear needs at least one member.")
     if qformat not in (FP8, NVFP4):
@@ -123,6 +132,8 @@ def share_prequantized(parts: Sequence[Mapping[str, torch.Tensor]], qformat: str
 
 def fuse_prequantized(parts: Sequence[Mapping[str, torch.Tensor]], qformat: str) -> dict[str, torch.Tensor]:
     """Tensors of one TensorRT-LLM linear, by leaf name, from its HF members (q, k, v / one linear) in order."""
+    import torch
+
     members = share_prequantized(parts, qformat)
     fused = dict(members[0])
     for leaf in (names.WEIGHT, names.WEIGHTS_SCALING_FACTOR):
@@ -190,4 +201,6 @@ def prequantized_layer_tensors(
 
 def prequantized_kv_cache_scale(k_scale: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
     """TensorRT-LLM keeps one KV-cache scale per layer; the checkpoint's K and V scales merge by maximum."""
+    import torch
+
     return torch.maximum(k_scale.float().reshape(1), v_scale.float().reshape(1))

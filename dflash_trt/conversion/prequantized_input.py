@@ -7,7 +7,7 @@ carried-over target produces.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from dflash_trt import tensor_names as names
 from dflash_trt.checkpoint.hf_reader import HFCheckpointReader
@@ -26,6 +26,9 @@ from dflash_trt.conversion.prequantized import (
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import NONE, NVFP4, quantized_linear
 from dflash_trt.spec import TargetSpec, hf_expert
+
+if TYPE_CHECKING:
+    import torch
 
 HF_LINEARS = (
     "self_attn.q_proj",
@@ -115,6 +118,7 @@ def _carried_experts(
     """Stacked experts from per-expert HF linears: each expert's gate and up share their larger scale (as for a
     dense gate/up pair), the per-expert scales stack to `[experts, 1]`, and the one input scale the MoE plugin takes
     is the largest of the experts' (as TensorRT-LLM's own MoE weight loader takes it)."""
+    import torch
 
     def part(weight_name: str) -> dict[str, torch.Tensor]:
         prefix = weight_name.removesuffix("weight")

@@ -19,12 +19,13 @@ from dflash_trt.checkpoint.hf_reader import HFCheckpointReader
 from dflash_trt.checkpoint.layout import DRAFT, TARGET
 from dflash_trt.checkpoint.safetensors_io import SafetensorsFile, tensor_has_nonfinite
 from dflash_trt.checkpoint.sharding import pad_vocab_size
-from dflash_trt.checkpoint.stored import QuantSettings, stored_entries
+from dflash_trt.checkpoint.stored import QuantSettings
 from dflash_trt.checkpoint.trtllm_config import checkpoint_config
-from dflash_trt.conversion.convert import ConversionPlan, check_sources, rank_file, rank_tensors
+from dflash_trt.conversion.convert import check_sources
+from dflash_trt.conversion.plan import ConversionPlan, rank_file, rank_tensors
 from dflash_trt.conversion.prequantized import read_hf_quant_config
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.formats import DTYPES, torch_dtypes
+from dflash_trt.formats import DTYPES
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.spec import load_draft_spec, load_target_spec
 
@@ -112,7 +113,7 @@ def verify_checkpoint(
         Path(dflash_model_dir),
         target,
         draft,
-        torch_dtypes()[dtype_name],
+        dtype_name,
         tp_size,
         quant,
         prequantized=prequantized,
@@ -213,4 +214,4 @@ def _is_calibrated(name: str) -> bool:
 
 
 def _names_of(plan: ConversionPlan, out) -> list[str]:
-    return list(stored_entries(out, plan.dtype, plan.quant, plan.scales, plan.tp_size))
+    return list(plan.entries_of(out))
