@@ -104,10 +104,10 @@ def test_writer_output_loads_with_safetensors(tmp_path: Path) -> None:
             _assert_same(reader.get(name), tensor)
 
 
-def test_writer_sha256_is_the_files_and_writeback_keeps_the_bytes(tmp_path: Path, monkeypatch) -> None:
+def test_writer_digest_is_the_files_and_writeback_keeps_the_bytes(tmp_path: Path, monkeypatch) -> None:
     """Hashed while written (small buffers inline, large ones on the worker thread) and handed to the disk in
-    aligned steps as the file grows: the digest is hashlib's of the finished file, the bytes are safetensors'."""
-    import hashlib
+    aligned steps as the file grows: the digest is blake3's of the finished file, the bytes are safetensors'."""
+    from blake3 import blake3
 
     from dflash_trt.checkpoint import atomic
 
@@ -132,7 +132,7 @@ def test_writer_sha256_is_the_files_and_writeback_keeps_the_bytes(tmp_path: Path
             writer.write(name, tensor)
         with pytest.raises(DFlashTrtError, match="no digest"):
             writer.hexdigest()
-    assert writer.hexdigest() == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert writer.hexdigest() == blake3(path.read_bytes()).hexdigest()
     loaded = load_file(path)
     for name, tensor in tensors.items():
         _assert_same(loaded[name], tensor)

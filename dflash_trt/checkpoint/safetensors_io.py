@@ -24,7 +24,7 @@ from types import TracebackType
 import torch
 
 from dflash_trt.checkpoint.atomic import start_writeback
-from dflash_trt.checkpoint.integrity import BackgroundSha256
+from dflash_trt.checkpoint.integrity import BackgroundDigest
 from dflash_trt.errors import DFlashTrtError
 
 # Largest JSON header accepted: far above any real checkpoint's, far below a harmful allocation.
@@ -379,7 +379,7 @@ class StreamingSafetensorsWriter:
         self._entries = {name: (dtype, tuple(shape)) for name, (dtype, shape) in entries.items()}
         self._next = 0
         self._fsync = fsync
-        self._digest = BackgroundSha256() if sha256 else None
+        self._digest = BackgroundDigest() if sha256 else None
         self._hexdigest: str | None = None
         self._written = 0
         self._writeback_from = 0  # bytes before this were handed to the disk already
