@@ -145,7 +145,15 @@ def test_file_digest_reads_in_chunks(tmp_path: Path, monkeypatch, algorithm: str
     assert file_digest(path, algorithm) == oracle(path.read_bytes()).hexdigest()
 
 
-SIZES = [0, 1, 4095, BACKGROUND_MIN_BYTES - 1, BACKGROUND_MIN_BYTES, BACKGROUND_MIN_BYTES + 1, 3 * BACKGROUND_MIN_BYTES + 7]
+SIZES = [
+    0,
+    1,
+    4095,
+    BACKGROUND_MIN_BYTES - 1,
+    BACKGROUND_MIN_BYTES,
+    BACKGROUND_MIN_BYTES + 1,
+    3 * BACKGROUND_MIN_BYTES + 7,
+]
 
 
 @pytest.mark.parametrize("sizes", [SIZES, SIZES[::-1], [BACKGROUND_MIN_BYTES + 5] * 4, [7] * 50])
