@@ -21,8 +21,8 @@ from dflash_trt.jsonfile import read_json_object
 
 INTEGRITY_FILE = "dflash_integrity.json"
 # The record formats read, each with the hash it keeps per file (named as that hash's field): the format contract.
-# Format 2 (BLAKE3, ~3x sha256's speed, which had become the converter's bottleneck) is written; format 1 (sha256)
-# is still read, since checkpoints converted by earlier versions carry it.
+# Format 2 (BLAKE3, over 3x the speed of sha256, which had become the converter's bottleneck) is written; format 1
+# (sha256) is still read, since checkpoints converted by earlier versions carry it.
 HASH_BY_FORMAT = {1: "sha256", 2: "blake3"}
 FORMAT = 2
 CHUNK_BYTES = 16 << 20
