@@ -1,5 +1,5 @@
 """The bytes a conversion writes: every rank file equals, byte for byte, what the converter wrote before its write
-path was made faster (digests below), and the integrity record holds each file's true sha256.
+path was made faster (sha256 digests below), and the integrity record holds each file's true BLAKE3 digest.
 
 The weights are 8-bit integer patterns scaled by a power of two, so every value and every cast of it is exact and the
 files are the same on any CPU; the digests were taken from the plain write path (whole tensors, one after the
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from _pairs import PairVariant, make_pair
+from blake3 import blake3
 from safetensors.torch import load_file, save_file
 
 import dflash_trt.conversion.convert as convert
@@ -70,12 +71,13 @@ def _digests(directory: Path, tp_size: int) -> list[str]:
 
 
 def _check_record(directory: Path) -> None:
-    """The integrity record lists config.json and every rank file with its real size and sha256."""
+    """The integrity record (format 2) lists config.json and every rank file with its real size and BLAKE3 digest."""
     record = json.loads((directory / INTEGRITY_FILE).read_text())
+    assert record["format"] == 2
     assert sorted(record["files"]) == sorted(["config.json", *(p.name for p in directory.glob("rank*.safetensors"))])
     for name, entry in record["files"].items():
         data = (directory / name).read_bytes()
-        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
+        assert entry == {"size": len(data), "blake3": blake3(data).hexdigest()}, name
 
 
 @pytest.mark.parametrize(("dtype", "tp_size"), [("bfloat16", 1), ("float16", 1), ("bfloat16", 2), ("float32", 4)])

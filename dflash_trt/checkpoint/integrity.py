@@ -1,4 +1,4 @@
-"""The integrity record of a converted checkpoint: size and sha256 of every file, written last at conversion.
+"""The integrity record of a converted checkpoint: size and digest of every file, written last at conversion.
 
 Whatever reads a checkpoint can then tell, before trusting it, that no byte changed since conversion: an edited
 config (fewer layers, another dtype) or a flipped weight byte would otherwise decode into wrong text with exit 0.
@@ -9,40 +9,57 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Protocol
+
+from blake3 import blake3
 
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import read_json_object
 
 INTEGRITY_FILE = "dflash_integrity.json"
-FORMAT = 1
+# The record formats read, each with the hash it keeps per file (named as that hash's field): the format contract.
+# Format 2 (BLAKE3, over 3x the speed of sha256, which had become the converter's bottleneck) is written; format 1
+# (sha256) is still read, since checkpoints converted by earlier versions carry it.
+HASH_BY_FORMAT = {1: "sha256", 2: "blake3"}
+FORMAT = 2
 CHUNK_BYTES = 16 << 20
 # Buffers below this are hashed in the calling thread: handing them over would cost more than hashing them.
 BACKGROUND_MIN_BYTES = 1 << 20
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
+class _Hash(Protocol):
+    def update(self, data: bytes | memoryview, /) -> object: ...
+
+    def hexdigest(self) -> str: ...
+
+
+_NEW_HASH: dict[str, Callable[[], _Hash]] = {"sha256": hashlib.sha256, "blake3": blake3}
+
+
+def file_digest(path: Path, algorithm: str) -> str:
+    """Hex digest of the file at `path` with `algorithm` (a value of HASH_BY_FORMAT), read in chunks."""
+    digest = _NEW_HASH[algorithm]()
     with open(path, "rb") as handle:
         while chunk := handle.read(CHUNK_BYTES):
             digest.update(chunk)
     return digest.hexdigest()
 
 
-class BackgroundSha256:
-    """sha256 of a stream of buffers, hashed on a worker thread while the caller goes on with the next one.
+class BackgroundDigest:
+    """The record's digest (BLAKE3) of a stream of buffers, hashed on a worker thread while the caller goes on.
 
     A writer hashes the bytes it already holds instead of reading its file back, and off its critical path:
-    hashlib releases the GIL on large buffers. At most one buffer is pending (it stays referenced until hashed),
+    blake3 releases the GIL while it hashes. At most one buffer is pending (it stays referenced until hashed),
     so memory grows by at most one buffer.
     """
 
     def __init__(self) -> None:
-        self._digest = hashlib.sha256()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256")
-        self._pending: Future[None] | None = None
+        self._digest = _NEW_HASH[HASH_BY_FORMAT[FORMAT]]()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="digest")
+        self._pending: Future[object] | None = None
 
     def update(self, data: bytes | memoryview) -> None:
         """Queue `data` after everything queued before; the caller must not change it until the next call."""
@@ -68,13 +85,14 @@ class BackgroundSha256:
 
 
 def write_integrity_record(directory: Path, file_names: list[str], digests: Mapping[str, str] | None = None) -> None:
-    """Record `file_names` (relative to `directory`) as they are now; `digests` holds the sha256 of files whose
-    writer already hashed them (the others are read back)."""
+    """Record `file_names` (relative to `directory`) as they are now, in format FORMAT; `digests` holds the digest
+    (BackgroundDigest's) of files whose writer already hashed them (the others are read back)."""
     known = digests or {}
+    algorithm = HASH_BY_FORMAT[FORMAT]
     files = {
         name: {
             "size": (directory / name).stat().st_size,
-            "sha256": known[name] if name in known else file_sha256(directory / name),
+            algorithm: known[name] if name in known else file_digest(directory / name, algorithm),
         }
         for name in sorted(file_names)
     }
@@ -84,19 +102,20 @@ def write_integrity_record(directory: Path, file_names: list[str], digests: Mapp
 def check_integrity(directory: str | Path, content: bool = True) -> bool:
     """Raise if a recorded file is missing or changed; sizes always, content too with `content` (one read pass).
 
-    Returns whether a record was found.
+    Reads every format of HASH_BY_FORMAT. Returns whether a record was found.
     """
     directory = Path(directory)
     record_path = directory / INTEGRITY_FILE
     if not record_path.exists():
         return False
     record = read_json_object(record_path, f"{record_path} cannot be read")
-    files = record.get("files")
+    record_format, files = record.get("format"), record.get("files")
+    algorithm = HASH_BY_FORMAT.get(record_format) if type(record_format) is int else None
     if (
-        record.get("format") != FORMAT
+        algorithm is None
         or not isinstance(files, dict)
         or not all(
-            isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("sha256"), str)
+            isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get(algorithm), str)
             for entry in files.values()
         )
     ):
@@ -105,7 +124,7 @@ def check_integrity(directory: str | Path, content: bool = True) -> bool:
         path = directory / name
         if Path(name).name != name or not path.is_file():
             raise DFlashTrtError(f"checkpoint {directory} is missing {name}, which its integrity record lists")
-        if path.stat().st_size != entry["size"] or (content and file_sha256(path) != entry["sha256"]):
+        if path.stat().st_size != entry["size"] or (content and file_digest(path, algorithm) != entry[algorithm]):
             raise DFlashTrtError(
                 f"checkpoint {directory}: {name} changed after conversion (it no longer matches {INTEGRITY_FILE}); "
                 "convert again"

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dflash_trt.checkpoint.integrity import BackgroundSha256
+from dflash_trt.checkpoint.integrity import BackgroundDigest
 from dflash_trt.errors import DFlashTrtError
 
 if TYPE_CHECKING:
@@ -501,7 +501,7 @@ class StreamingSafetensorsWriter:
         self._next = 0
         self._open_bytes = -1  # bytes the tensor being written still expects; -1 between tensors
         self._fsync = fsync
-        self._digest = BackgroundSha256() if digest else None
+        self._digest = BackgroundDigest() if digest else None
         self._hexdigest: str | None = None
         header = _build_header(self.path, self._entries, metadata)
         try:
