@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,7 +21,6 @@ from pathlib import Path
 import pytest
 from _pairs import PairVariant, make_pair
 
-from dflash_trt.checkpoint import safetensors_io
 from dflash_trt.cli import main
 from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.conversion.verify import verify_checkpoint
@@ -124,29 +124,20 @@ def test_sigkill_mid_write_leaves_nothing_under_the_output_name(big_pair, tmp_pa
 
 
 class _FullDisk:
-    """Stands in for `open` in the writer's module: files written through it run out of space after `budget` bytes."""
+    """Stands in for `os.write`: writes into safetensors files run out of space after `budget` bytes (Linux /proc
+    names each descriptor's file); every other write goes through."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
+        self.real_write = os.write
 
-    def __call__(self, path, mode="r", *args, **kwargs):
-        handle = open(path, mode, *args, **kwargs)  # the writer closes it
-        if "r" in mode:
-            return handle
-        disk = self
-
-        class Handle:
-            def __getattr__(self, name):
-                return getattr(handle, name)
-
-            def write(self, data) -> int:
-                size = memoryview(data).nbytes
-                if size > disk.budget:
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                disk.budget -= size
-                return handle.write(data)
-
-        return Handle()
+    def __call__(self, fd: int, data) -> int:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".safetensors"):
+            size = memoryview(data).nbytes
+            if size > self.budget:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self.budget -= size
+        return self.real_write(fd, data)
 
 
 def test_enospc_is_one_clear_error_and_leaves_nothing(small_pair, tmp_path, monkeypatch, capsys):
@@ -155,12 +146,12 @@ def test_enospc_is_one_clear_error_and_leaves_nothing(small_pair, tmp_path, monk
     convert_checkpoint(target_dir, draft_dir, reference, tp_size=2)
     rank_bytes = (reference / "rank0.safetensors").stat().st_size
     out = tmp_path / "ckpt"
-    # Space for rank0 and part of rank1: the failure hits in the middle of the second file.
-    monkeypatch.setattr(safetensors_io, "open", _FullDisk(rank_bytes + rank_bytes // 2), raising=False)
+    # Space for three quarters of both rank files, written side by side: the failure hits in the middle of one.
+    monkeypatch.setattr(os, "write", _FullDisk(rank_bytes + rank_bytes // 2))
     code = main(_convert_args(target_dir, draft_dir, out, "--tp_size", "2"))
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
-    assert "rank1.safetensors" in err and "No space left on device" in err
+    assert re.search(r"rank[01]\.safetensors", err) and "No space left on device" in err
     assert not out.exists() and not _partials(out)
 
 
@@ -169,7 +160,7 @@ def test_failed_overwrite_keeps_the_existing_output(small_pair, tmp_path, monkey
     out = tmp_path / "ckpt"
     convert_checkpoint(target_dir, draft_dir, out, tp_size=2)
     before = _snapshot(out)
-    monkeypatch.setattr(safetensors_io, "open", _FullDisk(1000), raising=False)
+    monkeypatch.setattr(os, "write", _FullDisk(1000))
     assert main(_convert_args(target_dir, draft_dir, out, "--tp_size", "2", "--overwrite")) == 2
     assert "No space left on device" in capsys.readouterr().err
     assert _snapshot(out) == before and not _partials(out)
