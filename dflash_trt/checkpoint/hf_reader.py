@@ -143,9 +143,9 @@ class HFCheckpointReader:
         """Rows [start, stop) of `name`, mapping only their bytes."""
         return self._shard(name).get_rows(name, start, stop)
 
-    def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        """Rows [start, stop) of `name` as bit patterns read into a new array (no torch, no map)."""
-        return self._shard(name).read_rows(name, start, stop)
+    def read_rows(self, name: str, start: int, stop: int, into: np.ndarray | None = None) -> np.ndarray:
+        """Rows [start, stop) of `name` as bit patterns, read into `into` or a new array (no torch, no map)."""
+        return self._shard(name).read_rows(name, start, stop, into)
 
     def close(self) -> None:
         for shard in self._files:

@@ -62,8 +62,9 @@ class BackgroundDigest:
         self._pending: Future[object] | None = None
 
     def update(self, data: bytes | memoryview) -> None:
-        """Queue `data` after everything queued before; the caller must not change it until the next call."""
-        self._wait()
+        """Queue `data` after everything queued before; the caller must not change it until the next call (or
+        `wait`)."""
+        self.wait()
         if len(data) < BACKGROUND_MIN_BYTES:
             self._digest.update(data)
         else:
@@ -75,10 +76,11 @@ class BackgroundDigest:
         return self._digest.hexdigest()
 
     def close(self) -> None:
-        self._wait()
+        self.wait()
         self._pool.shutdown()
 
-    def _wait(self) -> None:
+    def wait(self) -> None:
+        """Return once everything queued is hashed."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending.result()

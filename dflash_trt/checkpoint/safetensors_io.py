@@ -281,16 +281,18 @@ class SafetensorsFile:
         self._check_rows(name, info, start, stop)
         return self._tensor(name, info, start, stop, copy=False)
 
-    def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        """Rows [start, stop) of `name` read into a new array of their bit patterns (unsigned integers as wide as the
-        dtype, shaped like the rows): bytes to move or test, with no torch and no page of the file left mapped."""
+    def read_rows(self, name: str, start: int, stop: int, into: np.ndarray | None = None) -> np.ndarray:
+        """Rows [start, stop) of `name` read as their bit patterns (unsigned integers as wide as the dtype, shaped like
+        the rows) into the start of `into` (a uint8 buffer, reused by the caller) or a new array: bytes to move or
+        test, with no torch and no page of the file left mapped."""
         info = self._info(name)
         self._check_rows(name, info, start, stop)
         if self._fd is None:
             raise DFlashTrtError(f"{self.path} is closed.")
         row_bytes = _row_bytes(info)
-        data = np.empty((stop - start) * row_bytes, dtype=np.uint8)
-        view, done, first = memoryview(data), 0, self._data_start + info.begin + start * row_bytes
+        nbytes = (stop - start) * row_bytes
+        data = np.empty(nbytes, dtype=np.uint8) if into is None else into[:nbytes]
+        view, done, first = memoryview(data.data), 0, self._data_start + info.begin + start * row_bytes
         while done < len(data):
             try:
                 count = os.preadv(self._fd, [view[done:]], first + done)
@@ -543,7 +545,7 @@ class StreamingSafetensorsWriter:
 
     def append(self, data: np.ndarray | bytes | memoryview) -> None:
         """Append bytes of the tensor being written (a contiguous array, bytes or a buffer)."""
-        view = memoryview(np.ascontiguousarray(data) if isinstance(data, np.ndarray) else data).cast("B")
+        view = memoryview(np.ascontiguousarray(data).data if isinstance(data, np.ndarray) else data).cast("B")
         if self._open_bytes < 0 or len(view) > self._open_bytes:
             name = self._order[min(self._next, len(self._order) - 1)]
             self.abort()
@@ -610,6 +612,11 @@ class StreamingSafetensorsWriter:
                 os.close(fd)
         if self._digest is not None:
             self._hexdigest = self._digest.hexdigest()
+
+    def wait_hashed(self) -> None:
+        """Return once every byte appended so far is hashed: the caller may then reuse its buffers."""
+        if self._digest is not None:
+            self._digest.wait()
 
     def hexdigest(self) -> str:
         """Digest of the whole file as written (a writer opened with `digest=True`, once closed)."""

@@ -302,8 +302,10 @@ def convert_checkpoint(
     target = load_target_spec(model_dir)
     draft = load_draft_spec(dflash_model_dir, target)
     tokenizer = tokenizer_files(model_dir)
-    cut = default_calib_max_seq_len(target.max_position_embeddings) if calib_max_seq_len is None else calib_max_seq_len
+    cut = calib_max_seq_len  # the default needs the calibration module (and torch): worked out only when calibrating
     if needs_calibration and calib_dataset is not None:
+        if cut is None:
+            cut = default_calib_max_seq_len(target.max_position_embeddings)
         check_calibration_prompts(model_dir, Path(calib_dataset), calib_size, cut, target.max_position_embeddings)
     check_parallel(target, draft, tp_size, moe_ep_size)
     plan = ConversionPlan(
@@ -323,7 +325,7 @@ def convert_checkpoint(
         check_sources(target, draft, target_reader, draft_reader, prequantized)
         readers = {TARGET: target_reader, DRAFT: draft_reader}
         scales = {}
-        if needs_calibration and calib_dataset is not None:
+        if needs_calibration and calib_dataset is not None and cut is not None:
             scales = calibrated_scales(
                 model_dir,
                 dflash_model_dir,

@@ -42,7 +42,38 @@ Readers = dict[str, HFCheckpointReader]
 # Source bytes read per step of a tensor too large to read whole: a huge embedding is never whole in memory.
 BLOCK_BYTES = 16 << 20
 # A tensor up to this size is read whole, once, and every rank's piece cut from it in memory.
-WHOLE_MAX_BYTES = 64 << 20
+WHOLE_MAX_BYTES = 32 << 20
+# Read buffers reused in turn: fresh memory for every block would cost more than the copy (a page fault per page).
+READ_BUFFERS = 3
+
+
+class ReadBuffers:
+    """A ring of reusable read buffers. A buffer is refilled only once every writer it went to has hashed it: each
+    writer hashes at most its last block in the background, so only writers whose last block came from the
+    buffer may still be reading it."""
+
+    def __init__(self, count: int = READ_BUFFERS) -> None:
+        self._buffers = [np.empty(0, dtype=np.uint8) for _ in range(count)]
+        self._next = 0
+        self._last_buffer: dict[StreamingSafetensorsWriter, int] = {}
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A buffer of at least `nbytes`, free to overwrite."""
+        index, self._next = self._next, (self._next + 1) % len(self._buffers)
+        for writer, last in self._last_buffer.items():
+            if last == index:
+                writer.wait_hashed()
+        if len(self._buffers[index]) < nbytes:
+            self._buffers[index] = np.empty(nbytes, dtype=np.uint8)
+        return self._buffers[index]
+
+    def appended(self, writer: StreamingSafetensorsWriter, data: np.ndarray) -> None:
+        """Record that `writer` was handed `data` (a view of one of the buffers, or memory of its own)."""
+        base = data.base if data.base is not None else data
+        while isinstance(base, np.ndarray) and base.base is not None:
+            base = base.base
+        owner = next((i for i, buffer in enumerate(self._buffers) if buffer is base), -1)
+        self._last_buffer[writer] = owner
 
 
 @dataclass(frozen=True)
@@ -59,8 +90,8 @@ class SourceTensor:
     A stacked expert tensor `[experts, rows, columns]` is each expert's sources concatenated, expert after expert:
     in row-major order that is all its sources, in order, so a small one is read whole the same way."""
 
-    def __init__(self, out: OutputTensor, readers: Readers) -> None:
-        self.out, self.readers = out, readers
+    def __init__(self, out: OutputTensor, readers: Readers, buffers: ReadBuffers | None = None) -> None:
+        self.out, self.readers, self.buffers = out, readers, buffers or ReadBuffers()
         self.stacked = len(out.shape) == 3
         experts = out.shape[0] if self.stacked else 1
         per_expert = len(out.sources) // experts
@@ -71,14 +102,20 @@ class SourceTensor:
         self._whole: np.ndarray | None = None
 
     def _read_whole(self) -> np.ndarray:
+        """Every source read, in order, into one buffer: the full tensor without a concatenating copy."""
         if self._whole is None:
-            parts = [self._read(model, name, 0, self._rows(model, name)) for model, name in self.out.sources]
-            joined = parts[0] if len(parts) == 1 else np.concatenate([p.reshape(-1) for p in parts])
-            self._whole = joined.reshape(self.out.shape)
+            sizes = [self.readers[model].nbytes(name) for model, name in self.out.sources]
+            buffer, at = self.buffers.take(sum(sizes)), 0
+            for (model, name), size in zip(self.out.sources, sizes, strict=True):
+                self.readers[model].read_rows(name, 0, self._rows(model, name), buffer[at : at + size])
+                at += size
+            self._whole = buffer[:at].view(f"<u{DTYPE_SIZES[self.whole_dtype or 'U8']}").reshape(self.out.shape)
         return self._whole
 
     def _read(self, model: str, name: str, start: int, stop: int) -> np.ndarray:
-        return self.readers[model].read_rows(name, start, stop)
+        reader = self.readers[model]
+        nbytes = (stop - start) * (reader.nbytes(name) // max(1, self._rows(model, name)))
+        return reader.read_rows(name, start, stop, self.buffers.take(nbytes))
 
     def _rows(self, model: str, name: str) -> int:
         return self.readers[model].shape(name)[0]
@@ -157,11 +194,15 @@ def _blame_nonfinite(out: OutputTensor, readers: Readers, stored_dtype: str) -> 
 
 
 def _write_moved(
-    plan: ConversionPlan, out: OutputTensor, readers: Readers, writers: dict[int, StreamingSafetensorsWriter]
+    plan: ConversionPlan,
+    out: OutputTensor,
+    readers: Readers,
+    writers: dict[int, StreamingSafetensorsWriter],
+    buffers: ReadBuffers,
 ) -> None:
     """A tensor whose stored form is a piece of its sources (cast if need be): each distinct piece read once, written
     to every rank holding it; every row tested for NaN/Inf by one rank (a replicated tensor by rank 0)."""
-    source, stored = SourceTensor(out, readers), plan.stored_dtype(out)
+    source, stored = SourceTensor(out, readers, buffers), plan.stored_dtype(out)
     holders: dict[Piece, list[int]] = {}
     for rank in writers:
         piece = rank_piece(out.shape, out.split, plan.tp_size, rank, out.heads, out.experts)
@@ -177,6 +218,7 @@ def _write_moved(
                 raise _blame_nonfinite(out, readers, stored)
             for writer in targets:
                 writer.append(data)
+                buffers.appended(writer, data)
         for writer in targets:
             writer.finish()
 
@@ -195,9 +237,10 @@ def write_rank_files(
             )
             for rank in ranks
         }
+        buffers = ReadBuffers()
         for out in plan.layout:
             if plan.moves_bytes(out):
-                _write_moved(plan, out, readers, writers)
+                _write_moved(plan, out, readers, writers, buffers)
             else:
                 for rank in ranks:  # the first rank tests the sources: a bad input is named, not taken for overflow
                     for name, piece in rank_tensors(plan, out, readers, rank, check_finite=rank == ranks[0]).items():
