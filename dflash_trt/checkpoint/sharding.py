@@ -223,6 +223,8 @@ def shard(
     """This rank's piece of `full` (a view where it is one part)."""
     import torch
 
+    if tp_size == 1 or split is Split.REPLICATE:
+        return full  # whatever its rank, a 0-d scale included
     piece = rank_piece(tuple(full.shape), split, tp_size, rank, heads, experts)
     parts = [
         full.new_zeros((part, *full.shape[1:])) if isinstance(part, int) else full[tuple(slice(*r) for r in part)]

@@ -302,11 +302,9 @@ def convert_checkpoint(
     target = load_target_spec(model_dir)
     draft = load_draft_spec(dflash_model_dir, target)
     tokenizer = tokenizer_files(model_dir)
-    cut = calib_max_seq_len  # the default needs the calibration module (and torch): worked out only when calibrating
-    if needs_calibration and calib_dataset is not None:
-        if cut is None:
-            cut = default_calib_max_seq_len(target.max_position_embeddings)
-        check_calibration_prompts(model_dir, Path(calib_dataset), calib_size, cut, target.max_position_embeddings)
+    cut = _calibration_cut(
+        model_dir, calib_dataset if needs_calibration else None, calib_size, calib_max_seq_len, target
+    )
     check_parallel(target, draft, tp_size, moe_ep_size)
     plan = ConversionPlan(
         model_dir,
@@ -351,6 +349,22 @@ def convert_checkpoint(
             digests = {rank_file(rank): written.digest for rank, written in enumerate(ranks)}
             write_integrity_record(staging, ["config.json", *digests], digests)
     return ConversionResult(output_dir, tp_size, len(layout), sum(written.tensor_bytes for written in ranks))
+
+
+def _calibration_cut(
+    model_dir: Path,
+    calib_dataset: str | Path | None,
+    calib_size: int,
+    calib_max_seq_len: int | None,
+    target: TargetSpec,
+) -> int | None:
+    """The prompt tokens calibration keeps, its prompts checked first; None without calibration (the default comes
+    from the calibration module, and so torch: a conversion that does not calibrate never imports it)."""
+    if calib_dataset is None:
+        return None
+    cut = default_calib_max_seq_len(target.max_position_embeddings) if calib_max_seq_len is None else calib_max_seq_len
+    check_calibration_prompts(model_dir, Path(calib_dataset), calib_size, cut, target.max_position_embeddings)
+    return cut
 
 
 def resolve_quantization(

@@ -22,6 +22,7 @@ from dflash_trt.checkpoint.safetensors_io import (
     DTYPE_SIZES,
     StreamingSafetensorsWriter,
     bits_have_nonfinite,
+    readable_dtype,
     tensor_bytes,
     torch_dtype,
 )
@@ -188,8 +189,8 @@ def _blame_nonfinite(out: OutputTensor, readers: Readers, stored_dtype: str) -> 
                 what = "target" if model == TARGET else "drafter"
                 return DFlashTrtError(f"{what} tensor '{name}' contains NaN or Inf values")
     return DFlashTrtError(
-        f"{source_label(out)} does not fit {out.dtype or stored_dtype}: its stored form '{out.name}' holds NaN or Inf "
-        "(values beyond the type's range); convert with --dtype bfloat16 or float32"
+        f"{source_label(out)} does not fit {readable_dtype(stored_dtype)}: its stored form '{out.name}' holds NaN or "
+        "Inf (values beyond the type's range); convert with --dtype bfloat16 or float32"
     )
 
 
