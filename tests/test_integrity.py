@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 import re
 import subprocess
 import sys
@@ -16,11 +15,10 @@ from blake3 import blake3
 
 from dflash_trt.checkpoint import integrity
 from dflash_trt.checkpoint.integrity import (
-    BACKGROUND_MIN_BYTES,
     INTEGRITY_FILE,
-    BackgroundDigest,
     check_integrity,
     file_digest,
+    new_record_digest,
     write_integrity_record,
 )
 from dflash_trt.errors import DFlashTrtError
@@ -63,7 +61,7 @@ def _changed(directory: Path, name: str) -> str:
 
 def test_format_2_record_holds_every_files_size_and_blake3(checkpoint: Path) -> None:
     """Files the writer hashed keep the digest it gave; the others are read back."""
-    streamed = BackgroundDigest()
+    streamed = new_record_digest()
     streamed.update(FILES["rank0.safetensors"])
     write_integrity_record(checkpoint, list(FILES), {"rank0.safetensors": streamed.hexdigest()})
     record = json.loads((checkpoint / INTEGRITY_FILE).read_text())
@@ -143,27 +141,6 @@ def test_file_digest_reads_in_chunks(tmp_path: Path, monkeypatch, algorithm: str
     path = tmp_path / "data"
     path.write_bytes(bytes(range(251)) * 40)  # ten chunks and a partial one
     assert file_digest(path, algorithm) == oracle(path.read_bytes()).hexdigest()
-
-
-SIZES = [
-    0,
-    1,
-    4095,
-    BACKGROUND_MIN_BYTES - 1,
-    BACKGROUND_MIN_BYTES,
-    BACKGROUND_MIN_BYTES + 1,
-    3 * BACKGROUND_MIN_BYTES + 7,
-]
-
-
-@pytest.mark.parametrize("sizes", [SIZES, SIZES[::-1], [BACKGROUND_MIN_BYTES + 5] * 4, [7] * 50])
-def test_background_digest_equals_one_shot_blake3(sizes: list[int]) -> None:
-    """Small buffers hashed inline and large ones on the worker thread, in order, bytes and memoryviews alike."""
-    buffers = [random.Random(index).randbytes(size) for index, size in enumerate(sizes)]
-    digest = BackgroundDigest()
-    for index, buffer in enumerate(buffers):
-        digest.update(memoryview(buffer) if index % 2 else buffer)
-    assert digest.hexdigest() == blake3(b"".join(buffers)).hexdigest()
 
 
 def test_importing_the_record_module_does_not_import_torch() -> None:

@@ -128,6 +128,29 @@ def test_writer_digest_is_the_files(tmp_path: Path) -> None:
         _assert_same(loaded[name], tensor)
 
 
+@pytest.mark.parametrize(
+    "sizes", [[1, 4095, (1 << 20) - 1, 1 << 20, (1 << 20) + 1, (3 << 20) + 7], [(1 << 20) + 5] * 4]
+)
+def test_writer_in_the_background_keeps_order_and_digest(tmp_path: Path, sizes: list[int]) -> None:
+    """Blocks from 1 MiB up are hashed and written on the writer's thread, smaller ones at once, each after the one
+    before: in either order of sizes the file holds the blocks in order and the digest is blake3's of it."""
+    import random
+
+    from blake3 import blake3
+
+    blocks = [random.Random(index).randbytes(size) for index, size in enumerate(sizes)]
+    path = tmp_path / "blocks.safetensors"
+    for order in (blocks, blocks[::-1]):
+        path.unlink(missing_ok=True)
+        with StreamingSafetensorsWriter(path, {"a": ("U8", (sum(sizes),))}, digest=True) as writer:
+            writer.start("a")
+            for index, block in enumerate(order):
+                writer.append(memoryview(block) if index % 2 else block)
+            writer.finish()
+        data = path.read_bytes()
+        assert data.endswith(b"".join(order)) and writer.hexdigest() == blake3(data).hexdigest()
+
+
 def test_writer_accepts_non_contiguous_tensor(tmp_path: Path) -> None:
     base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     transposed = base.t()

@@ -8,18 +8,21 @@ of the user's own files (`--output_dir .` run from a home directory).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import glob
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
 from dflash_trt.errors import DFlashTrtError
 
 PARTIAL_MARKER = ".partial-"
+SYNC_FILE_RANGE_WRITE = 2  # sync_file_range flag: start writing out dirty pages, do not wait (linux/fs.h)
 # The file in every published folder that says which command wrote it (read before replacing the folder).
 OUTPUT_MARKER = ".dflash-trt-output"
 # Characters of the output's name kept in its staging folder's name, so that a legal 255-character output name
@@ -194,6 +197,29 @@ def atomic_directory(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+@functools.cache
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's sync_file_range (Linux), or None where there is none."""
+    try:
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    call.restype = ctypes.c_int
+    return call
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Start writing bytes [offset, offset + length) of an open file to disk, without waiting for it.
+
+    The disk then works while the rest of the file is produced, and the fsync at publish waits only for the tail.
+    Where the call is missing or fails, nothing is lost but the head start: the fsync still writes and reports.
+    """
+    call = _sync_file_range()
+    if call is not None:
+        call(fd, offset, length, SYNC_FILE_RANGE_WRITE)
 
 
 def _fsync(path: Path) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
@@ -26,8 +25,6 @@ INTEGRITY_FILE = "dflash_integrity.json"
 HASH_BY_FORMAT = {1: "sha256", 2: "blake3"}
 FORMAT = 2
 CHUNK_BYTES = 16 << 20
-# Buffers below this are hashed in the calling thread: handing them over would cost more than hashing them.
-BACKGROUND_MIN_BYTES = 1 << 20
 
 
 class _Hash(Protocol):
@@ -48,47 +45,14 @@ def file_digest(path: Path, algorithm: str) -> str:
     return digest.hexdigest()
 
 
-class BackgroundDigest:
-    """The record's digest (BLAKE3) of a stream of buffers, hashed on a worker thread while the caller goes on.
-
-    A writer hashes the bytes it already holds instead of reading its file back, and off its critical path:
-    blake3 releases the GIL while it hashes. At most one buffer is pending (it stays referenced until hashed),
-    so memory grows by at most one buffer.
-    """
-
-    def __init__(self) -> None:
-        self._digest = _NEW_HASH[HASH_BY_FORMAT[FORMAT]]()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="digest")
-        self._pending: Future[object] | None = None
-
-    def update(self, data: bytes | memoryview) -> None:
-        """Queue `data` after everything queued before; the caller must not change it until the next call (or
-        `wait`)."""
-        self.wait()
-        if len(data) < BACKGROUND_MIN_BYTES:
-            self._digest.update(data)
-        else:
-            self._pending = self._pool.submit(self._digest.update, data)
-
-    def hexdigest(self) -> str:
-        """The digest of everything queued; ends the worker thread."""
-        self.close()
-        return self._digest.hexdigest()
-
-    def close(self) -> None:
-        self.wait()
-        self._pool.shutdown()
-
-    def wait(self) -> None:
-        """Return once everything queued is hashed."""
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending.result()
+def new_record_digest() -> _Hash:
+    """A hash of the record's algorithm, for a writer to hash a file as it writes it (no read-back)."""
+    return _NEW_HASH[HASH_BY_FORMAT[FORMAT]]()
 
 
 def write_integrity_record(directory: Path, file_names: list[str], digests: Mapping[str, str] | None = None) -> None:
     """Record `file_names` (relative to `directory`) as they are now, in format FORMAT; `digests` holds the digest
-    (BackgroundDigest's) of files whose writer already hashed them (the others are read back)."""
+    (`new_record_digest`'s) of files whose writer already hashed them (the others are read back)."""
     known = digests or {}
     algorithm = HASH_BY_FORMAT[FORMAT]
     files = {

@@ -16,6 +16,7 @@ import stat
 import struct
 import sys
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -23,7 +24,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dflash_trt.checkpoint.integrity import BackgroundDigest
+from dflash_trt.checkpoint.atomic import start_writeback
+from dflash_trt.checkpoint.integrity import new_record_digest
 from dflash_trt.errors import DFlashTrtError
 
 if TYPE_CHECKING:
@@ -37,6 +39,13 @@ METADATA_KEY = "__metadata__"
 MAX_DIMS = 16
 _NBYTES_CAP = 1 << 64
 _HEADER_ALIGNMENT = 8
+# Blocks from this size up are hashed and written on the writer's own thread while the caller reads the next one;
+# smaller ones cost less than the hand-over and go at once.
+BACKGROUND_MIN_BYTES = 1 << 20
+# Written bytes are handed to the disk in steps of this size, this far behind the end of the file, so the disk works
+# while the file grows and the fsync at publish waits for the tail only (no page being written is under I/O).
+WRITEBACK_BYTES = 64 << 20
+WRITEBACK_LAG_BYTES = 64 << 20
 _TENSOR_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 # Not exported by Python before 3.13; the value is Linux's on x86-64 and aarch64.
 _MAP_NORESERVE = getattr(
@@ -482,8 +491,11 @@ class StreamingSafetensorsWriter:
     """Writes a safetensors file whose layout is fixed up front: header first, then tensors in entry order.
 
     Only the tensor being written is in memory, and it may arrive in blocks of bytes (`start`, `append`, `finish`)
-    from any source: a conversion that only moves bytes never makes a tensor. The file is created exclusively (never
-    overwrites) and is deleted again if the writer is closed before every tensor was written or a `with` block fails.
+    from any source: a conversion that only moves bytes never makes a tensor. Each large block is hashed and written
+    on the writer's own thread (blake3 and `write` release the GIL) while the caller prepares the next: at most one
+    block is in flight, and it stays referenced (and must stay unchanged) until `wait_written` or the next append.
+    The file is created exclusively (never overwrites) and is deleted again if the writer is closed before every
+    tensor was written or a `with` block fails.
     """
 
     def __init__(
@@ -503,8 +515,12 @@ class StreamingSafetensorsWriter:
         self._next = 0
         self._open_bytes = -1  # bytes the tensor being written still expects; -1 between tensors
         self._fsync = fsync
-        self._digest = BackgroundDigest() if digest else None
+        self._digest = new_record_digest() if digest else None
         self._hexdigest: str | None = None
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="safetensors-write")
+        self._in_flight: Future[None] | None = None
+        self._written = 0
+        self._writeback_from = 0  # bytes before this were handed to the disk already
         header = _build_header(self.path, self._entries, metadata)
         try:
             self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
@@ -515,15 +531,40 @@ class StreamingSafetensorsWriter:
         self._write(struct.pack("<Q", len(header)) + header)
 
     def _write(self, data: bytes | memoryview) -> None:
-        if self._digest is not None:
-            self._digest.update(data)  # hashed on another thread while the bytes are written
         view = memoryview(data).cast("B")
+        self.wait_written()
+        if len(view) >= BACKGROUND_MIN_BYTES:
+            self._in_flight = self._thread.submit(self._put, self._require_open(), view)
+            return
         try:
-            while view:
-                view = view[os.write(self._require_open(), view) :]
+            self._put(self._require_open(), view)
         except OSError as exc:
-            self.abort()
-            raise DFlashTrtError(f"cannot write {self.path}: {exc.strerror or exc}.") from exc
+            self._fail(exc)
+
+    def _put(self, fd: int, view: memoryview) -> None:
+        """Hash and write one block (on the writer's thread or, for a small one, the caller's; never both at once)."""
+        if self._digest is not None:
+            self._digest.update(view)
+        while view:
+            written = os.write(fd, view)
+            view, self._written = view[written:], self._written + written
+        ready = self._written - WRITEBACK_LAG_BYTES
+        if ready - self._writeback_from >= WRITEBACK_BYTES:
+            start_writeback(fd, self._writeback_from, ready - self._writeback_from)
+            self._writeback_from = ready
+
+    def _fail(self, exc: OSError) -> None:
+        self.abort()
+        raise DFlashTrtError(f"cannot write {self.path}: {exc.strerror or exc}.") from exc
+
+    def wait_written(self) -> None:
+        """Return once every block appended so far is hashed and written: the caller may then reuse its buffers."""
+        if self._in_flight is not None:
+            in_flight, self._in_flight = self._in_flight, None
+            try:
+                in_flight.result()
+            except OSError as exc:
+                self._fail(exc)
 
     def _require_open(self) -> int:
         if self._fd is None:
@@ -593,6 +634,8 @@ class StreamingSafetensorsWriter:
         """Close (fsync first if asked); raises (and deletes the file) if some declared tensor was never written."""
         if self._fd is None:
             return
+        self.wait_written()
+        self._thread.shutdown()
         if self._next != len(self._order):
             missing = self._order[self._next]
             self.abort()
@@ -612,11 +655,7 @@ class StreamingSafetensorsWriter:
                 os.close(fd)
         if self._digest is not None:
             self._hexdigest = self._digest.hexdigest()
-
-    def wait_hashed(self) -> None:
-        """Return once every byte appended so far is hashed: the caller may then reuse its buffers."""
-        if self._digest is not None:
-            self._digest.wait()
+            self._digest = None
 
     def hexdigest(self) -> str:
         """Digest of the whole file as written (a writer opened with `digest=True`, once closed)."""
@@ -625,12 +664,14 @@ class StreamingSafetensorsWriter:
         return self._hexdigest
 
     def abort(self) -> None:
-        """Close and delete the partial file."""
+        """Close and delete the partial file (once the block in flight, if any, is done with it)."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            in_flight.exception()  # waits; its failure, if any, is why this file is being dropped
+        self._thread.shutdown()
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        if self._digest is not None:
-            self._digest.close()
         self.path.unlink(missing_ok=True)
 
     def __enter__(self) -> StreamingSafetensorsWriter:

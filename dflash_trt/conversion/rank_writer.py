@@ -49,9 +49,9 @@ READ_BUFFERS = 3
 
 
 class ReadBuffers:
-    """A ring of reusable read buffers. A buffer is refilled only once every writer it went to has hashed it: each
-    writer hashes at most its last block in the background, so only writers whose last block came from the
-    buffer may still be reading it."""
+    """A ring of reusable read buffers. A buffer is refilled only once every writer it went to is done with it: each
+    writer hashes and writes at most its last block in the background, so only writers whose last block came from
+    the buffer may still be reading it."""
 
     def __init__(self, count: int = READ_BUFFERS) -> None:
         self._buffers = [np.empty(0, dtype=np.uint8) for _ in range(count)]
@@ -63,7 +63,7 @@ class ReadBuffers:
         index, self._next = self._next, (self._next + 1) % len(self._buffers)
         for writer, last in self._last_buffer.items():
             if last == index:
-                writer.wait_hashed()
+                writer.wait_written()
         if len(self._buffers[index]) < nbytes:
             self._buffers[index] = np.empty(nbytes, dtype=np.uint8)
         return self._buffers[index]
