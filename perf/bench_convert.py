@@ -4,7 +4,8 @@ Builds a random-bf16 Qwen3-4B-shaped target (hidden 2560, 32 q / 8 kv heads of 1
 151936, untied lm_head, layers cut so the pair is ≥ 2 GB, two shards + index) and a one-layer DFlash drafter, then
 runs each contender in its own child process, whose peak RSS comes from the OS (its VmHWM in /proc):
 
-- baseline: `dflash-trt convert` of a tiny pair (interpreter + torch + the converter's code, no real data);
+- baseline: `dflash-trt convert` of a tiny pair (interpreter + the converter's code, no real data; an unquantized
+  conversion does not import torch);
 - convert at tp 1 and tp 8 (`dflash-trt convert`, in the same child driver as the baseline);
 - copy: `cp -r` of both model folders, then `sync` (what a user compares a conversion with);
 - naive: `safetensors.torch.load_file` of every input, fuse q|k|v, rename, one `save_file` (what loading the whole

@@ -7,7 +7,8 @@ a one-layer drafter. Each contender runs in its own child process, in rounds (th
 peak RSS is the child's VmHWM, RssAnon / RssFile sampled every 10 ms; each round's speed ratio is the copy's end-to-end
 time over the contender's, summarized as median and spread with the load average of every run):
 
-- baseline: `dflash-trt convert` of a tiny MoE pair (interpreter + torch + converter code, no real data);
+- baseline: `dflash-trt convert` of a tiny MoE pair (interpreter + converter code + torch, which the cast of the
+  bf16 router to float32 imports; no real data);
 - convert at tp 1, and at tp 4 with `--moe_ep_size 2` (two expert groups, each expert split in two);
 - copy: `cp -r` of both model folders, then `sync`.
 

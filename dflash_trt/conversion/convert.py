@@ -307,15 +307,7 @@ def convert_checkpoint(
     )
     check_parallel(target, draft, tp_size, moe_ep_size)
     plan = ConversionPlan(
-        model_dir,
-        dflash_model_dir,
-        target,
-        draft,
-        dtype,
-        tp_size,
-        quant,
-        prequantized=prequantized,
-        moe_ep_size=moe_ep_size,
+        model_dir, dflash_model_dir, target, draft, dtype, tp_size, quant, {}, prequantized, moe_ep_size
     )
     plan.check_formats()
     config = _checkpoint_config(plan, dtype)
@@ -323,7 +315,7 @@ def convert_checkpoint(
         check_sources(target, draft, target_reader, draft_reader, prequantized)
         readers = {TARGET: target_reader, DRAFT: draft_reader}
         scales = {}
-        if needs_calibration and calib_dataset is not None and cut is not None:
+        if cut is not None and calib_dataset is not None:  # a cut is worked out only for a calibration
             scales = calibrated_scales(
                 model_dir,
                 dflash_model_dir,
