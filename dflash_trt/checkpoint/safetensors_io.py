@@ -42,10 +42,10 @@ _HEADER_ALIGNMENT = 8
 # Blocks from this size up are hashed and written on the writer's own thread while the caller reads the next one;
 # smaller ones cost less than the hand-over and go at once.
 BACKGROUND_MIN_BYTES = 1 << 20
-# Written bytes are handed to the disk in steps of this size, this far behind the end of the file, so the disk works
-# while the file grows and the fsync at publish waits for the tail only (no page being written is under I/O).
-WRITEBACK_BYTES = 64 << 20
-WRITEBACK_LAG_BYTES = 64 << 20
+# Written bytes are handed to the disk in steps of this size, so the disk works while the file grows and the fsync at
+# publish waits for the tail only; in whole aligned blocks, since a write touching a page under writeback may wait.
+WRITEBACK_BYTES = 32 << 20
+WRITEBACK_ALIGNMENT = 1 << 20  # a multiple of any page size
 _TENSOR_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 # Not exported by Python before 3.13; the value is Linux's on x86-64 and aarch64.
 _MAP_NORESERVE = getattr(
@@ -548,7 +548,7 @@ class StreamingSafetensorsWriter:
         while view:
             written = os.write(fd, view)
             view, self._written = view[written:], self._written + written
-        ready = self._written - WRITEBACK_LAG_BYTES
+        ready = self._written - self._written % WRITEBACK_ALIGNMENT
         if ready - self._writeback_from >= WRITEBACK_BYTES:
             start_writeback(fd, self._writeback_from, ready - self._writeback_from)
             self._writeback_from = ready
