@@ -167,9 +167,15 @@ def piece_blocks(piece: Piece, source: SourceTensor, width: int) -> Iterator[tup
 
 
 def cast_bits(block: np.ndarray, source_dtype: str, stored_dtype: str) -> np.ndarray:
-    """`block`'s values cast to `stored_dtype` (torch's rounding), as bytes; the block itself when the types agree."""
+    """`block`'s values cast to `stored_dtype`, as bits; the block itself when the types agree. Widening to float32
+    is exact and needs no torch (bfloat16 is float32's upper half; numpy has float16); a narrowing cast rounds as
+    torch does, with torch."""
     if source_dtype == stored_dtype:
         return block
+    if (source_dtype, stored_dtype) == ("BF16", "F32"):
+        return block.astype("<u4") << 16
+    if (source_dtype, stored_dtype) == ("F16", "F32"):
+        return block.view("<f2").astype("<f4").view("<u4")
     values = _as_tensor(block, source_dtype)
     return tensor_bytes(values.to(torch_dtype(stored_dtype)))
 
