@@ -28,7 +28,13 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="expert-parallel groups of a MoE target; each expert splits over tp / this (default 1)",
     )
-    parser.add_argument("--workers", type=WORKERS, default=1, help="rank files written in parallel (default 1)")
+    parser.add_argument(
+        "--workers",
+        type=WORKERS,
+        default=1,
+        help="processes writing rank files at once, each a run of consecutive ranks (default 1: one process writes "
+        "every rank file in one pass)",
+    )
     parser.add_argument("--qformat", choices=QFORMATS, default=NONE, help="target weights: fp8 (Hopper) or nvfp4")
     parser.add_argument("--dflash_qformat", choices=QFORMATS, default=None, help="drafter weights (default: --qformat)")
     parser.add_argument(
