@@ -105,8 +105,7 @@ def check_sources(
             if dtype not in SOURCE_FLOAT_DTYPES:
                 raise DFlashTrtError(
                     f"{what} tensor '{name}' has dtype {dtype} ({readable_dtype(dtype)}); expected float32, float16 or "
-                    "bfloat16 "
-                    "weights (a pre-quantized target needs its hf_quant_config.json)"
+                    "bfloat16 weights (a pre-quantized target needs its hf_quant_config.json)"
                 )
 
 
@@ -302,35 +301,26 @@ def convert_checkpoint(
     target = load_target_spec(model_dir)
     draft = load_draft_spec(dflash_model_dir, target)
     tokenizer = tokenizer_files(model_dir)
-    cut = _calibration_cut(
-        model_dir, calib_dataset if needs_calibration else None, calib_size, calib_max_seq_len, target
-    )
+    calibration = calib_dataset if needs_calibration else None
+    cut = _calibration_cut(model_dir, calibration, calib_size, calib_max_seq_len, target)
     check_parallel(target, draft, tp_size, moe_ep_size)
     plan = ConversionPlan(
-        model_dir, dflash_model_dir, target, draft, dtype, tp_size, quant, {}, prequantized, moe_ep_size
+        model_dir,
+        dflash_model_dir,
+        target,
+        draft,
+        dtype,
+        tp_size,
+        quant,
+        prequantized=prequantized,
+        moe_ep_size=moe_ep_size,
     )
     plan.check_formats()
     config = _checkpoint_config(plan, dtype)
     with HFCheckpointReader(model_dir) as target_reader, HFCheckpointReader(dflash_model_dir) as draft_reader:
         check_sources(target, draft, target_reader, draft_reader, prequantized)
         readers = {TARGET: target_reader, DRAFT: draft_reader}
-        scales = {}
-        if cut is not None and calib_dataset is not None:  # a cut is worked out only for a calibration
-            scales = calibrated_scales(
-                model_dir,
-                dflash_model_dir,
-                output_dir.parent,
-                dtype,
-                quant,
-                Path(calib_dataset),
-                calib_size,
-                cut,
-                show_progress,
-            )
-        if prequantized is not None:
-            from dflash_trt.conversion import prequantized_input
-
-            scales.update(prequantized_input.carried_scales(prequantized, plan.layout, target_reader))
+        scales = _conversion_scales(plan, target_reader, output_dir, calibration, calib_size, cut, show_progress)
         plan = replace(plan, scales=scales)
         layout = plan.layout
         with atomic_directory(output_dir, "convert", overwrite, inputs) as staging:
@@ -341,6 +331,36 @@ def convert_checkpoint(
             digests = {rank_file(rank): written.digest for rank, written in enumerate(ranks)}
             write_integrity_record(staging, ["config.json", *digests], digests)
     return ConversionResult(output_dir, tp_size, len(layout), sum(written.tensor_bytes for written in ranks))
+
+
+def _conversion_scales(
+    plan: ConversionPlan,
+    target_reader: HFCheckpointReader,
+    output_dir: Path,
+    calib_dataset: str | Path | None,
+    calib_size: int,
+    cut: int | None,
+    show_progress: bool,
+) -> dict[str, torch.Tensor]:
+    """The activation and KV scales the plan stores: calibrated ones, and a pre-quantized target's own."""
+    scales = {}
+    if cut is not None and calib_dataset is not None:
+        scales = calibrated_scales(
+            plan.model_dir,
+            plan.dflash_model_dir,
+            output_dir.parent,
+            plan.dtype,
+            plan.quant,
+            Path(calib_dataset),
+            calib_size,
+            cut,
+            show_progress,
+        )
+    if plan.prequantized is not None:
+        from dflash_trt.conversion import prequantized_input
+
+        scales.update(prequantized_input.carried_scales(plan.prequantized, plan.layout, target_reader))
+    return scales
 
 
 def _calibration_cut(
