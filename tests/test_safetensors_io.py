@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import gc
 import json
 import math
@@ -496,3 +497,19 @@ def test_any_layout_round_trips_through_writer_reader_and_safetensors(
             for name, tensor in tensors.items():
                 _assert_same(oracle[name], tensor)
                 _assert_same(reader.get(name), tensor)
+
+
+def test_writer_fsync_failure_is_one_error_and_removes_the_file(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "w.safetensors"
+    writer = StreamingSafetensorsWriter(path, {"a": ("U8", (4,))})
+    writer.start("a")
+    writer.append(b"abcd")
+    writer.finish()
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(DFlashTrtError, match="cannot write .*Input/output error"):
+        writer.close()
+    assert not path.exists()

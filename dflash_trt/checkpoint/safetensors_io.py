@@ -642,17 +642,13 @@ class StreamingSafetensorsWriter:
             raise DFlashTrtError(
                 f"{self.path}: closed after {self._next} of {len(self._order)} tensors; {missing!r} is missing."
             )
-        fd, self._fd = self._fd, None
         try:
             if self._fsync:
-                os.fsync(fd)
+                os.fsync(self._fd)
         except OSError as exc:
-            self._fd = fd
-            self.abort()
-            raise DFlashTrtError(f"cannot write {self.path}: {exc.strerror or exc}.") from exc
-        finally:
-            if self._fd is None:
-                os.close(fd)
+            self._fail(exc)
+        os.close(self._fd)
+        self._fd = None
         if self._digest is not None:
             self._hexdigest = self._digest.hexdigest()
             self._digest = None
