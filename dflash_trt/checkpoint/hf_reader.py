@@ -139,10 +139,6 @@ class HFCheckpointReader:
         """The tensor `name` as a view of its shard's memory map, or an owned copy with `copy=True`."""
         return self._shard(name).get(name, copy=copy)
 
-    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of `name`, mapping only their bytes."""
-        return self._shard(name).get_rows(name, start, stop)
-
     def read_rows(self, name: str, start: int, stop: int, into: np.ndarray | None = None) -> np.ndarray:
         """Rows [start, stop) of `name` as bit patterns, read into `into` or a new array (no torch, no map)."""
         return self._shard(name).read_rows(name, start, stop, into)

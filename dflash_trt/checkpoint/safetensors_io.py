@@ -15,7 +15,7 @@ import platform
 import stat
 import struct
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,13 +175,6 @@ class _TensorInfo:
     end: int
 
 
-def _row_bytes(info: _TensorInfo) -> int:
-    """Bytes of one row (dim 0); a 0-d tensor is one row of one element."""
-    if not info.shape:
-        return info.end - info.begin
-    return (info.end - info.begin) // info.shape[0] if info.shape[0] else 0
-
-
 def brief(value: object, limit: int = 80) -> str:
     """repr() of a value read from an untrusted file, cut short so an error stays one readable line."""
     text = repr(value)
@@ -280,25 +273,31 @@ class SafetensorsFile:
 
     def get(self, name: str, copy: bool = False) -> torch.Tensor:
         """The tensor `name`; a view of the file's map unless `copy` (or its bytes are misaligned)."""
-        info = self._info(name)
-        return self._tensor(name, info, 0, info.shape[0] if info.shape else 1, copy)
+        import torch
 
-    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of `name` (dim 0), mapping only their bytes: streaming a huge tensor block by block
-        keeps just one block's pages resident."""
         info = self._info(name)
-        self._check_rows(name, info, start, stop)
-        return self._tensor(name, info, start, stop, copy=False)
+        if self._fd is None:
+            raise DFlashTrtError(f"{self.path} is closed.")
+        dtype, nbytes = torch_dtype(info.dtype), info.end - info.begin
+        if nbytes == 0:
+            return torch.empty(info.shape, dtype=dtype)
+        region, offset = self._region(name, self._data_start + info.begin, nbytes)
+        if offset % dtype.itemsize == 0:
+            tensor = torch.frombuffer(region, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset)
+            return (tensor.clone() if copy else tensor).view(info.shape)
+        raw = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset)
+        return raw.clone().view(dtype).view(info.shape)
 
     def read_rows(self, name: str, start: int, stop: int, into: np.ndarray | None = None) -> np.ndarray:
         """Rows [start, stop) of `name` read as their bit patterns (unsigned integers as wide as the dtype, shaped like
         the rows) into the start of `into` (a uint8 buffer, reused by the caller) or a new array: bytes to move or
         test, with no torch and no page of the file left mapped."""
         info = self._info(name)
-        self._check_rows(name, info, start, stop)
+        if not info.shape or not 0 <= start <= stop <= info.shape[0]:
+            raise DFlashTrtError(f"rows {start}:{stop} are outside tensor {brief(name)} of shape {info.shape}.")
         if self._fd is None:
             raise DFlashTrtError(f"{self.path} is closed.")
-        row_bytes = _row_bytes(info)
+        row_bytes = (info.end - info.begin) // info.shape[0] if info.shape[0] else 0
         nbytes = (stop - start) * row_bytes
         data = np.empty(nbytes, dtype=np.uint8) if into is None else into[:nbytes]
         view, done, first = memoryview(data.data), 0, self._data_start + info.begin + start * row_bytes
@@ -312,28 +311,6 @@ class SafetensorsFile:
                 raise DFlashTrtError(f"{self.path} was truncated while tensor {brief(name)} was read from it.")
             done += count
         return data.view(f"<u{DTYPE_SIZES[info.dtype]}").reshape(stop - start, *info.shape[1:])
-
-    def _check_rows(self, name: str, info: _TensorInfo, start: int, stop: int) -> None:
-        if not info.shape or not 0 <= start <= stop <= info.shape[0]:
-            raise DFlashTrtError(f"rows {start}:{stop} are outside tensor {brief(name)} of shape {info.shape}.")
-
-    def _tensor(self, name: str, info: _TensorInfo, start: int, stop: int, copy: bool) -> torch.Tensor:
-        """Rows [start, stop) (the whole of a 0-d tensor: 0, 1) as a tensor viewing its own map."""
-        import torch
-
-        if self._fd is None:
-            raise DFlashTrtError(f"{self.path} is closed.")
-        dtype = torch_dtype(info.dtype)
-        shape = (stop - start, *info.shape[1:]) if info.shape else ()
-        nbytes = (stop - start) * _row_bytes(info)
-        if nbytes == 0:
-            return torch.empty(shape, dtype=dtype)
-        region, offset = self._region(name, self._data_start + info.begin + start * _row_bytes(info), nbytes)
-        if offset % dtype.itemsize == 0:
-            tensor = torch.frombuffer(region, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset).view(shape)
-            return tensor.clone() if copy else tensor
-        raw = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset)
-        return raw.clone().view(dtype).view(shape)
 
     def _region(self, name: str, start: int, nbytes: int) -> tuple[mmap.mmap, int]:
         """A map holding bytes [start, start + nbytes) of the file, and where they begin in it."""
@@ -607,27 +584,14 @@ class StreamingSafetensorsWriter:
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Append `tensor`, which must be the next entry and match its declared dtype and shape."""
-        self.write_rows(name, [tensor], whole=True)
-
-    def write_rows(self, name: str, blocks: Iterable[torch.Tensor], whole: bool = False) -> None:
-        """Append the next entry as consecutive blocks of rows (dim 0): a large tensor is never whole in memory."""
         self.start(name)
         dtype, shape = self._entries[name]
-        rows = 0
-        for block in blocks:
-            block_shape = tuple(block.shape)
-            fits = block_shape == shape if whole else block_shape[1:] == shape[1:] and rows + block_shape[0] <= shape[0]
-            if dtype_name(block.dtype) != dtype or not fits:
-                self.abort()
-                raise DFlashTrtError(
-                    f"{self.path}: {'tensor' if whole else 'a row block of'} {name!r} is {block.dtype} {block_shape}"
-                    f"{'' if whole else f' after {rows} rows'}, declared {dtype} {shape}."
-                )
-            self.append(tensor_bytes(block))
-            rows += block_shape[0] if block_shape else 1
-        if not whole and rows != shape[0]:
+        if dtype_name(tensor.dtype) != dtype or tuple(tensor.shape) != shape:
             self.abort()
-            raise DFlashTrtError(f"{self.path}: {name!r} got {rows} of its {shape[0]} rows.")
+            raise DFlashTrtError(
+                f"{self.path}: tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)}, declared {dtype} {shape}."
+            )
+        self.append(tensor_bytes(tensor))
         self.finish()
 
     def close(self) -> None:
