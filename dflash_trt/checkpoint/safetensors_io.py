@@ -123,15 +123,16 @@ def readable_dtype(name: str) -> str:
     return _TORCH_NAMES[name]
 
 
-def dtype_name(dtype: str | torch.dtype) -> str:
-    """The safetensors name of a torch dtype (a name is returned as it is, once checked)."""
-    name = dtype if isinstance(dtype, str) else _NAMES_BY_TORCH.get(str(dtype).removeprefix("torch."))
-    if name not in DTYPE_SIZES:
-        raise DFlashTrtError(f"{dtype} is a dtype safetensors cannot store.")
-    return name
-
-
 _NAMES_BY_TORCH = {torch_name: name for name, torch_name in _TORCH_NAMES.items()}
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """The safetensors name of a torch dtype (a safetensors name is returned as it is, once checked)."""
+    if not isinstance(dtype, str):
+        return stored_dtype_name(str(dtype).removeprefix("torch."))
+    if dtype not in DTYPE_SIZES:
+        raise DFlashTrtError(f"{dtype} is a dtype safetensors cannot store.")
+    return dtype
 
 
 def stored_dtype_name(torch_name: str) -> str:

@@ -88,9 +88,10 @@ class ConversionPlan:
     def entries(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         return {name: entry for out in self.layout for name, entry in self.entries_of(out).items()}
 
-    def rank_bytes(self) -> int:
-        """Tensor bytes of one rank file."""
-        return sum(math.prod(shape) * DTYPE_SIZES[dtype] for dtype, shape in self.entries().values())
+
+def rank_file_bytes(entries: dict[str, tuple[str, tuple[int, ...]]]) -> int:
+    """Tensor bytes of a rank file holding `entries` (the plan's)."""
+    return sum(math.prod(shape) * DTYPE_SIZES[dtype] for dtype, shape in entries.values())
 
 
 def source_label(out: OutputTensor) -> str:

@@ -31,6 +31,7 @@ from dflash_trt.conversion.plan import (
     ConversionPlan,
     check_stored_finite,
     rank_file,
+    rank_file_bytes,
     rank_tensors,
     source_label,
 )
@@ -254,5 +255,5 @@ def write_rank_files(
                         check_stored_finite(out, name, piece)
                         writers[rank].write(name, piece)
             progress(len(ranks))
-    tensor_bytes = plan.rank_bytes()
-    return {rank: RankWritten(tensor_bytes, writer.hexdigest()) for rank, writer in writers.items()}
+    rank_bytes = rank_file_bytes(entries)
+    return {rank: RankWritten(rank_bytes, writer.hexdigest()) for rank, writer in writers.items()}
