@@ -182,13 +182,14 @@ def rank_piece(
     if tp_size == 1 or split is Split.REPLICATE:
         return Piece(0, ((whole,),))
     if split in _EXPERT_SPLITS:
-        group, index, count = (experts or ExpertLayout(shape[0])).ranks(tp_size, rank)
-        chosen = (experts or ExpertLayout(shape[0])).experts_of(group)
+        spread = experts or ExpertLayout(shape[0])
+        group, index, count = spread.ranks(tp_size, rank)
+        chosen = spread.experts_of(group)
         mine = (chosen.start, chosen.stop)
-        if split is Split.EXPERT_FC:
+        if split is Split.EXPERT_FC:  # the same slice of the up half and of the gate half
             half = shape[1] // 2
-            up, gate = _chunk(half, count, index), _chunk(half, count, index)
-            return Piece(1, ((mine, up), (mine, (half + gate[0], half + gate[1]))))
+            first, stop = _chunk(half, count, index)
+            return Piece(1, ((mine, (first, stop)), (mine, (half + first, half + stop))))
         if split is Split.EXPERT_PROJ:
             return Piece(0, ((mine, (0, shape[1]), _chunk(shape[2], count, index)),))
         return Piece(0, ((mine,),))

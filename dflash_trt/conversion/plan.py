@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from dflash_trt.checkpoint.hf_reader import HFCheckpointReader
 from dflash_trt.checkpoint.layout import TARGET, OutputTensor, checkpoint_layout
-from dflash_trt.checkpoint.safetensors_io import DTYPE_SIZES, stored_dtype_name, tensor_has_nonfinite
+from dflash_trt.checkpoint.safetensors_io import DTYPE_SIZES, dtype_name, stored_dtype_name, tensor_has_nonfinite
 from dflash_trt.checkpoint.sharding import sharded_shape
 from dflash_trt.checkpoint.stored import QuantSettings, kv_scale_name
 from dflash_trt.conversion.prequantized import PrequantizedFormat
@@ -79,7 +79,6 @@ class ConversionPlan:
         if self.moves_bytes(out):
             shape = sharded_shape(out.shape, out.split, self.tp_size, out.heads, out.experts)
             return {out.name: (self.stored_dtype(out), shape)}
-        from dflash_trt.checkpoint.safetensors_io import dtype_name
         from dflash_trt.checkpoint.stored import stored_entries
 
         entries = stored_entries(out, self.torch_dtype, self.quant, self.scales, self.tp_size)
