@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from dflash_trt.server import sse
-from dflash_trt.server.engine_client import BackendError, QueueFull
+from dflash_trt.server.engine_client import BackendError
 from dflash_trt.server.errors import SERVER_ERROR, error
 from dflash_trt.server.generation import Generation, Served
 from dflash_trt.server.protocol import (
@@ -26,7 +26,7 @@ from dflash_trt.server.protocol import (
     DeltaMessage,
     ErrorResponse,
 )
-from dflash_trt.server.serving_common import admit, joined, queue_full, usage_of
+from dflash_trt.server.serving_common import joined, start_generation, usage_of
 
 # Arguments of apply_chat_template that decide what it returns, not what the template sees.
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -68,13 +68,9 @@ async def create_chat_completion(
     ids = render(served, request)
     if isinstance(ids, ErrorResponse):
         return ids
-    checked = admit(served, request, ids, "messages")
-    if isinstance(checked, ErrorResponse):
-        return checked
-    try:
-        generation = Generation(served, ids, checked)
-    except QueueFull:
-        return queue_full(served)
+    generation = start_generation(served, request, ids, "messages")
+    if isinstance(generation, ErrorResponse):
+        return generation
     head: dict[str, Any] = {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "created": int(time.time()),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dflash_trt.server.engine_client import QueueFull
 from dflash_trt.server.errors import NOT_FOUND, UNAVAILABLE, error
 from dflash_trt.server.generation import Generation, Piece, Served
 from dflash_trt.server.params import GenerationParams, generation_params, refusal
@@ -29,6 +30,19 @@ def admit(
     if vocab is not None and not 0 <= min(ids) <= max(ids) < vocab:
         return error(f"prompt token ids must lie in [0, {vocab - 1}]", prompt_param)
     return generation_params(request, len(ids), served.limits, prompt_param)
+
+
+def start_generation(
+    served: Served, request: CompletionRequest | ChatCompletionRequest, ids: list[int], prompt_param: str
+) -> Generation | ErrorResponse:
+    """The request checked (`admit`) and admitted to the engine, or the error that stops it (503 at capacity)."""
+    checked = admit(served, request, ids, prompt_param)
+    if isinstance(checked, ErrorResponse):
+        return checked
+    try:
+        return Generation(served, ids, checked)
+    except QueueFull:
+        return queue_full(served)
 
 
 def queue_full(served: Served) -> ErrorResponse:

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from dflash_trt.server import sse
-from dflash_trt.server.engine_client import BackendError, QueueFull
+from dflash_trt.server.engine_client import BackendError
 from dflash_trt.server.errors import SERVER_ERROR, error
 from dflash_trt.server.generation import Generation, Served
 from dflash_trt.server.protocol import (
@@ -17,7 +17,7 @@ from dflash_trt.server.protocol import (
     CompletionResponse,
     ErrorResponse,
 )
-from dflash_trt.server.serving_common import admit, joined, queue_full, usage_of
+from dflash_trt.server.serving_common import joined, start_generation, usage_of
 
 
 def prompt_ids(served: Served, prompt: str | list[str] | list[int] | list[list[int]]) -> list[int] | ErrorResponse:
@@ -37,13 +37,9 @@ async def create_completion(
     ids = prompt_ids(served, request.prompt)
     if isinstance(ids, ErrorResponse):
         return ids
-    checked = admit(served, request, ids, "prompt")
-    if isinstance(checked, ErrorResponse):
-        return checked
-    try:
-        generation = Generation(served, ids, checked)
-    except QueueFull:
-        return queue_full(served)
+    generation = start_generation(served, request, ids, "prompt")
+    if isinstance(generation, ErrorResponse):
+        return generation
     head: dict[str, Any] = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.model_name}
     with_ids = bool(request.return_token_ids)
     if request.stream:
