@@ -184,12 +184,16 @@ def dense_reference(problem: AttentionProblem) -> tuple[torch.Tensor, torch.Tens
         keys_at = torch.arange(end)
         stored = []
         for kind in (0, 1):
-            flags, elements = problem.layout.element_offsets(problem.offsets, torch.full((end,), seq[0]), keys_at, 0, kind)
+            flags, elements = problem.layout.element_offsets(
+                problem.offsets, torch.full((end,), seq[0]), keys_at, 0, kind
+            )
             stored.append(_pool_of(flags, primary, secondary).view(-1)[elements].float() * dequant)
         keys = stored[0].repeat_interleave(c.group, dim=1)
         values = stored[1].repeat_interleave(c.group, dim=1)
         scores = q.transpose(0, 1) @ keys.permute(1, 2, 0) / (math.sqrt(d) * c.q_scaling)
-        visible = draft_visibility(positions[None], keys_at[None], torch.ones(1, end, dtype=torch.bool), c.causal, c.window)
+        visible = draft_visibility(
+            positions[None], keys_at[None], torch.ones(1, end, dtype=torch.bool), c.causal, c.window
+        )
         scores = scores.masked_fill(~visible, float("-inf"))
         out[row : row + n] = (scores.softmax(-1) @ values.transpose(0, 1)).transpose(0, 1).reshape(n, heads * d)
         row += n

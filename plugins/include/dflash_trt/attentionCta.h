@@ -238,7 +238,8 @@ struct AttentionCta
         , kvHead(kvHeadIndex)
         , rowBase(rowTile * kCtaRows)
         , split(splitIndex)
-        , keys(keySplit(firstVisibleKey(req.past, params.window), req.seqEnd, splitIndex, params.keysPerSplit, kTile))
+        , keys(keySplit(firstVisibleKey(req.past, params.window), req.seqEnd, splitIndex, params.splits,
+            params.keysPerSplit, kTile))
         , scaleLog2(softmaxScaleLog2(D, params.qScaling, kFp8 ? *params.scaleQuantOrig : 1.f))
     {
     }
@@ -634,7 +635,8 @@ DFLASH_HD void combineChannels(AttentionLaunch const& p, RequestRows const& req,
     auto const* partialOut = reinterpret_cast<float const*>(static_cast<char const*>(p.workspace) + ws.partialOutOffset());
     auto const* stats = reinterpret_cast<float const*>(static_cast<char const*>(p.workspace) + ws.partialStatsOffset());
     int32_t const tileKeys = keysPerTile(headDim);
-    int32_t const active = activeSplits(firstVisibleKey(req.past, p.window), req.seqEnd, p.keysPerSplit, tileKeys);
+    int32_t const active
+        = activeSplits(firstVisibleKey(req.past, p.window), req.seqEnd, p.splits, p.keysPerSplit, tileKeys);
     int64_t const stride = static_cast<int64_t>(p.numTokens) * p.numHeads;
     float best = -INFINITY;
     for (int32_t s = 0; s < active; ++s)

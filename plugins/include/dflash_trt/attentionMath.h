@@ -89,28 +89,31 @@ struct KeySplit
     int32_t end;
 };
 
-//! Split `split` of the keys a request reads: from its first visible key (rounded down to a tile) in chunks of
-//! `keysPerSplit` (a multiple of the tile), up to the sequence end.
-DFLASH_HD KeySplit keySplit(int32_t firstKey, int32_t seqEnd, int32_t split, int32_t keysPerSplit, int32_t tileKeys)
+//! Split `split` of `splits` of the keys a request reads: from its first visible key (rounded down to a tile) in
+//! chunks of `keysPerSplit` (a multiple of the tile); the last split runs to the sequence end whatever the chunk
+//! size, so a launch sized from a low length bound is slower, never wrong.
+DFLASH_HD KeySplit keySplit(
+    int32_t firstKey, int32_t seqEnd, int32_t split, int32_t splits, int32_t keysPerSplit, int32_t tileKeys)
 {
     int32_t const start = firstKey - firstKey % tileKeys;
     int64_t const begin = static_cast<int64_t>(start) + static_cast<int64_t>(split) * keysPerSplit;
-    int64_t const end = begin + keysPerSplit;
+    int64_t const end = split == splits - 1 ? seqEnd : begin + keysPerSplit;
     KeySplit s;
     s.begin = begin < seqEnd ? static_cast<int32_t>(begin) : seqEnd;
     s.end = end < seqEnd ? static_cast<int32_t>(end) : seqEnd;
     return s;
 }
 
-//! How many splits hold keys of the request (the combine kernel reduces these).
-DFLASH_HD int32_t activeSplits(int32_t firstKey, int32_t seqEnd, int32_t keysPerSplit, int32_t tileKeys)
+//! How many of the `splits` splits hold keys of the request (the combine step reduces these).
+DFLASH_HD int32_t activeSplits(int32_t firstKey, int32_t seqEnd, int32_t splits, int32_t keysPerSplit, int32_t tileKeys)
 {
     int32_t const start = firstKey - firstKey % tileKeys;
     if (seqEnd <= start)
     {
         return 0;
     }
-    return (seqEnd - start + keysPerSplit - 1) / keysPerSplit;
+    int32_t const needed = (seqEnd - start + keysPerSplit - 1) / keysPerSplit;
+    return needed < splits ? needed : splits;
 }
 
 //! A query row of a request's (token, head-in-group) grid: row = token * groupSize + headInGroup, so the rows of one
