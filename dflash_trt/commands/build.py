@@ -13,6 +13,7 @@ import json
 from dflash_trt.checkpoint.atomic import check_output_apart
 from dflash_trt.commands.build_profile import add_profile_arguments, run_profile
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.gpu_targets import GPU_SMS, resolve_gpu
 from dflash_trt.inputs import POSITIVE_INT, WORKERS, IntRange
 from dflash_trt.trtllm.build_plan import (
     GEMM_PLUGIN_CHOICES,
@@ -70,6 +71,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv_cache_type", choices=KV_CACHE_TYPES, default=None, help="default paged")
     parser.add_argument("--logits_dtype", choices=LOGITS_DTYPES, default=None, help="default float32")
     parser.add_argument(
+        "--gpu",
+        choices=tuple(GPU_SMS),
+        default=None,
+        help="the GPU the engine is for, which decides the attention kernel of each pass (default: this host's GPU, "
+        "else an assumed one, said so; with --config: the profile's gpu)",
+    )
+    parser.add_argument(
         "--plugin_library",
         default=None,
         help="libdflash_trt_plugins.so (default: $DFLASH_TRT_PLUGIN_LIB, else plugins/build)",
@@ -99,6 +107,8 @@ def settings_from_args(args: argparse.Namespace, base: EngineBuildSettings | Non
     extra = [flag for flag in args.extra_flags if flag != "--"]
     if extra:
         changes["extra_flags"] = tuple(extra)
+    if base is not None and args.gpu is not None and args.gpu != base.gpu:
+        raise DFlashTrtError(f"the profile is for {base.gpu}; --gpu {args.gpu} would build it for another GPU")
     return dataclasses.replace(base or EngineBuildSettings(), **changes)
 
 
@@ -122,14 +132,19 @@ def run(args: argparse.Namespace) -> int:
     check_output_apart(
         args.output_dir, {"--checkpoint_dir": args.checkpoint_dir, "--plugin_library": args.plugin_library}
     )
-    settings = fit_lengths(args.checkpoint_dir, settings_from_args(args), args.max_seq_len, args.max_input_len)
+    gpu, chosen = resolve_gpu(args.gpu)
+    settings = dataclasses.replace(settings_from_args(args), gpu=gpu)
+    settings = fit_lengths(args.checkpoint_dir, settings, args.max_seq_len, args.max_input_len)
     plan = plan_engine_build(args.checkpoint_dir, args.output_dir, settings, plugin_library=args.plugin_library)
     if args.dry_run:
         if args.json:
-            print(json.dumps(plan.to_dict(), indent=2))
+            print(json.dumps({**plan.to_dict(), "gpu_chosen": chosen}, indent=2))
         else:
+            print(f"# GPU: {gpu} ({chosen}); attention kernel of each pass")
+            for name, kernel in plan.dflash_manifest["attention"].items():
+                print(f"#   {name}: {kernel}")
             print("# trtllm-build command")
-            print(plan.shell_command())
+            print(plan.shell_command(with_environment=True))
             print("# BuildConfig (as trtllm-build passes it to BuildConfig.from_dict)")
             print(readable_json(plan.build_config))
             print("# dflash_trt.json")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from dflash_trt.commands.generate import MAX_SEED, check_lengths, sequence_record
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.gpu_targets import GPU_SMS, resolve_gpu
 from dflash_trt.inputs import POSITIVE_INT, IntRange
 from dflash_trt.prompts import read_prompts
 from dflash_trt.sampling_rules import sampling_refusal
@@ -57,6 +58,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=32,
         help="paged KV block size (the sizes an engine builds with)",
     )
+    parser.add_argument(
+        "--gpu",
+        choices=tuple(GPU_SMS),
+        default=None,
+        help="run the network as built for this GPU, whose attention kernels differ (default: this host's GPU, "
+        "else the one build assumes)",
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--seed", type=int, default=0, help="sequence i draws from seed + i, as generate")
     parser.add_argument("--ignore_eos", action="store_true", help="never stop before --max_new_tokens")
@@ -79,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     from dflash_trt.reference.stats import mean_acceptance_length, per_position_acceptance
 
     checkpoint_dir = Path(args.checkpoint_dir)
-    runtime = EmulatedRuntime(checkpoint_dir, args.max_batch_size, args.max_num_tokens, args.tokens_per_block)
+    gpu, chosen = resolve_gpu(args.gpu)
+    runtime = EmulatedRuntime(checkpoint_dir, args.max_batch_size, args.max_num_tokens, args.tokens_per_block, gpu)
     tokenizer = load_tokenizer(checkpoint_dir)
     prompts = read_prompts(args.input_file, tokenizer)
     check_lengths(args, prompts, runtime.facts.max_position_embeddings)
@@ -105,6 +114,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{i}] {shown!r}  acceptance {record['acceptance_lengths']}")
     print(
         f"mean acceptance length {report['mean_acceptance_length']:.2f}, {generated} tokens in "
-        f"{runtime.stats.steps} engine steps, {seconds:.2f} s"
+        f"{runtime.stats.steps} engine steps, {seconds:.2f} s; the network as built for {gpu} ({chosen})"
     )
     return 0

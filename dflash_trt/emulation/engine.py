@@ -21,7 +21,9 @@ from dflash_trt.emulation.kv_pool import KVPool, pool_at
 from dflash_trt.emulation.ranks import RankGroup
 from dflash_trt.emulation.stand_ins import load_engine_module, stand_ins_installed
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.gpu_targets import ASSUMED_GPU, gpu_sm
 from dflash_trt.jsonfile import read_json_object
+from dflash_trt.trtllm.attention_route import AttentionRoute
 from dflash_trt.trtllm.build_plan import (
     chain_draft_paths,
     check_kv_geometry,
@@ -53,7 +55,8 @@ class StepStats:
 
 
 class EmulatedEngine:
-    """One engine (the network from `model.py`) over a converted checkpoint, with the limits a build would fix."""
+    """One engine (the network from `model.py`) over a converted checkpoint, with the limits a build would fix, as
+    built for and run on `gpu` (which decides the attention kernels, trtllm/attention_route.py)."""
 
     def __init__(
         self,
@@ -61,6 +64,7 @@ class EmulatedEngine:
         max_batch_size: int = 8,
         max_num_tokens: int | None = None,
         tokens_per_block: int = 32,
+        gpu: str = ASSUMED_GPU,
     ):
         checkpoint_dir = Path(checkpoint_dir)
         raw = read_json_object(
@@ -79,11 +83,15 @@ class EmulatedEngine:
                 )
         self.vocab_size, self.eos_token_ids = target.vocab_size, target.eos_token_ids
         self.max_position_embeddings = target.max_position_embeddings
+        self.gpu = gpu
+        self.route = AttentionRoute(gpu_sm(gpu))
         engine = load_engine_module()
         # One network per tensor-parallel rank, each from its own rank file, run in lockstep (ranks.py).
         self.rank_models = [
             engine.DFlashForCausalLM.from_checkpoint(checkpoint_dir, rank=rank) for rank in range(self.tp_size)
         ]
+        for model in self.rank_models:
+            model.attention_route = self.route
         self.model = self.rank_models[0]
         self.ranks = RankGroup(self.tp_size)
         config = self.model.config
@@ -138,7 +146,7 @@ class EmulatedEngine:
 
     def _forward(self, model: Any, inputs: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Network]:
         """One rank's network forward and the outputs it marked."""
-        network = Network(PluginConfig(tokens_per_block=self.tokens_per_block))
+        network = Network(PluginConfig(tokens_per_block=self.tokens_per_block), device_sm=self.route.sm)
         with net_guard(network), torch.no_grad():
             model.forward(**inputs)
         outputs = {}

@@ -13,7 +13,8 @@ its anchor's), `last_token_ids` (a context request's last row, every row of a ge
 inputs from the chain `draft_paths` (generation lengths K+1, position offsets = path depth, packed mask =
 ancestors), `draft_tokens` / `draft_lens` from the previous step's `next_draft_*` outputs, the
 `host_gen_eagle_net_*` bounds (a new request: its prompt length; after a step with `S` tokens: `S + K + 1` and
-`S + K`, `unpackEagleData`), and one paged pool for target + draft layers with `host_kv_cache_pool_mapping`
+`S + K`, `unpackEagleData`), `input_gen_tokens` shaped to the step's generation tokens, and one paged pool
+for target + draft layers with `host_kv_cache_pool_mapping`
 row `l` = (pool 0, layer l). Sampling inputs (docs/engine.md §6): `eagle_temperature` is the request's temperature
 (0 = greedy); each request owns a random state seeded from its seed, which draws `rand_data_sample` once when the
 request is set up and a fresh `rand_data_validation` row of K+1 uniforms before each of its generation steps, into
@@ -41,7 +42,7 @@ from dflash_trt.inputs import check_fits_in_memory
 from dflash_trt.reference.decode import StepTrace
 from dflash_trt.reference.loop_rules import check_request, keep_tokens
 from dflash_trt.sampling_rules import sampling_refusal
-from dflash_trt.trtllm.build_plan import EngineBuildSettings, check_sliding_window, pack_mask_rows
+from dflash_trt.trtllm.build_plan import pack_mask_rows
 
 CONTEXT_REQUEST, GENERATION_REQUEST = 0, 1  # host_request_types values (RequestType in the C++ runtime)
 
@@ -138,6 +139,7 @@ class _PackedRows:
     draft_lens: list[int] = field(default_factory=list)
     bounds: list[int] = field(default_factory=list)
     filled: int = 0  # token rows packed so far
+    generation_rows: int = 0  # of which generation requests' rows
 
     def add_generation(self, r: Request, count: int) -> None:
         first = r.anchor_position
@@ -148,6 +150,7 @@ class _PackedRows:
         self.draft_tokens.append(r.drafts)
         self.draft_lens.append(r.draft_len)
         self.types.append(GENERATION_REQUEST)
+        self.generation_rows += count
         self._add(r, [r.output[-1], *r.drafts], first + count, count)
 
     def add_context(self, r: Request, count: int, k: int) -> None:
@@ -174,7 +177,6 @@ class EmulatedExecutor:
     def __init__(self, engine: EmulatedEngine, max_seq_len: int, stop_token_ids: list[int] | None = None):
         if max_seq_len < 2:
             raise DFlashTrtError(f"max_seq_len must be >= 2, got {max_seq_len}")
-        check_sliding_window(engine.facts, EngineBuildSettings(max_seq_len=max_seq_len))
         self.engine = engine
         self.max_seq_len = max_seq_len
         self.stops = set(stop_token_ids or [])
@@ -356,6 +358,8 @@ class EmulatedExecutor:
                 [b + 1 if t == GENERATION_REQUEST else b for b, t in zip(bounds, types, strict=True)]
             ),
             "host_gen_eagle_net_past_key_value_lengths": _host_i32(bounds),
+            # Only its shape carries information: the step's generation tokens (EagleBuffers::setFromInputs).
+            "input_gen_tokens": _host_i32([0] * packed.generation_rows),
         }
 
     def _spec_params(self, num_gen: int) -> SpecDecodingParams:

@@ -28,9 +28,10 @@ if TYPE_CHECKING:  # the repository writer imports numpy (its processing code), 
 
 def engine_settings(profile: BuildProfile) -> EngineBuildSettings:
     """The profile's `engine` section as build settings: every field both spell the same way (trtllm-build's flag
-    names); `max_draft_len` is not among them, the build takes it from the checkpoint's block size."""
+    names); `max_draft_len` is not among them, the build takes it from the checkpoint's block size. The GPU is the
+    profile's `gpu`."""
     shared = {f.name for f in dataclasses.fields(EngineBuildSettings)}
-    return EngineBuildSettings(**profile.engine.model_dump(include=shared))
+    return EngineBuildSettings(**profile.engine.model_dump(include=shared), gpu=profile.gpu)
 
 
 def settings_from_profile(

@@ -15,8 +15,14 @@ from dflash_trt.pipeline.fingerprints import directory_fingerprint, fingerprint
 from dflash_trt.pipeline.resolve import PipelineInputs
 from dflash_trt.pipeline.settings import convert_command, plan_engine, quantization_settings, settings_from_profile
 from dflash_trt.pipeline.workspace import Stage
-from dflash_trt.trtllm.build_plan import build_command, plan_engine_build, settings_dict
-from dflash_trt.trtllm.plugin import LIBRARY_ENV, default_library_path
+from dflash_trt.trtllm.build_plan import (
+    build_command,
+    build_environment,
+    environment_prefix,
+    plan_engine_build,
+    settings_dict,
+)
+from dflash_trt.trtllm.plugin import default_library_path
 
 
 def stages(inp: PipelineInputs) -> list[Stage]:
@@ -79,12 +85,12 @@ def _engine_stage(inp: PipelineInputs, ckpt_fp: str | None) -> tuple[Stage, str]
     if inp.configs_known:
         plan = plan_engine(profile, ws, inp.settings, inp.target, inp.draft, inp.plugin_library)
         library, build_argv = plan.plugin_library, plan.command
-        # The build loads the plugin library named by this variable, so it is part of the exact command.
-        engine_command = plan.shell_command(with_library=True)
+        # The build loads the plugin library and builds for the GPU these variables name: part of the exact command.
+        engine_command = plan.shell_command(with_environment=True)
     else:
         library = str(Path(inp.plugin_library or default_library_path()).absolute())
         build_argv = build_command(str(ws.checkpoint), str(ws.engine), profile.engine.max_draft_len, inp.settings)
-        engine_command = f"{LIBRARY_ENV}={shlex.quote(library)} {shlex.join(build_argv)}"
+        engine_command = environment_prefix(build_environment(library, inp.settings)) + shlex.join(build_argv)
     engine_fp = (
         fingerprint(
             {"stage": "engine", "checkpoint": ckpt_fp, "settings": settings_dict(inp.settings), "command": build_argv}

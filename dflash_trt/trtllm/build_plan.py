@@ -17,10 +17,12 @@ from dflash_trt import __version__
 from dflash_trt.checkpoint.trtllm_config import ARCHITECTURE, specs_from_config
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import FP8, NVFP4, QFORMATS, quant_algo
+from dflash_trt.gpu_targets import ASSUMED_GPU, gpu_sm
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.rope import RopeConfig
 from dflash_trt.sampling_rules import ENGINE_SAMPLING, HONOURED
 from dflash_trt.spec import SLIDING_ATTENTION, TARGET_ARCHITECTURES
+from dflash_trt.trtllm.attention_route import OURS, TARGET_SM_ENV, AttentionRoute
 from dflash_trt.trtllm.plugin import LIBRARY_ENV, PLUGIN_NAMESPACE, default_library_path
 
 TRTLLM_BUILD = "trtllm-build"
@@ -43,10 +45,13 @@ SAMPLING_POLICY = ENGINE_SAMPLING
 GEMM_PLUGIN_CHOICES = ("auto", "float16", "bfloat16", "float32", "fp8", "nvfp4", "disable")
 # GEMM plugins that only run weights quantized in the format they are named after.
 QUANTIZED_GEMM_PLUGINS = (FP8, NVFP4)
-# Spec-decoding generation runs only through XQA. Its HMMA kernels (the only ones for an fp16/bf16 KV cache, and
-# the portable ones for FP8 KV) take these paged-KV block sizes; only Hopper's FP8-KV GMMA kernels also take 8.
+# Stock spec-decoding generation runs only through XQA. Its HMMA kernels (the only ones for an fp16/bf16 KV cache,
+# and the portable ones for FP8 KV) take these paged-KV block sizes; only Hopper's FP8-KV GMMA kernels also take 8.
 # cpp/tensorrt_llm/kernels/decoderMaskedMultiheadAttention/decoderXQAImplJIT/kernelUtils.cpp, supportConfigHMMA.
+# DFlashAttention takes them too (any power of two).
 XQA_TOKENS_PER_BLOCK = (16, 32, 64, 128)
+# Head dims DFlashAttention's kernels are instantiated for (plugins/include/dflash_trt/attentionMath.h).
+DFLASH_ATTENTION_HEAD_DIMS = (64, 128, 256)
 # KV-cache block size: trtllm-build's plugin-config default (read in the 1.2.x sources). It is also the unit of a
 # context chunk, so the smallest prefill chunk a step can carry.
 TOKENS_PER_BLOCK = 32
@@ -78,6 +83,12 @@ class EngineBuildSettings:
     logits_dtype: str = "float32"
     workers: int = 1
     extra_flags: tuple[str, ...] = ()
+    # The GPU the engine is built for (and runs on): it decides the attention kernel of each pass.
+    gpu: str = ASSUMED_GPU
+
+    @property
+    def route(self) -> AttentionRoute:
+        return AttentionRoute(gpu_sm(self.gpu))
 
 
 @dataclass(frozen=True)
@@ -142,9 +153,14 @@ class EngineBuildPlan:
             for rank in range(self.world_size)
         ]
 
-    def shell_command(self, with_library: bool = False) -> str:
-        """The build as a shell line; `with_library` sets the plugin library variable for the build processes."""
-        env = f"{LIBRARY_ENV}={shlex.quote(self.plugin_library)} " if with_library else ""
+    @property
+    def environment(self) -> dict[str, str]:
+        """Variables the build processes need: the plugin library, and the GPU the network is built for."""
+        return build_environment(self.plugin_library, self.settings)
+
+    def shell_command(self, with_environment: bool = False) -> str:
+        """The build as a shell line; `with_environment` sets `environment` for the build processes."""
+        env = environment_prefix(self.environment) if with_environment else ""
         if self.parallel_workers == 1:
             return env + shlex.join(self.command)
         one_rank = [
@@ -169,6 +185,14 @@ class EngineBuildPlan:
             "plugin_library": self.plugin_library,
             "dflash_manifest": self.dflash_manifest,
         }
+
+
+def build_environment(plugin_library: str, settings: EngineBuildSettings) -> dict[str, str]:
+    return {LIBRARY_ENV: plugin_library, TARGET_SM_ENV: str(settings.route.sm)}
+
+
+def environment_prefix(environment: dict[str, str]) -> str:
+    return "".join(f"{name}={shlex.quote(value)} " for name, value in environment.items())
 
 
 def chain_eagle_choices(max_draft_len: int) -> list[list[int]]:
@@ -343,11 +367,9 @@ def check_moe_layers(facts: CheckpointFacts) -> None:
 
 
 def longest_buildable(facts: CheckpointFacts) -> int:
-    """The largest max_seq_len this checkpoint allows: its positions, and its drafter's window (see below)."""
-    longest = facts.max_position_embeddings
-    if SLIDING_ATTENTION in facts.layer_types and facts.sliding_window is not None:
-        longest = min(longest, facts.sliding_window - facts.block_size)
-    return longest
+    """The largest max_seq_len this checkpoint allows: its positions (a sliding-window drafter's window is applied
+    by DFlashAttention, so it bounds nothing)."""
+    return facts.max_position_embeddings
 
 
 def fit_lengths(
@@ -377,27 +399,21 @@ def check_extra_flags(settings: EngineBuildSettings) -> None:
             )
 
 
-def check_sliding_window(facts: CheckpointFacts, settings: EngineBuildSettings) -> None:
-    """Sliding draft layers are built as causal full attention, exact only while no sequence outgrows the window.
-
-    Spec-decoding attention in TensorRT-LLM 1.2.x runs in tree mode, which has no sliding window; with
-    `max_seq_len + block_size <= sliding_window` the window never drops a key, so the result is identical.
-    """
-    if SLIDING_ATTENTION not in facts.layer_types or facts.sliding_window is None:
-        return
-    longest = settings.max_seq_len + facts.block_size
-    if facts.sliding_window <= facts.block_size:
-        raise DFlashTrtError(
-            f"the drafter's sliding-window layers have a window ({facts.sliding_window}) no longer than its block "
-            f"({facts.block_size}); TensorRT-LLM 1.2.x spec-decoding attention has no sliding window, so this drafter "
-            "cannot be built"
-        )
-    if longest > facts.sliding_window:
-        raise DFlashTrtError(
-            f"the drafter has sliding-window layers (window {facts.sliding_window}) and the engine would attend over "
-            f"up to {longest} positions; TensorRT-LLM 1.2.x spec-decoding attention has no sliding window, so build "
-            f"with --max_seq_len <= {facts.sliding_window - facts.block_size}"
-        )
+def check_attention_route(facts: CheckpointFacts, settings: EngineBuildSettings) -> None:
+    """What the layers DFlashAttention serves on this GPU must be: a head dim its kernels are built for."""
+    route = settings.route
+    served = []
+    if route.target_generation == OURS:
+        served.append(("target", facts.target_head_size))
+    kinds = set(facts.layer_types)
+    if any(route.draft_layer(kind == SLIDING_ATTENTION) == OURS for kind in kinds):
+        served.append(("drafter", facts.draft_head_size))
+    for who, head_dim in served:
+        if head_dim not in DFLASH_ATTENTION_HEAD_DIMS:
+            raise DFlashTrtError(
+                f"on {settings.gpu} the {who}'s generation attention runs on DFlashAttention, whose kernels take "
+                f"head dims {', '.join(map(str, DFLASH_ATTENTION_HEAD_DIMS))}, not {head_dim}"
+            )
 
 
 def check_settings(facts: CheckpointFacts, settings: EngineBuildSettings) -> None:
@@ -561,6 +577,9 @@ def manifest(facts: CheckpointFacts, settings: EngineBuildSettings, plugin_libra
         "tp_size": facts.tp_size,
         "quant_algo": facts.quant_algo,
         "kv_cache_quant_algo": facts.kv_cache_quant_algo,
+        "gpu": settings.gpu,
+        "sm": settings.route.sm,
+        "attention": settings.route.describe(facts.layer_types),
     }
 
 
@@ -581,7 +600,7 @@ def plan_engine_build(
     check_rope(facts)
     check_quantization(facts)
     check_moe_layers(facts)
-    check_sliding_window(facts, settings)
+    check_attention_route(facts, settings)
     check_settings(facts, settings)
     check_extra_flags(settings)
     if require_weights:
