@@ -121,11 +121,12 @@ def cos_sin_table(positions: int, head_dim: int) -> torch.Tensor:
     return torch.stack([cos[:, :half], sin[:, :half]], dim=-1).float().contiguous()
 
 
-def attention_problem(case: AttentionCase, gen: torch.Generator) -> AttentionProblem:
+def attention_problem(case: AttentionCase, gen: torch.Generator, pasts: list[int] | None = None) -> AttentionProblem:
+    """One plugin call's inputs; `pasts` (one per request) replaces the short random pasts."""
     gen_lens = [case.max_query_len] + [
         int(torch.randint(1, case.max_query_len + 1, (1,), generator=gen)) for _ in range(case.requests - 1)
     ]
-    pasts = _past_lengths(case, gen)
+    pasts = _past_lengths(case, gen) if pasts is None else pasts
     seq_lens = [p + n for p, n in zip(pasts, gen_lens, strict=True)]
     offsets, max_blocks, blocks = _block_table(case, seq_lens, gen)
     width = (case.heads + 2 * case.kv_heads) * case.head_dim

@@ -159,6 +159,22 @@ def test_sampled_sliding_window_drafter(sliding_pair):
     assert divergences(sliding_pair, golden, emulated, 20, per_request("t0.7", len(LONG_PROMPTS))) == []
 
 
+@pytest.mark.parametrize("gpu", ["h100", "b300"])
+def test_the_selftests_windowed_drafter_decodes_past_its_window(gpu, tmp_path, tiny_prompts):
+    """`selftest --sliding_window 40`: the embedded drafter with a windowed last layer, as the self-test converts
+    it, decodes like the golden model (which applies the window) past the window on both routes."""
+    from dflash_trt.commands.selftest import windowed_drafter
+
+    checkpoint = tmp_path / "ckpt"
+    convert_checkpoint(target_dir(), windowed_drafter(tmp_path, 40), checkpoint, dtype="float32")
+    model = load_golden_model(checkpoint)
+    assert model.draft.spec.layer_types[-1] == "sliding_attention" and model.draft.spec.sliding_window == 40
+    golden = speculative_generate(model, tiny_prompts, 24)
+    emulated = EmulatedRuntime(checkpoint, gpu=gpu, **RUNTIME).generate(tiny_prompts, 24)
+    assert divergences(checkpoint, golden, emulated, 24) == []
+    assert max(len(p) for p in tiny_prompts) + 24 > 40
+
+
 # ----------------------------------------------------------------------------------- tensor parallelism, dispatch
 
 

@@ -11,6 +11,7 @@ import yaml
 from _pairs import PairVariant, make_pair
 
 from dflash_trt.cli import main as cli_main
+from dflash_trt.gpu_targets import GPU_SMS
 from dflash_trt.pipeline.profiles import load_profile
 from dflash_trt.pipeline.resolve import PipelineRequest, resolve_inputs
 from dflash_trt.pipeline.run import Outcome, StageResult, resume_command, run_pipeline
@@ -102,8 +103,10 @@ def test_dry_run_of_every_profile(path: Path, hub: Path, tmp_path: Path, capsys)
     assert convert[:2] == ["dflash-trt", "convert"]
     assert convert[convert.index("--qformat") + 1] == profile.quantization.qformat
     assert convert[convert.index("--tp_size") + 1] == str(profile.checkpoint.tp_size)
-    env, *build = shlex.split(commands["engine"])
+    env, target, *build = shlex.split(commands["engine"])
     assert env.startswith("DFLASH_TRT_PLUGIN_LIB=") and env.endswith("libdflash_trt_plugins.so")
+    # The network is built for the profile's GPU: its attention kernels differ between Hopper and Blackwell.
+    assert target == f"DFLASH_TRT_TARGET_SM={GPU_SMS[profile.gpu]}"
     assert build[0] == "trtllm-build"
     flags = {build[i]: build[i + 1] for i in range(1, len(build) - 1) if build[i].startswith("--")}
     assert flags["--checkpoint_dir"] == str(ws / "checkpoint") and flags["--output_dir"] == str(ws / "engine")
@@ -274,7 +277,7 @@ def _tiny_profile(tmp_path: Path, pair: tuple[Path, Path], **engine) -> Path:
     target, draft = pair
     data = {
         "name": "tiny",
-        "gpu": "b300",
+        "gpu": "h200",  # the fixture pair's head dim (16) builds only where the stock plugin attends
         "model": {"target": str(target), "draft": str(draft), "block_size": 8},
         "quantization": {"qformat": "none", "dflash_qformat": "none", "kv_cache_dtype": "none"},
         "engine": {
@@ -315,7 +318,8 @@ def test_cpu_run_stops_after_the_checkpoint_and_resumes(tiny_pair, tmp_path: Pat
     assert _outcomes(results) == [("checkpoint", BUILT), ("engine", NEEDS_GPU)]
     assert json.loads((ws / "checkpoint/config.json").read_text())["max_draft_len"] == 7
     assert resume.startswith(f"dflash-trt build --config {profile} --output_dir {ws} --plugin_library /opt/dflash/")
-    engine = f"DFLASH_TRT_PLUGIN_LIB=/opt/dflash/libdflash_trt_plugins.so trtllm-build --checkpoint_dir {ws}"
+    library = "DFLASH_TRT_PLUGIN_LIB=/opt/dflash/libdflash_trt_plugins.so"
+    engine = f"{library} DFLASH_TRT_TARGET_SM=90 trtllm-build --checkpoint_dir {ws}"
     assert results[1].stage.command.startswith(engine)
 
     results, _ = _run(profile, ws, gpu=False)

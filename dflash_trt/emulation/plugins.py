@@ -36,6 +36,7 @@ from dflash_trt.emulation import trt
 from dflash_trt.emulation.functional import EmulationError, Tensor
 from dflash_trt.emulation.kv_pool import pool_at, resolve_pool
 from dflash_trt.reference.kv_injection import PagedKVCacheLayout, to_cache_dtype
+from dflash_trt.trtllm.build_plan import DFLASH_ATTENTION_HEAD_DIMS
 from dflash_trt.trtllm.plugin import ATTENTION_PLUGIN_NAME, PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION
 
 # kvInjectionPlugin.cpp: the input types its kernels are instantiated for; FLOAT only in the emulation (above).
@@ -160,8 +161,8 @@ class AttentionPlugin:
         self.cache_fp8, self.q_scaling = scalar("cache_fp8"), float(_field(fields, "q_scaling")[0])
         if self.heads <= 0 or self.kv_heads <= 0 or self.heads % self.kv_heads:
             raise EmulationError(f"{ATTENTION_PLUGIN_NAME}: num_heads must be a positive multiple of num_kv_heads")
-        if self.head_dim not in (64, 128, 256) and self.type_id not in EMULATION_ONLY_TYPE_IDS:
-            raise EmulationError(f"{ATTENTION_PLUGIN_NAME}: head_dim {self.head_dim} is not 64, 128 or 256")
+        if self.head_dim not in DFLASH_ATTENTION_HEAD_DIMS and self.type_id not in EMULATION_ONLY_TYPE_IDS:
+            raise EmulationError(f"{ATTENTION_PLUGIN_NAME}: head_dim {self.head_dim} is not one of its kernels'")
         if scalar("block_mask") not in (0, 1) or self.window < 0:
             raise EmulationError(f"{ATTENTION_PLUGIN_NAME}: block_mask must be 0 or 1 and sliding_window >= 0")
         if self.type_id not in (*TYPE_IDS, *EMULATION_ONLY_TYPE_IDS):

@@ -51,7 +51,7 @@ QUANTIZED_GEMM_PLUGINS = (FP8, NVFP4)
 # DFlashAttention takes them too (any power of two).
 XQA_TOKENS_PER_BLOCK = (16, 32, 64, 128)
 # Head dims DFlashAttention's kernels are instantiated for (plugins/include/dflash_trt/attentionMath.h).
-DFLASH_ATTENTION_HEAD_DIMS = (64, 128, 256)
+DFLASH_ATTENTION_HEAD_DIMS = (32, 64, 128, 256)
 # KV-cache block size: trtllm-build's plugin-config default (read in the 1.2.x sources). It is also the unit of a
 # context chunk, so the smallest prefill chunk a step can carry.
 TOKENS_PER_BLOCK = 32

@@ -277,6 +277,7 @@ cudaError_t launchForHeadDim(AttentionLaunch const& p, int32_t maxKeys, int32_t 
 {
     switch (p.addressing.headDim)
     {
+    case 32: return launchTyped<T, Cache, 32>(p, maxKeys, sms, stream);
     case 64: return launchTyped<T, Cache, 64>(p, maxKeys, sms, stream);
     case 128: return launchTyped<T, Cache, 128>(p, maxKeys, sms, stream);
     case 256: return launchTyped<T, Cache, 256>(p, maxKeys, sms, stream);

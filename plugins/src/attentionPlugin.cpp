@@ -55,7 +55,7 @@ std::string AttentionConfig::check() const
     }
     if (!supportedAttentionHeadDim(headDim))
     {
-        return "head_dim " + std::to_string(headDim) + " is not supported (64, 128 or 256)";
+        return "head_dim " + std::to_string(headDim) + " is not supported (32, 64, 128 or 256)";
     }
     if (log2PowerOfTwo(tokensPerBlock) < 0)
     {

@@ -225,6 +225,7 @@ int32_t runForHeadDim(AttentionLaunch const& p)
 {
     switch (p.addressing.headDim)
     {
+    case 32: runTyped<T, Cache, 32>(p); return 0;
     case 64: runTyped<T, Cache, 64>(p); return 0;
     case 128: runTyped<T, Cache, 128>(p); return 0;
     case 256: runTyped<T, Cache, 256>(p); return 0;

@@ -264,6 +264,7 @@ void checkAttention(IPluginCreatorV3One* creator)
         delete p;
     };
     refused("head_dim 96 refused", [](AttentionFields& f) { f.headDim = 96; });
+    refused("head_dim 16 refused", [](AttentionFields& f) { f.headDim = 16; });
     refused("heads not a multiple of kv heads refused", [](AttentionFields& f) { f.numHeads = 30; });
     refused("tokens_per_block 24 refused", [](AttentionFields& f) { f.tokensPerBlock = 24; });
     refused("block_mask 2 refused", [](AttentionFields& f) { f.blockMask = 2; });

@@ -4,8 +4,10 @@ Builds the plugin library (unless DFLASH_TRT_PLUGIN_LIB points at one), converts
 drafter pair, builds the DFlash engine through `dflash-trt build`'s code path, runs it through the executor in EAGLE
 mode (chain eagle_choices from dflash_trt.json; `dflash_trt.commands.selftest.engine_generate`, one response per
 iteration) on ragged prompts and compares every token and the per-step acceptance lengths both define the same way
-with `dflash_trt.reference.decode.speculative_generate` on the same checkpoint. Greedy only. `dflash-trt selftest`
-runs the same check on the embedded trained tiny pair.
+with `dflash_trt.reference.decode.speculative_generate` on the same checkpoint. Greedy only. The engine is built
+for this host's GPU, so it runs the attention route that GPU needs (DFlashAttention for both generation passes on
+B200 / B300); a second pair's drafter has a sliding-window layer (DFlashAttention on every GPU) and its prompts
+decode past the window. `dflash-trt selftest` runs the same check on the embedded trained tiny pair.
 """
 
 from __future__ import annotations
@@ -48,18 +50,33 @@ def plugin_library(workdir: Path) -> Path:
     return next(build.rglob(LIBRARY_NAME))
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+# Head dims DFlashAttention takes (the fixture default, 16, is only for the stock plugin's Hopper route).
+PAIRS = {
+    "full": {"block_size": 8, "head_dim": 32, "draft_head_dim": 32},
+    "sliding": {
+        "block_size": 8,
+        "head_dim": 32,
+        "draft_head_dim": 32,
+        "sliding_window": 6,
+        "layer_types": ["full_attention", "sliding_attention"],
+    },
+}
+
+
+@pytest.fixture(scope="module", params=list(PAIRS))
+def engine(request, tmp_path_factory):
     from dflash_trt.conversion.convert import convert_checkpoint
+    from dflash_trt.gpu_targets import resolve_gpu
     from dflash_trt.trtllm.build import run_engine_build
     from dflash_trt.trtllm.build_plan import EngineBuildSettings, plan_engine_build
 
-    root = tmp_path_factory.mktemp("selftest")
+    root = tmp_path_factory.mktemp(f"selftest-{request.param}")
     library = plugin_library(root)
     pairs = tiny_pairs()
-    target_dir, draft_dir = pairs.make_pair(root, pairs.PairVariant(block_size=8))
+    target_dir, draft_dir = pairs.make_pair(root, pairs.PairVariant(**PAIRS[request.param]))
     convert_checkpoint(target_dir, draft_dir, root / "ckpt", dtype="float16")
-    settings = EngineBuildSettings(max_batch_size=4, max_input_len=64, max_seq_len=128, max_num_tokens=256)
+    gpu, _ = resolve_gpu(None)
+    settings = EngineBuildSettings(max_batch_size=4, max_input_len=64, max_seq_len=128, max_num_tokens=256, gpu=gpu)
     plan = plan_engine_build(root / "ckpt", root / "engine", settings, plugin_library=library)
     return run_engine_build(plan), root / "ckpt", library
 
@@ -88,6 +105,9 @@ def test_engine_config_carries_the_eagle_contract(engine):
     assert pretrained["eagle_net_config"]["num_hidden_layers"] == manifest["num_draft_layers"]
     assert "layer_types" not in pretrained
     assert build["max_draft_len"] == k and build["speculative_decoding_mode"] == 1 << 5
+    from dflash_trt.gpu_targets import resolve_gpu
+
+    assert manifest["gpu"] == resolve_gpu(None)[0]  # built for this host's GPU and its attention route
 
 
 def test_bench_drives_the_engine_in_flight(engine, tmp_path):

@@ -31,12 +31,10 @@ constexpr int32_t kCtaRows = kWarpRows * kCtaWarps;
 constexpr int32_t kMaxSplits = 32;
 //! Most partial (row, head) results the workspace holds for split-K; beyond it the kernel runs unsplit.
 constexpr int64_t kMaxPartialHeadRows = int64_t{1} << 17;
-//! Head dims the kernels are instantiated for.
-constexpr int32_t kAttentionHeadDims[] = {64, 128, 256};
-
+//! Head dims the kernels are instantiated for (32 for small models such as the embedded self-test pair).
 DFLASH_HD bool supportedAttentionHeadDim(int32_t headDim)
 {
-    return headDim == 64 || headDim == 128 || headDim == 256;
+    return headDim == 32 || headDim == 64 || headDim == 128 || headDim == 256;
 }
 
 //! Keys per shared-memory tile: 64, or 32 for head dim 256 (registers of the output accumulators).
@@ -339,16 +337,18 @@ DFLASH_HD int32_t ldmatrixVCol(int32_t lane)
 }
 
 //! Shared-memory tiles hold rows of headDim 16-bit elements in 16-byte chunks; chunk c of row r is stored at chunk
-//! c ^ (r % 8), so the eight rows an ldmatrix matrix reads fall in eight different bank groups.
-DFLASH_HD int32_t swizzledChunk(int32_t row, int32_t chunk)
+//! c ^ (r % w), w = min(8, chunks per row), so the eight rows an ldmatrix matrix reads fall in different bank groups
+//! (all eight from head dim 64 on).
+DFLASH_HD int32_t swizzledChunk(int32_t row, int32_t chunk, int32_t chunksPerRow)
 {
-    return chunk ^ (row % 8);
+    int32_t const width = chunksPerRow < 8 ? chunksPerRow : 8;
+    return chunk ^ (row % width);
 }
 
 DFLASH_HD int32_t tileElementOffset(int32_t row, int32_t column, int32_t headDim)
 {
     int32_t const chunk = column / 8;
-    return row * headDim + swizzledChunk(row, chunk) * 8 + column % 8;
+    return row * headDim + swizzledChunk(row, chunk, headDim / 8) * 8 + column % 8;
 }
 
 } // namespace dflash_trt
