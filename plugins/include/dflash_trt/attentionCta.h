@@ -250,7 +250,9 @@ struct AttentionCta
         return rowBase < rows() && keys.begin < keys.end;
     }
 
-    // Per (warp, lane) state; on the GPU both extents are 1.
+    // Per (warp, lane) state; on the GPU both extents are 1. queryPos: position of the lane's two rows (g, g + 8),
+    // or -1 past the request's rows.
+    int32_t queryPos[B::kWarps][B::kLanes][2];
     float out[B::kWarps][B::kLanes][kOutTiles][4];
     float rowMax[B::kWarps][B::kLanes][2];
     float rowSum[B::kWarps][B::kLanes][2];
@@ -367,6 +369,7 @@ struct AttentionCta
 
     DFLASH_HD void initState()
     {
+        int32_t const group = groupSize(p);
         for (int32_t w = 0; w < B::kWarps; ++w)
         {
             for (int32_t l = 0; l < B::kLanes; ++l)
@@ -376,6 +379,8 @@ struct AttentionCta
                 {
                     rowMax[w][l][r] = -INFINITY;
                     rowSum[w][l][r] = 0.f;
+                    int32_t const qRow = rowBase + b.warpIndex(w) * kWarpRows + fragCRow(b.laneIndex(l), 2 * r);
+                    queryPos[w][l][r] = qRow < rows() ? req.past + rowToken(qRow, group) : -1;
                 }
                 DFLASH_UNROLL
                 for (int32_t n = 0; n < kOutTiles; ++n)
@@ -423,11 +428,11 @@ struct AttentionCta
     }
 
     //! Scale, mask and online softmax of one warp's scores for the tile starting at key `first`; leaves P in
-    //! `scores` and rescales the running output.
+    //! `scores` and rescales the running output. A tile wholly in the past (no window) is visible to every row, so
+    //! only the tiles at the block, the window's edge or the split's end are masked.
     DFLASH_HD void softmaxOf(int32_t w, int32_t first)
     {
-        int32_t const warp = b.warpIndex(w);
-        int32_t const group = groupSize(p);
+        bool const masked = p.window > 0 || first + kTile > req.past || first + kTile > keys.end;
         float tileMax[B::kLanes][2];
         for (int32_t l = 0; l < B::kLanes; ++l)
         {
@@ -439,10 +444,10 @@ struct AttentionCta
                 DFLASH_UNROLL
                 for (int32_t c = 0; c < 4; ++c)
                 {
-                    int32_t const qRow = rowBase + warp * kWarpRows + fragCRow(lane, c);
+                    int32_t const qPos = queryPos[w][l][c / 2];
                     int32_t const key = first + 8 * n + fragCCol(lane, c);
-                    bool const visible = qRow < rows() && key < keys.end
-                        && keyVisible(req.past + rowToken(qRow, group), key, req.seqEnd, p.mask, p.window);
+                    bool const visible
+                        = !masked || (qPos >= 0 && key < keys.end && keyVisible(qPos, key, req.seqEnd, p.mask, p.window));
                     float const s = visible ? scores[w][l][n][c] * scaleLog2 : -INFINITY;
                     scores[w][l][n][c] = s;
                     tileMax[l][c / 2] = tileMax[l][c / 2] > s ? tileMax[l][c / 2] : s;
