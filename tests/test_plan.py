@@ -7,6 +7,7 @@ import math
 import statistics
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -501,3 +502,12 @@ def test_plan_header_names_the_flags_defaults(capsys):
     header = capsys.readouterr().out.splitlines()[0]
     assert header.startswith(f"GPU {defaults.gpu} (--gpu), TP {defaults.tp_size}, 16-bit weights (--qformat)")
     assert defaults.qformat == "none"
+
+
+def test_no_row_is_predicted_where_its_batch_does_not_fit():
+    # gpt-oss-120b in bf16 (234 GB of weights) on one H100, or Qwen3-8B with 4096 users on one H100: no number.
+    too_big = replace(published.point("card-gpt-oss-120b-b10-c1"), id="unit-oom", gpu="h100", precision="bf16")
+    assert evaluation.predict(too_big, calibration("sglang-v2")) == (None, 0.0)
+    crowded = replace(published.point("sglang16818-tp1-c32-dflash"), id="unit-crowded", concurrency=4096)
+    assert evaluation.predict(crowded, calibration("sglang-v1"))[0] is None
+    assert evaluation.predict(published.point("sglang16818-tp1-c32-dflash"), calibration("sglang-v1"))[0]

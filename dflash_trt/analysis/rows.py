@@ -87,6 +87,13 @@ def band_ratio(
     return None if ya is None or yb is None else ya / yb
 
 
+def fits(m: Method, tgt: TargetShape, dep: Deployment, s: dict) -> bool:
+    """The row's batch fits in memory and the default engine limits (no prediction is made for one that does
+    not, nor fitted on)."""
+    (point,) = feasible_curve(m, tgt, dep, [s["concurrency"]], s["lengths"], EngineLimits())
+    return point.fits
+
+
 def value(p: Published, s: dict, cal: Calibration) -> float | None:
     """The model's figure for the row at one setting (None: it does not fit in memory or misses the band)."""
     tgt, _ = shapes(p.pair)
@@ -94,6 +101,8 @@ def value(p: Published, s: dict, cal: Calibration) -> float | None:
     m = method(p, s)
     if p.metric == "ratio_at_interactivity":
         return band_ratio(m, Method(AR), tgt, dep, s["interactivity"], s["lengths"])
+    if not fits(m, tgt, dep, s):
+        return None
     ctx = context(s)
     it = m.iteration(tgt, s["concurrency"], ctx, dep)
     if p.metric == "tok_s":
@@ -111,6 +120,8 @@ def equations(p: Published, cal: Calibration) -> list[Equation]:
     out = []
     for s in grid:
         dep, m, ctx, c = deployment(p, s, cal), method(p, s), context(s), s["concurrency"]
+        if not fits(m, tgt, dep, s):
+            raise DFlashTrtError(f"{p.id}: a fit row whose batch does not fit in memory")
         cost = m.step(tgt, c, ctx, dep)
         if p.metric == "tok_s":
             tokens = 1.0 if m.acceptance is None else m.acceptance.mean()
