@@ -88,12 +88,6 @@ def fit_terms(equations: Sequence[Equation], free: Sequence[str], fixed: Calibra
     return replace(fixed, **values)
 
 
-def relative_residuals(equations: Sequence[Equation], cal: Calibration) -> list[float]:
-    """Each equation's weighted residual under `cal`: the relative error of the observation it encodes."""
-    values = [getattr(cal, f) for f in OVERHEAD_FIELDS]
-    return [(sum(t * v for t, v in zip(e.terms, values, strict=True)) - e.rhs) * e.weight for e in equations]
-
-
 def identifiable(equations: Sequence[Equation], candidates: Sequence[str]) -> list[str]:
     """The candidates, in order, whose columns add rank to the weighted design matrix: a term the rows cannot tell
     apart from the ones already kept (a constant column beside the per-step term, say) is left to its stated

@@ -55,7 +55,7 @@ def drift() -> float:
 
 def free_terms(points: list[Published], eqs: list[Equation], with_donor: bool) -> list[str]:
     """The terms these rows can tell apart (see the module docstring)."""
-    tps, concurrencies = rows.fit_rows_summary(points)
+    tps, concurrencies = rows.spans(points)
     order = PRIORITY_WITH_DONOR if with_donor else PRIORITY_ALONE
     candidates = [t for t in order if t not in BATCH_TERMS or len(concurrencies) > 1]
     free = identifiable(eqs, candidates)

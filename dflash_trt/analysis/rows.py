@@ -133,7 +133,7 @@ def equations(p: Published, cal: Calibration) -> list[Equation]:
     return out
 
 
-def fit_rows_summary(points: Sequence[Published]) -> tuple[set[int], set[int]]:
+def spans(points: Sequence[Published]) -> tuple[set[int], set[int]]:
     """The TP widths and concurrencies a set of rows spans (what decides which terms they can tell apart)."""
     tps = {p.num_gpus for p in points}
     concs = {
