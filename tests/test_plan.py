@@ -431,6 +431,7 @@ def test_calibration_refuses_foreign_or_unstamped_results(tmp_path: Path, capsys
     [
         ("{", "cannot read calibration"),
         ('{"format": "other"}', "is not a calibration file"),
+        ('{"format": "dflash-trt-calibration/1"}', "fit it again from its results"),
         ('{"format": "dflash-trt-calibration/2", "calibration": {}, "stamp": {}}', "needs a 'calibration' object"),
     ],
 )

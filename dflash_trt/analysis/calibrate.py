@@ -179,6 +179,11 @@ def load_calibration(path: str | Path) -> tuple[Calibration, dict]:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise DFlashTrtError(f"cannot read calibration {path}: {exc}") from None
+    if isinstance(data, dict) and data.get("format") == "dflash-trt-calibration/1":
+        raise DFlashTrtError(
+            f"{path} was written by an older plan --calibrate (format 1, without the collective and per-sequence "
+            "terms): fit it again from its results with plan --calibrate --output"
+        )
     if not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT:
         raise DFlashTrtError(f"{path} is not a calibration file ({CALIBRATION_FORMAT}, written by plan --calibrate)")
     fields, stamp = data.get("calibration"), data.get("stamp")

@@ -37,15 +37,11 @@ def derived(p: Published) -> bool:
     return p.note.startswith("derived")
 
 
-def _tau(s: dict) -> float:
-    return s["tau"]
-
-
 def baseline(p: Published, k: float) -> float | None:
     """speedup = k * tau; it has no notion of absolute throughput."""
     if p.metric != "speedup" or not rows.evaluable(p):
         return None
-    return statistics.median(k * _tau(s) for s in rows.settings(p))
+    return statistics.median(k * s["tau"] for s in rows.settings(p))
 
 
 def fit_ids() -> set[str]:
@@ -61,7 +57,7 @@ def baseline_k(harness: str | None = None) -> float:
     the fit rows of `harness` (of every harness when it has none, or when `harness` is None)."""
     fit = [p for p in map(point, sorted(fit_ids())) if p.metric == "speedup" and p.concurrency == 1]
     own = [p for p in fit if p.harness == harness]
-    pairs = [(_tau(s), p.published) for p in (own or fit) for s in rows.settings(p)]
+    pairs = [(s["tau"], p.published) for p in (own or fit) for s in rows.settings(p)]
     return sum(t / s for t, s in pairs) / sum((t / s) ** 2 for t, s in pairs)
 
 
