@@ -6,7 +6,8 @@ combination of block mask (causal, full) x window (none, 24) x GQA group (1..16)
 dtype (fp16, bf16, FP8 from bf16, FP8 from fp16) x pool layout (tokens per block 16, 32, 64, 128, each with the
 primary pool only or with a request in the secondary pool) is checked: 2 x 2 x 16 x 3 x 4 x 8 = 6144 problems, in
 768 test cases of the eight pool layouts each. Each checks the output against the reference and the pools bit for
-bit (the new tokens' K / V written where they belong, nothing else touched).
+bit (the new tokens' K / V written where they belong, nothing else touched). Head dim 32 (256 problems) and
+several KV heads with three requests (64 problems) are checked besides.
 """
 
 from __future__ import annotations
@@ -168,6 +169,20 @@ def test_head_dim_32_for_small_models(lib, causal, window, kv) -> None:
     row than the swizzle's eight, so it narrows to four."""
     for index, (group, tpb, secondary) in enumerate(itertools.product((1, 2, 3, 8), (16, 64), SECONDARY)):
         check(lib, AttentionCase(causal, window, group, 32, kv, tpb, secondary), (1, 2, 3, 0)[index % 4])
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "group", "head_dim", "kv"),
+    [(2, 4, 128, "bfloat16"), (3, 2, 64, "fp8-from-float16"), (8, 1, 256, "float16"), (4, 5, 32, "fp8-from-bfloat16")],
+)
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("causal", MASKS)
+def test_several_kv_heads_and_requests(lib, causal, window, kv_heads, group, head_dim, kv) -> None:
+    """Each KV head reads and writes its own slice of qkv and of every page, with its own query heads, for each
+    of several requests (the combinations above run one KV head, two requests)."""
+    for index, (tpb, secondary) in enumerate(itertools.product((16, 32), SECONDARY)):
+        case = AttentionCase(causal, window, group, head_dim, kv, tpb, secondary, kv_heads=kv_heads, requests=3)
+        check(lib, case, (1, 3, 0, 2)[index])
 
 
 @pytest.mark.parametrize(("which", "rows", "cols"), [(0, 16, 16), (1, 16, 8), (2, 16, 8)])

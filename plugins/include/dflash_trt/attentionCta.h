@@ -74,7 +74,7 @@ DFLASH_HD char const* attentionLaunchProblem(AttentionLaunch const& p, bool fp8)
     int32_t const kvHeads = p.addressing.numKvHeads;
     if (!supportedAttentionHeadDim(p.addressing.headDim))
     {
-        return "head_dim must be 64, 128 or 256";
+        return "head_dim must be 32, 64, 128 or 256";
     }
     if (kvHeads <= 0 || p.numHeads <= 0 || p.numHeads % kvHeads != 0)
     {
