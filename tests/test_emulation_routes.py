@@ -193,6 +193,29 @@ def test_a_tp2_checkpoint_decodes_like_the_tp1_golden_model(gpu, tiny, tiny_tp2,
     assert divergences(tiny, tiny_golden, emulated, 24) == []
 
 
+@pytest.mark.slow
+def test_an_fp8_kv_cache_on_the_blackwell_route(tmp_path, monkeypatch):
+    """FP8 weights and an FP8 KV cache on B200: every DFlashAttention call writes and reads FP8 pages with its
+    layer's scales, and decoding matches the golden model."""
+    pytest.importorskip("modelopt.torch.quantization")
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
+    variant = PairVariant(intermediate=128, draft_intermediate=64)
+    ckpt = convert(tmp_path, variant, qformat="fp8", kv_cache_dtype="fp8", calib_dataset=calib, calib_size=4)
+    fp8_calls = []
+    original = plugins.AttentionPlugin._execute
+
+    def spy(self, inputs):
+        fp8_calls.append((self.cache_fp8, len(inputs)))
+        return original(self, inputs)
+
+    monkeypatch.setattr(plugins.AttentionPlugin, "_execute", spy)
+    golden = speculative_generate(load_golden_model(ckpt), PROMPTS, 10, STOP)
+    runtime = EmulatedRuntime(ckpt, gpu="b200", max_batch_size=2, max_num_tokens=16, tokens_per_block=16)
+    assert divergences(ckpt, golden, runtime.generate(PROMPTS, 10, STOP, arrivals=[0, 0, 1, 2]), 10) == []
+    assert fp8_calls and set(fp8_calls) == {(1, 10)}
+
+
 def test_the_stock_plugin_on_blackwell_fails_as_tensorrt_llm_does(tiny):
     """A network whose generation passes stay on the stock plugin, run on a B200: 1.2.x's assertion."""
     runtime = EmulatedRuntime(tiny, gpu="b200")
