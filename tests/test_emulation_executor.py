@@ -50,7 +50,7 @@ def _drain(executor: EmulatedExecutor) -> dict[int, list[list[int]]]:
 
 def test_streamed_responses_through_the_backend_equal_the_golden_tokens(engine, prompts, golden):
     requests = [BenchRequest(i, p, MAX_NEW) for i, p in enumerate(prompts)]
-    trace = asyncio.run(run_load(EmulatedBackend(engine, 256), requests, concurrency=2, timeout_s=600))
+    trace = asyncio.run(run_load(EmulatedBackend(engine, 200), requests, concurrency=2, timeout_s=600))
     for record in trace.records:
         assert record.error is None
         assert record.output_ids == golden[record.prompt_index]
@@ -59,7 +59,7 @@ def test_streamed_responses_through_the_backend_equal_the_golden_tokens(engine, 
 
 
 def test_a_cancelled_request_frees_its_slot_and_pages(engine, prompts, golden):
-    executor = EmulatedExecutor(engine, 256)
+    executor = EmulatedExecutor(engine, 200)
     free_before = len(executor.blocks.free)
     for i in range(3):
         executor.add(Request(i, prompts[i], MAX_NEW))
@@ -76,11 +76,11 @@ def test_a_cancelled_request_frees_its_slot_and_pages(engine, prompts, golden):
 
 
 def test_a_sampled_request_decodes_the_same_alone_and_in_company(engine, prompts):
-    alone = EmulatedExecutor(engine, 256)
+    alone = EmulatedExecutor(engine, 200)
     alone.add(Request(0, prompts[1], MAX_NEW, temperature=0.8, seed=7))
     expected = sum(_drain(alone)[0], [])
     alone.close()
-    busy = EmulatedExecutor(engine, 256)
+    busy = EmulatedExecutor(engine, 200)
     busy.add(Request(5, prompts[0], MAX_NEW, temperature=1.1, seed=3))
     busy.step()
     busy.add(Request(6, prompts[1], MAX_NEW, temperature=0.8, seed=7))
