@@ -88,9 +88,10 @@ class SteppingBackend(Backend):
     def _serve(self, executor: SteppingExecutor | None, send: Deliver) -> None:
         while True:
             if executor is None:
-                executor = self._retry(send)
-                if executor is None:
+                if self._stopped_within(RETRY_S):
                     return
+                executor = self._fresh(send)
+                continue
             with self._wake:
                 while not (self._stopping or self._pending or self._cancelled or executor.has_work()):
                     self._wake.wait()
@@ -150,12 +151,10 @@ class SteppingBackend(Backend):
             self._refusing = None
         return executor
 
-    def _retry(self, send: Deliver) -> SteppingExecutor | None:
-        """Wait RETRY_S (None when the backend stops meanwhile), then try a fresh executor again."""
+    def _stopped_within(self, seconds: float) -> bool:
+        """Wait up to `seconds` for `stop`; whether it came."""
         with self._wake:
-            if self._wake.wait_for(lambda: self._stopping, timeout=RETRY_S):
-                return None
-        return self._fresh(send)
+            return self._wake.wait_for(lambda: self._stopping, timeout=seconds)
 
     async def stop(self) -> None:
         with self._wake:
