@@ -244,10 +244,10 @@ def test_health_is_503_while_the_executor_cannot_step_and_200_once_it_can(tiny, 
     with faulty_server(tiny, tokenizer, fault, building) as running:
         still_serving(running, tokenizer)
         fault.set()
-        assert "the executor failed: RuntimeError: device lost" in failed_request(running)
+        assert "the executor failed: device lost" in failed_request(running)
         assert health(running) == (200, "")
         failed_request(running)
-        assert health(running) == (503, "the engine is broken: the executor failed: RuntimeError: device lost")
+        assert health(running) == (503, "the engine is broken: the executor failed: device lost")
         fault.clear()
         still_serving(running, tokenizer)
 
@@ -262,7 +262,7 @@ def test_an_executor_that_cannot_be_rebuilt_refuses_requests_until_a_retry_build
         building.set()
         failed_request(running)
         code, reason = health(running)
-        assert code == 503 and reason.endswith("no fresh executor: MemoryError: no room for the KV pool")
+        assert code == 503 and reason.endswith("no fresh executor: no room for the KV pool")
         assert "no fresh executor" in failed_request(running)
         fault.clear()
         building.clear()

@@ -83,9 +83,8 @@ def run(args: argparse.Namespace) -> int:
     runtime = EmulatedRuntime(checkpoint_dir, args.max_batch_size, args.max_num_tokens, args.tokens_per_block)
     tokenizer = load_tokenizer(checkpoint_dir)
     prompts = read_prompts(args.input_file, tokenizer)
-    positions = runtime.facts.max_position_embeddings
-    what = f"the longest request the engine holds (max_position_embeddings {positions} less two blocks of drafts)"
-    check_lengths(args, prompts, longest_request(positions, runtime.k), what)
+    longest = longest_request(runtime.facts.max_position_embeddings, runtime.k)
+    check_lengths(args, prompts, longest, "the target's max_position_embeddings less two draft blocks")
     stop_ids = [] if args.ignore_eos else list(runtime.eos_token_ids)
     started = time.perf_counter()
     results = runtime.generate(prompts, args.max_new_tokens, stop_ids, temperature=args.temperature, seed=args.seed)

@@ -115,7 +115,7 @@ class SteppingBackend(Backend):
                 responses = executor.step() if executor.has_work() else []
             except Exception as exc:  # the executor failed as a whole (its state is unknown): replace it
                 send(failed)
-                executor = self._replace(executor, f"the executor failed: {type(exc).__name__}: {exc}", send)
+                executor = self._replace(executor, f"the executor failed: {exc}", send)
                 continue
             if responses:
                 self._failures, self._broken = 0, None
@@ -143,7 +143,7 @@ class SteppingBackend(Backend):
             executor = self.executor = self.make_executor()
         except Exception as exc:  # out of memory, ...: no executor until a retry builds one
             with self._wake:
-                self._broken = self._refusing = f"{self._cause}; no fresh executor: {type(exc).__name__}: {exc}"
+                self._broken = self._refusing = f"{self._cause}; no fresh executor: {exc}"
                 late, self._pending = self._pending, []
             send([Response(request_id, [], True, self._refusing) for request_id, _ in late])
             return None
