@@ -98,7 +98,11 @@ class StepOutput:
 
 
 class EngineStepFailed(Exception):
-    """The engine raised during a step; the requests' state is as before the step."""
+    """The engine raised `engine_error` during a step; the requests' state is as before the step."""
+
+    def __init__(self, engine_error: Exception):
+        super().__init__(f"{type(engine_error).__name__}: {engine_error}")
+        self.engine_error = engine_error
 
 
 class SamplingSlots:
@@ -177,7 +181,13 @@ class _PackedRows:
 class EmulatedExecutor:
     """Requests in, per-iteration responses out, over one emulated engine and a KV pool sized for `max_seq_len`."""
 
-    def __init__(self, engine: EmulatedEngine, max_seq_len: int, stop_token_ids: list[int] | None = None):
+    def __init__(
+        self,
+        engine: EmulatedEngine,
+        max_seq_len: int,
+        stop_token_ids: list[int] | None = None,
+        isolate_failures: bool = True,
+    ):
         longest = longest_request(engine.max_position_embeddings, engine.k)
         if not 2 <= max_seq_len <= longest:
             raise DFlashTrtError(
@@ -189,6 +199,7 @@ class EmulatedExecutor:
         self.engine = engine
         self.max_seq_len = max_seq_len
         self.stops = set(stop_token_ids or [])
+        self.isolate_failures = isolate_failures  # False: an engine error ends the step with it, as raised
         longest = max_seq_len + 2 * engine.block
         max_blocks = -(-longest // engine.tokens_per_block)
         element = torch.empty((), dtype=engine.cache_dtype).element_size()
@@ -250,6 +261,7 @@ class EmulatedExecutor:
         A failing request fails alone: when the engine raises, the step is rerun request by request, and a request
         that fails on its own ends with the error (its slot and pages freed) while the others go on as if nothing
         happened (their random states are restored, and K/V past a request's length is rewritten before it is read).
+        Without `isolate_failures` the engine's error is raised as is.
         """
         while self.waiting and len(self.active) < self.engine.max_batch_size:
             self.active.append(self.waiting.popleft())
@@ -259,7 +271,9 @@ class EmulatedExecutor:
             return []
         try:
             responses = self._run(batch)
-        except EngineStepFailed:
+        except EngineStepFailed as failed:
+            if not self.isolate_failures:
+                raise failed.engine_error from None
             responses = [out for item in batch for out in self._run_alone(item)]
         for r in [r for r in self.active if r.finished]:
             self._leave(r)
@@ -280,7 +294,7 @@ class EmulatedExecutor:
             for r, state, row in restore:
                 r.random.set_state(state)
                 self.slots.validation[r.slot] = row
-            raise EngineStepFailed(f"{type(exc).__name__}: {exc}") from exc
+            raise EngineStepFailed(exc) from exc
         responses = []
         for b, (r, rows) in enumerate(batch):
             produced = self._advance(r, rows, b, outputs)

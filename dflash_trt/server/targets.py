@@ -110,7 +110,10 @@ def triton_target(
     _positive(max_batch_size, "--max_batch_size")
     _positive(max_seq_len, "--max_seq_len")
     if max_seq_len is None:
-        raise DFlashTrtError("--triton_url needs --max_seq_len (the engine's build max_seq_len; Triton does not say)")
+        raise DFlashTrtError(
+            "--triton_url needs --max_seq_len (the longest request the engine holds: the max_seq_len `dflash-trt "
+            "build` was given, at most the target's max_position_embeddings less two draft blocks; Triton does not say)"
+        )
     end_id = -1 if ignore_eos or not eos_token_ids else eos_token_ids[0]
     backend = TritonBackend(url, model=model, end_id=end_id)
     limits = Limits(max_seq_len, None)
