@@ -188,10 +188,10 @@ class EmulatedExecutor:
         stop_token_ids: list[int] | None = None,
         isolate_failures: bool = True,
     ):
-        longest = longest_request(engine.max_position_embeddings, engine.k)
-        if not 2 <= max_seq_len <= longest:
+        holds = longest_request(engine.max_position_embeddings, engine.k)
+        if not 2 <= max_seq_len <= holds:
             raise DFlashTrtError(
-                f"max_seq_len must be in 2..{longest} (the target's {engine.max_position_embeddings} positions less "
+                f"max_seq_len must be in 2..{holds} (the target's {engine.max_position_embeddings} positions less "
                 f"the two blocks of {engine.k} drafts the last step reaches past a request's last token), got "
                 f"{max_seq_len}"
             )

@@ -114,8 +114,7 @@ class SteppingBackend(Backend):
             try:
                 responses = executor.step() if executor.has_work() else []
             except Exception as exc:  # the executor failed as a whole (its state is unknown): replace it
-                send(failed)
-                executor = self._replace(executor, f"the executor failed: {exc}", send)
+                executor = self._replace(executor, f"the executor failed: {exc}", failed, send)
                 continue
             if responses:
                 self._failures, self._broken = 0, None
@@ -123,10 +122,13 @@ class SteppingBackend(Backend):
             if failed or responses:
                 send(failed + responses)
 
-    def _replace(self, executor: SteppingExecutor, reason: str, send: Deliver) -> SteppingExecutor | None:
-        """End every request the failed executor held with `reason`, then a fresh executor (None: none for now)."""
+    def _replace(
+        self, executor: SteppingExecutor, reason: str, failed: list[Response], send: Deliver
+    ) -> SteppingExecutor | None:
+        """End every request the failed executor held with `reason` (after the `failed` answers of this round),
+        then a fresh executor (None: none for now)."""
         abandoned, self._live = sorted(self._live), set()
-        send([Response(request_id, [], True, reason) for request_id in abandoned])
+        send(failed + [Response(request_id, [], True, reason) for request_id in abandoned])
         try:
             executor.close()
         except Exception:  # a failed executor may fail to close too; it is dropped either way
