@@ -21,7 +21,7 @@ from dflash_trt.checkpoint.safetensors_io import SafetensorsFile, tensor_has_non
 from dflash_trt.checkpoint.sharding import merge
 from dflash_trt.checkpoint.trtllm_config import specs_from_config
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.formats import NONE, torch_dtypes
+from dflash_trt.formats import NONE
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.reference.kv_injection import injected_kv
 from dflash_trt.reference.norm import rms_norm
@@ -452,8 +452,8 @@ def load_rank_tensors(
             pieces = [f.get(name, copy=True) for f in files]
             if any(tensor_has_nonfinite(piece) for piece in pieces):
                 raise DFlashTrtError(f"checkpoint {checkpoint_dir} tensor '{name}' holds NaN or Inf")
-            own = layout[name].dtype if name in layout else None  # a router keeps its own dtype
-            expected = torch_dtypes()[own] if own else dtype if name in layout else None
+            # a router or an id map keeps its own dtype
+            expected = layout[name].stored_torch_dtype(dtype) if name in layout else None
             if expected is not None and pieces[0].element_size() > 1 and pieces[0].dtype != expected:
                 raise DFlashTrtError(
                     f"checkpoint {checkpoint_dir} tensor '{name}' is {pieces[0].dtype}, but config.json says {expected}"
