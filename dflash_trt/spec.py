@@ -133,6 +133,11 @@ class DraftSpec(DecoderSpec):
         return self.block_size if self.sample_from_anchor else self.block_size - 1
 
     @property
+    def verify_width(self) -> int:
+        """Tokens verified per step: the anchor and the drafts."""
+        return self.num_drafts + 1
+
+    @property
     def first_draft_slot(self) -> int:
         """Block slot whose hidden state drafts the first token: the anchor's own with `sample_from_anchor`."""
         return 0 if self.sample_from_anchor else 1
@@ -663,6 +668,9 @@ CONV_KERNEL_PROJECTION = "kernel_projection.weight"  # [2 * kernel_size * groups
 SELECTOR_PREDECESSOR = "candidate_selector.predecessor_codebook"  # [vocab, rank], stored without `.weight`
 SELECTOR_SUCCESSOR = "candidate_selector.successor_codebook"  # [vocab, rank]
 SELECTOR_HIDDEN_PROJECTION = "candidate_selector.hidden_projection.weight"  # [rank, hidden]
+# The dflash package's own save_pretrained writes the codebooks as embeddings (`.weight`); published checkpoints
+# do not. Both spellings are read, as that package's loader maps them.
+DRAFT_SOURCE_ALIASES = {f"{name}.weight": name for name in (SELECTOR_PREDECESSOR, SELECTOR_SUCCESSOR)}
 DRAFT_LM_HEAD = "lm_head.weight"  # a speculators drafter's own head over its reduced vocabulary
 DRAFT_TO_TARGET = "d2t"  # int64 [draft vocab]: target id - draft id
 TARGET_TO_DRAFT = "t2d"  # bool [target vocab]: which target ids the draft vocabulary holds

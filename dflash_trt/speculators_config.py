@@ -33,8 +33,22 @@ LAYER_CONFIG_TYPES = ("qwen3", "llama")
 BLOCK_SIZE_DEFAULT = 8
 DRAFT_VOCAB_SIZE_DEFAULT = 32000
 DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
-# transformer_layer_config keys that describe the verifier or the trainer, not the draft decoder.
-_NOT_DECODER_KEYS = ("architectures", "dflash_config", "is_causal", "block_size", "auto_map")
+# transformer_layer_config keys that describe the verifier or the trainer, not the draft decoder, and z-lab drafter
+# keys the speculators model classes never read there.
+_NOT_DECODER_KEYS = (
+    "architectures",
+    "auto_map",
+    "dflash_config",
+    "is_causal",
+    "block_size",
+    "mask_token_id",
+    "target_layer_ids",
+    "num_target_layers",
+    "input_embedding_scale",
+    "output_multiplier",
+    "final_logit_softcapping",
+    *DFLASH2_DEFAULTS,
+)
 
 
 @dataclass(frozen=True)

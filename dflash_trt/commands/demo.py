@@ -385,7 +385,7 @@ def _plan_engine_and_repository(
             plugin_library=plan.plugin_library,
             max_batch_size=settings.max_batch_size,
             max_input_len=settings.max_input_len,
-            max_draft_len=model.draft.spec.block_size - 1,
+            max_draft_len=model.draft.spec.num_drafts,
             world_size=1,
             max_temperature=max_temperature_for_sampling(plan.dflash_manifest["sampling"]),
         ),

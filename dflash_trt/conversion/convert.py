@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from dflash_trt.checkpoint.atomic import atomic_directory, check_destination, check_output_apart, scratch_directory
 from dflash_trt.checkpoint.draft_vocabulary import MAP_DTYPES, check_draft_vocabulary
-from dflash_trt.checkpoint.hf_reader import HFCheckpointReader
+from dflash_trt.checkpoint.hf_reader import HFCheckpointReader, open_drafter
 from dflash_trt.checkpoint.integrity import write_integrity_record
 from dflash_trt.checkpoint.layout import DRAFT, TARGET, target_heads
 from dflash_trt.checkpoint.safetensors_io import SafetensorsFile, readable_dtype
@@ -201,7 +201,7 @@ def _stop_workers(pool: ProcessPoolExecutor) -> None:
 
 def _write_ranks_in_worker(plan: ConversionPlan, staging: Path, ranks: list[int]) -> dict[int, RankWritten]:
     """Some rank files in their own process, with its own readers (memory stays one tensor per worker)."""
-    with HFCheckpointReader(plan.model_dir) as target_reader, HFCheckpointReader(plan.dflash_model_dir) as draft_reader:
+    with HFCheckpointReader(plan.model_dir) as target_reader, open_drafter(plan.dflash_model_dir) as draft_reader:
         return write_rank_files(plan, staging, {TARGET: target_reader, DRAFT: draft_reader}, ranks, lambda _: None)
 
 
@@ -330,7 +330,7 @@ def convert_checkpoint(
     )
     plan.check_formats()
     config = _checkpoint_config(plan, dtype)
-    with HFCheckpointReader(model_dir) as target_reader, HFCheckpointReader(dflash_model_dir) as draft_reader:
+    with HFCheckpointReader(model_dir) as target_reader, open_drafter(dflash_model_dir) as draft_reader:
         check_sources(target, draft, target_reader, draft_reader, prequantized)
         readers = {TARGET: target_reader, DRAFT: draft_reader}
         scales = _conversion_scales(plan, target_reader, output_dir, calibration, calib_size, cut, show_progress)
