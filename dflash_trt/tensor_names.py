@@ -16,8 +16,9 @@ LM_HEAD = "lm_head.weight"
 DRAFT_FC = "dflash.fc.weight"
 DRAFT_HIDDEN_NORM = "dflash.hidden_norm.weight"
 DRAFT_FINAL_NORM = "dflash.ln_f.weight"
-# A drafter with its own reduced vocabulary: its head, and each draft id's target id offset (int64, target id =
-# draft id + d2t[draft id], as speculators stores it).
+# A drafter with its own reduced vocabulary: its head, and each draft id's target id offset (target id = draft id +
+# d2t[draft id], as speculators stores it; int32 here, which every target vocabulary fits, so the engine needs no
+# int64 tensor).
 DRAFT_LM_HEAD = "dflash.lm_head.weight"
 DRAFT_TO_TARGET = "dflash.d2t"
 # DFlash2's candidate selector: codebooks indexed by token id (gathered, not multiplied: stored without `.weight`,

@@ -46,7 +46,7 @@ class OutputTensor:
     split: Split = Split.REPLICATE
     heads: HeadLayout | None = None
     experts: ExpertLayout | None = None
-    dtype: str | None = None  # a torch dtype name stored whatever --dtype says (MoE router "float32", d2t "int64")
+    dtype: str | None = None  # a torch dtype name stored whatever --dtype says (MoE router "float32", d2t "int32")
 
     def stored_torch_dtype(self, default: torch.dtype | None) -> torch.dtype | None:
         """The dtype this tensor is stored in when `--dtype` is `default` (None: unknown, unless it has its own)."""
@@ -277,7 +277,7 @@ def _draft_head_tensors(draft: DraftSpec) -> list[OutputTensor]:
             (names.SELECTOR_HIDDEN_PROJECTION, SELECTOR_HIDDEN_PROJECTION, None),
         ]
     if draft.draft_vocab_size is not None:
-        sources += [(names.DRAFT_LM_HEAD, DRAFT_LM_HEAD, None), (names.DRAFT_TO_TARGET, DRAFT_TO_TARGET, "int64")]
+        sources += [(names.DRAFT_LM_HEAD, DRAFT_LM_HEAD, None), (names.DRAFT_TO_TARGET, DRAFT_TO_TARGET, "int32")]
     return [OutputTensor(name, ((DRAFT, source),), shapes[source], dtype=dtype) for name, source, dtype in sources]
 
 

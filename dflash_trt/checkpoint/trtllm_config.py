@@ -109,7 +109,7 @@ def checkpoint_config(
         "eos_token_ids": list(target.eos_token_ids),
         "mapping": {"world_size": tp_size, "tp_size": tp_size, "pp_size": 1},
         "quantization": quantization or quantization_config(NONE),
-        "max_draft_len": draft.block_size - 1,
+        "max_draft_len": draft.num_drafts,
         "dflash_format_version": FORMAT_VERSION,
         "dflash_config": {
             "architecture": draft.architecture,
