@@ -589,6 +589,11 @@ def _speculators_draft_spec(cfg: dict, target: TargetSpec) -> DraftSpec:
         raise DFlashTrtError(
             f"{what} config: draft_vocab_size {draft_vocab} exceeds the target vocabulary ({target.vocab_size})"
         )
+    if SLIDING_ATTENTION in spec.layer_types and spec.sliding_window is None:
+        raise DFlashTrtError(
+            f"{what} config: sliding_attention layers need a sliding_window (and, for a Qwen3 layer config, "
+            "use_sliding_window); the speculators model cannot run them without one"
+        )
     reduced = draft_vocab < target.vocab_size
     if reduced and spec.dflash2 is not None:
         raise DFlashTrtError(

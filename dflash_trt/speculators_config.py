@@ -88,6 +88,8 @@ def _integer(cfg: dict[str, Any], key: str, default: int | None) -> Any:
 
 def _model_type(cfg: dict[str, Any]) -> str:
     kind = cfg[MODEL_TYPE_KEY]
+    if not isinstance(kind, str):
+        raise DFlashTrtError(f"speculators drafter config: 'speculators_model_type' must be a name, got {_brief(kind)}")
     if kind in DRAFT_MODEL_TYPES:
         return kind
     if kind in OTHER_MODEL_TYPES:
@@ -118,8 +120,8 @@ def _layer_config(cfg: dict[str, Any]) -> dict[str, Any]:
     if layer_type == "llama":
         # LlamaConfig has no sliding-window gate and no derived layer kinds (the values are taken as they are), and
         # its head_dim defaults to hidden_size // num_attention_heads.
-        decoder["use_sliding_window"] = decoder.get("sliding_window") is not None
-        decoder.setdefault("layer_types", ["full_attention"] * _integer(decoder, "num_hidden_layers", 1))
+        # Without layer_types every layer is full attention, whatever sliding_window says.
+        decoder["use_sliding_window"] = "layer_types" in decoder and decoder.get("sliding_window") is not None
         hidden, heads = _integer(decoder, "hidden_size", None), _integer(decoder, "num_attention_heads", None)
         if "head_dim" not in decoder and hidden and heads and heads > 0:
             decoder["head_dim"] = hidden // heads

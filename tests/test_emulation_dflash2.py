@@ -115,10 +115,15 @@ def test_the_trained_dflash2_drafter_through_the_network(trained):
     assert max(max(r.acceptance_lengths) for r in emulated) >= 6  # long chains: the selector is exercised
 
 
+@pytest.fixture(scope="module")
+def random_dflash2(tmp_path_factory):
+    return _checkpoint(tmp_path_factory.mktemp("random-dflash2"), "zlab-dflash2-qwen3")
+
+
 @pytest.mark.parametrize("breakage", ["no-transition", "no-output-convolution"])
-def test_a_wrong_selector_or_convolution_is_caught(trained, monkeypatch, breakage):
+def test_a_wrong_selector_or_convolution_is_caught(random_dflash2, monkeypatch, breakage):
     """A walk scoring the unary logits alone, or layers skipping the convolution after attention, drafts other
-    chains than the golden model's on the trained drafter."""
+    chains than the golden model's (a random drafter: every slot's choice depends on both)."""
     engine = load_engine_module()
     if breakage == "no-transition":
         rows = engine.CandidateSelector._rows
@@ -132,8 +137,9 @@ def test_a_wrong_selector_or_convolution_is_caught(trained, monkeypatch, breakag
             return x if which == engine.AFTER else original(self, x, coefficients, which, batch)
 
         monkeypatch.setattr(engine.GroupedDynamicConv, "convolve", skip_after)
-    ckpt, prompts = trained
-    model = load_golden_model(ckpt)
-    golden = speculative_generate(model, prompts[:3], 24 + model.draft.spec.num_drafts)
-    emulated = EmulatedRuntime(ckpt, max_batch_size=3, tokens_per_block=16).generate(prompts[:3], 24)
-    assert divergences(ckpt, golden, emulated, 24) != []
+    model = load_golden_model(random_dflash2)
+    golden = speculative_generate(model, PROMPTS, NEW_TOKENS + model.draft.spec.num_drafts, STOP)
+    emulated = EmulatedRuntime(random_dflash2, max_batch_size=2, tokens_per_block=16).generate(
+        PROMPTS, NEW_TOKENS, STOP
+    )
+    assert divergences(random_dflash2, golden, emulated, NEW_TOKENS) != []

@@ -126,6 +126,11 @@ def test_what_cannot_be_built_is_refused_by_name(dflash2_pair, change, message):
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
         ({"hidden_size": 32}, "hidden sizes differ"),
         ({"layer_types": ["sliding_attention", "linear_attention"]}, "unknown layer type 'linear_attention'"),
+        ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding_attention layers need a sliding_window"),
+        (
+            {"model_type": "llama", "layer_types": ["full_attention", "sliding_attention"]},
+            "sliding_attention layers need a sliding_window",
+        ),
     ],
 )
 def test_draft_decoders_we_cannot_build_are_refused(dflash2_pair, layer_config, message):
