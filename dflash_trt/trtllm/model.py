@@ -552,7 +552,7 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         k, d = self.max_draft_len, self.config.draft
         if d.draft_vocab_size is not None:
             logits = cast(self.dflash.lm_head(hidden), "float32")
-            picked = argmax(logits, -1).view(concat([batch * k]))
+            picked = argmax(logits, -1, keepdim=True).view(concat([batch * k]))
             return draft_vocabulary_ids(self.dflash.d2t, d.draft_vocab_size, picked).view(concat([batch, k]))
         logits = cast(self.lm_head(hidden), "float32")
         logits = slice(logits, [0, 0], concat([batch * k, self.config.vocab_size]))
