@@ -23,6 +23,8 @@ from dflash_trt.conversion.verify import verify_checkpoint
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import load_golden_model
+from dflash_trt.reference.sampling import SamplingParams
+from dflash_trt.sampling_rules import REFERENCE
 from dflash_trt.spec import SLIDING_ATTENTION, load_draft_spec, load_target_spec, parse_draft_config
 
 SPEC_VARIANTS = {
@@ -266,3 +268,22 @@ def test_speculators_drafter_over_an_expert_parallel_moe_target(tmp_path):
     model = load_golden_model(tmp_path / "ckpt")
     drafted = speculative_generate(model, [[5, 6, 7]], 16)[0]
     assert drafted.output_ids == speculative_generate(model, [[5, 6, 7]], 16, block_size=1)[0].output_ids
+
+
+def test_reference_sampling_drafts_inside_the_reduced_vocabulary(vocab_pair, tmp_path):
+    """Rejection sampling with a reduced vocabulary samples drafts from it (mapped to target ids); DFlash2, whose
+    selector gives no draft distribution, is refused for that method by name."""
+    convert_checkpoint(*vocab_pair, tmp_path / "ckpt", dtype="float32")
+    model = load_golden_model(tmp_path / "ckpt")
+    held = set(model.draft.head.target_ids.tolist())
+    assert len(held) == 40
+    sampled = speculative_generate(model, [[3, 4, 5], [9, 10]], 24, sampling=SamplingParams(1.0, method=REFERENCE))
+    drafts = {token for result in sampled for step in result.steps for token in step.draft_ids}
+    assert drafts and drafts <= held
+
+
+def test_reference_sampling_is_refused_for_dflash2(dflash2_pair, tmp_path):
+    convert_checkpoint(*dflash2_pair, tmp_path / "ckpt", dtype="float32")
+    model = load_golden_model(tmp_path / "ckpt")
+    with pytest.raises(DFlashTrtError, match="DFlash2 drafter's selector does not give"):
+        speculative_generate(model, [[3, 4, 5]], 8, sampling=SamplingParams(0.8, method=REFERENCE))
