@@ -29,6 +29,8 @@ KV_DTYPES = {
 KV_CACHE_SCALING_FACTOR = 0.02  # stored = value / 0.02: unit-normal values use most of e4m3's range
 LAYERS_IN_POOL, LAYER_IN_POOL = 3, 1  # the attention's layer sits one layer into a three-layer pool
 CONTEXT_ROWS = 1  # block-table rows before the first generation request (a context request of the same step)
+# (window, counted from the block's anchor): none, 24 counted from each query (z-lab), 24 from the anchor (speculators).
+WINDOWS = ((None, False), (24, False), (24, True))
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class AttentionCase:
     requests: int = 2
     max_query_len: int = 16
     q_scaling: float = 1.0
+    window_from_anchor: bool = False  # the window counts back from the block's anchor (speculators drafters)
 
     @property
     def input_dtype(self) -> torch.dtype:
@@ -192,8 +195,9 @@ def dense_reference(problem: AttentionProblem) -> tuple[torch.Tensor, torch.Tens
         keys = stored[0].repeat_interleave(c.group, dim=1)
         values = stored[1].repeat_interleave(c.group, dim=1)
         scores = q.transpose(0, 1) @ keys.permute(1, 2, 0) / (math.sqrt(d) * c.q_scaling)
+        anchor = torch.tensor([[past]]) if c.window_from_anchor else None
         visible = draft_visibility(
-            positions[None], keys_at[None], torch.ones(1, end, dtype=torch.bool), c.causal, c.window
+            positions[None], keys_at[None], torch.ones(1, end, dtype=torch.bool), c.causal, c.window, anchor
         )
         scores = scores.masked_fill(~visible, float("-inf"))
         out[row : row + n] = (scores.softmax(-1) @ values.transpose(0, 1)).transpose(0, 1).reshape(n, heads * d)

@@ -2,12 +2,13 @@
 
 `plugins/tests/attentionHostDriver.cpp` runs the prepare / attend / combine code of `attentionCta.h` (the code the
 GPU runs, with every warp instruction carried out lane by lane as the PTX ISA defines it) on host buffers. Every
-combination of block mask (causal, full) x window (none, 24) x GQA group (1..16) x head dim (64, 128, 256) x KV
-dtype (fp16, bf16, FP8 from bf16, FP8 from fp16) x pool layout (tokens per block 16, 32, 64, 128, each with the
-primary pool only or with a request in the secondary pool) is checked: 2 x 2 x 16 x 3 x 4 x 8 = 6144 problems, in
-768 test cases of the eight pool layouts each. Each checks the output against the reference and the pools bit for
-bit (the new tokens' K / V written where they belong, nothing else touched). Head dim 32 (256 problems) and
-several KV heads with three requests (64 problems) are checked besides.
+combination of block mask (causal, full) x window (none, 24 counted from each query, 24 counted from the block's
+anchor) x GQA group (1..16) x head dim (64, 128, 256) x KV dtype (fp16, bf16, FP8 from bf16, FP8 from fp16) x pool
+layout (tokens per block 16, 32, 64, 128, each with the primary pool only or with a request in the secondary pool)
+is checked: 2 x 3 x 16 x 3 x 4 x 8 = 9216 problems, in 1152 test cases of the eight pool layouts each. Each checks
+the output against the reference and the pools bit for bit (the new tokens' K / V written where they belong,
+nothing else touched). Head dim 32 (384 problems) and several KV heads with three requests (96 problems) are
+checked besides.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from _attention_problems import (
     KV_DTYPES,
     LAYER_IN_POOL,
     OUTPUT_ATOL,
+    WINDOWS,
     AttentionCase,
     attention_problem,
     dense_reference,
@@ -39,7 +41,6 @@ CACHE_TYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 I32, I64, F32, P = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 MASKS = (True, False)  # causal, full
-WINDOWS = (None, 24)
 GROUPS = tuple(range(1, 17))
 HEAD_DIMS = (64, 128, 256)
 TOKENS_PER_BLOCK = (16, 32, 64, 128)
@@ -57,11 +58,11 @@ def lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     subprocess.run([*cmd, f"-I{CUDA_INCLUDE}", str(source), "-o", str(out)], check=True, capture_output=True, text=True)
     handle = ctypes.CDLL(str(out))
     handle.dflashAttentionHost.restype = I32
-    handle.dflashAttentionHost.argtypes = [P] * 6 + [I32] * 6 + [P] * 5 + [I32] * 7 + [F32] + [I32] * 6
+    handle.dflashAttentionHost.argtypes = [P] * 6 + [I32] * 6 + [P] * 5 + [I32] * 8 + [F32] + [I32] * 6
     handle.dflashAttentionWorkspaceBound.restype = I64
     handle.dflashAttentionWorkspaceBound.argtypes = [I64, I32, I32, I32]
     handle.dflashKeyVisible.restype = I32
-    handle.dflashKeyVisible.argtypes = [I32] * 5
+    handle.dflashKeyVisible.argtypes = [I32] * 7
     handle.dflashFragmentCoverage.restype = None
     handle.dflashFragmentCoverage.argtypes = [I32, P]
     handle.dflashSwizzledOffset.restype = I32
@@ -115,6 +116,7 @@ def run_host(lib: ctypes.CDLL, problem, splits: int = 0, keys_per_split: int = 0
         c.max_query_len,
         problem.cos_sin.shape[0],
         c.window or 0,
+        int(c.window_from_anchor),
         0 if c.causal else 1,
         c.q_scaling,
         INPUT_TYPES[c.input_dtype],
@@ -149,39 +151,42 @@ def check(lib, case: AttentionCase, splits: int = 0, keys_per_split: int = 0) ->
 @pytest.mark.parametrize("kv", list(KV_DTYPES))
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("group", GROUPS)
-@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize(("window", "from_anchor"), WINDOWS)
 @pytest.mark.parametrize("causal", MASKS)
-def test_every_combination_matches_the_dense_reference(lib, causal, window, group, head_dim, kv) -> None:
+def test_every_combination_matches_the_dense_reference(lib, causal, window, from_anchor, group, head_dim, kv) -> None:
     """The eight pool layouts of one combination; the forced splits vary with the layout, so split-K and its
     combine step run on every combination too (1 split, 2 of two tiles, 3, chosen as the GPU launch does)."""
     for index, (tpb, secondary) in enumerate(itertools.product(TOKENS_PER_BLOCK, SECONDARY)):
-        case = AttentionCase(causal, window, group, head_dim, kv, tpb, secondary)
+        case = AttentionCase(causal, window, group, head_dim, kv, tpb, secondary, window_from_anchor=from_anchor)
         splits = (1, 2, 3, 0)[index % 4]
         keys_per_split = 2 * (32 if head_dim == 256 else 64) if splits == 2 else 0
         check(lib, case, splits, keys_per_split)
 
 
 @pytest.mark.parametrize("kv", list(KV_DTYPES))
-@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize(("window", "from_anchor"), WINDOWS)
 @pytest.mark.parametrize("causal", MASKS)
-def test_head_dim_32_for_small_models(lib, causal, window, kv) -> None:
+def test_head_dim_32_for_small_models(lib, causal, window, from_anchor, kv) -> None:
     """Head dim 32 (the embedded self-test pair's), beyond the required 64 / 128 / 256: fewer 16-byte chunks per
     row than the swizzle's eight, so it narrows to four."""
     for index, (group, tpb, secondary) in enumerate(itertools.product((1, 2, 3, 8), (16, 64), SECONDARY)):
-        check(lib, AttentionCase(causal, window, group, 32, kv, tpb, secondary), (1, 2, 3, 0)[index % 4])
+        case = AttentionCase(causal, window, group, 32, kv, tpb, secondary, window_from_anchor=from_anchor)
+        check(lib, case, (1, 2, 3, 0)[index % 4])
 
 
 @pytest.mark.parametrize(
     ("kv_heads", "group", "head_dim", "kv"),
     [(2, 4, 128, "bfloat16"), (3, 2, 64, "fp8-from-float16"), (8, 1, 256, "float16"), (4, 5, 32, "fp8-from-bfloat16")],
 )
-@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize(("window", "from_anchor"), WINDOWS)
 @pytest.mark.parametrize("causal", MASKS)
-def test_several_kv_heads_and_requests(lib, causal, window, kv_heads, group, head_dim, kv) -> None:
+def test_several_kv_heads_and_requests(lib, causal, window, from_anchor, kv_heads, group, head_dim, kv) -> None:
     """Each KV head reads and writes its own slice of qkv and of every page, with its own query heads, for each
     of several requests (the combinations above run one KV head, two requests)."""
     for index, (tpb, secondary) in enumerate(itertools.product((16, 32), SECONDARY)):
-        case = AttentionCase(causal, window, group, head_dim, kv, tpb, secondary, kv_heads=kv_heads, requests=3)
+        case = AttentionCase(
+            causal, window, group, head_dim, kv, tpb, secondary, kv_heads, requests=3, window_from_anchor=from_anchor
+        )
         check(lib, case, (1, 3, 0, 2)[index])
 
 
@@ -217,12 +222,19 @@ def test_key_visibility_matches_the_golden_models(lib) -> None:
     from dflash_trt.reference.model import draft_visibility
 
     gen = torch.Generator().manual_seed(6)
-    for causal, window in itertools.product((True, False), (None, 1, 5, 24)):
-        q = torch.randint(0, 60, (1, 30), generator=gen)
+    windows = [(None, False), *itertools.product((1, 5, 24), (False, True))]
+    for causal, (window, from_anchor) in itertools.product((True, False), windows):
+        past = int(torch.randint(0, 45, (1,), generator=gen))
+        q = past + torch.randint(0, 16, (1, 30), generator=gen)  # queries of a block starting at `past`
         k = torch.arange(64)[None]
         end = 61
-        want = draft_visibility(q, k, k < end, causal, window)[0]
+        anchor = torch.tensor([[past]]) if from_anchor else None
+        want = draft_visibility(q, k, k < end, causal, window, anchor)[0]
+        mask = 0 if causal else 1
         got = torch.tensor(
-            [[lib.dflashKeyVisible(int(a), int(b), end, 0 if causal else 1, window or 0) for b in k[0]] for a in q[0]]
+            [
+                [lib.dflashKeyVisible(int(a), int(b), end, mask, window or 0, int(from_anchor), past) for b in k[0]]
+                for a in q[0]
+            ]
         )
         assert torch.equal(got.bool(), want)

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from _emulation import PROMPTS, STOP, convert, divergences, per_request, sampled_runs
 from _pairs import PairVariant
+from _speculators_pairs import SpeculatorsVariant, make_speculators_pair
 
 from dflash_trt import cli
 from dflash_trt.conversion.convert import convert_checkpoint
@@ -145,8 +146,8 @@ def test_a_window_left_out_is_caught(sliding_pair, monkeypatch):
     engine = load_engine_module()
     original = engine.BlockAttention
 
-    def windowless(causal, window=None, generation_tokens=None):
-        return original(causal, None, generation_tokens)
+    def windowless(**fields):
+        return original(**{**fields, "window": None})
 
     monkeypatch.setattr(engine, "BlockAttention", windowless)
     golden = speculative_generate(load_golden_model(sliding_pair), LONG_PROMPTS, 20, STOP)
@@ -157,6 +158,41 @@ def test_a_window_left_out_is_caught(sliding_pair, monkeypatch):
 def test_sampled_sliding_window_drafter(sliding_pair):
     greedy, golden, emulated = sampled_runs(sliding_pair, LONG_PROMPTS, "t0.7", gpu="b300")
     assert divergences(sliding_pair, golden, emulated, 20, per_request("t0.7", len(LONG_PROMPTS))) == []
+
+
+@pytest.fixture(scope="module")
+def speculators_sliding_pair(tmp_path_factory) -> Path:
+    """A speculators DFlash2 drafter whose sliding layer (non-causal in the block, the DFlash2 default) counts its
+    window of 5 back from the block's anchor."""
+    root = tmp_path_factory.mktemp("speculators-sliding")
+    variant = SpeculatorsVariant(layer_types=["sliding_attention", "full_attention"], sliding_window=5)
+    target, draft = make_speculators_pair(root, variant)
+    convert_checkpoint(target, draft, root / "ckpt", dtype="float32")
+    return root / "ckpt"
+
+
+@pytest.mark.parametrize("gpu", ["h100", "b200"])
+def test_a_window_counted_from_the_anchor_decodes_past_it(gpu, speculators_sliding_pair):
+    model = load_golden_model(speculators_sliding_pair)
+    assert model.draft.spec.window_from_anchor
+    golden = speculative_generate(model, LONG_PROMPTS, 20 + model.draft.spec.num_drafts, STOP)
+    runtime = EmulatedRuntime(speculators_sliding_pair, gpu=gpu, max_batch_size=2, max_num_tokens=24)
+    emulated = runtime.generate(LONG_PROMPTS, 20, STOP, arrivals=[0, 0, 2])
+    assert divergences(speculators_sliding_pair, golden, emulated, 20) == []
+
+
+def test_a_window_counted_from_each_query_instead_is_caught(speculators_sliding_pair, monkeypatch):
+    engine = load_engine_module()
+    original = engine.BlockAttention
+
+    def from_each_query(**fields):
+        return original(**{**fields, "window_from_anchor": False})
+
+    monkeypatch.setattr(engine, "BlockAttention", from_each_query)
+    model = load_golden_model(speculators_sliding_pair)
+    golden = speculative_generate(model, LONG_PROMPTS, 20 + model.draft.spec.num_drafts, STOP)
+    emulated = EmulatedRuntime(speculators_sliding_pair, gpu="b200", max_batch_size=3).generate(LONG_PROMPTS, 20, STOP)
+    assert divergences(speculators_sliding_pair, golden, emulated, 20) != []
 
 
 @pytest.mark.parametrize("gpu", ["h100", "b300"])

@@ -18,8 +18,9 @@ request (the qkv rows in request order; the requests are the last rows of the bl
 `sequence_length - n .. sequence_length - 1`; Q and K are rotated in float32 with the layer's cos/sin table and
 rounded to the input type, K and V are written into the pool (the input type, or FP8 as `saturate(x *
 kv_scale_orig_quant)`), and each query attends in float32 over the stored keys it sees: the past, then the new keys
-up to itself (causal) or all of them (full), within the sliding window when there is one (`window` or more
-positions behind is out, and, for a full block, as far ahead). P is rounded to the input type before the P V
+up to itself (causal) or all of them (full), within the sliding window when there is one (counted from each query:
+`window` or more positions behind is out, and, for a full block, as far ahead; counted from the block's anchor with
+`window_from_anchor`: keys before `past - window` are out). P is rounded to the input type before the P V
 product and the output once, as the tensor-core kernel does; the kernel's tile-by-tile running maximum is not
 emulated (a difference within the input type's rounding). Formats as `attentionPlugin.cpp` accepts them, plus the
 FLOAT `type_id` of float32 checkpoints.
@@ -157,14 +158,17 @@ class AttentionPlugin:
         self.heads, self.kv_heads, self.head_dim = (scalar(n) for n in ("num_heads", "num_kv_heads", "head_dim"))
         self.layer_idx, self.max_query_len = scalar("layer_idx"), scalar("max_query_len")
         self.causal, self.window = scalar("block_mask") == 0, scalar("sliding_window")
+        self.window_from_anchor = scalar("window_from_anchor")
         self.max_positions, self.type_id = scalar("max_positions"), scalar("type_id")
         self.cache_fp8, self.q_scaling = scalar("cache_fp8"), float(_field(fields, "q_scaling")[0])
         if self.heads <= 0 or self.kv_heads <= 0 or self.heads % self.kv_heads:
             raise EmulationError(f"{ATTENTION_PLUGIN_NAME}: num_heads must be a positive multiple of num_kv_heads")
         if self.head_dim not in DFLASH_ATTENTION_HEAD_DIMS and self.type_id not in EMULATION_ONLY_TYPE_IDS:
             raise EmulationError(f"{ATTENTION_PLUGIN_NAME}: head_dim {self.head_dim} is not one of its kernels'")
-        if scalar("block_mask") not in (0, 1) or self.window < 0:
-            raise EmulationError(f"{ATTENTION_PLUGIN_NAME}: block_mask must be 0 or 1 and sliding_window >= 0")
+        if scalar("block_mask") not in (0, 1) or self.window_from_anchor not in (0, 1) or self.window < 0:
+            raise EmulationError(
+                f"{ATTENTION_PLUGIN_NAME}: block_mask and window_from_anchor must be 0 or 1 and sliding_window >= 0"
+            )
         if self.type_id not in (*TYPE_IDS, *EMULATION_ONLY_TYPE_IDS):
             raise EmulationError(f"{ATTENTION_PLUGIN_NAME}: type_id must be HALF or BF16, got {self.type_id}")
         self.input_type = trt.DataType(self.type_id)
@@ -244,7 +248,9 @@ class AttentionPlugin:
         visible = k < end
         if self.causal:
             visible = visible & (k <= q)
-        if self.window:
+        if self.window and self.window_from_anchor:
+            visible = visible & (k >= int(queries[0]) - self.window)
+        elif self.window:
             visible = visible & (q - k < self.window)
             if not self.causal:
                 visible = visible & (k - q < self.window)

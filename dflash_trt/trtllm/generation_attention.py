@@ -52,6 +52,7 @@ class BlockAttention:
 
     causal: bool
     window: int | None = None
+    window_from_anchor: bool = False
     generation_tokens: Tensor | None = None
 
 
@@ -159,6 +160,7 @@ def _generation(block: BlockAttention, kwargs: dict[str, Any], qkv: Tensor, sequ
         max_query_len=kwargs["spec_decoding_max_generation_length"],
         causal=block.causal,
         window=block.window,
+        window_from_anchor=block.window_from_anchor,
         max_positions=kwargs["rotary_embedding_max_positions"],
         q_scaling=kwargs["q_scaling"],
     )

@@ -563,7 +563,10 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
             mask = expand(i32(packed), concat([batch, b, words])).view(concat([batch * b, words]))
             spec = SpecDecodingParams(True, b, lengths, offsets, mask, spec_decoding_params.spec_decoding_use)
             ours = self.route().draft_layer(draft.layer_types[index] == SLIDING_ATTENTION) == OURS
-            block = BlockAttention(draft.causal[index], draft.layer_window(index)) if ours else None
+            block = None
+            if ours:
+                window, from_anchor = draft.layer_window(index), draft.window_from_anchor
+                block = BlockAttention(causal=draft.causal[index], window=window, window_from_anchor=from_anchor)
             with dflash_attention(layer.attention, block):
                 hidden = layer(hidden, spec, kv_params, params, batch)
         hidden = self.dflash.ln_f(hidden).view(concat([batch, b, shape(hidden, 1)]))

@@ -144,6 +144,7 @@ class AttentionGeometry:
     window: int | None  # sliding window, or None
     max_positions: int  # rows of the RoPE table
     q_scaling: float = 1.0
+    window_from_anchor: bool = False  # the window counts back from the block's anchor (speculators), not each query
 
 
 def attention_plugin_fields(
@@ -170,6 +171,7 @@ def attention_plugin_fields(
         ("max_query_len", i32(g.max_query_len), "INT32"),
         ("block_mask", i32(0 if g.causal else 1), "INT32"),
         ("sliding_window", i32(g.window or 0), "INT32"),
+        ("window_from_anchor", i32(int(g.window_from_anchor)), "INT32"),
         ("max_positions", i32(g.max_positions), "INT32"),
         ("type_id", i32(type_id), "INT32"),
         ("cache_fp8", i32(int(cache_fp8)), "INT32"),

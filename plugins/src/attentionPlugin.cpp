@@ -20,6 +20,7 @@ char const* const kFieldTokensPerBlock = "tokens_per_block";
 char const* const kFieldMaxQueryLen = "max_query_len";
 char const* const kFieldBlockMask = "block_mask";
 char const* const kFieldSlidingWindow = "sliding_window";
+char const* const kFieldWindowFromAnchor = "window_from_anchor";
 char const* const kFieldMaxPositions = "max_positions";
 char const* const kFieldTypeId = "type_id";
 char const* const kFieldCacheFp8 = "cache_fp8";
@@ -40,6 +41,7 @@ IntField const kIntFields[] = {
     {kFieldMaxQueryLen, &AttentionConfig::maxQueryLen},
     {kFieldBlockMask, &AttentionConfig::blockMask},
     {kFieldSlidingWindow, &AttentionConfig::slidingWindow},
+    {kFieldWindowFromAnchor, &AttentionConfig::windowFromAnchor},
     {kFieldMaxPositions, &AttentionConfig::maxPositions},
     {kFieldTypeId, &AttentionConfig::typeId},
     {kFieldCacheFp8, &AttentionConfig::cacheFp8},
@@ -68,6 +70,10 @@ std::string AttentionConfig::check() const
     if (blockMask != static_cast<int32_t>(BlockMask::kCausal) && blockMask != static_cast<int32_t>(BlockMask::kFull))
     {
         return "block_mask must be 0 (causal) or 1 (full)";
+    }
+    if (windowFromAnchor != 0 && windowFromAnchor != 1)
+    {
+        return "window_from_anchor must be 0 (the window counts from each query) or 1 (from the block's anchor)";
     }
     if (typeId != static_cast<int32_t>(DataType::kHALF) && typeId != static_cast<int32_t>(DataType::kBF16))
     {
@@ -291,7 +297,7 @@ std::string AttentionPlugin::describeLaunch(PluginTensorDesc const* inputDesc, v
     launch.numHeads = mConfig.numHeads;
     launch.maxQueryLen = mConfig.maxQueryLen;
     launch.maxPositions = mConfig.maxPositions;
-    launch.window = mConfig.slidingWindow;
+    launch.window = KeyWindow{mConfig.slidingWindow, mConfig.windowFromAnchor ? WindowAnchor::kBlock : WindowAnchor::kQuery};
     launch.mask = static_cast<BlockMask>(mConfig.blockMask);
     launch.qScaling = mConfig.qScaling;
     auto const* hostPast = static_cast<int32_t const*>(inputs[kHostPastLengths]) + (pastSeqs - requests);

@@ -2,7 +2,8 @@
  * DFlashAttention: TensorRT IPluginV3 wrapper of the DFlashAttention kernels for TensorRT-LLM 1.2.x engines. It
  * serves the generation requests of one attention layer: n new tokens per request (K + 1 verified tokens, or a B
  * token draft block), RoPE and the K / V write into the paged pool as the GPT attention plugin's generation step
- * does, then attention over the past and the new tokens with a causal or full block mask and an optional window.
+ * does, then attention over the past and the new tokens with a causal or full block mask and an optional window
+ * (counted from each query, or from the block's anchor).
  *
  * Inputs (in this order; dflash_trt/trtllm/plugin.py adds them the same way):
  *   0 qkv                          [tokens, (heads + 2 kv_heads) * head_dim]  fp16 | bf16 (= type_id), the
@@ -61,6 +62,7 @@ struct AttentionConfig
     int32_t maxQueryLen{0};
     int32_t blockMask{0};
     int32_t slidingWindow{0};
+    int32_t windowFromAnchor{0};
     int32_t maxPositions{0};
     int32_t typeId{static_cast<int32_t>(nvinfer1::DataType::kBF16)};
     int32_t cacheFp8{0};

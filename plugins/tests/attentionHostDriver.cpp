@@ -247,8 +247,8 @@ int32_t dflashAttentionHost(void const* qkv, void* out, int32_t const* seqLens, 
     int32_t tokensPerBlock, int32_t numKvHeads, int32_t headDim, int32_t firstLayerInPool, void* primaryPool,
     void* secondaryPool, float const* scaleOrigQuant, float const* scaleQuantOrig, void* workspace,
     int32_t numRequests, int32_t numTokens, int32_t numHeads, int32_t maxQueryLen, int32_t maxPositions,
-    int32_t window, int32_t mask, float qScaling, int32_t inputType, int32_t cacheType, int32_t splits,
-    int32_t keysPerSplit, int32_t maxKeys, int32_t multiProcessorCount)
+    int32_t window, int32_t windowFromBlock, int32_t mask, float qScaling, int32_t inputType, int32_t cacheType,
+    int32_t splits, int32_t keysPerSplit, int32_t maxKeys, int32_t multiProcessorCount)
 {
     AttentionLaunch p{};
     p.qkv = qkv;
@@ -268,7 +268,7 @@ int32_t dflashAttentionHost(void const* qkv, void* out, int32_t const* seqLens, 
     p.numHeads = numHeads;
     p.maxQueryLen = maxQueryLen;
     p.maxPositions = maxPositions;
-    p.window = window;
+    p.window = KeyWindow{window, windowFromBlock != 0 ? WindowAnchor::kBlock : WindowAnchor::kQuery};
     p.mask = mask == 0 ? BlockMask::kCausal : BlockMask::kFull;
     p.qScaling = qScaling;
     bool const fp8 = cacheType == 2;
@@ -303,9 +303,12 @@ int64_t dflashAttentionWorkspaceBound(int64_t maxTokens, int32_t numHeads, int32
     return attentionWorkspaceBound(maxTokens, numHeads, headDim, inputBytes);
 }
 
-int32_t dflashKeyVisible(int32_t queryPos, int32_t keyPos, int32_t seqEnd, int32_t mask, int32_t window)
+int32_t dflashKeyVisible(int32_t queryPos, int32_t keyPos, int32_t seqEnd, int32_t mask, int32_t window,
+    int32_t windowFromBlock, int32_t past)
 {
-    return keyVisible(queryPos, keyPos, seqEnd, mask == 0 ? BlockMask::kCausal : BlockMask::kFull, window) ? 1 : 0;
+    KeyWindow const keyWindow{window, windowFromBlock != 0 ? WindowAnchor::kBlock : WindowAnchor::kQuery};
+    BlockMask const blockMask = mask == 0 ? BlockMask::kCausal : BlockMask::kFull;
+    return keyVisible(queryPos, keyPos, seqEnd, blockMask, keyWindow, past) ? 1 : 0;
 }
 
 //! Fragment bookkeeping that must cover each tile element exactly once: writes how often every (row, col) of

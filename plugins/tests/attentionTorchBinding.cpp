@@ -34,7 +34,7 @@ dflash_trt::CacheType cacheTypeOf(torch::Tensor const& pool)
 //! Returns the output [tokens, heads * head_dim]; the pools receive the new tokens' K / V.
 torch::Tensor attend(torch::Tensor qkv, torch::Tensor seqLens, torch::Tensor genLens, torch::Tensor cosSin,
     torch::Tensor blockOffsets, int64_t tokensPerBlock, int64_t layerInPool, int64_t numHeads, int64_t numKvHeads,
-    int64_t maxQueryLen, int64_t window, bool causal, double qScaling, torch::Tensor primaryPool,
+    int64_t maxQueryLen, int64_t window, bool windowFromBlock, bool causal, double qScaling, torch::Tensor primaryPool,
     c10::optional<torch::Tensor> secondaryPool, c10::optional<torch::Tensor> scaleOrigQuant,
     c10::optional<torch::Tensor> scaleQuantOrig, int64_t maxKeys, int64_t multiProcessorCount)
 {
@@ -73,7 +73,8 @@ torch::Tensor attend(torch::Tensor qkv, torch::Tensor seqLens, torch::Tensor gen
     p.numHeads = static_cast<int32_t>(numHeads);
     p.maxQueryLen = static_cast<int32_t>(maxQueryLen);
     p.maxPositions = static_cast<int32_t>(cosSin.numel() / headDim);
-    p.window = static_cast<int32_t>(window);
+    p.window = dflash_trt::KeyWindow{static_cast<int32_t>(window),
+        windowFromBlock ? dflash_trt::WindowAnchor::kBlock : dflash_trt::WindowAnchor::kQuery};
     p.mask = causal ? dflash_trt::BlockMask::kCausal : dflash_trt::BlockMask::kFull;
     p.qScaling = static_cast<float>(qScaling);
     auto const input = qkv.scalar_type() == torch::kHalf ? dflash_trt::InputType::kHALF : dflash_trt::InputType::kBF16;

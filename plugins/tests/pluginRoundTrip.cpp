@@ -136,7 +136,7 @@ bool allSupported(IPluginV3OneBuild* build, std::vector<DynamicPluginTensorDesc>
 struct AttentionFields
 {
     int32_t numHeads = 32, numKvHeads = 8, headDim = 128, layerIdx = 37, tokensPerBlock = 32, maxQueryLen = 16;
-    int32_t blockMask = 0, slidingWindow = 0, maxPositions = 4096;
+    int32_t blockMask = 0, slidingWindow = 2048, windowFromAnchor = 1, maxPositions = 4096;
     int32_t typeId = static_cast<int32_t>(DataType::kBF16), cacheFp8 = 1;
     float qScaling = 1.f;
     std::vector<PluginField> list;
@@ -153,6 +153,7 @@ struct AttentionFields
             {"max_query_len", &maxQueryLen, PluginFieldType::kINT32, 1},
             {"block_mask", &blockMask, PluginFieldType::kINT32, 1},
             {"sliding_window", &slidingWindow, PluginFieldType::kINT32, 1},
+            {"window_from_anchor", &windowFromAnchor, PluginFieldType::kINT32, 1},
             {"max_positions", &maxPositions, PluginFieldType::kINT32, 1},
             {"type_id", &typeId, PluginFieldType::kINT32, 1},
             {"cache_fp8", &cacheFp8, PluginFieldType::kINT32, 1},
@@ -196,7 +197,7 @@ void checkAttention(IPluginCreatorV3One* creator)
 {
     expect(std::strcmp(creator->getPluginName(), "DFlashAttention") == 0, "attention creator name");
     expect(std::strcmp(creator->getPluginNamespace(), "dflash_trt") == 0, "attention creator namespace");
-    expect(creator->getFieldNames()->nbFields == 12, "twelve attention creation fields");
+    expect(creator->getFieldNames()->nbFields == 13, "thirteen attention creation fields");
     AttentionFields fields;
     IPluginV3* plugin = creator->createPlugin("attention", fields.collection(), TensorRTPhase::kBUILD);
     expect(plugin != nullptr, "attention plugin created");
@@ -269,6 +270,7 @@ void checkAttention(IPluginCreatorV3One* creator)
     refused("tokens_per_block 24 refused", [](AttentionFields& f) { f.tokensPerBlock = 24; });
     refused("block_mask 2 refused", [](AttentionFields& f) { f.blockMask = 2; });
     refused("negative window refused", [](AttentionFields& f) { f.slidingWindow = -1; });
+    refused("window_from_anchor 2 refused", [](AttentionFields& f) { f.windowFromAnchor = 2; });
     refused("fp32 type_id refused", [](AttentionFields& f) { f.typeId = static_cast<int32_t>(DataType::kFLOAT); });
 }
 

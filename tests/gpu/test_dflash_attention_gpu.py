@@ -9,6 +9,7 @@ rotation into FMAs).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import zlib
 from pathlib import Path
@@ -20,6 +21,7 @@ from _attention_problems import (
     KV_DTYPES,
     LAYER_IN_POOL,
     OUTPUT_ATOL,
+    WINDOWS,
     AttentionCase,
     attention_problem,
     dense_reference,
@@ -70,6 +72,7 @@ def run_gpu(ext, problem, sms: int) -> tuple[torch.Tensor, torch.Tensor, torch.T
         c.kv_heads,
         c.max_query_len,
         c.window or 0,
+        c.window_from_anchor,
         c.causal,
         c.q_scaling,
         primary,
@@ -90,19 +93,20 @@ def assert_pool(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 CASES = [
-    (causal, window, group, head_dim, kv)
-    for (causal, window, kv), (group, head_dim) in zip(
-        itertools.product((True, False), (None, 24), list(KV_DTYPES)),
+    (causal, window, from_anchor, group, head_dim, kv)
+    for (causal, (window, from_anchor), kv), (group, head_dim) in zip(
+        itertools.product((True, False), WINDOWS, list(KV_DTYPES)),
         itertools.cycle(itertools.product(GROUPS, HEAD_DIMS)),
     )
 ]
 
 
 @pytest.mark.parametrize("sms", [132, 4096])
-@pytest.mark.parametrize(("causal", "window", "group", "head_dim", "kv"), CASES)
-def test_kernels_match_the_dense_reference(ext, causal, window, group, head_dim, kv, sms) -> None:
+@pytest.mark.parametrize(("causal", "window", "from_anchor", "group", "head_dim", "kv"), CASES)
+def test_kernels_match_the_dense_reference(ext, causal, window, from_anchor, group, head_dim, kv, sms) -> None:
     for tpb, secondary in itertools.product((16, 32, 64, 128), (False, True)):
         case = AttentionCase(causal, window, group, head_dim, kv, tpb, secondary, kv_heads=2, requests=3)
+        case = dataclasses.replace(case, window_from_anchor=from_anchor)
         problem = attention_problem(case, torch.Generator().manual_seed(zlib.crc32(repr(case).encode())))
         want, want_primary, want_secondary = dense_reference(problem)
         out, primary, secondary = run_gpu(ext, problem, sms)

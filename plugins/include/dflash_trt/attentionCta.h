@@ -51,7 +51,7 @@ struct AttentionLaunch
     int32_t numHeads;
     int32_t maxQueryLen;
     int32_t maxPositions;
-    int32_t window;
+    KeyWindow window;
     BlockMask mask;
     float qScaling;
     int32_t splits;
@@ -84,7 +84,7 @@ DFLASH_HD char const* attentionLaunchProblem(AttentionLaunch const& p, bool fp8)
     {
         return "tokens_per_block must be a power of two";
     }
-    if (p.window < 0 || p.maxQueryLen <= 0 || p.maxPositions <= 0)
+    if (p.window.size < 0 || p.maxQueryLen <= 0 || p.maxPositions <= 0)
     {
         return "sliding_window, max_query_len and max_positions must be non-negative / positive";
     }
@@ -432,7 +432,7 @@ struct AttentionCta
     //! only the tiles at the block, the window's edge or the split's end are masked.
     DFLASH_HD void softmaxOf(int32_t w, int32_t first)
     {
-        bool const masked = p.window > 0 || first + kTile > req.past || first + kTile > keys.end;
+        bool const masked = p.window.size > 0 || first + kTile > req.past || first + kTile > keys.end;
         float tileMax[B::kLanes][2];
         for (int32_t l = 0; l < B::kLanes; ++l)
         {
@@ -446,8 +446,9 @@ struct AttentionCta
                 {
                     int32_t const qPos = queryPos[w][l][c / 2];
                     int32_t const key = first + 8 * n + fragCCol(lane, c);
-                    bool const visible
-                        = !masked || (qPos >= 0 && key < keys.end && keyVisible(qPos, key, req.seqEnd, p.mask, p.window));
+                    bool const visible = !masked
+                        || (qPos >= 0 && key < keys.end
+                            && keyVisible(qPos, key, req.seqEnd, p.mask, p.window, req.past));
                     float const s = visible ? scores[w][l][n][c] * scaleLog2 : -INFINITY;
                     scores[w][l][n][c] = s;
                     tileMax[l][c / 2] = tileMax[l][c / 2] > s ? tileMax[l][c / 2] : s;

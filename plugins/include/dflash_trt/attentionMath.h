@@ -43,10 +43,27 @@ DFLASH_HD int32_t keysPerTile(int32_t headDim)
     return headDim == 256 ? 32 : 64;
 }
 
-//! Whether the query at `queryPos` sees the key at `keyPos` of a sequence of `seqEnd` positions, as the golden
-//! model's draft_visibility defines it: causal drops later keys, a window drops keys `window` or more positions
-//! behind (and, for a bidirectional block, ahead).
-DFLASH_HD bool keyVisible(int32_t queryPos, int32_t keyPos, int32_t seqEnd, BlockMask mask, int32_t window)
+//! Where a sliding window counts from: each query (HF sliding attention, the z-lab drafters) or the block's anchor,
+//! the request's first new position (speculators drafters: the `size` positions before it and the whole block).
+enum class WindowAnchor : int32_t
+{
+    kQuery = 0,
+    kBlock = 1,
+};
+
+//! A layer's sliding window; size 0 = none.
+struct KeyWindow
+{
+    int32_t size;
+    WindowAnchor anchor;
+};
+
+//! Whether the query at `queryPos` of a request whose new tokens start at `past` sees the key at `keyPos` of its
+//! `seqEnd` positions, as the golden model's draft_visibility defines it: causal drops later keys; a window counted
+//! from the query drops keys `size` or more positions behind (and, for a bidirectional block, ahead), one counted
+//! from the block drops keys before `past - size`.
+DFLASH_HD bool keyVisible(
+    int32_t queryPos, int32_t keyPos, int32_t seqEnd, BlockMask mask, KeyWindow window, int32_t past)
 {
     if (keyPos < 0 || keyPos >= seqEnd)
     {
@@ -56,13 +73,17 @@ DFLASH_HD bool keyVisible(int32_t queryPos, int32_t keyPos, int32_t seqEnd, Bloc
     {
         return false;
     }
-    if (window > 0)
+    if (window.size > 0 && window.anchor == WindowAnchor::kBlock)
     {
-        if (queryPos - keyPos >= window)
+        return keyPos >= past - window.size;
+    }
+    if (window.size > 0)
+    {
+        if (queryPos - keyPos >= window.size)
         {
             return false;
         }
-        if (mask == BlockMask::kFull && keyPos - queryPos >= window)
+        if (mask == BlockMask::kFull && keyPos - queryPos >= window.size)
         {
             return false;
         }
@@ -71,13 +92,10 @@ DFLASH_HD bool keyVisible(int32_t queryPos, int32_t keyPos, int32_t seqEnd, Bloc
 }
 
 //! The first key position any query of a request sees: its first query sits at `past`.
-DFLASH_HD int32_t firstVisibleKey(int32_t past, int32_t window)
+DFLASH_HD int32_t firstVisibleKey(int32_t past, KeyWindow window)
 {
-    if (window <= 0 || past - window + 1 <= 0)
-    {
-        return 0;
-    }
-    return past - window + 1;
+    int32_t const first = window.anchor == WindowAnchor::kBlock ? past - window.size : past - window.size + 1;
+    return window.size <= 0 || first <= 0 ? 0 : first;
 }
 
 //! One split of a request's keys: [begin, end); empty when begin >= end.
