@@ -1,6 +1,6 @@
-"""The load generator and the results schema, against a scripted backend whose every response is known.
+"""The load generator and the results schema, against a scripted executor whose every response is known.
 
-The backend answers each request with a fixed split of its tokens, one chunk per "iteration" every `step_s`,
+The executor answers each request with a fixed split of its tokens, one chunk per "iteration" every `step_s`,
 so in-flight counts, timings and acceptance statistics can be computed by hand and compared.
 """
 
@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 
-from dflash_trt.bench.driver import Backend, BenchRequest, Response, run_load
+from dflash_trt.bench.driver import run_load
 from dflash_trt.bench.provenance import collect
 from dflash_trt.bench.results import (
     POINT_KEYS,
@@ -24,10 +24,11 @@ from dflash_trt.bench.results import (
     write_results,
 )
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.executors.contract import Executor, Request, Response, failed
 
 
-class ScriptedBackend(Backend):
-    """Request k gets chunks `splits[k % len(splits)]`, one per `step_s`; prompt index 99 fails."""
+class ScriptedExecutor(Executor):
+    """Request k gets chunks `splits[k % len(splits)]`, one per `step_s`; the prompt [99] fails."""
 
     def __init__(self, splits, step_s=0.002):
         self.splits = splits
@@ -41,14 +42,15 @@ class ScriptedBackend(Backend):
         self.tasks.append(asyncio.get_running_loop().create_task(self._serve(request_id, request)))
 
     async def _serve(self, request_id, request):
-        if request.prompt_index == 99:
-            self.deliver([Response(request_id, [], True, "prompt too long")])
+        if request.input_ids == [99]:
+            self.deliver([failed(request_id, "prompt too long")])
             return
         chunks = self.splits[request_id % len(self.splits)]
         token = 0
         for i, n in enumerate(chunks):
             await asyncio.sleep(self.step_s)
-            self.deliver([Response(request_id, list(range(token, token + n)), i == len(chunks) - 1)])
+            tokens = list(range(token, token + n))
+            self.deliver([Response(request_id=request_id, tokens=tokens, final=i == len(chunks) - 1)])
             token += n
 
     def cancel(self, request_id):
@@ -59,12 +61,12 @@ class ScriptedBackend(Backend):
 
 
 def _requests(n, prompt_len=4):
-    return [BenchRequest(i, [1] * prompt_len, 16) for i in range(n)]
+    return [Request(input_ids=[1] * prompt_len, max_new_tokens=16) for _ in range(n)]
 
 
 def test_closed_loop_holds_exactly_n_in_flight_and_records_every_response():
     splits = [[1, 3, 2, 4], [1, 1, 1], [1, 5]]
-    trace = asyncio.run(run_load(ScriptedBackend(splits), _requests(9), concurrency=3))
+    trace = asyncio.run(run_load(ScriptedExecutor(splits), _requests(9), concurrency=3))
     counts = [n for _, n in trace.in_flight]
     assert max(counts) == 3
     # Until the last requests drain, every finish is followed at once by the next send: back to 3.
@@ -82,7 +84,7 @@ def test_progress_hears_every_finished_request_once():
     finished = []
     trace = asyncio.run(
         run_load(
-            ScriptedBackend([[1, 3, 2, 4], [1, 1, 1], [1, 5]]),
+            ScriptedExecutor([[1, 3, 2, 4], [1, 1, 1], [1, 5]]),
             _requests(5),
             concurrency=2,
             on_request_done=lambda: finished.append(1),
@@ -95,7 +97,7 @@ def test_progress_hears_every_finished_request_once():
 
 def test_point_statistics_match_hand_computed_values():
     splits = [[1, 3, 2, 4], [1, 1, 1], [1, 5]]
-    trace = asyncio.run(run_load(ScriptedBackend(splits), _requests(6), concurrency=2))
+    trace = asyncio.run(run_load(ScriptedExecutor(splits), _requests(6), concurrency=2))
     point = point_from_run(trace, mode="dflash", engine="dflash", gpus=2, concurrency=2)
     # results.json's point keys, in the order the file has always had them.
     assert list(point.to_json()) == list(POINT_KEYS) == [
@@ -127,15 +129,15 @@ def test_point_statistics_match_hand_computed_values():
 
 
 def test_failed_requests_are_counted_not_measured():
-    requests = _requests(3) + [BenchRequest(99, [1], 4)]
-    trace = asyncio.run(run_load(ScriptedBackend([[2, 2]]), requests, concurrency=4))
+    requests = _requests(3) + [Request(input_ids=[99], max_new_tokens=4)]
+    trace = asyncio.run(run_load(ScriptedExecutor([[2, 2]]), requests, concurrency=4))
     point = point_from_run(trace, mode="ar", engine="ar", concurrency=4)
     assert point.requests == 3 and point.failed == 1 and point.output_tokens == 12
     assert point.per_request[3].error == "prompt too long"
 
 
 def test_open_loop_sends_at_poisson_times_independent_of_finishes():
-    trace = asyncio.run(run_load(ScriptedBackend([[1] * 20], step_s=0.01), _requests(12), request_rate=200.0, seed=3))
+    trace = asyncio.run(run_load(ScriptedExecutor([[1] * 20], step_s=0.01), _requests(12), request_rate=200.0, seed=3))
     sends = [r.sent_s for r in trace.records]
     # Each request runs 0.2 s while arrivals come every ~5 ms: many overlap, unlike a closed loop of 1.
     assert max(n for _, n in trace.in_flight) >= 6
@@ -145,14 +147,14 @@ def test_open_loop_sends_at_poisson_times_independent_of_finishes():
 
 def test_bad_load_settings_are_refused():
     with pytest.raises(DFlashTrtError, match="exactly one"):
-        asyncio.run(run_load(ScriptedBackend([[1]]), _requests(1), concurrency=1, request_rate=1.0))
+        asyncio.run(run_load(ScriptedExecutor([[1]]), _requests(1), concurrency=1, request_rate=1.0))
     with pytest.raises(DFlashTrtError, match="no requests"):
-        asyncio.run(run_load(ScriptedBackend([[1]]), [], concurrency=1))
+        asyncio.run(run_load(ScriptedExecutor([[1]]), [], concurrency=1))
 
 
 def test_a_run_that_never_finishes_times_out_with_a_clear_error():
     with pytest.raises(DFlashTrtError, match="did not finish within"):
-        asyncio.run(run_load(ScriptedBackend([[1] * 10], step_s=0.05), _requests(1), concurrency=1, timeout_s=0.1))
+        asyncio.run(run_load(ScriptedExecutor([[1] * 10], step_s=0.05), _requests(1), concurrency=1, timeout_s=0.1))
 
 
 def test_summary_and_results_file_round_trip(tmp_path):
@@ -161,7 +163,7 @@ def test_summary_and_results_file_round_trip(tmp_path):
     s = summary(values)
     assert s is not None
     assert (s.p50, s.p90, s.p99, s.mean) == pytest.approx([*np.percentile(values, [50, 90, 99]), 4.0])
-    trace = asyncio.run(run_load(ScriptedBackend([[1, 2]]), _requests(2), concurrency=1))
+    trace = asyncio.run(run_load(ScriptedExecutor([[1, 2]]), _requests(2), concurrency=1))
     point = point_from_run(trace, mode="dflash", engine="dflash", concurrency=1)
     origin = collect("golden", "ckpt")
     write_results(tmp_path / "results.json", [point.to_json()], {"kind": "test", "limit": math.inf}, origin)
@@ -184,7 +186,7 @@ def test_report_without_an_ar_baseline_has_the_plot_and_the_points(tmp_path):
 
     points = [
         point_from_run(
-            asyncio.run(run_load(ScriptedBackend([[1, 3, 2]]), _requests(4), concurrency=c)),
+            asyncio.run(run_load(ScriptedExecutor([[1, 3, 2]]), _requests(4), concurrency=c)),
             mode="dflash",
             engine="dflash",
             concurrency=c,

@@ -1,8 +1,8 @@
-"""The CPU backend under in-flight batching gives every request what `dflash-trt generate` gives it.
+"""The golden executor under in-flight batching gives every request what `dflash-trt generate` gives it.
 
 Requests of ragged lengths arrive while others run (closed loops of 1..8 users, and Poisson arrivals); the
 oracle is `dflash-trt generate` on the same prompt file (the reference loop, all prompts in one batch): same
-tokens, same acceptance length at every step. The executor's own step log shows what was batched.
+tokens, same acceptance length at every step. The stepper's own step log shows what was batched.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import time
 
 import pytest
 
-from dflash_trt.bench.backends.golden import GoldenBackend
 from dflash_trt.bench.driver import run_load
 from dflash_trt.bench.workload import file_workload
 from dflash_trt.cli import main
 from dflash_trt.conversion.convert import convert_checkpoint
+from dflash_trt.executors.golden import GoldenExecutor
 from dflash_trt.reference.model import load_golden_model
 from dflash_trt.tiny.heldout import draft_dir, load_heldout, target_dir
 from dflash_trt.tokenizer import load_tokenizer
@@ -66,15 +66,15 @@ def generated(setup):
 
 
 def _run(model, workload, block_size=None, **load):
-    backend = GoldenBackend(
+    executor = GoldenExecutor(
         model,
         load.get("concurrency") or 8,
         workload.max_seq_len,
         block_size=block_size,
         stop_token_ids=list(model.target.spec.eos_token_ids),
     )
-    trace = asyncio.run(run_load(backend, workload.requests, **load))
-    return trace, backend.executor.log
+    trace = asyncio.run(run_load(executor, workload.requests, **load))
+    return trace, executor.stepper.log
 
 
 @pytest.mark.parametrize(
@@ -121,8 +121,8 @@ def test_target_alone_gives_the_same_tokens_one_per_iteration(setup, generated):
 def test_requests_beyond_the_budget_fail_alone(setup):
     _, prompt_file, model = setup
     workload = file_workload(prompt_file, MAX_NEW)
-    backend = GoldenBackend(model, 2, 8, stop_token_ids=[])  # max_seq_len 8: long prompts cannot fit
-    trace = asyncio.run(run_load(backend, workload.requests[:4], concurrency=2))
+    executor = GoldenExecutor(model, 2, 8, stop_token_ids=[])  # max_seq_len 8: long prompts cannot fit
+    trace = asyncio.run(run_load(executor, workload.requests[:4], concurrency=2))
     failed = [r for r in trace.records if r.error]
     assert failed and all("exceeds" in r.error for r in failed)
     assert all(r.output_ids for r in trace.records if not r.error)

@@ -18,10 +18,12 @@ import numpy as np
 import pytest
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
-from dflash_trt.bench.backends.triton import TritonBackend
-from dflash_trt.bench.driver import BenchRequest, run_load
+from dflash_trt.bench.driver import run_load
 from dflash_trt.cli import main as cli_main
+from dflash_trt.clients.triton import TritonExecutor
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.executors.contract import Request
+from dflash_trt.sampling_rules import Sampling
 from dflash_trt.triton import processing as P
 
 pytestmark = pytest.mark.timeout(60)
@@ -105,8 +107,8 @@ def server():
 
 def test_streams_token_ids_and_records_each_response(server):
     url, servicer = server
-    requests = [BenchRequest(i, [7] * (2 + i), 6) for i in range(5)]
-    trace = asyncio.run(run_load(TritonBackend(url, end_id=2), requests, concurrency=3))
+    requests = [Request(input_ids=[7] * (2 + i), max_new_tokens=6) for i in range(5)]
+    trace = asyncio.run(run_load(TritonExecutor(url, end_id=2), requests, concurrency=3))
     for record in trace.records:
         n = record.input_len
         assert record.error is None and record.output_ids == list(range(n, n + 6))
@@ -120,8 +122,12 @@ def test_streams_token_ids_and_records_each_response(server):
 
 def test_an_error_fails_only_its_own_request(server):
     url, _ = server
-    requests = [BenchRequest(0, [5, 5], 4), BenchRequest(1, [13], 4), BenchRequest(2, [5], 4)]
-    trace = asyncio.run(run_load(TritonBackend(url), requests, concurrency=3))
+    requests = [
+        Request(input_ids=[5, 5], max_new_tokens=4),
+        Request(input_ids=[13], max_new_tokens=4),
+        Request(input_ids=[5], max_new_tokens=4),
+    ]
+    trace = asyncio.run(run_load(TritonExecutor(url), requests, concurrency=3))
     errors = {r.prompt_index: r.error for r in trace.records}
     assert errors[0] is None and errors[2] is None and "token 13" in errors[1]
 
@@ -130,18 +136,27 @@ def test_unreachable_server_and_missing_model_are_one_clear_error(server):
     url, _ = server
     with pytest.raises(DFlashTrtError, match="cannot reach a Triton server at 127.0.0.1:1"):
         asyncio.run(
-            run_load(TritonBackend("127.0.0.1:1", connect_timeout_s=5), [BenchRequest(0, [1], 1)], concurrency=1)
+            run_load(
+                TritonExecutor("127.0.0.1:1", connect_timeout_s=5),
+                [Request(input_ids=[1], max_new_tokens=1)],
+                concurrency=1,
+            )
         )
     with pytest.raises(DFlashTrtError, match="no ready model 'llm_v2'"):
-        asyncio.run(run_load(TritonBackend(url, model="llm_v2"), [BenchRequest(0, [1], 1)], concurrency=1))
+        asyncio.run(
+            run_load(TritonExecutor(url, model="llm_v2"), [Request(input_ids=[1], max_new_tokens=1)], concurrency=1)
+        )
     with pytest.raises(DFlashTrtError, match="--triton_model ensemble takes text: give --tokenizer_dir"):
-        TritonBackend(url, model="ensemble")
+        TritonExecutor(url, model="ensemble")
 
 
 def test_requests_send_greedy_temperature_and_their_seed(server):
     url, servicer = server
-    requests = [BenchRequest(0, [5, 5], 2), BenchRequest(1, [5], 2, temperature=0.7, seed=11)]
-    asyncio.run(run_load(TritonBackend(url), requests, concurrency=1))
+    requests = [
+        Request(input_ids=[5, 5], max_new_tokens=2),
+        Request(input_ids=[5], max_new_tokens=2, sampling=Sampling(temperature=0.7, seed=11)),
+    ]
+    asyncio.run(run_load(TritonExecutor(url), requests, concurrency=1))
     greedy, sampled = sorted(servicer.seen, key=lambda inputs: inputs[P.LLM_INPUT_IDS].size, reverse=True)
     assert greedy[P.LLM_TEMPERATURE].reshape(-1).tolist() == [0.0] and P.LLM_RANDOM_SEED not in greedy
     assert np.allclose(sampled[P.LLM_TEMPERATURE].reshape(-1), [0.7])
@@ -150,12 +165,14 @@ def test_requests_send_greedy_temperature_and_their_seed(server):
 
 def test_malformed_responses_fail_their_request_at_once(server):
     url, _ = server
-    requests = [BenchRequest(i, [first, 5], 4) for i, first in enumerate(MISBEHAVIOURS)] + [BenchRequest(9, [5], 4)]
+    requests = [Request(input_ids=[first, 5], max_new_tokens=4) for i, first in enumerate(MISBEHAVIOURS)] + [
+        Request(input_ids=[5], max_new_tokens=4)
+    ]
     start = time.perf_counter()
-    trace = asyncio.run(run_load(TritonBackend(url, vocab_size=500), requests, concurrency=6, timeout_s=30))
+    trace = asyncio.run(run_load(TritonExecutor(url, vocab_size=500), requests, concurrency=6, timeout_s=30))
     assert time.perf_counter() - start < 10  # failed at once, not after the timeout
     errors = {r.prompt_index: r.error for r in trace.records}
-    assert errors[9] is None
+    assert errors[len(MISBEHAVIOURS)] is None
     assert "40 tokens, 4 were asked for" in errors[0]
     assert "outside the vocabulary (0..499): -3..5" in errors[1]
     assert "must be integers" in errors[2] and "float32" in errors[2]

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from dflash_trt.bench.backends.triton import TritonBackend
-from dflash_trt.bench.driver import BenchRequest, Response
+from dflash_trt.clients.triton import TritonExecutor
+from dflash_trt.executors.contract import Request, Response
 from dflash_trt.triton import processing as P
 
 pytestmark = pytest.mark.timeout(60)
@@ -57,10 +57,10 @@ def test_cancel_ends_only_that_requests_stream():
             seen[response.request_id] = seen.get(response.request_id, 0) + len(response.tokens)
 
     async def run() -> None:
-        backend = TritonBackend(f"127.0.0.1:{port}")
+        backend = TritonExecutor(f"127.0.0.1:{port}")
         await backend.start(deliver)
-        backend.submit(1, BenchRequest(0, [1, 2], 1000))
-        backend.submit(2, BenchRequest(1, [3], 1000))
+        backend.submit(1, Request(input_ids=[1, 2], max_new_tokens=1000))
+        backend.submit(2, Request(input_ids=[3], max_new_tokens=1000))
         while seen.get(1, 0) < 3 or seen.get(2, 0) < 3:
             await asyncio.sleep(0.01)
         backend.cancel(1)

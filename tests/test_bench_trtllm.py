@@ -17,10 +17,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from dflash_trt.bench.backends.trtllm import TrtllmBackend, inspect_engine
-from dflash_trt.bench.driver import BenchRequest, FollowerRank, Response, run_load
+from dflash_trt.bench.driver import run_load
 from dflash_trt.cli import main
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.executors.contract import FollowerRank, Request, Response
+from dflash_trt.executors.trtllm import TrtllmExecutor, inspect_engine
+from dflash_trt.sampling_rules import Sampling
 
 CHAIN = [[0], [0, 0], [0, 0, 0]]
 
@@ -124,8 +126,10 @@ def test_dflash_engine_control_flow_against_the_scripted_executor(tmp_path):
     info = inspect_engine(write_engine(tmp_path / "engine", library=library))
     assert info.eagle_choices == CHAIN and info.gpus == 2 and info.end_id == 0 and info.plugin_library == library
     prepared = []
-    backend = TrtllmBackend(info, max_batch_size=64, trtllm=double(), prepare=prepared.append)
-    requests = [BenchRequest(i, [5, 6, 7 + i], 8) for i in range(5)] + [BenchRequest(5, [13], 8)]
+    backend = TrtllmExecutor(info, max_batch_size=64, trtllm=double(), prepare=prepared.append)
+    requests = [Request(input_ids=[5, 6, 7 + i], max_new_tokens=8) for i in range(5)] + [
+        Request(input_ids=[13], max_new_tokens=8)
+    ]
     trace = asyncio.run(run_load(backend, requests, concurrency=3))
     executor = ScriptedExecutor.instances[-1]
     assert prepared == [info] and executor.shut and executor.model_path == info.engine_dir
@@ -144,8 +148,14 @@ def test_requests_carry_streaming_end_id_and_our_request_id(tmp_path):
     seen = []
     trtllm = double()
     trtllm.Request = lambda **kw: seen.append(kw) or Recorded(**kw)
-    backend = TrtllmBackend(info, ignore_eos=True, trtllm=trtllm, prepare=lambda _: None)
-    asyncio.run(run_load(backend, [BenchRequest(0, [9, 9], 5), BenchRequest(1, [8], 5)], concurrency=2))
+    backend = TrtllmExecutor(info, ignore_eos=True, trtllm=trtllm, prepare=lambda _: None)
+    asyncio.run(
+        run_load(
+            backend,
+            [Request(input_ids=[9, 9], max_new_tokens=5), Request(input_ids=[8], max_new_tokens=5)],
+            concurrency=2,
+        )
+    )
     assert [(kw["client_id"], kw["input_token_ids"], kw["max_tokens"]) for kw in seen] == [(0, [9, 9], 5), (1, [8], 5)]
     assert all(kw["streaming"] and kw["end_id"] == -1 for kw in seen)  # synthetic prompts never stop early
     assert ScriptedExecutor.instances[-1].config.kwargs["decoding_config"].eagle_config is None  # AR
@@ -153,7 +163,7 @@ def test_requests_carry_streaming_end_id_and_our_request_id(tmp_path):
 
 def test_non_leader_rank_shuts_down_and_sends_nothing(tmp_path):
     info = inspect_engine(write_engine(tmp_path / "ar", mode="ar"), mode="ar")
-    backend = TrtllmBackend(info, trtllm=double(leader=False), prepare=lambda _: None)
+    backend = TrtllmExecutor(info, trtllm=double(leader=False), prepare=lambda _: None)
     with pytest.raises(FollowerRank):
         asyncio.run(backend.start(lambda batch: None))
     assert ScriptedExecutor.instances[-1].shut
@@ -205,9 +215,9 @@ def test_follower_rank_builds_every_executor_rank_0_builds_and_writes_nothing(tm
 
     def factory(in_flight):
         built.append(in_flight)
-        return TrtllmBackend(info, trtllm=double(leader=False), prepare=lambda _: None)
+        return TrtllmExecutor(info, trtllm=double(leader=False), prepare=lambda _: None)
 
-    workload = Workload([BenchRequest(0, [1], 4)], ignore_eos=False, description={})
+    workload = Workload([Request(input_ids=[1], max_new_tokens=4)], ignore_eos=False, description={})
     with pytest.raises(FollowerRank):
         measure_point(factory, workload, "ar", concurrency=2, warmup=1)
     assert built == [2, 2]
@@ -234,13 +244,13 @@ def test_bench_cli_on_a_host_without_tensorrt_llm_is_one_clear_error(tmp_path, c
 
 def test_requests_carry_their_sampling_and_cancel_with_the_executor_id(tmp_path):
     info = inspect_engine(write_engine(tmp_path / "ar", mode="ar"), mode="ar")
-    backend = TrtllmBackend(info, trtllm=double(), prepare=lambda _: None)
+    backend = TrtllmExecutor(info, trtllm=double(), prepare=lambda _: None)
     seen: list[Response] = []
 
     async def run():
         await backend.start(seen.extend)
-        backend.submit(5, BenchRequest(0, [9, 9], 8, temperature=0.7, seed=11))
-        backend.submit(6, BenchRequest(1, [8], 8))
+        backend.submit(5, Request(input_ids=[9, 9], max_new_tokens=8, sampling=Sampling(temperature=0.7, seed=11)))
+        backend.submit(6, Request(input_ids=[8], max_new_tokens=8))
         backend.cancel(6)
         backend.cancel(6)  # already gone: nothing more is sent
         while not any(r.final for r in seen):

@@ -25,10 +25,11 @@ from safetensors.torch import load_file, save_file
 
 from dflash_trt import cli
 from dflash_trt.emulation import functional
+from dflash_trt.emulation.engine import EmulatedEngine
 from dflash_trt.emulation.functional import EmulationError, Network, PluginConfig, net_guard
-from dflash_trt.emulation.runtime import EmulatedRuntime
 from dflash_trt.emulation.stand_ins import ENGINE_PACKAGE, ENGINE_SOURCES, REGISTRY, load_engine_module
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.executors.emulated import decode_batch
 from dflash_trt.reference.decode import SequenceResult, speculative_generate
 from dflash_trt.reference.model import load_golden_model
 from dflash_trt.tiny.heldout import load_heldout
@@ -126,15 +127,15 @@ def test_every_fixture_variant_matches_the_golden_model(name, tmp_path):
     ckpt = convert(tmp_path, variant)
     golden = speculative_generate(load_golden_model(ckpt), PROMPTS, 12, STOP)
     # Two slots for four ragged requests: the last ones join when earlier ones finish.
-    runtime = EmulatedRuntime(ckpt, max_batch_size=2, tokens_per_block=tokens_per_block)
-    emulated = runtime.generate(PROMPTS, 12, STOP)
+    runtime = EmulatedEngine(ckpt, max_batch_size=2, tokens_per_block=tokens_per_block)
+    emulated = decode_batch(runtime, PROMPTS, 12, STOP)
     assert divergences(ckpt, golden, emulated, 12) == []
     assert runtime.stats.max_batch == 2 and runtime.model.unused_tensors == []
 
 
 def test_chunked_prompts_and_requests_joining_mid_flight(tiny, tiny_prompts, tiny_golden):
-    runtime = EmulatedRuntime(tiny, max_batch_size=2, max_num_tokens=2 * TINY_BLOCK, tokens_per_block=16)
-    emulated = runtime.generate(tiny_prompts, 24, arrivals=[0, 0, 2, 3, 3, 9])
+    runtime = EmulatedEngine(tiny, max_batch_size=2, max_num_tokens=2 * TINY_BLOCK, tokens_per_block=16)
+    emulated = decode_batch(runtime, tiny_prompts, 24, arrivals=[0, 0, 2, 3, 3, 9])
     assert divergences(tiny, tiny_golden, emulated, 24) == []
     assert runtime.stats.context_chunks > len(tiny_prompts)  # the long prompts took several chunks
     assert max(max(r.acceptance_lengths) for r in emulated) >= 8  # the drafter is really exercised
@@ -143,8 +144,8 @@ def test_chunked_prompts_and_requests_joining_mid_flight(tiny, tiny_prompts, tin
 @pytest.mark.slow
 @pytest.mark.parametrize("tokens_per_block", [32, 64])
 def test_tokens_per_block(tiny, tiny_prompts, tiny_golden, tokens_per_block):
-    runtime = EmulatedRuntime(tiny, max_batch_size=3, tokens_per_block=tokens_per_block)
-    assert divergences(tiny, tiny_golden, runtime.generate(tiny_prompts, 24), 24) == []
+    runtime = EmulatedEngine(tiny, max_batch_size=3, tokens_per_block=tokens_per_block)
+    assert divergences(tiny, tiny_golden, decode_batch(runtime, tiny_prompts, 24), 24) == []
 
 
 @pytest.mark.slow
@@ -162,9 +163,9 @@ def test_quantized_checkpoints_with_fp8_kv_cache(qformat, tmp_path):
         calib_size=4,
     )
     golden = speculative_generate(load_golden_model(ckpt), PROMPTS, 10, STOP)
-    runtime = EmulatedRuntime(ckpt, max_batch_size=4, tokens_per_block=16)
+    runtime = EmulatedEngine(ckpt, max_batch_size=4, tokens_per_block=16)
     assert runtime.cache_dtype == torch.float8_e4m3fn
-    assert divergences(ckpt, golden, runtime.generate(PROMPTS, 10, STOP), 10) == []
+    assert divergences(ckpt, golden, decode_batch(runtime, PROMPTS, 10, STOP), 10) == []
 
 
 # ------------------------------------------------------------------------------------ deliberately broken networks
@@ -178,7 +179,7 @@ def engine():
 def _broken(tiny, tiny_prompts, tiny_golden) -> list[str]:
     """Three requests (one long) through the patched network, compared with the golden model."""
     prompts = [tiny_prompts[0], tiny_prompts[1], tiny_prompts[-1]]
-    emulated = EmulatedRuntime(tiny, max_batch_size=3, tokens_per_block=16).generate(prompts, 24)
+    emulated = decode_batch(EmulatedEngine(tiny, max_batch_size=3, tokens_per_block=16), prompts, 24)
     return divergences(tiny, [tiny_golden[0], tiny_golden[1], tiny_golden[-1]], emulated, 24)
 
 
@@ -227,7 +228,7 @@ def test_a_drafter_given_the_targets_rope_tables_is_caught(engine, monkeypatch, 
         return params if isinstance(model_cls, engine.DFlashDrafter) else original(model_cls, params)
 
     monkeypatch.setattr(engine.Attention, "fill_attention_params", staticmethod(targets_tables))
-    emulated = EmulatedRuntime(ckpt, max_batch_size=2, tokens_per_block=16).generate(PROMPTS, 12, STOP)
+    emulated = decode_batch(EmulatedEngine(ckpt, max_batch_size=2, tokens_per_block=16), PROMPTS, 12, STOP)
     assert divergences(ckpt, golden, emulated, 12) != []
 
 
@@ -321,16 +322,21 @@ def test_cli_emulate_samples_like_generate(tiny, tmp_path, capsys):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--temperature", "-0.5"], "temperature -0.5 refused"),
-        (["--temperature", "nan"], "temperature nan refused"),
-        (["--seed", "-1"], "--seed must lie in"),
+        (
+            ["--temperature", "-0.5"],
+            "argument --temperature: must be a finite number >= 0 (0 means greedy), got '-0.5'",
+        ),
+        (["--temperature", "nan"], "argument --temperature: must be a finite number >= 0 (0 means greedy), got 'nan'"),
+        (["--seed", "-1"], "argument --seed: must be an integer in [0, 9223372036854775807], got '-1'"),
     ],
 )
 def test_cli_emulate_refuses_sampling_the_engine_cannot_honour(tmp_path, capsys, flags, message):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"input_ids": [1, 2]}) + "\n")
     argv = ["emulate", "--checkpoint_dir", str(tmp_path / "ckpt"), "--input_file", str(prompts), *flags]
-    assert cli.main(argv) == 2
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("dflash-trt emulate: error:") and message in err[0]
 
@@ -340,14 +346,14 @@ def test_cli_emulate_refuses_sampling_the_engine_cannot_honour(tmp_path, capsys,
 
 def test_bookkeeping_keeps_cumsum_on_batch_length_vectors(tiny, tiny_prompts):
     """No [tokens, tokens] cumsum intermediates (TensorRT would reserve them as activation memory)."""
-    runtime = EmulatedRuntime(tiny, max_batch_size=2, tokens_per_block=16)
-    runtime.generate(tiny_prompts[-2:], 4)
+    runtime = EmulatedEngine(tiny, max_batch_size=2, tokens_per_block=16)
+    decode_batch(runtime, tiny_prompts[-2:], 4)
     assert max(len(p) for p in tiny_prompts[-2:]) > 2
     assert runtime.stats.largest_cumsum_square <= 2 * 2
 
 
 def test_target_qk_norms_use_the_config_epsilon(tiny, engine):
-    runtime = EmulatedRuntime(tiny)
+    runtime = EmulatedEngine(tiny)
     eps = runtime.model.config.norm_epsilon
     assert eps == 1e-6
     for layer in runtime.model.transformer.layers:
@@ -364,7 +370,7 @@ def test_sliding_window_drafters_are_refused_like_the_build(tmp_path):
         tmp_path, PairVariant(draft_layers=2, sliding_window=5, layer_types=["sliding_attention", "full_attention"])
     )
     with pytest.raises(DFlashTrtError, match="sliding-window"):
-        EmulatedRuntime(ckpt).generate(PROMPTS, 4)
+        decode_batch(EmulatedEngine(ckpt), PROMPTS, 4)
 
 
 def test_strict_loading_by_tensorrt_llm_names(tiny, tmp_path):
@@ -380,14 +386,14 @@ def test_strict_loading_by_tensorrt_llm_names(tiny, tmp_path):
 
     missing = edited("missing", lambda t: t.pop("dflash.layers.0.attention.k_layernorm.weight"))
     with pytest.raises(EmulationError, match="Required but not provided.*k_layernorm"):
-        EmulatedRuntime(missing)
+        EmulatedEngine(missing)
     misshaped = edited("misshaped", lambda t: t.update({"dflash.fc.weight": t["dflash.fc.weight"][:, 1:].clone()}))
     with pytest.raises(EmulationError, match="dflash.fc.weight"):
-        EmulatedRuntime(misshaped)
+        EmulatedEngine(misshaped)
     extra = edited("extra", lambda t: t.update({"dflash.unused": torch.zeros(2)}))
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
-        assert EmulatedRuntime(extra).model.unused_tensors == ["dflash.unused"]
+        assert EmulatedEngine(extra).model.unused_tensors == ["dflash.unused"]
 
 
 def engine_imports() -> set[str]:
@@ -416,7 +422,7 @@ def test_the_registry_emulates_exactly_what_the_engine_imports():
 
 
 def test_stand_ins_are_visible_only_inside_the_emulation(tiny):
-    EmulatedRuntime(tiny).generate([[5, 6, 7]], 3)
+    decode_batch(EmulatedEngine(tiny), [[5, 6, 7]], 3)
     assert "tensorrt_llm" not in sys.modules and "tensorrt" not in sys.modules
     assert importlib.util.find_spec("tensorrt_llm") is None
 
@@ -529,7 +535,7 @@ def test_engine_config_is_the_converters_typed_spec(tiny):
     from dflash_trt.checkpoint.trtllm_config import specs_from_config
 
     raw = json.loads((tiny / "config.json").read_text())
-    config = EmulatedRuntime(tiny).model.config
+    config = EmulatedEngine(tiny).model.config
     assert config.draft == specs_from_config(raw)[1]
     written = json.loads(json.dumps(config.to_dict()))
     assert "draft" not in written and written["dflash_config"] == raw["dflash_config"]

@@ -20,9 +20,10 @@ from _pairs import PairVariant
 
 from dflash_trt import cli
 from dflash_trt.emulation import models
-from dflash_trt.emulation.runtime import EmulatedRuntime
+from dflash_trt.emulation.engine import EmulatedEngine
 from dflash_trt.emulation.stand_ins import load_engine_module
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.executors.emulated import decode_batch
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import load_golden_model
 
@@ -61,9 +62,9 @@ def greedy_golden(ckpt: Path) -> list:
     return speculative_generate(model, PROMPTS, MAX_NEW + model.draft.spec.block_size - 1, STOP)
 
 
-def emulate(ckpt: Path, prompts: list[list[int]] = PROMPTS) -> tuple[EmulatedRuntime, list]:
-    runtime = EmulatedRuntime(ckpt, max_batch_size=2, tokens_per_block=16)
-    return runtime, runtime.generate(prompts, MAX_NEW, STOP)
+def emulate(ckpt: Path, prompts: list[list[int]] = PROMPTS) -> tuple[EmulatedEngine, list]:
+    runtime = EmulatedEngine(ckpt, max_batch_size=2, tokens_per_block=16)
+    return runtime, decode_batch(runtime, prompts, MAX_NEW, STOP)
 
 
 @pytest.mark.parametrize("name", list(MOE_PAIRS))
@@ -144,7 +145,7 @@ def test_dense_layers_among_sparse_ones_are_refused_like_the_build(tmp_path):
         moe={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [1]},
     )
     with pytest.raises(DFlashTrtError, match="dense MLPs on layers \\[1\\]"):
-        EmulatedRuntime(convert(tmp_path, variant))
+        EmulatedEngine(convert(tmp_path, variant))
 
 
 @pytest.mark.slow

@@ -12,9 +12,10 @@ import torch
 
 from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.emulation import layers, plugins, trt
+from dflash_trt.emulation.engine import EmulatedEngine
 from dflash_trt.emulation.functional import EmulationError, Network, PluginConfig, Tensor, net_guard
 from dflash_trt.emulation.layers import ColumnLinear
-from dflash_trt.emulation.runtime import EmulatedRuntime
+from dflash_trt.executors.emulated import decode_batch
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.divergence import compare_decodings
 from dflash_trt.reference.model import load_golden_model
@@ -41,7 +42,7 @@ def test_half_precision_engines_match_the_golden_model_up_to_near_ties(tmp_path,
     prompts = [load_tokenizer(ckpt).encode(p.text) for p in load_heldout(limit=PROMPTS)]
     stops = list(model.target.spec.eos_token_ids)
     k = model.draft.spec.block_size - 1
-    runtime = EmulatedRuntime(ckpt, max_batch_size=4, tokens_per_block=32)
+    runtime = EmulatedEngine(ckpt, max_batch_size=4, tokens_per_block=32)
     seen = set()
     original = ColumnLinear.forward
 
@@ -51,7 +52,7 @@ def test_half_precision_engines_match_the_golden_model_up_to_near_ties(tmp_path,
 
     ColumnLinear.forward = recording
     try:
-        emulated = runtime.generate(prompts, MAX_NEW, stops)
+        emulated = decode_batch(runtime, prompts, MAX_NEW, stops)
     finally:
         ColumnLinear.forward = original
     assert seen == {getattr(torch, dtype)} and runtime.cache_dtype == getattr(torch, dtype)
@@ -86,7 +87,7 @@ def test_a_network_missing_a_cast_is_refused(tmp_path, monkeypatch):
     original = layers.Embedding.forward
     monkeypatch.setattr(layers.Embedding, "forward", lambda self, x, *a: Tensor(data=original(self, x).data.float()))
     with pytest.raises(EmulationError, match="fed a torch.float32 tensor"):
-        EmulatedRuntime(ckpt).generate([[5, 6, 7]], 4)
+        decode_batch(EmulatedEngine(ckpt), [[5, 6, 7]], 4)
 
 
 def _plugin(type_id: int, cache_fp8: bool = False) -> plugins.KVInjectionPlugin:

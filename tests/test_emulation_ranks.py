@@ -16,9 +16,10 @@ from _pairs import PairVariant, make_pair
 from dflash_trt import cli
 from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.emulation import layers, moe, ranks
+from dflash_trt.emulation.engine import EmulatedEngine
 from dflash_trt.emulation.functional import EmulationError
-from dflash_trt.emulation.runtime import EmulatedRuntime
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.executors.emulated import decode_batch
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.divergence import compare_decodings
 from dflash_trt.reference.model import load_golden_model
@@ -63,9 +64,9 @@ def _sharded(pairs, name: str, tp: int, ep: int) -> tuple[Path, Path, list]:
     return out, tp1, golden
 
 
-def _emulate(ckpt: Path) -> tuple[EmulatedRuntime, list]:
-    runtime = EmulatedRuntime(ckpt, max_batch_size=2, tokens_per_block=16)
-    return runtime, runtime.generate(PROMPTS, MAX_NEW, STOP)
+def _emulate(ckpt: Path) -> tuple[EmulatedEngine, list]:
+    runtime = EmulatedEngine(ckpt, max_batch_size=2, tokens_per_block=16)
+    return runtime, decode_batch(runtime, PROMPTS, MAX_NEW, STOP)
 
 
 @pytest.mark.slow
@@ -101,7 +102,7 @@ def test_sampled_decoding_at_tp_matches_the_golden_model(pairs, name, tp, ep):
 def test_rank_networks_load_their_own_rank_file(pairs):
     """Rank r's qkv rows are rank r's file's, not rank 0's: the ranks' weights differ."""
     ckpt, _, _ = _sharded(pairs, "qwen3-gqa", 2, 1)
-    runtime = EmulatedRuntime(ckpt, max_batch_size=2)
+    runtime = EmulatedEngine(ckpt, max_batch_size=2)
     first, second = (m.transformer.layers[0].attention.qkv.weight.raw for m in runtime.rank_models)
     assert first.shape == second.shape and not torch.equal(first, second)
 
@@ -157,4 +158,4 @@ def test_a_missing_rank_file_is_one_clear_error(pairs, tmp_path):
         if f.name != "rank1.safetensors":
             (broken / f.name).write_bytes(f.read_bytes())
     with pytest.raises(DFlashTrtError, match="rank1.safetensors"):
-        EmulatedRuntime(broken)
+        EmulatedEngine(broken)

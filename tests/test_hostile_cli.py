@@ -572,9 +572,12 @@ HOSTILE: dict[str, tuple[Case, str]] = {
     ),
     "generate with a NaN temperature": (
         lambda w, t: _generate(w, "--temperature", "nan"),
-        r"--temperature must be a finite number",
+        r"argument --temperature: must be a finite number >= 0 \(0 means greedy\), got 'nan'",
     ),
-    "generate with an overflowing seed": (lambda w, t: _generate(w, "--seed", str(2**70)), r"--seed must lie in"),
+    "generate with an overflowing seed": (
+        lambda w, t: _generate(w, "--seed", str(2**70)),
+        r"argument --seed: must be an integer in \[0, 9223372036854775807\]",
+    ),
     "generate a trillion tokens": (
         lambda w, t: _generate(w, "--max_new_tokens", str(10**12)),
         r"argument --max_new_tokens: must be an integer in \[1, 2147483647\], got '1000000000000'",

@@ -488,21 +488,23 @@ def test_a_huge_prompt_is_one_line_on_stderr(world: World, tmp_path: Path, capsy
 
 
 def test_a_failing_cpu_executor_ends_the_run_instead_of_hanging(world: World, tmp_path: Path, capsys, monkeypatch):
-    """The executor thread dies (here: out of memory in a step); its requests fail and the run ends at once."""
-    from dflash_trt.bench.backends.golden import GoldenExecutor
+    """Every step of the executor fails (here: out of memory); each request fails and the run ends at once."""
+    from dflash_trt.executors.golden import GoldenStepper
 
     def no_memory(self):
         raise MemoryError("cannot allocate 1 TB")
 
-    monkeypatch.setattr(GoldenExecutor, "step", no_memory)
+    monkeypatch.setattr(GoldenStepper, "step", no_memory)
     code, out, err = run_cli(_bench(world, tmp_path, "--json", "--timeout_s", "60"), capsys)
     # Every request failed: the results are written, then bench says so and exits 2.
-    assert code == 2 and err.splitlines()[-1].endswith("failed: the executor failed: cannot allocate 1 TB"), err
+    assert code == 2 and err.splitlines()[-1].endswith(
+        "failed: the executor failed: MemoryError: cannot allocate 1 TB"
+    ), err
     (point,) = json.loads(out)
     assert point["requests"] == 0 and point["failed"] == 2
     results = json.loads((tmp_path / "o" / "results.json").read_text())
     errors = {r["error"] for r in results["points"][0]["per_request"]}
-    assert errors == {"the executor failed: cannot allocate 1 TB"}
+    assert errors == {"the executor failed: MemoryError: cannot allocate 1 TB"}
 
 
 def _clipped(acceptance: list[int], budget: int) -> list[int]:
@@ -576,12 +578,12 @@ def test_an_unresponsive_triton_server_is_named_with_a_reason() -> None:
     import asyncio
     import socket
 
-    from dflash_trt.bench.backends.triton import TritonBackend
+    from dflash_trt.clients.triton import TritonExecutor
     from dflash_trt.errors import DFlashTrtError
 
     with socket.create_server(("127.0.0.1", 0)) as silent:
         port = silent.getsockname()[1]
-        backend = TritonBackend(f"127.0.0.1:{port}", connect_timeout_s=0.5)
+        backend = TritonExecutor(f"127.0.0.1:{port}", connect_timeout_s=0.5)
         with pytest.raises(DFlashTrtError, match=rf"cannot reach a Triton server at 127\.0\.0\.1:{port}: no answer "
                            r"within 0\.5 s$"):  # fmt: skip
             asyncio.run(backend.start(lambda batch: None))
@@ -592,12 +594,6 @@ def test_an_unresponsive_triton_server_is_named_with_a_reason() -> None:
 # pipeline-parallel refusal. Every other numeric flag takes a rule of dflash_trt.inputs as its argparse type.
 CHECKED_AFTER_PARSING = {
     ("convert", "--pp_size"),
-    ("generate", "--temperature"),
-    ("generate", "--top_p"),
-    ("generate", "--top_k"),
-    ("generate", "--seed"),
-    ("emulate", "--temperature"),
-    ("emulate", "--seed"),
     ("triton", "--kv_cache_free_gpu_mem_fraction"),
     ("triton", "--instance_count"),
     ("triton", "--replicas"),

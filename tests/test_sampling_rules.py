@@ -7,20 +7,48 @@ import math
 import pytest
 
 from dflash_trt.sampling_rules import (
+    DEFAULT_SEED,
+    DEFAULT_TEMPERATURE,
     FEATURES,
     HONOURED,
+    MAX_SEED,
     NEUTRAL,
+    Sampling,
     SamplingRefused,
-    engine_request_sampling,
+    request_sampling,
     sampling_refusal,
 )
 
 
 def test_temperature_and_seed_are_honoured():
     assert HONOURED == ("temperature", "seed")
-    assert engine_request_sampling({}) == {"temperature": 0.0}  # never the runtime's default of 1.0
-    assert engine_request_sampling({"temperature": 0.7, "random_seed": 9}) == {"temperature": 0.7, "seed": 9}
-    assert engine_request_sampling({"temperature": None, "top_k": None}) == {"temperature": 0.0}
+    assert request_sampling({}) == Sampling(temperature=0.0)  # never the runtime's default of 1.0
+    assert request_sampling({"temperature": 0.7, "random_seed": 9}) == Sampling(temperature=0.7, seed=9)
+    assert request_sampling({"temperature": None, "top_k": None}) == Sampling(temperature=0.0, seed=None)
+
+
+def test_an_unsent_temperature_takes_the_edges_default_and_an_unsent_seed_the_runtimes():
+    assert request_sampling({"seed": 4}, DEFAULT_TEMPERATURE) == Sampling(temperature=1.0, seed=4)
+    assert Sampling(temperature=0.5).runtime_seed == DEFAULT_SEED == 0
+    assert Sampling(temperature=0.5, seed=7).runtime_seed == 7
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": True}, "temperature"),
+        ({"seed": -1}, "seed"),
+        ({"seed": MAX_SEED + 1}, "seed"),
+        ({"seed": 1.5}, "seed"),
+    ],
+)
+def test_a_sampling_record_refuses_what_the_engine_cannot_honour_and_names_it(fields, param):
+    with pytest.raises(SamplingRefused) as refused:
+        Sampling(**fields)
+    assert refused.value.param == param and str(refused.value).startswith(param)
+    assert Sampling(seed=MAX_SEED).seed == MAX_SEED and Sampling(temperature=2).temperature == 2.0
 
 
 @pytest.mark.parametrize("name", sorted(NEUTRAL))
@@ -30,8 +58,9 @@ def test_every_other_parameter_is_accepted_only_when_neutral(name: str):
     message = sampling_refusal({"temperature": 0.9, name: 7})
     assert message.startswith(f"{name} 7 refused: a DFlash engine samples with temperature and seed only")
     assert "omit it or send" in message
-    with pytest.raises(SamplingRefused, match=f"^{name} 7 refused"):
-        engine_request_sampling({name: 7})
+    with pytest.raises(SamplingRefused, match=f"^{name} 7 refused") as refused:
+        request_sampling({name: 7})
+    assert refused.value.param == name
 
 
 @pytest.mark.parametrize(
@@ -74,7 +103,7 @@ def test_request_features_the_eagle_mode_never_applies_are_refused(name: str, sp
     message = sampling_refusal({"temperature": 0.0, spelling: value})
     assert message.startswith(f"{name} refused: it ") and message.endswith("so it would be silently ignored; omit it")
     with pytest.raises(SamplingRefused, match=f"^{name} refused"):
-        engine_request_sampling({spelling: value})
+        request_sampling({spelling: value})
 
 
 @pytest.mark.parametrize("empty", [None, "", [], [""], [[]], ["", ""]])

@@ -22,7 +22,7 @@ import openai
 import pytest
 from _server import RunningServer
 
-from dflash_trt.bench.driver import Backend, Response
+from dflash_trt.executors.contract import Executor, Response
 from dflash_trt.server.launch import make_app
 from dflash_trt.server.params import Limits
 from dflash_trt.server.targets import ServeTarget
@@ -30,7 +30,7 @@ from dflash_trt.tiny.heldout import target_dir
 from dflash_trt.tokenizer import load_tokenizer
 
 
-class HeldBackend(Backend):
+class HeldExecutor(Executor):
     """Every request gets token 7 at once and its final token 8 when `release`d; cancels are recorded."""
 
     def __init__(self):
@@ -43,13 +43,13 @@ class HeldBackend(Backend):
 
     def submit(self, request_id, request):
         self.submitted.append(request_id)
-        self.loop.call_soon(self.deliver, [Response(request_id, [7])])
+        self.loop.call_soon(self.deliver, [Response(request_id=request_id, tokens=[7])])
 
     def cancel(self, request_id):
         self.cancelled.append(request_id)
 
     def release(self, request_id):
-        self.loop.call_soon_threadsafe(self.deliver, [Response(request_id, [8], True)])
+        self.loop.call_soon_threadsafe(self.deliver, [Response(request_id=request_id, tokens=[8], final=True)])
 
     async def stop(self):
         pass
@@ -61,8 +61,14 @@ def tokenizer():
 
 
 def held_server(tokenizer, *, max_batch_size=1, max_queue=1, **kwargs):
-    backend = HeldBackend()
-    target = ServeTarget(backend, max_batch_size, Limits(256, 128), frozenset(), True)
+    backend = HeldExecutor()
+    target = ServeTarget(
+        executor=backend,
+        max_batch_size=max_batch_size,
+        limits=Limits(max_seq_len=256, vocab_size=128),
+        eos_token_ids=frozenset(),
+        engine_stops_at_eos=True,
+    )
     return backend, RunningServer(make_app(target, tokenizer, "held", max_queue=max_queue, **kwargs))
 
 
@@ -175,17 +181,17 @@ def test_sigterm_lets_the_streams_in_flight_finish_then_exits(tiny):
 def test_the_bench_openai_backend_cancels_by_closing_and_reports_refusals(tokenizer):
     """bench's OpenAI backend: `cancel` closes the request's connection (the server cancels it in its backend), and a
     request the server refuses comes back as that request's error."""
-    from dflash_trt.bench.backends.openai_http import OpenAIBackend
-    from dflash_trt.bench.driver import BenchRequest
+    from dflash_trt.clients.openai_http import OpenAIExecutor
+    from dflash_trt.executors.contract import Request
 
     backend, running = held_server(tokenizer, max_batch_size=2, max_queue=0)
     seen: list[Response] = []
 
     async def scenario(url: str) -> None:
-        client = OpenAIBackend(f"{url}/v1")
+        client = OpenAIExecutor(f"{url}/v1")
         await client.start(seen.extend)
-        client.submit(10, BenchRequest(0, [5, 6], 8))
-        client.submit(11, BenchRequest(1, [5, 6], 10_000))
+        client.submit(10, Request(input_ids=[5, 6], max_new_tokens=8))
+        client.submit(11, Request(input_ids=[5, 6], max_new_tokens=10_000))
         while not (any(r.request_id == 10 for r in seen) and any(r.request_id == 11 for r in seen)):
             await asyncio.sleep(0.01)
         client.cancel(10)

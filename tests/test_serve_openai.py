@@ -21,9 +21,9 @@ import pytest
 from _server import RunningServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from dflash_trt.bench.backends.emulated import EmulatedBackend
 from dflash_trt.cli import main
 from dflash_trt.emulation.engine import EmulatedEngine
+from dflash_trt.executors.emulated import EmulatedExecutor
 from dflash_trt.server.launch import make_app
 from dflash_trt.server.params import Limits
 from dflash_trt.server.targets import ServeTarget
@@ -62,8 +62,13 @@ def engine(tiny) -> EmulatedEngine:
 
 def emulated_target(engine: EmulatedEngine, max_seq_len: int = 256) -> ServeTarget:
     eos = frozenset(engine.eos_token_ids)
-    backend = EmulatedBackend(engine, max_seq_len, sorted(eos))
-    return ServeTarget(backend, engine.max_batch_size, Limits(max_seq_len, engine.vocab_size), eos, True)
+    return ServeTarget(
+        executor=EmulatedExecutor(engine, max_seq_len, sorted(eos)),
+        max_batch_size=engine.max_batch_size,
+        limits=Limits(max_seq_len=max_seq_len, vocab_size=engine.vocab_size),
+        eos_token_ids=eos,
+        engine_stops_at_eos=True,
+    )
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 
 from dflash_trt.emulation.engine import EmulatedEngine
-from dflash_trt.emulation.executor import EmulatedExecutor, Request
+from dflash_trt.executors.contract import Request
+from dflash_trt.executors.emulated import EmulatedStepper
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import load_golden_model
+from dflash_trt.sampling_rules import Sampling
 from dflash_trt.tiny.heldout import load_heldout
 from dflash_trt.tokenizer import load_tokenizer
 from dflash_trt.triton import emulated_llm as E
@@ -36,16 +38,17 @@ def _inputs(prompt: list[int], max_new: int = MAX_NEW, **extra) -> dict[str, np.
 
 
 def test_absent_inputs_take_the_cpp_backends_defaults():
-    request = E.parse_request(_inputs([4, 5, 6]))
-    assert (request.temperature, request.seed, request.streaming, request.perf_metrics) == (1.0, 0, False, False)
-    assert request.stop_words == () and request.prompt == [4, 5, 6] and request.max_new_tokens == MAX_NEW
+    request, delivery = E.parse_request(_inputs([4, 5, 6]))
+    assert (request.sampling.temperature, request.sampling.seed) == (1.0, 0)
+    assert (delivery.streaming, delivery.perf_metrics) == (False, False)
+    assert request.stop_words == () and request.input_ids == [4, 5, 6] and request.max_new_tokens == MAX_NEW
 
 
 def test_end_id_and_stop_words_become_stop_sequences():
     words = np.array([[[7, 8, 9, 0], [2, 3, -1, -1]]], np.int32)  # words [7, 8] and [9]
-    request = E.parse_request(_inputs([1], **{P.LLM_END_ID: np.array([3], np.int32), P.LLM_STOP_WORDS: words}))
+    request, _ = E.parse_request(_inputs([1], **{P.LLM_END_ID: np.array([3], np.int32), P.LLM_STOP_WORDS: words}))
     assert request.stop_words == ((3,), (7, 8), (9,))
-    assert E.parse_request(_inputs([1], **{P.LLM_END_ID: np.array([-1], np.int32)})).stop_words == ()
+    assert E.parse_request(_inputs([1], **{P.LLM_END_ID: np.array([-1], np.int32)}))[0].stop_words == ()
 
 
 @pytest.mark.parametrize(
@@ -107,7 +110,7 @@ def engine(checkpoint) -> EmulatedEngine:
 
 @pytest.fixture()
 def server(engine):
-    served = E.Server(EmulatedExecutor(engine, MAX_SEQ_LEN))
+    served = E.Server(EmulatedStepper(engine, MAX_SEQ_LEN))
     yield served
     served.stop()
 
@@ -157,15 +160,16 @@ def test_an_absent_temperature_samples_at_one_with_seed_zero(server, engine):
     sink = ListSink()
     server.submit(_inputs(UNSURE), sink)
     _wait(sink)
-    executor = EmulatedExecutor(engine, MAX_SEQ_LEN)
+    stepper = EmulatedStepper(engine, MAX_SEQ_LEN)
     try:
-        sampled, greedy = Request(0, UNSURE, MAX_NEW, 1.0, 0), Request(1, UNSURE, MAX_NEW, 0.0, 0)
-        executor.add(sampled)
-        executor.add(greedy)
-        while executor.has_work():
-            executor.step()
+        at = [Sampling(temperature=1.0, seed=0), Sampling(temperature=0.0, seed=0)]
+        sampled, greedy = (
+            stepper.add(i, Request(input_ids=UNSURE, max_new_tokens=MAX_NEW, sampling=s)) for i, s in enumerate(at)
+        )
+        while stepper.has_work():
+            stepper.step()
     finally:
-        executor.close()
+        stepper.close()
     assert sink.tokens() == sampled.output != greedy.output
 
 
@@ -178,11 +182,11 @@ def test_a_cancelled_request_frees_its_slot(server, prompts):
     server.submit(_inputs(prompts[1], 4, **streaming), staying)
     _wait(staying)
     assert all(len(sink.responses) <= 2 and not sink.finished.is_set() for sink in leaving)
-    assert not server.executor.has_work()
+    assert not server.stepper.has_work()
 
 
 def test_a_failed_step_fails_its_requests_and_the_server_goes_on(server, prompts, monkeypatch):
-    real_step = server.executor.step
+    real_step = server.stepper.step
     calls = {"n": 0}
 
     def failing_once():
@@ -191,11 +195,11 @@ def test_a_failed_step_fails_its_requests_and_the_server_goes_on(server, prompts
             raise RuntimeError("out of pages")
         return real_step()
 
-    monkeypatch.setattr(server.executor, "step", failing_once)
+    monkeypatch.setattr(server.stepper, "step", failing_once)
     first, second = ListSink(), ListSink()
     server.submit(_inputs(prompts[0]), first)
     _wait(first)
-    assert first.responses == [({}, "the emulated engine failed: RuntimeError: out of pages", True)]
+    assert first.responses == [({}, "the executor failed: RuntimeError: out of pages", True)]
     server.submit(_inputs(prompts[0], 3), second)
     _wait(second)
     assert second.responses[-1][1] is None and len(second.tokens()) == 3

@@ -24,13 +24,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_trt.bench.backends.triton import TritonBackend
-from dflash_trt.bench.backends.triton_http import TritonHttpBackend
-from dflash_trt.bench.driver import BenchRequest, run_load
+from dflash_trt.bench.driver import run_load
+from dflash_trt.clients.triton import TritonExecutor
+from dflash_trt.clients.triton_http import TritonHttpExecutor
 from dflash_trt.emulation.engine import EmulatedEngine
-from dflash_trt.emulation.executor import EmulatedExecutor, Request
+from dflash_trt.executors.contract import Request
+from dflash_trt.executors.emulated import EmulatedStepper
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import load_golden_model
+from dflash_trt.sampling_rules import Sampling
 from dflash_trt.tiny.heldout import load_heldout
 from dflash_trt.tokenizer import load_tokenizer
 from dflash_trt.triton import client as triton_client
@@ -198,15 +200,18 @@ def test_http_generate_stream_equals_the_golden_loop(server, golden, tokenizer, 
 
 
 def _emulated(checkpoint, prompt: list[int], temperature: float, seed: int, stops=()) -> list[int]:
-    executor = EmulatedExecutor(EmulatedEngine(checkpoint, max_batch_size=2), MAX_SEQ_LEN)
+    stepper = EmulatedStepper(EmulatedEngine(checkpoint, max_batch_size=2), MAX_SEQ_LEN)
     try:
-        request = Request(0, prompt, MAX_NEW, temperature, seed, tuple((s,) for s in stops))
-        executor.add(request)
-        while executor.has_work():
-            executor.step()
-        return request.output
+        sampling = Sampling(temperature=temperature, seed=seed)
+        stop_words = tuple((s,) for s in stops)
+        decoding = stepper.add(
+            0, Request(input_ids=prompt, max_new_tokens=MAX_NEW, sampling=sampling, stop_words=stop_words)
+        )
+        while stepper.has_work():
+            stepper.step()
+        return decoding.output
     finally:
-        executor.close()
+        stepper.close()
 
 
 def test_seeded_sampling_equals_the_emulated_engine(server, checkpoint, golden, tokenizer, texts):
@@ -403,9 +408,10 @@ def test_bench_tokens_equal_the_golden_loop(server, golden, tokenizer, texts, mo
     prompts = [tokenizer.encode(t) for t in texts]
     stops = [] if model == "tensorrt_llm" else list(golden.target.spec.eos_token_ids)  # preprocessing's end_id
     expected = [speculative_generate(golden, [p], MAX_NEW, stops)[0].output_ids for p in prompts]
-    requests = [BenchRequest(i, p, MAX_NEW) for i, p in enumerate(prompts)] * 2
-    backend = TritonBackend(server.url, model=model, vocab_size=golden.target.spec.vocab_size, tokenizer=tokenizer)
-    trace = asyncio.run(run_load(backend, requests, concurrency=concurrency, timeout_s=300))
+    requests = [Request(input_ids=p, max_new_tokens=MAX_NEW) for p in prompts] * 2
+    indices = list(range(len(prompts))) * 2
+    backend = TritonExecutor(server.url, model=model, vocab_size=golden.target.spec.vocab_size, tokenizer=tokenizer)
+    trace = asyncio.run(run_load(backend, requests, prompt_indices=indices, concurrency=concurrency, timeout_s=300))
     assert len(trace.records) == len(requests)
     for record in trace.records:
         assert record.error is None
@@ -423,9 +429,10 @@ def test_bench_over_http_generate_stream_equals_the_golden_loop(server, golden, 
     prompts = [tokenizer.encode(t) for t in texts]
     stops = list(golden.target.spec.eos_token_ids)
     expected = [speculative_generate(golden, [p], MAX_NEW, stops)[0].output_ids for p in prompts]
-    requests = [BenchRequest(i, p, MAX_NEW) for i, p in enumerate(prompts)] * 2
-    backend = TritonHttpBackend(f"http://127.0.0.1:{server.http}", model=model, tokenizer=tokenizer)
-    trace = asyncio.run(run_load(backend, requests, concurrency=concurrency, timeout_s=300))
+    requests = [Request(input_ids=p, max_new_tokens=MAX_NEW) for p in prompts] * 2
+    indices = list(range(len(prompts))) * 2
+    backend = TritonHttpExecutor(f"http://127.0.0.1:{server.http}", model=model, tokenizer=tokenizer)
+    trace = asyncio.run(run_load(backend, requests, prompt_indices=indices, concurrency=concurrency, timeout_s=300))
     assert len(trace.records) == len(requests)
     for record in trace.records:
         assert record.error is None

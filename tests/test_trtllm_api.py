@@ -23,7 +23,7 @@ EXTERNAL = ("tensorrt_llm", "tensorrt")
 
 def sources() -> list[Path]:
     """The engine package plus the executor backend that drives engines (selftest and bench go through it)."""
-    return [*sorted(PACKAGE.glob("*.py")), ROOT / "dflash_trt" / "bench" / "backends" / "trtllm.py"]
+    return [*sorted(PACKAGE.glob("*.py")), ROOT / "dflash_trt" / "executors" / "trtllm.py"]
 
 
 def aliases(tree: ast.AST) -> dict[str, str]:

@@ -2,7 +2,8 @@
 
 It holds what a built engine fixes (the network, its draft length, its KV geometry and cache dtype, its batch and
 token limits) and runs one forward over inputs the runtime prepared, returning the outputs the runtime binds.
-Requests, scheduling and the KV pages belong to `executor.py`; this module knows nothing of them.
+Requests, scheduling and the KV pages belong to the emulated executor (`dflash_trt/executors/emulated.py`); this
+module knows nothing of them.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dflash_trt.trtllm.build_plan import (
     read_checkpoint_facts,
 )
 
+CONTEXT_REQUEST, GENERATION_REQUEST = 0, 1  # host_request_types values (RequestType in the C++ runtime)
 ACCEPT_OUTPUTS = (
     "accepted_tokens",
     "num_accepted_tokens",
@@ -44,7 +46,8 @@ ACCEPT_OUTPUTS = (
 
 @dataclass
 class StepStats:
-    """What the engine ran: steps, context chunks, the largest batch and the largest cumsum-by-square scan."""
+    """What the engine ran: steps, context chunks (rows of context requests), the largest batch and the largest
+    cumsum-by-square scan; counted by the engine from the inputs it ran."""
 
     steps: int = 0
     context_chunks: int = 0
@@ -132,6 +135,8 @@ class EmulatedEngine:
             if differing:
                 raise EmulationError(f"tp rank {rank} disagrees with rank 0 on {differing}")
         self.stats.steps += 1
+        types = inputs["attention_params"].host_request_types.data
+        self.stats.context_chunks += int((types == CONTEXT_REQUEST).sum())
         self.stats.max_batch = max(self.stats.max_batch, batch_size)
         self.stats.largest_cumsum_square = max([self.stats.largest_cumsum_square, *network.cumsum_square_elements])
         return outputs

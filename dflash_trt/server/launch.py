@@ -1,7 +1,7 @@
 """Putting a served engine on the network: the app over a target, run by uvicorn until SIGTERM or Ctrl-C.
 
 On SIGTERM uvicorn stops accepting connections, lets every in-flight request finish (up to `drain_timeout_s`),
-then the app's shutdown stops the backend; the signal is then re-raised, so the process exits as terminated.
+then the app's shutdown stops the executor; the signal is then re-raised, so the process exits as terminated.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def make_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     metrics = Metrics()
-    client = EngineClient(target.backend, target.max_batch_size, max_queue, metrics)
+    client = EngineClient(target.executor, target.max_batch_size, max_queue, metrics)
     served = Served(
         client,
         tokenizer,

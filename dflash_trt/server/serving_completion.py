@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from dflash_trt.server import sse
-from dflash_trt.server.engine_client import BackendError
+from dflash_trt.server.engine_client import ExecutorError
 from dflash_trt.server.errors import SERVER_ERROR, error
 from dflash_trt.server.generation import Generation, Served
 from dflash_trt.server.protocol import (
@@ -47,7 +47,7 @@ async def create_completion(
         return sse.EventStream(completion_stream(generation, head, usage, with_ids), generation.close)
     try:
         pieces = [piece async for piece in generation.pieces()]
-    except BackendError as exc:
+    except ExecutorError as exc:
         return error(f"the engine failed the request: {exc}", status=SERVER_ERROR)
     text, token_ids = joined(pieces, with_ids)
     choice = CompletionChoice(text=text, finish_reason=generation.finish_reason, token_ids=token_ids)
@@ -62,7 +62,7 @@ async def completion_stream(
             if piece.text or with_ids and piece.token_ids:
                 choice = CompletionChoice(text=piece.text, token_ids=piece.token_ids if with_ids else None)
                 yield sse.event(CompletionResponse(**head, choices=[choice]))
-    except BackendError as exc:
+    except ExecutorError as exc:
         yield sse.event(error(f"the engine failed the request: {exc}", status=SERVER_ERROR))
         yield sse.DONE
         return

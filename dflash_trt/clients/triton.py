@@ -1,4 +1,4 @@
-"""Triton backend: a deployed model repository over gRPC decoupled streaming (`tritonclient.grpc.aio`).
+"""Triton executor: a deployed model repository over gRPC decoupled streaming (`tritonclient.grpc.aio`).
 
 Requests go to the repository's `tensorrt_llm` model with token ids (`input_ids`, `request_output_len`,
 `streaming`), so users measure the server they run without tokenizer work in the loop; in streaming mode the
@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from dflash_trt.bench.backends.streams import StreamPerRequest
-from dflash_trt.bench.driver import BenchRequest, Deliver, Response
+from dflash_trt.clients.streams import StreamPerRequest
 from dflash_trt.decoding_modes import DFLASH, DecodingMode
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.executors.contract import Deliver, Request, Response, failed
 from dflash_trt.triton import processing as P
 from dflash_trt.triton.repository import GPU_DEVICE_IDS, TENSORRT_LLM, replica_gpus
 
@@ -80,39 +80,39 @@ def _tensor(name: str, array: np.ndarray, dtype: str):
     return t
 
 
-def text_request_inputs(request: BenchRequest, prompt: str, end_id: int | None) -> list:
+def text_request_inputs(request: Request, prompt: str, end_id: int | None) -> list:
     """The ensemble's and BLS's request interface: text in, streamed, sampling stated explicitly."""
     inputs = [
         _tensor(P.TEXT_INPUT, np.array([[prompt.encode("utf-8")]], dtype=object), "BYTES"),
         _tensor(P.MAX_TOKENS, np.array([[request.max_new_tokens]], dtype=np.int32), "INT32"),
         _tensor(P.STREAM, np.array([[True]], dtype=bool), "BOOL"),
-        _tensor(P.REQUEST_TEMPERATURE, np.array([[request.temperature]], dtype=np.float32), "FP32"),
+        _tensor(P.REQUEST_TEMPERATURE, np.array([[request.sampling.temperature]], dtype=np.float32), "FP32"),
     ]
-    if request.seed is not None:
-        inputs.append(_tensor(P.REQUEST_RANDOM_SEED, np.array([[request.seed]], dtype=np.uint64), "UINT64"))
+    if request.sampling.seed is not None:
+        inputs.append(_tensor(P.REQUEST_RANDOM_SEED, np.array([[request.sampling.seed]], dtype=np.uint64), "UINT64"))
     if end_id is not None:
         inputs.append(_tensor(P.REQUEST_END_ID, np.array([[end_id]], dtype=np.int32), "INT32"))
     return inputs
 
 
-def request_inputs(request: BenchRequest, end_id: int | None) -> list:
+def request_inputs(request: Request, end_id: int | None) -> list:
     ids = np.array([request.input_ids], dtype=np.int32)
     inputs = [
         _tensor(P.LLM_INPUT_IDS, ids, "INT32"),
         _tensor(P.LLM_INPUT_LENGTHS, np.array([[ids.shape[1]]], dtype=np.int32), "INT32"),
         _tensor(P.LLM_REQUEST_OUTPUT_LEN, np.array([[request.max_new_tokens]], dtype=np.int32), "INT32"),
         _tensor(P.LLM_STREAMING, np.array([[True]], dtype=bool), "BOOL"),
-        _tensor(P.LLM_TEMPERATURE, np.array([[request.temperature]], dtype=np.float32), "FP32"),
+        _tensor(P.LLM_TEMPERATURE, np.array([[request.sampling.temperature]], dtype=np.float32), "FP32"),
     ]
-    if request.seed is not None:
-        inputs.append(_tensor(P.LLM_RANDOM_SEED, np.array([[request.seed]], dtype=np.uint64), "UINT64"))
+    if request.sampling.seed is not None:
+        inputs.append(_tensor(P.LLM_RANDOM_SEED, np.array([[request.sampling.seed]], dtype=np.uint64), "UINT64"))
     if end_id is not None:
         inputs.append(_tensor(P.LLM_END_ID, np.array([[end_id]], dtype=np.int32), "INT32"))
         inputs.append(_tensor(P.LLM_PAD_ID, np.array([[max(end_id, 0)]], dtype=np.int32), "INT32"))
     return inputs
 
 
-class TritonBackend(StreamPerRequest):
+class TritonExecutor(StreamPerRequest):
     def __init__(
         self,
         url: str,
@@ -137,7 +137,6 @@ class TritonBackend(StreamPerRequest):
         self.tokenizer = tokenizer if model in TEXT_MODELS else None
         self.connect_timeout_s = connect_timeout_s
         self.client: Any = None
-        self.deliver: Deliver = lambda batch: None
         super().__init__()
         # Triton request ids unique across bench runs: the ensemble keys split characters by them.
         self.id_prefix = uuid.uuid4().hex
@@ -179,7 +178,7 @@ class TritonBackend(StreamPerRequest):
         device_ids = config.get("config", {}).get("parameters", {}).get(GPU_DEVICE_IDS, {}).get("string_value")
         return replica_gpus(device_ids)[1] if device_ids else None
 
-    async def _stream(self, request_id: int, request: BenchRequest) -> None:
+    async def _stream(self, request_id: int, request: Request) -> None:
         import grpc
         from tritonclient.utils import InferenceServerException
 
@@ -199,7 +198,7 @@ class TritonBackend(StreamPerRequest):
         try:
             async for result, error in self.client.stream_infer(one_request()):
                 if error is not None:
-                    self.deliver([Response(request_id, [], True, str(error))])
+                    self.deliver([failed(request_id, str(error))])
                     return
                 if counter is not None:
                     tokens = counter.push(result.as_numpy(P.TEXT_OUTPUT))
@@ -210,14 +209,14 @@ class TritonBackend(StreamPerRequest):
                     raise BadResponse(f"the server sent {received} tokens, {request.max_new_tokens} were asked for")
                 flag = result.get_response().parameters.get(FINAL)
                 final = bool(flag is not None and flag.bool_param)
-                self.deliver([Response(request_id, tokens, final)])
+                self.deliver([Response(request_id=request_id, tokens=tokens, final=final)])
                 if final:
                     return
-            self.deliver([Response(request_id, [], True, "the stream ended before a final response")])
+            self.deliver([failed(request_id, "the stream ended before a final response")])
         except (InferenceServerException, grpc.RpcError, BadResponse) as exc:
-            self.deliver([Response(request_id, [], True, str(exc))])
+            self.deliver([failed(request_id, str(exc))])
         except Exception as exc:  # a malformed response must fail its request, never the task silently
-            self.deliver([Response(request_id, [], True, f"malformed response: {exc}")])
+            self.deliver([failed(request_id, f"malformed response: {exc}")])
         finally:
             done.set()
 

@@ -1,9 +1,9 @@
-"""OpenAI backend: any server speaking the OpenAI completions API over HTTP (`dflash-trt serve`, vLLM, ...).
+"""OpenAI executor: any server speaking the OpenAI completions API over HTTP (`dflash-trt serve`, vLLM, ...).
 
 Requests go to `/v1/completions` as token-id prompts with `stream: true`, so the measured path is the server's
 whole front (HTTP, JSON, detokenization) but not a client tokenizer. Each streamed chunk must carry the tokens of
 one engine iteration in `token_ids` (the `return_token_ids` extension `serve` and vLLM honour): that is the
-acceptance source, as the executor's per-iteration responses are for the other backends. A server that sends text
+acceptance source, as the executor's per-iteration responses are for the other executors. A server that sends text
 without token ids is refused rather than measured by re-tokenizing, which would blur iterations together.
 
 Why a small HTTP/1.1 client of its own (keep-alive connections, chunked or sized bodies, server-sent events) and not
@@ -22,10 +22,10 @@ from contextlib import aclosing
 from typing import Any
 from urllib.parse import urlsplit
 
-from dflash_trt.bench.backends.streams import StreamPerRequest
-from dflash_trt.bench.driver import BenchRequest, Deliver, Response
+from dflash_trt.clients.streams import StreamPerRequest
 from dflash_trt.decoding_modes import DFLASH, DecodingMode
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.executors.contract import Deliver, Request, Response, failed
 
 DATA = b"data: "
 DONE = b"[DONE]"
@@ -36,17 +36,17 @@ class HttpError(Exception):
     """The server answered with a status other than 200, or broke the protocol."""
 
 
-def request_body(model: str, request: BenchRequest, ignore_eos: bool) -> dict[str, Any]:
+def request_body(model: str, request: Request, ignore_eos: bool) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
         "prompt": request.input_ids,
         "max_tokens": request.max_new_tokens,
-        "temperature": request.temperature,
+        "temperature": request.sampling.temperature,
         "stream": True,
         "return_token_ids": True,
     }
-    if request.seed is not None:
-        body["seed"] = request.seed
+    if request.sampling.seed is not None:
+        body["seed"] = request.sampling.seed
     if ignore_eos:
         body["ignore_eos"] = True
     return body
@@ -124,7 +124,7 @@ class HttpClient:
         self.idle.clear()
 
 
-class OpenAIBackend(StreamPerRequest):
+class OpenAIExecutor(StreamPerRequest):
     def __init__(
         self,
         url: str,
@@ -141,7 +141,6 @@ class OpenAIBackend(StreamPerRequest):
         self.connect_timeout_s = connect_timeout_s
         self.model = ""
         self.client = HttpClient(self.url)
-        self.deliver: Deliver = lambda batch: None
         super().__init__()
 
     async def start(self, deliver: Deliver) -> None:
@@ -160,7 +159,7 @@ class OpenAIBackend(StreamPerRequest):
             raise DFlashTrtError(f"{self.url}/models lists no model")
         self.model = str(listed[0]["id"])
 
-    async def _stream(self, request_id: int, request: BenchRequest) -> None:
+    async def _stream(self, request_id: int, request: Request) -> None:
         body = json.dumps(request_body(self.model, request, self.ignore_eos)).encode()
         pending, ended = b"", False
         try:
@@ -192,11 +191,11 @@ class OpenAIBackend(StreamPerRequest):
             return True
         final = choice.get("finish_reason") is not None
         if tokens or final:
-            self.deliver([Response(request_id, tokens, final)])
+            self.deliver([Response(request_id=request_id, tokens=tokens, final=final)])
         return final
 
     def _fail(self, request_id: int, message: str) -> None:
-        self.deliver([Response(request_id, [], True, message)])
+        self.deliver([failed(request_id, message)])
 
     async def stop(self) -> None:
         await self._cancel_all()

@@ -1,4 +1,4 @@
-"""CPU backend: the golden model behind an in-flight-batching executor, so benchmarks and sweeps run anywhere.
+"""CPU executor: the golden model with in-flight batching, so benchmarks, sweeps and `serve` run anywhere.
 
 Like TensorRT-LLM's batch manager, requests join and leave between steps: each step admits waiting requests into
 free slots (context requests: prefill, first token, drafter context injected) and advances every running request by
@@ -8,7 +8,7 @@ the reference loop's (`dflash_trt.reference.decode.speculative_generate`: greedy
 output budget, stop tokens end a request), so a request's tokens and acceptance lengths equal what the reference
 loop gives for its prompt alone, whatever else is in flight; tests hold the two to that.
 
-The executor runs in the worker thread of `stepping.SteppingBackend`.
+The stepper runs in the executor's worker thread (`worker.py`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash_trt.bench.backends.stepping import SteppingBackend
-from dflash_trt.bench.driver import BenchRequest, Response
 from dflash_trt.decoding_modes import AR, DFLASH
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.executors.contract import Request, Response
+from dflash_trt.executors.worker import WorkerExecutor
 from dflash_trt.inputs import check_fits_in_memory
 from dflash_trt.reference.loop_rules import check_request, keep_tokens
 from dflash_trt.reference.model import GoldenModel
@@ -59,7 +59,7 @@ def cache_bytes(model: GoldenModel, batch: int, capacity: int) -> int:
     return batch * capacity * per_position * model.target.embedding.element_size()
 
 
-class GoldenExecutor:
+class GoldenStepper:
     """Greedy speculative decoding (block 1 = plain autoregressive) with requests joining and leaving per step."""
 
     def __init__(
@@ -87,15 +87,19 @@ class GoldenExecutor:
         self.target_cache = model.target.new_cache(max_batch_size, capacity)
         self.draft_cache = draft.new_cache(max_batch_size, capacity)
         self.slots: list[_Running | None] = [None] * max_batch_size
-        self.waiting: deque[tuple[int, BenchRequest]] = deque()
+        self.waiting: deque[tuple[int, Request]] = deque()
         self.stops = set(stop_token_ids or [])
         self.log: list[StepLog] = []
 
-    def add(self, request_id: int, request: BenchRequest) -> None:
+    def add(self, request_id: int, request: Request) -> None:
         vocab = self.model.target.spec.vocab_size
-        check_request(request.prompt_index, request.input_ids, request.max_new_tokens, vocab, self.max_seq_len)
-        if request.temperature != 0:
+        check_request(request_id, request.input_ids, request.max_new_tokens, vocab, self.max_seq_len)
+        if request.sampling.temperature != 0:
             raise DFlashTrtError("the golden executor decodes greedily (temperature 0); the emulated engine samples")
+        if request.stop_words:
+            raise DFlashTrtError(
+                "the golden executor stops at its stop tokens only; the emulated engine takes stop words"
+            )
         self.waiting.append((request_id, request))
 
     def cancel(self, request_id: int) -> None:
@@ -147,7 +151,7 @@ class GoldenExecutor:
             s.tokens.extend(kept.tokens)
             s.prefilled = True
             final = kept.stopped or len(s.tokens) >= s.max_length
-            responses.append(Response(s.request_id, kept.tokens, final))
+            responses.append(Response(request_id=s.request_id, tokens=kept.tokens, final=final))
             if final:
                 self.slots[i] = None
         if self.block > 1:
@@ -199,8 +203,8 @@ class GoldenExecutor:
         return drafts[:accepted].tolist() + [bonus]
 
 
-class GoldenBackend(SteppingBackend):
-    """The golden executor served from a worker thread (`dflash-trt bench --checkpoint_dir`)."""
+class GoldenExecutor(WorkerExecutor):
+    """The golden stepper served from a worker thread (`dflash-trt bench --checkpoint_dir`)."""
 
     def __init__(
         self,
@@ -213,6 +217,6 @@ class GoldenBackend(SteppingBackend):
     ):
         block = model.draft.spec.block_size if block_size is None else block_size
         super().__init__(
-            lambda: GoldenExecutor(model, max_batch_size, max_seq_len, block_size, stop_token_ids),
+            lambda: GoldenStepper(model, max_batch_size, max_seq_len, block_size, stop_token_ids),
             DFLASH if block > 1 else AR,
         )

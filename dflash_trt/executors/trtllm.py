@@ -1,4 +1,4 @@
-"""GPU backend: TensorRT-LLM 1.2.x's C++ executor (`tensorrt_llm.bindings.executor`), in this process.
+"""GPU executor: TensorRT-LLM 1.2.x's C++ executor (`tensorrt_llm.bindings.executor`), in this process.
 
 Why the executor bindings and not the LLM API: the executor is the layer every TensorRT-LLM engine server drives
 (Triton's `tensorrtllm` backend and `ModelRunnerCpp` both build exactly this `Executor`), it runs in our process,
@@ -23,11 +23,18 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from dflash_trt.bench.driver import Backend, BenchRequest, Deliver, FollowerRank, Response, threadsafe_deliver
 from dflash_trt.decoding_modes import AR, DECODING_MODES, DFLASH, DecodingMode
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.executors.contract import (
+    Deliver,
+    Executor,
+    FollowerRank,
+    Request,
+    Response,
+    failed,
+    threadsafe_deliver,
+)
 from dflash_trt.jsonfile import read_json_object
-from dflash_trt.sampling_rules import engine_request_sampling
 from dflash_trt.trtllm.build_plan import MANIFEST_NAME
 
 POLL = timedelta(milliseconds=20)
@@ -42,7 +49,14 @@ class EngineInfo:
     gpus: int
     vocab_size: int
     max_batch_size: int
-    end_id: int | None  # the checkpoint's first eos id when the engine config carries it
+    max_seq_len: int | None  # the engine's built max_seq_len, when its config states one
+    eos_token_ids: tuple[int, ...]  # the checkpoint's, as the engine config carries them
+
+    @property
+    def end_id(self) -> int | None:
+        """The end id the runtime stops at: the first eos id."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
     eagle_choices: list[list[int]] | None
     plugin_library: Path | None
 
@@ -81,13 +95,15 @@ def inspect_engine(
                 f"plugin library {library} not found: build plugins/ with CMake or pass --plugin_library"
             )
     eos = pretrained.get("eos_token_ids", pretrained.get("eos_token_id"))
+    seq_len = build.get("max_seq_len")
     return EngineInfo(
         engine_dir=engine_dir,
         mode=mode,
         gpus=int(mapping.get("world_size", mapping.get("tp_size", 1) * mapping.get("pp_size", 1))),
         vocab_size=int(pretrained.get("vocab_size", 0)),
         max_batch_size=int(build.get("max_batch_size", 1)),
-        end_id=eos[0] if isinstance(eos, list) and eos else eos if isinstance(eos, int) else None,
+        max_seq_len=seq_len if isinstance(seq_len, int) and not isinstance(seq_len, bool) else None,
+        eos_token_ids=tuple(int(i) for i in eos) if isinstance(eos, list) else (eos,) if isinstance(eos, int) else (),
         eagle_choices=eagle_choices,
         plugin_library=library,
     )
@@ -113,7 +129,7 @@ def prepare_process(info: EngineInfo) -> None:
     import dflash_trt.trtllm.model  # noqa: F401  (registers MODEL_MAP["DFlashForCausalLM"] for config parsing)
 
 
-class TrtllmBackend(Backend):
+class TrtllmExecutor(Executor):
     """One in-process executor per run; requests carry our request id as the executor's client id."""
 
     def __init__(
@@ -175,18 +191,20 @@ class TrtllmBackend(Backend):
         )
         self._poller.start()
 
-    def submit(self, request_id: int, request: BenchRequest) -> None:
+    def submit(self, request_id: int, request: Request) -> None:
         trtllm = self.trtllm
-        sampling = engine_request_sampling({"temperature": request.temperature, "seed": request.seed})
+        sampling = request.sampling
+        seed = {} if sampling.seed is None else {"seed": sampling.seed}
         self._executor_ids[request_id] = self.executor.enqueue_request(
             trtllm.Request(
                 input_token_ids=request.input_ids,
                 max_tokens=request.max_new_tokens,
                 streaming=True,
                 # Temperature 0 is sent explicitly: a request without one is sampled at the runtime's default 1.0.
-                sampling_config=trtllm.SamplingConfig(beam_width=1, **sampling),
+                sampling_config=trtllm.SamplingConfig(beam_width=1, temperature=sampling.temperature, **seed),
                 output_config=trtllm.OutputConfig(exclude_input_from_output=True),
                 end_id=self.end_id,
+                stop_words=[list(word) for word in request.stop_words] or None,
                 pad_id=max(self.end_id, 0),
                 client_id=request_id,
             )
@@ -204,11 +222,12 @@ class TrtllmBackend(Backend):
             batch = []
             for r in self.executor.await_responses(timeout=POLL):
                 if r.has_error():
-                    batch.append(Response(r.client_id, [], True, r.error_msg))
+                    batch.append(failed(r.client_id, r.error_msg))
                     final = True
                 else:
                     result = r.result
-                    batch.append(Response(r.client_id, list(result.output_token_ids[0]), result.is_final))
+                    tokens = list(result.output_token_ids[0])
+                    batch.append(Response(request_id=r.client_id, tokens=tokens, final=result.is_final))
                     final = result.is_final
                 if final:
                     self._executor_ids.pop(r.client_id, None)

@@ -1,10 +1,10 @@
-"""Triton HTTP backend: a text model of the repository (`ensemble`, `tensorrt_llm_bls`) over HTTP `generate_stream`.
+"""Triton HTTP executor: a text model of the repository (`ensemble`, `tensorrt_llm_bls`) over HTTP `generate_stream`.
 
 The protocol external load generators (aiperf's template endpoint, curl) use against Triton: one POST per request
 to `/v2/models/<model>/generate_stream` with a JSON body of the model's inputs, answered with server-sent events,
 one `data: {...}` per response, and the end of the body after the last one (the HTTP front has no final flag).
 Text is counted in tokens by re-tokenizing the text received so far, as with the gRPC text path
-(`backends/triton.py`). Each request carries a unique `id`, which the ensemble needs to keep a character whole.
+(`triton.py`). Each request carries a unique `id`, which the ensemble needs to keep a character whole.
 """
 
 from __future__ import annotations
@@ -17,32 +17,32 @@ from typing import Any
 
 import numpy as np
 
-from dflash_trt.bench.backends.openai_http import DATA, HttpClient, HttpError
-from dflash_trt.bench.backends.streams import StreamPerRequest
-from dflash_trt.bench.backends.triton import TEXT_MODELS, BadResponse, TextCounter
-from dflash_trt.bench.driver import BenchRequest, Deliver, Response
+from dflash_trt.clients.openai_http import DATA, HttpClient, HttpError
+from dflash_trt.clients.streams import StreamPerRequest
+from dflash_trt.clients.triton import TEXT_MODELS, BadResponse, TextCounter
 from dflash_trt.decoding_modes import DFLASH, DecodingMode
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.executors.contract import Deliver, Request, Response, failed
 from dflash_trt.triton import processing as P
 
 
-def generate_body(request: BenchRequest, prompt: str, request_id: str, end_id: int | None) -> dict[str, Any]:
+def generate_body(request: Request, prompt: str, request_id: str, end_id: int | None) -> dict[str, Any]:
     """The text models' request interface as a generate_stream body; sampling stated explicitly."""
     body: dict[str, Any] = {
         "id": request_id,
         P.TEXT_INPUT: prompt,
         P.MAX_TOKENS: request.max_new_tokens,
         P.STREAM: True,
-        P.REQUEST_TEMPERATURE: request.temperature,
+        P.REQUEST_TEMPERATURE: request.sampling.temperature,
     }
-    if request.seed is not None:
-        body[P.REQUEST_RANDOM_SEED] = request.seed
+    if request.sampling.seed is not None:
+        body[P.REQUEST_RANDOM_SEED] = request.sampling.seed
     if end_id is not None:
         body[P.REQUEST_END_ID] = end_id
     return body
 
 
-class TritonHttpBackend(StreamPerRequest):
+class TritonHttpExecutor(StreamPerRequest):
     def __init__(
         self,
         url: str,
@@ -69,7 +69,6 @@ class TritonHttpBackend(StreamPerRequest):
         self.end_id = end_id
         self.connect_timeout_s = connect_timeout_s
         self.client = HttpClient(self.url)
-        self.deliver: Deliver = lambda batch: None
         super().__init__()
         self.id_prefix = uuid.uuid4().hex
 
@@ -89,7 +88,7 @@ class TritonHttpBackend(StreamPerRequest):
                 f"no ready model {self.model!r} at the Triton HTTP server {self.url}: {reason}"
             ) from None
 
-    async def _stream(self, request_id: int, request: BenchRequest) -> None:
+    async def _stream(self, request_id: int, request: Request) -> None:
         prompt = self.tokenizer.decode(request.input_ids, skip_special_tokens=True)
         body = generate_body(request, prompt, f"{self.id_prefix}-{request_id}", self.end_id)
         counter, pending = TextCounter(self.tokenizer), b""
@@ -107,11 +106,11 @@ class TritonHttpBackend(StreamPerRequest):
                         text = answer.get(P.TEXT_OUTPUT)
                         if text:
                             tokens = counter.push(np.array([str(text).encode("utf-8")], dtype=object))
-                            self.deliver([Response(request_id, tokens)])
+                            self.deliver([Response(request_id=request_id, tokens=tokens)])
         except (OSError, asyncio.IncompleteReadError, HttpError, ValueError, BadResponse) as exc:
-            self.deliver([Response(request_id, [], True, f"{type(exc).__name__}: {exc}")])
+            self.deliver([failed(request_id, f"{type(exc).__name__}: {exc}")])
             return
-        self.deliver([Response(request_id, [], True)])
+        self.deliver([Response(request_id=request_id, tokens=[], final=True)])
 
     async def stop(self) -> None:
         await self._cancel_all()
