@@ -377,7 +377,8 @@ def test_chat_without_a_template_is_a_clear_400(engine, tiny):
 
 
 def test_bench_over_the_openai_url_measures_what_generate_decodes(server, tiny, chat_tokenizer_dir, texts, tmp_path):
-    """`bench --openai_url` records each request's tokens and per-iteration acceptance from the streamed chunks."""
+    """`bench --openai_url` records each request's tokens and per-iteration acceptance from the streamed chunks,
+    and says in its provenance that it measured that OpenAI server."""
     report = oracle_report("generate", tiny, tmp_path, [{"text": t} for t in texts])
     prompts = tmp_path / "bench.jsonl"
     prompts.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
@@ -386,7 +387,9 @@ def test_bench_over_the_openai_url_measures_what_generate_decodes(server, tiny, 
     argv += ["--max_new_tokens", str(MAX_NEW), "--tokenizer_dir", str(chat_tokenizer_dir), "--output_dir", str(out)]
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(argv) == 0
-    point = json.loads((out / "results.json").read_text())["points"][0]
+    results = json.loads((out / "results.json").read_text())
+    assert (results["provenance"]["backend"], results["provenance"]["target"]) == ("openai", f"{server.url}/v1")
+    point = results["points"][0]
     assert point["failed"] == 0 and point["requests"] == len(texts)
     for entry in point["per_request"]:
         want = report["sequences"][entry["prompt_index"]]

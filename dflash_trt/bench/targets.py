@@ -49,6 +49,26 @@ class Target:
         if self.checkpoint_dir and self.mode == EAGLE3:
             raise DFlashTrtError("a converted DFlash checkpoint runs as kind 'dflash' or 'ar', not 'eagle3'")
 
+    @property
+    def location(self) -> tuple[str, str]:
+        """Which of engine_dir, checkpoint_dir, triton_url and openai_url this target is, and its value."""
+        where = {
+            "engine_dir": self.engine_dir,
+            "checkpoint_dir": self.checkpoint_dir,
+            "triton_url": self.triton_url,
+            "openai_url": self.openai_url,
+        }
+        return next((name, value) for name, value in where.items() if value)
+
+
+# What results.json's provenance calls the executor behind each kind of target.
+PROVENANCE_BACKEND = {
+    "engine_dir": "trtllm",
+    "checkpoint_dir": "golden",
+    "triton_url": "triton",
+    "openai_url": "openai",
+}
+
 
 @lru_cache(maxsize=4)
 def _golden_model(checkpoint_dir: str):
@@ -162,18 +182,11 @@ def provenance(target: Target) -> dict[str, Any]:
     """`results.json`'s provenance of a run against `target` starting now."""
     from dflash_trt.bench.provenance import collect
 
-    if target.engine_dir:
-        return collect("trtllm", str(Path(target.engine_dir).resolve()))
-    if target.checkpoint_dir:
-        return collect("golden", str(Path(target.checkpoint_dir).resolve()))
-    return collect("triton", str(target.triton_url))
+    kind, value = target.location
+    place = str(Path(value).resolve()) if kind in ("engine_dir", "checkpoint_dir") else value
+    return collect(PROVENANCE_BACKEND[kind], place)
 
 
 def describe(target: Target) -> dict[str, Any]:
-    where = {
-        "engine_dir": target.engine_dir,
-        "checkpoint_dir": target.checkpoint_dir,
-        "triton_url": target.triton_url,
-        "openai_url": target.openai_url,
-    }
-    return {"kind": target.mode, **{k: v for k, v in where.items() if v}}
+    kind, value = target.location
+    return {"kind": target.mode, kind: value}
