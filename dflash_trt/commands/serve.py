@@ -18,6 +18,7 @@ from dflash_trt.tokenizer import load_tokenizer
 from dflash_trt.trtllm.build_plan import MAX_EAGLE_BATCH_SIZE
 
 API_KEY_ENV = "DFLASH_TRT_API_KEY"
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -55,6 +56,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="on SIGTERM, wait at most this long for requests",
     )
     parser.add_argument("--api_key", help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV})")
+    parser.add_argument("--log_level", choices=LOG_LEVELS, default="info", help="the server's log on stderr")
+    parser.add_argument(
+        "--access_log", action="store_true", help="log one line per HTTP request (status, time, id; no prompts)"
+    )
     parser.set_defaults(func=run)
 
 
@@ -65,9 +70,11 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dflash_trt.server.launch import listen, make_app, uvicorn_server
+    from dflash_trt.server.observability import configure_logging
     from dflash_trt.server.targets import checkpoint_target, engine_target, triton_target
 
     check_arguments(args)
+    configure_logging(args.log_level)
     tokenizer_dir = args.tokenizer_dir or args.checkpoint_dir
     tokenizer = load_tokenizer(tokenizer_dir)
     if tokenizer is None:
@@ -92,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         max_queue=args.max_queue_size,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_body_bytes=args.max_request_bytes,
+        access_log=args.access_log,
     )
     sock = listen(args.host, args.port)
     host, port = sock.getsockname()[:2]

@@ -1,4 +1,5 @@
 """The FastAPI app: routes, body parsing and limits, the API key, and turning error values into HTTP answers.
+Every request gets an id and, when asked, an access log line (`observability.RequestIds`).
 
 Bodies are read and validated here (not by FastAPI's dependency injection) so that every malformed body, unknown
 field and oversized upload gets one OpenAI-style 400/413 naming what is wrong. A non-streamed request whose client
@@ -21,6 +22,7 @@ from starlette.background import BackgroundTask
 from dflash_trt.server.errors import BAD_REQUEST, NOT_FOUND, TOO_LARGE, UNAUTHORIZED, error
 from dflash_trt.server.generation import Served
 from dflash_trt.server.metrics import CONTENT_TYPE
+from dflash_trt.server.observability import LOGGER, RequestIds
 from dflash_trt.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard, ModelList
 from dflash_trt.server.serving_chat import create_chat_completion
 from dflash_trt.server.serving_completion import create_completion
@@ -93,16 +95,25 @@ async def until_disconnected(request: Request, work: Awaitable[Result]) -> Resul
     return None
 
 
-def build_app(served: Served, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+def build_app(
+    served: Served,
+    *,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    access_log: bool = False,
+) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await served.client.start()
+        LOGGER.info("serving %r: the executor is ready", served.model_name)
         try:
             yield
         finally:
             await served.client.stop()
+            LOGGER.info("the executor stopped")
 
     app = FastAPI(title="dflash-trt", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(RequestIds, access_log=access_log)
     expected = None if api_key is None else f"Bearer {api_key}".encode()
 
     def unauthorized(request: Request) -> ErrorResponse | None:

@@ -29,6 +29,7 @@ def make_app(
     max_queue: int = DEFAULT_MAX_QUEUE,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    access_log: bool = False,
 ) -> FastAPI:
     metrics = Metrics()
     client = EngineClient(target.executor, target.max_batch_size, max_queue, metrics)
@@ -42,7 +43,7 @@ def make_app(
         target.engine_stops_at_eos,
         int(time.time()),
     )
-    return build_app(served, api_key=api_key, max_body_bytes=max_body_bytes)
+    return build_app(served, api_key=api_key, max_body_bytes=max_body_bytes, access_log=access_log)
 
 
 def uvicorn_server(app: FastAPI, drain_timeout_s: int | None = None):

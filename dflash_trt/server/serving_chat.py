@@ -8,7 +8,6 @@ adding more.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,7 +25,7 @@ from dflash_trt.server.protocol import (
     DeltaMessage,
     ErrorResponse,
 )
-from dflash_trt.server.serving_common import joined, start_generation, usage_of
+from dflash_trt.server.serving_common import joined, response_id, start_generation, usage_of
 
 # Arguments of apply_chat_template that decide what it returns, not what the template sees.
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -72,7 +71,7 @@ async def create_chat_completion(
     if isinstance(generation, ErrorResponse):
         return generation
     head: dict[str, Any] = {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "id": response_id("chatcmpl"),
         "created": int(time.time()),
         "model": served.model_name,
     }

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import uuid
+
 from dflash_trt.server.engine_client import QueueFull
 from dflash_trt.server.errors import NOT_FOUND, UNAVAILABLE, error
 from dflash_trt.server.generation import Generation, Piece, Served
+from dflash_trt.server.observability import current_request_id
 from dflash_trt.server.params import Admission, admission, refusal, sampling_of
 from dflash_trt.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, Usage
 
@@ -46,6 +49,11 @@ def start_generation(
         return Generation(served, checked)
     except QueueFull:
         return queue_full(served)
+
+
+def response_id(prefix: str) -> str:
+    """The id of a completion object: its request's id, so a client's X-Request-Id finds it in the server's log."""
+    return f"{prefix}-{current_request_id.get() or uuid.uuid4().hex}"
 
 
 def queue_full(served: Served) -> ErrorResponse:

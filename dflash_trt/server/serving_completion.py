@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,7 +16,7 @@ from dflash_trt.server.protocol import (
     CompletionResponse,
     ErrorResponse,
 )
-from dflash_trt.server.serving_common import joined, start_generation, usage_of
+from dflash_trt.server.serving_common import joined, response_id, start_generation, usage_of
 
 
 def prompt_ids(served: Served, prompt: str | list[str] | list[int] | list[list[int]]) -> list[int] | ErrorResponse:
@@ -40,7 +39,7 @@ async def create_completion(
     generation = start_generation(served, request, ids, "prompt")
     if isinstance(generation, ErrorResponse):
         return generation
-    head: dict[str, Any] = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.model_name}
+    head: dict[str, Any] = {"id": response_id("cmpl"), "created": int(time.time()), "model": served.model_name}
     with_ids = bool(request.return_token_ids)
     if request.stream:
         usage = bool(request.stream_options and request.stream_options.include_usage)
