@@ -249,10 +249,13 @@ def test_node_profiles_serve_one_replica_per_group_of_gpus():
         assert profile.serving.replicas * profile.checkpoint.tp_size == 8, path
 
 
-def test_replicas_flag_is_checked_by_the_serving_schema(checkpoint, tmp_path, capsys):
+@pytest.mark.parametrize("replicas", ["0", "65"])
+def test_replicas_flag_is_checked_by_its_rule(checkpoint, tmp_path, capsys, replicas):
     argv = ["triton", "--checkpoint_dir", str(checkpoint), "--tokenizer_dir", str(checkpoint), "--output_dir"]
-    assert cli_main([*argv, str(tmp_path / "r"), "--replicas", "0"]) == 2
-    assert "--replicas: Input should be greater than or equal to 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        cli_main([*argv, str(tmp_path / "r"), "--replicas", replicas])
+    assert exited.value.code == 2
+    assert f"argument --replicas: must be an integer in [1, 64], got '{replicas}'" in capsys.readouterr().err
 
 
 def test_a_profiles_tokenizer_is_checked_against_its_recorded_target(checkpoint, tmp_path, capsys, monkeypatch):

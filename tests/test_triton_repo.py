@@ -160,27 +160,39 @@ def test_paths_written_into_configs_are_absolute(tmp_path: Path, tokenizer_dir: 
 @pytest.mark.parametrize(
     "flag,value,message",
     [
-        ("--kv_cache_free_gpu_mem_fraction", "5", "--kv_cache_free_gpu_mem_fraction: Input should be less than 1"),
+        (
+            "--kv_cache_free_gpu_mem_fraction",
+            "5",
+            "argument --kv_cache_free_gpu_mem_fraction: must be a finite number in (0, 1], got '5'",
+        ),
         (
             "--kv_cache_free_gpu_mem_fraction",
             "nan",
-            "--kv_cache_free_gpu_mem_fraction: Input should be a finite number",
+            "argument --kv_cache_free_gpu_mem_fraction: must be a finite number in (0, 1], got 'nan'",
         ),
-        ("--kv_cache_free_gpu_mem_fraction", "0", "--kv_cache_free_gpu_mem_fraction: Input should be greater than 0"),
-        ("--instance_count", "0", "--instance_count: Input should be greater than or equal to 1"),
+        (
+            "--kv_cache_free_gpu_mem_fraction",
+            "0",
+            "argument --kv_cache_free_gpu_mem_fraction: must be a finite number in (0, 1], got '0'",
+        ),
+        # A whole GPU for the KV cache passes the flag's rule; the serving schema leaves room for the rest.
+        ("--kv_cache_free_gpu_mem_fraction", "1", "--kv_cache_free_gpu_mem_fraction: Input should be less than 1"),
+        ("--instance_count", "0", "argument --instance_count: must be an integer in [1, 2147483647], got '0'"),
     ],
 )
-def test_cli_overrides_are_checked_by_the_profile_schema(
+def test_cli_overrides_are_checked_by_their_rule_and_the_profile_schema(
     tmp_path: Path, tokenizer_dir: Path, capsys, flag: str, value: str, message: str
 ):
     engine = write_engine_dir(tmp_path / "eng")
     profile = ROOT / "build_configs/b200-nvfp4/qwen3-4b.yaml"
     for source in (["--engine_dir", str(engine)], ["--config", str(profile), "--work_dir", str(tmp_path / "ws")]):
         out = tmp_path / "repo"
-        assert (
-            cli_main(["triton", *source, "--tokenizer_dir", str(tokenizer_dir), "--output_dir", str(out), flag, value])
-            == 2
-        )
+        argv = ["triton", *source, "--tokenizer_dir", str(tokenizer_dir), "--output_dir", str(out), flag, value]
+        try:
+            code = cli_main(argv)
+        except SystemExit as exited:  # the flag's rule refuses it while the arguments are parsed
+            code = exited.code
+        assert code == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1
         assert not out.exists()

@@ -27,11 +27,6 @@ class ServeTarget:
     engine_stops_at_eos: bool  # False with --ignore_eos: the server stops requests at EOS unless they ignore it
 
 
-def _positive(value: int | None, flag: str) -> None:
-    if value is not None and value < 1:
-        raise DFlashTrtError(f"{flag} must be >= 1, got {value}")
-
-
 def checkpoint_target(
     checkpoint_dir: str, max_batch_size: int | None, max_seq_len: int | None, ignore_eos: bool
 ) -> ServeTarget:
@@ -39,8 +34,6 @@ def checkpoint_target(
     from dflash_trt.emulation.engine import EmulatedEngine
     from dflash_trt.executors.emulated import EmulatedExecutor
 
-    _positive(max_batch_size, "--max_batch_size")
-    _positive(max_seq_len, "--max_seq_len")
     engine = EmulatedEngine(checkpoint_dir, max_batch_size or 8)
     longest = engine.max_position_embeddings
     if max_seq_len is not None and max_seq_len > longest:
@@ -63,8 +56,6 @@ def engine_target(
     """TensorRT-LLM's executor over a DFlash engine; requests up to the engine's built max_seq_len."""
     from dflash_trt.executors.trtllm import TrtllmExecutor, inspect_engine
 
-    _positive(max_batch_size, "--max_batch_size")
-    _positive(max_seq_len, "--max_seq_len")
     info = inspect_engine(engine_dir, DFLASH, plugin_library)
     built = info.max_seq_len
     if built is None or built < 2:
@@ -92,8 +83,6 @@ def triton_target(
     """A Triton server's `tensorrt_llm` model; it does not say its limits, so --max_seq_len is required."""
     from dflash_trt.clients.triton import TritonExecutor
 
-    _positive(max_batch_size, "--max_batch_size")
-    _positive(max_seq_len, "--max_seq_len")
     if max_seq_len is None:
         raise DFlashTrtError("--triton_url needs --max_seq_len (the engine's build max_seq_len; Triton does not say)")
     end_id = -1 if ignore_eos or not eos_token_ids else eos_token_ids[0]
