@@ -431,17 +431,22 @@ CODER_DRAFTER = {
 def test_profile_sizing_holds_every_expert():
     from pathlib import Path
 
-    from dflash_trt.pipeline.profiles import load_profile, weight_gb_per_gpu
+    from dflash_trt.pipeline.profiles import load_profile, weight_bytes_per_gpu
+    from dflash_trt.spec import parse_draft_config
 
     root = Path(__file__).resolve().parents[1]
     profile = load_profile(root / "build_configs/h100-fp8/qwen3-coder-30b-a3b.yaml")
     attention = 2048 * (32 + 2 * 4) * 128 + 32 * 128 * 2048
-    target = 48 * (attention + 128 * 3 * 2048 * 768)
-    draft = 8 * (attention + 3 * 2048 * 6144) + 5 * 2048 * 2048
+    router = 2048 * 128  # costed with the linears
+    target = 48 * (attention + 128 * 3 * 2048 * 768 + router)
+    draft = 8 * (attention + 3 * 2048 * 6144)
+    fc = 5 * 2048 * 2048
     embeddings = 2 * 151936 * 2048
     assert 30e9 < target + embeddings < 31.5e9  # the published 30.5B
-    want = (embeddings * 2 + (target + draft) * 1) / 1e9  # bf16 embeddings, FP8 linears
-    assert weight_gb_per_gpu(profile, CODER_30B_A3B, CODER_DRAFTER) == pytest.approx(want)
+    want = embeddings * 2 + fc * 2 + (target + draft) * 1  # bf16 embeddings, lm_head and fc; FP8 linears; tp 1
+    target_spec = parse_target_config(CODER_30B_A3B)
+    draft_spec = parse_draft_config(CODER_DRAFTER, target_spec)
+    assert weight_bytes_per_gpu(profile, target_spec, draft_spec) == pytest.approx(want)
 
 
 def test_plan_costs_a_moe_target_by_its_active_experts(tmp_path, capsys):

@@ -228,7 +228,7 @@ def test_calibrate_refuses_bad_results(tmp_path: Path, content: str, message: st
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--preset", "qwen3-8b", "--tp_size", "3"], "tp_size 3 does not divide the target's 32 attention heads"),
+        (["--preset", "qwen3-8b", "--tp_size", "3"], "target: 32 attention heads cannot be split over tp_size 3"),
         (["--preset", "qwen3-8b", "--tp_size", "0"], r"argument --tp_size: must be an integer in \[1, 1024\]"),
         (["--preset", "qwen3-8b", "--tp_size", "-2"], r"argument --tp_size: must be an integer in \[1, 1024\]"),
         (["--preset", "qwen3-8b", "--isl", "0"], "argument --isl: must be an integer in"),

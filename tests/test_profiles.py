@@ -149,12 +149,17 @@ def _write_config(path: Path, **cfg) -> Path:
 
 
 QWEN3_32B = {
+    "architectures": ["Qwen3ForCausalLM"],
     "hidden_size": 5120,
     "intermediate_size": 25600,
     "num_hidden_layers": 64,
     "vocab_size": 151936,
     "head_dim": 128,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000,
 }
+DRAFTER = {**QWEN3_32B, "architectures": ["DFlashDraftModel"], "num_hidden_layers": 5}
 
 
 def _pair(tmp_path: Path, *, heads=64, kv=8, d_heads=32, d_kv=8, block=16, max_pos=40960):
@@ -167,7 +172,7 @@ def _pair(tmp_path: Path, *, heads=64, kv=8, d_heads=32, d_kv=8, block=16, max_p
         num_key_value_heads=d_kv,
         block_size=block,
         dflash_config={"mask_token_id": 1, "target_layer_ids": [1, 2, 3, 4, 5]},
-        **{**QWEN3_32B, "num_hidden_layers": 5},
+        **DRAFTER,
     )
     return target, draft
 
@@ -187,9 +192,9 @@ def test_checkpoint_checks_accept_a_matching_pair(tmp_path: Path):
 @pytest.mark.parametrize(
     "pair,message",
     [
-        ({"heads": 36}, "tp_size 8 does not divide the target's 36 attention heads"),
-        ({"kv": 12, "heads": 48}, "tp_size 8 and the target's 12 KV heads are incompatible"),
-        ({"d_heads": 20}, "tp_size 8 does not divide the drafter's 20 attention heads"),
+        ({"heads": 36, "kv": 4}, "target: 36 attention heads cannot be split over tp_size 8"),
+        ({"kv": 12, "heads": 48}, "target: 12 KV heads cannot be split or replicated over tp_size 8"),
+        ({"d_heads": 20, "d_kv": 4}, "drafter: 20 attention heads cannot be split over tp_size 8"),
         ({"block": 10}, "was sized for block_size 16 but"),
     ],
 )
@@ -221,8 +226,8 @@ def test_block_size_nested_in_dflash_config_is_read(tmp_path: Path):
         tmp_path / "d",
         num_attention_heads=32,
         num_key_value_heads=8,
-        dflash_config={"block_size": 8},
-        **{**QWEN3_32B, "num_hidden_layers": 5},
+        dflash_config={"block_size": 8, "mask_token_id": 1},
+        **DRAFTER,
     )
     with pytest.raises(DFlashTrtError, match="trained with block_size 8"):
         check_against_checkpoints(profile, target, draft)

@@ -312,7 +312,7 @@ def test_tp_that_does_not_divide_the_heads_is_refused(tp_checkpoints, tmp_path, 
         (HeadLayout(12, 4, 16), 96, 3, "4 KV heads cannot be split or replicated over tp_size 3"),
         (HeadLayout(8, 8, 16), 100, 8, "intermediate_size 100 is not divisible by tp_size 8"),
         (HeadLayout(8, 2, 16), 96, 16, "8 attention heads cannot be split over tp_size 16"),
-        (HeadLayout(8, 2, 16), 96, 0, "--tp_size must be >= 1"),
+        (HeadLayout(8, 2, 16), 96, 0, "tp_size must be >= 1, got 0"),
     ],
 )
 def test_geometries_tp_cannot_split_are_refused(heads, intermediate, tp, message):

@@ -32,6 +32,7 @@ from dflash_trt.analysis.model import (
 from dflash_trt.analysis.pareto import Point, crossover_concurrency, speedup_table
 from dflash_trt.analysis.published import PAIRS, TAU_SOURCES, TAUS, WORKLOADS, pair_for_models, workload_taus
 from dflash_trt.analysis.shapes import eagle3_like, load_models
+from dflash_trt.checkpoint.sharding import tp_refusal
 from dflash_trt.decoding_modes import AR, DFLASH, EAGLE3
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import KV_CACHE_DTYPES, NONE, QFORMATS
@@ -46,7 +47,7 @@ from dflash_trt.inputs import (
 )
 from dflash_trt.inputs import GPUS as GPU_COUNT
 from dflash_trt.jsonfile import strict_json
-from dflash_trt.pipeline.profiles import check_tp_heads, load_profile
+from dflash_trt.pipeline.profiles import load_profile
 from dflash_trt.trtllm.build_plan import MAX_EAGLE_DRAFT_LEN
 
 DEFAULT_LENGTHS = (1024, 1024)
@@ -190,9 +191,11 @@ def load_acceptance(args: argparse.Namespace, block: int) -> tuple[list[Acceptan
 
 
 def _check_tp(target: TargetShape, drafter: DFlashShape | None, tp: int) -> None:
-    check_tp_heads("target", target.stack.num_heads, target.stack.num_kv_heads, tp)
-    if drafter is not None:
-        check_tp_heads("drafter", drafter.stack.num_heads, drafter.stack.num_kv_heads, tp)
+    for what, model in (("target", target), ("drafter", drafter)):
+        stack = None if model is None else model.stack
+        refusal = None if stack is None else tp_refusal(stack.num_heads, stack.num_kv_heads, stack.intermediate, tp)
+        if refusal is not None:
+            raise DFlashTrtError(f"{what}: {refusal}")
 
 
 def _eagle3_method(args: argparse.Namespace, target: TargetShape) -> Method:
