@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
@@ -95,13 +95,9 @@ async def until_disconnected(request: Request, work: Awaitable[Result]) -> Resul
     return None
 
 
-def build_app(
-    served: Served,
-    *,
-    api_key: str | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    access_log: bool = False,
-) -> FastAPI:
+def executor_lifespan(served: Served) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's lifespan: the executor starts before the first request and stops after the last."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await served.client.start()
@@ -112,6 +108,17 @@ def build_app(
             await served.client.stop()
             LOGGER.info("the executor stopped")
 
+    return lifespan
+
+
+def build_app(
+    served: Served,
+    *,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    access_log: bool = False,
+) -> FastAPI:
+    lifespan = executor_lifespan(served)
     app = FastAPI(title="dflash-trt", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(RequestIds, access_log=access_log)
     expected = None if api_key is None else f"Bearer {api_key}".encode()
