@@ -26,7 +26,12 @@ from dflash_trt.inputs import POSITIVE_INT, SEED, TEMPERATURE, IntRange
 from dflash_trt.prompts import read_prompts
 from dflash_trt.sampling_rules import Sampling, SamplingRefused
 from dflash_trt.tokenizer import load_tokenizer
-from dflash_trt.trtllm.build_plan import MAX_EAGLE_BATCH_SIZE, XQA_TOKENS_PER_BLOCK
+from dflash_trt.trtllm.build_plan import (
+    MAX_EAGLE_BATCH_SIZE,
+    TOKENS_PER_BLOCK,
+    XQA_TOKENS_PER_BLOCK,
+    EngineBuildSettings,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -41,20 +46,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max_batch_size",
         type=IntRange(1, MAX_EAGLE_BATCH_SIZE),
-        default=8,
-        help="requests in flight at once (at most the EAGLE engines' limit)",
+        default=None,
+        help="requests in flight at once (default: the emulated engine's; at most the EAGLE engines' limit)",
     )
     parser.add_argument(
         "--max_num_tokens",
         type=POSITIVE_INT,
         default=None,
-        help="tokens per step; longer prompts are chunked (default 8192)",
+        help=f"tokens per step; longer prompts are chunked (default {EngineBuildSettings.max_num_tokens})",
     )
     parser.add_argument(
         "--tokens_per_block",
         type=int,
         choices=XQA_TOKENS_PER_BLOCK,
-        default=32,
+        default=TOKENS_PER_BLOCK,
         help="paged KV block size (the sizes an engine builds with)",
     )
     parser.add_argument("--temperature", type=TEMPERATURE, default=0.0, help="0 = greedy (default)")
@@ -73,12 +78,13 @@ def sequence_sampling(args: argparse.Namespace, count: int) -> list[Sampling]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash_trt.emulation.engine import EmulatedEngine
+    from dflash_trt.emulation.engine import DEFAULT_MAX_BATCH_SIZE, EmulatedEngine
     from dflash_trt.executors.emulated import decode_batch
     from dflash_trt.reference.stats import mean_acceptance_length, per_position_acceptance
 
     checkpoint_dir = Path(args.checkpoint_dir)
-    engine = EmulatedEngine(checkpoint_dir, args.max_batch_size, args.max_num_tokens, args.tokens_per_block)
+    batch = args.max_batch_size or DEFAULT_MAX_BATCH_SIZE
+    engine = EmulatedEngine(checkpoint_dir, batch, args.max_num_tokens, args.tokens_per_block)
     tokenizer = load_tokenizer(checkpoint_dir)
     prompts = read_prompts(args.input_file, tokenizer)
     check_lengths(args, prompts, engine.facts.max_position_embeddings)

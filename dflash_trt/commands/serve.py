@@ -14,6 +14,7 @@ from pathlib import Path
 
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.inputs import MAX_REQUESTS, MAX_TIMEOUT_S, PORT, POSITIVE_INT, URL, IntRange
+from dflash_trt.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
 from dflash_trt.tokenizer import load_tokenizer
 from dflash_trt.trtllm.build_plan import MAX_EAGLE_BATCH_SIZE
 
@@ -39,7 +40,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="requests in the engine at once (default: the engine's)",
     )
     parser.add_argument(
-        "--max_queue_size", type=IntRange(0, MAX_REQUESTS), default=1024, help="requests waiting beyond that; then 503"
+        "--max_queue_size",
+        type=IntRange(0, MAX_REQUESTS),
+        default=DEFAULT_MAX_QUEUE,
+        help="requests waiting beyond that; then 503",
     )
     parser.add_argument(
         "--max_seq_len", type=POSITIVE_INT, help="prompt + output tokens per request (default: the engine's)"
@@ -48,7 +52,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--triton_model", default="tensorrt_llm", help="model that takes token ids")
     parser.add_argument("--ignore_eos", action="store_true", help="never stop at EOS (benchmarks)")
     parser.add_argument(
-        "--max_request_bytes", type=IntRange(1024, 2**31 - 1), default=8 * 1024 * 1024, help="largest request body"
+        "--max_request_bytes",
+        type=IntRange(1024, 2**31 - 1),
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest request body",
     )
     parser.add_argument(
         "--drain_timeout_s",

@@ -24,6 +24,8 @@ from dflash_trt.emulation.stand_ins import load_engine_module, stand_ins_install
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.trtllm.build_plan import (
+    TOKENS_PER_BLOCK,
+    EngineBuildSettings,
     chain_draft_paths,
     check_kv_geometry,
     check_moe_layers,
@@ -32,6 +34,7 @@ from dflash_trt.trtllm.build_plan import (
     read_checkpoint_facts,
 )
 
+DEFAULT_MAX_BATCH_SIZE = 8  # requests the emulated engine batches when no --max_batch_size is given
 CONTEXT_REQUEST, GENERATION_REQUEST = 0, 1  # host_request_types values (RequestType in the C++ runtime)
 ACCEPT_OUTPUTS = (
     "accepted_tokens",
@@ -61,9 +64,9 @@ class EmulatedEngine:
     def __init__(
         self,
         checkpoint_dir: str | Path,
-        max_batch_size: int = 8,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         max_num_tokens: int | None = None,
-        tokens_per_block: int = 32,
+        tokens_per_block: int = TOKENS_PER_BLOCK,
     ):
         checkpoint_dir = Path(checkpoint_dir)
         raw = read_json_object(
@@ -98,7 +101,7 @@ class EmulatedEngine:
             raise DFlashTrtError(f"--tokens_per_block must be a power of two, got {tokens_per_block}")
         # builder.build() raises max_num_tokens to max_batch_size * (K + 1) for EAGLE engines.
         floor = max_batch_size * self.block
-        self.max_num_tokens = max(max_num_tokens or 8192, floor)
+        self.max_num_tokens = max(max_num_tokens or EngineBuildSettings.max_num_tokens, floor)
         if max_num_tokens is not None and max_num_tokens < floor:
             raise DFlashTrtError(f"--max_num_tokens must be at least max_batch_size * block_size = {floor}")
         self.max_batch_size = max_batch_size

@@ -21,14 +21,20 @@ from starlette.background import BackgroundTask
 
 from dflash_trt.server.errors import BAD_REQUEST, NOT_FOUND, TOO_LARGE, UNAUTHORIZED, error
 from dflash_trt.server.generation import Served
+from dflash_trt.server.limits import DEFAULT_MAX_BODY_BYTES
 from dflash_trt.server.metrics import CONTENT_TYPE
 from dflash_trt.server.observability import LOGGER, RequestIds
-from dflash_trt.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard, ModelList
+from dflash_trt.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
 from dflash_trt.server.serving_chat import create_chat_completion
 from dflash_trt.server.serving_completion import create_completion
 from dflash_trt.server.sse import EventStream
 
-DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 Body = TypeVar("Body", bound=BaseModel)
 Result = TypeVar("Result")
 CLIENT_CLOSED = 499  # what nginx logs for a client that left before the answer; the client never sees it

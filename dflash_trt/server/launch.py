@@ -12,13 +12,12 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from dflash_trt.server.app import DEFAULT_MAX_BODY_BYTES, build_app
+from dflash_trt.server.app import build_app
 from dflash_trt.server.engine_client import EngineClient
 from dflash_trt.server.generation import Served
+from dflash_trt.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
 from dflash_trt.server.metrics import Metrics
 from dflash_trt.server.targets import ServeTarget
-
-DEFAULT_MAX_QUEUE = 1024
 
 
 def make_app(

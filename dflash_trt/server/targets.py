@@ -31,10 +31,10 @@ def checkpoint_target(
     checkpoint_dir: str, max_batch_size: int | None, max_seq_len: int | None, ignore_eos: bool
 ) -> ServeTarget:
     """The emulated engine over a converted checkpoint; requests up to the target's max_position_embeddings."""
-    from dflash_trt.emulation.engine import EmulatedEngine
+    from dflash_trt.emulation.engine import DEFAULT_MAX_BATCH_SIZE, EmulatedEngine
     from dflash_trt.executors.emulated import EmulatedExecutor
 
-    engine = EmulatedEngine(checkpoint_dir, max_batch_size or 8)
+    engine = EmulatedEngine(checkpoint_dir, max_batch_size or DEFAULT_MAX_BATCH_SIZE)
     longest = engine.max_position_embeddings
     if max_seq_len is not None and max_seq_len > longest:
         raise DFlashTrtError(f"--max_seq_len must be <= the target's max_position_embeddings ({longest})")
