@@ -21,6 +21,7 @@ from dflash_trt.analysis.memory import weights_per_gpu
 from dflash_trt.analysis.model import PRECISION
 from dflash_trt.analysis.shapes import dflash_from_spec, target_from_spec
 from dflash_trt.checkpoint.sharding import check_parallel
+from dflash_trt.checkpoint.stored import QuantSettings
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import ENGINE_DTYPES, KV_CACHE_DTYPES, NVFP4, QFORMATS
 from dflash_trt.recorded_configs import PACKAGED_RECORDED_CONFIGS
@@ -102,11 +103,17 @@ class CalibrationSettings(_Strict):
     max_seq_len: int = Field(default=1024, ge=16)
 
 
-class QuantizationSettings(_Strict):
+class QuantizationSection(_Strict):
+    """The profile's `quantization` section: the formats as the converter takes them, and the calibration set."""
+
     qformat: QFormat
     dflash_qformat: QFormat
     kv_cache_dtype: KvCacheDtype
     calibration: CalibrationSettings = CalibrationSettings()
+
+    @property
+    def formats(self) -> QuantSettings:
+        return QuantSettings(self.qformat, self.dflash_qformat, self.kv_cache_dtype)
 
 
 class EngineSettings(_Strict):
@@ -176,7 +183,7 @@ class BuildProfile(_Strict):
     gpu: GpuName
     model: ModelSources
     checkpoint: CheckpointSettings = CheckpointSettings()
-    quantization: QuantizationSettings
+    quantization: QuantizationSection
     engine: EngineSettings
     serving: ServingSettings = ServingSettings()
     sweep: SweepSettings
