@@ -98,9 +98,12 @@ INVALID = [
     ({"checkpoint.tp_size": 3}, "tp_size must be 1, 2, 4 or 8, got 3"),
     ({"engine.gemm_plugin": "fp8"}, "gemm_plugin fp8 needs fp8 weights, but they are nvfp4"),
     ({"quantization.kv_cache_dtype": "none"}, "use_fp8_context_fmha needs kv_cache_dtype fp8"),
-    ({"engine.use_paged_context_fmha": False}, "use_paged_context_fmha must stay true"),
-    ({"engine.max_batch_size": 1024, "engine.max_num_tokens": 16384}, "exceeds the EAGLE engine limit of 512"),
-    ({"engine.max_input_len": 8192}, "max_input_len (8192) must be below max_seq_len (8192)"),
+    ({"engine.use_paged_context_fmha": False}, "EAGLE-mode engines need --use_paged_context_fmha enable"),
+    (
+        {"engine.max_batch_size": 1024, "engine.max_num_tokens": 16384},
+        "--max_batch_size must lie in [1, 512] for EAGLE-mode engines",
+    ),
+    ({"engine.max_input_len": 8193}, "--max_input_len must be at least 1 and at most --max_seq_len"),
     ({"sweep.concurrency": [1, 4, 2]}, "concurrency must be positive and strictly increasing"),
     ({"sweep.interactivity_band": [600, 400]}, "interactivity_band must be (low, high)"),
     ({"engine.max_batch_size": 128, "sweep.concurrency": [1, 256]}, "sweep concurrency 256 exceeds max_batch_size 128"),
@@ -115,6 +118,24 @@ def test_impossible_combination_is_rejected(changes: dict, message: str):
         parse_profile(_with(changes), "p.yaml")
     assert message in str(err.value)
     assert str(err.value).startswith("p.yaml: ")
+
+
+def test_a_profiles_engine_follows_the_builds_rules_and_defaults():
+    """One rule set: what `build` accepts (a prompt as long as max_seq_len, as trtllm-build allows) a profile
+    accepts, and an engine setting a profile leaves out takes the build's default."""
+    from dflash_trt.trtllm.build_plan import EngineBuildSettings
+
+    full = parse_profile(_with({"engine.max_input_len": 8192, "engine.max_num_tokens": 16384}), "p.yaml").engine
+    assert full.max_input_len == full.max_seq_len == 8192
+    data = _base()
+    for name in ("use_fp8_context_fmha", "multiple_profiles"):
+        data["engine"].pop(name, None)
+    engine = parse_profile(data, "p.yaml").engine.build_settings()
+    defaults = EngineBuildSettings()
+    assert (engine.multiple_profiles, engine.use_fp8_context_fmha) == (
+        defaults.multiple_profiles,
+        defaults.use_fp8_context_fmha,
+    )
 
 
 def test_recorded_configs_default_to_the_packaged_file():

@@ -8,6 +8,7 @@ build. Facts that need the checkpoints themselves (head counts, block size) are 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,9 +30,10 @@ from dflash_trt.spec import DraftSpec, TargetSpec, load_draft_spec, load_target_
 from dflash_trt.triton.serving import ServingSettings
 from dflash_trt.trtllm.build_plan import (
     GEMM_PLUGIN_CHOICES,
-    MAX_EAGLE_BATCH_SIZE,
     MAX_EAGLE_DRAFT_LEN,
     TOKENS_PER_BLOCK,
+    EngineBuildSettings,
+    check_engine_settings,
     check_gemm_plugin,
 )
 from dflash_trt.yamlfile import safe_load_unique
@@ -125,27 +127,28 @@ class EngineSettings(_Strict):
     max_num_tokens: int = Field(ge=1)
     max_draft_len: int = Field(ge=1)
     gemm_plugin: GemmPlugin
-    use_paged_context_fmha: bool = True
-    use_fp8_context_fmha: bool = False
-    multiple_profiles: bool = True
+    use_paged_context_fmha: bool = EngineBuildSettings.use_paged_context_fmha
+    use_fp8_context_fmha: bool = EngineBuildSettings.use_fp8_context_fmha
+    multiple_profiles: bool = EngineBuildSettings.multiple_profiles
+
+    def build_settings(self) -> EngineBuildSettings:
+        """The section as build settings: every field both spell the same way (trtllm-build's flag names);
+        `max_draft_len` is not among them, the build takes it from the checkpoint's block size."""
+        shared = {f.name for f in dataclasses.fields(EngineBuildSettings)}
+        return EngineBuildSettings(**self.model_dump(include=shared))
 
     @model_validator(mode="after")
     def _consistent(self) -> EngineSettings:
-        if self.max_input_len >= self.max_seq_len:
-            raise ValueError(
-                f"max_input_len ({self.max_input_len}) must be below max_seq_len ({self.max_seq_len}) "
-                "to leave room for generated tokens"
-            )
-        if self.max_batch_size > MAX_EAGLE_BATCH_SIZE:
-            raise ValueError(
-                f"max_batch_size {self.max_batch_size} exceeds the EAGLE engine limit of {MAX_EAGLE_BATCH_SIZE}"
-            )
+        """The build's own rules on these settings (one place for profiles and `build` flags), and the EAGLE
+        limit on the draft length the build would take from the checkpoint."""
+        try:
+            check_engine_settings(self.build_settings())
+        except DFlashTrtError as exc:
+            raise ValueError(str(exc)) from None
         if self.max_draft_len > MAX_EAGLE_DRAFT_LEN:
             raise ValueError(
                 f"max_draft_len {self.max_draft_len} exceeds the EAGLE engine limit of {MAX_EAGLE_DRAFT_LEN}"
             )
-        if not self.use_paged_context_fmha:
-            raise ValueError("use_paged_context_fmha must stay true: EAGLE-mode engines require it")
         return self
 
 

@@ -27,13 +27,6 @@ if TYPE_CHECKING:  # the repository writer imports numpy (its processing code), 
     from dflash_trt.triton.repository import RepositorySettings
 
 
-def engine_settings(profile: BuildProfile) -> EngineBuildSettings:
-    """The profile's `engine` section as build settings: every field both spell the same way (trtllm-build's flag
-    names); `max_draft_len` is not among them, the build takes it from the checkpoint's block size."""
-    shared = {f.name for f in dataclasses.fields(EngineBuildSettings)}
-    return EngineBuildSettings(**profile.engine.model_dump(include=shared))
-
-
 def settings_from_profile(
     profile: BuildProfile,
     engine_dir: str | Path,
