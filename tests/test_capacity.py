@@ -28,22 +28,23 @@ def _capacity(profile, shape=None):
 def test_worked_example_h100_fp8_qwen3_8b_by_hand():
     cap = _capacity(load_profile(H100_QWEN3_8B))
     # The device reports 81559 MiB, not 80 decimal GB.
-    assert cap.memory_bytes == 81559 * 2**20 == 85_520_809_984
+    assert cap.budget.memory_bytes == 81559 * 2**20 == 85_520_809_984
     # Weights: one Qwen3-8B layer = attention 4096 x (32 + 2 x 8) x 128 + 32 x 128 x 4096 = 41,943,040
     # plus MLP 3 x 4096 x 12288 = 150,994,944, i.e. 192,937,984; 36 target + 5 drafter layers in FP8 (1 B).
     # In bf16 and on every rank: the embedding 151936 x 4096 and the drafter's fc 5 x 4096^2 (both replicated by
     # the converter, the fc excluded from quantization); the lm_head 151936 x 4096 (its own tensor).
     layer = 4096 * 48 * 128 + 32 * 128 * 4096 + 3 * 4096 * 12288
     weights = 41 * layer * 1 + 151936 * 4096 * 2 + 5 * 4096**2 * 2 + 151936 * 4096 * 2
-    assert layer == 192_937_984 and cap.weights_bytes == weights == 10_567_548_928
+    assert layer == 192_937_984 and cap.budget.weights_bytes == weights == 10_567_548_928
     # Activations: 8192 tokens x (2 x 4096 + 48 x 128 + 2 x 12288) x 2 B, plus fp32 logits for 128 x 16 rows.
     activations = 8192 * (2 * 4096 + 48 * 128 + 2 * 12288) * 2 + 128 * 16 * 151936 * 4
-    assert cap.activation_bytes == activations == 1_882_193_920
+    assert cap.budget.activation_bytes == activations == 1_882_193_920
     # Pool: 0.9 x (85.52 GB - weights - activations - 2 GB runtime); a token is 41 layers x K,V x 8 heads x 128 B.
     pool = 0.9 * (85_520_809_984 - weights - activations - 2e9)
-    assert cap.kv_pool_bytes == pytest.approx(pool) and cap.kv_bytes_per_token == 41 * 2 * 8 * 128 == 83_968
+    assert cap.budget.kv_pool_bytes == pytest.approx(pool)
+    assert cap.budget.kv_bytes_per_token == 41 * 2 * 8 * 128 == 83_968
     blocks = math.floor(pool / (83_968 * 32))
-    assert cap.blocks == blocks == 23_805
+    assert cap.budget.blocks == blocks == 23_805
     # A sequence reserves prompt + output, plus the EAGLE-mode step headroom maxPathLen + maxDecodingTokens =
     # 2 x (15 + 1) = 32 tokens, in whole 32-token blocks.
     assert cap.headroom_tokens == 32
@@ -59,10 +60,10 @@ def test_tied_target_still_pays_for_its_own_lm_head_and_tp_replicates_the_embedd
     t = target.stack
     linears = t.num_layers * t.layer_params(False) + drafter.stack.num_layers * drafter.stack.layer_params(False)
     embedding, fc = target.vocab * t.hidden * 2, drafter.num_taps * t.hidden**2 * 2
-    assert tp1.weights_bytes == linears + embedding + fc + target.vocab * t.hidden * 2
+    assert tp1.budget.weights_bytes == linears + embedding + fc + target.vocab * t.hidden * 2
     data["checkpoint"]["tp_size"] = 2
     tp2 = _capacity(parse_profile(data))
-    assert tp2.weights_bytes == linears / 2 + embedding + fc + math.ceil(target.vocab / 2) * t.hidden * 2
+    assert tp2.budget.weights_bytes == linears / 2 + embedding + fc + math.ceil(target.vocab / 2) * t.hidden * 2
 
 
 def test_tensor_parallel_splits_weights_and_kv_heads():
@@ -72,9 +73,9 @@ def test_tensor_parallel_splits_weights_and_kv_heads():
     tp8 = _capacity(parse_profile(data))
     target, drafter = PAIRS["qwen3-32b"].load()
     replicated = (target.vocab + drafter.num_taps * target.stack.hidden) * target.stack.hidden * 2
-    assert tp8.weights_bytes - replicated == pytest.approx((tp2.weights_bytes - replicated) / 4)
+    assert tp8.budget.weights_bytes - replicated == pytest.approx((tp2.budget.weights_bytes - replicated) / 4)
     # 8 KV heads: 4 per rank at TP 2, 1 per rank at TP 8 (69 layers x K,V x 128 x 1 B per head).
-    assert (tp2.kv_bytes_per_token, tp8.kv_bytes_per_token) == (69 * 2 * 4 * 128, 69 * 2 * 1 * 128)
+    assert (tp2.budget.kv_bytes_per_token, tp8.budget.kv_bytes_per_token) == (69 * 2 * 4 * 128, 69 * 2 * 1 * 128)
 
 
 def test_a_batch_the_pool_cannot_hold_is_warned_about():
@@ -128,8 +129,9 @@ def test_docs_table_states_every_shipped_profile_capacity():
     for path in SHIPPED:
         p = load_profile(path)
         c = _capacity(p)
-        row = (f"| {p.name} | {p.gpu} x{p.checkpoint.tp_size} | {c.weights_bytes / 1e9:.2f} GB | "
-               f"{c.kv_pool_bytes / 1e9:.2f} GB | {c.kv_bytes_per_token:,.0f} B | {c.sequences_at_shape} | "
+        b = c.budget
+        row = (f"| {p.name} | {p.gpu} x{p.checkpoint.tp_size} | {b.weights_bytes / 1e9:.2f} GB | "
+               f"{b.kv_pool_bytes / 1e9:.2f} GB | {b.kv_bytes_per_token:,.0f} B | {c.sequences_at_shape} | "
                f"{c.sequences_at_max_seq_len} | {p.engine.max_batch_size} |")  # fmt: skip
         assert row in doc, row
 
@@ -155,7 +157,9 @@ def test_a_shape_longer_than_max_seq_len_holds_no_sequence():
     data["engine"].update(max_seq_len=128, max_input_len=64)
     profile = parse_profile(data)
     cap = _capacity(profile, (1024, 1024))
-    assert cap.blocks > 20_000 and cap.sequences_at_shape == 0  # plenty of blocks, but no 2048-token request runs
+    assert (
+        cap.budget.blocks > 20_000 and cap.sequences_at_shape == 0
+    )  # plenty of blocks, but no 2048-token request runs
     (warning,) = capacity_warnings(profile, cap)
     assert "1024/1024 tokens exceed max_seq_len 128" in warning
 
