@@ -561,7 +561,7 @@ def _open_loop_point(rate: float) -> dict:
     ],
 )
 def test_plan_calibrate_refuses_what_it_cannot_fit(tmp_path: Path, capsys, points: list, message: str) -> None:
-    results = _file(tmp_path, "results.json", json.dumps({"points": points}))
+    results = _file(tmp_path, "results.json", json.dumps({"format": "dflash-trt-bench/1", "points": points}))
     code, out, err = run_cli(["plan", "--preset", "qwen3-8b", "--calibrate", str(results)], capsys)
     assert_refused(code, err, "plan", message)
     assert out == ""

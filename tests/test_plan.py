@@ -17,6 +17,7 @@ from dflash_trt.analysis.gpus import get_gpu
 from dflash_trt.analysis.harness_fits import calibration
 from dflash_trt.analysis.model import Acceptance, Calibration, Deployment, Method, mean_context
 from dflash_trt.analysis.published import PAIRS, POINTS, SOURCES, Unknown
+from dflash_trt.bench.results import FORMAT
 from dflash_trt.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -258,7 +259,7 @@ def _bench_results(path: Path, step: float, spec: float) -> Path:
                 "ttft_s": {"p50": 0.1, "p90": 0.1, "p99": 0.1}, "tpot_s": {"p50": tpot, "p90": tpot, "p99": tpot},
                 "acceptance_length": tau, "per_request": [],
             })  # fmt: skip
-    path.write_text(json.dumps({"points": points}))
+    path.write_text(json.dumps({"format": FORMAT, "points": points}))
     return path
 
 
@@ -274,17 +275,19 @@ def test_calibrate_recovers_the_overheads_of_a_results_file(tmp_path: Path, caps
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        ("not json", "cannot read bench results"),
-        ('{"points": []}', "non-empty 'points' list"),
-        ('{"points": [{"mode": "eagle", "concurrency": 1}]}', "mode must be 'dflash' or 'ar'"),
-        ('{"points": [{"mode": "ar", "concurrency": 0}]}', "concurrency must be a positive integer"),
+        ("not json", "is not valid JSON"),
+        ('{"points": [{"mode": "ar", "concurrency": 1}]}', "is not a dflash-trt bench results file"),
+        ('{"format": "dflash-trt-bench/1", "points": []}', "non-empty 'points' list"),
+        ('{"format": "dflash-trt-bench/1", "points": [{"mode": "eagle", "concurrency": 1}]}', "mode must be 'dflash'"),
+        ('{"format": "dflash-trt-bench/1", "points": [{"mode": "ar", "concurrency": 0}]}', "concurrency must be"),
         (
-            '{"points": [{"mode": "ar", "concurrency": 1, "tpot_s": {"p50": "x"}, "throughput_tok_s": 1}]}',
+            '{"format": "dflash-trt-bench/1", "points": [{"mode": "ar", "concurrency": 1, "tpot_s": {"p50": "x"}, '
+            '"throughput_tok_s": 1}]}',
             r"tpot_s.p50 must be a positive number",
         ),
         (
-            '{"points": [{"mode": "dflash", "concurrency": 1, "tpot_s": {"p50": 0.01}, "throughput_tok_s": 100,'
-            ' "acceptance_length": 40}]}',
+            '{"format": "dflash-trt-bench/1", "points": [{"mode": "dflash", "concurrency": 1, "tpot_s": {"p50": 0.01}, '
+            '"throughput_tok_s": 100, "acceptance_length": 40}]}',
             "exceeds the drafter's block 16",
         ),
     ],
