@@ -1,7 +1,8 @@
 """What a DFlash engine honours of a request's sampling parameters, and the one message that refuses the rest.
 
 The engine samples each request with its temperature and the runtime's random numbers, which TensorRT-LLM 1.2.x
-seeds from the request's seed (docs/engine.md §6); temperature 0 is greedy. Its EAGLE runtime hands the engine
+seeds from the request's seed (docs/engine.md §6); temperature 0 is greedy, and so is every temperature too small for
+float32 to invert (`effective_temperature`, the one rule every path applies). Its EAGLE runtime hands the engine
 nothing else of the request's sampling config, so top-k, top-p, penalties and beams would be silently ignored, and
 its EAGLE decoding mode applies no banned words, guided decoding, logits post-processor or embedding bias: every
 entry point (`generate`, the engine runners, the Triton models, `bench`) refuses them here instead, with one message.
@@ -12,19 +13,27 @@ Standard library only: the Triton repository copies this file next to its Python
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 # What the engine honours per request; `dflash_trt.json` records it.
 HONOURED = ("temperature", "seed")
+# Temperatures below MIN_SAMPLING_TEMPERATURE decode greedily (vLLM's precedent: below 1e-5 is greedy), and those above
+# MAX_SAMPLING_TEMPERATURE sample as at it (uniformly over the finite logits, for any model): in float32 (what the
+# runtime carries a temperature in, and the engine divides by) the inverse of 1e-40 is inf and that of 3e38
+# underflows, both of which turn the sampler's weights into NaN. Compared in float32, so the engine network and
+# the Python paths split every value the same way (docs/engine.md §6).
+MIN_SAMPLING_TEMPERATURE = 1e-5
+MAX_SAMPLING_TEMPERATURE = 1e30
 # torch.Generator seeds are 64-bit; the largest positive one keeps the value meaningful on every platform.
 MAX_SEED = 2**63 - 1
 # What TensorRT-LLM's runtime (and so the tensorrtllm backend) samples a request at when it sends no temperature, and
 # OpenAI's default too; this toolkit's own commands and load generator default to greedy (0) instead.
 DEFAULT_TEMPERATURE = 1.0
-# What a temperature must be (the engine samples softmax(logits / T); 0 means greedy).
-TEMPERATURE_RULE = "a finite number >= 0 (0 means greedy)"
+# What a temperature must be (the engine samples softmax(logits / T)).
+TEMPERATURE_RULE = f"a finite number >= 0 (0, or anything below {MIN_SAMPLING_TEMPERATURE:g}, means greedy)"
 # The runtime's seed for a request that sends none (executor SamplingConfig, the tensorrtllm backend's `random_seed`).
 DEFAULT_SEED = 0
 # How the engine verifies drafts at temperature > 0: argmax drafts, one target sample per position, accepted while
@@ -133,7 +142,7 @@ def first_refusal(params: Mapping[str, Any]) -> tuple[str, str] | None:
         return "temperature", refused
     for name, neutral in NEUTRAL.items():
         value = values.get(name)
-        if value is None or value in neutral or (name == "top_k" and value == 1 and temperature == 0):
+        if value is None or value in neutral or (name == "top_k" and value == 1 and is_greedy(temperature)):
             continue
         allowed = " or ".join(_show(v) for v in neutral)
         return name, (
@@ -150,6 +159,27 @@ def sampling_refusal(params: Mapping[str, Any]) -> str | None:
     return None if refused is None else refused[1]
 
 
+def as_float32(value: float) -> float:
+    """`value` rounded to float32, as the runtime stores a temperature (inf beyond float32's range)."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def is_greedy(temperature: float) -> bool:
+    """Whether a (finite, >= 0) temperature decodes greedily: 0, or below MIN_SAMPLING_TEMPERATURE in float32."""
+    return as_float32(temperature) < as_float32(MIN_SAMPLING_TEMPERATURE)
+
+
+def effective_temperature(temperature: float) -> float:
+    """The temperature a request samples at: 0.0 (greedy) below MIN_SAMPLING_TEMPERATURE, at most
+    MAX_SAMPLING_TEMPERATURE, else as given. The engine network applies the same rule in-graph (trtllm/verify.py)."""
+    if is_greedy(temperature):
+        return 0.0
+    return min(float(temperature), MAX_SAMPLING_TEMPERATURE)
+
+
 class SamplingRefused(ValueError):
     """A request asked for sampling the engine cannot honour; the message says which parameter (`param`) and why."""
 
@@ -161,8 +191,10 @@ class SamplingRefused(ValueError):
 @dataclass(frozen=True, kw_only=True)
 class Sampling:
     """How one request samples, normalised once at the edge it arrived through (an HTTP body, a command's flags, a
-    Triton request's tensors) and carried unchanged to the engine. Temperature 0 is greedy; `seed` None leaves the
-    seed to the runtime (`DEFAULT_SEED`). A value the engine cannot honour is refused here, at construction."""
+    Triton request's tensors) and carried unchanged to the engine. `temperature` is the one it samples at
+    (`effective_temperature`: 0, greedy, below MIN_SAMPLING_TEMPERATURE; capped at MAX_SAMPLING_TEMPERATURE); `seed`
+    None leaves the seed to the runtime (`DEFAULT_SEED`). A value the engine cannot honour is refused here, at
+    construction."""
 
     temperature: float = 0.0
     seed: int | None = None
@@ -174,7 +206,7 @@ class Sampling:
         refused = None if self.seed is None else seed_refusal(self.seed)
         if refused is not None:
             raise SamplingRefused(refused, "seed")
-        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "temperature", effective_temperature(self.temperature))
 
     @property
     def runtime_seed(self) -> int:

@@ -24,6 +24,7 @@ from dflash_trt.commands.generate import check_lengths, sequence_record
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.inputs import POSITIVE_INT, SEED, TEMPERATURE, IntRange
 from dflash_trt.prompts import read_prompts
+from dflash_trt.reference.loop_rules import longest_request
 from dflash_trt.sampling_rules import Sampling, SamplingRefused
 from dflash_trt.tokenizer import load_tokenizer
 from dflash_trt.trtllm.build_plan import (
@@ -87,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
     engine = EmulatedEngine(checkpoint_dir, batch, args.max_num_tokens, args.tokens_per_block)
     tokenizer = load_tokenizer(checkpoint_dir)
     prompts = read_prompts(args.input_file, tokenizer)
-    check_lengths(args, prompts, engine.facts.max_position_embeddings)
+    longest = longest_request(engine.facts.max_position_embeddings, engine.k)
+    check_lengths(args, prompts, longest, "the target's max_position_embeddings less two draft blocks")
     sampling = sequence_sampling(args, len(prompts))
     stop_ids = [] if args.ignore_eos else list(engine.eos_token_ids)
     started = time.perf_counter()

@@ -76,26 +76,15 @@ def sequence_record(result: SequenceResult, tokenizer, trace: bool) -> dict[str,
     return record
 
 
-# The smallest temperature above 0: a logit of ~100 divided by it stays far inside float32's range.
-MIN_TEMPERATURE = 1e-6
-
-
-def check_arguments(args: argparse.Namespace) -> None:
-    """Refuse, before loading anything, a temperature whose logits would overflow half-way."""
-    if 0 < args.temperature < MIN_TEMPERATURE:
-        raise DFlashTrtError(
-            f"--temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {args.temperature:g}: logits "
-            "divided by a smaller one overflow float32"
-        )
-
-
-def check_lengths(args: argparse.Namespace, prompts: list[list[int]], max_position_embeddings: int) -> None:
+def check_lengths(
+    args: argparse.Namespace, prompts: list[list[int]], limit: int, what: str = "the target's max_position_embeddings"
+) -> None:
     """Positions past what the model was trained for decode garbage, and a huge request fails allocating."""
     longest = max(len(p) for p in prompts)
-    if longest + args.max_new_tokens > max_position_embeddings:
+    if longest + args.max_new_tokens > limit:
         raise DFlashTrtError(
-            f"the longest prompt ({longest} tokens) plus --max_new_tokens {args.max_new_tokens} exceeds the target's "
-            f"max_position_embeddings ({max_position_embeddings}); shorten the prompts or ask for fewer tokens"
+            f"the longest prompt ({longest} tokens) plus --max_new_tokens {args.max_new_tokens} exceeds {what} "
+            f"({limit}); shorten the prompts or ask for fewer tokens"
         )
 
 
@@ -110,7 +99,6 @@ def run(args: argparse.Namespace) -> int:
     from dflash_trt.reference.sampling import SamplingParams
     from dflash_trt.reference.stats import mean_acceptance_length, per_position_acceptance
 
-    check_arguments(args)
     checkpoint_dir = Path(args.checkpoint_dir)
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.sampling)
     per_sequence_sampling(sampling, 1)  # refuse what the chosen rule cannot honour before loading anything
@@ -141,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {
         "sequences": [sequence_record(r, tokenizer, args.trace) for r in results],
         "mean_acceptance_length": mean_acceptance_length(results),
-        "per_position_acceptance": per_position_acceptance(results, model.draft.spec.block_size - 1),
+        "per_position_acceptance": per_position_acceptance(results, model.draft.spec.num_drafts),
         "generated_tokens": generated,
         "tokens_per_second": generated / seconds if seconds > 0 else None,
     }

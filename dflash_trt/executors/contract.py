@@ -78,6 +78,10 @@ class Executor(ABC):
     async def stop(self) -> None:
         """Release what `start` acquired; requests still running may be dropped."""
 
+    def health(self) -> str | None:
+        """Why the executor cannot serve now (its engine is broken), or None when it can."""
+        return None
+
 
 def threadsafe_deliver(deliver: Deliver) -> Deliver:
     """A `deliver` that executor threads may call: it schedules the real one on the running loop."""

@@ -49,7 +49,9 @@ class EngineInfo:
     gpus: int
     vocab_size: int
     max_batch_size: int
-    max_seq_len: int | None  # the engine's built max_seq_len, when its config states one
+    max_seq_len: int | None  # the engine's built max_seq_len (its KV window), when its config states one
+    max_draft_len: int | None  # drafts per step it was built for (0 for an AR engine)
+    max_position_embeddings: int | None  # the target's positions (default: the KV window)
     eos_token_ids: tuple[int, ...]  # the checkpoint's, as the engine config carries them
 
     @property
@@ -95,18 +97,25 @@ def inspect_engine(
                 f"plugin library {library} not found: build plugins/ with CMake or pass --plugin_library"
             )
     eos = pretrained.get("eos_token_ids", pretrained.get("eos_token_id"))
-    seq_len = build.get("max_seq_len")
+    seq_len = _whole(build.get("max_seq_len"))
     return EngineInfo(
         engine_dir=engine_dir,
         mode=mode,
         gpus=int(mapping.get("world_size", mapping.get("tp_size", 1) * mapping.get("pp_size", 1))),
         vocab_size=int(pretrained.get("vocab_size", 0)),
         max_batch_size=int(build.get("max_batch_size", 1)),
-        max_seq_len=seq_len if isinstance(seq_len, int) and not isinstance(seq_len, bool) else None,
+        max_seq_len=seq_len,
+        max_draft_len=_whole(build.get("max_draft_len", 0)),
+        max_position_embeddings=_whole(pretrained.get("max_position_embeddings", seq_len)),
         eos_token_ids=tuple(int(i) for i in eos) if isinstance(eos, list) else (eos,) if isinstance(eos, int) else (),
         eagle_choices=eagle_choices,
         plugin_library=library,
     )
+
+
+def _whole(value: object) -> int | None:
+    """An integer field of the engine's config.json, or None when it is missing or not an integer."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def executor_bindings() -> Any:

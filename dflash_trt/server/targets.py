@@ -9,11 +9,16 @@ stops at EOS and the server stops each request at EOS unless the request sends `
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dflash_trt.decoding_modes import DFLASH
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.executors.contract import Executor
+from dflash_trt.reference.loop_rules import longest_request
 from dflash_trt.server.params import Limits
+
+if TYPE_CHECKING:
+    from dflash_trt.executors.trtllm import EngineInfo
 
 DEFAULT_TRITON_BATCH = 64  # requests sent to a Triton server at once when --max_batch_size is not given
 
@@ -27,17 +32,33 @@ class ServeTarget:
     engine_stops_at_eos: bool  # False with --ignore_eos: the server stops requests at EOS unless they ignore it
 
 
+def engine_longest_request(info: EngineInfo) -> int:
+    """The longest request of a built engine: its KV window (build_config.max_seq_len, which the builder widened
+    by 2K) and the target's positions, less the two draft blocks its last step reaches past the last token."""
+    config, window = info.engine_dir / "config.json", info.max_seq_len
+    if window is None or info.max_draft_len is None or info.max_position_embeddings is None:
+        raise DFlashTrtError(f"{config} has no build_config.max_seq_len / max_draft_len")
+    longest = longest_request(min(window, info.max_position_embeddings), info.max_draft_len)
+    if longest < 2:
+        raise DFlashTrtError(f"{config}: max_seq_len {window} leaves no room for a request past two draft blocks")
+    return longest
+
+
 def checkpoint_target(
     checkpoint_dir: str, max_batch_size: int | None, max_seq_len: int | None, ignore_eos: bool
 ) -> ServeTarget:
-    """The emulated engine over a converted checkpoint; requests up to the target's max_position_embeddings."""
+    """The emulated engine over a converted checkpoint; requests up to what its positions hold (`longest_request`)."""
     from dflash_trt.emulation.engine import DEFAULT_MAX_BATCH_SIZE, EmulatedEngine
     from dflash_trt.executors.emulated import EmulatedExecutor
 
     engine = EmulatedEngine(checkpoint_dir, max_batch_size or DEFAULT_MAX_BATCH_SIZE)
-    longest = engine.max_position_embeddings
+    longest = longest_request(engine.max_position_embeddings, engine.k)
     if max_seq_len is not None and max_seq_len > longest:
-        raise DFlashTrtError(f"--max_seq_len must be <= the target's max_position_embeddings ({longest})")
+        raise DFlashTrtError(
+            f"--max_seq_len must be <= {longest}: the target's max_position_embeddings "
+            f"({engine.max_position_embeddings}) less two draft blocks of {engine.k}, which the engine's last step "
+            "reaches past a request's last token"
+        )
     seq_len = max_seq_len or longest
     eos = frozenset(engine.eos_token_ids)
     executor = EmulatedExecutor(engine, seq_len, [] if ignore_eos else sorted(eos))
@@ -53,20 +74,20 @@ def checkpoint_target(
 def engine_target(
     engine_dir: str, plugin_library: str | None, max_batch_size: int | None, max_seq_len: int | None, ignore_eos: bool
 ) -> ServeTarget:
-    """TensorRT-LLM's executor over a DFlash engine; requests up to the engine's built max_seq_len."""
+    """TensorRT-LLM's executor over a DFlash engine; requests up to what its positions and KV window hold."""
     from dflash_trt.executors.trtllm import TrtllmExecutor, inspect_engine
 
     info = inspect_engine(engine_dir, DFLASH, plugin_library)
-    built = info.max_seq_len
-    if built is None or built < 2:
-        raise DFlashTrtError(f"{info.engine_dir / 'config.json'} has no build_config.max_seq_len")
-    if max_seq_len is not None and max_seq_len > built:
-        raise DFlashTrtError(f"--max_seq_len must be <= the engine's built max_seq_len ({built})")
+    longest = engine_longest_request(info)
+    if max_seq_len is not None and max_seq_len > longest:
+        raise DFlashTrtError(
+            f"--max_seq_len must be <= {longest}: the engine's positions and KV window less two draft blocks"
+        )
     executor = TrtllmExecutor(info, max_batch_size=max_batch_size, ignore_eos=ignore_eos)
     return ServeTarget(
         executor=executor,
         max_batch_size=executor.max_batch_size,
-        limits=Limits(max_seq_len=max_seq_len or built, vocab_size=info.vocab_size or None),
+        limits=Limits(max_seq_len=max_seq_len or longest, vocab_size=info.vocab_size or None),
         eos_token_ids=frozenset(info.eos_token_ids),
         engine_stops_at_eos=not ignore_eos,
     )
@@ -84,7 +105,10 @@ def triton_target(
     from dflash_trt.clients.triton import TritonExecutor
 
     if max_seq_len is None:
-        raise DFlashTrtError("--triton_url needs --max_seq_len (the engine's build max_seq_len; Triton does not say)")
+        raise DFlashTrtError(
+            "--triton_url needs --max_seq_len (the longest request the engine holds: the max_seq_len `dflash-trt "
+            "build` was given, at most the target's max_position_embeddings less two draft blocks; Triton does not say)"
+        )
     end_id = -1 if ignore_eos or not eos_token_ids else eos_token_ids[0]
     return ServeTarget(
         executor=TritonExecutor(url, model=model, end_id=end_id),

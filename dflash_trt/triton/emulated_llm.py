@@ -164,6 +164,11 @@ def _send_quietly(sink: ResponseSink, error: str) -> None:
         pass
 
 
+def _engine_failure(exc: Exception) -> str:
+    """What the requests of a step that raised are told (the stepper goes on with the next ones)."""
+    return f"the emulated engine failed: {type(exc).__name__}: {exc}"
+
+
 def _tensor(value, dtype) -> np.ndarray:
     return np.array([[value]], dtype=dtype)
 
@@ -178,7 +183,12 @@ class Server:
         self._flights: dict[int, _InFlight] = {}
         self._lock = threading.Lock()  # the flights are added from Triton's threads, answered from the worker's
         self.worker = Worker(
-            stepper, self._answer, name="emulated-tensorrt_llm", admitted=self._admitted, gone=self._gone
+            stepper,
+            self._answer,
+            name="emulated-tensorrt_llm",
+            admitted=self._admitted,
+            gone=self._gone,
+            failure=_engine_failure,
         )
 
     @classmethod

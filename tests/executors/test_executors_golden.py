@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -21,6 +22,7 @@ from dflash_trt.cli import main
 from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.executors.golden import GoldenExecutor
 from dflash_trt.reference.model import load_golden_model
+from dflash_trt.sampling_rules import Sampling
 from dflash_trt.tiny.heldout import draft_dir, load_heldout, target_dir
 from dflash_trt.tokenizer import load_tokenizer
 
@@ -126,3 +128,16 @@ def test_requests_beyond_the_budget_fail_alone(setup):
     failed = [r for r in trace.records if r.error]
     assert failed and all("exceeds" in r.error for r in failed)
     assert all(r.output_ids for r in trace.records if not r.error)
+
+
+def test_temperatures_too_small_to_invert_are_greedy_and_others_refused(setup, generated):
+    """The golden executor decodes greedily only: 1e-40 is greedy (sampling_rules), 0.5 is refused for the request."""
+    _, prompt_file, model = setup
+    first = file_workload(prompt_file, MAX_NEW).requests[:3]
+    at = (1e-40, 0.5, 9e-6)
+    requests = [replace(r, sampling=Sampling(temperature=t)) for r, t in zip(first, at, strict=True)]
+    executor = GoldenExecutor(model, 3, 256, stop_token_ids=list(model.target.spec.eos_token_ids))
+    trace = asyncio.run(run_load(executor, requests, concurrency=3))
+    records = sorted(trace.records, key=lambda r: r.prompt_index)
+    assert records[1].error.startswith("the golden executor decodes greedily (temperature below 1e-05)")
+    assert [records[i].output_ids for i in (0, 2)] == [generated[i]["output_ids"] for i in (0, 2)]

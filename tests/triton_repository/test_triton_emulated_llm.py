@@ -199,7 +199,7 @@ def test_a_failed_step_fails_its_requests_and_the_server_goes_on(server, prompts
     first, second = ListSink(), ListSink()
     server.submit(_inputs(prompts[0]), first)
     _wait(first)
-    assert first.responses == [({}, "the executor failed: RuntimeError: out of pages", True)]
+    assert first.responses == [({}, "the emulated engine failed: RuntimeError: out of pages", True)]
     server.submit(_inputs(prompts[0], 3), second)
     _wait(second)
     assert second.responses[-1][1] is None and len(second.tokens()) == 3
