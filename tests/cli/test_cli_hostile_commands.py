@@ -572,7 +572,7 @@ HOSTILE: dict[str, tuple[Case, str]] = {
     ),
     "generate with a NaN temperature": (
         lambda w, t: _generate(w, "--temperature", "nan"),
-        r"argument --temperature: must be a finite number >= 0 \(0 means greedy\), got 'nan'",
+        r"argument --temperature: must be a finite number >= 0 \(0, or anything below 1e-05, means greedy\), got 'nan'",
     ),
     "generate with an overflowing seed": (
         lambda w, t: _generate(w, "--seed", str(2**70)),
