@@ -20,7 +20,6 @@ def odd_vocab_pair(tmp_path_factory):
 @pytest.mark.parametrize("tp_size", [1, 2, 4])
 def test_streamed_rank_files_equal_whole_tensor_conversion(odd_vocab_pair, tmp_path, monkeypatch, tp_size):
     convert.convert_checkpoint(*odd_vocab_pair, tmp_path / "whole", dtype="bfloat16", tp_size=tp_size)
-    monkeypatch.setattr(rank_writer, "WHOLE_MAX_BYTES", 0)  # stream every tensor
     monkeypatch.setattr(rank_writer, "BLOCK_BYTES", 700)  # in blocks of a few rows, uneven at the end
     convert.convert_checkpoint(*odd_vocab_pair, tmp_path / "streamed", dtype="bfloat16", tp_size=tp_size)
     for rank in range(tp_size):
@@ -35,7 +34,7 @@ def test_nan_in_a_row_another_rank_owns_is_caught(odd_vocab_pair, tmp_path, edit
     tensors = load_file(poisoned / "model.safetensors")
     tensors["lm_head.weight"][90, 3] = float("inf")  # a row of the last rank at tp 4
     save_file(tensors, poisoned / "model.safetensors")
-    monkeypatch.setattr(rank_writer, "WHOLE_MAX_BYTES", 0)
+    monkeypatch.setattr(rank_writer, "BLOCK_BYTES", 700)
     with pytest.raises(DFlashTrtError, match="target tensor 'lm_head.weight' contains NaN or Inf"):
         convert.convert_checkpoint(poisoned, draft_dir, tmp_path / "out", tp_size=4)
     assert not (tmp_path / "out").exists()
