@@ -67,3 +67,25 @@ def test_row_reader_and_block_writer_agree_with_safetensors(tmp_path):
         assert not (tmp_path / "z.safetensors").exists()
     written = load_file(tmp_path / "y.safetensors")
     assert all(torch.equal(written[k], tensors[k]) for k in tensors)
+
+
+@pytest.mark.parametrize("tp_size", [1, 4])
+def test_every_source_byte_is_read_once(odd_vocab_pair, tmp_path, monkeypatch, tp_size):
+    """One pass: however the ranks split a tensor (rows, columns, q|k|v per head group, KV heads shared by two ranks),
+    each byte of every source is read once, in blocks (no whole-tensor read, no read per rank)."""
+    from dflash_trt.checkpoint.safetensors_io import SafetensorsFile
+
+    files = [*odd_vocab_pair[0].glob("*.safetensors"), *odd_vocab_pair[1].glob("*.safetensors")]
+    sizes = {(path.parent.name, name): t.nbytes for path in files for name, t in load_file(path).items()}
+    read = dict.fromkeys(sizes, 0)
+    original = SafetensorsFile.read_rows
+
+    def counting(self, name, start, stop, into=None):
+        rows = original(self, name, start, stop, into)
+        read[self.path.parent.name, name] += rows.nbytes
+        return rows
+
+    monkeypatch.setattr(SafetensorsFile, "read_rows", counting)
+    monkeypatch.setattr(rank_writer, "BLOCK_BYTES", 700)
+    convert.convert_checkpoint(*odd_vocab_pair, tmp_path / "out", dtype="bfloat16", tp_size=tp_size)
+    assert read == sizes
