@@ -44,37 +44,21 @@ Readers = dict[str, HFCheckpointReader]
 # Source bytes read per step: a block this small stays in the CPU's cache while it is tested, hashed and written (a
 # block larger than the cache is fetched from memory once per pass, and each pass costs more than the copy itself).
 BLOCK_BYTES = 1 << 20
-# Read buffers reused in turn: fresh memory for every block would cost more than the copy (a page fault per page).
-READ_BUFFERS = 3
 
 
-class ReadBuffers:
-    """A ring of reusable read buffers. A buffer is refilled only once every writer it went to is done with it: each
-    writer hashes and writes at most its last block in the background, so only writers whose last block came from
-    the buffer may still be reading it."""
+class Scratch:
+    """The two buffers every block passes through, reused (fresh memory for every block would cost more than the
+    copy: a page fault per page): one the sources are read into, one column cuts are gathered into. Writers copy
+    what they are given, so a buffer is free again as soon as its bytes are handed on."""
 
-    def __init__(self, count: int = READ_BUFFERS) -> None:
-        self._buffers = [np.empty(0, dtype=np.uint8) for _ in range(count)]
-        self._next = 0
-        self._last_buffer: dict[StreamingSafetensorsWriter, int] = {}
+    def __init__(self) -> None:
+        self._buffers = {"read": np.empty(0, dtype=np.uint8), "gather": np.empty(0, dtype=np.uint8)}
 
-    def take(self, nbytes: int) -> np.ndarray:
-        """A buffer of at least `nbytes`, free to overwrite."""
-        index, self._next = self._next, (self._next + 1) % len(self._buffers)
-        for writer, last in self._last_buffer.items():
-            if last == index:
-                writer.wait_written()
-        if len(self._buffers[index]) < nbytes:
-            self._buffers[index] = np.empty(nbytes, dtype=np.uint8)
-        return self._buffers[index]
-
-    def appended(self, writer: StreamingSafetensorsWriter, data: np.ndarray) -> None:
-        """Record that `writer` was handed `data` (a view of one of the buffers, or memory of its own)."""
-        base = data.base if data.base is not None else data
-        while isinstance(base, np.ndarray) and base.base is not None:
-            base = base.base
-        owner = next((i for i, buffer in enumerate(self._buffers) if buffer is base), -1)
-        self._last_buffer[writer] = owner
+    def take(self, use: str, nbytes: int) -> np.ndarray:
+        """The buffer for `use` ("read" or "gather"), at least `nbytes` long."""
+        if len(self._buffers[use]) < nbytes:
+            self._buffers[use] = np.empty(nbytes, dtype=np.uint8)
+        return self._buffers[use]
 
 
 @dataclass(frozen=True)
@@ -129,8 +113,8 @@ class SourceTensor:
 
     A stacked expert tensor `[experts, rows, columns]` is each expert's sources concatenated, expert after expert."""
 
-    def __init__(self, out: OutputTensor, readers: Readers, buffers: ReadBuffers | None = None) -> None:
-        self.out, self.readers, self.buffers = out, readers, buffers or ReadBuffers()
+    def __init__(self, out: OutputTensor, readers: Readers, scratch: Scratch | None = None) -> None:
+        self.out, self.readers, self.scratch = out, readers, scratch or Scratch()
         experts = out.shape[0] if len(out.shape) == 3 else 1
         per_expert = len(out.sources) // experts
         self.groups = [out.sources[e * per_expert : (e + 1) * per_expert] for e in range(experts)]
@@ -147,7 +131,7 @@ class SourceTensor:
             step = max(1, BLOCK_BYTES // max(1, row_bytes))
             for start in range(low, high, step):
                 end = min(start + step, high)
-                block = reader.read_rows(name, start, end, self.buffers.take((end - start) * row_bytes))
+                block = reader.read_rows(name, start, end, self.scratch.take("read", (end - start) * row_bytes))
                 yield offset + start, block, reader.dtype_name(name)
             offset += rows
 
@@ -254,11 +238,11 @@ def needed_rows(routes: list[Route]) -> list[tuple[int, int, int]]:
     return merged
 
 
-def _deliver(chunks: list[tuple[Route, np.ndarray]], buffers: ReadBuffers, stored: str) -> bool:
+def _deliver(chunks: list[tuple[Route, np.ndarray]], scratch: Scratch, stored: str) -> bool:
     """Hand each chunk to its piece's writers, column cuts gathered into one reused buffer first; False (nothing
     handed on from then) at a chunk a scanning piece finds NaN/Inf in."""
     cut = sum(chunk.nbytes for _, chunk in chunks if not chunk.flags.c_contiguous)
-    gathered, at = buffers.take(cut) if cut else None, 0
+    gathered, at = scratch.take("gather", cut) if cut else None, 0
     for route, chunk in chunks:
         if gathered is not None and not chunk.flags.c_contiguous:
             into = gathered[at : at + chunk.nbytes].view(chunk.dtype).reshape(chunk.shape)
@@ -268,7 +252,6 @@ def _deliver(chunks: list[tuple[Route, np.ndarray]], buffers: ReadBuffers, store
             return False
         for writer in route.writers:
             writer.append(chunk)
-            buffers.appended(writer, chunk)
     return True
 
 
@@ -277,12 +260,12 @@ def _write_moved(
     out: OutputTensor,
     readers: Readers,
     writers: dict[int, StreamingSafetensorsWriter],
-    buffers: ReadBuffers,
+    scratch: Scratch,
 ) -> None:
     """A tensor whose stored form is a piece of its sources (cast if need be): one pass over the rows any rank holds,
     each read once, in blocks; each block's share for every piece tested for NaN/Inf (by one piece) and written to
     every rank holding that piece."""
-    source, stored = SourceTensor(out, readers, buffers), plan.stored_dtype(out)
+    source, stored = SourceTensor(out, readers, scratch), plan.stored_dtype(out)
     routes = _routes(plan, out, writers)
     for writer in writers.values():
         writer.start(out.name)
@@ -290,9 +273,9 @@ def _write_moved(
     for expert, first, stop in needed_rows(routes):
         for row, block, dtype in source.blocks(expert, first, stop):
             data = cast_bits(block, dtype, stored)
-            if not _deliver([(route, c) for route in routes for c in route.chunks(expert, row, data)], buffers, stored):
+            if not _deliver([(route, c) for route in routes for c in route.chunks(expert, row, data)], scratch, stored):
                 raise _blame_nonfinite(out, readers, stored)
-    _deliver([(route, chunk) for route in routes for chunk in route.rest(data)], buffers, stored)
+    _deliver([(route, chunk) for route in routes for chunk in route.rest(data)], scratch, stored)
     for writer in writers.values():
         writer.finish()
 
@@ -306,15 +289,15 @@ def write_rank_files(
         writers = {
             rank: stack.enter_context(
                 StreamingSafetensorsWriter(
-                    staging / rank_file(rank), entries, metadata={"format": "pt"}, fsync=False, digest=True
+                    staging / rank_file(rank), entries, metadata={"format": "pt"}, fsync=False, digest=True, direct=True
                 )
             )
             for rank in ranks
         }
-        buffers = ReadBuffers()
+        scratch = Scratch()
         for out in plan.layout:
             if plan.moves_bytes(out):
-                _write_moved(plan, out, readers, writers, buffers)
+                _write_moved(plan, out, readers, writers, scratch)
             else:
                 for rank in ranks:  # the first rank tests the sources: a bad input is named, not taken for overflow
                     for name, piece in rank_tensors(plan, out, readers, rank, check_finite=rank == ranks[0]).items():
