@@ -220,6 +220,31 @@ def test_writer_falls_back_to_the_page_cache_where_direct_io_is_refused(tmp_path
     assert refused == [0] and path.read_bytes().endswith(data)
 
 
+def test_writer_on_a_file_system_without_direct_io_goes_through_the_page_cache(tmp_path: Path, monkeypatch) -> None:
+    """Where turning direct I/O on is refused (tmpfs before Linux 6.6, some network file systems), every block is
+    written through the page cache, with the same bytes."""
+    import fcntl
+
+    real_fcntl = fcntl.fcntl
+
+    def refusing(fd: int, command: int, arg: int = 0) -> int:
+        if command == fcntl.F_SETFL and arg & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_fcntl(fd, command, arg)
+
+    monkeypatch.setattr(fcntl, "fcntl", refusing)
+    recorded = _RecordedWrites()
+    monkeypatch.setattr(os, "pwrite", recorded)
+    data = random.Random(1).randbytes(2 * BLOCK + 5)
+    path = tmp_path / "cached.safetensors"
+    with StreamingSafetensorsWriter(path, {"a": ("U8", (len(data),))}, direct=True) as writer:
+        writer.start("a")
+        writer.append(data)
+        writer.finish()
+    assert path.read_bytes().endswith(data) and len(recorded.writes) == 3
+    assert not any(went for _, _, went in recorded.writes)
+
+
 def test_writer_failing_on_its_thread_is_one_error_and_removes_the_file(tmp_path: Path, monkeypatch) -> None:
     """A write failing on the writer's thread (a full disk) surfaces at the next block as this file's error."""
 

@@ -50,8 +50,9 @@ WRITES_IN_FLIGHT = 2
 # Direct I/O (no copy into the page cache) needs buffers, offsets and sizes aligned to the disk's blocks: 4 KiB
 # covers 512-byte and 4 KiB sectors alike. The block size is a multiple of it.
 DIRECT_ALIGNMENT = 4096
-# Bytes written through the page cache are handed to the disk in steps of this size, so the disk works while the
-# file grows and the fsync at publish waits for the tail only (direct writes leave nothing to hand over).
+# Bytes written through the page cache are handed to the disk in steps of this size (a multiple of the block size),
+# so the disk works while the file grows and the fsync at publish waits for the tail only (direct writes leave
+# nothing to hand over).
 WRITEBACK_BYTES = 32 << 20
 _TENSOR_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 # Not exported by Python before 3.13; the value is Linux's on x86-64 and aarch64.
@@ -477,10 +478,11 @@ class StreamingSafetensorsWriter:
 
     Only the tensor being written is in memory, and it may arrive in pieces of any size (`start`, `append`, `finish`)
     from any source: a conversion that only moves bytes never makes a tensor. The pieces are copied into the
-    writer's blocks of WRITE_BLOCK_BYTES (so the caller may reuse its buffer at once); each full block is hashed and
-    written on the writer's own thread (blake3 and the write release the GIL) while the caller fills the next.
-    With `direct`, blocks go straight to the disk where the file system allows it (O_DIRECT), without a copy into
-    the page cache or writeback left for the fsync; the short last block goes through the page cache.
+    writer's blocks of WRITE_BLOCK_BYTES (so the caller may reuse its buffer at once); each full block is hashed (in
+    file order) and written at its offset on one of the writer's threads (blake3 and the write release the GIL)
+    while the caller fills the next. With `direct`, blocks go straight to the disk where the file system allows it
+    (O_DIRECT), without a copy into the page cache or writeback left for the fsync; the short last block goes
+    through the page cache.
     The file is created exclusively (never overwrites) and is deleted again if the writer is closed before every
     tensor was written or a `with` block fails.
     """
@@ -523,7 +525,7 @@ class StreamingSafetensorsWriter:
         self._stage(memoryview(struct.pack("<Q", len(header)) + header))
 
     def _stage(self, view: memoryview) -> None:
-        """Copy bytes into the block being filled, handing each block that fills up to the writer's thread."""
+        """Copy bytes into the block being filled, handing each block that fills up to the writer's threads."""
         while view:
             block = self._blocks[self._filling]
             count = min(len(view), len(block) - self._filled)
