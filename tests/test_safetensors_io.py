@@ -167,7 +167,7 @@ BLOCK = safetensors_io.WRITE_BLOCK_BYTES
 @pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("sizes", [[1, 4095, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 7], [BLOCK + 5] * 4])
 def test_writer_keeps_order_and_digest(tmp_path: Path, monkeypatch, sizes: list[int], direct: bool) -> None:
-    """Pieces of any size are gathered into blocks, each hashed in order and written (two at once) on the writer's
+    """Pieces of any size are gathered into blocks, each hashed in order and written (several at once) on the writer's
     threads while the next fills: in either order of sizes the file holds the pieces in order, the digest is
     blake3's of it, and every write is a whole block at its offset but the last (with `direct` where the file system
     allows it, the last through the page cache)."""
