@@ -253,10 +253,11 @@ def test_writer_failing_on_its_thread_is_one_error_and_removes_the_file(tmp_path
 
     monkeypatch.setattr(os, "pwrite", full)
     path = tmp_path / "full.safetensors"
-    writer = StreamingSafetensorsWriter(path, {"a": ("U8", (4 * BLOCK,))}, direct=True)
+    blocks = 2 * (safetensors_io.WRITES_IN_FLIGHT + 1)  # more than the writer holds in flight
+    writer = StreamingSafetensorsWriter(path, {"a": ("U8", (blocks * BLOCK,))}, direct=True)
     writer.start("a")
     with pytest.raises(DFlashTrtError, match="cannot write .*No space left on device"):
-        for _ in range(4):
+        for _ in range(blocks):
             writer.append(bytes(BLOCK))
     assert not path.exists()
 
