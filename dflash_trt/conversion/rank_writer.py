@@ -213,16 +213,12 @@ def _routes(plan: ConversionPlan, out: OutputTensor, writers: dict[int, Streamin
     replicated tensor by rank 0's)."""
     holders: dict[Piece, list[int]] = {}
     for rank in writers:
-        holders.setdefault(rank_piece(out.shape, out.split, plan.tp_size, rank, out.heads, out.experts), []).append(
-            rank
-        )
+        piece = rank_piece(out.shape, out.split, plan.tp_size, rank, out.heads, out.experts)
+        holders.setdefault(piece, []).append(rank)
+    scan = [out.split is not Split.REPLICATE or 0 in ranks for ranks in holders.values()]
     return [
-        Route(
-            piece_segments(piece, out.shape),
-            [writers[r] for r in ranks],
-            out.split is not Split.REPLICATE or 0 in ranks,
-        )
-        for piece, ranks in holders.items()
+        Route(piece_segments(piece, out.shape), [writers[rank] for rank in ranks], tests)
+        for (piece, ranks), tests in zip(holders.items(), scan, strict=True)
     ]
 
 
