@@ -89,3 +89,23 @@ def test_every_source_byte_is_read_once(odd_vocab_pair, tmp_path, monkeypatch, t
     monkeypatch.setattr(rank_writer, "BLOCK_BYTES", 700)
     convert.convert_checkpoint(*odd_vocab_pair, tmp_path / "out", dtype="bfloat16", tp_size=tp_size)
     assert read == sizes
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [{}, {"kind": "dflash", "draft_vocab_size": 33}],
+    ids=["dflash2-3d-convolution-kernels", "draft-vocabulary-int64-map"],
+)
+def test_speculators_drafter_extras_stream_like_whole_reads(tmp_path, monkeypatch, variant):
+    """A DFlash2 drafter's 3-D convolution kernels (one 3-D source each, not a stack of experts) and a reduced
+    vocabulary's int64 id map (stored as int32) stream in blocks of a few rows to the same bytes, which verify."""
+    from _speculators_pairs import SpeculatorsVariant, make_speculators_pair
+
+    pair = make_speculators_pair(tmp_path / "pair", SpeculatorsVariant(**variant))
+    convert.convert_checkpoint(*pair, tmp_path / "whole", dtype="bfloat16", tp_size=2)
+    monkeypatch.setattr(rank_writer, "BLOCK_BYTES", 700)
+    convert.convert_checkpoint(*pair, tmp_path / "streamed", dtype="bfloat16", tp_size=2)
+    for rank in range(2):
+        name = f"rank{rank}.safetensors"
+        assert (tmp_path / "streamed" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
+    assert verify_checkpoint(tmp_path / "streamed", *pair).ok

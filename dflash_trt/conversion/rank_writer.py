@@ -72,8 +72,8 @@ class RankWritten:
 
 @dataclass(frozen=True)
 class Rows:
-    """Rows [first, stop) of one expert of a full tensor (an unstacked tensor is one expert), with columns
-    `columns` of each (None: whole rows)."""
+    """Rows [first, stop) of one expert of a full tensor (a tensor not stacked by experts is one expert), with
+    columns `columns` of each (None: whole rows)."""
 
     expert: int
     first: int
@@ -85,11 +85,11 @@ class Rows:
 Segments = list[Rows | int]
 
 
-def piece_segments(piece: Piece, shape: tuple[int, ...]) -> Segments:
-    """A rank's piece as runs of rows of the full tensor, in the order its file holds them; that is the full tensor's
-    own row order (checked), so one pass over the tensor serves every rank."""
-    stacked = len(shape) == 3
-    width = shape[-1] if len(shape) > 1 else 1
+def piece_segments(piece: Piece, shape: tuple[int, ...], stacked: bool) -> Segments:
+    """A rank's piece of a tensor of `shape` (`stacked`: `[experts, rows, columns]`, one matrix per expert) as runs of
+    rows of the full tensor, in the order its file holds them; that is the full tensor's own row order (checked), so
+    one pass over the tensor serves every rank."""
+    width = shape[2] if stacked else shape[1] if len(shape) > 1 else 1
 
     def runs(box: Ranges) -> list[Rows]:
         experts, (rows, *columns) = (box[0], box[1:] or ((0, shape[1]),)) if stacked else ((0, 1), box)
@@ -112,11 +112,15 @@ def piece_segments(piece: Piece, shape: tuple[int, ...]) -> Segments:
 class SourceTensor:
     """A layout tensor's full (unsharded) value as its sources concatenated by rows, read on demand as bit patterns.
 
-    A stacked expert tensor `[experts, rows, columns]` is each expert's sources concatenated, expert after expert."""
+    A tensor stacked by experts (`[experts, rows, columns]` from 2-D sources, one matrix per expert or several
+    stacked by rows) is each expert's sources concatenated, expert after expert; any other tensor, 3-D ones read
+    from a 3-D source included, is its sources concatenated along dim 0."""
 
     def __init__(self, out: OutputTensor, readers: Readers, scratch: Scratch | None = None) -> None:
         self.out, self.readers, self.scratch = out, readers, scratch or Scratch()
-        experts = out.shape[0] if len(out.shape) == 3 else 1
+        model, name = out.sources[0]
+        self.stacked = len(out.shape) == 3 and len(readers[model].shape(name)) == 2
+        experts = out.shape[0] if self.stacked else 1
         per_expert = len(out.sources) // experts
         self.groups = [out.sources[e * per_expert : (e + 1) * per_expert] for e in range(experts)]
 
@@ -208,16 +212,17 @@ class Route:
         return np.zeros((rows, *like.shape[1:]), dtype=like.dtype)
 
 
-def _routes(plan: ConversionPlan, out: OutputTensor, writers: dict[int, StreamingSafetensorsWriter]) -> list[Route]:
-    """Each distinct piece of `out` with the ranks holding it; every row is tested for NaN/Inf by one piece (a
+def _routes(plan: ConversionPlan, source: SourceTensor, writers: dict[int, StreamingSafetensorsWriter]) -> list[Route]:
+    """Each distinct piece of the tensor with the ranks holding it; every row is tested for NaN/Inf by one piece (a
     replicated tensor by rank 0's)."""
+    out = source.out
     holders: dict[Piece, list[int]] = {}
     for rank in writers:
         piece = rank_piece(out.shape, out.split, plan.tp_size, rank, out.heads, out.experts)
         holders.setdefault(piece, []).append(rank)
     scan = [out.split is not Split.REPLICATE or 0 in ranks for ranks in holders.values()]
     return [
-        Route(piece_segments(piece, out.shape), [writers[rank] for rank in ranks], tests)
+        Route(piece_segments(piece, out.shape, source.stacked), [writers[rank] for rank in ranks], tests)
         for (piece, ranks), tests in zip(holders.items(), scan, strict=True)
     ]
 
@@ -263,10 +268,10 @@ def _write_moved(
     each read once, in blocks; each block's share for every piece tested for NaN/Inf (by one piece) and written to
     every rank holding that piece."""
     source, stored = SourceTensor(out, readers, scratch), plan.stored_dtype(out)
-    routes = _routes(plan, out, writers)
+    routes = _routes(plan, source, writers)
     for writer in writers.values():
         writer.start(out.name)
-    data = np.empty((0, *out.shape[1:]), dtype=f"<u{DTYPE_SIZES[stored]}")
+    data = np.empty((0, *out.shape[2 if source.stacked else 1 :]), dtype=f"<u{DTYPE_SIZES[stored]}")
     for expert, first, stop in needed_rows(routes):
         for row, block, dtype in source.blocks(expert, first, stop):
             data = cast_bits(block, dtype, stored)
