@@ -1,7 +1,7 @@
 /*
  * CPU driver of the DFlashAttention kernels: the prepare / attend / combine code of attentionCta.h run over host
  * buffers, with a backend that executes each warp instruction (ldmatrix, mma.sync m16n8k16, quad shuffles,
- * cp.async) on all 32 lanes as the PTX ISA defines it. Exported with C linkage for tests/test_kernels_host.py.
+ * cp.async) on all 32 lanes as the PTX ISA defines it. Exported with C linkage for tests/engine/test_attention_kernel_host.py.
  * Build: g++ -std=c++17 -shared -fPIC -I plugins/include -I <cuda>/include.
  */
 #include "dflash_trt/attentionCta.h"

@@ -3,7 +3,7 @@
  *
  * Everything the kernels compute about *where* (rows, keys, pages, fragment elements, shared-memory chunks) and
  * *which* (visible keys, active splits) lives here as __host__ __device__ functions, so the CPU tests run exactly
- * the code the GPU runs (tests/test_kernels_host.py) against a dense float32 reference. Nothing here touches
+ * the code the GPU runs (tests/engine/test_attention_kernel_host.py) against a dense float32 reference. Nothing here touches
  * TensorRT.
  */
 #pragma once
