@@ -15,6 +15,7 @@ from dflash_trt.commands.build_profile import add_profile_arguments, run_profile
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.gpu_targets import GPU_SMS, resolve_gpu
 from dflash_trt.inputs import POSITIVE_INT, WORKERS, IntRange
+from dflash_trt.trtllm.attention_route import route_summary
 from dflash_trt.trtllm.build_plan import (
     GEMM_PLUGIN_CHOICES,
     KV_CACHE_TYPES,
@@ -135,13 +136,13 @@ def run(args: argparse.Namespace) -> int:
     settings = dataclasses.replace(settings_from_args(args), gpu=gpu)
     settings = fit_lengths(args.checkpoint_dir, settings, args.max_seq_len, args.max_input_len)
     plan = plan_engine_build(args.checkpoint_dir, args.output_dir, settings, plugin_library=args.plugin_library)
+    route = route_summary(gpu, plan.dflash_manifest["attention"])
     if args.dry_run:
         if args.json:
             print(json.dumps({**plan.to_dict(), "gpu_chosen": chosen}, indent=2))
         else:
-            print(f"# GPU: {gpu} ({chosen}); attention kernel of each pass")
-            for name, kernel in plan.dflash_manifest["attention"].items():
-                print(f"#   {name}: {kernel}")
+            print(f"# GPU: {gpu} ({chosen})")
+            print("\n".join(f"# {line}" for line in route))
             print("# trtllm-build command")
             print(plan.shell_command(with_environment=True))
             print("# BuildConfig (as trtllm-build passes it to BuildConfig.from_dict)")
@@ -151,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from dflash_trt.trtllm.build import run_engine_build
 
+    if not args.json:
+        print("\n".join([f"GPU: {gpu} ({chosen})", *route]), flush=True)
     engine_dir = run_engine_build(plan, overwrite=args.overwrite)
     if args.json:
         print(json.dumps({"engine_dir": str(engine_dir), **plan.to_dict()}, indent=2))

@@ -55,6 +55,14 @@ class PipelineInputs:
     def configs_known(self) -> bool:
         return self.target.config is not None and self.draft.config is not None
 
+    def attention_passes(self) -> dict[str, str]:
+        """Each pass's attention kernel on the profile's GPU; the draft layers' by kind when the configs are known."""
+        layer_types: tuple[str, ...] = ()
+        if self.target.config is not None and self.draft.config is not None:
+            target = parse_target_config(self.target.config, self.target.path)
+            layer_types = parse_draft_config(self.draft.config, target).layer_types
+        return self.settings.route.describe(layer_types)
+
 
 def _model_source(
     ref: str,

@@ -22,6 +22,12 @@ OURS = "DFlashAttention"  # dflash_trt's plugin (libdflash_trt_plugins.so)
 HOPPER_SMS = (90,)
 BLACKWELL_SMS = (100, 103)  # what TensorRT-LLM's isSM100Family() covers
 SUPPORTED_SMS = HOPPER_SMS + BLACKWELL_SMS
+# What the route rests on and how far it was checked (docs/engine.md §13, docs/plugin.md), printed beside it.
+ROUTE_EVIDENCE = (
+    "stock spec-decoding attention has no kernel on SM100/SM103 and no sliding window in TensorRT-LLM 1.2.x [read in "
+    "its sources, docs/engine.md §13]; DFlashAttention's kernels were run as a lane-exact host simulation and the "
+    "routed network under the emulation, not yet on a GPU (tests/gpu/ is ready for one)"
+)
 # Set by `dflash-trt build` for trtllm-build (the network reads it while it is built); without it the network
 # takes the SM of the GPU the build runs on.
 TARGET_SM_ENV = "DFLASH_TRT_TARGET_SM"
@@ -55,6 +61,14 @@ class AttentionRoute:
         for kind in sorted(set(layer_types)):
             passes[f"draft_block_{kind}"] = self.draft_layer(kind == "sliding_attention")
         return passes
+
+
+def route_summary(gpu: str, passes: dict[str, str]) -> list[str]:
+    """The lines a build prints before it starts (and a dry run instead): each pass's kernel on `gpu`, and why."""
+    return [
+        f"attention on {gpu}: " + ", ".join(f"{name} {kernel}" for name, kernel in passes.items()),
+        f"attention route: {ROUTE_EVIDENCE}",
+    ]
 
 
 def route_for_build() -> AttentionRoute:

@@ -350,10 +350,14 @@ def test_dry_run_names_the_gpu_and_each_pass(tmp_path: Path, capsys, monkeypatch
     assert cli_main(argv) == 0
     out = capsys.readouterr().out
     assert "# GPU: h200 (assumed: no GPU is visible here; pass --gpu h100|h200|b200|b300 to choose)" in out
-    assert "#   target_verification: GPTAttention" in out and "DFLASH_TRT_TARGET_SM=90 trtllm-build" in out
+    assert "# attention on h200: target_context GPTAttention, target_verification GPTAttention" in out
+    assert "DFLASH_TRT_TARGET_SM=90 trtllm-build" in out
     assert cli_main([*argv, "--gpu", "b300"]) == 0
     out = capsys.readouterr().out
-    assert "# GPU: b300 (as given)" in out and "#   target_verification: DFlashAttention" in out
+    assert "# GPU: b300 (as given)" in out
+    assert "# attention on b300: target_context GPTAttention, target_verification DFlashAttention" in out
+    # What the route rests on: the stock kernels' limits as read, ours as far as they ran.
+    assert "[read in its sources, docs/engine.md §13]" in out and "not yet on a GPU" in out
     assert "DFLASH_TRT_TARGET_SM=103 trtllm-build" in out
     monkeypatch.setattr(gpu_targets, "visible_gpu", lambda: ("b200", 100))
     assert cli_main([*argv, "--json"]) == 0

@@ -107,6 +107,11 @@ def test_dry_run_of_every_profile(path: Path, hub: Path, tmp_path: Path, capsys)
     assert env.startswith("DFLASH_TRT_PLUGIN_LIB=") and env.endswith("libdflash_trt_plugins.so")
     # The network is built for the profile's GPU: its attention kernels differ between Hopper and Blackwell.
     assert target == f"DFLASH_TRT_TARGET_SM={GPU_SMS[profile.gpu]}"
+    # ...and says which: Blackwell's generation passes on DFlashAttention, Hopper's on the stock plugin (XQA).
+    generation = "DFlashAttention" if profile.gpu in ("b200", "b300") else "GPTAttention"
+    route = next(line for line in out.splitlines() if line.startswith(f"attention on {profile.gpu}: "))
+    passes = f"target_context GPTAttention, target_verification {generation}, draft_block_full_attention {generation}"
+    assert passes in route
     assert build[0] == "trtllm-build"
     flags = {build[i]: build[i + 1] for i in range(1, len(build) - 1) if build[i].startswith("--")}
     assert flags["--checkpoint_dir"] == str(ws / "checkpoint") and flags["--output_dir"] == str(ws / "engine")
