@@ -19,7 +19,7 @@ from dflash_trt.pipeline.profiles import (
 from dflash_trt.pipeline.settings import quantization_settings
 from dflash_trt.pipeline.workspace import Workspace, workspace
 from dflash_trt.recorded_configs import ModelSource, load_recorded_configs, local_source, recorded_source
-from dflash_trt.spec import parse_draft_config, parse_target_config
+from dflash_trt.spec import FULL_ATTENTION, SLIDING_ATTENTION, parse_draft_config, parse_target_config
 from dflash_trt.trtllm.build_plan import EngineBuildSettings
 
 
@@ -56,8 +56,9 @@ class PipelineInputs:
         return self.target.config is not None and self.draft.config is not None
 
     def attention_passes(self) -> dict[str, str]:
-        """Each pass's attention kernel on the profile's GPU; the draft layers' by kind when the configs are known."""
-        layer_types: tuple[str, ...] = ()
+        """Each pass's attention kernel on the profile's GPU; the draft layers' by their kinds when the configs are
+        known, else both kinds'."""
+        layer_types: tuple[str, ...] = (FULL_ATTENTION, SLIDING_ATTENTION)
         if self.target.config is not None and self.draft.config is not None:
             target = parse_target_config(self.target.config, self.target.path)
             layer_types = parse_draft_config(self.draft.config, target).layer_types

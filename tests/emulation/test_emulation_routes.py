@@ -177,7 +177,9 @@ def test_a_window_counted_from_the_anchor_decodes_past_it(gpu, speculators_slidi
     model = load_golden_model(speculators_sliding_pair)
     assert model.draft.spec.window_from_anchor
     golden = speculative_generate(model, LONG_PROMPTS, 20 + model.draft.spec.num_drafts, STOP)
-    runtime = EmulatedEngine(speculators_sliding_pair, gpu=gpu, max_batch_size=2, max_num_tokens=24)
+    runtime = EmulatedEngine(
+        speculators_sliding_pair, gpu=gpu, max_batch_size=2, max_num_tokens=24, tokens_per_block=16
+    )
     emulated = decode_batch(runtime, LONG_PROMPTS, 20, STOP, arrivals=[0, 0, 2])
     assert divergences(speculators_sliding_pair, golden, emulated, 20) == []
 
