@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
-from dflash_trt.server.errors import BAD_REQUEST, NOT_FOUND, TOO_LARGE, UNAUTHORIZED, UNAVAILABLE, error
+from dflash_trt.server.errors import METHOD_NOT_ALLOWED, NOT_FOUND, TOO_LARGE, UNAUTHORIZED, UNAVAILABLE, error
 from dflash_trt.server.generation import Served
 from dflash_trt.server.limits import DEFAULT_MAX_BODY_BYTES
 from dflash_trt.server.metrics import CONTENT_TYPE
@@ -27,12 +27,16 @@ from dflash_trt.server.observability import LOGGER, RequestIds
 from dflash_trt.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
 )
 from dflash_trt.server.serving_chat import create_chat_completion
+from dflash_trt.server.serving_common import unknown_model
 from dflash_trt.server.serving_completion import create_completion
+from dflash_trt.server.serving_tokens import detokenize, tokenize
 from dflash_trt.server.sse import EventStream
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -166,15 +170,25 @@ def build_app(
     async def chat_completions(request: Request) -> Response:
         return await generate(request, "chat", ChatCompletionRequest, create_chat_completion)
 
+    @app.post("/tokenize")
+    async def tokenize_prompt(request: Request) -> Response:
+        return await generate(request, "tokenize", TokenizeRequest, tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize_tokens(request: Request) -> Response:
+        return await generate(request, "detokenize", DetokenizeRequest, detokenize)
+
+    card = ModelCard(id=served.model_name, created=served.created, max_model_len=served.limits.max_seq_len)
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        refused = unauthorized(request)
-        if refused is not None:
-            return answer(refused)
-        card = ModelCard(id=served.model_name, created=served.created, max_model_len=served.limits.max_seq_len)
-        return answer(ModelList(data=[card]))
+        return answer(unauthorized(request) or ModelList(data=[card]))
 
-    @app.get("/health")
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        return answer(unauthorized(request) or unknown_model(served, model_id) or card)
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         broken = served.client.executor.health()
         if broken is None:
@@ -191,6 +205,9 @@ def build_app(
 
     @app.exception_handler(405)
     async def wrong_method(request: Request, exc: Exception) -> Response:
-        return answer(error(f"{request.method} is not allowed on {request.url.path}", status=BAD_REQUEST))
+        allowed = getattr(exc, "headers", None) or {}
+        response = answer(error(f"{request.method} is not allowed on {request.url.path}", status=METHOD_NOT_ALLOWED))
+        response.headers.update(allowed)
+        return response
 
     return app

@@ -1,5 +1,6 @@
 """OpenAI-style error values: the serving modules return these instead of raising, and the app sends them. Each
-names the request it answers; a 5xx is logged with its cause as it is made."""
+names the request it answers, and is logged with its cause as it is made: a 5xx as an error (a 503 as a warning),
+a refusal at INFO, so a client that records only "400 Bad Request" leaves the reason in the server's log."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import logging
 from dflash_trt.server.observability import LOGGER, current_request_id
 from dflash_trt.server.protocol import ErrorBody, ErrorResponse
 
-BAD_REQUEST, UNAUTHORIZED, NOT_FOUND, TOO_LARGE, SERVER_ERROR, UNAVAILABLE = 400, 401, 404, 413, 500, 503
+BAD_REQUEST, UNAUTHORIZED, NOT_FOUND, METHOD_NOT_ALLOWED, TOO_LARGE = 400, 401, 404, 405, 413
+SERVER_ERROR, UNAVAILABLE = 500, 503
 
 TYPES = {
     BAD_REQUEST: "invalid_request_error",
     UNAUTHORIZED: "authentication_error",
     NOT_FOUND: "not_found_error",
+    METHOD_NOT_ALLOWED: "invalid_request_error",
     TOO_LARGE: "invalid_request_error",
     SERVER_ERROR: "internal_server_error",
     UNAVAILABLE: "service_unavailable",
@@ -25,5 +28,7 @@ def error(message: str, param: str | None = None, status: int = BAD_REQUEST) -> 
     if status >= SERVER_ERROR:  # a fault is an error; a refusal at capacity (503) is the load's, a warning
         level = logging.ERROR if status == SERVER_ERROR else logging.WARNING
         LOGGER.log(level, "request %s answered %d: %s", request_id, status, message)
+    else:
+        LOGGER.info("request %s refused (%d, %s): %s", request_id, status, param, message)
     body = ErrorBody(message=message, type=TYPES[status], param=param, code=status, request_id=request_id)
     return ErrorResponse(error=body)

@@ -1,0 +1,50 @@
+"""`POST /tokenize` and `POST /detokenize` in vLLM's shapes, so clients that count tokens (lm-eval's remote
+tokenizer, load generators) use the served tokenizer instead of fetching one from a model hub."""
+
+from __future__ import annotations
+
+from dflash_trt.server.errors import error
+from dflash_trt.server.generation import Served
+from dflash_trt.server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from dflash_trt.server.serving_chat import render
+from dflash_trt.server.serving_common import unknown_model
+
+
+async def tokenize(served: Served, request: TokenizeRequest) -> TokenizeResponse | ErrorResponse:
+    """A prompt's token ids as /v1/completions would send it to the engine (special tokens added unless
+    `add_special_tokens` is false), or messages' ids as /v1/chat/completions would (rendered, none added)."""
+    refused = unknown_model(served, request.model)
+    if refused is not None:
+        return refused
+    if (request.prompt is None) == (request.messages is None):
+        return error("send exactly one of prompt and messages", "prompt")
+    tokenizer = served.tokenizer
+    if request.messages is not None:
+        kwargs = {"add_generation_prompt": request.add_generation_prompt, **(request.chat_template_kwargs or {})}
+        text = render(tokenizer, request.messages, kwargs)
+        if isinstance(text, ErrorResponse):
+            return text
+        special = bool(request.add_special_tokens)
+    else:
+        text = request.prompt or ""
+        special = request.add_special_tokens is not False
+    ids = tokenizer.encode(text, add_special_tokens=special)
+    strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=served.limits.max_seq_len, tokens=ids, token_strs=strs)
+
+
+async def detokenize(served: Served, request: DetokenizeRequest) -> DetokenizeResponse | ErrorResponse:
+    """Token ids as text, special tokens included, so that it reverses /tokenize."""
+    refused = unknown_model(served, request.model)
+    if refused is not None:
+        return refused
+    vocab = served.limits.vocab_size
+    if vocab is not None and any(not 0 <= token < vocab for token in request.tokens):
+        return error(f"tokens must lie in [0, {vocab - 1}]", "tokens")
+    return DetokenizeResponse(prompt=served.tokenizer.decode(request.tokens))
