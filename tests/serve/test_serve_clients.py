@@ -35,7 +35,7 @@ from dflash_trt.server.targets import ServeTarget
 from dflash_trt.tiny.heldout import load_heldout
 from dflash_trt.tokenizer import load_tokenizer
 
-MAX_NEW = 16
+MAX_NEW = 64  # past the tiny pair's longest held-out answer (about 47 tokens with its EOS)
 
 
 @pytest.fixture(scope="module")
@@ -95,17 +95,19 @@ def decoded(tokenizer, ids: list[int]) -> str:
 
 
 def first_chunk_ms(port: int, requests: int = 8) -> list[float]:
-    """Milliseconds from sending a streamed request to its first SSE line, each on the same kept-alive connection
-    (the first request opens it and is not counted)."""
+    """Milliseconds from a streamed chat answer's headers to its first SSE line (the role chunk, which the server
+    sends at once, before any engine work), each on the same kept-alive connection (the first request opens it
+    and is not counted)."""
     connection = http.client.HTTPConnection("127.0.0.1", port)
-    body = json.dumps({"prompt": "add 1 2\n", "max_tokens": 2, "temperature": 0, "stream": True})
+    messages = [{"role": "user", "content": "add 1 2"}]
+    body = json.dumps({"messages": messages, "max_tokens": 1, "temperature": 0, "stream": True})
     times = []
     for _ in range(requests + 1):
-        start = time.perf_counter()
-        connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
         response = connection.getresponse()
-        assert response.readline().startswith(b"data: ")
-        times.append((time.perf_counter() - start) * 1000)
+        headers_read = time.perf_counter()
+        assert response.status == 200 and response.readline().startswith(b"data: ")
+        times.append((time.perf_counter() - headers_read) * 1000)
         response.read()
     connection.close()
     return times[1:]
@@ -121,8 +123,8 @@ def nagle_socket() -> socket.socket:
 
 
 def test_a_stream_on_a_reused_connection_is_not_held_back_by_nagle(engine, tokenizer, server):
-    """With Nagle on, the headers go out and the first chunk waits for the client's delayed ACK (~40 ms on Linux);
-    with TCP_NODELAY it follows at once. The control serves the same app from a socket made without IPPROTO_TCP."""
+    """With Nagle on, the headers go out and the first chunk waits for the client's delayed ACK (~40 ms on Linux:
+    on a reused connection the client is out of quick-ACK mode); with TCP_NODELAY it follows at once. The control serves the same app from a socket made without IPPROTO_TCP."""
     ours = first_chunk_ms(server.port)
     sock = nagle_socket()
     control = uvicorn_server(make_app(emulated_target(engine), tokenizer, "tiny"))
@@ -180,22 +182,23 @@ def test_fields_that_would_be_silently_ignored_are_refused_by_name(server, field
     assert refused.value.param == field and why in refused.value.message
 
 
-def test_ignore_eos_is_refused_with_its_reason_unless_serve_runs_past_eos(server, engine, tokenizer):
+def test_ignore_eos_is_refused_with_its_reason_unless_serve_runs_past_eos(server, engine, tokenizer, texts, greedy):
     with pytest.raises(openai.BadRequestError) as refused:
-        client(server).completions.create(
-            model="tiny", prompt="add 1 2\n", max_tokens=2, extra_body={"ignore_eos": True}
-        )
+        client(server).completions.create(model="tiny", prompt=texts[0], max_tokens=2, extra_body={"ignore_eos": True})
     assert refused.value.param == "ignore_eos" and "--ignore_eos" in refused.value.message
+    assert len(greedy[0]) < MAX_NEW and greedy[0][-1] == tokenizer.eos_token_id
     with RunningServer(make_app(emulated_target(engine, ignore_eos=True), tokenizer, "tiny")) as past_eos:
         api = client(past_eos)
-        both = [
+        past, stopped = [
             api.completions.create(
-                model="tiny", prompt="add 1 2\n", max_tokens=12, temperature=0, extra_body={"ignore_eos": flag}
+                model="tiny", prompt=texts[0], max_tokens=MAX_NEW, temperature=0, extra_body={"ignore_eos": flag}
             )
             for flag in (True, False)
         ]
-    assert both[0].usage.completion_tokens == 12 and both[0].choices[0].finish_reason == "length"
-    assert both[1].usage.completion_tokens < 12 and both[1].choices[0].finish_reason == "stop"
+    assert past.usage.completion_tokens == MAX_NEW and past.choices[0].finish_reason == "length"
+    assert past.choices[0].text.startswith(decoded(tokenizer, greedy[0]))
+    assert stopped.choices[0].text == decoded(tokenizer, greedy[0]) and stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.completion_tokens == len(greedy[0])
 
 
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server, texts, greedy):
@@ -328,7 +331,7 @@ def test_serve_chat_template_file_is_the_one_chat_renders(engine, tiny, tmp_path
     from dflash_trt.tokenizer import read_chat_template
 
     template = tmp_path / "shout.jinja"
-    template.write_text("{% for m in messages %}{{ m.content | upper }}{% endfor %}\n")
+    template.write_text("{% for m in messages %}{{ m.content | upper }}{{ '\\n' }}{% endfor %}")
     tokenizer = load_tokenizer(tiny)
     tokenizer.chat_template = read_chat_template(template)
     with RunningServer(make_app(emulated_target(engine), tokenizer, "tiny")) as shouting:
