@@ -16,7 +16,7 @@ from dflash_trt.decoding_modes import AR, EAGLE3
 from dflash_trt.errors import DFlashTrtError
 
 Y_LABEL_GPU = "output tok/s per GPU"
-Y_LABEL_CPU = "output tok/s (not per GPU: a CPU host, or GPUs not given)"
+Y_LABEL_CPU = "output tok/s (whole server or CPU host)"
 # One colour per engine, in sorted name order, for the HTML and the PNG alike.
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 _W, _H, _M = 720, 440, 64
@@ -26,9 +26,9 @@ LOG_SCALE = " (log scale)"
 
 
 def _log_ticks(lo: float, hi: float) -> list[float]:
-    """Plain values to label a log axis from lo to hi with: 1-2-5 per decade, every mantissa when that gives fewer
+    """Plain values to label a log axis from lo to hi with: 1-2-5 per decade, finer steps when that gives fewer
     than two (a narrow range, e.g. one point's), and the range's middle as a last resort."""
-    for mantissas in ((1, 2, 5), tuple(range(1, 10))):
+    for mantissas in ((1, 2, 5), (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8)):
         ticks = [
             m * 10.0**e
             for e in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)

@@ -287,12 +287,12 @@ def provenance_table(provenance: dict[str, Any]):
 
 def subtitle(workload: dict[str, Any], provenance: dict[str, Any]) -> str:
     """What a pasted plot must carry to be read alone: the model measured, the prompts and the date."""
+    requests = workload.get("num_requests", workload["count"])
     if workload["kind"] == "file":
-        prompts = (
-            f"{workload['count']} prompts of {Path(workload['path']).name}, {workload['max_new_tokens']} new tokens"
-        )
+        name, new = Path(workload["path"]).name, workload["max_new_tokens"]
+        prompts = f"{requests} requests from {name} ({workload['count']} prompts), up to {new} new tokens"
     else:
-        prompts = f"{workload['count']} synthetic prompts, ISL {workload['input_len']} / OSL {workload['output_len']}"
+        prompts = f"{requests} synthetic requests, ISL {workload['input_len']} / OSL {workload['output_len']}"
     return f"{provenance['target']} | {prompts} | {provenance['started'][:10]}"
 
 

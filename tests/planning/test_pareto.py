@@ -130,7 +130,7 @@ def test_png_and_html_show_the_same_title_colours_labels_and_axes(tmp_path, monk
     import matplotlib.colors
     import matplotlib.pyplot as plt
 
-    from dflash_trt.analysis.report import Y_LABEL_CPU, write_png
+    from dflash_trt.analysis.report import LOG_SCALE, Y_LABEL_CPU, write_png
 
     matplotlib.use("Agg")
     pts = [Point("ar", 1, 100.0, 100.0), Point("ar", 8, 50.0, 400.0), Point("dflash", 1, 300.0, 300.0)]
@@ -139,8 +139,9 @@ def test_png_and_html_show_the_same_title_colours_labels_and_axes(tmp_path, monk
     assert write_png(pts, "tok/s/user", tmp_path / "p.png", title="T on CPU", y_axis=Y_LABEL_CPU)
     page = render_html(pts, "tok/s/user", "T on CPU", y_axis=Y_LABEL_CPU)
     (ax,) = figures[0].axes
-    assert ax.get_title() == "T on CPU" and ax.get_ylabel() == Y_LABEL_CPU and Y_LABEL_CPU in page
-    assert "per GPU" not in page
+    assert ax.get_title() == "T on CPU" and ax.get_ylabel() == Y_LABEL_CPU + LOG_SCALE and Y_LABEL_CPU in page
+    assert "per GPU" not in page and ax.get_xscale() == ax.get_yscale() == "log"
+    assert f"tok/s/user{LOG_SCALE}" in page and ax.get_xlabel() == f"tok/s/user{LOG_SCALE}"
     png_colours = {
         line.get_label(): matplotlib.colors.to_hex(line.get_color())
         for line in ax.get_lines()
@@ -156,3 +157,25 @@ def test_png_and_html_show_the_same_title_colours_labels_and_axes(tmp_path, monk
     assert png_colours == svg_colours == {"ar": svg_colours["ar"], "dflash": svg_colours["dflash"]}
     png_labels = sorted(text.get_text() for text in ax.texts)
     assert png_labels == sorted(re.findall(r">(c=\d+)</text>", page)) == ["c=1", "c=1", "c=8"]
+
+
+def test_a_one_point_plot_has_plain_tick_labels_and_the_png_carries_its_title(tmp_path, monkeypatch):
+    """A single point spans less than one 1-2-5 step: both axes still get at least one plain label (hand-checked:
+    37 tok/s/user plots from 28.5 to 48.1, labelled 30 and 40; 148 tok/s from 113.8 to 192.4, labelled 120 and 150), and
+    the PNG's text chunk holds the title."""
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    from dflash_trt.analysis.report import write_png
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    title = "dflash-trt bench\nmodel | 8 prompts | 2026-01-01"
+    assert write_png([Point("dflash", 4, 37.0, 148.0)], "tok/s/user", tmp_path / "one.png", title=title)
+    (ax,) = figures[0].axes
+    figures[0].canvas.draw()
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["30", "40"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["120", "150"]
+    page = render_html([Point("dflash", 4, 37.0, 148.0)], "tok/s/user", title)
+    assert ">30</text>" in page and ">40</text>" in page
+    assert Image.open(tmp_path / "one.png").text["Title"] == title

@@ -124,7 +124,8 @@ def nagle_socket() -> socket.socket:
 
 def test_a_stream_on_a_reused_connection_is_not_held_back_by_nagle(engine, tokenizer, server):
     """With Nagle on, the headers go out and the first chunk waits for the client's delayed ACK (~40 ms on Linux:
-    on a reused connection the client is out of quick-ACK mode); with TCP_NODELAY it follows at once. The control serves the same app from a socket made without IPPROTO_TCP."""
+    on a reused connection the client is out of quick-ACK mode); with TCP_NODELAY it follows at once. The control
+    serves the same app from a socket made without IPPROTO_TCP."""
     ours = first_chunk_ms(server.port)
     sock = nagle_socket()
     control = uvicorn_server(make_app(emulated_target(engine), tokenizer, "tiny"))
