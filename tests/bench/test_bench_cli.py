@@ -164,7 +164,7 @@ def test_results_say_where_they_came_from_and_label_a_cpu_run_as_such(checkpoint
 def test_a_points_progress_bar_is_drawn_on_a_terminal_only(capsys, monkeypatch):
     monkeypatch.setattr(measure, "PROGRESS_DELAY_S", 0.0)
     for terminal in (False, True):
-        monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
+        monkeypatch.setattr(sys.stderr, "isatty", lambda terminal=terminal: terminal)
         bar = measure.request_bar(2, "dflash c=1")
         bar.update()
         bar.close()
