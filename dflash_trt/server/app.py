@@ -19,7 +19,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
-from dflash_trt.server.errors import METHOD_NOT_ALLOWED, NOT_FOUND, TOO_LARGE, UNAUTHORIZED, UNAVAILABLE, error
+from dflash_trt.server.errors import (
+    METHOD_NOT_ALLOWED,
+    NOT_FOUND,
+    SERVER_ERROR,
+    TOO_LARGE,
+    UNAUTHORIZED,
+    UNAVAILABLE,
+    error,
+)
 from dflash_trt.server.generation import Served
 from dflash_trt.server.limits import DEFAULT_MAX_BODY_BYTES
 from dflash_trt.server.metrics import CONTENT_TYPE
@@ -36,7 +44,7 @@ from dflash_trt.server.protocol import (
 from dflash_trt.server.serving_chat import create_chat_completion
 from dflash_trt.server.serving_common import unknown_model
 from dflash_trt.server.serving_completion import create_completion
-from dflash_trt.server.serving_tokens import detokenize, tokenize
+from dflash_trt.server.serving_tokens import detokenize, tokenize, tokenizer_info
 from dflash_trt.server.sse import EventStream
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -45,7 +53,13 @@ CLIENT_CLOSED = 499  # what nginx logs for a client that left before the answer;
 
 
 def answer(result: BaseModel | ErrorResponse | EventStream) -> Response:
+    """The HTTP answer of a result. A refusal (4xx) is logged at INFO with its reason, so a client that records only
+    "400 Bad Request" leaves the cause in the server's log."""
     if isinstance(result, ErrorResponse):
+        body = result.error
+        if body.code is None or body.code < SERVER_ERROR:
+            why = (body.request_id, result.status, body.param, body.message)
+            LOGGER.info("request %s refused (%d, param %s): %s", *why)
         return JSONResponse(result.model_dump(), status_code=result.status)
     if isinstance(result, BaseModel):
         return Response(result.model_dump_json(), media_type="application/json")
@@ -177,6 +191,10 @@ def build_app(
     @app.post("/detokenize")
     async def detokenize_tokens(request: Request) -> Response:
         return await generate(request, "detokenize", DetokenizeRequest, detokenize)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer(request: Request) -> Response:
+        return answer(unauthorized(request) or tokenizer_info(served))
 
     card = ModelCard(id=served.model_name, created=served.created, max_model_len=served.limits.max_seq_len)
 

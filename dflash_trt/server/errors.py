@@ -1,6 +1,6 @@
 """OpenAI-style error values: the serving modules return these instead of raising, and the app sends them. Each
-names the request it answers, and is logged with its cause as it is made: a 5xx as an error (a 503 as a warning),
-a refusal at INFO, so a client that records only "400 Bad Request" leaves the reason in the server's log."""
+names the request it answers; a 5xx is logged with its cause as it is made (a refusal is logged by the app as it
+is sent)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,5 @@ def error(message: str, param: str | None = None, status: int = BAD_REQUEST) -> 
     if status >= SERVER_ERROR:  # a fault is an error; a refusal at capacity (503) is the load's, a warning
         level = logging.ERROR if status == SERVER_ERROR else logging.WARNING
         LOGGER.log(level, "request %s answered %d: %s", request_id, status, message)
-    else:
-        LOGGER.info("request %s refused (%d, %s): %s", request_id, status, param, message)
     body = ErrorBody(message=message, type=TYPES[status], param=param, code=status, request_id=request_id)
     return ErrorResponse(error=body)

@@ -219,3 +219,15 @@ class DetokenizeRequest(Strict):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    """vLLM's `GET /tokenizer_info`: what a client needs to tokenize and template prompts as the server does."""
+
+    tokenizer_class: str
+    eos_token: str | None = None
+    bos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    chat_template: str | None = None
+    model_max_length: int

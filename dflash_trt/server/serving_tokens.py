@@ -1,5 +1,5 @@
-"""`POST /tokenize` and `POST /detokenize` in vLLM's shapes, so clients that count tokens (lm-eval's remote
-tokenizer, load generators) use the served tokenizer instead of fetching one from a model hub."""
+"""`POST /tokenize`, `POST /detokenize` and `GET /tokenizer_info` in vLLM's shapes, so clients that count tokens
+(lm-eval's remote tokenizer, load generators) use the served tokenizer instead of fetching one from a model hub."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from dflash_trt.server.protocol import (
     ErrorResponse,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfo,
 )
 from dflash_trt.server.serving_chat import render
 from dflash_trt.server.serving_common import unknown_model
@@ -48,3 +49,14 @@ async def detokenize(served: Served, request: DetokenizeRequest) -> DetokenizeRe
     if vocab is not None and any(not 0 <= token < vocab for token in request.tokens):
         return error(f"tokens must lie in [0, {vocab - 1}]", "tokens")
     return DetokenizeResponse(prompt=served.tokenizer.decode(request.tokens))
+
+
+def tokenizer_info(served: Served) -> TokenizerInfo:
+    tokenizer = served.tokenizer
+    special = {name: getattr(tokenizer, name, None) for name in ("eos_token", "bos_token", "pad_token", "unk_token")}
+    return TokenizerInfo(
+        tokenizer_class=type(tokenizer).__name__,
+        **{name: value if isinstance(value, str) else None for name, value in special.items()},
+        chat_template=getattr(tokenizer, "chat_template", None) or None,
+        model_max_length=served.limits.max_seq_len,
+    )

@@ -295,12 +295,13 @@ def test_a_model_is_found_by_its_id_and_wrong_methods_are_405(server):
         assert answer.json()["error"]["code"] == 405
 
 
-def test_a_refusal_is_logged_with_its_reason(server, caplog):
+def test_a_refusal_is_logged_with_its_reason_and_an_answer_is_not(server, caplog):
     with caplog.at_level(logging.INFO, logger=LOGGER.name):
-        httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "stream_options": {"bogus": True}})
-        httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "top_p": 0.5})
-    refusals = [r.getMessage() for r in caplog.records if "refused (400" in r.getMessage()]
-    assert any("top_p 0.5 refused" in line for line in refusals), refusals
+        for body in ({"prompt": "x", "stream_options": {"bogus": True}}, {"prompt": "x", "top_p": 0.5}):
+            assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 400
+        assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+    refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refusals) == 2 and "stream_options.bogus" in refusals[0] and "top_p 0.5 refused" in refusals[1]
 
 
 # --- the tiny pair's chat template, and serve --chat_template ---------------------------------------------------
@@ -338,3 +339,11 @@ def test_serve_chat_template_file_is_the_one_chat_renders(engine, tiny, tmp_path
     with RunningServer(make_app(emulated_target(engine), tokenizer, "tiny")) as shouting:
         got = httpx.post(f"{shouting.url}/tokenize", json={"messages": [{"role": "user", "content": "add 1 2"}]})
     assert got.json()["tokens"] == tokenizer.encode("ADD 1 2\n", add_special_tokens=False)
+
+
+def test_tokenizer_info_lets_a_client_tokenize_and_template_as_the_server_does(server, tokenizer):
+    """What lm-eval's remote tokenizer reads: the special tokens and the chat template, as the tokenizer has them."""
+    info = httpx.get(f"{server.url}/tokenizer_info").json()
+    assert info["eos_token"] == tokenizer.eos_token and info["pad_token"] == tokenizer.pad_token
+    assert info["chat_template"] == tokenizer.chat_template and info["bos_token"] is None
+    assert info["model_max_length"] == client(server).models.retrieve("tiny").model_extra["max_model_len"]
