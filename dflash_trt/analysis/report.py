@@ -177,13 +177,31 @@ def _ratio(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
 
+def _equal_concurrency_table(groups: dict[str, list[Point]], names: list[str], unit: str, baseline: str) -> Table:
+    """Each engine's measured throughput at every concurrency the baseline ran too, and its ratio there: a
+    comparison of two measured points, no interpolation."""
+    measured = {name: {p.concurrency: p.tok_s_gpu for p in groups[name]} for name in names}
+    rows = []
+    for concurrency in sorted(measured[baseline]):
+        base = measured[baseline][concurrency]
+        values = [measured[n].get(concurrency) for n in names]
+        rows.append(
+            [str(concurrency)]
+            + ["-" if v is None else f"{v:.1f}" for v in values]
+            + [_ratio(None if v is None else v / base) for v in values]
+        )
+    header = ["concurrency", *[f"{n} {unit}" for n in names], *[f"{n} vs {baseline}" for n in names]]
+    return f"{unit} at equal concurrency (measured points), and speedup over {baseline} there", header, rows
+
+
 def _comparison_tables(
     rows: Sequence[BandRow], crossovers: dict[str, float | None], names: list[str], unit: str, baseline: str
 ) -> list[Table]:
     """Throughput and speedup over the baseline at equal interactivity, and where speculation stops paying."""
     return [
         (
-            f"{unit} at equal interactivity (same tok/s/user), and speedup over {baseline} there",
+            f"{unit} at equal interactivity (same tok/s/user, interpolated along each frontier: the engines run at "
+            f"different concurrencies there), and speedup over {baseline} there",
             ["tok/s/user", *[f"{n} {unit}" for n in names], *[f"{n} vs {baseline}" for n in names]],
             [
                 [f"{r.tok_s_user:.1f}"]
@@ -257,6 +275,7 @@ def analyze_records(
     }
     tables: list[Table] = list(extra_tables)
     if baseline is not None:
+        tables.append(_equal_concurrency_table(groups, sorted(groups), unit, baseline))
         tables += _comparison_tables(rows, crossovers, sorted(groups), unit, baseline)
     if failed:
         tables.append(("Failed points", ["engine", "concurrency", "error"], [list(f.values()) for f in failed]))

@@ -317,7 +317,8 @@ def _decode_heldout(
     say(
         f"      {summary['dflash_tokens_per_second']:.0f} tok/s with DFlash vs "
         f"{summary['target_only_tokens_per_second']:.0f} tok/s target alone "
-        f"({summary['speedup']:.2f}x for an offline batch of {len(prompts)} prompts, CPU golden model)"
+        f"({summary['speedup']:.2f}x at acceptance {summary['mean_acceptance_length']:.2f}, for an offline batch of "
+        f"{len(prompts)} prompts, CPU golden model; one timed run each, so on a shared CPU it varies from run to run)"
     )
     return summary
 

@@ -179,3 +179,22 @@ def test_a_one_point_plot_has_plain_tick_labels_and_the_png_carries_its_title(tm
     page = render_html([Point("dflash", 4, 37.0, 148.0)], "tok/s/user", title)
     assert ">30</text>" in page and ">40</text>" in page
     assert Image.open(tmp_path / "one.png").text["Title"] == title
+
+
+def test_the_report_compares_measured_points_at_equal_concurrency(tmp_path):
+    """Beside the interpolated equal-interactivity table, a table of measured points only: dflash 300 vs ar 100
+    tok/s at concurrency 1 is 3.00x (hand-computed), and a concurrency only one engine ran shows no ratio."""
+    from dflash_trt.analysis.report import analyze_records
+
+    def record(engine: str, kind: str, concurrency: int, user: float, total: float) -> dict:
+        return {"engine": engine, "kind": kind, "concurrency": concurrency, "status": "ok", "gpus": 0,
+                "tok_s_user_tpot": user, "tok_s_gpu": total}  # fmt: skip
+
+    records = [record("ar", "ar", 1, 100.0, 100.0), record("ar", "ar", 8, 50.0, 400.0)]
+    records += [record("dflash", "dflash", 1, 300.0, 300.0), record("dflash", "dflash", 4, 200.0, 800.0)]
+    analyze_records(records, "tpot", None, tmp_path)
+    page = (tmp_path / "report.html").read_text()
+    table = page.split("at equal concurrency (measured points)")[1].split("</table>")[0]
+    assert "<td>1</td><td>100.0</td><td>300.0</td><td>1.00x</td><td>3.00x</td>" in table
+    assert "<td>8</td><td>400.0</td><td>-</td><td>1.00x</td><td>-</td>" in table
+    assert "interpolated along each frontier" in page
