@@ -18,6 +18,7 @@ import socket
 import statistics
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -347,3 +348,22 @@ def test_tokenizer_info_lets_a_client_tokenize_and_template_as_the_server_does(s
     assert info["eos_token"] == tokenizer.eos_token and info["pad_token"] == tokenizer.pad_token
     assert info["chat_template"] == tokenizer.chat_template and info["bos_token"] is None
     assert info["model_max_length"] == client(server).models.retrieve("tiny").model_extra["max_model_len"]
+
+
+def test_metrics_help_texts_say_what_docs_serving_md_says(server):
+    """Each metric's HELP and type, as `prometheus_client`'s parser reads them, against the table in the docs."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    table = {}
+    for line in docs.splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`dflash_trt_"):
+            name = cells[0].strip("`").split("{")[0].removesuffix("_total")
+            table[name] = (cells[1], cells[2])
+    exposed = text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)
+    families = {f.name: f for f in exposed if not f.name.endswith("_created")}  # the client library's own
+    assert set(families) == set(table)
+    for name, family in families.items():
+        kind, meaning = table[name]
+        assert kind == family.type and meaning.startswith(family.documentation), name
