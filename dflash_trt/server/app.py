@@ -192,6 +192,14 @@ def build_app(
     async def detokenize_tokens(request: Request) -> Response:
         return await generate(request, "detokenize", DetokenizeRequest, detokenize)
 
+    add_lookup_routes(app, served, unauthorized)
+    add_error_handlers(app)
+    return app
+
+
+def add_lookup_routes(app: FastAPI, served: Served, unauthorized: Callable[[Request], ErrorResponse | None]) -> None:
+    """The routes that read the server's state: the model, the tokenizer, health and metrics."""
+
     @app.get("/tokenizer_info")
     async def tokenizer(request: Request) -> Response:
         return answer(unauthorized(request) or tokenizer_info(served))
@@ -217,6 +225,10 @@ def build_app(
     async def metrics() -> Response:
         return Response(served.metrics.exposition(), media_type=CONTENT_TYPE)
 
+
+def add_error_handlers(app: FastAPI) -> None:
+    """An unknown path is 404, a known path with the wrong method 405 with its `Allow` header, both OpenAI-style."""
+
     @app.exception_handler(404)
     async def not_found(request: Request, exc: Exception) -> Response:
         return answer(error(f"no route {request.method} {request.url.path}", status=NOT_FOUND))
@@ -227,5 +239,3 @@ def build_app(
         response = answer(error(f"{request.method} is not allowed on {request.url.path}", status=METHOD_NOT_ALLOWED))
         response.headers.update(allowed)
         return response
-
-    return app
