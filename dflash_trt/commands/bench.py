@@ -287,12 +287,14 @@ def provenance_table(provenance: dict[str, Any]):
 
 def subtitle(workload: dict[str, Any], provenance: dict[str, Any]) -> str:
     """What a pasted plot must carry to be read alone: the model measured, the prompts and the date."""
-    requests = workload.get("num_requests", workload["count"])
-    if workload["kind"] == "file":
+    requests = workload.get("num_requests", workload.get("count"))
+    if workload.get("kind") == "file":
         name, new = Path(workload["path"]).name, workload["max_new_tokens"]
         prompts = f"{requests} requests from {name} ({workload['count']} prompts), up to {new} new tokens"
-    else:
+    elif workload.get("kind") == "synthetic":
         prompts = f"{requests} synthetic requests, ISL {workload['input_len']} / OSL {workload['output_len']}"
+    else:
+        prompts = f"a {workload.get('kind')} workload"
     return f"{provenance['target']} | {prompts} | {provenance['started'][:10]}"
 
 
