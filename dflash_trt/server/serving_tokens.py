@@ -45,8 +45,8 @@ async def detokenize(served: Served, request: DetokenizeRequest) -> DetokenizeRe
     refused = unknown_model(served, request.model)
     if refused is not None:
         return refused
-    vocab = served.limits.vocab_size
-    if vocab is not None and any(not 0 <= token < vocab for token in request.tokens):
+    vocab = served.limits.vocab_size or len(served.tokenizer)  # a Triton target may not say its vocabulary
+    if any(not 0 <= token < vocab for token in request.tokens):
         return error(f"tokens must lie in [0, {vocab - 1}]", "tokens")
     return DetokenizeResponse(prompt=served.tokenizer.decode(request.tokens))
 
