@@ -148,7 +148,7 @@ class _PackedRows:
         self.draft_tokens.append(r.drafts)
         self.draft_lens.append(r.draft_len)
         self.types.append(GENERATION_REQUEST)
-        self._add(r, [r.output[-1], *r.drafts], first + count, count)
+        self._add(r, [r.output[-1], *r.drafts[: r.draft_len]], first + count, count)
 
     def add_context(self, r: Request, count: int, k: int) -> None:
         first = r.prefilled
@@ -263,9 +263,9 @@ class EmulatedExecutor:
         self.active.remove(r)
 
     def _schedule(self) -> list[tuple[Request, int]]:
-        block = self.engine.block
-        generation = [r for r in self.active if r.generating]
-        budget = self.engine.max_num_tokens - block * len(generation)
+        """Generation requests first take their `draft_len + 1` tokens of `max_num_tokens`, then the prompts."""
+        generation = [(r, r.draft_len + 1) for r in self.active if r.generating]
+        budget = self.engine.max_num_tokens - sum(rows for _, rows in generation)
         context = []
         for r in self.active:
             if r.generating:
@@ -278,7 +278,7 @@ class EmulatedExecutor:
                 continue
             context.append((r, chunk))
             budget -= chunk
-        return context + [(r, block) for r in generation]
+        return context + generation
 
     def _advance(self, r: Request, rows: int, b: int, out: dict[str, torch.Tensor]) -> list[int] | None:
         """Apply one step's outputs to request `r`: the tokens it produced, or None for a non-last prompt chunk."""
@@ -295,7 +295,7 @@ class EmulatedExecutor:
             path = self.engine.paths[int(out["accepted_paths"][b])].tolist()
             start = r.anchor_position
             self.blocks.move_tokens(r.index, [start + path[i] for i in range(n)], [start + i for i in range(n)])
-            r.steps.append(StepTrace(list(r.drafts), n - 1))
+            r.steps.append(StepTrace(r.drafts[: r.draft_len], n - 1))
             produced = self._append(r, out["accepted_tokens"][b, :n].tolist())
             r.acceptance.append(len(produced))
         r.drafts, r.draft_len = next_drafts, next_len
@@ -343,7 +343,9 @@ class EmulatedExecutor:
             "last_token_ids": _i32(packed.last),
             "kv_cache_params": self._kv_params(batch, packed.past_lengths),
             "attention_params": attention,
-            "spec_decoding_params": self._spec_params(types.count(GENERATION_REQUEST)),
+            "spec_decoding_params": self._spec_params(
+                [count for (_, count), t in zip(batch, types, strict=True) if t == GENERATION_REQUEST]
+            ),
             "draft_tokens": Tensor(
                 data=torch.tensor(packed.draft_tokens, dtype=torch.int32).reshape(batch_size, engine.k)
             ),
@@ -358,22 +360,24 @@ class EmulatedExecutor:
             "host_gen_eagle_net_past_key_value_lengths": _host_i32(bounds),
         }
 
-    def _spec_params(self, num_gen: int) -> SpecDecodingParams:
-        """Every generation row verifies the whole chain of `block` positions under the chain's packed mask."""
-        width = self.engine.block
+    def _spec_params(self, lengths: list[int]) -> SpecDecodingParams:
+        """Each generation request verifies the first `draft_len + 1` nodes of the chain (`lengths`, the runtime's
+        `spec_decoding_generation_lengths`): position offsets = path depth, padded to the longest request; the packed
+        mask holds each request's rows back to back (packEagleTensors copies them at cumulative offsets)."""
+        num_gen, width = len(lengths), self.engine.block
         depth, ancestors = self._chain_geometry()
         mask_rows = pack_mask_rows(ancestors)
         words = len(mask_rows[0])
+        longest = max(lengths, default=1)
+        packed = [row for n in lengths for row in mask_rows[:n]]
         return SpecDecodingParams(
             spec_decoding_is_generation_length_variable=True,
             spec_decoding_max_generation_length=width,
-            spec_decoding_generation_lengths=_i32([width] * num_gen),
+            spec_decoding_generation_lengths=_i32(lengths),
             spec_decoding_position_offsets=Tensor(
-                data=torch.tensor([depth] * num_gen, dtype=torch.int32).reshape(num_gen, width)
+                data=torch.tensor([depth[:longest]] * num_gen, dtype=torch.int32).reshape(num_gen, longest)
             ),
-            spec_decoding_packed_mask=Tensor(
-                data=torch.tensor(mask_rows * num_gen, dtype=torch.int32).reshape(num_gen * width, words)
-            ),
+            spec_decoding_packed_mask=Tensor(data=torch.tensor(packed, dtype=torch.int32).reshape(len(packed), words)),
             spec_decoding_use=_i32([1]),
         )
 

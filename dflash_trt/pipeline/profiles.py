@@ -17,8 +17,10 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dflash_trt.analysis.gpus import GPUS, GpuSpec
+from dflash_trt.draft_schedule import AUTO, DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import BYTES_PER_WEIGHT, ENGINE_DTYPES, KV_CACHE_DTYPES, NONE, NVFP4, QFORMATS
+from dflash_trt.inputs import DRAFT_LEN_SCHEDULE
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.recorded_configs import PACKAGED_RECORDED_CONFIGS
 from dflash_trt.spec import QWEN3_MOE, parse_target_config
@@ -53,6 +55,18 @@ KvCacheDtype = Annotated[str, _one_of(KV_CACHE_DTYPES)]
 EngineDtype = Annotated[str, _one_of(ENGINE_DTYPES)]
 GemmPlugin = Annotated[str, _one_of(GEMM_PLUGIN_CHOICES)]
 GpuName = Annotated[str, _one_of(tuple(GPUS))]
+
+
+def _schedule_text(value: str) -> str:
+    """`auto`, `none` or a table, checked by the one rule for it (inputs.py) and kept in its canonical spelling."""
+    try:
+        choice = DRAFT_LEN_SCHEDULE.check(value, "draft_len_schedule")
+    except DFlashTrtError as exc:
+        raise ValueError(str(exc).removeprefix("draft_len_schedule ")) from None
+    return AUTO if choice == AUTO else choice.text()
+
+
+ScheduleText = Annotated[str, AfterValidator(_schedule_text)]
 
 
 class _Strict(BaseModel):
@@ -118,6 +132,18 @@ class EngineSettings(_Strict):
     use_paged_context_fmha: bool = True
     use_fp8_context_fmha: bool = False
     multiple_profiles: bool = True
+    draft_len_schedule: ScheduleText = Field(
+        default=AUTO,
+        description="drafts per request by the step's load: auto (derived for this GPU, TP and quantization), none "
+        "or N1:K1,N2:K2,... (docs/performance.md)",
+    )
+
+    @property
+    def schedule_choice(self) -> DraftLenSchedule | str:
+        """`AUTO`, or the table as a schedule."""
+        choice = DRAFT_LEN_SCHEDULE.check(self.draft_len_schedule, "engine.draft_len_schedule")
+        assert choice == AUTO or isinstance(choice, DraftLenSchedule)
+        return choice
 
     @model_validator(mode="after")
     def _consistent(self) -> EngineSettings:
@@ -228,6 +254,11 @@ class BuildProfile(_Strict):
                 f"max_draft_len {eng.max_draft_len} is below block_size - 1 = {block - 1}: the DFlash engine always "
                 "drafts a full block"
             )
+        if isinstance(eng.schedule_choice, DraftLenSchedule):
+            try:
+                eng.schedule_choice.fitted_to(block - 1, "engine.draft_len_schedule")
+            except DFlashTrtError as exc:
+                raise ValueError(str(exc)) from None
         # A full batch of generation steps verifies max_batch_size x block_size tokens; the step must still carry
         # one prefill chunk, or no new request could ever start while the batch is full. Without chunked
         # context the whole prompt (up to max_input_len) is that chunk.

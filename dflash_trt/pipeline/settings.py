@@ -28,8 +28,9 @@ if TYPE_CHECKING:  # the repository writer imports numpy (its processing code), 
 
 def engine_settings(profile: BuildProfile) -> EngineBuildSettings:
     """The profile's `engine` section as build settings: every field both spell the same way (trtllm-build's flag
-    names); `max_draft_len` is not among them, the build takes it from the checkpoint's block size."""
-    shared = {f.name for f in dataclasses.fields(EngineBuildSettings)}
+    names); `max_draft_len` is not among them, the build takes it from the checkpoint's block size, nor the
+    draft-length schedule, which `pipeline/schedule.py` resolves from the models (auto needs their shapes)."""
+    shared = {f.name for f in dataclasses.fields(EngineBuildSettings)} - {"draft_len_schedule"}
     return EngineBuildSettings(**profile.engine.model_dump(include=shared))
 
 
