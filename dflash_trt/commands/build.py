@@ -12,9 +12,9 @@ import json
 import sys
 from pathlib import Path
 
+from dflash_trt.analysis.gpus import GPUS
 from dflash_trt.checkpoint.atomic import check_output_apart
 from dflash_trt.commands.build_profile import add_profile_arguments, run_profile
-from dflash_trt.analysis.gpus import GPUS
 from dflash_trt.draft_schedule import AUTO, FIXED, DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.inputs import DRAFT_LEN_SCHEDULE, POSITIVE_INT, WORKERS, IntRange
