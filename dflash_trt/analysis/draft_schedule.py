@@ -59,6 +59,7 @@ class ScheduleRow:
     ar_tok_s: float
     fixed_tok_s: float
     scheduled_tok_s: float
+    best_tok_s: float  # at the best draft length for this batch alone
 
     def as_json(self) -> dict:
         return dict(vars(self))
@@ -121,6 +122,7 @@ def _row(
         ar_tok_s=batch / Method(AR).iteration(target, batch, ctx, dep).seconds,
         fixed_tok_s=throughputs[-1],
         scheduled_tok_s=throughputs[draft_len - 1],
+        best_tok_s=max(throughputs),
     )
 
 
@@ -180,7 +182,7 @@ def default_acceptance(pair: str | None, block: int) -> tuple[Acceptance, str]:
     tau, source = LOWEST_PUBLISHED
     note = (
         f"acceptance length {tau} assumed: nothing is published for this pair, so the lowest any DFlash drafter "
-        f"publishes ({source}); measure yours (bench or generate --json) and pass it"
+        f"publishes ({source}); measure yours (generate or emulate --json) and plan with it (--acceptance_json)"
     )
     return Acceptance.from_mean(tau, block), note
 

@@ -9,15 +9,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
-from dflash_trt.analysis.gpus import GPUS
 from dflash_trt.checkpoint.atomic import check_output_apart
 from dflash_trt.commands.build_profile import add_profile_arguments, run_profile
-from dflash_trt.draft_schedule import AUTO, FIXED, DraftLenSchedule
+from dflash_trt.commands.schedule_flags import add_schedule_arguments, schedule_for_checkpoint
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.inputs import DRAFT_LEN_SCHEDULE, POSITIVE_INT, WORKERS, IntRange
+from dflash_trt.inputs import POSITIVE_INT, WORKERS, IntRange
 from dflash_trt.trtllm.build_plan import (
     GEMM_PLUGIN_CHOICES,
     KV_CACHE_TYPES,
@@ -87,45 +85,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--overwrite", action="store_true", help="replace an --output_dir an earlier dflash-trt build wrote"
     )
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
-    _add_schedule_arguments(parser)
+    add_schedule_arguments(parser, "none; with --config, the profile's")
     parser.add_argument(
         "extra_flags", nargs=argparse.REMAINDER, help="after `--`: further trtllm-build flags, passed through verbatim"
     )
     parser.set_defaults(func=run)
-
-
-def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--draft_len_schedule",
-        type=DRAFT_LEN_SCHEDULE,
-        default=None,
-        help="drafts per request by the step's load, built into the network: none (always block_size - 1), "
-        "N1:K1,N2:K2,... (with at least N requests in a step, draft K) or auto (derived for --gpu, this checkpoint's "
-        "TP and formats, and the acceptance in --acceptance_json or the stated assumption; `dflash-trt plan "
-        "--draft_len_schedule auto` shows the table). Default: none; with --config, the profile's",
-    )
-    parser.add_argument("--gpu", choices=sorted(GPUS), help="with --draft_len_schedule auto: the GPU it is derived for")
-    parser.add_argument(
-        "--acceptance_json",
-        help='with --draft_len_schedule auto: measured acceptance, {"histogram": [...]} or {"per_position": [...]}',
-    )
-
-
-def checkpoint_schedule_choice(args: argparse.Namespace, settings: EngineBuildSettings) -> DraftLenSchedule:
-    """The schedule for a `--checkpoint_dir` build: a table as given, `auto` derived (and announced on stderr)."""
-    choice = FIXED if args.draft_len_schedule is None else args.draft_len_schedule
-    if choice != AUTO:
-        if args.gpu or args.acceptance_json:
-            raise DFlashTrtError("--gpu and --acceptance_json only serve --draft_len_schedule auto")
-        return choice
-    if args.gpu is None:
-        raise DFlashTrtError(f"--draft_len_schedule auto prices each step on a GPU: give --gpu ({', '.join(GPUS)})")
-    from dflash_trt.analysis.draft_schedule import checkpoint_schedule
-
-    acceptance = Path(args.acceptance_json) if args.acceptance_json else None
-    derived, source = checkpoint_schedule(Path(args.checkpoint_dir), args.gpu, settings.max_batch_size, acceptance)
-    print(f"draft-length schedule {derived.schedule.text()} ({source})", file=sys.stderr)
-    return derived.schedule
 
 
 def settings_from_args(args: argparse.Namespace, base: EngineBuildSettings | None = None) -> EngineBuildSettings:
@@ -162,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
         args.output_dir, {"--checkpoint_dir": args.checkpoint_dir, "--plugin_library": args.plugin_library}
     )
     settings = fit_lengths(args.checkpoint_dir, settings_from_args(args), args.max_seq_len, args.max_input_len)
-    settings = dataclasses.replace(settings, draft_len_schedule=checkpoint_schedule_choice(args, settings))
+    schedule = schedule_for_checkpoint(args, Path(args.checkpoint_dir), settings.max_batch_size)
+    settings = dataclasses.replace(settings, draft_len_schedule=schedule)
     plan = plan_engine_build(args.checkpoint_dir, args.output_dir, settings, plugin_library=args.plugin_library)
     if args.dry_run:
         if args.json:

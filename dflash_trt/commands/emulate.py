@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from dflash_trt.commands.generate import MAX_SEED, check_lengths, sequence_record
+from dflash_trt.commands.schedule_flags import add_schedule_arguments, schedule_for_checkpoint
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.inputs import POSITIVE_INT, IntRange
 from dflash_trt.prompts import read_prompts
@@ -61,6 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sequence i draws from seed + i, as generate")
     parser.add_argument("--ignore_eos", action="store_true", help="never stop before --max_new_tokens")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_schedule_arguments(parser, "none")
     parser.set_defaults(func=run)
 
 
@@ -79,7 +81,10 @@ def run(args: argparse.Namespace) -> int:
     from dflash_trt.reference.stats import mean_acceptance_length, per_position_acceptance
 
     checkpoint_dir = Path(args.checkpoint_dir)
-    runtime = EmulatedRuntime(checkpoint_dir, args.max_batch_size, args.max_num_tokens, args.tokens_per_block)
+    schedule = schedule_for_checkpoint(args, checkpoint_dir, args.max_batch_size)
+    runtime = EmulatedRuntime(
+        checkpoint_dir, args.max_batch_size, args.max_num_tokens, args.tokens_per_block, draft_len_schedule=schedule
+    )
     tokenizer = load_tokenizer(checkpoint_dir)
     prompts = read_prompts(args.input_file, tokenizer)
     check_lengths(args, prompts, runtime.facts.max_position_embeddings)

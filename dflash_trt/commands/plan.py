@@ -313,6 +313,7 @@ def _profile_models_on_disk(profile) -> tuple[TargetShape, DFlashShape]:
 
 def _capacity(args: argparse.Namespace) -> None:
     from dflash_trt.pipeline.capacity import capacity_warnings, describe, plan_capacity
+    from dflash_trt.pipeline.schedule import engine_deployment, profile_acceptance, profile_schedule
 
     profile = load_profile(args.config)
     if args.model_dir:
@@ -329,10 +330,24 @@ def _capacity(args: argparse.Namespace) -> None:
     shape = _lengths(args, (profile.sweep.input_len, profile.sweep.output_len))
     cap = plan_capacity(profile, target, drafter, shape)
     warnings = capacity_warnings(profile, cap)
+    resolved = profile_schedule(profile, target, drafter)
+    batches = sorted({c for c in profile.sweep.concurrency if c <= profile.engine.max_batch_size})
+    rows = compare_schedule(
+        target, drafter, profile_acceptance(profile, drafter), resolved.schedule, engine_deployment(profile),
+        mean_context(profile.sweep.input_len, profile.sweep.output_len), batches,
+    )  # fmt: skip
     if args.json:
-        _emit(strict_json({"profile": profile.name, "capacity": cap.as_json(), "warnings": warnings}, indent=2))
+        schedule = {
+            "schedule": resolved.schedule.text(),
+            "source": resolved.source,
+            "rows": [r.as_json() for r in rows],
+        }
+        out = {"profile": profile.name, "capacity": cap.as_json(), "draft_len_schedule": schedule, "warnings": warnings}
+        _emit(strict_json(out, indent=2))
     else:
         _emit(describe(profile, cap))
+        _emit(f"draft-length schedule {resolved.schedule.text()} ({resolved.source})")
+        _emit("\n".join(schedule_lines(resolved.schedule, [("", rows)])[1:]))
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from dflash_trt.analysis.draft_schedule import ENGINE_HARNESS, DerivedSchedule, default_acceptance, derive_schedule
 from dflash_trt.analysis.gpus import get_gpu
 from dflash_trt.analysis.harness_fits import calibration
-from dflash_trt.analysis.model import PRECISION, Deployment, DFlashShape, TargetShape, mean_context
+from dflash_trt.analysis.model import PRECISION, Acceptance, Deployment, DFlashShape, TargetShape, mean_context
 from dflash_trt.analysis.published import pair_for_models
 from dflash_trt.draft_schedule import DraftLenSchedule
 from dflash_trt.pipeline.profiles import BuildProfile
@@ -34,6 +34,11 @@ def engine_deployment(profile: BuildProfile) -> Deployment:
         profile.checkpoint.tp_size,
         calibration(ENGINE_HARNESS),
     )
+
+
+def profile_acceptance(profile: BuildProfile, drafter: DFlashShape) -> Acceptance:
+    """What a profile's `auto` plans with: the pair's lowest published acceptance, or the stated assumption."""
+    return default_acceptance(pair_for_models(profile.model.target, profile.model.draft), drafter.block_size)[0]
 
 
 def derived_schedule(profile: BuildProfile, target: TargetShape, drafter: DFlashShape) -> ResolvedSchedule:
