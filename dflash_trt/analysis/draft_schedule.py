@@ -90,7 +90,7 @@ def _throughputs(
     return out
 
 
-def _non_increasing(scores: list[list[float]]) -> list[int]:
+def non_increasing_choice(scores: list[list[float]]) -> list[int]:
     """Index per row maximising the sum of `scores[row][index]` with the index never rising from row to row."""
     best = list(scores[0])
     choice: list[list[int]] = []
@@ -156,7 +156,7 @@ def derive_schedule(
     batches = range(1, max_batch_size + 1)
     tps = [_throughputs(target, drafter, acceptance, dep, ctx, c) for c in batches]
     scores = [[math.log(t) / c for t in row] for c, row in zip(batches, tps, strict=True)]
-    chosen = [i + 1 for i in _non_increasing(scores)]
+    chosen = [i + 1 for i in non_increasing_choice(scores)]
     steps, previous = [], k_max
     for c, k in zip(batches, chosen, strict=True):
         if k != previous:
