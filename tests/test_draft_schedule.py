@@ -109,7 +109,7 @@ def test_golden_loop_under_a_schedule_is_the_target_alone(tiny: Path, tiny_promp
     assert sum(len(r.steps) for r in fixed) < sum(len(r.steps) for r in scheduled)  # shorter drafts: more steps
 
 
-def _brutenon_increasing_choice(scores: list[list[float]]) -> float:
+def _best_by_enumeration(scores: list[list[float]]) -> float:
     """The best total over every index sequence that never rises, by enumeration."""
     best = float("-inf")
 
@@ -133,9 +133,7 @@ def test_non_increasing_choice_is_the_best_of_all(seed: int):
     scores = [[rng.uniform(-1, 1) for _ in range(4)] for _ in range(5)]
     path = non_increasing_choice(scores)
     assert all(b <= a for a, b in zip(path, path[1:], strict=False))
-    assert sum(row[j] for row, j in zip(scores, path, strict=True)) == pytest.approx(
-        _brutenon_increasing_choice(scores)
-    )
+    assert sum(row[j] for row, j in zip(scores, path, strict=True)) == pytest.approx(_best_by_enumeration(scores))
 
 
 def test_auto_takes_each_batchs_best_draft_length_for_a_dense_target():
