@@ -63,7 +63,7 @@ def _schedule_text(value: str) -> str:
         choice = DRAFT_LEN_SCHEDULE.check(value, "draft_len_schedule")
     except DFlashTrtError as exc:
         raise ValueError(str(exc).removeprefix("draft_len_schedule ")) from None
-    return AUTO if choice == AUTO else choice.text()
+    return choice.text() if isinstance(choice, DraftLenSchedule) else AUTO
 
 
 ScheduleText = Annotated[str, AfterValidator(_schedule_text)]
