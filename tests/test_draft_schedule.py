@@ -284,3 +284,47 @@ def test_plan_config_shows_the_profiles_table(capsys):
     section = out["draft_len_schedule"]
     assert section["source"].startswith("auto: trtllm calibration")
     assert DRAFT_LEN_SCHEDULE(section["schedule"]) is not None and section["rows"]
+
+
+def _batches(rows: list) -> str:
+    """`a-b` spans of the batches listed (or `-`)."""
+    spans: list[list[int]] = []
+    for r in rows:
+        if spans and spans[-1][1] == r.batch - 1:
+            spans[-1][1] = r.batch
+        else:
+            spans.append([r.batch, r.batch])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans) or "-"
+
+
+def schedule_table() -> str:
+    """docs/performance.md §3.7: every shipped profile's `auto` table and what it changes, batch 1..max."""
+    from dflash_trt.analysis.published import pair_for_models
+    from dflash_trt.pipeline.profiles import load_profile
+    from dflash_trt.pipeline.schedule import profile_schedule
+
+    lines = [
+        "| profile | acceptance | `auto` (N:K) | full K below AR at | `auto` below AR at | worst `auto` / AR | "
+        "`auto` / full K at 1 and at max |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for path in SHIPPED:
+        profile = load_profile(path)
+        target, drafter = PAIRS[pair_for_models(profile.model.target, profile.model.draft)].load()
+        resolved = profile_schedule(profile, target, drafter)
+        rows = resolved.derived.rows
+        worst = min(rows, key=lambda r: r.scheduled_tok_s / r.ar_tok_s)
+        tau = default_acceptance(pair_for_models(profile.model.target, profile.model.draft), drafter.block_size)
+        lines.append(
+            f"| {profile.name} | {tau[0].mean():.2f}{'' if 'publishes:' in tau[1] else ' (assumed)'} | "
+            f"{resolved.schedule.text()} | {_batches([r for r in rows if r.fixed_tok_s < r.ar_tok_s])} | "
+            f"{_batches([r for r in rows if r.scheduled_tok_s < r.ar_tok_s])} | "
+            f"{worst.scheduled_tok_s / worst.ar_tok_s:.2f} (batch {worst.batch}) | "
+            f"{rows[0].scheduled_tok_s / rows[0].fixed_tok_s:.2f} / {rows[-1].scheduled_tok_s / rows[-1].fixed_tok_s:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def test_docs_carry_the_current_schedule_table():
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "performance.md").read_text()
+    assert schedule_table() in docs
