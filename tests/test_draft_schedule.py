@@ -320,7 +320,8 @@ def schedule_table() -> str:
             f"{resolved.schedule.text()} | {_batches([r for r in rows if r.fixed_tok_s < r.ar_tok_s])} | "
             f"{_batches([r for r in rows if r.scheduled_tok_s < r.ar_tok_s])} | "
             f"{worst.scheduled_tok_s / worst.ar_tok_s:.2f} (batch {worst.batch}) | "
-            f"{rows[0].scheduled_tok_s / rows[0].fixed_tok_s:.2f} / {rows[-1].scheduled_tok_s / rows[-1].fixed_tok_s:.2f} |"
+            f"{rows[0].scheduled_tok_s / rows[0].fixed_tok_s:.2f} / "
+            f"{rows[-1].scheduled_tok_s / rows[-1].fixed_tok_s:.2f} |"
         )
     return "\n".join(lines)
 
