@@ -141,3 +141,35 @@ def test_sampled_tokens_follow_the_target_law_while_the_load_moves(tmp_path: Pat
     observed = torch.cat([observed, counts[~big].sum()[None]])
     wanted = torch.cat([wanted, expected[~big].sum()[None]])
     assert chisquare(observed.numpy(), wanted.numpy() * samples / float(wanted.sum())).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("text", ["1:2", "2:12,3:5,4:1"])
+def test_golden_executor_drafts_by_load_with_requests_joining(tiny: Path, tiny_prompts: list[list[int]], text: str):
+    """The golden in-flight executor under a schedule: the target's tokens for every request, whenever it joined,
+    and each generation request verifies the schedule's draft length for the load of the step before (cut to what
+    its budget leaves)."""
+    from dflash_trt.bench.backends.golden import GoldenExecutor
+    from dflash_trt.bench.driver import BenchRequest
+
+    schedule = DRAFT_LEN_SCHEDULE(text)
+    model = load_golden_model(tiny)
+    budgets = [20, 9, 20, 14, 20, 6]
+    executor = GoldenExecutor(model, 3, 4096, draft_len_schedule=schedule)
+    arrivals = {0: [0, 1], 1: [2], 3: [3, 4], 6: [5]}
+    produced: dict[int, list[int]] = {i: [] for i in range(len(tiny_prompts))}
+    expected_lens, observed_lens, loads, step = [], [], [], 0
+    while step <= max(arrivals) or executor.has_work():
+        for i in arrivals.get(step, []):
+            executor.add(i, BenchRequest(i, tiny_prompts[i], budgets[i]))
+        before = {i: len(tokens) for i, tokens in produced.items()}
+        for response in executor.step():
+            produced[response.request_id] += response.tokens
+        log = executor.log[-1]
+        for request_id, drafts in zip(log.generation, log.draft_lens, strict=True):
+            observed_lens.append(drafts)
+            expected_lens.append(min(schedule.draft_len(loads[-1], 15), budgets[request_id] - before[request_id]))
+        loads.append(len(log.context) + len(log.generation))
+        step += 1
+    alone = speculative_generate(model, tiny_prompts, budgets, block_size=1)
+    assert [produced[i] for i in range(len(tiny_prompts))] == [r.output_ids for r in alone]
+    assert observed_lens == expected_lens and len(set(observed_lens)) > 1

@@ -21,6 +21,7 @@ import torch
 from dflash_trt.bench.backends.stepping import SteppingBackend
 from dflash_trt.bench.driver import BenchRequest, Response
 from dflash_trt.decoding_modes import AR, DFLASH
+from dflash_trt.draft_schedule import FIXED, DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.inputs import check_fits_in_memory
 from dflash_trt.reference.loop_rules import check_request, keep_tokens
@@ -35,6 +36,7 @@ class _Running:
     prompt_len: int
     max_length: int
     prefilled: bool = False
+    draft_len: int = 0  # drafts its next step verifies: the schedule's for the load of its last step
 
     @property
     def start(self) -> int:
@@ -48,6 +50,7 @@ class StepLog:
 
     context: list[int] = field(default_factory=list)
     generation: list[int] = field(default_factory=list)
+    draft_lens: list[int] = field(default_factory=list)  # drafts each generation request verified, in its order
 
 
 def cache_bytes(model: GoldenModel, batch: int, capacity: int) -> int:
@@ -69,12 +72,14 @@ class GoldenExecutor:
         max_seq_len: int,
         block_size: int | None = None,
         stop_token_ids: list[int] | None = None,
+        draft_len_schedule: DraftLenSchedule = FIXED,
     ):
         draft = model.draft
         self.model = model
         self.block = draft.spec.block_size if block_size is None else block_size
         if not 1 <= self.block <= draft.spec.block_size:
             raise DFlashTrtError(f"block size must be in 1..{draft.spec.block_size}, got {self.block}")
+        self.schedule = draft_len_schedule.fitted_to(self.block - 1) if self.block > 1 else FIXED
         if max_batch_size < 1:
             raise DFlashTrtError(f"max batch size must be >= 1, got {max_batch_size}")
         self.max_seq_len = max_seq_len
@@ -125,10 +130,18 @@ class GoldenExecutor:
         running = {i: s for i, s in enumerate(self.slots) if s is not None}
         context = [i for i, s in running.items() if not s.prefilled]
         generation = [i for i, s in running.items() if s.prefilled]
-        self.log.append(StepLog([running[i].request_id for i in context], [running[i].request_id for i in generation]))
         if not running:
+            self.log.append(StepLog())
             return []
         block_ids, start, verify = self._draft(running, generation)
+        self.log.append(
+            StepLog(
+                [running[i].request_id for i in context],
+                [running[i].request_id for i in generation],
+                [int(verify[i]) - 1 for i in generation],
+            )
+        )
+        next_draft_len = self.schedule.draft_len(len(running), self.block - 1)
         width = max([self.block] + [running[i].prompt_len for i in context])
         offsets = torch.arange(width)
         tokens, positions, valid = self._target_inputs(running, context, generation, block_ids, start, verify, offsets)
@@ -146,6 +159,7 @@ class GoldenExecutor:
                 injected[i] = offsets < len(kept.tokens)
             s.tokens.extend(kept.tokens)
             s.prefilled = True
+            s.draft_len = next_draft_len
             final = kept.stopped or len(s.tokens) >= s.max_length
             responses.append(Response(s.request_id, kept.tokens, final))
             if final:
@@ -155,19 +169,22 @@ class GoldenExecutor:
         return responses
 
     def _draft(self, running: dict[int, _Running], generation: list[int]):
-        """Block `[anchor, drafts...]` per generation row, its start position and how many of it get verified
-        (fewer than the block near the output budget, as in the reference loop). Other rows verify 1 dummy."""
+        """Block `[anchor, drafts...]` per generation row, its start position and how many of it get verified: the
+        request's scheduled draft length + 1, fewer near the output budget (where the drafter sees a shorter block
+        too), as in the reference loop. Other rows verify 1 dummy."""
         draft, block, rows = self.model.draft, self.block, len(self.slots)
         start = torch.zeros(rows, dtype=torch.long)
         verify = torch.ones(rows, dtype=torch.long)
+        width = torch.ones(rows, dtype=torch.long)
         block_ids = torch.full((rows, block), draft.spec.mask_token_id, dtype=torch.long)
         for i in generation:
             s = running[i]
             start[i] = s.start
-            verify[i] = min(block, s.max_length - s.start)
+            width[i] = min(block, s.max_length - s.start)
+            verify[i] = min(s.draft_len + 1, int(width[i]))
             block_ids[i, 0] = s.tokens[-1]
         if block > 1 and generation:
-            block_valid = torch.arange(block) < verify[:, None]
+            block_valid = torch.arange(block) < width[:, None]
             drafted = draft.logits(draft.forward(block_ids, start, block_valid, self.draft_cache)[:, 1:])
             block_ids[:, 1:] = drafted.argmax(dim=-1)
         return block_ids, start, verify
@@ -210,9 +227,10 @@ class GoldenBackend(SteppingBackend):
         *,
         block_size: int | None = None,
         stop_token_ids: list[int] | None = None,
+        draft_len_schedule: DraftLenSchedule = FIXED,
     ):
         block = model.draft.spec.block_size if block_size is None else block_size
         super().__init__(
-            lambda: GoldenExecutor(model, max_batch_size, max_seq_len, block_size, stop_token_ids),
+            lambda: GoldenExecutor(model, max_batch_size, max_seq_len, block_size, stop_token_ids, draft_len_schedule),
             DFLASH if block > 1 else AR,
         )
