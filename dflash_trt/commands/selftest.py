@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     golden_model = load_golden_model(checkpoint)
     texts = [p.text for p in load_heldout(limit=max(args.num_prompts, 64))]
     settings, prompts = selftest_workload(
-        texts, tokenizer, args.num_prompts, golden_model.draft.spec.block_size, args.chunked_context
+        texts, tokenizer, args.num_prompts, golden_model.draft.spec.verify_width, args.chunked_context
     )
     plan = plan_engine_build(checkpoint, out / "engine", settings, plugin_library=args.plugin_library)
     engine_dir = run_engine_build(plan, overwrite=args.overwrite)

@@ -48,28 +48,40 @@ def plugin_library(workdir: Path) -> Path:
     return next(build.rglob(LIBRARY_NAME))
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def built_engine(root: Path, variant):
+    """A random pair of `variant` (tests/_pairs.py), converted in float16, built as `dflash-trt build` builds."""
     from dflash_trt.conversion.convert import convert_checkpoint
     from dflash_trt.trtllm.build import run_engine_build
     from dflash_trt.trtllm.build_plan import EngineBuildSettings, plan_engine_build
 
-    root = tmp_path_factory.mktemp("selftest")
     library = plugin_library(root)
-    pairs = tiny_pairs()
-    target_dir, draft_dir = pairs.make_pair(root, pairs.PairVariant(block_size=8))
+    target_dir, draft_dir = tiny_pairs().make_pair(root, variant)
     convert_checkpoint(target_dir, draft_dir, root / "ckpt", dtype="float16")
     settings = EngineBuildSettings(max_batch_size=4, max_input_len=64, max_seq_len=128, max_num_tokens=256)
     plan = plan_engine_build(root / "ckpt", root / "engine", settings, plugin_library=library)
     return run_engine_build(plan), root / "ckpt", library
 
 
-def test_engine_matches_golden_model(engine):
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    return built_engine(tmp_path_factory.mktemp("selftest"), tiny_pairs().PairVariant(block_size=8))
+
+
+@pytest.fixture(scope="module")
+def dflash2_engine(tmp_path_factory):
+    """A DFlash2 drafter (convolutions, in-graph top-k and selector walk) with an embedding tap."""
+    dflash2 = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 12, "selector_top_k": 6}
+    variant = tiny_pairs().PairVariant(block_size=8, dflash2=dflash2, taps=[-1, 3])
+    return built_engine(tmp_path_factory.mktemp("selftest-dflash2"), variant)
+
+
+@pytest.mark.parametrize("which", ["engine", "dflash2_engine"])
+def test_engine_matches_golden_model(which, request):
     from dflash_trt.commands.selftest import compare, engine_generate
     from dflash_trt.reference.decode import speculative_generate
     from dflash_trt.reference.model import load_golden_model
 
-    engine_dir, checkpoint, library = engine
+    engine_dir, checkpoint, library = request.getfixturevalue(which)
     model = load_golden_model(checkpoint)
     golden = speculative_generate(model, PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=[END_ID])
     tokens, acceptance = engine_generate(engine_dir, str(library), PROMPTS, MAX_NEW, END_ID)
