@@ -225,7 +225,7 @@ def test_a_malformed_table_is_refused_by_the_parser(tmp_path: Path, capsys):
     assert exited.value.code == 2 and f"argument --draft_len_schedule: must be {RULE}, got '4:2,2:4'" in err
 
 
-SHIPPED = sorted((Path(__file__).resolve().parents[1] / "build_configs").glob("*/*.yaml"))
+SHIPPED = sorted((Path(__file__).resolve().parents[2] / "build_configs").glob("*/*.yaml"))
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: f"{p.parent.name}/{p.stem}")
@@ -327,5 +327,5 @@ def schedule_table() -> str:
 
 
 def test_docs_carry_the_current_schedule_table():
-    docs = (Path(__file__).resolve().parents[1] / "docs" / "performance.md").read_text()
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "performance.md").read_text()
     assert schedule_table() in docs
