@@ -30,11 +30,13 @@ from dflash_trt.bench.workload import (
 )
 from dflash_trt.checkpoint.atomic import atomic_directory, check_destination, check_writable
 from dflash_trt.decoding_modes import AR, DFLASH
+from dflash_trt.draft_schedule import AUTO, FIXED
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.executors.contract import FollowerRank
 from dflash_trt.inputs import (
     CONCURRENCIES,
     CONCURRENCY,
+    DRAFT_LEN_SCHEDULE,
     END_ID,
     GPUS,
     MEMORY_FRACTION,
@@ -122,6 +124,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="the model's token range with --triton_url: synthetic prompts use it, responses are checked against it",
     )
+    p.add_argument(
+        "--draft_len_schedule",
+        type=DRAFT_LEN_SCHEDULE,
+        default=FIXED,
+        help="--checkpoint_dir: the golden model's drafts per request by the step's load, none (default) or "
+        "N1:K1,N2:K2,... (an engine's is built into it; `plan --draft_len_schedule auto` prints a GPU's table)",
+    )
     p.add_argument("--seed", type=SEED, default=0, help="seed of synthetic prompts and Poisson arrivals")
     p.add_argument("--timeout_s", type=TIMEOUT_S, default=3600.0, help="give up on a point after this long")
     p.add_argument("--output_dir", required=True, help="folder for results.json, report.html, pareto.png")
@@ -164,7 +173,12 @@ def targets(args: argparse.Namespace) -> dict[str, Target]:
         "tokenizer_dir": args.tokenizer_dir,
     }
     where = (args.engine_dir, args.checkpoint_dir, args.triton_url, args.openai_url)
-    out = {DFLASH: Target(DFLASH, *where, **common)}
+    if args.draft_len_schedule == AUTO:
+        raise DFlashTrtError(
+            "--draft_len_schedule auto is derived for a GPU; the golden model takes a table (dflash-trt plan "
+            "--draft_len_schedule auto prints one)"
+        )
+    out = {DFLASH: Target(DFLASH, *where, **common, draft_len_schedule=args.draft_len_schedule)}
     if args.baseline == AR:
         if args.openai_url:
             raise DFlashTrtError("--baseline ar is not available with --openai_url; bench the AR server separately")

@@ -158,9 +158,10 @@ class EmulatedStepper:
             raise EngineStepFailed(exc) from exc
         responses = []
         for b, (r, rows) in enumerate(batch):
+            drafts = rows - 1 if r.generating else None
             produced = self._advance(r, rows, b, outputs)
             if produced is not None:
-                responses.append(Response(request_id=r.request_id, tokens=produced, final=r.finished))
+                responses.append(Response(request_id=r.request_id, tokens=produced, final=r.finished, draft_len=drafts))
         return responses
 
     def _run_alone(self, item: tuple[Decoding, int]) -> list[Response]:

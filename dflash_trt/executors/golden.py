@@ -52,7 +52,6 @@ class StepLog:
 
     context: list[int] = field(default_factory=list)
     generation: list[int] = field(default_factory=list)
-    draft_lens: list[int] = field(default_factory=list)  # drafts each generation request verified, in its order
 
 
 def cache_bytes(model: GoldenModel, batch: int, capacity: int) -> int:
@@ -139,17 +138,10 @@ class GoldenStepper:
         running = {i: s for i, s in enumerate(self.slots) if s is not None}
         context = [i for i, s in running.items() if not s.prefilled]
         generation = [i for i, s in running.items() if s.prefilled]
+        self.log.append(StepLog([running[i].request_id for i in context], [running[i].request_id for i in generation]))
         if not running:
-            self.log.append(StepLog())
             return []
         block_ids, start, verify = self._draft(running, generation)
-        self.log.append(
-            StepLog(
-                [running[i].request_id for i in context],
-                [running[i].request_id for i in generation],
-                [int(verify[i]) - 1 for i in generation],
-            )
-        )
         next_draft_len = self.schedule.draft_len(len(running), self.block - 1)
         width = max([self.block] + [running[i].prompt_len for i in context])
         offsets = torch.arange(width)
@@ -164,13 +156,14 @@ class GoldenStepper:
         for i, new in produced.items():
             s = running[i]
             kept = keep_tokens(new, s.max_length - len(s.tokens), self.stops)
+            drafts = int(verify[i]) - 1 if s.prefilled else None
             if s.prefilled:
                 injected[i] = offsets < len(kept.tokens)
             s.tokens.extend(kept.tokens)
             s.prefilled = True
             s.draft_len = next_draft_len
             final = kept.stopped or len(s.tokens) >= s.max_length
-            responses.append(Response(request_id=s.request_id, tokens=kept.tokens, final=final))
+            responses.append(Response(request_id=s.request_id, tokens=kept.tokens, final=final, draft_len=drafts))
             if final:
                 self.slots[i] = None
         if self.block > 1:

@@ -17,7 +17,8 @@ from scipy.stats import chisquare
 
 from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.emulation.engine import EmulatedEngine
-from dflash_trt.executors.emulated import decode_batch
+from dflash_trt.executors.contract import Request
+from dflash_trt.executors.emulated import EmulatedStepper, decode_batch
 from dflash_trt.inputs import DRAFT_LEN_SCHEDULE
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import load_golden_model
@@ -141,3 +142,26 @@ def test_sampled_tokens_follow_the_target_law_while_the_load_moves(tmp_path: Pat
     observed = torch.cat([observed, counts[~big].sum()[None]])
     wanted = torch.cat([wanted, expected[~big].sum()[None]])
     assert chisquare(observed.numpy(), wanted.numpy() * samples / float(wanted.sum())).pvalue > 1e-3
+
+
+def test_each_response_names_the_drafts_its_iteration_verified(tiny: Path, tiny_prompts: list[list[int]]):
+    """The stepper's responses carry what `bench` records per iteration: none for the prefill, then the schedule's
+    draft length for the previous step's load (here 3 requests, then 2 as the short budget ends one)."""
+    schedule = DRAFT_LEN_SCHEDULE("2:5,3:2")
+    engine = EmulatedEngine(tiny, max_batch_size=3, draft_len_schedule=schedule)
+    stepper = EmulatedStepper(engine, 200)
+    budgets = [24, 3, 24]
+    decodings = [stepper.add(i, Request(input_ids=tiny_prompts[i], max_new_tokens=n)) for i, n in enumerate(budgets)]
+    reported: dict[int, list[int | None]] = {i: [] for i in range(3)}
+    loads = []
+    while stepper.has_work():
+        loads.append(len(stepper.active) + len(stepper.waiting))
+        for response in stepper.step():
+            reported[response.request_id].append(response.draft_len)
+    stepper.close()
+    assert loads[:2] == [3, 3] and 2 in loads
+    for i, decoding in enumerate(decodings):
+        verified = [len(trace.draft_ids) for trace in decoding.steps]
+        assert reported[i] == [None, *verified]
+        assert set(verified) <= {2, 5}
+    assert {d for i in (0, 2) for d in reported[i][1:]} == {2, 5}

@@ -37,12 +37,16 @@ def test_golden_executor_drafts_by_load_with_requests_joining(tiny: Path, tiny_p
         for i in arrivals.get(step, []):
             executor.add(i, Request(input_ids=tiny_prompts[i], max_new_tokens=budgets[i]))
         before = {i: len(tokens) for i, tokens in produced.items()}
-        for response in executor.step():
-            produced[response.request_id] += response.tokens
+        responses = executor.step()
         log = executor.log[-1]
-        for request_id, drafts in zip(log.generation, log.draft_lens, strict=True):
-            observed_lens.append(drafts)
-            expected_lens.append(min(schedule.draft_len(loads[-1], 15), budgets[request_id] - before[request_id]))
+        for response in responses:
+            produced[response.request_id] += response.tokens
+            if response.request_id in log.context:
+                assert response.draft_len is None  # a prefill verifies no drafts
+                continue
+            observed_lens.append(response.draft_len)
+            budget_left = budgets[response.request_id] - before[response.request_id]
+            expected_lens.append(min(schedule.draft_len(loads[-1], 15), budget_left))
         loads.append(len(log.context) + len(log.generation))
         step += 1
     alone = speculative_generate(model, tiny_prompts, budgets, block_size=1)
