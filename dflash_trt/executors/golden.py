@@ -143,7 +143,8 @@ class GoldenStepper:
             return []
         block_ids, start, verify = self._draft(running, generation)
         next_draft_len = self.schedule.draft_len(len(running), self.block - 1)
-        width = max([self.block] + [running[i].prompt_len for i in context])
+        # As wide as the longest verified block or prompt: a schedule's shorter drafts cost fewer target columns.
+        width = max([int(verify.max())] + [running[i].prompt_len for i in context])
         offsets = torch.arange(width)
         tokens, positions, valid = self._target_inputs(running, context, generation, block_ids, start, verify, offsets)
         logits, taps = self.model.target.forward(tokens, positions, valid, self.target_cache)
@@ -200,7 +201,7 @@ class GoldenStepper:
         positions = torch.zeros(rows, width, dtype=torch.long)
         valid = torch.zeros(rows, width, dtype=torch.bool)
         for i in generation:
-            tokens[i, :block] = block_ids[i]
+            tokens[i, : min(block, width)] = block_ids[i, :width]
             positions[i] = start[i] + offsets.clamp(max=block - 1)
             valid[i] = offsets < verify[i]
         for i in context:
