@@ -124,13 +124,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="the model's token range with --triton_url: synthetic prompts use it, responses are checked against it",
     )
-    p.add_argument(
-        "--draft_len_schedule",
-        type=DRAFT_LEN_SCHEDULE,
-        default=FIXED,
-        help="--checkpoint_dir: the golden model's drafts per request by the step's load, none (default) or "
-        "N1:K1,N2:K2,... (an engine's is built into it; `plan --draft_len_schedule auto` prints a GPU's table)",
-    )
     p.add_argument("--seed", type=SEED, default=0, help="seed of synthetic prompts and Poisson arrivals")
     p.add_argument("--timeout_s", type=TIMEOUT_S, default=3600.0, help="give up on a point after this long")
     p.add_argument("--output_dir", required=True, help="folder for results.json, report.html, pareto.png")
@@ -146,6 +139,13 @@ def _add_source_arguments(p: argparse.ArgumentParser) -> None:
     target.add_argument("--checkpoint_dir", help="converted checkpoint: the golden model with in-flight batching, CPU")
     target.add_argument("--triton_url", type=URL, help="Triton gRPC endpoint HOST:PORT of a deployed repository")
     target.add_argument("--openai_url", help="OpenAI endpoint http://HOST:PORT/v1 (dflash-trt serve)")
+    p.add_argument(
+        "--draft_len_schedule",
+        type=DRAFT_LEN_SCHEDULE,
+        default=FIXED,
+        help="--checkpoint_dir: the golden model's drafts per request by the step's load, none (default) or "
+        "N1:K1,N2:K2,... (an engine's is built into it; `plan --draft_len_schedule auto` prints a GPU's table)",
+    )
     prompts = p.add_mutually_exclusive_group(required=True)
     prompts.add_argument(
         "--input_file",
