@@ -108,7 +108,8 @@ def _triton_stage(inp: PipelineInputs, engine_fp: str | None, library: str) -> S
     from dflash_trt.triton.repository import write_repository
 
     profile, ws = inp.profile, inp.ws
-    repo_settings = settings_from_profile(profile, ws.engine, inp.tokenizer.shown, library)
+    schedule = None if inp.schedule is None else inp.schedule.schedule.text()
+    repo_settings = settings_from_profile(profile, ws.engine, inp.tokenizer.shown, library, draft_len_schedule=schedule)
     triton_fp = (
         fingerprint(
             {

@@ -385,6 +385,13 @@ def test_gpu_run_builds_engine_and_repository_once(tiny_pair, tmp_path: Path, mo
     assert _outcomes(results) == [("checkpoint", SKIPPED), ("engine", BUILT), ("triton", BUILT)] and len(calls) == 2
     assert json.loads((ws / "engine" / MANIFEST_NAME).read_text())["max_batch_size"] == 2
 
+    data["engine"]["draft_len_schedule"] = "2:3"  # a table: built into the engine, recorded by the repository
+    profile.write_text(yaml.safe_dump(data))
+    results, _ = _run(profile, ws, gpu=True)
+    assert _outcomes(results) == [("checkpoint", SKIPPED), ("engine", BUILT), ("triton", BUILT)]
+    assert json.loads((ws / "engine" / MANIFEST_NAME).read_text())["draft_len_schedule"] == "2:3"
+    assert json.loads((ws / "triton/dflash_triton.json").read_text())["draft_len_schedule"] == "2:3"
+
 
 def test_build_needs_a_checkpoint_or_a_profile(tmp_path: Path, capsys):
     assert cli_main(["build", "--dry_run"]) == 2
