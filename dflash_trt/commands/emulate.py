@@ -6,7 +6,8 @@ verifies the drafts by sampling, with the uniforms the golden loop draws (sequen
 `generate`'s JSON schema.
 
 What it reports is the engine's decoding, which differs from `generate` near --max_new_tokens: the engine (like
-TensorRT-LLM's EAGLE runtime) always drafts and verifies a full block and clips what it accepts to the budget,
+TensorRT-LLM's EAGLE runtime) always drafts and verifies a full block (under --draft_len_schedule, the schedule's
+draft length for the previous step's load) and clips what it accepts to the budget,
 where `generate`'s golden loop verifies a shorter last block. So the output equals the first N tokens of `generate`
 run with --max_new_tokens N + block_size - 1 (the same flags otherwise), and each acceptance length is that run's,
 the last one clipped to N; `generate` with --max_new_tokens N gives the same tokens at temperature 0 but may give
