@@ -32,6 +32,7 @@ from dflash_trt.tiny.heldout import load_heldout
 from dflash_trt.tokenizer import load_tokenizer
 
 MAX_NEW = 24
+JSON = {"Content-Type": "application/json"}
 TEMPERATURE, SEED = 3.0, 1234
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
@@ -325,12 +326,14 @@ def test_every_parameter_the_engine_cannot_honour_gets_400_naming_it(server, end
 
 def test_malformed_bodies_and_unknown_models(server):
     for body in (b"{", b"[1, 2]", b'{"prompt": "x", "max_tokens": "many"}', b'{"max_tokens": 2}'):
-        answer = httpx.post(f"{server.url}/v1/completions", content=body)
+        answer = httpx.post(f"{server.url}/v1/completions", content=body, headers=JSON)
         assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request_error"
     for field, value in (("max_tokens", True), ("max_tokens", 2.5), ("temperature", "hot"), ("stream", "yes")):
         answer = httpx.post(f"{server.url}/v1/completions", json={"prompt": "add 1 2", field: value})
         assert answer.status_code == 400 and answer.json()["error"]["param"] == field
-    answer = httpx.post(f"{server.url}/v1/completions", content=b'{"prompt": "add 1 2", "temperature": NaN}')
+    answer = httpx.post(
+        f"{server.url}/v1/completions", content=b'{"prompt": "add 1 2", "temperature": NaN}', headers=JSON
+    )
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "temperature"
     with pytest.raises(openai.NotFoundError):
         client(server).completions.create(model="other", prompt="add 1 2", max_tokens=2)
