@@ -122,22 +122,31 @@ def api_key(args: argparse.Namespace) -> str | None:
 
 
 def allowed_hosts(args: argparse.Namespace, key: str | None) -> frozenset[str] | None:
-    """Host names a keyless loopback server answers (guards.HostCheck); None where any Host is taken. A keyless
-    server beyond loopback is allowed, with a warning: containers must listen beyond loopback to be reached, and
-    a gateway in front often holds the keys."""
+    """Host names a keyless loopback server answers (guards.HostCheck); None where any Host is taken."""
     from dflash_trt.server.guards import is_loopback
 
-    if not is_loopback(args.host):
-        if key is None:
-            LOGGER.warning(
-                "serving on %s without an API key: anyone who can reach port %d can use the engine; give --api_key "
-                "(or %s) unless a gateway in front checks keys",
-                args.host,
-                args.port,
-                API_KEY_ENV,
-            )
-        return None
-    return frozenset(args.allowed_hosts)
+    if key is None and is_loopback(args.host):
+        return frozenset(args.allowed_hosts)
+    if args.allowed_hosts:
+        raise DFlashTrtError(
+            "--allowed_hosts applies to a server on loopback without --api_key; this one takes any Host header"
+        )
+    return None
+
+
+def warn_if_open(host: str, port: int, key: str | None) -> None:
+    """A keyless server beyond loopback is allowed, with a warning: containers must listen beyond loopback to be
+    reached at all, and a gateway in front often holds the keys."""
+    from dflash_trt.server.guards import is_loopback
+
+    if key is None and not is_loopback(host):
+        LOGGER.warning(
+            "serving on %s without an API key: anyone who can reach port %d can use the engine; give --api_key (or "
+            "%s) unless a gateway in front checks keys",
+            host,
+            port,
+            API_KEY_ENV,
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -182,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
     )
     sock = listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
+    warn_if_open(args.host, port, key)
     print(f"serving {name!r} on http://{host}:{port}/v1 (Ctrl-C or SIGTERM to stop)", flush=True)
     uvicorn_server(app, bounds).run(sockets=[sock])
     return 0

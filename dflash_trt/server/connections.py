@@ -12,8 +12,9 @@ out of descriptors. Here each connection is in one phase at a time, with one dea
 - otherwise the app owns the time; a response left unread for `send_timeout_s` ends the connection, which cancels
   its request.
 
-A request that runs out of time is answered 408 when nothing was answered yet, then closed. Beyond
-`max_connections`, a new connection is answered 503 and closed at once, before its descriptor is needed for long.
+A request that runs out of time is answered 408 when nothing was answered yet, then closed. At `max_connections`,
+a new connection closes the connection idle longest (no request under way, not a byte of one sent) to make room;
+when none is idle, the new one is answered 503 and closed at once.
 """
 
 from __future__ import annotations
@@ -21,13 +22,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import time
 from typing import Any, ClassVar
 
 import h11
+import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from dflash_trt.server.limits import BODY_BYTES_PER_S, ConnectionBounds
+from dflash_trt.server.limits import BODY_BYTES_PER_S, LISTEN_BACKLOG, ConnectionBounds
 
 LOGGER = logging.getLogger("dflash_trt.server")
 LINGER_S = 1.0  # silence that ends an answered request's unread body
@@ -64,7 +67,7 @@ class BoundedH11Protocol(H11Protocol):
         self.send_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        if len(self.connections) >= self.max_connections:
+        if len(self.connections) >= self.max_connections and not self._evict_idle():
             self.refused = True
             self._warn_at_capacity()
             message = f"the server holds its maximum of {self.max_connections} connections; retry later"
@@ -106,6 +109,18 @@ class BoundedH11Protocol(H11Protocol):
     def _unread(self) -> None:
         LOGGER.info("closing a connection from %s: its response went unread", self.client)
         self.transport.abort()
+
+    def _evict_idle(self) -> bool:
+        """Close the connection idle longest; False when every connection has a request under way."""
+        idle = [c for c in self.connections if isinstance(c, BoundedH11Protocol) and c.idle()]
+        if not idle:
+            return False
+        min(idle, key=lambda c: c.phase_start).transport.close()
+        return True
+
+    def idle(self) -> bool:
+        """No request under way and not a byte of the next one received."""
+        return self.phase == HEAD and self.received == self.phase_bytes and not self.transport.is_closing()
 
     def _current_phase(self) -> str | None:
         their = self.conn.their_state
@@ -168,3 +183,13 @@ class BoundedH11Protocol(H11Protocol):
 def bounded_protocol(bounds: ConnectionBounds, max_connections: int) -> type[BoundedH11Protocol]:
     """The protocol class uvicorn instantiates per connection, carrying this server's bounds."""
     return type("ServeH11Protocol", (BoundedH11Protocol,), {"bounds": bounds, "max_connections": max_connections})
+
+
+class BoundedServer(uvicorn.Server):
+    """uvicorn's server, its listening sockets' kernel queue set back to LISTEN_BACKLOG once it serves: uvicorn's
+    backlog, which asyncio also takes as the connections to accept per turn, is the small ACCEPT_BURST."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        for sock in sockets or []:
+            sock.listen(LISTEN_BACKLOG)

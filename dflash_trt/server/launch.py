@@ -17,9 +17,11 @@ from dflash_trt.server.app import build_app
 from dflash_trt.server.engine_client import EngineClient
 from dflash_trt.server.generation import Served
 from dflash_trt.server.limits import (
+    ACCEPT_BURST,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE,
     KEEP_ALIVE_S,
+    LISTEN_BACKLOG,
     ConnectionBounds,
     connection_cap,
 )
@@ -55,7 +57,7 @@ def make_app(
 def uvicorn_server(app: FastAPI, bounds: ConnectionBounds | None = None):
     import uvicorn
 
-    from dflash_trt.server.connections import bounded_protocol
+    from dflash_trt.server.connections import BoundedServer, bounded_protocol
 
     bounds = bounds or ConnectionBounds()
     config = uvicorn.Config(
@@ -63,11 +65,12 @@ def uvicorn_server(app: FastAPI, bounds: ConnectionBounds | None = None):
         http=bounded_protocol(bounds, connection_cap(bounds.max_connections)),
         log_level="warning",
         timeout_keep_alive=KEEP_ALIVE_S,
-        timeout_graceful_shutdown=bounds.drain_timeout_s,  # type: ignore[arg-type]  # uvicorn takes any number
+        backlog=ACCEPT_BURST,
+        timeout_graceful_shutdown=bounds.drain_timeout_s,
         lifespan="on",
         access_log=False,
     )
-    return uvicorn.Server(config)
+    return BoundedServer(config)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -77,5 +80,5 @@ def listen(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    sock.listen(2048)
+    sock.listen(LISTEN_BACKLOG)
     return sock

@@ -6,7 +6,9 @@ time, a request's head must arrive within the header timeout, its body within th
 `BODY_BYTES_PER_S` received (a client sending at least that fast is never cut off; one trickling a byte at a time
 is), a response the client leaves unread for the send timeout ends its connection, and SIGTERM waits at most the
 drain timeout for the requests in flight. Connections are capped below the process's descriptor limit, keeping
-`RESERVED_DESCRIPTORS` for the server's own files and sockets.
+`RESERVED_DESCRIPTORS` for the server's own files and sockets and room for the connections accepted but not yet
+counted: asyncio accepts up to `ACCEPT_BURST` connections each time the listening socket is ready, and a surplus
+one is closed, its descriptor freed, about `ACCEPT_TURNS` turns of the event loop later.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ DEFAULT_SEND_TIMEOUT_S = 60.0
 DEFAULT_DRAIN_TIMEOUT_S = 20
 DEFAULT_MAX_CONNECTIONS = 4096
 RESERVED_DESCRIPTORS = 64  # model files, tokenizer, log, executor and Triton client sockets (an idle serve holds 8)
+LISTEN_BACKLOG = 2048  # connections the kernel queues for the server, from before it starts serving
+ACCEPT_BURST = 16  # connections accepted per turn of the event loop (uvicorn's backlog, as asyncio reads it)
+ACCEPT_TURNS = 4  # accepted, its transport made, connection_made, closed, freed: the turns a surplus one lives
 
 
 @dataclass(frozen=True)
@@ -38,13 +43,14 @@ class ConnectionBounds:
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S
-    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    drain_timeout_s: int = DEFAULT_DRAIN_TIMEOUT_S
 
 
 def descriptor_room() -> int:
-    """Connections the process's open-file limit leaves room for after the server's own descriptors."""
+    """Connections the process's open-file limit leaves room for after the server's own descriptors and one burst
+    of accepted connections."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return (2**31 if soft == resource.RLIM_INFINITY else soft) - RESERVED_DESCRIPTORS
+    return (2**31 if soft == resource.RLIM_INFINITY else soft) - RESERVED_DESCRIPTORS - ACCEPT_TURNS * ACCEPT_BURST
 
 
 def connection_cap(requested: int | None) -> int:
@@ -57,7 +63,8 @@ def connection_cap(requested: int | None) -> int:
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         raise DFlashTrtError(
             f"--max_connections {requested} does not fit the open-file limit {soft} (ulimit -n) less the "
-            f"{RESERVED_DESCRIPTORS} descriptors the server keeps for itself: give at most {max(room, 0)}, or raise "
-            "the limit"
+            f"{RESERVED_DESCRIPTORS + ACCEPT_TURNS * ACCEPT_BURST} descriptors the server keeps for itself and for "
+            "accepting: give "
+            f"at most {max(room, 0)}, or raise the limit"
         )
     return requested
