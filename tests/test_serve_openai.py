@@ -272,6 +272,32 @@ def test_stop_strings_and_stop_ids_cut_the_greedy_output(server, tokenizer, text
     assert by_id.usage.completion_tokens == first + 1 and by_id.choices[0].finish_reason == "stop"
 
 
+def test_a_stop_string_beside_a_stop_id_in_one_iteration_is_never_sent(server, tokenizer, texts, greedy):
+    """The stop string "0=" completes in an engine iteration that also holds a stop id: the text ends before the
+    string, and the token ids and usage run up to the token that completed it (the stop id is never reached)."""
+    api, ids = client(server), greedy[0]
+    full = tokenizer.decode(ids, skip_special_tokens=True)
+    stop = "0="
+    last = next(k for k in range(len(ids)) if stop in tokenizer.decode(ids[: k + 1], skip_special_tokens=True))
+    plain = {"model": "tiny", "prompt": texts[0], "max_tokens": MAX_NEW, "temperature": 0}
+    iterations, start = [], 0
+    for chunk in api.completions.create(**plain, stream=True, extra_body={"return_token_ids": True}):
+        if chunk.choices and chunk.choices[0].token_ids:
+            iterations.append(range(start, start + len(chunk.choices[0].token_ids)))
+            start += len(chunk.choices[0].token_ids)
+    same = next(r for r in iterations if last in r)
+    stop_id = next(ids[i] for i in same if i > last and ids.index(ids[i]) > last)
+    extra = {"stop_token_ids": [stop_id], "return_token_ids": True}
+    whole = api.completions.create(**plain, stop=stop, extra_body=extra)
+    assert whole.choices[0].text == full[: full.index(stop)] and whole.choices[0].finish_reason == "stop"
+    assert whole.choices[0].token_ids == ids[: last + 1] and whole.usage.completion_tokens == last + 1
+    chunks = list(api.completions.create(**plain, stop=stop, stream=True, stream_options={"include_usage": True},
+                                         extra_body=extra))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full[: full.index(stop)]
+    assert [t for c in chunks if c.choices for t in c.choices[0].token_ids or []] == ids[: last + 1]
+    assert chunks[-1].usage.completion_tokens == last + 1
+
+
 REFUSED = [
     ("completions", {"n": 2}, "n"),
     ("completions", {"best_of": 3}, "best_of"),

@@ -177,7 +177,13 @@ def run(args: argparse.Namespace) -> int:
         eos = getattr(tokenizer, "eos_token_id", None)
         eos_ids = [] if eos is None else [eos]
         target = triton_target(
-            args.triton_url, args.triton_model, args.max_batch_size, args.max_seq_len, eos_ids, args.ignore_eos
+            args.triton_url,
+            args.triton_model,
+            args.max_batch_size,
+            args.max_seq_len,
+            eos_ids,
+            args.ignore_eos,
+            len(tokenizer),
         )
     name = args.served_model_name or Path(args.checkpoint_dir or args.engine_dir or args.triton_model).name
     app = make_app(

@@ -5,7 +5,8 @@ sends nothing, a request head or body trickled a byte at a time, or a response t
 descriptor (and a streamed request its batch slot) for ever, and connections are accepted until the process runs
 out of descriptors. Here each connection is in one phase at a time, with one deadline:
 
-- head: no byte for the keep-alive time, or a head unfinished `header_timeout_s` after its first byte;
+- head: no byte for the keep-alive time, or a head unfinished `header_timeout_s` after the connection was made
+  (or its last answer sent);
 - body: unfinished `body_timeout_s` after the head, plus one second per `BODY_BYTES_PER_S` received;
 - answered before its body was read (a 413, a refused key): the client may finish sending it (the connection is
   then reused), but a silence of `LINGER_S` or the body timeout closes it;

@@ -25,6 +25,7 @@ class TextStream:
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.stop_token_ids = stop_token_ids
         self.text = ""
+        self.pending = ""  # decoded after `text` but held back: the characters before an unfinished one
         self.searched = 0  # characters of `text` searched for stop strings
         self.sent = 0  # characters of `text` handed out
         self.completion_tokens = 0
@@ -56,6 +57,7 @@ class TextStream:
         return self._release(final=True)
 
     def _decode(self, final: bool) -> None:
+        self.pending = ""
         if self.read == len(self.ids):
             return
         decode = self.tokenizer.decode
@@ -64,15 +66,19 @@ class TextStream:
         if len(after) > len(before) and (final or not after.endswith("\ufffd")):
             self.text += after[len(before) :]
             self.prefix, self.read = self.read, len(self.ids)
+        else:
+            self.pending = after[len(before) :].rstrip("\ufffd")
 
     def _cut_at_stop_string(self) -> bool:
-        """Whether the text decoded since the last search completes a stop string; if so, the text ends before it."""
+        """Whether the text decoded since the last search (held-back characters included) completes a stop string;
+        if so, the text ends before it."""
+        seen = self.text + self.pending
         start = max(0, self.searched - self.hold)
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-        self.searched = len(self.text)
+        hits = [i for i in (seen.find(s, start) for s in self.stop) if i >= 0]
+        self.searched = len(seen)
         if not hits:
             return False
-        self.text = self.text[: min(hits)]
+        self.text = seen[: min(hits)]
         self.finish_reason = STOP
         return True
 

@@ -40,6 +40,7 @@ class ConnectionBounds:
     to DEFAULT_MAX_CONNECTIONS."""
 
     max_connections: int | None = None
+    keep_alive_s: int = KEEP_ALIVE_S
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S

@@ -103,8 +103,11 @@ def triton_target(
     max_seq_len: int | None,
     eos_token_ids: list[int],
     ignore_eos: bool,
+    vocab_size: int,
 ) -> ServeTarget:
-    """A Triton server's `tensorrt_llm` model; it does not say its limits, so --max_seq_len is required."""
+    """A Triton server's `tensorrt_llm` model; it does not say its limits, so --max_seq_len is required, and prompt
+    ids are checked against the tokenizer's vocabulary (`dflash-trt triton` refuses a tokenizer larger than the
+    engine's), so an id Triton would refuse is a 400 here instead of the model's error."""
     from dflash_trt.bench.backends.triton import TritonBackend
 
     _positive(max_batch_size, "--max_batch_size")
@@ -116,7 +119,7 @@ def triton_target(
         )
     end_id = -1 if ignore_eos or not eos_token_ids else eos_token_ids[0]
     backend = TritonBackend(url, model=model, end_id=end_id)
-    limits = Limits(max_seq_len, None)
+    limits = Limits(max_seq_len, vocab_size)
     return ServeTarget(
         backend, max_batch_size or DEFAULT_TRITON_BATCH, limits, frozenset(eos_token_ids), not ignore_eos
     )
