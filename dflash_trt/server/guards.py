@@ -88,9 +88,7 @@ class HostCheck:
         self.app = app
         self.allowed = frozenset(name.lower() for name in allowed)
 
-    def permits(self, header: bytes | None) -> bool:
-        if header is None:  # HTTP/1.0 without a Host: no browser sends that
-            return True
+    def permits(self, header: bytes) -> bool:
         name = host_name(header.decode("latin-1").strip())
         return is_loopback(name) or name.lower() in self.allowed
 
@@ -99,7 +97,7 @@ class HostCheck:
             await self.app(scope, receive, send)
             return
         header = next((value for name, value in scope["headers"] if name == b"host"), None)
-        if self.permits(header):
+        if header is None or self.permits(header):  # no Host at all: HTTP/1.0, which no browser sends
             await self.app(scope, receive, send)
             return
         refused = error(
