@@ -21,6 +21,8 @@ from dflash_trt.server.limits import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_QUEUE,
     DEFAULT_SEND_TIMEOUT_S,
     ConnectionBounds,
     connection_cap,
@@ -29,6 +31,7 @@ from dflash_trt.tokenizer import load_tokenizer
 from dflash_trt.trtllm.build_plan import MAX_EAGLE_BATCH_SIZE
 
 API_KEY_ENV = "DFLASH_TRT_API_KEY"
+LOG_LEVELS = ("debug", "info", "warning", "error")
 LOGGER = logging.getLogger("dflash_trt.server")
 
 
@@ -50,7 +53,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="requests in the engine at once (default: the engine's)",
     )
     parser.add_argument(
-        "--max_queue_size", type=IntRange(0, MAX_REQUESTS), default=1024, help="requests waiting beyond that; then 503"
+        "--max_queue_size",
+        type=IntRange(0, MAX_REQUESTS),
+        default=DEFAULT_MAX_QUEUE,
+        help="requests waiting beyond that; then 503",
     )
     parser.add_argument(
         "--max_seq_len", type=POSITIVE_INT, help="prompt + output tokens per request (default: the engine's)"
@@ -59,7 +65,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--triton_model", default="tensorrt_llm", help="model that takes token ids")
     parser.add_argument("--ignore_eos", action="store_true", help="never stop at EOS (benchmarks)")
     parser.add_argument(
-        "--max_request_bytes", type=IntRange(1024, 2**31 - 1), default=8 * 1024 * 1024, help="largest request body"
+        "--max_request_bytes",
+        type=IntRange(1024, 2**31 - 1),
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest request body",
     )
     parser.add_argument("--api_key", help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV})")
     parser.add_argument(
@@ -99,6 +108,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=IntRange(1, int(MAX_TIMEOUT_S)),
         default=DEFAULT_DRAIN_TIMEOUT_S,
         help="on SIGTERM, wait at most this long for requests in flight (default %(default)s)",
+    )
+    parser.add_argument("--log_level", choices=LOG_LEVELS, default="info", help="the server's log on stderr")
+    parser.add_argument(
+        "--access_log", action="store_true", help="log one line per HTTP request (status, time, id; no prompts)"
     )
     parser.set_defaults(func=run)
 
@@ -151,9 +164,11 @@ def warn_if_open(host: str, port: int, key: str | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dflash_trt.server.launch import listen, make_app, uvicorn_server
+    from dflash_trt.server.observability import configure_logging
     from dflash_trt.server.targets import checkpoint_target, engine_target, triton_target
 
     check_arguments(args)
+    configure_logging(args.log_level)
     key = api_key(args)
     hosts = allowed_hosts(args, key)
     bounds = ConnectionBounds(
@@ -194,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=key,
         max_body_bytes=args.max_request_bytes,
         allowed_hosts=hosts,
+        access_log=args.access_log,
     )
     sock = listen(args.host, args.port)
     host, port = sock.getsockname()[:2]

@@ -1,4 +1,5 @@
 """The FastAPI app: routes, body parsing and limits, the API key, and turning error values into HTTP answers.
+Every request gets an id and, when asked, an access log line (`observability.RequestIds`).
 
 Bodies are read and validated here (not by FastAPI's dependency injection) so that every malformed body, unknown
 field and oversized upload gets one OpenAI-style 400/413 naming what is wrong. A non-streamed request whose client
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
@@ -23,7 +24,14 @@ from dflash_trt.server.generation import Served
 from dflash_trt.server.guards import HostCheck, check_api_key, content_type_refusal, key_refusal
 from dflash_trt.server.limits import DEFAULT_MAX_BODY_BYTES
 from dflash_trt.server.metrics import CONTENT_TYPE
-from dflash_trt.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard, ModelList
+from dflash_trt.server.observability import LOGGER, RequestIds
+from dflash_trt.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
 from dflash_trt.server.serving_chat import create_chat_completion
 from dflash_trt.server.serving_completion import create_completion
 from dflash_trt.server.sse import EventStream
@@ -99,29 +107,39 @@ async def until_disconnected(request: Request, work: Awaitable[Result]) -> Resul
     return None
 
 
+def executor_lifespan(served: Served) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's lifespan: the executor starts before the first request and stops after the last."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await served.client.start()
+        LOGGER.info("serving %r: the executor is ready", served.model_name)
+        try:
+            yield
+        finally:
+            await served.client.stop()
+            served.prompts.close()
+            LOGGER.info("the executor stopped")
+
+    return lifespan
+
+
 def build_app(
     served: Served,
     *,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     allowed_hosts: frozenset[str] | None = frozenset(),
+    access_log: bool = False,
 ) -> FastAPI:
     """`allowed_hosts`: names a keyless server answers besides loopback's (guards.HostCheck); None: any Host, for
     a server listening beyond loopback. A server with a key takes any Host."""
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await served.client.start()
-        try:
-            yield
-        finally:
-            await served.client.stop()
-            served.prompts.close()
-
+    lifespan = executor_lifespan(served)
     app = FastAPI(title="dflash-trt", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     expected = None if api_key is None else check_api_key(api_key, "the API key")
     if expected is None and allowed_hosts is not None:
         app.add_middleware(HostCheck, allowed=allowed_hosts)
+    app.add_middleware(RequestIds, access_log=access_log)  # outermost: every answer, a guard's too, has an id
 
     def unauthorized(request: Request) -> ErrorResponse | None:
         return key_refusal(expected, request.headers.get("authorization"))
@@ -167,7 +185,7 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        broken = served.client.backend.health()
+        broken = served.client.executor.health()
         if broken is None:
             return Response(status_code=200)
         return answer(error(f"the engine is broken: {broken}", status=UNAVAILABLE))

@@ -1,7 +1,7 @@
 """Putting a served engine on the network: the app over a target, run by uvicorn until SIGTERM or Ctrl-C.
 
 On SIGTERM uvicorn stops accepting connections, lets every in-flight request finish (up to the drain timeout),
-then the app's shutdown stops the backend; the signal is then re-raised, so the process exits as terminated. Each
+then the app's shutdown stops the executor; the signal is then re-raised, so the process exits as terminated. Each
 connection runs under `connections.BoundedH11Protocol` (the timeouts and the connection cap of `limits.py`).
 """
 
@@ -37,9 +37,10 @@ def make_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     allowed_hosts: frozenset[str] | None = frozenset(),
+    access_log: bool = False,
 ) -> FastAPI:
     metrics = Metrics()
-    client = EngineClient(target.backend, target.max_batch_size, max_queue, metrics)
+    client = EngineClient(target.executor, target.max_batch_size, max_queue, metrics)
     served = Served(
         client,
         tokenizer,
@@ -50,7 +51,9 @@ def make_app(
         target.engine_stops_at_eos,
         int(time.time()),
     )
-    return build_app(served, api_key=api_key, max_body_bytes=max_body_bytes, allowed_hosts=allowed_hosts)
+    return build_app(
+        served, api_key=api_key, max_body_bytes=max_body_bytes, allowed_hosts=allowed_hosts, access_log=access_log
+    )
 
 
 def uvicorn_server(app: FastAPI, bounds: ConnectionBounds | None = None):
