@@ -64,8 +64,8 @@ def _free_port() -> int:
 class RunningServer:
     """tritonserver on the repository through its own launch script, on free loopback ports."""
 
-    def __init__(self, repo: Path, log: Path):
-        self.repo, self.log = repo, log
+    def __init__(self, repo: Path, log: Path, exit_timeout_s: int = 5):
+        self.repo, self.log, self.exit_timeout_s = repo, log, exit_timeout_s
         self.http, self.grpc = _free_port(), _free_port()
         self.process: subprocess.Popen | None = None
         self.startup_s = 0.0
@@ -82,7 +82,7 @@ class RunningServer:
             f"--http-port={self.http}",
             f"--grpc-port={self.grpc}",
             "--allow-metrics=false",
-            "--exit-timeout-secs=5",
+            f"--exit-timeout-secs={self.exit_timeout_s}",
         ]
         start = time.perf_counter()
         with open(self.log, "ab") as log:
@@ -508,6 +508,52 @@ def _stubs(server) -> list[int]:
         if parent == server.process.pid and b"triton_python_backend_stub" in command:
             stubs.append(int(entry.name))
     return stubs
+
+
+def _group(pid: int) -> list[int]:
+    """The processes still alive in process group `pid` (the server's, which its stubs join)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pid and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+def test_cancelled_streams_are_closed_and_sigterm_exits_at_once(checkpoint, tokenizer, texts, tmp_path):
+    """Requests whose clients cancelled their streams get their final response from the tensorrt_llm model, so
+    Triton releases them: SIGTERM then unloads every model and exits well within its exit timeout, leaving no
+    python stub behind (before, it waited the whole timeout and the tensorrt_llm stub outlived it)."""
+    settings = settings_from_checkpoint(checkpoint, checkpoint, max_batch_size=2, max_seq_len=MAX_SEQ_LEN)
+    repo = write_repository(settings, tmp_path / "repo")
+    running = RunningServer(repo, tmp_path / "server.log", exit_timeout_s=60)
+    running.start()
+    try:
+        prompt = tokenizer.encode(texts[0])
+        for _ in range(3):
+            first: queue.Queue = queue.Queue()
+            client = grpcclient.InferenceServerClient(running.url)
+            client.start_stream(callback=lambda result, error, q=first: q.put((result, error)))
+            client.async_stream_infer("tensorrt_llm", _llm_inputs(prompt, MAX_SEQ_LEN - len(prompt)))
+            assert first.get(timeout=60)[1] is None
+            client.stop_stream(cancel_requests=True)
+            client.close()
+        _, errors = _stream_raw(running, "tensorrt_llm", _llm_inputs(prompt, 2))  # steps after the cancels
+        assert errors == []
+        pid, start = running.process.pid, time.perf_counter()
+        running.process.terminate()
+        running.process.wait(timeout=90)
+        took = time.perf_counter() - start
+        deadline = time.monotonic() + 10
+        while _group(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert took < running.exit_timeout_s / 2 and _group(pid) == [], (took, _group(pid))
+        print(f"SIGTERM after three cancelled streams: exit in {took:.1f} s")
+    finally:
+        running.stop()
 
 
 def test_the_server_restarts_and_a_preloaded_library_stays_out_of_the_stubs(server, golden, tokenizer, texts, tmp_path):
