@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from dflash_trt.decoding_modes import DFLASH
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.executors.contract import Executor
-from dflash_trt.reference.loop_rules import longest_request
+from dflash_trt.reference.loop_rules import built_engine_longest_request, longest_request
 from dflash_trt.server.params import Limits
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ def engine_longest_request(info: EngineInfo) -> int:
     config, window = info.engine_dir / "config.json", info.max_seq_len
     if window is None or info.max_draft_len is None or info.max_position_embeddings is None:
         raise DFlashTrtError(f"{config} has no build_config.max_seq_len / max_draft_len")
-    longest = longest_request(min(window, info.max_position_embeddings), info.max_draft_len)
+    longest = built_engine_longest_request(window, info.max_position_embeddings, info.max_draft_len)
     if longest < 2:
         raise DFlashTrtError(f"{config}: max_seq_len {window} leaves no room for a request past two draft blocks")
     return longest
