@@ -524,20 +524,31 @@ def _group(pid: int) -> list[int]:
 
 
 def test_cancelled_streams_are_closed_and_sigterm_exits_at_once(checkpoint, tokenizer, texts, tmp_path):
-    """Requests whose clients cancelled their streams get their final response from the tensorrt_llm model, so
-    Triton releases them: SIGTERM then unloads every model and exits well within its exit timeout, leaving no
-    python stub behind (before, it waited the whole timeout and the tensorrt_llm stub outlived it)."""
+    """Streams cancelled by their clients (to tensorrt_llm, the BLS and the ensemble) get their final responses,
+    so Triton releases them: SIGTERM then unloads every model and exits well within its exit timeout, leaving no
+    python stub behind (before, it waited the whole timeout)."""
     settings = settings_from_checkpoint(checkpoint, checkpoint, max_batch_size=2, max_seq_len=MAX_SEQ_LEN)
     repo = write_repository(settings, tmp_path / "repo")
-    running = RunningServer(repo, tmp_path / "server.log", exit_timeout_s=60)
+    running = RunningServer(repo, tmp_path / "server.log", exit_timeout_s=120)
     running.start()
     try:
         prompt = tokenizer.encode(texts[0])
-        for _ in range(3):
+        text = [
+            _tensor("text_input", np.array([[texts[0].encode()]], object), "BYTES"),
+            _tensor("max_tokens", np.array([[MAX_NEW]], np.int32), "INT32"),
+            _tensor("stream", np.array([[True]]), "BOOL"),
+        ]
+        cancelled = [
+            ("tensorrt_llm", _llm_inputs(prompt, MAX_SEQ_LEN - len(prompt))),
+            ("tensorrt_llm", _llm_inputs(prompt, MAX_SEQ_LEN - len(prompt))),
+            ("tensorrt_llm_bls", text),  # they cannot cancel their tensorrt_llm request: it runs its 16 tokens
+            ("ensemble", text),
+        ]
+        for model, inputs in cancelled:
             first: queue.Queue = queue.Queue()
             client = grpcclient.InferenceServerClient(running.url)
             client.start_stream(callback=lambda result, error, q=first: q.put((result, error)))
-            client.async_stream_infer("tensorrt_llm", _llm_inputs(prompt, MAX_SEQ_LEN - len(prompt)))
+            client.async_stream_infer(model, inputs)
             assert first.get(timeout=60)[1] is None
             client.stop_stream(cancel_requests=True)
             client.close()
@@ -545,13 +556,13 @@ def test_cancelled_streams_are_closed_and_sigterm_exits_at_once(checkpoint, toke
         assert errors == []
         pid, start = running.process.pid, time.perf_counter()
         running.process.terminate()
-        running.process.wait(timeout=90)
+        running.process.wait(timeout=150)
         took = time.perf_counter() - start
         deadline = time.monotonic() + 10
         while _group(pid) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert took < running.exit_timeout_s / 2 and _group(pid) == [], (took, _group(pid))
-        print(f"SIGTERM after three cancelled streams: exit in {took:.1f} s")
+        print(f"SIGTERM after four cancelled streams: exit in {took:.1f} s")
     finally:
         running.stop()
 
