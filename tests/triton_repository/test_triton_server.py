@@ -21,6 +21,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from _poisoned import POISONED_TOKEN
@@ -508,6 +509,30 @@ def _stubs(server) -> list[int]:
         if parent == server.process.pid and b"triton_python_backend_stub" in command:
             stubs.append(int(entry.name))
     return stubs
+
+
+def test_serve_over_triton_refuses_ids_the_model_cannot_take_and_serves_on(server, tokenizer, texts, golden):
+    """`serve --triton_url` checks prompt ids against the tokenizer's vocabulary and INT32 before a request leaves:
+    each such prompt is a 400 naming the range (before: a 500 from the model, or a request never answered that
+    kept its batch slot), and with one batch slot the next request is served with the golden loop's text."""
+    from _server import RunningServer
+
+    from dflash_trt.server.launch import make_app
+    from dflash_trt.server.targets import triton_target
+
+    eos = list(golden.target.spec.eos_token_ids)
+    target = triton_target(server.url, "tensorrt_llm", 1, MAX_SEQ_LEN, eos, False, len(tokenizer))
+    with RunningServer(make_app(target, tokenizer, "tiny")) as running:
+        for prompt in ([5, 2**31], [5, 2**40], [5, len(tokenizer)], [-1, 5]):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+            answer = httpx.post(f"{running.url}/v1/completions", json=body, timeout=30)
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == "prompt", (prompt, answer.text)
+            if prompt[0] == 5:
+                assert f"must lie in [0, {len(tokenizer) - 1}]" in answer.json()["error"]["message"], answer.text
+        body = {"model": "tiny", "prompt": texts[0], "max_tokens": MAX_NEW, "temperature": 0}
+        answer = httpx.post(f"{running.url}/v1/completions", json=body, timeout=120)
+        assert answer.status_code == 200
+        assert answer.json()["choices"][0]["text"] == _greedy_text(golden, tokenizer, texts[0])
 
 
 def _group(pid: int) -> list[int]:
