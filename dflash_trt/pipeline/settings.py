@@ -34,9 +34,12 @@ def settings_from_profile(
     tokenizer_dir: str | Path,
     plugin_library: str | Path,
     serving: ServingSettings | None = None,
+    draft_len_schedule: str | None = None,
 ) -> RepositorySettings:
     """Settings for the engine a build profile will produce, so the repository can be reviewed before the build;
-    `serving` replaces the profile's serving section (already validated overrides)."""
+    `serving` replaces the profile's serving section (already validated overrides); `draft_len_schedule` is the
+    table the engine is built with, once resolved (else the profile's text: `auto` still says the engine drafts by
+    load)."""
     from dflash_trt.triton.repository import RepositorySettings, max_temperature_for_sampling, serving_fields
 
     eng = profile.engine
@@ -52,6 +55,7 @@ def settings_from_profile(
         # At most what the built engine holds (its window and positions are at least the profile's max_seq_len);
         # the pipeline rewrites the repository from the built engine's config.
         max_seq_len=longest_request(eng.max_seq_len, eng.max_draft_len),
+        draft_len_schedule=draft_len_schedule or eng.draft_len_schedule,
         **serving_fields(serving or profile.serving),
     )
 

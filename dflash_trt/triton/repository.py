@@ -89,6 +89,9 @@ class RepositorySettings:
     world_size: int
     max_temperature: float
     max_seq_len: int  # the longest request (prompt + output) the engine holds; the preprocessing and BLS refuse more
+    # The engine's draft-length table (its manifest's `draft_len_schedule`): drafts per step vary with the load
+    # unless `none`, so the client derives no acceptance length from the backend's draft-token totals.
+    draft_len_schedule: str = "none"
     kv_cache_free_gpu_mem_fraction: float = SERVING_DEFAULTS.kv_cache_free_gpu_mem_fraction
     batch_scheduler_policy: str = SERVING_DEFAULTS.batch_scheduler_policy
     enable_chunked_context: bool = SERVING_DEFAULTS.enable_chunked_context
@@ -569,6 +572,7 @@ def settings_from_engine(
             world_size=int(manifest.get("tp_size", 1)),
             max_temperature=max_temperature_for_sampling(manifest.get("sampling")),
             max_seq_len=_engine_longest_request(engine_dir, build, pretrained, int(manifest["max_draft_len"])),
+            draft_len_schedule=str(manifest.get("draft_len_schedule", "none")),
             **serving_fields(serving or ServingSettings()),
         )
     except KeyError as exc:

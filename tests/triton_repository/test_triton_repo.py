@@ -263,6 +263,9 @@ def test_settings_from_engine_reads_the_manifest(tmp_path: Path, tokenizer_dir: 
     (fewer_positions / "config.json").write_text(json.dumps(config))
     with pytest.raises(DFlashTrtError, match="lacks 'max_seq_len'"):
         settings_from_engine(fewer_positions, tokenizer_dir)
+    assert s.draft_len_schedule == "none"  # an engine built before draft-length schedules
+    scheduled = write_engine_dir(tmp_path / "scheduled", draft_len_schedule="2:7,16:3")
+    assert settings_from_engine(scheduled, tokenizer_dir).draft_len_schedule == "2:7,16:3"
     with pytest.raises(DFlashTrtError, match="not a DFlash engine directory"):
         settings_from_engine(tmp_path, tokenizer_dir)
     broken = tmp_path / "broken"
