@@ -9,15 +9,18 @@ import logging
 from dflash_trt.server.observability import LOGGER, current_request_id
 from dflash_trt.server.protocol import ErrorBody, ErrorResponse
 
-BAD_REQUEST, UNAUTHORIZED, NOT_FOUND, METHOD_NOT_ALLOWED, TOO_LARGE = 400, 401, 404, 405, 413
+BAD_REQUEST, UNAUTHORIZED, FORBIDDEN, NOT_FOUND, METHOD_NOT_ALLOWED = 400, 401, 403, 404, 405
+TOO_LARGE, UNSUPPORTED_MEDIA_TYPE = 413, 415
 SERVER_ERROR, UNAVAILABLE = 500, 503
 
 TYPES = {
     BAD_REQUEST: "invalid_request_error",
     UNAUTHORIZED: "authentication_error",
+    FORBIDDEN: "permission_error",
     NOT_FOUND: "not_found_error",
     METHOD_NOT_ALLOWED: "invalid_request_error",
     TOO_LARGE: "invalid_request_error",
+    UNSUPPORTED_MEDIA_TYPE: "invalid_request_error",
     SERVER_ERROR: "internal_server_error",
     UNAVAILABLE: "service_unavailable",
 }

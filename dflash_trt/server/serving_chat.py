@@ -2,7 +2,7 @@
 
 The template runs in `transformers`' sandboxed Jinja environment; `chat_template_kwargs` (e.g. `enable_thinking`)
 reach it as template variables. The rendered text holds the template's special tokens, so it is tokenized without
-adding more.
+adding more. Rendering and tokenizing run off the event loop (`tokenizing.PromptTokenizer`).
 """
 
 from __future__ import annotations
@@ -34,6 +34,14 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
+async def prompt_ids(served: Served, request: ChatCompletionRequest) -> list[int] | ErrorResponse:
+    """The prompt's token ids: the messages rendered, then tokenized, both in the tokenizer's worker thread."""
+    text = await served.prompts.run(render, served.tokenizer, request.messages, request.chat_template_kwargs)
+    if isinstance(text, ErrorResponse):
+        return text
+    return await served.prompts.encode(text, "messages", add_special_tokens=False)
+
+
 def render(tokenizer: Any, messages: list[ChatMessage], template_kwargs: dict[str, Any] | None) -> str | ErrorResponse:
     """The prompt's text; 400 when the tokenizer has no chat template or the template refuses the messages."""
     if not getattr(tokenizer, "chat_template", None):
@@ -63,10 +71,9 @@ def render(tokenizer: Any, messages: list[ChatMessage], template_kwargs: dict[st
 async def create_chat_completion(
     served: Served, request: ChatCompletionRequest
 ) -> ChatCompletionResponse | sse.EventStream | ErrorResponse:
-    text = render(served.tokenizer, request.messages, request.chat_template_kwargs)
-    if isinstance(text, ErrorResponse):
-        return text
-    ids = served.tokenizer.encode(text, add_special_tokens=False)
+    ids = await prompt_ids(served, request)
+    if isinstance(ids, ErrorResponse):
+        return ids
     generation = start_generation(served, request, ids, "messages")
     if isinstance(generation, ErrorResponse):
         return generation

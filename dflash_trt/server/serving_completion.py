@@ -22,18 +22,29 @@ from dflash_trt.server.protocol import (
 from dflash_trt.server.serving_common import close_all, joined, merged_pieces, response_id, start_generations, usage_of
 
 
-def prompt_ids(served: Served, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
-    """Each prompt's token ids: text is tokenized as `generate` tokenizes text prompts; a list of texts or of
-    token id lists is several prompts."""
+async def prompt_ids(
+    served: Served, prompt: str | list[str] | list[int] | list[list[int]]
+) -> list[list[int]] | ErrorResponse:
+    """Each prompt's token ids: text is tokenized as `generate` tokenizes text prompts (off the event loop); a list
+    of texts or of token id lists is several prompts."""
     several = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
     prompts: list[Any] = list(prompt) if several else [prompt]
-    return [served.tokenizer.encode(each) if isinstance(each, str) else list(each) for each in prompts]
+    ids = []
+    for each in prompts:
+        encoded = await served.prompts.encode(each, "prompt") if isinstance(each, str) else list(each)
+        if isinstance(encoded, ErrorResponse):
+            return encoded
+        ids.append(encoded)
+    return ids
 
 
 async def create_completion(
     served: Served, request: CompletionRequest
 ) -> CompletionResponse | sse.EventStream | ErrorResponse:
-    generations = start_generations(served, request, prompt_ids(served, request.prompt), "prompt")
+    prompts = await prompt_ids(served, request.prompt)
+    if isinstance(prompts, ErrorResponse):
+        return prompts
+    generations = start_generations(served, request, prompts, "prompt")
     if isinstance(generations, ErrorResponse):
         return generations
     head: dict[str, Any] = {"id": response_id("cmpl"), "created": int(time.time()), "model": served.model_name}

@@ -28,14 +28,15 @@ async def tokenize(served: Served, request: TokenizeRequest) -> TokenizeResponse
     tokenizer = served.tokenizer
     if request.messages is not None:
         kwargs = {"add_generation_prompt": request.add_generation_prompt, **(request.chat_template_kwargs or {})}
-        text = render(tokenizer, request.messages, kwargs)
+        text = await served.prompts.run(render, tokenizer, request.messages, kwargs)
         if isinstance(text, ErrorResponse):
             return text
-        special = bool(request.add_special_tokens)
+        param, special = "messages", bool(request.add_special_tokens)
     else:
-        text = request.prompt or ""
-        special = request.add_special_tokens is not False
-    ids = tokenizer.encode(text, add_special_tokens=special)
+        text, param, special = request.prompt or "", "prompt", request.add_special_tokens is not False
+    ids = await served.prompts.encode(text, param, add_special_tokens=special)  # off the loop, as prompts are
+    if isinstance(ids, ErrorResponse):
+        return ids
     strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=served.limits.max_seq_len, tokens=ids, token_strs=strs)
 
