@@ -82,6 +82,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="NAME",
         help="Host names a keyless server on loopback answers besides localhost, 127.0.0.1 and [::1]",
     )
+    add_bound_arguments(parser)
+    parser.add_argument("--log_level", choices=LOG_LEVELS, default="info", help="the server's log on stderr")
+    parser.add_argument(
+        "--access_log", action="store_true", help="log one line per HTTP request (status, time, id; no prompts)"
+    )
+    parser.set_defaults(func=run)
+
+
+def add_bound_arguments(parser: argparse.ArgumentParser) -> None:
+    """The connection bounds: how many connections, and how long a client may take to send or to read."""
     bounds = parser.add_argument_group("connection bounds")
     bounds.add_argument(
         "--max_connections",
@@ -113,11 +123,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=DEFAULT_DRAIN_TIMEOUT_S,
         help="on SIGTERM, wait at most this long for requests in flight (default %(default)s)",
     )
-    parser.add_argument("--log_level", choices=LOG_LEVELS, default="info", help="the server's log on stderr")
-    parser.add_argument(
-        "--access_log", action="store_true", help="log one line per HTTP request (status, time, id; no prompts)"
-    )
-    parser.set_defaults(func=run)
 
 
 def check_arguments(args: argparse.Namespace) -> None:
