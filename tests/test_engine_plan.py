@@ -224,10 +224,14 @@ def test_a_drafter_with_its_own_rope_builds_but_its_yarn_is_checked_too(tmp_path
             {"tokens_per_block": 8},
             "--tokens_per_block must be one of 16, 32, 64, 128: speculative decoding generates through XQA",
         ),
-        ({"max_seq_len": 40961}, "max_seq_len 40961 exceeds the target's max_position_embeddings 40960"),
+        (
+            {"max_seq_len": 40960 - 44},
+            r"reach position 40960 .* past the 40960 rows .* --max_seq_len <= 40915",
+        ),
         ({"gemm_plugin": "fp8"}, "gemm_plugin fp8 needs fp8 weights, but they are none"),
         ({"gemm_plugin": "nvfp4"}, "gemm_plugin nvfp4 needs nvfp4 weights, but they are none"),
-        ({"use_fp8_context_fmha": True}, "FP8 or NVFP4"),
+        ({"use_fp8_context_fmha": True}, "needs kv_cache_dtype fp8 and fp8 or nvfp4 weights"),
+        ({"max_batch_size": 2, "max_seq_len": 64, "max_input_len": 32, "max_num_tokens": 129}, "clip it to"),
     ],
 )
 def test_refuses_settings_the_runtime_would_reject(ckpt: Path, tmp_path: Path, change: dict, message: str):
@@ -247,7 +251,7 @@ def test_refuses_a_checkpoint_missing_rank_files(tmp_path: Path, capsys):
     "argv,message",
     [
         (["--gemm_plugin", "nvfp4"], "gemm_plugin nvfp4 needs nvfp4 weights"),
-        (["--max_seq_len", "50000", "--max_input_len", "1024"], "exceeds the target's max_position_embeddings 40960"),
+        (["--max_seq_len", "50000", "--max_input_len", "1024"], "past the 40960 rows of the target's"),
         (["--tokens_per_block", "8"], "--tokens_per_block must be one of 16, 32, 64, 128"),
     ],
 )
@@ -275,24 +279,24 @@ def test_sliding_window_drafter_only_within_its_window(tmp_path: Path):
         "layer_types": ["full_attention", "sliding_attention"],
     }
     ckpt = write_checkpoint(tmp_path / "c", draft_hf=draft)
-    fits = EngineBuildSettings(max_seq_len=4096 - 16, max_input_len=1024)
+    fits = EngineBuildSettings(max_seq_len=4096 - 45, max_input_len=1024)  # 3K positions past max_seq_len
     assert plan_engine_build(ckpt, tmp_path / "e", fits).command
-    with pytest.raises(DFlashTrtError, match=r"--max_seq_len <= 4080"):
-        plan_engine_build(ckpt, tmp_path / "e", replace(fits, max_seq_len=4081))
+    with pytest.raises(DFlashTrtError, match=r"--max_seq_len <= 4051"):
+        plan_engine_build(ckpt, tmp_path / "e", replace(fits, max_seq_len=4052))
 
 
 def test_sliding_window_no_longer_than_the_block_cannot_be_built(tmp_path: Path):
-    draft = {**DRAFT_HF, "use_sliding_window": True, "sliding_window": 12, "layer_types": ["sliding_attention"] * 2}
+    draft = {**DRAFT_HF, "use_sliding_window": True, "sliding_window": 45, "layer_types": ["sliding_attention"] * 2}
     ckpt = write_checkpoint(tmp_path / "c", draft_hf=draft)
     with pytest.raises(
         DFlashTrtError,
-        match=r"sliding-window layers have a window \(12\) no longer than its block \(16\); .* cannot be built",
+        match=r"sliding-window layers have a window \(45\) no longer than the 45 positions .* cannot be built",
     ):
         plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings(max_seq_len=64, max_input_len=32))
 
 
 def test_the_default_max_seq_len_fits_a_sliding_window(tmp_path: Path, capsys):
-    """Without --max_seq_len the build takes the longest the drafter's window allows (window - block size)."""
+    """Without --max_seq_len the build takes the longest the drafter's window allows (window - 3K)."""
     draft = {**DRAFT_HF, "use_sliding_window": True, "sliding_window": 4096, "layer_types": ["sliding_attention"] * 2}
     ckpt = write_checkpoint(tmp_path / "c", draft_hf=draft)
     from dflash_trt.cli import main as cli_main
@@ -300,7 +304,7 @@ def test_the_default_max_seq_len_fits_a_sliding_window(tmp_path: Path, capsys):
     argv = ["build", "--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e"), "--dry_run", "--json"]
     assert cli_main(argv) == 0
     config = json.loads(capsys.readouterr().out)["build_config"]
-    assert (config["max_seq_len"], config["max_input_len"]) == (4096 - 16, 4096 - 16)
+    assert (config["max_seq_len"], config["max_input_len"]) == (4096 - 45, 4096 - 45)
 
 
 def test_refuses_pipeline_parallel_and_foreign_checkpoints(tmp_path: Path):
@@ -485,7 +489,12 @@ def test_selftest_workload_fits_the_tiny_target_and_exceeds_one_chunk(tmp_path: 
     (ckpt / "rank0.safetensors").touch()
     tokenizer = load_tokenizer(target_dir())
     settings, prompts = selftest_workload(
-        [p.text for p in load_heldout(limit=64)], tokenizer, 8, draft.block_size, chunked
+        [p.text for p in load_heldout(limit=64)],
+        tokenizer,
+        8,
+        draft.block_size,
+        chunked,
+        target.max_position_embeddings,
     )
     plan_engine_build(ckpt, tmp_path / "e", settings)
     assert len(prompts) == 8 and all(0 < len(p) <= settings.max_input_len for p in prompts)

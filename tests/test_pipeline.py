@@ -230,7 +230,7 @@ def test_offline_dry_run_applies_the_checks_to_recorded_configs(fresh_machine: P
     path = tmp_path / "long.yaml"
     path.write_text(yaml.safe_dump(data))
     assert cli_main(["build", "--config", str(path), "--output_dir", str(tmp_path / "ws"), "--dry_run"]) == 2
-    assert "max_seq_len 50000 exceeds the target's max_position_embeddings 40960" in capsys.readouterr().err
+    assert "past the 40960 rows of the target's max_position_embeddings RoPE tables" in capsys.readouterr().err
     data["engine"]["max_seq_len"] = 8192
     data["model"]["recorded_configs"] = None  # nothing recorded: the dry run says what to do
     path.write_text(yaml.safe_dump(data))

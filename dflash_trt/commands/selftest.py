@@ -52,16 +52,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-# The tiny target has 256 positions (max_position_embeddings): prompt + generated tokens stay within them.
-TINY_MAX_SEQ_LEN = 256
+# The tiny target has 256 positions (max_position_embeddings); the engine uses 3K more than its max_seq_len
+# (build_plan.positions_used), so with its 16-token blocks it builds with max_seq_len 211.
 TINY_MAX_INPUT_LEN = 160
 LONG_PROMPTS = 2
 
 
-def selftest_workload(texts: list[str], tokenizer, num_prompts: int, block_size: int, chunked_context: bool):
+def selftest_workload(
+    texts: list[str], tokenizer, num_prompts: int, block_size: int, chunked_context: bool, max_positions: int
+):
     """Engine settings and prompts. With chunked context, max_num_tokens is the least a batch of generation steps
     needs, and the last prompts are longer than that, so their prefill only fits in several context chunks."""
-    from dflash_trt.trtllm.build_plan import EngineBuildSettings
+    from dflash_trt.trtllm.build_plan import EngineBuildSettings, positions_used
 
     batch = max(num_prompts, 1)
     prompts = [tokenizer.encode(text) for text in texts[:num_prompts]]
@@ -75,7 +77,7 @@ def selftest_workload(texts: list[str], tokenizer, num_prompts: int, block_size:
     settings = EngineBuildSettings(
         max_batch_size=batch,
         max_input_len=TINY_MAX_INPUT_LEN,
-        max_seq_len=TINY_MAX_SEQ_LEN,
+        max_seq_len=max_positions - positions_used(0, block_size - 1),
         max_num_tokens=max_num_tokens,
     )
     return settings, prompts
@@ -160,7 +162,12 @@ def run(args: argparse.Namespace) -> int:
     golden_model = load_golden_model(checkpoint)
     texts = [p.text for p in load_heldout(limit=max(args.num_prompts, 64))]
     settings, prompts = selftest_workload(
-        texts, tokenizer, args.num_prompts, golden_model.draft.spec.block_size, args.chunked_context
+        texts,
+        tokenizer,
+        args.num_prompts,
+        golden_model.draft.spec.block_size,
+        args.chunked_context,
+        golden_model.target.spec.max_position_embeddings,
     )
     plan = plan_engine_build(checkpoint, out / "engine", settings, plugin_library=args.plugin_library)
     engine_dir = run_engine_build(plan, overwrite=args.overwrite)

@@ -22,14 +22,7 @@ from dflash_trt.emulation.ranks import RankGroup
 from dflash_trt.emulation.stand_ins import load_engine_module, stand_ins_installed
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import read_json_object
-from dflash_trt.trtllm.build_plan import (
-    chain_draft_paths,
-    check_kv_geometry,
-    check_moe_layers,
-    check_quantization,
-    check_rope,
-    read_checkpoint_facts,
-)
+from dflash_trt.trtllm.build_plan import chain_draft_paths, check_network, read_checkpoint_facts
 
 ACCEPT_OUTPUTS = (
     "accepted_tokens",
@@ -69,8 +62,7 @@ class EmulatedEngine:
         target, _ = specs_from_config(raw)
         # What `dflash-trt build` refuses, the emulated engine refuses too.
         self.facts = read_checkpoint_facts(checkpoint_dir)
-        for check in (check_kv_geometry, check_rope, check_quantization, check_moe_layers):
-            check(self.facts)
+        check_network(self.facts)
         self.tp_size = self.facts.tp_size
         for rank in range(self.tp_size):
             if not (checkpoint_dir / f"rank{rank}.safetensors").is_file():

@@ -16,7 +16,7 @@ from typing import Any
 from dflash_trt import __version__
 from dflash_trt.checkpoint.trtllm_config import ARCHITECTURE, specs_from_config
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.formats import FP8, NVFP4, QFORMATS, quant_algo
+from dflash_trt.formats import FP8, NONE, NVFP4, QFORMATS, quant_algo
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.rope import RopeConfig
 from dflash_trt.sampling_rules import ENGINE_SAMPLING, HONOURED
@@ -43,6 +43,11 @@ SAMPLING_POLICY = ENGINE_SAMPLING
 GEMM_PLUGIN_CHOICES = ("auto", "float16", "bfloat16", "float32", "fp8", "nvfp4", "disable")
 # GEMM plugins that only run weights quantized in the format they are named after.
 QUANTIZED_GEMM_PLUGINS = (FP8, NVFP4)
+# Weight formats with which builder.build() runs context attention in FP8 once the KV cache is FP8: it turns
+# use_fp8_context_fmha on for them when paged context FMHA is on, which the EAGLE branch forces (W4A8_AWQ too, which
+# the converter never writes) [read: tensorrt_llm/builder.py `build`, "Logics to control paged_context_fmha and
+# fp8_context_fmha"].
+FP8_CONTEXT_FMHA_WEIGHTS = (FP8, NVFP4)
 # Spec-decoding generation runs only through XQA. Its HMMA kernels (the only ones for an fp16/bf16 KV cache, and
 # the portable ones for FP8 KV) take these paged-KV block sizes; only Hopper's FP8-KV GMMA kernels also take 8.
 # cpp/tensorrt_llm/kernels/decoderMaskedMultiheadAttention/decoderXQAImplJIT/kernelUtils.cpp, supportConfigHMMA.
@@ -71,7 +76,8 @@ class EngineBuildSettings:
     max_beam_width: int = 1
     gemm_plugin: str = "auto"
     use_paged_context_fmha: bool = True
-    use_fp8_context_fmha: bool = False
+    # None: what builder.build() settles on for the checkpoint (`fp8_context_fmha`); a value that differs is refused.
+    use_fp8_context_fmha: bool | None = None
     multiple_profiles: bool = False
     kv_cache_type: str = "paged"
     tokens_per_block: int = TOKENS_PER_BLOCK
@@ -87,9 +93,11 @@ class CheckpointFacts:
     base_architecture: str
     dtype: str
     num_target_layers: int
+    target_heads: int
     target_kv_heads: int
     target_head_size: int
     num_draft_layers: int
+    draft_heads: int
     draft_kv_heads: int
     draft_head_size: int
     block_size: int
@@ -236,9 +244,11 @@ def read_checkpoint_facts(checkpoint_dir: str | Path) -> CheckpointFacts:
         base_architecture=target.architecture,
         dtype=str(config.get("dtype")),
         num_target_layers=target.num_hidden_layers,
+        target_heads=target.num_attention_heads,
         target_kv_heads=target.num_key_value_heads,
         target_head_size=target.head_dim,
         num_draft_layers=draft.num_hidden_layers,
+        draft_heads=draft.num_attention_heads,
         draft_kv_heads=draft.num_key_value_heads,
         draft_head_size=draft.head_dim,
         block_size=draft.block_size,
@@ -277,6 +287,34 @@ def check_kv_geometry(facts: CheckpointFacts) -> None:
         )
 
 
+def rank_heads(heads: int, kv_heads: int, tp_size: int) -> tuple[int, int]:
+    """(query heads, KV heads) of one tensor-parallel rank: KV heads are replicated below tp [read: layers/attention.py
+    `Attention.__init__`, ceil division]."""
+    return heads // tp_size, -(-kv_heads // tp_size)
+
+
+def check_qk_norm_heads(facts: CheckpointFacts) -> None:
+    """Refuse q/k-normed attention whose rank holds as many query heads as KV heads, more than one.
+
+    1.2.x's `Attention.forward` reads the fused qkv rows of such a layer interleaved per head ([q_h, k_h, v_h] for
+    each head h) before its q/k norms, and as [Q | K | V] otherwise [read: layers/attention.py `Attention.forward`,
+    qk_layernorm branch]; the checkpoint holds [Q | K | V] (one head per rank reads the same either way). Every DFlash
+    draft layer has q/k norms, and so do Qwen3 targets; Llama targets have none.
+    """
+    layers = [("drafter", facts.draft_heads, facts.draft_kv_heads)]
+    if facts.base_architecture != "LlamaForCausalLM":
+        layers.append(("target", facts.target_heads, facts.target_kv_heads))
+    for who, heads, kv_heads in layers:
+        per_rank = rank_heads(heads, kv_heads, facts.tp_size)
+        if per_rank[0] == per_rank[1] > 1:
+            raise DFlashTrtError(
+                f"the {who}'s attention holds {per_rank[0]} query and {per_rank[1]} KV heads per rank (tp_size "
+                f"{facts.tp_size}) with q/k norms: TensorRT-LLM 1.2.x's Attention then reads the fused qkv rows "
+                "interleaved per head, not in the [Q | K | V] order the checkpoint holds, so this pair can be "
+                "converted and verified but not built"
+            )
+
+
 def check_rope(facts: CheckpointFacts) -> None:
     """Target and drafter each get their own RoPE tables (model.py builds the drafter's from its parameters), but
     both through TensorRT-LLM 1.2.x's table builder, which reads a subset of yarn's parameters."""
@@ -311,10 +349,79 @@ def check_gemm_plugin(gemm_plugin: str, weights_qformat: str) -> None:
         raise DFlashTrtError(f"gemm_plugin {gemm_plugin} needs {gemm_plugin} weights, but they are {weights_qformat}")
 
 
+def resolved_gemm_plugin(gemm_plugin: str, weights_qformat: str) -> str:
+    """The GEMM plugin the engine gets. For NVFP4 weights builder.build() replaces every choice but an explicit
+    `disable` by nvfp4 [read: builder.py `build`, plugin.py `PluginConfig.from_arguments`], so the plan says nvfp4
+    itself for `auto` and refuses a dtype plugin the engine would not get."""
+    check_gemm_plugin(gemm_plugin, weights_qformat)
+    if weights_qformat != NVFP4 or gemm_plugin in ("disable", NVFP4):
+        return gemm_plugin
+    if gemm_plugin == "auto":
+        return NVFP4
+    raise DFlashTrtError(
+        f"gemm_plugin {gemm_plugin} with nvfp4 weights: TensorRT-LLM 1.2.x's builder replaces it by nvfp4 (only "
+        "`disable` keeps TensorRT's own GEMMs), so give auto, nvfp4 or disable"
+    )
+
+
 def weights_qformat(facts: CheckpointFacts) -> str:
     """The checkpoint's weight format under our --qformat names."""
     by_algo = {quant_algo(qformat): qformat for qformat in QFORMATS}
     return by_algo.get(facts.quant_algo, str(facts.quant_algo))
+
+
+def kv_cache_format(facts: CheckpointFacts) -> str:
+    """The checkpoint's KV-cache format under our --kv_cache_dtype names."""
+    return FP8 if facts.kv_cache_quant_algo == quant_algo(FP8) else NONE
+
+
+def fp8_context_fmha(weights: str, kv_cache: str) -> bool:
+    """What builder.build() sets use_fp8_context_fmha to in an EAGLE engine on SM >= 89 (every GPU we target),
+    whatever the flag said: on for FP8 / NVFP4 weights with an FP8 KV cache, off otherwise."""
+    return weights in FP8_CONTEXT_FMHA_WEIGHTS and kv_cache == FP8
+
+
+def check_kv_cache_format(weights: str, kv_cache: str) -> None:
+    """Unquantized weights with an FP8 KV cache cannot run: the builder turns paged context FMHA off for them (no FP8
+    context FMHA without FP8 weights), its EAGLE branch turns it back on, and the attention plugin then refuses the
+    first prompt [read: attentionOp.cpp `enqueueContext`, FP8 KV cache without FP8 QDQ and paged context FMHA]."""
+    if kv_cache == FP8 and weights not in FP8_CONTEXT_FMHA_WEIGHTS:
+        raise DFlashTrtError(
+            f"an FP8 KV cache needs fp8 or nvfp4 weights in a TensorRT-LLM 1.2.x EAGLE engine, but they are {weights}: "
+            "the builder re-enables paged context FMHA (EAGLE needs it) without FP8 context FMHA, which the attention "
+            "plugin refuses at the first prompt ('FP8 Paged Context FMHA only works with fp8 quantization workflow "
+            "currently'); convert with --qformat fp8 or nvfp4, or with --kv_cache_dtype none (the golden model still "
+            "decodes this checkpoint)"
+        )
+
+
+def check_fp8_context_fmha(requested: bool | None, weights: str, kv_cache: str) -> None:
+    """A use_fp8_context_fmha the builder would override is refused rather than printed and then not built."""
+    settled = fp8_context_fmha(weights, kv_cache)
+    if requested is None or requested == settled:
+        return
+    if requested:
+        raise DFlashTrtError(
+            "use_fp8_context_fmha needs kv_cache_dtype fp8 and fp8 or nvfp4 weights: TensorRT-LLM 1.2.x's builder "
+            "turns it off otherwise"
+        )
+    raise DFlashTrtError(
+        f"use_fp8_context_fmha cannot be off with {weights} weights and an FP8 KV cache: TensorRT-LLM 1.2.x's builder "
+        "turns it on, since the paged context FMHA EAGLE needs reads the FP8 cache through it; leave it unset"
+    )
+
+
+def resolve_settings(facts: CheckpointFacts, settings: EngineBuildSettings) -> EngineBuildSettings:
+    """`settings` with every value builder.build() would settle itself written out, so the command leaves it nothing
+    to override and the BuildConfig and dflash_trt.json say what the engine holds."""
+    weights, kv_cache = weights_qformat(facts), kv_cache_format(facts)
+    check_kv_cache_format(weights, kv_cache)
+    check_fp8_context_fmha(settings.use_fp8_context_fmha, weights, kv_cache)
+    return replace(
+        settings,
+        gemm_plugin=resolved_gemm_plugin(settings.gemm_plugin, weights),
+        use_fp8_context_fmha=fp8_context_fmha(weights, kv_cache),
+    )
 
 
 def check_rank_files(checkpoint_dir: Path, facts: CheckpointFacts) -> None:
@@ -342,12 +449,22 @@ def check_moe_layers(facts: CheckpointFacts) -> None:
         )
 
 
+def positions_used(max_seq_len: int, max_draft_len: int) -> int:
+    """How many positions an engine built with `max_seq_len` may use (rows its RoPE tables must hold). builder.build()
+    makes the engine's max_seq_len L = max_seq_len + 2K; the runtime clips a request's output so that prompt + output
+    + K <= L (`LlmRequest::validate`, `engine_output_budget`); a request's last step verifies from position
+    prompt + output - 2 and its draft block starts after up to K + 1 accepted tokens and spans K + 1 positions, so it
+    reaches L + K - 1 [read: builder.py `build`, llmRequest.cpp `validate`]."""
+    return max_seq_len + 3 * max_draft_len
+
+
 def longest_buildable(facts: CheckpointFacts) -> int:
-    """The largest max_seq_len this checkpoint allows: its positions, and its drafter's window (see below)."""
+    """The largest max_seq_len this checkpoint allows: every position within the RoPE tables and, for a drafter with
+    sliding-window layers, within its window (see below)."""
     longest = facts.max_position_embeddings
     if SLIDING_ATTENTION in facts.layer_types and facts.sliding_window is not None:
-        longest = min(longest, facts.sliding_window - facts.block_size)
-    return longest
+        longest = min(longest, facts.sliding_window)
+    return longest - positions_used(0, facts.max_draft_len)
 
 
 def fit_lengths(
@@ -380,23 +497,41 @@ def check_extra_flags(settings: EngineBuildSettings) -> None:
 def check_sliding_window(facts: CheckpointFacts, settings: EngineBuildSettings) -> None:
     """Sliding draft layers are built as causal full attention, exact only while no sequence outgrows the window.
 
-    Spec-decoding attention in TensorRT-LLM 1.2.x runs in tree mode, which has no sliding window; with
-    `max_seq_len + block_size <= sliding_window` the window never drops a key, so the result is identical.
+    Spec-decoding attention in TensorRT-LLM 1.2.x runs in tree mode, which has no sliding window; while every position
+    the engine uses (`positions_used`) lies within the window, the window never drops a key and the result is
+    identical.
     """
     if SLIDING_ATTENTION not in facts.layer_types or facts.sliding_window is None:
         return
-    longest = settings.max_seq_len + facts.block_size
-    if facts.sliding_window <= facts.block_size:
+    k = facts.max_draft_len
+    longest = positions_used(settings.max_seq_len, k)
+    if facts.sliding_window <= positions_used(0, k):
         raise DFlashTrtError(
-            f"the drafter's sliding-window layers have a window ({facts.sliding_window}) no longer than its block "
-            f"({facts.block_size}); TensorRT-LLM 1.2.x spec-decoding attention has no sliding window, so this drafter "
-            "cannot be built"
+            f"the drafter's sliding-window layers have a window ({facts.sliding_window}) no longer than the "
+            f"{positions_used(0, k)} positions past max_seq_len an engine uses; TensorRT-LLM 1.2.x spec-decoding "
+            "attention has no sliding window, so this drafter cannot be built"
         )
     if longest > facts.sliding_window:
         raise DFlashTrtError(
             f"the drafter has sliding-window layers (window {facts.sliding_window}) and the engine would attend over "
             f"up to {longest} positions; TensorRT-LLM 1.2.x spec-decoding attention has no sliding window, so build "
-            f"with --max_seq_len <= {facts.sliding_window - facts.block_size}"
+            f"with --max_seq_len <= {facts.sliding_window - positions_used(0, k)}"
+        )
+
+
+def check_positions(facts: CheckpointFacts, max_seq_len: int) -> None:
+    """Every position the engine uses must have a row in the RoPE tables: the attention plugin reads the cos/sin table
+    of `max_position_embeddings` rows at the token's position with no bound check [read: functional.py
+    `RopeEmbeddingUtils.create_sinusoidal_positions_for_attention_plugin`, unfusedAttentionKernels
+    `applyBiasRopeUpdateKVCacheV2`], so a position past it reads other memory."""
+    k = facts.max_draft_len
+    reached = positions_used(max_seq_len, k)
+    if reached > facts.max_position_embeddings:
+        raise DFlashTrtError(
+            f"max_seq_len {max_seq_len} lets the engine reach position {reached - 1} (its built max_seq_len "
+            f"{max_seq_len + 2 * k} plus a last step's draft block), past the {facts.max_position_embeddings} rows "
+            f"of the target's max_position_embeddings RoPE tables: build with --max_seq_len <= "
+            f"{facts.max_position_embeddings - positions_used(0, k)}"
         )
 
 
@@ -435,18 +570,17 @@ def check_settings(facts: CheckpointFacts, settings: EngineBuildSettings) -> Non
             f"--tokens_per_block must be one of {', '.join(map(str, XQA_TOKENS_PER_BLOCK))}: speculative decoding "
             "generates through XQA, whose kernels for fp16/bf16 KV caches take no other block size"
         )
-    if settings.max_seq_len > facts.max_position_embeddings:
+    check_positions(facts, settings.max_seq_len)
+    if settings.max_num_tokens > settings.max_seq_len * settings.max_batch_size:
         raise DFlashTrtError(
-            f"max_seq_len {settings.max_seq_len} exceeds the target's max_position_embeddings "
-            f"{facts.max_position_embeddings}"
+            f"--max_num_tokens ({settings.max_num_tokens}) exceeds max_seq_len x max_batch_size = "
+            f"{settings.max_seq_len * settings.max_batch_size}, which TensorRT-LLM 1.2.x's builder would clip it to"
         )
     check_gemm_plugin(settings.gemm_plugin, weights_qformat(facts))
     if settings.workers < 1:
         raise DFlashTrtError("--workers must be at least 1")
     if facts.pp_size != 1:
         raise DFlashTrtError("pipeline parallelism is not supported: the drafter needs target taps from every layer")
-    if settings.use_fp8_context_fmha and facts.quant_algo not in ("FP8", "NVFP4"):
-        raise DFlashTrtError("--use_fp8_context_fmha needs an FP8 or NVFP4 checkpoint")
 
 
 def _switch(flag: bool) -> str:
@@ -530,6 +664,56 @@ def build_config_dict(facts: CheckpointFacts, settings: EngineBuildSettings) -> 
     }
 
 
+def engine_config(facts: CheckpointFacts, settings: EngineBuildSettings) -> dict[str, Any]:
+    """What the engine's own config.json must hold for these resolved settings: the build_config fields the command
+    sets or builder.build() adjusts (max_seq_len + 2K, opt_num_tokens, the plugin dtype, paged context FMHA), and the
+    pretrained_config fields runners read. `check_engine_config` holds a built engine to it [read: builder.py
+    `build`, `BuildConfig.to_dict`, `EngineConfig.to_dict`; _utils.py `check_max_num_tokens`]."""
+    opt_num_tokens = None
+    if not settings.multiple_profiles:
+        opt_num_tokens = min(settings.max_batch_size * settings.max_beam_width, settings.max_num_tokens)
+    build_config = build_config_dict(facts, settings)
+    build_config.update(max_seq_len=engine_max_seq_len(facts, settings), opt_num_tokens=opt_num_tokens)
+    build_config["plugin_config"]["dtype"] = facts.dtype
+    return {
+        "build_config": build_config,
+        "pretrained_config": {
+            "architecture": MODEL_CLASS_NAME,
+            "dtype": facts.dtype,
+            "quantization": {"quant_algo": facts.quant_algo, "kv_cache_quant_algo": facts.kv_cache_quant_algo},
+        },
+    }
+
+
+def config_differences(recorded: Any, built: Any, where: str = "") -> list[str]:
+    """Every leaf of `recorded` the built config does not hold, as `path: built X, recorded Y`."""
+    if isinstance(recorded, dict):
+        if not isinstance(built, dict):
+            return [f"{where}: built {built!r}, recorded an object"]
+        return [
+            line
+            for key, value in recorded.items()
+            for line in config_differences(value, built.get(key), f"{where}.{key}" if where else key)
+        ]
+    return [] if recorded == built else [f"{where}: built {built!r}, recorded {recorded!r}"]
+
+
+def check_engine_config(engine_dir: str | Path) -> None:
+    """A built engine's config.json must hold what its dflash_trt.json recorded (`engine_config`): otherwise the dry
+    run, the manifest and the engine disagree, and what was checked is not what was built."""
+    engine_dir = Path(engine_dir)
+    manifest_path = engine_dir / MANIFEST_NAME
+    recorded = read_json_object(manifest_path, f"{engine_dir} has no {MANIFEST_NAME}").get("engine_config")
+    if not isinstance(recorded, dict):
+        raise DFlashTrtError(f"{manifest_path} records no engine_config (an engine from an older dflash-trt)")
+    built = read_json_object(engine_dir / "config.json", f"{engine_dir} has no config.json")
+    differences = config_differences(recorded, built)
+    if differences:
+        raise DFlashTrtError(
+            f"the engine in {engine_dir} differs from what dflash-trt planned: " + "; ".join(differences)
+        )
+
+
 def engine_max_seq_len(facts: CheckpointFacts, settings: EngineBuildSettings) -> int:
     """builder.build() adds max_draft_len (any speculative mode) and num_eagle_layers (EAGLE) to max_seq_len."""
     return settings.max_seq_len + 2 * facts.max_draft_len
@@ -561,7 +745,19 @@ def manifest(facts: CheckpointFacts, settings: EngineBuildSettings, plugin_libra
         "tp_size": facts.tp_size,
         "quant_algo": facts.quant_algo,
         "kv_cache_quant_algo": facts.kv_cache_quant_algo,
+        "engine_config": engine_config(facts, settings),
     }
+
+
+def check_network(facts: CheckpointFacts) -> None:
+    """What the network of model.py cannot be built for, whatever the settings (the emulated engine applies these
+    too)."""
+    check_kv_geometry(facts)
+    check_qk_norm_heads(facts)
+    check_rope(facts)
+    check_quantization(facts)
+    check_moe_layers(facts)
+    check_kv_cache_format(weights_qformat(facts), kv_cache_format(facts))
 
 
 def plan_engine_build(
@@ -577,12 +773,10 @@ def plan_engine_build(
     False), so both ways into `build` apply the same checks.
     """
     facts = read_checkpoint_facts(checkpoint_dir)
-    check_kv_geometry(facts)
-    check_rope(facts)
-    check_quantization(facts)
-    check_moe_layers(facts)
+    check_network(facts)
     check_sliding_window(facts, settings)
     check_settings(facts, settings)
+    settings = resolve_settings(facts, settings)
     check_extra_flags(settings)
     if require_weights:
         check_rank_files(Path(checkpoint_dir), facts)
