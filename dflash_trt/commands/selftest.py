@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     from dflash_trt.tiny.heldout import asset_dir, draft_dir, load_heldout, target_dir
     from dflash_trt.tokenizer import load_tokenizer
     from dflash_trt.trtllm.build import require_tensorrt_llm, run_engine_build
-    from dflash_trt.trtllm.build_plan import plan_engine_build
+    from dflash_trt.trtllm.build_plan import check_engine_config, plan_engine_build
 
     out = Path(args.output_dir)
     check_output_apart(out, {"the embedded tiny pair": asset_dir(), "--plugin_library": args.plugin_library})
@@ -171,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
     )
     plan = plan_engine_build(checkpoint, out / "engine", settings, plugin_library=args.plugin_library)
     engine_dir = run_engine_build(plan, overwrite=args.overwrite)
+    check_engine_config(engine_dir)  # the engine's own config.json holds what the plan printed and recorded
 
     stop_ids = list(golden_model.target.spec.eos_token_ids)
     if not stop_ids:
