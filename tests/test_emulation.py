@@ -161,9 +161,12 @@ def test_quantized_checkpoints_with_fp8_kv_cache(qformat, tmp_path):
         calib_dataset=calib,
         calib_size=4,
     )
-    golden = speculative_generate(load_golden_model(ckpt), PROMPTS, 10, STOP)
+    model = load_golden_model(ckpt)
+    assert model.target.fp8_context  # the engine's context requests attend in FP8 (formats.fp8_context_fmha)
+    # The golden loop K tokens further verifies a full block wherever the engine does (reference/divergence.py).
+    golden = speculative_generate(model, PROMPTS, 10 + model.draft.spec.block_size - 1, STOP)
     runtime = EmulatedRuntime(ckpt, max_batch_size=4, tokens_per_block=16)
-    assert runtime.cache_dtype == torch.float8_e4m3fn
+    assert runtime.cache_dtype == torch.float8_e4m3fn and runtime.plugin_config.use_fp8_context_fmha
     assert divergences(ckpt, golden, runtime.generate(PROMPTS, 10, STOP), 10) == []
 
 

@@ -60,7 +60,7 @@ def engine(tiny) -> EmulatedEngine:
     return EmulatedEngine(tiny, max_batch_size=4, tokens_per_block=16)
 
 
-def emulated_target(engine: EmulatedEngine, max_seq_len: int = 256) -> ServeTarget:
+def emulated_target(engine: EmulatedEngine, max_seq_len: int = 211) -> ServeTarget:
     eos = frozenset(engine.eos_token_ids)
     backend = EmulatedBackend(engine, max_seq_len, sorted(eos))
     return ServeTarget(backend, engine.max_batch_size, Limits(max_seq_len, engine.vocab_size), eos, True)

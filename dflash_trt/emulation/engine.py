@@ -21,8 +21,15 @@ from dflash_trt.emulation.kv_pool import KVPool, pool_at
 from dflash_trt.emulation.ranks import RankGroup
 from dflash_trt.emulation.stand_ins import load_engine_module, stand_ins_installed
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.formats import fp8_context_fmha
 from dflash_trt.jsonfile import read_json_object
-from dflash_trt.trtllm.build_plan import chain_draft_paths, check_network, read_checkpoint_facts
+from dflash_trt.trtllm.build_plan import (
+    chain_draft_paths,
+    check_network,
+    kv_cache_format,
+    read_checkpoint_facts,
+    weights_qformat,
+)
 
 ACCEPT_OUTPUTS = (
     "accepted_tokens",
@@ -37,12 +44,14 @@ ACCEPT_OUTPUTS = (
 
 @dataclass
 class StepStats:
-    """What the engine ran: steps, context chunks, the largest batch and the largest cumsum-by-square scan."""
+    """What the engine ran: steps, context chunks, the largest batch, the largest cumsum-by-square scan and the
+    largest position any attention layer rotated a token to."""
 
     steps: int = 0
     context_chunks: int = 0
     max_batch: int = 0
     largest_cumsum_square: int = 0
+    largest_position: int = -1
 
 
 class EmulatedEngine:
@@ -103,6 +112,10 @@ class EmulatedEngine:
         # The cache holds the activations' dtype (the checkpoint's), or FP8.
         self.cache_dtype = torch.float8_e4m3fn if fp8_cache else getattr(torch, config.dtype)
         self.paths = torch.tensor(chain_draft_paths(self.k), dtype=torch.int32)
+        self.plugin_config = PluginConfig(
+            tokens_per_block=tokens_per_block,
+            use_fp8_context_fmha=fp8_context_fmha(weights_qformat(self.facts), kv_cache_format(self.facts)),
+        )
         self.stats = StepStats()
 
     def run(self, inputs: dict[str, Any], batch_size: int) -> dict[str, torch.Tensor]:
@@ -126,11 +139,12 @@ class EmulatedEngine:
         self.stats.steps += 1
         self.stats.max_batch = max(self.stats.max_batch, batch_size)
         self.stats.largest_cumsum_square = max([self.stats.largest_cumsum_square, *network.cumsum_square_elements])
+        self.stats.largest_position = max(self.stats.largest_position, network.largest_position)
         return outputs
 
     def _forward(self, model: Any, inputs: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Network]:
         """One rank's network forward and the outputs it marked."""
-        network = Network(PluginConfig(tokens_per_block=self.tokens_per_block))
+        network = Network(dataclasses.replace(self.plugin_config))
         with net_guard(network), torch.no_grad():
             model.forward(**inputs)
         outputs = {}

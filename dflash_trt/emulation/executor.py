@@ -39,9 +39,16 @@ from dflash_trt.emulation.layers import AttentionParams, KeyValueCacheParams, Sp
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.inputs import check_fits_in_memory
 from dflash_trt.reference.decode import StepTrace
-from dflash_trt.reference.loop_rules import check_request, keep_tokens
+from dflash_trt.reference.loop_rules import check_request, engine_output_budget, keep_tokens
 from dflash_trt.sampling_rules import sampling_refusal
-from dflash_trt.trtllm.build_plan import EngineBuildSettings, check_sliding_window, pack_mask_rows
+from dflash_trt.trtllm.build_plan import (
+    EngineBuildSettings,
+    check_positions,
+    check_sliding_window,
+    engine_max_seq_len,
+    pack_mask_rows,
+    positions_used,
+)
 
 CONTEXT_REQUEST, GENERATION_REQUEST = 0, 1  # host_request_types values (RequestType in the C++ runtime)
 
@@ -169,16 +176,24 @@ class _PackedRows:
 
 
 class EmulatedExecutor:
-    """Requests in, per-iteration responses out, over one emulated engine and a KV pool sized for `max_seq_len`."""
+    """Requests in, per-iteration responses out, over one emulated engine built with `max_seq_len` (the build flag:
+    the engine's own is max_seq_len + 2K) and a KV pool holding every position such an engine uses.
+
+    It admits what a 1.2.x executor with chunked context admits (`engine_output_budget`: prompts up to the engine's
+    max_seq_len - 1, the output budget clipped to keep prompt + output + K within it), so its requests reach the
+    positions an engine reaches (`build_plan.positions_used`), which `max_seq_len` must keep within the RoPE tables.
+    """
 
     def __init__(self, engine: EmulatedEngine, max_seq_len: int, stop_token_ids: list[int] | None = None):
         if max_seq_len < 2:
             raise DFlashTrtError(f"max_seq_len must be >= 2, got {max_seq_len}")
         check_sliding_window(engine.facts, EngineBuildSettings(max_seq_len=max_seq_len))
+        check_positions(engine.facts, max_seq_len)
         self.engine = engine
         self.max_seq_len = max_seq_len
+        self.engine_max_seq_len = engine_max_seq_len(engine.facts, EngineBuildSettings(max_seq_len=max_seq_len))
         self.stops = set(stop_token_ids or [])
-        longest = max_seq_len + 2 * engine.block
+        longest = positions_used(max_seq_len, engine.k)
         max_blocks = -(-longest // engine.tokens_per_block)
         element = torch.empty((), dtype=engine.cache_dtype).element_size()
         check_fits_in_memory(
@@ -202,8 +217,17 @@ class EmulatedExecutor:
         self.active: list[Request] = []
 
     def check(self, r: Request) -> None:
-        """Refuse what the engine refuses, in one line naming the request."""
-        check_request(r.index, r.prompt, r.max_new_tokens, self.engine.vocab_size, self.max_seq_len)
+        """Refuse what the engine refuses, in one line naming the request, and clip its output budget as the runtime
+        does."""
+        check_request(r.index, r.prompt, r.max_new_tokens, self.engine.vocab_size)
+        r.max_new_tokens = engine_output_budget(
+            r.index,
+            len(r.prompt),
+            r.max_new_tokens,
+            self.engine_max_seq_len,
+            self.engine.k,
+            self.engine_max_seq_len - 1,
+        )
         refusal = sampling_refusal({"temperature": r.temperature})
         if refusal is not None:
             raise DFlashTrtError(refusal)

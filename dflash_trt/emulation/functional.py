@@ -83,6 +83,8 @@ class PluginConfig:
     gemm_plugin: str = "auto"
     multiple_profiles: bool = False
     use_paged_context_fmha: bool = True
+    # As builder.build() settles it (formats.fp8_context_fmha): context requests attend in FP8.
+    use_fp8_context_fmha: bool = False
 
 
 @dataclass
@@ -93,6 +95,7 @@ class Network:
     strongly_typed: bool = True
     outputs: dict[str, Tensor] = field(default_factory=dict)
     cumsum_square_elements: list[int] = field(default_factory=list)
+    largest_position: int = -1  # the largest position whose RoPE table row an attention layer read
 
     def _mark_output(self, tensor: Tensor, name: str, dtype: trt.DataType | None) -> None:
         if name in self.outputs:

@@ -37,16 +37,21 @@ def _positive(value: int | None, flag: str) -> None:
 def checkpoint_target(
     checkpoint_dir: str, max_batch_size: int | None, max_seq_len: int | None, ignore_eos: bool
 ) -> ServeTarget:
-    """The emulated engine over a converted checkpoint; requests up to the target's max_position_embeddings."""
+    """The emulated engine over a converted checkpoint, as the longest engine it builds (`longest_buildable`: every
+    position the engine uses within the target's RoPE tables) or one built with --max_seq_len."""
     from dflash_trt.bench.backends.emulated import EmulatedBackend
     from dflash_trt.emulation.engine import EmulatedEngine
+    from dflash_trt.trtllm.build_plan import longest_buildable
 
     _positive(max_batch_size, "--max_batch_size")
     _positive(max_seq_len, "--max_seq_len")
     engine = EmulatedEngine(checkpoint_dir, max_batch_size or 8)
-    longest = engine.max_position_embeddings
+    longest = longest_buildable(engine.facts)
     if max_seq_len is not None and max_seq_len > longest:
-        raise DFlashTrtError(f"--max_seq_len must be <= the target's max_position_embeddings ({longest})")
+        raise DFlashTrtError(
+            f"--max_seq_len must be <= {longest}, the longest an engine of this checkpoint builds with (its positions "
+            "stay within the target's max_position_embeddings)"
+        )
     seq_len = max_seq_len or longest
     eos = frozenset(engine.eos_token_ids)
     backend = EmulatedBackend(engine, seq_len, [] if ignore_eos else sorted(eos))

@@ -16,7 +16,7 @@ from typing import Any
 from dflash_trt import __version__
 from dflash_trt.checkpoint.trtllm_config import ARCHITECTURE, specs_from_config
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.formats import FP8, NONE, NVFP4, QFORMATS, quant_algo
+from dflash_trt.formats import FP8, FP8_CONTEXT_FMHA_WEIGHTS, NONE, NVFP4, QFORMATS, fp8_context_fmha, quant_algo
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.rope import RopeConfig
 from dflash_trt.sampling_rules import ENGINE_SAMPLING, HONOURED
@@ -43,11 +43,6 @@ SAMPLING_POLICY = ENGINE_SAMPLING
 GEMM_PLUGIN_CHOICES = ("auto", "float16", "bfloat16", "float32", "fp8", "nvfp4", "disable")
 # GEMM plugins that only run weights quantized in the format they are named after.
 QUANTIZED_GEMM_PLUGINS = (FP8, NVFP4)
-# Weight formats with which builder.build() runs context attention in FP8 once the KV cache is FP8: it turns
-# use_fp8_context_fmha on for them when paged context FMHA is on, which the EAGLE branch forces (W4A8_AWQ too, which
-# the converter never writes) [read: tensorrt_llm/builder.py `build`, "Logics to control paged_context_fmha and
-# fp8_context_fmha"].
-FP8_CONTEXT_FMHA_WEIGHTS = (FP8, NVFP4)
 # Spec-decoding generation runs only through XQA. Its HMMA kernels (the only ones for an fp16/bf16 KV cache, and
 # the portable ones for FP8 KV) take these paged-KV block sizes; only Hopper's FP8-KV GMMA kernels also take 8.
 # cpp/tensorrt_llm/kernels/decoderMaskedMultiheadAttention/decoderXQAImplJIT/kernelUtils.cpp, supportConfigHMMA.
@@ -373,12 +368,6 @@ def weights_qformat(facts: CheckpointFacts) -> str:
 def kv_cache_format(facts: CheckpointFacts) -> str:
     """The checkpoint's KV-cache format under our --kv_cache_dtype names."""
     return FP8 if facts.kv_cache_quant_algo == quant_algo(FP8) else NONE
-
-
-def fp8_context_fmha(weights: str, kv_cache: str) -> bool:
-    """What builder.build() sets use_fp8_context_fmha to in an EAGLE engine on SM >= 89 (every GPU we target),
-    whatever the flag said: on for FP8 / NVFP4 weights with an FP8 KV cache, off otherwise."""
-    return weights in FP8_CONTEXT_FMHA_WEIGHTS and kv_cache == FP8
 
 
 def check_kv_cache_format(weights: str, kv_cache: str) -> None:
