@@ -44,14 +44,16 @@ ACCEPT_OUTPUTS = (
 
 @dataclass
 class StepStats:
-    """What the engine ran: steps, context chunks, the largest batch, the largest cumsum-by-square scan and the
-    largest position any attention layer rotated a token to."""
+    """What the engine ran: steps, context chunks, the largest batch, the largest cumsum-by-square scan, the largest
+    position any attention layer rotated a token to, and the steps whose verification took the sampling branch
+    (the others took the greedy one: `verify.pick_tokens`)."""
 
     steps: int = 0
     context_chunks: int = 0
     max_batch: int = 0
     largest_cumsum_square: int = 0
     largest_position: int = -1
+    sampling_steps: int = 0
 
 
 class EmulatedEngine:
@@ -140,6 +142,7 @@ class EmulatedEngine:
         self.stats.max_batch = max(self.stats.max_batch, batch_size)
         self.stats.largest_cumsum_square = max([self.stats.largest_cumsum_square, *network.cumsum_square_elements])
         self.stats.largest_position = max(self.stats.largest_position, network.largest_position)
+        self.stats.sampling_steps += any(network.branches_taken)
         return outputs
 
     def _forward(self, model: Any, inputs: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Network]:

@@ -10,13 +10,16 @@ runtime draws it when the request is set up; its `rand_data_validation` row is s
 `dflash_trt.reference.sampling.exact_match_accept` is the same rule in torch; tests replay these ops against it.
 Only tensorrt_llm.functional ops. The inverse CDF is two-level (block masses, then one block) so that no prefix sum
 runs over the whole vocabulary in fp32; the prefix sums use TensorRT-LLM's CumsumLastDim plugin (an fp32 scan,
-where a matmul with a triangular matrix could round through TF32).
+where a matmul with a triangular matrix could round through TF32). The whole sampling path sits in one branch of a
+TensorRT conditional on the batch-wide flag "some request samples": a step whose every request is greedy runs the
+other branch, one argmax per row (`pick_tokens`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 from tensorrt_llm.functional import (
+    Conditional,
     Tensor,
     argmax,
     cast,
@@ -98,6 +101,26 @@ def sample_rows(logits: Tensor, temperature: Tensor, uniform: Tensor, vocab_size
     return where(sampled, block * width + offset, cast(argmax(logits, 1, keepdim=True), "int32"))
 
 
+def greedy_rows(logits: Tensor, vocab_size: int) -> Tensor:
+    """The argmax token of each row of `logits [N, Vpad]` over the real vocabulary (never an lm_head padding
+    column, whatever its logit). Returns [N, 1] int32."""
+    if logits.size(-1) > vocab_size:
+        logits = slice(logits, [0, 0], concat([shape(logits, 0), vocab_size]))
+    return cast(argmax(logits, 1, keepdim=True), "int32")
+
+
+def pick_tokens(logits: Tensor, temperature: Tensor, uniform: Tensor, vocab_size: int) -> Tensor:
+    """`sample_rows` where some row of the step samples; otherwise `greedy_rows` alone. A TensorRT conditional
+    on the batch-wide flag: TensorRT runs only the branch it takes, so an all-greedy step reads its logits once
+    instead of paying the sampling path (max, exp, block sums, scans: about five passes over `[N, Vpad]` fp32)
+    [read: functional.py `Conditional`; TensorRT-LLM's attention.py builds its cross-KV projection in one the same
+    way]. Returns [N, 1] int32."""
+    sampling = max(cast(temperature > 0.0, "int32").view([-1]), 0) > 0
+    conditional = Conditional(sampling)
+    rows, temperatures, uniforms = (conditional.add_input(t) for t in (logits, temperature, uniform))
+    return conditional.add_output(sample_rows(rows, temperatures, uniforms, vocab_size), greedy_rows(rows, vocab_size))
+
+
 def verify_drafts(
     logits: Tensor,
     draft_tokens: Tensor,
@@ -118,7 +141,7 @@ def verify_drafts(
     temperatures = expand(unsqueeze(temperature, 1), width).view(per_slot)
     generation = expand(unsqueeze(draft_lens > 0, 1), width)
     uniforms = where(generation, rand_data_validation, expand(unsqueeze(rand_data_sample, 1), width))
-    tokens = sample_rows(rows, temperatures, uniforms.view(per_slot), vocab_size).view(width)
+    tokens = pick_tokens(rows, temperatures, uniforms.view(per_slot), vocab_size).view(width)
 
     # Slot j < draft_len keeps draft j while the sample equals it; the first slot that does not is the bonus.
     drafts = concat([draft_tokens, expand(_i32([[-1]]), concat([batch, 1]))], dim=1)
