@@ -50,6 +50,9 @@ class PairVariant:
     top_level: dict = field(default_factory=dict)
     init_std: float = 0.25
     seed: int = 0
+    # Hidden dimension 0 holds +10 in every embedding and no layer writes to it, while every lm_head row reads it with
+    # weight -2: every logit is negative, so an argmax that strays onto zero lm_head padding rows picks them.
+    negative_logits: bool = False
     # qwen3_moe only: Qwen3MoeConfig keys (num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob,
     # mlp_only_layers, decoder_sparse_step)
     moe: dict = field(
@@ -102,8 +105,22 @@ def make_target(path: Path, v: PairVariant) -> torch.nn.Module:
     _randomize(model, v.init_std / 2, v.seed)
     if v.tie:
         model.tie_weights()
+    if v.negative_logits:
+        with torch.no_grad():
+            model.model.embed_tokens.weight[:, 0] = 10.0
+            _silence_dimension_zero(model.model.layers)
+            model.lm_head.weight[:, 0] = -2.0
     model.save_pretrained(path)
     return model
+
+
+def _silence_dimension_zero(layers) -> None:
+    """No layer output (attention or MLP, bias included) adds to hidden dimension 0 of the residual stream."""
+    for layer in layers:
+        for out in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            out.weight[0, :] = 0.0
+            if out.bias is not None:
+                out.bias[0] = 0.0
 
 
 def make_draft(path: Path, v: PairVariant) -> DFlashDraftModel:
@@ -139,6 +156,9 @@ def make_draft(path: Path, v: PairVariant) -> DFlashDraftModel:
     torch.manual_seed(v.seed + 1)
     model = DFlashDraftModel(cfg).eval()
     _randomize(model, v.init_std, v.seed + 1)
+    if v.negative_logits:
+        with torch.no_grad():
+            _silence_dimension_zero(model.layers)
     model.save_pretrained(path)
     return model
 
