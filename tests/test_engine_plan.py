@@ -135,7 +135,7 @@ def test_refuses_draft_kv_geometry_unlike_the_target(tmp_path: Path):
 
 def test_refuses_drafter_quantized_unlike_the_target(tmp_path: Path):
     target = parse_target_config(TARGET_HF)
-    draft = parse_draft_config(DRAFT_HF, target)
+    draft = parse_draft_config({**DRAFT_HF, "num_attention_heads": 8}, target)  # 4 q per KV head: 64 XQA rows
     fp8 = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "group_size": 16, "exclude_modules": ["lm_head"]}
     root = tmp_path / "q"
     root.mkdir()
@@ -501,3 +501,34 @@ def test_selftest_workload_fits_the_tiny_target_and_exceeds_one_chunk(tmp_path: 
     assert settings.max_seq_len <= target.max_position_embeddings
     longer_than_a_chunk = [p for p in prompts if len(p) > settings.max_num_tokens]
     assert len(longer_than_a_chunk) == (LONG_PROMPTS if chunked else 0)
+
+
+@pytest.mark.parametrize(
+    ("heads", "block", "tp", "refused"),
+    [
+        (4, 16, 1, True),  # 2 query heads per KV head x 16 tokens = 32 rows: Hopper XQA's small-batch layout
+        (8, 16, 1, False),  # 4 x 16 = 64
+        (4, 8, 1, True),
+        (8, 16, 2, False),  # per rank 4 query heads and 1 KV head: 64 rows
+    ],
+)
+def test_an_fp8_cache_refuses_drafts_in_xqa_s_causal_small_batch_layout(tmp_path, heads, block, tp, refused):
+    """mha_sm90.cu's SWAP_AB spec-decoding layout (rows = block x query heads per KV head <= 32) hard-codes a causal
+    mask; with an FP8 cache the drafter's all-ones block mask could meet it. A bf16 cache or a causal drafter is
+    never refused."""
+    fp8 = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "group_size": 16}
+    draft_hf = {**DRAFT_HF, "num_attention_heads": heads, "block_size": block}
+    mapping = {"world_size": tp, "tp_size": tp, "pp_size": 1}
+    ckpt = write_checkpoint(tmp_path / "c", draft_hf=draft_hf, quantization=fp8, mapping=mapping)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["dflash_config"]["quantization"] = fp8
+    (ckpt / "config.json").write_text(json.dumps(config))
+    settings = EngineBuildSettings(max_batch_size=8, max_num_tokens=256, gemm_plugin="fp8")
+    if refused:
+        with pytest.raises(DFlashTrtError, match=r"small-batch spec-decoding layout, whose mask is hard-coded causal"):
+            plan_engine_build(ckpt, tmp_path / "e", settings)
+    else:
+        plan_engine_build(ckpt, tmp_path / "e", settings)
+    config["quantization"] = config["dflash_config"]["quantization"] = {**fp8, "kv_cache_quant_algo": None}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    plan_engine_build(ckpt, tmp_path / "e", settings)  # no FP8 cache: the HMMA kernels read the mask

@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from _engine_checkpoints import write_checkpoint
+from _engine_checkpoints import DRAFT_HF, write_checkpoint
 
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.trtllm import build as engine_build
@@ -181,7 +181,8 @@ QUANTIZED = {
 
 
 def _quantized_plan(tmp_path: Path, quantization: dict):
-    ckpt = write_checkpoint(tmp_path / "ckpt", mapping={"world_size": 2, "tp_size": 2, "pp_size": 1})
+    draft = {**DRAFT_HF, "num_attention_heads": 8}  # 4 query heads per KV head: clear of XQA's small-batch layout
+    ckpt = write_checkpoint(tmp_path / "ckpt", draft_hf=draft, mapping={"world_size": 2, "tp_size": 2, "pp_size": 1})
     config = json.loads((ckpt / "config.json").read_text())
     for section in (config, config["dflash_config"]):
         section["quantization"] = {**quantization, "group_size": 16}

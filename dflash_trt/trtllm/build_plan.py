@@ -310,6 +310,34 @@ def check_qk_norm_heads(facts: CheckpointFacts) -> None:
             )
 
 
+# Hopper's XQA kernel (mha_sm90.cu) has a small-batch spec-decoding layout for q_seq_len x heads per KV head <= 32 (the
+# SPEC_Q_SEQ_LEN specialisation, swapping GEMM operands) whose mask is a hard-coded lower triangle: it never reads the
+# packed mask [read: cpp/kernels/xqa/mha_sm90.cu @ 014dadcd, `warpGrpApplyMask` under SWAP_AB && SPEC_DEC].
+XQA_SWAP_AB_LIMIT = 32
+
+
+def check_xqa_block_layout(facts: CheckpointFacts) -> None:
+    """Refuse a drafter whose bidirectional block could meet that layout with an FP8 KV cache (the Hopper kernel for
+    FP8 caches): its all-ones mask would silently become causal, which no output of the engine would show.
+
+    The JIT compiler wrapper read (nvrtcWrapper.cpp @ 029e0a7c and @ 7c9600c5) never defines SPEC_Q_SEQ_LEN, so 1.2.x
+    should compile the layout that reads the mask; the newest stored kernelUtils.cpp says a later wrapper does
+    define it, and which one the 1.2.x release carries could not be pinned, so the plan refuses rather than hopes.
+    No shipped profile is affected: their drafters have 4-8 query heads per KV head and 16-token blocks.
+    """
+    if kv_cache_format(facts) != FP8 or all(facts.causal):
+        return
+    heads, kv_heads = rank_heads(facts.draft_heads, facts.draft_kv_heads, facts.tp_size)
+    rows = heads // kv_heads * facts.block_size
+    if rows <= XQA_SWAP_AB_LIMIT:
+        raise DFlashTrtError(
+            f"with an FP8 KV cache the drafter's block ({facts.block_size} tokens x {heads // kv_heads} query heads "
+            f"per KV head = {rows} rows <= {XQA_SWAP_AB_LIMIT}) may run in Hopper XQA's small-batch spec-decoding "
+            "layout, whose mask is hard-coded causal: the drafter's bidirectional block would silently turn causal. "
+            "Build with --kv_cache_dtype none, or a drafter with more query heads per KV head or larger blocks"
+        )
+
+
 def check_rope(facts: CheckpointFacts) -> None:
     """Target and drafter each get their own RoPE tables (model.py builds the drafter's from its parameters), but
     both through TensorRT-LLM 1.2.x's table builder, which reads a subset of yarn's parameters."""
@@ -763,6 +791,7 @@ def plan_engine_build(
     """
     facts = read_checkpoint_facts(checkpoint_dir)
     check_network(facts)
+    check_xqa_block_layout(facts)
     check_sliding_window(facts, settings)
     check_settings(facts, settings)
     settings = resolve_settings(facts, settings)
