@@ -1,6 +1,7 @@
 """The emulated EAGLE runtime: in-flight batching over the network, fed as docs/engine.md §3-§4 says 1.2.x does.
 
-Requests are added and cancelled at any time; each `step` admits waiting requests into free slots (up to
+Requests are added and cancelled at any time and admitted as 1.2.x's `LlmRequest::validate` admits them
+(`loop_rules.engine_output_budget`, docs/engine.md §1.2); each `step` admits waiting requests into free slots (up to
 `max_batch_size`), runs one network forward and answers every request that produced tokens with what it produced,
 as the executor's per-iteration responses do. The scheduler takes the generation requests (each costs `K+1` tokens
 of `max_num_tokens`) and as many context tokens as remain, chunking a prompt at a multiple of `tokens_per_block`

@@ -11,7 +11,11 @@ and the in-block keys whose bit is set in `spec_decoding_packed_mask` (row = the
 bit j' of word j' // 32). XQA's packed-mask handling was only read, never run. K/V are written to the paged pool
 (after RoPE and k_norm, FP8-rounded with `kv_cache_rcp_scaling_factor` when the cache is FP8) and read back from
 it, so the current tokens see the stored values. Device past lengths above the host bound
-`host_past_key_value_lengths` (what the kernels size their work by) are refused.
+`host_past_key_value_lengths` (what the kernels size their work by) are refused, and so is a position past the RoPE
+table's rows (the kernel would read other memory). With q/k norms the fused qkv rows are split as 1.2.x's
+`Attention.forward` splits them: [Q | K | V] when a rank holds more query than KV heads, interleaved per head when
+the counts are equal. Context requests of a network whose builder turns FP8 context FMHA on (FP8 / NVFP4 weights, FP8
+cache) attend as `reference.quantized.fp8_context_attention` defines it.
 """
 
 from __future__ import annotations

@@ -112,7 +112,8 @@ def greedy_rows(logits: Tensor, vocab_size: int) -> Tensor:
 def pick_tokens(logits: Tensor, temperature: Tensor, uniform: Tensor, vocab_size: int) -> Tensor:
     """`sample_rows` where some row of the step samples; otherwise `greedy_rows` alone. A TensorRT conditional
     on the batch-wide flag: TensorRT runs only the branch it takes, so an all-greedy step reads its logits once
-    instead of paying the sampling path (max, exp, block sums, scans: about five passes over `[N, Vpad]` fp32)
+    instead of paying the sampling path (max, exp, padding, block sums, argmax: about seven passes over `[N, Vpad]`
+    fp32)
     [read: functional.py `Conditional`; TensorRT-LLM's attention.py builds its cross-KV projection in one the same
     way]. Returns [N, 1] int32."""
     sampling = max(cast(temperature > 0.0, "int32").view([-1]), 0) > 0
