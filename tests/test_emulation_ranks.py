@@ -126,6 +126,16 @@ def _reversed_allgather(tensor, group, gather_dim=0):
     return layers.wrap_tensor(torch.cat(gathered[::-1], dim=gather_dim))
 
 
+def test_the_all_reduce_adds_in_the_dtype_from_rank_0():
+    """As the custom all-reduce kernels add (customAllReduceKernels.cu, "Always reduce from rank 0", `add128b` in the
+    element type): in bf16, 1 + 2^-8 is a tie that rounds back to 1, so ranks holding (1, 2^-8, 2^-8) sum to 1 from
+    rank 0, while an fp32 accumulation (or the reverse order) gives 1 + 2^-7."""
+    held = [torch.tensor([value], dtype=torch.bfloat16) for value in (1.0, 2.0**-8, 2.0**-8)]
+    group = ranks.RankGroup(3)
+    sums = group.run([lambda r=r: ranks.allreduce(layers.wrap_tensor(held[r]), [0, 1, 2]).data for r in range(3)])
+    assert all(total.dtype == torch.bfloat16 and total.item() == 1.0 for total in sums)
+
+
 @pytest.mark.parametrize(
     "name, module, symbol, broken",
     [
