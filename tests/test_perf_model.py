@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from dflash_trt.analysis import published
+from dflash_trt.analysis.comm import nccl_fit
 from dflash_trt.analysis.gpus import GPUS, GpuSpec, get_gpu
 from dflash_trt.analysis.model import (
     Acceptance,
@@ -16,8 +17,9 @@ from dflash_trt.analysis.model import (
     Method,
     StackShape,
     TargetShape,
-    pass_time,
+    collective_seconds,
     predict_curve,
+    roofline_seconds,
     stack_pass,
 )
 from dflash_trt.analysis.pareto import crossover_concurrency
@@ -26,15 +28,30 @@ from dflash_trt.errors import DFlashTrtError
 from dflash_trt.spec import parse_draft_config, parse_target_config
 
 TINY = StackShape(num_layers=2, hidden=4, intermediate=8, num_heads=2, num_kv_heads=1, head_dim=2)
-UNIT_GPU = GpuSpec("unit", 1e9, 1000.0, 1000.0, 2000.0, None, 100.0, "test", sm=100)
+UNIT_GPU = GpuSpec("unit", 1e9, 1000.0, 1000.0, 2000.0, None, "nvlink4", "test", sm=100)
 
 
 def test_acceptance_from_position_rates_and_histogram():
     acc = Acceptance.from_position_rates([0.5, 0.5])
     assert acc.probs == pytest.approx((0.5, 0.25, 0.25)) and acc.mean() == pytest.approx(1.75)
     assert Acceptance.from_histogram([1, 1, 2]).probs == pytest.approx((0.25, 0.25, 0.5))
-    assert acc.truncated(2).probs == pytest.approx((0.5, 0.5))
-    assert acc.truncated(5) is acc
+    assert acc.resized(2).probs == pytest.approx((0.5, 0.5))
+    assert acc.resized(3).probs == pytest.approx(acc.probs)
+
+
+def test_a_mean_measured_at_a_shorter_draft_extends_at_its_own_rate():
+    # A drafter measured with 7 drafts at a constant per-position rate r, run with 15 drafts: the same rate
+    # continues, so the 15-draft distribution is the truncated geometric with rate r over 15 positions.
+    short = Acceptance.from_mean(5.0, 8)
+    rate = short.conditional_rate(0)
+    assert all(short.conditional_rate(i) == pytest.approx(rate) for i in range(7))
+    longer = short.resized(16)
+    assert longer.probs == pytest.approx(Acceptance.from_position_rates([rate] * 15).probs)
+    assert longer.mean() > short.mean()
+    # Back to 7 drafts it is the measured distribution again; a histogram continues at its last position's rate.
+    assert longer.resized(8).probs == pytest.approx(short.probs)
+    hist = Acceptance.from_histogram([1, 1, 2])  # rates: 3/4 at the first draft, 2/3 at the second
+    assert hist.resized(4).probs == pytest.approx(Acceptance.from_position_rates([0.75, 2 / 3, 2 / 3]).probs)
 
 
 @pytest.mark.parametrize(("mean", "length"), [(6.55, 16), (1.0, 16), (2.9, 4), (10.0, 10)])
@@ -65,20 +82,28 @@ def test_pass_cost_matches_hand_computation():
     assert cost.bytes == 672
     assert cost.linear_flops == 2 * 2 * (48 + 96) + 2 * 10 * 4
     assert cost.attention_flops == 4 * 2 * 1 * 1 * 2 * 2
-    assert cost.allreduces == 0
+    assert cost.allreduce_calls == 0 and cost.gather_bytes == 0
     # memory 672 / 800 = 0.84 s; compute (656 + 32) / 1000 / 0.6 = 1.1467 s -> compute-bound.
-    assert pass_time(cost, dep) == pytest.approx(688 / 1000 / 0.6)
+    assert roofline_seconds(cost, dep) == pytest.approx(688 / 1000 / 0.6)
+    assert collective_seconds(cost, dep) == 0.0
 
 
-def test_tensor_parallel_splits_work_and_adds_ring_allreduces():
-    dep = Deployment(UNIT_GPU, "bf16", "bf16", 2, Calibration(allreduce_latency_s=0.5))
+def test_tensor_parallel_splits_work_and_adds_priced_collectives():
+    dep = Deployment(UNIT_GPU, "bf16", "bf16", 2)
     cost = stack_pass(TINY, batch=1, q=1, ctx=0, dep=dep, logits_rows=1, vocab=10)
     # Weights halve; the single KV head is replicated on both GPUs.
     assert cost.bytes == 656 / 2 + 16
-    assert cost.allreduces == 4 and cost.allreduce_bytes == 1 * 4 * 2
-    single = replace(cost, allreduces=0)
-    # Ring all-reduce: 2 (tp-1)/tp * 8 B / 100 B/s = 0.08 s each, plus 0.5 s latency.
-    assert pass_time(cost, dep) == pytest.approx(pass_time(single, dep) + 4 * (0.5 + 0.08))
+    assert cost.allreduce_calls == 4 and cost.allreduce_bytes == 1 * 4 * 2
+    assert cost.gather_bytes == 1 * 10 * 2  # one row of bf16 logits gathered over the vocabulary split
+    # Four one-shot all-reduces of 8 B at TP 2: 3.7 us each (the published table's smallest size); the logits
+    # all-gather pays NCCL's latency plus half of 20 B over its effective bus bandwidth (test_comm checks both).
+    latency, efficiency = nccl_fit()
+    gather = latency + 0.5 * 20 / (efficiency * 450e9)
+    assert collective_seconds(cost, dep) == pytest.approx(4 * 3.7e-6 + gather)
+    # A runtime's slowdown multiplies the collectives and nothing else.
+    step = Method("ar").step(TargetShape(stack=TINY, vocab=10), 1, 0, dep)
+    slow = Calibration(collective_slowdown=3.0)
+    assert slow.seconds(step) - Calibration().seconds(step) == pytest.approx(2.0 * step.collective_s)
 
 
 def test_moe_reads_only_touched_experts():
@@ -138,6 +163,7 @@ def test_ar_single_stream_is_weight_bandwidth_bound():
     tgt = published.target(published.QWEN3_8B)
     dep = Deployment(get_gpu("b200"), "bf16", "bf16", 1, Calibration(bandwidth_efficiency=1.0))
     it = Method("ar").iteration(tgt, 1, 1000, dep)
+    assert it.cost.collective_s == 0.0
     weights = 2 * (tgt.stack.num_layers * (tgt.stack.attn_params() + tgt.stack.expert_params()) + tgt.vocab * 4096)
     kv = 36 * 1001 * 2 * 8 * 128 * 2
     assert it.seconds == pytest.approx((weights + kv) / 7.7e12, rel=1e-6)  # HGX B200: 7.7 TB/s per GPU
@@ -187,7 +213,7 @@ def test_concurrency_regime_matches_a_hand_computed_roofline():
       draft:  max(80 / 1000, 80c / 10^4)                               lm_head on c x (B - 1) rows
     so AR turns compute-bound above c = 12.1, the verify above c = 5.75, and DFlash (2 tokens per iteration)
     stops paying where 2 (0.368 + 0.008c) = 0.088c, i.e. c = 10.22."""
-    gpu = GpuSpec("unit", 1e9, 1000.0, 1e4, 2e4, None, 100.0, "test", sm=100)
+    gpu = GpuSpec("unit", 1e9, 1000.0, 1e4, 2e4, None, "nvlink4", "test", sm=100)
     dep = Deployment(gpu, "bf16", "bf16", 1, Calibration(bandwidth_efficiency=1.0, compute_efficiency=1.0))
     tgt = TargetShape(stack=replace(TINY, num_layers=1), vocab=10)
     drafter = DFlashShape(stack=replace(TINY, num_layers=0), num_taps=0, block_size=2)

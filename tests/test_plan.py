@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
+import statistics
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from dflash_trt.analysis import evaluation, published
+from dflash_trt.analysis import evaluation, harness_fits, published, validation_report
 from dflash_trt.analysis.gpus import get_gpu
+from dflash_trt.analysis.harness_fits import calibration
 from dflash_trt.analysis.model import Acceptance, Calibration, Deployment, Method, mean_context
 from dflash_trt.analysis.published import PAIRS, POINTS, SOURCES, Unknown
 from dflash_trt.cli import build_parser, main
@@ -30,19 +34,33 @@ def _json(argv: list[str], capsys):
     return json.loads(out)
 
 
-def test_fit_set_is_fixed_and_disjoint_from_the_evaluation():
+def test_fit_rows_are_fixed_and_disjoint_from_the_validation():
     rows = evaluation.evaluate()
-    fit = [r for r in rows if r.split == "fit"]
-    assert {r.point.id for r in fit} == evaluation.fit_set_ids() == {
-        "zlab-qwen3-8b-dflash-gsm8k", "sglang-v1-c1", "sglang-v1-c32", "sglang-v2-c1", "sglang-v2-c32",
-    }  # fmt: skip
-    assert all(abs(r.error) < 1e-3 for r in fit)
+    fit = {r.point.id for r in rows if r.split == "fit"}
+    named = {i for ids in published.FIT_ROWS.values() for i in ids}
+    implied = {f"sglang16818-tp{tp}-c{c}-speedup" for tp in (1, 8) for c in (1, 32)}
+    assert fit == named | implied
+    assert all(r.split in ("eval", "duplicate") for r in rows if r.point.id not in fit)
+    # Exactly identified fits reproduce their rows; overdetermined ones stay inside their band.
+    by_id = {r.point.id: r for r in rows}
+    for harness in ("sglang-v2", "vllm"):
+        assert all(abs(by_id[i].error) < 1e-3 for i in published.FIT_ROWS[harness])
+    assert all(by_id[i].within_band for i in fit)
     held_out = [r for r in rows if r.split == "eval" and r.error is not None]
-    # Held-out points above concurrency 1 and in throughput-at-interactivity form exist, each next to both baselines.
-    above = [r for r in held_out if r.regime == "concurrency > 1"]
-    assert len(above) >= 6 and all(r.point.concurrency > 1 for r in above)
+    above = [r for r in held_out if r.regime == "speedup, concurrency > 1"]
+    assert len(above) >= 20 and all(r.persistence is not None and r.k_tau is not None for r in above)
     assert any(r.point.metric == "ratio_at_interactivity" for r in rows if r.split == "eval")
-    assert all(r.k_tau is not None and r.persistence is not None for r in above if r.point.metric == "speedup")
+
+
+def test_every_prediction_is_one_number_with_a_band():
+    for r in evaluation.evaluate():
+        if r.predicted is None:
+            continue
+        assert isinstance(r.predicted, float) and r.band is not None
+        assert r.band >= evaluation.harness_fits.calibration(r.point.harness).error_band
+    # A row whose source leaves the setting open widens its band by the candidates' spread.
+    card = evaluation.predict(published.point("blog-gpt-oss-120b-dflash-speed-bench"), calibration("trtllm"))
+    assert card[1] > 0.1
 
 
 def test_persistence_carries_the_sources_own_concurrency_1_figure():
@@ -53,9 +71,25 @@ def test_persistence_carries_the_sources_own_concurrency_1_figure():
     # For a throughput row each user keeps the single-user speed: 32 x 1161.88 tok/s.
     assert rows["sglang-v2-c32"].persistence == pytest.approx(32 * 1161.88)
     assert rows["card-gpt-oss-120b-b10-c1"].persistence is None  # it is the anchor itself
-    above = next(s for s in evaluation.summarize(evaluation.evaluate()) if s.group.startswith("concurrency > 1, "))
-    # Median |error| of persistence over the card's six rows above one user, by hand: 1/12, 0, 1/12, 1/8, 1/8, 1/5.
-    assert above.persistence[0] == 6 and above.persistence[1] == pytest.approx((1 / 12 + 1 / 8) / 2)
+    # PR #16818: each TP width carries its own one-user speedup.
+    assert rows["sglang16818-tp4-c16-speedup"].persistence == 2.55
+    # The median |error| of persistence over every held-out speedup row above one user, by hand from the tables.
+    tables = published.SGLANG_16818_SPEEDUP
+    held = [(tp, i) for tp in tables for i in range(1, 6) if (tp, i) not in ((1, 5), (8, 5))]
+    by_hand = [tables[tp][0] / tables[tp][i] - 1 for tp, i in held]
+    by_hand += [1.3 / 1.2 - 1, 0.0, 1.3 / 1.2 - 1, 1.8 / 1.6 - 1, 1.8 / 1.6 - 1, 1.8 / 1.5 - 1]  # the card
+    above = next(s for s in validation_report.summarize(evaluation.evaluate()) if s.group.endswith("all three predict"))
+    assert above.persistence[0] == len(by_hand) == 24
+    assert above.persistence[1] == pytest.approx(statistics.median(abs(e) for e in by_hand))
+
+
+def test_the_16818_tables_give_three_rows_per_cell():
+    tok_s = published.point("sglang16818-tp8-c1-dflash")
+    speedup = published.point("sglang16818-tp8-c1-speedup")
+    ar = published.point("sglang16818-tp8-c1-ar")
+    assert (tok_s.published, speedup.published, tok_s.num_gpus, tok_s.gpu) == (810, 2.33, 8, "h200")
+    assert ar.published == pytest.approx(810 / 2.33, abs=0.05) and evaluation.derived(ar)
+    assert tok_s.tau.values == (6.33,) and ar.tau == 1.0
 
 
 def test_duplicates_and_substituted_inputs_are_labelled():
@@ -65,30 +99,44 @@ def test_duplicates_and_substituted_inputs_are_labelled():
     assert humaneval.predicted is None  # it counts in no summary
     assert rows["paper-qwen3-8b-dflash-gsm8k"].point.tau.kind == "assumed"
     assert evaluation.k_tau_by_construction(rows["zlab-qwen3-8b-dflash-math500"].point)
-    assert not evaluation.k_tau_by_construction(rows["zlab-qwen3-4b-dflash-math500"].point)
+    assert not evaluation.k_tau_by_construction(rows["zlab-qwen3-8b-eagle3-math500"].point)
 
 
-def test_both_readings_of_the_sglang_overhead_fit_and_give_a_range():
-    step, spec = evaluation.calibrations("sglang-v2")
-    assert step.step_overhead_s > 0 and step.spec_overhead_s == 0 and step.token_overhead_s > 0
-    assert spec.spec_overhead_s == pytest.approx(step.step_overhead_s) and spec.step_overhead_s == 0
+def test_one_committed_calibration_per_harness():
+    v1, v2 = calibration("sglang-v1"), calibration("sglang-v2")
+    # PR #16818's AR rows settle the split: AR pays the per-step overhead, speculation its own on top.
+    assert v1.step_overhead_s > 0 and v1.spec_overhead_s > 0 and v1.collective_slowdown > 1
+    # Spec v2 keeps spec v1's AR side (the same AR path) and fits its speculative side on PR #23000's rows.
+    assert (v2.step_overhead_s, v2.sequence_overhead_s, v2.collective_slowdown) == (
+        v1.step_overhead_s, v1.sequence_overhead_s, v1.collective_slowdown,
+    )  # fmt: skip
     for p in map(published.point, ("sglang-v2-c1", "sglang-v2-c32")):
-        for cal in (step, spec):
-            assert evaluation.predict(p, (cal,))[0] == pytest.approx(p.published, rel=1e-3)
-    card = published.point("card-gpt-oss-120b-b10-c1")
-    lo, hi = evaluation.predict(card, (step, spec))[1]
-    # Charging the residual to AR too makes AR slower, so the predicted speedup is higher under that reading.
-    assert evaluation.predict(card, (step,))[0] == pytest.approx(hi) and evaluation.predict(card, (spec,))[0] == lo
-    assert hi > 2 * lo
-    # The README's single-user speedup is fitted only by charging the residual to speculative steps.
-    assert [c.name for c in evaluation.calibrations("hf-transformers")] == ["hf-transformers (spec-only)"]
+        assert evaluation.predict(p, v2)[0] == pytest.approx(p.published, rel=1e-3)
+    # TensorRT-LLM is transferred whole, with the transfer's spread added to its band.
+    trt = calibration("trtllm")
+    assert trt.step_overhead_s == v2.step_overhead_s and trt.error_band > v2.error_band
+    assert trt.allreduce_algorithm == "trtllm-auto" and v2.allreduce_algorithm == "custom"
+    # Every band holds the measured drift between two versions of one harness: 17.7 %, 24.0 % and 29.1 %.
+    drift = math.sqrt(((11405.85 / 9688.26 - 1) ** 2 + (15326.81 / 12360.49 - 1) ** 2 + (1161.88 / 900 - 1) ** 2) / 3)
+    assert harness_fits.drift() == pytest.approx(drift)
+    assert all(calibration(h).error_band >= drift for h in harness_fits.HARNESSES)
 
 
-def test_baseline_k_is_the_fit_rows_speedup_over_tau():
-    # The fit speedup row publishes 5.20x at tau 6.55, so least relative squares gives k = 5.20 / 6.55.
-    assert evaluation.baseline_k() == pytest.approx(5.20 / 6.55)
-    gsm8k = next(r for r in evaluation.evaluate() if r.point.id == "zlab-qwen3-4b-dflash-gsm8k")
-    assert gsm8k.k_tau == pytest.approx(5.20 / 6.55 * 6.50)
+def test_baseline_k_is_each_harness_fit_speedups_over_tau():
+    # The transformers harness's fit rows: 5.20x at tau 6.55 and 5.17x at tau 6.50; least relative squares.
+    pairs = [(6.55, 5.20), (6.50, 5.17)]
+    k = sum(t / s for t, s in pairs) / sum((t / s) ** 2 for t, s in pairs)
+    assert evaluation.baseline_k("hf-transformers") == pytest.approx(k)
+    gsm8k = next(r for r in evaluation.evaluate() if r.point.id == "zlab-qwen3-8b-eagle3-gsm8k")
+    assert gsm8k.k_tau == pytest.approx(k * 2.89)
+
+
+def test_leaving_a_source_out_refits_without_its_rows():
+    without = harness_fits.calibration("vllm", frozenset({"modelopt-vllm"}))
+    assert without.collective_slowdown == calibration("sglang-v1").collective_slowdown  # from its donor
+    rows = {r.source: r for r in evaluation.leave_one_source_out()}
+    assert set(rows) == {published.point(i).source for ids in published.FIT_ROWS.values() for i in ids}
+    assert rows["modelopt-vllm"].rows == 22 and rows["modelopt-vllm"].median_without is not None
 
 
 def test_published_values_are_kept_as_sourced_and_disagreements_kept():
@@ -105,37 +153,46 @@ def test_published_values_are_kept_as_sourced_and_disagreements_kept():
     assert all(p.source in SOURCES for p in POINTS)
     text = json.dumps([vars(p) for p in POINTS], default=str) + json.dumps(SOURCES)
     assert "SPEED-Bench coding" in SOURCES["nvidia-blog"] and "NVFP4 " not in text.replace("NVFP4 format", "")
+    assert [by_id[f"modelopt-tp{tp}-ar"].published for tp in (1, 8)] == [145.0, 377.0]
 
 
 def test_validate_json_has_the_interface_keys(capsys):
     out = _json(["--validate"], capsys)
     rows = out["points"]
-    above = next(s for s in out["summaries"] if s["group"] == "concurrency > 1, speedup rows (all three predict)")
-    assert above["persistence"]["points"] == above["model"]["points"] == above["k_tau"]["points"] == 6
-    assert above["persistence"]["median_abs_error"] == pytest.approx((1 / 12 + 1 / 8) / 2)
-    keys = {"source", "metric", "published", "predicted", "baselines", "split", "concurrency", "calibrations"}
+    keys = {"source", "metric", "published", "predicted", "band", "baselines", "split", "concurrency", "calibration"}
     assert len(rows) == len(POINTS) and all(keys <= set(r) for r in rows)
     assert all(set(r["baselines"]) == {"k_tau", "persistence"} for r in rows)
     assert {r["split"] for r in rows} == {"fit", "eval", "duplicate"}
+    assert all(r["predicted"] is None or isinstance(r["predicted"], float) for r in rows)
     blog = next(r for r in rows if r["id"] == "blog-gpt-oss-120b-dflash-speed-bench")
     assert blog["concurrency"] is None and "fixed number of users" in blog["unknowns"]["concurrency"]["why"]
+    groups = {s["group"] for s in out["summaries"]}
+    assert {"sglang-16818: fit rows", "sglang-16818: validation rows", "all held out"} <= groups
+    assert [g["goal"] for g in out["goals"]][0].startswith("above one user")
+    assert {r["source"] for r in out["leave_one_source_out"]} >= {"sglang-16818", "modelopt-vllm"}
 
 
 def test_docs_carry_the_current_evaluation_tables():
     doc = (ROOT / "docs" / "performance.md").read_text()
-    assert evaluation.markdown_tables(evaluation.evaluate()) in doc, "regenerate with `dflash-trt plan --validate`"
+    assert validation_report.markdown_tables(evaluation.evaluate()) in doc, (
+        "regenerate with `dflash-trt plan --validate`"
+    )
 
 
 def test_provenance_names_a_kind_and_source_for_every_constant(capsys):
     table = _json(["--provenance"], capsys)
     assert all(set(c) == {"value", "kind", "source"} and c["kind"] in ("datasheet", "measured", "assumed", "fitted")
                and c["source"] for c in table.values())  # fmt: skip
-    assert table["calibration.sglang-v2.every-step.step_overhead_s"]["kind"] == "fitted"
-    assert "sglang-v2-c32" in table["calibration.sglang-v2.spec-only.token_overhead_s"]["source"]
-    assert table["calibration.trtllm.spec-only.spec_overhead_s"]["kind"] == "assumed"
+    assert table["calibration.sglang-v1.step_overhead_s"]["kind"] == "fitted"
+    assert "sglang16818-tp8-c32-ar" in table["calibration.sglang-v1.collective_slowdown"]["source"]
+    assert table["calibration.trtllm.spec_overhead_s"]["kind"] == "assumed"
+    assert "drift" in table["calibration.trtllm.error_band"]["source"]
     assert table["calibration.compute_efficiency"]["kind"] == "assumed"
     assert table["gpu.h100.hbm_bandwidth"] == {"value": 3.35e12, "kind": "datasheet",
                                                "source": get_gpu("h100").source}  # fmt: skip
+    oneshot = table["allreduce.oneshot_us.tp8"]
+    assert oneshot["kind"] == "measured" and "#2904" in oneshot["source"]
+    assert table["interconnect.nvlink5.link_bandwidth"]["value"] == 900e9
     # Memory is the device's report; B200's bandwidth the HGX per-GPU figure; B300 has no vendor document here.
     assert table["gpu.h100.hbm_bytes"]["value"] == 81559 * 2**20 and table["gpu.h100.hbm_bytes"]["kind"] == "measured"
     assert table["gpu.b200.hbm_bandwidth"]["value"] == 7.7e12
@@ -146,17 +203,31 @@ def test_provenance_names_a_kind_and_source_for_every_constant(capsys):
 def test_preset_without_acceptance_uses_the_published_tau_and_says_so(capsys):
     out = _json(["--preset", "qwen3-8b", "--gpu", "h100", "--qformat", "fp8", "--concurrency", "1,8"], capsys)
     assert "6.55" in out["notes"][0] and "z-lab README" in out["notes"][0]
-    assert [c["name"] for c in out["calibrations"]] == ["trtllm (every-step)", "trtllm (spec-only)"]
-    assert all(c["source"].startswith("assumed equal to") for c in out["calibrations"])
+    assert out["calibration"]["name"] == "trtllm" and out["calibration"]["source"].startswith("assumed equal to")
+    assert out["error_band"] == pytest.approx(calibration("trtllm").error_band)
     tgt, drafter = PAIRS["qwen3-8b"].load()
     method = Method("dflash", drafter, Acceptance.from_mean(6.55, 16))
-    speeds = []
-    for cal in evaluation.calibrations("trtllm"):
-        dep = Deployment(get_gpu("h100"), "fp8", "bf16", 1, cal)
-        speeds.append(method.iteration(tgt, 8, mean_context(1024, 1024), dep).tok_s_user())
+    dep = Deployment(get_gpu("h100"), "fp8", "bf16", 1, calibration("trtllm"))
+    speed = method.iteration(tgt, 8, mean_context(1024, 1024), dep).tok_s_user()
     point = out["curves"]["dflash"][1]
     assert (point["concurrency"], point["batch"], point["fits"]) == (8, 8, True)
-    assert point["tok_s_user"] == pytest.approx([min(speeds), max(speeds)])
+    assert point["tok_s_user"] == pytest.approx([speed, speed])
+
+
+def test_acceptance_is_declared_at_the_draft_length_it_was_measured_at(capsys):
+    base = ["--preset", "qwen3-8b", "--gpu", "h100", "--qformat", "fp8", "--concurrency", "1"]
+    # 5.0 measured with 7 drafts, planned with 7: the block-8 distribution itself.
+    out = _json([*base, "--acceptance_length", "5", "--acceptance_draft_len", "7", "--max_draft_len", "7"], capsys)
+    assert "measured with 7 drafts per step; at --max_draft_len 7: mean 5.00" in out["notes"][0]
+    # Planned with 15 drafts, the measured per-position rate continues: more tokens per step, not fewer.
+    out = _json([*base, "--acceptance_length", "5", "--acceptance_draft_len", "7", "--max_draft_len", "15"], capsys)
+    want = Acceptance.from_mean(5.0, 8).resized(16).mean()
+    assert f"mean {want:.2f}" in out["notes"][0] and want > 5.0
+    # Without --acceptance_draft_len the mean is the full block's, cut for a shorter draft.
+    out = _json([*base, "--acceptance_length", "5", "--max_draft_len", "7"], capsys)
+    assert f"mean {Acceptance.from_mean(5.0, 16).resized(8).mean():.2f}" in out["notes"][0]
+    rc, _, err = _plan([*base, "--acceptance_draft_len", "7"], capsys)
+    assert rc == 2 and "give both" in err
 
 
 def test_plan_config_prints_the_capacity(capsys):
@@ -275,12 +346,8 @@ def test_published_shapes_have_drafters_for_every_shipped_profile():
 
 def test_docs_state_the_current_fitted_constants():
     doc = (ROOT / "docs" / "performance.md").read_text()
-    (spec,) = evaluation.calibrations("hf-transformers")
-    v2, v1 = (evaluation.calibrations(h)[0] for h in ("sglang-v2", "sglang-v1"))
-    assert f"| {1e3 * spec.spec_overhead_s:.3f} ms | fitted |" in doc
-    assert f"| {1e3 * v2.step_overhead_s:.2f} ms / {1e3 * v1.step_overhead_s:.2f} ms | fitted |" in doc
-    assert f"| {1e6 * v2.token_overhead_s:.1f} µs / {1e6 * v1.token_overhead_s:.1f} µs | fitted |" in doc
-    assert f"| {evaluation.baseline_k():.3f} | fitted |" in doc
+    assert validation_report.markdown_calibrations() in doc, "regenerate with `dflash-trt plan --validate`"
+    assert f"| {evaluation.baseline_k('hf-transformers'):.3f} | fitted |" in doc
 
 
 def test_calibrate_with_dflash_points_only_fits_the_step_overhead(tmp_path: Path, capsys):
@@ -290,7 +357,8 @@ def test_calibrate_with_dflash_points_only_fits_the_step_overhead(tmp_path: Path
     results.write_text(json.dumps(data))
     out = _json(["--preset", "qwen3-8b", "--gpu", "h200", "--qformat", "fp8", "--calibrate", str(results)], capsys)
     assert out["calibration"]["step_overhead_s"] == pytest.approx(2e-3, rel=1e-3)
-    assert out["calibration"]["spec_overhead_s"] == 0.0 and "on the DFlash points" in out["calibration"]["source"]
+    assert out["calibration"]["spec_overhead_s"] == 0.0
+    assert out["calibration"]["source"].startswith("step_overhead_s, token_overhead_s fitted on the 6 closed-loop")
     rc, text, _ = _plan(["--preset", "qwen3-8b", "--gpu", "h200", "--qformat", "fp8", "--calibrate", str(results)],
                         capsys)  # fmt: skip
     assert rc == 0 and text.splitlines()[0].startswith("calibration: step_overhead_s 0.002000")
@@ -363,7 +431,8 @@ def test_calibration_refuses_foreign_or_unstamped_results(tmp_path: Path, capsys
     [
         ("{", "cannot read calibration"),
         ('{"format": "other"}', "is not a calibration file"),
-        ('{"format": "dflash-trt-calibration/1", "calibration": {}, "stamp": {}}', "needs a 'calibration' object"),
+        ('{"format": "dflash-trt-calibration/1"}', "fit it again from its results"),
+        ('{"format": "dflash-trt-calibration/2", "calibration": {}, "stamp": {}}', "needs a 'calibration' object"),
     ],
 )
 def test_bad_calibration_files_are_one_clear_error(tmp_path: Path, content: str, message: str, capsys):
@@ -397,7 +466,7 @@ def test_workload_and_temperature_pick_the_published_acceptance_lengths(capsys):
         Method("dflash", drafter, Acceptance.from_mean(tau, 16)).iteration(tgt, 1, mean_context(1024, 1024),
                                                                            Deployment(get_gpu("b200"), calibration=cal))
         .tok_s_user()
-        for tau in (3.16, 4.25) for cal in evaluation.calibrations("sglang-v1")
+        for tau in (3.16, 4.25) for cal in (calibration("sglang-v1"),)
     ]  # fmt: skip
     assert out["curves"]["dflash"][0]["tok_s_user"] == pytest.approx([min(speeds), max(speeds)])
 
@@ -434,3 +503,12 @@ def test_plan_header_names_the_flags_defaults(capsys):
     header = capsys.readouterr().out.splitlines()[0]
     assert header.startswith(f"GPU {defaults.gpu} (--gpu), TP {defaults.tp_size}, 16-bit weights (--qformat)")
     assert defaults.qformat == "none"
+
+
+def test_no_row_is_predicted_where_its_batch_does_not_fit():
+    # gpt-oss-120b in bf16 (234 GB of weights) on one H100, or Qwen3-8B with 4096 users on one H100: no number.
+    too_big = replace(published.point("card-gpt-oss-120b-b10-c1"), id="unit-oom", gpu="h100", precision="bf16")
+    assert evaluation.predict(too_big, calibration("sglang-v2")) == (None, 0.0)
+    crowded = replace(published.point("sglang16818-tp1-c32-dflash"), id="unit-crowded", concurrency=4096)
+    assert evaluation.predict(crowded, calibration("sglang-v1"))[0] is None
+    assert evaluation.predict(published.point("sglang16818-tp1-c32-dflash"), calibration("sglang-v1"))[0]

@@ -1,10 +1,9 @@
-"""Fit the model's overhead constants to a user's own `dflash-trt bench` results and report residuals per point.
+"""Fit the model's overhead terms to a user's own `dflash-trt bench` results and report residuals per point.
 
-The roofline part stays as it is (datasheet peaks, assumed efficiencies); only the two overheads a roofline
-cannot see are fitted: `step_overhead_s` on the AR points (every iteration pays it) and then `spec_overhead_s`
-on the DFlash points (what a speculative iteration costs beyond that). With no AR points, the DFlash points fit
-`step_overhead_s` alone. The measured acceptance length of each DFlash point is what the model is given, so the
-residuals judge the time model, not the drafter.
+The roofline part stays as it is (datasheet peaks, assumed efficiencies, collectives priced by `comm.py`); only
+the terms a roofline cannot see are fitted, with the same least-squares fit as the published harnesses
+(`fitting.py`), on the terms the points can tell apart. The measured acceptance length of each DFlash point is
+what the model is given, so the residuals judge the time model, not the drafter.
 
 A fit is only valid where it was measured: `write_calibration` stamps it with the hardware, backend, target,
 engine settings and ISL/OSL of the results (from their `provenance` object), and `load_calibration` hands the
@@ -16,18 +15,20 @@ from __future__ import annotations
 import functools
 import json
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
+from dflash_trt.analysis.comm import ALGORITHMS
+from dflash_trt.analysis.fitting import fit_terms, identifiable, time_equation
 from dflash_trt.analysis.gpus import GPUS
 from dflash_trt.analysis.model import Acceptance, Calibration, Deployment, DFlashShape, Method, TargetShape
 from dflash_trt.analysis.sweep import write_json_atomic
 from dflash_trt.decoding_modes import AR, DFLASH, DecodingMode
 from dflash_trt.errors import DFlashTrtError
 
-OVERHEAD_SEARCH_S = (0.0, 0.05)
-TOKEN_OVERHEAD_SEARCH_S = (0.0, 1e-3)
+# Fitted first to last where the points can tell the terms apart: AR points fit the per-step overhead.
+PRIORITY = ("step_overhead_s", "token_overhead_s", "spec_overhead_s", "sequence_overhead_s")
 # A bench run writes one point per mode and concurrency; each costs a model evaluation per search step, so the
 # fit is bounded here rather than left to run for hours on a file of a million points.
 MAX_POINTS = 1000
@@ -158,7 +159,7 @@ def hardware_of(provenance: dict) -> str:
     return next((key for key in GPUS if key in name), gpus[0])
 
 
-CALIBRATION_FORMAT = "dflash-trt-calibration/1"
+CALIBRATION_FORMAT = "dflash-trt-calibration/2"
 STAMP_KEYS = ("hardware", "gpus", "backend", "target", "gpu", "tp_size", "precision", "kv_dtype", "isl", "osl")
 
 
@@ -178,12 +179,18 @@ def load_calibration(path: str | Path) -> tuple[Calibration, dict]:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise DFlashTrtError(f"cannot read calibration {path}: {exc}") from None
+    if isinstance(data, dict) and data.get("format") == "dflash-trt-calibration/1":
+        raise DFlashTrtError(
+            f"{path} was written by an older plan --calibrate (format 1, without the collective and per-sequence "
+            "terms): fit it again from its results with plan --calibrate --output"
+        )
     if not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT:
         raise DFlashTrtError(f"{path} is not a calibration file ({CALIBRATION_FORMAT}, written by plan --calibrate)")
     fields, stamp = data.get("calibration"), data.get("stamp")
     if not isinstance(fields, dict) or not isinstance(stamp, dict) or set(STAMP_KEYS) - set(stamp):
         raise DFlashTrtError(f"{path}: needs a 'calibration' object and a 'stamp' with {', '.join(STAMP_KEYS)}")
-    numbers = {k: v for k, v in vars(Calibration()).items() if isinstance(v, float)}
+    numbers = [k for k, v in vars(Calibration()).items() if isinstance(v, float)]
+    texts = [k for k, v in vars(Calibration()).items() if isinstance(v, str)]
     for key in numbers:
         value = fields.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -191,10 +198,13 @@ def load_calibration(path: str | Path) -> tuple[Calibration, dict]:
     for key in ("bandwidth_efficiency", "compute_efficiency"):
         if not 0 < fields[key] <= 1:
             raise DFlashTrtError(f"{path}: calibration.{key} must lie in (0, 1], got {fields[key]!r}")
-    name, source = fields.get("name"), fields.get("source")
-    if not isinstance(name, str) or not isinstance(source, str):
-        raise DFlashTrtError(f"{path}: calibration.name and calibration.source must be strings")
-    return Calibration(name, source, **{k: float(fields[k]) for k in numbers}), stamp
+    for key in texts:
+        if not isinstance(fields.get(key), str):
+            raise DFlashTrtError(f"{path}: calibration.{key} must be a string")
+    if fields["allreduce_algorithm"] not in ALGORITHMS:
+        raise DFlashTrtError(f"{path}: calibration.allreduce_algorithm must be one of {', '.join(ALGORITHMS)}")
+    values: dict[str, Any] = {k: fields[k] for k in texts} | {k: float(fields[k]) for k in numbers}
+    return Calibration(**values), stamp
 
 
 @dataclass(frozen=True)
@@ -212,30 +222,16 @@ def _acceptance(mean: float, block: int) -> Acceptance:
     return Acceptance.from_mean(mean, block)
 
 
-def _predict(p: MeasuredPoint, target: TargetShape, drafter: DFlashShape | None, dep: Deployment, ctx: float):
+def _method(p: MeasuredPoint, drafter: DFlashShape | None) -> Method:
     if p.mode == AR:
-        return Method(AR).iteration(target, p.concurrency, ctx, dep).tok_s_user()
+        return Method(AR)
     if drafter is None:
         raise DFlashTrtError("the bench results hold DFlash points: the drafter's shape is needed")
     if p.acceptance_length > drafter.block_size:
         raise DFlashTrtError(
             f"measured acceptance length {p.acceptance_length} exceeds the drafter's block {drafter.block_size}"
         )
-    method = Method(DFLASH, drafter, _acceptance(p.acceptance_length, drafter.block_size))
-    return method.iteration(target, p.concurrency, ctx, dep).tok_s_user()
-
-
-def golden_min(f: Callable[[float], float], lo: float, hi: float, iterations: int = 60) -> float:
-    """Minimizer of a unimodal f on [lo, hi] (golden-section search)."""
-    ratio = (math.sqrt(5) - 1) / 2
-    a, b = lo, hi
-    for _ in range(iterations):
-        c, d = b - ratio * (b - a), a + ratio * (b - a)
-        if f(c) <= f(d):
-            b = d
-        else:
-            a = c
-    return (a + b) / 2
+    return Method(DFLASH, drafter, _acceptance(p.acceptance_length, drafter.block_size))
 
 
 def fit(
@@ -246,35 +242,40 @@ def fit(
     ctx: float,
     source: str,
 ) -> tuple[Calibration, list[Residual]]:
-    """The deployment's calibration with its overheads fitted to `points`, and each point's residual.
+    """The deployment's calibration with its overheads fitted to `points` (each DFlash point at its own measured
+    acceptance length), and each point's residual.
 
-    `step_overhead_s` on the AR points (the DFlash points when there are none), then `spec_overhead_s` on the
-    DFlash points; when the first set spans several concurrencies, `token_overhead_s` is fitted with the step
-    overhead (per token the target takes, so what a larger batch adds beyond the roofline)."""
-
-    def loss(cal: Calibration, subset: list[MeasuredPoint]) -> float:
-        d = replace(dep, calibration=cal)
-        return sum((_predict(p, target, drafter, d, ctx) / p.tok_s_user - 1.0) ** 2 for p in subset)
-
-    ar = [p for p in points if p.mode == AR]
-    spec = [p for p in points if p.mode == DFLASH]
-    base = replace(dep.calibration, step_overhead_s=0.0, spec_overhead_s=0.0, token_overhead_s=0.0)
-    first = ar or spec
-
-    def with_step(token: float) -> Calibration:
-        cal = replace(base, token_overhead_s=token)
-        step = golden_min(lambda v: loss(replace(cal, step_overhead_s=v), first), *OVERHEAD_SEARCH_S)
-        return replace(cal, step_overhead_s=step)
-
-    several = len({p.concurrency for p in first}) > 1
-    token = golden_min(lambda t: loss(with_step(t), first), *TOKEN_OVERHEAD_SEARCH_S, 40) if several else 0.0
-    cal = with_step(token)
-    what = "step_overhead_s" + (" and token_overhead_s" if several else "")
-    fitted = [f"{what} on the " + ("AR" if ar else "DFlash") + " points"]
-    if ar and spec:
-        extra = golden_min(lambda v: loss(replace(cal, spec_overhead_s=v), spec), *OVERHEAD_SEARCH_S)
-        cal = replace(cal, spec_overhead_s=extra)
-        fitted.append("spec_overhead_s on the DFlash points")
-    cal = replace(cal, name="measured", source=f"{' and '.join(fitted)} of {source}")
+    Every point is one observed iteration time (1 / tok/s/user, times its acceptance length for DFlash). Fitted
+    are the terms the points can tell apart (`fitting.identifiable`), the per-step overhead first: the speculative
+    overhead needs AR points beside DFlash ones, the per-sequence and per-token terms several concurrencies; the
+    collective slowdown, which needs two TP widths, stays at the kernels' own time. The error band is the points'
+    RMS residual: drift between versions of the runtime is not measured by one results file."""
+    base = replace(Calibration(), bandwidth_efficiency=dep.calibration.bandwidth_efficiency,
+                   compute_efficiency=dep.calibration.compute_efficiency)  # fmt: skip
+    d = replace(dep, calibration=base)
+    methods = [_method(p, drafter) for p in points]
+    costs = [m.step(target, p.concurrency, ctx, d) for m, p in zip(methods, points, strict=True)]
+    times = [
+        (1.0 if m.acceptance is None else m.acceptance.mean()) / p.tok_s_user
+        for m, p in zip(methods, points, strict=True)
+    ]
+    eqs = [time_equation(c, t) for c, t in zip(costs, times, strict=True)]
+    batch_terms = len({p.concurrency for p in points}) > 1
+    candidates = [t for t in PRIORITY if batch_terms or t not in ("token_overhead_s", "sequence_overhead_s")]
+    free = identifiable(eqs, candidates)
+    cal = fit_terms(eqs, free, base)
     d = replace(dep, calibration=cal)
-    return cal, [Residual(p, _predict(p, target, drafter, d, ctx)) for p in points]
+    residuals = [
+        Residual(p, m.iteration(target, p.concurrency, ctx, d).tok_s_user())
+        for m, p in zip(methods, points, strict=True)
+    ]
+    dof = len(residuals) - len(free)
+    band = math.sqrt(sum(r.error**2 for r in residuals) / dof) if dof > 0 else 0.0
+    cal = replace(
+        cal,
+        name="measured",
+        source=f"{', '.join(free) or 'nothing'} fitted on the {len(points)} closed-loop points of {source}",
+        error_band=band,
+        band_source="the points' RMS residual; drift between versions of the runtime is not measured",
+    )
+    return cal, [Residual(r.point, r.predicted_tok_s_user) for r in residuals]

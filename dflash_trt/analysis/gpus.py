@@ -23,7 +23,7 @@ class GpuSpec:
     bf16_flops: float
     fp8_flops: float
     nvfp4_flops: float | None
-    nvlink_bandwidth: float  # per direction, per GPU
+    interconnect: str  # key of analysis.comm.INTERCONNECTS: the fabric its tensor-parallel collectives use
     source: str
     sm: int  # compute capability x 10: SM90 Hopper has FP8 tensor cores, SM100/SM103 Blackwell add NVFP4
     memory_source: str = ""  # where `hbm_bytes` comes from, when not from `source`
@@ -56,8 +56,8 @@ GPUS: dict[str, GpuSpec] = {
         bf16_flops=0.989 * _PF,
         fp8_flops=1.979 * _PF,
         nvfp4_flops=None,
-        nvlink_bandwidth=450 * _GB,
-        source="NVIDIA H100 Tensor Core GPU datasheet (SXM column; sparse figures halved; NVLink 900 GB/s total)",
+        interconnect="nvlink4",
+        source="NVIDIA H100 Tensor Core GPU datasheet (SXM column; sparse figures halved)",
         sm=90,
         memory_source="device report: nvidia-smi total 81559 MiB for 'NVIDIA H100 80GB HBM3' (listings in "
         "modal-labs/modal-client PR #2797 and huggingface/text-embeddings-inference issue #350)",
@@ -70,8 +70,8 @@ GPUS: dict[str, GpuSpec] = {
         bf16_flops=0.989 * _PF,
         fp8_flops=1.979 * _PF,
         nvfp4_flops=None,
-        nvlink_bandwidth=450 * _GB,
-        source="NVIDIA H200 Tensor Core GPU datasheet (SXM column; sparse figures halved; NVLink 900 GB/s total)",
+        interconnect="nvlink4",
+        source="NVIDIA H200 Tensor Core GPU datasheet (SXM column; sparse figures halved)",
         sm=90,
         memory_source="assumed: 143771 MiB (150.8 GB), the total H200 SXM devices are reported to show; no device "
         "listing is recorded here (the datasheet's 141 GB is the marketing capacity)",
@@ -84,8 +84,8 @@ GPUS: dict[str, GpuSpec] = {
         bf16_flops=2.25 * _PF,
         fp8_flops=4.5 * _PF,
         nvfp4_flops=9.0 * _PF,
-        nvlink_bandwidth=900 * _GB,
-        source="NVIDIA HGX B200 datasheet, per GPU (sparse halved; NVLink 5 1.8 TB/s total); bandwidth 7.7 TB/s per "
+        interconnect="nvlink5",
+        source="NVIDIA HGX B200 datasheet, per GPU (sparse halved); bandwidth 7.7 TB/s per "
         "GPU as HGX B200 lists it, not the DGX total / 8 (8.0), and 7.68 TB/s from the driver's 7680-bit bus x "
         "3996 MHz x 2 (pytorch/ao PR #4002)",
         sm=100,
@@ -99,10 +99,10 @@ GPUS: dict[str, GpuSpec] = {
         bf16_flops=2.25 * _PF,
         fp8_flops=4.5 * _PF,
         nvfp4_flops=13.0 * _PF,
-        nvlink_bandwidth=900 * _GB,
+        interconnect="nvlink5",
         source="assumed: no NVIDIA document is recorded here; third-party tabulations of the HGX B300 "
         "(glennklockwood.com/garden/processors/B300: dense FP4 ~13 PF vs 9 PF on B200, 8 TB/s; acecloud.ai's HGX "
-        "B300 table: 288 GB HBM3e and up to 8 TB/s per GPU, NVLink 5 1.8 TB/s)",
+        "B300 table: 288 GB HBM3e and up to 8 TB/s per GPU)",
         sm=103,
         memory_source="assumed: 288 decimal GB from the same third-party tables; no device report is recorded here",
         memory_kind="assumed",

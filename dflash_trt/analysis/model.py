@@ -1,16 +1,18 @@
 """Roofline performance model of one decoding iteration for AR, EAGLE-3-like and DFlash speculative decoding.
 
-Each forward pass costs max(bytes / achievable bandwidth, FLOPs / achievable tensor rate) per GPU, plus
-tensor-parallel all-reduces and fixed overheads. Bytes are weights read once per pass (for MoE only the experts
-the pass's tokens touch), KV-cache reads and the lm_head; FLOPs are 2 x params x tokens plus attention. An
-iteration is: AR = one target pass of 1 token per sequence; DFlash = target verify of B tokens + one drafter
-pass over the B-token block (+ KV injection of the accepted tokens' taps, + the target lm_head on B-1 rows);
-EAGLE-3 = target verify of K+1 tokens + K sequential one-layer drafter passes. Tokens per iteration come from
-an acceptance-length distribution (measured by the golden model, reported by trtllm-bench, or given).
+Each forward pass costs max(bytes / achievable bandwidth, FLOPs / achievable tensor rate) per GPU, plus its
+tensor-parallel collectives (all-reduces and the lm_head's logits all-gather, priced by `comm.py`); each
+iteration adds the fitted overheads of the harness that runs it (`Calibration`). Bytes are weights read once per
+pass (for MoE only the experts the pass's tokens touch), KV-cache reads and the lm_head; FLOPs are 2 x params x
+tokens plus attention. An iteration is: AR = one target pass of 1 token per sequence; DFlash = target verify of
+B tokens + one drafter pass over the B-token block (+ KV injection of the accepted tokens' taps, + the target
+lm_head on B-1 rows); EAGLE-3 = target verify of K+1 tokens + K sequential one-layer drafter passes. Tokens per
+iteration come from an acceptance-length distribution (measured by the golden model, reported by trtllm-bench,
+or given). `Method.step` is the per-step cost, a function of batch, tokens verified, context and deployment.
 
 Peaks come from `gpus.py`; achievable fractions and overheads are `Calibration` constants. Which constant is a
-datasheet figure, an assumption or a fit (and on which published points) is listed by `provenance.py`; the fits
-themselves, on a fixed list of points decided before fitting, are in `evaluation.py`.
+datasheet figure, an assumption or a fit (and on which published rows) is listed by `provenance.py`; the fits
+themselves, on rows chosen before fitting, are in `harness_fits.py`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from dflash_trt.analysis.comm import ALGORITHMS, INTERCONNECTS, Interconnect, allgather_seconds, allreduce_seconds
 from dflash_trt.analysis.gpus import GpuSpec
 from dflash_trt.analysis.pareto import Point
 from dflash_trt.errors import DFlashTrtError
@@ -103,33 +106,49 @@ class Eagle3Shape:
     steps: int
 
 
+# The fitted terms of one iteration's time, in the order `StepCost.terms` lists what each multiplies.
+OVERHEAD_FIELDS = (
+    "collective_slowdown",
+    "step_overhead_s",
+    "spec_overhead_s",
+    "sequence_overhead_s",
+    "token_overhead_s",
+)
+
+
 @dataclass(frozen=True)
 class Calibration:
-    """How much of the peaks real kernels reach, and the fixed costs a roofline cannot see.
+    """How much of the peaks real kernels reach, and what a serving runtime adds that a roofline cannot see.
 
-    `bandwidth_efficiency`, `compute_efficiency` and `allreduce_latency_s` are assumptions (typical large-GEMM
-    and NCCL figures), not fits. The overheads are what `evaluation` (published points) or `calibrate` (a user's
-    own bench results) fits, per harness: `step_overhead_s` (per iteration, AR included: launches, scheduling,
-    sampling, host sync), `spec_overhead_s` (extra per speculative iteration: acceptance, cache rewind, draft
-    inputs) and `token_overhead_s` (per token the target takes in one iteration: a sequence's 1 token in AR,
-    its whole verified block in speculation; what grows with the batch beyond the roofline, such as sampling,
-    acceptance and MoE routing per token). `source` says where the values came from, so every prediction
-    carries it.
+    `bandwidth_efficiency` and `compute_efficiency` are assumptions (typical large-kernel fractions), not fits.
+    The rest is what `evaluation` (published points) or `calibrate` (a user's own bench results) fits per
+    harness, each term multiplying one count of `StepCost`: `collective_slowdown` (the isolated all-reduce
+    kernels' time, priced by `comm.py`, times this: rank skew and launch gaps inside a real step; 1 = the kernels
+    alone), `step_overhead_s` (every iteration, AR included: launches, scheduling, host sync),
+    `spec_overhead_s` (extra per speculative iteration: acceptance, cache rewind, draft inputs),
+    `sequence_overhead_s` (per sequence in the batch, per iteration: per-request bookkeeping and sampling) and
+    `token_overhead_s` (per token the target takes: a sequence's 1 token in AR, its whole verified block in
+    speculation). `error_band` is the relative error a prediction made with it carries (fit residuals and the
+    harness's drift between versions, `band_source` says how it was derived); `source` says where the values
+    came from, so every prediction carries it.
     """
 
     name: str = "default"
     source: str = "assumed defaults, no overhead fitted"
     bandwidth_efficiency: float = 0.80
     compute_efficiency: float = 0.60
-    allreduce_latency_s: float = 8e-6
+    collective_slowdown: float = 1.0
     step_overhead_s: float = 0.0
     spec_overhead_s: float = 0.0
+    sequence_overhead_s: float = 0.0
     token_overhead_s: float = 0.0
+    error_band: float = 0.0
+    band_source: str = "no error band: nothing was fitted"
+    allreduce_algorithm: str = "trtllm-auto"  # the runtime's custom-kernel / NCCL switch (comm.ALGORITHMS)
 
-    def overhead(self, target_tokens: int, speculative: bool) -> float:
-        """Fixed costs of one iteration in which the target takes `target_tokens` tokens."""
-        spec = self.spec_overhead_s if speculative else 0.0
-        return self.step_overhead_s + target_tokens * self.token_overhead_s + spec
+    def seconds(self, cost: StepCost) -> float:
+        """The iteration's time: the roofline, plus every fitted term times the count it multiplies."""
+        return cost.roofline_s + sum(getattr(self, f) * t for f, t in zip(OVERHEAD_FIELDS, cost.terms(), strict=True))
 
 
 @dataclass(frozen=True)
@@ -147,7 +166,16 @@ class Deployment:
             raise DFlashTrtError(f"unknown KV-cache dtype {self.kv_dtype!r} (known: {', '.join(KV_BYTES)})")
         if self.tp < 1:
             raise DFlashTrtError(f"tp must be >= 1, got {self.tp}")
+        if self.calibration.allreduce_algorithm not in ALGORITHMS:
+            known = ", ".join(ALGORITHMS)
+            raise DFlashTrtError(
+                f"unknown all-reduce algorithm {self.calibration.allreduce_algorithm!r} (known: {known})"
+            )
         self.gpu.dense_flops(self.precision)  # refuses NVFP4 on Hopper
+
+    @property
+    def link(self) -> Interconnect:
+        return INTERCONNECTS[self.gpu.interconnect]
 
 
 @dataclass(frozen=True)
@@ -204,25 +232,35 @@ class Acceptance:
                 hi = mid
         return cls.from_position_rates([(lo + hi) / 2] * (max_length - 1))
 
-    def truncated(self, max_length: int) -> Acceptance:
-        """The same drafter run with a shorter draft: every longer run stops at `max_length`."""
+    def resized(self, max_length: int) -> Acceptance:
+        """The same drafter run with `max_length - 1` drafts: a shorter draft stops every longer run at
+        `max_length`; a longer one continues at the acceptance rate of the last measured draft position (an
+        assumption: the rate past what was measured is unknown; a truncated geometric keeps its one rate)."""
         if max_length < 1:
             raise DFlashTrtError("max_length must be >= 1")
-        if max_length >= self.max_length:
-            return self
-        head = list(self.probs[: max_length - 1])
-        return Acceptance((*head, 1.0 - sum(head)))
+        if max_length <= self.max_length:
+            head = list(self.probs[: max_length - 1])
+            return Acceptance((*head, 1.0 - sum(head)))
+        rates = [self.conditional_rate(i) for i in range(self.max_length - 1)]
+        last = rates[-1] if rates else 0.0
+        return Acceptance.from_position_rates(rates + [last] * (max_length - self.max_length))
+
+    def conditional_rate(self, position: int) -> float:
+        """P(draft `position` + 1 accepted | drafts 1..`position` accepted); 0 where no run gets that far."""
+        reached = sum(self.probs[position:])
+        return sum(self.probs[position + 1 :]) / reached if reached > 0 else 0.0
 
 
 @dataclass(frozen=True)
 class PassCost:
-    """Per-GPU work of one forward pass."""
+    """Per-GPU work of one forward pass, and the collectives tensor parallelism adds to it."""
 
     bytes: float
     linear_flops: float
     attention_flops: float
-    allreduces: int
-    allreduce_bytes: float
+    allreduce_calls: int
+    allreduce_bytes: float  # per call: every token's hidden state, bf16
+    gather_bytes: float  # the lm_head's logits gathered across the vocabulary split (0 without TP or logits)
 
 
 def stack_pass(
@@ -246,75 +284,94 @@ def stack_pass(
     attention = sum(4.0 * n * tokens * keys * stack.num_heads * stack.head_dim for n, keys in seen)
     lm_bytes = vocab * stack.hidden * LM_HEAD_BYTES if logits_rows else 0.0
     lm_flops = 2.0 * logits_rows * vocab * stack.hidden
+    split = tp > 1
     return PassCost(
         bytes=(weight_bytes + lm_bytes) / tp + kv_bytes,
         linear_flops=(linear + lm_flops) / tp,
         attention_flops=attention / tp,
-        allreduces=2 * stack.num_layers if tp > 1 else 0,
+        allreduce_calls=2 * stack.num_layers if split else 0,
         allreduce_bytes=tokens * stack.hidden * ACTIVATION_BYTES,
+        gather_bytes=logits_rows * vocab * ACTIVATION_BYTES if split else 0.0,
     )
 
 
-def pass_time(cost: PassCost, dep: Deployment) -> float:
+def roofline_seconds(cost: PassCost, dep: Deployment) -> float:
+    """max(bytes over achievable bandwidth, FLOPs over achievable tensor rate) for one GPU."""
     cal, gpu = dep.calibration, dep.gpu
     memory = cost.bytes / (gpu.hbm_bandwidth * cal.bandwidth_efficiency)
     compute = (
         cost.linear_flops / gpu.dense_flops(dep.precision) + cost.attention_flops / gpu.bf16_flops
     ) / cal.compute_efficiency
-    comm = 0.0
-    if cost.allreduces:
-        ring = 2.0 * (dep.tp - 1) / dep.tp * cost.allreduce_bytes / gpu.nvlink_bandwidth
-        comm = cost.allreduces * (cal.allreduce_latency_s + ring)
-    return max(memory, compute) + comm
+    return max(memory, compute)
+
+
+def collective_seconds(cost: PassCost, dep: Deployment) -> float:
+    """The pass's all-reduces and logits all-gather as isolated kernels on the GPU's interconnect."""
+    link, tp = dep.link, dep.tp
+    algorithm = dep.calibration.allreduce_algorithm
+    reduces = cost.allreduce_calls * allreduce_seconds(link, tp, cost.allreduce_bytes, algorithm)
+    gather = allgather_seconds(link, tp, cost.gather_bytes) if cost.gather_bytes else 0.0
+    return reduces + gather
 
 
 @dataclass(frozen=True)
-class Iteration:
-    """One decoding iteration at one batch size: its time and what it yields per sequence."""
+class StepCost:
+    """One decoding iteration, split into what the hardware prices (roofline, isolated collectives) and the counts
+    a harness's fitted overheads multiply; the public per-step cost a draft-length schedule compares."""
 
-    seconds: float
-    tokens_per_seq: float
-    target_s: float
-    draft_s: float
+    roofline_s: float
+    collective_s: float
+    sequences: int
+    target_tokens: int
+    speculative: bool
 
-    def tok_s_user(self) -> float:
-        return self.tokens_per_seq / self.seconds
-
-
-def ar_iteration(target: TargetShape, batch: int, ctx: float, dep: Deployment) -> Iteration:
-    t = pass_time(stack_pass(target.stack, batch, 1, ctx, dep, batch, target.vocab), dep)
-    return Iteration(t + dep.calibration.overhead(batch, False), 1.0, t, 0.0)
+    def terms(self) -> tuple[float, ...]:
+        """What each of `OVERHEAD_FIELDS` multiplies, in that order."""
+        return (self.collective_s, 1.0, float(self.speculative), float(self.sequences), float(self.target_tokens))
 
 
-def dflash_iteration(
-    target: TargetShape, drafter: DFlashShape, acceptance: Acceptance, batch: int, ctx: float, dep: Deployment
-) -> Iteration:
-    block = acceptance.max_length
-    if block > drafter.block_size:
-        raise DFlashTrtError(f"acceptance lengths reach {block} but the drafter's block size is {drafter.block_size}")
-    verify = pass_time(stack_pass(target.stack, batch, block, ctx, dep, batch * block, target.vocab), dep)
-    draft = stack_pass(drafter.stack, batch, block, ctx, dep, batch * (block - 1), target.vocab)
-    # KV injection: fc over the accepted tokens' concatenated taps, then every draft layer's K/V projection.
-    injected = batch * acceptance.mean()
+def _passes(costs: Sequence[PassCost], dep: Deployment) -> tuple[float, float]:
+    return sum(roofline_seconds(c, dep) for c in costs), sum(collective_seconds(c, dep) for c in costs)
+
+
+def ar_step(target: TargetShape, batch: int, ctx: float, dep: Deployment) -> StepCost:
+    """One AR iteration: a target pass of 1 token per sequence."""
+    roof, comm = _passes([stack_pass(target.stack, batch, 1, ctx, dep, batch, target.vocab)], dep)
+    return StepCost(roof, comm, batch, batch, speculative=False)
+
+
+def dflash_step(
+    target: TargetShape,
+    drafter: DFlashShape,
+    batch: int,
+    verify_tokens: int,
+    injected_tokens: float,
+    ctx: float,
+    dep: Deployment,
+) -> StepCost:
+    """One DFlash iteration verifying `verify_tokens` (= draft length + 1) per sequence: the target verify, one
+    drafter pass over the block (lm_head on the drafts' rows) and the KV injection of `injected_tokens` accepted
+    tokens per sequence (fc over their taps, then every draft layer's K/V projection)."""
+    if not 1 <= verify_tokens <= drafter.block_size:
+        raise DFlashTrtError(f"a DFlash step verifies 1..{drafter.block_size} tokens (the block), got {verify_tokens}")
+    verify = stack_pass(target.stack, batch, verify_tokens, ctx, dep, batch * verify_tokens, target.vocab)
+    draft = stack_pass(drafter.stack, batch, verify_tokens, ctx, dep, batch * (verify_tokens - 1), target.vocab)
+    injected = batch * injected_tokens
     h = drafter.stack.hidden
     fc_params = drafter.num_taps * h * h
     tap_bytes = injected * drafter.num_taps * h * ACTIVATION_BYTES
     inject_bytes = (fc_params * WEIGHT_BYTES[dep.precision] + tap_bytes) / dep.tp
     inject_flops = 2.0 * injected * (fc_params + drafter.stack.num_layers * drafter.stack.kv_proj_params()) / dep.tp
     draft = replace(draft, bytes=draft.bytes + inject_bytes, linear_flops=draft.linear_flops + inject_flops)
-    d = pass_time(draft, dep)
-    return Iteration(verify + d + dep.calibration.overhead(batch * block, True), acceptance.mean(), verify, d)
+    roof, comm = _passes([verify, draft], dep)
+    return StepCost(roof, comm, batch, batch * verify_tokens, speculative=True)
 
 
-def eagle3_iteration(
-    target: TargetShape, drafter: Eagle3Shape, acceptance: Acceptance, batch: int, ctx: float, dep: Deployment
-) -> Iteration:
+def eagle3_step(target: TargetShape, drafter: Eagle3Shape, batch: int, ctx: float, dep: Deployment) -> StepCost:
+    """One EAGLE-3 iteration: the target verify of `steps` + 1 tokens and `steps` sequential one-layer drafter
+    passes (the first also runs the fc over the fused taps)."""
     width = drafter.steps + 1
-    if acceptance.max_length > width:
-        raise DFlashTrtError(
-            f"acceptance lengths reach {acceptance.max_length} but {drafter.steps} drafts yield at most {width}"
-        )
-    verify = pass_time(stack_pass(target.stack, batch, width, ctx, dep, batch * width, target.vocab), dep)
+    verify = stack_pass(target.stack, batch, width, ctx, dep, batch * width, target.vocab)
     step = stack_pass(drafter.stack, batch, 1, ctx, dep, batch, drafter.draft_vocab)
     h = drafter.stack.hidden
     fc = drafter.num_taps * h * h
@@ -323,8 +380,20 @@ def eagle3_iteration(
         bytes=step.bytes + fc * WEIGHT_BYTES[dep.precision] / dep.tp,
         linear_flops=step.linear_flops + 2.0 * batch * fc / dep.tp,
     )
-    d = sum(pass_time(fused if i == 0 else step, dep) for i in range(drafter.steps))
-    return Iteration(verify + d + dep.calibration.overhead(batch * width, True), acceptance.mean(), verify, d)
+    roof, comm = _passes([verify, fused] + [step] * (drafter.steps - 1), dep)
+    return StepCost(roof, comm, batch, batch * width, speculative=True)
+
+
+@dataclass(frozen=True)
+class Iteration:
+    """One decoding iteration at one batch size: its time, what it yields per sequence and its cost split."""
+
+    seconds: float
+    tokens_per_seq: float
+    cost: StepCost
+
+    def tok_s_user(self) -> float:
+        return self.tokens_per_seq / self.seconds
 
 
 @dataclass(frozen=True)
@@ -335,14 +404,27 @@ class Method:
     drafter: DFlashShape | Eagle3Shape | None = None
     acceptance: Acceptance | None = None
 
-    def iteration(self, target: TargetShape, batch: int, ctx: float, dep: Deployment) -> Iteration:
+    def step(self, target: TargetShape, batch: int, ctx: float, dep: Deployment) -> StepCost:
         if self.drafter is None:
-            return ar_iteration(target, batch, ctx, dep)
+            return ar_step(target, batch, ctx, dep)
         if self.acceptance is None:
             raise DFlashTrtError(f"{self.name}: a speculative method needs an acceptance distribution")
+        width = self.acceptance.max_length
         if isinstance(self.drafter, DFlashShape):
-            return dflash_iteration(target, self.drafter, self.acceptance, batch, ctx, dep)
-        return eagle3_iteration(target, self.drafter, self.acceptance, batch, ctx, dep)
+            if width > self.drafter.block_size:
+                raise DFlashTrtError(
+                    f"acceptance lengths reach {width} but the drafter's block size is {self.drafter.block_size}"
+                )
+            return dflash_step(target, self.drafter, batch, width, self.acceptance.mean(), ctx, dep)
+        steps = self.drafter.steps
+        if width > steps + 1:
+            raise DFlashTrtError(f"acceptance lengths reach {width} but {steps} drafts yield at most {steps + 1}")
+        return eagle3_step(target, self.drafter, batch, ctx, dep)
+
+    def iteration(self, target: TargetShape, batch: int, ctx: float, dep: Deployment) -> Iteration:
+        cost = self.step(target, batch, ctx, dep)
+        tokens = 1.0 if self.acceptance is None else self.acceptance.mean()
+        return Iteration(dep.calibration.seconds(cost), tokens, cost)
 
 
 def mean_context(input_len: int, output_len: int) -> float:

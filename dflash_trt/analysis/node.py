@@ -107,9 +107,9 @@ def best_layout(
 
 @dataclass(frozen=True)
 class NodeRow:
-    """Every method's best layout under one calibration reading (and one acceptance length)."""
+    """Every method's best layout under one calibration and one acceptance length."""
 
-    reading: str
+    label: str  # the calibration and the acceptance lengths it was planned with
     layouts: dict[str, Layout | None]
 
     def ratio(self, method: str) -> float | None:
@@ -124,43 +124,40 @@ def plan_node(
     node: str,
     precision: str,
     kv_dtype: str,
-    cals: tuple[Calibration, ...],
+    cal: Calibration,
     lengths: tuple[int, int],
     min_tok_s_user: float,
 ) -> list[NodeRow]:
-    """One row per calibration reading x acceptance variant; `methods` maps a name to its variants (one per
-    acceptance length; AR has one)."""
+    """One row per acceptance variant; `methods` maps a name to its variants (one per acceptance length; AR has
+    one)."""
     num_gpus, gpu = parse_node(node)
     if min_tok_s_user <= 0:
         raise DFlashTrtError(f"--min_tok_s_user must be a positive number, got {min_tok_s_user}")
     width = max(len(v) for v in methods.values())
     rows = []
-    for cal in cals:
-        for i in range(width):
-            chosen = {name: variants[min(i, len(variants) - 1)] for name, variants in methods.items()}
-            taus = ", ".join(
-                f"{n} tau {m.acceptance.mean():.2f}" for n, m in chosen.items() if m.acceptance is not None
-            )
-            layouts = {
-                name: best_layout(m, target, num_gpus, gpu, precision, kv_dtype, cal, lengths, min_tok_s_user)
-                for name, m in chosen.items()
-            }
-            rows.append(NodeRow(f"{cal.name}; {taus}" if taus else cal.name, layouts))
+    for i in range(width):
+        chosen = {name: variants[min(i, len(variants) - 1)] for name, variants in methods.items()}
+        taus = ", ".join(f"{n} tau {m.acceptance.mean():.2f}" for n, m in chosen.items() if m.acceptance is not None)
+        layouts = {
+            name: best_layout(m, target, num_gpus, gpu, precision, kv_dtype, cal, lengths, min_tok_s_user)
+            for name, m in chosen.items()
+        }
+        rows.append(NodeRow(f"{cal.name}; {taus}" if taus else cal.name, layouts))
     return rows
 
 
 def markdown_node(node: str, rows: list[NodeRow]) -> str:
-    """One table row per reading and method: the layout, users, and users over AR's."""
+    """One table row per planned variant and method: the layout, users, and users over AR's."""
     lines = []
     for r in rows:
         for name, lay in r.layouts.items():
             if lay is None:
-                lines.append(f"| {node} | {r.reading} | {name} | – | 0 | – | – |")
+                lines.append(f"| {node} | {r.label} | {name} | – | 0 | – | – |")
                 continue
             ratio = r.ratio(name)
             vs = "–" if name == AR else ("AR reaches none" if ratio is None else f"{ratio:.2f}×")
             lines.append(
-                f"| {node} | {r.reading} | {name} | tp {lay.tp} × {lay.replicas} × {lay.batch} | {lay.users} | "
+                f"| {node} | {r.label} | {name} | tp {lay.tp} × {lay.replicas} × {lay.batch} | {lay.users} | "
                 f"{lay.tok_s_node:,.0f} | {vs} |"
             )
     return "\n".join(lines)

@@ -162,6 +162,18 @@ SOURCES = {
     "prompts; the 500-600 tok/s/user operating point as given by its coverage (blockchain.news, TechTimes)",
     "nvidia-blog-tables": "the same blog's speedup tables as relayed by thebrieftide.com: SPEED-Bench average "
     "speedup over AR 'at a fixed number of users'",
+    "sglang-16818": "SGLang PR #16818 (DFLASH, spec v1 worker; its description's last throughput and speedup tables, "
+    "the flashinfer-backend section by their position): Qwen3-8B + z-lab/Qwen3-8B-DFlash-b16, 1-8x H200, GSM8K "
+    "chat prompts through benchmark/dflash/bench_dflash_gsm8k_sweep.py (bf16, greedy, thinking off, max_new_tokens "
+    "2048, 128 x concurrency questions up to 1024, output tokens over wall time), DFlash tok/s and speedup over "
+    "AR per TP 1/2/4/8 and concurrency 1-32; the AR baseline is DFlash tok/s / speedup",
+    "sglang-20547": "SGLang PR #20547 (spec v2 for DFLASH, 2026-03-13): the same sweep script on 1x B200, "
+    "concurrency 32, spec v1 9,688.26 and spec v2 12,360.49 tok/s; its concurrency-1 spec v2 figure (900 tok/s) "
+    "as PR #23000 states it",
+    "modelopt-vllm": "NVIDIA Model-Optimizer examples/speculative_decoding/doc/dflash.md, 'vLLM Deployment "
+    "Results': vLLM nightly (v0.19.1+), H100, MT-Bench 80 prompts, 1024 max tokens: tok/s of the target alone, "
+    "z-lab/Qwen3-8B-DFlash-b16 and ModelOpt's block-8 Qwen3-8B drafter at TP 1 and 8, and per MT-Bench category "
+    "at TP 8 with each category's acceptance length",
 }
 
 
@@ -349,16 +361,154 @@ def _paper() -> list[Published]:
 SGLANG_TAUS = Unknown(
     (6.35, 6.48), "the PR reports acceptance lengths 6.35 and 6.48 without tying them to a run", "datasheet"
 )
+# bench_dflash_gsm8k_sweep.py: zero-shot GSM8K questions plus one instruction line in Qwen3's chat template,
+# answers until EOS. Neither length is reported.
+SWEEP_LENGTHS = Unknown(
+    ((128, 320),),
+    "assumed: a GSM8K question with the sweep script's one-line instruction in Qwen3's chat template is ~100-150 "
+    "tokens; non-thinking step-by-step answers end at EOS after ~200-400 tokens; neither is reported",
+)
+SWEEP_PRECISION = Unknown(
+    ("bf16",), "the sweep script's default --dtype bfloat16; no other dtype is stated", "datasheet"
+)
 
 
 def _sglang() -> list[Published]:
     rows = [("v1", 1, 845.98), ("v1", 32, 11405.85), ("v2", 1, 1161.88), ("v2", 32, 15326.81)]
+    older = [("v1", 32, 9688.26), ("v2", 32, 12360.49), ("v2", 1, 900.0)]
     return [
         Published(f"sglang-{v}-c{c}", "sglang-23000", "qwen3-8b", f"Qwen3-8B DFlash, spec {v}, concurrency {c}",
-                  "tok_s", tok_s, f"sglang-{v}", "b200", BF16_CHECKPOINTS, c, SGLANG_TAUS,
-                  lengths=Unknown(((512, 256),), "assumed: GSM8K prompt and answer lengths are not stated"))
+                  "tok_s", tok_s, f"sglang-{v}", "b200", SWEEP_PRECISION, c, SGLANG_TAUS, lengths=SWEEP_LENGTHS)
         for v, c, tok_s in rows
+    ] + [
+        Published(f"sglang20547-{v}-c{c}", "sglang-20547", "qwen3-8b",
+                  f"Qwen3-8B DFlash, spec {v}, concurrency {c}, five weeks before PR #23000", "tok_s", tok_s,
+                  f"sglang-{v}", "b200", SWEEP_PRECISION, c, SGLANG_TAUS, lengths=SWEEP_LENGTHS,
+                  note="the same harness on the same GPU five weeks earlier: measures its drift")
+        for v, c, tok_s in older
     ]  # fmt: skip
+
+
+# PR #16818's tables, rows TP 1/2/4/8, columns concurrency 1/2/4/8/16/32.
+SGLANG_16818_CONCURRENCY = (1, 2, 4, 8, 16, 32)
+SGLANG_16818_TOK_S = {
+    1: (774, 1422, 2562, 4335, 6366, 8335),
+    2: (803, 1469, 2577, 4173, 5947, 7777),
+    4: (825, 1505, 2468, 4061, 5699, 7626),
+    8: (810, 1293, 2337, 3839, 5684, 7426),
+}
+SGLANG_16818_SPEEDUP = {
+    1: (3.67, 3.42, 3.15, 2.79, 2.17, 1.66),
+    2: (3.23, 2.99, 2.71, 2.36, 1.80, 1.50),
+    4: (2.55, 2.47, 2.17, 1.92, 1.51, 1.28),
+    8: (2.33, 1.91, 1.83, 1.65, 1.41, 1.49),
+}
+# The acceptance-length table the same description prints with its other attention backend's results.
+SGLANG_16818_TAU = {
+    1: (6.36, 6.34, 6.34, 6.36, 6.29, 6.38),
+    2: (6.36, 6.40, 6.36, 6.44, 6.41, 6.43),
+    4: (6.36, 6.36, 6.36, 6.31, 6.31, 6.37),
+    8: (6.33, 6.31, 6.29, 6.36, 6.29, 6.30),
+}
+
+
+def _sglang_16818() -> list[Published]:
+    points = []
+    for tp, cells in SGLANG_16818_TOK_S.items():
+        for i, c in enumerate(SGLANG_16818_CONCURRENCY):
+            tok_s, speedup = cells[i], SGLANG_16818_SPEEDUP[tp][i]
+            tau = Unknown(
+                (SGLANG_16818_TAU[tp][i],),
+                "assumed: the accept-length table printed with the other "
+                "attention backend's results, same TP and concurrency",
+            )
+            row = partial(
+                Published,
+                source="sglang-16818",
+                pair="qwen3-8b",
+                harness="sglang-v1",
+                gpu="h200",
+                precision=SWEEP_PRECISION,
+                concurrency=c,
+                num_gpus=tp,
+                lengths=SWEEP_LENGTHS,
+            )
+            where = f"TP {tp}, concurrency {c}"
+            points += [
+                row(id=f"sglang16818-tp{tp}-c{c}-dflash", setting=f"Qwen3-8B DFlash, {where}", metric="tok_s",
+                    published=tok_s, tau=tau),
+                row(id=f"sglang16818-tp{tp}-c{c}-speedup", setting=f"Qwen3-8B DFlash over AR, {where}",
+                    metric="speedup", published=speedup, tau=tau),
+                row(id=f"sglang16818-tp{tp}-c{c}-ar", setting=f"Qwen3-8B AR, {where}", metric="tok_s",
+                    published=round(tok_s / speedup, 1), tau=1.0, method=AR,
+                    note="derived: the published DFlash tok/s over the published speedup"),
+            ]  # fmt: skip
+    return points
+
+
+# Per MT-Bench category at TP 8, per drafter: (acceptance length, tok/s); MT-Bench has 10 prompts per category.
+MODELOPT_CATEGORIES: dict[str, dict[str, tuple[float, float]]] = {
+    "math": {"zlab": (4.24, 1098), "modelopt": (5.14, 1238)},
+    "coding": {"zlab": (3.52, 1269), "modelopt": (4.03, 1299)},
+    "writing": {"zlab": (3.97, 903), "modelopt": (3.99, 1002)},
+    "reasoning": {"zlab": (3.49, 1020), "modelopt": (3.89, 1188)},
+    "roleplay": {"zlab": (3.37, 923), "modelopt": (3.88, 1069)},
+    "extraction": {"zlab": (3.02, 789), "modelopt": (3.60, 1002)},
+    "stem": {"zlab": (3.63, 914), "modelopt": (3.55, 1027)},
+    "humanities": {"zlab": (2.68, 672), "modelopt": (3.05, 786)},
+}
+MODELOPT_LENGTHS = Unknown(
+    ((128, 512),),
+    "assumed: MT-Bench first turns are ~50-200 tokens; answers end at EOS below the 1024-token cap; neither is "
+    "reported",
+)
+MODELOPT_SINGLE_USER = Unknown(
+    (1,),
+    "derived: the concurrency is not stated, but 145 tok/s for Qwen3-8B in bf16 on one H100 is below the single-"
+    "stream bound (3.35 TB/s over 16.4 GB, ~204 tok/s): one request at a time",
+)
+MODELOPT_PRECISION = Unknown(("bf16",), "assumed: no dtype is stated; vLLM serves the bf16 checkpoints in bf16")
+
+
+def _mean_tau(drafter: str) -> Unknown:
+    taus = [cells[drafter][0] for cells in MODELOPT_CATEGORIES.values()]
+    return Unknown(
+        (round(sum(taus) / len(taus), 2),),
+        "derived: the unweighted mean of the eight per-category acceptance lengths at TP 8 (MT-Bench holds ten "
+        "prompts per category; acceptance does not depend on TP)",
+    )
+
+
+def _modelopt() -> list[Published]:
+    row = partial(
+        Published,
+        source="modelopt-vllm",
+        pair="qwen3-8b",
+        harness="vllm",
+        gpu="h100",
+        metric="tok_s",
+        precision=MODELOPT_PRECISION,
+        concurrency=MODELOPT_SINGLE_USER,
+        lengths=MODELOPT_LENGTHS,
+    )
+    points = [row(id=f"modelopt-tp{tp}-ar", setting=f"Qwen3-8B AR, TP {tp}", published=tok_s, tau=1.0, method=AR,
+                  num_gpus=tp) for tp, tok_s in ((1, 145.0), (8, 377.0))]  # fmt: skip
+    drafters = {
+        "zlab": ("z-lab block-16 drafter", 16, (422.0, 919.0)),
+        "modelopt": ("ModelOpt block-8 drafter", 8, (443.0, 1053.0)),
+    }
+    for name, (label, block, totals) in drafters.items():
+        points += [
+            row(id=f"modelopt-tp{tp}-{name}", setting=f"Qwen3-8B DFlash ({label}), TP {tp}", published=tok_s,
+                tau=_mean_tau(name), block=block, num_gpus=tp)
+            for tp, tok_s in zip((1, 8), totals, strict=True)
+        ]  # fmt: skip
+        points += [
+            row(id=f"modelopt-tp8-{name}-{cat}", setting=f"Qwen3-8B DFlash ({label}), TP 8, MT-Bench {cat}",
+                published=float(cells[name][1]), tau=cells[name][0], block=block, num_gpus=8)
+            for cat, cells in MODELOPT_CATEGORIES.items()
+        ]  # fmt: skip
+    return points
 
 
 def _card() -> list[Published]:
@@ -418,7 +568,27 @@ def _blog() -> list[Published]:
     ]  # fmt: skip
 
 
-POINTS: list[Published] = _zlab() + _paper() + _sglang() + _card() + _blog()
+POINTS: list[Published] = _zlab() + _paper() + _sglang() + _sglang_16818() + _modelopt() + _card() + _blog()
+
+
+# The rows each harness's overhead terms are fitted on, chosen before fitting; every other row is held out.
+# The transformers harness: two pairs' single-user speedups (their different rooflines separate the per-step and
+# the speculative overhead). SGLang spec v1: the four corners (TP 1 and 8, concurrency 1 and 32) of PR #16818's
+# DFlash throughput and its derived AR baseline, which settle how much of the overhead AR pays, how it grows with
+# the batch and what tensor parallelism costs. SGLang spec v2: PR #23000's two throughputs (its AR side is
+# spec v1's). vLLM: the AR baseline at TP 1 and 8 and the block-16 drafter at TP 1.
+FIT_ROWS: dict[str, tuple[str, ...]] = {
+    "hf-transformers": ("zlab-qwen3-8b-dflash-gsm8k", "zlab-qwen3-4b-dflash-gsm8k"),
+    "sglang-v1": tuple(f"sglang16818-tp{tp}-c{c}-{m}" for tp in (1, 8) for c in (1, 32) for m in ("ar", "dflash")),
+    "sglang-v2": ("sglang-v2-c1", "sglang-v2-c32"),
+    "vllm": ("modelopt-tp1-ar", "modelopt-tp8-ar", "modelopt-tp1-zlab"),
+}
+# Rows that measure one harness twice, five weeks apart (newer, older): the drift a calibration carries.
+DRIFT_PAIRS = (
+    ("sglang-v1-c32", "sglang20547-v1-c32"),
+    ("sglang-v2-c32", "sglang20547-v2-c32"),
+    ("sglang-v2-c1", "sglang20547-v2-c1"),
+)
 
 
 def point(point_id: str) -> Published:

@@ -12,12 +12,11 @@ import argparse
 import math
 import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from dflash_trt.analysis.acceptance_file import read_acceptance_file
-from dflash_trt.analysis.evaluation import HARNESSES, calibrations
 from dflash_trt.analysis.gpus import GPUS, get_gpu
+from dflash_trt.analysis.harness_fits import HARNESSES, calibration
 from dflash_trt.analysis.memory import EngineLimits, FeasiblePoint, feasible_curve
 from dflash_trt.analysis.model import (
     PRECISION,
@@ -62,24 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tp_size", type=int, default=1)
     p.add_argument("--qformat", choices=QFORMATS, default=NONE, help="weight format (none = 16-bit weights)")
     p.add_argument("--kv_cache_dtype", choices=KV_CACHE_DTYPES, default=NONE)
-    p.add_argument(
-        "--acceptance_length",
-        type=float,
-        help="mean tokens per verify step incl. the bonus token (default with --preset: the published value)",
-    )
-    p.add_argument(
-        "--acceptance_json",
-        help='JSON with "histogram" (steps yielding 1..B tokens) or "per_position" (conditional acceptance rates)',
-    )
-    p.add_argument(
-        "--workload",
-        default="gsm8k",
-        help=f"with --preset: the dataset (or {', '.join(WORKLOADS)}) whose published acceptance lengths to use",
-    )
-    p.add_argument(
-        "--temperature", type=float, help="with --preset: the sampling temperature of those lengths (0 or 1)"
-    )
-    p.add_argument("--max_draft_len", type=int, help="draft fewer tokens than the drafter's block (block - 1)")
+    _add_acceptance_args(p)
     p.add_argument("--eagle3_acceptance_length", type=float, help="also predict an EAGLE-3-like drafter")
     p.add_argument("--eagle3_steps", type=int, default=3)
     p.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256", help="comma-separated list")
@@ -88,8 +70,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--calibration",
         default="trtllm",
-        help=f"fitted overheads: one of {', '.join(HARNESSES)} (every reading that fits is shown as a range) or a "
-        "file written by --calibrate --output (refused on other hardware)",
+        help=f"fitted overheads: one of {', '.join(HARNESSES)} (one committed calibration each, with its error band) "
+        "or a file written by --calibrate --output (refused on other hardware)",
     )
     p.add_argument("--levels", help="comma-separated tok/s/user values for the speedup-vs-AR table")
     p.add_argument(
@@ -120,6 +102,40 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true", help="with --output: replace an existing file")
     p.add_argument("--json", action="store_true", help="print machine-readable output")
     p.set_defaults(func=run)
+
+
+def _add_acceptance_args(p: argparse.ArgumentParser) -> None:
+    """Where the DFlash acceptance comes from and at which draft length it was measured and is planned."""
+    p.add_argument(
+        "--acceptance_length",
+        type=float,
+        help="mean tokens per verify step incl. the bonus token, as measured with --acceptance_draft_len drafts per "
+        "step (default with --preset: the published value, measured with the drafter's full block)",
+    )
+    p.add_argument(
+        "--acceptance_draft_len",
+        type=POSITIVE_INT,
+        help="the draft length --acceptance_length was measured at (default: the drafter's block - 1); with "
+        "--max_draft_len the mean is re-derived for that length: a shorter draft cuts every longer accepted run, a "
+        "longer one continues at the measured per-position rate",
+    )
+    p.add_argument(
+        "--acceptance_json",
+        help='JSON with "histogram" (steps yielding 1..B tokens) or "per_position" (conditional acceptance rates)',
+    )
+    p.add_argument(
+        "--workload",
+        default="gsm8k",
+        help=f"with --preset: the dataset (or {', '.join(WORKLOADS)}) whose published acceptance lengths to use",
+    )
+    p.add_argument(
+        "--temperature", type=float, help="with --preset: the sampling temperature of those lengths (0 or 1)"
+    )
+    p.add_argument(
+        "--max_draft_len",
+        type=int,
+        help="drafts per step to plan for (default: what the acceptance was measured at; at most block - 1)",
+    )
 
 
 def _emit(text: str) -> None:
@@ -177,25 +193,37 @@ def _published_taus(args: argparse.Namespace) -> tuple[list[float], str]:
     return sorted({min(found.values()), max(found.values())}), note
 
 
-def load_acceptance(args: argparse.Namespace, block: int) -> tuple[list[Acceptance], str]:
-    """The DFlash acceptance distributions (one per end of a published range) and a note saying where they came
-    from."""
+def _measured_acceptance(args: argparse.Namespace, block: int) -> tuple[list[Acceptance], str]:
+    """The acceptance distributions as measured (one per end of a published range), and where they came from."""
     if args.acceptance_length is not None and args.acceptance_json is not None:
         raise DFlashTrtError("give at most one of --acceptance_length and --acceptance_json")
+    if args.acceptance_draft_len is not None and args.acceptance_length is None:
+        raise DFlashTrtError("--acceptance_draft_len says where --acceptance_length was measured: give both")
     if args.acceptance_json:
         path = Path(args.acceptance_json)
         acc = read_acceptance_file(path, block)
-        accs, note = [acc], f"acceptance from {path}"
-    elif args.acceptance_length is not None:
-        accs, note = [Acceptance.from_mean(args.acceptance_length, block)], "acceptance length given"
-    else:
-        taus, note = _published_taus(args)
-        accs = [Acceptance.from_mean(t, block) for t in taus]
-    if args.max_draft_len is not None:
-        if not 1 <= args.max_draft_len < block:
-            raise DFlashTrtError(f"--max_draft_len must lie in [1, {block - 1}]")
-        accs = [a.truncated(args.max_draft_len + 1) for a in accs]
-    return accs, note
+        return [acc], f"acceptance from {path}, measured with {acc.max_length - 1} drafts per step"
+    if args.acceptance_length is not None:
+        drafts = block - 1 if args.acceptance_draft_len is None else args.acceptance_draft_len
+        if not 1 <= drafts < block:
+            raise DFlashTrtError(f"--acceptance_draft_len must lie in [1, {block - 1}] (the drafter's block - 1)")
+        acc = Acceptance.from_mean(args.acceptance_length, drafts + 1)
+        return [acc], f"acceptance length {args.acceptance_length:g} given, measured with {drafts} drafts per step"
+    taus, note = _published_taus(args)
+    return [Acceptance.from_mean(t, block) for t in taus], note
+
+
+def load_acceptance(args: argparse.Namespace, block: int) -> tuple[list[Acceptance], str]:
+    """The DFlash acceptance distributions at the planned draft length (one per end of a published range) and a
+    note saying where they came from and at which draft length they were measured."""
+    accs, note = _measured_acceptance(args, block)
+    if args.max_draft_len is None:
+        return accs, note
+    if not 1 <= args.max_draft_len < block:
+        raise DFlashTrtError(f"--max_draft_len must lie in [1, {block - 1}]")
+    resized = [a.resized(args.max_draft_len + 1) for a in accs]
+    means = ", ".join(f"{a.mean():.2f}" for a in resized)
+    return resized, f"{note}; at --max_draft_len {args.max_draft_len}: mean {means}"
 
 
 def _check_tp(target: TargetShape, drafter: DFlashShape | None, tp: int) -> None:
@@ -215,25 +243,35 @@ def _models(args: argparse.Namespace) -> tuple[TargetShape, DFlashShape | None]:
 
 
 def _validate(args: argparse.Namespace) -> None:
-    from dflash_trt.analysis import evaluation
+    from dflash_trt.analysis import band_shape, evaluation, validation_report
 
     rows = evaluation.evaluate()
-    if args.json:
-        predictors = ("model", "k_tau", "persistence")
-        summaries = [
+    if not args.json:
+        shape = band_shape.markdown_band_shape(band_shape.band_shape())
+        tables = validation_report.markdown_tables(rows)
+        _emit(f"{tables}\n\nShape of the >15x claim (gpt-oss-120b, 8x B300, MXFP4):\n{shape}")
+        return
+    predictors = ("model", "k_tau", "persistence")
+    summaries = validation_report.summarize(rows)
+    out = {
+        "points": [r.as_json() for r in rows],
+        "summaries": [
             {
                 "group": s.group,
                 **{
                     name: {"points": n, "median_abs_error": med, "worst_error": worst}
                     for name, (n, med, worst) in zip(predictors, (s.model, s.k_tau, s.persistence), strict=True)
                 },
+                "within_band": {"points": s.within_band[0], "of": s.within_band[1]},
             }
-            for s in evaluation.summarize(rows)
-        ]
-        _emit(strict_json({"points": [r.as_json() for r in rows], "summaries": summaries}, indent=2))
-    else:
-        shape = evaluation.markdown_band_shape(evaluation.band_shape())
-        _emit(f"{evaluation.markdown_tables(rows)}\n\nShape of the >15x claim (gpt-oss-120b, 8x B300, MXFP4):\n{shape}")
+            for s in summaries
+        ],
+        "goals": [
+            {"goal": g, "achieved": v, "target": t, "met": m} for g, v, t, m in validation_report.goals(summaries)
+        ],
+        "leave_one_source_out": [vars(r) for r in evaluation.leave_one_source_out()],
+    }
+    _emit(strict_json(out, indent=2))
 
 
 def _provenance(args: argparse.Namespace) -> None:
@@ -356,7 +394,8 @@ def _calibrate(args: argparse.Namespace) -> None:
         return
     head = (
         f"calibration: step_overhead_s {cal.step_overhead_s:.6f}, spec_overhead_s {cal.spec_overhead_s:.6f}, "
-        f"token_overhead_s {cal.token_overhead_s:.3e}"
+        f"sequence_overhead_s {cal.sequence_overhead_s:.3e}, token_overhead_s {cal.token_overhead_s:.3e}, "
+        f"collective_slowdown {cal.collective_slowdown:.2f}; error band ±{100 * cal.error_band:.1f}%"
     )
     where = (
         "not stamped: the results carry no provenance"
@@ -376,10 +415,10 @@ def _calibrate(args: argparse.Namespace) -> None:
     _emit("\n".join(lines))
 
 
-def _calibrations(args: argparse.Namespace) -> tuple[tuple[Calibration, ...], list[str]]:
-    """The built-in harness's readings, or a calibration file's one fit (refused on other hardware)."""
+def _calibration(args: argparse.Namespace) -> tuple[Calibration, list[str]]:
+    """The built-in harness's committed calibration, or a calibration file's fit (refused on other hardware)."""
     if args.calibration in HARNESSES:
-        return calibrations(args.calibration), []
+        return calibration(args.calibration), []
     from dflash_trt.analysis.calibrate import load_calibration
 
     path = Path(args.calibration)
@@ -403,7 +442,7 @@ def _calibrations(args: argparse.Namespace) -> tuple[tuple[Calibration, ...], li
         if stamp[key] != mine
     ]
     head = f"calibration file {path}: {stamp['backend']} backend, {stamp['isl']}/{stamp['osl']} tokens"
-    return (cal,), [head, *notes]
+    return cal, [head, *notes]
 
 
 def _limits(args: argparse.Namespace, concurrencies: list[int]) -> EngineLimits:
@@ -427,10 +466,15 @@ def _span(values: list[float]) -> str:
     return f"{lo:.1f}" if math.isclose(lo, hi, rel_tol=5e-4) else f"{lo:.1f}-{hi:.1f}"
 
 
+def band_text(cal: Calibration) -> str:
+    """How far a prediction made with `cal` can be off, in one line."""
+    return f"error band ±{100 * cal.error_band:.0f}% on every predicted number ({cal.band_source})"
+
+
 def _curves(args: argparse.Namespace) -> None:
     target, drafter = _models(args)
-    cals, cal_notes = _calibrations(args)
-    dep = _deployment(args, target, drafter, cals[0])
+    cal, cal_notes = _calibration(args)
+    dep = _deployment(args, target, drafter, cal)
     notes: list[str] = []
     dflash_accs: list[Acceptance | None] = [None]
     if drafter is not None:
@@ -448,65 +492,63 @@ def _curves(args: argparse.Namespace) -> None:
     conc = _ints(args.concurrency, "--concurrency")
     lengths = _lengths(args, DEFAULT_LENGTHS)
     limits = _limits(args, conc)
-    readings = {}
-    for cal in cals:
-        for dflash_acc in dflash_accs:
-            dflash = [Method(DFLASH, drafter, dflash_acc)] if dflash_acc is not None else []
-            methods = [Method(AR), *dflash, *extra]
-            d = replace(dep, calibration=cal)
-            feasible = {m.name: feasible_curve(m, target, d, conc, lengths, limits) for m in methods}
-            curves = {n: _ran(c) for n, c in feasible.items()}
-            table, crossovers = [], {}
-            if curves[AR]:  # nothing to compare against when not even AR's weights fit
-                levels = _levels(args.levels) if args.levels else [p.tok_s_user for p in curves[AR]]
-                table = speedup_table([p for c in curves.values() for p in c], AR, levels)
-                ar_batches = {p.concurrency for p in curves[AR]}
-                crossovers = {
-                    n: crossover_concurrency(c, curves[AR]).concurrency
-                    for n, c in curves.items()
-                    if n != AR and ar_batches & {p.concurrency for p in c}  # capped batches may share none
-                }
-            tau = "" if dflash_acc is None or len(dflash_accs) == 1 else f", tau {dflash_acc.mean():.2f}"
-            label = cal.name + tau
-            readings[label] = (feasible, table, crossovers)
+    variants = {}
+    for dflash_acc in dflash_accs:
+        dflash = [Method(DFLASH, drafter, dflash_acc)] if dflash_acc is not None else []
+        methods = [Method(AR), *dflash, *extra]
+        feasible = {m.name: feasible_curve(m, target, dep, conc, lengths, limits) for m in methods}
+        curves = {n: _ran(c) for n, c in feasible.items()}
+        table, crossovers = [], {}
+        if curves[AR]:  # nothing to compare against when not even AR's weights fit
+            levels = _levels(args.levels) if args.levels else [p.tok_s_user for p in curves[AR]]
+            table = speedup_table([p for c in curves.values() for p in c], AR, levels)
+            ar_batches = {p.concurrency for p in curves[AR]}
+            crossovers = {
+                n: crossover_concurrency(c, curves[AR]).concurrency
+                for n, c in curves.items()
+                if n != AR and ar_batches & {p.concurrency for p in c}  # capped batches may share none
+            }
+        tau = "" if dflash_acc is None or len(dflash_accs) == 1 else f", tau {dflash_acc.mean():.2f}"
+        variants[cal.name + tau] = (feasible, table, crossovers)
     notes += cal_notes
     if args.json:
-        _emit_curves_json(readings, cals, notes, lengths, limits)
+        _emit_curves_json(variants, cal, notes, lengths, limits)
     else:
-        _emit_curves_text(args, readings, cals, notes, lengths, len(dflash_accs) > 1)
+        _emit_curves_text(args, variants, cal, notes, lengths, len(dflash_accs) > 1)
 
 
 def _emit_curves_json(
-    readings: dict[str, tuple],
-    cals: tuple[Calibration, ...],
+    variants: dict[str, tuple],
+    cal: Calibration,
     notes: list[str],
     lengths: tuple[int, int],
     limits: object,
 ) -> None:
-    first = next(iter(readings.values()))[0]
+    first = next(iter(variants.values()))[0]
     merged = {}
     for name, curve in first.items():
         rows = []
         for i, fp in enumerate(curve):
             row = fp.as_json()
             for key in ("tok_s_user", "tok_s_gpu"):
-                vals = [r[0][name][i].as_json()[key] for r in readings.values()]
+                vals = [r[0][name][i].as_json()[key] for r in variants.values()]
                 row[key] = None if vals[0] is None else [min(vals), max(vals)]
             rows.append(row)
         merged[name] = rows
     _emit(
         strict_json(
             {
-                "calibrations": [vars(c) for c in cals],
+                "calibration": vars(cal),
+                "error_band": cal.error_band,
                 "notes": notes,
                 "lengths": list(lengths),
                 "limits": vars(limits),
                 "curves": merged,
                 "speedup_vs_ar": {
                     n: [{"tok_s_user": r.tok_s_user, "speedup": r.speedup} for r in t]
-                    for n, (_, t, _) in readings.items()
+                    for n, (_, t, _) in variants.items()
                 },
-                "crossover_concurrency_vs_ar": {n: c for n, (_, _, c) in readings.items()},
+                "crossover_concurrency_vs_ar": {n: c for n, (_, _, c) in variants.items()},
                 "caveat": BAND_CAVEAT,
             },
             indent=2,
@@ -516,47 +558,43 @@ def _emit_curves_json(
 
 def _emit_curves_text(
     args: argparse.Namespace,
-    readings: dict[str, tuple],
-    cals: tuple[Calibration, ...],
+    variants: dict[str, tuple],
+    cal: Calibration,
     notes: list[str],
     lengths: tuple[int, int],
     acceptance_range: bool,
 ) -> None:
-    first = next(iter(readings.values()))[0]
+    first = next(iter(variants.values()))[0]
     weights = "16-bit" if args.qformat == NONE else args.qformat
     kv_cache = "16-bit" if args.kv_cache_dtype == NONE else args.kv_cache_dtype
     lines = [
         f"GPU {args.gpu} (--gpu), TP {args.tp_size}, {weights} weights (--qformat), {kv_cache} KV cache; "
         f"{lengths[0]}/{lengths[1]} tokens; tok/s/user = 1/TPOT",
-        *[f"calibration {c.name} ({c.source})" for c in cals],
+        f"calibration {cal.name} ({cal.source})",
+        band_text(cal),
         *notes,
     ]
-    if len(cals) > 1:
-        lines.append(
-            "no calibration fits this harness's overhead unambiguously: each cell is the range over the readings "
-            "above (fit your own with --calibrate)"
-        )
     if acceptance_range:
         lines.append("each dflash cell spans the workload's lowest and highest published acceptance length")
     lines.append(f"{'method':<8} {'conc':>6} {'batch':>6} {'tok/s/user':>15} {'tok/s/GPU':>17}  fits")
     for name, curve in first.items():
         for i, fp in enumerate(curve):
-            pts = [r[0][name][i].point for r in readings.values()]
+            pts = [r[0][name][i].point for r in variants.values()]
             user = "-" if fp.point is None else _span([p.tok_s_user for p in pts if p])
             gpu = "-" if fp.point is None else _span([p.tok_s_gpu for p in pts if p])
             fits = "yes" if fp.fits else f"no: {fp.reason}"
             lines.append(f"{name:<8} {fp.requested:>6} {fp.batch:>6} {user:>15} {gpu:>17}  {fits}")
     lines.append("speedup = tok/s/GPU over ar's at equal interactivity (each method at its own concurrency):")
-    for reading, (feasible, table, crossovers) in readings.items():
+    for variant, (feasible, table, crossovers) in variants.items():
         curves = {n: _ran(c) for n, c in feasible.items()}
         for r in table:
             cells = ", ".join(
                 speedup_cell(n, s, curves[n], r.tok_s_user, curves[AR]) for n, s in r.speedup.items() if n != AR
             )
-            lines.append(f"[{reading}] at {r.tok_s_user:.1f} tok/s/user: {cells}")
+            lines.append(f"[{variant}] at {r.tok_s_user:.1f} tok/s/user: {cells}")
         for name, c in crossovers.items():
             where = "> swept range" if c is None else f"{c:.1f}"
-            lines.append(f"[{reading}] {name}: stops paying at concurrency {where}")
+            lines.append(f"[{variant}] {name}: stops paying at concurrency {where}")
     lines.append(BAND_CAVEAT)
     _emit("\n".join(lines))
 
@@ -567,9 +605,9 @@ def _node(args: argparse.Namespace) -> None:
     target, drafter = _models(args)
     _, gpu = parse_node(args.node)
     args.gpu = gpu
-    cals, cal_notes = _calibrations(args)
+    cal, cal_notes = _calibration(args)
     methods: dict[str, list[Method]] = {AR: [Method(AR)]}
-    notes = [*cal_notes]
+    notes = [f"calibration {cal.name} ({cal.source})", band_text(cal), *cal_notes]
     if drafter is not None:
         accs, note = load_acceptance(args, drafter.block_size)
         methods[DFLASH] = [Method(DFLASH, drafter, a) for a in accs]
@@ -584,7 +622,7 @@ def _node(args: argparse.Namespace) -> None:
     lengths = _lengths(args, DEFAULT_LENGTHS)
     precision, kv = PRECISION[args.qformat], PRECISION[args.kv_cache_dtype]
     Deployment(get_gpu(gpu), precision, kv)  # refuses a precision the GPU lacks
-    rows = plan_node(methods, target, args.node, precision, kv, cals, lengths, args.min_tok_s_user)
+    rows = plan_node(methods, target, args.node, precision, kv, cal, lengths, args.min_tok_s_user)
     if args.json:
         _emit(
             strict_json(
@@ -595,7 +633,7 @@ def _node(args: argparse.Namespace) -> None:
                     "notes": notes,
                     "rows": [
                         {
-                            "reading": r.reading,
+                            "label": r.label,
                             "layouts": {n: None if lay is None else lay.as_json() for n, lay in r.layouts.items()},
                             "users_vs_ar": {n: r.ratio(n) for n in r.layouts if n != AR},
                         }
@@ -612,7 +650,7 @@ def _node(args: argparse.Namespace) -> None:
         *notes,
     ]
     for r in rows:
-        lines.append(f"[{r.reading}]")
+        lines.append(f"[{r.label}]")
         for name, lay in r.layouts.items():
             if lay is None:
                 lines.append(f"  {name:<7} cannot give one user {args.min_tok_s_user:g} tok/s on any layout that fits")

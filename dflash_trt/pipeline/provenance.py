@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash_trt.analysis import evaluation, memory, model
+from dflash_trt.analysis import comm, evaluation, harness_fits, memory, model, rows
 from dflash_trt.analysis.gpus import GPUS
-from dflash_trt.analysis.published import POINTS, TAU_SOURCES, TAUS, Unknown
+from dflash_trt.analysis.published import FIT_ROWS, POINTS, TAU_SOURCES, TAUS, Unknown
 
 KINDS = ("datasheet", "measured", "assumed", "fitted")
 
@@ -27,8 +27,36 @@ def _gpu_constants() -> dict[str, Constant]:
     out = {}
     for key, gpu in GPUS.items():
         out[f"gpu.{key}.hbm_bytes"] = Constant(gpu.hbm_bytes, gpu.memory_kind, gpu.memory_source or gpu.source)
-        for field in ("hbm_bandwidth", "bf16_flops", "fp8_flops", "nvfp4_flops", "nvlink_bandwidth"):
+        for field in ("hbm_bandwidth", "bf16_flops", "fp8_flops", "nvfp4_flops"):
             out[f"gpu.{key}.{field}"] = Constant(getattr(gpu, field), gpu.kind, gpu.source)
+        out[f"gpu.{key}.interconnect"] = Constant(gpu.interconnect, gpu.kind, gpu.source)
+    return out
+
+
+def _comm_constants() -> dict[str, Constant]:
+    out = {
+        f"interconnect.{key}.link_bandwidth": Constant(link.link_bandwidth, link.kind, link.source)
+        for key, link in comm.INTERCONNECTS.items()
+    }
+    sizes = ", ".join(f"{b} B" for b in comm.ONESHOT_SIZES_BYTES)
+    for tp, us in comm.ONESHOT_US.items():
+        out[f"allreduce.oneshot_us.tp{tp}"] = Constant(list(us), "measured", f"{comm.ONESHOT_SOURCE} (at {sizes})")
+    latency, efficiency = comm.nccl_fit()
+    out["allreduce.nccl_latency_s"] = Constant(latency, "measured", comm.NCCL_SOURCE)
+    out["allreduce.nccl_bus_efficiency"] = Constant(efficiency, "measured", comm.NCCL_SOURCE)
+    out["allreduce.algorithms"] = Constant(
+        comm.ALGORITHMS,
+        "datasheet",
+        "TensorRT-LLM 1.2.x AllreducePlugin::selectImplementation (AUTO, read at 005b299b, not run): ONESHOT below "
+        "the limit per TP width, NCCL above; the custom curve up to 8 MB for SGLang and vLLM",
+    )
+    out["allreduce.blackwell_latency"] = Constant(
+        "the Hopper one-shot latencies, message sizes scaled by the link-bandwidth ratio",
+        "assumed",
+        "no Blackwell one-shot latency table is recorded; NCCL's symmetric-memory small all-reduce on Blackwell is "
+        "reported at about 6-8 us (NCCL 2.27 blog figure as relayed in NVIDIA/nccl-tests issue #333), the range of "
+        "Hopper's one-shot at TP 8",
+    )
     return out
 
 
@@ -57,18 +85,24 @@ def _calibration_constants() -> dict[str, Constant]:
     out = {
         "calibration.bandwidth_efficiency": Constant(default.bandwidth_efficiency, "assumed", why),
         "calibration.compute_efficiency": Constant(default.compute_efficiency, "assumed", why),
-        "calibration.allreduce_latency_s": Constant(default.allreduce_latency_s, "assumed", "typical NCCL latency"),
     }
-    for harness in evaluation.HARNESSES:
-        kind = "assumed" if harness in evaluation.TRANSFERRED else "fitted"
-        for cal in evaluation.calibrations(harness):
-            reading = cal.name.split("(")[-1].rstrip(")")
-            for field in ("step_overhead_s", "spec_overhead_s", "token_overhead_s"):
-                out[f"calibration.{harness}.{reading}.{field}"] = Constant(getattr(cal, field), kind, cal.source)
-    fits = ", ".join(sorted(evaluation.fit_set_ids()))
-    out["baseline.k"] = Constant(evaluation.baseline_k(), "fitted", f"speedup = k * tau on the fit set ({fits})")
+    for harness in harness_fits.HARNESSES:
+        cal = harness_fits.calibration(harness)
+        kind = "assumed" if harness in harness_fits.TRANSFERRED else "fitted"
+        for field in (*model.OVERHEAD_FIELDS, "error_band"):
+            source = cal.band_source if field == "error_band" else cal.source
+            out[f"calibration.{harness}.{field}"] = Constant(getattr(cal, field), kind, source)
+    for harness, ids in FIT_ROWS.items():
+        out[f"fit_rows.{harness}"] = Constant(list(ids), "fitted", "chosen before fitting (published.FIT_ROWS)")
+    out["drift"] = Constant(
+        harness_fits.drift(), "measured", "RMS relative error of SGLang's newer figures as predictions of the same "
+        "sweep five weeks earlier (published.DRIFT_PAIRS)",
+    )  # fmt: skip
+    out["baseline.k"] = Constant(
+        evaluation.baseline_k(), "fitted", "speedup = k * tau on the fit rows' single-user speedups"
+    )
     out["eagle3.draft_vocab"] = Constant(
-        evaluation.EAGLE3_DRAFT_VOCAB, "assumed", "reduced draft vocabulary of the EAGLE-3 speculators"
+        rows.EAGLE3_DRAFT_VOCAB, "assumed", "reduced draft vocabulary of the EAGLE-3 speculators"
     )
     return out
 
@@ -134,6 +168,7 @@ def _tau_constants() -> dict[str, Constant]:
 def constants() -> dict[str, Constant]:
     return (
         _gpu_constants()
+        | _comm_constants()
         | _format_constants()
         | _calibration_constants()
         | _capacity_constants()
