@@ -203,6 +203,11 @@ def test_dry_run_of_every_profile_on_a_fresh_machine(path: Path, fresh_machine: 
     assert flags["--max_draft_len"] == str(profile.model.block_size - 1)
     assert flags["--max_batch_size"] == str(profile.engine.max_batch_size)
     assert flags["--checkpoint_dir"] == str(ws / "checkpoint")
+    # What 1.2.x's builder would settle is written out, whether or not the drafter's shapes are known yet.
+    quant = profile.quantization
+    fp8_attention = quant.qformat in ("fp8", "nvfp4") and quant.kv_cache_dtype == "fp8"
+    assert flags["--use_fp8_context_fmha"] == ("enable" if fp8_attention else "disable")
+    assert flags["--gemm_plugin"] == ("nvfp4" if quant.qformat == "nvfp4" else profile.engine.gemm_plugin)
     offline = [line for line in out.splitlines() if line.startswith("offline: ")]
     assert (
         f"offline: target {profile.model.target}: not downloaded; planned from its recorded config.json "

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dflash_trt.formats import fp8_context_fmha
 from dflash_trt.pipeline.profiles import BuildProfile
 from dflash_trt.pipeline.workspace import Workspace
 from dflash_trt.recorded_configs import ModelSource
@@ -20,6 +21,7 @@ from dflash_trt.trtllm.build_plan import (
     EngineBuildPlan,
     EngineBuildSettings,
     plan_engine_build,
+    resolved_gemm_plugin,
 )
 
 if TYPE_CHECKING:  # the repository writer imports numpy (its processing code), which `--help` must not
@@ -28,9 +30,17 @@ if TYPE_CHECKING:  # the repository writer imports numpy (its processing code), 
 
 def engine_settings(profile: BuildProfile) -> EngineBuildSettings:
     """The profile's `engine` section as build settings: every field both spell the same way (trtllm-build's flag
-    names); `max_draft_len` is not among them, the build takes it from the checkpoint's block size."""
+    names), with the values the builder settles from the quantization written out as the plan writes them
+    (`build_plan.resolve_settings`), so a command shown before the model configs are known is the one that runs;
+    `max_draft_len` is not among them, the build takes it from the checkpoint's block size."""
     shared = {f.name for f in dataclasses.fields(EngineBuildSettings)}
-    return EngineBuildSettings(**profile.engine.model_dump(include=shared))
+    settings = EngineBuildSettings(**profile.engine.model_dump(include=shared))
+    quant = profile.quantization
+    return dataclasses.replace(
+        settings,
+        gemm_plugin=resolved_gemm_plugin(settings.gemm_plugin, quant.qformat),
+        use_fp8_context_fmha=fp8_context_fmha(quant.qformat, quant.kv_cache_dtype),
+    )
 
 
 def settings_from_profile(

@@ -610,6 +610,8 @@ def model_class_file() -> Path:
 
 
 def build_command(checkpoint_dir: str, output_dir: str, max_draft_len: int, settings: EngineBuildSettings) -> list[str]:
+    """The trtllm-build command line of `resolve_settings`' output (every value the builder settles written out)."""
+    assert settings.use_fp8_context_fmha is not None, "build_command takes resolved settings"
     return [
         TRTLLM_BUILD,
         "--checkpoint_dir",
