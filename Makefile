@@ -33,7 +33,8 @@ lint: $(STAMP)
 # Tests comparing two numeric implementations: run again on the AVX2 kernel set, whose fp32 rounding differs
 # from AVX-512's (the default where the CPU has it), so neither kernel set's ties decide the outcome.
 NUMERICS_TESTS := tests/test_emulation.py tests/test_emulation_moe.py tests/test_divergence.py tests/test_verify_replay.py \
-	tests/test_sampler_support.py tests/test_emulation_ranks.py tests/test_emulation_precision.py
+	tests/test_sampler_support.py tests/test_emulation_ranks.py tests/test_emulation_precision.py \
+	tests/test_fp8_context_attention.py tests/test_greedy_fast_path.py tests/test_tiny_widen.py
 
 test: $(STAMP) $(TRITON_STAMP) lint
 	$(PY) -m pytest -q
