@@ -1,5 +1,5 @@
 # Two entry points on a fresh machine: `make demo` (the main job on the embedded pair) and `make test`.
-# Both create or refresh .venv when requirements-ci.txt or pyproject.toml changed, then run. `make test` also
+# Both create or refresh .venv when the requirements files or pyproject.toml changed, then run. `make test` also
 # installs a CPU Triton server into .tritonserver/ (`make tritonserver`), which the real-server tests start.
 PYTHON ?= python3
 VENV := .venv
@@ -9,11 +9,12 @@ TRITON_STAMP := .tritonserver/.installed
 
 .PHONY: demo test lint bench tritonserver
 
-$(STAMP): requirements-ci.txt pyproject.toml
+$(STAMP): requirements-ci.txt requirements-ci-nodeps.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -r requirements-ci.txt
+	$(PY) -m pip install --quiet --no-deps -r requirements-ci-nodeps.txt
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
@@ -34,7 +35,8 @@ lint: $(STAMP)
 # from AVX-512's (the default where the CPU has it), so neither kernel set's ties decide the outcome.
 NUMERICS_TESTS := tests/test_emulation.py tests/test_emulation_moe.py tests/test_divergence.py tests/test_verify_replay.py \
 	tests/test_sampler_support.py tests/test_emulation_ranks.py tests/test_emulation_precision.py \
-	tests/test_fp8_context_attention.py tests/test_greedy_fast_path.py tests/test_tiny_widen.py
+	tests/test_emulation_dflash2.py tests/test_parity_speculators.py tests/test_fp8_context_attention.py \
+	tests/test_greedy_fast_path.py tests/test_tiny_widen.py
 
 test: $(STAMP) $(TRITON_STAMP) lint
 	$(PY) -m pytest -q

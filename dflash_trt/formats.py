@@ -59,7 +59,14 @@ DRAFT_FC_MODULE = names.DRAFT_FC.removesuffix("." + names.WEIGHT)
 # Explicit exclusions replace TensorRT-LLM 1.2.x's default list (quantize.py `quantize_layers`), which is where
 # '*router' came from: without this entry FP8 would swap each MoE router for an FP8RowLinear the checkpoint cannot fill.
 MOE_ROUTER_MODULES = f"{names.TARGET_PREFIX}.layers.*.{names.MOE_ROUTER}"
-EXCLUDE_MODULES = (LM_HEAD_MODULE, DRAFT_FC_MODULE, MOE_ROUTER_MODULES)
+# DFlash2's convolution and selector projections and a reduced draft vocabulary's head stay in the checkpoint dtype
+# (docs/quantization.md §4); named so the engine's module swap leaves them unquantized too.
+DRAFT_EXTRA_MODULES = (
+    f"{names.DRAFT_PREFIX}.layers.*.*_conv.{names.CONV_KERNEL_PROJECTION}",
+    names.SELECTOR_HIDDEN_PROJECTION.removesuffix("." + names.WEIGHT),
+    names.DRAFT_LM_HEAD.removesuffix("." + names.WEIGHT),
+)
+EXCLUDE_MODULES = (LM_HEAD_MODULE, DRAFT_FC_MODULE, MOE_ROUTER_MODULES, *DRAFT_EXTRA_MODULES)
 
 _LAYER_PREFIXES = (names.TARGET_PREFIX + ".layers.", names.DRAFT_PREFIX + ".layers.")
 

@@ -8,19 +8,24 @@ and the `dflash` reference do with the same config.json, because parity with the
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.rope import SUPPORTED_ROPE_TYPES, RopeConfig
+from dflash_trt.speculators_config import SPECULATORS_FORMAT, is_speculators_config, translate
 
 QWEN3 = "Qwen3ForCausalLM"
 QWEN3_MOE = "Qwen3MoeForCausalLM"
 TARGET_ARCHITECTURES = (QWEN3, QWEN3_MOE, "LlamaForCausalLM")
 DRAFT_ARCHITECTURE = "DFlashDraftModel"
-UNSUPPORTED_DRAFT_ARCHITECTURES = {"DFlash2DraftModel": "DFlash2 drafters (DFlash2DraftModel) are not supported yet"}
+DRAFT2_ARCHITECTURE = "DFlash2DraftModel"
+DRAFT_ARCHITECTURES = (DRAFT_ARCHITECTURE, DRAFT2_ARCHITECTURE)
+ZLAB_FORMAT = "z-lab"
+DRAFT_FORMATS = (ZLAB_FORMAT, SPECULATORS_FORMAT)
+EMBEDDING_TAP = -1  # target_layer_ids entry for the embedding output (HF hidden_states[0])
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 SUPPORTED_ACTIVATIONS = ("silu",)
@@ -81,8 +86,26 @@ class TargetSpec(DecoderSpec):
 
 
 @dataclass(frozen=True)
+class ConvSelectorSpec:
+    """What DFlash2 adds to every drafter: a grouped dynamic causal convolution of `conv_kernel_size` taps around
+    each sublayer (one dynamic kernel per `conv_group_size` hidden channels), and a candidate selector that
+    re-ranks the `selector_top_k` best drafter logits per block position with a rank-`selector_rank` bilinear
+    predecessor / hidden / successor score, walked left to right into one chain."""
+
+    conv_kernel_size: int
+    conv_group_size: int
+    selector_rank: int
+    selector_top_k: int
+
+    def conv_groups(self, hidden_size: int) -> int:
+        return hidden_size // self.conv_group_size
+
+
+@dataclass(frozen=True)
 class DraftSpec(DecoderSpec):
-    """A DFlash v1 drafter: a Qwen3-style stack fed by fused target taps (KV injection)."""
+    """A DFlash drafter (v1, or DFlash2 with `dflash2` set): a Qwen3-style stack fed by fused target taps (KV
+    injection). `target_layer_ids` are z-lab tap numbers: tap t is the output of target layer t (HF
+    `hidden_states[t + 1]`), -1 the embeddings."""
 
     block_size: int
     mask_token_id: int
@@ -94,10 +117,30 @@ class DraftSpec(DecoderSpec):
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
     torch_dtype: str | None = None
+    checkpoint_format: str = ZLAB_FORMAT
+    dflash2: ConvSelectorSpec | None = None
+    draft_vocab_size: int | None = None  # a reduced draft vocabulary (own lm_head + d2t map); None = the target's
+    sample_from_anchor: bool = False  # the anchor's slot drafts too: block_size drafts instead of block_size - 1
+    window_from_anchor: bool = False  # a sliding layer sees the `sliding_window` context positions before the anchor
 
     def layer_window(self, layer: int) -> int | None:
         """Attention window of one draft layer (None = unbounded), as the reference applies it."""
         return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else None
+
+    @property
+    def num_drafts(self) -> int:
+        """Draft tokens per block (the engine's max_draft_len)."""
+        return self.block_size if self.sample_from_anchor else self.block_size - 1
+
+    @property
+    def verify_width(self) -> int:
+        """Tokens verified per step: the anchor and the drafts."""
+        return self.num_drafts + 1
+
+    @property
+    def first_draft_slot(self) -> int:
+        """Block slot whose hidden state drafts the first token: the anchor's own with `sample_from_anchor`."""
+        return 0 if self.sample_from_anchor else 1
 
 
 def read_config_json(model_dir: str | Path, what: str) -> dict[str, Any]:
@@ -118,6 +161,11 @@ DIMENSION_LIMITS = {
     "num_experts_per_tok": 1 << 10,
     "moe_intermediate_size": 1 << 20,
     "decoder_sparse_step": 1 << 10,
+    "conv_kernel_size": 1 << 10,
+    "conv_group_size": 1 << 17,
+    "selector_rank": 1 << 16,
+    "selector_top_k": 1 << 16,
+    "draft_vocab_size": 1 << 24,
 }
 
 
@@ -408,23 +456,8 @@ def _draft_layer_kinds(cfg: dict, num_layers: int) -> tuple[tuple[str, ...], int
     return tuple(layer_types), window, causal
 
 
-def parse_draft_config(cfg: dict, target: TargetSpec) -> DraftSpec:
+def _draft_taps(cfg: dict, target: TargetSpec, num_layers: int) -> tuple[int, ...]:
     what = "drafter"
-    architecture = _architecture(cfg, what)
-    if architecture in UNSUPPORTED_DRAFT_ARCHITECTURES:
-        raise DFlashTrtError(UNSUPPORTED_DRAFT_ARCHITECTURES[architecture])
-    if architecture != DRAFT_ARCHITECTURE:
-        raise DFlashTrtError(f"drafter architecture {architecture!r} is not a DFlash drafter ({DRAFT_ARCHITECTURE})")
-    hidden, heads, kv_heads, head_dim = _attention_dims(cfg, what, 128)
-    if hidden != target.hidden_size:
-        raise DFlashTrtError(
-            f"hidden sizes differ: drafter hidden_size {hidden} != target hidden_size {target.hidden_size}"
-        )
-    vocab = cfg.get("vocab_size")
-    vocab = target.vocab_size if vocab is None else check_dimension(vocab, "vocab_size", what)
-    if vocab != target.vocab_size:
-        raise DFlashTrtError(f"vocab mismatch: drafter vocab_size {vocab} != target vocab_size {target.vocab_size}")
-    num_layers = _require_int(cfg, "num_hidden_layers", what)
     num_target_layers = cfg.get("num_target_layers")
     num_target_layers = (
         target.num_hidden_layers
@@ -439,22 +472,76 @@ def parse_draft_config(cfg: dict, target: TargetSpec) -> DraftSpec:
             f"{what} config: 'target_layer_ids' must be a non-empty list of integers, got {_brief(taps)}"
         )
     for tap in taps:
-        if not 0 <= tap < target.num_hidden_layers:
+        if not EMBEDDING_TAP <= tap < target.num_hidden_layers:
             raise DFlashTrtError(
-                f"{what} config: target layer id {tap} is outside the target's {target.num_hidden_layers} layers"
+                f"{what} config: target layer id {tap} is outside the target's {target.num_hidden_layers} layers "
+                "(-1 = the embeddings)"
             )
+    return tuple(taps)
+
+
+def _mask_token_id(cfg: dict, target: TargetSpec) -> int:
     mask = _draft_value(cfg, "mask_token_id")
     if isinstance(mask, bool) or not isinstance(mask, int) or mask < 0:
-        raise DFlashTrtError(f"{what} config: 'mask_token_id' must be a non-negative integer, got {_brief(mask)}")
+        raise DFlashTrtError(f"drafter config: 'mask_token_id' must be a non-negative integer, got {_brief(mask)}")
     if mask >= target.vocab_size:
         raise DFlashTrtError(
             f"mask_token_id {_brief(mask)} is outside the target vocabulary ({target.vocab_size} tokens)"
         )
-    block = check_dimension(_draft_value(cfg, "block_size", 16), "block_size", what, minimum=2)
+    return mask
+
+
+def _conv_selector(cfg: dict, hidden: int, block: int, vocab: int) -> ConvSelectorSpec:
+    """DFlash2's convolution and selector sizes, with the rules both reference implementations enforce."""
+    what = "DFlash2 drafter"
+    fields = {
+        key: check_dimension(_draft_value(cfg, key), key, what)
+        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    }
+    spec = ConvSelectorSpec(**fields)
+    if hidden % spec.conv_group_size:
+        raise DFlashTrtError(
+            f"{what} config: hidden_size ({hidden}) must be a multiple of conv_group_size ({spec.conv_group_size})"
+        )
+    if spec.conv_kernel_size > block:
+        raise DFlashTrtError(
+            f"{what} config: conv_kernel_size ({spec.conv_kernel_size}) cannot exceed block_size ({block})"
+        )
+    if spec.selector_top_k > vocab:
+        raise DFlashTrtError(
+            f"{what} config: selector_top_k ({spec.selector_top_k}) cannot exceed the vocabulary ({vocab} tokens)"
+        )
+    return spec
+
+
+def _final_softcap(cfg: dict) -> float | None:
     softcap = _draft_value(cfg, "final_logit_softcapping")
-    softcap = _optional_number(softcap, "final_logit_softcapping", what, 0.0) or None
+    softcap = _optional_number(softcap, "final_logit_softcapping", "drafter", 0.0) or None
     if softcap is not None and softcap < 0:
-        raise DFlashTrtError(f"{what} config: 'final_logit_softcapping' must be >= 0, got {softcap}")
+        raise DFlashTrtError(f"drafter config: 'final_logit_softcapping' must be >= 0, got {softcap}")
+    return softcap
+
+
+def _zlab_draft_spec(cfg: dict, target: TargetSpec) -> DraftSpec:
+    """A drafter in the z-lab format (`DFlashDraftModel` / `DFlash2DraftModel`); also what a speculators config
+    is translated into."""
+    what = "drafter"
+    architecture = _architecture(cfg, what)
+    if architecture not in DRAFT_ARCHITECTURES:
+        raise DFlashTrtError(
+            f"drafter architecture {architecture!r} is not a DFlash drafter ({', '.join(DRAFT_ARCHITECTURES)})"
+        )
+    hidden, heads, kv_heads, head_dim = _attention_dims(cfg, what, 128)
+    if hidden != target.hidden_size:
+        raise DFlashTrtError(
+            f"hidden sizes differ: drafter hidden_size {hidden} != target hidden_size {target.hidden_size}"
+        )
+    vocab = cfg.get("vocab_size")
+    vocab = target.vocab_size if vocab is None else check_dimension(vocab, "vocab_size", what)
+    if vocab != target.vocab_size:
+        raise DFlashTrtError(f"vocab mismatch: drafter vocab_size {vocab} != target vocab_size {target.vocab_size}")
+    num_layers = _require_int(cfg, "num_hidden_layers", what)
+    block = check_dimension(_draft_value(cfg, "block_size", 16), "block_size", what, minimum=2)
     layer_types, window, causal = _draft_layer_kinds(cfg, num_layers)
     return DraftSpec(
         architecture=architecture,
@@ -470,8 +557,8 @@ def parse_draft_config(cfg: dict, target: TargetSpec) -> DraftSpec:
         attention_bias=_optional_bool(cfg, "attention_bias", what, False),
         rope=parse_rope(cfg, head_dim, what),
         block_size=block,
-        mask_token_id=mask,
-        target_layer_ids=tuple(taps),
+        mask_token_id=_mask_token_id(cfg, target),
+        target_layer_ids=_draft_taps(cfg, target, num_layers),
         layer_types=layer_types,
         sliding_window=window,
         causal=causal,
@@ -481,9 +568,51 @@ def parse_draft_config(cfg: dict, target: TargetSpec) -> DraftSpec:
         output_multiplier=_optional_number(
             _draft_value(cfg, "output_multiplier"), "output_multiplier", what, 1.0, positive=True
         ),
-        final_logit_softcapping=softcap,
+        final_logit_softcapping=_final_softcap(cfg),
         torch_dtype=_optional_str(cfg, "dtype", what) or _optional_str(cfg, "torch_dtype", what),
+        dflash2=_conv_selector(cfg, hidden, block, vocab) if architecture == DRAFT2_ARCHITECTURE else None,
     )
+
+
+def _speculators_draft_spec(cfg: dict, target: TargetSpec) -> DraftSpec:
+    """A speculators-format drafter: its translation parsed as a z-lab config, plus its own fields."""
+    translated, fields = translate(cfg)
+    spec = _zlab_draft_spec(translated, target)
+    what = "speculators drafter"
+    if fields.target_hidden_size is not None and fields.target_hidden_size != target.hidden_size:
+        raise DFlashTrtError(
+            f"{what} config: target_hidden_size {fields.target_hidden_size} != the target's hidden_size "
+            f"{target.hidden_size}"
+        )
+    draft_vocab = check_dimension(fields.draft_vocab_size, "draft_vocab_size", what)
+    if draft_vocab > target.vocab_size:
+        raise DFlashTrtError(
+            f"{what} config: draft_vocab_size {draft_vocab} exceeds the target vocabulary ({target.vocab_size})"
+        )
+    if SLIDING_ATTENTION in spec.layer_types and spec.sliding_window is None:
+        raise DFlashTrtError(
+            f"{what} config: sliding_attention layers need a sliding_window (and, for a Qwen3 layer config, "
+            "use_sliding_window); the speculators model cannot run them without one"
+        )
+    reduced = draft_vocab < target.vocab_size
+    if reduced and spec.dflash2 is not None:
+        raise DFlashTrtError(
+            f"{what} config: DFlash2 drafts over the full target vocabulary, got draft_vocab_size {draft_vocab}"
+        )
+    return replace(
+        spec,
+        checkpoint_format=SPECULATORS_FORMAT,
+        draft_vocab_size=draft_vocab if reduced else None,
+        sample_from_anchor=fields.sample_from_anchor,
+        window_from_anchor=True,
+    )
+
+
+def parse_draft_config(cfg: dict, target: TargetSpec) -> DraftSpec:
+    """A z-lab or speculators-format drafter config, told apart by `speculators_model_type`."""
+    if is_speculators_config(cfg):
+        return _speculators_draft_spec(cfg, target)
+    return _zlab_draft_spec(cfg, target)
 
 
 def load_target_spec(model_dir: str | Path) -> TargetSpec:
@@ -537,8 +666,29 @@ def expert_tensor_shapes(p: str, hidden: int, moe: MoeSpec) -> dict[str, tuple[i
     return shapes
 
 
+# Drafter source tensors beyond the decoder stack (unprefixed, as both formats store them).
+CONV_SUBLAYERS = ("attention_conv", "mlp_conv")  # DFlash2: around attention, around the MLP
+CONV_BASE_KERNEL = "base_kernel"  # [2 (before | after the sublayer), kernel_size, hidden]
+CONV_KERNEL_PROJECTION = "kernel_projection.weight"  # [2 * kernel_size * groups, hidden]
+SELECTOR_PREDECESSOR = "candidate_selector.predecessor_codebook"  # [vocab, rank], stored without `.weight`
+SELECTOR_SUCCESSOR = "candidate_selector.successor_codebook"  # [vocab, rank]
+SELECTOR_HIDDEN_PROJECTION = "candidate_selector.hidden_projection.weight"  # [rank, hidden]
+# The dflash package's own save_pretrained writes the codebooks as embeddings (`.weight`); published checkpoints
+# do not. Both spellings are read, as that package's loader maps them.
+DRAFT_SOURCE_ALIASES = {f"{name}.weight": name for name in (SELECTOR_PREDECESSOR, SELECTOR_SUCCESSOR)}
+DRAFT_LM_HEAD = "lm_head.weight"  # a speculators drafter's own head over its reduced vocabulary
+DRAFT_TO_TARGET = "d2t"  # int64 [draft vocab]: target id - draft id
+TARGET_TO_DRAFT = "t2d"  # bool [target vocab]: which target ids the draft vocabulary holds
+
+
+def conv_tensor(layer: int, sublayer: str, leaf: str) -> str:
+    """`conv_tensor(0, "mlp_conv", CONV_BASE_KERNEL)` -> 'layers.0.mlp_conv.base_kernel'."""
+    return f"layers.{layer}.{sublayer}.{leaf}"
+
+
 def draft_tensor_shapes(spec: DraftSpec) -> dict[str, tuple[int, ...]]:
-    """z-lab drafter tensor names (unprefixed) and shapes."""
+    """Drafter tensor names (unprefixed) and shapes: the decoder stack, DFlash2's convolutions and selector, and a
+    speculators drafter's reduced-vocabulary head and map."""
     h, hd = spec.hidden_size, spec.head_dim
     q, kv = spec.num_attention_heads * hd, spec.num_key_value_heads * hd
     shapes: dict[str, tuple[int, ...]] = {
@@ -551,7 +701,41 @@ def draft_tensor_shapes(spec: DraftSpec) -> dict[str, tuple[int, ...]]:
         shapes.update(_decoder_layer_shapes(p, h, q, kv, spec.intermediate_size, spec.attention_bias))
         shapes[p + "self_attn.q_norm.weight"] = (hd,)
         shapes[p + "self_attn.k_norm.weight"] = (hd,)
+    if spec.dflash2 is not None:
+        shapes.update(_dflash2_shapes(spec, spec.dflash2))
+    if spec.draft_vocab_size is not None:
+        shapes[DRAFT_LM_HEAD] = (spec.draft_vocab_size, h)
+        shapes[DRAFT_TO_TARGET] = (spec.draft_vocab_size,)
     return shapes
+
+
+def _dflash2_shapes(spec: DraftSpec, dflash2: ConvSelectorSpec) -> dict[str, tuple[int, ...]]:
+    h, k = spec.hidden_size, dflash2.conv_kernel_size
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i in range(spec.num_hidden_layers):
+        for sublayer in CONV_SUBLAYERS:
+            shapes[conv_tensor(i, sublayer, CONV_BASE_KERNEL)] = (2, k, h)
+            shapes[conv_tensor(i, sublayer, CONV_KERNEL_PROJECTION)] = (2 * k * dflash2.conv_groups(h), h)
+    shapes[SELECTOR_PREDECESSOR] = (spec.vocab_size, dflash2.selector_rank)
+    shapes[SELECTOR_SUCCESSOR] = (spec.vocab_size, dflash2.selector_rank)
+    shapes[SELECTOR_HIDDEN_PROJECTION] = (dflash2.selector_rank, h)
+    return shapes
+
+
+def draft_optional_tensors(spec: DraftSpec) -> dict[str, tuple[int, ...]]:
+    """Tensors a drafter checkpoint may hold that are not converted (checked for shape, never read as weights): a
+    speculators drafter may carry copies of the target's embeddings, final norm and head (its `lm_head` too, with
+    the full vocabulary), which the drafter shares with the target, and the target-to-draft vocabulary mask."""
+    if spec.checkpoint_format != SPECULATORS_FORMAT:
+        return {}
+    h, vocab = spec.hidden_size, spec.vocab_size
+    optional = {"embed_tokens.weight": (vocab, h), "verifier_norm.weight": (h,)}
+    optional["verifier_lm_head.weight"] = (spec.draft_vocab_size or vocab, h)
+    if spec.draft_vocab_size is None:
+        optional[DRAFT_LM_HEAD] = (vocab, h)
+    else:
+        optional[TARGET_TO_DRAFT] = (vocab,)
+    return optional
 
 
 def _decoder_layer_shapes(p: str, h: int, q: int, kv: int, inter: int, bias: bool) -> dict[str, tuple[int, ...]]:

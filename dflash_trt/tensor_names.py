@@ -16,6 +16,16 @@ LM_HEAD = "lm_head.weight"
 DRAFT_FC = "dflash.fc.weight"
 DRAFT_HIDDEN_NORM = "dflash.hidden_norm.weight"
 DRAFT_FINAL_NORM = "dflash.ln_f.weight"
+# A drafter with its own reduced vocabulary: its head, and each draft id's target id offset (target id = draft id +
+# d2t[draft id], as speculators stores it; int32 here, which every target vocabulary fits, so the engine needs no
+# int64 tensor).
+DRAFT_LM_HEAD = "dflash.lm_head.weight"
+DRAFT_TO_TARGET = "dflash.d2t"
+# DFlash2's candidate selector: codebooks indexed by token id (gathered, not multiplied: stored without `.weight`,
+# as the drafters store them) and the projection of the drafter's hidden state to the selector's rank.
+SELECTOR_PREDECESSOR_CODEBOOK = "dflash.selector.predecessor_codebook"  # [vocab, rank]
+SELECTOR_SUCCESSOR_CODEBOOK = "dflash.selector.successor_codebook"  # [vocab, rank]
+SELECTOR_HIDDEN_PROJECTION = "dflash.selector.hidden_projection.weight"  # [rank, hidden]
 
 # Per-layer module paths, relative to a layer prefix.
 INPUT_LAYERNORM = "input_layernorm"
@@ -34,6 +44,11 @@ MOE_FC = MLP_FC  # stacked [experts, 2 * inter, hidden]: up_proj rows first, the
 MOE_PROJ = MLP_PROJ  # stacked [experts, hidden, inter]: down_proj
 
 LINEAR_MODULES = (QKV, DENSE, MLP_FC, MLP_GATE, MLP_PROJ)
+# DFlash2: a grouped dynamic causal convolution before and after each draft sublayer (per-layer module paths).
+ATTENTION_CONV = "attention_conv"
+MLP_CONV = "mlp_conv"
+CONV_BASE_KERNEL = "base_kernel"  # leaf: [2 (before | after), kernel_size, hidden]
+CONV_KERNEL_PROJECTION = "kernel_projection"  # module: weight [2 * kernel_size * groups, hidden]
 
 # Tensors hanging off a module prefix.
 WEIGHT = "weight"

@@ -61,7 +61,7 @@ def sampled_runs(ckpt: Path, prompts: list[list[int]], setting: str, **runtime) 
     sampling = [SamplingParams(t) for t in temperatures]
     seeds = [40 + i for i in range(len(prompts))]
     model = load_golden_model(ckpt)
-    k = model.draft.spec.block_size - 1
+    k = model.draft.spec.num_drafts
     greedy = speculative_generate(model, prompts, SAMPLED_TOKENS, STOP)
     golden = speculative_generate(model, prompts, SAMPLED_TOKENS + k, STOP, sampling, seeds=seeds)
     emulated = EmulatedRuntime(ckpt, max_batch_size=2, **runtime).generate(

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from dflash.model import DFlashDraftModel
+from dflash.model import DFlash2DraftModel, DFlashDraftModel
+from safetensors.torch import load_file, save_file
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -53,6 +54,10 @@ class PairVariant:
     # Hidden dimension 0 holds +10 in every embedding and no layer writes to it, while every lm_head row reads it with
     # weight -2: every logit is negative, so an argmax that strays onto zero lm_head padding rows picks them.
     negative_logits: bool = False
+    # A DFlash2 drafter: its dflash_config keys (conv_kernel_size, conv_group_size, selector_rank, selector_top_k),
+    # and whether its codebooks are stored as published (no `.weight`) or as the dflash package saves them.
+    dflash2: dict | None = None
+    published_codebooks: bool = True
     # qwen3_moe only: Qwen3MoeConfig keys (num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob,
     # mlp_only_layers, decoder_sparse_step)
     moe: dict = field(
@@ -72,6 +77,12 @@ def _randomize(model: torch.nn.Module, std: float, seed: int) -> None:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
+            elif name.endswith("base_kernel"):  # DFlash2 convolutions: near identity, so they shape, not drown
+                identity = torch.zeros_like(param)
+                identity[:, 0] = 1.0
+                param.copy_(identity + 0.3 * torch.randn(param.shape, generator=generator))
+            elif "kernel_projection" in name:
+                param.copy_(0.05 * torch.randn(param.shape, generator=generator))
             else:
                 param.copy_(std * torch.randn(param.shape, generator=generator))
 
@@ -123,6 +134,13 @@ def _silence_dimension_zero(layers) -> None:
                 out.bias[0] = 0.0
 
 
+def _publish_codebooks(path: Path) -> None:
+    """Rename the selector codebooks the way published DFlash2 checkpoints store them (no `.weight`)."""
+    weights = load_file(path / "model.safetensors")
+    renamed = {name.removesuffix(".weight") if "codebook" in name else name: t for name, t in weights.items()}
+    save_file(renamed, path / "model.safetensors", metadata={"format": "pt"})
+
+
 def make_draft(path: Path, v: PairVariant) -> DFlashDraftModel:
     kwargs = dict(
         vocab_size=v.vocab,
@@ -142,10 +160,10 @@ def make_draft(path: Path, v: PairVariant) -> DFlashDraftModel:
     if v.layer_types is not None:
         kwargs["layer_types"] = v.layer_types
     cfg = Qwen3Config(**kwargs)
-    cfg.architectures = ["DFlashDraftModel"]
+    cfg.architectures = ["DFlash2DraftModel" if v.dflash2 else "DFlashDraftModel"]
     cfg.num_target_layers = v.layers
     cfg.block_size = v.block_size
-    dflash_config = {"mask_token_id": v.vocab - 1, **v.dflash_extra}
+    dflash_config = {"mask_token_id": v.vocab - 1, **(v.dflash2 or {}), **v.dflash_extra}
     if v.taps is not None:
         dflash_config["target_layer_ids"] = v.taps
     cfg.dflash_config = dflash_config
@@ -154,12 +172,14 @@ def make_draft(path: Path, v: PairVariant) -> DFlashDraftModel:
     for key, value in v.top_level.items():
         setattr(cfg, key, value)
     torch.manual_seed(v.seed + 1)
-    model = DFlashDraftModel(cfg).eval()
+    model = (DFlash2DraftModel if v.dflash2 else DFlashDraftModel)(cfg).eval()
     _randomize(model, v.init_std, v.seed + 1)
     if v.negative_logits:
         with torch.no_grad():
             _silence_dimension_zero(model.layers)
     model.save_pretrained(path)
+    if v.dflash2 and v.published_codebooks:
+        _publish_codebooks(path)
     return model
 
 

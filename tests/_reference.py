@@ -15,18 +15,20 @@ def reference_run(ref_draft, hf_target, prompt, max_new, stop_ids, monkeypatch):
     """dflash_generate with its CUDA timer swapped for a CPU clock, recording the drafted tokens of each step."""
     monkeypatch.setattr(reference, "_cuda_time", time.perf_counter)
     drafts = []
-    original = ref_draft.compute_logits
+    # A DFlash2 drafter's drafts are its selector's chain (`propose`), a v1 drafter's the argmax of its logits.
+    chooser = "propose" if isinstance(ref_draft, reference.DFlash2DraftModel) else "compute_logits"
+    original = getattr(ref_draft, chooser)
 
-    def recording(hidden, head):
-        logits = original(hidden, head)
-        drafts.append(logits.argmax(-1)[0].tolist())
-        return logits
+    def recording(*args):
+        chosen = original(*args)
+        drafts.append((chosen[0] if chooser == "propose" else chosen.argmax(-1))[0].tolist())
+        return chosen
 
-    monkeypatch.setattr(ref_draft, "compute_logits", recording)
+    monkeypatch.setattr(ref_draft, chooser, recording)
     stats = reference.dflash_generate(
         ref_draft, hf_target, torch.tensor([prompt]), max_new, stop_ids, return_stats=True
     )
-    monkeypatch.setattr(ref_draft, "compute_logits", original)
+    monkeypatch.setattr(ref_draft, chooser, original)
     return stats.output_ids[0, len(prompt) :].tolist(), stats.acceptance_lengths, drafts
 
 

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from dflash_trt.checkpoint.trtllm_config import checkpoint_config, specs_from_config
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.spec import DraftSpec, TargetSpec, parse_draft_config, parse_target_config
-from dflash_trt.tiny.heldout import draft_dir, target_dir
+from dflash_trt.tiny.heldout import dflash2_draft_dir, draft_dir, target_dir
 
 TARGET = json.loads((target_dir() / "config.json").read_text())
 DRAFT = json.loads((draft_dir() / "config.json").read_text())
@@ -125,6 +125,37 @@ DRAFT_KEYS: dict[tuple[str, ...], tuple[str, Callable[[DraftSpec], Any] | None]]
 }
 
 
+# The embedded DFlash2 drafter's config, as speculators' save_pretrained wrote it.
+SPECULATORS_DRAFT = json.loads((dflash2_draft_dir() / "config.json").read_text())
+SPECULATORS_KEYS: dict[tuple[str, ...], tuple[str, Callable[[DraftSpec], Any] | None]] = {
+    ("speculators_model_type",): (TEXT, None),
+    ("aux_hidden_state_layer_ids",): (OTHER, None),
+    ("mask_token_id",): (INT, lambda s: s.mask_token_id),
+    ("block_size",): (INT, lambda s: s.block_size),
+    ("draft_vocab_size",): (INT, None),
+    ("sliding_window_non_causal",): (BOOL, None),
+    ("sample_from_anchor",): (BOOL, lambda s: s.sample_from_anchor),
+    ("conv_kernel_size",): (INT, lambda s: s.dflash2.conv_kernel_size),
+    ("conv_group_size",): (INT, lambda s: s.dflash2.conv_group_size),
+    ("selector_rank",): (INT, lambda s: s.dflash2.selector_rank),
+    ("selector_top_k",): (INT, lambda s: s.dflash2.selector_top_k),
+    ("target_hidden_size",): (INT, None),
+    ("dtype",): (TEXT, lambda s: s.torch_dtype),
+    ("transformer_layer_config",): (OTHER, None),
+    ("transformer_layer_config", "model_type"): (TEXT, None),
+    ("transformer_layer_config", "hidden_size"): (INT, lambda s: s.hidden_size),
+    ("transformer_layer_config", "num_hidden_layers"): (INT, lambda s: s.num_hidden_layers),
+    ("transformer_layer_config", "num_key_value_heads"): (INT, lambda s: s.num_key_value_heads),
+    ("transformer_layer_config", "head_dim"): (INT, lambda s: s.head_dim),
+    ("transformer_layer_config", "rms_norm_eps"): (NUMBER, lambda s: s.rms_norm_eps),
+    ("transformer_layer_config", "layer_types"): (OTHER, None),
+    ("transformer_layer_config", "sliding_window"): (INT, None),
+    ("transformer_layer_config", "use_sliding_window"): (BOOL, None),
+    ("transformer_layer_config", "rope_parameters"): (OTHER, None),
+    ("transformer_layer_config", "vocab_size"): (INT, lambda s: s.vocab_size),
+}
+
+
 def _with(config: dict, path: tuple[str, ...], value: Any) -> dict:
     edited = copy.deepcopy(config)
     holder = edited
@@ -177,6 +208,14 @@ def test_any_value_in_a_target_key(path: tuple[str, ...], value: Any) -> None:
 def test_any_value_in_a_drafter_key(path: tuple[str, ...], value: Any) -> None:
     kind, field = DRAFT_KEYS[path]
     _check(lambda cfg: parse_draft_config(cfg, _TARGET_SPEC), DRAFT, path, kind, field, value)
+
+
+@pytest.mark.parametrize("path", list(SPECULATORS_KEYS), ids=".".join)
+@_FUZZ
+@given(value=JSON_VALUES)
+def test_any_value_in_a_speculators_drafter_key(path: tuple[str, ...], value: Any) -> None:
+    kind, field = SPECULATORS_KEYS[path]
+    _check(lambda cfg: parse_draft_config(cfg, _TARGET_SPEC), SPECULATORS_DRAFT, path, kind, field, value)
 
 
 @pytest.mark.parametrize(
@@ -247,6 +286,17 @@ CHECKPOINT_KEYS: dict[tuple[str, ...], tuple[str, Callable[[tuple[TargetSpec, Dr
     ("dflash_config", "input_embedding_scale"): (NUMBER, lambda s: s[1].input_embedding_scale),
     ("dflash_config", "output_multiplier"): (NUMBER, lambda s: s[1].output_multiplier),
     ("dflash_config", "final_logit_softcapping"): (NUMBER, lambda s: s[1].final_logit_softcapping),
+    ("dflash_config", "checkpoint_format"): (TEXT, lambda s: s[1].checkpoint_format),
+    ("dflash_config", "sample_from_anchor"): (BOOL, lambda s: s[1].sample_from_anchor),
+    ("dflash_config", "window_from_anchor"): (BOOL, lambda s: s[1].window_from_anchor),
+    ("dflash_config", "draft_vocab_size"): (INT, lambda s: s[1].draft_vocab_size),
+    ("dflash_config", "dflash2"): (OTHER, None),
+}
+# The embedded DFlash2 drafter's converted config (DFlash2 keys present).
+DFLASH2_CHECKPOINT = checkpoint_config(_TARGET_SPEC, parse_draft_config(SPECULATORS_DRAFT, _TARGET_SPEC), "float32")
+DFLASH2_CHECKPOINT_KEYS: dict[tuple[str, ...], tuple[str, Callable[[tuple[TargetSpec, DraftSpec]], Any] | None]] = {
+    ("dflash_config", "dflash2", key): (INT, lambda s, key=key: getattr(s[1].dflash2, key))
+    for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 }
 
 
@@ -258,7 +308,17 @@ def test_any_value_in_a_checkpoint_config_key(path: tuple[str, ...], value: Any)
     _check(specs_from_config, CHECKPOINT, path, kind, field, value)
 
 
+@pytest.mark.parametrize("path", list(DFLASH2_CHECKPOINT_KEYS), ids=".".join)
+@_FUZZ
+@given(value=JSON_VALUES)
+def test_any_value_in_a_dflash2_checkpoint_config_key(path: tuple[str, ...], value: Any) -> None:
+    kind, field = DFLASH2_CHECKPOINT_KEYS[path]
+    _check(specs_from_config, DFLASH2_CHECKPOINT, path, kind, field, value)
+
+
 def test_the_unedited_checkpoint_config_reads_back() -> None:
     target, draft = specs_from_config(CHECKPOINT)  # the source dtype is not part of a converted checkpoint
     assert target == replace(_TARGET_SPEC, torch_dtype=None)
     assert draft == replace(parse_draft_config(DRAFT, _TARGET_SPEC), torch_dtype=None)
+    _, dflash2 = specs_from_config(DFLASH2_CHECKPOINT)
+    assert dflash2 == replace(parse_draft_config(SPECULATORS_DRAFT, _TARGET_SPEC), torch_dtype=None)

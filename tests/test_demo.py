@@ -32,6 +32,10 @@ def test_demo_runs_the_whole_cpu_job(tmp_path, capsys):
     assert report["lossless"] and report["accuracy"] >= 0.9
     assert report["mean_acceptance_length"] >= 4.0
     assert len(report["per_position_acceptance"]) == report["block_size"] - 1
+    dflash2 = report["dflash2"]  # the DFlash2 drafter (speculators format) beside it, same prompts and baseline
+    assert dflash2["lossless"] and dflash2["accuracy"] >= 0.9 and dflash2["block_size"] == 8
+    assert dflash2["mean_acceptance_length"] >= 3.0 and len(dflash2["per_position_acceptance"]) == 7
+    assert (out / "checkpoint-dflash2-bfloat16" / "config.json").is_file()
     for qformat in ("fp8", "nvfp4"):
         row = report["quantized"][qformat]
         assert row["lossless_vs_quantized_target"] and row["mean_acceptance_length"] >= 4.0

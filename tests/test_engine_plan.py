@@ -210,7 +210,7 @@ def test_a_drafter_with_its_own_rope_builds_but_its_yarn_is_checked_too(tmp_path
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"max_num_tokens": 100, "max_batch_size": 8}, r"max_batch_size x block_size = 8 x 16 = 128"),
+        ({"max_num_tokens": 100, "max_batch_size": 8}, r"max_batch_size x \(drafts \+ 1\) = 8 x 16 = 128"),
         ({"max_beam_width": 2}, "max_beam_width 1"),
         ({"max_batch_size": 513, "max_num_tokens": 513 * 16}, r"\[1, 512\]"),
         ({"workers": 0}, "--workers must be at least 1"),
@@ -317,7 +317,7 @@ def test_refuses_pipeline_parallel_and_foreign_checkpoints(tmp_path: Path):
     with pytest.raises(DFlashTrtError, match="no config.json"):
         plan_engine_build(tmp_path / "missing", tmp_path / "e", EngineBuildSettings())
     bad_k = write_checkpoint(tmp_path / "k", max_draft_len=7)
-    with pytest.raises(DFlashTrtError, match="max_draft_len must equal block_size - 1 = 15"):
+    with pytest.raises(DFlashTrtError, match="max_draft_len must equal the drafter's drafts per step, 15"):
         plan_engine_build(bad_k, tmp_path / "e", EngineBuildSettings())
 
 
@@ -532,3 +532,44 @@ def test_an_fp8_cache_refuses_drafts_in_xqa_s_causal_small_batch_layout(tmp_path
     config["quantization"] = config["dflash_config"]["quantization"] = {**fp8, "kv_cache_quant_algo": None}
     (ckpt / "config.json").write_text(json.dumps(config))
     plan_engine_build(ckpt, tmp_path / "e", settings)  # no FP8 cache: the HMMA kernels read the mask
+
+
+SPECULATORS_DFLASH2_HF = {
+    "speculators_model_type": "dflash2",
+    "transformer_layer_config": {k: v for k, v in DRAFT_HF.items() if k not in ("architectures", "dflash_config")},
+    "aux_hidden_state_layer_ids": [0, 6],
+    "mask_token_id": 999,
+    "block_size": 8,
+    "draft_vocab_size": 1000,
+    "sample_from_anchor": True,
+    "selector_top_k": 32,
+}
+
+
+def test_a_speculators_dflash2_drafter_plans_its_drafts_and_records_its_kind(tmp_path: Path):
+    ckpt = write_checkpoint(tmp_path / "k", draft_hf=SPECULATORS_DFLASH2_HF)
+    plan = plan_engine_build(ckpt, tmp_path / "engine", EngineBuildSettings())
+    assert plan.dflash_manifest["max_draft_len"] == 8  # the anchor's slot drafts too
+    assert plan.build_config["max_draft_len"] == 8 and "--max_draft_len 8" in plan.shell_command()
+    assert plan.dflash_manifest["target_layer_ids"] == [-1, 5]  # the embeddings and the last layer
+    drafter = plan.dflash_manifest["drafter"]
+    assert (drafter["architecture"], drafter["checkpoint_format"], drafter["sample_from_anchor"]) == (
+        "DFlash2DraftModel",
+        "speculators",
+        True,
+    )
+    assert drafter["dflash2"] == {
+        "conv_kernel_size": 2,
+        "conv_group_size": 16,
+        "selector_rank": 256,
+        "selector_top_k": 32,
+    }
+
+
+def test_a_selector_beyond_tensorrts_topk_limit_is_refused(tmp_path: Path):
+    target = {**TARGET_HF, "vocab_size": 5000}
+    draft = {**SPECULATORS_DFLASH2_HF, "draft_vocab_size": 5000, "selector_top_k": 4000}
+    draft["transformer_layer_config"] = {**draft["transformer_layer_config"], "vocab_size": 5000}
+    ckpt = write_checkpoint(tmp_path / "k", target_hf=target, draft_hf=draft)
+    with pytest.raises(DFlashTrtError, match="selector's top-k \\(4000\\) exceeds TensorRT's TopK limit of 3840"):
+        plan_engine_build(ckpt, tmp_path / "engine", EngineBuildSettings())

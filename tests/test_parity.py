@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.reference.model import load_golden_model
 
+DFLASH2 = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 12, "selector_top_k": 6}
 VARIANTS = {
     "qwen3-gqa-b8": PairVariant(),
     "qwen3-tied-b4-one-tap": PairVariant(tie=True, block_size=4, taps=[3], draft_layers=1),
@@ -52,6 +53,19 @@ VARIANTS = {
     ),
     "qwen3-causal-full-top-level-keys": PairVariant(is_causal=True, taps=None, top_level={"block_size": 6}),
     "qwen3-drafter-own-rope": PairVariant(draft_rope={"rope_type": "default", "rope_theta": 500.0}),
+    "qwen3-dflash2-sliding-noncausal": PairVariant(
+        dflash2=DFLASH2,
+        is_causal=False,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        taps=[-1, 3],
+    ),
+    "llama-dflash2-saved-codebooks-kernel3": PairVariant(
+        arch="llama",
+        dflash2={**DFLASH2, "conv_kernel_size": 3, "conv_group_size": 8, "selector_top_k": 9},
+        published_codebooks=False,
+        block_size=10,
+    ),
 }
 PROMPTS = [[3, 4, 5, 6, 7], [9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
 
@@ -62,7 +76,8 @@ def parity_models(request, tmp_path_factory):
     target_dir, draft_dir = make_pair(root, VARIANTS[request.param])
     convert_checkpoint(target_dir, draft_dir, root / "ckpt", dtype="float32")
     hf_target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
-    ref_draft = reference.DFlashDraftModel.from_pretrained(draft_dir).eval()
+    reference_class = reference.DFlash2DraftModel if VARIANTS[request.param].dflash2 else reference.DFlashDraftModel
+    ref_draft = reference_class.from_pretrained(draft_dir).eval()
     return load_golden_model(root / "ckpt"), hf_target, ref_draft
 
 
@@ -97,7 +112,11 @@ def test_drafter_forward_matches_reference(parity_models):
     golden.draft.inject(taps, positions, torch.ones(1, ctx_len, dtype=torch.bool), cache)
     got = golden.draft.forward(block_ids, torch.tensor([ctx_len]), torch.ones(1, block, dtype=torch.bool), cache)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(golden.draft.logits(got), want_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(golden.draft.unary_logits(got), want_logits, rtol=1e-5, atol=1e-5)
+    if isinstance(ref_draft, reference.DFlash2DraftModel):  # the selector's chain over the draft slots
+        with torch.no_grad():
+            chain = ref_draft.propose(want[:, 1:], block_ids[:, 0], hf_target.lm_head, 0.0)[0]
+        assert golden.draft.choose(got, block_ids[:, 0]).tokens().tolist() == chain.tolist()
 
 
 @pytest.mark.parametrize("max_new, stops", [(30, None), (13, [5, 17, 40, 60])])

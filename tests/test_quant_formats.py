@@ -26,7 +26,14 @@ def test_quantization_config_dicts() -> None:
         "quant_algo": "FP8",
         "kv_cache_quant_algo": "FP8",
         "group_size": 16,
-        "exclude_modules": ["lm_head", "dflash.fc", "transformer.layers.*.mlp.router"],
+        "exclude_modules": [
+            "lm_head",
+            "dflash.fc",
+            "transformer.layers.*.mlp.router",
+            "dflash.layers.*.*_conv.kernel_projection",
+            "dflash.selector.hidden_projection",
+            "dflash.lm_head",
+        ],
     }
     assert formats.quantization_config("nvfp4")["quant_algo"] == "NVFP4"
     assert formats.quantization_config("nvfp4")["kv_cache_quant_algo"] is None

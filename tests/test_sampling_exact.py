@@ -64,7 +64,7 @@ def draft_logits(model: GoldenModel, prefix: list[int]) -> torch.Tensor:
     model.draft.inject(taps[:, : n - 1], positions[:, : n - 1], valid[:, : n - 1], cache)
     block = torch.tensor([[prefix[-1]] + [model.draft.spec.mask_token_id] * K])
     hidden = model.draft.forward(block, torch.tensor([n - 1]), torch.ones(1, K + 1, dtype=torch.bool), cache)
-    return model.draft.logits(hidden[:, 1:])[0]
+    return model.draft.unary_logits(hidden[:, 1:])[0]
 
 
 def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:

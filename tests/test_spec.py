@@ -169,7 +169,7 @@ def test_legacy_rope_scaling_keys_are_read():
 
 
 BAD_DRAFTS = [
-    ({"architectures": ["DFlash2DraftModel"]}, "DFlash2 drafters (DFlash2DraftModel) are not supported yet"),
+    ({"architectures": ["DFlash2DraftModel"]}, "DFlash2 drafter config: 'conv_kernel_size' must be an integer >= 1"),
     ({"architectures": ["LlamaForCausalLM"]}, "is not a DFlash drafter"),
     ({"hidden_size": 32}, "hidden sizes differ: drafter hidden_size 32 != target hidden_size 64"),
     ({"vocab_size": 100}, "vocab mismatch: drafter vocab_size 100 != target vocab_size 96"),

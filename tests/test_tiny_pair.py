@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,13 +19,23 @@ from transformers import AutoConfig, AutoTokenizer, Qwen3ForCausalLM
 
 from dflash_trt.tiny import corpus, evaluate, models, train
 from dflash_trt.tiny.build import Recipe, sha256_file
-from dflash_trt.tiny.heldout import asset_dir, draft_dir, extract_answer, is_correct, load_heldout, target_dir
+from dflash_trt.tiny.heldout import (
+    asset_dir,
+    dflash2_draft_dir,
+    draft_dir,
+    extract_answer,
+    is_correct,
+    load_heldout,
+    target_dir,
+)
 from dflash_trt.tiny.tokenizer import build_tokenizer
 
 ACCURACY_PROMPTS = 200
 ACCEPTANCE_PROMPTS = 40
 MIN_ACCURACY = 0.90
 MIN_ACCEPTANCE_B16 = 4.0
+MIN_ACCEPTANCE_DFLASH2 = 3.0  # block 8
+VERIFIER_MODULES = ("embed_tokens", "lm_head", "verifier_")  # the target's, shared by the DFlash2 drafter
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -167,6 +179,41 @@ def test_draft_is_in_zlab_format(draft, target):
     assert all(n in {"fc.weight", "hidden_norm.weight", "norm.weight"} or n.startswith("layers.") for n in names)
     assert names == set(draft.state_dict())  # nothing missing, no embeddings / lm_head
     assert draft.fc.weight.shape == (target.config.hidden_size, 2 * target.config.hidden_size)
+
+
+def test_dflash2_drafter_is_in_speculators_format_on_the_same_taps(target, manifest):
+    """Written by speculators' own save_pretrained (its config class source left out), loaded back by speculators."""
+    from speculators.model import SpeculatorModel
+
+    config = json.loads((dflash2_draft_dir() / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash2" and config["architectures"] == ["DFlash2DraftModel"]
+    v1_taps = json.loads((draft_dir() / "config.json").read_text())["dflash_config"]["target_layer_ids"]
+    assert config["aux_hidden_state_layer_ids"] == [t + 1 for t in v1_taps]  # hidden_states indices
+    assert sorted(p.name for p in dflash2_draft_dir().iterdir()) == ["config.json", "model.safetensors"]
+    model = SpeculatorModel.from_pretrained(str(dflash2_draft_dir()))
+    assert model.block_size == manifest["metrics"]["dflash2_block_size"] == 8
+    trainable = sum(p.numel() for name, p in model.named_parameters() if not name.startswith(VERIFIER_MODULES))
+    assert trainable == manifest["parameters"]["dflash2"]
+
+
+def test_dflash2_drafter_is_lossless_and_accepts_long_chains(heldout):
+    """Its held-out acceptance through the golden model, as the manifest records it (same prompts and budget)."""
+    from dflash_trt.conversion.convert import convert_checkpoint
+    from dflash_trt.reference.decode import speculative_generate
+    from dflash_trt.reference.model import load_golden_model
+    from dflash_trt.tokenizer import load_tokenizer
+
+    with tempfile.TemporaryDirectory() as scratch:
+        checkpoint = Path(scratch) / "ckpt"
+        convert_checkpoint(target_dir(), dflash2_draft_dir(), checkpoint, dtype="float32")
+        model, tokenizer = load_golden_model(checkpoint), load_tokenizer(checkpoint)
+        prompts = [tokenizer.encode(p.text) for p in _acceptance_prompts(heldout)]
+        stops = list(model.target.spec.eos_token_ids)
+        drafted = speculative_generate(model, prompts, evaluate.MAX_NEW_TOKENS, stops)
+        alone = speculative_generate(model, prompts, evaluate.MAX_NEW_TOKENS, stops, block_size=1)
+    assert [r.output_ids for r in drafted] == [r.output_ids for r in alone]
+    means = [sum(r.acceptance_lengths) / len(r.acceptance_lengths) for r in drafted]
+    assert sum(means) / len(means) >= MIN_ACCEPTANCE_DFLASH2
 
 
 def test_manifest_hashes_match_the_committed_files(manifest):

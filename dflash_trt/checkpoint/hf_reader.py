@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from dflash_trt.checkpoint.safetensors_io import SafetensorsFile, brief
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.spec import DRAFT_SOURCE_ALIASES
 
 if TYPE_CHECKING:
     import numpy as np
@@ -28,14 +29,19 @@ MAX_INDEX_BYTES = 64 * 1024 * 1024
 
 
 class HFCheckpointReader:
-    """All tensors of a HF checkpoint directory, each looked up in the shard that holds it."""
+    """All tensors of a HF checkpoint directory, each looked up in the shard that holds it.
 
-    def __init__(self, model_dir: str | os.PathLike[str]) -> None:
+    `aliases` (stored name -> name) reads a tensor some writers spell differently under the one name the caller
+    asks for; a checkpoint holding both spellings is refused as ambiguous.
+    """
+
+    def __init__(self, model_dir: str | os.PathLike[str], aliases: dict[str, str] | None = None) -> None:
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
             raise DFlashTrtError(f"{self.model_dir} is not a directory.")
         self._files: list[SafetensorsFile] = []
         self._where: dict[str, SafetensorsFile] = {}
+        self._stored: dict[str, str] = {}  # name asked for -> name in the file, where they differ
         try:
             index_path = self.model_dir / INDEX_FILE
             if index_path.is_file() and (self.model_dir / SINGLE_FILE).is_file():
@@ -47,9 +53,21 @@ class HFCheckpointReader:
                 self._open_sharded(index_path)
             else:
                 self._open_single(self._single_file())
+            self._apply_aliases(aliases or {})
         except BaseException:
             self.close()
             raise
+
+    def _apply_aliases(self, aliases: dict[str, str]) -> None:
+        for stored, name in aliases.items():
+            if stored not in self._where:
+                continue
+            if name in self._where:
+                raise DFlashTrtError(
+                    f"{self.model_dir} holds both {brief(stored)} and {brief(name)}, two spellings of one tensor."
+                )
+            self._where[name] = self._where.pop(stored)
+            self._stored[name] = stored
 
     def _single_file(self) -> Path:
         single = self.model_dir / SINGLE_FILE
@@ -113,35 +131,42 @@ class HFCheckpointReader:
     def __len__(self) -> int:
         return len(self._where)
 
-    def _shard(self, name: str) -> SafetensorsFile:
+    def _shard(self, name: str) -> tuple[SafetensorsFile, str]:
+        """The shard holding `name`, and the name it stores it under."""
         shard = self._where.get(name)
         if shard is None:
             raise DFlashTrtError(f"{self.model_dir} has no tensor named {brief(name)}.")
-        return shard
+        return shard, self._stored.get(name, name)
 
     def dtype(self, name: str) -> torch.dtype:
-        return self._shard(name).dtype(name)
+        shard, stored = self._shard(name)
+        return shard.dtype(stored)
 
     def dtype_name(self, name: str) -> str:
         """The safetensors dtype name ("BF16", ...), known without torch."""
-        return self._shard(name).dtype_name(name)
+        shard, stored = self._shard(name)
+        return shard.dtype_name(stored)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._shard(name).shape(name)
+        shard, stored = self._shard(name)
+        return shard.shape(stored)
 
     def nbytes(self, name: str) -> int:
-        return self._shard(name).nbytes(name)
+        shard, stored = self._shard(name)
+        return shard.nbytes(stored)
 
     def nbytes_total(self) -> int:
         return sum(shard.nbytes_total() for shard in self._files)
 
     def get(self, name: str, copy: bool = False) -> torch.Tensor:
         """The tensor `name` as a view of its shard's memory map, or an owned copy with `copy=True`."""
-        return self._shard(name).get(name, copy=copy)
+        shard, stored = self._shard(name)
+        return shard.get(stored, copy=copy)
 
     def read_rows(self, name: str, start: int, stop: int, into: np.ndarray | None = None) -> np.ndarray:
         """Rows [start, stop) of `name` as bit patterns, read into `into` or a new array (no torch, no map)."""
-        return self._shard(name).read_rows(name, start, stop, into)
+        shard, stored = self._shard(name)
+        return shard.read_rows(stored, start, stop, into)
 
     def close(self) -> None:
         for shard in self._files:
@@ -154,6 +179,11 @@ class HFCheckpointReader:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def open_drafter(dflash_model_dir: str | os.PathLike[str]) -> HFCheckpointReader:
+    """A drafter checkpoint, with the spellings of its tensors that some writers use read as the usual ones."""
+    return HFCheckpointReader(dflash_model_dir, DRAFT_SOURCE_ALIASES)
 
 
 def _read_weight_map(index_path: Path) -> dict[str, str]:

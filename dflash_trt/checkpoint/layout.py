@@ -12,7 +12,22 @@ from typing import TYPE_CHECKING
 
 from dflash_trt import tensor_names as names
 from dflash_trt.checkpoint.sharding import ExpertLayout, HeadLayout, Split
-from dflash_trt.spec import DraftSpec, MoeSpec, TargetSpec, hf_expert, hf_router
+from dflash_trt.spec import (
+    CONV_BASE_KERNEL,
+    CONV_KERNEL_PROJECTION,
+    DRAFT_LM_HEAD,
+    DRAFT_TO_TARGET,
+    SELECTOR_HIDDEN_PROJECTION,
+    SELECTOR_PREDECESSOR,
+    SELECTOR_SUCCESSOR,
+    DraftSpec,
+    MoeSpec,
+    TargetSpec,
+    conv_tensor,
+    draft_tensor_shapes,
+    hf_expert,
+    hf_router,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -31,7 +46,13 @@ class OutputTensor:
     split: Split = Split.REPLICATE
     heads: HeadLayout | None = None
     experts: ExpertLayout | None = None
-    dtype: str | None = None  # a --dtype name stored whatever --dtype says (the MoE router: "float32")
+    dtype: str | None = None  # a torch dtype name stored whatever --dtype says (MoE router "float32", d2t "int32")
+
+    def stored_torch_dtype(self, default: torch.dtype | None) -> torch.dtype | None:
+        """The dtype this tensor is stored in when `--dtype` is `default` (None: unknown, unless it has its own)."""
+        import torch
+
+        return getattr(torch, self.dtype) if self.dtype else default
 
     def assemble(self, loaded: list[torch.Tensor]) -> torch.Tensor:
         """Sources concatenated by rows; a stacked expert tensor is its experts' row blocks in order."""
@@ -222,8 +243,42 @@ def checkpoint_layout(target: TargetSpec, draft: DraftSpec, moe_ep_size: int = 1
             False,
             True,
         )
+        if draft.dflash2 is not None:
+            out += _conv_tensors(draft, i)
     out.append(OutputTensor(names.DRAFT_FINAL_NORM, ((DRAFT, "norm.weight"),), (h,)))
+    return out + _draft_head_tensors(draft)
+
+
+def _conv_tensors(draft: DraftSpec, layer: int) -> list[OutputTensor]:
+    """A DFlash2 layer's two convolutions: small, and replicated on every rank (each rank convolves whole hidden
+    states, which the row-parallel dense and mlp.proj give it after their all-reduce)."""
+    shapes = draft_tensor_shapes(draft)
+    out = []
+    for module in (names.ATTENTION_CONV, names.MLP_CONV):
+        for source_leaf, output_module, output_leaf in (
+            (CONV_BASE_KERNEL, module, names.CONV_BASE_KERNEL),
+            (CONV_KERNEL_PROJECTION, f"{module}.{names.CONV_KERNEL_PROJECTION}", names.WEIGHT),
+        ):
+            source = conv_tensor(layer, module, source_leaf)
+            name = names.tensor(names.draft_layer(layer), output_module, output_leaf)
+            out.append(OutputTensor(name, ((DRAFT, source),), shapes[source]))
     return out
+
+
+def _draft_head_tensors(draft: DraftSpec) -> list[OutputTensor]:
+    """DFlash2's candidate selector, and a reduced draft vocabulary's own head and id map: replicated (the
+    drafter's extra modules are small next to the target, like dflash.fc)."""
+    shapes = draft_tensor_shapes(draft)
+    sources: list[tuple[str, str, str | None]] = []
+    if draft.dflash2 is not None:
+        sources += [
+            (names.SELECTOR_PREDECESSOR_CODEBOOK, SELECTOR_PREDECESSOR, None),
+            (names.SELECTOR_SUCCESSOR_CODEBOOK, SELECTOR_SUCCESSOR, None),
+            (names.SELECTOR_HIDDEN_PROJECTION, SELECTOR_HIDDEN_PROJECTION, None),
+        ]
+    if draft.draft_vocab_size is not None:
+        sources += [(names.DRAFT_LM_HEAD, DRAFT_LM_HEAD, None), (names.DRAFT_TO_TARGET, DRAFT_TO_TARGET, "int32")]
+    return [OutputTensor(name, ((DRAFT, source),), shapes[source], dtype=dtype) for name, source, dtype in sources]
 
 
 def stored_split(layout: dict[str, OutputTensor], name: str, ndim: int) -> tuple[Split, OutputTensor | None]:

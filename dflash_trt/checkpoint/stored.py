@@ -24,7 +24,6 @@ from dflash_trt.formats import (
     fused_partners,
     quantization_config,
     quantized_linear,
-    torch_dtypes,
 )
 
 if TYPE_CHECKING:
@@ -100,7 +99,7 @@ def stored_full(
     qformat = quant.format_of(out.name)
     module = quantized_linear(out.name) if qformat != NONE else None
     if module is None:
-        stored = {out.name: full.to(torch_dtypes()[out.dtype] if out.dtype else dtype)}
+        stored = {out.name: full.to(out.stored_torch_dtype(dtype))}
     else:
         weight = full.to(dtype)
         partners = partner_weights(out)
@@ -170,7 +169,7 @@ def rank_stored(
     copied); a quantized weight is quantized whole, since its per-tensor scales cover every rank."""
     if quant.format_of(out.name) == NONE or quantized_linear(out.name) is None:
         piece = shard(full, out.split, tp_size, rank, out.heads, out.experts)
-        pieces = {out.name: piece.to(torch_dtypes()[out.dtype] if out.dtype else dtype).contiguous()}
+        pieces = {out.name: piece.to(out.stored_torch_dtype(dtype)).contiguous()}
         kv_name = kv_scale_name(out)
         if kv_name is not None and quant.kv_cache_dtype == FP8:
             pieces[kv_name] = _scale(scales, kv_name.rsplit(".", 1)[0], names.KV_CACHE_SCALING_FACTOR)

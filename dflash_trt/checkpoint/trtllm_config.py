@@ -13,8 +13,12 @@ from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import DTYPES, NONE, quantization_config
 from dflash_trt.rope import SCALING_FIELDS, RopeConfig
 from dflash_trt.spec import (
+    DRAFT_FORMATS,
+    EMBEDDING_TAP,
     FULL_ATTENTION,
     SLIDING_ATTENTION,
+    ZLAB_FORMAT,
+    ConvSelectorSpec,
     DecoderSpec,
     DraftSpec,
     MoeSpec,
@@ -28,6 +32,7 @@ ARCHITECTURE = "DFlashForCausalLM"
 MOE_NORMALIZATION_NONE = 0
 MOE_NORMALIZATION_RENORMALIZE = 1
 FORMAT_VERSION = 1
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 # The decoder-stack fields target and drafter share (`DecoderSpec`): spec attribute -> config.json key, in
 # TensorRT-LLM's spelling. The target's sit at the top level, the drafter's in `dflash_config`.
@@ -104,7 +109,7 @@ def checkpoint_config(
         "eos_token_ids": list(target.eos_token_ids),
         "mapping": {"world_size": tp_size, "tp_size": tp_size, "pp_size": 1},
         "quantization": quantization or quantization_config(NONE),
-        "max_draft_len": draft.block_size - 1,
+        "max_draft_len": draft.num_drafts,
         "dflash_format_version": FORMAT_VERSION,
         "dflash_config": {
             "architecture": draft.architecture,
@@ -118,6 +123,7 @@ def checkpoint_config(
             "input_embedding_scale": draft.input_embedding_scale,
             "output_multiplier": draft.output_multiplier,
             "final_logit_softcapping": draft.final_logit_softcapping,
+            **draft_extras_config(draft),
             "quantization": draft_quantization or quantization_config(NONE),
         },
     }
@@ -125,6 +131,31 @@ def checkpoint_config(
         config.update(moe_config(target.moe))
         config["mapping"].update(moe_tp_size=tp_size // moe_ep_size, moe_ep_size=moe_ep_size)
     return config
+
+
+def draft_extras_config(draft: DraftSpec) -> dict[str, Any]:
+    """What DFlash2 and speculators-format drafters add to `dflash_config` (absent in checkpoints written before
+    them, which read back as a z-lab DFlash drafter)."""
+    conv = draft.dflash2
+    return {
+        "checkpoint_format": draft.checkpoint_format,
+        "sample_from_anchor": draft.sample_from_anchor,
+        "window_from_anchor": draft.window_from_anchor,
+        "draft_vocab_size": draft.draft_vocab_size,
+        "dflash2": None if conv is None else {key: getattr(conv, key) for key in DFLASH2_KEYS},
+    }
+
+
+def draft_extras_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """`draft_extras_config` read back: `DraftSpec` keyword arguments."""
+    conv = d.get("dflash2")
+    return {
+        "checkpoint_format": d.get("checkpoint_format", ZLAB_FORMAT),
+        "sample_from_anchor": d.get("sample_from_anchor", False),
+        "window_from_anchor": d.get("window_from_anchor", False),
+        "draft_vocab_size": d.get("draft_vocab_size"),
+        "dflash2": None if conv is None else ConvSelectorSpec(**{key: conv[key] for key in DFLASH2_KEYS}),
+    }
 
 
 def moe_config(moe: MoeSpec) -> dict[str, Any]:
@@ -215,6 +246,7 @@ def draft_spec_from_config(config: dict[str, Any]) -> DraftSpec:
             input_embedding_scale=d["input_embedding_scale"],
             output_multiplier=d["output_multiplier"],
             final_logit_softcapping=d["final_logit_softcapping"],
+            **draft_extras_fields(d),
         )
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise _malformed(exc) from None
@@ -273,16 +305,16 @@ def _check_values(target: TargetSpec, draft: DraftSpec) -> None:
             raise DFlashTrtError(f"checkpoint config.json: '{key}' must be a finite number > 0, got {number!r:.80}")
     ids = {"dflash_config.mask_token_id": [draft.mask_token_id], "eos_token_ids": list(target.eos_token_ids)}
     ids["dflash_config.target_layer_ids"] = list(draft.target_layer_ids)
-    bounds = {"dflash_config.target_layer_ids": target.num_hidden_layers}
+    bounds = {"dflash_config.target_layer_ids": (EMBEDDING_TAP, target.num_hidden_layers)}
     for key, values in ids.items():
-        bound = bounds.get(key, target.vocab_size)
+        low, bound = bounds.get(key, (0, target.vocab_size))
         if (
             not values
             and key != "eos_token_ids"
-            or any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < bound for v in values)
+            or any(isinstance(v, bool) or not isinstance(v, int) or not low <= v < bound for v in values)
         ):
             raise DFlashTrtError(
-                f"checkpoint config.json: '{key}' must hold integers in [0, {bound}), got {values!r:.80}"
+                f"checkpoint config.json: '{key}' must hold integers in [{low}, {bound}), got {values!r:.80}"
             )
     kinds = draft.layer_types
     if (
@@ -296,3 +328,37 @@ def _check_values(target: TargetSpec, draft: DraftSpec) -> None:
         )
     if draft.sliding_window is not None:
         check_dimension(draft.sliding_window, "sliding_window", "checkpoint dflash_config")
+    _check_draft_extras(target, draft)
+
+
+def _check_draft_extras(target: TargetSpec, draft: DraftSpec) -> None:
+    """The DFlash2 and speculators-format fields of `dflash_config`, by type and meaning."""
+    what = "checkpoint dflash_config"
+    for key in ("sample_from_anchor", "window_from_anchor"):
+        if not isinstance(getattr(draft, key), bool):
+            raise DFlashTrtError(f"checkpoint config.json: 'dflash_config.{key}' must be true or false")
+    if draft.checkpoint_format not in DRAFT_FORMATS:
+        raise DFlashTrtError(
+            f"checkpoint config.json: 'dflash_config.checkpoint_format' must be one of {', '.join(DRAFT_FORMATS)}"
+        )
+    if draft.draft_vocab_size is not None:
+        check_dimension(draft.draft_vocab_size, "draft_vocab_size", what)
+        if draft.draft_vocab_size >= target.vocab_size or draft.dflash2 is not None:
+            raise DFlashTrtError(
+                "checkpoint config.json: 'dflash_config.draft_vocab_size' must be below the target vocabulary, and "
+                "DFlash2 drafts over the full vocabulary"
+            )
+    conv = draft.dflash2
+    if conv is None:
+        return
+    for key in DFLASH2_KEYS:
+        check_dimension(getattr(conv, key), key, what)
+    if (
+        draft.hidden_size % conv.conv_group_size
+        or conv.conv_kernel_size > draft.block_size
+        or conv.selector_top_k > target.vocab_size
+    ):
+        raise DFlashTrtError(
+            "checkpoint config.json: 'dflash_config.dflash2' needs conv_group_size dividing hidden_size, "
+            "conv_kernel_size <= block_size and selector_top_k <= vocab_size"
+        )

@@ -1,4 +1,4 @@
-"""`dflash-trt convert`: HF target + z-lab DFlash drafter → one TensorRT-LLM 1.2.x checkpoint.
+"""`dflash-trt convert`: HF target + DFlash drafter (z-lab or speculators format) → one TensorRT-LLM 1.2.x checkpoint.
 
 Flags follow TensorRT-LLM's `convert_checkpoint.py` (`--model_dir`, `--dflash_model_dir` like EAGLE's
 `--eagle_model_dir`, `--output_dir`, `--dtype`, `--tp_size`, `--pp_size`).
@@ -17,7 +17,9 @@ from dflash_trt.jsonfile import strict_json
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model_dir", required=True, help="HF target model directory (Qwen3, Qwen3-MoE or Llama 3.x)")
-    parser.add_argument("--dflash_model_dir", required=True, help="z-lab DFlash drafter directory")
+    parser.add_argument(
+        "--dflash_model_dir", required=True, help="DFlash or DFlash2 drafter directory (z-lab or speculators format)"
+    )
     parser.add_argument("--output_dir", required=True, help="TensorRT-LLM checkpoint directory to create")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="weight dtype")
     parser.add_argument("--tp_size", type=GPUS, default=1, help="tensor-parallel ranks (default 1)")

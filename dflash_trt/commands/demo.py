@@ -1,10 +1,12 @@
 """`dflash-trt demo`: the whole CPU-side job on the embedded tiny trained pair.
 
-convert → verify → speculative decoding of held-out arithmetic prompts with the golden model (per-prompt and
-per-position acceptance, answers checked, tokens/s against target-only decoding in the same run) → FP8 and NVFP4
-checkpoints with an FP8 KV cache (calibrated, decoded the same way) → the engine build plan and Triton repository
-→ a small sweep of DFlash vs the target alone through the load generator (CPU, in-flight batching) with its Pareto
-plot → the exact commands to run on a GPU host. Everything lands under `--output_dir`.
+convert → verify, with both embedded drafters (the z-lab-format DFlash drafter and the speculators-format DFlash2
+drafter, trained on the same corpus) → speculative decoding of held-out arithmetic prompts with the golden model
+(per-prompt and per-position acceptance, answers checked, tokens/s against target-only decoding in the same run;
+both drafters side by side) → FP8 and NVFP4 checkpoints with an FP8 KV cache (calibrated, decoded the same way) →
+the engine build plan and Triton repository → a small sweep of DFlash vs the target alone through the load
+generator (CPU, in-flight batching) with its Pareto plot → the exact commands to run on a GPU host. Everything
+lands under `--output_dir`.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from dflash_trt.inputs import POSITIVE_INT, IntRange
 from dflash_trt.jsonfile import strict_json
 from dflash_trt.tiny.corpus import generate as generate_problems
 from dflash_trt.tiny.heldout import (
+    DFLASH2_DRAFT,
     HeldoutPrompt,
     asset_dir,
+    dflash2_draft_dir,
     draft_dir,
     heldout_count,
     is_correct,
@@ -95,7 +99,7 @@ def gpu_host_commands(
     prompts_file: Path,
     max_new_tokens: int,
 ) -> list[str]:
-    """What step 7 prints, every flag written out so each line runs as printed on a GPU host."""
+    """What the last step prints, every flag written out so each line runs as printed on a GPU host."""
     limits = " ".join(
         f"--{name} {getattr(settings, name)}"
         for name in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens")
@@ -171,8 +175,10 @@ def demo_sweep(
 
 
 def _timed_generate(model, prompts, max_new_tokens, stop_ids, block_size=None):
+    """Wall time of one batch, after a short warm-up run, so whichever model runs first pays no one-off costs."""
     from dflash_trt.reference.decode import speculative_generate
 
+    speculative_generate(model, prompts[:1], 4, stop_ids, block_size=block_size)
     started = time.perf_counter()
     results = speculative_generate(model, prompts, max_new_tokens, stop_ids, block_size=block_size)
     return results, time.perf_counter() - started
@@ -180,13 +186,16 @@ def _timed_generate(model, prompts, max_new_tokens, stop_ids, block_size=None):
 
 @dataclass
 class _Decoded:
-    """The held-out prompts and the golden model that decodes them, shared by the steps after conversion."""
+    """The held-out prompts and the golden model that decodes them, shared by the steps after conversion, and the
+    target alone's decoding of them (what both drafters must reproduce, and their speedups' baseline)."""
 
     heldout: list
     prompts: list[list[int]]
     tokenizer: Any
     model: Any
     stop_ids: list[int]
+    target_alone: list | None = None
+    target_alone_seconds: float = 0.0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -199,16 +208,20 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output_dir)
     check_output_apart(out, {"the embedded tiny pair": asset_dir()})
     say = (lambda *_: None) if args.json else print
-    checkpoint = _convert_and_verify(args, out / f"checkpoint-{args.dtype}", say)
+    say(f"[1/6] convert the embedded tiny pair ({asset_dir()}: target/, draft/, {DFLASH2_DRAFT}/, heldout.jsonl)")
+    checkpoint = _convert_and_verify(args, out / f"checkpoint-{args.dtype}", draft_dir(), say)
+    dflash2_checkpoint = _convert_and_verify(args, out / f"checkpoint-dflash2-{args.dtype}", dflash2_draft_dir(), say)
     decoded = _load_heldout(args, checkpoint)
     summary = _decode_heldout(args, checkpoint, decoded, say)
+    summary["dflash2"] = _decode_with_dflash2(args, dflash2_checkpoint, decoded)
+    _print_drafters(summary, say)
     summary["quantized"] = _quantized(args, out, decoded, say)
     plan, settings, repository = _plan_engine_and_repository(args, out, checkpoint, decoded.model, say)
     summary["build_command"] = plan.shell_command()
     summary["triton_repository"] = str(repository)
 
     say(
-        f"[6/7] sweep DFlash vs the target alone at concurrency {', '.join(map(str, SWEEP_CONCURRENCY))} "
+        f"[5/6] sweep DFlash vs the target alone at concurrency {', '.join(map(str, SWEEP_CONCURRENCY))} "
         "(load generator, golden model with in-flight batching)"
     )
     summary["sweep"] = demo_sweep(
@@ -224,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
     prompts_file = write_prompt_file(out / "prompts.jsonl", decoded.heldout)
     commands = gpu_host_commands(checkpoint, plan.output_dir, settings, repository, prompts_file, args.max_new_tokens)
     summary["gpu_host_commands"] = commands
-    say("[7/7] on a GPU host with TensorRT-LLM 1.2.x (NGC release container), run:")
+    say("[6/6] on a GPU host with TensorRT-LLM 1.2.x (NGC release container), run:")
     say(f"      {commands[0]}   # libdflash_trt_plugins.so")
     say(f"      {commands[1]}")
     say(f"        (add --dry_run to check it anywhere; it loads the plugin library, then runs: {plan.shell_command()})")
@@ -233,21 +246,20 @@ def run(args: argparse.Namespace) -> int:
     say(f"      {commands[4]}   # the tiny corpus's prompt format")
     if args.json:
         print(strict_json(summary))
-    if not summary["lossless"] or not all(r["lossless_vs_quantized_target"] for r in summary["quantized"].values()):
+    quantized_lossless = all(r["lossless_vs_quantized_target"] for r in summary["quantized"].values())
+    if not summary["lossless"] or not summary["dflash2"]["lossless"] or not quantized_lossless:
         raise DFlashTrtError("speculative output differs from target-only decoding")
     return 0
 
 
-def _convert_and_verify(args: argparse.Namespace, checkpoint: Path, say: Callable[..., object]) -> Path:
+def _convert_and_verify(args: argparse.Namespace, checkpoint: Path, drafter: Path, say: Callable[..., object]) -> Path:
+    """Convert the target with one drafter, then verify every tensor against its source."""
     from dflash_trt.conversion.convert import convert_checkpoint
     from dflash_trt.conversion.verify import verify_checkpoint
 
-    say(f"[1/7] convert the embedded tiny pair ({asset_dir()}: target/, draft/, heldout.jsonl) → {checkpoint}")
-    convert_checkpoint(target_dir(), draft_dir(), checkpoint, dtype=args.dtype, overwrite=args.overwrite)
-
-    say("[2/7] verify every tensor against its source")
-    report = verify_checkpoint(checkpoint, target_dir(), draft_dir())
-    say("      " + report.verdict())
+    convert_checkpoint(target_dir(), drafter, checkpoint, dtype=args.dtype, overwrite=args.overwrite)
+    report = verify_checkpoint(checkpoint, target_dir(), drafter)
+    say(f"      {drafter.name}/ → {checkpoint}; verified: {report.verdict()}")
     if not report.ok:
         raise DFlashTrtError("the converted demo checkpoint failed verification")
     return checkpoint
@@ -272,9 +284,13 @@ def _decode_heldout(
 
     model, prompts, stop_ids = decoded.model, decoded.prompts, decoded.stop_ids
     block = model.draft.spec.block_size
-    say(f"[3/7] decode {len(prompts)} held-out prompts: DFlash block {block} vs target alone (golden model, CPU)")
+    say(
+        f"[2/6] decode {len(prompts)} held-out prompts: DFlash block {block} vs target alone (golden model, CPU); "
+        "then the DFlash2 drafter"
+    )
     spec_results, spec_seconds = _timed_generate(model, prompts, args.max_new_tokens, stop_ids)
     ar_results, ar_seconds = _timed_generate(model, prompts, args.max_new_tokens, stop_ids, block_size=1)
+    decoded.target_alone, decoded.target_alone_seconds = ar_results, ar_seconds
     lossless = all(s.output_ids == a.output_ids for s, a in zip(spec_results, ar_results, strict=True))
     rows = [
         _prompt_row(prompt, result, decoded.tokenizer)
@@ -287,7 +303,7 @@ def _decode_heldout(
         "lossless": lossless,
         "accuracy": sum(r["correct"] for r in rows) / len(rows),
         "mean_acceptance_length": mean_acceptance_length(spec_results),
-        "per_position_acceptance": per_position_acceptance(spec_results, block - 1),
+        "per_position_acceptance": per_position_acceptance(spec_results, model.draft.spec.num_drafts),
         "dflash_tokens_per_second": generated / spec_seconds,
         "target_only_tokens_per_second": generated / ar_seconds,
         "speedup": ar_seconds / spec_seconds,
@@ -312,6 +328,44 @@ def _decode_heldout(
     return summary
 
 
+def _decode_with_dflash2(args: argparse.Namespace, checkpoint: Path, decoded: _Decoded) -> dict[str, Any]:
+    """The DFlash2 drafter on the same prompts, against the same target-alone decoding."""
+    from dflash_trt.reference.model import load_golden_model
+    from dflash_trt.reference.stats import mean_acceptance_length, per_position_acceptance
+
+    model = load_golden_model(checkpoint)
+    results, seconds = _timed_generate(model, decoded.prompts, args.max_new_tokens, decoded.stop_ids)
+    alone = decoded.target_alone or []
+    answers = [
+        is_correct(decoded.tokenizer.decode(r.output_ids), p.answer)
+        for r, p in zip(results, decoded.heldout, strict=True)
+    ]
+    generated = sum(len(r.output_ids) for r in results)
+    return {
+        "checkpoint_dir": str(checkpoint),
+        "block_size": model.draft.spec.block_size,
+        "lossless": all(r.output_ids == a.output_ids for r, a in zip(results, alone, strict=True)),
+        "accuracy": sum(answers) / len(answers),
+        "mean_acceptance_length": mean_acceptance_length(results),
+        "per_position_acceptance": per_position_acceptance(results, model.draft.spec.num_drafts),
+        "dflash_tokens_per_second": generated / seconds,
+        "speedup": decoded.target_alone_seconds / seconds,
+    }
+
+
+def _print_drafters(summary: dict[str, Any], say: Callable[..., object]) -> None:
+    """Both drafters side by side on the same prompts and the same target-alone baseline."""
+    rows = [("DFlash   (z-lab format)", summary), ("DFlash2  (speculators format)", summary["dflash2"])]
+    say("      drafter                        block  acceptance  lossless  answers  tok/s  speedup")
+    for name, row in rows:
+        say(
+            f"      {name:30s} {row['block_size']:5d}  {row['mean_acceptance_length']:10.2f}  "
+            f"{str(row['lossless']):8s}  {row['accuracy']:6.0%}  {row['dflash_tokens_per_second']:5.0f}  "
+            f"{row['speedup']:6.2f}x"
+        )
+    say(f"      target alone: {summary['target_only_tokens_per_second']:.0f} tok/s (the speedups' baseline)")
+
+
 def _prompt_row(prompt: Any, result: Any, tokenizer: Any) -> dict[str, Any]:
     text = tokenizer.decode(result.output_ids)
     return {
@@ -334,7 +388,7 @@ def _quantized(
     from dflash_trt.reference.stats import mean_acceptance_length
 
     prompts, stop_ids, heldout, tokenizer = decoded.prompts, decoded.stop_ids, decoded.heldout, decoded.tokenizer
-    say("[4/7] quantize for the engine's GPUs (FP8: Hopper, NVFP4: Blackwell), calibrated on training-split prompts")
+    say("[3/6] quantize for the engine's GPUs (FP8: Hopper, NVFP4: Blackwell), calibrated on training-split prompts")
     calibration = write_calibration_prompts(out / "calibration.jsonl")
     rows = {}
     for qformat in (FP8, NVFP4):
@@ -378,7 +432,7 @@ def _plan_engine_and_repository(
 ) -> tuple[Any, EngineBuildSettings, Path]:
     from dflash_trt.triton.repository import RepositorySettings, max_temperature_for_sampling, write_repository
 
-    say("[5/7] plan the TensorRT-LLM 1.2.x engine build and its Triton model repository")
+    say("[4/6] plan the TensorRT-LLM 1.2.x engine build and its Triton model repository")
     settings = demo_build_settings(longest_buildable(read_checkpoint_facts(checkpoint)))
     plan = plan_engine_build(checkpoint, out / "engine", settings)
     (out / "build_plan.json").write_text(
@@ -391,7 +445,7 @@ def _plan_engine_and_repository(
             plugin_library=plan.plugin_library,
             max_batch_size=settings.max_batch_size,
             max_input_len=settings.max_input_len,
-            max_draft_len=model.draft.spec.block_size - 1,
+            max_draft_len=model.draft.spec.num_drafts,
             world_size=1,
             max_temperature=max_temperature_for_sampling(plan.dflash_manifest["sampling"]),
         ),

@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {
         "sequences": [sequence_record(r, tokenizer, args.trace) for r in results],
         "mean_acceptance_length": mean_acceptance_length(results),
-        "per_position_acceptance": per_position_acceptance(results, model.draft.spec.block_size - 1),
+        "per_position_acceptance": per_position_acceptance(results, model.draft.spec.num_drafts),
         "generated_tokens": generated,
         "tokens_per_second": generated / seconds if seconds > 0 else None,
     }

@@ -56,7 +56,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model_dir", help="target HF checkpoint folder (only config.json is read)")
     src.add_argument("--preset", choices=sorted(PAIRS), help="a published target + DFlash drafter pair")
-    p.add_argument("--dflash_model_dir", help="DFlash drafter folder (z-lab format); with --model_dir")
+    p.add_argument("--dflash_model_dir", help="DFlash drafter folder (z-lab or speculators format); with --model_dir")
     p.add_argument("--gpu", choices=sorted(GPUS), default="b200")
     p.add_argument("--tp_size", type=int, default=1)
     p.add_argument("--qformat", choices=QFORMATS, default=NONE, help="weight format (none = 16-bit weights)")

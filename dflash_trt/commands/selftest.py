@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
         texts,
         tokenizer,
         args.num_prompts,
-        golden_model.draft.spec.block_size,
+        golden_model.draft.spec.verify_width,
         args.chunked_context,
         golden_model.target.spec.max_position_embeddings,
     )

@@ -1,4 +1,5 @@
-"""HF target + z-lab DFlash drafter → one TensorRT-LLM 1.2.x checkpoint (config.json + rank{N}.safetensors).
+"""HF target + DFlash drafter (z-lab or speculators format) → one TensorRT-LLM 1.2.x checkpoint (config.json +
+rank{N}.safetensors).
 
 Tensors stream from memory-mapped sources to a header-first writer one at a time, so peak memory stays near the
 largest single tensor; the output is staged beside its destination and renamed into place only once written and
@@ -21,7 +22,8 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from dflash_trt.checkpoint.atomic import atomic_directory, check_destination, check_output_apart, scratch_directory
-from dflash_trt.checkpoint.hf_reader import HFCheckpointReader
+from dflash_trt.checkpoint.draft_vocabulary import MAP_DTYPES, check_draft_vocabulary
+from dflash_trt.checkpoint.hf_reader import HFCheckpointReader, open_drafter
 from dflash_trt.checkpoint.integrity import write_integrity_record
 from dflash_trt.checkpoint.layout import DRAFT, TARGET, target_heads
 from dflash_trt.checkpoint.safetensors_io import SafetensorsFile, readable_dtype
@@ -37,6 +39,7 @@ from dflash_trt.spec import (
     DraftSpec,
     TargetSpec,
     check_tensor_shapes,
+    draft_optional_tensors,
     draft_tensor_shapes,
     load_draft_spec,
     load_target_spec,
@@ -96,17 +99,27 @@ def check_sources(
         extra += scales
         carried = set(scales) | prequantized_input.carried_weights(target)
     check_tensor_shapes(expected, _source_shapes(target_reader), "target", extra)
-    check_tensor_shapes(draft_tensor_shapes(draft), _source_shapes(draft_reader), "drafter")
+    draft_shapes = _source_shapes(draft_reader)
+    optional = draft_optional_tensors(draft)
+    present = {name: shape for name, shape in optional.items() if name in draft_shapes}
+    check_tensor_shapes({**draft_tensor_shapes(draft), **present}, draft_shapes, "drafter", tuple(optional))
     for what, reader in (("target", target_reader), ("drafter", draft_reader)):
         for name in reader.names():
             if name in carried and what == "target" or name.endswith(IGNORED_SOURCE_SUFFIXES):
                 continue
             dtype = reader.dtype_name(name)
-            if dtype not in SOURCE_FLOAT_DTYPES:
+            if what == "drafter" and name in MAP_DTYPES:
+                if dtype != MAP_DTYPES[name]:
+                    raise DFlashTrtError(
+                        f"drafter tensor '{name}' has dtype {dtype} ({readable_dtype(dtype)}); expected "
+                        f"{readable_dtype(MAP_DTYPES[name])}"
+                    )
+            elif dtype not in SOURCE_FLOAT_DTYPES:
                 raise DFlashTrtError(
                     f"{what} tensor '{name}' has dtype {dtype} ({readable_dtype(dtype)}); expected float32, float16 or "
                     "bfloat16 weights (a pre-quantized target needs its hf_quant_config.json)"
                 )
+    check_draft_vocabulary(draft, draft_reader)
 
 
 def check_written(staging: Path, plan: ConversionPlan) -> None:
@@ -188,7 +201,7 @@ def _stop_workers(pool: ProcessPoolExecutor) -> None:
 
 def _write_ranks_in_worker(plan: ConversionPlan, staging: Path, ranks: list[int]) -> dict[int, RankWritten]:
     """Some rank files in their own process, with its own readers (memory stays one tensor per worker)."""
-    with HFCheckpointReader(plan.model_dir) as target_reader, HFCheckpointReader(plan.dflash_model_dir) as draft_reader:
+    with HFCheckpointReader(plan.model_dir) as target_reader, open_drafter(plan.dflash_model_dir) as draft_reader:
         return write_rank_files(plan, staging, {TARGET: target_reader, DRAFT: draft_reader}, ranks, lambda _: None)
 
 
@@ -317,7 +330,7 @@ def convert_checkpoint(
     )
     plan.check_formats()
     config = _checkpoint_config(plan, dtype)
-    with HFCheckpointReader(model_dir) as target_reader, HFCheckpointReader(dflash_model_dir) as draft_reader:
+    with HFCheckpointReader(model_dir) as target_reader, open_drafter(dflash_model_dir) as draft_reader:
         check_sources(target, draft, target_reader, draft_reader, prequantized)
         readers = {TARGET: target_reader, DRAFT: draft_reader}
         scales = _conversion_scales(plan, target_reader, output_dir, calibration, calib_size, cut, show_progress)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from dflash_trt import tensor_names as names
-from dflash_trt.checkpoint.hf_reader import HFCheckpointReader
+from dflash_trt.checkpoint.hf_reader import HFCheckpointReader, open_drafter
 from dflash_trt.checkpoint.layout import DRAFT, TARGET
 from dflash_trt.checkpoint.safetensors_io import SafetensorsFile, tensor_has_nonfinite
 from dflash_trt.checkpoint.sharding import pad_vocab_size
@@ -134,7 +134,7 @@ def verify_checkpoint(
             calibration.size,
             calibration.max_seq_len,
         )
-    with HFCheckpointReader(model_dir) as target_reader, HFCheckpointReader(dflash_model_dir) as draft_reader:
+    with HFCheckpointReader(model_dir) as target_reader, open_drafter(dflash_model_dir) as draft_reader:
         check_sources(target, draft, target_reader, draft_reader, prequantized)
         readers = {TARGET: target_reader, DRAFT: draft_reader}
         for rank in range(tp_size):

@@ -29,6 +29,7 @@ import torch
 
 from dflash_trt.emulation import trt
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.trtllm.build_plan import TOPK_MAX_K
 
 
 class EmulationError(DFlashTrtError):
@@ -137,13 +138,35 @@ class _Layer:
         return self._outputs[index]
 
 
+# TensorRT's ITopKLayer: one reduction axis, these input types, K up to the limit (TensorRT 10 operator docs) [read].
+TOPK_DTYPES = (trt.float32, trt.float16, trt.bfloat16, trt.int32)
+
+
 class _TrtNetwork:
-    """`default_trtnet()`: only `add_plugin_v3`, the one INetworkDefinition call our plugin wrapper makes."""
+    """`default_trtnet()`: the INetworkDefinition calls our engine code makes itself: `add_plugin_v3` (our plugin
+    wrapper) and `add_topk` (DFlash2's candidates)."""
 
     def add_plugin_v3(self, inputs: Sequence[Tensor], shape_inputs: Sequence[Tensor], plugin: Any) -> _Layer:
         if shape_inputs:
             raise EmulationError("shape inputs to plugins are not used by this network")
         return _Layer(plugin.add_to_network(list(inputs)))
+
+    def add_topk(self, input: Tensor, op: trt.TopKOperation, k: int, axes: int) -> _Layer:  # noqa: A002
+        """Outputs: the k values (the input's type) and their int32 indices, largest first (ties here: torch's
+        order; unspecified in TensorRT)."""
+        if op != trt.TopKOperation.MAX:
+            raise EmulationError("only TopKOperation.MAX is used by this network")
+        if not 1 <= k <= TOPK_MAX_K:
+            raise EmulationError(f"ITopKLayer takes 1 <= K <= {TOPK_MAX_K}, got {k}")
+        if axes <= 0 or axes & (axes - 1) or axes.bit_length() > input.rank():
+            raise EmulationError(f"ITopKLayer reduces exactly one axis of a rank-{input.rank()} input, got {axes:#b}")
+        if input.dtype not in TOPK_DTYPES:
+            raise EmulationError(f"ITopKLayer does not take {input.dtype.name}")
+        dim = axes.bit_length() - 1
+        if k > input.shape[dim]:
+            raise EmulationError(f"top-{k} of an axis of {input.shape[dim]}")
+        values, indices = torch.topk(input.data, k, dim=dim, largest=True, sorted=True)
+        return _Layer([wrap_tensor(values), wrap_tensor(indices.to(torch.int32))])
 
 
 def default_trtnet() -> _TrtNetwork:

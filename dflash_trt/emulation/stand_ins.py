@@ -21,7 +21,7 @@ from typing import Any
 
 from dflash_trt.emulation import functional, layers, models, plugins, trt
 from dflash_trt.emulation.functional import EmulationError
-from dflash_trt.emulation.module import Module, ModuleList
+from dflash_trt.emulation.module import Module, ModuleList, Parameter
 
 
 class KVCacheType(enum.IntEnum):
@@ -45,6 +45,7 @@ REGISTRY: dict[str, dict[str, Any]] = {
             "PluginFieldCollection",
             "PluginFieldType",
             "TensorRTPhase",
+            "TopKOperation",
             "get_plugin_registry",
         )
     },
@@ -107,10 +108,11 @@ REGISTRY: dict[str, dict[str, Any]] = {
     "tensorrt_llm.models.qwen.config": {"QWenConfig": models.QWenConfig},
     "tensorrt_llm.models.qwen.model": {"QWenDecoderLayer": models.QWenDecoderLayer},
     "tensorrt_llm.module": {"Module": Module, "ModuleList": ModuleList},
+    "tensorrt_llm.parameter": {"Parameter": Parameter},
 }
 ENGINE_PACKAGE = Path(__file__).resolve().parents[1] / "trtllm"
 # The engine's sources that import TensorRT-LLM, in the order they are executed (model.py imports the others).
-ENGINE_SOURCES = ("plugin", "verify", "model")
+ENGINE_SOURCES = ("plugin", "verify", "drafting", "model")
 _engine_module: types.ModuleType | None = None
 
 

@@ -66,6 +66,11 @@ STR_DTYPES = {
 }
 
 
+class TopKOperation(enum.IntEnum):
+    MAX = 0
+    MIN = 1
+
+
 class PluginFieldType(enum.IntEnum):
     FLOAT16 = 0
     FLOAT32 = 1

@@ -16,7 +16,7 @@ import torch
 
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.reference.loop_rules import check_request, keep_tokens
-from dflash_trt.reference.model import GoldenModel, KVCache
+from dflash_trt.reference.model import DraftModel, GoldenModel, KVCache
 from dflash_trt.reference.sampling import (
     SamplingParams,
     exact_match_accept,
@@ -25,7 +25,8 @@ from dflash_trt.reference.sampling import (
     sample_by_uniform,
     sampling_probs,
 )
-from dflash_trt.sampling_rules import REFERENCE, sampling_refusal
+from dflash_trt.sampling_rules import ENGINE, REFERENCE, sampling_refusal
+from dflash_trt.spec import DraftSpec
 
 
 @dataclass
@@ -90,7 +91,7 @@ class _AcceptRule(Protocol):
 
     def first(self, last_logits: torch.Tensor) -> torch.Tensor: ...
 
-    def draft(self, draft_logits: torch.Tensor) -> torch.Tensor: ...
+    def draft(self, drafter: DraftModel, hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor: ...
 
     def accept(self, row: int, drafts: torch.Tensor, logits: torch.Tensor) -> tuple[int, int]: ...
 
@@ -112,8 +113,8 @@ class _EngineRule:
             ]
         )
 
-    def draft(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        return draft_logits.argmax(dim=-1)
+    def draft(self, drafter: DraftModel, hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        return drafter.choose(hidden, anchors).tokens()
 
     def accept(self, row: int, drafts: torch.Tensor, logits: torch.Tensor) -> tuple[int, int]:
         # The runtime hands the engine one uniform per verified position (rand_data_validation).
@@ -132,8 +133,9 @@ class _ReferenceRule:
     def first(self, last_logits: torch.Tensor) -> torch.Tensor:
         return pick_tokens(last_logits, self.sampling, self.generator)
 
-    def draft(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        probs = sampling_probs(draft_logits, self.sampling)
+    def draft(self, drafter: DraftModel, hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        probs = sampling_probs(drafter.unary_logits(drafter.draft_slots(hidden)), self.sampling)
+        probs = drafter.head.target_probs(probs, drafter.spec.vocab_size)
         self.draft_probs = probs
         flat = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=self.generator)
         return flat.view(probs.shape[:-1])
@@ -146,11 +148,18 @@ class _ReferenceRule:
         return rejection_accept(drafts, self.draft_probs[row, : len(logits) - 1], target_probs, self.generator)
 
 
-def _accept_rule(per_sequence: list[SamplingParams], seed: int, seeds: list[int] | None, block: int) -> _AcceptRule:
+def _accept_rule(
+    per_sequence: list[SamplingParams], seed: int, seeds: list[int] | None, block: int, spec: DraftSpec
+) -> _AcceptRule:
     sequence_seeds = list(seeds) if seeds is not None else [seed + i for i in range(len(per_sequence))]
     if len(sequence_seeds) != len(per_sequence):
         raise DFlashTrtError(f"got {len(sequence_seeds)} seeds for {len(per_sequence)} prompts")
     if any(p.method == REFERENCE and not p.greedy for p in per_sequence):
+        if spec.dflash2 is not None:
+            raise DFlashTrtError(
+                "the reference sampling method rejection-samples from the drafter's token distribution, which a "
+                f"DFlash2 drafter's selector does not give; sample with the engine's method ({ENGINE})"
+            )
         return _ReferenceRule(per_sequence[0], torch.Generator().manual_seed(seed))
     generators = [torch.Generator().manual_seed(s) for s in sequence_seeds]
     return _EngineRule(generators, [p.temperature for p in per_sequence], block)
@@ -194,15 +203,27 @@ def _prefill(loop: _Loop, prompts: list[list[int]]) -> None:
         loop.keep(seq, [token])
 
 
+def drafter_block(drafter: DraftModel, anchors: torch.Tensor, width: int, verify: torch.Tensor):
+    """The drafter's input for verify blocks of `width` (`verify` of them checked per sequence): `[anchor, MASK...]`
+    with one slot per draft (plus the anchor's, unless the anchor's slot drafts), and which slots are real."""
+    spec = drafter.spec
+    slots = width - 1 + spec.first_draft_slot
+    block = torch.full((len(anchors), slots), spec.mask_token_id, dtype=torch.long)
+    block[:, 0] = anchors
+    valid = torch.arange(slots) < (verify - 1 + spec.first_draft_slot).clamp(min=1)[:, None]
+    return block, valid
+
+
 def _draft_block(loop: _Loop, start: torch.Tensor, verify: torch.Tensor) -> torch.Tensor:
     """`[anchor, drafts...]` per sequence; the drafter sees only the positions that will be verified."""
-    draft, block = loop.model.draft, loop.block
-    block_ids = torch.full((len(loop.seqs), block), draft.spec.mask_token_id, dtype=torch.long)
-    block_ids[:, 0] = torch.tensor([s.tokens[-1] for s in loop.seqs])
-    if block > 1:
-        block_valid = torch.arange(block) < verify[:, None]
-        draft_logits = draft.logits(draft.forward(block_ids, start, block_valid, loop.draft_cache)[:, 1:])
-        block_ids[:, 1:] = loop.rule.draft(draft_logits)
+    draft, width = loop.model.draft, loop.block
+    anchors = torch.tensor([s.tokens[-1] for s in loop.seqs])
+    block_ids = torch.full((len(loop.seqs), width), draft.spec.mask_token_id, dtype=torch.long)
+    block_ids[:, 0] = anchors
+    if width > 1:
+        block, valid = drafter_block(draft, anchors, width, verify)
+        hidden = draft.forward(block, start, valid, loop.draft_cache)
+        block_ids[:, 1:] = loop.rule.draft(draft, hidden, anchors)[:, : width - 1]
     return block_ids
 
 
@@ -254,12 +275,13 @@ def speculative_generate(
     tokens each step produced."""
     per_sequence = per_sequence_sampling(sampling, len(prompts))
     target, draft = model.target, model.draft
-    block = draft.spec.block_size if block_size is None else block_size
-    if not 1 <= block <= draft.spec.block_size:
-        raise DFlashTrtError(f"block size must be in 1..{draft.spec.block_size}, got {block}")
+    widest = draft.spec.verify_width
+    block = widest if block_size is None else block_size
+    if not 1 <= block <= widest:
+        raise DFlashTrtError(f"block size must be in 1..{widest}, got {block}")
     news = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     _check_prompts(prompts, target.spec.vocab_size, news)
-    rule = _accept_rule(per_sequence, seed, seeds, block)
+    rule = _accept_rule(per_sequence, seed, seeds, block, draft.spec)
     seqs = [_Sequence(SequenceResult(list(p)), list(p), len(p) + n) for p, n in zip(prompts, news, strict=True)]
     capacity = max(s.max_length for s in seqs) + block + 1
     caches = target.new_cache(len(seqs), capacity), draft.new_cache(len(seqs), capacity)

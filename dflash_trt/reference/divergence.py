@@ -67,8 +67,9 @@ def _target_logits(model: GoldenModel, tokens: list[int]) -> torch.Tensor:
     return logits[0]
 
 
-def _draft_logits(model: GoldenModel, tokens: list[int]) -> torch.Tensor:
-    """The golden drafter's logits `[B - 1, vocab]` for the block anchored at `tokens[-1]` (context: the rest)."""
+def _draft_scores(model: GoldenModel, tokens: list[int]) -> torch.Tensor:
+    """The golden drafter's scores `[drafts, candidates]` for the block anchored at `tokens[-1]` (context: the
+    rest): its logits, or a DFlash2 selector's candidate scores along its chain. Each slot's draft is their argmax."""
     block, start = model.draft.spec.block_size, len(tokens) - 1
     ids = torch.tensor([tokens[:start]])
     positions = torch.arange(start)[None]
@@ -79,7 +80,7 @@ def _draft_logits(model: GoldenModel, tokens: list[int]) -> torch.Tensor:
     block_ids = torch.full((1, block), model.draft.spec.mask_token_id, dtype=torch.long)
     block_ids[0, 0] = tokens[-1]
     hidden = model.draft.forward(block_ids, torch.tensor([start]), torch.ones(1, block, dtype=torch.bool), cache)
-    return model.draft.logits(hidden[:, 1:])[0]
+    return model.draft.choose(hidden, block_ids[:, 0]).scores[0]
 
 
 def _first_token_difference(golden: list[int], other: list[int]) -> int | None:
@@ -108,7 +109,7 @@ def _sequence_divergence(
     if len(golden.steps) < len(other.steps):
         return Divergence(index, f"{len(other.steps)} steps, the golden loop took {len(golden.steps)}")
     produced = 1  # the context step's token
-    full = model.draft.spec.block_size - 1
+    full = model.draft.spec.num_drafts
     last = len(other.acceptance_lengths) - 1
     for step, (g_len, o_len) in enumerate(zip(golden.acceptance_lengths, other.acceptance_lengths, strict=False)):
         g_step = golden.steps[step]
@@ -122,7 +123,7 @@ def _sequence_divergence(
             if slot >= min(len(g_step.draft_ids), len(o_step.draft_ids)):
                 return Divergence(index, what)
             context = golden.input_ids + expected[:produced]
-            margin, scale = _top2(_draft_logits(model, context)[slot], relative)
+            margin, scale = _top2(_draft_scores(model, context)[slot], relative)
             return Divergence(index, what, margin, scale)
         if token is not None and token < produced + o_len:
             return token_divergence(token)

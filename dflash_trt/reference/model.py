@@ -15,16 +15,19 @@ import torch
 import torch.nn.functional as F
 
 from dflash_trt import tensor_names as names
+from dflash_trt.checkpoint.draft_vocabulary import check_target_ids, target_ids
 from dflash_trt.checkpoint.integrity import check_integrity
 from dflash_trt.checkpoint.layout import checkpoint_layout, stored_split
 from dflash_trt.checkpoint.safetensors_io import SafetensorsFile, tensor_has_nonfinite
 from dflash_trt.checkpoint.sharding import merge
 from dflash_trt.checkpoint.trtllm_config import specs_from_config
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.formats import NONE, checkpoint_fp8_context_fmha, torch_dtypes
+from dflash_trt.formats import NONE, checkpoint_fp8_context_fmha
 from dflash_trt.jsonfile import read_json_object
+from dflash_trt.reference.conv import AFTER, BEFORE, GroupedDynamicConv
 from dflash_trt.reference.kv_injection import injected_kv
 from dflash_trt.reference.norm import rms_norm
+from dflash_trt.reference.proposal import CandidateSelector, DraftChoice, DraftHead
 from dflash_trt.reference.quantized import (
     dequantized_weight,
     fake_quantize_fp8,
@@ -33,7 +36,7 @@ from dflash_trt.reference.quantized import (
     weight_format,
 )
 from dflash_trt.rope import apply_rope, rope_cos_sin
-from dflash_trt.spec import DraftSpec, MoeSpec, TargetSpec
+from dflash_trt.spec import EMBEDDING_TAP, DraftSpec, MoeSpec, TargetSpec
 
 Observer = Callable[[str, torch.Tensor], None]
 
@@ -313,7 +316,7 @@ class TargetModel:
         key_count = int(positions.max()) + 1
         key_positions = torch.arange(key_count)
         visible = key_positions[None, None, :] <= positions[:, :, None]
-        taps = {}
+        taps = {EMBEDDING_TAP: hidden}
         for index, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, s.rms_norm_eps)
             q, k, v = layer.split_qkv(x, s.num_attention_heads, s.num_key_value_heads, s.head_dim)
@@ -344,6 +347,10 @@ class DraftModel:
         self.final_norm = tensors[names.DRAFT_FINAL_NORM].to(dtype)
         self.layers = [LayerWeights.load(tensors, names.draft_layer(i), dtype) for i in range(spec.num_hidden_layers)]
         self.k_norms = torch.stack([layer.qk_norms()[1] for layer in self.layers])
+        self.convs = _load_convs(spec, tensors, dtype)
+        own_head = tensors.get(names.DRAFT_LM_HEAD) if spec.draft_vocab_size is not None else None
+        self.draft_lm_head = None if own_head is None else own_head.to(dtype)
+        self.head = _load_head(spec, tensors, dtype, self.unary_logits)
         self.current_valid: torch.Tensor | None = None  # rows of the running call that are real (for observers)
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
@@ -384,8 +391,13 @@ class DraftModel:
         ctx_positions = torch.arange(context)[None, :].expand(len(start), -1)
         key_positions = torch.cat([ctx_positions, positions], dim=1)
         key_valid = torch.cat([ctx_positions < start[:, None], block_valid], dim=1)
+        anchor = start[:, None] if s.window_from_anchor else None
         for index, layer in enumerate(self.layers):
+            attention_conv, mlp_conv = self.convs[index] if self.convs else (None, None)
             x = rms_norm(hidden, layer.input_norm, s.rms_norm_eps)
+            if attention_conv is not None:
+                coefficients = attention_conv.coefficients(x)
+                x = attention_conv.convolve(x, coefficients, BEFORE)
             q, k, v = layer.split_qkv(x, s.num_attention_heads, s.num_key_value_heads, s.head_dim)
             q_norm, k_norm = layer.qk_norms()
             q, k = rms_norm(q, q_norm, s.rms_norm_eps), rms_norm(k, k_norm, s.rms_norm_eps)
@@ -395,19 +407,42 @@ class DraftModel:
             block_v = cache.stored(index, v, block_valid).transpose(1, 2).to(cache.v[index].dtype)
             keys = torch.cat([cache.k[index][:, :, :context], block_k], dim=2)
             values = torch.cat([cache.v[index][:, :, :context], block_v], dim=2)
-            visible = draft_visibility(positions, key_positions, key_valid, s.causal[index], s.layer_window(index))
-            hidden = hidden + layer.dense(attend(q, keys.to(q.dtype), values.to(q.dtype), visible, s.head_dim**-0.5))
-            hidden = hidden + layer.mlp(rms_norm(hidden, layer.post_norm, s.rms_norm_eps))
+            visible = draft_visibility(
+                positions, key_positions, key_valid, s.causal[index], s.layer_window(index), anchor
+            )
+            attended = layer.dense(attend(q, keys.to(q.dtype), values.to(q.dtype), visible, s.head_dim**-0.5))
+            if attention_conv is not None:
+                attended = attention_conv.convolve(attended, coefficients, AFTER)
+            hidden = hidden + attended
+            x = rms_norm(hidden, layer.post_norm, s.rms_norm_eps)
+            if mlp_conv is None:
+                hidden = hidden + layer.mlp(x)
+            else:
+                coefficients = mlp_conv.coefficients(x)
+                mlp_out = layer.mlp(mlp_conv.convolve(x, coefficients, BEFORE))
+                hidden = hidden + mlp_conv.convolve(mlp_out, coefficients, AFTER)
         return rms_norm(hidden, self.final_norm, s.rms_norm_eps)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Shared target lm_head, then the drafter's output multiplier and optional tanh softcap."""
+    def unary_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits over the draft vocabulary: the shared target lm_head with the drafter's output multiplier
+        and optional tanh softcap, or a reduced vocabulary's own head."""
+        if self.draft_lm_head is not None:
+            return F.linear(hidden, self.draft_lm_head).float()
         logits = self.target.lm_head(hidden)[..., : self.target.spec.vocab_size].float()
         logits = logits * self.spec.output_multiplier
         cap = self.spec.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def draft_slots(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The block slots whose hidden states draft: 1.. (or 0.. when the anchor's slot drafts too)."""
+        first = self.spec.first_draft_slot
+        return hidden[:, first : first + self.spec.num_drafts]
+
+    def choose(self, hidden: torch.Tensor, anchors: torch.Tensor) -> DraftChoice:
+        """The engine's drafts from a block's hidden states `[b, B, H]` (the anchors are the block's first tokens)."""
+        return self.head.choose(self.draft_slots(hidden), anchors)
 
 
 def draft_visibility(
@@ -416,18 +451,65 @@ def draft_visibility(
     key_valid: torch.Tensor,
     causal: bool,
     window: int | None,
+    anchor: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Which keys each block query sees: all valid ones, minus the future (causal) and the far (window) ones."""
+    """Which keys each block query sees: all valid ones, minus the future (causal) and the far (window) ones.
+
+    The window counts from each query (z-lab drafters: HF's sliding window), or, given the block's `anchor`
+    positions `[b, 1]`, covers the `window` positions before the anchor and the whole block (speculators drafters).
+    """
     q = query_positions[:, :, None]
     k = key_positions[:, None, :]
     visible = key_valid[:, None, :].expand(-1, q.shape[1], -1)
     if causal:
         visible = visible & (k <= q)
-    if window is not None:
+    if window is not None and anchor is not None:
+        visible = visible & (k >= anchor[:, :, None] - window)
+    elif window is not None:
         visible = visible & (q - k < window)
         if not causal:
             visible = visible & (k - q < window)
     return visible
+
+
+def _load_convs(
+    spec: DraftSpec, tensors: dict[str, torch.Tensor], dtype: torch.dtype
+) -> list[tuple[GroupedDynamicConv, GroupedDynamicConv]]:
+    """Each DFlash2 layer's convolutions around attention and around the MLP (none for v1)."""
+    dflash2 = spec.dflash2
+    if dflash2 is None:
+        return []
+
+    def conv(layer: int, module: str) -> GroupedDynamicConv:
+        prefix = names.draft_layer(layer)
+        return GroupedDynamicConv(
+            base_kernel=tensors[names.tensor(prefix, module, names.CONV_BASE_KERNEL)].to(dtype),
+            projection=tensors[names.tensor(prefix, f"{module}.{names.CONV_KERNEL_PROJECTION}")].to(dtype),
+            group_size=dflash2.conv_group_size,
+        )
+
+    return [(conv(i, names.ATTENTION_CONV), conv(i, names.MLP_CONV)) for i in range(spec.num_hidden_layers)]
+
+
+def _load_head(
+    spec: DraftSpec,
+    tensors: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    logits: Callable[[torch.Tensor], torch.Tensor],
+) -> DraftHead:
+    selector = None
+    if spec.dflash2 is not None:
+        selector = CandidateSelector(
+            predecessor_codebook=tensors[names.SELECTOR_PREDECESSOR_CODEBOOK].to(dtype),
+            successor_codebook=tensors[names.SELECTOR_SUCCESSOR_CODEBOOK].to(dtype),
+            hidden_projection=tensors[names.SELECTOR_HIDDEN_PROJECTION].to(dtype),
+            top_k=spec.dflash2.selector_top_k,
+        )
+    ids = None
+    if spec.draft_vocab_size is not None:
+        ids = target_ids(tensors[names.DRAFT_TO_TARGET].numpy())
+        check_target_ids(ids, spec.vocab_size, f"checkpoint tensor '{names.DRAFT_TO_TARGET}'")
+    return DraftHead(logits, None if ids is None else torch.from_numpy(ids), selector)
 
 
 @dataclass
@@ -490,8 +572,8 @@ def load_rank_tensors(
             pieces = [f.get(name, copy=True) for f in files]
             if any(tensor_has_nonfinite(piece) for piece in pieces):
                 raise DFlashTrtError(f"checkpoint {checkpoint_dir} tensor '{name}' holds NaN or Inf")
-            own = layout[name].dtype if name in layout else None  # a router keeps its own dtype
-            expected = torch_dtypes()[own] if own else dtype if name in layout else None
+            # a router or an id map keeps its own dtype
+            expected = layout[name].stored_torch_dtype(dtype) if name in layout else None
             if expected is not None and pieces[0].element_size() > 1 and pieces[0].dtype != expected:
                 raise DFlashTrtError(
                     f"checkpoint {checkpoint_dir} tensor '{name}' is {pieces[0].dtype}, but config.json says {expected}"

@@ -1,20 +1,27 @@
-"""End-to-end build of the embedded pair: corpus → tokenizer → target → drafter → metrics → manifest."""
+"""End-to-end build of the embedded pair: corpus → tokenizer → target → drafters (z-lab DFlash, speculators
+DFlash2) → metrics → manifest."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from dflash.model import DFlashDraftModel
-from transformers import Qwen3ForCausalLM
+from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 
 from dflash_trt.tiny import corpus, evaluate, models, train
-from dflash_trt.tiny.heldout import HeldoutPrompt
+from dflash_trt.tiny.heldout import DFLASH2_DRAFT, HeldoutPrompt
 from dflash_trt.tiny.tokenizer import save_tokenizer
+from dflash_trt.tiny.train_dflash2 import new_drafter, train_dflash2
+
+# The DFlash2 drafter's mean acceptance length on the held-out prompts, given the pair's folder: measured by the
+# caller (the golden model decodes it; this layer cannot import it).
+MeasureAcceptance = Callable[[Path], float]
 
 
 @dataclass(frozen=True)
@@ -30,6 +37,10 @@ class Recipe:
     draft_anchors: int = 16
     draft_gamma: float = 7.0
     draft_lr: float = 2e-3
+    dflash2_steps: int = 800
+    dflash2_batch: int = 16
+    dflash2_anchors: int = 8
+    dflash2_lr: float = 2e-3
     threads: int = 1  # on a shared 2-core machine one thread wastes less time waiting than two
 
 
@@ -53,8 +64,11 @@ def _param_count(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def build_pair(out_dir: Path, recipe: Recipe, command: str, log: train.Log = print) -> dict:
-    """Train both models into `out_dir/{target,draft}` and write heldout.jsonl + manifest.json."""
+def build_pair(
+    out_dir: Path, recipe: Recipe, command: str, measure_dflash2: MeasureAcceptance, log: train.Log = print
+) -> dict:
+    """Train the target and both drafters into `out_dir/{target,draft,draft_dflash2}` and write heldout.jsonl +
+    manifest.json."""
     torch.set_num_threads(recipe.threads)
     torch.manual_seed(recipe.seed)
     target_dir, draft_dir = out_dir / "target", out_dir / "draft"
@@ -125,5 +139,46 @@ def build_pair(out_dir: Path, recipe: Recipe, command: str, log: train.Log = pri
         },
         "torch_version": torch.__version__,
     }
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return add_dflash2_drafter(out_dir, recipe, command, log, measure_dflash2)
+
+
+def add_dflash2_drafter(
+    out_dir: Path, recipe: Recipe, command: str, log: train.Log, measure: MeasureAcceptance
+) -> dict:
+    """Train the DFlash2 drafter (speculators format) against the pair's target on the same corpus, save it to
+    `out_dir/draft_dflash2` and record it in the manifest; `measure` gives its held-out acceptance."""
+    torch.set_num_threads(recipe.threads)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(out_dir / "target"))
+    target = Qwen3ForCausalLM.from_pretrained(str(out_dir / "target"), dtype=torch.float32).eval()
+    encoded = train.encode(list(corpus.generate(recipe.seed, recipe.train_problems, heldout=False)), tokenizer)
+    draft = new_drafter(target, tokenizer.mask_token_id)
+    started = time.perf_counter()
+    train_dflash2(
+        draft,
+        target,
+        encoded,
+        steps=recipe.dflash2_steps,
+        batch_size=recipe.dflash2_batch,
+        anchors_per_row=recipe.dflash2_anchors,
+        lr=recipe.dflash2_lr,
+        seed=recipe.seed,
+        log=log,
+    )
+    seconds = time.perf_counter() - started
+    draft.save_pretrained(out_dir / DFLASH2_DRAFT)
+    # save_pretrained also copies speculators' config class source for remote-code loaders: not checkpoint data.
+    (out_dir / DFLASH2_DRAFT / "config.py").unlink(missing_ok=True)
+    acceptance = measure(out_dir)
+    log(f"dflash2 mean acceptance length {acceptance:.3f} after {seconds:.0f}s")
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    manifest["recipe"] = asdict(recipe)
+    manifest["dflash2_command"] = command
+    for path in sorted(p for p in (out_dir / DFLASH2_DRAFT).rglob("*") if p.is_file()):
+        manifest["files_sha256"][str(path.relative_to(out_dir))] = sha256_file(path)
+    manifest["parameters"]["dflash2"] = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    manifest["train_seconds"]["dflash2"] = round(seconds, 1)
+    manifest["metrics"]["dflash2_mean_acceptance_length"] = round(acceptance, 4)
+    manifest["metrics"]["dflash2_block_size"] = draft.block_size
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest

@@ -9,6 +9,7 @@ from importlib import resources
 from pathlib import Path
 
 ANSWER_PATTERN = re.compile(r"^ans (\d+)$", re.MULTILINE)
+DFLASH2_DRAFT = "draft_dflash2"  # the DFlash2 drafter (speculators format), beside the z-lab DFlash `draft`
 
 
 @dataclass(frozen=True)
@@ -18,7 +19,7 @@ class HeldoutPrompt:
 
 
 def asset_dir() -> Path:
-    """Directory holding the committed pair: target/, draft/, heldout.jsonl, manifest.json."""
+    """Directory holding the committed pair: target/, draft/, draft_dflash2/, heldout.jsonl, manifest.json."""
     return Path(str(resources.files("dflash_trt") / "assets" / "tiny_pair"))
 
 
@@ -28,6 +29,10 @@ def target_dir() -> Path:
 
 def draft_dir() -> Path:
     return asset_dir() / "draft"
+
+
+def dflash2_draft_dir() -> Path:
+    return asset_dir() / DFLASH2_DRAFT
 
 
 def load_heldout(path: Path | None = None, limit: int | None = None) -> list[HeldoutPrompt]:

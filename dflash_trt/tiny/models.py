@@ -51,6 +51,14 @@ def target_config(eos_token_id: int, pad_token_id: int) -> Qwen3Config:
     )
 
 
+def eos_token_id(target: Qwen3Config) -> int:
+    """The tiny target's one end-of-sequence id (the padding of its training rows)."""
+    eos = target.eos_token_id
+    if not isinstance(eos, int):
+        raise ValueError(f"the tiny target has one end-of-sequence id, got {eos!r}")
+    return eos
+
+
 def draft_config(target: Qwen3Config, mask_token_id: int) -> Qwen3Config:
     """Same hidden size as the target (the drafter reuses its embeddings and lm_head)."""
     return Qwen3Config(

@@ -46,14 +46,15 @@ def encode(problems: list[Problem], tokenizer: PreTrainedTokenizerFast) -> Encod
     return EncodedCorpus(ids, lengths, prompt_lengths)
 
 
-def _lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
+def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
+    """Linear warmup, then cosine decay to a tenth of the peak."""
     if step < warmup:
         return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, steps - warmup)
     return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def _batches(count: int, batch_size: int, steps: int, generator: torch.Generator):
+def shuffled_batches(count: int, batch_size: int, steps: int, generator: torch.Generator):
     """Epoch-wise shuffled row indices, `steps` batches in total."""
     order = torch.randperm(count, generator=generator)
     cursor = 0
@@ -80,14 +81,14 @@ def train_target(
     positions = torch.arange(corpus.ids.shape[1])
     model.train()
     start = time.perf_counter()
-    for step, rows in enumerate(_batches(len(corpus.ids), batch_size, steps, generator)):
+    for step, rows in enumerate(shuffled_batches(len(corpus.ids), batch_size, steps, generator)):
         ids = corpus.ids[rows]
         label_pos = positions[1:]
         learn = (label_pos >= corpus.prompt_lengths[rows, None]) & (label_pos < corpus.lengths[rows, None])
         logits = model(input_ids=ids[:, :-1]).logits
         loss = F.cross_entropy(logits[learn], ids[:, 1:][learn])
         for group in optimizer.param_groups:
-            group["lr"] = _lr_at(step, steps, lr, warmup=min(200, steps // 10))
+            group["lr"] = lr_at(step, steps, lr, warmup=min(200, steps // 10))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -196,7 +197,7 @@ def train_draft(
     optimizer = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     draft.train()
     start = time.perf_counter()
-    for step, rows in enumerate(_batches(len(corpus.ids), batch_size, steps, generator)):
+    for step, rows in enumerate(shuffled_batches(len(corpus.ids), batch_size, steps, generator)):
         ids, lengths = corpus.ids[rows], corpus.lengths[rows]
         anchors = sample_anchors(corpus.prompt_lengths[rows], lengths, ids.shape[1], num_anchors, generator)
         batch = draft_batch(
@@ -206,7 +207,7 @@ def train_draft(
         per_token = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), reduction="none")
         loss = (per_token * batch.weights.flatten()).sum() / batch.weights.sum()
         for group in optimizer.param_groups:
-            group["lr"] = _lr_at(step, steps, lr, warmup=min(200, steps // 10))
+            group["lr"] = lr_at(step, steps, lr, warmup=min(200, steps // 10))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)

@@ -2,7 +2,8 @@
 
 Everything that can be decided on a CPU machine lives here, so `dflash-trt build --dry_run`, build profiles and the
 tests see the same rules the GPU build applies. The limits below are TensorRT-LLM 1.2.x facts (docs/engine.md cites
-the source of each); the engine speaks the runtime's EAGLE contract with one chain of `block_size - 1` drafts.
+the source of each); the engine speaks the runtime's EAGLE contract with one chain of the drafter's drafts
+(`block_size - 1`, or `block_size` when the anchor's slot drafts too).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dflash_trt.formats import FP8, FP8_CONTEXT_FMHA_WEIGHTS, NONE, NVFP4, QFORM
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.rope import RopeConfig
 from dflash_trt.sampling_rules import ENGINE_SAMPLING, HONOURED
-from dflash_trt.spec import SLIDING_ATTENTION, TARGET_ARCHITECTURES
+from dflash_trt.spec import SLIDING_ATTENTION, TARGET_ARCHITECTURES, DraftSpec
 from dflash_trt.trtllm.plugin import LIBRARY_ENV, PLUGIN_NAMESPACE, default_library_path
 
 TRTLLM_BUILD = "trtllm-build"
@@ -38,6 +39,8 @@ RANK_BUILD_MODULE = "dflash_trt.trtllm.rank_build"
 # builder.build() asserts both for SpeculativeDecodingMode.EAGLE.
 MAX_EAGLE_BATCH_SIZE = 512
 MAX_EAGLE_DRAFT_LEN = 256
+# TensorRT's ITopKLayer takes K <= 3840 (TensorRT 10 operator documentation) [read]: DFlash2's candidates per slot.
+TOPK_MAX_K = 3840
 # How the engine verifies drafts: greedy at temperature 0, exact-match sampling above (trtllm/verify.py).
 SAMPLING_POLICY = ENGINE_SAMPLING
 GEMM_PLUGIN_CHOICES = ("auto", "float16", "bfloat16", "float32", "fp8", "nvfp4", "disable")
@@ -96,6 +99,7 @@ class CheckpointFacts:
     draft_kv_heads: int
     draft_head_size: int
     block_size: int
+    max_draft_len: int  # drafts per step: block_size - 1, or block_size when the anchor's slot drafts
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
     layer_types: tuple[str, ...]
@@ -111,10 +115,8 @@ class CheckpointFacts:
     draft_quant_algo: str | None = None
     draft_kv_cache_quant_algo: str | None = None
     sparse_layers: tuple[int, ...] = ()  # mixture-of-experts layers of a Qwen3-MoE target
-
-    @property
-    def max_draft_len(self) -> int:
-        return self.block_size - 1
+    drafter: dict[str, Any] = field(default_factory=dict)  # what the manifest records about the drafter's kind
+    selector_top_k: int | None = None  # DFlash2's candidates per slot
 
 
 @dataclass(frozen=True)
@@ -230,8 +232,8 @@ def read_checkpoint_facts(checkpoint_dir: str | Path) -> CheckpointFacts:
         raise DFlashTrtError(
             f"{path}: base architecture {target.architecture!r} is not one of {', '.join(BASE_ARCHITECTURES)}"
         )
-    if config.get("max_draft_len") != draft.block_size - 1:
-        raise DFlashTrtError(f"{path}: max_draft_len must equal block_size - 1 = {draft.block_size - 1}")
+    if config.get("max_draft_len") != draft.num_drafts:
+        raise DFlashTrtError(f"{path}: max_draft_len must equal the drafter's drafts per step, {draft.num_drafts}")
     mapping = config.get("mapping") or {}
     quant = config.get("quantization") or {}
     draft_quant = config["dflash_config"].get("quantization") or {}
@@ -262,7 +264,22 @@ def read_checkpoint_facts(checkpoint_dir: str | Path) -> CheckpointFacts:
         draft_quant_algo=draft_quant.get("quant_algo"),
         draft_kv_cache_quant_algo=draft_quant.get("kv_cache_quant_algo"),
         sparse_layers=target.moe.sparse_layers if target.moe is not None else (),
+        max_draft_len=draft.num_drafts,
+        drafter=drafter_record(draft),
+        selector_top_k=None if draft.dflash2 is None else draft.dflash2.selector_top_k,
     )
+
+
+def drafter_record(draft: DraftSpec) -> dict[str, Any]:
+    """The drafter's kind as `dflash_trt.json` states it."""
+    conv = draft.dflash2
+    return {
+        "architecture": draft.architecture,
+        "checkpoint_format": draft.checkpoint_format,
+        "sample_from_anchor": draft.sample_from_anchor,
+        "draft_vocab_size": draft.draft_vocab_size,
+        "dflash2": None if conv is None else dict(vars(conv)),
+    }
 
 
 def check_kv_geometry(facts: CheckpointFacts) -> None:
@@ -573,14 +590,19 @@ def check_settings(facts: CheckpointFacts, settings: EngineBuildSettings) -> Non
     if not 1 <= settings.max_batch_size <= MAX_EAGLE_BATCH_SIZE:
         raise DFlashTrtError(f"--max_batch_size must lie in [1, {MAX_EAGLE_BATCH_SIZE}] for EAGLE-mode engines")
     if k > MAX_EAGLE_DRAFT_LEN:
-        raise DFlashTrtError(f"block_size {facts.block_size} exceeds the EAGLE limit of {MAX_EAGLE_DRAFT_LEN} drafts")
+        raise DFlashTrtError(f"the drafter's {k} drafts per step exceed the EAGLE limit of {MAX_EAGLE_DRAFT_LEN}")
+    if facts.selector_top_k is not None and facts.selector_top_k > TOPK_MAX_K:
+        raise DFlashTrtError(
+            f"the DFlash2 selector's top-k ({facts.selector_top_k}) exceeds TensorRT's TopK limit of {TOPK_MAX_K}"
+        )
     if settings.max_input_len < 1 or settings.max_input_len > settings.max_seq_len:
         raise DFlashTrtError("--max_input_len must be at least 1 and at most --max_seq_len")
-    if settings.max_num_tokens < settings.max_batch_size * facts.block_size:
+    width = k + 1
+    if settings.max_num_tokens < settings.max_batch_size * width:
         raise DFlashTrtError(
-            f"--max_num_tokens ({settings.max_num_tokens}) must be at least max_batch_size x block_size = "
-            f"{settings.max_batch_size} x {facts.block_size} = {settings.max_batch_size * facts.block_size}: every "
-            "generation step feeds block_size tokens per request"
+            f"--max_num_tokens ({settings.max_num_tokens}) must be at least max_batch_size x (drafts + 1) = "
+            f"{settings.max_batch_size} x {width} = {settings.max_batch_size * width}: every generation step "
+            "verifies the drafts and the anchor of each request"
         )
     if settings.tokens_per_block not in XQA_TOKENS_PER_BLOCK:
         raise DFlashTrtError(
@@ -749,6 +771,7 @@ def manifest(facts: CheckpointFacts, settings: EngineBuildSettings, plugin_libra
         "speculative_decoding_mode": SPECULATIVE_DECODING_MODE,
         "block_size": facts.block_size,
         "max_draft_len": k,
+        "drafter": facts.drafter,
         "eagle_choices": chain_eagle_choices(k),
         "mask_token_id": facts.mask_token_id,
         "target_layer_ids": list(facts.target_layer_ids),

@@ -58,10 +58,19 @@ from tensorrt_llm.models.modeling_utils import DecoderModelForCausalLM, Pretrain
 from tensorrt_llm.models.qwen.config import QWenConfig
 from tensorrt_llm.models.qwen.model import QWenDecoderLayer
 from tensorrt_llm.module import Module, ModuleList
+from tensorrt_llm.parameter import Parameter
 
 from dflash_trt.checkpoint.trtllm_config import ARCHITECTURE, draft_spec_from_config, rotary_scaling
-from dflash_trt.spec import DraftSpec
+from dflash_trt.spec import EMBEDDING_TAP, DraftSpec
 from dflash_trt.trtllm.build_plan import block_packed_mask, chain_draft_paths
+from dflash_trt.trtllm.drafting import (
+    AFTER,
+    BEFORE,
+    CandidateSelector,
+    GroupedDynamicConv,
+    draft_vocabulary_ids,
+    replicated_linear,
+)
 from dflash_trt.trtllm.plugin import KVInjectionGeometry, kv_injection_layer
 from dflash_trt.trtllm.verify import verify_drafts
 
@@ -117,7 +126,7 @@ class DFlashConfig(PretrainedConfig):
         self.base_architecture = base_architecture
         self.dflash_config = dict(dflash_config)
         self.draft: DraftSpec = draft
-        k = draft.block_size - 1
+        k = draft.num_drafts
         self.max_draft_len = k
         # GptJsonConfig: num_eagle_layers = chain depth, eagle_net_config.num_hidden_layers = extra pool layers.
         self.num_eagle_layers = k
@@ -187,6 +196,12 @@ class DFlashDraftLayer(Module):
             tp_size=mapping.tp_size,
             quant_mode=config.quant_mode,
         )
+        # DFlash2: a grouped dynamic causal convolution around attention and around the MLP.
+        self.attention_conv = self.mlp_conv = None
+        if d.dflash2 is not None:
+            conv = (d.hidden_size, d.dflash2.conv_kernel_size, d.dflash2.conv_group_size, d.block_size, config.dtype)
+            self.attention_conv = GroupedDynamicConv(*conv)
+            self.mlp_conv = GroupedDynamicConv(*conv)
 
     def context_kv(self, feature: Tensor) -> Tensor:
         """K|V columns of this layer's qkv projection of the fused target feature (no input_layernorm)."""
@@ -196,17 +211,32 @@ class DFlashDraftLayer(Module):
         qkv = attn.qkv(feature)
         return slice(qkv, [0, q_cols], concat([shape(qkv, 0), kv_cols]))
 
-    def forward(self, hidden_states, spec_decoding_params, kv_cache_params, attention_params):
-        residual = hidden_states
+    def forward(self, hidden_states, spec_decoding_params, kv_cache_params, attention_params, batch):
+        """The block rows `[requests * B, hidden]` through the layer (`batch`: the request count, for DFlash2's
+        convolutions along each request's slots)."""
+        x = self.input_layernorm(hidden_states)
+        attention_conv = self.attention_conv
+        if attention_conv is not None:
+            coefficients = attention_conv.coefficients(x, batch)
+            x = attention_conv.convolve(x, coefficients, BEFORE, batch)
         attention_output, _ = self.attention(
-            self.input_layernorm(hidden_states),
+            x,
             use_cache=True,
             spec_decoding_params=spec_decoding_params,
             kv_cache_params=kv_cache_params,
             attention_params=attention_params,
         )
-        hidden_states = residual + attention_output
-        return hidden_states + self.mlp(self.post_layernorm(hidden_states))
+        if attention_conv is not None:
+            attention_output = attention_conv.convolve(attention_output, coefficients, AFTER, batch)
+        hidden_states = hidden_states + attention_output
+        x = self.post_layernorm(hidden_states)
+        mlp_conv = self.mlp_conv
+        if mlp_conv is None:
+            return hidden_states + self.mlp(x)
+        coefficients = mlp_conv.coefficients(x, batch)
+        return hidden_states + mlp_conv.convolve(
+            self.mlp(mlp_conv.convolve(x, coefficients, BEFORE, batch)), coefficients, AFTER, batch
+        )
 
 
 class DFlashDrafter(Module):
@@ -230,6 +260,14 @@ class DFlashDrafter(Module):
         self.hidden_norm = RmsNorm(normalized_shape=hidden, eps=d.rms_norm_eps, dtype=config.dtype)
         self.layers = ModuleList([DFlashDraftLayer(config, i) for i in range(d.num_hidden_layers)])
         self.ln_f = RmsNorm(normalized_shape=hidden, eps=d.rms_norm_eps, dtype=config.dtype)
+        if d.dflash2 is not None:
+            selector = d.dflash2
+            self.selector = CandidateSelector(
+                config.vocab_size, hidden, selector.selector_rank, selector.selector_top_k, config.dtype
+            )
+        if d.draft_vocab_size is not None:  # a reduced vocabulary's own head and id map
+            self.lm_head = replicated_linear(hidden, d.draft_vocab_size, config.dtype)
+            self.d2t = Parameter(shape=(d.draft_vocab_size,), dtype="int32")
         # The drafter's own RoPE tables (the attention plugin takes them per call from AttentionParams, and its
         # RoPE fields per layer), built the way the model-wide ones are, from the drafter's RoPE parameters.
         rope = copy.copy(config)
@@ -258,7 +296,7 @@ class DFlashTarget(Module):
     def forward(self, input_ids, spec_decoding_params, kv_cache_params, attention_params):
         """Returns (ln_f output, concat of tap layer outputs): tap i = output of layer i = HF hidden_states[i+1]."""
         hidden_states = self.vocab_embedding(input_ids)
-        taps = {}
+        taps = {EMBEDDING_TAP: hidden_states}  # tap -1: the embedding output, HF hidden_states[0]
         for index, layer in enumerate(self.layers):
             hidden_states, _ = layer(
                 hidden_states,
@@ -327,7 +365,7 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         super().__init__(config, DFlashTarget(config), lm_head)
         self.dflash = DFlashDrafter(config)
         self.block_size = config.draft.block_size
-        self.max_draft_len = self.block_size - 1
+        self.max_draft_len = config.draft.num_drafts
         self.mask_token_id = config.draft.mask_token_id
         self.draft_rope = config.draft.rope
 
@@ -475,10 +513,11 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         host_context_lengths,
         host_past_key_value_lengths,
     ) -> Tensor:
-        """Run `[anchor, MASK x K]` through the draft layers as one spec-decoding generation step; argmax slots 1..K."""
+        """Run `[anchor, MASK x (B - 1)]` through the draft layers as one spec-decoding generation step; its draft
+        slots (1.., or 0.. when the anchor's slot drafts) give the K drafts."""
         b, k = self.block_size, self.max_draft_len
         batch = book.batch
-        masks = expand(i32([[self.mask_token_id]]), concat([batch, k]))
+        masks = expand(i32([[self.mask_token_id]]), concat([batch, b - 1]))
         block_ids = concat([book.anchor, masks], dim=1).view(concat([batch * b]))
         ctx_len = written  # the injection's passthrough copy: the block pass cannot start before the cache write
         hidden = self.transformer.vocab_embedding(block_ids)
@@ -501,17 +540,28 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
             words = packed.shape[2]
             mask = expand(i32(packed), concat([batch, b, words])).view(concat([batch * b, words]))
             spec = SpecDecodingParams(True, b, lengths, offsets, mask, spec_decoding_params.spec_decoding_use)
-            hidden = layer(hidden, spec, kv_params, params)
+            hidden = layer(hidden, spec, kv_params, params, batch)
         hidden = self.dflash.ln_f(hidden).view(concat([batch, b, shape(hidden, 1)]))
-        drafts = slice(hidden, [0, 1, 0], concat([batch, k, shape(hidden, 2)]))
-        logits = cast(self.lm_head(drafts.view(concat([batch * k, shape(hidden, 2)]))), "float32")
+        first = self.config.draft.first_draft_slot
+        drafts = slice(hidden, [0, first, 0], concat([batch, k, shape(hidden, 2)]))
+        return self.choose_drafts(drafts.view(concat([batch * k, shape(hidden, 2)])), book.anchor, batch)
+
+    def choose_drafts(self, hidden: Tensor, anchor: Tensor, batch: Tensor) -> Tensor:
+        """int32 `[requests, K]` drafts from the draft slots' hidden rows: each slot's argmax over the target's
+        vocabulary (multiplier, softcap) or a reduced one (mapped to target ids), or DFlash2's selector walk."""
+        k, d = self.max_draft_len, self.config.draft
+        if d.draft_vocab_size is not None:
+            logits = cast(self.dflash.lm_head(hidden), "float32")
+            picked = argmax(logits, -1, keepdim=True).view(concat([batch * k]))
+            return draft_vocabulary_ids(self.dflash.d2t, d.draft_vocab_size, picked).view(concat([batch, k]))
+        logits = cast(self.lm_head(hidden), "float32")
         logits = slice(logits, [0, 0], concat([batch * k, self.config.vocab_size]))
-        multiplier = self.config.draft.output_multiplier
-        if multiplier != 1.0:
-            logits = logits * multiplier
-        softcap = self.config.draft.final_logit_softcapping
-        if softcap:
-            logits = tanh(logits * (1.0 / softcap)) * softcap
+        if d.output_multiplier != 1.0:
+            logits = logits * d.output_multiplier
+        if d.final_logit_softcapping:
+            logits = tanh(logits * (1.0 / d.final_logit_softcapping)) * d.final_logit_softcapping
+        if d.dflash2 is not None:
+            return self.dflash.selector.walk(logits, hidden, anchor, batch, k)
         return cast(argmax(logits, -1, keepdim=True), "int32").view(concat([batch, k]))
 
     def prepare_inputs(self, *args, **kwargs):

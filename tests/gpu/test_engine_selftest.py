@@ -48,30 +48,42 @@ def plugin_library(workdir: Path) -> Path:
     return next(build.rglob(LIBRARY_NAME))
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def built_engine(root: Path, variant):
+    """A random pair of `variant` (tests/_pairs.py), converted in float16, built as `dflash-trt build` builds."""
     from dflash_trt.conversion.convert import convert_checkpoint
     from dflash_trt.trtllm.build import run_engine_build
     from dflash_trt.trtllm.build_plan import EngineBuildSettings, plan_engine_build
 
-    root = tmp_path_factory.mktemp("selftest")
     library = plugin_library(root)
-    pairs = tiny_pairs()
-    # Production head size (the kernels are specialised per head size): 128, as Qwen3 and Llama 3.x.
-    variant = pairs.PairVariant(block_size=8, head_dim=128, draft_head_dim=128)
-    target_dir, draft_dir = pairs.make_pair(root, variant)
+    target_dir, draft_dir = tiny_pairs().make_pair(root, variant)
     convert_checkpoint(target_dir, draft_dir, root / "ckpt", dtype="float16")
     settings = EngineBuildSettings(max_batch_size=4, max_input_len=64, max_seq_len=128, max_num_tokens=256)
     plan = plan_engine_build(root / "ckpt", root / "engine", settings, plugin_library=library)
     return run_engine_build(plan), root / "ckpt", library
 
 
-def test_engine_matches_golden_model(engine):
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    # Production head size (the kernels are specialised per head size): 128, as Qwen3 and Llama 3.x.
+    variant = tiny_pairs().PairVariant(block_size=8, head_dim=128, draft_head_dim=128)
+    return built_engine(tmp_path_factory.mktemp("selftest"), variant)
+
+
+@pytest.fixture(scope="module")
+def dflash2_engine(tmp_path_factory):
+    """A DFlash2 drafter (convolutions, in-graph top-k and selector walk) with an embedding tap."""
+    dflash2 = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 12, "selector_top_k": 6}
+    variant = tiny_pairs().PairVariant(block_size=8, dflash2=dflash2, taps=[-1, 3])
+    return built_engine(tmp_path_factory.mktemp("selftest-dflash2"), variant)
+
+
+@pytest.mark.parametrize("which", ["engine", "dflash2_engine"])
+def test_engine_matches_golden_model(which, request):
     from dflash_trt.commands.selftest import compare, engine_generate
     from dflash_trt.reference.decode import speculative_generate
     from dflash_trt.reference.model import load_golden_model
 
-    engine_dir, checkpoint, library = engine
+    engine_dir, checkpoint, library = request.getfixturevalue(which)
     model = load_golden_model(checkpoint)
     golden = speculative_generate(model, PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=[END_ID])
     tokens, acceptance = engine_generate(engine_dir, str(library), PROMPTS, MAX_NEW, END_ID)
@@ -109,7 +121,11 @@ def test_an_fp8_engine_with_an_fp8_kv_cache_matches_the_golden_model(tmp_path):
 
     library = plugin_library(tmp_path)
     pairs = tiny_pairs()
-    variant = pairs.PairVariant(block_size=8, head_dim=128, draft_head_dim=128, intermediate=128)
+    # 8 query heads per KV head x 8-token blocks = 64 rows: outside Hopper XQA's causal small-batch layout (the plan
+    # refuses an FP8-KV drafter inside it).
+    variant = pairs.PairVariant(
+        block_size=8, kv_heads=1, draft_heads=8, draft_kv_heads=1, head_dim=128, draft_head_dim=128, intermediate=128
+    )
     target_dir, draft_dir = pairs.make_pair(tmp_path, variant)
     calib = tmp_path / "calib.jsonl"
     calib.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))

@@ -23,6 +23,7 @@ from dflash_trt.bench.driver import BenchRequest, Response
 from dflash_trt.decoding_modes import AR, DFLASH
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.inputs import check_fits_in_memory
+from dflash_trt.reference.decode import drafter_block
 from dflash_trt.reference.loop_rules import check_request, keep_tokens
 from dflash_trt.reference.model import GoldenModel
 from dflash_trt.reference.sampling import exact_match_accept
@@ -72,9 +73,9 @@ class GoldenExecutor:
     ):
         draft = model.draft
         self.model = model
-        self.block = draft.spec.block_size if block_size is None else block_size
-        if not 1 <= self.block <= draft.spec.block_size:
-            raise DFlashTrtError(f"block size must be in 1..{draft.spec.block_size}, got {self.block}")
+        self.block = draft.spec.verify_width if block_size is None else block_size
+        if not 1 <= self.block <= draft.spec.verify_width:
+            raise DFlashTrtError(f"block size must be in 1..{draft.spec.verify_width}, got {self.block}")
         if max_batch_size < 1:
             raise DFlashTrtError(f"max batch size must be >= 1, got {max_batch_size}")
         self.max_seq_len = max_seq_len
@@ -169,9 +170,10 @@ class GoldenExecutor:
             verify[i] = min(block, s.max_length - s.start)
             block_ids[i, 0] = s.tokens[-1]
         if block > 1 and generation:
-            block_valid = torch.arange(block) < verify[:, None]
-            drafted = draft.logits(draft.forward(block_ids, start, block_valid, self.draft_cache)[:, 1:])
-            block_ids[:, 1:] = drafted.argmax(dim=-1)
+            anchors = block_ids[:, 0].clone()
+            drafter_ids, drafter_valid = drafter_block(draft, anchors, block, verify)
+            hidden = draft.forward(drafter_ids, start, drafter_valid, self.draft_cache)
+            block_ids[:, 1:] = draft.choose(hidden, anchors).tokens()[:, : block - 1]
         return block_ids, start, verify
 
     def _target_inputs(self, running, context, generation, block_ids, start, verify, offsets):
@@ -213,7 +215,7 @@ class GoldenBackend(SteppingBackend):
         block_size: int | None = None,
         stop_token_ids: list[int] | None = None,
     ):
-        block = model.draft.spec.block_size if block_size is None else block_size
+        block = model.draft.spec.verify_width if block_size is None else block_size
         super().__init__(
             lambda: GoldenExecutor(model, max_batch_size, max_seq_len, block_size, stop_token_ids),
             DFLASH if block > 1 else AR,
