@@ -226,7 +226,7 @@ def test_a_drafter_with_its_own_rope_builds_but_its_yarn_is_checked_too(tmp_path
         ),
         (
             {"max_seq_len": 40960 - 44},
-            r"reach position 40960 .* past the 40960 rows .* --max_seq_len <= 40915",
+            r"reaches position 40960, past the 40960 rows .* --max_seq_len <= 40915",
         ),
         ({"gemm_plugin": "fp8"}, "gemm_plugin fp8 needs fp8 weights, but they are none"),
         ({"gemm_plugin": "nvfp4"}, "gemm_plugin nvfp4 needs nvfp4 weights, but they are none"),

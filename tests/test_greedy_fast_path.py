@@ -52,14 +52,17 @@ def _decode(ckpt, temperatures):
     return runtime, [r.output_ids for r in results]
 
 
-def test_an_all_greedy_batch_never_takes_the_sampling_branch(converted, broken_sampling):
+# Temperatures below sampling_rules.MIN_SAMPLING_TEMPERATURE (1e-5 in float32) are greedy, in the fast path too.
+@pytest.mark.parametrize("temperatures", [[0.0, 0.0, 0.0], [1e-40, 9.99e-6, 0.0]], ids=["zero", "too-small-to-invert"])
+def test_an_all_greedy_batch_never_takes_the_sampling_branch(converted, broken_sampling, temperatures):
     golden = speculative_generate(load_golden_model(converted), PROMPTS, MAX_NEW, [1])
-    runtime, tokens = _decode(converted, [0.0, 0.0, 0.0])
+    runtime, tokens = _decode(converted, temperatures)
     assert tokens == [g.output_ids for g in golden]  # a broken sampling path changed nothing
     assert runtime.stats.steps > 0 and runtime.stats.sampling_steps == 0
 
 
-def test_one_sampled_request_takes_the_whole_batch_down_the_sampling_path(converted, broken_sampling):
-    runtime, tokens = _decode(converted, [0.0, 0.9, 0.0])
+@pytest.mark.parametrize("temperature", [0.9, 1e-5], ids=["0.9", "the-minimum"])
+def test_one_sampled_request_takes_the_whole_batch_down_the_sampling_path(converted, broken_sampling, temperature):
+    runtime, tokens = _decode(converted, [0.0, temperature, 0.0])
     assert runtime.stats.sampling_steps == runtime.stats.steps  # every step has the sampled request in flight
     assert set(tokens[1]) == {0}  # its tokens come from the (broken) sampling path

@@ -24,8 +24,9 @@ from dflash_trt.tiny.heldout import asset_dir
 
 Case = Callable[[World, Path], list[str]]
 POSITIONS = 256  # the tiny target's max_position_embeddings
-# The longest max_seq_len it builds with: the engine uses 3K positions past it (build_plan.positions_used), K = 15.
-LONGEST = POSITIONS - 45
+LONGEST = 226  # the longest request its engine holds: 256 positions less two blocks of 15 drafts
+# The longest --max_seq_len it builds with: the runtime admits requests up to max_seq_len + K (build_plan).
+LONGEST_BUILD = LONGEST - 15
 READ_ONLY = Path("/proc/dflash-hostile/out")  # procfs refuses new entries even to root
 
 
@@ -115,7 +116,8 @@ REFUSED: dict[str, tuple[Case, str]] = {
     # sizes against the model (256 positions) and the machine, before anything is allocated
     "bench synthetic prompts longer than the model": (
         lambda w, t: _bench(w, t, prompts=("--synthetic", "2000,8,1")),
-        rf"a request of 2000 prompt \+ 8 output tokens exceeds the target's max_position_embeddings \({POSITIONS}\)",
+        rf"a request of 2000 prompt \+ 8 output tokens exceeds the target's max_position_embeddings less two draft "
+        rf"blocks \({LONGEST}\)",
     ),
     "bench synthetic outputs longer than the model": (
         lambda w, t: _bench(w, t, prompts=("--synthetic", "4,1000000000,1")),
@@ -143,7 +145,8 @@ REFUSED: dict[str, tuple[Case, str]] = {
     ),
     "bench prompt file longer than the model": (
         lambda w, t: _bench(w, t, "--max_new_tokens", "300", prompts=("--input_file", str(w.prompts))),
-        r"a request of 1 prompt \+ 300 output tokens exceeds the target's max_position_embeddings \(256\)",
+        rf"a request of 1 prompt \+ 300 output tokens exceeds the target's max_position_embeddings less two draft "
+        rf"blocks \({LONGEST}\)",
     ),
     "emulate a hundred million in flight": (
         lambda w, t: _emulate(w, "--max_batch_size", str(10**8)),
@@ -155,7 +158,8 @@ REFUSED: dict[str, tuple[Case, str]] = {
     ),
     "emulate more tokens than the model has positions": (
         lambda w, t: _emulate(w, "--max_new_tokens", "1000000"),
-        r"plus --max_new_tokens 1000000 exceeds the target's max_position_embeddings \(256\)",
+        rf"plus --max_new_tokens 1000000 exceeds the target's max_position_embeddings less two draft blocks "
+        rf"\({LONGEST}\)",
     ),
     "calibration prompts cut beyond the model": (
         lambda w, t: _calibrate(w, t, "--calib_max_seq_len", "100000"),
@@ -294,7 +298,8 @@ REFUSED: dict[str, tuple[Case, str]] = {
     ),
     "build longer than the model": (
         lambda w, t: _build(w, t, "--max_seq_len", "512"),
-        r"max_seq_len 512 lets the engine reach position 556 .* past the 256 rows .* --max_seq_len <= 211",
+        r"max_seq_len 512 lets the executor run requests of 527 tokens .* reaches position 556, past the 256 rows .* "
+        r"--max_seq_len <= 211",
     ),
     # build profiles
     "profile batch size true": (
@@ -426,10 +431,10 @@ def test_build_defaults_max_seq_len_to_what_the_models_positions_allow(world: Wo
                               str(tmp_path / "e"), "--dry_run", "--json"], capsys)  # fmt: skip
     assert code == 0, err
     plan = json.loads(out)
-    assert plan["build_config"]["max_seq_len"] == LONGEST  # min(8192, max_position_embeddings - 3K)
-    assert plan["build_config"]["max_input_len"] == LONGEST  # min(4096, max_seq_len)
+    assert plan["build_config"]["max_seq_len"] == LONGEST_BUILD  # min(8192, max_position_embeddings - 3K)
+    assert plan["build_config"]["max_input_len"] == LONGEST_BUILD  # min(4096, max_seq_len)
     command = plan["command"]
-    assert command[command.index("--max_seq_len") + 1] == str(LONGEST)
+    assert command[command.index("--max_seq_len") + 1] == str(LONGEST_BUILD)
     code, out, err = run_cli(
         ["build", "--checkpoint_dir", str(world.checkpoint), "--output_dir", str(tmp_path / "e"), "--dry_run",
          "--json", "--max_seq_len", "128"], capsys)  # fmt: skip

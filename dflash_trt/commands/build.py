@@ -37,8 +37,8 @@ SETTING_FLAGS: dict[str, IntRange] = {
     "workers": WORKERS,
 }
 DERIVED_DEFAULTS = {
-    "max_seq_len": "min(8192, the target's max_position_embeddings and, for a sliding-window drafter, its window "
-    "minus the block size)",
+    "max_seq_len": "min(8192, the target's max_position_embeddings (and a sliding-window drafter's window) less 3 x "
+    "max_draft_len: the positions the engine's longest requests reach)",
     "max_input_len": "min(4096, --max_seq_len)",
 }
 SWITCH_FLAGS = ("use_paged_context_fmha", "use_fp8_context_fmha", "multiple_profiles")

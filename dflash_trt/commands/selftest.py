@@ -65,8 +65,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-# The tiny target has 256 positions (max_position_embeddings); the engine uses 3K more than its max_seq_len
-# (build_plan.positions_used), so with its 16-token blocks it builds with max_seq_len 211.
+# The tiny target has 256 positions (max_position_embeddings); an engine runs requests of max_seq_len + K tokens, which
+# reach 2K positions further (build_plan.longest_max_seq_len), so with its 16-token blocks it builds with 211.
 TINY_MAX_INPUT_LEN = 160
 LONG_PROMPTS = 2
 
@@ -76,7 +76,7 @@ def selftest_workload(
 ):
     """Engine settings and prompts. With chunked context, max_num_tokens is the least a batch of generation steps
     needs, and the last prompts are longer than that, so their prefill only fits in several context chunks."""
-    from dflash_trt.trtllm.build_plan import EngineBuildSettings, positions_used
+    from dflash_trt.trtllm.build_plan import EngineBuildSettings, longest_max_seq_len
 
     batch = max(num_prompts, 1)
     prompts = [tokenizer.encode(text) for text in texts[:num_prompts]]
@@ -90,7 +90,7 @@ def selftest_workload(
     settings = EngineBuildSettings(
         max_batch_size=batch,
         max_input_len=TINY_MAX_INPUT_LEN,
-        max_seq_len=max_positions - positions_used(0, block_size - 1),
+        max_seq_len=longest_max_seq_len(max_positions, block_size - 1),
         max_num_tokens=max_num_tokens,
     )
     return settings, prompts

@@ -536,7 +536,7 @@ class Attention(Module):
         table = params.embed_positions_for_gpt_attention.data
         largest = int(positions.max())
         if largest >= table.shape[0]:
-            raise EmulationError(f"position {largest} beyond the {table.shape[0]} rows of the RoPE table")
+            raise EmulationError("a position beyond max_position_embeddings")
         network = default_net()
         network.largest_position = max(network.largest_position, largest)
         return table[positions, :, 0], table[positions, :, 1]

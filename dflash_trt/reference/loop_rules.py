@@ -1,6 +1,6 @@
-"""The engine loop's rules that every decoder of this toolkit shares: which requests it accepts, the output budget an
-engine's runtime grants (`engine_output_budget`), how many new tokens a step may keep and where a stop ends a
-request. Written once so the golden loop, the golden executor and the emulated executor cannot drift apart."""
+"""The engine loop's rules that every decoder of this toolkit shares: which requests it accepts (and how long a
+request the engine holds), how many new tokens a step may keep (the output budget) and where a stop ends a request.
+Written once so the golden loop, the golden executor and the emulated executor cannot drift apart."""
 
 from __future__ import annotations
 
@@ -8,6 +8,18 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from dflash_trt.errors import DFlashTrtError
+
+
+def longest_request(positions: int, max_draft_len: int) -> int:
+    """The most tokens (prompt + output) one request may hold on an engine with `positions` positions (the target's
+    max_position_embeddings, or fewer when its KV cache is shorter) and `max_draft_len` drafts per step.
+
+    The engine verifies a whole block `[anchor, d1..dK]` whatever is left of the output budget and, in the same step,
+    drafts the next block from the bonus token, which can lie K+1 past the anchor: a request's last step, anchored
+    on its last-but-one token, reaches 2K positions past its last token (docs/engine.md §4). Every admission
+    check (serve's targets, the Triton repository, bench and emulate, the executors) uses this rule.
+    """
+    return positions - 2 * max_draft_len
 
 
 def check_request(
@@ -26,28 +38,6 @@ def check_request(
             f"prompt {index}: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds "
             f"max_seq_len {max_seq_len}"
         )
-
-
-def engine_output_budget(
-    index: int, prompt_len: int, max_new_tokens: int, max_seq_len: int, max_draft_len: int, max_input_len: int
-) -> int:
-    """The output budget a TensorRT-LLM 1.2.x executor grants a request of an engine whose built max_seq_len (after
-    the builder's + 2K) is `max_seq_len`: a prompt longer than the runtime's `max_input_len` is refused, and the
-    budget is clipped (a warning there, not an error) so that prompt + output + K fits `max_seq_len` [read:
-    llmRequest.cpp `LlmRequest::validate`, executorImpl.cpp]. The runtime's max input length is max_seq_len - 1 with
-    chunked context, else min(max_seq_len - 1, max_num_tokens) [read: trtGptModel.h]. A request left no budget by
-    the clip is refused here (what the runtime then does was not read)."""
-    if prompt_len > max_input_len:
-        raise DFlashTrtError(
-            f"prompt {index}: {prompt_len} tokens exceed the engine's maximum input length {max_input_len}"
-        )
-    room = max_seq_len - prompt_len - max_draft_len
-    if room < 1:
-        raise DFlashTrtError(
-            f"prompt {index}: {prompt_len} tokens leave no output within the engine's max_seq_len {max_seq_len} "
-            f"(prompt + output + {max_draft_len} drafts must fit it)"
-        )
-    return min(max_new_tokens, room)
 
 
 @dataclass(frozen=True)

@@ -23,12 +23,13 @@ from dflash_trt import chat, sampling_rules
 from dflash_trt.checkpoint.atomic import InputPaths, atomic_directory
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import read_json_object, strict_json
+from dflash_trt.reference.loop_rules import longest_request
 from dflash_trt.sampling_rules import ENGINE_SAMPLING
 from dflash_trt.tokenizer import load_tokenizer
 from dflash_trt.triton import processing as P
 from dflash_trt.triton.pbtxt import EnsembleStep, ModelConfig, Tensor, render
 from dflash_trt.triton.serving import ServingSettings, override_serving
-from dflash_trt.trtllm.build_plan import MANIFEST_NAME, chain_eagle_choices, positions_used
+from dflash_trt.trtllm.build_plan import MANIFEST_NAME, chain_eagle_choices
 from dflash_trt.trtllm.plugin import LIBRARY_ENV
 
 ENSEMBLE = "ensemble"
@@ -566,9 +567,9 @@ def settings_from_checkpoint(
     max_seq_len: int | None = None,
     serving: ServingSettings | None = None,
 ) -> RepositorySettings:
-    """Settings for a CPU-served repository over a converted (TP 1) checkpoint; `max_seq_len` defaults to the longest
-    the checkpoint builds with (`build_plan.positions_used`), capped at DEFAULT_CPU_MAX_SEQ_LEN so the KV pool stays
-    small on a laptop."""
+    """Settings for a CPU-served repository over a converted (TP 1) checkpoint; `max_seq_len` defaults to the
+    longest request the target's context holds (`longest_request`), capped at DEFAULT_CPU_MAX_SEQ_LEN so the KV
+    pool stays small on a laptop."""
     checkpoint_dir = Path(checkpoint_dir).absolute()
     config = read_json_object(
         checkpoint_dir / "config.json", f"{checkpoint_dir} is not a converted checkpoint: config.json is missing"
@@ -585,13 +586,12 @@ def settings_from_checkpoint(
     if max_batch_size < 1:
         raise DFlashTrtError(f"--max_batch_size must be >= 1, got {max_batch_size}")
     check_tokenizer(tokenizer_dir, vocab_size, f"the checkpoint {checkpoint_dir}")
-    # An engine uses 3K positions past its max_seq_len (the builder's 2K and a last step's draft block).
-    longest -= positions_used(0, max_draft_len)
+    longest = longest_request(longest, max_draft_len)
     seq_len = min(longest, DEFAULT_CPU_MAX_SEQ_LEN) if max_seq_len is None else max_seq_len
     if not 2 <= seq_len <= longest:
         raise DFlashTrtError(
-            f"--max_seq_len must be in 2..{longest} (every position the engine uses within the target's "
-            f"max_position_embeddings), got {seq_len}"
+            f"--max_seq_len must be in 2..{longest} (the target's context less the two draft blocks the engine's "
+            f"last step reaches past a request's last token), got {seq_len}"
         )
     return RepositorySettings(
         engine_dir="",

@@ -19,6 +19,7 @@ from dflash_trt.checkpoint.trtllm_config import ARCHITECTURE, specs_from_config
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import FP8, FP8_CONTEXT_FMHA_WEIGHTS, NONE, NVFP4, QFORMATS, fp8_context_fmha, quant_algo
 from dflash_trt.jsonfile import read_json_object
+from dflash_trt.reference.loop_rules import longest_request
 from dflash_trt.rope import RopeConfig
 from dflash_trt.sampling_rules import ENGINE_SAMPLING, HONOURED
 from dflash_trt.spec import SLIDING_ATTENTION, TARGET_ARCHITECTURES, DraftSpec
@@ -483,22 +484,30 @@ def check_moe_layers(facts: CheckpointFacts) -> None:
         )
 
 
-def positions_used(max_seq_len: int, max_draft_len: int) -> int:
-    """How many positions an engine built with `max_seq_len` may use (rows its RoPE tables must hold). builder.build()
-    makes the engine's max_seq_len L = max_seq_len + 2K; the runtime clips a request's output so that prompt + output
-    + K <= L (`LlmRequest::validate`, `engine_output_budget`); a request's last step verifies from position
-    prompt + output - 2 and its draft block starts after up to K + 1 accepted tokens and spans K + 1 positions, so it
-    reaches L + K - 1 [read: builder.py `build`, llmRequest.cpp `validate`]."""
-    return max_seq_len + 3 * max_draft_len
+def engine_longest_request(max_seq_len: int, max_draft_len: int) -> int:
+    """The longest request (prompt + output) TensorRT-LLM 1.2.x's executor runs on an engine built with `max_seq_len`:
+    builder.build() makes the engine's own max_seq_len L = max_seq_len + 2K, and `LlmRequest::validate` clips a
+    request's output so that prompt + output + K <= L [read: builder.py `build`, llmRequest.cpp `validate`]."""
+    return max_seq_len + max_draft_len
+
+
+def longest_max_seq_len(positions: int, max_draft_len: int) -> int:
+    """The largest max_seq_len whose engine runs only requests `positions` positions hold (`loop_rules.longest_request`:
+    a request's last step reaches 2K positions past its last token): positions - 3K."""
+    return longest_request(positions, max_draft_len) - max_draft_len
+
+
+def held_positions(facts: CheckpointFacts) -> int:
+    """The positions every request must stay within: the RoPE tables' rows and, for a drafter with sliding-window
+    layers, its window (see `check_sliding_window`)."""
+    if SLIDING_ATTENTION in facts.layer_types and facts.sliding_window is not None:
+        return min(facts.max_position_embeddings, facts.sliding_window)
+    return facts.max_position_embeddings
 
 
 def longest_buildable(facts: CheckpointFacts) -> int:
-    """The largest max_seq_len this checkpoint allows: every position within the RoPE tables and, for a drafter with
-    sliding-window layers, within its window (see below)."""
-    longest = facts.max_position_embeddings
-    if SLIDING_ATTENTION in facts.layer_types and facts.sliding_window is not None:
-        longest = min(longest, facts.sliding_window)
-    return longest - positions_used(0, facts.max_draft_len)
+    """The largest max_seq_len this checkpoint allows."""
+    return longest_max_seq_len(held_positions(facts), facts.max_draft_len)
 
 
 def fit_lengths(
@@ -528,28 +537,30 @@ def check_extra_flags(settings: EngineBuildSettings) -> None:
             )
 
 
-def check_sliding_window(facts: CheckpointFacts, settings: EngineBuildSettings) -> None:
-    """Sliding draft layers are built as causal full attention, exact only while no sequence outgrows the window.
+def check_sliding_window(facts: CheckpointFacts, request_len: int) -> None:
+    """Sliding draft layers are built as causal full attention, exact only while no request outgrows the window.
 
     Spec-decoding attention in TensorRT-LLM 1.2.x runs in tree mode, which has no sliding window; while every position
-    the engine uses (`positions_used`) lies within the window, the window never drops a key and the result is
+    a request of `request_len` tokens reaches lies within the window, the window never drops a key and the result is
     identical.
     """
     if SLIDING_ATTENTION not in facts.layer_types or facts.sliding_window is None:
         return
     k = facts.max_draft_len
-    longest = positions_used(settings.max_seq_len, k)
-    if facts.sliding_window <= positions_used(0, k):
+    holds = longest_request(facts.sliding_window, k)
+    if longest_max_seq_len(facts.sliding_window, k) < 1:
         raise DFlashTrtError(
-            f"the drafter's sliding-window layers have a window ({facts.sliding_window}) no longer than the "
-            f"{positions_used(0, k)} positions past max_seq_len an engine uses; TensorRT-LLM 1.2.x spec-decoding "
-            "attention has no sliding window, so this drafter cannot be built"
+            f"the drafter's sliding-window layers have a window ({facts.sliding_window}) no longer than the {3 * k} "
+            "positions an engine uses past its max_seq_len (its executor's K more tokens per request, and the 2K a "
+            "request's last step reaches); TensorRT-LLM 1.2.x spec-decoding attention has no sliding window, so this "
+            "drafter cannot be built"
         )
-    if longest > facts.sliding_window:
+    if request_len > holds:
         raise DFlashTrtError(
-            f"the drafter has sliding-window layers (window {facts.sliding_window}) and the engine would attend over "
-            f"up to {longest} positions; TensorRT-LLM 1.2.x spec-decoding attention has no sliding window, so build "
-            f"with --max_seq_len <= {facts.sliding_window - positions_used(0, k)}"
+            f"the drafter has sliding-window layers (window {facts.sliding_window}), which hold requests of at most "
+            f"{holds} tokens (the window less two draft blocks of {k}), and the engine would run requests of "
+            f"{request_len}; TensorRT-LLM 1.2.x spec-decoding attention has no sliding window, so build with "
+            f"--max_seq_len <= {holds - k} (requests up to {holds})"
         )
 
 
@@ -557,15 +568,16 @@ def check_positions(facts: CheckpointFacts, max_seq_len: int) -> None:
     """Every position the engine uses must have a row in the RoPE tables: the attention plugin reads the cos/sin table
     of `max_position_embeddings` rows at the token's position with no bound check [read: functional.py
     `RopeEmbeddingUtils.create_sinusoidal_positions_for_attention_plugin`, unfusedAttentionKernels
-    `applyBiasRopeUpdateKVCacheV2`], so a position past it reads other memory."""
+    `applyBiasRopeUpdateKVCacheV2`], so a position past it reads other memory. The requests the executor runs on the
+    engine (`engine_longest_request`) must be ones the tables hold (`loop_rules.longest_request`)."""
     k = facts.max_draft_len
-    reached = positions_used(max_seq_len, k)
-    if reached > facts.max_position_embeddings:
+    runs = engine_longest_request(max_seq_len, k)
+    if runs > longest_request(facts.max_position_embeddings, k):
         raise DFlashTrtError(
-            f"max_seq_len {max_seq_len} lets the engine reach position {reached - 1} (its built max_seq_len "
-            f"{max_seq_len + 2 * k} plus a last step's draft block), past the {facts.max_position_embeddings} rows "
-            f"of the target's max_position_embeddings RoPE tables: build with --max_seq_len <= "
-            f"{facts.max_position_embeddings - positions_used(0, k)}"
+            f"max_seq_len {max_seq_len} lets the executor run requests of {runs} tokens (its built max_seq_len "
+            f"{max_seq_len + 2 * k} less {k} drafts), whose last step reaches position {runs + 2 * k - 1}, past the "
+            f"{facts.max_position_embeddings} rows of the target's max_position_embeddings RoPE tables: build with "
+            f"--max_seq_len <= {longest_max_seq_len(facts.max_position_embeddings, k)}"
         )
 
 
@@ -817,7 +829,7 @@ def plan_engine_build(
     facts = read_checkpoint_facts(checkpoint_dir)
     check_network(facts)
     check_xqa_block_layout(facts)
-    check_sliding_window(facts, settings)
+    check_sliding_window(facts, engine_longest_request(settings.max_seq_len, facts.max_draft_len))
     check_settings(facts, settings)
     settings = resolve_settings(facts, settings)
     check_extra_flags(settings)

@@ -40,6 +40,7 @@ from tensorrt_llm.functional import (
     where,
 )
 
+from dflash_trt.sampling_rules import MAX_SAMPLING_TEMPERATURE, MIN_SAMPLING_TEMPERATURE
 from dflash_trt.trtllm.build_plan import vocab_blocks
 
 
@@ -73,17 +74,24 @@ def _first_reaching(cdf: Tensor, mass: Tensor, threshold: Tensor, size: int) -> 
     return where(first < size, first, last_positive).view([-1, 1])
 
 
+def _greedy(temperature: Tensor) -> Tensor:
+    """Rows that decode greedily: `sampling_rules.is_greedy` in-graph (below the minimum, 0 included)."""
+    return temperature < _f32([[MIN_SAMPLING_TEMPERATURE]])
+
+
 def sample_rows(logits: Tensor, temperature: Tensor, uniform: Tensor, vocab_size: int) -> Tensor:
     """One token per row of `logits [N, Vpad]` (fp32; columns from `vocab_size` on are lm_head padding): argmax where
-    `temperature [N, 1]` is 0, else the inverse CDF of softmax(z / T) at `uniform [N, 1]`: the block whose cumulative
-    mass first reaches `uniform` times the total, then the token inside it; only tokens of positive weight are ever
-    drawn (padding has none). Returns [N, 1] int32."""
+    `temperature [N, 1]` is below the minimum (0 included), else the inverse CDF of softmax(z / T) at `uniform [N, 1]`:
+    the block whose cumulative mass first reaches `uniform` times the total, then the token inside it; only tokens
+    of positive weight are ever drawn (padding has none). Returns [N, 1] int32."""
     padded = logits.size(-1)
     rows = shape(logits, 0)
     if padded > vocab_size:
         logits = logits + _f32([[0.0] * vocab_size + [-np.inf] * (padded - vocab_size)])
-    sampled = temperature > 0.0
-    inverse = _f32([[1.0]]) / where(sampled, temperature, _f32([[1.0]]))
+    # sampling_rules.effective_temperature in-graph: greedy below the minimum, capped at the maximum, so no temperature
+    # the runtime passes (1e-40, a denormal, 3e38) gives an infinite or vanishing inverse.
+    greedy = _greedy(temperature)
+    inverse = _f32([[1.0]]) / where(greedy, _f32([[1.0]]), minimum(temperature, _f32([[MAX_SAMPLING_TEMPERATURE]])))
     weights = exp((logits - max(logits, 1, keepdim=True)) * inverse)
     count, width = vocab_blocks(padded)
     if count * width > padded:
@@ -98,7 +106,7 @@ def sample_rows(logits: Tensor, temperature: Tensor, uniform: Tensor, vocab_size
     before = gather(block_cdf - block_mass, 1, block)
     inside = gather(blocks, 1, expand(block.view([-1, 1, 1]), concat([rows, 1, width]))).view([-1, width])
     offset = _first_reaching(cumsum(inside, 1), inside, threshold - before, width)
-    return where(sampled, block * width + offset, cast(argmax(logits, 1, keepdim=True), "int32"))
+    return where(greedy, cast(argmax(logits, 1, keepdim=True), "int32"), block * width + offset)
 
 
 def greedy_rows(logits: Tensor, vocab_size: int) -> Tensor:
@@ -113,10 +121,11 @@ def pick_tokens(logits: Tensor, temperature: Tensor, uniform: Tensor, vocab_size
     """`sample_rows` where some row of the step samples; otherwise `greedy_rows` alone. A TensorRT conditional
     on the batch-wide flag: TensorRT runs only the branch it takes, so an all-greedy step reads its logits once
     instead of paying the sampling path (max, exp, padding, block sums, argmax: about seven passes over `[N, Vpad]`
-    fp32)
-    [read: functional.py `Conditional`; TensorRT-LLM's attention.py builds its cross-KV projection in one the same
-    way]. Returns [N, 1] int32."""
-    sampling = max(cast(temperature > 0.0, "int32").view([-1]), 0) > 0
+    fp32) [read: functional.py `Conditional`; TensorRT-LLM's attention.py builds its cross-KV projection in one the
+    same way]. Greedy is `_greedy`'s rule, so temperatures too small to invert take the fast path too. Returns
+    [N, 1] int32."""
+    samples = _i32([[1]]) - cast(_greedy(temperature), "int32")
+    sampling = max(samples.view([-1]), 0) > 0
     conditional = Conditional(sampling)
     rows, temperatures, uniforms = (conditional.add_input(t) for t in (logits, temperature, uniform))
     return conditional.add_output(sample_rows(rows, temperatures, uniforms, vocab_size), greedy_rows(rows, vocab_size))
