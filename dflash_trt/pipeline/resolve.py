@@ -104,9 +104,8 @@ def resolve_inputs(
         else target
     )
     if target.config is not None and draft.config is not None:
-        # Strict types and values first: the profile checks read the raw configs.
-        parse_draft_config(draft.config, parse_target_config(target.config, target.path))
-        check_against_configs(profile, target.config, draft.config, draft.shown)
+        target_spec = parse_target_config(target.config, target.path)
+        check_against_configs(profile, target_spec, parse_draft_config(draft.config, target_spec), draft.shown)
     if target.path is not None and draft.path is not None:
         for warning in checkpoint_warnings(profile, target.path, draft.path):
             warn(warning)
