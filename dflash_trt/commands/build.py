@@ -1,7 +1,8 @@
 """`dflash-trt build`: one TensorRT-LLM 1.2.x engine (target + drafter) from a converted checkpoint.
 
-Flags mirror `trtllm-build`. `--dry_run` validates and prints the exact `trtllm-build` command, the BuildConfig
-and the manifest, and needs no GPU; a real run needs TensorRT-LLM 1.2.x and the plugin library.
+Flags mirror `trtllm-build`. `--dry_run` validates and prints the exact `trtllm-build` command, the BuildConfig,
+the manifest and why the engine records a longer max_seq_len than the one given, and needs no GPU; a real run needs
+TensorRT-LLM 1.2.x and the plugin library.
 """
 
 from __future__ import annotations
@@ -134,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
             print(readable_json(plan.build_config))
             print("# dflash_trt.json")
             print(readable_json(plan.dflash_manifest))
+            print("# lengths")
+            print(plan.lengths.explanation())
         return 0
     from dflash_trt.trtllm.build import run_engine_build
 

@@ -121,6 +121,57 @@ class CheckpointFacts:
 
 
 @dataclass(frozen=True)
+class EngineLengths:
+    """How the max_seq_len a build is given becomes the lengths its engine records and runs, so a dry run can say why
+    the engine's config.json holds more than was asked for [read: builder.py `build`, llmRequest.cpp `validate`]."""
+
+    max_seq_len: int  # the build's --max_seq_len
+    max_draft_len: int
+    positions: int | None  # the positions every request must stay within (`held_positions`); None: not known yet
+    positions_from: str | None  # what bounds them: max_position_embeddings (the RoPE tables) or sliding_window
+
+    @property
+    def engine_max_seq_len(self) -> int:
+        """What config.json and dflash_trt.json record."""
+        return built_max_seq_len(self.max_seq_len, self.max_draft_len)
+
+    @property
+    def longest_request(self) -> int:
+        return engine_longest_request(self.max_seq_len, self.max_draft_len)
+
+    @property
+    def last_position(self) -> int:
+        """The largest position the longest request's last step reaches: its next draft block, 2K past its end."""
+        return self.longest_request + 2 * self.max_draft_len - 1
+
+    def explanation(self) -> str:
+        k = self.max_draft_len
+        text = (
+            f"--max_seq_len {self.max_seq_len}: the engine records max_seq_len {self.engine_max_seq_len} = "
+            f"{self.max_seq_len} + 2 x {k} (TensorRT-LLM 1.2.x's builder adds max_draft_len, and num_eagle_layers for "
+            f"EAGLE); its executor runs requests of up to {self.longest_request} tokens (prompt + output + {k} drafts "
+            f"<= {self.engine_max_seq_len}), whose last step reaches position {self.last_position}"
+        )
+        if self.positions is None:
+            return text
+        held = (
+            "the target's max_position_embeddings RoPE tables hold"
+            if self.positions_from == "max_position_embeddings"
+            else "the drafter's sliding window holds"
+        )
+        return f"{text} ({held} positions 0..{self.positions - 1})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "engine_max_seq_len": self.engine_max_seq_len,
+            "longest_request": self.longest_request,
+            "last_position": self.last_position,
+            "explanation": self.explanation(),
+        }
+
+
+@dataclass(frozen=True)
 class EngineBuildPlan:
     """The exact build: argv for `trtllm-build`, the BuildConfig dict it implies, and the manifest to write."""
 
@@ -131,6 +182,7 @@ class EngineBuildPlan:
     plugin_library: str
     dflash_manifest: dict[str, Any]
     settings: EngineBuildSettings = field(repr=False)
+    lengths: EngineLengths
     world_size: int = 1
 
     @property
@@ -174,6 +226,7 @@ class EngineBuildPlan:
             "build_config": self.build_config,
             "plugin_library": self.plugin_library,
             "dflash_manifest": self.dflash_manifest,
+            "lengths": self.lengths.to_dict(),
         }
 
 
@@ -505,6 +558,17 @@ def held_positions(facts: CheckpointFacts) -> int:
     return facts.max_position_embeddings
 
 
+def engine_lengths(facts: CheckpointFacts, settings: EngineBuildSettings) -> EngineLengths:
+    """The lengths an engine built with these settings records and runs, and the positions they must stay within."""
+    positions = held_positions(facts)
+    return EngineLengths(
+        max_seq_len=settings.max_seq_len,
+        max_draft_len=facts.max_draft_len,
+        positions=positions,
+        positions_from="max_position_embeddings" if positions == facts.max_position_embeddings else "sliding_window",
+    )
+
+
 def longest_buildable(facts: CheckpointFacts) -> int:
     """The largest max_seq_len this checkpoint allows."""
     return longest_max_seq_len(held_positions(facts), facts.max_draft_len)
@@ -777,9 +841,13 @@ def check_engine_config(engine_dir: str | Path) -> None:
         )
 
 
-def engine_max_seq_len(facts: CheckpointFacts, settings: EngineBuildSettings) -> int:
+def built_max_seq_len(max_seq_len: int, max_draft_len: int) -> int:
     """builder.build() adds max_draft_len (any speculative mode) and num_eagle_layers (EAGLE) to max_seq_len."""
-    return settings.max_seq_len + 2 * facts.max_draft_len
+    return max_seq_len + 2 * max_draft_len
+
+
+def engine_max_seq_len(facts: CheckpointFacts, settings: EngineBuildSettings) -> int:
+    return built_max_seq_len(settings.max_seq_len, facts.max_draft_len)
 
 
 def manifest(facts: CheckpointFacts, settings: EngineBuildSettings, plugin_library: str) -> dict[str, Any]:
@@ -855,6 +923,7 @@ def plan_engine_build(
         plugin_library=library,
         dflash_manifest=manifest(facts, settings, library),
         settings=settings,
+        lengths=engine_lengths(facts, settings),
         world_size=facts.tp_size * facts.pp_size,
     )
 

@@ -307,6 +307,42 @@ def test_the_default_max_seq_len_fits_a_sliding_window(tmp_path: Path, capsys):
     assert (config["max_seq_len"], config["max_input_len"]) == (4096 - 45, 4096 - 45)
 
 
+@pytest.mark.parametrize(
+    ("draft_changes", "max_seq_len", "held"),
+    [
+        ({}, 40960 - 45 - 100, "the target's max_position_embeddings RoPE tables hold positions 0..40959"),
+        (
+            {"use_sliding_window": True, "sliding_window": 4096, "layer_types": ["sliding_attention"] * 2},
+            4096 - 45,
+            "the drafter's sliding window holds positions 0..4095",
+        ),
+    ],
+    ids=["rope-tables", "sliding-window"],
+)
+def test_the_dry_run_says_why_the_engine_records_a_longer_max_seq_len(
+    tmp_path, capsys, draft_changes, max_seq_len, held
+):
+    """builder.build() records max_seq_len + 2K (K = 15); the executor runs requests of that less K, and their last
+    step reaches 2K positions past their last token (hand-computed: S + 2K, S + K, S + 3K - 1)."""
+    from dflash_trt.cli import main as cli_main
+
+    ckpt = write_checkpoint(tmp_path / "c", draft_hf={**DRAFT_HF, **draft_changes})
+    argv = ["build", "--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e"), "--dry_run"]
+    assert cli_main([*argv, "--max_seq_len", str(max_seq_len), "--max_input_len", "1024"]) == 0
+    last = capsys.readouterr().out.splitlines()[-2:]
+    assert last == [
+        "# lengths",
+        f"--max_seq_len {max_seq_len}: the engine records max_seq_len {max_seq_len + 30} = {max_seq_len} + 2 x 15 "
+        "(TensorRT-LLM 1.2.x's builder adds max_draft_len, and num_eagle_layers for EAGLE); its executor runs "
+        f"requests of up to {max_seq_len + 15} tokens (prompt + output + 15 drafts <= {max_seq_len + 30}), whose last "
+        f"step reaches position {max_seq_len + 44} ({held})",
+    ]
+    assert cli_main([*argv, "--max_seq_len", str(max_seq_len), "--max_input_len", "1024", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["dflash_manifest"]["max_seq_len"] == plan["lengths"]["engine_max_seq_len"] == max_seq_len + 30
+    assert plan["lengths"]["longest_request"] == max_seq_len + 15
+
+
 def test_refuses_pipeline_parallel_and_foreign_checkpoints(tmp_path: Path):
     ckpt = write_checkpoint(tmp_path / "pp", mapping={"world_size": 2, "tp_size": 1, "pp_size": 2})
     with pytest.raises(DFlashTrtError, match="pipeline parallelism"):

@@ -112,6 +112,10 @@ def test_dry_run_of_every_profile(path: Path, hub: Path, tmp_path: Path, capsys)
     assert flags["--max_num_tokens"] == str(profile.engine.max_num_tokens)
     assert flags["--gemm_plugin"] == profile.engine.gemm_plugin
     assert flags["--use_fp8_context_fmha"] == "enable" and flags["--speculative_decoding_mode"] == "eagle"
+    lines = out.splitlines()
+    seq, k = profile.engine.max_seq_len, profile.model.block_size - 1
+    note = lines[lines.index(f"    {commands['engine']}") + 1]  # why config.json will record more than the profile
+    assert note.startswith(f"    # --max_seq_len {seq}: the engine records max_seq_len {seq + 2 * k} = {seq} + 2 x {k}")
     assert not ws.exists(), "a dry run writes nothing"
 
 
