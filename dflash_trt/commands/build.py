@@ -41,6 +41,8 @@ DERIVED_DEFAULTS = {
     "max_seq_len": "min(8192, the target's max_position_embeddings (and a sliding-window drafter's window) less 3 x "
     "max_draft_len: the positions the engine's longest requests reach)",
     "max_input_len": "min(4096, --max_seq_len)",
+    "max_num_tokens": f"min({EngineBuildSettings.max_num_tokens}, --max_seq_len x --max_batch_size: what "
+    "TensorRT-LLM's builder clips it to)",
 }
 SWITCH_FLAGS = ("use_paged_context_fmha", "use_fp8_context_fmha", "multiple_profiles")
 
@@ -123,7 +125,9 @@ def run(args: argparse.Namespace) -> int:
     check_output_apart(
         args.output_dir, {"--checkpoint_dir": args.checkpoint_dir, "--plugin_library": args.plugin_library}
     )
-    settings = fit_lengths(args.checkpoint_dir, settings_from_args(args), args.max_seq_len, args.max_input_len)
+    settings = fit_lengths(
+        args.checkpoint_dir, settings_from_args(args), args.max_seq_len, args.max_input_len, args.max_num_tokens
+    )
     plan = plan_engine_build(args.checkpoint_dir, args.output_dir, settings, plugin_library=args.plugin_library)
     if args.dry_run:
         if args.json:

@@ -575,14 +575,23 @@ def longest_buildable(facts: CheckpointFacts) -> int:
 
 
 def fit_lengths(
-    checkpoint_dir: str | Path, settings: EngineBuildSettings, max_seq_len: int | None, max_input_len: int | None
+    checkpoint_dir: str | Path,
+    settings: EngineBuildSettings,
+    max_seq_len: int | None,
+    max_input_len: int | None,
+    max_num_tokens: int | None,
 ) -> EngineBuildSettings:
     """`settings` with the lengths not given derived from the model, as trtllm-build derives max_seq_len:
-    max_seq_len = min(8192, what the checkpoint allows), max_input_len = min(4096, max_seq_len)."""
+    max_seq_len = min(8192, what the checkpoint allows), max_input_len = min(4096, max_seq_len); and
+    max_num_tokens not given written out as the builder clips it, min(its default, max_seq_len x max_batch_size), so
+    the plan leaves the builder nothing to change (a value given above that is refused by `check_settings`)."""
     facts = read_checkpoint_facts(checkpoint_dir)
     seq_len = max_seq_len if max_seq_len is not None else min(DEFAULT_MAX_SEQ_LEN, max(1, longest_buildable(facts)))
     input_len = max_input_len if max_input_len is not None else min(DEFAULT_MAX_INPUT_LEN, seq_len)
-    return replace(settings, max_seq_len=seq_len, max_input_len=input_len)
+    num_tokens = max_num_tokens
+    if num_tokens is None:
+        num_tokens = min(settings.max_num_tokens, seq_len * settings.max_batch_size)
+    return replace(settings, max_seq_len=seq_len, max_input_len=input_len, max_num_tokens=num_tokens)
 
 
 def check_extra_flags(settings: EngineBuildSettings) -> None:

@@ -343,6 +343,21 @@ def test_the_dry_run_says_why_the_engine_records_a_longer_max_seq_len(
     assert plan["lengths"]["longest_request"] == max_seq_len + 15
 
 
+def test_an_unset_max_num_tokens_is_written_out_as_the_builder_clips_it(ckpt: Path, tmp_path: Path, capsys):
+    """builder.build() clips max_num_tokens to max_seq_len x max_batch_size (_utils.py `check_max_num_tokens`, read):
+    the default 8192 is written out clipped (64 x 8 = 512), a value given above the clip is refused."""
+    from dflash_trt.cli import main as cli_main
+
+    argv = ["build", "--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e"), "--dry_run", "--json"]
+    lengths = ["--max_batch_size", "8", "--max_seq_len", "64", "--max_input_len", "32"]
+    assert cli_main([*argv, *lengths]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["build_config"]["max_num_tokens"] == 512
+    assert plan["command"][plan["command"].index("--max_num_tokens") + 1] == "512"
+    assert cli_main([*argv, *lengths, "--max_num_tokens", "513"]) == 2
+    assert "--max_num_tokens (513) exceeds max_seq_len x max_batch_size = 512" in capsys.readouterr().err
+
+
 def test_refuses_pipeline_parallel_and_foreign_checkpoints(tmp_path: Path):
     ckpt = write_checkpoint(tmp_path / "pp", mapping={"world_size": 2, "tp_size": 1, "pp_size": 2})
     with pytest.raises(DFlashTrtError, match="pipeline parallelism"):
