@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from dflash_trt.commands.schedule_flags import add_schedule_arguments, schedule_for_checkpoint
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.inputs import POSITIVE_INT, SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P
 from dflash_trt.jsonfile import strict_json
@@ -60,6 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     stops.add_argument("--ignore_eos", action="store_true", help="never stop before --max_new_tokens")
     parser.add_argument("--trace", action="store_true", help="record the drafted tokens of every step")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_schedule_arguments(parser, "none (auto is derived for the prompts given, all in one batch)")
     parser.set_defaults(func=run)
 
 
@@ -107,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(checkpoint_dir)
     prompts = read_prompts(args.input_file, tokenizer, chat_kwargs=chat_kwargs)
     check_lengths(args, prompts, model.target.spec.max_position_embeddings)
+    schedule = schedule_for_checkpoint(args, checkpoint_dir, len(prompts))
     if args.ignore_eos:
         stop_ids = []
     elif args.stop_token_ids is not None:
@@ -122,7 +125,15 @@ def run(args: argparse.Namespace) -> int:
     total = args.max_new_tokens * len(prompts)
     with tqdm(total=total, desc="generate", unit="token", disable=not sys.stderr.isatty()) as bar:
         results = speculative_generate(
-            model, prompts, args.max_new_tokens, stop_ids, sampling, args.seed, args.block_size, progress=bar.update
+            model,
+            prompts,
+            args.max_new_tokens,
+            stop_ids,
+            sampling,
+            args.seed,
+            args.block_size,
+            progress=bar.update,
+            draft_len_schedule=schedule,
         )
     seconds = time.perf_counter() - started
     generated = sum(len(r.output_ids) for r in results)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from dflash_trt.checkpoint.trtllm_config import specs_from_config
+from dflash_trt.draft_schedule import FIXED, DraftLenSchedule
 from dflash_trt.emulation.functional import EmulationError, Network, PluginConfig, Tensor, net_guard
 from dflash_trt.emulation.kv_pool import KVPool, pool_at
 from dflash_trt.emulation.ranks import RankGroup
@@ -71,6 +72,7 @@ class EmulatedEngine:
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         max_num_tokens: int | None = None,
         tokens_per_block: int = TOKENS_PER_BLOCK,
+        draft_len_schedule: DraftLenSchedule = FIXED,
     ):
         checkpoint_dir = Path(checkpoint_dir)
         raw = read_json_object(
@@ -89,15 +91,21 @@ class EmulatedEngine:
         self.vocab_size, self.eos_token_ids = target.vocab_size, target.eos_token_ids
         self.max_position_embeddings = target.max_position_embeddings
         engine = load_engine_module()
-        # One network per tensor-parallel rank, each from its own rank file, run in lockstep (ranks.py).
+        # One network per tensor-parallel rank, each from its own rank file, run in lockstep (ranks.py); the config
+        # carries the schedule as an engine's config.json does (trtllm-build takes it from SCHEDULE_ENV).
+        config_dict = {**raw, "draft_len_schedule": draft_len_schedule.text()}
         self.rank_models = [
-            engine.DFlashForCausalLM.from_checkpoint(checkpoint_dir, rank=rank) for rank in range(self.tp_size)
+            engine.DFlashForCausalLM.from_checkpoint(
+                checkpoint_dir, rank=rank, config=engine.DFlashConfig.from_dict(config_dict)
+            )
+            for rank in range(self.tp_size)
         ]
         self.model = self.rank_models[0]
         self.ranks = RankGroup(self.tp_size)
         config = self.model.config
         self.k = self.model.max_draft_len
         self.block = self.k + 1
+        self.schedule = config.schedule
         if max_batch_size < 1:
             raise DFlashTrtError(f"--max_batch_size must be >= 1, got {max_batch_size}")
         if tokens_per_block <= 0 or tokens_per_block & (tokens_per_block - 1):

@@ -158,9 +158,10 @@ class EmulatedStepper:
             raise EngineStepFailed(exc) from exc
         responses = []
         for b, (r, rows) in enumerate(batch):
+            drafts = rows - 1 if r.generating else None
             produced = self._advance(r, rows, b, outputs)
             if produced is not None:
-                responses.append(Response(request_id=r.request_id, tokens=produced, final=r.finished))
+                responses.append(Response(request_id=r.request_id, tokens=produced, final=r.finished, draft_len=drafts))
         return responses
 
     def _run_alone(self, item: tuple[Decoding, int]) -> list[Response]:
@@ -178,9 +179,9 @@ class EmulatedStepper:
         self.active.remove(r)
 
     def _schedule(self) -> list[tuple[Decoding, int]]:
-        block = self.engine.block
-        generation = [r for r in self.active if r.generating]
-        budget = self.engine.max_num_tokens - block * len(generation)
+        """Generation requests first take their `draft_len + 1` tokens of `max_num_tokens`, then the prompts."""
+        generation = [(r, r.draft_len + 1) for r in self.active if r.generating]
+        budget = self.engine.max_num_tokens - sum(rows for _, rows in generation)
         context = []
         for r in self.active:
             if r.generating:
@@ -193,7 +194,7 @@ class EmulatedStepper:
                 continue
             context.append((r, chunk))
             budget -= chunk
-        return context + [(r, block) for r in generation]
+        return context + generation
 
     def _advance(self, r: Decoding, rows: int, b: int, out: dict[str, torch.Tensor]) -> list[int] | None:
         """Apply one step's outputs to request `r`: the tokens it produced, or None for a non-last prompt chunk."""
@@ -209,7 +210,7 @@ class EmulatedStepper:
             path = self.engine.paths[int(out["accepted_paths"][b])].tolist()
             start = r.anchor_position
             self.blocks.move_tokens(r.request_id, [start + path[i] for i in range(n)], [start + i for i in range(n)])
-            r.steps.append(StepTrace(list(r.drafts), n - 1))
+            r.steps.append(StepTrace(r.drafts[: r.draft_len], n - 1))
             produced = self._append(r, out["accepted_tokens"][b, :n].tolist())
             r.acceptance.append(len(produced))
         r.drafts, r.draft_len = next_drafts, next_len

@@ -129,7 +129,7 @@ class _PackedRows:
         self.draft_tokens.append(r.drafts)
         self.draft_lens.append(r.draft_len)
         self.types.append(GENERATION_REQUEST)
-        self._add(r, [r.output[-1], *r.drafts], first + count, count)
+        self._add(r, [r.output[-1], *r.drafts[: r.draft_len]], first + count, count)
 
     def add_context(self, r: Decoding, count: int, k: int) -> None:
         first = r.prefilled
@@ -176,7 +176,9 @@ def step_inputs(
         "last_token_ids": _i32(packed.last),
         "kv_cache_params": _kv_params(engine, [d.request_id for d, _ in batch], packed.past_lengths, blocks, pool),
         "attention_params": attention,
-        "spec_decoding_params": _spec_params(engine, types.count(GENERATION_REQUEST)),
+        "spec_decoding_params": _spec_params(
+            engine, [count for (_, count), t in zip(batch, types, strict=True) if t == GENERATION_REQUEST]
+        ),
         "draft_tokens": Tensor(data=torch.tensor(packed.draft_tokens, dtype=torch.int32).reshape(batch_size, engine.k)),
         "draft_lens": _i32(packed.draft_lens),
         "eagle_temperature": Tensor(
@@ -192,22 +194,24 @@ def step_inputs(
     }
 
 
-def _spec_params(engine: EmulatedEngine, num_gen: int) -> SpecDecodingParams:
-    """Every generation row verifies the whole chain of `block` positions under the chain's packed mask."""
-    width = engine.block
+def _spec_params(engine: EmulatedEngine, lengths: list[int]) -> SpecDecodingParams:
+    """Each generation request verifies the first `draft_len + 1` nodes of the chain (`lengths`, the runtime's
+    `spec_decoding_generation_lengths`): position offsets = path depth, padded to the longest request; the packed
+    mask holds each request's rows back to back (packEagleTensors copies them at cumulative offsets)."""
+    num_gen, width = len(lengths), engine.block
     depth, ancestors = _chain_geometry(engine)
     mask_rows = pack_mask_rows(ancestors)
     words = len(mask_rows[0])
+    longest = max(lengths, default=1)
+    packed = [row for n in lengths for row in mask_rows[:n]]
     return SpecDecodingParams(
         spec_decoding_is_generation_length_variable=True,
         spec_decoding_max_generation_length=width,
-        spec_decoding_generation_lengths=_i32([width] * num_gen),
+        spec_decoding_generation_lengths=_i32(lengths),
         spec_decoding_position_offsets=Tensor(
-            data=torch.tensor([depth] * num_gen, dtype=torch.int32).reshape(num_gen, width)
+            data=torch.tensor([depth[:longest]] * num_gen, dtype=torch.int32).reshape(num_gen, longest)
         ),
-        spec_decoding_packed_mask=Tensor(
-            data=torch.tensor(mask_rows * num_gen, dtype=torch.int32).reshape(num_gen * width, words)
-        ),
+        spec_decoding_packed_mask=Tensor(data=torch.tensor(packed, dtype=torch.int32).reshape(len(packed), words)),
         spec_decoding_use=_i32([1]),
     )
 

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from dflash_trt.draft_schedule import FIXED, DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.reference.loop_rules import check_request, keep_tokens
 from dflash_trt.reference.model import DraftModel, GoldenModel, KVCache
@@ -167,7 +168,9 @@ def _accept_rule(
 
 @dataclass
 class _Loop:
-    """One batched call's state: the model, its two caches, the sequences, and the rules chosen for the call."""
+    """One batched call's state: the model, its two caches, the sequences, and the rules chosen for the call.
+    `load` is the number of requests in the previous step (the prefill counts every prompt): as in the engine, it
+    sets how many drafts each request verifies in the next step through `schedule`."""
 
     model: GoldenModel
     seqs: list[_Sequence]
@@ -176,6 +179,8 @@ class _Loop:
     stops: frozenset[int]
     target_cache: KVCache
     draft_cache: KVCache
+    schedule: DraftLenSchedule = FIXED
+    load: int = 0
 
     def keep(self, seq: _Sequence, new: list[int]) -> int:
         """Append what the budget and the stop tokens let a sequence keep of `new`; returns how many."""
@@ -214,16 +219,17 @@ def drafter_block(drafter: DraftModel, anchors: torch.Tensor, width: int, verify
     return block, valid
 
 
-def _draft_block(loop: _Loop, start: torch.Tensor, verify: torch.Tensor) -> torch.Tensor:
-    """`[anchor, drafts...]` per sequence; the drafter sees only the positions that will be verified."""
-    draft, width = loop.model.draft, loop.block
+def _draft_block(loop: _Loop, start: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
+    """`[anchor, drafts...]` per sequence; the drafter sees the first `width` positions of its block (the whole
+    block, but no position past the output budget), whatever the schedule lets the step verify."""
+    draft, block = loop.model.draft, loop.block
     anchors = torch.tensor([s.tokens[-1] for s in loop.seqs])
-    block_ids = torch.full((len(loop.seqs), width), draft.spec.mask_token_id, dtype=torch.long)
+    block_ids = torch.full((len(loop.seqs), block), draft.spec.mask_token_id, dtype=torch.long)
     block_ids[:, 0] = anchors
-    if width > 1:
-        block, valid = drafter_block(draft, anchors, width, verify)
-        hidden = draft.forward(block, start, valid, loop.draft_cache)
-        block_ids[:, 1:] = loop.rule.draft(draft, hidden, anchors)[:, : width - 1]
+    if block > 1:
+        drafter_ids, valid = drafter_block(draft, anchors, block, width)
+        hidden = draft.forward(drafter_ids, start, valid, loop.draft_cache)
+        block_ids[:, 1:] = loop.rule.draft(draft, hidden, anchors)[:, : block - 1]
     return block_ids
 
 
@@ -244,11 +250,16 @@ def _accept(loop: _Loop, block_ids: torch.Tensor, logits: torch.Tensor, verify: 
 
 
 def _decode_step(loop: _Loop) -> int:
-    """Draft, verify and accept one block per sequence; returns how many tokens the step produced."""
+    """Draft, verify and accept one block per sequence; returns how many tokens the step produced. Each sequence
+    verifies the schedule's draft length for the previous step's load (clipped to its output budget)."""
     start = torch.tensor([s.start for s in loop.seqs])
+    drafts = loop.schedule.draft_len(loop.load, loop.block - 1)
     # Finished sequences ride along verifying only their anchor; nothing of theirs is kept.
-    verify = torch.tensor([min(loop.block, s.max_length - s.start) if s.active else 1 for s in loop.seqs])
-    block_ids = _draft_block(loop, start, verify)
+    room = [s.max_length - s.start if s.active else 1 for s in loop.seqs]
+    width = torch.tensor([min(loop.block, r) for r in room])
+    verify = torch.tensor([min(drafts + 1, r) for r in room])
+    loop.load = sum(s.active for s in loop.seqs)
+    block_ids = _draft_block(loop, start, width)
     block_positions = start[:, None] + torch.arange(loop.block)
     block_valid = torch.arange(loop.block) < verify[:, None]
     logits, taps = loop.model.target.forward(block_ids, block_positions, block_valid, loop.target_cache)
@@ -268,11 +279,13 @@ def speculative_generate(
     block_size: int | None = None,
     seeds: list[int] | None = None,
     progress: Callable[[int], object] | None = None,
+    draft_len_schedule: DraftLenSchedule = FIXED,
 ) -> list[SequenceResult]:
     """Generate for every prompt at once; results are identical to running each prompt alone (greedy, or with the
-    engine's sampling when each sequence gets the same seed). `sampling` may be one SamplingParams per prompt (engine
-    method only); `seeds` overrides the per-sequence seeds `seed + i` of the engine method. `progress` hears how many
-    tokens each step produced."""
+    engine's sampling when each sequence gets the same seed), except that `draft_len_schedule` sets every step's
+    draft length from the number of sequences in the previous step, as the engine does. `sampling` may be one
+    SamplingParams per prompt (engine method only); `seeds` overrides the per-sequence seeds `seed + i` of the
+    engine method. `progress` hears how many tokens each step produced."""
     per_sequence = per_sequence_sampling(sampling, len(prompts))
     target, draft = model.target, model.draft
     widest = draft.spec.verify_width
@@ -285,7 +298,8 @@ def speculative_generate(
     seqs = [_Sequence(SequenceResult(list(p)), list(p), len(p) + n) for p, n in zip(prompts, news, strict=True)]
     capacity = max(s.max_length for s in seqs) + block + 1
     caches = target.new_cache(len(seqs), capacity), draft.new_cache(len(seqs), capacity)
-    loop = _Loop(model, seqs, block, rule, frozenset(stop_token_ids or []), *caches)
+    schedule = draft_len_schedule.fitted_to(block - 1) if block > 1 else FIXED
+    loop = _Loop(model, seqs, block, rule, frozenset(stop_token_ids or []), *caches, schedule, load=len(seqs))
     _prefill(loop, prompts)
     if progress is not None:
         progress(len(seqs))

@@ -150,7 +150,7 @@ def run_engine_build(plan: EngineBuildPlan, overwrite: bool = False) -> Path:
     remove_stale_partials(output)
     staging = staging_path(output, str(os.getpid()))
     shutil.rmtree(staging, ignore_errors=True)
-    env = dict(os.environ, **{PLUGIN_LIBRARY_ENV: str(Path(plan.plugin_library).resolve())})
+    env = dict(os.environ, **{PLUGIN_LIBRARY_ENV: str(Path(plan.plugin_library).resolve())}, **plan.build_env())
     manifest = dict(plan.dflash_manifest, tensorrt_llm_version=version, tensorrt_version=installed_version("tensorrt"))
     try:
         _build(plan, staging, env)

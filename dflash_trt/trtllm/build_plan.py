@@ -9,6 +9,7 @@ the source of each); the engine speaks the runtime's EAGLE contract with one cha
 from __future__ import annotations
 
 import math
+import os
 import shlex
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -16,8 +17,10 @@ from typing import Any
 
 from dflash_trt import __version__
 from dflash_trt.checkpoint.trtllm_config import ARCHITECTURE, specs_from_config
+from dflash_trt.draft_schedule import AUTO, FIXED, DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import FP8, FP8_CONTEXT_FMHA_WEIGHTS, NONE, NVFP4, QFORMATS, fp8_context_fmha, quant_algo
+from dflash_trt.inputs import DRAFT_LEN_SCHEDULE
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.reference.loop_rules import longest_request
 from dflash_trt.rope import RopeConfig
@@ -34,6 +37,9 @@ EAGLE_MODE_VALUE = 1 << 5
 MANIFEST_NAME = "dflash_trt.json"
 MANIFEST_FORMAT = 1
 PLUGIN_LIBRARY_ENV = LIBRARY_ENV
+# The draft-length schedule trtllm-build builds into the network: the checkpoint's config.json (which trtllm-build
+# reads) is the converter's and holds none, so `dflash-trt build` hands the resolved table over in this variable.
+SCHEDULE_ENV = "DFLASH_TRT_DRAFT_LEN_SCHEDULE"
 REQUIRED_TRTLLM = "1.2"
 # Builds one TP rank per process for `--workers` > 1 (trtllm-build's own workers cannot load our class).
 RANK_BUILD_MODULE = "dflash_trt.trtllm.rank_build"
@@ -83,6 +89,8 @@ class EngineBuildSettings:
     logits_dtype: str = "float32"
     workers: int = 1
     extra_flags: tuple[str, ...] = ()
+    # Resolved before planning (`auto` is the planner's, analysis/draft_schedule.py); built in via SCHEDULE_ENV.
+    draft_len_schedule: DraftLenSchedule = FIXED
 
 
 @dataclass(frozen=True)
@@ -200,9 +208,15 @@ class EngineBuildPlan:
             for rank in range(self.world_size)
         ]
 
+    def build_env(self) -> dict[str, str]:
+        """What the build processes need in their environment beyond the caller's: the draft-length schedule."""
+        return {SCHEDULE_ENV: self.settings.draft_len_schedule.text()}
+
     def shell_command(self, with_library: bool = False) -> str:
-        """The build as a shell line; `with_library` sets the plugin library variable for the build processes."""
-        env = f"{LIBRARY_ENV}={shlex.quote(self.plugin_library)} " if with_library else ""
+        """The build as a shell line with the variables its processes need; `with_library` also sets the plugin
+        library variable."""
+        variables = {**({LIBRARY_ENV: self.plugin_library} if with_library else {}), **self.build_env()}
+        env = "".join(f"{name}={shlex.quote(value)} " for name, value in variables.items())
         if self.parallel_workers == 1:
             return env + shlex.join(self.command)
         one_rank = [
@@ -228,6 +242,22 @@ class EngineBuildPlan:
             "dflash_manifest": self.dflash_manifest,
             "lengths": self.lengths.to_dict(),
         }
+
+
+def engine_schedule(text: str | None, max_draft_len: int) -> DraftLenSchedule:
+    """The schedule a network is built with: `text` (the `draft_len_schedule` key of an engine's config.json, or of
+    the config the emulation builds), else `$DFLASH_TRT_DRAFT_LEN_SCHEDULE` (set by `dflash-trt build` for
+    trtllm-build), else `none`. `auto` must already be resolved into a table: the network cannot plan."""
+    source = "draft_len_schedule" if text is not None else SCHEDULE_ENV
+    value = text if text is not None else os.environ.get(SCHEDULE_ENV, "none")
+    schedule = DRAFT_LEN_SCHEDULE.check(value, source)
+    if schedule == AUTO:
+        raise DFlashTrtError(
+            f"{source} is auto, which only dflash-trt build and plan resolve (for a GPU, TP and acceptance); "
+            "give the table they print"
+        )
+    assert isinstance(schedule, DraftLenSchedule)
+    return schedule.fitted_to(max_draft_len, source)
 
 
 def chain_eagle_choices(max_draft_len: int) -> list[list[int]]:
@@ -713,6 +743,7 @@ def check_settings_against_checkpoint(facts: CheckpointFacts, settings: EngineBu
         )
     check_positions(facts, settings.max_seq_len)
     check_gemm_plugin(settings.gemm_plugin, weights_qformat(facts))
+    settings.draft_len_schedule.fitted_to(k)
     if facts.pp_size != 1:
         raise DFlashTrtError("pipeline parallelism is not supported: the drafter needs target taps from every layer")
 
@@ -886,6 +917,7 @@ def manifest(facts: CheckpointFacts, settings: EngineBuildSettings, plugin_libra
         "tp_size": facts.tp_size,
         "quant_algo": facts.quant_algo,
         "kv_cache_quant_algo": facts.kv_cache_quant_algo,
+        "draft_len_schedule": settings.draft_len_schedule.text(),
         "engine_config": engine_config(facts, settings),
     }
 
@@ -940,4 +972,5 @@ def plan_engine_build(
 def settings_dict(settings: EngineBuildSettings) -> dict[str, Any]:
     data = asdict(settings)
     data["extra_flags"] = list(settings.extra_flags)
+    data["draft_len_schedule"] = settings.draft_len_schedule.text()
     return data
