@@ -27,6 +27,7 @@ from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import DTYPES, FP8, NVFP4
 from dflash_trt.inputs import POSITIVE_INT, IntRange
 from dflash_trt.jsonfile import strict_json
+from dflash_trt.reference.loop_rules import longest_request
 from dflash_trt.tiny.corpus import generate as generate_problems
 from dflash_trt.tiny.heldout import (
     DFLASH2_DRAFT,
@@ -448,6 +449,7 @@ def _plan_engine_and_repository(
             max_draft_len=model.draft.spec.num_drafts,
             world_size=1,
             max_temperature=max_temperature_for_sampling(plan.dflash_manifest["sampling"]),
+            max_seq_len=longest_request(settings.max_seq_len, model.draft.spec.num_drafts),
         ),
         out / "triton_repository",
         overwrite=args.overwrite,

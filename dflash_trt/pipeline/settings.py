@@ -16,6 +16,7 @@ from dflash_trt.formats import fp8_context_fmha
 from dflash_trt.pipeline.profiles import BuildProfile
 from dflash_trt.pipeline.workspace import Workspace
 from dflash_trt.recorded_configs import ModelSource
+from dflash_trt.reference.loop_rules import longest_request
 from dflash_trt.triton.serving import ServingSettings
 from dflash_trt.trtllm.build_plan import (
     SAMPLING_POLICY,
@@ -66,6 +67,9 @@ def settings_from_profile(
         max_draft_len=eng.max_draft_len,
         world_size=profile.checkpoint.tp_size,
         max_temperature=max_temperature_for_sampling(SAMPLING_POLICY),
+        # At most what the built engine holds (its window and positions are at least the profile's max_seq_len);
+        # the pipeline rewrites the repository from the built engine's config.
+        max_seq_len=longest_request(eng.max_seq_len, eng.max_draft_len),
         draft_len_schedule=draft_len_schedule or eng.draft_len_schedule,
         **serving_fields(serving or profile.serving),
     )
