@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dflash_trt.checkpoint.stored import QuantSettings
+from dflash_trt.formats import fp8_context_fmha
 from dflash_trt.pipeline.profiles import BuildProfile
 from dflash_trt.pipeline.workspace import Workspace
 from dflash_trt.recorded_configs import ModelSource
@@ -22,10 +23,24 @@ from dflash_trt.trtllm.build_plan import (
     EngineBuildPlan,
     EngineBuildSettings,
     plan_engine_build,
+    resolved_gemm_plugin,
 )
 
 if TYPE_CHECKING:  # the repository writer imports numpy (its processing code), which `--help` must not
     from dflash_trt.triton.repository import RepositorySettings
+
+
+def engine_settings(profile: BuildProfile) -> EngineBuildSettings:
+    """The profile's `engine` section as build settings, with the values the builder settles from the quantization
+    written out as the plan writes them (`build_plan.resolve_settings`), so a command shown before the model
+    configs are known is the one that runs."""
+    settings = profile.engine.build_settings()
+    quant = profile.quantization
+    return dataclasses.replace(
+        settings,
+        gemm_plugin=resolved_gemm_plugin(settings.gemm_plugin, quant.qformat),
+        use_fp8_context_fmha=fp8_context_fmha(quant.qformat, quant.kv_cache_dtype),
+    )
 
 
 def settings_from_profile(

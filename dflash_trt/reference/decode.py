@@ -200,7 +200,7 @@ def _prefill(loop: _Loop, prompts: list[list[int]]) -> None:
         tokens[i, : len(p)] = torch.tensor(p)
     positions = torch.arange(width).expand(batch, -1)
     valid = positions < lengths[:, None]
-    logits, taps = target.forward(tokens, positions, valid, loop.target_cache)
+    logits, taps = target.forward(tokens, positions, valid, loop.target_cache, torch.ones(batch, dtype=torch.bool))
     if loop.block > 1:
         draft.inject(taps, positions, valid, loop.draft_cache)
     first = loop.rule.first(logits[torch.arange(batch), lengths - 1])
