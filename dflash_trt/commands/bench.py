@@ -30,7 +30,7 @@ from dflash_trt.bench.workload import (
 )
 from dflash_trt.checkpoint.atomic import atomic_directory, check_destination, check_writable
 from dflash_trt.decoding_modes import AR, DFLASH
-from dflash_trt.draft_schedule import AUTO, FIXED
+from dflash_trt.draft_schedule import AUTO, NONE
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.executors.contract import FollowerRank
 from dflash_trt.inputs import (
@@ -142,7 +142,7 @@ def _add_source_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft_len_schedule",
         type=DRAFT_LEN_SCHEDULE,
-        default=FIXED,
+        default=NONE,  # argparse parses a text default through `type`, so help shows it as the user writes it
         help="--checkpoint_dir: the golden model's drafts per request by the step's load, none (default) or "
         "N1:K1,N2:K2,... (an engine's is built into it; `plan --draft_len_schedule auto` prints a GPU's table)",
     )
