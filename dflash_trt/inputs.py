@@ -28,6 +28,8 @@ MAX_TOKEN_ID = 2**31 - 1
 # Seeds: torch.Generator takes 64-bit seeds; the largest positive one means the same on every platform.
 MAX_SEED = 2**63 - 1
 MAX_GPUS = 1024
+# Nodes of a draft tree: the tree search ranks up to N² candidates per draft position.
+MAX_DRAFT_TREE = 4096
 
 
 def _shown(value: object) -> str:
@@ -197,6 +199,7 @@ TOKEN_ID = IntRange(0, MAX_TOKEN_ID)
 END_ID = IntRange(-1, MAX_TOKEN_ID)  # TensorRT-LLM's end id; -1 matches no token (requests run to their budget)
 VOCAB_SIZE = IntRange(1, MAX_TOKEN_ID)
 SEED = IntRange(0, MAX_SEED)
+DRAFT_TREE = IntRange(1, MAX_DRAFT_TREE)  # nodes per draft tree; block_size - 1 is the chain
 MEMORY_FRACTION = FloatRange(0.0, 1.0, above_lo=True)
 URL = HostPort()
 PORT = IntRange(0, 65535)  # 0: any free port

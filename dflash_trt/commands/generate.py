@@ -6,6 +6,11 @@ default `--sampling engine` is the engine's rule (argmax drafts, one target samp
 while it equals the draft; temperature only, like the engine); `--sampling reference` is dflash_generate's rejection
 sampling of sampled drafts (honours --top_p / --top_k). Both reproduce the target's distribution exactly.
 
+`--draft_tree N` (N > block_size - 1) verifies, each step, the tree of N drafted tokens holding the block's most
+likely continuations under the drafter's per-position distributions, with tree attention; the target draws one token
+per node and the walk descends to the child holding it (lossless at temperature 0, the target's law above). N =
+block_size - 1 is the chain.
+
 Near --max_new_tokens this golden loop verifies only the tokens the budget still allows (a shorter last block,
 drafted as such); an engine drafts a full block and clips (see `dflash-trt emulate --help`), so the two agree on
 tokens at temperature 0 but may differ in the last acceptance lengths.
@@ -23,14 +28,14 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.inputs import POSITIVE_INT, TOKEN_ID
+from dflash_trt.inputs import DRAFT_TREE, POSITIVE_INT, TOKEN_ID
 from dflash_trt.jsonfile import strict_json
 from dflash_trt.prompts import CHAT_TEMPLATE_KWARGS_HELP, parse_chat_template_kwargs, read_prompts
 from dflash_trt.sampling_rules import ENGINE, MAX_SEED, METHODS
 from dflash_trt.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
-    from dflash_trt.reference.decode import SequenceResult
+    from dflash_trt.reference.decode import SequenceResult, StepTrace
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -54,6 +59,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="sequence i draws from seed + i (engine rule)")
     parser.add_argument("--block_size", type=POSITIVE_INT, default=None, help="verify block (default: the drafter's)")
+    parser.add_argument(
+        "--draft_tree",
+        type=DRAFT_TREE,
+        default=None,
+        metavar="N",
+        help="verify a draft tree of N nodes each step (default: the chain, N = block_size - 1)",
+    )
     stops = parser.add_mutually_exclusive_group()
     stops.add_argument(
         "--stop_token_ids", type=TOKEN_ID, nargs="+", default=None, help="replace the EOS stop ids (token ids)"
@@ -73,7 +85,15 @@ def sequence_record(result: SequenceResult, tokenizer, trace: bool) -> dict[str,
     if tokenizer is not None:
         record["output_text"] = tokenizer.decode(result.output_ids)
     if trace:
-        record["steps"] = [{"draft_ids": s.draft_ids, "accepted": s.accepted} for s in result.steps]
+        record["steps"] = [step_record(s) for s in result.steps]
+    return record
+
+
+def step_record(step: StepTrace) -> dict[str, Any]:
+    """A traced step: its drafts and accepted count, and for a tree each node's parent (0 = the anchor)."""
+    record: dict[str, Any] = {"draft_ids": step.draft_ids, "accepted": step.accepted}
+    if step.parents is not None:
+        record["parents"] = step.parents
     return record
 
 
@@ -110,7 +130,8 @@ def check_lengths(args: argparse.Namespace, prompts: list[list[int]], max_positi
 
 def _print_trace(record: dict) -> None:
     for number, step in enumerate(record["steps"]):
-        print(f"    step {number}: drafted {step['draft_ids']}, accepted {step['accepted']}")
+        tree = f" (parents {step['parents']})" if "parents" in step else ""
+        print(f"    step {number}: drafted {step['draft_ids']}{tree}, accepted {step['accepted']}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -143,7 +164,15 @@ def run(args: argparse.Namespace) -> int:
     total = args.max_new_tokens * len(prompts)
     with tqdm(total=total, desc="generate", unit="token", disable=not sys.stderr.isatty()) as bar:
         results = speculative_generate(
-            model, prompts, args.max_new_tokens, stop_ids, sampling, args.seed, args.block_size, progress=bar.update
+            model,
+            prompts,
+            args.max_new_tokens,
+            stop_ids,
+            sampling,
+            args.seed,
+            args.block_size,
+            progress=bar.update,
+            draft_tree=args.draft_tree,
         )
     seconds = time.perf_counter() - started
     generated = sum(len(r.output_ids) for r in results)

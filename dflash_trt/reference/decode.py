@@ -8,6 +8,7 @@ decoding with the same target, the baseline every speedup is measured against.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -16,7 +17,7 @@ import torch
 
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.reference.loop_rules import check_request, keep_tokens
-from dflash_trt.reference.model import DraftModel, GoldenModel, KVCache
+from dflash_trt.reference.model import DraftModel, GoldenModel, KVCache, TreeBlock
 from dflash_trt.reference.sampling import (
     SamplingParams,
     exact_match_accept,
@@ -25,14 +26,26 @@ from dflash_trt.reference.sampling import (
     sample_by_uniform,
     sampling_probs,
 )
+from dflash_trt.reference.tree import DraftTree, best_tree, log_probs, tree_accept
 from dflash_trt.sampling_rules import ENGINE, REFERENCE, sampling_refusal
 from dflash_trt.spec import DraftSpec
 
 
 @dataclass
 class StepTrace:
+    """One verify step: the drafted tokens and how many were accepted. A tree step also lists each node's parent
+    (nodes 1..n breadth-first, 0 the anchor), and its accepted drafts are the accepted path's nodes below the anchor."""
+
     draft_ids: list[int]
     accepted: int
+    parents: list[int] | None = None
+
+    @property
+    def depth(self) -> int:
+        """The deepest draft position the step proposed (a chain's length)."""
+        if self.parents is None:
+            return len(self.draft_ids)
+        return DraftTree(tuple(self.draft_ids), tuple(self.parents)).depth
 
 
 @dataclass
@@ -65,6 +78,23 @@ def _check_prompts(prompts: list[list[int]], vocab_size: int, max_new_tokens: li
         raise DFlashTrtError("no prompts given")
     for i, (prompt, new) in enumerate(zip(prompts, max_new_tokens, strict=True)):
         check_request(i, prompt, new, vocab_size)
+
+
+def tree_budget(draft_tree: int | None, max_draft_len: int, spec: DraftSpec) -> int:
+    """Nodes per draft tree for `--draft_tree N`: 0 (chains) for none or N = max_draft_len; refuses N below it, and a
+    drafter whose drafts are not independent per position (DFlash2's selector walks one chain)."""
+    if draft_tree is None or draft_tree == max_draft_len:
+        return 0
+    if draft_tree < max_draft_len:
+        raise DFlashTrtError(
+            f"--draft_tree {draft_tree}: a tree holds at least the chain's {max_draft_len} drafts (block_size - 1); "
+            "shorter drafts are a draft length, not a tree"
+        )
+    if spec.dflash2 is not None:
+        raise DFlashTrtError(
+            "draft trees need the drafter's per-position distributions; a DFlash2 drafter's selector walks one chain"
+        )
+    return draft_tree
 
 
 def per_sequence_sampling(sampling: SamplingParams | list[SamplingParams] | None, batch: int) -> list[SamplingParams]:
@@ -102,7 +132,8 @@ class _EngineRule:
 
     generators: list[torch.Generator]
     temperatures: list[float]
-    block: int
+    block: int  # uniforms per verify step: the engine's verify width (anchor + its most drafts or tree nodes)
+    tree_budget: int = 0  # nodes per draft tree (0: chains)
 
     def first(self, last_logits: torch.Tensor) -> torch.Tensor:
         # The runtime's first uniform of a request (rand_data_sample, drawn when the request is set up).
@@ -120,6 +151,24 @@ class _EngineRule:
         # The runtime hands the engine one uniform per verified position (rand_data_validation).
         uniforms = torch.rand(self.block, generator=self.generators[row])[: len(logits)]
         return exact_match_accept(drafts, logits, self.temperatures[row], uniforms)
+
+    def trees(
+        self, drafter: DraftModel, hidden: torch.Tensor, anchors: torch.Tensor, depths: list[int]
+    ) -> list[DraftTree]:
+        """Each sequence's best tree of `tree_budget` nodes over its first `depths[b]` draft positions."""
+        choice = drafter.choose(hidden, anchors)
+        logprobs = log_probs(choice.scores)
+        ids = choice.candidates
+        trees = []
+        for b, depth in enumerate(depths):
+            candidates = None if ids is None else ids[b, :depth]
+            trees.append(best_tree(logprobs[b, :depth], self.tree_budget, candidates) if depth else DraftTree((), ()))
+        return trees
+
+    def accept_tree(self, row: int, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
+        # Node i draws with the runtime's uniform i of the step (rand_data_validation), as slot i of a chain does.
+        uniforms = torch.rand(self.block, generator=self.generators[row])
+        return tree_accept(tree, logits, self.temperatures[row], uniforms)
 
 
 @dataclass
@@ -176,6 +225,7 @@ class _Loop:
     stops: frozenset[int]
     target_cache: KVCache
     draft_cache: KVCache
+    trees: _EngineRule | None = None  # set when the step verifies draft trees instead of chains
 
     def keep(self, seq: _Sequence, new: list[int]) -> int:
         """Append what the budget and the stop tokens let a sequence keep of `new`; returns how many."""
@@ -243,11 +293,63 @@ def _accept(loop: _Loop, block_ids: torch.Tensor, logits: torch.Tensor, verify: 
     return produced_mask
 
 
+def _draft_trees(loop: _Loop, rule: _EngineRule, start: torch.Tensor, verify: torch.Tensor) -> list[DraftTree]:
+    """Each sequence's draft tree over the positions it may still verify (none for a finished one)."""
+    draft = loop.model.draft
+    anchors = torch.tensor([s.tokens[-1] for s in loop.seqs])
+    block, valid = drafter_block(draft, anchors, loop.block, verify)
+    hidden = draft.forward(block, start, valid, loop.draft_cache)
+    return rule.trees(draft, hidden, anchors, [int(v) - 1 for v in verify])
+
+
+def _tree_rows(loop: _Loop, trees: list[DraftTree], start: torch.Tensor):
+    """The verify rows of every tree (anchor first, then the nodes), their RoPE positions (anchor + depth), which
+    rows are real, and their layout in the cache (slot = anchor slot + node index, attention along the paths)."""
+    width = 1 + max(tree.size for tree in trees)
+    tokens = torch.zeros(len(trees), width, dtype=torch.long)
+    depth = torch.zeros(len(trees), width, dtype=torch.long)
+    visible = torch.zeros(len(trees), width, width, dtype=torch.bool)
+    for b, (seq, tree) in enumerate(zip(loop.seqs, trees, strict=True)):
+        n = tree.size + 1
+        tokens[b, :n] = torch.tensor([seq.tokens[-1], *tree.tokens])
+        depth[b, :n] = torch.tensor(tree.depths())
+        visible[b, :n, :n] = tree.visibility()
+    valid = torch.arange(width) < torch.tensor([tree.size + 1 for tree in trees])[:, None]
+    slots = start[:, None] + torch.arange(width)
+    return tokens, start[:, None] + depth, valid, TreeBlock(slots, visible)
+
+
+def _tree_step(loop: _Loop, rule: _EngineRule, start: torch.Tensor, verify: torch.Tensor) -> int:
+    """Draft a tree per sequence, verify it with tree attention, accept the walk's path plus its bonus, move the
+    path's target K/V to consecutive slots (the runtime's rewind) and inject the path's features."""
+    trees = _draft_trees(loop, rule, start, verify)
+    tokens, positions, valid, layout = _tree_rows(loop, trees, start)
+    logits, taps = loop.model.target.forward(tokens, positions, valid, loop.target_cache, layout)
+    path_rows = torch.zeros(len(loop.seqs), loop.block, dtype=torch.long)
+    produced_mask = torch.zeros(len(loop.seqs), loop.block, dtype=torch.bool)
+    for b, (seq, tree) in enumerate(zip(loop.seqs, trees, strict=True)):
+        if not seq.active:
+            continue
+        path, bonus = rule.accept_tree(b, tree, logits[b, : tree.size + 1])
+        produced = loop.keep(seq, [tree.tokens[node - 1] for node in path[1:]] + [bonus])
+        first = int(start[b])
+        loop.target_cache.move(b, [first + node for node in path], [first + i for i in range(len(path))])
+        path_rows[b, : len(path)] = torch.tensor(path)
+        produced_mask[b, :produced] = True
+        seq.result.acceptance_lengths.append(produced)
+        seq.result.steps.append(StepTrace(list(tree.tokens), len(path) - 1, list(tree.parents)))
+    path_taps = taps.gather(1, path_rows[:, :, None].expand(-1, -1, taps.shape[-1]))
+    loop.model.draft.inject(path_taps, start[:, None] + torch.arange(loop.block), produced_mask, loop.draft_cache)
+    return int(produced_mask.sum())
+
+
 def _decode_step(loop: _Loop) -> int:
-    """Draft, verify and accept one block per sequence; returns how many tokens the step produced."""
+    """Draft, verify and accept one block (or tree) per sequence; returns how many tokens the step produced."""
     start = torch.tensor([s.start for s in loop.seqs])
     # Finished sequences ride along verifying only their anchor; nothing of theirs is kept.
     verify = torch.tensor([min(loop.block, s.max_length - s.start) if s.active else 1 for s in loop.seqs])
+    if loop.trees is not None:
+        return _tree_step(loop, loop.trees, start, verify)
     block_ids = _draft_block(loop, start, verify)
     block_positions = start[:, None] + torch.arange(loop.block)
     block_valid = torch.arange(loop.block) < verify[:, None]
@@ -268,11 +370,13 @@ def speculative_generate(
     block_size: int | None = None,
     seeds: list[int] | None = None,
     progress: Callable[[int], object] | None = None,
+    draft_tree: int | None = None,
 ) -> list[SequenceResult]:
     """Generate for every prompt at once; results are identical to running each prompt alone (greedy, or with the
     engine's sampling when each sequence gets the same seed). `sampling` may be one SamplingParams per prompt (engine
     method only); `seeds` overrides the per-sequence seeds `seed + i` of the engine method. `progress` hears how many
-    tokens each step produced."""
+    tokens each step produced. `draft_tree` N > block - 1 verifies each step's best tree of N nodes (reference/tree.py)
+    instead of the chain; N = block - 1 is the chain."""
     per_sequence = per_sequence_sampling(sampling, len(prompts))
     target, draft = model.target, model.draft
     widest = draft.spec.verify_width
@@ -281,11 +385,17 @@ def speculative_generate(
         raise DFlashTrtError(f"block size must be in 1..{widest}, got {block}")
     news = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     _check_prompts(prompts, target.spec.vocab_size, news)
-    rule = _accept_rule(per_sequence, seed, seeds, block, draft.spec)
+    nodes = tree_budget(draft_tree, block - 1, draft.spec)
+    rule = _accept_rule(per_sequence, seed, seeds, max(block, nodes + 1), draft.spec)
+    trees = None
+    if nodes:
+        if not isinstance(rule, _EngineRule):
+            raise DFlashTrtError(f"draft trees are verified with the engine's sampling method ({ENGINE})")
+        trees = dataclasses.replace(rule, tree_budget=nodes)
     seqs = [_Sequence(SequenceResult(list(p)), list(p), len(p) + n) for p, n in zip(prompts, news, strict=True)]
-    capacity = max(s.max_length for s in seqs) + block + 1
+    capacity = max(s.max_length for s in seqs) + max(block, nodes + 1) + 1
     caches = target.new_cache(len(seqs), capacity), draft.new_cache(len(seqs), capacity)
-    loop = _Loop(model, seqs, block, rule, frozenset(stop_token_ids or []), *caches)
+    loop = _Loop(model, seqs, block, trees or rule, frozenset(stop_token_ids or []), *caches, trees)
     _prefill(loop, prompts)
     if progress is not None:
         progress(len(seqs))

@@ -12,12 +12,13 @@ def mean_acceptance_length(results: list[SequenceResult]) -> float:
 
 
 def per_position_acceptance(results: list[SequenceResult], num_draft_positions: int) -> list[float | None]:
-    """Fraction of steps whose draft token at position i was accepted, among steps that proposed one there."""
+    """Fraction of steps whose draft token at position i was accepted, among steps that proposed one there (a tree
+    proposes position i when it is at least i + 1 deep, and accepts it when its accepted path is)."""
     accepted = [0] * num_draft_positions
     proposed = [0] * num_draft_positions
     for result in results:
         for step in result.steps:
-            for i in range(min(len(step.draft_ids), num_draft_positions)):
+            for i in range(min(step.depth, num_draft_positions)):
                 proposed[i] += 1
                 accepted[i] += int(step.accepted > i)
     return [a / p if p else None for a, p in zip(accepted, proposed, strict=True)]
