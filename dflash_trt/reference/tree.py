@@ -153,6 +153,17 @@ def best_tree(logprobs: torch.Tensor, budget: int, candidate_ids: torch.Tensor |
     return DraftTree(tuple(tokens), tuple(parents))
 
 
+def budget_tree(logprobs: torch.Tensor, budget: int, candidate_ids: torch.Tensor | None = None) -> DraftTree:
+    """What a tree engine drafts for a step whose budget (the draft-length schedule's, at most the tree's nodes) is
+    `budget`: at most one node per position, the chain of each position's best token, when `budget` does not exceed
+    the positions; else `best_tree`."""
+    if budget > logprobs.shape[0]:
+        return best_tree(logprobs, budget, candidate_ids)
+    top = _ranked(logprobs[:budget], 1)[:, 0]
+    ids = top if candidate_ids is None else candidate_ids[:budget].gather(-1, top[:, None])[:, 0]
+    return DraftTree.chain(ids.tolist())
+
+
 def expected_accepted(tree: DraftTree, logprobs: torch.Tensor, candidate_ids: torch.Tensor | None = None) -> float:
     """Sum over nodes of the drafter's probability of the node's continuation: the accepted drafts a step expects
     when the drafter's marginals are the target's (what `best_tree` maximises). float64."""
