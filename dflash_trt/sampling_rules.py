@@ -1,7 +1,8 @@
 """What a DFlash engine honours of a request's sampling parameters, and the one message that refuses the rest.
 
 The engine samples each request with its temperature and the runtime's random numbers, which TensorRT-LLM 1.2.x
-seeds from the request's seed (docs/engine.md §6); temperature 0 is greedy. Its EAGLE runtime hands the engine
+seeds from the request's seed (docs/engine.md §6); temperature 0 is greedy, and so is every temperature too small for
+float32 to invert (`effective_temperature`, the one rule every path applies). Its EAGLE runtime hands the engine
 nothing else of the request's sampling config, so top-k, top-p, penalties and beams would be silently ignored, and
 its EAGLE decoding mode applies no banned words, guided decoding, logits post-processor or embedding bias: every
 entry point (`generate`, the engine runners, the Triton models, `bench`) refuses them here instead, with one message.
@@ -12,11 +13,19 @@ Standard library only: the Triton repository copies this file next to its Python
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 # What the engine honours per request; `dflash_trt.json` records it.
 HONOURED = ("temperature", "seed")
+# Temperatures below MIN_SAMPLING_TEMPERATURE decode greedily (vLLM's precedent: below 1e-5 is greedy), and those above
+# MAX_SAMPLING_TEMPERATURE sample as at it (uniformly over the finite logits, for any model): in float32 (what the
+# runtime carries a temperature in, and the engine divides by) the inverse of 1e-40 is inf and that of 3e38
+# underflows, both of which turn the sampler's weights into NaN. Compared in float32, so the engine network and
+# the Python paths split every value the same way (docs/engine.md §6).
+MIN_SAMPLING_TEMPERATURE = 1e-5
+MAX_SAMPLING_TEMPERATURE = 1e30
 # torch.Generator seeds are 64-bit; the largest positive one keeps the value meaningful on every platform.
 MAX_SEED = 2**63 - 1
 # How the engine verifies drafts at temperature > 0: argmax drafts, one target sample per position, accepted while
@@ -98,10 +107,13 @@ def sampling_refusal(params: Mapping[str, Any]) -> str | None:
             )
     temperature = values.get("temperature", 0.0)
     if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
-        return f"temperature {temperature!r} refused: it must be a finite number >= 0 (0 means greedy)"
+        return (
+            f"temperature {temperature!r} refused: it must be a finite number >= 0 (0, or anything below "
+            f"{MIN_SAMPLING_TEMPERATURE:g}, means greedy)"
+        )
     for name, neutral in NEUTRAL.items():
         value = values.get(name)
-        if value is None or value in neutral or (name == "top_k" and value == 1 and temperature == 0):
+        if value is None or value in neutral or (name == "top_k" and value == 1 and is_greedy(temperature)):
             continue
         allowed = " or ".join(_show(v) for v in neutral)
         return (
@@ -112,18 +124,40 @@ def sampling_refusal(params: Mapping[str, Any]) -> str | None:
     return None
 
 
+def as_float32(value: float) -> float:
+    """`value` rounded to float32, as the runtime stores a temperature (inf beyond float32's range)."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def is_greedy(temperature: float) -> bool:
+    """Whether a (finite, >= 0) temperature decodes greedily: 0, or below MIN_SAMPLING_TEMPERATURE in float32."""
+    return as_float32(temperature) < as_float32(MIN_SAMPLING_TEMPERATURE)
+
+
+def effective_temperature(temperature: float) -> float:
+    """The temperature a request samples at: 0.0 (greedy) below MIN_SAMPLING_TEMPERATURE, at most
+    MAX_SAMPLING_TEMPERATURE, else as given. The engine network applies the same rule in-graph (trtllm/verify.py)."""
+    if is_greedy(temperature):
+        return 0.0
+    return min(float(temperature), MAX_SAMPLING_TEMPERATURE)
+
+
 class SamplingRefused(ValueError):
     """A request asked for sampling the engine cannot honour; the message says which parameter and why."""
 
 
 def engine_request_sampling(params: Mapping[str, Any]) -> dict[str, float | int]:
-    """What to send the runtime with a request: its temperature, always (0 when not given, because the runtime's
-    own default is 1.0), and its seed when given. Raises SamplingRefused for anything the engine cannot honour."""
+    """What to send the runtime with a request: its effective temperature, always (0 when not given, because the
+    runtime's own default is 1.0), and its seed when given. Raises SamplingRefused for anything the engine cannot
+    honour."""
     refusal = sampling_refusal(params)
     if refusal is not None:
         raise SamplingRefused(refusal)
     values = {ALIASES.get(name, name): value for name, value in params.items() if value is not None}
-    sampling: dict[str, float | int] = {"temperature": float(values.get("temperature", 0.0))}
+    sampling: dict[str, float | int] = {"temperature": effective_temperature(values.get("temperature", 0.0))}
     if "seed" in values:
         sampling["seed"] = int(values["seed"])
     return sampling

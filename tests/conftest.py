@@ -71,6 +71,14 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def poisoned_tiny(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`tiny` with one token's embedding NaN (`_poisoned.py`): a request holding it fails in the engine."""
+    from _poisoned import poisoned_copy
+
+    return poisoned_copy(tiny, tmp_path_factory.mktemp("poisoned") / "ckpt")
+
+
 EditConfig = Callable[[dict], object]
 
 

@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -126,3 +127,15 @@ def test_requests_beyond_the_budget_fail_alone(setup):
     failed = [r for r in trace.records if r.error]
     assert failed and all("exceeds" in r.error for r in failed)
     assert all(r.output_ids for r in trace.records if not r.error)
+
+
+def test_temperatures_too_small_to_invert_are_greedy_and_others_refused(setup, generated):
+    """The golden executor decodes greedily only: 1e-40 is greedy (sampling_rules), 0.5 is refused for the request."""
+    _, prompt_file, model = setup
+    first = file_workload(prompt_file, MAX_NEW).requests[:3]
+    requests = [replace(r, temperature=t) for r, t in zip(first, (1e-40, 0.5, 9e-6), strict=True)]
+    backend = GoldenBackend(model, 3, 256, stop_token_ids=list(model.target.spec.eos_token_ids))
+    trace = asyncio.run(run_load(backend, requests, concurrency=3))
+    records = sorted(trace.records, key=lambda r: r.prompt_index)
+    assert records[1].error.startswith("the golden executor decodes greedily (temperature below 1e-05)")
+    assert [records[i].output_ids for i in (0, 2)] == [generated[i]["output_ids"] for i in (0, 2)]

@@ -24,6 +24,7 @@ from dflash_trt.tiny.heldout import asset_dir
 
 Case = Callable[[World, Path], list[str]]
 POSITIONS = 256  # the tiny target's max_position_embeddings
+LONGEST = 226  # the longest request its engine holds: 256 positions less two blocks of 15 drafts
 READ_ONLY = Path("/proc/dflash-hostile/out")  # procfs refuses new entries even to root
 
 
@@ -113,7 +114,8 @@ REFUSED: dict[str, tuple[Case, str]] = {
     # sizes against the model (256 positions) and the machine, before anything is allocated
     "bench synthetic prompts longer than the model": (
         lambda w, t: _bench(w, t, prompts=("--synthetic", "2000,8,1")),
-        rf"a request of 2000 prompt \+ 8 output tokens exceeds the target's max_position_embeddings \({POSITIONS}\)",
+        rf"a request of 2000 prompt \+ 8 output tokens exceeds the target's max_position_embeddings less two draft "
+        rf"blocks \({LONGEST}\)",
     ),
     "bench synthetic outputs longer than the model": (
         lambda w, t: _bench(w, t, prompts=("--synthetic", "4,1000000000,1")),
@@ -141,7 +143,8 @@ REFUSED: dict[str, tuple[Case, str]] = {
     ),
     "bench prompt file longer than the model": (
         lambda w, t: _bench(w, t, "--max_new_tokens", "300", prompts=("--input_file", str(w.prompts))),
-        r"a request of 1 prompt \+ 300 output tokens exceeds the target's max_position_embeddings \(256\)",
+        rf"a request of 1 prompt \+ 300 output tokens exceeds the target's max_position_embeddings less two draft "
+        rf"blocks \({LONGEST}\)",
     ),
     "emulate a hundred million in flight": (
         lambda w, t: _emulate(w, "--max_batch_size", str(10**8)),
@@ -153,7 +156,8 @@ REFUSED: dict[str, tuple[Case, str]] = {
     ),
     "emulate more tokens than the model has positions": (
         lambda w, t: _emulate(w, "--max_new_tokens", "1000000"),
-        r"plus --max_new_tokens 1000000 exceeds the target's max_position_embeddings \(256\)",
+        rf"plus --max_new_tokens 1000000 exceeds the target's max_position_embeddings less two draft blocks "
+        rf"\({LONGEST}\)",
     ),
     "calibration prompts cut beyond the model": (
         lambda w, t: _calibrate(w, t, "--calib_max_seq_len", "100000"),

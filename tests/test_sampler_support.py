@@ -9,6 +9,7 @@ rounding (a few ulps of the total mass)."""
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 
 import numpy as np
@@ -18,6 +19,8 @@ import torch
 from dflash_trt.emulation import functional
 from dflash_trt.emulation.functional import Network, PluginConfig, net_guard
 from dflash_trt.emulation.stand_ins import load_engine_module
+from dflash_trt.reference.sampling import sample_by_uniform
+from dflash_trt.sampling_rules import MIN_SAMPLING_TEMPERATURE
 from dflash_trt.trtllm.build_plan import vocab_blocks
 
 VOCAB = 1000  # 32 blocks of 32
@@ -132,3 +135,44 @@ def test_lm_head_padding_is_never_drawn(padded):
     logits = _row(4, padded)
     check(logits, 1.0, vocab=VOCAB)
     assert engine_sample(logits, 1.0, [1.0], VOCAB) == [VOCAB - 1]
+
+
+UNIFORMS = [float(np.float32(2.0**-149)), 0.5, 1.0]
+
+
+@pytest.mark.parametrize(
+    "temperature", [0.0, 1e-45, 1e-40, 5e-324, 9.9e-6, float(np.nextafter(np.float32(1e-5), np.float32(0)))]
+)
+def test_temperatures_too_small_to_invert_take_the_argmax_in_graph_and_in_the_golden_rule(temperature):
+    """Tokens 7 and 8 a hair apart: at 1e-40 the float32 inverse is inf and the weights NaN (the sampler used to
+    gather index -1). Below the minimum both the network and `sample_by_uniform` take the argmax, 8, at any uniform."""
+    logits = _row(5)
+    logits[7], logits[8] = 9.0, 9.0 + 2e-6
+    assert engine_sample(logits, temperature, UNIFORMS, VOCAB) == [8, 8, 8]
+    golden = [
+        int(sample_by_uniform(logits[None], temperature, torch.tensor([u], dtype=torch.float64))) for u in UNIFORMS
+    ]
+    assert golden == [8, 8, 8]
+
+
+def test_the_minimum_temperature_itself_samples_in_graph_and_in_the_golden_rule():
+    """At T = 1e-5 the two tokens weigh 1 and exp(-0.2) (z differ by 2e-6): u = 1.0 falls in token 8's interval
+    and u = 0+ in token 7's, so the sample is not the argmax everywhere; the golden rule agrees."""
+    logits = _row(5)
+    logits[7], logits[8] = 9.0, 9.0 + 2e-6
+    assert engine_sample(logits, MIN_SAMPLING_TEMPERATURE, UNIFORMS, VOCAB) == [7, 8, 8]
+    golden = [
+        int(sample_by_uniform(logits[None], MIN_SAMPLING_TEMPERATURE, torch.tensor([u], dtype=torch.float64)))
+        for u in UNIFORMS
+    ]
+    assert golden == [7, 8, 8]
+
+
+@pytest.mark.parametrize("temperature", [1e30, 3e38, math.inf])
+def test_huge_temperatures_sample_uniformly_never_a_padding_column(temperature):
+    """3e38's float32 inverse is a denormal (zero where flushed) and 1e39 reaches the engine as inf; the network caps
+    the temperature at the maximum, so lm_head padding keeps zero weight and the finite logits are all but equally
+    likely: the uniform in the middle of token k's 1/V share draws token k."""
+    logits = _row(6, VOCAB + 7)
+    middles = [(k + 0.5) / VOCAB for k in (0, 333, VOCAB - 1)]
+    assert engine_sample(logits, temperature, [*middles, 1.0], VOCAB) == [0, 333, VOCAB - 1, VOCAB - 1]

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from dflash_trt.sampling_rules import (
     FEATURES,
     HONOURED,
+    MAX_SAMPLING_TEMPERATURE,
+    MIN_SAMPLING_TEMPERATURE,
     NEUTRAL,
     SamplingRefused,
+    effective_temperature,
     engine_request_sampling,
+    is_greedy,
     sampling_refusal,
 )
 
@@ -81,3 +86,40 @@ def test_request_features_the_eagle_mode_never_applies_are_refused(name: str, sp
 def test_features_not_really_sent_are_accepted(empty):
     for name in FEATURES:
         assert sampling_refusal({name: empty}) is None
+
+
+FLOAT32_MIN = float(np.float32(MIN_SAMPLING_TEMPERATURE))  # what the engine compares a float32 temperature with
+
+
+@pytest.mark.parametrize(
+    "temperature",
+    [0.0, 1e-45, 1e-40, 2.0**-149, 5e-324, 1e-6, 9.9e-6, float(np.nextafter(np.float32(FLOAT32_MIN), np.float32(0)))],
+)
+def test_temperatures_too_small_to_invert_decode_greedily(temperature):
+    """Hand values: 1e-40 and 1e-45 are float32 denormals whose inverse is inf; everything below the float32 value
+    of 1e-5 (vLLM's greedy threshold) is greedy, and sent to the runtime as 0."""
+    assert sampling_refusal({"temperature": temperature}) is None
+    assert is_greedy(temperature) and effective_temperature(temperature) == 0.0
+    assert engine_request_sampling({"temperature": temperature}) == {"temperature": 0.0}
+    assert sampling_refusal({"temperature": temperature, "top_k": 1}) is None  # greedy, so top_k 1 is neutral
+
+
+@pytest.mark.parametrize("temperature", [MIN_SAMPLING_TEMPERATURE, 1e-5 - 1e-13, 1e-4, 0.7, 1e29])
+def test_temperatures_from_the_minimum_on_sample_as_given(temperature):
+    """1e-5 - 1e-13 rounds to the same float32 as 1e-5: the rule splits values as the engine's float32 compare does."""
+    assert np.float32(temperature) >= np.float32(FLOAT32_MIN)
+    assert not is_greedy(temperature) and effective_temperature(temperature) == temperature
+
+
+@pytest.mark.parametrize("temperature", [1e30, 3e38, 1e39, 1e300])
+def test_huge_temperatures_sample_at_the_maximum(temperature):
+    """Beyond 1e30 the distribution is uniform over the finite logits anyway; 3e38's float32 inverse would be a
+    denormal and 1e39 is inf in float32, both of which make the sampler's weights NaN."""
+    assert sampling_refusal({"temperature": temperature}) is None
+    assert effective_temperature(temperature) == MAX_SAMPLING_TEMPERATURE
+
+
+def test_a_refused_temperature_names_the_greedy_threshold():
+    assert sampling_refusal({"temperature": -1e-40}) == (
+        "temperature -1e-40 refused: it must be a finite number >= 0 (0, or anything below 1e-05, means greedy)"
+    )

@@ -13,7 +13,8 @@ CASES = [
     (["--max_request_bytes", "10"], "argument --max_request_bytes: must be an integer in [1024, 2147483647]"),
     (["--drain_timeout_s", "0"], "argument --drain_timeout_s: must be an integer in [1, 604800], got '0'"),
     (["--max_batch_size", "0"], "argument --max_batch_size: must be an integer in [1, 512], got '0'"),
-    (["--max_seq_len", "100000"], "--max_seq_len must be <= the target's max_position_embeddings (256)"),
+    (["--max_seq_len", "100000"], "--max_seq_len must be <= 226: the target's max_position_embeddings (256) less"),
+    (["--max_seq_len", "227"], "less two draft blocks of 15, which the engine's last step reaches past a request's"),
 ]
 
 

@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from dflash_trt.bench.backends.emulated import EmulatedBackend
 from dflash_trt.cli import main
 from dflash_trt.emulation.engine import EmulatedEngine
+from dflash_trt.reference.loop_rules import longest_request
 from dflash_trt.server.launch import make_app
 from dflash_trt.server.params import Limits
 from dflash_trt.server.targets import ServeTarget
@@ -60,7 +61,8 @@ def engine(tiny) -> EmulatedEngine:
     return EmulatedEngine(tiny, max_batch_size=4, tokens_per_block=16)
 
 
-def emulated_target(engine: EmulatedEngine, max_seq_len: int = 256) -> ServeTarget:
+def emulated_target(engine: EmulatedEngine, max_seq_len: int | None = None) -> ServeTarget:
+    max_seq_len = max_seq_len or longest_request(engine.max_position_embeddings, engine.k)
     eos = frozenset(engine.eos_token_ids)
     backend = EmulatedBackend(engine, max_seq_len, sorted(eos))
     return ServeTarget(backend, engine.max_batch_size, Limits(max_seq_len, engine.vocab_size), eos, True)

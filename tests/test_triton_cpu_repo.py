@@ -85,9 +85,10 @@ def test_the_cpu_launch_script_preloads_nothing(checkpoint, tmp_path):
     assert "LD_PRELOAD" not in script and "DFLASH_TRT_LOAD_PLUGINS" not in script and "--model-repository" in script
 
 
-def test_max_seq_len_defaults_to_the_context_less_a_draft_block(checkpoint):
+def test_max_seq_len_defaults_to_the_context_less_two_draft_blocks(checkpoint):
+    """The engine's last step drafts a block that ends 2K positions past a request's last token (docs/engine.md §4)."""
     config = json.loads((checkpoint / "config.json").read_text())
-    longest = config["max_position_embeddings"] - (config["max_draft_len"] + 1)
+    longest = config["max_position_embeddings"] - 2 * config["max_draft_len"]
     s = settings_from_checkpoint(checkpoint, checkpoint, 2)
     assert (s.max_seq_len, s.max_input_len, s.max_draft_len) == (longest, longest - 1, config["max_draft_len"])
     with pytest.raises(DFlashTrtError, match=f"--max_seq_len must be in 2..{longest}"):

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _poisoned import POISONED_TOKEN
 
 from dflash_trt.bench.backends.triton import TritonBackend
 from dflash_trt.bench.backends.triton_http import TritonHttpBackend
@@ -43,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TRITONSERVER = Path(os.environ.get("DFLASH_TRT_TRITONSERVER", ROOT / ".tritonserver" / "tritonserver"))
 MODELS = ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")
 MAX_NEW = 16
-MAX_SEQ_LEN = 224  # the tiny target's 256 positions less a draft block
+MAX_SEQ_LEN = 224  # within the longest request the tiny target holds (256 positions less two draft blocks: 226)
 START_TIMEOUT_S = 240
 
 pytestmark = [
@@ -393,6 +394,60 @@ def test_a_client_that_disconnects_frees_its_slot(server, tokenizer, texts):
     start = time.perf_counter()
     results, errors = _stream_raw(server, "tensorrt_llm", _llm_inputs(prompt, 4))
     assert errors == [] and time.perf_counter() - start < alone_s / 3
+
+
+def _tokens(results: list) -> list[int]:
+    arrays = [r.as_numpy(P.LLM_OUTPUT_IDS) for r in results]
+    return [int(t) for a in arrays if a is not None for t in a.ravel()]
+
+
+def _is_final(result) -> bool:
+    final = result.get_response().parameters.get("triton_final_response")
+    return final is not None and final.bool_param
+
+
+def _finished(responses: queue.Queue) -> bool:
+    """Whether the responses received so far (still in `responses`) hold the final one."""
+    return any(result is not None and _is_final(result) for result, _ in list(responses.queue))
+
+
+def test_a_request_that_breaks_the_engine_fails_alone(poisoned_tiny, golden, tokenizer, texts, tmp_path):
+    """A long greedy stream in flight while three requests beside it go wrong, on a server over the checkpoint with
+    one poisoned token: a sampled request holding it makes the engine raise (its error comes back as a final
+    response), temperature 1e-40 (a float32 whose inverse is inf) decodes greedily, and a request longer than the
+    repository's max_seq_len is refused. The stream is not touched: it ends with the golden loop's tokens."""
+    settings = settings_from_checkpoint(poisoned_tiny, poisoned_tiny, max_batch_size=2, max_seq_len=MAX_SEQ_LEN)
+    running = RunningServer(write_repository(settings, tmp_path / "repo"), tmp_path / "server.log")
+    prompt = tokenizer.encode(texts[0])
+    long_new = 100
+    try:
+        running.start()
+        responses: queue.Queue = queue.Queue()
+        client = grpcclient.InferenceServerClient(running.url)
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        client.async_stream_infer(
+            "tensorrt_llm", _llm_inputs(prompt, long_new, temperature=np.array([[0.0]], np.float32)),
+            enable_empty_final_response=True,
+        )  # fmt: skip
+        streamed = [responses.get(timeout=120)]  # the stream is in the engine
+        poisoned = [*prompt[:3], POISONED_TOKEN, *prompt[3:]]
+        hot = {"temperature": np.array([[1.0]], np.float32)}
+        _, errors = _stream_raw(running, "tensorrt_llm", _llm_inputs(poisoned, 8, **hot))
+        assert len(errors) == 1 and "the engine failed on this request: EmulationError" in errors[0]
+        assert not _finished(responses)
+        tiny_t = {"temperature": np.array([[1e-40]], np.float32), "random_seed": np.array([[3]], np.uint64)}
+        results, errors = _stream_raw(running, "tensorrt_llm", _llm_inputs(prompt, MAX_NEW, **tiny_t))
+        assert errors == [] and _tokens(results) == speculative_generate(golden, [prompt], MAX_NEW)[0].output_ids
+        _, errors = _stream_raw(running, "tensorrt_llm", _llm_inputs(prompt, MAX_SEQ_LEN))
+        assert len(errors) == 1 and f"exceeds max_seq_len {MAX_SEQ_LEN}" in errors[0]
+        while streamed[-1][1] is None and not _is_final(streamed[-1][0]):
+            streamed.append(responses.get(timeout=120))
+        client.stop_stream()
+        client.close()
+        assert all(error is None for _, error in streamed)
+        assert _tokens([r for r, _ in streamed]) == speculative_generate(golden, [prompt], long_new)[0].output_ids
+    finally:
+        running.stop()
 
 
 @pytest.mark.parametrize("concurrency", [1, 2, 4])

@@ -77,6 +77,10 @@ class Backend(ABC):
     async def stop(self) -> None:
         """Release what `start` acquired; requests still running may be dropped."""
 
+    def health(self) -> str | None:
+        """Why the backend cannot serve now (its engine is broken), or None when it can."""
+        return None
+
 
 def threadsafe_deliver(deliver: Deliver) -> Deliver:
     """A `deliver` that backend threads may call: it schedules the real one on the running loop."""

@@ -18,6 +18,7 @@ from dflash_trt.bench.driver import Backend
 from dflash_trt.bench.workload import Workload
 from dflash_trt.decoding_modes import AR, DECODING_MODES, EAGLE3, DecodingMode
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.reference.loop_rules import longest_request
 
 BackendFactory = Callable[[int], Backend]  # max requests in flight -> a fresh backend for one point
 
@@ -86,10 +87,12 @@ def vocab_size(target: Target) -> int | None:
 
 
 def max_positions(target: Target) -> int | None:
-    """The longest request (prompt + output) the target serves; None for an engine or a server, which refuse a
-    longer request themselves."""
+    """The longest request (prompt + output) the target serves (`longest_request`: what the engine it stands for
+    holds); None for an engine or a server, which refuse a longer request themselves."""
     if target.checkpoint_dir:
-        return _golden_model(target.checkpoint_dir).target.spec.max_position_embeddings
+        model = _golden_model(target.checkpoint_dir)
+        drafts = 0 if target.mode == AR else model.draft.spec.block_size - 1
+        return longest_request(model.target.spec.max_position_embeddings, drafts)
     return None
 
 

@@ -23,7 +23,7 @@ MAX_WORKLOAD_TOKENS = 50_000_000
 BYTES_PER_TOKEN = 64
 # The longest sequence a synthetic request may ask for before any model says what it allows.
 MAX_SEQUENCE = 1 << 22
-MODEL_POSITIONS = "the target's max_position_embeddings"
+MODEL_POSITIONS = "the target's max_position_embeddings less two draft blocks"
 # Shipped real-text prompts (math, code, chat, several languages; written for this project), for sweeps.
 REAL_PROMPTS = "build_configs/calibration.jsonl"
 SYNTHETIC_WARNING = (

@@ -24,6 +24,7 @@ from dflash_trt.commands.generate import MAX_SEED, check_lengths, sequence_recor
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.inputs import POSITIVE_INT, IntRange
 from dflash_trt.prompts import read_prompts
+from dflash_trt.reference.loop_rules import longest_request
 from dflash_trt.sampling_rules import sampling_refusal
 from dflash_trt.tokenizer import load_tokenizer
 from dflash_trt.trtllm.build_plan import MAX_EAGLE_BATCH_SIZE, XQA_TOKENS_PER_BLOCK
@@ -82,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     runtime = EmulatedRuntime(checkpoint_dir, args.max_batch_size, args.max_num_tokens, args.tokens_per_block)
     tokenizer = load_tokenizer(checkpoint_dir)
     prompts = read_prompts(args.input_file, tokenizer)
-    check_lengths(args, prompts, runtime.facts.max_position_embeddings)
+    longest = longest_request(runtime.facts.max_position_embeddings, runtime.k)
+    check_lengths(args, prompts, longest, "the target's max_position_embeddings less two draft blocks")
     stop_ids = [] if args.ignore_eos else list(runtime.eos_token_ids)
     started = time.perf_counter()
     results = runtime.generate(prompts, args.max_new_tokens, stop_ids, temperature=args.temperature, seed=args.seed)

@@ -118,13 +118,15 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise DFlashTrtError(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}")
 
 
-def check_lengths(args: argparse.Namespace, prompts: list[list[int]], max_position_embeddings: int) -> None:
+def check_lengths(
+    args: argparse.Namespace, prompts: list[list[int]], limit: int, what: str = "the target's max_position_embeddings"
+) -> None:
     """Positions past what the model was trained for decode garbage, and a huge request fails allocating."""
     longest = max(len(p) for p in prompts)
-    if longest + args.max_new_tokens > max_position_embeddings:
+    if longest + args.max_new_tokens > limit:
         raise DFlashTrtError(
-            f"the longest prompt ({longest} tokens) plus --max_new_tokens {args.max_new_tokens} exceeds the target's "
-            f"max_position_embeddings ({max_position_embeddings}); shorten the prompts or ask for fewer tokens"
+            f"the longest prompt ({longest} tokens) plus --max_new_tokens {args.max_new_tokens} exceeds {what} "
+            f"({limit}); shorten the prompts or ask for fewer tokens"
         )
 
 

@@ -39,7 +39,7 @@ from dflash_trt.emulation.layers import AttentionParams, KeyValueCacheParams, Sp
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.inputs import check_fits_in_memory
 from dflash_trt.reference.decode import StepTrace
-from dflash_trt.reference.loop_rules import check_request, keep_tokens
+from dflash_trt.reference.loop_rules import check_request, keep_tokens, longest_request
 from dflash_trt.sampling_rules import sampling_refusal
 from dflash_trt.trtllm.build_plan import EngineBuildSettings, check_sliding_window, pack_mask_rows
 
@@ -88,11 +88,21 @@ class Request:
 
 @dataclass
 class StepOutput:
-    """One response: the tokens one iteration produced for request `index`, and whether the request ended."""
+    """One response: the tokens one iteration produced for request `index`, and whether the request ended (with
+    `error` when the engine failed on it)."""
 
     index: int
     tokens: list[int]
     finished: bool
+    error: str | None = None
+
+
+class EngineStepFailed(Exception):
+    """The engine raised `engine_error` during a step; the requests' state is as before the step."""
+
+    def __init__(self, engine_error: Exception):
+        super().__init__(f"{type(engine_error).__name__}: {engine_error}")
+        self.engine_error = engine_error
 
 
 class SamplingSlots:
@@ -171,13 +181,25 @@ class _PackedRows:
 class EmulatedExecutor:
     """Requests in, per-iteration responses out, over one emulated engine and a KV pool sized for `max_seq_len`."""
 
-    def __init__(self, engine: EmulatedEngine, max_seq_len: int, stop_token_ids: list[int] | None = None):
-        if max_seq_len < 2:
-            raise DFlashTrtError(f"max_seq_len must be >= 2, got {max_seq_len}")
+    def __init__(
+        self,
+        engine: EmulatedEngine,
+        max_seq_len: int,
+        stop_token_ids: list[int] | None = None,
+        isolate_failures: bool = True,
+    ):
+        holds = longest_request(engine.max_position_embeddings, engine.k)
+        if not 2 <= max_seq_len <= holds:
+            raise DFlashTrtError(
+                f"max_seq_len must be in 2..{holds} (the target's {engine.max_position_embeddings} positions less "
+                f"the two blocks of {engine.k} drafts the last step reaches past a request's last token), got "
+                f"{max_seq_len}"
+            )
         check_sliding_window(engine.facts, EngineBuildSettings(max_seq_len=max_seq_len))
         self.engine = engine
         self.max_seq_len = max_seq_len
         self.stops = set(stop_token_ids or [])
+        self.isolate_failures = isolate_failures  # False: an engine error ends the step with it, as raised
         longest = max_seq_len + 2 * engine.block
         max_blocks = -(-longest // engine.tokens_per_block)
         element = torch.empty((), dtype=engine.cache_dtype).element_size()
@@ -234,28 +256,60 @@ class EmulatedExecutor:
         self.pool.release()
 
     def step(self) -> list[StepOutput]:
-        """Admit waiting requests into free slots, then one network step over everything scheduled."""
+        """Admit waiting requests into free slots, then one network step over everything scheduled.
+
+        A failing request fails alone: when the engine raises, the step is rerun request by request, and a request
+        that fails on its own ends with the error (its slot and pages freed) while the others go on as if nothing
+        happened (their random states are restored, and K/V past a request's length is rewritten before it is read).
+        Without `isolate_failures` the engine's error is raised as is.
+        """
         while self.waiting and len(self.active) < self.engine.max_batch_size:
             self.active.append(self.waiting.popleft())
             self.slots.join(self.active[-1])
         batch = self._schedule()
         if not batch:
             return []
+        try:
+            responses = self._run(batch)
+        except EngineStepFailed as failed:
+            if not self.isolate_failures:
+                raise failed.engine_error from None
+            responses = [out for item in batch for out in self._run_alone(item)]
+        for r in [r for r in self.active if r.finished]:
+            self._leave(r)
+        return responses
+
+    def _run(self, batch: list[tuple[Request, int]]) -> list[StepOutput]:
+        """One engine step over `batch`; EngineStepFailed, with every request as before, when the engine raises."""
+        restore = [(r, r.random.get_state(), self.slots.validation[r.slot].clone()) for r, _ in batch if r.generating]
         for r, rows in batch:
             # The target writes the step's rows, the draft pass a block right after the drafter context.
             end = r.prefilled + rows if not r.generating else r.anchor_position + rows
             self.blocks.ensure(r.index, end + self.engine.block)
             if r.generating:
                 self.slots.draw_validation(r)
-        outputs = self.engine.run(self._inputs(batch), len(batch))
+        try:
+            outputs = self.engine.run(self._inputs(batch), len(batch))
+        except Exception as exc:  # whatever the network raised: the caller isolates the request that caused it
+            for r, state, row in restore:
+                r.random.set_state(state)
+                self.slots.validation[r.slot] = row
+            raise EngineStepFailed(exc) from exc
         responses = []
         for b, (r, rows) in enumerate(batch):
             produced = self._advance(r, rows, b, outputs)
             if produced is not None:
                 responses.append(StepOutput(r.index, produced, r.finished))
-        for r in [r for r in self.active if r.finished]:
-            self._leave(r)
         return responses
+
+    def _run_alone(self, item: tuple[Request, int]) -> list[StepOutput]:
+        """`item`'s step on its own; if the engine fails on it alone, the request ends with the engine's error."""
+        try:
+            return self._run([item])
+        except EngineStepFailed as failure:
+            r = item[0]
+            r.finished = True
+            return [StepOutput(r.index, [], True, f"the engine failed on this request: {failure}")]
 
     def _leave(self, r: Request) -> None:
         self.blocks.release(r.index)

@@ -1,6 +1,6 @@
-"""The engine loop's rules that every decoder of this toolkit shares: which requests it accepts, how many new tokens a
-step may keep (the output budget) and where a stop ends a request. Written once so the golden loop, the golden
-executor and the emulated executor cannot drift apart."""
+"""The engine loop's rules that every decoder of this toolkit shares: which requests it accepts (and how long a
+request the engine holds), how many new tokens a step may keep (the output budget) and where a stop ends a request.
+Written once so the golden loop, the golden executor and the emulated executor cannot drift apart."""
 
 from __future__ import annotations
 
@@ -8,6 +8,18 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from dflash_trt.errors import DFlashTrtError
+
+
+def longest_request(positions: int, max_draft_len: int) -> int:
+    """The most tokens (prompt + output) one request may hold on an engine with `positions` positions (the target's
+    max_position_embeddings, or fewer when its KV cache is shorter) and `max_draft_len` drafts per step.
+
+    The engine verifies a whole block `[anchor, d1..dK]` whatever is left of the output budget and, in the same step,
+    drafts the next block from the bonus token, which can lie K+1 past the anchor: a request's last step, anchored
+    on its last-but-one token, reaches 2K positions past its last token (docs/engine.md §4). Every admission
+    check (serve's targets, the Triton repository, bench and emulate, the executors) uses this rule.
+    """
+    return positions - 2 * max_draft_len
 
 
 def check_request(

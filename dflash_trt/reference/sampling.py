@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.sampling_rules import ENGINE, METHODS
+from dflash_trt.sampling_rules import ENGINE, METHODS, effective_temperature, is_greedy
 
 
 @dataclass(frozen=True)
@@ -31,12 +31,12 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0
+        return is_greedy(self.temperature)
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Distribution after temperature, then top-k, then top-p (nucleus over the top-k survivors)."""
-    scores = logits.float() / params.temperature
+    scores = logits.float() / effective_temperature(params.temperature)
     indices = None
     if 0 < params.top_k < scores.shape[-1]:
         scores, indices = torch.topk(scores, params.top_k, dim=-1)
@@ -97,8 +97,10 @@ def rejection_accept(
 
 def sample_by_uniform(logits: torch.Tensor, temperature: float, uniforms: torch.Tensor) -> torch.Tensor:
     """One token per row of `logits` `[..., V]` from softmax(logits / T), by inverse CDF: the smallest token whose
-    cumulative probability reaches the row's uniform. T = 0 is argmax. This is the engine's sampling rule."""
-    if temperature <= 0:
+    cumulative probability reaches the row's uniform, at the effective temperature (sampling_rules: 0 and anything
+    below the minimum is argmax). This is the engine's sampling rule."""
+    temperature = effective_temperature(temperature)
+    if temperature == 0:
         return logits.argmax(dim=-1)
     scaled = (logits.double() - logits.double().amax(dim=-1, keepdim=True)) / temperature
     cumulative = torch.exp(scaled).cumsum(dim=-1)

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
-from dflash_trt.server.errors import BAD_REQUEST, NOT_FOUND, TOO_LARGE, UNAUTHORIZED, error
+from dflash_trt.server.errors import BAD_REQUEST, NOT_FOUND, TOO_LARGE, UNAUTHORIZED, UNAVAILABLE, error
 from dflash_trt.server.generation import Served
 from dflash_trt.server.metrics import CONTENT_TYPE
 from dflash_trt.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard, ModelList
@@ -152,7 +152,10 @@ def build_app(served: Served, *, api_key: str | None = None, max_body_bytes: int
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        broken = served.client.backend.health()
+        if broken is None:
+            return Response(status_code=200)
+        return answer(error(f"the engine is broken: {broken}", status=UNAVAILABLE))
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -227,7 +227,10 @@ class Server:
                 self._fail_running(f"the emulated engine failed: {type(exc).__name__}: {exc}")
                 continue
             for out in outputs:
-                self._respond(self._running[out.index], out.tokens, out.finished)
+                if out.error is not None:  # the engine failed on this request alone: it ends, the others go on
+                    _send_quietly(self._running.pop(out.index).sink, out.error)
+                else:
+                    self._respond(self._running[out.index], out.tokens, out.finished)
 
     def _fail_running(self, message: str) -> None:
         for flight in list(self._running.values()):

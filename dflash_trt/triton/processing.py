@@ -17,10 +17,10 @@ import numpy as np
 
 try:
     from dflash_trt.chat import encode_chat, parse_template_kwargs
-    from dflash_trt.sampling_rules import sampling_refusal
+    from dflash_trt.sampling_rules import effective_temperature, sampling_refusal
 except ImportError:  # inside Triton, where dflash_trt need not be installed: the copies next to this file
     from dflash_chat import encode_chat, parse_template_kwargs  # type: ignore[no-redef]
-    from dflash_sampling_rules import sampling_refusal  # type: ignore[no-redef]
+    from dflash_sampling_rules import effective_temperature, sampling_refusal  # type: ignore[no-redef]
 
 # preprocessing model
 QUERY = "QUERY"
@@ -225,7 +225,7 @@ class Preprocessor:
             refusal = sampling_refusal({"temperature": float(temperature[row, 0]), **params})
             if refusal is not None:
                 raise ValueError(refusal)
-        worst = float(np.max(temperature))
+        worst = max(effective_temperature(float(t)) for t in temperature.reshape(-1))
         if worst > self.max_temperature:
             raise ValueError(
                 f"temperature {worst:g} refused: this DFlash engine verifies drafts greedily, so a sampling "

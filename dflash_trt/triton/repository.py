@@ -23,6 +23,7 @@ from dflash_trt import chat, sampling_rules
 from dflash_trt.checkpoint.atomic import InputPaths, atomic_directory
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import read_json_object, strict_json
+from dflash_trt.reference.loop_rules import longest_request
 from dflash_trt.sampling_rules import ENGINE_SAMPLING
 from dflash_trt.tokenizer import load_tokenizer
 from dflash_trt.triton import processing as P
@@ -567,8 +568,8 @@ def settings_from_checkpoint(
     serving: ServingSettings | None = None,
 ) -> RepositorySettings:
     """Settings for a CPU-served repository over a converted (TP 1) checkpoint; `max_seq_len` defaults to the
-    target's context length less one draft block, capped at DEFAULT_CPU_MAX_SEQ_LEN so the KV pool stays small on a
-    laptop."""
+    longest request the target's context holds (`longest_request`), capped at DEFAULT_CPU_MAX_SEQ_LEN so the KV
+    pool stays small on a laptop."""
     checkpoint_dir = Path(checkpoint_dir).absolute()
     config = read_json_object(
         checkpoint_dir / "config.json", f"{checkpoint_dir} is not a converted checkpoint: config.json is missing"
@@ -585,12 +586,12 @@ def settings_from_checkpoint(
     if max_batch_size < 1:
         raise DFlashTrtError(f"--max_batch_size must be >= 1, got {max_batch_size}")
     check_tokenizer(tokenizer_dir, vocab_size, f"the checkpoint {checkpoint_dir}")
-    # The last verify step drafts a block past the final token, so the block must fit in the context too.
-    longest -= max_draft_len + 1
+    longest = longest_request(longest, max_draft_len)
     seq_len = min(longest, DEFAULT_CPU_MAX_SEQ_LEN) if max_seq_len is None else max_seq_len
     if not 2 <= seq_len <= longest:
         raise DFlashTrtError(
-            f"--max_seq_len must be in 2..{longest} (the target's context less one draft block), got {seq_len}"
+            f"--max_seq_len must be in 2..{longest} (the target's context less the two draft blocks the engine's "
+            f"last step reaches past a request's last token), got {seq_len}"
         )
     return RepositorySettings(
         engine_dir="",

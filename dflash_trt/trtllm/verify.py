@@ -37,6 +37,7 @@ from tensorrt_llm.functional import (
     where,
 )
 
+from dflash_trt.sampling_rules import MAX_SAMPLING_TEMPERATURE, MIN_SAMPLING_TEMPERATURE
 from dflash_trt.trtllm.build_plan import vocab_blocks
 
 
@@ -72,15 +73,17 @@ def _first_reaching(cdf: Tensor, mass: Tensor, threshold: Tensor, size: int) -> 
 
 def sample_rows(logits: Tensor, temperature: Tensor, uniform: Tensor, vocab_size: int) -> Tensor:
     """One token per row of `logits [N, Vpad]` (fp32; columns from `vocab_size` on are lm_head padding): argmax where
-    `temperature [N, 1]` is 0, else the inverse CDF of softmax(z / T) at `uniform [N, 1]`: the block whose cumulative
-    mass first reaches `uniform` times the total, then the token inside it; only tokens of positive weight are ever
-    drawn (padding has none). Returns [N, 1] int32."""
+    `temperature [N, 1]` is below the minimum (0 included), else the inverse CDF of softmax(z / T) at `uniform [N, 1]`:
+    the block whose cumulative mass first reaches `uniform` times the total, then the token inside it; only tokens
+    of positive weight are ever drawn (padding has none). Returns [N, 1] int32."""
     padded = logits.size(-1)
     rows = shape(logits, 0)
     if padded > vocab_size:
         logits = logits + _f32([[0.0] * vocab_size + [-np.inf] * (padded - vocab_size)])
-    sampled = temperature > 0.0
-    inverse = _f32([[1.0]]) / where(sampled, temperature, _f32([[1.0]]))
+    # sampling_rules.effective_temperature in-graph: greedy below the minimum, capped at the maximum, so no temperature
+    # the runtime passes (1e-40, a denormal, 3e38) gives an infinite or vanishing inverse.
+    greedy = temperature < _f32([[MIN_SAMPLING_TEMPERATURE]])
+    inverse = _f32([[1.0]]) / where(greedy, _f32([[1.0]]), minimum(temperature, _f32([[MAX_SAMPLING_TEMPERATURE]])))
     weights = exp((logits - max(logits, 1, keepdim=True)) * inverse)
     count, width = vocab_blocks(padded)
     if count * width > padded:
@@ -95,7 +98,7 @@ def sample_rows(logits: Tensor, temperature: Tensor, uniform: Tensor, vocab_size
     before = gather(block_cdf - block_mass, 1, block)
     inside = gather(blocks, 1, expand(block.view([-1, 1, 1]), concat([rows, 1, width]))).view([-1, width])
     offset = _first_reaching(cumsum(inside, 1), inside, threshold - before, width)
-    return where(sampled, block * width + offset, cast(argmax(logits, 1, keepdim=True), "int32"))
+    return where(greedy, cast(argmax(logits, 1, keepdim=True), "int32"), block * width + offset)
 
 
 def verify_drafts(

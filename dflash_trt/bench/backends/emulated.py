@@ -32,7 +32,7 @@ class EmulatedStepper:
         self.executor.cancel(request_id)
 
     def step(self) -> list[Response]:
-        return [Response(out.index, out.tokens, out.finished) for out in self.executor.step()]
+        return [Response(out.index, out.tokens, out.finished, out.error) for out in self.executor.step()]
 
     def has_work(self) -> bool:
         return self.executor.has_work()

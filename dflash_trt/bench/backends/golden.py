@@ -27,6 +27,7 @@ from dflash_trt.reference.decode import drafter_block
 from dflash_trt.reference.loop_rules import check_request, keep_tokens
 from dflash_trt.reference.model import GoldenModel
 from dflash_trt.reference.sampling import exact_match_accept
+from dflash_trt.sampling_rules import MIN_SAMPLING_TEMPERATURE, is_greedy
 
 
 @dataclass
@@ -95,8 +96,11 @@ class GoldenExecutor:
     def add(self, request_id: int, request: BenchRequest) -> None:
         vocab = self.model.target.spec.vocab_size
         check_request(request.prompt_index, request.input_ids, request.max_new_tokens, vocab, self.max_seq_len)
-        if request.temperature != 0:
-            raise DFlashTrtError("the golden executor decodes greedily (temperature 0); the emulated engine samples")
+        if not is_greedy(request.temperature):
+            raise DFlashTrtError(
+                f"the golden executor decodes greedily (temperature below {MIN_SAMPLING_TEMPERATURE:g}); the emulated "
+                "engine samples"
+            )
         self.waiting.append((request_id, request))
 
     def cancel(self, request_id: int) -> None:
