@@ -23,7 +23,7 @@ from dflash_trt.errors import DFlashTrtError
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import GoldenModel, load_golden_model
 from dflash_trt.reference.sampling import SamplingParams, sample_by_uniform
-from dflash_trt.reference.stats import per_position_acceptance
+from dflash_trt.reference.stats import per_position_acceptance, per_position_rank_rates
 from dflash_trt.reference.tree import DraftTree, best_tree, expected_accepted, log_probs, tree_accept
 from dflash_trt.sampling_rules import REFERENCE
 from dflash_trt.tiny.heldout import load_heldout
@@ -300,3 +300,22 @@ def test_generate_cli_samples_the_target_law_under_trees(small, tmp_path, capsys
         observed = torch.cat([observed, counts[~big].sum()[None]])
         wanted = torch.cat([wanted, expected[~big].sum()[None]])
     assert chisquare(observed.numpy(), wanted.numpy() * samples / float(wanted.sum())).pvalue > 1e-3
+
+
+def test_rank_rates_extend_the_chain_acceptance(tiny):
+    """Greedy chain runs of the trained pair: the target's token is the drafter's best at a position exactly as
+    often as the chain's verification accepted the draft there, and the other ranks share what is left."""
+    model = load_golden_model(tiny)
+    tokenizer = load_tokenizer(tiny)
+    results = speculative_generate(model, [tokenizer.encode(p.text) for p in load_heldout(limit=6)], 48)
+    k = model.draft.spec.num_drafts
+    rates = per_position_rank_rates(results, k, 4)
+    steps = [s for r in results for s in r.steps]
+    for position, row in enumerate(rates):
+        reached = [s for s in steps if s.accepted >= position and len(s.draft_ids) > position]
+        if not reached:
+            break
+        accepted = sum(s.accepted > position for s in reached) / len(reached)
+        assert row[0] == pytest.approx(accepted, abs=1e-9), position
+        assert sum(row) <= 1.0 + 1e-9
+    assert any(row[1] > 0 for row in rates)  # the drafter's second choice is the target's token at times

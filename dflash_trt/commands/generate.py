@@ -140,7 +140,12 @@ def run(args: argparse.Namespace) -> int:
     from dflash_trt.reference.decode import per_sequence_sampling, speculative_generate
     from dflash_trt.reference.model import load_golden_model
     from dflash_trt.reference.sampling import SamplingParams
-    from dflash_trt.reference.stats import mean_acceptance_length, per_position_acceptance
+    from dflash_trt.reference.stats import (
+        REPORTED_RANKS,
+        mean_acceptance_length,
+        per_position_acceptance,
+        per_position_rank_rates,
+    )
 
     check_arguments(args)
     checkpoint_dir = Path(args.checkpoint_dir)
@@ -182,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
         "sequences": [sequence_record(r, tokenizer, args.trace) for r in results],
         "mean_acceptance_length": mean_acceptance_length(results),
         "per_position_acceptance": per_position_acceptance(results, model.draft.spec.num_drafts),
+        "per_position_rank_rates": per_position_rank_rates(results, model.draft.spec.num_drafts, REPORTED_RANKS),
         "generated_tokens": generated,
         "tokens_per_second": generated / seconds if seconds > 0 else None,
     }

@@ -18,6 +18,7 @@ import torch
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.reference.loop_rules import check_request, keep_tokens
 from dflash_trt.reference.model import DraftModel, GoldenModel, KVCache, TreeBlock
+from dflash_trt.reference.proposal import DraftChoice
 from dflash_trt.reference.sampling import (
     SamplingParams,
     exact_match_accept,
@@ -39,6 +40,9 @@ class StepTrace:
     draft_ids: list[int]
     accepted: int
     parents: list[int] | None = None
+    # The drafter's rank (1 = its best) of the target's token at each draft position the step reached: the accepted
+    # drafts', then the bonus token's where a draft position was left (None: not among the drafter's candidates).
+    ranks: list[int | None] | None = None
 
     @property
     def depth(self) -> int:
@@ -134,6 +138,13 @@ class _EngineRule:
     temperatures: list[float]
     block: int  # uniforms per verify step: the engine's verify width (anchor + its most drafts or tree nodes)
     tree_budget: int = 0  # nodes per draft tree (0: chains)
+    choice: DraftChoice | None = None  # the last block's drafter scores, for the ranks of the target's tokens
+
+    def ranks(self, row: int, tokens: list[int], positions: int) -> list[int | None]:
+        """The drafter's rank of `tokens` (the target's, one per draft position from the first) in the last block,
+        at the step's first `positions` draft positions."""
+        assert self.choice is not None  # set by draft() / trees() before any verification
+        return [self.choice.rank(row, slot, tokens[slot]) for slot in range(min(len(tokens), positions))]
 
     def first(self, last_logits: torch.Tensor) -> torch.Tensor:
         # The runtime's first uniform of a request (rand_data_sample, drawn when the request is set up).
@@ -145,7 +156,8 @@ class _EngineRule:
         )
 
     def draft(self, drafter: DraftModel, hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-        return drafter.choose(hidden, anchors).tokens()
+        self.choice = drafter.choose(hidden, anchors)
+        return self.choice.tokens()
 
     def accept(self, row: int, drafts: torch.Tensor, logits: torch.Tensor) -> tuple[int, int]:
         # The runtime hands the engine one uniform per verified position (rand_data_validation).
@@ -156,7 +168,7 @@ class _EngineRule:
         self, drafter: DraftModel, hidden: torch.Tensor, anchors: torch.Tensor, depths: list[int]
     ) -> list[DraftTree]:
         """Each sequence's best tree of `tree_budget` nodes over its first `depths[b]` draft positions."""
-        choice = drafter.choose(hidden, anchors)
+        choice = self.choice = drafter.choose(hidden, anchors)
         logprobs = log_probs(choice.scores)
         ids = choice.candidates
         trees = []
@@ -289,7 +301,9 @@ def _accept(loop: _Loop, block_ids: torch.Tensor, logits: torch.Tensor, verify: 
         produced = loop.keep(seq, drafts[:accepted].tolist() + [bonus])
         produced_mask[b, :produced] = True
         seq.result.acceptance_lengths.append(produced)
-        seq.result.steps.append(StepTrace(drafts.tolist(), accepted))
+        emitted = drafts[:accepted].tolist() + [bonus]
+        ranks = loop.rule.ranks(b, emitted, len(drafts)) if isinstance(loop.rule, _EngineRule) else None
+        seq.result.steps.append(StepTrace(drafts.tolist(), accepted, ranks=ranks))
     return produced_mask
 
 
@@ -331,13 +345,16 @@ def _tree_step(loop: _Loop, rule: _EngineRule, start: torch.Tensor, verify: torc
         if not seq.active:
             continue
         path, bonus = rule.accept_tree(b, tree, logits[b, : tree.size + 1])
-        produced = loop.keep(seq, [tree.tokens[node - 1] for node in path[1:]] + [bonus])
+        emitted = [tree.tokens[node - 1] for node in path[1:]] + [bonus]
+        produced = loop.keep(seq, emitted)
         first = int(start[b])
         loop.target_cache.move(b, [first + node for node in path], [first + i for i in range(len(path))])
         path_rows[b, : len(path)] = torch.tensor(path)
         produced_mask[b, :produced] = True
         seq.result.acceptance_lengths.append(produced)
-        seq.result.steps.append(StepTrace(list(tree.tokens), len(path) - 1, list(tree.parents)))
+        ranks = rule.ranks(b, emitted, int(verify[b]) - 1)
+        step = StepTrace(list(tree.tokens), len(path) - 1, list(tree.parents), ranks)
+        seq.result.steps.append(step)
     path_taps = taps.gather(1, path_rows[:, :, None].expand(-1, -1, taps.shape[-1]))
     loop.model.draft.inject(path_taps, start[:, None] + torch.arange(loop.block), produced_mask, loop.draft_cache)
     return int(produced_mask.sum())
