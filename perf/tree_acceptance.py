@@ -5,7 +5,9 @@ and with trees of 24, 32 and 64 nodes, greedy and at T = 1 (engine rule). Table 
 
 Not a unit test: the same held-out prompts decoded by the golden model for every (tree, temperature), each sampled
 setting over several seeds; acceptance length counts the bonus token. Also reports the first draft position's
-acceptance and the mean verified width (the anchor plus the drafted tokens the target checks per step).
+acceptance and the mean verified width (the anchor plus the drafted tokens the target checks per step), and from
+the chain runs the per-position rank rates' fitted residual ratio (`analysis/tree_acceptance.RESIDUAL_RATIO`) and the
+planner's static-tree prediction for each budget, from the measured rates and from the chain with that ratio.
 """
 
 from __future__ import annotations
@@ -16,15 +18,32 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dflash_trt.analysis.tree_acceptance import RankRates, rank_rates, residual_ratio
 from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import load_golden_model
 from dflash_trt.reference.sampling import SamplingParams
-from dflash_trt.reference.stats import mean_acceptance_length, per_position_acceptance
+from dflash_trt.reference.stats import (
+    REPORTED_RANKS,
+    mean_acceptance_length,
+    per_position_acceptance,
+    per_position_rank_rates,
+)
 from dflash_trt.tiny.heldout import draft_dir, load_heldout, target_dir
 from dflash_trt.tokenizer import load_tokenizer
 
 TEMPERATURES = (0.0, 1.0)
+
+
+def _predicted(model: tuple[RankRates, float], budget: int) -> dict:
+    """The planner's static-tree mean for this budget, from the measured rank rates and from the chain + ratio."""
+    table, ratio = model
+    derived = RankRates.from_chain(table.chain(), ratio)
+    return {
+        "residual_ratio": round(ratio, 3),
+        "static_tree_measured_ranks": round(table.tree_mean(budget), 3),
+        "static_tree_chain_and_ratio": round(derived.tree_mean(budget), 3),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     stop_ids = list(model.target.spec.eos_token_ids)
     k = model.draft.spec.num_drafts
     rows = []
+    models: dict[float, tuple[RankRates, float]] = {}
     for budget in [k, *(int(n) for n in args.trees.split(","))]:
         for temperature in TEMPERATURES:
             results = []
@@ -54,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
                     model, prompts, args.max_new_tokens, stop_ids, params, seed=1000 * seed, draft_tree=budget
                 )
             steps = [s for r in results for s in r.steps]
+            if budget == k:
+                table = rank_rates(per_position_rank_rates(results, k, REPORTED_RANKS))
+                models[temperature] = (table, residual_ratio(table))
             rows.append(
                 {
                     "draft": "chain" if budget == k else f"tree {budget}",
@@ -62,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                     "first_position_acceptance": round(per_position_acceptance(results, k)[0] or 0.0, 3),
                     "mean_verified_width": round(1 + sum(len(s.draft_ids) for s in steps) / len(steps), 2),
                     "steps": len(steps),
+                    **_predicted(models[temperature], budget),
                 }
             )
     if args.json:
@@ -71,13 +95,18 @@ def main(argv: list[str] | None = None) -> int:
         f"block size {model.draft.spec.block_size}, {len(prompts)} held-out prompts, "
         f"{args.max_new_tokens} new tokens, {args.seeds} seeds per sampled setting"
     )
-    print("| drafts | T | mean acceptance length | first position | verified width | verify steps |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| drafts | T | mean acceptance length | first position | verified width | verify steps | static tree "
+        "(measured ranks) | static tree (chain + ratio) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(
             f"| {row['draft']} | {row['temperature']:g} | {row['mean_acceptance_length']:.2f} | "
-            f"{row['first_position_acceptance']:.3f} | {row['mean_verified_width']:.1f} | {row['steps']} |"
+            f"{row['first_position_acceptance']:.3f} | {row['mean_verified_width']:.1f} | {row['steps']} | "
+            f"{row['static_tree_measured_ranks']:.2f} | {row['static_tree_chain_and_ratio']:.2f} |"
         )
+    print("residual ratio (chain runs): " + ", ".join(f"T={t:g}: {m[1]:.3f}" for t, m in models.items()))
     return 0
 
 
