@@ -66,7 +66,7 @@ class RankRates:
         """Tokens per step (bonus included) of the best static tree of `nodes` nodes over these positions."""
         if nodes < 1:
             raise DFlashTrtError(f"a tree needs at least one node, got {nodes}")
-        frontier = [(-p, (r,)) for r, p in enumerate(self.rates[0]) if p > 0]
+        frontier: list[tuple[float, tuple[int, ...]]] = [(-p, (r,)) for r, p in enumerate(self.rates[0]) if p > 0]
         heapq.heapify(frontier)
         total = 1.0
         for _ in range(nodes):
