@@ -491,6 +491,7 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
                 ctx_kv,
                 k_norm,
                 book.positions,
+                book.positions,
                 book.request,
                 book.valid,
                 passthrough=token,
