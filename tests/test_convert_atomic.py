@@ -124,20 +124,20 @@ def test_sigkill_mid_write_leaves_nothing_under_the_output_name(big_pair, tmp_pa
 
 
 class _FullDisk:
-    """Stands in for `os.write`: writes into safetensors files run out of space after `budget` bytes (Linux /proc
+    """Stands in for `os.pwrite`: writes into safetensors files run out of space after `budget` bytes (Linux /proc
     names each descriptor's file); every other write goes through."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
-        self.real_write = os.write
+        self.real_pwrite = os.pwrite
 
-    def __call__(self, fd: int, data) -> int:
+    def __call__(self, fd: int, data, offset: int) -> int:
         if os.readlink(f"/proc/self/fd/{fd}").endswith(".safetensors"):
             size = memoryview(data).nbytes
             if size > self.budget:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             self.budget -= size
-        return self.real_write(fd, data)
+        return self.real_pwrite(fd, data, offset)
 
 
 def test_enospc_is_one_clear_error_and_leaves_nothing(small_pair, tmp_path, monkeypatch, capsys):
@@ -147,7 +147,7 @@ def test_enospc_is_one_clear_error_and_leaves_nothing(small_pair, tmp_path, monk
     rank_bytes = (reference / "rank0.safetensors").stat().st_size
     out = tmp_path / "ckpt"
     # Space for three quarters of both rank files, written side by side: the failure hits in the middle of one.
-    monkeypatch.setattr(os, "write", _FullDisk(rank_bytes + rank_bytes // 2))
+    monkeypatch.setattr(os, "pwrite", _FullDisk(rank_bytes + rank_bytes // 2))
     code = main(_convert_args(target_dir, draft_dir, out, "--tp_size", "2"))
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
@@ -160,7 +160,7 @@ def test_failed_overwrite_keeps_the_existing_output(small_pair, tmp_path, monkey
     out = tmp_path / "ckpt"
     convert_checkpoint(target_dir, draft_dir, out, tp_size=2)
     before = _snapshot(out)
-    monkeypatch.setattr(os, "write", _FullDisk(1000))
+    monkeypatch.setattr(os, "pwrite", _FullDisk(1000))
     assert main(_convert_args(target_dir, draft_dir, out, "--tp_size", "2", "--overwrite")) == 2
     assert "No space left on device" in capsys.readouterr().err
     assert _snapshot(out) == before and not _partials(out)

@@ -90,7 +90,6 @@ def test_rank_files_are_byte_identical_to_the_plain_write_path(exact_pair, tmp_p
 
 def test_streamed_and_parallel_writes_are_byte_identical(exact_pair, tmp_path, monkeypatch):
     """Row-block streaming (uneven blocks) and rank files written by spawned workers give the same bytes."""
-    monkeypatch.setattr(rank_writer, "WHOLE_MAX_BYTES", 0)
     monkeypatch.setattr(rank_writer, "BLOCK_BYTES", 700)
     out = tmp_path / "ckpt"
     convert.convert_checkpoint(*exact_pair, out, dtype="bfloat16", tp_size=2)

@@ -20,7 +20,6 @@ def odd_vocab_pair(tmp_path_factory):
 @pytest.mark.parametrize("tp_size", [1, 2, 4])
 def test_streamed_rank_files_equal_whole_tensor_conversion(odd_vocab_pair, tmp_path, monkeypatch, tp_size):
     convert.convert_checkpoint(*odd_vocab_pair, tmp_path / "whole", dtype="bfloat16", tp_size=tp_size)
-    monkeypatch.setattr(rank_writer, "WHOLE_MAX_BYTES", 0)  # stream every tensor
     monkeypatch.setattr(rank_writer, "BLOCK_BYTES", 700)  # in blocks of a few rows, uneven at the end
     convert.convert_checkpoint(*odd_vocab_pair, tmp_path / "streamed", dtype="bfloat16", tp_size=tp_size)
     for rank in range(tp_size):
@@ -35,7 +34,7 @@ def test_nan_in_a_row_another_rank_owns_is_caught(odd_vocab_pair, tmp_path, edit
     tensors = load_file(poisoned / "model.safetensors")
     tensors["lm_head.weight"][90, 3] = float("inf")  # a row of the last rank at tp 4
     save_file(tensors, poisoned / "model.safetensors")
-    monkeypatch.setattr(rank_writer, "WHOLE_MAX_BYTES", 0)
+    monkeypatch.setattr(rank_writer, "BLOCK_BYTES", 700)
     with pytest.raises(DFlashTrtError, match="target tensor 'lm_head.weight' contains NaN or Inf"):
         convert.convert_checkpoint(poisoned, draft_dir, tmp_path / "out", tp_size=4)
     assert not (tmp_path / "out").exists()
@@ -68,3 +67,45 @@ def test_row_reader_and_block_writer_agree_with_safetensors(tmp_path):
         assert not (tmp_path / "z.safetensors").exists()
     written = load_file(tmp_path / "y.safetensors")
     assert all(torch.equal(written[k], tensors[k]) for k in tensors)
+
+
+@pytest.mark.parametrize("tp_size", [1, 4])
+def test_every_source_byte_is_read_once(odd_vocab_pair, tmp_path, monkeypatch, tp_size):
+    """One pass: however the ranks split a tensor (rows, columns, q|k|v per head group, KV heads shared by two ranks),
+    each byte of every source is read once, in blocks (no whole-tensor read, no read per rank)."""
+    from dflash_trt.checkpoint.safetensors_io import SafetensorsFile
+
+    files = [*odd_vocab_pair[0].glob("*.safetensors"), *odd_vocab_pair[1].glob("*.safetensors")]
+    sizes = {(path.parent.name, name): t.nbytes for path in files for name, t in load_file(path).items()}
+    read = dict.fromkeys(sizes, 0)
+    original = SafetensorsFile.read_rows
+
+    def counting(self, name, start, stop, into=None):
+        rows = original(self, name, start, stop, into)
+        read[self.path.parent.name, name] += rows.nbytes
+        return rows
+
+    monkeypatch.setattr(SafetensorsFile, "read_rows", counting)
+    monkeypatch.setattr(rank_writer, "BLOCK_BYTES", 700)
+    convert.convert_checkpoint(*odd_vocab_pair, tmp_path / "out", dtype="bfloat16", tp_size=tp_size)
+    assert read == sizes
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [{}, {"kind": "dflash", "draft_vocab_size": 33}],
+    ids=["dflash2-3d-convolution-kernels", "draft-vocabulary-int64-map"],
+)
+def test_speculators_drafter_extras_stream_like_whole_reads(tmp_path, monkeypatch, variant):
+    """A DFlash2 drafter's 3-D convolution kernels (one 3-D source each, not a stack of experts) and a reduced
+    vocabulary's int64 id map (stored as int32) stream in blocks of a few rows to the same bytes, which verify."""
+    from _speculators_pairs import SpeculatorsVariant, make_speculators_pair
+
+    pair = make_speculators_pair(tmp_path / "pair", SpeculatorsVariant(**variant))
+    convert.convert_checkpoint(*pair, tmp_path / "whole", dtype="bfloat16", tp_size=2)
+    monkeypatch.setattr(rank_writer, "BLOCK_BYTES", 700)
+    convert.convert_checkpoint(*pair, tmp_path / "streamed", dtype="bfloat16", tp_size=2)
+    for rank in range(2):
+        name = f"rank{rank}.safetensors"
+        assert (tmp_path / "streamed" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
+    assert verify_checkpoint(tmp_path / "streamed", *pair).ok

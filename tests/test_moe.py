@@ -267,9 +267,8 @@ def test_shards_verify_and_decode_like_tp1(parallel):
 
 
 def test_experts_are_written_one_at_a_time(parallel, tmp_path, monkeypatch):
-    """A stacked expert tensor too large to read whole is never assembled: it arrives one expert's part per block."""
+    """A stacked expert tensor is never assembled: it arrives one expert's part per block."""
     from dflash_trt.checkpoint.safetensors_io import StreamingSafetensorsWriter
-    from dflash_trt.conversion import rank_writer
 
     target_dir, draft_dir, _ = parallel
     blocks: dict[str, list[int]] = {}  # bytes of each block appended to the last rank's file
@@ -285,7 +284,6 @@ def test_experts_are_written_one_at_a_time(parallel, tmp_path, monkeypatch):
             blocks[self._order[self._next]].append(data.nbytes)
         return original_append(self, data)
 
-    monkeypatch.setattr(rank_writer, "WHOLE_MAX_BYTES", 0)
     monkeypatch.setattr(StreamingSafetensorsWriter, "start", start)
     monkeypatch.setattr(StreamingSafetensorsWriter, "append", append)
     convert_checkpoint(target_dir, draft_dir, tmp_path / "out", dtype="bfloat16", tp_size=4, moe_ep_size=2)

@@ -106,14 +106,14 @@ def test_writer_output_loads_with_safetensors(tmp_path: Path) -> None:
 
 
 def test_writer_digest_is_the_files(tmp_path: Path) -> None:
-    """Hashed while written (small buffers inline, large ones on the worker thread): the digest is blake3's of the
-    finished file, the bytes are safetensors'."""
+    """Hashed while written (full blocks on the writer's thread, the last on the caller's): the digest is blake3's of
+    the finished file, the bytes are safetensors'."""
     from blake3 import blake3
 
     gen = torch.Generator().manual_seed(1)
     tensors = {
         "small": torch.randn(3, 5, generator=gen),
-        "large": torch.randn(1000, 1031, generator=gen).to(torch.bfloat16),  # ~2 MB: the background thread
+        "large": torch.randn(1000, 1031, generator=gen).to(torch.bfloat16),  # ~2 MB: full blocks on the thread
         "odd": torch.randint(0, 256, ((1 << 20) + 3,), dtype=torch.uint8, generator=gen),
     }
     path = tmp_path / "hashed.safetensors"
@@ -129,27 +129,137 @@ def test_writer_digest_is_the_files(tmp_path: Path) -> None:
         _assert_same(loaded[name], tensor)
 
 
-@pytest.mark.parametrize(
-    "sizes", [[1, 4095, (1 << 20) - 1, 1 << 20, (1 << 20) + 1, (3 << 20) + 7], [(1 << 20) + 5] * 4]
-)
-def test_writer_in_the_background_keeps_order_and_digest(tmp_path: Path, sizes: list[int]) -> None:
-    """Blocks from 1 MiB up are hashed and written on the writer's thread, smaller ones at once, each after the one
-    before: in either order of sizes the file holds the blocks in order and the digest is blake3's of it."""
-    import random
+def _direct_io_here(directory: Path) -> bool:
+    """Whether the file system of `directory` takes direct I/O (tmpfs before Linux 6.6 does not, for one)."""
+    import fcntl
 
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    probe = directory / "probe"
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        probe.unlink()
+
+
+class _RecordedWrites:
+    """Stands in for `os.pwrite`: records each write's size, offset and whether it went with direct I/O."""
+
+    def __init__(self) -> None:
+        self.real_pwrite, self.writes = os.pwrite, []
+
+    def __call__(self, fd: int, data, offset: int) -> int:
+        import fcntl
+
+        direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0))
+        self.writes.append((memoryview(data).nbytes, offset, direct))
+        return self.real_pwrite(fd, data, offset)
+
+
+BLOCK = safetensors_io.WRITE_BLOCK_BYTES
+
+
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("sizes", [[1, 4095, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 7], [BLOCK + 5] * 4])
+def test_writer_keeps_order_and_digest(tmp_path: Path, monkeypatch, sizes: list[int], direct: bool) -> None:
+    """Pieces of any size are gathered into blocks, each hashed in order and written (several at once) on the writer's
+    threads while the next fills: in either order of sizes the file holds the pieces in order, the digest is
+    blake3's of it, and every write is a whole block at its offset but the last (with `direct` where the file system
+    allows it, the last through the page cache)."""
     from blake3 import blake3
 
-    blocks = [random.Random(index).randbytes(size) for index, size in enumerate(sizes)]
+    pieces = [random.Random(index).randbytes(size) for index, size in enumerate(sizes)]
     path = tmp_path / "blocks.safetensors"
-    for order in (blocks, blocks[::-1]):
+    for order in (pieces, pieces[::-1]):
         path.unlink(missing_ok=True)
-        with StreamingSafetensorsWriter(path, {"a": ("U8", (sum(sizes),))}, digest=True) as writer:
+        recorded = _RecordedWrites()
+        monkeypatch.setattr(os, "pwrite", recorded)
+        with StreamingSafetensorsWriter(path, {"a": ("U8", (sum(sizes),))}, digest=True, direct=direct) as writer:
             writer.start("a")
-            for index, block in enumerate(order):
-                writer.append(memoryview(block) if index % 2 else block)
+            for index, piece in enumerate(order):
+                writer.append(memoryview(piece) if index % 2 else piece)
             writer.finish()
+        monkeypatch.undo()
         data = path.read_bytes()
         assert data.endswith(b"".join(order)) and writer.hexdigest() == blake3(data).hexdigest()
+        whole, writes = len(data) // BLOCK, sorted(recorded.writes, key=lambda write: write[1])
+        assert [(size, offset) for size, offset, _ in writes] == [
+            *((BLOCK, i * BLOCK) for i in range(whole)),
+            (len(data) % BLOCK, whole * BLOCK),
+        ]
+        expected = direct and _direct_io_here(tmp_path)
+        assert [went for _, _, went in writes] == [expected] * whole + [False]
+
+
+def test_writer_falls_back_to_the_page_cache_where_direct_io_is_refused(tmp_path: Path, monkeypatch) -> None:
+    """A disk that refuses a direct write (EINVAL: other alignment) gets the same bytes through the page cache."""
+    if not _direct_io_here(tmp_path):
+        pytest.skip("this file system takes no direct I/O")
+    real_pwrite, refused = os.pwrite, []
+
+    def refusing(fd: int, data, offset: int) -> int:
+        import fcntl
+
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", refusing)
+    data = random.Random(0).randbytes(3 * BLOCK + 11)
+    path = tmp_path / "fallback.safetensors"
+    with StreamingSafetensorsWriter(path, {"a": ("U8", (len(data),))}, direct=True) as writer:
+        writer.start("a")
+        writer.append(data)
+        writer.finish()
+    assert refused == [0] and path.read_bytes().endswith(data)
+
+
+def test_writer_on_a_file_system_without_direct_io_goes_through_the_page_cache(tmp_path: Path, monkeypatch) -> None:
+    """Where turning direct I/O on is refused (tmpfs before Linux 6.6, some network file systems), every block is
+    written through the page cache, with the same bytes."""
+    import fcntl
+
+    real_fcntl = fcntl.fcntl
+
+    def refusing(fd: int, command: int, arg: int = 0) -> int:
+        if command == fcntl.F_SETFL and arg & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_fcntl(fd, command, arg)
+
+    monkeypatch.setattr(fcntl, "fcntl", refusing)
+    recorded = _RecordedWrites()
+    monkeypatch.setattr(os, "pwrite", recorded)
+    data = random.Random(1).randbytes(2 * BLOCK + 5)
+    path = tmp_path / "cached.safetensors"
+    with StreamingSafetensorsWriter(path, {"a": ("U8", (len(data),))}, direct=True) as writer:
+        writer.start("a")
+        writer.append(data)
+        writer.finish()
+    assert path.read_bytes().endswith(data) and len(recorded.writes) == 3
+    assert not any(went for _, _, went in recorded.writes)
+
+
+def test_writer_failing_on_its_thread_is_one_error_and_removes_the_file(tmp_path: Path, monkeypatch) -> None:
+    """A write failing on the writer's thread (a full disk) surfaces at the next block as this file's error."""
+
+    def full(fd: int, data, offset: int) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "pwrite", full)
+    path = tmp_path / "full.safetensors"
+    blocks = 2 * (safetensors_io.WRITES_IN_FLIGHT + 1)  # more than the writer holds in flight
+    writer = StreamingSafetensorsWriter(path, {"a": ("U8", (blocks * BLOCK,))}, direct=True)
+    writer.start("a")
+    with pytest.raises(DFlashTrtError, match="cannot write .*No space left on device"):
+        for _ in range(blocks):
+            writer.append(bytes(BLOCK))
+    assert not path.exists()
 
 
 def test_writer_accepts_non_contiguous_tensor(tmp_path: Path) -> None:

@@ -7,6 +7,8 @@ puts the header first and then streams tensor bytes, holding at most one tensor 
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import math
 import mmap
@@ -15,6 +17,7 @@ import platform
 import stat
 import struct
 import sys
+import threading
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,13 +42,19 @@ METADATA_KEY = "__metadata__"
 MAX_DIMS = 16
 _NBYTES_CAP = 1 << 64
 _HEADER_ALIGNMENT = 8
-# Blocks from this size up are hashed and written on the writer's own thread while the caller reads the next one;
-# smaller ones cost less than the hand-over and go at once.
-BACKGROUND_MIN_BYTES = 1 << 20
-# Written bytes are handed to the disk in steps of this size, so the disk works while the file grows and the fsync at
-# publish waits for the tail only; in whole aligned blocks, since a write touching a page under writeback may wait.
+# The writer gathers the bytes it is given into blocks of this size and hashes and writes each full one on its own
+# thread while the caller fills the next: small enough to stay in the CPU's cache, large enough for the disk.
+WRITE_BLOCK_BYTES = 1 << 20
+# Blocks written at once (hashing stays in file order): a disk takes several writes in flight faster than one after
+# the other (measured here: tp 1 2.3 s with 4, 3.0 s with 2, 3.5 s with 1).
+WRITES_IN_FLIGHT = 4
+# Direct I/O (no copy into the page cache) needs buffers, offsets and sizes aligned to the disk's blocks: 4 KiB
+# covers 512-byte and 4 KiB sectors alike. The block size is a multiple of it.
+DIRECT_ALIGNMENT = 4096
+# Bytes written through the page cache are handed to the disk in steps of this size (a multiple of the block size),
+# so the disk works while the file grows and the fsync at publish waits for the tail only (direct writes leave
+# nothing to hand over).
 WRITEBACK_BYTES = 32 << 20
-WRITEBACK_ALIGNMENT = 1 << 20  # a multiple of any page size
 _TENSOR_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 # Not exported by Python before 3.13; the value is Linux's on x86-64 and aarch64.
 _MAP_NORESERVE = getattr(
@@ -468,10 +477,13 @@ def _nbytes_capped(shape: list[int], itemsize: int, cap: int) -> int:
 class StreamingSafetensorsWriter:
     """Writes a safetensors file whose layout is fixed up front: header first, then tensors in entry order.
 
-    Only the tensor being written is in memory, and it may arrive in blocks of bytes (`start`, `append`, `finish`)
-    from any source: a conversion that only moves bytes never makes a tensor. Each large block is hashed and written
-    on the writer's own thread (blake3 and `write` release the GIL) while the caller prepares the next: at most one
-    block is in flight, and it stays referenced (and must stay unchanged) until `wait_written` or the next append.
+    Only the tensor being written is in memory, and it may arrive in pieces of any size (`start`, `append`, `finish`)
+    from any source: a conversion that only moves bytes never makes a tensor. The pieces are copied into the
+    writer's blocks of WRITE_BLOCK_BYTES (so the caller may reuse its buffer at once); each full block is hashed (in
+    file order) and written at its offset on one of the writer's threads (blake3 and the write release the GIL)
+    while the caller fills the next. With `direct`, blocks go straight to the disk where the file system allows it
+    (O_DIRECT), without a copy into the page cache or writeback left for the fsync; the short last block goes
+    through the page cache.
     The file is created exclusively (never overwrites) and is deleted again if the writer is closed before every
     tensor was written or a `with` block fails.
     """
@@ -483,10 +495,12 @@ class StreamingSafetensorsWriter:
         metadata: dict[str, str] | None = None,
         fsync: bool = True,
         digest: bool = False,
+        direct: bool = False,
     ) -> None:
         """`entries`: dtype (a safetensors name or a torch dtype) and shape of each tensor, in file order.
         `fsync`: make the file durable at close (leave it False when the caller fsyncs at publish);
-        `digest`: hash every byte as it is written (`hexdigest()` once closed), for an integrity record."""
+        `digest`: hash every byte as it is written (`hexdigest()` once closed), for an integrity record;
+        `direct`: write full blocks with direct I/O where the file system supports it (large files written once)."""
         self.path = Path(path)
         self._entries = {name: (dtype_name(dtype), tuple(shape)) for name, (dtype, shape) in entries.items()}
         self._order = list(self._entries)
@@ -495,10 +509,12 @@ class StreamingSafetensorsWriter:
         self._fsync = fsync
         self._digest = new_record_digest() if digest else None
         self._hexdigest: str | None = None
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="safetensors-write")
-        self._in_flight: Future[None] | None = None
-        self._written = 0
-        self._writeback_from = 0  # bytes before this were handed to the disk already
+        self._threads = ThreadPoolExecutor(max_workers=WRITES_IN_FLIGHT, thread_name_prefix="safetensors-write")
+        self._blocks = [_aligned_buffer(WRITE_BLOCK_BYTES) for _ in range(WRITES_IN_FLIGHT + 1)]
+        self._in_flight: list[Future[None] | None] = [None] * len(self._blocks)
+        self._filling, self._filled, self._block_offset = 0, 0, 0
+        self._hashed = threading.Event()  # set once every block handed on so far is hashed
+        self._hashed.set()
         header = _build_header(self.path, self._entries, metadata)
         try:
             self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
@@ -506,43 +522,59 @@ class StreamingSafetensorsWriter:
             raise DFlashTrtError(f"{self.path} already exists; refusing to overwrite it.") from exc
         except OSError as exc:
             raise DFlashTrtError(f"cannot create {self.path}: {exc.strerror or exc}.") from exc
-        self._write(struct.pack("<Q", len(header)) + header)
+        self._direct = direct and _set_direct(self._fd, True)
+        self._stage(memoryview(struct.pack("<Q", len(header)) + header))
 
-    def _write(self, data: bytes | memoryview) -> None:
-        view = memoryview(data).cast("B")
-        self.wait_written()
-        if len(view) >= BACKGROUND_MIN_BYTES:
-            self._in_flight = self._thread.submit(self._put, self._require_open(), view)
-            return
-        try:
-            self._put(self._require_open(), view)
-        except OSError as exc:
-            self._fail(exc)
-
-    def _put(self, fd: int, view: memoryview) -> None:
-        """Hash and write one block (on the writer's thread or, for a small one, the caller's; never both at once)."""
-        if self._digest is not None:
-            self._digest.update(view)
+    def _stage(self, view: memoryview) -> None:
+        """Copy bytes into the block being filled, handing each block that fills up to the writer's threads."""
         while view:
-            written = os.write(fd, view)
-            view, self._written = view[written:], self._written + written
-        ready = self._written - self._written % WRITEBACK_ALIGNMENT
-        if ready - self._writeback_from >= WRITEBACK_BYTES:
-            start_writeback(fd, self._writeback_from, ready - self._writeback_from)
-            self._writeback_from = ready
+            block = self._blocks[self._filling]
+            count = min(len(view), len(block) - self._filled)
+            block[self._filled : self._filled + count] = view[:count]
+            self._filled += count
+            view = view[count:]
+            if self._filled == len(block):
+                fd, after, self._hashed = self._require_open(), self._hashed, threading.Event()
+                job = self._threads.submit(self._put, fd, block, self._block_offset, after, self._hashed)
+                self._in_flight[self._filling] = job
+                self._block_offset += len(block)
+                self._filling, self._filled = (self._filling + 1) % len(self._blocks), 0
+                self._wait(self._filling)
 
-    def _fail(self, exc: OSError) -> None:
-        self.abort()
-        raise DFlashTrtError(f"cannot write {self.path}: {exc.strerror or exc}.") from exc
+    def _put(self, fd: int, block: memoryview, offset: int, after: threading.Event, hashed: threading.Event) -> None:
+        """Hash one block once the blocks before it are (`after`), then write it at its offset (on a writer thread,
+        or the caller's for the last block)."""
+        after.wait()
+        try:
+            if self._digest is not None:
+                self._digest.update(block)
+        finally:
+            hashed.set()
+        end = offset + len(block)
+        while block:
+            try:
+                written = os.pwrite(fd, block, offset)
+            except OSError as exc:  # a disk needing other alignment than DIRECT_ALIGNMENT: through the page cache
+                if not (self._direct and exc.errno == errno.EINVAL):
+                    raise
+                self._direct = _set_direct(fd, False)
+                continue
+            block, offset = block[written:], offset + written
+        if not self._direct and end % WRITEBACK_BYTES == 0:
+            start_writeback(fd, end - WRITEBACK_BYTES, WRITEBACK_BYTES)
 
-    def wait_written(self) -> None:
-        """Return once every block appended so far is hashed and written: the caller may then reuse its buffers."""
-        if self._in_flight is not None:
-            in_flight, self._in_flight = self._in_flight, None
+    def _wait(self, index: int) -> None:
+        """Return once block `index` is hashed and written (raising its failure as this file's error)."""
+        in_flight, self._in_flight[index] = self._in_flight[index], None
+        if in_flight is not None:
             try:
                 in_flight.result()
             except OSError as exc:
                 self._fail(exc)
+
+    def _fail(self, exc: OSError) -> None:
+        self.abort()
+        raise DFlashTrtError(f"cannot write {self.path}: {exc.strerror or exc}.") from exc
 
     def _require_open(self) -> int:
         if self._fd is None:
@@ -563,14 +595,13 @@ class StreamingSafetensorsWriter:
         self._open_bytes = math.prod(shape) * DTYPE_SIZES[dtype]
 
     def append(self, data: np.ndarray | bytes | memoryview) -> None:
-        """Append bytes of the tensor being written (a contiguous array, bytes or a buffer)."""
+        """Append bytes of the tensor being written (an array, bytes or a buffer); copied before this returns."""
         view = memoryview(np.ascontiguousarray(data).data if isinstance(data, np.ndarray) else data).cast("B")
         if self._open_bytes < 0 or len(view) > self._open_bytes:
             name = self._order[min(self._next, len(self._order) - 1)]
             self.abort()
             raise DFlashTrtError(f"{self.path}: {len(view)} bytes appended beyond tensor {name!r}'s declared size.")
-        if view:
-            self._write(view)
+        self._stage(view)
         self._open_bytes -= len(view)
 
     def finish(self) -> None:
@@ -596,11 +627,13 @@ class StreamingSafetensorsWriter:
         self.finish()
 
     def close(self) -> None:
-        """Close (fsync first if asked); raises (and deletes the file) if some declared tensor was never written."""
+        """Write the last block, close (fsync first if asked); raises (and deletes the file) if some declared tensor
+        was never written."""
         if self._fd is None:
             return
-        self.wait_written()
-        self._thread.shutdown()
+        for index in range(len(self._blocks)):
+            self._wait(index)
+        self._threads.shutdown()
         if self._next != len(self._order):
             missing = self._order[self._next]
             self.abort()
@@ -608,6 +641,10 @@ class StreamingSafetensorsWriter:
                 f"{self.path}: closed after {self._next} of {len(self._order)} tensors; {missing!r} is missing."
             )
         try:
+            if self._filled:  # a short block: through the page cache (direct I/O takes whole disk blocks only)
+                self._direct = self._direct and _set_direct(self._fd, False)
+                last = self._blocks[self._filling][: self._filled]
+                self._put(self._fd, last, self._block_offset, self._hashed, threading.Event())
             if self._fsync:
                 os.fsync(self._fd)
         except OSError as exc:
@@ -625,11 +662,12 @@ class StreamingSafetensorsWriter:
         return self._hexdigest
 
     def abort(self) -> None:
-        """Close and delete the partial file (once the block in flight, if any, is done with it)."""
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
-            in_flight.exception()  # waits; its failure, if any, is why this file is being dropped
-        self._thread.shutdown()
+        """Close and delete the partial file (once the blocks in flight, if any, are done with it)."""
+        for index, in_flight in enumerate(self._in_flight):
+            self._in_flight[index] = None
+            if in_flight is not None:
+                in_flight.exception()  # waits; its failure, if any, is why this file is being dropped
+        self._threads.shutdown()
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -645,6 +683,26 @@ class StreamingSafetensorsWriter:
             self.close()
         else:
             self.abort()
+
+
+def _aligned_buffer(nbytes: int) -> memoryview:
+    """`nbytes` of memory starting at a multiple of DIRECT_ALIGNMENT (what direct I/O reads its bytes from)."""
+    raw = np.empty(nbytes + DIRECT_ALIGNMENT, dtype=np.uint8)
+    skip = -raw.ctypes.data % DIRECT_ALIGNMENT
+    return raw[skip : skip + nbytes].data
+
+
+def _set_direct(fd: int, on: bool) -> bool:
+    """Turn direct I/O on or off for an open file; whether it is now on (False where the file system refuses it)."""
+    direct = getattr(os, "O_DIRECT", 0)
+    if not direct:
+        return False
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | direct if on else flags & ~direct)
+    except OSError:
+        return False
+    return on
 
 
 def tensor_bytes(tensor: torch.Tensor) -> np.ndarray:

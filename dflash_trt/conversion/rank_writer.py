@@ -1,5 +1,5 @@
-"""Rank files written in one pass over the layout: each tensor is read from its sources once and every rank's piece
-of it goes to that rank's file.
+"""Rank files written in one pass over the layout: each tensor's rows are read from its sources once, block by block,
+and every rank's share of each block goes to that rank's file.
 
 Most of a conversion only moves bytes (renamed, fused, split over ranks): those tensors are read with `pread` as
 bit patterns, cut by the split rules of `sharding.rank_piece`, tested for NaN/Inf by their bits and written, with
@@ -41,41 +41,25 @@ if TYPE_CHECKING:
     import torch
 
 Readers = dict[str, HFCheckpointReader]
-# Source bytes read per step of a tensor too large to read whole: a huge embedding is never whole in memory.
-BLOCK_BYTES = 16 << 20
-# A tensor up to this size is read whole, once, and every rank's piece cut from it in memory.
-WHOLE_MAX_BYTES = 32 << 20
-# Read buffers reused in turn: fresh memory for every block would cost more than the copy (a page fault per page).
-READ_BUFFERS = 3
+# Source bytes read per step: a block this small stays in the CPU's cache while it is cut, tested and copied into the
+# writers' blocks (a block larger than the cache is fetched from memory again by each pass, and writing from it cost
+# 3-4x the CPU time of writing the same bytes in 1 MiB blocks).
+BLOCK_BYTES = 1 << 20
 
 
-class ReadBuffers:
-    """A ring of reusable read buffers. A buffer is refilled only once every writer it went to is done with it: each
-    writer hashes and writes at most its last block in the background, so only writers whose last block came from
-    the buffer may still be reading it."""
+class Scratch:
+    """The two buffers every block passes through, reused (fresh memory for every block would cost more than the
+    copy: a page fault per page): one the sources are read into, one column cuts are gathered into. Writers copy
+    what they are given, so a buffer is free again as soon as its bytes are handed on."""
 
-    def __init__(self, count: int = READ_BUFFERS) -> None:
-        self._buffers = [np.empty(0, dtype=np.uint8) for _ in range(count)]
-        self._next = 0
-        self._last_buffer: dict[StreamingSafetensorsWriter, int] = {}
+    def __init__(self) -> None:
+        self._buffers = {"read": np.empty(0, dtype=np.uint8), "gather": np.empty(0, dtype=np.uint8)}
 
-    def take(self, nbytes: int) -> np.ndarray:
-        """A buffer of at least `nbytes`, free to overwrite."""
-        index, self._next = self._next, (self._next + 1) % len(self._buffers)
-        for writer, last in self._last_buffer.items():
-            if last == index:
-                writer.wait_written()
-        if len(self._buffers[index]) < nbytes:
-            self._buffers[index] = np.empty(nbytes, dtype=np.uint8)
-        return self._buffers[index]
-
-    def appended(self, writer: StreamingSafetensorsWriter, data: np.ndarray) -> None:
-        """Record that `writer` was handed `data` (a view of one of the buffers, or memory of its own)."""
-        base = data.base if data.base is not None else data
-        while isinstance(base, np.ndarray) and base.base is not None:
-            base = base.base
-        owner = next((i for i, buffer in enumerate(self._buffers) if buffer is base), -1)
-        self._last_buffer[writer] = owner
+    def take(self, use: str, nbytes: int) -> np.ndarray:
+        """The buffer for `use` ("read" or "gather"), at least `nbytes` long."""
+        if len(self._buffers[use]) < nbytes:
+            self._buffers[use] = np.empty(nbytes, dtype=np.uint8)
+        return self._buffers[use]
 
 
 @dataclass(frozen=True)
@@ -86,91 +70,81 @@ class RankWritten:
     digest: str
 
 
+@dataclass(frozen=True)
+class Rows:
+    """Rows [first, stop) of one expert of a full tensor (a tensor not stacked by experts is one expert), with
+    columns `columns` of each (None: whole rows)."""
+
+    expert: int
+    first: int
+    stop: int
+    columns: tuple[int, int] | None = None
+
+
+# A piece in file order: runs of rows of the full tensor, or (an int) that many rows of zeros.
+Segments = list[Rows | int]
+
+
+def piece_segments(piece: Piece, shape: tuple[int, ...], stacked: bool) -> Segments:
+    """A rank's piece of a tensor of `shape` (`stacked`: `[experts, rows, columns]`, one matrix per expert) as runs of
+    rows of the full tensor, in the order its file holds them; that is the full tensor's own row order (checked), so
+    one pass over the tensor serves every rank."""
+    width = shape[2] if stacked else shape[1] if len(shape) > 1 else 1
+
+    def runs(box: Ranges) -> list[Rows]:
+        experts, (rows, *columns) = (box[0], box[1:] or ((0, shape[1]),)) if stacked else ((0, 1), box)
+        cut = columns[0] if columns and columns[0] != (0, width) else None
+        return [Rows(expert, *rows, cut) for expert in range(*experts)]
+
+    if piece.axis == 0:
+        segments: Segments = [run for part in piece.parts for run in ([part] if isinstance(part, int) else runs(part))]
+    else:  # parts side by side along dim 1 of a stacked expert tensor: expert by expert, each part's rows of it
+        experts = piece.parts[0]
+        assert not isinstance(experts, int)
+        boxes = [part for part in piece.parts if not isinstance(part, int)]
+        segments = [Rows(expert, *box[1]) for expert in range(*experts[0]) for box in boxes]
+    rows = [segment for segment in segments if isinstance(segment, Rows)]
+    if any((b.expert, b.first) < (a.expert, a.stop) for a, b in zip(rows, rows[1:], strict=False)):
+        raise DFlashTrtError(f"internal error: a rank piece of shape {shape} is not in the tensor's row order")
+    return segments
+
+
 class SourceTensor:
     """A layout tensor's full (unsharded) value as its sources concatenated by rows, read on demand as bit patterns.
 
-    A stacked expert tensor `[experts, rows, columns]` is each expert's sources concatenated, expert after expert:
-    in row-major order that is all its sources, in order, so a small one is read whole the same way."""
+    A tensor stacked by experts (`[experts, rows, columns]` from 2-D sources, one matrix per expert or several
+    stacked by rows) is each expert's sources concatenated, expert after expert; any other tensor, 3-D ones read
+    from a 3-D source included, is its sources concatenated along dim 0."""
 
-    def __init__(self, out: OutputTensor, readers: Readers, buffers: ReadBuffers | None = None) -> None:
-        self.out, self.readers, self.buffers = out, readers, buffers or ReadBuffers()
-        self.stacked = len(out.shape) == 3
+    def __init__(self, out: OutputTensor, readers: Readers, scratch: Scratch | None = None) -> None:
+        self.out, self.readers, self.scratch = out, readers, scratch or Scratch()
+        model, name = out.sources[0]
+        self.stacked = len(out.shape) == 3 and len(readers[model].shape(name)) == 2
         experts = out.shape[0] if self.stacked else 1
         per_expert = len(out.sources) // experts
         self.groups = [out.sources[e * per_expert : (e + 1) * per_expert] for e in range(experts)]
-        dtypes = {readers[model].dtype_name(name) for model, name in out.sources}
-        nbytes = sum(readers[model].nbytes(name) for model, name in out.sources)
-        self.whole_dtype = next(iter(dtypes)) if len(dtypes) == 1 and nbytes <= WHOLE_MAX_BYTES else None
-        self._whole: np.ndarray | None = None
 
-    def _read_whole(self) -> np.ndarray:
-        """Every source read, in order, into one buffer: the full tensor without a concatenating copy."""
-        if self._whole is None:
-            sizes = [self.readers[model].nbytes(name) for model, name in self.out.sources]
-            buffer, at = self.buffers.take(sum(sizes)), 0
-            for (model, name), size in zip(self.out.sources, sizes, strict=True):
-                self.readers[model].read_rows(name, 0, self._rows(model, name), buffer[at : at + size])
-                at += size
-            self._whole = buffer[:at].view(f"<u{DTYPE_SIZES[self.whole_dtype or 'U8']}").reshape(self.out.shape)
-        return self._whole
-
-    def _read(self, model: str, name: str, start: int, stop: int) -> np.ndarray:
-        reader = self.readers[model]
-        nbytes = (stop - start) * (reader.nbytes(name) // max(1, self._rows(model, name)))
-        return reader.read_rows(name, start, stop, self.buffers.take(nbytes))
-
-    def _rows(self, model: str, name: str) -> int:
-        return self.readers[model].shape(name)[0]
-
-    def blocks(self, box: Ranges) -> Iterator[tuple[np.ndarray, str]]:
-        """The box of the full tensor, in row-major order, as contiguous blocks with their dtype."""
-        if self.whole_dtype is not None:
-            yield np.ascontiguousarray(self._read_whole()[tuple(slice(*r) for r in box)]), self.whole_dtype
-        elif self.stacked:
-            for expert in range(*box[0]):
-                for block, dtype in self._source_rows(self.groups[expert], box[1:]):
-                    yield block[np.newaxis], dtype
-        else:
-            yield from self._source_rows(self.groups[0], box)
-
-    def _source_rows(self, sources: tuple[tuple[str, str], ...], box: Ranges) -> Iterator[tuple[np.ndarray, str]]:
-        """Rows `box[0]` of `sources` stacked by rows (columns `box[1]` of each, if given), block by block."""
-        first, stop = box[0] if box else (0, sum(self._rows(m, n) for m, n in sources))
+    def blocks(self, expert: int, first: int, stop: int) -> Iterator[tuple[int, np.ndarray, str]]:
+        """Rows [first, stop) of `expert` as blocks of whole rows of one source each, about BLOCK_BYTES apiece (at
+        least one row): (the block's first row, its bit patterns, its dtype)."""
         offset = 0
-        for model, name in sources:
-            rows, reader = self._rows(model, name), self.readers[model]
+        for model, name in self.groups[expert]:
+            reader = self.readers[model]
+            rows = reader.shape(name)[0]
             low, high = max(first, offset) - offset, min(stop, offset + rows) - offset
-            step = max(1, BLOCK_BYTES // max(1, reader.nbytes(name) // max(1, rows)))
+            row_bytes = reader.nbytes(name) // max(1, rows)
+            step = max(1, BLOCK_BYTES // max(1, row_bytes))
             for start in range(low, high, step):
-                block = self._read(model, name, start, min(start + step, high))
-                if len(box) > 1:
-                    block = np.ascontiguousarray(block[:, slice(*box[1])])
-                yield block, reader.dtype_name(name)
+                end = min(start + step, high)
+                block = reader.read_rows(name, start, end, self.scratch.take("read", (end - start) * row_bytes))
+                yield offset + start, block, reader.dtype_name(name)
             offset += rows
 
 
-def piece_blocks(piece: Piece, source: SourceTensor, width: int) -> Iterator[tuple[np.ndarray, str | None]]:
-    """A rank's piece in file order, block by block (zero padding rows carry no dtype: they need no cast or test)."""
-    if piece.axis == 0:
-        for part in piece.parts:
-            if isinstance(part, int):
-                yield np.zeros((part, *source.out.shape[1:]), dtype=f"<u{width}"), None
-            else:
-                yield from source.blocks(part)
-        return
-    # Parts side by side along dim 1 of a stacked expert tensor: expert by expert, each part's rows of it.
-    experts = piece.parts[0]
-    assert not isinstance(experts, int)
-    for expert in range(*experts[0]):
-        for part in piece.parts:
-            assert not isinstance(part, int)
-            yield from source.blocks(((expert, expert + 1), *part[1:]))
-
-
 def cast_bits(block: np.ndarray, source_dtype: str, stored_dtype: str) -> np.ndarray:
-    """`block`'s values cast to `stored_dtype`, as bits; the block itself when the types agree. Widening to float32
-    is exact and needs no torch (bfloat16 is float32's upper half; numpy has float16); a narrowing cast rounds as
-    torch does, with torch."""
+    """`block`'s values cast to `stored_dtype`, as bits shaped like the block; the block itself when the types agree.
+    Widening to float32 is exact and needs no torch (bfloat16 is float32's upper half; numpy has float16); a
+    narrowing cast rounds as torch does, with torch."""
     if source_dtype == stored_dtype:
         return block
     if (source_dtype, stored_dtype) == ("BF16", "F32"):
@@ -178,7 +152,8 @@ def cast_bits(block: np.ndarray, source_dtype: str, stored_dtype: str) -> np.nda
     if (source_dtype, stored_dtype) == ("F16", "F32"):
         return block.view("<f2").astype("<f4").view("<u4")
     values = _as_tensor(block, source_dtype)
-    return tensor_bytes(values.to(torch_dtype(stored_dtype)))
+    cast = tensor_bytes(values.to(torch_dtype(stored_dtype)))
+    return cast.view(f"<u{DTYPE_SIZES[stored_dtype]}").reshape(block.shape)
 
 
 def _as_tensor(block: np.ndarray, dtype: str) -> torch.Tensor:
@@ -191,14 +166,95 @@ def _blame_nonfinite(out: OutputTensor, readers: Readers, stored_dtype: str) -> 
     """The error for a stored block holding NaN/Inf: a source that holds one, else a cast that overflowed."""
     for model, name in out.sources:
         shape = readers[model].shape(name)
-        for block, dtype in SourceTensor(OutputTensor(name, ((model, name),), shape), readers).blocks(((0, shape[0]),)):
-            if bits_have_nonfinite(block, dtype):
-                what = "target" if model == TARGET else "drafter"
-                return DFlashTrtError(f"{what} tensor '{name}' contains NaN or Inf values")
+        source = SourceTensor(OutputTensor(name, ((model, name),), shape), readers)
+        if any(bits_have_nonfinite(block, dtype) for _, block, dtype in source.blocks(0, 0, shape[0])):
+            what = "target" if model == TARGET else "drafter"
+            return DFlashTrtError(f"{what} tensor '{name}' contains NaN or Inf values")
     return DFlashTrtError(
         f"{source_label(out)} does not fit {readable_dtype(stored_dtype)}: its stored form '{out.name}' holds NaN or "
         "Inf (values beyond the type's range); convert with --dtype bfloat16 or float32"
     )
+
+
+class Route:
+    """One distinct rank piece on its way to the files holding it, following the pass over the tensor's rows."""
+
+    def __init__(self, segments: Segments, writers: list[StreamingSafetensorsWriter], scan: bool) -> None:
+        self.segments, self.writers, self.scan = segments, writers, scan
+        self._next = 0  # the first segment not yet wholly delivered
+
+    def chunks(self, expert: int, first: int, block: np.ndarray) -> Iterator[np.ndarray]:
+        """The piece's share of `block` (rows from `first` of `expert`), in file order: views of the block (strided
+        where the piece takes some columns only), and any rows of zeros reached on the way."""
+        stop = first + len(block)
+        while self._next < len(self.segments):
+            segment = self.segments[self._next]
+            if isinstance(segment, int):
+                yield self._zeros(segment, block)
+            elif (segment.expert, segment.first) >= (expert, stop):
+                return
+            else:
+                rows = block[max(segment.first, first) - first : min(segment.stop, stop) - first]
+                yield rows if segment.columns is None else rows[:, slice(*segment.columns)]
+                if segment.stop > stop:
+                    return
+            self._next += 1
+
+    def rest(self, block: np.ndarray) -> Iterator[np.ndarray]:
+        """Rows of zeros that end the piece (vocabulary padding), once the pass is over."""
+        for segment in self.segments[self._next :]:
+            assert isinstance(segment, int), "a piece's rows were not all delivered"
+            yield self._zeros(segment, block)
+        self._next = len(self.segments)
+
+    @staticmethod
+    def _zeros(rows: int, like: np.ndarray) -> np.ndarray:
+        return np.zeros((rows, *like.shape[1:]), dtype=like.dtype)
+
+
+def _routes(plan: ConversionPlan, source: SourceTensor, writers: dict[int, StreamingSafetensorsWriter]) -> list[Route]:
+    """Each distinct piece of the tensor with the ranks holding it; every row is tested for NaN/Inf by one piece (a
+    replicated tensor by rank 0's)."""
+    out = source.out
+    holders: dict[Piece, list[int]] = {}
+    for rank in writers:
+        piece = rank_piece(out.shape, out.split, plan.tp_size, rank, out.heads, out.experts)
+        holders.setdefault(piece, []).append(rank)
+    scan = [out.split is not Split.REPLICATE or 0 in ranks for ranks in holders.values()]
+    return [
+        Route(piece_segments(piece, out.shape, source.stacked), [writers[rank] for rank in ranks], tests)
+        for (piece, ranks), tests in zip(holders.items(), scan, strict=True)
+    ]
+
+
+def needed_rows(routes: list[Route]) -> list[tuple[int, int, int]]:
+    """The rows some piece holds, as (expert, first, stop) runs in the tensor's order (overlaps and neighbours
+    merged)."""
+    runs = sorted((s.expert, s.first, s.stop) for route in routes for s in route.segments if isinstance(s, Rows))
+    merged: list[tuple[int, int, int]] = []
+    for expert, first, stop in runs:
+        if merged and merged[-1][0] == expert and first <= merged[-1][2]:
+            merged[-1] = (expert, merged[-1][1], max(stop, merged[-1][2]))
+        else:
+            merged.append((expert, first, stop))
+    return merged
+
+
+def _deliver(chunks: list[tuple[Route, np.ndarray]], scratch: Scratch, stored: str) -> bool:
+    """Hand each chunk to its piece's writers, column cuts gathered into one reused buffer first; False (nothing
+    handed on from then) at a chunk a scanning piece finds NaN/Inf in."""
+    cut = sum(chunk.nbytes for _, chunk in chunks if not chunk.flags.c_contiguous)
+    gathered, at = scratch.take("gather", cut) if cut else None, 0
+    for route, chunk in chunks:
+        if gathered is not None and not chunk.flags.c_contiguous:
+            into = gathered[at : at + chunk.nbytes].view(chunk.dtype).reshape(chunk.shape)
+            np.copyto(into, chunk)
+            chunk, at = into, at + chunk.nbytes
+        if route.scan and bits_have_nonfinite(chunk, stored):
+            return False
+        for writer in route.writers:
+            writer.append(chunk)
+    return True
 
 
 def _write_moved(
@@ -206,29 +262,24 @@ def _write_moved(
     out: OutputTensor,
     readers: Readers,
     writers: dict[int, StreamingSafetensorsWriter],
-    buffers: ReadBuffers,
+    scratch: Scratch,
 ) -> None:
-    """A tensor whose stored form is a piece of its sources (cast if need be): each distinct piece read once, written
-    to every rank holding it; every row tested for NaN/Inf by one rank (a replicated tensor by rank 0)."""
-    source, stored = SourceTensor(out, readers, buffers), plan.stored_dtype(out)
-    holders: dict[Piece, list[int]] = {}
-    for rank in writers:
-        piece = rank_piece(out.shape, out.split, plan.tp_size, rank, out.heads, out.experts)
-        holders.setdefault(piece, []).append(rank)
-    for piece, ranks in holders.items():
-        scan = out.split is not Split.REPLICATE or 0 in ranks
-        targets = [writers[rank] for rank in ranks]
-        for writer in targets:
-            writer.start(out.name)
-        for block, dtype in piece_blocks(piece, source, DTYPE_SIZES[stored]):
-            data = block if dtype is None else cast_bits(block, dtype, stored)
-            if scan and dtype is not None and bits_have_nonfinite(data, stored):
+    """A tensor whose stored form is a piece of its sources (cast if need be): one pass over the rows any rank holds,
+    each read once, in blocks; each block's share for every piece tested for NaN/Inf (by one piece) and written to
+    every rank holding that piece."""
+    source, stored = SourceTensor(out, readers, scratch), plan.stored_dtype(out)
+    routes = _routes(plan, source, writers)
+    for writer in writers.values():
+        writer.start(out.name)
+    data = np.empty((0, *out.shape[2 if source.stacked else 1 :]), dtype=f"<u{DTYPE_SIZES[stored]}")
+    for expert, first, stop in needed_rows(routes):
+        for row, block, dtype in source.blocks(expert, first, stop):
+            data = cast_bits(block, dtype, stored)
+            if not _deliver([(route, c) for route in routes for c in route.chunks(expert, row, data)], scratch, stored):
                 raise _blame_nonfinite(out, readers, stored)
-            for writer in targets:
-                writer.append(data)
-                buffers.appended(writer, data)
-        for writer in targets:
-            writer.finish()
+    _deliver([(route, chunk) for route in routes for chunk in route.rest(data)], scratch, stored)
+    for writer in writers.values():
+        writer.finish()
 
 
 def write_rank_files(
@@ -240,15 +291,15 @@ def write_rank_files(
         writers = {
             rank: stack.enter_context(
                 StreamingSafetensorsWriter(
-                    staging / rank_file(rank), entries, metadata={"format": "pt"}, fsync=False, digest=True
+                    staging / rank_file(rank), entries, metadata={"format": "pt"}, fsync=False, digest=True, direct=True
                 )
             )
             for rank in ranks
         }
-        buffers = ReadBuffers()
+        scratch = Scratch()
         for out in plan.layout:
             if plan.moves_bytes(out):
-                _write_moved(plan, out, readers, writers, buffers)
+                _write_moved(plan, out, readers, writers, scratch)
             else:
                 for rank in ranks:  # the first rank tests the sources: a bad input is named, not taken for overflow
                     for name, piece in rank_tensors(plan, out, readers, rank, check_finite=rank == ranks[0]).items():
