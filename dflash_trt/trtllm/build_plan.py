@@ -9,6 +9,7 @@ the source of each); the engine speaks the runtime's EAGLE contract with one cha
 from __future__ import annotations
 
 import math
+import os
 import shlex
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -18,6 +19,7 @@ from dflash_trt import __version__
 from dflash_trt.checkpoint.trtllm_config import ARCHITECTURE, specs_from_config
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import FP8, NVFP4, QFORMATS, quant_algo
+from dflash_trt.inputs import DRAFT_TREE
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.rope import RopeConfig
 from dflash_trt.sampling_rules import ENGINE_SAMPLING, HONOURED
@@ -33,6 +35,9 @@ EAGLE_MODE_VALUE = 1 << 5
 MANIFEST_NAME = "dflash_trt.json"
 MANIFEST_FORMAT = 1
 PLUGIN_LIBRARY_ENV = LIBRARY_ENV
+# The draft tree trtllm-build builds into the network: the checkpoint's config.json (which trtllm-build reads) is the
+# converter's and holds none, so `dflash-trt build` hands the node count over in this variable.
+TREE_ENV = "DFLASH_TRT_DRAFT_TREE"
 REQUIRED_TRTLLM = "1.2"
 # Builds one TP rank per process for `--workers` > 1 (trtllm-build's own workers cannot load our class).
 RANK_BUILD_MODULE = "dflash_trt.trtllm.rank_build"
@@ -171,6 +176,38 @@ class EngineBuildPlan:
             "plugin_library": self.plugin_library,
             "dflash_manifest": self.dflash_manifest,
         }
+
+
+def engine_tree_nodes(value: int | None, num_drafts: int) -> int:
+    """Nodes of the draft tree a network is built with, 0 for the chain: `value` (the `draft_tree` key of an
+    engine's config.json, or of the config the emulation builds), else `$DFLASH_TRT_DRAFT_TREE` (set by `dflash-trt
+    build` for trtllm-build), else the chain. A tree holds more nodes than the chain's `num_drafts`, at most the
+    builder's `max_draft_len` limit."""
+    if value is not None:
+        return check_tree_nodes(DRAFT_TREE.check(value, "draft_tree"), num_drafts, "draft_tree")
+    text = os.environ.get(TREE_ENV)
+    if text is None:
+        return 0
+    try:
+        nodes = DRAFT_TREE.parse(text)
+    except ValueError:
+        raise DFlashTrtError(f"{TREE_ENV} must be {DRAFT_TREE.describe()}, got {text!r}") from None
+    return check_tree_nodes(DRAFT_TREE.check(nodes, TREE_ENV), num_drafts, TREE_ENV)
+
+
+def check_tree_nodes(nodes: int, num_drafts: int, what: str = "--draft_tree") -> int:
+    """0 for the chain (`nodes` = the drafter's draft count), `nodes` for a tree; refuses fewer nodes than the chain
+    and more than an EAGLE engine verifies (the builder's max_draft_len limit)."""
+    if nodes == num_drafts:
+        return 0
+    if nodes < num_drafts:
+        raise DFlashTrtError(
+            f"{what} {nodes}: a tree holds at least the chain's {num_drafts} drafts (block_size - 1); shorter drafts "
+            "are a draft length, not a tree"
+        )
+    if nodes > MAX_EAGLE_DRAFT_LEN:
+        raise DFlashTrtError(f"{what} {nodes}: an EAGLE engine verifies at most {MAX_EAGLE_DRAFT_LEN} drafts")
+    return nodes
 
 
 def chain_eagle_choices(max_draft_len: int) -> list[list[int]]:
