@@ -43,6 +43,12 @@ class StepTrace:
     # The drafter's rank (1 = its best) of the target's token at each draft position the step reached: the accepted
     # drafts', then the bonus token's where a draft position was left (None: not among the drafter's candidates).
     ranks: list[int | None] | None = None
+    positions: int | None = None  # a tree step's draft positions (the block's, or fewer near the output budget)
+
+    @property
+    def drafted_positions(self) -> int:
+        """The draft positions the step drafted: a chain's length, or how deep its tree could grow."""
+        return len(self.draft_ids) if self.positions is None else self.positions
 
     @property
     def depth(self) -> int:
@@ -352,8 +358,10 @@ def _tree_step(loop: _Loop, rule: _EngineRule, start: torch.Tensor, verify: torc
         path_rows[b, : len(path)] = torch.tensor(path)
         produced_mask[b, :produced] = True
         seq.result.acceptance_lengths.append(produced)
-        ranks = rule.ranks(b, emitted, int(verify[b]) - 1)
-        step = StepTrace(list(tree.tokens), len(path) - 1, list(tree.parents), ranks)
+        positions = int(verify[b]) - 1
+        step = StepTrace(
+            list(tree.tokens), len(path) - 1, list(tree.parents), rule.ranks(b, emitted, positions), positions
+        )
         seq.result.steps.append(step)
     path_taps = taps.gather(1, path_rows[:, :, None].expand(-1, -1, taps.shape[-1]))
     loop.model.draft.inject(path_taps, start[:, None] + torch.arange(loop.block), produced_mask, loop.draft_cache)
