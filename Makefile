@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 PY := $(VENV)/bin/python
 TRITON_STAMP := .tritonserver/.installed
 
-.PHONY: demo test lint bench tritonserver
+.PHONY: demo test test-fast lint bench tritonserver
 
 $(STAMP): requirements-ci.txt requirements-ci-nodeps.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,9 +33,33 @@ lint: $(STAMP)
 
 # Tests comparing two numeric implementations: run again on the AVX2 kernel set, whose fp32 rounding differs
 # from AVX-512's (the default where the CPU has it), so neither kernel set's ties decide the outcome.
-NUMERICS_TESTS := tests/test_emulation.py tests/test_emulation_moe.py tests/test_divergence.py tests/test_verify_replay.py \
-	tests/test_sampler_support.py tests/test_emulation_ranks.py tests/test_emulation_precision.py \
-	tests/test_emulation_dflash2.py tests/test_parity_speculators.py
+NUMERICS_TESTS := tests/emulation/test_emulation.py tests/emulation/test_emulation_moe.py tests/golden/test_divergence.py \
+	tests/engine/test_verify_replay.py tests/engine/test_sampler_support.py tests/emulation/test_emulation_ranks.py \
+	tests/emulation/test_emulation_precision.py tests/emulation/test_emulation_dflash2.py \
+	tests/golden/test_parity_speculators.py
+
+# The fast tier for a local loop (`make test-fast`, under a minute on a quiet 2-core machine): every subject's unit and
+# contract tests, without the real Triton server, the subprocesses and the long end-to-end runs; `make test` runs all.
+# tests/README.md says which subject lives where.
+FAST_TESTS := tests/architecture/test_function_length.py tests/architecture/test_layers.py tests/bench/test_bench_driver.py \
+	tests/checkpoint/test_checkpoint_config.py tests/checkpoint/test_checkpoint_hostile_files.py \
+	tests/checkpoint/test_hf_reader.py tests/checkpoint/test_integrity.py tests/checkpoint/test_rank_writer.py \
+	tests/cli/test_chat_prompts.py tests/conversion/test_calibration_prompts.py tests/conversion/test_convert.py \
+	tests/conversion/test_convert_bytes.py tests/conversion/test_convert_streaming.py \
+	tests/engine/test_engine_plan.py tests/engine/test_sampler_support.py tests/engine/test_sampling_rules.py \
+	tests/engine/test_trtllm_api.py tests/engine/test_verify_replay.py tests/executors/test_executors_emulated.py \
+	tests/golden/test_divergence.py tests/golden/test_kv_injection.py tests/golden/test_loop_rules.py \
+	tests/models/test_spec.py tests/planning/test_capacity.py tests/planning/test_comm.py \
+	tests/planning/test_fitting.py tests/planning/test_node_planner.py tests/planning/test_pareto.py \
+	tests/planning/test_perf_model.py tests/planning/test_profiles.py tests/quant/test_quant_formats.py \
+	tests/quant/test_quant_prequantized.py tests/serve/test_serve_cli.py tests/serve/test_serve_detokenizer.py \
+	tests/serve/test_serve_observability.py tests/triton_repository/test_triton_client.py \
+	tests/triton_repository/test_triton_cpu_repo.py tests/triton_repository/test_triton_emulated_llm.py \
+	tests/triton_repository/test_triton_launch.py tests/triton_repository/test_triton_processing.py \
+	tests/triton_repository/test_triton_python_models.py tests/triton_repository/test_triton_sampling.py
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" $(FAST_TESTS)
 
 test: $(STAMP) $(TRITON_STAMP) lint
 	$(PY) -m pytest -q

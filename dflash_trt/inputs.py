@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.sampling_rules import MAX_SEED, TEMPERATURE_RULE, temperature_refusal
 
 # Requests one benchmark point may send (warm-up included): each one is held in memory with its timings.
 MAX_REQUESTS = 1_000_000
@@ -25,8 +26,6 @@ MAX_REQUEST_RATE = 1e6
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 # Token ids and vocabulary sizes fit TensorRT-LLM's int32 tensors.
 MAX_TOKEN_ID = 2**31 - 1
-# Seeds: torch.Generator takes 64-bit seeds; the largest positive one means the same on every platform.
-MAX_SEED = 2**63 - 1
 MAX_GPUS = 1024
 # Nodes of a draft tree: the tree search ranks up to N² candidates per draft position.
 MAX_DRAFT_TREE = 4096
@@ -147,6 +146,22 @@ class HostPort(_Rule):
         return value.strip()
 
 
+@dataclass(frozen=True)
+class Temperature(_Rule):
+    """A sampling temperature the engine can honour, by `sampling_rules`' rule."""
+
+    def describe(self) -> str:
+        return TEMPERATURE_RULE
+
+    def parse(self, text: str) -> float:
+        return float(text)
+
+    def check(self, value: Any, name: str) -> float:
+        if temperature_refusal(value) is not None:
+            raise _refuse(name, self.describe(), value)
+        return float(value)
+
+
 def available_memory_bytes() -> int | None:
     """Memory this machine can still hand out, page cache included (Linux's MemAvailable); None where the OS does
     not say, and then nothing is refused."""
@@ -200,6 +215,9 @@ END_ID = IntRange(-1, MAX_TOKEN_ID)  # TensorRT-LLM's end id; -1 matches no toke
 VOCAB_SIZE = IntRange(1, MAX_TOKEN_ID)
 SEED = IntRange(0, MAX_SEED)
 DRAFT_TREE = IntRange(1, MAX_DRAFT_TREE)  # nodes per draft tree; block_size - 1 is the chain
+TEMPERATURE = Temperature()
+TOP_P = FloatRange(0.0, 1.0, above_lo=True)
+TOP_K = IntRange(0, MAX_TOKEN_ID)
 MEMORY_FRACTION = FloatRange(0.0, 1.0, above_lo=True)
 URL = HostPort()
 PORT = IntRange(0, 65535)  # 0: any free port

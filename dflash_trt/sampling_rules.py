@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 # What the engine honours per request; `dflash_trt.json` records it.
@@ -28,6 +29,13 @@ MIN_SAMPLING_TEMPERATURE = 1e-5
 MAX_SAMPLING_TEMPERATURE = 1e30
 # torch.Generator seeds are 64-bit; the largest positive one keeps the value meaningful on every platform.
 MAX_SEED = 2**63 - 1
+# What TensorRT-LLM's runtime (and so the tensorrtllm backend) samples a request at when it sends no temperature, and
+# OpenAI's default too; this toolkit's own commands and load generator default to greedy (0) instead.
+DEFAULT_TEMPERATURE = 1.0
+# What a temperature must be (the engine samples softmax(logits / T)).
+TEMPERATURE_RULE = f"a finite number >= 0 (0, or anything below {MIN_SAMPLING_TEMPERATURE:g}, means greedy)"
+# The runtime's seed for a request that sends none (executor SamplingConfig, the tensorrtllm backend's `random_seed`).
+DEFAULT_SEED = 0
 # How the engine verifies drafts at temperature > 0: argmax drafts, one target sample per position, accepted while
 # it equals the draft (the first mismatching sample is the bonus token). Exactly the target's distribution.
 ENGINE_SAMPLING = "exact_match"
@@ -92,36 +100,63 @@ def _sent(value: object) -> bool:
     return value is not None
 
 
-def sampling_refusal(params: Mapping[str, Any]) -> str | None:
-    """The refusal message for the first parameter or request feature the engine cannot honour, or None.
+def temperature_refusal(temperature: object) -> str | None:
+    """Why the engine cannot sample at `temperature`, or None."""
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not math.isfinite(temperature)
+        or temperature < 0
+    ):
+        return f"temperature {temperature!r} refused: it must be {TEMPERATURE_RULE}"
+    return None
+
+
+def seed_refusal(seed: object) -> str | None:
+    """Why `seed` cannot seed a request, or None."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        return f"seed must lie in [0, {MAX_SEED}], got {seed!r}"
+    return None
+
+
+def _canonical(params: Mapping[str, Any]) -> dict[str, Any]:
+    return {ALIASES.get(name, name): value for name, value in params.items() if value is not None}
+
+
+def first_refusal(params: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The first parameter or request feature the engine cannot honour, as (its name, the refusal message), or None.
 
     `params` maps parameter names (any spelling in ALIASES) to scalars, and FEATURES to their values (a word list,
     a guide, a name); None means "not sent". Names outside HONOURED, NEUTRAL and FEATURES are left to the caller.
     """
-    values = {ALIASES.get(name, name): value for name, value in params.items() if value is not None}
+    values = _canonical(params)
     for name, effect in FEATURES.items():
         if _sent(values.get(name)):
-            return (
+            return name, (
                 f"{name} refused: it {effect}, which TensorRT-LLM's EAGLE decoding mode never applies to a DFlash "
                 "engine, so it would be silently ignored; omit it"
             )
     temperature = values.get("temperature", 0.0)
-    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
-        return (
-            f"temperature {temperature!r} refused: it must be a finite number >= 0 (0, or anything below "
-            f"{MIN_SAMPLING_TEMPERATURE:g}, means greedy)"
-        )
+    refused = temperature_refusal(temperature)
+    if refused is not None:
+        return "temperature", refused
     for name, neutral in NEUTRAL.items():
         value = values.get(name)
         if value is None or value in neutral or (name == "top_k" and value == 1 and is_greedy(temperature)):
             continue
         allowed = " or ".join(_show(v) for v in neutral)
-        return (
+        return name, (
             f"{name} {_show(value)} refused: a DFlash engine samples with temperature and seed only "
             f"(TensorRT-LLM's EAGLE runtime never passes {name} to the engine, so it would be silently ignored); "
             f"omit it or send {allowed}"
         )
     return None
+
+
+def sampling_refusal(params: Mapping[str, Any]) -> str | None:
+    """`first_refusal`'s message alone."""
+    refused = first_refusal(params)
+    return None if refused is None else refused[1]
 
 
 def as_float32(value: float) -> float:
@@ -146,18 +181,49 @@ def effective_temperature(temperature: float) -> float:
 
 
 class SamplingRefused(ValueError):
-    """A request asked for sampling the engine cannot honour; the message says which parameter and why."""
+    """A request asked for sampling the engine cannot honour; the message says which parameter (`param`) and why."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
 
 
-def engine_request_sampling(params: Mapping[str, Any]) -> dict[str, float | int]:
-    """What to send the runtime with a request: its effective temperature, always (0 when not given, because the
-    runtime's own default is 1.0), and its seed when given. Raises SamplingRefused for anything the engine cannot
-    honour."""
-    refusal = sampling_refusal(params)
-    if refusal is not None:
-        raise SamplingRefused(refusal)
-    values = {ALIASES.get(name, name): value for name, value in params.items() if value is not None}
-    sampling: dict[str, float | int] = {"temperature": effective_temperature(values.get("temperature", 0.0))}
-    if "seed" in values:
-        sampling["seed"] = int(values["seed"])
-    return sampling
+@dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """How one request samples, normalised once at the edge it arrived through (an HTTP body, a command's flags, a
+    Triton request's tensors) and carried unchanged to the engine. `temperature` is the one it samples at
+    (`effective_temperature`: 0, greedy, below MIN_SAMPLING_TEMPERATURE; capped at MAX_SAMPLING_TEMPERATURE); `seed`
+    None leaves the seed to the runtime (`DEFAULT_SEED`). A value the engine cannot honour is refused here, at
+    construction."""
+
+    temperature: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        refused = temperature_refusal(self.temperature)
+        if refused is not None:
+            raise SamplingRefused(refused, "temperature")
+        refused = None if self.seed is None else seed_refusal(self.seed)
+        if refused is not None:
+            raise SamplingRefused(refused, "seed")
+        object.__setattr__(self, "temperature", effective_temperature(self.temperature))
+
+    @property
+    def runtime_seed(self) -> int:
+        """The seed the runtime draws this request's random numbers from."""
+        return DEFAULT_SEED if self.seed is None else self.seed
+
+
+GREEDY = Sampling()
+
+
+def request_sampling(params: Mapping[str, Any], default_temperature: float = 0.0) -> Sampling:
+    """A request's `Sampling` from the parameters it sent (any spelling in ALIASES; None means "not sent"), after
+    refusing (SamplingRefused, naming the parameter) anything the engine cannot honour. An unsent temperature is
+    `default_temperature`: greedy for this toolkit's own commands, `DEFAULT_TEMPERATURE` where the edge promises the
+    runtime's or OpenAI's default."""
+    values = {"temperature": default_temperature, **_canonical(params)}
+    refused = first_refusal(values)
+    if refused is not None:
+        raise SamplingRefused(refused[1], refused[0])
+    return Sampling(temperature=values["temperature"], seed=values.get("seed"))

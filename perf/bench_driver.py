@@ -1,6 +1,6 @@
 """The load generator's own overhead: executor responses per second it sustains, on one core.
 
-An instant backend answers every in-flight request once per "iteration" (4 tokens per response, like a DFlash step)
+An instant executor answers every in-flight request once per "iteration" (4 tokens per response, like a DFlash step)
 and starts the next iteration as soon as the driver has taken the last one, so the only work left is the driver's.
 512 users in a closed loop, 64 responses per request. Rates are per CPU-second of this process (pinned to one
 core), so other work on the machine does not distort them. Two ratios (`make bench` protocol):
@@ -18,7 +18,8 @@ import json
 import os
 import time
 
-from dflash_trt.bench.driver import Backend, BenchRequest, Response, run_load
+from dflash_trt.bench.driver import run_load
+from dflash_trt.executors.contract import Executor, Request, Response
 
 USERS = 512
 RESPONSES_PER_REQUEST = 64
@@ -27,7 +28,7 @@ TOKENS = [1, 2, 3, 4]
 NEEDED = USERS / 0.010
 
 
-class InstantBackend(Backend):
+class InstantExecutor(Executor):
     def __init__(self):
         self.active: dict[int, int] = {}
         self.scheduled = False
@@ -50,7 +51,7 @@ class InstantBackend(Backend):
         batch = []
         for request_id, left in list(self.active.items()):
             final = left == 1
-            batch.append(Response(request_id, TOKENS, final))
+            batch.append(Response(request_id=request_id, tokens=TOKENS, final=final))
             if final:
                 del self.active[request_id]
             else:
@@ -67,9 +68,11 @@ class InstantBackend(Backend):
 
 
 def driver_rate() -> float:
-    requests = [BenchRequest(i, [1, 2, 3], RESPONSES_PER_REQUEST * len(TOKENS)) for i in range(REQUESTS)]
+    requests = [
+        Request(input_ids=[1, 2, 3], max_new_tokens=RESPONSES_PER_REQUEST * len(TOKENS)) for _ in range(REQUESTS)
+    ]
     started = time.process_time()
-    trace = asyncio.run(run_load(InstantBackend(), requests, concurrency=USERS))
+    trace = asyncio.run(run_load(InstantExecutor(), requests, concurrency=USERS))
     elapsed = time.process_time() - started
     responses = sum(len(r.chunks) for r in trace.records)
     assert responses == REQUESTS * RESPONSES_PER_REQUEST
@@ -77,10 +80,10 @@ def driver_rate() -> float:
 
 
 def bare_rate() -> float:
-    """The same batches from the same backend, delivered to a callback that only counts and refills."""
+    """The same batches from the same executor, delivered to a callback that only counts and refills."""
 
     async def main() -> float:
-        backend = InstantBackend()
+        executor = InstantExecutor()
         done = asyncio.Event()
         state = {"responses": 0, "sent": 0, "finished": 0}
 
@@ -90,15 +93,15 @@ def bare_rate() -> float:
                 if response.final:
                     state["finished"] += 1
                     if state["sent"] < REQUESTS:
-                        backend.submit(state["sent"], None)
+                        executor.submit(state["sent"], None)
                         state["sent"] += 1
             if state["finished"] == REQUESTS:
                 done.set()
 
-        await backend.start(deliver)
+        await executor.start(deliver)
         started = time.process_time()
         for _ in range(USERS):
-            backend.submit(state["sent"], None)
+            executor.submit(state["sent"], None)
             state["sent"] += 1
         await done.wait()
         return state["responses"] / (time.process_time() - started)

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from dflash_trt.conversion.convert import convert_checkpoint
-from dflash_trt.emulation.runtime import EmulatedRuntime
+from dflash_trt.emulation.engine import EmulatedEngine
+from dflash_trt.executors.emulated import decode_batch
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import load_golden_model
 from dflash_trt.reference.stats import mean_acceptance_length
@@ -46,13 +47,13 @@ def main() -> int:
         convert_checkpoint(target_dir(), draft_dir(), checkpoint, dtype="float32")
         convert_checkpoint(target_dir(), draft_dir(), sharded, dtype="float32", tp_size=TP)
         golden = load_golden_model(checkpoint)
-        runtime = EmulatedRuntime(checkpoint, max_batch_size=PROMPTS, tokens_per_block=32)
-        ranks = EmulatedRuntime(sharded, max_batch_size=PROMPTS, tokens_per_block=32)
+        runtime = EmulatedEngine(checkpoint, max_batch_size=PROMPTS, tokens_per_block=32)
+        ranks = EmulatedEngine(sharded, max_batch_size=PROMPTS, tokens_per_block=32)
         prompts = [load_tokenizer(checkpoint).encode(p.text) for p in load_heldout(limit=PROMPTS)]
     stops = list(golden.target.spec.eos_token_ids)
     golden_rate, expected = _best(lambda: speculative_generate(golden, prompts, MAX_NEW_TOKENS, stops))
-    emulated_rate, emulated = _best(lambda: runtime.generate(prompts, MAX_NEW_TOKENS, stops))
-    ranks_rate, emulated_ranks = _best(lambda: ranks.generate(prompts, MAX_NEW_TOKENS, stops))
+    emulated_rate, emulated = _best(lambda: decode_batch(runtime, prompts, MAX_NEW_TOKENS, stops))
+    ranks_rate, emulated_ranks = _best(lambda: decode_batch(ranks, prompts, MAX_NEW_TOKENS, stops))
     for label, results in (("tp 1", emulated), (f"tp {TP}", emulated_ranks)):
         if [r.output_ids for r in results] != [r.output_ids for r in expected]:
             print(f"the emulated engine's tokens at {label} differ from the golden model's", file=sys.stderr)

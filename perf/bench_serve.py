@@ -1,16 +1,16 @@
 """The OpenAI front's own cost (`dflash-trt serve`): what one server process sustains, and what it adds to TPOT.
 
-An instant backend stands in for the GPU: every in-flight request gets 4 tokens per iteration (a DFlash step),
+An instant executor stands in for the GPU: every in-flight request gets 4 tokens per iteration (a DFlash step),
 either as fast as the event loop allows (throughput) or one iteration every 13.3 ms (64 users at 300 tok/s/user,
 TPOT 3.33 ms). The server runs in its own process (uvicorn, the app, the tiny pair's tokenizer detokenizing every
-token); the load generator is `bench --openai_url`'s, in this process, over the OpenAI backend (HTTP streaming),
+token); the load generator is `bench --openai_url`'s, in this process, over the OpenAI executor (HTTP streaming),
 64 users in a closed loop. Two ratios (`make bench` protocol):
 
 - `server_tok_s_per_cpu_s_vs_20000`: streamed output tokens per CPU-second of the server process, over 20,000
   (the details add the same at one token per response: plain autoregressive decoding's worst case).
   Per CPU-second so the load generator and other work on the machine (they share its cores) do not count
   against the server; wall-clock tokens/s are in the details. Above 1, one process streams 20k tok/s.
-- `tpot_http_vs_direct`: the mean TPOT of 64 users through HTTP over the same paced backend driven directly by
+- `tpot_http_vs_direct`: the mean TPOT of 64 users through HTTP over the same paced executor driven directly by
   the load generator, measured the same way. At most 1.05: the front adds at most 5 % per output token.
 
 Linux only (the server's CPU time is read from /proc).
@@ -25,8 +25,9 @@ import os
 import statistics
 from pathlib import Path
 
-from dflash_trt.bench.driver import Backend, BenchRequest, Response, run_load
+from dflash_trt.bench.driver import run_load
 from dflash_trt.bench.results import request_tpot
+from dflash_trt.executors.contract import Executor, Request, Response
 
 USERS = 64
 TOKENS = [69, 70, 71, 72]  # "abcd" in the tiny pair's tokenizer: real text to detokenize
@@ -35,7 +36,7 @@ PACED_INTERVAL_S = len(TOKENS) / 300.0  # 300 tok/s per user
 NEEDED_TOK_S = 20_000
 
 
-class InstantBackend(Backend):
+class InstantExecutor(Executor):
     """Every in-flight request gets len(TOKENS) tokens per iteration; an iteration starts `interval_s` after the
     previous one (0: as soon as the event loop has sent the previous one's responses)."""
 
@@ -69,7 +70,7 @@ class InstantBackend(Backend):
         batch = []
         for request_id, left in list(self.left.items()):
             n = min(len(self.tokens), left)
-            batch.append(Response(request_id, self.tokens[:n], n == left))
+            batch.append(Response(request_id=request_id, tokens=self.tokens[:n], final=n == left))
             if n == left:
                 del self.left[request_id]
             else:
@@ -83,14 +84,20 @@ class InstantBackend(Backend):
 
 
 def serve(sock, interval_s: float, tokens: list[int]) -> None:
-    """The server process: the real app over the instant backend (tiny pair tokenizer), until terminated."""
+    """The server process: the real app over the instant executor (tiny pair tokenizer), until terminated."""
     from dflash_trt.server.launch import make_app, uvicorn_server
     from dflash_trt.server.params import Limits
     from dflash_trt.server.targets import ServeTarget
     from dflash_trt.tiny.heldout import target_dir
     from dflash_trt.tokenizer import load_tokenizer
 
-    target = ServeTarget(InstantBackend(interval_s, tokens), USERS, Limits(4096, 128), frozenset(), True)
+    target = ServeTarget(
+        executor=InstantExecutor(interval_s, tokens),
+        max_batch_size=USERS,
+        limits=Limits(max_seq_len=4096, vocab_size=128),
+        eos_token_ids=frozenset(),
+        engine_stops_at_eos=True,
+    )
     app = make_app(target, load_tokenizer(target_dir()), "instant")
     uvicorn_server(app).run(sockets=[sock])
 
@@ -100,13 +107,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def requests(count: int) -> list[BenchRequest]:
-    return [BenchRequest(i, [5, 6, 7, 8], OUTPUT_TOKENS) for i in range(count)]
+def requests(count: int) -> list[Request]:
+    return [Request(input_ids=[5, 6, 7, 8], max_new_tokens=OUTPUT_TOKENS) for _ in range(count)]
 
 
-def mean_tpot(backend: Backend, count: int) -> tuple[float, float, int]:
+def mean_tpot(executor: Executor, count: int) -> tuple[float, float, int]:
     """Mean TPOT, wall seconds and output tokens of `count` requests at USERS concurrency."""
-    trace = asyncio.run(run_load(backend, requests(count), concurrency=USERS, timeout_s=600))
+    trace = asyncio.run(run_load(executor, requests(count), concurrency=USERS, timeout_s=600))
     failed = [r.error for r in trace.records if r.error]
     assert not failed, failed[:3]
     tpots = [t for t in map(request_tpot, trace.records) if t is not None]
@@ -117,7 +124,7 @@ def mean_tpot(backend: Backend, count: int) -> tuple[float, float, int]:
 
 def through_http(interval_s: float, count: int, tokens: list[int] = TOKENS) -> tuple[float, float, int, float]:
     """Mean TPOT, wall seconds, tokens and server CPU-seconds of a run through a fresh server process."""
-    from dflash_trt.bench.backends.openai_http import OpenAIBackend
+    from dflash_trt.clients.openai_http import OpenAIExecutor
     from dflash_trt.server.launch import listen
 
     sock = listen("127.0.0.1", 0)
@@ -125,8 +132,8 @@ def through_http(interval_s: float, count: int, tokens: list[int] = TOKENS) -> t
     server = multiprocessing.get_context("spawn").Process(target=serve, args=(sock, interval_s, tokens), daemon=True)
     server.start()
 
-    def client() -> Backend:
-        return OpenAIBackend(f"http://127.0.0.1:{port}/v1")
+    def client() -> Executor:
+        return OpenAIExecutor(f"http://127.0.0.1:{port}/v1")
 
     try:
         asyncio.run(mean_tpot_warm(client(), USERS))  # warm-up: imports, connections, first requests
@@ -138,8 +145,8 @@ def through_http(interval_s: float, count: int, tokens: list[int] = TOKENS) -> t
         server.join(30)
 
 
-async def mean_tpot_warm(backend: Backend, count: int) -> None:
-    await run_load(backend, requests(count), concurrency=USERS, timeout_s=120)
+async def mean_tpot_warm(executor: Executor, count: int) -> None:
+    await run_load(executor, requests(count), concurrency=USERS, timeout_s=120)
 
 
 def main() -> None:
@@ -148,7 +155,7 @@ def main() -> None:
     server_rate = fast_tokens / fast_cpu
     _, _, single_tokens, single_cpu = through_http(0.0, USERS, tokens=TOKENS[:1])
     paced = USERS * 2
-    direct_tpot, _, _ = mean_tpot(InstantBackend(PACED_INTERVAL_S), paced)
+    direct_tpot, _, _ = mean_tpot(InstantExecutor(PACED_INTERVAL_S), paced)
     http_tpot, _, _, _ = through_http(PACED_INTERVAL_S, paced)
     print(
         json.dumps(

@@ -8,11 +8,13 @@ from pathlib import Path
 from _pairs import PairVariant, make_pair
 
 from dflash_trt.conversion.convert import convert_checkpoint
-from dflash_trt.emulation.runtime import EmulatedRuntime
+from dflash_trt.emulation.engine import EmulatedEngine
+from dflash_trt.executors.emulated import decode_batch
 from dflash_trt.reference.decode import SequenceResult, speculative_generate
 from dflash_trt.reference.divergence import compare_decodings, failures
 from dflash_trt.reference.model import load_golden_model
 from dflash_trt.reference.sampling import SamplingParams
+from dflash_trt.sampling_rules import Sampling
 
 PROMPTS = [[3, 4, 5, 6, 7], [9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19], [20, 21, 22, 23]]
 STOP = [1]  # the fixture targets' eos
@@ -64,7 +66,7 @@ def sampled_runs(ckpt: Path, prompts: list[list[int]], setting: str, **runtime) 
     k = model.draft.spec.num_drafts
     greedy = speculative_generate(model, prompts, SAMPLED_TOKENS, STOP)
     golden = speculative_generate(model, prompts, SAMPLED_TOKENS + k, STOP, sampling, seeds=seeds)
-    emulated = EmulatedRuntime(ckpt, max_batch_size=2, **runtime).generate(
-        prompts, SAMPLED_TOKENS, STOP, temperature=temperatures, seeds=seeds
-    )
+    engine = EmulatedEngine(ckpt, max_batch_size=2, **runtime)
+    at = [Sampling(temperature=t, seed=s) for t, s in zip(temperatures, seeds, strict=True)]
+    emulated = decode_batch(engine, prompts, SAMPLED_TOKENS, STOP, sampling=at)
     return greedy, golden, emulated

@@ -24,6 +24,7 @@ from dflash_trt.analysis.fitting import fit_terms, identifiable, time_equation
 from dflash_trt.analysis.gpus import GPUS
 from dflash_trt.analysis.model import Acceptance, Calibration, Deployment, DFlashShape, Method, TargetShape
 from dflash_trt.analysis.sweep import write_json_atomic
+from dflash_trt.bench.results import read_results
 from dflash_trt.decoding_modes import AR, DFLASH, DecodingMode
 from dflash_trt.errors import DFlashTrtError
 
@@ -101,18 +102,12 @@ def _provenance(data: dict, path: Path) -> dict | None:
 
 
 def read_bench_results(path: str | Path) -> BenchResults:
-    """Points of a `dflash-trt bench` results.json ({"points": [...]}, keys of the bench results schema), its
-    `provenance` object when present, and the mean ISL/OSL of its requests.
-
-    The only reader of that file in the model: if the schema's definition moves, this is the one place to repoint.
-    """
+    """Points of a `dflash-trt bench` results.json (read by the schema's own reader, `bench.results.read_results`),
+    its `provenance` object when present, and the mean ISL/OSL of its requests."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DFlashTrtError(f"cannot read bench results {path}: {exc}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("points"), list) or not data["points"]:
-        raise DFlashTrtError(f"{path}: expected a JSON object with a non-empty 'points' list")
+    data = read_results(path)
+    if not data["points"]:
+        raise DFlashTrtError(f"{path}: expected a non-empty 'points' list")
     if len(data["points"]) > MAX_POINTS:
         raise DFlashTrtError(
             f"{path}: 'points' must hold at most {MAX_POINTS} points (one per mode and concurrency), got "

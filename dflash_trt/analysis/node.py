@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from dflash_trt.analysis.gpus import GPUS, get_gpu
 from dflash_trt.analysis.memory import EngineLimits, batch_limit, budget, draft_len
 from dflash_trt.analysis.model import Calibration, Deployment, Method, TargetShape, mean_context
+from dflash_trt.checkpoint.sharding import tp_refusal
 from dflash_trt.decoding_modes import AR
 from dflash_trt.errors import DFlashTrtError
 
@@ -51,7 +52,7 @@ class Layout:
 
 def _heads_divide(target: TargetShape, method: Method, tp: int) -> bool:
     stacks = [target.stack] + ([method.drafter.stack] if method.drafter is not None else [])
-    return all(s.num_heads % tp == 0 and (s.num_kv_heads % tp == 0 or tp % s.num_kv_heads == 0) for s in stacks)
+    return all(tp_refusal(s.num_heads, s.num_kv_heads, s.intermediate, tp) is None for s in stacks)
 
 
 def best_layout(

@@ -29,14 +29,13 @@ from typing import Any
 import yaml
 
 from dflash_trt.analysis.pareto import Point
-from dflash_trt.bench.driver import FollowerRank
 from dflash_trt.bench.measure import measure_point, request_bar
 from dflash_trt.bench.results import RESULTS_FILE, sweep_fields, write_results
 from dflash_trt.bench.targets import (
     Target,
-    backend_factory,
     check_target,
     describe,
+    executor_factory,
     max_positions,
     provenance,
     vocab_size,
@@ -44,6 +43,7 @@ from dflash_trt.bench.targets import (
 from dflash_trt.bench.workload import Workload, file_workload, parse_synthetic, synthetic_workload
 from dflash_trt.decoding_modes import AR, DECODING_MODES, DecodingMode
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.executors.contract import FollowerRank
 from dflash_trt.inputs import (
     CONCURRENCIES,
     CONCURRENCY,
@@ -469,7 +469,7 @@ def _driver_point(
     base = {"engine": engine.name, "kind": engine.mode, "concurrency": concurrency, "target": describe(engine.target)}
     bar = request_bar(len(workload.requests), f"{engine.name} c={concurrency}", show_progress)
     try:
-        factory = backend_factory(engine.target, workload, cfg.max_batch_size, cfg.kv_cache_free_gpu_mem_fraction)
+        factory = executor_factory(engine.target, workload, cfg.max_batch_size, cfg.kv_cache_free_gpu_mem_fraction)
         point = measure_point(
             factory,
             workload,

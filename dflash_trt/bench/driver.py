@@ -1,10 +1,9 @@
-"""The load generator: closed-loop concurrency or open-loop Poisson arrivals over any executor backend.
+"""The load generator: closed-loop concurrency or open-loop Poisson arrivals over any executor.
 
-A backend takes requests (`submit`) and hands back executor responses in batches (`deliver`), always on the event
+An executor (`dflash_trt.executors.contract`) takes requests and hands back responses in batches, on the event
 loop's thread: one response per decoding iteration of one request, carrying the tokens that iteration produced.
 The driver stamps each batch with its arrival time, so a request's record holds the time of every token, how many
-tokens each iteration yielded (the acceptance source) and the number of iterations. Backends that run their own
-threads (the TensorRT-LLM executor, the CPU golden executor) hand batches over with `loop.call_soon_threadsafe`.
+tokens each iteration yielded (the acceptance source) and the number of iterations.
 
 The driver does as little as possible per response (a list append and a counter), because at 512 users a GPU
 produces tens of thousands of responses per second; `perf/bench_driver.py` measures what it sustains.
@@ -15,81 +14,11 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from dflash_trt.decoding_modes import DFLASH, DecodingMode
 from dflash_trt.errors import DFlashTrtError
-
-
-@dataclass(frozen=True)
-class BenchRequest:
-    """One request of the workload: the prompt's index in the prompt set, its tokens and its output budget, and
-    how it samples (temperature 0 = greedy; `seed` None leaves the seed to the backend's default)."""
-
-    prompt_index: int
-    input_ids: list[int]
-    max_new_tokens: int
-    temperature: float = 0.0
-    seed: int | None = None
-
-
-@dataclass(slots=True)
-class Response:
-    """One executor response: the tokens one decoding iteration produced for request `request_id`."""
-
-    request_id: int
-    tokens: list[int]
-    final: bool = False
-    error: str | None = None
-
-
-Deliver = Callable[[list[Response]], None]
-
-
-class FollowerRank(Exception):
-    """Raised by `Backend.start` on an MPI rank that serves a multi-GPU engine for rank 0 and sends nothing itself.
-
-    Such a rank still walks through every point (each point's executor is built on all ranks together) and
-    writes nothing."""
-
-
-class Backend(ABC):
-    """What the driver needs from an executor. `mode` is its decoding mode; `gpus` divides throughput."""
-
-    mode: DecodingMode = DFLASH
-    gpus: int = 1
-
-    @abstractmethod
-    async def start(self, deliver: Deliver) -> None:
-        """Get ready to serve; from now on every response goes to `deliver`, called on the event loop's thread."""
-
-    @abstractmethod
-    def submit(self, request_id: int, request: BenchRequest) -> None:
-        """Send one request without waiting for it (called on the event loop's thread)."""
-
-    @abstractmethod
-    def cancel(self, request_id: int) -> None:
-        """Stop serving `request_id` (a client went away); responses that still arrive for it may be ignored."""
-
-    @abstractmethod
-    async def stop(self) -> None:
-        """Release what `start` acquired; requests still running may be dropped."""
-
-    def health(self) -> str | None:
-        """Why the backend cannot serve now (its engine is broken), or None when it can."""
-        return None
-
-
-def threadsafe_deliver(deliver: Deliver) -> Deliver:
-    """A `deliver` that backend threads may call: it schedules the real one on the running loop."""
-    loop = asyncio.get_running_loop()
-
-    def from_thread(batch: list[Response]) -> None:
-        loop.call_soon_threadsafe(deliver, batch)
-
-    return from_thread
+from dflash_trt.executors.contract import Executor, Request, Response
 
 
 @dataclass(slots=True)
@@ -117,9 +46,10 @@ class RunTrace:
 
 
 class _Run:
-    def __init__(self, backend: Backend, requests: Sequence[BenchRequest]):
-        self.backend = backend
+    def __init__(self, executor: Executor, requests: Sequence[Request], prompt_indices: Sequence[int]):
+        self.executor = executor
         self.requests = requests
+        self.prompt_indices = prompt_indices
         self.records: list[RequestRecord] = []
         self.in_flight: list[tuple[float, int]] = []
         self.running = 0
@@ -134,11 +64,17 @@ class _Run:
         request = self.requests[self.next_index]
         self.next_index += 1
         now = time.perf_counter() - self.t0
-        record = RequestRecord(len(self.records), request.prompt_index, len(request.input_ids), now)
+        request_id = len(self.records)
+        record = RequestRecord(
+            request_id=request_id,
+            prompt_index=self.prompt_indices[request_id],
+            input_len=len(request.input_ids),
+            sent_s=now,
+        )
         self.records.append(record)
         self.running += 1
         self.in_flight.append((now, self.running))
-        self.backend.submit(record.request_id, request)
+        self.executor.submit(request_id, request)
 
     def deliver(self, batch: list[Response]) -> None:
         now = time.perf_counter() - self.t0
@@ -165,9 +101,10 @@ class _Run:
 
 
 async def run_load(
-    backend: Backend,
-    requests: Sequence[BenchRequest],
+    executor: Executor,
+    requests: Sequence[Request],
     *,
+    prompt_indices: Sequence[int] | None = None,
     concurrency: int | None = None,
     request_rate: float | None = None,
     seed: int = 0,
@@ -175,8 +112,9 @@ async def run_load(
     on_request_done: Callable[[], object] | None = None,
 ) -> RunTrace:
     """Send every request, either `concurrency` at a time (a user sends its next request when the previous one
-    finishes) or at Poisson arrivals of `request_rate` per second, and wait for all of them to finish.
-    `on_request_done` (a progress bar) hears each finished request, on the event loop's thread."""
+    finishes) or at Poisson arrivals of `request_rate` per second, and wait for all of them to finish. Request i
+    asks for prompt `prompt_indices[i]` of the workload (default i). `on_request_done` (a progress bar) hears each
+    finished request, on the event loop's thread."""
     if (concurrency is None) == (request_rate is None):
         raise DFlashTrtError("give exactly one of concurrency and request_rate")
     if concurrency is not None and concurrency < 1:
@@ -185,9 +123,9 @@ async def run_load(
         raise DFlashTrtError(f"request rate must be > 0, got {request_rate}")
     if not requests:
         raise DFlashTrtError("no requests to send")
-    run = _Run(backend, requests)
+    run = _Run(executor, requests, range(len(requests)) if prompt_indices is None else prompt_indices)
     run.on_done = on_request_done or (lambda: None)
-    await backend.start(run.deliver)
+    await executor.start(run.deliver)
     arrivals = None
     try:
         run.t0 = time.perf_counter()
@@ -210,7 +148,7 @@ async def run_load(
     finally:
         if arrivals is not None:
             arrivals.cancel()
-        await backend.stop()
+        await executor.stop()
     duration = max(r.finished_s for r in run.records if r.finished_s is not None)
     return RunTrace(run.records, run.in_flight, duration)
 

@@ -8,10 +8,11 @@ from collections.abc import Callable
 
 from tqdm import tqdm
 
-from dflash_trt.bench.driver import FollowerRank, run_load
+from dflash_trt.bench.driver import run_load
 from dflash_trt.bench.results import BenchPoint, point_from_run
-from dflash_trt.bench.targets import BackendFactory
+from dflash_trt.bench.targets import ExecutorFactory
 from dflash_trt.bench.workload import Workload
+from dflash_trt.executors.contract import FollowerRank
 
 DEFAULT_OPEN_LOOP_BATCH = 16
 # A point's progress bar appears once it has run this long: a refusal at start stays one line, a quick point quiet.
@@ -24,7 +25,7 @@ def request_bar(total: int, description: str, enabled: bool = True) -> tqdm:
 
 
 def measure_point(
-    factory: BackendFactory,
+    factory: ExecutorFactory,
     workload: Workload,
     engine: str,
     *,
@@ -36,7 +37,7 @@ def measure_point(
     max_in_flight: int | None = None,
     on_request_done: Callable[[], object] | None = None,
 ) -> BenchPoint:
-    """Each point gets a fresh backend, so no point inherits another's queue or cache state. `on_request_done`
+    """Each point gets a fresh executor, so no point inherits another's queue or cache state. `on_request_done`
     hears each measured (not warm-up) request finish.
 
     On a follower MPI rank the warm-up's and the run's executors are still built (in step with rank 0), then
@@ -44,14 +45,14 @@ def measure_point(
     in_flight = concurrency or max_in_flight or DEFAULT_OPEN_LOOP_BATCH
     if warmup:
         with contextlib.suppress(FollowerRank):
-            asyncio.run(
-                run_load(factory(in_flight), workload.requests[:warmup], concurrency=in_flight, timeout_s=timeout_s)
-            )
-    backend = factory(in_flight)
+            warm = workload.requests[:warmup]
+            asyncio.run(run_load(factory(in_flight), warm, concurrency=in_flight, timeout_s=timeout_s))
+    executor = factory(in_flight)
     trace = asyncio.run(
         run_load(
-            backend,
+            executor,
             workload.requests,
+            prompt_indices=workload.prompt_indices,
             concurrency=concurrency,
             request_rate=request_rate,
             seed=seed,
@@ -60,5 +61,5 @@ def measure_point(
         )
     )
     return point_from_run(
-        trace, mode=backend.mode, engine=engine, gpus=backend.gpus, concurrency=concurrency, request_rate=request_rate
+        trace, mode=executor.mode, engine=engine, gpus=executor.gpus, concurrency=concurrency, request_rate=request_rate
     )

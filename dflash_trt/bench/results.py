@@ -206,17 +206,24 @@ def write_results(
     Path(path).write_text(strict_json(data) + "\n")
 
 
-def load_results(path: str | Path) -> list[dict[str, Any]]:
-    """The points of a results.json, checked for the keys above."""
+def read_results(path: str | Path) -> dict[str, Any]:
+    """A results.json as written: valid JSON, this schema's `format`, a `points` list. The one reader of the file;
+    what each user needs of the points it checks itself."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
     except OSError as exc:
         raise DFlashTrtError(f"cannot read {path}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise DFlashTrtError(f"{path} is not valid JSON: {exc}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("points"), list):
         raise DFlashTrtError(f"{path} is not a dflash-trt bench results file ({FORMAT})")
+    return data
+
+
+def load_results(path: str | Path) -> list[dict[str, Any]]:
+    """The points of a results.json, checked for the keys above."""
+    data = read_results(path)
     for i, point in enumerate(data["points"]):
         missing = [k for k in POINT_KEYS if not isinstance(point, dict) or k not in point]
         if missing:

@@ -1,4 +1,4 @@
-"""What a benchmark point runs against, and the backend that serves it: one place for `bench` and `sweep`.
+"""What a benchmark point runs against, and the executor that serves it: one place for `bench` and `sweep`.
 
 A target is an engine directory (TensorRT-LLM executor), a converted checkpoint (CPU golden model; mode "ar" runs
 its target alone), a Triton endpoint or an OpenAI endpoint (`dflash-trt serve`), with its decoding mode ("dflash", "ar",
@@ -14,13 +14,13 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from dflash_trt.bench.driver import Backend
 from dflash_trt.bench.workload import Workload
 from dflash_trt.decoding_modes import AR, DECODING_MODES, EAGLE3, DecodingMode
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.executors.contract import Executor
 from dflash_trt.reference.loop_rules import longest_request
 
-BackendFactory = Callable[[int], Backend]  # max requests in flight -> a fresh backend for one point
+ExecutorFactory = Callable[[int], Executor]  # max requests in flight -> a fresh executor for one point
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,26 @@ class Target:
         if self.checkpoint_dir and self.mode == EAGLE3:
             raise DFlashTrtError("a converted DFlash checkpoint runs as kind 'dflash' or 'ar', not 'eagle3'")
 
+    @property
+    def location(self) -> tuple[str, str]:
+        """Which of engine_dir, checkpoint_dir, triton_url and openai_url this target is, and its value."""
+        where = {
+            "engine_dir": self.engine_dir,
+            "checkpoint_dir": self.checkpoint_dir,
+            "triton_url": self.triton_url,
+            "openai_url": self.openai_url,
+        }
+        return next((name, value) for name, value in where.items() if value)
+
+
+# What results.json's provenance calls the executor behind each kind of target.
+PROVENANCE_BACKEND = {
+    "engine_dir": "trtllm",
+    "checkpoint_dir": "golden",
+    "triton_url": "triton",
+    "openai_url": "openai",
+}
+
 
 @lru_cache(maxsize=4)
 def _golden_model(checkpoint_dir: str):
@@ -63,7 +83,7 @@ def _golden_model(checkpoint_dir: str):
 
 
 def _engine_info(target: Target):
-    from dflash_trt.bench.backends.trtllm import inspect_engine
+    from dflash_trt.executors.trtllm import inspect_engine
 
     choices = None if target.eagle_choices is None else [list(c) for c in target.eagle_choices]
     return inspect_engine(str(target.engine_dir), target.mode, target.plugin_library, choices)
@@ -96,21 +116,21 @@ def max_positions(target: Target) -> int | None:
     return None
 
 
-def backend_factory(
+def executor_factory(
     target: Target,
     workload: Workload,
     max_batch_size: int | None = None,
     kv_cache_free_gpu_mem_fraction: float | None = None,
-) -> BackendFactory:
+) -> ExecutorFactory:
     if target.checkpoint_dir:
-        from dflash_trt.bench.backends.golden import GoldenBackend
+        from dflash_trt.executors.golden import GoldenExecutor
 
         model = _golden_model(target.checkpoint_dir)
         stops = [] if workload.ignore_eos else list(model.target.spec.eos_token_ids)
         block = 1 if target.mode == AR else None
         # Never more slots than requests: the CPU executor allocates its caches for every slot.
         requests = len(workload.requests)
-        return lambda in_flight: GoldenBackend(
+        return lambda in_flight: GoldenExecutor(
             model,
             max_batch_size or min(in_flight, requests),
             workload.max_seq_len,
@@ -118,10 +138,10 @@ def backend_factory(
             stop_token_ids=stops,
         )
     if target.engine_dir:
-        from dflash_trt.bench.backends.trtllm import TrtllmBackend
+        from dflash_trt.executors.trtllm import TrtllmExecutor
 
         info = _engine_info(target)
-        return lambda in_flight: TrtllmBackend(
+        return lambda in_flight: TrtllmExecutor(
             info,
             max_batch_size=max_batch_size,
             ignore_eos=workload.ignore_eos,
@@ -129,13 +149,13 @@ def backend_factory(
             kv_cache_free_gpu_memory_fraction=kv_cache_free_gpu_mem_fraction,
         )
     if target.openai_url:
-        from dflash_trt.bench.backends.openai_http import OpenAIBackend
+        from dflash_trt.clients.openai_http import OpenAIExecutor
 
         url = target.openai_url
-        return lambda in_flight: OpenAIBackend(
+        return lambda in_flight: OpenAIExecutor(
             url, mode=target.mode, gpus=target.gpus or 1, ignore_eos=workload.ignore_eos
         )
-    from dflash_trt.bench.backends.triton import TEXT_MODELS, TritonBackend
+    from dflash_trt.clients.triton import TEXT_MODELS, TritonExecutor
 
     tokenizer = None
     if target.triton_model in TEXT_MODELS and target.tokenizer_dir:
@@ -144,13 +164,13 @@ def backend_factory(
         tokenizer = load_tokenizer(target.tokenizer_dir)
     end_id = -1 if workload.ignore_eos else target.end_id
     if target.triton_protocol == "http":
-        from dflash_trt.bench.backends.triton_http import TritonHttpBackend
+        from dflash_trt.clients.triton_http import TritonHttpExecutor
 
         url = f"http://{target.triton_url}"
-        return lambda in_flight: TritonHttpBackend(
+        return lambda in_flight: TritonHttpExecutor(
             url, model=target.triton_model, tokenizer=tokenizer, mode=target.mode, gpus=target.gpus or 1, end_id=end_id
         )
-    return lambda in_flight: TritonBackend(
+    return lambda in_flight: TritonExecutor(
         str(target.triton_url),
         model=target.triton_model,
         mode=target.mode,
@@ -165,18 +185,11 @@ def provenance(target: Target) -> dict[str, Any]:
     """`results.json`'s provenance of a run against `target` starting now."""
     from dflash_trt.bench.provenance import collect
 
-    if target.engine_dir:
-        return collect("trtllm", str(Path(target.engine_dir).resolve()))
-    if target.checkpoint_dir:
-        return collect("golden", str(Path(target.checkpoint_dir).resolve()))
-    return collect("triton", str(target.triton_url))
+    kind, value = target.location
+    place = str(Path(value).resolve()) if kind in ("engine_dir", "checkpoint_dir") else value
+    return collect(PROVENANCE_BACKEND[kind], place)
 
 
 def describe(target: Target) -> dict[str, Any]:
-    where = {
-        "engine_dir": target.engine_dir,
-        "checkpoint_dir": target.checkpoint_dir,
-        "triton_url": target.triton_url,
-        "openai_url": target.openai_url,
-    }
-    return {"kind": target.mode, **{k: v for k, v in where.items() if v}}
+    kind, value = target.location
+    return {"kind": target.mode, kind: value}

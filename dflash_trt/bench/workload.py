@@ -8,12 +8,12 @@ the model's end tokens, like `dflash-trt generate`.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_trt.bench.driver import BenchRequest
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.executors.contract import Request
 from dflash_trt.inputs import MAX_REQUESTS, check_fits_in_memory
 from dflash_trt.prompts import read_prompts
 
@@ -43,9 +43,16 @@ class Synthetic:
 
 @dataclass(frozen=True)
 class Workload:
-    requests: list[BenchRequest]
+    """The requests of a run; request i asks for prompt `prompt_indices[i]` of the set (by default its position)."""
+
+    requests: list[Request]
     ignore_eos: bool
     description: dict[str, Any]
+    prompt_indices: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_indices:
+            object.__setattr__(self, "prompt_indices", list(range(len(self.requests))))
 
     @property
     def max_seq_len(self) -> int:
@@ -57,8 +64,13 @@ class Workload:
             raise DFlashTrtError(f"the number of requests must be in [1, {MAX_REQUESTS}], got {count}")
         per_cycle = sum(len(r.input_ids) + r.max_new_tokens for r in self.requests)
         check_workload_tokens(per_cycle * count // len(self.requests), "--num_requests")
-        cycled = [self.requests[i % len(self.requests)] for i in range(count)]
-        return Workload(cycled, self.ignore_eos, self.description | {"num_requests": count})
+        positions = [i % len(self.requests) for i in range(count)]
+        return Workload(
+            requests=[self.requests[i] for i in positions],
+            ignore_eos=self.ignore_eos,
+            description=self.description | {"num_requests": count},
+            prompt_indices=[self.prompt_indices[i] for i in positions],
+        )
 
 
 def check_request_length(prompt_len: int, new_tokens: int, max_positions: int, where: str) -> None:
@@ -102,8 +114,8 @@ def synthetic_workload(spec: Synthetic, vocab_size: int, seed: int = 0, max_posi
         check_request_length(spec.input_len, spec.output_len, max_positions, MODEL_POSITIONS)
     rng = random.Random(seed)
     requests = [
-        BenchRequest(i, [rng.randrange(vocab_size) for _ in range(spec.input_len)], spec.output_len)
-        for i in range(spec.count)
+        Request(input_ids=[rng.randrange(vocab_size) for _ in range(spec.input_len)], max_new_tokens=spec.output_len)
+        for _ in range(spec.count)
     ]
     description = {
         "kind": "synthetic",
@@ -113,7 +125,7 @@ def synthetic_workload(spec: Synthetic, vocab_size: int, seed: int = 0, max_posi
         "vocab_size": vocab_size,
         "seed": seed,
     }
-    return Workload(requests, ignore_eos=True, description=description)
+    return Workload(requests=requests, ignore_eos=True, description=description)
 
 
 def file_workload(
@@ -133,7 +145,7 @@ def file_workload(
         longest = max(len(ids) for ids in prompts)
         check_request_length(longest, max_new_tokens, max_positions, MODEL_POSITIONS)
     check_workload_tokens(sum(len(ids) + max_new_tokens for ids in prompts), f"the prompts of {path}")
-    requests = [BenchRequest(i, ids, max_new_tokens) for i, ids in enumerate(prompts)]
+    requests = [Request(input_ids=ids, max_new_tokens=max_new_tokens) for ids in prompts]
     description = {
         "kind": "file",
         "path": str(Path(path).resolve()),
@@ -142,4 +154,4 @@ def file_workload(
     }
     if chat_kwargs is not None:
         description["chat_template_kwargs"] = chat_kwargs
-    return Workload(requests, ignore_eos=False, description=description)
+    return Workload(requests=requests, ignore_eos=False, description=description)

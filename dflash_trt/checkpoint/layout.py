@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dflash_trt import tensor_names as names
-from dflash_trt.checkpoint.sharding import ExpertLayout, HeadLayout, Split
+from dflash_trt.checkpoint.sharding import ExpertLayout, HeadLayout, Split, heads_of
 from dflash_trt.spec import (
     CONV_BASE_KERNEL,
     CONV_KERNEL_PROJECTION,
@@ -196,10 +196,6 @@ def _moe_tensors(out_prefix: str, src_prefix: str, hidden: int, moe: MoeSpec, ep
     ]
 
 
-def target_heads(spec: TargetSpec | DraftSpec) -> HeadLayout:
-    return HeadLayout(spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim)
-
-
 def checkpoint_layout(target: TargetSpec, draft: DraftSpec, moe_ep_size: int = 1) -> list[OutputTensor]:
     """Every output tensor, target first, in the order they are written (`moe_ep_size`: expert-parallel groups)."""
     h, vocab = target.hidden_size, target.vocab_size
@@ -212,7 +208,7 @@ def checkpoint_layout(target: TargetSpec, draft: DraftSpec, moe_ep_size: int = 1
             src_prefix,
             h,
             target.intermediate_size,
-            target_heads(target),
+            heads_of(target),
             target.attention_bias,
             target.mlp_bias,
             target.qk_norm,
@@ -238,7 +234,7 @@ def checkpoint_layout(target: TargetSpec, draft: DraftSpec, moe_ep_size: int = 1
             f"layers.{i}.",
             h,
             draft.intermediate_size,
-            target_heads(draft),
+            heads_of(draft),
             draft.attention_bias,
             False,
             True,

@@ -22,6 +22,8 @@ from dflash_trt.errors import DFlashTrtError
 if TYPE_CHECKING:
     import torch
 
+    from dflash_trt.spec import DraftSpec, TargetSpec
+
 Ranges = tuple[tuple[int, int], ...]  # [start, stop) of each leading dimension; the rest are whole
 
 
@@ -101,17 +103,42 @@ def pad_vocab_size(vocab_size: int, tp_size: int) -> int:
     return -(-vocab_size // tp_size) * tp_size
 
 
+def tp_refusal(num_heads: int, num_kv_heads: int, intermediate_size: int, tp_size: int) -> str | None:
+    """Why TensorRT-LLM cannot split a decoder stack over `tp_size` ranks (attention heads split, KV heads split or
+    replicated, MLP rows split), or None. The one TP rule: conversion, build profiles and the planner all ask it."""
+    if tp_size < 1:
+        return f"tp_size must be >= 1, got {tp_size}"
+    if num_heads % tp_size:
+        return f"{num_heads} attention heads cannot be split over tp_size {tp_size}"
+    kv = num_kv_heads
+    if (kv >= tp_size and kv % tp_size) or (kv < tp_size and tp_size % kv):
+        return f"{kv} KV heads cannot be split or replicated over tp_size {tp_size}"
+    if intermediate_size % tp_size:
+        return f"intermediate_size {intermediate_size} is not divisible by tp_size {tp_size}"
+    return None
+
+
+def heads_of(spec: TargetSpec | DraftSpec) -> HeadLayout:
+    return HeadLayout(spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim)
+
+
 def check_tp(heads: HeadLayout, intermediate_size: int, tp_size: int, what: str) -> None:
     """Refuse tp sizes TensorRT-LLM cannot split this model by, with the reason."""
-    if tp_size < 1:
-        raise DFlashTrtError(f"--tp_size must be >= 1, got {tp_size}")
-    if heads.num_heads % tp_size:
-        raise DFlashTrtError(f"{what}: {heads.num_heads} attention heads cannot be split over tp_size {tp_size}")
-    kv = heads.num_kv_heads
-    if (kv >= tp_size and kv % tp_size) or (kv < tp_size and tp_size % kv):
-        raise DFlashTrtError(f"{what}: {kv} KV heads cannot be split or replicated over tp_size {tp_size}")
-    if intermediate_size % tp_size:
-        raise DFlashTrtError(f"{what}: intermediate_size {intermediate_size} is not divisible by tp_size {tp_size}")
+    refusal = tp_refusal(heads.num_heads, heads.num_kv_heads, intermediate_size, tp_size)
+    if refusal is not None:
+        raise DFlashTrtError(f"{what}: {refusal}")
+
+
+def check_parallel(target: TargetSpec, draft: DraftSpec, tp_size: int, moe_ep_size: int) -> None:
+    """Refuse tp / moe_ep sizes TensorRT-LLM cannot split these models by (dense MLPs by tp, experts by both)."""
+    has_dense_mlp = target.moe is None or len(target.moe.sparse_layers) < target.num_hidden_layers
+    dense = target.intermediate_size if has_dense_mlp else tp_size
+    check_tp(heads_of(target), dense, tp_size, "target")
+    check_tp(heads_of(draft), draft.intermediate_size, tp_size, "drafter")
+    if target.moe is not None:
+        check_moe_parallel(target.moe.num_experts, target.moe.intermediate_size, tp_size, moe_ep_size)
+    elif moe_ep_size != 1:
+        raise DFlashTrtError("--moe_ep_size applies to mixture-of-experts targets only")
 
 
 def _kv_heads_of_rank(heads: HeadLayout, tp_size: int, rank: int) -> range:

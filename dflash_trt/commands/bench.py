@@ -17,10 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dflash_trt.bench.driver import FollowerRank
 from dflash_trt.bench.measure import measure_point, request_bar
 from dflash_trt.bench.results import RESULTS_FILE, BenchPoint, sweep_fields, write_results
-from dflash_trt.bench.targets import Target, backend_factory, check_target, max_positions, provenance, vocab_size
+from dflash_trt.bench.targets import Target, check_target, executor_factory, max_positions, provenance, vocab_size
 from dflash_trt.bench.workload import (
     REAL_PROMPTS,
     SYNTHETIC_WARNING,
@@ -32,6 +31,7 @@ from dflash_trt.bench.workload import (
 from dflash_trt.checkpoint.atomic import atomic_directory, check_destination, check_writable
 from dflash_trt.decoding_modes import AR, DFLASH
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.executors.contract import FollowerRank
 from dflash_trt.inputs import (
     CONCURRENCIES,
     CONCURRENCY,
@@ -308,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
 
     points, follower = [], False
     for name, target in chosen.items():
-        factory = backend_factory(target, workload, args.max_batch_size, args.kv_cache_free_gpu_mem_fraction)
+        factory = executor_factory(target, workload, args.max_batch_size, args.kv_cache_free_gpu_mem_fraction)
         for concurrency, rate in [(c, None) for c in concurrencies] + [(None, r) for r in rates]:
             where = f"c={concurrency}" if concurrency else f"rate={rate:g}/s"
             bar = request_bar(len(workload.requests), f"{name} {where}", enabled=not args.json)

@@ -11,7 +11,7 @@ import sys
 import time
 
 from dflash_trt.formats import DTYPES, KV_CACHE_DTYPES, NONE, QFORMATS
-from dflash_trt.inputs import GPUS, POSITIVE_INT, WORKERS
+from dflash_trt.inputs import GPUS, POSITIVE_INT, WORKERS, IntRange
 from dflash_trt.jsonfile import strict_json
 
 
@@ -23,7 +23,12 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output_dir", required=True, help="TensorRT-LLM checkpoint directory to create")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="weight dtype")
     parser.add_argument("--tp_size", type=GPUS, default=1, help="tensor-parallel ranks (default 1)")
-    parser.add_argument("--pp_size", type=int, default=1, help="pipeline-parallel ranks (only 1 is supported)")
+    parser.add_argument(
+        "--pp_size",
+        type=IntRange(1, 1),
+        default=1,
+        help="pipeline-parallel ranks: 1 (TensorRT-LLM's speculative decoding engines need pp_size 1)",
+    )
     parser.add_argument(
         "--moe_ep_size",
         type=GPUS,

@@ -126,21 +126,21 @@ def demo_sweep(
     say,
 ) -> dict:
     """`dflash-trt bench --checkpoint_dir C --concurrency 1,2,4 --baseline ar` on the held-out prompts."""
-    from dflash_trt.bench.driver import BenchRequest
     from dflash_trt.bench.measure import measure_point
     from dflash_trt.bench.results import sweep_fields
-    from dflash_trt.bench.targets import Target, backend_factory, provenance
+    from dflash_trt.bench.targets import Target, executor_factory, provenance
     from dflash_trt.bench.workload import Workload
     from dflash_trt.commands.bench import write_outputs
+    from dflash_trt.executors.contract import Request
 
     workload = Workload(
-        [BenchRequest(i, p, max_new_tokens) for i, p in enumerate(prompts)],
+        requests=[Request(input_ids=p, max_new_tokens=max_new_tokens) for p in prompts],
         ignore_eos=False,
         description={"kind": "demo held-out prompts", "count": len(prompts), "max_new_tokens": max_new_tokens},
     )
     points, origin = [], provenance(Target(DFLASH, checkpoint_dir=str(checkpoint)))
     for mode in (DFLASH, AR):
-        factory = backend_factory(Target(mode, checkpoint_dir=str(checkpoint)), workload)
+        factory = executor_factory(Target(mode, checkpoint_dir=str(checkpoint)), workload)
         points += [measure_point(factory, workload, mode, concurrency=c) for c in SWEEP_CONCURRENCY]
     write_outputs(out, points, workload.description, origin, overwrite)
     rows = [

@@ -20,14 +20,19 @@ import json
 import time
 from pathlib import Path
 
-from dflash_trt.commands.generate import MAX_SEED, check_lengths, sequence_record
+from dflash_trt.commands.generate import check_lengths, sequence_record
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.inputs import POSITIVE_INT, IntRange
+from dflash_trt.inputs import POSITIVE_INT, SEED, TEMPERATURE, IntRange
 from dflash_trt.prompts import read_prompts
 from dflash_trt.reference.loop_rules import longest_request
-from dflash_trt.sampling_rules import sampling_refusal
+from dflash_trt.sampling_rules import Sampling, SamplingRefused
 from dflash_trt.tokenizer import load_tokenizer
-from dflash_trt.trtllm.build_plan import MAX_EAGLE_BATCH_SIZE, XQA_TOKENS_PER_BLOCK
+from dflash_trt.trtllm.build_plan import (
+    MAX_EAGLE_BATCH_SIZE,
+    TOKENS_PER_BLOCK,
+    XQA_TOKENS_PER_BLOCK,
+    EngineBuildSettings,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -42,62 +47,63 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max_batch_size",
         type=IntRange(1, MAX_EAGLE_BATCH_SIZE),
-        default=8,
-        help="requests in flight at once (at most the EAGLE engines' limit)",
+        default=None,
+        help="requests in flight at once (default: the emulated engine's; at most the EAGLE engines' limit)",
     )
     parser.add_argument(
         "--max_num_tokens",
         type=POSITIVE_INT,
         default=None,
-        help="tokens per step; longer prompts are chunked (default 8192)",
+        help=f"tokens per step; longer prompts are chunked (default {EngineBuildSettings.max_num_tokens})",
     )
     parser.add_argument(
         "--tokens_per_block",
         type=int,
         choices=XQA_TOKENS_PER_BLOCK,
-        default=32,
+        default=TOKENS_PER_BLOCK,
         help="paged KV block size (the sizes an engine builds with)",
     )
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--seed", type=int, default=0, help="sequence i draws from seed + i, as generate")
+    parser.add_argument("--temperature", type=TEMPERATURE, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--seed", type=SEED, default=0, help="sequence i draws from seed + i, as generate")
     parser.add_argument("--ignore_eos", action="store_true", help="never stop before --max_new_tokens")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
 
-def check_sampling(args: argparse.Namespace) -> None:
-    """What the engine cannot honour is refused before anything is loaded, in sampling_rules' words."""
-    refusal = sampling_refusal({"temperature": args.temperature, "seed": args.seed})
-    if refusal is not None:
-        raise DFlashTrtError(refusal)
-    if not 0 <= args.seed <= MAX_SEED:
-        raise DFlashTrtError(f"--seed must lie in [0, {MAX_SEED}], got {args.seed}")
+def sequence_sampling(args: argparse.Namespace, count: int) -> list[Sampling]:
+    """The command line's sampling, normalised once: sequence i at --temperature with seed --seed + i."""
+    try:
+        return [Sampling(temperature=args.temperature, seed=args.seed + i) for i in range(count)]
+    except SamplingRefused as exc:
+        raise DFlashTrtError(f"--seed {args.seed} plus the index of each of {count} prompts: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
-    check_sampling(args)
-    from dflash_trt.emulation.runtime import EmulatedRuntime
+    from dflash_trt.emulation.engine import DEFAULT_MAX_BATCH_SIZE, EmulatedEngine
+    from dflash_trt.executors.emulated import decode_batch
     from dflash_trt.reference.stats import mean_acceptance_length, per_position_acceptance
 
     checkpoint_dir = Path(args.checkpoint_dir)
-    runtime = EmulatedRuntime(checkpoint_dir, args.max_batch_size, args.max_num_tokens, args.tokens_per_block)
+    batch = args.max_batch_size or DEFAULT_MAX_BATCH_SIZE
+    engine = EmulatedEngine(checkpoint_dir, batch, args.max_num_tokens, args.tokens_per_block)
     tokenizer = load_tokenizer(checkpoint_dir)
     prompts = read_prompts(args.input_file, tokenizer)
-    longest = longest_request(runtime.facts.max_position_embeddings, runtime.k)
+    longest = longest_request(engine.facts.max_position_embeddings, engine.k)
     check_lengths(args, prompts, longest, "the target's max_position_embeddings less two draft blocks")
-    stop_ids = [] if args.ignore_eos else list(runtime.eos_token_ids)
+    sampling = sequence_sampling(args, len(prompts))
+    stop_ids = [] if args.ignore_eos else list(engine.eos_token_ids)
     started = time.perf_counter()
-    results = runtime.generate(prompts, args.max_new_tokens, stop_ids, temperature=args.temperature, seed=args.seed)
+    results = decode_batch(engine, prompts, args.max_new_tokens, stop_ids, sampling=sampling)
     seconds = time.perf_counter() - started
     generated = sum(len(r.output_ids) for r in results)
     sequences = [sequence_record(r, tokenizer, False) for r in results]
     report = {
         "sequences": sequences,
         "mean_acceptance_length": mean_acceptance_length(results),
-        "per_position_acceptance": per_position_acceptance(results, runtime.block - 1),
+        "per_position_acceptance": per_position_acceptance(results, engine.block - 1),
         "generated_tokens": generated,
         "tokens_per_second": generated / seconds if seconds > 0 else None,
-        "engine_steps": runtime.stats.steps,
+        "engine_steps": engine.stats.steps,
     }
     if args.json:
         print(json.dumps(report))
@@ -107,6 +113,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{i}] {shown!r}  acceptance {record['acceptance_lengths']}")
     print(
         f"mean acceptance length {report['mean_acceptance_length']:.2f}, {generated} tokens in "
-        f"{runtime.stats.steps} engine steps, {seconds:.2f} s"
+        f"{engine.stats.steps} engine steps, {seconds:.2f} s"
     )
     return 0

@@ -19,7 +19,6 @@ tokens at temperature 0 but may differ in the last acceptance lengths.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
@@ -28,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.inputs import DRAFT_TREE, POSITIVE_INT, TOKEN_ID
+from dflash_trt.inputs import DRAFT_TREE, POSITIVE_INT, SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P
 from dflash_trt.jsonfile import strict_json
 from dflash_trt.prompts import CHAT_TEMPLATE_KWARGS_HELP, parse_chat_template_kwargs, read_prompts
-from dflash_trt.sampling_rules import ENGINE, MAX_SEED, METHODS
+from dflash_trt.sampling_rules import ENGINE, METHODS
 from dflash_trt.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
@@ -48,16 +47,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--chat_template_kwargs", default=None, help=CHAT_TEMPLATE_KWARGS_HELP)
     parser.add_argument("--max_new_tokens", type=POSITIVE_INT, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top_p", type=float, default=1.0, help="--sampling reference only")
-    parser.add_argument("--top_k", type=int, default=0, help="--sampling reference only")
+    parser.add_argument("--temperature", type=TEMPERATURE, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top_p", type=TOP_P, default=1.0, help="--sampling reference only")
+    parser.add_argument("--top_k", type=TOP_K, default=0, help="--sampling reference only")
     parser.add_argument(
         "--sampling",
         choices=METHODS,
         default=ENGINE,
         help="rule at temperature > 0: the engine's (default) or dflash_generate's",
     )
-    parser.add_argument("--seed", type=int, default=0, help="sequence i draws from seed + i (engine rule)")
+    parser.add_argument("--seed", type=SEED, default=0, help="sequence i draws from seed + i (engine rule)")
     parser.add_argument("--block_size", type=POSITIVE_INT, default=None, help="verify block (default: the drafter's)")
     parser.add_argument(
         "--draft_tree",
@@ -97,27 +96,6 @@ def step_record(step: StepTrace) -> dict[str, Any]:
     return record
 
 
-# The smallest temperature above 0: a logit of ~100 divided by it stays far inside float32's range.
-MIN_TEMPERATURE = 1e-6
-
-
-def check_arguments(args: argparse.Namespace) -> None:
-    """Refuse, before loading anything, values that would fail half-way (overflow) or decode silently wrong
-    (a NaN temperature)."""
-    for name in ("temperature", "top_p"):
-        if not math.isfinite(getattr(args, name)):
-            raise DFlashTrtError(f"--{name} must be a finite number, got {getattr(args, name)}")
-    if 0 < args.temperature < MIN_TEMPERATURE:
-        raise DFlashTrtError(
-            f"--temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {args.temperature:g}: logits "
-            "divided by a smaller one overflow float32"
-        )
-    if not 0 <= args.seed <= MAX_SEED:
-        raise DFlashTrtError(f"--seed must lie in [0, {MAX_SEED}], got {args.seed}")
-    if args.max_new_tokens < 1:
-        raise DFlashTrtError(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}")
-
-
 def check_lengths(
     args: argparse.Namespace, prompts: list[list[int]], limit: int, what: str = "the target's max_position_embeddings"
 ) -> None:
@@ -147,7 +125,6 @@ def run(args: argparse.Namespace) -> int:
         per_position_rank_rates,
     )
 
-    check_arguments(args)
     checkpoint_dir = Path(args.checkpoint_dir)
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.sampling)
     per_sequence_sampling(sampling, 1)  # refuse what the chosen rule cannot honour before loading anything

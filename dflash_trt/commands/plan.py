@@ -31,14 +31,28 @@ from dflash_trt.analysis.model import (
 from dflash_trt.analysis.pareto import Point, crossover_concurrency, speedup_table
 from dflash_trt.analysis.published import PAIRS, TAU_SOURCES, TAUS, WORKLOADS, pair_for_models, workload_taus
 from dflash_trt.analysis.shapes import eagle3_like, load_models
+from dflash_trt.checkpoint.sharding import tp_refusal
 from dflash_trt.decoding_modes import AR, DFLASH, EAGLE3
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import KV_CACHE_DTYPES, NONE, QFORMATS
-from dflash_trt.inputs import POSITIVE_INT, SPEED
+from dflash_trt.inputs import (
+    CONCURRENCIES,
+    POSITIVE_INT,
+    SPEED,
+    SPEED_LEVELS,
+    TEMPERATURE,
+    FloatRange,
+    IntRange,
+)
+from dflash_trt.inputs import GPUS as GPU_COUNT
 from dflash_trt.jsonfile import strict_json
-from dflash_trt.pipeline.profiles import check_tp_heads, load_profile
+from dflash_trt.pipeline.profiles import load_profile
+from dflash_trt.trtllm.build_plan import MAX_EAGLE_DRAFT_LEN
 
 DEFAULT_LENGTHS = (1024, 1024)
+# Draft tokens per step and tokens accepted per step (the bonus included) an EAGLE-mode engine can be built for.
+DRAFT_LEN = IntRange(1, MAX_EAGLE_DRAFT_LEN)
+ACCEPTANCE_LENGTH = FloatRange(1.0, MAX_EAGLE_DRAFT_LEN + 1)
 BAND_CAVEAT = (
     "note: ratios at levels only AR's smallest batches reach compare against AR's last frontier point and grow "
     "without bound near its ceiling; the held-out evaluation (plan --validate) shows where the model misses."
@@ -58,22 +72,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src.add_argument("--preset", choices=sorted(PAIRS), help="a published target + DFlash drafter pair")
     p.add_argument("--dflash_model_dir", help="DFlash drafter folder (z-lab or speculators format); with --model_dir")
     p.add_argument("--gpu", choices=sorted(GPUS), default="b200")
-    p.add_argument("--tp_size", type=int, default=1)
+    p.add_argument("--tp_size", type=GPU_COUNT, default=1)
     p.add_argument("--qformat", choices=QFORMATS, default=NONE, help="weight format (none = 16-bit weights)")
     p.add_argument("--kv_cache_dtype", choices=KV_CACHE_DTYPES, default=NONE)
     _add_acceptance_args(p)
-    p.add_argument("--eagle3_acceptance_length", type=float, help="also predict an EAGLE-3-like drafter")
-    p.add_argument("--eagle3_steps", type=int, default=3)
-    p.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256", help="comma-separated list")
-    p.add_argument("--isl", type=int, help="mean input length in tokens (default 1024; --config: the sweep's)")
-    p.add_argument("--osl", type=int, help="mean output length in tokens (default 1024; --config: the sweep's)")
+    p.add_argument("--eagle3_acceptance_length", type=ACCEPTANCE_LENGTH, help="also predict an EAGLE-3-like drafter")
+    p.add_argument("--eagle3_steps", type=DRAFT_LEN, default=3)
+    p.add_argument("--concurrency", type=CONCURRENCIES, default="1,2,4,8,16,32,64,128,256", help="comma-separated list")
+    for flag, what in (("--isl", "input"), ("--osl", "output")):
+        p.add_argument(
+            flag, type=POSITIVE_INT, help=f"mean {what} length in tokens (default 1024; --config: the sweep's)"
+        )
     p.add_argument(
         "--calibration",
         default="trtllm",
         help=f"fitted overheads: one of {', '.join(HARNESSES)} (one committed calibration each, with its error band) "
         "or a file written by --calibrate --output (refused on other hardware)",
     )
-    p.add_argument("--levels", help="comma-separated tok/s/user values for the speedup-vs-AR table")
+    p.add_argument("--levels", type=SPEED_LEVELS, help="comma-separated tok/s/user values for the speedup-vs-AR table")
     p.add_argument(
         "--max_batch_size",
         type=POSITIVE_INT,
@@ -108,13 +124,13 @@ def _add_acceptance_args(p: argparse.ArgumentParser) -> None:
     """Where the DFlash acceptance comes from and at which draft length it was measured and is planned."""
     p.add_argument(
         "--acceptance_length",
-        type=float,
+        type=ACCEPTANCE_LENGTH,
         help="mean tokens per verify step incl. the bonus token, as measured with --acceptance_draft_len drafts per "
         "step (default with --preset: the published value, measured with the drafter's full block)",
     )
     p.add_argument(
         "--acceptance_draft_len",
-        type=POSITIVE_INT,
+        type=DRAFT_LEN,
         help="the draft length --acceptance_length was measured at (default: the drafter's block - 1); with "
         "--max_draft_len the mean is re-derived for that length: a shorter draft cuts every longer accepted run, a "
         "longer one continues at the measured per-position rate",
@@ -129,11 +145,11 @@ def _add_acceptance_args(p: argparse.ArgumentParser) -> None:
         help=f"with --preset: the dataset (or {', '.join(WORKLOADS)}) whose published acceptance lengths to use",
     )
     p.add_argument(
-        "--temperature", type=float, help="with --preset: the sampling temperature of those lengths (0 or 1)"
+        "--temperature", type=TEMPERATURE, help="with --preset: the sampling temperature of those lengths (0 or 1)"
     )
     p.add_argument(
         "--max_draft_len",
-        type=int,
+        type=DRAFT_LEN,
         help="drafts per step to plan for (default: what the acceptance was measured at; at most block - 1)",
     )
 
@@ -149,32 +165,8 @@ def _emit(text: str) -> None:
         raise DFlashTrtError("standard output was closed before the output was written (broken pipe)") from None
 
 
-def _ints(text: str, what: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise DFlashTrtError(f"{what} must be comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise DFlashTrtError(f"{what} must list positive integers, got {text!r}")
-    return values
-
-
-def _levels(text: str) -> list[float]:
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise DFlashTrtError(f"--levels must be comma-separated numbers, got {text!r}") from None
-    if not values or any(not math.isfinite(v) or v <= 0 for v in values):
-        raise DFlashTrtError(f"--levels must list positive finite numbers, got {text!r}")
-    return values
-
-
 def _lengths(args: argparse.Namespace, default: tuple[int, int]) -> tuple[int, int]:
-    isl = default[0] if args.isl is None else args.isl
-    osl = default[1] if args.osl is None else args.osl
-    if isl < 1 or osl < 1:
-        raise DFlashTrtError(f"--isl and --osl must be positive token counts, got {isl} and {osl}")
-    return isl, osl
+    return (default[0] if args.isl is None else args.isl), (default[1] if args.osl is None else args.osl)
 
 
 def _published_taus(args: argparse.Namespace) -> tuple[list[float], str]:
@@ -205,7 +197,7 @@ def _measured_acceptance(args: argparse.Namespace, block: int) -> tuple[list[Acc
         return [acc], f"acceptance from {path}, measured with {acc.max_length - 1} drafts per step"
     if args.acceptance_length is not None:
         drafts = block - 1 if args.acceptance_draft_len is None else args.acceptance_draft_len
-        if not 1 <= drafts < block:
+        if drafts >= block:
             raise DFlashTrtError(f"--acceptance_draft_len must lie in [1, {block - 1}] (the drafter's block - 1)")
         acc = Acceptance.from_mean(args.acceptance_length, drafts + 1)
         return [acc], f"acceptance length {args.acceptance_length:g} given, measured with {drafts} drafts per step"
@@ -219,7 +211,7 @@ def load_acceptance(args: argparse.Namespace, block: int) -> tuple[list[Acceptan
     accs, note = _measured_acceptance(args, block)
     if args.max_draft_len is None:
         return accs, note
-    if not 1 <= args.max_draft_len < block:
+    if args.max_draft_len >= block:
         raise DFlashTrtError(f"--max_draft_len must lie in [1, {block - 1}]")
     resized = [a.resized(args.max_draft_len + 1) for a in accs]
     means = ", ".join(f"{a.mean():.2f}" for a in resized)
@@ -227,11 +219,17 @@ def load_acceptance(args: argparse.Namespace, block: int) -> tuple[list[Acceptan
 
 
 def _check_tp(target: TargetShape, drafter: DFlashShape | None, tp: int) -> None:
-    if tp < 1:
-        raise DFlashTrtError(f"--tp_size must be a positive integer, got {tp}")
-    check_tp_heads("target", target.stack.num_heads, target.stack.num_kv_heads, tp)
-    if drafter is not None:
-        check_tp_heads("drafter", drafter.stack.num_heads, drafter.stack.num_kv_heads, tp)
+    for what, model in (("target", target), ("drafter", drafter)):
+        stack = None if model is None else model.stack
+        refusal = None if stack is None else tp_refusal(stack.num_heads, stack.num_kv_heads, stack.intermediate, tp)
+        if refusal is not None:
+            raise DFlashTrtError(f"{what}: {refusal}")
+
+
+def _eagle3_method(args: argparse.Namespace, target: TargetShape) -> Method:
+    """An EAGLE-3-like drafter of --eagle3_steps drafts at --eagle3_acceptance_length."""
+    acc = Acceptance.from_mean(args.eagle3_acceptance_length, args.eagle3_steps + 1)
+    return Method(EAGLE3, eagle3_like(target, args.eagle3_steps), acc)
 
 
 def _models(args: argparse.Namespace) -> tuple[TargetShape, DFlashShape | None]:
@@ -483,13 +481,8 @@ def _curves(args: argparse.Namespace) -> None:
         notes.append(note)
     elif args.acceptance_length is not None or args.acceptance_json:
         raise DFlashTrtError("an acceptance distribution needs a drafter: pass --dflash_model_dir")
-    extra = []
-    if args.eagle3_acceptance_length is not None:
-        if args.eagle3_steps < 1:
-            raise DFlashTrtError(f"--eagle3_steps must be a positive integer, got {args.eagle3_steps}")
-        eagle_acc = Acceptance.from_mean(args.eagle3_acceptance_length, args.eagle3_steps + 1)
-        extra.append(Method(EAGLE3, eagle3_like(target, args.eagle3_steps), eagle_acc))
-    conc = _ints(args.concurrency, "--concurrency")
+    extra = [] if args.eagle3_acceptance_length is None else [_eagle3_method(args, target)]
+    conc = args.concurrency
     lengths = _lengths(args, DEFAULT_LENGTHS)
     limits = _limits(args, conc)
     variants = {}
@@ -500,7 +493,7 @@ def _curves(args: argparse.Namespace) -> None:
         curves = {n: _ran(c) for n, c in feasible.items()}
         table, crossovers = [], {}
         if curves[AR]:  # nothing to compare against when not even AR's weights fit
-            levels = _levels(args.levels) if args.levels else [p.tok_s_user for p in curves[AR]]
+            levels = args.levels or [p.tok_s_user for p in curves[AR]]
             table = speedup_table([p for c in curves.values() for p in c], AR, levels)
             ar_batches = {p.concurrency for p in curves[AR]}
             crossovers = {
@@ -613,10 +606,7 @@ def _node(args: argparse.Namespace) -> None:
         methods[DFLASH] = [Method(DFLASH, drafter, a) for a in accs]
         notes.append(note)
     if args.eagle3_acceptance_length is not None:
-        if args.eagle3_steps < 1:
-            raise DFlashTrtError(f"--eagle3_steps must be a positive integer, got {args.eagle3_steps}")
-        acc = Acceptance.from_mean(args.eagle3_acceptance_length, args.eagle3_steps + 1)
-        methods[EAGLE3] = [Method(EAGLE3, eagle3_like(target, args.eagle3_steps), acc)]
+        methods[EAGLE3] = [_eagle3_method(args, target)]
     else:
         notes.append("eagle3: not planned (give --eagle3_acceptance_length)")
     lengths = _lengths(args, DEFAULT_LENGTHS)

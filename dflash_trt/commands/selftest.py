@@ -95,13 +95,14 @@ def engine_generate(
     are that iteration's acceptance length. The first response (the context step's first token) is not counted,
     as in the golden loop.
     """
-    from dflash_trt.bench.backends.trtllm import TrtllmBackend, inspect_engine
-    from dflash_trt.bench.driver import BenchRequest, run_load
+    from dflash_trt.bench.driver import run_load
+    from dflash_trt.executors.contract import Request
+    from dflash_trt.executors.trtllm import TrtllmExecutor, inspect_engine
 
     info = inspect_engine(engine_dir, DFLASH, plugin_library)
-    backend = TrtllmBackend(info, max_batch_size=len(prompts), end_id=end_id, enable_chunked_context=chunked_context)
-    requests = [BenchRequest(i, p, max_new_tokens) for i, p in enumerate(prompts)]
-    trace = asyncio.run(run_load(backend, requests, concurrency=len(requests), timeout_s=600))
+    executor = TrtllmExecutor(info, max_batch_size=len(prompts), end_id=end_id, enable_chunked_context=chunked_context)
+    requests = [Request(input_ids=p, max_new_tokens=max_new_tokens) for p in prompts]
+    trace = asyncio.run(run_load(executor, requests, concurrency=len(requests), timeout_s=600))
     errors = [f"prompt {r.prompt_index}: {r.error}" for r in trace.records if r.error]
     if errors:
         raise DFlashTrtError("the engine failed requests: " + "; ".join(errors))
@@ -111,19 +112,19 @@ def engine_generate(
 
 def bench_once(engine_dir: Path, plugin_library: str, prompts: list[list[int]], max_new_tokens: int) -> dict:
     """A short concurrency-1 run of the load generator on the same prompts: speed, TTFT/TPOT, acceptance."""
-    from dflash_trt.bench.backends.trtllm import TrtllmBackend, inspect_engine
-    from dflash_trt.bench.driver import BenchRequest
     from dflash_trt.bench.measure import measure_point
     from dflash_trt.bench.workload import Workload
+    from dflash_trt.executors.contract import Request
+    from dflash_trt.executors.trtllm import TrtllmExecutor, inspect_engine
 
     info = inspect_engine(engine_dir, DFLASH, plugin_library)
     workload = Workload(
-        [BenchRequest(i, p, max_new_tokens) for i, p in enumerate(prompts)],
+        requests=[Request(input_ids=p, max_new_tokens=max_new_tokens) for p in prompts],
         ignore_eos=False,
         description={"kind": "selftest", "count": len(prompts)},
     )
     point = measure_point(
-        lambda _: TrtllmBackend(info, max_batch_size=1), workload, DFLASH, concurrency=1, timeout_s=600
+        lambda _: TrtllmExecutor(info, max_batch_size=1), workload, DFLASH, concurrency=1, timeout_s=600
     )
     return point.without_detail()
 

@@ -14,10 +14,12 @@ from pathlib import Path
 
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.inputs import MAX_REQUESTS, MAX_TIMEOUT_S, PORT, POSITIVE_INT, URL, IntRange
+from dflash_trt.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
 from dflash_trt.tokenizer import load_tokenizer
 from dflash_trt.trtllm.build_plan import MAX_EAGLE_BATCH_SIZE
 
 API_KEY_ENV = "DFLASH_TRT_API_KEY"
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -38,7 +40,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="requests in the engine at once (default: the engine's)",
     )
     parser.add_argument(
-        "--max_queue_size", type=IntRange(0, MAX_REQUESTS), default=1024, help="requests waiting beyond that; then 503"
+        "--max_queue_size",
+        type=IntRange(0, MAX_REQUESTS),
+        default=DEFAULT_MAX_QUEUE,
+        help="requests waiting beyond that; then 503",
     )
     parser.add_argument(
         "--max_seq_len", type=POSITIVE_INT, help="prompt + output tokens per request (default: the engine's)"
@@ -47,7 +52,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--triton_model", default="tensorrt_llm", help="model that takes token ids")
     parser.add_argument("--ignore_eos", action="store_true", help="never stop at EOS (benchmarks)")
     parser.add_argument(
-        "--max_request_bytes", type=IntRange(1024, 2**31 - 1), default=8 * 1024 * 1024, help="largest request body"
+        "--max_request_bytes",
+        type=IntRange(1024, 2**31 - 1),
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest request body",
     )
     parser.add_argument(
         "--drain_timeout_s",
@@ -55,6 +63,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="on SIGTERM, wait at most this long for requests",
     )
     parser.add_argument("--api_key", help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV})")
+    parser.add_argument("--log_level", choices=LOG_LEVELS, default="info", help="the server's log on stderr")
+    parser.add_argument(
+        "--access_log", action="store_true", help="log one line per HTTP request (status, time, id; no prompts)"
+    )
     parser.set_defaults(func=run)
 
 
@@ -65,9 +77,11 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dflash_trt.server.launch import listen, make_app, uvicorn_server
+    from dflash_trt.server.observability import configure_logging
     from dflash_trt.server.targets import checkpoint_target, engine_target, triton_target
 
     check_arguments(args)
+    configure_logging(args.log_level)
     tokenizer_dir = args.tokenizer_dir or args.checkpoint_dir
     tokenizer = load_tokenizer(tokenizer_dir)
     if tokenizer is None:
@@ -92,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         max_queue=args.max_queue_size,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_body_bytes=args.max_request_bytes,
+        access_log=args.access_log,
     )
     sock = listen(args.host, args.port)
     host, port = sock.getsockname()[:2]

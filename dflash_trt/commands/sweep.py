@@ -17,7 +17,6 @@ from dflash_trt.analysis.sweep import (
     run_sweep,
     write_json_atomic,
 )
-from dflash_trt.bench.driver import FollowerRank
 from dflash_trt.bench.results import RESULTS_FILE
 from dflash_trt.bench.targets import describe
 from dflash_trt.bench.workload import SYNTHETIC_WARNING
@@ -25,6 +24,7 @@ from dflash_trt.checkpoint.atomic import check_output_apart
 from dflash_trt.commands.bench import provenance_table
 from dflash_trt.decoding_modes import AR
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.executors.contract import FollowerRank
 from dflash_trt.inputs import SPEED_LEVELS
 from dflash_trt.jsonfile import read_json_object, strict_json
 

@@ -15,10 +15,10 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.inputs import POSITIVE_INT, IntRange
+from dflash_trt.inputs import MEMORY_FRACTION, POSITIVE_INT, IntRange
 from dflash_trt.jsonfile import strict_json
 from dflash_trt.prompts import CHAT_TEMPLATE_KWARGS_HELP, parse_chat_template_kwargs
-from dflash_trt.triton.serving import ServingSettings, override_serving
+from dflash_trt.triton.serving import MAX_REPLICAS, ServingSettings, override_serving
 from dflash_trt.trtllm.build_plan import MAX_EAGLE_BATCH_SIZE
 
 CPU_MAX_BATCH_SIZE = 8  # --checkpoint_dir's default
@@ -85,7 +85,7 @@ def _add_serving_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = ServingSettings()
     parser.add_argument(
         "--kv_cache_free_gpu_mem_fraction",
-        type=float,
+        type=MEMORY_FRACTION,
         default=None,
         help="share of free GPU memory for the KV cache (default: the profile's with --config, else "
         f"{defaults.kv_cache_free_gpu_mem_fraction})",
@@ -98,7 +98,7 @@ def _add_serving_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--instance_count",
-        type=int,
+        type=POSITIVE_INT,
         default=None,
         help=f"pre/post-processing model instances (default: the profile's with --config, else "
         f"{defaults.instance_count})",
@@ -106,7 +106,7 @@ def _add_serving_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat_template_kwargs", default=None, help=CHAT_TEMPLATE_KWARGS_HELP)
     parser.add_argument(
         "--replicas",
-        type=int,
+        type=IntRange(1, MAX_REPLICAS),
         default=None,
         help="copies of the engine on one node, each on its own tp_size GPUs (tensorrtllm orchestrator mode; "
         f"default: the profile's with --config, else {defaults.replicas})",

@@ -25,9 +25,9 @@ from dflash_trt.checkpoint.atomic import atomic_directory, check_destination, ch
 from dflash_trt.checkpoint.draft_vocabulary import MAP_DTYPES, check_draft_vocabulary
 from dflash_trt.checkpoint.hf_reader import HFCheckpointReader, open_drafter
 from dflash_trt.checkpoint.integrity import write_integrity_record
-from dflash_trt.checkpoint.layout import DRAFT, TARGET, target_heads
+from dflash_trt.checkpoint.layout import DRAFT, TARGET
 from dflash_trt.checkpoint.safetensors_io import SafetensorsFile, readable_dtype
-from dflash_trt.checkpoint.sharding import check_moe_parallel, check_tp, pad_vocab_size
+from dflash_trt.checkpoint.sharding import check_parallel, pad_vocab_size
 from dflash_trt.checkpoint.stored import QuantSettings
 from dflash_trt.checkpoint.trtllm_config import checkpoint_config
 from dflash_trt.conversion.plan import ConversionPlan, rank_file
@@ -437,17 +437,6 @@ def check_calibration_prompts(
             f"tokens decoded after it exceeds the target's max_position_embeddings ({max_positions}); give "
             f"--calib_max_seq_len {max_positions - CALIBRATION_NEW_TOKENS} or less"
         )
-
-
-def check_parallel(target: TargetSpec, draft: DraftSpec, tp_size: int, moe_ep_size: int) -> None:
-    """Refuse tp / moe_ep sizes TensorRT-LLM cannot split these models by (dense MLPs by tp, experts by both)."""
-    has_dense_mlp = target.moe is None or len(target.moe.sparse_layers) < target.num_hidden_layers
-    check_tp(target_heads(target), target.intermediate_size if has_dense_mlp else tp_size, tp_size, "target")
-    check_tp(target_heads(draft), draft.intermediate_size, tp_size, "drafter")
-    if target.moe is not None:
-        check_moe_parallel(target.moe.num_experts, target.moe.intermediate_size, tp_size, moe_ep_size)
-    elif moe_ep_size != 1:
-        raise DFlashTrtError("--moe_ep_size applies to mixture-of-experts targets only")
 
 
 def calibrated_scales(

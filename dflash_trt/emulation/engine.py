@@ -2,7 +2,8 @@
 
 It holds what a built engine fixes (the network, its draft length, its KV geometry and cache dtype, its batch and
 token limits) and runs one forward over inputs the runtime prepared, returning the outputs the runtime binds.
-Requests, scheduling and the KV pages belong to `executor.py`; this module knows nothing of them.
+Requests, scheduling and the KV pages belong to the emulated executor (`dflash_trt/executors/emulated.py`); this
+module knows nothing of them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from dflash_trt.emulation.stand_ins import load_engine_module, stand_ins_install
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.trtllm.build_plan import (
+    TOKENS_PER_BLOCK,
+    EngineBuildSettings,
     chain_draft_paths,
     check_kv_geometry,
     check_moe_layers,
@@ -31,6 +34,8 @@ from dflash_trt.trtllm.build_plan import (
     read_checkpoint_facts,
 )
 
+DEFAULT_MAX_BATCH_SIZE = 8  # requests the emulated engine batches when no --max_batch_size is given
+CONTEXT_REQUEST, GENERATION_REQUEST = 0, 1  # host_request_types values (RequestType in the C++ runtime)
 ACCEPT_OUTPUTS = (
     "accepted_tokens",
     "num_accepted_tokens",
@@ -44,7 +49,8 @@ ACCEPT_OUTPUTS = (
 
 @dataclass
 class StepStats:
-    """What the engine ran: steps, context chunks, the largest batch and the largest cumsum-by-square scan."""
+    """What the engine ran: steps, context chunks (rows of context requests), the largest batch and the largest
+    cumsum-by-square scan; counted by the engine from the inputs it ran."""
 
     steps: int = 0
     context_chunks: int = 0
@@ -58,9 +64,9 @@ class EmulatedEngine:
     def __init__(
         self,
         checkpoint_dir: str | Path,
-        max_batch_size: int = 8,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         max_num_tokens: int | None = None,
-        tokens_per_block: int = 32,
+        tokens_per_block: int = TOKENS_PER_BLOCK,
     ):
         checkpoint_dir = Path(checkpoint_dir)
         raw = read_json_object(
@@ -95,7 +101,7 @@ class EmulatedEngine:
             raise DFlashTrtError(f"--tokens_per_block must be a power of two, got {tokens_per_block}")
         # builder.build() raises max_num_tokens to max_batch_size * (K + 1) for EAGLE engines.
         floor = max_batch_size * self.block
-        self.max_num_tokens = max(max_num_tokens or 8192, floor)
+        self.max_num_tokens = max(max_num_tokens or EngineBuildSettings.max_num_tokens, floor)
         if max_num_tokens is not None and max_num_tokens < floor:
             raise DFlashTrtError(f"--max_num_tokens must be at least max_batch_size * block_size = {floor}")
         self.max_batch_size = max_batch_size
@@ -132,6 +138,8 @@ class EmulatedEngine:
             if differing:
                 raise EmulationError(f"tp rank {rank} disagrees with rank 0 on {differing}")
         self.stats.steps += 1
+        types = inputs["attention_params"].host_request_types.data
+        self.stats.context_chunks += int((types == CONTEXT_REQUEST).sum())
         self.stats.max_batch = max(self.stats.max_batch, batch_size)
         self.stats.largest_cumsum_square = max([self.stats.largest_cumsum_square, *network.cumsum_square_elements])
         return outputs

@@ -34,7 +34,8 @@ def pad_vocab_size(vocab_size: int, tp_size: int) -> int:
     return -(-vocab_size // tp_size) * tp_size
 
 
-# Exactly the symbols the engine's sources take from tensorrt / tensorrt_llm (tests/test_emulation.py checks it).
+# Exactly the symbols the engine's sources take from tensorrt / tensorrt_llm (tests/emulation/test_emulation.py
+# checks it).
 REGISTRY: dict[str, dict[str, Any]] = {
     "tensorrt": {
         name: getattr(trt, name)

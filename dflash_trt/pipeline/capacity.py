@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_trt.analysis.gpus import get_gpu
-from dflash_trt.analysis.memory import EngineLimits, blocks_per_sequence, budget, headroom_tokens
+from dflash_trt.analysis.memory import Budget, EngineLimits, blocks_per_sequence, budget, headroom_tokens
 from dflash_trt.analysis.model import PRECISION, Deployment, DFlashShape, TargetShape
 from dflash_trt.analysis.shapes import load_models
 from dflash_trt.errors import DFlashTrtError
@@ -20,24 +20,19 @@ from dflash_trt.pipeline.profiles import BuildProfile
 
 @dataclass(frozen=True)
 class Capacity:
-    """Per-GPU memory budget of one profile and the sequences its KV pool holds."""
+    """Per-GPU memory budget of one profile (`analysis.memory`'s) and the sequences its KV pool holds."""
 
-    memory_bytes: float
-    weights_bytes: float
-    activation_bytes: float
-    runtime_bytes: float
-    kv_pool_bytes: float
-    kv_bytes_per_token: float
-    tokens_per_block: int
+    budget: Budget
     headroom_tokens: int
-    blocks: int
     shape: tuple[int, int]
     sequences_at_shape: int
     max_seq_len: int
     sequences_at_max_seq_len: int
 
     def as_json(self) -> dict:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in vars(self).items()}
+        """One flat object: the budget's fields, then the sequences."""
+        fields = {**vars(self.budget), **{k: v for k, v in vars(self).items() if k != "budget"}}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}
 
 
 def profile_deployment(profile: BuildProfile) -> Deployment:
@@ -79,15 +74,8 @@ def plan_capacity(
             "quantize"
         )
     return Capacity(
-        memory_bytes=b.memory_bytes,
-        weights_bytes=b.weights_bytes,
-        activation_bytes=b.activation_bytes,
-        runtime_bytes=b.runtime_bytes,
-        kv_pool_bytes=b.kv_pool_bytes,
-        kv_bytes_per_token=b.kv_bytes_per_token,
-        tokens_per_block=tpb,
+        budget=b,
         headroom_tokens=headroom_tokens(k),
-        blocks=b.blocks,
         shape=(isl, osl),
         # The engine refuses a request longer than max_seq_len, however many blocks are free.
         sequences_at_shape=0 if isl + osl > eng.max_seq_len else b.blocks // blocks_per_sequence(isl, osl, k, tpb),
@@ -125,17 +113,17 @@ def checkpoint_warnings(profile: BuildProfile, target_dir: Path, draft_dir: Path
 
 def describe(profile: BuildProfile, capacity: Capacity) -> str:
     """Human-readable lines for `plan --config`."""
-    c, gb = capacity, 1e9
+    c, b, gb = capacity, capacity.budget, 1e9
     isl, osl = c.shape
     return "\n".join(
         [
             f"{profile.name}: {profile.gpu} x{profile.checkpoint.tp_size}, per GPU:",
-            f"  weights {c.weights_bytes / gb:.2f} GB, activations {c.activation_bytes / gb:.2f} GB (assumed), "
-            f"runtime {c.runtime_bytes / gb:.2f} GB (assumed)",
-            f"  KV pool {c.kv_pool_bytes / gb:.2f} GB (of {c.memory_bytes / gb:.2f} GB) at "
+            f"  weights {b.weights_bytes / gb:.2f} GB, activations {b.activation_bytes / gb:.2f} GB (assumed), "
+            f"runtime {b.runtime_bytes / gb:.2f} GB (assumed)",
+            f"  KV pool {b.kv_pool_bytes / gb:.2f} GB (of {b.memory_bytes / gb:.2f} GB) at "
             f"{profile.serving.kv_cache_free_gpu_mem_fraction:.2f} of the "
-            f"free memory; {c.kv_bytes_per_token:,.0f} B per token (target + drafter layers); "
-            f"{c.blocks:,} blocks of {c.tokens_per_block} tokens",
+            f"free memory; {b.kv_bytes_per_token:,.0f} B per token (target + drafter layers); "
+            f"{b.blocks:,} blocks of {b.tokens_per_block} tokens",
             f"  a sequence reserves its length + {c.headroom_tokens} tokens of step headroom (2 x (draft + 1))",
             f"  sequences that fit: {c.sequences_at_shape} at {isl}/{osl} tokens, {c.sequences_at_max_seq_len} at "
             f"max_seq_len {c.max_seq_len} (max_batch_size {profile.engine.max_batch_size})",

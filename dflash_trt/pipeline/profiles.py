@@ -8,6 +8,7 @@ build. Facts that need the checkpoints themselves (head counts, block size) are 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,17 +18,22 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dflash_trt.analysis.gpus import GPUS, GpuSpec
+from dflash_trt.analysis.memory import weights_per_gpu
+from dflash_trt.analysis.model import PRECISION
+from dflash_trt.analysis.shapes import dflash_from_spec, target_from_spec
+from dflash_trt.checkpoint.sharding import check_parallel
+from dflash_trt.checkpoint.stored import QuantSettings
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.formats import BYTES_PER_WEIGHT, ENGINE_DTYPES, KV_CACHE_DTYPES, NONE, NVFP4, QFORMATS
-from dflash_trt.jsonfile import read_json_object
+from dflash_trt.formats import ENGINE_DTYPES, KV_CACHE_DTYPES, NVFP4, QFORMATS
 from dflash_trt.recorded_configs import PACKAGED_RECORDED_CONFIGS
-from dflash_trt.spec import QWEN3_MOE, parse_target_config
+from dflash_trt.spec import DraftSpec, TargetSpec, load_draft_spec, load_target_spec
 from dflash_trt.triton.serving import ServingSettings
 from dflash_trt.trtllm.build_plan import (
     GEMM_PLUGIN_CHOICES,
-    MAX_EAGLE_BATCH_SIZE,
     MAX_EAGLE_DRAFT_LEN,
     TOKENS_PER_BLOCK,
+    EngineBuildSettings,
+    check_engine_settings,
     check_gemm_plugin,
 )
 from dflash_trt.yamlfile import safe_load_unique
@@ -99,11 +105,17 @@ class CalibrationSettings(_Strict):
     max_seq_len: int = Field(default=1024, ge=16)
 
 
-class QuantizationSettings(_Strict):
+class QuantizationSection(_Strict):
+    """The profile's `quantization` section: the formats as the converter takes them, and the calibration set."""
+
     qformat: QFormat
     dflash_qformat: QFormat
     kv_cache_dtype: KvCacheDtype
     calibration: CalibrationSettings = CalibrationSettings()
+
+    @property
+    def formats(self) -> QuantSettings:
+        return QuantSettings(self.qformat, self.dflash_qformat, self.kv_cache_dtype)
 
 
 class EngineSettings(_Strict):
@@ -115,27 +127,28 @@ class EngineSettings(_Strict):
     max_num_tokens: int = Field(ge=1)
     max_draft_len: int = Field(ge=1)
     gemm_plugin: GemmPlugin
-    use_paged_context_fmha: bool = True
-    use_fp8_context_fmha: bool = False
-    multiple_profiles: bool = True
+    use_paged_context_fmha: bool = EngineBuildSettings.use_paged_context_fmha
+    use_fp8_context_fmha: bool = EngineBuildSettings.use_fp8_context_fmha
+    multiple_profiles: bool = EngineBuildSettings.multiple_profiles
+
+    def build_settings(self) -> EngineBuildSettings:
+        """The section as build settings: every field both spell the same way (trtllm-build's flag names);
+        `max_draft_len` is not among them, the build takes it from the checkpoint's block size."""
+        shared = {f.name for f in dataclasses.fields(EngineBuildSettings)}
+        return EngineBuildSettings(**self.model_dump(include=shared))
 
     @model_validator(mode="after")
     def _consistent(self) -> EngineSettings:
-        if self.max_input_len >= self.max_seq_len:
-            raise ValueError(
-                f"max_input_len ({self.max_input_len}) must be below max_seq_len ({self.max_seq_len}) "
-                "to leave room for generated tokens"
-            )
-        if self.max_batch_size > MAX_EAGLE_BATCH_SIZE:
-            raise ValueError(
-                f"max_batch_size {self.max_batch_size} exceeds the EAGLE engine limit of {MAX_EAGLE_BATCH_SIZE}"
-            )
+        """The build's own rules on these settings (one place for profiles and `build` flags), and the EAGLE
+        limit on the draft length the build would take from the checkpoint."""
+        try:
+            check_engine_settings(self.build_settings())
+        except DFlashTrtError as exc:
+            raise ValueError(str(exc)) from None
         if self.max_draft_len > MAX_EAGLE_DRAFT_LEN:
             raise ValueError(
                 f"max_draft_len {self.max_draft_len} exceeds the EAGLE engine limit of {MAX_EAGLE_DRAFT_LEN}"
             )
-        if not self.use_paged_context_fmha:
-            raise ValueError("use_paged_context_fmha must stay true: EAGLE-mode engines require it")
         return self
 
 
@@ -173,7 +186,7 @@ class BuildProfile(_Strict):
     gpu: GpuName
     model: ModelSources
     checkpoint: CheckpointSettings = CheckpointSettings()
-    quantization: QuantizationSettings
+    quantization: QuantizationSection
     engine: EngineSettings
     serving: ServingSettings = ServingSettings()
     sweep: SweepSettings
@@ -337,63 +350,23 @@ def resolve_model_dir(
     return Path(snapshot_download(ref, revision=revision, cache_dir=str(cache_dir)))
 
 
-def _read_config(model_dir: Path) -> dict:
-    return read_json_object(model_dir / "config.json", f"{model_dir} has no config.json")
+def weight_bytes_per_gpu(profile: BuildProfile, target: TargetSpec, draft: DraftSpec) -> float:
+    """Weights one GPU of the profile holds (`analysis.memory`'s formula, every expert included)."""
+    precision = PRECISION[profile.quantization.qformat]
+    return weights_per_gpu(target_from_spec(target), dflash_from_spec(draft), precision, profile.checkpoint.tp_size)
 
 
-def _draft_value(cfg: dict, key: str):
-    nested = cfg.get("dflash_config") or {}
-    return nested[key] if key in nested else cfg.get(key)
-
-
-def check_tp_heads(who: str, heads: int, kv_heads: int, tp: int) -> None:
-    if heads % tp:
-        raise DFlashTrtError(f"tp_size {tp} does not divide the {who}'s {heads} attention heads")
-    if kv_heads % tp and tp % kv_heads:
-        raise DFlashTrtError(
-            f"tp_size {tp} and the {who}'s {kv_heads} KV heads are incompatible: one must divide the other"
-        )
-
-
-def _linear_weights(cfg: dict) -> int:
-    """Weights of the decoder layers' linears (attention + gated MLP; every expert of a MoE target: all are held)."""
-    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    kv, head_dim = cfg.get("num_key_value_heads", heads), cfg.get("head_dim") or hidden // heads
-    attention = hidden * (heads + 2 * kv) * head_dim + heads * head_dim * hidden
-    mlps = cfg["num_hidden_layers"] * 3 * hidden * cfg["intermediate_size"]
-    moe = parse_target_config(cfg).moe if (cfg.get("architectures") or [None])[0] == QWEN3_MOE else None
-    if moe is not None:
-        sparse = len(moe.sparse_layers)
-        mlps += sparse * 3 * hidden * (moe.num_experts * moe.intermediate_size - cfg["intermediate_size"])
-    return cfg["num_hidden_layers"] * attention + mlps
-
-
-def weight_gb_per_gpu(profile: BuildProfile, target: dict, draft: dict) -> float:
-    """Weights one GPU holds: embeddings and lm_head stay in the checkpoint dtype, linears in the profile's format."""
-    hidden = target["hidden_size"]
-    embeddings = target["vocab_size"] * hidden * (1 if target.get("tie_word_embeddings") else 2)
-    taps = len(_draft_value(draft, "target_layer_ids") or range(draft["num_hidden_layers"]))
-    linears = _linear_weights(target) + _linear_weights(draft) + taps * hidden * hidden
-    total = embeddings * BYTES_PER_WEIGHT[NONE] + linears * BYTES_PER_WEIGHT[profile.quantization.qformat]
-    return total / profile.checkpoint.tp_size / 1e9
-
-
-def check_against_configs(profile: BuildProfile, target: dict, draft: dict, draft_name: str) -> None:
-    """Checks that need the HF configs: TP against head counts, block size, memory. Everything the engine build
-    checks (sequence length, GEMM plugin, ...) runs when the pipeline plans the build, for profiles and
+def check_against_configs(profile: BuildProfile, target: TargetSpec, draft: DraftSpec, draft_name: str) -> None:
+    """Checks that need the models' shapes: TP against their heads and MLPs, block size, memory. Everything the
+    engine build checks (sequence length, GEMM plugin, ...) runs when the pipeline plans the build, for profiles and
     `--checkpoint_dir` alike."""
-    tp = profile.checkpoint.tp_size
-    heads = target["num_attention_heads"]
-    check_tp_heads("target", heads, target.get("num_key_value_heads", heads), tp)
-    d_heads = draft["num_attention_heads"]
-    check_tp_heads("drafter", d_heads, draft.get("num_key_value_heads", d_heads), tp)
-    block = _draft_value(draft, "block_size")
-    if block is not None and block != profile.model.block_size:
+    check_parallel(target, draft, profile.checkpoint.tp_size, moe_ep_size=1)
+    if draft.block_size != profile.model.block_size:
         raise DFlashTrtError(
             f"profile {profile.name} was sized for block_size {profile.model.block_size} but "
-            f"{draft_name} was trained with block_size {block}"
+            f"{draft_name} was trained with block_size {draft.block_size}"
         )
-    need, memory = weight_gb_per_gpu(profile, target, draft), profile.gpu_facts.hbm_bytes / 1e9
+    need, memory = weight_bytes_per_gpu(profile, target, draft) / 1e9, profile.gpu_facts.hbm_bytes / 1e9
     if need > MAX_WEIGHT_SHARE * memory:
         raise DFlashTrtError(
             f"the weights need about {need:.0f} GB per GPU but {profile.gpu} has {memory:.0f} GB, of which at most "
@@ -402,4 +375,5 @@ def check_against_configs(profile: BuildProfile, target: dict, draft: dict, draf
 
 
 def check_against_checkpoints(profile: BuildProfile, target_dir: Path, draft_dir: Path) -> None:
-    check_against_configs(profile, _read_config(target_dir), _read_config(draft_dir), str(draft_dir))
+    target = load_target_spec(target_dir)
+    check_against_configs(profile, target, load_draft_spec(draft_dir, target), str(draft_dir))

@@ -16,7 +16,7 @@ from dflash_trt.pipeline.profiles import (
     looks_like_repo_id,
     resolve_model_dir,
 )
-from dflash_trt.pipeline.settings import engine_settings, quantization_settings
+from dflash_trt.pipeline.settings import quantization_settings
 from dflash_trt.pipeline.workspace import Workspace, workspace
 from dflash_trt.recorded_configs import ModelSource, load_recorded_configs, local_source, recorded_source
 from dflash_trt.spec import parse_draft_config, parse_target_config
@@ -104,13 +104,12 @@ def resolve_inputs(
         else target
     )
     if target.config is not None and draft.config is not None:
-        # Strict types and values first: the profile checks read the raw configs.
-        parse_draft_config(draft.config, parse_target_config(target.config, target.path))
-        check_against_configs(profile, target.config, draft.config, draft.shown)
+        target_spec = parse_target_config(target.config, target.path)
+        check_against_configs(profile, target_spec, parse_draft_config(draft.config, target_spec), draft.shown)
     if target.path is not None and draft.path is not None:
         for warning in checkpoint_warnings(profile, target.path, draft.path):
             warn(warning)
-    settings = engine_settings(profile)
+    settings = profile.engine.build_settings()
     if settings_override is not None:
         settings = settings_override(settings)
     ws = workspace(profile, request.output_dir)

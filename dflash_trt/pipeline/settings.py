@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dflash_trt.checkpoint.stored import QuantSettings
 from dflash_trt.pipeline.profiles import BuildProfile
 from dflash_trt.pipeline.workspace import Workspace
 from dflash_trt.recorded_configs import ModelSource
@@ -24,13 +25,6 @@ from dflash_trt.trtllm.build_plan import (
 
 if TYPE_CHECKING:  # the repository writer imports numpy (its processing code), which `--help` must not
     from dflash_trt.triton.repository import RepositorySettings
-
-
-def engine_settings(profile: BuildProfile) -> EngineBuildSettings:
-    """The profile's `engine` section as build settings: every field both spell the same way (trtllm-build's flag
-    names); `max_draft_len` is not among them, the build takes it from the checkpoint's block size."""
-    shared = {f.name for f in dataclasses.fields(EngineBuildSettings)}
-    return EngineBuildSettings(**profile.engine.model_dump(include=shared))
 
 
 def settings_from_profile(
@@ -59,31 +53,29 @@ def settings_from_profile(
 
 
 @dataclass(frozen=True)
-class QuantizationSettings:
-    """A quantized profile's converter settings; the field names are `convert`'s flags and `convert_checkpoint`'s
-    parameters, and their order is the order of the checkpoint stage's fingerprint and shown command."""
+class QuantizedConversion:
+    """A quantized profile's converter inputs: its formats (the converter's own record) and its calibration set.
+    `as_fields` names them as `convert`'s flags and `convert_checkpoint`'s parameters, in the order of the
+    checkpoint stage's fingerprint and shown command."""
 
-    qformat: str
-    dflash_qformat: str | None
-    kv_cache_dtype: str | None
+    formats: QuantSettings
     calib_dataset: str
     calib_size: int
     calib_max_seq_len: int | None
 
     def as_fields(self) -> dict[str, str | int | None]:
-        return dataclasses.asdict(self)
+        calibration = {k: v for k, v in dataclasses.asdict(self).items() if k != "formats"}
+        return {**dataclasses.asdict(self.formats), **calibration}
 
 
-def quantization_settings(profile: BuildProfile, profile_path: Path) -> QuantizationSettings | None:
+def quantization_settings(profile: BuildProfile, profile_path: Path) -> QuantizedConversion | None:
     """The profile's quantization for the converter (None for an unquantized profile)."""
     dataset = profile.calibration_dataset(profile_path)
     if dataset is None:
         return None
     q = profile.quantization
-    return QuantizationSettings(
-        qformat=q.qformat,
-        dflash_qformat=q.dflash_qformat,
-        kv_cache_dtype=q.kv_cache_dtype,
+    return QuantizedConversion(
+        formats=q.formats,
         calib_dataset=str(dataset),
         calib_size=q.calibration.size,
         calib_max_seq_len=q.calibration.max_seq_len,
@@ -91,7 +83,7 @@ def quantization_settings(profile: BuildProfile, profile_path: Path) -> Quantiza
 
 
 def convert_command(
-    profile: BuildProfile, target: str, draft: str, output: Path, quant: QuantizationSettings | None
+    profile: BuildProfile, target: str, draft: str, output: Path, quant: QuantizedConversion | None
 ) -> str:
     argv = [
         "dflash-trt",
@@ -115,20 +107,19 @@ def convert_command(
 def planned_checkpoint_config(profile: BuildProfile, target: ModelSource, draft: ModelSource) -> dict:
     """The config.json the checkpoint stage will write, so the engine can be planned before converting."""
     from dflash_trt.checkpoint.trtllm_config import checkpoint_config
-    from dflash_trt.formats import quantization_config
     from dflash_trt.spec import parse_draft_config, parse_target_config
 
     assert target.config is not None and draft.config is not None
     target_spec = parse_target_config(target.config, target.path)
     draft_spec = parse_draft_config(draft.config, target_spec)
-    q = profile.quantization
+    formats = profile.quantization.formats
     return checkpoint_config(
         target_spec,
         draft_spec,
         profile.checkpoint.dtype,
         profile.checkpoint.tp_size,
-        quantization=quantization_config(q.qformat, q.kv_cache_dtype),
-        draft_quantization=quantization_config(q.dflash_qformat, q.kv_cache_dtype),
+        quantization=formats.config(draft=False),
+        draft_quantization=formats.config(draft=True),
     )
 
 

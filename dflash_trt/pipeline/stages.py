@@ -61,9 +61,9 @@ def _checkpoint_stage(inp: PipelineInputs) -> Stage:
             convert()
             return
         convert(
-            qformat=quant.qformat,
-            dflash_qformat=quant.dflash_qformat,
-            kv_cache_dtype=quant.kv_cache_dtype,
+            qformat=quant.formats.qformat,
+            dflash_qformat=quant.formats.dflash_qformat,
+            kv_cache_dtype=quant.formats.kv_cache_dtype,
             calib_dataset=quant.calib_dataset,
             calib_size=quant.calib_size,
             calib_max_seq_len=quant.calib_max_seq_len,

@@ -1,1 +1,1 @@
-"""`dflash-trt serve`: an OpenAI-compatible HTTP front (FastAPI + uvicorn) over bench's executor backends."""
+"""`dflash-trt serve`: an OpenAI-compatible HTTP front (FastAPI + uvicorn) over the executors."""

@@ -1,4 +1,5 @@
 """The FastAPI app: routes, body parsing and limits, the API key, and turning error values into HTTP answers.
+Every request gets an id and, when asked, an access log line (`observability.RequestIds`).
 
 Bodies are read and validated here (not by FastAPI's dependency injection) so that every malformed body, unknown
 field and oversized upload gets one OpenAI-style 400/413 naming what is wrong. A non-streamed request whose client
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
@@ -20,13 +21,20 @@ from starlette.background import BackgroundTask
 
 from dflash_trt.server.errors import BAD_REQUEST, NOT_FOUND, TOO_LARGE, UNAUTHORIZED, UNAVAILABLE, error
 from dflash_trt.server.generation import Served
+from dflash_trt.server.limits import DEFAULT_MAX_BODY_BYTES
 from dflash_trt.server.metrics import CONTENT_TYPE
-from dflash_trt.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard, ModelList
+from dflash_trt.server.observability import LOGGER, RequestIds
+from dflash_trt.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
 from dflash_trt.server.serving_chat import create_chat_completion
 from dflash_trt.server.serving_completion import create_completion
 from dflash_trt.server.sse import EventStream
 
-DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 Body = TypeVar("Body", bound=BaseModel)
 Result = TypeVar("Result")
 CLIENT_CLOSED = 499  # what nginx logs for a client that left before the answer; the client never sees it
@@ -93,16 +101,32 @@ async def until_disconnected(request: Request, work: Awaitable[Result]) -> Resul
     return None
 
 
-def build_app(served: Served, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+def executor_lifespan(served: Served) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's lifespan: the executor starts before the first request and stops after the last."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await served.client.start()
+        LOGGER.info("serving %r: the executor is ready", served.model_name)
         try:
             yield
         finally:
             await served.client.stop()
+            LOGGER.info("the executor stopped")
 
+    return lifespan
+
+
+def build_app(
+    served: Served,
+    *,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    access_log: bool = False,
+) -> FastAPI:
+    lifespan = executor_lifespan(served)
     app = FastAPI(title="dflash-trt", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(RequestIds, access_log=access_log)
     expected = None if api_key is None else f"Bearer {api_key}".encode()
 
     def unauthorized(request: Request) -> ErrorResponse | None:
@@ -152,7 +176,7 @@ def build_app(served: Served, *, api_key: str | None = None, max_body_bytes: int
 
     @app.get("/health")
     async def health() -> Response:
-        broken = served.client.backend.health()
+        broken = served.client.executor.health()
         if broken is None:
             return Response(status_code=200)
         return answer(error(f"the engine is broken: {broken}", status=UNAVAILABLE))

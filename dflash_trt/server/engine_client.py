@@ -1,10 +1,10 @@
-"""The bridge between HTTP requests and one bench backend: admission, a bounded queue, per-request streams.
+"""The bridge between HTTP requests and one executor: admission, a bounded queue, per-request streams.
 
-Every backend batches in flight (the TensorRT-LLM executor, Triton, the emulated engine), so requests from all
-HTTP connections go to the one backend as they come; this module hands each request's per-iteration responses to
-the coroutine serving it. At most `max_batch_size` requests are in the backend at once, so the backend never
-queues and a cancelled waiting request costs it nothing; up to `max_queue` more wait here, and a request beyond
-that is refused (the app answers 503). Backends deliver on the event loop's thread, so no lock is needed.
+Every executor batches in flight (the TensorRT-LLM executor, Triton, the emulated engine), so requests from all
+HTTP connections go to the one executor as they come; this module hands each request's per-iteration responses to
+the coroutine serving it. At most `max_batch_size` requests are in the executor at once, so it never queues and a
+cancelled waiting request costs it nothing; up to `max_queue` more wait here, and a request beyond that is refused
+(the app answers 503). Executors deliver on the event loop's thread, so no lock is needed.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from dflash_trt.bench.driver import Backend, BenchRequest, Response
+from dflash_trt.executors.contract import Executor, Request, Response
 from dflash_trt.server.metrics import Metrics
 
 
@@ -23,13 +23,13 @@ class QueueFull(Exception):
     """Every batch slot and queue place is taken."""
 
 
-class BackendError(Exception):
-    """The backend answered a request with an error."""
+class ExecutorError(Exception):
+    """The executor answered a request with an error."""
 
 
 @dataclass(eq=False)
 class _Stream:
-    request: BenchRequest
+    request: Request
     chunks: deque[Response] = field(default_factory=deque)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     running: bool = False
@@ -37,8 +37,8 @@ class _Stream:
 
 
 class EngineClient:
-    def __init__(self, backend: Backend, max_batch_size: int, max_queue: int, metrics: Metrics):
-        self.backend = backend
+    def __init__(self, executor: Executor, max_batch_size: int, max_queue: int, metrics: Metrics):
+        self.executor = executor
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.metrics = metrics
@@ -48,13 +48,13 @@ class EngineClient:
         self.ids = itertools.count()
 
     async def start(self) -> None:
-        await self.backend.start(self._deliver)
+        await self.executor.start(self._deliver)
 
     async def stop(self) -> None:
-        await self.backend.stop()
+        await self.executor.stop()
 
-    def open(self, request: BenchRequest) -> int:
-        """Admit a request (to the backend, or to the queue) and return its id; QueueFull when there is no room."""
+    def open(self, request: Request) -> int:
+        """Admit a request (to the executor, or to the queue) and return its id; QueueFull when there is no room."""
         if self.running >= self.max_batch_size and len(self.waiting) >= self.max_queue:
             raise QueueFull
         request_id = next(self.ids)
@@ -67,7 +67,7 @@ class EngineClient:
         return request_id
 
     async def responses(self, request_id: int) -> AsyncIterator[list[int]]:
-        """The tokens of each iteration of `request_id` until its final one; BackendError on a backend error."""
+        """The tokens of each iteration of `request_id` until its final one; ExecutorError on an executor error."""
         stream = self.streams[request_id]
         while True:
             await stream.ready.wait()
@@ -75,19 +75,19 @@ class EngineClient:
             while stream.chunks:
                 response = stream.chunks.popleft()
                 if response.error is not None:
-                    raise BackendError(response.error)
+                    raise ExecutorError(response.error)
                 yield response.tokens
                 if response.final:
                     return
 
     def close(self, request_id: int) -> None:
-        """Forget `request_id`: cancelled in the backend when it is still running there (a client went away,
+        """Forget `request_id`: cancelled in the executor when it is still running there (a client went away,
         a stop string ended it), dropped from the queue when it waits."""
         stream = self.streams.pop(request_id, None)
         if stream is None:
             return
         if stream.running and not stream.done:
-            self.backend.cancel(request_id)
+            self.executor.cancel(request_id)
         if stream.running:
             self.running -= 1
             self._admit()
@@ -99,7 +99,7 @@ class EngineClient:
         stream = self.streams[request_id]
         stream.running = True
         self.running += 1
-        self.backend.submit(request_id, stream.request)
+        self.executor.submit(request_id, stream.request)
 
     def _admit(self) -> None:
         while self.waiting and self.running < self.max_batch_size:

@@ -1,7 +1,11 @@
-"""OpenAI-style error values: the serving modules return these instead of raising, and the app sends them."""
+"""OpenAI-style error values: the serving modules return these instead of raising, and the app sends them. Each
+names the request it answers; a 5xx is logged with its cause as it is made."""
 
 from __future__ import annotations
 
+import logging
+
+from dflash_trt.server.observability import LOGGER, current_request_id
 from dflash_trt.server.protocol import ErrorBody, ErrorResponse
 
 BAD_REQUEST, UNAUTHORIZED, NOT_FOUND, TOO_LARGE, SERVER_ERROR, UNAVAILABLE = 400, 401, 404, 413, 500, 503
@@ -17,4 +21,9 @@ TYPES = {
 
 
 def error(message: str, param: str | None = None, status: int = BAD_REQUEST) -> ErrorResponse:
-    return ErrorResponse(error=ErrorBody(message=message, type=TYPES[status], param=param, code=status))
+    request_id = current_request_id.get()
+    if status >= SERVER_ERROR:  # a fault is an error; a refusal at capacity (503) is the load's, a warning
+        level = logging.ERROR if status == SERVER_ERROR else logging.WARNING
+        LOGGER.log(level, "request %s answered %d: %s", request_id, status, message)
+    body = ErrorBody(message=message, type=TYPES[status], param=param, code=status, request_id=request_id)
+    return ErrorResponse(error=body)

@@ -1,8 +1,8 @@
 """One request's run through the engine, shared by both endpoints: tokens in, text pieces out, metrics recorded.
 
-The request is admitted when the `Generation` is made (QueueFull when there is no room) and leaves the backend when
+The request is admitted when the `Generation` is made (QueueFull when there is no room) and leaves the executor when
 `pieces` ends for any reason: its final response, a stop, an error, or the client going away (the generator is
-closed, and `EngineClient.close` cancels the request in the backend).
+closed, and `EngineClient.close` cancels the request in the executor).
 """
 
 from __future__ import annotations
@@ -12,11 +12,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_trt.bench.driver import BenchRequest
 from dflash_trt.server.detokenizer import LENGTH, STOP, TextStream
 from dflash_trt.server.engine_client import EngineClient
 from dflash_trt.server.metrics import Metrics
-from dflash_trt.server.params import GenerationParams, Limits
+from dflash_trt.server.params import Admission, Limits
 
 
 @dataclass
@@ -42,14 +41,13 @@ class Piece:
 
 
 class Generation:
-    def __init__(self, served: Served, prompt_ids: list[int], params: GenerationParams):
+    def __init__(self, served: Served, admitted: Admission):
+        request = admitted.request
         self.served = served
-        self.prompt_tokens = len(prompt_ids)
-        self.max_tokens = params.max_tokens
+        self.prompt_tokens = len(request.input_ids)
+        self.max_tokens = request.max_new_tokens
         self.arrived = time.perf_counter()
-        stop_ids = params.stop_token_ids | (frozenset() if params.ignore_eos else served.eos_token_ids)
-        self.text = TextStream(served.tokenizer, prompt_ids, params.stop, stop_ids)
-        request = BenchRequest(0, prompt_ids, params.max_tokens, params.temperature, params.seed)
+        self.text = TextStream(served.tokenizer, request.input_ids, admitted.stop, admitted.stop_token_ids)
         self.request_id = served.client.open(request)
         served.metrics.prompt_tokens.inc(self.prompt_tokens)
 
@@ -63,7 +61,7 @@ class Generation:
 
     async def pieces(self) -> AsyncIterator[Piece]:
         """One piece per engine response with tokens, and one for text held back to the end; afterwards
-        `finish_reason` is "stop" or "length". Raises BackendError."""
+        `finish_reason` is "stop" or "length". Raises ExecutorError."""
         metrics, text = self.served.metrics, self.text
         last = None
         try:
@@ -92,5 +90,5 @@ class Generation:
             self.close()
 
     def close(self) -> None:
-        """Release the request (cancelled in the backend if it still runs there); closing twice is harmless."""
+        """Release the request (cancelled in the executor if it still runs there); closing twice is harmless."""
         self.served.client.close(self.request_id)

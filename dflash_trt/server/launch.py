@@ -1,7 +1,7 @@
 """Putting a served engine on the network: the app over a target, run by uvicorn until SIGTERM or Ctrl-C.
 
 On SIGTERM uvicorn stops accepting connections, lets every in-flight request finish (up to `drain_timeout_s`),
-then the app's shutdown stops the backend; the signal is then re-raised, so the process exits as terminated.
+then the app's shutdown stops the executor; the signal is then re-raised, so the process exits as terminated.
 """
 
 from __future__ import annotations
@@ -12,13 +12,12 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from dflash_trt.server.app import DEFAULT_MAX_BODY_BYTES, build_app
+from dflash_trt.server.app import build_app
 from dflash_trt.server.engine_client import EngineClient
 from dflash_trt.server.generation import Served
+from dflash_trt.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
 from dflash_trt.server.metrics import Metrics
 from dflash_trt.server.targets import ServeTarget
-
-DEFAULT_MAX_QUEUE = 1024
 
 
 def make_app(
@@ -29,9 +28,10 @@ def make_app(
     max_queue: int = DEFAULT_MAX_QUEUE,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    access_log: bool = False,
 ) -> FastAPI:
     metrics = Metrics()
-    client = EngineClient(target.backend, target.max_batch_size, max_queue, metrics)
+    client = EngineClient(target.executor, target.max_batch_size, max_queue, metrics)
     served = Served(
         client,
         tokenizer,
@@ -42,7 +42,7 @@ def make_app(
         target.engine_stops_at_eos,
         int(time.time()),
     )
-    return build_app(served, api_key=api_key, max_body_bytes=max_body_bytes)
+    return build_app(served, api_key=api_key, max_body_bytes=max_body_bytes, access_log=access_log)
 
 
 def uvicorn_server(app: FastAPI, drain_timeout_s: int | None = None):

@@ -2,8 +2,8 @@
 
 Everything the engine cannot honour is refused by name (HTTP 400), never dropped: more than one choice, log
 probabilities, logit bias, tools, structured output, and every sampling parameter `sampling_rules` refuses (top-p,
-top-k, penalties, ...), which reuse its words. Temperature defaults to OpenAI's 1.0; a sampled request without a
-seed gets a fresh random one.
+top-k, penalties, ...), which reuse its words. The HTTP edge normalises sampling once into the request's `Sampling`:
+temperature defaults to OpenAI's 1.0 (`DEFAULT_TEMPERATURE`), and a request without a seed gets a fresh random one.
 """
 
 from __future__ import annotations
@@ -12,11 +12,17 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_trt.sampling_rules import MAX_SEED, NEUTRAL, sampling_refusal
+from dflash_trt.executors.contract import Request
+from dflash_trt.sampling_rules import (
+    DEFAULT_TEMPERATURE,
+    MAX_SEED,
+    NEUTRAL,
+    Sampling,
+    SamplingRefused,
+    request_sampling,
+)
 from dflash_trt.server.errors import error
 from dflash_trt.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, SamplingFields
-
-DEFAULT_TEMPERATURE = 1.0  # OpenAI's
 
 # Parameters outside sampling that the engine cannot honour, with the values that mean "not used".
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -57,39 +63,49 @@ class Limits:
     vocab_size: int | None
 
 
-@dataclass(frozen=True)
-class GenerationParams:
-    max_tokens: int
-    temperature: float
-    seed: int
+@dataclass(frozen=True, kw_only=True)
+class Admission:
+    """A checked request: what the engine is asked, and where this server ends its text (stop strings, and stop
+    token ids: the request's own, plus the model's EOS ids unless the request ignores EOS)."""
+
+    request: Request
     stop: list[str]
     stop_token_ids: frozenset[int]
-    ignore_eos: bool
 
 
 def refusal(request: SamplingFields) -> ErrorResponse | None:
-    """The first parameter the engine cannot honour, as a 400 naming it; None when all can be honoured."""
+    """The first parameter outside sampling the engine cannot honour, as a 400 naming it; None when all can be."""
     fields = request.model_fields_set
     for name, neutral in UNSUPPORTED.items():
         value = getattr(request, name, None)
         if name in fields and value is not None and value not in neutral:
             allowed = " or ".join(repr(v) for v in neutral)
             return error(f"{name} {value!r} refused: {WHY[name]}; omit it or send {allowed}", name)
-    temperature = DEFAULT_TEMPERATURE if request.temperature is None else request.temperature
-    for name in ("temperature", *NEUTRAL):
-        value = getattr(request, name, None)
-        if value is None:
-            continue
-        message = sampling_refusal({"temperature": temperature, name: value})
-        if message is not None:
-            return error(message, name)
     return None
 
 
-def generation_params(
-    request: CompletionRequest | ChatCompletionRequest, prompt_len: int, limits: Limits, prompt_param: str
-) -> GenerationParams | ErrorResponse:
-    """Budget, sampling and stops of a request whose prompt has `prompt_len` tokens (after `refusal`)."""
+def sampling_of(request: SamplingFields) -> Sampling | ErrorResponse:
+    """The request's sampling, normalised once (OpenAI's default temperature, a fresh seed when none is sent), or a
+    400 naming the first sampling parameter the engine cannot honour."""
+    params = {name: getattr(request, name, None) for name in ("temperature", "seed", *NEUTRAL)}
+    if params["seed"] is None:
+        params["seed"] = secrets.randbelow(MAX_SEED + 1)
+    try:
+        return request_sampling(params, DEFAULT_TEMPERATURE)
+    except SamplingRefused as exc:
+        return error(str(exc), exc.param)
+
+
+def admission(
+    request: CompletionRequest | ChatCompletionRequest,
+    prompt_ids: list[int],
+    sampling: Sampling,
+    limits: Limits,
+    prompt_param: str,
+    eos_token_ids: frozenset[int],
+) -> Admission | ErrorResponse:
+    """Budget and stops of a request with these prompt tokens and sampling (after `refusal` and `sampling_of`)."""
+    prompt_len = len(prompt_ids)
     room = limits.max_seq_len - prompt_len
     if room < 1:
         return error(
@@ -108,9 +124,6 @@ def generation_params(
             f"{limits.max_seq_len} tokens per request, so {name} must be <= {room}",
             name,
         )
-    seed = request.seed
-    if seed is not None and not 0 <= seed <= MAX_SEED:
-        return error(f"seed must lie in [0, {MAX_SEED}], got {seed}", "seed")
     stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     if any(not s for s in stops):
         return error("stop strings must not be empty", "stop")
@@ -118,11 +131,8 @@ def generation_params(
     vocab = limits.vocab_size
     if vocab is not None and any(not 0 <= i < vocab for i in ids):
         return error(f"stop_token_ids must lie in [0, {vocab - 1}]", "stop_token_ids")
-    return GenerationParams(
-        max_tokens=room if asked is None else asked,
-        temperature=DEFAULT_TEMPERATURE if request.temperature is None else request.temperature,
-        seed=secrets.randbelow(MAX_SEED + 1) if seed is None else seed,
+    return Admission(
+        request=Request(input_ids=prompt_ids, max_new_tokens=room if asked is None else asked, sampling=sampling),
         stop=stops,
-        stop_token_ids=frozenset(ids),
-        ignore_eos=bool(request.ignore_eos),
+        stop_token_ids=frozenset(ids) | (frozenset() if request.ignore_eos else eos_token_ids),
     )

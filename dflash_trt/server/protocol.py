@@ -90,6 +90,7 @@ class ErrorBody(BaseModel):
     type: str
     param: str | None = None
     code: int | None = None
+    request_id: str | None = None  # the X-Request-Id of the request it answers
 
 
 class ErrorResponse(BaseModel):

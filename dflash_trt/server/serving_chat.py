@@ -8,12 +8,11 @@ adding more.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from dflash_trt.server import sse
-from dflash_trt.server.engine_client import BackendError
+from dflash_trt.server.engine_client import ExecutorError
 from dflash_trt.server.errors import SERVER_ERROR, error
 from dflash_trt.server.generation import Generation, Served
 from dflash_trt.server.protocol import (
@@ -26,7 +25,7 @@ from dflash_trt.server.protocol import (
     DeltaMessage,
     ErrorResponse,
 )
-from dflash_trt.server.serving_common import joined, start_generation, usage_of
+from dflash_trt.server.serving_common import joined, response_id, start_generation, usage_of
 
 # Arguments of apply_chat_template that decide what it returns, not what the template sees.
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -72,7 +71,7 @@ async def create_chat_completion(
     if isinstance(generation, ErrorResponse):
         return generation
     head: dict[str, Any] = {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "id": response_id("chatcmpl"),
         "created": int(time.time()),
         "model": served.model_name,
     }
@@ -82,7 +81,7 @@ async def create_chat_completion(
         return sse.EventStream(chat_stream(generation, head, usage, with_ids), generation.close)
     try:
         pieces = [piece async for piece in generation.pieces()]
-    except BackendError as exc:
+    except ExecutorError as exc:
         return error(f"the engine failed the request: {exc}", status=SERVER_ERROR)
     text, token_ids = joined(pieces, with_ids)
     message = AssistantMessage(content=text)
@@ -105,7 +104,7 @@ async def chat_stream(
         async for piece in generation.pieces():
             if piece.text or with_ids and piece.token_ids:
                 yield _chunk(head, DeltaMessage(content=piece.text), token_ids=piece.token_ids if with_ids else None)
-    except BackendError as exc:
+    except ExecutorError as exc:
         yield sse.event(error(f"the engine failed the request: {exc}", status=SERVER_ERROR))
         yield sse.DONE
         return

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import uuid
+
 from dflash_trt.server.engine_client import QueueFull
 from dflash_trt.server.errors import NOT_FOUND, UNAVAILABLE, error
 from dflash_trt.server.generation import Generation, Piece, Served
-from dflash_trt.server.params import GenerationParams, generation_params, refusal
+from dflash_trt.server.observability import current_request_id
+from dflash_trt.server.params import Admission, admission, refusal, sampling_of
 from dflash_trt.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, Usage
 
 
 def admit(
     served: Served, request: CompletionRequest | ChatCompletionRequest, ids: list[int], prompt_param: str
-) -> GenerationParams | ErrorResponse:
-    """The model name, refused parameters, the prompt's token ids, then budget, sampling and stops."""
+) -> Admission | ErrorResponse:
+    """The model name, refused parameters, sampling, the prompt's token ids, then budget and stops."""
     if request.model is not None and request.model != served.model_name:
         return error(
             f"model {request.model!r} does not exist; this server serves {served.model_name!r}", "model", NOT_FOUND
@@ -20,6 +23,9 @@ def admit(
     refused = refusal(request)
     if refused is not None:
         return refused
+    sampling = sampling_of(request)
+    if isinstance(sampling, ErrorResponse):
+        return sampling
     if request.ignore_eos and served.engine_stops_at_eos:
         return error(
             "ignore_eos refused: this server's engine stops at EOS; start serve with --ignore_eos", "ignore_eos"
@@ -29,7 +35,7 @@ def admit(
     vocab = served.limits.vocab_size
     if vocab is not None and not 0 <= min(ids) <= max(ids) < vocab:
         return error(f"prompt token ids must lie in [0, {vocab - 1}]", prompt_param)
-    return generation_params(request, len(ids), served.limits, prompt_param)
+    return admission(request, ids, sampling, served.limits, prompt_param, served.eos_token_ids)
 
 
 def start_generation(
@@ -40,9 +46,14 @@ def start_generation(
     if isinstance(checked, ErrorResponse):
         return checked
     try:
-        return Generation(served, ids, checked)
+        return Generation(served, checked)
     except QueueFull:
         return queue_full(served)
+
+
+def response_id(prefix: str) -> str:
+    """The id of a completion object: its request's id, so a client's X-Request-Id finds it in the server's log."""
+    return f"{prefix}-{current_request_id.get() or uuid.uuid4().hex}"
 
 
 def queue_full(served: Served) -> ErrorResponse:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from dflash_trt.server import sse
-from dflash_trt.server.engine_client import BackendError
+from dflash_trt.server.engine_client import ExecutorError
 from dflash_trt.server.errors import SERVER_ERROR, error
 from dflash_trt.server.generation import Generation, Served
 from dflash_trt.server.protocol import (
@@ -17,7 +16,7 @@ from dflash_trt.server.protocol import (
     CompletionResponse,
     ErrorResponse,
 )
-from dflash_trt.server.serving_common import joined, start_generation, usage_of
+from dflash_trt.server.serving_common import joined, response_id, start_generation, usage_of
 
 
 def prompt_ids(served: Served, prompt: str | list[str] | list[int] | list[list[int]]) -> list[int] | ErrorResponse:
@@ -40,14 +39,14 @@ async def create_completion(
     generation = start_generation(served, request, ids, "prompt")
     if isinstance(generation, ErrorResponse):
         return generation
-    head: dict[str, Any] = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.model_name}
+    head: dict[str, Any] = {"id": response_id("cmpl"), "created": int(time.time()), "model": served.model_name}
     with_ids = bool(request.return_token_ids)
     if request.stream:
         usage = bool(request.stream_options and request.stream_options.include_usage)
         return sse.EventStream(completion_stream(generation, head, usage, with_ids), generation.close)
     try:
         pieces = [piece async for piece in generation.pieces()]
-    except BackendError as exc:
+    except ExecutorError as exc:
         return error(f"the engine failed the request: {exc}", status=SERVER_ERROR)
     text, token_ids = joined(pieces, with_ids)
     choice = CompletionChoice(text=text, finish_reason=generation.finish_reason, token_ids=token_ids)
@@ -62,7 +61,7 @@ async def completion_stream(
             if piece.text or with_ids and piece.token_ids:
                 choice = CompletionChoice(text=piece.text, token_ids=piece.token_ids if with_ids else None)
                 yield sse.event(CompletionResponse(**head, choices=[choice]))
-    except BackendError as exc:
+    except ExecutorError as exc:
         yield sse.event(error(f"the engine failed the request: {exc}", status=SERVER_ERROR))
         yield sse.DONE
         return

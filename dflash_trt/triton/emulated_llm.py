@@ -6,9 +6,10 @@ The contract is the one the repository's `tensorrt_llm/config.pbtxt` declares (t
 both kinds of repository) with the C++ backend's request defaults, as read in tensorrtllm_backend's
 `inflight_batcher_llm` sources (not run): an absent `temperature` samples at 1.0, an absent `random_seed` is 0, an
 absent `end_id` never ends a request early, `streaming` answers once per decoding iteration with that iteration's
-new tokens, otherwise one response carries all of them; output ids exclude the prompt. One worker thread steps the
-executor, in-flight batching up to the engine's `max_batch_size`; a request whose client went away is cancelled
-before the next step, freeing its slot. The Triton `model.py` only moves numpy arrays between Triton and `Server`.
+new tokens, otherwise one response carries all of them; output ids exclude the prompt. The executors' worker thread
+(`dflash_trt.executors.worker`) steps the emulated stepper, in-flight batching up to the engine's `max_batch_size`;
+a request whose client went away is cancelled before the next step, freeing its slot. The Triton `model.py` only
+moves numpy arrays between Triton and `Server`.
 """
 
 from __future__ import annotations
@@ -23,13 +24,12 @@ from typing import Protocol
 import numpy as np
 
 from dflash_trt.emulation.engine import EmulatedEngine
-from dflash_trt.emulation.executor import EmulatedExecutor, Request
-from dflash_trt.errors import DFlashTrtError
+from dflash_trt.executors.contract import Request, Response
+from dflash_trt.executors.emulated import EmulatedStepper
+from dflash_trt.executors.worker import Worker
+from dflash_trt.sampling_rules import DEFAULT_SEED, DEFAULT_TEMPERATURE, Sampling, SamplingRefused
 from dflash_trt.triton import processing as P
 
-# The C++ backend's defaults for a request that does not send the input (executor SamplingConfig / Request).
-DEFAULT_TEMPERATURE = 1.0
-DEFAULT_SEED = 0
 INPUT_NAMES = (
     P.LLM_INPUT_IDS,
     P.LLM_INPUT_LENGTHS,
@@ -54,15 +54,11 @@ class ResponseSink(Protocol):
     def cancelled(self) -> bool: ...
 
 
-@dataclass(frozen=True)
-class LlmRequest:
-    """One request as the tensorrtllm backend reads it."""
+@dataclass(frozen=True, kw_only=True)
+class Delivery:
+    """How the tensorrtllm backend answers one request: once per iteration or once in all, with perf metrics or
+    without."""
 
-    prompt: list[int]
-    max_new_tokens: int
-    temperature: float
-    seed: int
-    stop_words: tuple[tuple[int, ...], ...]
     streaming: bool
     perf_metrics: bool
 
@@ -102,8 +98,9 @@ def decode_word_list(array: np.ndarray) -> tuple[tuple[int, ...], ...]:
     return tuple(words)
 
 
-def parse_request(inputs: dict[str, np.ndarray]) -> LlmRequest:
-    """The tensorrtllm backend's reading of one request; ValueError with the client's message when malformed."""
+def parse_request(inputs: dict[str, np.ndarray]) -> tuple[Request, Delivery]:
+    """The tensorrtllm backend's reading of one request, its sampling normalised here with the backend's defaults
+    (an absent temperature is 1.0, an absent seed 0); ValueError with the client's message when malformed."""
     for name in (P.LLM_INPUT_IDS, P.LLM_INPUT_LENGTHS, P.LLM_REQUEST_OUTPUT_LEN):
         if inputs.get(name) is None:
             raise ValueError(f"input {name} is required")
@@ -126,27 +123,37 @@ def parse_request(inputs: dict[str, np.ndarray]) -> LlmRequest:
     stop_words = decode_word_list(inputs[P.LLM_STOP_WORDS]) if inputs.get(P.LLM_STOP_WORDS) is not None else ()
     if inputs.get(P.LLM_BAD_WORDS) is not None and decode_word_list(inputs[P.LLM_BAD_WORDS]):
         raise ValueError("bad_words_list refused: the DFlash engine's in-graph verification cannot ban tokens")
-    return LlmRequest(
-        prompt=[int(t) for t in ids[:length]],
+    try:
+        sampling = Sampling(
+            temperature=DEFAULT_TEMPERATURE if temperature is None else float(temperature),
+            seed=DEFAULT_SEED if seed is None else int(seed),
+        )
+    except SamplingRefused as exc:
+        raise ValueError(str(exc)) from None
+    request = Request(
+        input_ids=[int(t) for t in ids[:length]],
         max_new_tokens=max_new,
-        temperature=DEFAULT_TEMPERATURE if temperature is None else float(temperature),
-        seed=DEFAULT_SEED if seed is None else int(seed),
+        sampling=sampling,
         stop_words=((int(end_id),), *stop_words) if end_id is not None and end_id >= 0 else stop_words,
+    )
+    delivery = Delivery(
         streaming=bool(_scalar(inputs, P.LLM_STREAMING) or False),
         perf_metrics=bool(_scalar(inputs, P.LLM_RETURN_PERF_METRICS) or False),
     )
+    return request, delivery
 
 
 @dataclass
 class _InFlight:
-    index: int
-    request: LlmRequest
+    request: Request
+    delivery: Delivery
     sink: ResponseSink
     arrival_ns: int
-    decoding: Request | None = None  # the executor's request once admitted
+    admitted: bool = False  # the stepper took it
     scheduled_ns: int = 0
     first_token_ns: int = 0
     tokens: list[int] = field(default_factory=list)
+    responses: int = 0  # iterations answered: the context step's first token, then one per verify step
 
 
 def _send_quietly(sink: ResponseSink, error: str) -> None:
@@ -157,23 +164,32 @@ def _send_quietly(sink: ResponseSink, error: str) -> None:
         pass
 
 
+def _engine_failure(exc: Exception) -> str:
+    """What the requests of a step that raised are told (the stepper goes on with the next ones)."""
+    return f"the emulated engine failed: {type(exc).__name__}: {exc}"
+
+
 def _tensor(value, dtype) -> np.ndarray:
     return np.array([[value]], dtype=dtype)
 
 
 class Server:
-    """The executor behind the tensorrtllm contract, stepped by one worker thread."""
+    """The emulated stepper behind the tensorrtllm contract, stepped by the executors' worker thread."""
 
-    def __init__(self, executor: EmulatedExecutor, clock: Callable[[], int] = time.time_ns):
-        self.executor = executor
+    def __init__(self, stepper: EmulatedStepper, clock: Callable[[], int] = time.time_ns):
+        self.stepper = stepper
         self.clock = clock
         self._ids = itertools.count()
-        self._pending: list[_InFlight] = []
-        self._running: dict[int, _InFlight] = {}
-        self._wake = threading.Condition()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._serve, name="emulated-tensorrt_llm", daemon=True)
-        self._thread.start()
+        self._flights: dict[int, _InFlight] = {}
+        self._lock = threading.Lock()  # the flights are added from Triton's threads, answered from the worker's
+        self.worker = Worker(
+            stepper,
+            self._answer,
+            name="emulated-tensorrt_llm",
+            admitted=self._admitted,
+            gone=self._gone,
+            failure=_engine_failure,
+        )
 
     @classmethod
     def from_parameters(cls, params: dict[str, str]) -> Server:
@@ -183,102 +199,83 @@ class Server:
             max_batch_size=int(params["max_batch_size"]),
             tokens_per_block=int(params["tokens_per_block"]),
         )
-        return cls(EmulatedExecutor(engine, int(params["max_seq_len"])))
+        return cls(EmulatedStepper(engine, int(params["max_seq_len"])))
 
     def submit(self, inputs: dict[str, np.ndarray], sink: ResponseSink) -> None:
         """Queue one request; a malformed one is answered at once with an error as its final response."""
         try:
-            request = parse_request(inputs)
+            request, delivery = parse_request(inputs)
         except ValueError as exc:
             sink.send({}, str(exc), True)
             return
-        flight = _InFlight(next(self._ids), request, sink, self.clock())
-        with self._wake:
-            self._pending.append(flight)
-            self._wake.notify()
+        request_id = next(self._ids)
+        with self._lock:
+            self._flights[request_id] = _InFlight(request, delivery, sink, self.clock())
+        self.worker.submit(request_id, request)
 
     def stop(self) -> None:
-        """Stop stepping, answer what is still running with an error, and give the KV pool back."""
-        with self._wake:
-            self._stopping = True
-            self._wake.notify()
-        self._thread.join()
+        """Stop stepping, answer what is still queued or running with an error, and give the KV pool back."""
+        self.worker.stop("the tensorrt_llm model is unloading")
 
-    def _serve(self) -> None:
-        while True:
-            with self._wake:
-                while not (self._stopping or self._pending or self.executor.has_work()):
-                    self._wake.wait()
-                pending, self._pending = self._pending, []
-                stopping = self._stopping
-            if stopping:
-                for flight in [*pending, *self._running.values()]:
-                    _send_quietly(flight.sink, "the tensorrt_llm model is unloading")
-                self.executor.close()
-                return
-            for flight in pending:
-                self._admit(flight)
-            for flight in [f for f in self._running.values() if f.sink.cancelled()]:
-                self.executor.cancel(flight.index)
-                del self._running[flight.index]
-            try:
-                outputs = self.executor.step() if self.executor.has_work() else []
-            except Exception as exc:  # a failed step fails the requests it held, never the server
-                self._fail_running(f"the emulated engine failed: {type(exc).__name__}: {exc}")
-                continue
-            for out in outputs:
-                if out.error is not None:  # the engine failed on this request alone: it ends, the others go on
-                    _send_quietly(self._running.pop(out.index).sink, out.error)
-                else:
-                    self._respond(self._running[out.index], out.tokens, out.finished)
+    def _admitted(self, request_id: int) -> None:
+        flight = self._flights[request_id]
+        flight.admitted, flight.scheduled_ns = True, self.clock()
 
-    def _fail_running(self, message: str) -> None:
-        for flight in list(self._running.values()):
-            self.executor.cancel(flight.index)
-            del self._running[flight.index]
-            _send_quietly(flight.sink, message)
+    def _gone(self) -> list[int]:
+        """Admitted requests whose clients cancelled them; they leave without a response."""
+        with self._lock:
+            flights = self._flights.items()
+            gone = [request_id for request_id, flight in flights if flight.admitted and flight.sink.cancelled()]
+            for request_id in gone:
+                del self._flights[request_id]
+        return gone
 
-    def _admit(self, flight: _InFlight) -> None:
-        r = flight.request
-        flight.decoding = Request(flight.index, r.prompt, r.max_new_tokens, r.temperature, r.seed, r.stop_words)
-        try:
-            self.executor.add(flight.decoding)
-        except DFlashTrtError as exc:
-            _send_quietly(flight.sink, str(exc))
-            return
-        flight.scheduled_ns = self.clock()
-        self._running[flight.index] = flight
+    def _answer(self, responses: list[Response]) -> None:
+        for response in responses:
+            flight = self._flights.get(response.request_id)
+            if flight is None:
+                continue  # its client cancelled it
+            if response.error is not None:
+                self._forget(response.request_id)
+                _send_quietly(flight.sink, response.error)
+            else:
+                self._respond(response.request_id, flight, response.tokens, response.final)
 
-    def _respond(self, flight: _InFlight, tokens: list[int], finished: bool) -> None:
+    def _forget(self, request_id: int) -> None:
+        with self._lock:
+            self._flights.pop(request_id, None)
+
+    def _respond(self, request_id: int, flight: _InFlight, tokens: list[int], finished: bool) -> None:
         now = self.clock()
         flight.first_token_ns = flight.first_token_ns or now
         flight.tokens.extend(tokens)
+        flight.responses += 1
+        streaming = flight.delivery.streaming
         if finished:
-            del self._running[flight.index]
-        elif not flight.request.streaming:
+            self._forget(request_id)
+        elif not streaming:
             return
-        sent = tokens if flight.request.streaming else flight.tokens
+        sent = tokens if streaming else flight.tokens
         outputs = {
             P.LLM_OUTPUT_IDS: np.array([[sent]], dtype=np.int32),
             P.LLM_SEQUENCE_LENGTH: np.array([[len(sent)]], dtype=np.int32),
         }
-        if flight.request.perf_metrics:
+        if flight.delivery.perf_metrics:
             outputs.update(self._perf_metrics(flight, now))
         try:
             flight.sink.send(outputs, None, finished)
         except Exception:  # the client went away between the check and the send: free its slot
             if not finished:
-                self.executor.cancel(flight.index)
-                del self._running[flight.index]
+                self.worker.cancel(request_id)
+                self._forget(request_id)
 
     def _perf_metrics(self, flight: _InFlight, now: int) -> dict[str, np.ndarray]:
-        """The backend's perf outputs; KV blocks are those the request's tokens (and one draft block) occupy."""
-        decoding = flight.decoding
-        assert decoding is not None
-        engine = self.executor.engine
-        steps = len(decoding.acceptance)
-        drafted, accepted = steps * engine.k, sum(decoding.acceptance) - steps
-        tokens = len(decoding.prompt) + len(decoding.output) + engine.block
+        """The backend's perf outputs; KV blocks are those the request's tokens (and one draft block) occupy. Every
+        verify step answers once, after the context step's first token."""
+        engine = self.stepper.engine
+        steps = flight.responses - 1
+        drafted, accepted = steps * engine.k, len(flight.tokens) - 1 - steps
+        tokens = len(flight.request.input_ids) + len(flight.tokens) + engine.block
         blocks = -(-tokens // engine.tokens_per_block)
         return {
             "kv_cache_alloc_new_blocks": _tensor(blocks, np.int32),

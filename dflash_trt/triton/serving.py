@@ -12,6 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from dflash_trt.errors import DFlashTrtError
 
+MAX_REPLICAS = 64  # copies of the engine one node serves
+
 
 class ServingSettings(BaseModel):
     """Triton `tensorrtllm` backend knobs that are not part of the engine; `dflash-trt triton` flags are checked
@@ -45,7 +47,7 @@ class ServingSettings(BaseModel):
         return v
 
     replicas: int = Field(
-        default=1, ge=1, le=64, description="copies of the engine, each on its own tp_size GPUs of the node"
+        default=1, ge=1, le=MAX_REPLICAS, description="copies of the engine, each on its own tp_size GPUs of the node"
     )
 
     @field_validator("enable_kv_cache_reuse")

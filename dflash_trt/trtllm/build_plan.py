@@ -456,7 +456,12 @@ def check_sliding_window(facts: CheckpointFacts, settings: EngineBuildSettings) 
 
 def check_settings(facts: CheckpointFacts, settings: EngineBuildSettings) -> None:
     """Every rule `trtllm-build` or the EAGLE runtime would enforce later (or silently override), as one message."""
-    k = facts.max_draft_len
+    check_engine_settings(settings)
+    check_settings_against_checkpoint(facts, settings)
+
+
+def check_engine_settings(settings: EngineBuildSettings) -> None:
+    """The rules on the build settings alone, before any checkpoint is known (build profiles check them too)."""
     if settings.max_beam_width != 1:
         raise DFlashTrtError("speculative decoding engines support only --max_beam_width 1")
     if settings.kv_cache_type not in KV_CACHE_TYPES:
@@ -474,14 +479,26 @@ def check_settings(facts: CheckpointFacts, settings: EngineBuildSettings) -> Non
         )
     if not 1 <= settings.max_batch_size <= MAX_EAGLE_BATCH_SIZE:
         raise DFlashTrtError(f"--max_batch_size must lie in [1, {MAX_EAGLE_BATCH_SIZE}] for EAGLE-mode engines")
+    if settings.max_input_len < 1 or settings.max_input_len > settings.max_seq_len:
+        raise DFlashTrtError("--max_input_len must be at least 1 and at most --max_seq_len")
+    if settings.workers < 1:
+        raise DFlashTrtError("--workers must be at least 1")
+    if settings.tokens_per_block not in XQA_TOKENS_PER_BLOCK:
+        raise DFlashTrtError(
+            f"--tokens_per_block must be one of {', '.join(map(str, XQA_TOKENS_PER_BLOCK))}: speculative decoding "
+            "generates through XQA, whose kernels for fp16/bf16 KV caches take no other block size"
+        )
+
+
+def check_settings_against_checkpoint(facts: CheckpointFacts, settings: EngineBuildSettings) -> None:
+    """The rules that need the checkpoint: its drafts per step, selector, block width and positions."""
+    k = facts.max_draft_len
     if k > MAX_EAGLE_DRAFT_LEN:
         raise DFlashTrtError(f"the drafter's {k} drafts per step exceed the EAGLE limit of {MAX_EAGLE_DRAFT_LEN}")
     if facts.selector_top_k is not None and facts.selector_top_k > TOPK_MAX_K:
         raise DFlashTrtError(
             f"the DFlash2 selector's top-k ({facts.selector_top_k}) exceeds TensorRT's TopK limit of {TOPK_MAX_K}"
         )
-    if settings.max_input_len < 1 or settings.max_input_len > settings.max_seq_len:
-        raise DFlashTrtError("--max_input_len must be at least 1 and at most --max_seq_len")
     width = k + 1
     if settings.max_num_tokens < settings.max_batch_size * width:
         raise DFlashTrtError(
@@ -489,19 +506,12 @@ def check_settings(facts: CheckpointFacts, settings: EngineBuildSettings) -> Non
             f"{settings.max_batch_size} x {width} = {settings.max_batch_size * width}: every generation step "
             "verifies the drafts and the anchor of each request"
         )
-    if settings.tokens_per_block not in XQA_TOKENS_PER_BLOCK:
-        raise DFlashTrtError(
-            f"--tokens_per_block must be one of {', '.join(map(str, XQA_TOKENS_PER_BLOCK))}: speculative decoding "
-            "generates through XQA, whose kernels for fp16/bf16 KV caches take no other block size"
-        )
     if settings.max_seq_len > facts.max_position_embeddings:
         raise DFlashTrtError(
             f"max_seq_len {settings.max_seq_len} exceeds the target's max_position_embeddings "
             f"{facts.max_position_embeddings}"
         )
     check_gemm_plugin(settings.gemm_plugin, weights_qformat(facts))
-    if settings.workers < 1:
-        raise DFlashTrtError("--workers must be at least 1")
     if facts.pp_size != 1:
         raise DFlashTrtError("pipeline parallelism is not supported: the drafter needs target taps from every layer")
     if settings.use_fp8_context_fmha and facts.quant_algo not in ("FP8", "NVFP4"):

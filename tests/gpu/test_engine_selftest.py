@@ -145,23 +145,26 @@ def test_bench_drives_the_engine_in_flight(engine, tmp_path):
 
 
 @pytest.mark.parametrize("temperature", [1e-40, 1e-45])
-def test_temperatures_too_small_to_invert_decode_greedily_in_the_engine(engine, monkeypatch, temperature):
-    """The executor hands the engine the raw temperature (the Python mapping to 0 bypassed, as a client of the C++
-    executor or of Triton's tensorrtllm backend sends it): the in-graph rule (trtllm/verify.py) must take the argmax,
-    where 1/T would be inf in float32, and decode exactly as at temperature 0."""
+def test_temperatures_too_small_to_invert_decode_greedily_in_the_engine(engine, temperature):
+    """The executor hands the engine the raw temperature (the Python edge's mapping to 0 bypassed, as a client of the
+    C++ executor or of Triton's tensorrtllm backend sends it): the in-graph rule (trtllm/verify.py) must take the
+    argmax, where 1/T would be inf in float32, and decode exactly as at temperature 0."""
     import asyncio
 
-    from dflash_trt.bench.backends import trtllm
-    from dflash_trt.bench.driver import BenchRequest, run_load
+    from dflash_trt.bench.driver import run_load
     from dflash_trt.decoding_modes import DFLASH
+    from dflash_trt.executors import trtllm
+    from dflash_trt.executors.contract import Request
     from dflash_trt.reference.decode import speculative_generate
     from dflash_trt.reference.model import load_golden_model
+    from dflash_trt.sampling_rules import Sampling
 
     engine_dir, checkpoint, library = engine
-    monkeypatch.setattr(trtllm, "engine_request_sampling", lambda params: {"temperature": temperature, "seed": 7})
+    raw = Sampling(temperature=1.0, seed=7)
+    object.__setattr__(raw, "temperature", temperature)  # what `Sampling` would have mapped to 0
     info = trtllm.inspect_engine(engine_dir, DFLASH, str(library))
-    backend = trtllm.TrtllmBackend(info, max_batch_size=len(PROMPTS), end_id=END_ID)
-    requests = [BenchRequest(i, p, MAX_NEW, temperature, 7) for i, p in enumerate(PROMPTS)]
+    backend = trtllm.TrtllmExecutor(info, max_batch_size=len(PROMPTS), end_id=END_ID)
+    requests = [Request(input_ids=p, max_new_tokens=MAX_NEW, sampling=raw) for p in PROMPTS]
     trace = asyncio.run(run_load(backend, requests, concurrency=len(requests), timeout_s=600))
     golden = speculative_generate(load_golden_model(checkpoint), PROMPTS, MAX_NEW, stop_token_ids=[END_ID])
     for record in trace.records:

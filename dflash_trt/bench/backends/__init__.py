@@ -1,1 +1,0 @@
-"""Executor backends of the load generator: TensorRT-LLM (GPU), Triton (gRPC) and the golden model (CPU)."""

@@ -1,0 +1,165 @@
+"""`dflash-trt bench` end to end on the CPU backend: the documented interface, its outputs and its refusals."""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from dflash_trt.bench import measure
+from dflash_trt.bench.results import POINT_KEYS, load_results
+from dflash_trt.cli import main
+from dflash_trt.conversion.convert import convert_checkpoint
+from dflash_trt.tiny.heldout import asset_dir, draft_dir, target_dir
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench_cli") / "ckpt"
+    convert_checkpoint(target_dir(), draft_dir(), path, dtype="float32")
+    return path
+
+
+@pytest.mark.slow
+def test_synthetic_closed_and_open_loop_points_with_the_ar_baseline(checkpoint, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = [
+        "bench",
+        "--checkpoint_dir",
+        str(checkpoint),
+        "--synthetic",
+        "6,8,5",
+        "--concurrency",
+        "1,2",
+        "--request_rate",
+        "50",
+        "--baseline",
+        "ar",
+        "--output_dir",
+        str(out),
+        "--json",
+    ]
+    assert main(argv) == 0
+    printed = json.loads(capsys.readouterr().out)
+    points = load_results(out / "results.json")
+    assert [(p["engine"], p["concurrency"], p["request_rate"]) for p in points] == [
+        ("dflash", 1, None), ("dflash", 2, None), ("dflash", None, 50.0),
+        ("ar", 1, None), ("ar", 2, None), ("ar", None, 50.0)]  # fmt: skip
+    assert all(set(p) == set(POINT_KEYS) for p in points) and len(printed) == 6
+    for p in points:
+        # Synthetic requests ignore end tokens: exactly OSL tokens each, all five requests.
+        assert p["requests"] == 5 and p["failed"] == 0 and p["output_tokens"] == 5 * 8
+        assert all(len(r["output_ids"]) == 8 and r["input_len"] == 6 for r in p["per_request"])
+        assert p["throughput_tok_s"] == pytest.approx(p["output_tokens"] / p["duration_s"])
+    # Same prompts, same tokens: speculation changes how many iterations, never what is produced.
+    dflash, ar = points[1], points[4]
+    assert [r["output_ids"] for r in dflash["per_request"]] == [r["output_ids"] for r in ar["per_request"]]
+    assert ar["acceptance_length"] == 1.0 and ar["acceptance_histogram"] == [35]
+    workload = json.loads((out / "results.json").read_text())["workload"]
+    assert workload == {"kind": "synthetic", "input_len": 6, "output_len": 8, "count": 5, "vocab_size": 128, "seed": 0}
+    html = (out / "report.html").read_text()
+    assert "Measured points" in html and "speedup over ar" in html
+    assert (out / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # An existing output is never replaced unasked.
+    assert main(argv) == 2
+    assert "already exists; pass --overwrite" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--synthetic", "6,8"], "ISL,OSL,COUNT"),
+        (["--synthetic", "6,8,2", "--concurrency", "0"], "--concurrency: must be a comma-separated list"),
+        (["--synthetic", "6,8,2", "--request_rate", "x"], "--request_rate: must be a comma-separated list"),
+        (["--input_file", "/nonexistent/p.jsonl"], "does not exist"),
+        (["--synthetic", "6,8,2", "--chat_template_kwargs", "{}"], "applies to --input_file prompts"),
+        (["--input_file", "/nonexistent/p.jsonl", "--chat_template_kwargs", "x"], "must be a JSON object"),
+    ],
+)
+def test_bad_input_is_one_clear_error(checkpoint, tmp_path, capsys, extra, message):
+    argv = ["bench", "--checkpoint_dir", str(checkpoint), "--output_dir", str(tmp_path / "o"), *extra]
+    if "--concurrency" not in extra and "--request_rate" not in extra:
+        argv += ["--concurrency", "1"]
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # the parser refuses a bad flag value
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+    assert not (tmp_path / "o").exists()
+
+
+def test_unreachable_triton_server_is_one_clear_error(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"input_ids": [1, 2]}\n')
+    argv = [
+        "bench",
+        "--triton_url",
+        "127.0.0.1:1",
+        "--input_file",
+        str(prompts),
+        "--concurrency",
+        "1",
+        "--output_dir",
+        str(tmp_path / "o"),
+    ]
+    assert main(argv) == 2
+    assert "cannot reach a Triton server at 127.0.0.1:1" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def _cpu_model_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def test_results_say_where_they_came_from_and_label_a_cpu_run_as_such(checkpoint, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(measure, "PROGRESS_DELAY_S", 0.0)  # the bar shows at once, not after a second
+    started = datetime.now(timezone.utc).replace(microsecond=0)
+    out = tmp_path / "out"
+    argv = ["bench", "--checkpoint_dir", str(checkpoint), "--input_file", str(asset_dir() / "heldout.jsonl"),
+            "--num_requests", "2", "--max_new_tokens", "8", "--concurrency", "1", "--baseline", "ar",
+            "--output_dir", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "warning" not in err  # real prompts: nothing to warn about
+    assert "dflash c=1:   0%| " in err and "/2 [" in err  # each point's requests have a progress bar
+    data = json.loads((out / "results.json").read_text())
+    provenance = data["provenance"]
+    assert provenance["backend"] == "golden" and provenance["target"] == str(checkpoint.resolve())
+    assert provenance["host"]["cpu"] == _cpu_model_name()
+    if shutil.which("nvidia-smi") is None:
+        assert provenance["host"]["gpus"] == []
+    assert provenance["versions"]["torch"] == torch.__version__
+    assert provenance["versions"]["transformers"] == transformers.__version__
+    repo = Path(__file__).resolve().parents[2]
+    if (repo / ".git").exists():
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True)
+        assert provenance["git_revision"] == head.stdout.strip()
+    assert started <= datetime.fromisoformat(provenance["started"]) <= datetime.now(timezone.utc)
+    for point in data["points"]:  # the CPU golden model: no GPU to divide by
+        assert point["gpus"] == 0 and point["throughput_tok_s_per_gpu"] is None
+    html = (out / "report.html").read_text()
+    assert "per GPU" not in html and "tok/s/GPU" not in html and "output tok/s (CPU host, no GPU)" in html
+    assert "golden backend" in html and _cpu_model_name() in html
+    # The table shows the plotted statistic: tok/s/user = 1 / mean TPOT.
+    for point in data["points"]:
+        assert f"<td>{1.0 / point['tpot_s']['mean']:.1f}</td>" in html
+
+
+def test_synthetic_prompts_warn_that_they_understate_speculation(checkpoint, tmp_path, capsys):
+    common = ["--checkpoint_dir", str(checkpoint), "--synthetic", "4,4,1", "--concurrency", "1"]
+    assert main(["bench", *common, "--output_dir", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: synthetic prompts are random token ids" in err and "build_configs/calibration.jsonl" in err
+    assert (Path(__file__).resolve().parents[2] / "build_configs" / "calibration.jsonl").is_file()

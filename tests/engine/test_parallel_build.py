@@ -1,0 +1,136 @@
+"""Parallel TP engine builds: one `rank_build` process per rank, at most `--workers` at a time.
+
+TensorRT-LLM cannot run here, so `tensorrt_llm.commands.build` is replaced by a stand-in package with the three
+functions `rank_build` touches, shaped like the 1.2.x ones (`main()` parses the trtllm-build arguments and calls
+`parallel_build`, which builds every rank through `build_and_save`); its `build_and_save` writes a fake engine file
+and records which process built which rank when. This proves the orchestration only (processes, GPU ids,
+concurrency, failure handling, staging), not that TensorRT-LLM builds the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from _engine_checkpoints import write_checkpoint
+
+from dflash_trt.errors import DFlashTrtError
+from dflash_trt.trtllm import build as engine_build
+from dflash_trt.trtllm.build_plan import MANIFEST_NAME, EngineBuildSettings, plan_engine_build
+
+ROOT = Path(__file__).resolve().parents[2]
+
+FAKE_TRTLLM_BUILD = """
+import argparse, json, os, sys, time
+from pathlib import Path
+
+
+def build_and_save(rank, gpu_id, ckpt_dir, build_config, output_dir, log_level, model_config, model_cls, **kwargs):
+    start = time.time()
+    if rank == int(os.environ.get("FAIL_RANK", "-1")):
+        raise RuntimeError(f"rank {rank} failed")
+    time.sleep(float(os.environ.get("RANK_SECONDS", "0.6")))
+    record = {"rank": rank, "gpu": gpu_id, "pid": os.getpid(), "start": start, "end": time.time(),
+              "model_cls": model_cls, "plugin": os.environ.get("DFLASH_TRT_PLUGIN_LIB")}
+    Path(output_dir, f"rank{rank}.engine").write_text(json.dumps(record))
+
+
+def parallel_build(model_config, ckpt_dir, build_config, output_dir, workers=1, log_level="info", model_cls=None,
+                   **kwargs):
+    for rank in range(model_config["world_size"]):
+        build_and_save(rank, rank % workers, ckpt_dir, build_config, output_dir, log_level, model_config, model_cls,
+                       **kwargs)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--checkpoint_dir")
+    parser.add_argument("--output_dir")
+    parser.add_argument("--model_cls_name")
+    parser.add_argument("--workers", type=int, default=1)
+    args, _ = parser.parse_known_args()
+    os.makedirs(args.output_dir, exist_ok=True)
+    mapping = json.loads(Path(args.checkpoint_dir, "config.json").read_text())["mapping"]
+    parallel_build({"world_size": mapping["world_size"]}, args.checkpoint_dir, {}, args.output_dir, args.workers,
+                   "info", args.model_cls_name, logits_dtype="float32")
+"""
+
+
+@pytest.fixture
+def fake_trtllm(tmp_path: Path, monkeypatch) -> Path:
+    package = tmp_path / "site" / "tensorrt_llm"
+    (package / "commands").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "commands" / "__init__.py").write_text("")
+    (package / "commands" / "build.py").write_text(FAKE_TRTLLM_BUILD)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "site"), str(ROOT)]))
+    monkeypatch.setattr(engine_build, "check_build_host", lambda plan: "1.2.1")
+    return package
+
+
+def _plan(tmp_path: Path, tp: int, workers: int):
+    ckpt = write_checkpoint(tmp_path / "ckpt", mapping={"world_size": tp, "tp_size": tp, "pp_size": 1})
+    library = tmp_path / "libdflash_trt_plugins.so"
+    settings = replace(EngineBuildSettings(), workers=workers)
+    return plan_engine_build(ckpt, tmp_path / "engine", settings, plugin_library=library)
+
+
+def _records(engine: Path) -> list[dict]:
+    return sorted((json.loads(p.read_text()) for p in engine.glob("rank*.engine")), key=lambda r: r["rank"])
+
+
+def test_ranks_build_in_parallel_processes(fake_trtllm: Path, tmp_path: Path):
+    plan = _plan(tmp_path, tp=4, workers=2)
+    assert plan.parallel_workers == 2 and len(plan.rank_commands()) == 4
+    engine = engine_build.run_engine_build(plan)
+    records = _records(engine)
+    assert [r["rank"] for r in records] == [0, 1, 2, 3]
+    assert [r["gpu"] for r in records] == [0, 1, 0, 1]  # rank % workers, as trtllm-build's own pool assigns
+    assert len({r["pid"] for r in records}) == 4 and os.getpid() not in {r["pid"] for r in records}
+    assert {r["model_cls"] for r in records} == {"DFlashForCausalLM"}
+    assert {r["plugin"] for r in records} == {str(tmp_path / "libdflash_trt_plugins.so")}
+    intervals = [(r["start"], r["end"]) for r in records]
+    overlapping = [(a, b) for a in intervals for b in intervals if a < b and a[0] < b[1] and b[0] < a[1]]
+    assert overlapping, "no two ranks were built at the same time"
+    at_once = max(sum(s <= t < e for s, e in intervals) for t, _ in intervals)
+    assert at_once <= 2, "more ranks at once than --workers"
+    assert json.loads((engine / MANIFEST_NAME).read_text())["tp_size"] == 4
+    assert not list(tmp_path.glob(".engine.partial-*"))
+
+
+def test_a_failing_rank_stops_the_build_and_leaves_nothing(fake_trtllm: Path, tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("FAIL_RANK", "1")
+    monkeypatch.setenv("RANK_SECONDS", "30")  # rank 0 would still be running: it must be stopped, not awaited
+    plan = _plan(tmp_path, tp=4, workers=2)
+    with pytest.raises(DFlashTrtError, match=r"building rank 1 failed .* the other ranks were stopped"):
+        engine_build.run_engine_build(plan)
+    assert not (tmp_path / "engine").exists() and not list(tmp_path.glob(".engine.partial-*"))
+
+
+def test_one_worker_or_one_rank_stays_a_single_trtllm_build(tmp_path: Path):
+    serial = _plan(tmp_path / "a", tp=4, workers=1)
+    single = _plan(tmp_path / "b", tp=1, workers=8)
+    for plan in (serial, single):
+        assert plan.parallel_workers == 1 and plan.rank_commands() == []
+        assert shlex.split(plan.shell_command()) == plan.command and plan.command[0] == "trtllm-build"
+    assert serial.command[serial.command.index("--workers") + 1] == "1"
+
+
+def test_parallel_dry_run_prints_a_runnable_shell_line(tmp_path: Path):
+    """The printed line runs the same per-rank commands through xargs (executed here with `echo` as python)."""
+    plan = _plan(tmp_path, tp=4, workers=2)
+    line = plan.shell_command(with_library=True)
+    assert line.startswith("seq 0 3 | DFLASH_TRT_PLUGIN_LIB=") and "xargs -P 2 -I{}" in line
+    echoed = subprocess.run(
+        ["bash", "-c", line.replace("xargs -P 2 -I{} python", "xargs -P 1 -I{} echo")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    expected = [shlex.join(c[1:]) for c in plan.rank_commands()]
+    assert sorted(echoed) == sorted(expected)
