@@ -67,6 +67,7 @@ class EmulatedEngine:
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         max_num_tokens: int | None = None,
         tokens_per_block: int = TOKENS_PER_BLOCK,
+        draft_tree: int | None = None,
     ):
         checkpoint_dir = Path(checkpoint_dir)
         raw = read_json_object(
@@ -86,15 +87,21 @@ class EmulatedEngine:
         self.vocab_size, self.eos_token_ids = target.vocab_size, target.eos_token_ids
         self.max_position_embeddings = target.max_position_embeddings
         engine = load_engine_module()
-        # One network per tensor-parallel rank, each from its own rank file, run in lockstep (ranks.py).
+        # One network per tensor-parallel rank, each from its own rank file, run in lockstep (ranks.py); a draft
+        # tree's node count joins the config as `dflash-trt build` hands it to trtllm-build.
         self.rank_models = [
-            engine.DFlashForCausalLM.from_checkpoint(checkpoint_dir, rank=rank) for rank in range(self.tp_size)
+            engine.DFlashForCausalLM.from_checkpoint(
+                checkpoint_dir, rank=rank, config=engine.DFlashConfig.from_dict({**raw, "draft_tree": draft_tree})
+            )
+            for rank in range(self.tp_size)
         ]
         self.model = self.rank_models[0]
         self.ranks = RankGroup(self.tp_size)
         config = self.model.config
-        self.k = self.model.max_draft_len
+        self.k = self.model.max_draft_len  # drafts verified per request: the chain's length or the tree's nodes
         self.block = self.k + 1
+        self.depth = self.model.num_drafts  # draft positions: the chain's length, a tree's deepest node
+        self.tree = self.model.tree is not None
         if max_batch_size < 1:
             raise DFlashTrtError(f"--max_batch_size must be >= 1, got {max_batch_size}")
         if tokens_per_block <= 0 or tokens_per_block & (tokens_per_block - 1):
@@ -116,7 +123,8 @@ class EmulatedEngine:
         fp8_cache = config.quantization.kv_cache_quant_algo == "FP8"
         # The cache holds the activations' dtype (the checkpoint's), or FP8.
         self.cache_dtype = torch.float8_e4m3fn if fp8_cache else getattr(torch, config.dtype)
-        self.paths = torch.tensor(chain_draft_paths(self.k), dtype=torch.int32)
+        # The paths a request starts from (the chain's EAGLE choices); after its first step, the ones the engine emits.
+        self.paths = [row[: self.depth + 1] for row in chain_draft_paths(self.k)]
         self.stats = StepStats()
 
     def run(self, inputs: dict[str, Any], batch_size: int) -> dict[str, torch.Tensor]:

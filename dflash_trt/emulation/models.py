@@ -363,11 +363,16 @@ class PretrainedModel(Module, metaclass=_PostInitCaller):
         quantize(self, self.config.quantization)
 
     @classmethod
-    def from_checkpoint(cls, ckpt_dir: str | Path, rank: int = 0) -> PretrainedModel:
+    def from_checkpoint(
+        cls, ckpt_dir: str | Path, rank: int = 0, config: PretrainedConfig | None = None
+    ) -> PretrainedModel:
+        """The model of `ckpt_dir`'s rank file, configured by its config.json unless `config` is given (as
+        trtllm-build hands one over)."""
         ckpt_dir = Path(ckpt_dir)
-        raw = json.loads((ckpt_dir / "config.json").read_text())
-        model_cls: Any = MODEL_MAP[raw["architecture"]]
-        config = model_cls.config_class.from_dict(raw)
+        if config is None:
+            raw = json.loads((ckpt_dir / "config.json").read_text())
+            model_cls: Any = MODEL_MAP[raw["architecture"]]
+            config = model_cls.config_class.from_dict(raw)
         config.set_rank(rank)
         reader = SafetensorsFile(ckpt_dir / f"rank{rank}.safetensors")
         try:
