@@ -221,3 +221,21 @@ TOP_K = IntRange(0, MAX_TOKEN_ID)
 MEMORY_FRACTION = FloatRange(0.0, 1.0, above_lo=True)
 URL = HostPort()
 PORT = IntRange(0, 65535)  # 0: any free port
+
+
+def draft_tree_nodes(nodes: int | None, num_drafts: int, dflash2: bool, what: str = "--draft_tree") -> int:
+    """Nodes per draft tree for `nodes` (0: the chain, for none or `nodes` = the drafter's `num_drafts`): refuses
+    fewer nodes than the chain, and a drafter whose drafts are not independent per position (DFlash2's selector walks
+    one chain). The golden loop and the engine ask this one rule."""
+    if nodes is None or nodes == num_drafts:
+        return 0
+    if nodes < num_drafts:
+        raise DFlashTrtError(
+            f"{what} {nodes}: a tree holds at least the chain's {num_drafts} drafts (block_size - 1); shorter drafts "
+            "are a draft length, not a tree"
+        )
+    if dflash2:
+        raise DFlashTrtError(
+            "draft trees need the drafter's per-position distributions; a DFlash2 drafter's selector walks one chain"
+        )
+    return nodes

@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.inputs import draft_tree_nodes
 from dflash_trt.reference.loop_rules import check_request, keep_tokens
 from dflash_trt.reference.model import DraftModel, GoldenModel, KVCache, TreeBlock
 from dflash_trt.reference.proposal import DraftChoice
@@ -88,23 +89,6 @@ def _check_prompts(prompts: list[list[int]], vocab_size: int, max_new_tokens: li
         raise DFlashTrtError("no prompts given")
     for i, (prompt, new) in enumerate(zip(prompts, max_new_tokens, strict=True)):
         check_request(i, prompt, new, vocab_size)
-
-
-def tree_budget(draft_tree: int | None, max_draft_len: int, spec: DraftSpec) -> int:
-    """Nodes per draft tree for `--draft_tree N`: 0 (chains) for none or N = max_draft_len; refuses N below it, and a
-    drafter whose drafts are not independent per position (DFlash2's selector walks one chain)."""
-    if draft_tree is None or draft_tree == max_draft_len:
-        return 0
-    if draft_tree < max_draft_len:
-        raise DFlashTrtError(
-            f"--draft_tree {draft_tree}: a tree holds at least the chain's {max_draft_len} drafts (block_size - 1); "
-            "shorter drafts are a draft length, not a tree"
-        )
-    if spec.dflash2 is not None:
-        raise DFlashTrtError(
-            "draft trees need the drafter's per-position distributions; a DFlash2 drafter's selector walks one chain"
-        )
-    return draft_tree
 
 
 def per_sequence_sampling(sampling: SamplingParams | list[SamplingParams] | None, batch: int) -> list[SamplingParams]:
@@ -410,7 +394,7 @@ def speculative_generate(
         raise DFlashTrtError(f"block size must be in 1..{widest}, got {block}")
     news = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     _check_prompts(prompts, target.spec.vocab_size, news)
-    nodes = tree_budget(draft_tree, block - 1, draft.spec)
+    nodes = draft_tree_nodes(draft_tree, block - 1, draft.spec.dflash2 is not None)
     rule = _accept_rule(per_sequence, seed, seeds, max(block, nodes + 1), draft.spec)
     trees = None
     if nodes:

@@ -19,7 +19,7 @@ from dflash_trt import __version__
 from dflash_trt.checkpoint.trtllm_config import ARCHITECTURE, specs_from_config
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import FP8, NVFP4, QFORMATS, quant_algo
-from dflash_trt.inputs import DRAFT_TREE
+from dflash_trt.inputs import DRAFT_TREE, draft_tree_nodes
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.rope import RopeConfig
 from dflash_trt.sampling_rules import ENGINE_SAMPLING, HONOURED
@@ -178,13 +178,12 @@ class EngineBuildPlan:
         }
 
 
-def engine_tree_nodes(value: int | None, num_drafts: int) -> int:
+def engine_tree_nodes(value: int | None, num_drafts: int, dflash2: bool) -> int:
     """Nodes of the draft tree a network is built with, 0 for the chain: `value` (the `draft_tree` key of an
     engine's config.json, or of the config the emulation builds), else `$DFLASH_TRT_DRAFT_TREE` (set by `dflash-trt
-    build` for trtllm-build), else the chain. A tree holds more nodes than the chain's `num_drafts`, at most the
-    builder's `max_draft_len` limit."""
+    build` for trtllm-build), else the chain."""
     if value is not None:
-        return check_tree_nodes(DRAFT_TREE.check(value, "draft_tree"), num_drafts, "draft_tree")
+        return check_tree_nodes(DRAFT_TREE.check(value, "draft_tree"), num_drafts, dflash2, "draft_tree")
     text = os.environ.get(TREE_ENV)
     if text is None:
         return 0
@@ -192,22 +191,16 @@ def engine_tree_nodes(value: int | None, num_drafts: int) -> int:
         nodes = DRAFT_TREE.parse(text)
     except ValueError:
         raise DFlashTrtError(f"{TREE_ENV} must be {DRAFT_TREE.describe()}, got {text!r}") from None
-    return check_tree_nodes(DRAFT_TREE.check(nodes, TREE_ENV), num_drafts, TREE_ENV)
+    return check_tree_nodes(DRAFT_TREE.check(nodes, TREE_ENV), num_drafts, dflash2, TREE_ENV)
 
 
-def check_tree_nodes(nodes: int, num_drafts: int, what: str = "--draft_tree") -> int:
-    """0 for the chain (`nodes` = the drafter's draft count), `nodes` for a tree; refuses fewer nodes than the chain
-    and more than an EAGLE engine verifies (the builder's max_draft_len limit)."""
-    if nodes == num_drafts:
-        return 0
-    if nodes < num_drafts:
-        raise DFlashTrtError(
-            f"{what} {nodes}: a tree holds at least the chain's {num_drafts} drafts (block_size - 1); shorter drafts "
-            "are a draft length, not a tree"
-        )
-    if nodes > MAX_EAGLE_DRAFT_LEN:
-        raise DFlashTrtError(f"{what} {nodes}: an EAGLE engine verifies at most {MAX_EAGLE_DRAFT_LEN} drafts")
-    return nodes
+def check_tree_nodes(nodes: int | None, num_drafts: int, dflash2: bool, what: str = "--draft_tree") -> int:
+    """0 for the chain, `nodes` for a tree (the golden loop's rule, `inputs.draft_tree_nodes`), at most what an
+    EAGLE engine verifies (the builder's max_draft_len limit)."""
+    tree = draft_tree_nodes(nodes, num_drafts, dflash2, what)
+    if tree > MAX_EAGLE_DRAFT_LEN:
+        raise DFlashTrtError(f"{what} {tree}: an EAGLE engine verifies at most {MAX_EAGLE_DRAFT_LEN} drafts")
+    return tree
 
 
 def chain_eagle_choices(max_draft_len: int) -> list[list[int]]:

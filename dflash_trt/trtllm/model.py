@@ -135,7 +135,7 @@ class DFlashConfig(PretrainedConfig):
         self.draft: DraftSpec = draft
         k = draft.num_drafts
         # A draft tree of N nodes (0: the chain) verifies N drafts per request: the EAGLE max_draft_len.
-        self.tree_nodes = engine_tree_nodes(draft_tree, k)
+        self.tree_nodes = engine_tree_nodes(draft_tree, k, draft.dflash2 is not None)
         self.draft_tree = self.tree_nodes or None
         self.max_draft_len = self.tree_nodes or k
         # GptJsonConfig: num_eagle_layers = tree depth, eagle_net_config.num_hidden_layers = extra pool layers.

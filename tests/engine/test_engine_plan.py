@@ -533,3 +533,26 @@ def test_a_selector_beyond_tensorrts_topk_limit_is_refused(tmp_path: Path):
     ckpt = write_checkpoint(tmp_path / "k", target_hf=target, draft_hf=draft)
     with pytest.raises(DFlashTrtError, match="selector's top-k \\(4000\\) exceeds TensorRT's TopK limit of 3840"):
         plan_engine_build(ckpt, tmp_path / "engine", EngineBuildSettings())
+
+
+@pytest.mark.parametrize(
+    ("nodes", "dflash2", "expected"),
+    [(None, False, 0), (7, False, 0), (8, False, 8), (256, False, 256), (6, False, "at least the chain's 7"),
+     (257, False, "at most 256 drafts"), (8, True, "DFlash2 drafter's selector walks one chain")],
+)  # fmt: skip
+def test_the_tree_node_rule_of_an_engine(nodes, dflash2, expected, monkeypatch):
+    """A drafter of 7 drafts: its node count is the chain, a tree above it up to max_draft_len's limit, nothing else."""
+    monkeypatch.delenv(build_plan.TREE_ENV, raising=False)
+    if isinstance(expected, str):
+        with pytest.raises(DFlashTrtError, match=expected):
+            build_plan.engine_tree_nodes(nodes, 7, dflash2)
+    else:
+        assert build_plan.engine_tree_nodes(nodes, 7, dflash2) == expected
+
+
+def test_the_tree_node_count_reaches_trtllm_build_through_the_environment(monkeypatch):
+    monkeypatch.setenv(build_plan.TREE_ENV, "12")
+    assert build_plan.engine_tree_nodes(None, 7, False) == 12
+    monkeypatch.setenv(build_plan.TREE_ENV, "many")
+    with pytest.raises(DFlashTrtError, match=build_plan.TREE_ENV):
+        build_plan.engine_tree_nodes(None, 7, False)
