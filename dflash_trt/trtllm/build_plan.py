@@ -86,6 +86,7 @@ class EngineBuildSettings:
     logits_dtype: str = "float32"
     workers: int = 1
     extra_flags: tuple[str, ...] = ()
+    draft_tree: int | None = None  # nodes of the draft tree verified per request; None: the chain
 
 
 @dataclass(frozen=True)
@@ -149,9 +150,19 @@ class EngineBuildPlan:
             for rank in range(self.world_size)
         ]
 
+    def environment(self) -> dict[str, str]:
+        """What the build processes need in their environment beyond the caller's: the plugin library, and a draft
+        tree's node count (the model class reads it: the converted config.json trtllm-build loads holds none)."""
+        env = {LIBRARY_ENV: self.plugin_library}
+        if self.settings.draft_tree is not None:
+            env[TREE_ENV] = str(self.settings.draft_tree)
+        return env
+
     def shell_command(self, with_library: bool = False) -> str:
-        """The build as a shell line; `with_library` sets the plugin library variable for the build processes."""
-        env = f"{LIBRARY_ENV}={shlex.quote(self.plugin_library)} " if with_library else ""
+        """The build as a shell line; `with_library` sets the plugin library variable for the build processes. A
+        draft tree's node count is always set: without it the line builds the chain."""
+        shown = self.environment() if with_library else {k: v for k, v in self.environment().items() if k == TREE_ENV}
+        env = "".join(f"{name}={shlex.quote(value)} " for name, value in shown.items())
         if self.parallel_workers == 1:
             return env + shlex.join(self.command)
         one_rank = [
@@ -483,11 +494,19 @@ def check_engine_settings(settings: EngineBuildSettings) -> None:
         )
 
 
+def verified_drafts(facts: CheckpointFacts, settings: EngineBuildSettings) -> int:
+    """Drafts the engine verifies per request, its EAGLE max_draft_len: the chain's, or the draft tree's nodes."""
+    dflash2 = facts.selector_top_k is not None
+    return check_tree_nodes(settings.draft_tree, facts.max_draft_len, dflash2) or facts.max_draft_len
+
+
 def check_settings_against_checkpoint(facts: CheckpointFacts, settings: EngineBuildSettings) -> None:
-    """The rules that need the checkpoint: its drafts per step, selector, block width and positions."""
-    k = facts.max_draft_len
-    if k > MAX_EAGLE_DRAFT_LEN:
-        raise DFlashTrtError(f"the drafter's {k} drafts per step exceed the EAGLE limit of {MAX_EAGLE_DRAFT_LEN}")
+    """The rules that need the checkpoint: its drafts per step (or tree), selector, block width and positions."""
+    if facts.max_draft_len > MAX_EAGLE_DRAFT_LEN:
+        raise DFlashTrtError(
+            f"the drafter's {facts.max_draft_len} drafts per step exceed the EAGLE limit of {MAX_EAGLE_DRAFT_LEN}"
+        )
+    k = verified_drafts(facts, settings)
     if facts.selector_top_k is not None and facts.selector_top_k > TOPK_MAX_K:
         raise DFlashTrtError(
             f"the DFlash2 selector's top-k ({facts.selector_top_k}) exceeds TensorRT's TopK limit of {TOPK_MAX_K}"
@@ -577,7 +596,7 @@ def build_config_dict(facts: CheckpointFacts, settings: EngineBuildSettings) -> 
         "kv_cache_type": settings.kv_cache_type.upper(),
         "strongly_typed": True,
         "gather_context_logits": False,
-        "max_draft_len": facts.max_draft_len,
+        "max_draft_len": verified_drafts(facts, settings),
         "speculative_decoding_mode": EAGLE_MODE_VALUE,
         "plugin_config": {
             "gemm_plugin": None if settings.gemm_plugin == "disable" else settings.gemm_plugin,
@@ -593,8 +612,9 @@ def build_config_dict(facts: CheckpointFacts, settings: EngineBuildSettings) -> 
 
 
 def engine_max_seq_len(facts: CheckpointFacts, settings: EngineBuildSettings) -> int:
-    """builder.build() adds max_draft_len (any speculative mode) and num_eagle_layers (EAGLE) to max_seq_len."""
-    return settings.max_seq_len + 2 * facts.max_draft_len
+    """builder.build() adds max_draft_len (any speculative mode) and num_eagle_layers (EAGLE: the draft positions)
+    to max_seq_len."""
+    return settings.max_seq_len + verified_drafts(facts, settings) + facts.max_draft_len
 
 
 def manifest(facts: CheckpointFacts, settings: EngineBuildSettings, plugin_library: str) -> dict[str, Any]:
@@ -607,8 +627,11 @@ def manifest(facts: CheckpointFacts, settings: EngineBuildSettings, plugin_libra
         "base_architecture": facts.base_architecture,
         "speculative_decoding_mode": SPECULATIVE_DECODING_MODE,
         "block_size": facts.block_size,
-        "max_draft_len": k,
+        "max_draft_len": verified_drafts(facts, settings),
+        "draft_tree": settings.draft_tree,
         "drafter": facts.drafter,
+        # The chain over the draft positions (num_eagle_layers): a request's first paths, checked against the
+        # layers [read]; a tree engine emits its own paths every step after that.
         "eagle_choices": chain_eagle_choices(k),
         "mask_token_id": facts.mask_token_id,
         "target_layer_ids": list(facts.target_layer_ids),
@@ -640,6 +663,9 @@ def plan_engine_build(
     False), so both ways into `build` apply the same checks.
     """
     facts = read_checkpoint_facts(checkpoint_dir)
+    # A tree of the chain's node count is the chain: the plan records no tree for it.
+    tree = verified_drafts(facts, settings)
+    settings = replace(settings, draft_tree=tree if tree != facts.max_draft_len else None)
     check_kv_geometry(facts)
     check_rope(facts)
     check_quantization(facts)
@@ -654,7 +680,7 @@ def plan_engine_build(
     return EngineBuildPlan(
         checkpoint_dir=checkpoint,
         output_dir=output,
-        command=build_command(checkpoint, output, facts.max_draft_len, settings),
+        command=build_command(checkpoint, output, verified_drafts(facts, settings), settings),
         build_config=build_config_dict(facts, settings),
         plugin_library=library,
         dflash_manifest=manifest(facts, settings, library),

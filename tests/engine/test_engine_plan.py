@@ -556,3 +556,26 @@ def test_the_tree_node_count_reaches_trtllm_build_through_the_environment(monkey
     monkeypatch.setenv(build_plan.TREE_ENV, "many")
     with pytest.raises(DFlashTrtError, match=build_plan.TREE_ENV):
         build_plan.engine_tree_nodes(None, 7, False)
+
+
+def test_a_draft_tree_build_verifies_its_nodes_over_the_chain_positions(ckpt: Path, tmp_path: Path, capsys):
+    """`--draft_tree 40` on a drafter of 15 drafts: trtllm-build gets max_draft_len 40 and the node count in the
+    model class's environment; the manifest keeps the 15-deep chain as the EAGLE choices (num_eagle_layers)."""
+    args = cli(["--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e"), "--draft_tree", "40"])
+    settings = build_command.settings_from_args(args)
+    plan = plan_engine_build(ckpt, tmp_path / "e", settings)
+    assert flag_values(plan.command)["--max_draft_len"] == "40"
+    assert plan.build_config["max_draft_len"] == 40
+    assert plan.environment()[build_plan.TREE_ENV] == "40"
+    assert plan.shell_command().startswith(f"{build_plan.TREE_ENV}=40 trtllm-build ")
+    manifest = plan.dflash_manifest
+    assert (manifest["max_draft_len"], manifest["draft_tree"], len(manifest["eagle_choices"])) == (40, 40, 15)
+    assert manifest["max_seq_len"] == settings.max_seq_len + 40 + 15  # max_draft_len + num_eagle_layers
+    chain = plan_engine_build(ckpt, tmp_path / "e", build_command.settings_from_args(cli(["--draft_tree", "15"])))
+    assert build_plan.TREE_ENV not in chain.environment() and chain.build_config["max_draft_len"] == 15
+
+
+def test_a_draft_tree_needs_tokens_for_every_node(ckpt: Path, tmp_path: Path):
+    settings = EngineBuildSettings(max_batch_size=64, max_num_tokens=64 * 16, draft_tree=40)
+    with pytest.raises(DFlashTrtError, match=r"64 x 41"):
+        plan_engine_build(ckpt, tmp_path / "e", settings)
