@@ -36,7 +36,7 @@ lint: $(STAMP)
 NUMERICS_TESTS := tests/emulation/test_emulation.py tests/emulation/test_emulation_moe.py tests/golden/test_divergence.py \
 	tests/engine/test_verify_replay.py tests/engine/test_sampler_support.py tests/emulation/test_emulation_ranks.py \
 	tests/emulation/test_emulation_precision.py tests/emulation/test_emulation_dflash2.py \
-	tests/golden/test_parity_speculators.py
+	tests/golden/test_parity_speculators.py tests/emulation/test_emulation_tree.py
 
 # The fast tier for a local loop (`make test-fast`, under a minute on a quiet 2-core machine): every subject's unit and
 # contract tests, without the real Triton server, the subprocesses and the long end-to-end runs; `make test` runs all.

@@ -366,8 +366,7 @@ class PretrainedModel(Module, metaclass=_PostInitCaller):
     def from_checkpoint(
         cls, ckpt_dir: str | Path, rank: int = 0, config: PretrainedConfig | None = None
     ) -> PretrainedModel:
-        """The model of `ckpt_dir`'s rank file, configured by its config.json unless `config` is given (as
-        trtllm-build hands one over)."""
+        """As 1.2.x: the config read from the directory unless given (trtllm-build's `build_model` passes one)."""
         ckpt_dir = Path(ckpt_dir)
         if config is None:
             raw = json.loads((ckpt_dir / "config.json").read_text())

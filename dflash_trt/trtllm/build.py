@@ -153,7 +153,7 @@ def run_engine_build(plan: EngineBuildPlan, overwrite: bool = False) -> Path:
     # A draft tree's node count reaches the model class only from the plan: an inherited one would turn a chain into
     # a tree.
     env = {name: value for name, value in os.environ.items() if name != TREE_ENV}
-    env.update(plan.environment(), **{PLUGIN_LIBRARY_ENV: str(Path(plan.plugin_library).resolve())})
+    env.update({PLUGIN_LIBRARY_ENV: str(Path(plan.plugin_library).resolve())}, **plan.build_env())
     try:
         _build(plan, staging, env)
     except BaseException:

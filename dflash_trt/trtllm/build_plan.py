@@ -150,19 +150,16 @@ class EngineBuildPlan:
             for rank in range(self.world_size)
         ]
 
-    def environment(self) -> dict[str, str]:
-        """What the build processes need in their environment beyond the caller's: the plugin library, and a draft
-        tree's node count (the model class reads it: the converted config.json trtllm-build loads holds none)."""
-        env = {LIBRARY_ENV: self.plugin_library}
-        if self.settings.draft_tree is not None:
-            env[TREE_ENV] = str(self.settings.draft_tree)
-        return env
+    def build_env(self) -> dict[str, str]:
+        """What the build processes need in their environment beyond the caller's: a draft tree's node count (the
+        model class reads it: the converted config.json trtllm-build loads holds none)."""
+        return {} if self.settings.draft_tree is None else {TREE_ENV: str(self.settings.draft_tree)}
 
     def shell_command(self, with_library: bool = False) -> str:
-        """The build as a shell line; `with_library` sets the plugin library variable for the build processes. A
-        draft tree's node count is always set: without it the line builds the chain."""
-        shown = self.environment() if with_library else {k: v for k, v in self.environment().items() if k == TREE_ENV}
-        env = "".join(f"{name}={shlex.quote(value)} " for name, value in shown.items())
+        """The build as a shell line with the variables its processes need; `with_library` also sets the plugin
+        library variable."""
+        variables = {**({LIBRARY_ENV: self.plugin_library} if with_library else {}), **self.build_env()}
+        env = "".join(f"{name}={shlex.quote(value)} " for name, value in variables.items())
         if self.parallel_workers == 1:
             return env + shlex.join(self.command)
         one_rank = [

@@ -566,13 +566,13 @@ def test_a_draft_tree_build_verifies_its_nodes_over_the_chain_positions(ckpt: Pa
     plan = plan_engine_build(ckpt, tmp_path / "e", settings)
     assert flag_values(plan.command)["--max_draft_len"] == "40"
     assert plan.build_config["max_draft_len"] == 40
-    assert plan.environment()[build_plan.TREE_ENV] == "40"
+    assert plan.build_env() == {build_plan.TREE_ENV: "40"}
     assert plan.shell_command().startswith(f"{build_plan.TREE_ENV}=40 trtllm-build ")
     manifest = plan.dflash_manifest
     assert (manifest["max_draft_len"], manifest["draft_tree"], len(manifest["eagle_choices"])) == (40, 40, 15)
     assert manifest["max_seq_len"] == settings.max_seq_len + 40 + 15  # max_draft_len + num_eagle_layers
     chain = plan_engine_build(ckpt, tmp_path / "e", build_command.settings_from_args(cli(["--draft_tree", "15"])))
-    assert build_plan.TREE_ENV not in chain.environment() and chain.build_config["max_draft_len"] == 15
+    assert chain.build_env() == {} and chain.build_config["max_draft_len"] == 15
 
 
 def test_a_draft_tree_needs_tokens_for_every_node(ckpt: Path, tmp_path: Path):

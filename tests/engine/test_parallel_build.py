@@ -36,7 +36,8 @@ def build_and_save(rank, gpu_id, ckpt_dir, build_config, output_dir, log_level, 
         raise RuntimeError(f"rank {rank} failed")
     time.sleep(float(os.environ.get("RANK_SECONDS", "0.6")))
     record = {"rank": rank, "gpu": gpu_id, "pid": os.getpid(), "start": start, "end": time.time(),
-              "model_cls": model_cls, "plugin": os.environ.get("DFLASH_TRT_PLUGIN_LIB")}
+              "model_cls": model_cls, "plugin": os.environ.get("DFLASH_TRT_PLUGIN_LIB"),
+              "draft_tree": os.environ.get("DFLASH_TRT_DRAFT_TREE")}
     Path(output_dir, f"rank{rank}.engine").write_text(json.dumps(record))
 
 
@@ -73,10 +74,10 @@ def fake_trtllm(tmp_path: Path, monkeypatch) -> Path:
     return package
 
 
-def _plan(tmp_path: Path, tp: int, workers: int):
+def _plan(tmp_path: Path, tp: int, workers: int, draft_tree: int | None = None):
     ckpt = write_checkpoint(tmp_path / "ckpt", mapping={"world_size": tp, "tp_size": tp, "pp_size": 1})
     library = tmp_path / "libdflash_trt_plugins.so"
-    settings = replace(EngineBuildSettings(), workers=workers)
+    settings = replace(EngineBuildSettings(), workers=workers, draft_tree=draft_tree)
     return plan_engine_build(ckpt, tmp_path / "engine", settings, plugin_library=library)
 
 
@@ -101,6 +102,16 @@ def test_ranks_build_in_parallel_processes(fake_trtllm: Path, tmp_path: Path):
     assert at_once <= 2, "more ranks at once than --workers"
     assert json.loads((engine / MANIFEST_NAME).read_text())["tp_size"] == 4
     assert not list(tmp_path.glob(".engine.partial-*"))
+
+
+def test_every_rank_builds_the_planned_tree_and_only_it(fake_trtllm: Path, tmp_path: Path, monkeypatch):
+    """A tree build hands its node count to every rank's process; a chain build drops one the shell had set."""
+    monkeypatch.setenv("RANK_SECONDS", "0")
+    monkeypatch.setenv("DFLASH_TRT_DRAFT_TREE", "99")
+    tree = engine_build.run_engine_build(_plan(tmp_path / "tree", tp=2, workers=2, draft_tree=40))
+    assert [r["draft_tree"] for r in _records(tree)] == ["40", "40"]
+    chain = engine_build.run_engine_build(_plan(tmp_path / "chain", tp=2, workers=2))
+    assert [r["draft_tree"] for r in _records(chain)] == [None, None]
 
 
 def test_a_failing_rank_stops_the_build_and_leaves_nothing(fake_trtllm: Path, tmp_path: Path, monkeypatch):
