@@ -18,7 +18,8 @@ import json
 from pathlib import Path
 
 import pytest
-from _emulation import divergences
+from _emulation import PROMPTS, STOP, convert, divergences
+from _pairs import PairVariant
 
 import dflash_trt.executors.emulated as emulated_executor
 from dflash_trt import cli
@@ -103,6 +104,26 @@ def test_tree_engine_at_tensor_parallel_2_equals_the_tp1_golden_loop(tiny, heldo
     assert [r.output_ids for r in emulated] == [r.output_ids[:NEW_TOKENS] for r in golden]
     assert divergences(tiny, golden, emulated, NEW_TOKENS, [0.0, 0.7, 0.0]) == []
     assert any(moved)
+
+
+RANDOM_TREES = {
+    # One draft position over a 96-token vocabulary: a tree of 120 holds only 96 nodes, so the engine emits fewer
+    # nodes than its max_draft_len and the runtime verifies a shorter generation length.
+    "qwen3-b2-wider-than-vocab": (PairVariant(block_size=2), 120),
+    "llama-mqa-tied-b6": (PairVariant(arch="llama", block_size=6, kv_heads=1, draft_kv_heads=1, tie=True, seed=2), 33),
+}
+
+
+@pytest.mark.parametrize("name", list(RANDOM_TREES))
+def test_tree_engine_on_random_pairs_equals_the_golden_tree_loop(tmp_path, name):
+    variant, nodes = RANDOM_TREES[name]
+    ckpt = convert(tmp_path, variant)
+    model = load_golden_model(ckpt)
+    golden = speculative_generate(model, PROMPTS, 16 + model.draft.spec.num_drafts, STOP, draft_tree=nodes)
+    engine = EmulatedEngine(ckpt, max_batch_size=3, tokens_per_block=16, draft_tree=nodes)
+    emulated = decode_batch(engine, PROMPTS, 16, STOP)
+    assert divergences(ckpt, golden, emulated, 16) == []
+    assert {len(step.draft_ids) for r in emulated for step in r.steps} == {min(nodes, variant.vocab)}
 
 
 def test_emulate_cli_decodes_trees_as_generate_does(tiny, heldout, tmp_path, capsys):
