@@ -11,13 +11,15 @@ from __future__ import annotations
 
 
 def path_geometry(paths: list[list[int]], nodes: int) -> tuple[list[int], list[list[bool]]]:
-    """Per node 0..`nodes` - 1: its position offset and which nodes it attends to."""
+    """Per node 0..`nodes` - 1 (the step's generation length): its position offset and which nodes it attends to.
+    Nodes past the generation length are not verified (a chain drafting fewer than its paths hold); a row's nodes
+    grow with its levels, so the row ends there."""
     depth = [0] * nodes
     sees = [[False] * nodes for _ in range(nodes)]
     sees[0][0] = True
     for row in paths:
         for level, node in enumerate(row):
-            if node < 0:
+            if not 0 <= node < nodes:
                 break
             depth[node] = level
             for earlier in row[: level + 1]:

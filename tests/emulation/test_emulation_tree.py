@@ -25,6 +25,7 @@ import dflash_trt.executors.emulated as emulated_executor
 from dflash_trt import cli
 from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.emulation.engine import EmulatedEngine
+from dflash_trt.emulation.paths import path_geometry, rewind_moves
 from dflash_trt.emulation.stand_ins import load_engine_module
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.executors.emulated import decode_batch
@@ -73,6 +74,22 @@ def _count_rewinds(monkeypatch) -> list[bool]:
 
     monkeypatch.setattr(emulated_executor, "rewind_moves", spy)
     return moved
+
+
+def test_the_runtime_geometry_of_a_tree_and_of_a_shortened_chain():
+    """Hand-derived: nodes 1 and 2 are the anchor's children, 3 is 1's child and 4 is 3's; node i's row is its path.
+    A node sees itself and its ancestors at offsets equal to its depth; the rewind after accepting 3 tokens along
+    row 4 (nodes 1, 3) moves slot 3 to 2 (slot 1 stays). A chain whose paths hold 4 drafts but that drafts 2 verifies
+    3 nodes."""
+    tree = [[0, -1, -1, -1], [0, 1, -1, -1], [0, 2, -1, -1], [0, 1, 3, -1], [0, 1, 3, 4]]
+    depth, sees = path_geometry(tree, 5)
+    assert depth == [0, 1, 1, 2, 3]
+    visible = [[j for j, seen in enumerate(row) if seen] for row in sees]
+    assert visible == [[0], [0, 1], [0, 2], [0, 1, 3], [0, 1, 3, 4]]
+    assert rewind_moves(tree, 4, 3) == ([1, 3], [1, 2])
+    chain = [[0, 1, 2, 3, 4], *[[-1] * 5] * 4]
+    depth, sees = path_geometry(chain, 3)
+    assert depth == [0, 1, 2] and sees == [[True, False, False], [True, True, False], [True, True, True]]
 
 
 @pytest.mark.parametrize(
