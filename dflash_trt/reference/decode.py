@@ -133,6 +133,8 @@ class _EngineRule:
     def ranks(self, row: int, tokens: list[int], positions: int) -> list[int | None]:
         """The drafter's rank of `tokens` (the target's, one per draft position from the first) in the last block,
         at the step's first `positions` draft positions."""
+        if positions == 0:  # a block of 1 (plain autoregressive decoding) drafts nothing
+            return []
         assert self.choice is not None  # set by draft() / trees() before any verification
         return [self.choice.rank(row, slot, tokens[slot]) for slot in range(min(len(tokens), positions))]
 

@@ -319,3 +319,14 @@ def test_rank_rates_extend_the_chain_acceptance(tiny):
         assert row[0] == pytest.approx(accepted, abs=1e-9), position
         assert sum(row) <= 1.0 + 1e-9
     assert any(row[1] > 0 for row in rates)  # the drafter's second choice is the target's token at times
+
+
+def test_a_block_of_one_drafts_nothing_and_ranks_nothing(tiny):
+    """Plain autoregressive decoding (block 1) goes through the same loop: no draft position, no rank recorded, the
+    chain's tokens."""
+    model = load_golden_model(tiny)
+    tokenizer = load_tokenizer(tiny)
+    prompts = [tokenizer.encode(p.text) for p in load_heldout(limit=2)]
+    alone = speculative_generate(model, prompts, 12, block_size=1)
+    assert all(step.ranks == [] and step.draft_ids == [] for r in alone for step in r.steps)
+    assert [r.output_ids for r in alone] == [r.output_ids for r in speculative_generate(model, prompts, 12)]
