@@ -50,8 +50,9 @@ FAST_TESTS := tests/architecture/test_function_length.py tests/architecture/test
 	tests/engine/test_trtllm_api.py tests/engine/test_verify_replay.py tests/executors/test_executors_emulated.py \
 	tests/golden/test_divergence.py tests/golden/test_kv_injection.py tests/golden/test_loop_rules.py \
 	tests/models/test_spec.py tests/planning/test_capacity.py tests/planning/test_comm.py \
-	tests/planning/test_fitting.py tests/planning/test_node_planner.py tests/planning/test_pareto.py \
-	tests/planning/test_perf_model.py tests/planning/test_profiles.py tests/quant/test_quant_formats.py \
+	tests/planning/test_draft_schedule.py tests/planning/test_fitting.py tests/planning/test_node_planner.py \
+	tests/planning/test_pareto.py tests/planning/test_perf_model.py tests/planning/test_profiles.py \
+	tests/quant/test_quant_formats.py \
 	tests/quant/test_quant_prequantized.py tests/serve/test_serve_cli.py tests/serve/test_serve_detokenizer.py \
 	tests/serve/test_serve_observability.py tests/triton_repository/test_triton_client.py \
 	tests/triton_repository/test_triton_cpu_repo.py tests/triton_repository/test_triton_emulated_llm.py \

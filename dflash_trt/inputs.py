@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from dflash_trt.draft_schedule import AUTO, FIXED, MAX_STEPS, NONE, DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.sampling_rules import MAX_SEED, TEMPERATURE_RULE, temperature_refusal
 
@@ -147,6 +148,45 @@ class HostPort(_Rule):
 
 
 @dataclass(frozen=True)
+class DraftLenScheduleRule(_Rule):
+    """`auto`, `none` or `N1:K1,N2:K2,...`: with at least N requests in a step, draft K tokens (draft_schedule.py).
+    Parses to `AUTO` (the planner derives the table later) or a `DraftLenSchedule`; whether K fits the drafter's
+    block is checked once the block is known (`DraftLenSchedule.fitted_to`)."""
+
+    def describe(self) -> str:
+        return (
+            f"{AUTO}, {NONE} or N1:K1,N2:K2,... (at most {MAX_STEPS} steps; request counts N strictly ascending, "
+            f"draft lengths K non-increasing, each an integer in [1, {MAX_TOKEN_ID}])"
+        )
+
+    def parse(self, text: str) -> str:
+        return text
+
+    def check(self, value: Any, name: str) -> DraftLenSchedule | str:
+        if isinstance(value, DraftLenSchedule):
+            return value
+        if not isinstance(value, str):
+            raise _refuse(name, self.describe(), value)
+        text = value.strip()
+        if text == AUTO:
+            return AUTO
+        if text == NONE:
+            return FIXED
+        steps = []
+        for part in text.split(","):
+            load, sep, length = (p.strip() for p in part.partition(":"))
+            if not sep or not all(t.isascii() and t.isdigit() for t in (load, length)):
+                raise _refuse(name, self.describe(), value)
+            if not (1 <= int(load) <= MAX_TOKEN_ID and 1 <= int(length) <= MAX_TOKEN_ID):
+                raise _refuse(name, self.describe(), value)
+            steps.append((int(load), int(length)))
+        try:
+            return DraftLenSchedule(tuple(steps))
+        except DFlashTrtError:
+            raise _refuse(name, self.describe(), value) from None
+
+
+@dataclass(frozen=True)
 class Temperature(_Rule):
     """A sampling temperature the engine can honour, by `sampling_rules`' rule."""
 
@@ -221,6 +261,7 @@ TOP_K = IntRange(0, MAX_TOKEN_ID)
 MEMORY_FRACTION = FloatRange(0.0, 1.0, above_lo=True)
 URL = HostPort()
 PORT = IntRange(0, 65535)  # 0: any free port
+DRAFT_LEN_SCHEDULE = DraftLenScheduleRule()
 
 
 def draft_tree_nodes(nodes: int | None, num_drafts: int, dflash2: bool, what: str = "--draft_tree") -> int:
@@ -239,3 +280,12 @@ def draft_tree_nodes(nodes: int | None, num_drafts: int, dflash2: bool, what: st
             "draft trees need the drafter's per-position distributions; a DFlash2 drafter's selector walks one chain"
         )
     return nodes
+
+
+def check_tree_schedule(schedule: DraftLenSchedule, what: str = "--draft_tree") -> None:
+    """A draft tree verifies its N nodes every step; a draft-length schedule shortens chains only (a tree's budget
+    by load is not built yet), so the two are refused together."""
+    if schedule != FIXED:
+        raise DFlashTrtError(
+            f"{what} verifies its nodes every step and takes no draft-length schedule; give --draft_len_schedule none"
+        )

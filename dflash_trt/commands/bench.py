@@ -30,11 +30,13 @@ from dflash_trt.bench.workload import (
 )
 from dflash_trt.checkpoint.atomic import atomic_directory, check_destination, check_writable
 from dflash_trt.decoding_modes import AR, DFLASH
+from dflash_trt.draft_schedule import AUTO, FIXED
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.executors.contract import FollowerRank
 from dflash_trt.inputs import (
     CONCURRENCIES,
     CONCURRENCY,
+    DRAFT_LEN_SCHEDULE,
     END_ID,
     GPUS,
     MEMORY_FRACTION,
@@ -137,6 +139,13 @@ def _add_source_arguments(p: argparse.ArgumentParser) -> None:
     target.add_argument("--checkpoint_dir", help="converted checkpoint: the golden model with in-flight batching, CPU")
     target.add_argument("--triton_url", type=URL, help="Triton gRPC endpoint HOST:PORT of a deployed repository")
     target.add_argument("--openai_url", help="OpenAI endpoint http://HOST:PORT/v1 (dflash-trt serve)")
+    p.add_argument(
+        "--draft_len_schedule",
+        type=DRAFT_LEN_SCHEDULE,
+        default=FIXED,
+        help="--checkpoint_dir: the golden model's drafts per request by the step's load, none (default) or "
+        "N1:K1,N2:K2,... (an engine's is built into it; `plan --draft_len_schedule auto` prints a GPU's table)",
+    )
     prompts = p.add_mutually_exclusive_group(required=True)
     prompts.add_argument(
         "--input_file",
@@ -164,7 +173,12 @@ def targets(args: argparse.Namespace) -> dict[str, Target]:
         "tokenizer_dir": args.tokenizer_dir,
     }
     where = (args.engine_dir, args.checkpoint_dir, args.triton_url, args.openai_url)
-    out = {DFLASH: Target(DFLASH, *where, **common)}
+    if args.draft_len_schedule == AUTO:
+        raise DFlashTrtError(
+            "--draft_len_schedule auto is derived for a GPU; the golden model takes a table (dflash-trt plan "
+            "--draft_len_schedule auto prints one)"
+        )
+    out = {DFLASH: Target(DFLASH, *where, **common, draft_len_schedule=args.draft_len_schedule)}
     if args.baseline == AR:
         if args.openai_url:
             raise DFlashTrtError("--baseline ar is not available with --openai_url; bench the AR server separately")

@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from pathlib import Path
 
 from dflash_trt.checkpoint.atomic import check_output_apart
 from dflash_trt.commands.build_profile import add_profile_arguments, run_profile
+from dflash_trt.commands.schedule_flags import add_schedule_arguments, schedule_for_checkpoint
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.inputs import DRAFT_TREE, POSITIVE_INT, WORKERS, IntRange
 from dflash_trt.trtllm.build_plan import (
@@ -86,6 +88,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--overwrite", action="store_true", help="replace an --output_dir an earlier dflash-trt build wrote"
     )
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    add_schedule_arguments(parser, "none; with --config, the profile's")
     parser.add_argument(
         "extra_flags", nargs=argparse.REMAINDER, help="after `--`: further trtllm-build flags, passed through verbatim"
     )
@@ -128,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
         args.output_dir, {"--checkpoint_dir": args.checkpoint_dir, "--plugin_library": args.plugin_library}
     )
     settings = fit_lengths(args.checkpoint_dir, settings_from_args(args), args.max_seq_len, args.max_input_len)
+    schedule = schedule_for_checkpoint(args, Path(args.checkpoint_dir), settings.max_batch_size)
+    settings = dataclasses.replace(settings, draft_len_schedule=schedule)
     plan = plan_engine_build(args.checkpoint_dir, args.output_dir, settings, plugin_library=args.plugin_library)
     if args.dry_run:
         if args.json:

@@ -48,6 +48,7 @@ def pipeline_request(args: argparse.Namespace) -> PipelineRequest:
         download=args.download,
         plugin_library=args.plugin_library,
         dry_run=args.dry_run,
+        draft_len_schedule=args.draft_len_schedule,
     )
 
 
@@ -75,6 +76,8 @@ def run_profile(
 ) -> int:
     if getattr(args, "checkpoint_dir", None):
         raise DFlashTrtError("--checkpoint_dir does not combine with --config: the profile names the models")
+    if args.gpu or args.acceptance_json:
+        raise DFlashTrtError("--gpu and --acceptance_json serve --checkpoint_dir builds; a profile names its GPU")
     inp = resolve_inputs(
         pipeline_request(args),
         lambda settings: settings_override(args, settings),
@@ -85,6 +88,8 @@ def run_profile(
     plan = stages(inp)
     for note in offline_notes(inp):
         print(f"offline: {note}", file=out)
+    if inp.schedule is not None:
+        print(f"draft-length schedule {inp.schedule.schedule.text()} ({inp.schedule.source})", file=out)
     results = run_pipeline(plan, dry_run=args.dry_run, report=lambda result: print_stage(result, inp, out))
     if as_json:
         print(json.dumps({"stages": [{"stage": r.stage.name, "outcome": r.label} for r in results]}))

@@ -6,7 +6,8 @@ verifies the drafts by sampling, with the uniforms the golden loop draws (sequen
 `generate`'s JSON schema.
 
 What it reports is the engine's decoding, which differs from `generate` near --max_new_tokens: the engine (like
-TensorRT-LLM's EAGLE runtime) always drafts and verifies a full block and clips what it accepts to the budget,
+TensorRT-LLM's EAGLE runtime) always drafts and verifies a full block (under --draft_len_schedule, the schedule's
+draft length for the previous step's load) and clips what it accepts to the budget,
 where `generate`'s golden loop verifies a shorter last block. So the output equals the first N tokens of `generate`
 run with --max_new_tokens N + block_size - 1 (the same flags otherwise), and each acceptance length is that run's,
 the last one clipped to N; `generate` with --max_new_tokens N gives the same tokens at temperature 0 but may give
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 
 from dflash_trt.commands.generate import check_lengths, sequence_record
+from dflash_trt.commands.schedule_flags import add_schedule_arguments, schedule_for_checkpoint
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.inputs import DRAFT_TREE, POSITIVE_INT, SEED, TEMPERATURE, IntRange
 from dflash_trt.prompts import read_prompts
@@ -78,6 +80,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--ignore_eos", action="store_true", help="never stop before --max_new_tokens")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_schedule_arguments(parser, "none")
     parser.set_defaults(func=run)
 
 
@@ -96,7 +99,15 @@ def run(args: argparse.Namespace) -> int:
 
     checkpoint_dir = Path(args.checkpoint_dir)
     batch = args.max_batch_size or DEFAULT_MAX_BATCH_SIZE
-    engine = EmulatedEngine(checkpoint_dir, batch, args.max_num_tokens, args.tokens_per_block, args.draft_tree)
+    schedule = schedule_for_checkpoint(args, checkpoint_dir, batch)
+    engine = EmulatedEngine(
+        checkpoint_dir,
+        batch,
+        args.max_num_tokens,
+        args.tokens_per_block,
+        draft_len_schedule=schedule,
+        draft_tree=args.draft_tree,
+    )
     tokenizer = load_tokenizer(checkpoint_dir)
     prompts = read_prompts(args.input_file, tokenizer)
     longest = longest_request(engine.facts.max_position_embeddings, engine.k)

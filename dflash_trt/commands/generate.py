@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from dflash_trt.commands.schedule_flags import add_schedule_arguments, schedule_for_checkpoint
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.inputs import DRAFT_TREE, POSITIVE_INT, SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P
 from dflash_trt.jsonfile import strict_json
@@ -72,6 +73,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     stops.add_argument("--ignore_eos", action="store_true", help="never stop before --max_new_tokens")
     parser.add_argument("--trace", action="store_true", help="record the drafted tokens of every step")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_schedule_arguments(parser, "none (auto is derived for the prompts given, all in one batch)")
     parser.set_defaults(func=run)
 
 
@@ -133,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(checkpoint_dir)
     prompts = read_prompts(args.input_file, tokenizer, chat_kwargs=chat_kwargs)
     check_lengths(args, prompts, model.target.spec.max_position_embeddings)
+    schedule = schedule_for_checkpoint(args, checkpoint_dir, len(prompts))
     if args.ignore_eos:
         stop_ids = []
     elif args.stop_token_ids is not None:
@@ -157,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
             args.block_size,
             progress=bar.update,
             draft_tree=args.draft_tree,
+            draft_len_schedule=schedule,
         )
     seconds = time.perf_counter() - started
     generated = sum(len(r.output_ids) for r in results)

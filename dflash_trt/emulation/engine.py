@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from dflash_trt.checkpoint.trtllm_config import specs_from_config
+from dflash_trt.draft_schedule import FIXED, DraftLenSchedule
 from dflash_trt.emulation.functional import EmulationError, Network, PluginConfig, Tensor, net_guard
 from dflash_trt.emulation.kv_pool import KVPool, pool_at
 from dflash_trt.emulation.ranks import RankGroup
@@ -67,6 +68,7 @@ class EmulatedEngine:
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         max_num_tokens: int | None = None,
         tokens_per_block: int = TOKENS_PER_BLOCK,
+        draft_len_schedule: DraftLenSchedule = FIXED,
         draft_tree: int | None = None,
     ):
         checkpoint_dir = Path(checkpoint_dir)
@@ -87,11 +89,13 @@ class EmulatedEngine:
         self.vocab_size, self.eos_token_ids = target.vocab_size, target.eos_token_ids
         self.max_position_embeddings = target.max_position_embeddings
         engine = load_engine_module()
-        # One network per tensor-parallel rank, each from its own rank file, run in lockstep (ranks.py); a draft
-        # tree's node count joins the config as `dflash-trt build` hands it to trtllm-build.
+        # One network per tensor-parallel rank, each from its own rank file, run in lockstep (ranks.py); the config
+        # carries the schedule and a draft tree's node count as an engine's config.json does (trtllm-build takes them
+        # from SCHEDULE_ENV and TREE_ENV).
+        config_dict = {**raw, "draft_len_schedule": draft_len_schedule.text(), "draft_tree": draft_tree}
         self.rank_models = [
             engine.DFlashForCausalLM.from_checkpoint(
-                checkpoint_dir, rank=rank, config=engine.DFlashConfig.from_dict({**raw, "draft_tree": draft_tree})
+                checkpoint_dir, rank=rank, config=engine.DFlashConfig.from_dict(config_dict)
             )
             for rank in range(self.tp_size)
         ]
@@ -102,6 +106,7 @@ class EmulatedEngine:
         self.block = self.k + 1
         self.depth = self.model.num_drafts  # draft positions: the chain's length, a tree's deepest node
         self.tree = self.model.tree is not None
+        self.schedule = config.schedule
         if max_batch_size < 1:
             raise DFlashTrtError(f"--max_batch_size must be >= 1, got {max_batch_size}")
         if tokens_per_block <= 0 or tokens_per_block & (tokens_per_block - 1):

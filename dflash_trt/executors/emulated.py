@@ -159,9 +159,10 @@ class EmulatedStepper:
             raise EngineStepFailed(exc) from exc
         responses = []
         for b, (r, rows) in enumerate(batch):
+            drafts = rows - 1 if r.generating else None
             produced = self._advance(r, rows, b, outputs)
             if produced is not None:
-                responses.append(Response(request_id=r.request_id, tokens=produced, final=r.finished))
+                responses.append(Response(request_id=r.request_id, tokens=produced, final=r.finished, draft_len=drafts))
         return responses
 
     def _run_alone(self, item: tuple[Decoding, int]) -> list[Response]:
@@ -179,7 +180,7 @@ class EmulatedStepper:
         self.active.remove(r)
 
     def _schedule(self) -> list[tuple[Decoding, int]]:
-        """Every generation request with its anchor and drafts, then as many context tokens as remain."""
+        """Generation requests first take their `draft_len + 1` tokens of `max_num_tokens`, then the prompts."""
         generation = [(r, r.draft_len + 1) for r in self.active if r.generating]
         budget = self.engine.max_num_tokens - sum(rows for _, rows in generation)
         context = []

@@ -206,7 +206,8 @@ def step_inputs(
 def _spec_params(engine: EmulatedEngine, generation: list[tuple[list[list[int]], int]]) -> SpecDecodingParams:
     """Each generation request verifies its `rows` nodes (anchor + drafts): position offsets and the packed mask
     from its paths, as `unpackEagleData` and `getPackedMaskFromPath` derive them [read]; mask rows follow one
-    another request by request, each `spec_decoding_max_generation_length` bits wide."""
+    another request by request (packEagleTensors copies them at cumulative offsets), each
+    `spec_decoding_max_generation_length` bits wide."""
     width = engine.block
     offsets = torch.zeros(len(generation), width, dtype=torch.int32)
     mask: list[list[bool]] = []

@@ -33,9 +33,12 @@ def settings_from_profile(
     tokenizer_dir: str | Path,
     plugin_library: str | Path,
     serving: ServingSettings | None = None,
+    draft_len_schedule: str | None = None,
 ) -> RepositorySettings:
     """Settings for the engine a build profile will produce, so the repository can be reviewed before the build;
-    `serving` replaces the profile's serving section (already validated overrides)."""
+    `serving` replaces the profile's serving section (already validated overrides); `draft_len_schedule` is the
+    table the engine is built with, once resolved (else the profile's text: `auto` still says the engine drafts by
+    load)."""
     from dflash_trt.triton.repository import RepositorySettings, max_temperature_for_sampling, serving_fields
 
     eng = profile.engine
@@ -48,6 +51,7 @@ def settings_from_profile(
         max_draft_len=eng.max_draft_len,
         world_size=profile.checkpoint.tp_size,
         max_temperature=max_temperature_for_sampling(SAMPLING_POLICY),
+        draft_len_schedule=draft_len_schedule or eng.draft_len_schedule,
         **serving_fields(serving or profile.serving),
     )
 

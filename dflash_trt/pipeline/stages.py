@@ -15,7 +15,7 @@ from dflash_trt.pipeline.fingerprints import directory_fingerprint, fingerprint
 from dflash_trt.pipeline.resolve import PipelineInputs
 from dflash_trt.pipeline.settings import convert_command, plan_engine, quantization_settings, settings_from_profile
 from dflash_trt.pipeline.workspace import Stage
-from dflash_trt.trtllm.build_plan import build_command, plan_engine_build, settings_dict
+from dflash_trt.trtllm.build_plan import SCHEDULE_ENV, build_command, plan_engine_build, settings_dict
 from dflash_trt.trtllm.plugin import LIBRARY_ENV, default_library_path
 
 
@@ -84,7 +84,8 @@ def _engine_stage(inp: PipelineInputs, ckpt_fp: str | None) -> tuple[Stage, str]
     else:
         library = str(Path(inp.plugin_library or default_library_path()).absolute())
         build_argv = build_command(str(ws.checkpoint), str(ws.engine), profile.engine.max_draft_len, inp.settings)
-        engine_command = f"{LIBRARY_ENV}={shlex.quote(library)} {shlex.join(build_argv)}"
+        schedule = shlex.quote(inp.settings.draft_len_schedule.text())
+        engine_command = f"{LIBRARY_ENV}={shlex.quote(library)} {SCHEDULE_ENV}={schedule} {shlex.join(build_argv)}"
     engine_fp = (
         fingerprint(
             {"stage": "engine", "checkpoint": ckpt_fp, "settings": settings_dict(inp.settings), "command": build_argv}
@@ -107,7 +108,8 @@ def _triton_stage(inp: PipelineInputs, engine_fp: str | None, library: str) -> S
     from dflash_trt.triton.repository import write_repository
 
     profile, ws = inp.profile, inp.ws
-    repo_settings = settings_from_profile(profile, ws.engine, inp.tokenizer.shown, library)
+    schedule = None if inp.schedule is None else inp.schedule.schedule.text()
+    repo_settings = settings_from_profile(profile, ws.engine, inp.tokenizer.shown, library, draft_len_schedule=schedule)
     triton_fp = (
         fingerprint(
             {

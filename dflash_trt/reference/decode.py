@@ -15,8 +15,9 @@ from typing import Protocol
 
 import torch
 
+from dflash_trt.draft_schedule import FIXED, DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.inputs import draft_tree_nodes
+from dflash_trt.inputs import check_tree_schedule, draft_tree_nodes
 from dflash_trt.reference.loop_rules import check_request, keep_tokens
 from dflash_trt.reference.model import DraftModel, GoldenModel, KVCache, TreeBlock
 from dflash_trt.reference.proposal import DraftChoice
@@ -220,7 +221,9 @@ def _accept_rule(
 
 @dataclass
 class _Loop:
-    """One batched call's state: the model, its two caches, the sequences, and the rules chosen for the call."""
+    """One batched call's state: the model, its two caches, the sequences, and the rules chosen for the call.
+    `load` is the number of requests in the previous step (the prefill counts every prompt): as in the engine, it
+    sets how many drafts each request verifies in the next step through `schedule`."""
 
     model: GoldenModel
     seqs: list[_Sequence]
@@ -229,6 +232,8 @@ class _Loop:
     stops: frozenset[int]
     target_cache: KVCache
     draft_cache: KVCache
+    schedule: DraftLenSchedule = FIXED
+    load: int = 0
     trees: _EngineRule | None = None  # set when the step verifies draft trees instead of chains
 
     def keep(self, seq: _Sequence, new: list[int]) -> int:
@@ -268,16 +273,17 @@ def drafter_block(drafter: DraftModel, anchors: torch.Tensor, width: int, verify
     return block, valid
 
 
-def _draft_block(loop: _Loop, start: torch.Tensor, verify: torch.Tensor) -> torch.Tensor:
-    """`[anchor, drafts...]` per sequence; the drafter sees only the positions that will be verified."""
-    draft, width = loop.model.draft, loop.block
+def _draft_block(loop: _Loop, start: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
+    """`[anchor, drafts...]` per sequence; the drafter sees the first `width` positions of its block (the whole
+    block, but no position past the output budget), whatever the schedule lets the step verify."""
+    draft, block = loop.model.draft, loop.block
     anchors = torch.tensor([s.tokens[-1] for s in loop.seqs])
-    block_ids = torch.full((len(loop.seqs), width), draft.spec.mask_token_id, dtype=torch.long)
+    block_ids = torch.full((len(loop.seqs), block), draft.spec.mask_token_id, dtype=torch.long)
     block_ids[:, 0] = anchors
-    if width > 1:
-        block, valid = drafter_block(draft, anchors, width, verify)
-        hidden = draft.forward(block, start, valid, loop.draft_cache)
-        block_ids[:, 1:] = loop.rule.draft(draft, hidden, anchors)[:, : width - 1]
+    if block > 1:
+        drafter_ids, valid = drafter_block(draft, anchors, block, width)
+        hidden = draft.forward(drafter_ids, start, valid, loop.draft_cache)
+        block_ids[:, 1:] = loop.rule.draft(draft, hidden, anchors)[:, : block - 1]
     return block_ids
 
 
@@ -355,13 +361,19 @@ def _tree_step(loop: _Loop, rule: _EngineRule, start: torch.Tensor, verify: torc
 
 
 def _decode_step(loop: _Loop) -> int:
-    """Draft, verify and accept one block (or tree) per sequence; returns how many tokens the step produced."""
+    """Draft, verify and accept one block (or tree) per sequence; returns how many tokens the step produced. Each
+    sequence verifies the schedule's draft length for the previous step's load (clipped to its output budget), or
+    its tree over every draft position its budget leaves."""
     start = torch.tensor([s.start for s in loop.seqs])
+    drafts = loop.schedule.draft_len(loop.load, loop.block - 1)
     # Finished sequences ride along verifying only their anchor; nothing of theirs is kept.
-    verify = torch.tensor([min(loop.block, s.max_length - s.start) if s.active else 1 for s in loop.seqs])
+    room = [s.max_length - s.start if s.active else 1 for s in loop.seqs]
+    width = torch.tensor([min(loop.block, r) for r in room])
+    verify = torch.tensor([min(drafts + 1, r) for r in room])
+    loop.load = sum(s.active for s in loop.seqs)
     if loop.trees is not None:
-        return _tree_step(loop, loop.trees, start, verify)
-    block_ids = _draft_block(loop, start, verify)
+        return _tree_step(loop, loop.trees, start, width)
+    block_ids = _draft_block(loop, start, width)
     block_positions = start[:, None] + torch.arange(loop.block)
     block_valid = torch.arange(loop.block) < verify[:, None]
     logits, taps = loop.model.target.forward(block_ids, block_positions, block_valid, loop.target_cache)
@@ -381,13 +393,15 @@ def speculative_generate(
     block_size: int | None = None,
     seeds: list[int] | None = None,
     progress: Callable[[int], object] | None = None,
+    draft_len_schedule: DraftLenSchedule = FIXED,
     draft_tree: int | None = None,
 ) -> list[SequenceResult]:
     """Generate for every prompt at once; results are identical to running each prompt alone (greedy, or with the
-    engine's sampling when each sequence gets the same seed). `sampling` may be one SamplingParams per prompt (engine
-    method only); `seeds` overrides the per-sequence seeds `seed + i` of the engine method. `progress` hears how many
-    tokens each step produced. `draft_tree` N > block - 1 verifies each step's best tree of N nodes (reference/tree.py)
-    instead of the chain; N = block - 1 is the chain."""
+    engine's sampling when each sequence gets the same seed), except that `draft_len_schedule` sets every step's
+    draft length from the number of sequences in the previous step, as the engine does. `sampling` may be one
+    SamplingParams per prompt (engine method only); `seeds` overrides the per-sequence seeds `seed + i` of the
+    engine method. `progress` hears how many tokens each step produced. `draft_tree` N > block - 1 verifies each
+    step's best tree of N nodes (reference/tree.py) instead of the chain; N = block - 1 is the chain."""
     per_sequence = per_sequence_sampling(sampling, len(prompts))
     target, draft = model.target, model.draft
     widest = draft.spec.verify_width
@@ -402,11 +416,15 @@ def speculative_generate(
     if nodes:
         if not isinstance(rule, _EngineRule):
             raise DFlashTrtError(f"draft trees are verified with the engine's sampling method ({ENGINE})")
+        check_tree_schedule(draft_len_schedule)
         trees = dataclasses.replace(rule, tree_budget=nodes)
     seqs = [_Sequence(SequenceResult(list(p)), list(p), len(p) + n) for p, n in zip(prompts, news, strict=True)]
     capacity = max(s.max_length for s in seqs) + max(block, nodes + 1) + 1
     caches = target.new_cache(len(seqs), capacity), draft.new_cache(len(seqs), capacity)
-    loop = _Loop(model, seqs, block, trees or rule, frozenset(stop_token_ids or []), *caches, trees)
+    schedule = draft_len_schedule.fitted_to(block - 1) if block > 1 else FIXED
+    loop = _Loop(
+        model, seqs, block, trees or rule, frozenset(stop_token_ids or []), *caches, schedule, len(seqs), trees
+    )
     _prefill(loop, prompts)
     if progress is not None:
         progress(len(seqs))

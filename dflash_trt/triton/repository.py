@@ -88,6 +88,9 @@ class RepositorySettings:
     max_draft_len: int  # drafts verified per request: the chain's, or a draft tree's nodes
     world_size: int
     max_temperature: float
+    # The engine's draft-length table (its manifest's `draft_len_schedule`): drafts per step vary with the load
+    # unless `none`, so the client derives no acceptance length from the backend's draft-token totals.
+    draft_len_schedule: str = "none"
     kv_cache_free_gpu_mem_fraction: float = SERVING_DEFAULTS.kv_cache_free_gpu_mem_fraction
     batch_scheduler_policy: str = SERVING_DEFAULTS.batch_scheduler_policy
     enable_chunked_context: bool = SERVING_DEFAULTS.enable_chunked_context
@@ -554,6 +557,7 @@ def settings_from_engine(
             eagle_depth=len(manifest.get("eagle_choices") or []) or None,
             world_size=int(manifest.get("tp_size", 1)),
             max_temperature=max_temperature_for_sampling(manifest.get("sampling")),
+            draft_len_schedule=str(manifest.get("draft_len_schedule", "none")),
             **serving_fields(serving or ServingSettings()),
         )
     except KeyError as exc:

@@ -17,9 +17,10 @@ from typing import Any
 
 from dflash_trt import __version__
 from dflash_trt.checkpoint.trtllm_config import ARCHITECTURE, specs_from_config
+from dflash_trt.draft_schedule import AUTO, FIXED, DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import FP8, NVFP4, QFORMATS, quant_algo
-from dflash_trt.inputs import DRAFT_TREE, draft_tree_nodes
+from dflash_trt.inputs import DRAFT_LEN_SCHEDULE, DRAFT_TREE, check_tree_schedule, draft_tree_nodes
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.rope import RopeConfig
 from dflash_trt.sampling_rules import ENGINE_SAMPLING, HONOURED
@@ -35,6 +36,9 @@ EAGLE_MODE_VALUE = 1 << 5
 MANIFEST_NAME = "dflash_trt.json"
 MANIFEST_FORMAT = 1
 PLUGIN_LIBRARY_ENV = LIBRARY_ENV
+# The draft-length schedule trtllm-build builds into the network: the checkpoint's config.json (which trtllm-build
+# reads) is the converter's and holds none, so `dflash-trt build` hands the resolved table over in this variable.
+SCHEDULE_ENV = "DFLASH_TRT_DRAFT_LEN_SCHEDULE"
 # The draft tree trtllm-build builds into the network: the checkpoint's config.json (which trtllm-build reads) is the
 # converter's and holds none, so `dflash-trt build` hands the node count over in this variable.
 TREE_ENV = "DFLASH_TRT_DRAFT_TREE"
@@ -86,6 +90,8 @@ class EngineBuildSettings:
     logits_dtype: str = "float32"
     workers: int = 1
     extra_flags: tuple[str, ...] = ()
+    # Resolved before planning (`auto` is the planner's, analysis/draft_schedule.py); built in via SCHEDULE_ENV.
+    draft_len_schedule: DraftLenSchedule = FIXED
     draft_tree: int | None = None  # nodes of the draft tree verified per request; None: the chain
 
 
@@ -151,9 +157,11 @@ class EngineBuildPlan:
         ]
 
     def build_env(self) -> dict[str, str]:
-        """What the build processes need in their environment beyond the caller's: a draft tree's node count (the
-        model class reads it: the converted config.json trtllm-build loads holds none)."""
-        return {} if self.settings.draft_tree is None else {TREE_ENV: str(self.settings.draft_tree)}
+        """What the build processes need in their environment beyond the caller's: the draft-length schedule, and a
+        draft tree's node count (the model class reads both: the converted config.json trtllm-build loads holds
+        neither)."""
+        tree = {} if self.settings.draft_tree is None else {TREE_ENV: str(self.settings.draft_tree)}
+        return {SCHEDULE_ENV: self.settings.draft_len_schedule.text(), **tree}
 
     def shell_command(self, with_library: bool = False) -> str:
         """The build as a shell line with the variables its processes need; `with_library` also sets the plugin
@@ -184,6 +192,22 @@ class EngineBuildPlan:
             "plugin_library": self.plugin_library,
             "dflash_manifest": self.dflash_manifest,
         }
+
+
+def engine_schedule(text: str | None, max_draft_len: int) -> DraftLenSchedule:
+    """The schedule a network is built with: `text` (the `draft_len_schedule` key of an engine's config.json, or of
+    the config the emulation builds), else `$DFLASH_TRT_DRAFT_LEN_SCHEDULE` (set by `dflash-trt build` for
+    trtllm-build), else `none`. `auto` must already be resolved into a table: the network cannot plan."""
+    source = "draft_len_schedule" if text is not None else SCHEDULE_ENV
+    value = text if text is not None else os.environ.get(SCHEDULE_ENV, "none")
+    schedule = DRAFT_LEN_SCHEDULE.check(value, source)
+    if schedule == AUTO:
+        raise DFlashTrtError(
+            f"{source} is auto, which only dflash-trt build and plan resolve (for a GPU, TP and acceptance); "
+            "give the table they print"
+        )
+    assert isinstance(schedule, DraftLenSchedule)
+    return schedule.fitted_to(max_draft_len, source)
 
 
 def engine_tree_nodes(value: int | None, num_drafts: int, dflash2: bool) -> int:
@@ -521,6 +545,7 @@ def check_settings_against_checkpoint(facts: CheckpointFacts, settings: EngineBu
             f"{facts.max_position_embeddings}"
         )
     check_gemm_plugin(settings.gemm_plugin, weights_qformat(facts))
+    settings.draft_len_schedule.fitted_to(k)
     if facts.pp_size != 1:
         raise DFlashTrtError("pipeline parallelism is not supported: the drafter needs target taps from every layer")
     if settings.use_fp8_context_fmha and facts.quant_algo not in ("FP8", "NVFP4"):
@@ -644,6 +669,7 @@ def manifest(facts: CheckpointFacts, settings: EngineBuildSettings, plugin_libra
         "tp_size": facts.tp_size,
         "quant_algo": facts.quant_algo,
         "kv_cache_quant_algo": facts.kv_cache_quant_algo,
+        "draft_len_schedule": settings.draft_len_schedule.text(),
     }
 
 
@@ -663,6 +689,8 @@ def plan_engine_build(
     # A tree of the chain's node count is the chain: the plan records no tree for it.
     tree = verified_drafts(facts, settings)
     settings = replace(settings, draft_tree=tree if tree != facts.max_draft_len else None)
+    if settings.draft_tree is not None:
+        check_tree_schedule(settings.draft_len_schedule)
     check_kv_geometry(facts)
     check_rope(facts)
     check_quantization(facts)
@@ -689,4 +717,5 @@ def plan_engine_build(
 def settings_dict(settings: EngineBuildSettings) -> dict[str, Any]:
     data = asdict(settings)
     data["extra_flags"] = list(settings.extra_flags)
+    data["draft_len_schedule"] = settings.draft_len_schedule.text()
     return data

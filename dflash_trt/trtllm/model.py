@@ -62,8 +62,10 @@ from tensorrt_llm.module import Module, ModuleList
 from tensorrt_llm.parameter import Parameter
 
 from dflash_trt.checkpoint.trtllm_config import ARCHITECTURE, draft_spec_from_config, rotary_scaling
+from dflash_trt.draft_schedule import DraftLenSchedule
+from dflash_trt.inputs import check_tree_schedule
 from dflash_trt.spec import EMBEDDING_TAP, DraftSpec
-from dflash_trt.trtllm.build_plan import block_packed_mask, chain_draft_paths, engine_tree_nodes
+from dflash_trt.trtllm.build_plan import block_packed_mask, chain_draft_paths, engine_schedule, engine_tree_nodes
 from dflash_trt.trtllm.drafting import (
     AFTER,
     BEFORE,
@@ -90,6 +92,7 @@ DFLASH_KEYS = (
     "eagle_net_config",
     "mapping",
     "quantization",
+    "draft_len_schedule",
     "draft_tree",
 )
 EAGLE_INPUTS = (
@@ -124,7 +127,15 @@ class StepBook:
 class DFlashConfig(PretrainedConfig):
     """The converted checkpoint's config plus the EAGLE keys the C++ runtime reads from the engine's config.json."""
 
-    def __init__(self, *, base_architecture: str, dflash_config: dict, draft_tree: int | None = None, **kwargs):
+    def __init__(
+        self,
+        *,
+        base_architecture: str,
+        dflash_config: dict,
+        draft_len_schedule: str | None = None,
+        draft_tree: int | None = None,
+        **kwargs,
+    ):
         for derived in ("num_eagle_layers", "max_non_leaves_per_layer", "eagle_net_config"):
             kwargs.pop(derived, None)
         # The drafter exactly as the converter and the golden model parse it (the key spelling lives there).
@@ -142,12 +153,20 @@ class DFlashConfig(PretrainedConfig):
         self.num_eagle_layers = k
         self.max_non_leaves_per_layer = 1
         self.eagle_net_config = {"num_hidden_layers": draft.num_hidden_layers}
+        # How many drafts each request proposes for the next step, by the step's load (draft_schedule.py); the
+        # engine's config.json keeps its text, so a runner sees what the network computes.
+        self.schedule: DraftLenSchedule = engine_schedule(draft_len_schedule, k)
+        self.draft_len_schedule = self.schedule.text()
+        if self.tree_nodes:
+            check_tree_schedule(self.schedule, "draft_tree")
 
     def to_dict(self) -> dict:
-        """The engine's config.json: the checkpoint's keys (the typed spec is derived from `dflash_config`)."""
+        """The engine's config.json: the checkpoint's keys (the typed spec is derived from `dflash_config`) and the
+        draft-length schedule's text."""
         output = super().to_dict()
         output.pop("draft", None)
         output.pop("tree_nodes", None)
+        output.pop("schedule", None)
         return output
 
     def target_config(self) -> PretrainedConfig:
@@ -458,7 +477,7 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         )
         if self.tree is None:
             next_draft_tokens = self.choose_drafts(drafts, book.anchor, book.batch)
-            next_draft_lens = expand(i32([self.max_draft_len]), shape(draft_lens))
+            next_draft_lens = self.next_draft_lens(draft_lens)
             # One chain: the next step's paths are the chain again.
             width = self.max_draft_len + 1
             paths = concat([shape(draft_lens, 0), width, width])
@@ -478,6 +497,16 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         next_draft_lens.mark_output("next_draft_lens")
         next_draft_paths.mark_output("next_draft_paths")
         return next_draft_tokens
+
+    def next_draft_lens(self, draft_lens: Tensor) -> Tensor:
+        """Every request's draft length for the next step, from this step's load (its number of requests) through
+        the build's schedule: the full K below the first threshold. The drafter always drafts the whole block; the
+        runtime keeps the first `next_draft_lens` drafts (trtGptModelInflightBatching `updateRequests`)."""
+        load = cast(shape(draft_lens, 0), "int32")
+        lengths = expand(i32([self.max_draft_len]), shape(draft_lens))
+        for min_requests, k in self.config.schedule.steps:
+            lengths = where(load > min_requests - 1, i32([k]), lengths)
+        return lengths
 
     def bookkeeping(
         self,

@@ -81,6 +81,9 @@ def test_synthetic_closed_and_open_loop_points_with_the_ar_baseline(checkpoint, 
         (["--input_file", "/nonexistent/p.jsonl"], "does not exist"),
         (["--synthetic", "6,8,2", "--chat_template_kwargs", "{}"], "applies to --input_file prompts"),
         (["--input_file", "/nonexistent/p.jsonl", "--chat_template_kwargs", "x"], "must be a JSON object"),
+        (["--synthetic", "6,8,2", "--draft_len_schedule", "auto"], "auto is derived for a GPU"),
+        (["--synthetic", "6,8,2", "--draft_len_schedule", "2:16"], "drafter proposes at most block_size - 1 = 15"),
+        (["--synthetic", "6,8,2", "--draft_len_schedule", "2:3,1:4"], "--draft_len_schedule: must be auto, none"),
     ],
 )
 def test_bad_input_is_one_clear_error(checkpoint, tmp_path, capsys, extra, message):
@@ -95,6 +98,28 @@ def test_bad_input_is_one_clear_error(checkpoint, tmp_path, capsys, extra, messa
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
     assert not (tmp_path / "o").exists()
+
+
+def test_the_golden_model_drafts_by_load_and_results_record_each_iterations_drafts(checkpoint, tmp_path, capsys):
+    """Under `3:2` a lone user verifies the full 15 drafts (fewer only where its budget leaves fewer), four users
+    mostly 2; every generation iteration's count is in results.json, and the tokens are the unscheduled run's."""
+    runs = {}
+    for schedule in ("none", "3:2"):
+        out = tmp_path / schedule.replace(":", "_")
+        argv = ["bench", "--checkpoint_dir", str(checkpoint), "--synthetic", "6,24,8", "--concurrency", "1,4",
+                "--draft_len_schedule", schedule, "--output_dir", str(out), "--json"]  # fmt: skip
+        assert main(argv) == 0
+        capsys.readouterr()
+        runs[schedule] = {p["concurrency"]: p["per_request"] for p in load_results(out / "results.json")}
+    for concurrency in (1, 4):
+        assert [r["output_ids"] for r in runs["3:2"][concurrency]] == [r["output_ids"] for r in runs["none"][1]]
+    for schedule, full in (("none", 15), ("3:2", 15)):
+        for r in runs[schedule][1]:
+            left = [24 - 1 - sum(r["acceptance"][:j]) for j in range(len(r["acceptance"]))]
+            assert r["draft_lens"] == [min(full, n) for n in left]
+    crowded = [d for r in runs["3:2"][4] for d in r["draft_lens"]]
+    assert crowded.count(2) > len(crowded) / 2 and set(crowded) <= set(range(16))
+    assert max(d for r in runs["none"][4] for d in r["draft_lens"]) == 15
 
 
 def test_unreachable_triton_server_is_one_clear_error(tmp_path, capsys):
@@ -114,6 +139,8 @@ def test_unreachable_triton_server_is_one_clear_error(tmp_path, capsys):
     assert main(argv) == 2
     assert "cannot reach a Triton server at 127.0.0.1:1" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+    assert main([*argv, "--draft_len_schedule", "2:3"]) == 2
+    assert "an engine's is built into it" in capsys.readouterr().err
 
 
 def _cpu_model_name() -> str:

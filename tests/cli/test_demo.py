@@ -39,7 +39,7 @@ def test_demo_runs_the_whole_cpu_job(tmp_path, capsys):
     for qformat in ("fp8", "nvfp4"):
         row = report["quantized"][qformat]
         assert row["lossless_vs_quantized_target"] and row["mean_acceptance_length"] >= 4.0
-    assert report["build_command"].startswith("trtllm-build --checkpoint_dir")
+    assert report["build_command"].startswith("DFLASH_TRT_DRAFT_LEN_SCHEDULE=none trtllm-build --checkpoint_dir")
     sweep = report["sweep"]  # the load generator's sweep on the same pair: DFlash vs the target alone
     assert {(p["engine"], p["concurrency"]) for p in sweep["points"]} == {
         (e, c) for e in ("dflash", "ar") for c in (1, 2, 4)

@@ -59,7 +59,7 @@ def test_command_is_the_exact_trtllm_build_call(ckpt: Path, tmp_path: Path):
     assert flags["--max_beam_width"] == "1"
     assert flags["--workers"] == "1"
     assert flags["--logits_dtype"] == "float32"
-    assert shlex.split(plan.shell_command()) == plan.command
+    assert shlex.split(plan.shell_command()) == ["DFLASH_TRT_DRAFT_LEN_SCHEDULE=none", *plan.command]
     assert plan.plugin_library == "/opt/lib.so"
 
 

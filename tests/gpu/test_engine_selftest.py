@@ -48,16 +48,23 @@ def plugin_library(workdir: Path) -> Path:
     return next(build.rglob(LIBRARY_NAME))
 
 
-def built_engine(root: Path, variant):
+def built_engine(root: Path, variant, draft_len_schedule: str = "none"):
     """A random pair of `variant` (tests/_pairs.py), converted in float16, built as `dflash-trt build` builds."""
     from dflash_trt.conversion.convert import convert_checkpoint
+    from dflash_trt.inputs import DRAFT_LEN_SCHEDULE
     from dflash_trt.trtllm.build import run_engine_build
     from dflash_trt.trtllm.build_plan import EngineBuildSettings, plan_engine_build
 
     library = plugin_library(root)
     target_dir, draft_dir = tiny_pairs().make_pair(root, variant)
     convert_checkpoint(target_dir, draft_dir, root / "ckpt", dtype="float16")
-    settings = EngineBuildSettings(max_batch_size=4, max_input_len=64, max_seq_len=128, max_num_tokens=256)
+    settings = EngineBuildSettings(
+        max_batch_size=4,
+        max_input_len=64,
+        max_seq_len=128,
+        max_num_tokens=256,
+        draft_len_schedule=DRAFT_LEN_SCHEDULE(draft_len_schedule),
+    )
     plan = plan_engine_build(root / "ckpt", root / "engine", settings, plugin_library=library)
     return run_engine_build(plan), root / "ckpt", library
 
@@ -73,6 +80,35 @@ def dflash2_engine(tmp_path_factory):
     dflash2 = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 12, "selector_top_k": 6}
     variant = tiny_pairs().PairVariant(block_size=8, dflash2=dflash2, taps=[-1, 3])
     return built_engine(tmp_path_factory.mktemp("selftest-dflash2"), variant)
+
+
+@pytest.fixture(scope="module")
+def scheduled_engine(tmp_path_factory):
+    """Drafts 3 of 7 with two requests in a step, 1 with three or more (docs/engine.md §4.1)."""
+    variant = tiny_pairs().PairVariant(block_size=8)
+    return built_engine(tmp_path_factory.mktemp("selftest-scheduled"), variant, "2:3,3:1")
+
+
+def test_an_engine_drafting_by_load_decodes_the_targets_tokens(scheduled_engine):
+    """The runtime feeds the network's per-request `next_draft_lens` back as variable generation lengths; greedy
+    tokens stay the target's (compared tie-aware: float16), all four prompts in flight (drafts of 1) and one alone
+    (the full 7). Acceptance lengths are not compared: the random pair accepts little at any draft length."""
+    from dflash_trt.commands.selftest import engine_generate
+    from dflash_trt.reference.decode import SequenceResult, speculative_generate
+    from dflash_trt.reference.divergence import compare_decodings
+    from dflash_trt.reference.model import load_golden_model
+
+    engine_dir, checkpoint, library = scheduled_engine
+    config = json.loads((engine_dir / "config.json").read_text())
+    manifest = json.loads((engine_dir / "dflash_trt.json").read_text())
+    assert config["pretrained_config"]["draft_len_schedule"] == manifest["draft_len_schedule"] == "2:3,3:1"
+    model = load_golden_model(checkpoint)
+    for prompts in (PROMPTS, PROMPTS[:1]):
+        alone = speculative_generate(model, prompts, MAX_NEW, [END_ID], block_size=1)
+        tokens, acceptance = engine_generate(engine_dir, str(library), prompts, MAX_NEW, END_ID)
+        assert all(1 <= n <= 8 for steps in acceptance for n in steps)
+        engine = [SequenceResult(g.input_ids, t, g.acceptance_lengths) for g, t in zip(alone, tokens, strict=True)]
+        assert [str(d) for d in compare_decodings(model, alone, engine, MAX_NEW) if not d.near_tie] == []
 
 
 @pytest.mark.parametrize("which", ["engine", "dflash2_engine"])

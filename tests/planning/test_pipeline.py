@@ -11,6 +11,7 @@ import yaml
 from _pairs import PairVariant, make_pair
 
 from dflash_trt.cli import main as cli_main
+from dflash_trt.inputs import DRAFT_LEN_SCHEDULE
 from dflash_trt.pipeline.profiles import load_profile
 from dflash_trt.pipeline.resolve import PipelineRequest, resolve_inputs
 from dflash_trt.pipeline.run import Outcome, StageResult, resume_command, run_pipeline
@@ -102,8 +103,16 @@ def test_dry_run_of_every_profile(path: Path, hub: Path, tmp_path: Path, capsys)
     assert convert[:2] == ["dflash-trt", "convert"]
     assert convert[convert.index("--qformat") + 1] == profile.quantization.qformat
     assert convert[convert.index("--tp_size") + 1] == str(profile.checkpoint.tp_size)
-    env, *build = shlex.split(commands["engine"])
+    env, schedule_env, *build = shlex.split(commands["engine"])
     assert env.startswith("DFLASH_TRT_PLUGIN_LIB=") and env.endswith("libdflash_trt_plugins.so")
+    # The shipped profiles derive their schedule (auto), and the build hands exactly that table to the network.
+    name, _, table = schedule_env.partition("=")
+    assert name == "DFLASH_TRT_DRAFT_LEN_SCHEDULE" and profile.engine.draft_len_schedule == "auto"
+    if "offline: draft_len_schedule auto: derived once the models' config.json fields are known" in out:
+        assert table == "none"  # a drafter whose shapes nobody recorded: nothing to derive from in a dry run
+    else:
+        assert f"draft-length schedule {table} (auto: trtllm calibration, {profile.gpu}" in out
+        assert DRAFT_LEN_SCHEDULE(table).fitted_to(profile.model.block_size - 1).steps
     assert build[0] == "trtllm-build"
     flags = {build[i]: build[i + 1] for i in range(1, len(build) - 1) if build[i].startswith("--")}
     assert flags["--checkpoint_dir"] == str(ws / "checkpoint") and flags["--output_dir"] == str(ws / "engine")
@@ -315,7 +324,11 @@ def test_cpu_run_stops_after_the_checkpoint_and_resumes(tiny_pair, tmp_path: Pat
     assert _outcomes(results) == [("checkpoint", BUILT), ("engine", NEEDS_GPU)]
     assert json.loads((ws / "checkpoint/config.json").read_text())["max_draft_len"] == 7
     assert resume.startswith(f"dflash-trt build --config {profile} --output_dir {ws} --plugin_library /opt/dflash/")
-    engine = f"DFLASH_TRT_PLUGIN_LIB=/opt/dflash/libdflash_trt_plugins.so trtllm-build --checkpoint_dir {ws}"
+    # The tiny pair's auto schedule keeps the full draft at every batch: the roofline is weight-bound throughout.
+    engine = (
+        "DFLASH_TRT_PLUGIN_LIB=/opt/dflash/libdflash_trt_plugins.so DFLASH_TRT_DRAFT_LEN_SCHEDULE=none "
+        f"trtllm-build --checkpoint_dir {ws}"
+    )
     assert results[1].stage.command.startswith(engine)
 
     results, _ = _run(profile, ws, gpu=False)
@@ -371,6 +384,13 @@ def test_gpu_run_builds_engine_and_repository_once(tiny_pair, tmp_path: Path, mo
     results, _ = _run(profile, ws, gpu=True)
     assert _outcomes(results) == [("checkpoint", SKIPPED), ("engine", BUILT), ("triton", BUILT)] and len(calls) == 2
     assert json.loads((ws / "engine" / MANIFEST_NAME).read_text())["max_batch_size"] == 2
+
+    data["engine"]["draft_len_schedule"] = "2:3"  # a table: built into the engine, recorded by the repository
+    profile.write_text(yaml.safe_dump(data))
+    results, _ = _run(profile, ws, gpu=True)
+    assert _outcomes(results) == [("checkpoint", SKIPPED), ("engine", BUILT), ("triton", BUILT)]
+    assert json.loads((ws / "engine" / MANIFEST_NAME).read_text())["draft_len_schedule"] == "2:3"
+    assert json.loads((ws / "triton/dflash_triton.json").read_text())["draft_len_schedule"] == "2:3"
 
 
 def test_build_needs_a_checkpoint_or_a_profile(tmp_path: Path, capsys):

@@ -46,6 +46,7 @@ def test_shipped_profile_validates(path: Path):
     eng = profile.engine
     assert eng.max_num_tokens >= eng.max_batch_size * profile.model.block_size + eng.max_input_len
     assert profile.sweep.concurrency[-1] == profile.engine.max_batch_size
+    assert profile.engine.draft_len_schedule == "auto"  # derived for the profile's GPU, TP and format
     # One B200/B300 holds Qwen3-32B in NVFP4; two H100/H200 hold it in FP8 with room for KV.
     assert profile.checkpoint.tp_size == (2 if path.stem == "qwen3-32b" and gpu_name in ("h100", "h200") else 1)
     # A comment explains every non-obvious value: at least the quantization and engine sizing ones.
@@ -109,6 +110,12 @@ INVALID = [
     ({"engine.max_batch_size": 128, "sweep.concurrency": [1, 256]}, "sweep concurrency 256 exceeds max_batch_size 128"),
     ({"engine.max_seqlen": 4}, "engine.max_seqlen: Extra inputs are not permitted"),
     ({"quantization.qformat": "int8"}, "quantization.qformat: must be one of none, fp8, nvfp4, got 'int8'"),
+    ({"engine.draft_len_schedule": "1:8,16:9"}, "engine.draft_len_schedule: must be auto, none or N1:K1,N2:K2"),
+    ({"engine.draft_len_schedule": 7}, "engine.draft_len_schedule: Input should be a valid string"),
+    (
+        {"engine.draft_len_schedule": "1:16"},
+        "engine.draft_len_schedule 1:16 drafts 16 tokens but the drafter proposes at most block_size - 1 = 15",
+    ),
 ]
 
 

@@ -250,6 +250,9 @@ def test_settings_from_engine_reads_the_manifest(tmp_path: Path, tokenizer_dir: 
     s = settings_from_engine(write_engine_dir(tmp_path / "eng"), tokenizer_dir, ServingSettings(instance_count=3))
     assert (s.max_batch_size, s.max_input_len, s.max_draft_len, s.world_size) == (128, 2048, 9, 2)
     assert (s.plugin_library, s.instance_count, s.max_temperature) == ("/p/lib.so", 3, 0.0)
+    assert s.draft_len_schedule == "none"  # an engine built before draft-length schedules
+    scheduled = write_engine_dir(tmp_path / "scheduled", draft_len_schedule="2:7,16:3")
+    assert settings_from_engine(scheduled, tokenizer_dir).draft_len_schedule == "2:7,16:3"
     with pytest.raises(DFlashTrtError, match="not a DFlash engine directory"):
         settings_from_engine(tmp_path, tokenizer_dir)
     broken = tmp_path / "broken"
