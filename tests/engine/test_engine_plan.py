@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from dflash_trt.checkpoint.trtllm_config import checkpoint_config, specs_from_config
 from dflash_trt.commands import build as build_command
+from dflash_trt.draft_schedule import DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.spec import parse_draft_config, parse_target_config
 from dflash_trt.trtllm import build_plan
@@ -566,16 +567,23 @@ def test_a_draft_tree_build_verifies_its_nodes_over_the_chain_positions(ckpt: Pa
     plan = plan_engine_build(ckpt, tmp_path / "e", settings)
     assert flag_values(plan.command)["--max_draft_len"] == "40"
     assert plan.build_config["max_draft_len"] == 40
-    assert plan.build_env() == {build_plan.TREE_ENV: "40"}
-    assert plan.shell_command().startswith(f"{build_plan.TREE_ENV}=40 trtllm-build ")
+    assert plan.build_env() == {build_plan.SCHEDULE_ENV: "none", build_plan.TREE_ENV: "40"}
+    assert f" {build_plan.TREE_ENV}=40 trtllm-build " in f" {plan.shell_command()}"
     manifest = plan.dflash_manifest
     assert (manifest["max_draft_len"], manifest["draft_tree"], len(manifest["eagle_choices"])) == (40, 40, 15)
     assert manifest["max_seq_len"] == settings.max_seq_len + 40 + 15  # max_draft_len + num_eagle_layers
     chain = plan_engine_build(ckpt, tmp_path / "e", build_command.settings_from_args(cli(["--draft_tree", "15"])))
-    assert chain.build_env() == {} and chain.build_config["max_draft_len"] == 15
+    assert build_plan.TREE_ENV not in chain.build_env() and chain.build_config["max_draft_len"] == 15
 
 
 def test_a_draft_tree_needs_tokens_for_every_node(ckpt: Path, tmp_path: Path):
     settings = EngineBuildSettings(max_batch_size=64, max_num_tokens=64 * 16, draft_tree=40)
     with pytest.raises(DFlashTrtError, match=r"64 x 41"):
+        plan_engine_build(ckpt, tmp_path / "e", settings)
+
+
+def test_a_draft_tree_takes_no_draft_length_schedule(ckpt: Path, tmp_path: Path):
+    """A tree engine verifies its nodes every step: a schedule would shorten a chain that is not there."""
+    settings = EngineBuildSettings(draft_tree=40, draft_len_schedule=DraftLenSchedule(((4, 8),)))
+    with pytest.raises(DFlashTrtError, match="takes no draft-length schedule"):
         plan_engine_build(ckpt, tmp_path / "e", settings)

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from dflash_trt.cli import main
 from dflash_trt.conversion.convert import convert_checkpoint
+from dflash_trt.draft_schedule import DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import GoldenModel, load_golden_model
@@ -330,3 +331,10 @@ def test_a_block_of_one_drafts_nothing_and_ranks_nothing(tiny):
     alone = speculative_generate(model, prompts, 12, block_size=1)
     assert all(step.ranks == [] and step.draft_ids == [] for r in alone for step in r.steps)
     assert [r.output_ids for r in alone] == [r.output_ids for r in speculative_generate(model, prompts, 12)]
+
+
+def test_trees_take_no_draft_length_schedule(tiny):
+    model = load_golden_model(tiny)
+    schedule = DraftLenSchedule(((2, 4),))
+    with pytest.raises(DFlashTrtError, match="takes no draft-length schedule"):
+        speculative_generate(model, [[3, 4, 5]], 4, draft_tree=24, draft_len_schedule=schedule)
