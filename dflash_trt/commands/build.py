@@ -1,7 +1,8 @@
 """`dflash-trt build`: one TensorRT-LLM 1.2.x engine (target + drafter) from a converted checkpoint.
 
-Flags mirror `trtllm-build`. `--dry_run` validates and prints the exact `trtllm-build` command, the BuildConfig
-and the manifest, and needs no GPU; a real run needs TensorRT-LLM 1.2.x and the plugin library.
+Flags mirror `trtllm-build`. `--dry_run` validates and prints the exact `trtllm-build` command, the BuildConfig,
+the manifest and why the engine records a longer max_seq_len than the one given, and needs no GPU; a real run needs
+TensorRT-LLM 1.2.x and the plugin library.
 """
 
 from __future__ import annotations
@@ -40,9 +41,11 @@ SETTING_FLAGS: dict[str, IntRange] = {
     "draft_tree": DRAFT_TREE,
 }
 DERIVED_DEFAULTS = {
-    "max_seq_len": "min(8192, the target's max_position_embeddings and, for a sliding-window drafter, its window "
-    "minus the block size)",
+    "max_seq_len": "min(8192, the target's max_position_embeddings (and a sliding-window drafter's window) less 3 x "
+    "max_draft_len: the positions the engine's longest requests reach)",
     "max_input_len": "min(4096, --max_seq_len)",
+    "max_num_tokens": f"min({EngineBuildSettings.max_num_tokens}, --max_seq_len x --max_batch_size: what "
+    "TensorRT-LLM's builder clips it to)",
     "draft_tree": "the chain, block_size - 1 drafts; N more builds an engine verifying a draft tree of N nodes per "
     "request (its EAGLE max_draft_len)",
 }
@@ -130,7 +133,9 @@ def run(args: argparse.Namespace) -> int:
     check_output_apart(
         args.output_dir, {"--checkpoint_dir": args.checkpoint_dir, "--plugin_library": args.plugin_library}
     )
-    settings = fit_lengths(args.checkpoint_dir, settings_from_args(args), args.max_seq_len, args.max_input_len)
+    settings = fit_lengths(
+        args.checkpoint_dir, settings_from_args(args), args.max_seq_len, args.max_input_len, args.max_num_tokens
+    )
     schedule = schedule_for_checkpoint(args, Path(args.checkpoint_dir), settings.max_batch_size)
     settings = dataclasses.replace(settings, draft_len_schedule=schedule)
     plan = plan_engine_build(args.checkpoint_dir, args.output_dir, settings, plugin_library=args.plugin_library)
@@ -144,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
             print(readable_json(plan.build_config))
             print("# dflash_trt.json")
             print(readable_json(plan.dflash_manifest))
+            print("# lengths")
+            print(plan.lengths.explanation())
         return 0
     from dflash_trt.trtllm.build import run_engine_build
 

@@ -60,12 +60,16 @@ def print_stage(result: StageResult, inp: PipelineInputs, out: TextIO) -> None:
         print(f"{header}: complete, skipped", file=out)
     elif result.outcome is Outcome.WOULD_RUN:
         print(f"{header}: {state}, would run:\n    {stage.command}", file=out)
+        if stage.note:
+            print(f"    # {stage.note}", file=out)
     elif result.outcome is Outcome.NEEDS_GPU:
         print(f"{header}: needs a GPU host with TensorRT-LLM 1.2.x; stopping here.", file=out)
         print("Finish on the GPU host (copy the workspace, keep the same model snapshots) with:", file=out)
         print(f"    {resume_command(inp)}", file=out)
         print("which runs:", file=out)
         print(f"    {stage.command}", file=out)
+        if stage.note:
+            print(f"    # {stage.note}", file=out)
     else:
         print(f"{header}: {state}, running:\n    {stage.command}", file=out, flush=True)
 

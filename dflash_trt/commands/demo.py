@@ -27,6 +27,7 @@ from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import DTYPES, FP8, NVFP4
 from dflash_trt.inputs import POSITIVE_INT, IntRange
 from dflash_trt.jsonfile import strict_json
+from dflash_trt.reference.loop_rules import longest_request
 from dflash_trt.tiny.corpus import generate as generate_problems
 from dflash_trt.tiny.heldout import (
     DFLASH2_DRAFT,
@@ -40,7 +41,12 @@ from dflash_trt.tiny.heldout import (
     target_dir,
 )
 from dflash_trt.tokenizer import load_tokenizer
-from dflash_trt.trtllm.build_plan import EngineBuildSettings, plan_engine_build
+from dflash_trt.trtllm.build_plan import (
+    EngineBuildSettings,
+    longest_buildable,
+    plan_engine_build,
+    read_checkpoint_facts,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -74,9 +80,10 @@ def write_prompt_file(path: Path, heldout: list[HeldoutPrompt]) -> Path:
     return path
 
 
-def demo_build_settings(max_position_embeddings: int) -> EngineBuildSettings:
-    """Engine limits that fit the checkpoint: no sequence beyond the positions the target was trained with."""
-    max_seq_len = min(max_position_embeddings, EngineBuildSettings.max_seq_len)
+def demo_build_settings(longest: int) -> EngineBuildSettings:
+    """Engine limits that fit the checkpoint: `longest` is the largest max_seq_len it builds with (every position the
+    engine uses within the target's RoPE tables, `build_plan.longest_buildable`)."""
+    max_seq_len = min(longest, EngineBuildSettings.max_seq_len)
     return EngineBuildSettings(
         max_batch_size=GPU_HOST_CONCURRENCY[-1],
         max_input_len=max_seq_len // 2,
@@ -427,7 +434,7 @@ def _plan_engine_and_repository(
     from dflash_trt.triton.repository import RepositorySettings, max_temperature_for_sampling, write_repository
 
     say("[4/6] plan the TensorRT-LLM 1.2.x engine build and its Triton model repository")
-    settings = demo_build_settings(model.target.spec.max_position_embeddings)
+    settings = demo_build_settings(longest_buildable(read_checkpoint_facts(checkpoint)))
     plan = plan_engine_build(checkpoint, out / "engine", settings)
     (out / "build_plan.json").write_text(
         json.dumps({"command": plan.command, "build_config": plan.build_config}, indent=2) + "\n"
@@ -442,6 +449,7 @@ def _plan_engine_and_repository(
             max_draft_len=model.draft.spec.num_drafts,
             world_size=1,
             max_temperature=max_temperature_for_sampling(plan.dflash_manifest["sampling"]),
+            max_seq_len=longest_request(settings.max_seq_len, model.draft.spec.num_drafts),
         ),
         out / "triton_repository",
         overwrite=args.overwrite,

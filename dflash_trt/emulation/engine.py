@@ -23,16 +23,16 @@ from dflash_trt.emulation.kv_pool import KVPool, pool_at
 from dflash_trt.emulation.ranks import RankGroup
 from dflash_trt.emulation.stand_ins import load_engine_module, stand_ins_installed
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.formats import fp8_context_fmha
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.trtllm.build_plan import (
     TOKENS_PER_BLOCK,
     EngineBuildSettings,
     chain_draft_paths,
-    check_kv_geometry,
-    check_moe_layers,
-    check_quantization,
-    check_rope,
+    check_network,
+    kv_cache_format,
     read_checkpoint_facts,
+    weights_qformat,
 )
 
 DEFAULT_MAX_BATCH_SIZE = 8  # requests the emulated engine batches when no --max_batch_size is given
@@ -50,13 +50,17 @@ ACCEPT_OUTPUTS = (
 
 @dataclass
 class StepStats:
-    """What the engine ran: steps, context chunks (rows of context requests), the largest batch and the largest
-    cumsum-by-square scan; counted by the engine from the inputs it ran."""
+    """What the engine ran, counted by the engine from the inputs it ran: steps, context chunks (rows of context
+    requests), the largest batch, the largest cumsum-by-square scan, the largest position any attention layer
+    rotated a token to, and the steps whose verification took the sampling branch (the others took the greedy one:
+    `verify.pick_tokens`)."""
 
     steps: int = 0
     context_chunks: int = 0
     max_batch: int = 0
     largest_cumsum_square: int = 0
+    largest_position: int = -1
+    sampling_steps: int = 0
 
 
 class EmulatedEngine:
@@ -78,8 +82,7 @@ class EmulatedEngine:
         target, _ = specs_from_config(raw)
         # What `dflash-trt build` refuses, the emulated engine refuses too.
         self.facts = read_checkpoint_facts(checkpoint_dir)
-        for check in (check_kv_geometry, check_rope, check_quantization, check_moe_layers):
-            check(self.facts)
+        check_network(self.facts)
         self.tp_size = self.facts.tp_size
         for rank in range(self.tp_size):
             if not (checkpoint_dir / f"rank{rank}.safetensors").is_file():
@@ -130,6 +133,10 @@ class EmulatedEngine:
         self.cache_dtype = torch.float8_e4m3fn if fp8_cache else getattr(torch, config.dtype)
         # The paths a request starts from (the chain's EAGLE choices); after its first step, the ones the engine emits.
         self.paths = [row[: self.depth + 1] for row in chain_draft_paths(self.k)]
+        self.plugin_config = PluginConfig(
+            tokens_per_block=tokens_per_block,
+            use_fp8_context_fmha=fp8_context_fmha(weights_qformat(self.facts), kv_cache_format(self.facts)),
+        )
         self.stats = StepStats()
 
     def run(self, inputs: dict[str, Any], batch_size: int) -> dict[str, torch.Tensor]:
@@ -155,11 +162,13 @@ class EmulatedEngine:
         self.stats.context_chunks += int((types == CONTEXT_REQUEST).sum())
         self.stats.max_batch = max(self.stats.max_batch, batch_size)
         self.stats.largest_cumsum_square = max([self.stats.largest_cumsum_square, *network.cumsum_square_elements])
+        self.stats.largest_position = max(self.stats.largest_position, network.largest_position)
+        self.stats.sampling_steps += any(network.branches_taken)
         return outputs
 
     def _forward(self, model: Any, inputs: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Network]:
         """One rank's network forward and the outputs it marked."""
-        network = Network(PluginConfig(tokens_per_block=self.tokens_per_block))
+        network = Network(dataclasses.replace(self.plugin_config))
         with net_guard(network), torch.no_grad():
             model.forward(**inputs)
         outputs = {}

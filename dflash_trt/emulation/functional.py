@@ -84,6 +84,8 @@ class PluginConfig:
     gemm_plugin: str = "auto"
     multiple_profiles: bool = False
     use_paged_context_fmha: bool = True
+    # As builder.build() settles it (formats.fp8_context_fmha): context requests attend in FP8.
+    use_fp8_context_fmha: bool = False
 
 
 @dataclass
@@ -94,6 +96,8 @@ class Network:
     strongly_typed: bool = True
     outputs: dict[str, Tensor] = field(default_factory=dict)
     cumsum_square_elements: list[int] = field(default_factory=list)
+    largest_position: int = -1  # the largest position whose RoPE table row an attention layer read
+    branches_taken: list[bool] = field(default_factory=list)  # each `Conditional`'s condition, in build order
 
     def _mark_output(self, tensor: Tensor, name: str, dtype: trt.DataType | None) -> None:
         if name in self.outputs:
@@ -276,6 +280,33 @@ class Tensor:
         return op_or(lt(self, b), eq(self, b))
 
     __hash__ = object.__hash__
+
+
+class Conditional:
+    """TensorRT's IIfConditional as functional.py's `Conditional` builds it: the condition is a one-element bool
+    tensor (viewed as 0-D), values enter through `add_input` and `add_output(true, false)` is the taken branch's
+    value; both branch values must agree in dtype and shape (TensorRT's rule for the two subgraphs). TensorRT runs
+    only the taken branch; this eager emulation computes both and records the branch taken in the network's ledger
+    (`branches_taken`), which is what tests of a fast path can observe."""
+
+    def __init__(self, condition: Tensor):
+        if condition.dtype != trt.bool or condition.data.numel() != 1:
+            raise EmulationError(
+                f"a conditional needs one bool condition, got {condition.dtype.name} {condition.shape}"
+            )
+        self.taken = bool(condition.data.reshape(()))
+
+    def add_input(self, input: Tensor) -> Tensor:  # noqa: A002 (TensorRT-LLM's name)
+        return wrap_tensor(input.data)
+
+    def add_output(self, true_value: Tensor, false_value: Tensor) -> Tensor:
+        if true_value.dtype != false_value.dtype or true_value.shape != false_value.shape:
+            raise EmulationError(
+                f"conditional branches give {true_value.dtype.name} {true_value.shape} and "
+                f"{false_value.dtype.name} {false_value.shape}: TensorRT needs one dtype and shape"
+            )
+        default_net().branches_taken.append(self.taken)
+        return true_value if self.taken else false_value
 
 
 def wrap_tensor(data: torch.Tensor) -> Tensor:

@@ -11,7 +11,11 @@ and the in-block keys whose bit is set in `spec_decoding_packed_mask` (row = the
 bit j' of word j' // 32). XQA's packed-mask handling was only read, never run. K/V are written to the paged pool
 (after RoPE and k_norm, FP8-rounded with `kv_cache_rcp_scaling_factor` when the cache is FP8) and read back from
 it, so the current tokens see the stored values. Device past lengths above the host bound
-`host_past_key_value_lengths` (what the kernels size their work by) are refused.
+`host_past_key_value_lengths` (what the kernels size their work by) are refused, and so is a position past the RoPE
+table's rows (the kernel would read other memory). With q/k norms the fused qkv rows are split as 1.2.x's
+`Attention.forward` splits them: [Q | K | V] when a rank holds more query than KV heads, interleaved per head when
+the counts are equal. Context requests of a network whose builder turns FP8 context FMHA on (FP8 / NVFP4 weights, FP8
+cache) attend as `reference.quantized.fp8_context_attention` defines it.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from dflash_trt.emulation.functional import (
     LayerNormType,
     PositionEmbeddingType,
     Tensor,
+    default_net,
     rms_norm,
     trt_dtype,
     wrap_tensor,
@@ -40,6 +45,7 @@ from dflash_trt.emulation.quantization import FP8, NVFP4, QuantMode
 from dflash_trt.emulation.ranks import allgather, allreduce
 from dflash_trt.emulation.rope import cos_sin_table
 from dflash_trt.quant.nvfp4 import NVFP4_BLOCK_SIZE, dequantize_nvfp4, quantize_nvfp4
+from dflash_trt.reference.quantized import fp8_context_attention
 
 FP8_MAX = 448.0
 
@@ -423,14 +429,9 @@ class Attention(Module):
             raise EmulationError("the emulation runs the paged-KV attention plugin path only")
         if self.attention_mask_type != AttentionMaskType.causal:
             raise EmulationError("spec-decoding generation needs a causal mask type (XQA)")
-        h, kvh, d = self.num_attention_heads, self.num_attention_kv_heads, self.attention_head_size
-        qkv = self.qkv(hidden_states).data
-        tokens, dtype = qkv.shape[0], qkv.dtype
-        q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
-        q, k, v = q.reshape(tokens, h, d), k.reshape(tokens, kvh, d), v.reshape(tokens, kvh, d)
-        if self.qk_layernorm:
-            q = self.q_layernorm(wrap_tensor(q)).data
-            k = self.k_layernorm(wrap_tensor(k)).data
+        h, d = self.num_attention_heads, self.attention_head_size
+        q, k, v = self._split_qkv(self.qkv(hidden_states).data)
+        tokens, dtype = q.shape[0], q.dtype
         # The kernels rotate in fp32 and keep q and the cached k in the activations' dtype; softmax(QK^T)V
         # accumulates in fp32 and its output is rounded once.
         out = torch.zeros(tokens, h, d, dtype=dtype)
@@ -442,9 +443,34 @@ class Attention(Module):
             qr = _rotate(q[sl].float(), cos, sin).to(dtype)
             kr = _rotate(k[sl].float(), cos, sin).to(dtype)
             keys, values = self._cache_write_read(kv_cache_params, rows.batch, positions, kr, v[sl], visible.shape[1])
-            out[sl] = _attend(qr.float(), keys, values, visible, 1.0 / (self.q_scaling * d**0.5)).to(dtype)
+            scale = 1.0 / (self.q_scaling * d**0.5)
+            if rows.context and self._fp8_context_fmha(keys):
+                out[sl] = _attend_fp8(qr, keys, values, visible, scale, self.kv_cache_scaling_factor.raw).to(dtype)
+            else:
+                out[sl] = _attend(qr.float(), keys, values, visible, scale).to(dtype)
         context = self.dense(wrap_tensor(out.reshape(tokens, h * d)))
         return context, None
+
+    def _split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q `[tokens, heads, d]`, k and v `[tokens, kv_heads, d]`, q/k-normed, read from the fused rows as 1.2.x's
+        `Attention.forward` reads them: with q/k norms and as many KV heads as query heads on the rank it views
+        the rows interleaved per head (`[tokens, heads, 3, d]`), otherwise as [Q | K | V]."""
+        h, kvh, d = self.num_attention_heads, self.num_attention_kv_heads, self.attention_head_size
+        tokens = qkv.shape[0]
+        if self.qk_layernorm and h == kvh:
+            q, k, v = qkv.reshape(tokens, h, 3, d).unbind(2)
+        else:
+            q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+            q, k, v = q.reshape(tokens, h, d), k.reshape(tokens, kvh, d), v.reshape(tokens, kvh, d)
+        if self.qk_layernorm:
+            q = self.q_layernorm(wrap_tensor(q.contiguous())).data
+            k = self.k_layernorm(wrap_tensor(k.contiguous())).data
+        return q, k, v
+
+    def _fp8_context_fmha(self, keys: torch.Tensor) -> bool:
+        """A context request attends in FP8 when the build turned FP8 context FMHA on (FP8 / NVFP4 weights and an
+        FP8 cache: `formats.fp8_context_fmha`)."""
+        return default_net().plugin_config.use_fp8_context_fmha and self.kv_cache_scaling_factor is not None
 
     def _requests(
         self, tokens: int, spec: SpecDecodingParams | None, kv: KeyValueCacheParams, params: AttentionParams
@@ -482,7 +508,7 @@ class Attention(Module):
                 visible = torch.cat([torch.ones(n, past, dtype=torch.bool), mask], dim=1)
             if past < 0:
                 raise EmulationError(f"request {b}: sequence_length below its input length")
-            yield _Rows(b, row, row + n), positions, rope, visible
+            yield _Rows(b, row, row + n, kind == 0), positions, rope, visible
             row += n
         if row != tokens:
             raise EmulationError(f"the requests cover {row} rows, the input has {tokens}")
@@ -508,8 +534,11 @@ class Attention(Module):
 
     def _rope(self, positions: torch.Tensor, params: AttentionParams) -> tuple[torch.Tensor, torch.Tensor]:
         table = params.embed_positions_for_gpt_attention.data
-        if int(positions.max()) >= table.shape[0]:
+        largest = int(positions.max())
+        if largest >= table.shape[0]:
             raise EmulationError("a position beyond max_position_embeddings")
+        network = default_net()
+        network.largest_position = max(network.largest_position, largest)
         return table[positions, :, 0], table[positions, :, 1]
 
     def _cache_write_read(
@@ -544,6 +573,7 @@ class _Rows:
     batch: int
     start: int
     end: int
+    context: bool  # a context request (prompt chunk) rather than a generation step
 
     @property
     def slice(self) -> slice:
@@ -556,6 +586,16 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     x1, x2 = x[..., :half], x[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def _attend_fp8(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float, kv_scale: torch.Tensor
+) -> torch.Tensor:
+    """`_attend` as FP8 context FMHA computes it (`reference.quantized.fp8_context_attention`), same shapes."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1).transpose(0, 1)
+    v = v.repeat_interleave(groups, dim=1).transpose(0, 1)
+    return fp8_context_attention(q.transpose(0, 1), k, v, visible[None], scale, kv_scale).transpose(0, 1)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:

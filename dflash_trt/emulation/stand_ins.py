@@ -59,6 +59,7 @@ REGISTRY: dict[str, dict[str, Any]] = {
         name: getattr(functional, name)
         for name in (
             "Tensor",
+            "Conditional",
             "LayerNormType",
             "_create_tensor",
             "constant",

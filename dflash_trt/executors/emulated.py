@@ -30,7 +30,7 @@ from dflash_trt.inputs import check_fits_in_memory
 from dflash_trt.reference.decode import SequenceResult, StepTrace
 from dflash_trt.reference.loop_rules import check_request, keep_tokens, longest_request
 from dflash_trt.sampling_rules import GREEDY, Sampling
-from dflash_trt.trtllm.build_plan import EngineBuildSettings, check_sliding_window
+from dflash_trt.trtllm.build_plan import check_sliding_window
 
 
 class EngineStepFailed(Exception):
@@ -58,7 +58,7 @@ class EmulatedStepper:
                 f"the two blocks of {engine.k} drafts the last step reaches past a request's last token), got "
                 f"{max_seq_len}"
             )
-        check_sliding_window(engine.facts, EngineBuildSettings(max_seq_len=max_seq_len))
+        check_sliding_window(engine.facts, max_seq_len)
         self.engine = engine
         self.max_seq_len = max_seq_len
         self.stops = set(stop_token_ids or [])

@@ -147,7 +147,9 @@ class GoldenStepper:
         width = max([int(verify.max())] + [running[i].prompt_len for i in context])
         offsets = torch.arange(width)
         tokens, positions, valid = self._target_inputs(running, context, generation, block_ids, start, verify, offsets)
-        logits, taps = self.model.target.forward(tokens, positions, valid, self.target_cache)
+        prefilling = torch.zeros(len(self.slots), dtype=torch.bool)
+        prefilling[context] = True
+        logits, taps = self.model.target.forward(tokens, positions, valid, self.target_cache, prefilling)
 
         produced = {i: [int(logits[i, running[i].prompt_len - 1].argmax())] for i in context}
         for i in generation:

@@ -36,7 +36,9 @@ from dflash_trt.trtllm.build_plan import (
     TOKENS_PER_BLOCK,
     EngineBuildSettings,
     check_engine_settings,
-    check_gemm_plugin,
+    check_fp8_context_fmha,
+    check_kv_cache_format,
+    resolved_gemm_plugin,
 )
 from dflash_trt.yamlfile import safe_load_unique
 
@@ -142,7 +144,8 @@ class EngineSettings(_Strict):
     max_draft_len: int = Field(ge=1)
     gemm_plugin: GemmPlugin
     use_paged_context_fmha: bool = EngineBuildSettings.use_paged_context_fmha
-    use_fp8_context_fmha: bool = EngineBuildSettings.use_fp8_context_fmha
+    # Unset: what TensorRT-LLM 1.2.x's builder settles on (on for fp8/nvfp4 weights with an FP8 KV cache).
+    use_fp8_context_fmha: bool | None = EngineBuildSettings.use_fp8_context_fmha
     multiple_profiles: bool = EngineBuildSettings.multiple_profiles
     draft_len_schedule: ScheduleText = Field(
         default=AUTO,
@@ -253,11 +256,11 @@ class BuildProfile(_Strict):
                 "one quantization to the target and the drafter"
             )
         try:
-            check_gemm_plugin(eng.gemm_plugin, q.qformat)
+            resolved_gemm_plugin(eng.gemm_plugin, q.qformat)
+            check_kv_cache_format(q.qformat, q.kv_cache_dtype)
+            check_fp8_context_fmha(eng.use_fp8_context_fmha, q.qformat, q.kv_cache_dtype)
         except DFlashTrtError as exc:
             raise ValueError(str(exc)) from None
-        if eng.use_fp8_context_fmha and q.kv_cache_dtype != "fp8":
-            raise ValueError("use_fp8_context_fmha needs kv_cache_dtype fp8")
         if eng.max_draft_len > block - 1:
             raise ValueError(
                 f"max_draft_len {eng.max_draft_len} exceeds block_size - 1 = {block - 1}: the drafter "

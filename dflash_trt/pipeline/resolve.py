@@ -20,7 +20,7 @@ from dflash_trt.pipeline.profiles import (
     resolve_model_dir,
 )
 from dflash_trt.pipeline.schedule import ResolvedSchedule, derived_schedule
-from dflash_trt.pipeline.settings import quantization_settings
+from dflash_trt.pipeline.settings import engine_settings, quantization_settings
 from dflash_trt.pipeline.workspace import Workspace, workspace
 from dflash_trt.recorded_configs import ModelSource, load_recorded_configs, local_source, recorded_source
 from dflash_trt.spec import parse_draft_config, parse_target_config
@@ -116,7 +116,7 @@ def resolve_inputs(
     if target.path is not None and draft.path is not None:
         for warning in checkpoint_warnings(profile, target.path, draft.path):
             warn(warning)
-    settings = profile.engine.build_settings()
+    settings = engine_settings(profile)
     if settings_override is not None:
         settings = settings_override(settings)
     schedule = _schedule(profile, target, draft, request.draft_len_schedule)

@@ -15,7 +15,13 @@ from dflash_trt.pipeline.fingerprints import directory_fingerprint, fingerprint
 from dflash_trt.pipeline.resolve import PipelineInputs
 from dflash_trt.pipeline.settings import convert_command, plan_engine, quantization_settings, settings_from_profile
 from dflash_trt.pipeline.workspace import Stage
-from dflash_trt.trtllm.build_plan import SCHEDULE_ENV, build_command, plan_engine_build, settings_dict
+from dflash_trt.trtllm.build_plan import (
+    SCHEDULE_ENV,
+    EngineLengths,
+    build_command,
+    plan_engine_build,
+    settings_dict,
+)
 from dflash_trt.trtllm.plugin import LIBRARY_ENV, default_library_path
 
 
@@ -78,7 +84,7 @@ def _engine_stage(inp: PipelineInputs, ckpt_fp: str | None) -> tuple[Stage, str]
     profile, ws = inp.profile, inp.ws
     if inp.configs_known:
         plan = plan_engine(profile, ws, inp.settings, inp.target, inp.draft, inp.plugin_library)
-        library, build_argv = plan.plugin_library, plan.command
+        library, build_argv, lengths = plan.plugin_library, plan.command, plan.lengths
         # The build loads the plugin library named by this variable, so it is part of the exact command.
         engine_command = plan.shell_command(with_library=True)
     else:
@@ -86,6 +92,12 @@ def _engine_stage(inp: PipelineInputs, ckpt_fp: str | None) -> tuple[Stage, str]
         build_argv = build_command(str(ws.checkpoint), str(ws.engine), profile.engine.max_draft_len, inp.settings)
         schedule = shlex.quote(inp.settings.draft_len_schedule.text())
         engine_command = f"{LIBRARY_ENV}={shlex.quote(library)} {SCHEDULE_ENV}={schedule} {shlex.join(build_argv)}"
+        lengths = EngineLengths(
+            max_seq_len=inp.settings.max_seq_len,
+            max_draft_len=profile.engine.max_draft_len,
+            positions=None,  # the drafter's shapes (a sliding window) are not known yet
+            positions_from=None,
+        )
     engine_fp = (
         fingerprint(
             {"stage": "engine", "checkpoint": ckpt_fp, "settings": settings_dict(inp.settings), "command": build_argv}
@@ -101,7 +113,7 @@ def _engine_stage(inp: PipelineInputs, ckpt_fp: str | None) -> tuple[Stage, str]
             plan_engine_build(ws.checkpoint, ws.engine, inp.settings, plugin_library=inp.plugin_library), overwrite=True
         )
 
-    return Stage("engine", ws.engine, engine_fp, engine_command, run_engine), library
+    return Stage("engine", ws.engine, engine_fp, engine_command, run_engine, lengths.explanation()), library
 
 
 def _triton_stage(inp: PipelineInputs, engine_fp: str | None, library: str) -> Stage:

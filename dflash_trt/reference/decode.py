@@ -254,7 +254,7 @@ def _prefill(loop: _Loop, prompts: list[list[int]]) -> None:
         tokens[i, : len(p)] = torch.tensor(p)
     positions = torch.arange(width).expand(batch, -1)
     valid = positions < lengths[:, None]
-    logits, taps = target.forward(tokens, positions, valid, loop.target_cache)
+    logits, taps = target.forward(tokens, positions, valid, loop.target_cache, torch.ones(batch, dtype=torch.bool))
     if loop.block > 1:
         draft.inject(taps, positions, valid, loop.draft_cache)
     first = loop.rule.first(logits[torch.arange(batch), lengths - 1])
@@ -336,7 +336,7 @@ def _tree_step(loop: _Loop, rule: _EngineRule, start: torch.Tensor, verify: torc
     path's target K/V to consecutive slots (the runtime's rewind) and inject the path's features."""
     trees = _draft_trees(loop, rule, start, verify)
     tokens, positions, valid, layout = _tree_rows(loop, trees, start)
-    logits, taps = loop.model.target.forward(tokens, positions, valid, loop.target_cache, layout)
+    logits, taps = loop.model.target.forward(tokens, positions, valid, loop.target_cache, tree=layout)
     path_rows = torch.zeros(len(loop.seqs), loop.block, dtype=torch.long)
     produced_mask = torch.zeros(len(loop.seqs), loop.block, dtype=torch.bool)
     for b, (seq, tree) in enumerate(zip(loop.seqs, trees, strict=True)):

@@ -22,13 +22,19 @@ from dflash_trt.checkpoint.safetensors_io import SafetensorsFile, tensor_has_non
 from dflash_trt.checkpoint.sharding import merge
 from dflash_trt.checkpoint.trtllm_config import specs_from_config
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.formats import NONE
+from dflash_trt.formats import NONE, checkpoint_fp8_context_fmha
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.reference.conv import AFTER, BEFORE, GroupedDynamicConv
 from dflash_trt.reference.kv_injection import injected_kv
 from dflash_trt.reference.norm import rms_norm
 from dflash_trt.reference.proposal import CandidateSelector, DraftChoice, DraftHead
-from dflash_trt.reference.quantized import dequantized_weight, fake_quantize_fp8, fake_quantize_input, weight_format
+from dflash_trt.reference.quantized import (
+    dequantized_weight,
+    fake_quantize_fp8,
+    fake_quantize_input,
+    fp8_context_attention,
+    weight_format,
+)
 from dflash_trt.rope import apply_rope, rope_cos_sin
 from dflash_trt.spec import EMBEDDING_TAP, DraftSpec, MoeSpec, TargetSpec
 
@@ -272,8 +278,22 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
     return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1)
 
 
+def attend_fp8_context(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float, kv_scale: torch.Tensor
+) -> torch.Tensor:
+    """`attend` as FP8 context FMHA computes it (`fp8_context_attention`), same shapes."""
+    groups = q.shape[2] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    out = fp8_context_attention(q.transpose(1, 2), k, v, visible[:, None], scale, kv_scale)
+    return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1).to(q.dtype)
+
+
 class TargetModel:
-    """The target decoder; returns logits and the concatenated tap features the drafter conditions on."""
+    """The target decoder; returns logits and the concatenated tap features the drafter conditions on.
+
+    `fp8_context` (FP8 / NVFP4 weights with an FP8 KV cache) makes the rows of context requests attend as the
+    engine's FP8 context FMHA does; generation rows (a verified block) attend as before.
+    """
 
     def __init__(
         self, spec: TargetSpec, tensors: dict[str, torch.Tensor], tap_layers: tuple[int, ...], dtype: torch.dtype
@@ -287,11 +307,23 @@ class TargetModel:
         self.final_norm = tensors[names.TARGET_FINAL_NORM].to(dtype)
         self.lm_head = Linear.load(tensors, names.LM_HEAD.removesuffix("." + names.WEIGHT), dtype)
         self.tap_layers = tap_layers
+        self.fp8_context = False
         self.current_valid: torch.Tensor | None = None  # rows of the running call that are real (for observers)
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         s = self.spec
         return KVCache(self.layers, batch, s.num_key_value_heads, capacity, s.head_dim, self.embedding.dtype)
+
+    def _attention(
+        self, layer: LayerWeights, q, keys, values, visible, context_rows: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`attend`, with the context rows as FP8 context FMHA computes them when the engine runs it."""
+        scale = self.spec.head_dim**-0.5
+        out = attend(q, keys, values, visible, scale)
+        if self.fp8_context and context_rows is not None and context_rows.any() and layer.kv_scale is not None:
+            rows = context_rows
+            out[rows] = attend_fp8_context(q[rows], keys[rows], values[rows], visible[rows], scale, layer.kv_scale)
+        return out
 
     def forward(
         self,
@@ -299,11 +331,13 @@ class TargetModel:
         positions: torch.Tensor,
         valid: torch.Tensor,
         cache: KVCache,
+        context_rows: torch.Tensor | None = None,
         tree: TreeBlock | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens/positions/valid `[b, t]` → logits `[b, t, vocab]` (fp32), taps `[b, t, n_taps * hidden]`. Row `t`
-        is stored at cache slot `positions[:, t]` and sees the slots up to it, unless `tree` lays the rows out as a
-        draft tree (its own slots and visibility; RoPE stays at `positions`)."""
+        """tokens/positions/valid `[b, t]` → logits `[b, t, vocab]` (fp32), taps `[b, t, n_taps * hidden]`;
+        `context_rows [b]` marks the sequences this call prefills (the engine's context requests). Row `t` is stored at
+        cache slot `positions[:, t]` and sees the slots up to it, unless `tree` lays the rows out as a draft tree (its
+        own slots and visibility; RoPE stays at `positions`)."""
         s = self.spec
         self.current_valid = valid
         hidden = F.embedding(tokens, self.embedding)
@@ -322,7 +356,7 @@ class TargetModel:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             cache.write(index, k, v, slots, valid)
             keys, values = cache.k[index][:, :, :key_count], cache.v[index][:, :, :key_count]
-            hidden = hidden + layer.dense(attend(q, keys, values, visible, s.head_dim**-0.5))
+            hidden = hidden + layer.dense(self._attention(layer, q, keys, values, visible, context_rows))
             hidden = hidden + layer.mlp(rms_norm(hidden, layer.post_norm, s.rms_norm_eps))
             if index in self.tap_layers:
                 taps[index] = hidden
@@ -607,4 +641,5 @@ def load_golden_model(checkpoint_dir: str | Path, compute_dtype: torch.dtype = t
         checkpoint_dir, mapping["tp_size"], target_spec, draft_spec, dtype, mapping.get("moe_ep_size", 1)
     )
     target = TargetModel(target_spec, tensors, draft_spec.target_layer_ids, compute_dtype)
+    target.fp8_context = checkpoint_fp8_context_fmha(config)
     return GoldenModel(target, DraftModel(draft_spec, tensors, target, compute_dtype), config)

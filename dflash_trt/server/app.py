@@ -9,7 +9,6 @@ disconnects is cancelled; a streamed one is cancelled by Starlette closing its s
 from __future__ import annotations
 
 import asyncio
-import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TypeVar
@@ -18,9 +17,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
+from starlette.requests import ClientDisconnect
 
-from dflash_trt.server.errors import BAD_REQUEST, NOT_FOUND, TOO_LARGE, UNAUTHORIZED, UNAVAILABLE, error
+from dflash_trt.server.errors import BAD_REQUEST, NOT_FOUND, TOO_LARGE, UNAVAILABLE, error
 from dflash_trt.server.generation import Served
+from dflash_trt.server.guards import HostCheck, check_api_key, content_type_refusal, key_refusal
 from dflash_trt.server.limits import DEFAULT_MAX_BODY_BYTES
 from dflash_trt.server.metrics import CONTENT_TYPE
 from dflash_trt.server.observability import LOGGER, RequestIds
@@ -68,17 +69,22 @@ def validation_error(exc: ValidationError) -> ErrorResponse:
     return error(f"{name}: {first['msg']}", where[0])
 
 
-async def read_body(request: Request, limit: int) -> bytes | ErrorResponse:
+async def read_body(request: Request, limit: int) -> bytes | ErrorResponse | None:
+    """The body, 413 once it is known to exceed `limit` (declared, or counted as it streams in, chunked too), or
+    None when the client went away (or its connection ran out of time) before sending all of it."""
     too_large = error(f"the body exceeds {limit} bytes", status=TOO_LARGE)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         return too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            return too_large
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return too_large
+            chunks.append(chunk)
+    except ClientDisconnect:
+        return None
     return b"".join(chunks)
 
 
@@ -112,6 +118,7 @@ def executor_lifespan(served: Served) -> Callable[[FastAPI], AbstractAsyncContex
             yield
         finally:
             await served.client.stop()
+            served.prompts.close()
             LOGGER.info("the executor stopped")
 
     return lifespan
@@ -122,20 +129,20 @@ def build_app(
     *,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    allowed_hosts: frozenset[str] | None = frozenset(),
     access_log: bool = False,
 ) -> FastAPI:
+    """`allowed_hosts`: names a keyless server answers besides loopback's (guards.HostCheck); None: any Host, for
+    a server listening beyond loopback. A server with a key takes any Host."""
     lifespan = executor_lifespan(served)
     app = FastAPI(title="dflash-trt", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(RequestIds, access_log=access_log)
-    expected = None if api_key is None else f"Bearer {api_key}".encode()
+    expected = None if api_key is None else check_api_key(api_key, "the API key")
+    if expected is None and allowed_hosts is not None:
+        app.add_middleware(HostCheck, allowed=allowed_hosts)
+    app.add_middleware(RequestIds, access_log=access_log)  # outermost: every answer, a guard's too, has an id
 
     def unauthorized(request: Request) -> ErrorResponse | None:
-        if expected is None:
-            return None
-        given = request.headers.get("authorization", "").encode()
-        if hmac.compare_digest(given, expected):
-            return None
-        return error("a valid API key is required (Authorization: Bearer KEY)", status=UNAUTHORIZED)
+        return key_refusal(expected, request.headers.get("authorization"))
 
     async def generate(
         request: Request,
@@ -143,9 +150,11 @@ def build_app(
         schema: type[Body],
         serve: Callable[[Served, Body], Awaitable[BaseModel | ErrorResponse | EventStream]],
     ) -> Response:
-        refused = unauthorized(request)
+        refused = unauthorized(request) or content_type_refusal(request.headers.get("content-type"))
         body = await read_body(request, max_body_bytes) if refused is None else refused
-        if isinstance(body, ErrorResponse):
+        if body is None:
+            response = Response(status_code=CLIENT_CLOSED)
+        elif isinstance(body, ErrorResponse):
             response = answer(body)
         else:
             try:

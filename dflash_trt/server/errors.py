@@ -8,13 +8,16 @@ import logging
 from dflash_trt.server.observability import LOGGER, current_request_id
 from dflash_trt.server.protocol import ErrorBody, ErrorResponse
 
-BAD_REQUEST, UNAUTHORIZED, NOT_FOUND, TOO_LARGE, SERVER_ERROR, UNAVAILABLE = 400, 401, 404, 413, 500, 503
+BAD_REQUEST, UNAUTHORIZED, FORBIDDEN, NOT_FOUND, TOO_LARGE, UNSUPPORTED_MEDIA_TYPE = 400, 401, 403, 404, 413, 415
+SERVER_ERROR, UNAVAILABLE = 500, 503
 
 TYPES = {
     BAD_REQUEST: "invalid_request_error",
     UNAUTHORIZED: "authentication_error",
+    FORBIDDEN: "permission_error",
     NOT_FOUND: "not_found_error",
     TOO_LARGE: "invalid_request_error",
+    UNSUPPORTED_MEDIA_TYPE: "invalid_request_error",
     SERVER_ERROR: "internal_server_error",
     UNAVAILABLE: "service_unavailable",
 }

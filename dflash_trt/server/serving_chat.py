@@ -2,7 +2,7 @@
 
 The template runs in `transformers`' sandboxed Jinja environment; `chat_template_kwargs` (e.g. `enable_thinking`)
 reach it as template variables. The rendered text holds the template's special tokens, so it is tokenized without
-adding more.
+adding more. Rendering and tokenizing run off the event loop (`tokenizing.PromptTokenizer`).
 """
 
 from __future__ import annotations
@@ -33,9 +33,16 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
-def render(served: Served, request: ChatCompletionRequest) -> list[int] | ErrorResponse:
-    """The prompt's token ids; 400 when the tokenizer has no chat template or the template refuses the messages."""
-    tokenizer = served.tokenizer
+async def prompt_ids(served: Served, request: ChatCompletionRequest) -> list[int] | ErrorResponse:
+    """The prompt's token ids: the messages rendered, then tokenized, both in the tokenizer's worker thread."""
+    text = await served.prompts.run(render, served.tokenizer, request)
+    if isinstance(text, ErrorResponse):
+        return text
+    return await served.prompts.encode(text, "messages", add_special_tokens=False)
+
+
+def render(tokenizer: Any, request: ChatCompletionRequest) -> str | ErrorResponse:
+    """The prompt's text; 400 when the tokenizer has no chat template or the template refuses the messages."""
     if not getattr(tokenizer, "chat_template", None):
         return error(
             "the tokenizer has no chat template, so chat messages cannot be turned into a prompt; use "
@@ -54,17 +61,16 @@ def render(served: Served, request: ChatCompletionRequest) -> list[int] | ErrorR
             entry["content"] = "\n".join(part.text for part in message.content)
         messages.append(entry)
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
     except Exception as exc:  # a Jinja template's own refusals (raise_exception) and errors: the messages' fault
         detail = " ".join(str(exc).split())[:300] or type(exc).__name__
         return error(f"the chat template cannot render these messages: {detail}", "messages")
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 async def create_chat_completion(
     served: Served, request: ChatCompletionRequest
 ) -> ChatCompletionResponse | sse.EventStream | ErrorResponse:
-    ids = render(served, request)
+    ids = await prompt_ids(served, request)
     if isinstance(ids, ErrorResponse):
         return ids
     generation = start_generation(served, request, ids, "messages")

@@ -19,21 +19,23 @@ from dflash_trt.server.protocol import (
 from dflash_trt.server.serving_common import joined, response_id, start_generation, usage_of
 
 
-def prompt_ids(served: Served, prompt: str | list[str] | list[int] | list[list[int]]) -> list[int] | ErrorResponse:
-    """The prompt's token ids: text is tokenized as `generate` tokenizes text prompts."""
+async def prompt_ids(
+    served: Served, prompt: str | list[str] | list[int] | list[list[int]]
+) -> list[int] | ErrorResponse:
+    """The prompt's token ids: text is tokenized as `generate` tokenizes text prompts (off the event loop)."""
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
             return error(f"prompt holds {len(prompt)} prompts; send one prompt per request", "prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return served.tokenizer.encode(prompt)
+        return await served.prompts.encode(prompt, "prompt")
     return list(prompt)  # type: ignore[arg-type]
 
 
 async def create_completion(
     served: Served, request: CompletionRequest
 ) -> CompletionResponse | sse.EventStream | ErrorResponse:
-    ids = prompt_ids(served, request.prompt)
+    ids = await prompt_ids(served, request.prompt)
     if isinstance(ids, ErrorResponse):
         return ids
     generation = start_generation(served, request, ids, "prompt")

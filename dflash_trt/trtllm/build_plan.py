@@ -19,9 +19,10 @@ from dflash_trt import __version__
 from dflash_trt.checkpoint.trtllm_config import ARCHITECTURE, specs_from_config
 from dflash_trt.draft_schedule import AUTO, FIXED, DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.formats import FP8, NVFP4, QFORMATS, quant_algo
+from dflash_trt.formats import FP8, FP8_CONTEXT_FMHA_WEIGHTS, NONE, NVFP4, QFORMATS, fp8_context_fmha, quant_algo
 from dflash_trt.inputs import DRAFT_LEN_SCHEDULE, DRAFT_TREE, check_tree_schedule, draft_tree_nodes
 from dflash_trt.jsonfile import read_json_object
+from dflash_trt.reference.loop_rules import longest_request
 from dflash_trt.rope import RopeConfig
 from dflash_trt.sampling_rules import ENGINE_SAMPLING, HONOURED
 from dflash_trt.spec import SLIDING_ATTENTION, TARGET_ARCHITECTURES, DraftSpec
@@ -83,7 +84,8 @@ class EngineBuildSettings:
     max_beam_width: int = 1
     gemm_plugin: str = "auto"
     use_paged_context_fmha: bool = True
-    use_fp8_context_fmha: bool = False
+    # None: what builder.build() settles on for the checkpoint (`fp8_context_fmha`); a value that differs is refused.
+    use_fp8_context_fmha: bool | None = None
     multiple_profiles: bool = False
     kv_cache_type: str = "paged"
     tokens_per_block: int = TOKENS_PER_BLOCK
@@ -102,9 +104,11 @@ class CheckpointFacts:
     base_architecture: str
     dtype: str
     num_target_layers: int
+    target_heads: int
     target_kv_heads: int
     target_head_size: int
     num_draft_layers: int
+    draft_heads: int
     draft_kv_heads: int
     draft_head_size: int
     block_size: int
@@ -129,6 +133,57 @@ class CheckpointFacts:
 
 
 @dataclass(frozen=True)
+class EngineLengths:
+    """How the max_seq_len a build is given becomes the lengths its engine records and runs, so a dry run can say why
+    the engine's config.json holds more than was asked for [read: builder.py `build`, llmRequest.cpp `validate`]."""
+
+    max_seq_len: int  # the build's --max_seq_len
+    max_draft_len: int
+    positions: int | None  # the positions every request must stay within (`held_positions`); None: not known yet
+    positions_from: str | None  # what bounds them: max_position_embeddings (the RoPE tables) or sliding_window
+
+    @property
+    def engine_max_seq_len(self) -> int:
+        """What config.json and dflash_trt.json record."""
+        return built_max_seq_len(self.max_seq_len, self.max_draft_len)
+
+    @property
+    def longest_request(self) -> int:
+        return engine_longest_request(self.max_seq_len, self.max_draft_len)
+
+    @property
+    def last_position(self) -> int:
+        """The largest position the longest request's last step reaches: its next draft block, 2K past its end."""
+        return self.longest_request + 2 * self.max_draft_len - 1
+
+    def explanation(self) -> str:
+        k = self.max_draft_len
+        text = (
+            f"--max_seq_len {self.max_seq_len}: the engine records max_seq_len {self.engine_max_seq_len} = "
+            f"{self.max_seq_len} + 2 x {k} (TensorRT-LLM 1.2.x's builder adds max_draft_len, and num_eagle_layers for "
+            f"EAGLE); its executor runs requests of up to {self.longest_request} tokens (prompt + output + {k} drafts "
+            f"<= {self.engine_max_seq_len}), whose last step reaches position {self.last_position}"
+        )
+        if self.positions is None:
+            return text
+        held = (
+            "the target's max_position_embeddings RoPE tables hold"
+            if self.positions_from == "max_position_embeddings"
+            else "the drafter's sliding window holds"
+        )
+        return f"{text} ({held} positions 0..{self.positions - 1})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "engine_max_seq_len": self.engine_max_seq_len,
+            "longest_request": self.longest_request,
+            "last_position": self.last_position,
+            "explanation": self.explanation(),
+        }
+
+
+@dataclass(frozen=True)
 class EngineBuildPlan:
     """The exact build: argv for `trtllm-build`, the BuildConfig dict it implies, and the manifest to write."""
 
@@ -139,6 +194,7 @@ class EngineBuildPlan:
     plugin_library: str
     dflash_manifest: dict[str, Any]
     settings: EngineBuildSettings = field(repr=False)
+    lengths: EngineLengths
     world_size: int = 1
 
     @property
@@ -191,6 +247,7 @@ class EngineBuildPlan:
             "build_config": self.build_config,
             "plugin_library": self.plugin_library,
             "dflash_manifest": self.dflash_manifest,
+            "lengths": self.lengths.to_dict(),
         }
 
 
@@ -300,9 +357,11 @@ def read_checkpoint_facts(checkpoint_dir: str | Path) -> CheckpointFacts:
         base_architecture=target.architecture,
         dtype=str(config.get("dtype")),
         num_target_layers=target.num_hidden_layers,
+        target_heads=target.num_attention_heads,
         target_kv_heads=target.num_key_value_heads,
         target_head_size=target.head_dim,
         num_draft_layers=draft.num_hidden_layers,
+        draft_heads=draft.num_attention_heads,
         draft_kv_heads=draft.num_key_value_heads,
         draft_head_size=draft.head_dim,
         block_size=draft.block_size,
@@ -356,6 +415,62 @@ def check_kv_geometry(facts: CheckpointFacts) -> None:
         )
 
 
+def rank_heads(heads: int, kv_heads: int, tp_size: int) -> tuple[int, int]:
+    """(query heads, KV heads) of one tensor-parallel rank: KV heads are replicated below tp [read: layers/attention.py
+    `Attention.__init__`, ceil division]."""
+    return heads // tp_size, -(-kv_heads // tp_size)
+
+
+def check_qk_norm_heads(facts: CheckpointFacts) -> None:
+    """Refuse q/k-normed attention whose rank holds as many query heads as KV heads, more than one.
+
+    1.2.x's `Attention.forward` reads the fused qkv rows of such a layer interleaved per head ([q_h, k_h, v_h] for
+    each head h) before its q/k norms, and as [Q | K | V] otherwise [read: layers/attention.py `Attention.forward`,
+    qk_layernorm branch]; the checkpoint holds [Q | K | V] (one head per rank reads the same either way). Every DFlash
+    draft layer has q/k norms, and so do Qwen3 targets; Llama targets have none.
+    """
+    layers = [("drafter", facts.draft_heads, facts.draft_kv_heads)]
+    if facts.base_architecture != "LlamaForCausalLM":
+        layers.append(("target", facts.target_heads, facts.target_kv_heads))
+    for who, heads, kv_heads in layers:
+        per_rank = rank_heads(heads, kv_heads, facts.tp_size)
+        if per_rank[0] == per_rank[1] > 1:
+            raise DFlashTrtError(
+                f"the {who}'s attention holds {per_rank[0]} query and {per_rank[1]} KV heads per rank (tp_size "
+                f"{facts.tp_size}) with q/k norms: TensorRT-LLM 1.2.x's Attention then reads the fused qkv rows "
+                "interleaved per head, not in the [Q | K | V] order the checkpoint holds, so this pair can be "
+                "converted and verified but not built"
+            )
+
+
+# Hopper's XQA kernel (mha_sm90.cu) has a small-batch spec-decoding layout for q_seq_len x heads per KV head <= 32 (the
+# SPEC_Q_SEQ_LEN specialisation, swapping GEMM operands) whose mask is a hard-coded lower triangle: it never reads the
+# packed mask [read: cpp/kernels/xqa/mha_sm90.cu @ 014dadcd, `warpGrpApplyMask` under SWAP_AB && SPEC_DEC].
+XQA_SWAP_AB_LIMIT = 32
+
+
+def check_xqa_block_layout(facts: CheckpointFacts) -> None:
+    """Refuse a drafter whose bidirectional block could meet that layout with an FP8 KV cache (the Hopper kernel for
+    FP8 caches): its all-ones mask would silently become causal, which no output of the engine would show.
+
+    The JIT compiler wrapper read (nvrtcWrapper.cpp @ 029e0a7c and @ 7c9600c5) never defines SPEC_Q_SEQ_LEN, so 1.2.x
+    should compile the layout that reads the mask; the newest stored kernelUtils.cpp says a later wrapper does
+    define it, and which one the 1.2.x release carries could not be pinned, so the plan refuses rather than hopes.
+    No shipped profile is affected: their drafters have 4-8 query heads per KV head and 16-token blocks.
+    """
+    if kv_cache_format(facts) != FP8 or all(facts.causal):
+        return
+    heads, kv_heads = rank_heads(facts.draft_heads, facts.draft_kv_heads, facts.tp_size)
+    rows = heads // kv_heads * facts.block_size
+    if rows <= XQA_SWAP_AB_LIMIT:
+        raise DFlashTrtError(
+            f"with an FP8 KV cache the drafter's block ({facts.block_size} tokens x {heads // kv_heads} query heads "
+            f"per KV head = {rows} rows <= {XQA_SWAP_AB_LIMIT}) may run in Hopper XQA's small-batch spec-decoding "
+            "layout, whose mask is hard-coded causal: the drafter's bidirectional block would silently turn causal. "
+            "Build with --kv_cache_dtype none, or a drafter with more query heads per KV head or larger blocks"
+        )
+
+
 def check_rope(facts: CheckpointFacts) -> None:
     """Target and drafter each get their own RoPE tables (model.py builds the drafter's from its parameters), but
     both through TensorRT-LLM 1.2.x's table builder, which reads a subset of yarn's parameters."""
@@ -390,10 +505,73 @@ def check_gemm_plugin(gemm_plugin: str, weights_qformat: str) -> None:
         raise DFlashTrtError(f"gemm_plugin {gemm_plugin} needs {gemm_plugin} weights, but they are {weights_qformat}")
 
 
+def resolved_gemm_plugin(gemm_plugin: str, weights_qformat: str) -> str:
+    """The GEMM plugin the engine gets. For NVFP4 weights builder.build() replaces every choice but an explicit
+    `disable` by nvfp4 [read: builder.py `build`, plugin.py `PluginConfig.from_arguments`], so the plan says nvfp4
+    itself for `auto` and refuses a dtype plugin the engine would not get."""
+    check_gemm_plugin(gemm_plugin, weights_qformat)
+    if weights_qformat != NVFP4 or gemm_plugin in ("disable", NVFP4):
+        return gemm_plugin
+    if gemm_plugin == "auto":
+        return NVFP4
+    raise DFlashTrtError(
+        f"gemm_plugin {gemm_plugin} with nvfp4 weights: TensorRT-LLM 1.2.x's builder replaces it by nvfp4 (only "
+        "`disable` keeps TensorRT's own GEMMs), so give auto, nvfp4 or disable"
+    )
+
+
 def weights_qformat(facts: CheckpointFacts) -> str:
     """The checkpoint's weight format under our --qformat names."""
     by_algo = {quant_algo(qformat): qformat for qformat in QFORMATS}
     return by_algo.get(facts.quant_algo, str(facts.quant_algo))
+
+
+def kv_cache_format(facts: CheckpointFacts) -> str:
+    """The checkpoint's KV-cache format under our --kv_cache_dtype names."""
+    return FP8 if facts.kv_cache_quant_algo == quant_algo(FP8) else NONE
+
+
+def check_kv_cache_format(weights: str, kv_cache: str) -> None:
+    """Unquantized weights with an FP8 KV cache cannot run: the builder turns paged context FMHA off for them (no FP8
+    context FMHA without FP8 weights), its EAGLE branch turns it back on, and the attention plugin then refuses the
+    first prompt [read: attentionOp.cpp `enqueueContext`, FP8 KV cache without FP8 QDQ and paged context FMHA]."""
+    if kv_cache == FP8 and weights not in FP8_CONTEXT_FMHA_WEIGHTS:
+        raise DFlashTrtError(
+            f"an FP8 KV cache needs fp8 or nvfp4 weights in a TensorRT-LLM 1.2.x EAGLE engine, but they are {weights}: "
+            "the builder re-enables paged context FMHA (EAGLE needs it) without FP8 context FMHA, which the attention "
+            "plugin refuses at the first prompt ('FP8 Paged Context FMHA only works with fp8 quantization workflow "
+            "currently'); convert with --qformat fp8 or nvfp4, or with --kv_cache_dtype none (the golden model still "
+            "decodes this checkpoint)"
+        )
+
+
+def check_fp8_context_fmha(requested: bool | None, weights: str, kv_cache: str) -> None:
+    """A use_fp8_context_fmha the builder would override is refused rather than printed and then not built."""
+    settled = fp8_context_fmha(weights, kv_cache)
+    if requested is None or requested == settled:
+        return
+    if requested:
+        raise DFlashTrtError(
+            "use_fp8_context_fmha needs kv_cache_dtype fp8 and fp8 or nvfp4 weights: TensorRT-LLM 1.2.x's builder "
+            "turns it off otherwise"
+        )
+    raise DFlashTrtError(
+        f"use_fp8_context_fmha cannot be off with {weights} weights and an FP8 KV cache: TensorRT-LLM 1.2.x's builder "
+        "turns it on, since the paged context FMHA EAGLE needs reads the FP8 cache through it; leave it unset"
+    )
+
+
+def resolve_settings(facts: CheckpointFacts, settings: EngineBuildSettings) -> EngineBuildSettings:
+    """`settings` with every value builder.build() would settle itself written out, so the command leaves it nothing
+    to override and the BuildConfig and dflash_trt.json say what the engine holds."""
+    weights, kv_cache = weights_qformat(facts), kv_cache_format(facts)
+    check_kv_cache_format(weights, kv_cache)
+    check_fp8_context_fmha(settings.use_fp8_context_fmha, weights, kv_cache)
+    return replace(
+        settings,
+        gemm_plugin=resolved_gemm_plugin(settings.gemm_plugin, weights),
+        use_fp8_context_fmha=fp8_context_fmha(weights, kv_cache),
+    )
 
 
 def check_rank_files(checkpoint_dir: Path, facts: CheckpointFacts) -> None:
@@ -421,23 +599,61 @@ def check_moe_layers(facts: CheckpointFacts) -> None:
         )
 
 
-def longest_buildable(facts: CheckpointFacts) -> int:
-    """The largest max_seq_len this checkpoint allows: its positions, and its drafter's window (see below)."""
-    longest = facts.max_position_embeddings
+def engine_longest_request(max_seq_len: int, max_draft_len: int) -> int:
+    """The longest request (prompt + output) TensorRT-LLM 1.2.x's executor runs on an engine built with `max_seq_len`:
+    builder.build() makes the engine's own max_seq_len L = max_seq_len + 2K, and `LlmRequest::validate` clips a
+    request's output so that prompt + output + K <= L [read: builder.py `build`, llmRequest.cpp `validate`]."""
+    return max_seq_len + max_draft_len
+
+
+def longest_max_seq_len(positions: int, max_draft_len: int) -> int:
+    """The largest max_seq_len whose engine runs only requests `positions` positions hold (`loop_rules.longest_request`:
+    a request's last step reaches 2K positions past its last token): positions - 3K."""
+    return longest_request(positions, max_draft_len) - max_draft_len
+
+
+def held_positions(facts: CheckpointFacts) -> int:
+    """The positions every request must stay within: the RoPE tables' rows and, for a drafter with sliding-window
+    layers, its window (see `check_sliding_window`)."""
     if SLIDING_ATTENTION in facts.layer_types and facts.sliding_window is not None:
-        longest = min(longest, facts.sliding_window - facts.block_size)
-    return longest
+        return min(facts.max_position_embeddings, facts.sliding_window)
+    return facts.max_position_embeddings
+
+
+def engine_lengths(facts: CheckpointFacts, settings: EngineBuildSettings) -> EngineLengths:
+    """The lengths an engine built with these settings records and runs, and the positions they must stay within."""
+    positions = held_positions(facts)
+    return EngineLengths(
+        max_seq_len=settings.max_seq_len,
+        max_draft_len=facts.max_draft_len,
+        positions=positions,
+        positions_from="max_position_embeddings" if positions == facts.max_position_embeddings else "sliding_window",
+    )
+
+
+def longest_buildable(facts: CheckpointFacts) -> int:
+    """The largest max_seq_len this checkpoint allows."""
+    return longest_max_seq_len(held_positions(facts), facts.max_draft_len)
 
 
 def fit_lengths(
-    checkpoint_dir: str | Path, settings: EngineBuildSettings, max_seq_len: int | None, max_input_len: int | None
+    checkpoint_dir: str | Path,
+    settings: EngineBuildSettings,
+    max_seq_len: int | None,
+    max_input_len: int | None,
+    max_num_tokens: int | None,
 ) -> EngineBuildSettings:
     """`settings` with the lengths not given derived from the model, as trtllm-build derives max_seq_len:
-    max_seq_len = min(8192, what the checkpoint allows), max_input_len = min(4096, max_seq_len)."""
+    max_seq_len = min(8192, what the checkpoint allows), max_input_len = min(4096, max_seq_len); and
+    max_num_tokens not given written out as the builder clips it, min(its default, max_seq_len x max_batch_size), so
+    the plan leaves the builder nothing to change (a value given above that is refused by `check_settings`)."""
     facts = read_checkpoint_facts(checkpoint_dir)
     seq_len = max_seq_len if max_seq_len is not None else min(DEFAULT_MAX_SEQ_LEN, max(1, longest_buildable(facts)))
     input_len = max_input_len if max_input_len is not None else min(DEFAULT_MAX_INPUT_LEN, seq_len)
-    return replace(settings, max_seq_len=seq_len, max_input_len=input_len)
+    num_tokens = max_num_tokens
+    if num_tokens is None:
+        num_tokens = min(settings.max_num_tokens, seq_len * settings.max_batch_size)
+    return replace(settings, max_seq_len=seq_len, max_input_len=input_len, max_num_tokens=num_tokens)
 
 
 def check_extra_flags(settings: EngineBuildSettings) -> None:
@@ -456,26 +672,47 @@ def check_extra_flags(settings: EngineBuildSettings) -> None:
             )
 
 
-def check_sliding_window(facts: CheckpointFacts, settings: EngineBuildSettings) -> None:
-    """Sliding draft layers are built as causal full attention, exact only while no sequence outgrows the window.
+def check_sliding_window(facts: CheckpointFacts, request_len: int) -> None:
+    """Sliding draft layers are built as causal full attention, exact only while no request outgrows the window.
 
-    Spec-decoding attention in TensorRT-LLM 1.2.x runs in tree mode, which has no sliding window; with
-    `max_seq_len + block_size <= sliding_window` the window never drops a key, so the result is identical.
+    Spec-decoding attention in TensorRT-LLM 1.2.x runs in tree mode, which has no sliding window; while every position
+    a request of `request_len` tokens reaches lies within the window, the window never drops a key and the result is
+    identical.
     """
     if SLIDING_ATTENTION not in facts.layer_types or facts.sliding_window is None:
         return
-    longest = settings.max_seq_len + facts.block_size
-    if facts.sliding_window <= facts.block_size:
+    k = facts.max_draft_len
+    holds = longest_request(facts.sliding_window, k)
+    if longest_max_seq_len(facts.sliding_window, k) < 1:
         raise DFlashTrtError(
-            f"the drafter's sliding-window layers have a window ({facts.sliding_window}) no longer than its block "
-            f"({facts.block_size}); TensorRT-LLM 1.2.x spec-decoding attention has no sliding window, so this drafter "
-            "cannot be built"
+            f"the drafter's sliding-window layers have a window ({facts.sliding_window}) no longer than the {3 * k} "
+            "positions an engine uses past its max_seq_len (its executor's K more tokens per request, and the 2K a "
+            "request's last step reaches); TensorRT-LLM 1.2.x spec-decoding attention has no sliding window, so this "
+            "drafter cannot be built"
         )
-    if longest > facts.sliding_window:
+    if request_len > holds:
         raise DFlashTrtError(
-            f"the drafter has sliding-window layers (window {facts.sliding_window}) and the engine would attend over "
-            f"up to {longest} positions; TensorRT-LLM 1.2.x spec-decoding attention has no sliding window, so build "
-            f"with --max_seq_len <= {facts.sliding_window - facts.block_size}"
+            f"the drafter has sliding-window layers (window {facts.sliding_window}), which hold requests of at most "
+            f"{holds} tokens (the window less two draft blocks of {k}), and the engine would run requests of "
+            f"{request_len}; TensorRT-LLM 1.2.x spec-decoding attention has no sliding window, so build with "
+            f"--max_seq_len <= {holds - k} (requests up to {holds})"
+        )
+
+
+def check_positions(facts: CheckpointFacts, max_seq_len: int) -> None:
+    """Every position the engine uses must have a row in the RoPE tables: the attention plugin reads the cos/sin table
+    of `max_position_embeddings` rows at the token's position with no bound check [read: functional.py
+    `RopeEmbeddingUtils.create_sinusoidal_positions_for_attention_plugin`, unfusedAttentionKernels
+    `applyBiasRopeUpdateKVCacheV2`], so a position past it reads other memory. The requests the executor runs on the
+    engine (`engine_longest_request`) must be ones the tables hold (`loop_rules.longest_request`)."""
+    k = facts.max_draft_len
+    runs = engine_longest_request(max_seq_len, k)
+    if runs > longest_request(facts.max_position_embeddings, k):
+        raise DFlashTrtError(
+            f"max_seq_len {max_seq_len} lets the executor run requests of {runs} tokens (its built max_seq_len "
+            f"{max_seq_len + 2 * k} less {k} drafts), whose last step reaches position {runs + 2 * k - 1}, past the "
+            f"{facts.max_position_embeddings} rows of the target's max_position_embeddings RoPE tables: build with "
+            f"--max_seq_len <= {longest_max_seq_len(facts.max_position_embeddings, k)}"
         )
 
 
@@ -513,6 +750,11 @@ def check_engine_settings(settings: EngineBuildSettings) -> None:
             f"--tokens_per_block must be one of {', '.join(map(str, XQA_TOKENS_PER_BLOCK))}: speculative decoding "
             "generates through XQA, whose kernels for fp16/bf16 KV caches take no other block size"
         )
+    if settings.max_num_tokens > settings.max_seq_len * settings.max_batch_size:
+        raise DFlashTrtError(
+            f"--max_num_tokens ({settings.max_num_tokens}) exceeds max_seq_len x max_batch_size = "
+            f"{settings.max_seq_len * settings.max_batch_size}, which TensorRT-LLM 1.2.x's builder would clip it to"
+        )
 
 
 def verified_drafts(facts: CheckpointFacts, settings: EngineBuildSettings) -> int:
@@ -539,17 +781,11 @@ def check_settings_against_checkpoint(facts: CheckpointFacts, settings: EngineBu
             f"{settings.max_batch_size} x {width} = {settings.max_batch_size * width}: every generation step "
             "verifies the drafts and the anchor of each request"
         )
-    if settings.max_seq_len > facts.max_position_embeddings:
-        raise DFlashTrtError(
-            f"max_seq_len {settings.max_seq_len} exceeds the target's max_position_embeddings "
-            f"{facts.max_position_embeddings}"
-        )
+    check_positions(facts, settings.max_seq_len)
     check_gemm_plugin(settings.gemm_plugin, weights_qformat(facts))
     settings.draft_len_schedule.fitted_to(k)
     if facts.pp_size != 1:
         raise DFlashTrtError("pipeline parallelism is not supported: the drafter needs target taps from every layer")
-    if settings.use_fp8_context_fmha and facts.quant_algo not in ("FP8", "NVFP4"):
-        raise DFlashTrtError("--use_fp8_context_fmha needs an FP8 or NVFP4 checkpoint")
 
 
 def _switch(flag: bool) -> str:
@@ -562,6 +798,8 @@ def model_class_file() -> Path:
 
 
 def build_command(checkpoint_dir: str, output_dir: str, max_draft_len: int, settings: EngineBuildSettings) -> list[str]:
+    """The trtllm-build command line of `resolve_settings`' output (every value the builder settles written out)."""
+    assert settings.use_fp8_context_fmha is not None, "build_command takes resolved settings"
     return [
         TRTLLM_BUILD,
         "--checkpoint_dir",
@@ -633,9 +871,64 @@ def build_config_dict(facts: CheckpointFacts, settings: EngineBuildSettings) -> 
     }
 
 
+def engine_config(facts: CheckpointFacts, settings: EngineBuildSettings) -> dict[str, Any]:
+    """What the engine's own config.json must hold for these resolved settings: the build_config fields the command
+    sets or builder.build() adjusts (max_seq_len + 2K, opt_num_tokens, the plugin dtype, paged context FMHA), and the
+    pretrained_config fields runners read. `check_engine_config` holds a built engine to it [read: builder.py
+    `build`, `BuildConfig.to_dict`, `EngineConfig.to_dict`; _utils.py `check_max_num_tokens`]."""
+    opt_num_tokens = None
+    if not settings.multiple_profiles:
+        opt_num_tokens = min(settings.max_batch_size * settings.max_beam_width, settings.max_num_tokens)
+    build_config = build_config_dict(facts, settings)
+    build_config.update(max_seq_len=engine_max_seq_len(facts, settings), opt_num_tokens=opt_num_tokens)
+    build_config["plugin_config"]["dtype"] = facts.dtype
+    return {
+        "build_config": build_config,
+        "pretrained_config": {
+            "architecture": MODEL_CLASS_NAME,
+            "dtype": facts.dtype,
+            "quantization": {"quant_algo": facts.quant_algo, "kv_cache_quant_algo": facts.kv_cache_quant_algo},
+        },
+    }
+
+
+def config_differences(recorded: Any, built: Any, where: str = "") -> list[str]:
+    """Every leaf of `recorded` the built config does not hold, as `path: built X, recorded Y`."""
+    if isinstance(recorded, dict):
+        if not isinstance(built, dict):
+            return [f"{where}: built {built!r}, recorded an object"]
+        return [
+            line
+            for key, value in recorded.items()
+            for line in config_differences(value, built.get(key), f"{where}.{key}" if where else key)
+        ]
+    return [] if recorded == built else [f"{where}: built {built!r}, recorded {recorded!r}"]
+
+
+def check_engine_config(engine_dir: str | Path) -> None:
+    """A built engine's config.json must hold what its dflash_trt.json recorded (`engine_config`): otherwise the dry
+    run, the manifest and the engine disagree, and what was checked is not what was built."""
+    engine_dir = Path(engine_dir)
+    manifest_path = engine_dir / MANIFEST_NAME
+    recorded = read_json_object(manifest_path, f"{engine_dir} has no {MANIFEST_NAME}").get("engine_config")
+    if not isinstance(recorded, dict):
+        raise DFlashTrtError(f"{manifest_path} records no engine_config (an engine from an older dflash-trt)")
+    built = read_json_object(engine_dir / "config.json", f"{engine_dir} has no config.json")
+    differences = config_differences(recorded, built)
+    if differences:
+        raise DFlashTrtError(
+            f"the engine in {engine_dir} differs from what dflash-trt planned: " + "; ".join(differences)
+        )
+
+
+def built_max_seq_len(max_seq_len: int, max_draft_len: int) -> int:
+    """builder.build() adds max_draft_len (any speculative mode) and num_eagle_layers (EAGLE) to max_seq_len."""
+    return max_seq_len + 2 * max_draft_len
+
+
 def engine_max_seq_len(facts: CheckpointFacts, settings: EngineBuildSettings) -> int:
-    """builder.build() adds max_draft_len (any speculative mode) and num_eagle_layers (EAGLE: the draft positions)
-    to max_seq_len."""
+    """The engine's own max_seq_len: `built_max_seq_len` for a chain; a draft tree's engine verifies N drafts over K
+    positions, so the builder adds N + K."""
     return settings.max_seq_len + verified_drafts(facts, settings) + facts.max_draft_len
 
 
@@ -670,7 +963,19 @@ def manifest(facts: CheckpointFacts, settings: EngineBuildSettings, plugin_libra
         "quant_algo": facts.quant_algo,
         "kv_cache_quant_algo": facts.kv_cache_quant_algo,
         "draft_len_schedule": settings.draft_len_schedule.text(),
+        "engine_config": engine_config(facts, settings),
     }
+
+
+def check_network(facts: CheckpointFacts) -> None:
+    """What the network of model.py cannot be built for, whatever the settings (the emulated engine applies these
+    too)."""
+    check_kv_geometry(facts)
+    check_qk_norm_heads(facts)
+    check_rope(facts)
+    check_quantization(facts)
+    check_moe_layers(facts)
+    check_kv_cache_format(weights_qformat(facts), kv_cache_format(facts))
 
 
 def plan_engine_build(
@@ -691,12 +996,11 @@ def plan_engine_build(
     settings = replace(settings, draft_tree=tree if tree != facts.max_draft_len else None)
     if settings.draft_tree is not None:
         check_tree_schedule(settings.draft_len_schedule)
-    check_kv_geometry(facts)
-    check_rope(facts)
-    check_quantization(facts)
-    check_moe_layers(facts)
-    check_sliding_window(facts, settings)
+    check_network(facts)
+    check_xqa_block_layout(facts)
+    check_sliding_window(facts, engine_longest_request(settings.max_seq_len, facts.max_draft_len))
     check_settings(facts, settings)
+    settings = resolve_settings(facts, settings)
     check_extra_flags(settings)
     if require_weights:
         check_rank_files(Path(checkpoint_dir), facts)
@@ -710,6 +1014,7 @@ def plan_engine_build(
         plugin_library=library,
         dflash_manifest=manifest(facts, settings, library),
         settings=settings,
+        lengths=engine_lengths(facts, settings),
         world_size=facts.tp_size * facts.pp_size,
     )
 

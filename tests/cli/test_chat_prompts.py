@@ -100,7 +100,7 @@ def test_generate_and_bench_take_chat_template_kwargs(chat_checkpoint, tmp_path,
 def test_triton_preprocessing_renders_chat_queries(chat_checkpoint):
     tokenizer = load_tokenizer(chat_checkpoint)
     params = {"tokenizer_dir": str(chat_checkpoint), "add_special_tokens": "true", "max_input_len": "256",
-              "max_temperature": "inf", "chat_template_kwargs": "{}"}  # fmt: skip
+              "max_seq_len": "257", "max_temperature": "inf", "chat_template_kwargs": "{}"}  # fmt: skip
     pre = Preprocessor.from_parameters(params)
     ids, lengths = pre.encode([json.dumps({"messages": CHAT}), "add 0001 0002\n"])
     expected = _expected_ids(tokenizer, enable_thinking=False)

@@ -62,8 +62,9 @@ def _run_gpu_host_commands(commands: list[str], out, tmp_path, capsys) -> None:
     assert main([*shlex.split(build)[1:], "--dry_run", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     checkpoint = out / "checkpoint-bfloat16"
-    positions = json.loads((checkpoint / "config.json").read_text())["max_position_embeddings"]
-    assert plan["build_config"]["max_seq_len"] == positions  # derived from the checkpoint, written out in full
+    config = json.loads((checkpoint / "config.json").read_text())
+    k = config["max_draft_len"]  # the engine uses 3K positions past its max_seq_len (build_plan.longest_max_seq_len)
+    assert plan["build_config"]["max_seq_len"] == config["max_position_embeddings"] - 3 * k  # derived, written out
     argv = shlex.split(bench)[1:]
     engine = argv.index("--engine_dir")
     argv[engine : engine + 2] = ["--checkpoint_dir", str(checkpoint)]

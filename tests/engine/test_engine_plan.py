@@ -136,7 +136,7 @@ def test_refuses_draft_kv_geometry_unlike_the_target(tmp_path: Path):
 
 def test_refuses_drafter_quantized_unlike_the_target(tmp_path: Path):
     target = parse_target_config(TARGET_HF)
-    draft = parse_draft_config(DRAFT_HF, target)
+    draft = parse_draft_config({**DRAFT_HF, "num_attention_heads": 8}, target)  # 4 q per KV head: 64 XQA rows
     fp8 = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "group_size": 16, "exclude_modules": ["lm_head"]}
     root = tmp_path / "q"
     root.mkdir()
@@ -225,10 +225,14 @@ def test_a_drafter_with_its_own_rope_builds_but_its_yarn_is_checked_too(tmp_path
             {"tokens_per_block": 8},
             "--tokens_per_block must be one of 16, 32, 64, 128: speculative decoding generates through XQA",
         ),
-        ({"max_seq_len": 40961}, "max_seq_len 40961 exceeds the target's max_position_embeddings 40960"),
+        (
+            {"max_seq_len": 40960 - 44},
+            r"reaches position 40960, past the 40960 rows .* --max_seq_len <= 40915",
+        ),
         ({"gemm_plugin": "fp8"}, "gemm_plugin fp8 needs fp8 weights, but they are none"),
         ({"gemm_plugin": "nvfp4"}, "gemm_plugin nvfp4 needs nvfp4 weights, but they are none"),
-        ({"use_fp8_context_fmha": True}, "FP8 or NVFP4"),
+        ({"use_fp8_context_fmha": True}, "needs kv_cache_dtype fp8 and fp8 or nvfp4 weights"),
+        ({"max_batch_size": 2, "max_seq_len": 64, "max_input_len": 32, "max_num_tokens": 129}, "clip it to"),
     ],
 )
 def test_refuses_settings_the_runtime_would_reject(ckpt: Path, tmp_path: Path, change: dict, message: str):
@@ -248,7 +252,7 @@ def test_refuses_a_checkpoint_missing_rank_files(tmp_path: Path, capsys):
     "argv,message",
     [
         (["--gemm_plugin", "nvfp4"], "gemm_plugin nvfp4 needs nvfp4 weights"),
-        (["--max_seq_len", "50000", "--max_input_len", "1024"], "exceeds the target's max_position_embeddings 40960"),
+        (["--max_seq_len", "50000", "--max_input_len", "1024"], "past the 40960 rows of the target's"),
         (["--tokens_per_block", "8"], "--tokens_per_block must be one of 16, 32, 64, 128"),
     ],
 )
@@ -276,24 +280,24 @@ def test_sliding_window_drafter_only_within_its_window(tmp_path: Path):
         "layer_types": ["full_attention", "sliding_attention"],
     }
     ckpt = write_checkpoint(tmp_path / "c", draft_hf=draft)
-    fits = EngineBuildSettings(max_seq_len=4096 - 16, max_input_len=1024)
+    fits = EngineBuildSettings(max_seq_len=4096 - 45, max_input_len=1024)  # 3K positions past max_seq_len
     assert plan_engine_build(ckpt, tmp_path / "e", fits).command
-    with pytest.raises(DFlashTrtError, match=r"--max_seq_len <= 4080"):
-        plan_engine_build(ckpt, tmp_path / "e", replace(fits, max_seq_len=4081))
+    with pytest.raises(DFlashTrtError, match=r"--max_seq_len <= 4051"):
+        plan_engine_build(ckpt, tmp_path / "e", replace(fits, max_seq_len=4052))
 
 
 def test_sliding_window_no_longer_than_the_block_cannot_be_built(tmp_path: Path):
-    draft = {**DRAFT_HF, "use_sliding_window": True, "sliding_window": 12, "layer_types": ["sliding_attention"] * 2}
+    draft = {**DRAFT_HF, "use_sliding_window": True, "sliding_window": 45, "layer_types": ["sliding_attention"] * 2}
     ckpt = write_checkpoint(tmp_path / "c", draft_hf=draft)
     with pytest.raises(
         DFlashTrtError,
-        match=r"sliding-window layers have a window \(12\) no longer than its block \(16\); .* cannot be built",
+        match=r"sliding-window layers have a window \(45\) no longer than the 45 positions .* cannot be built",
     ):
         plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings(max_seq_len=64, max_input_len=32))
 
 
 def test_the_default_max_seq_len_fits_a_sliding_window(tmp_path: Path, capsys):
-    """Without --max_seq_len the build takes the longest the drafter's window allows (window - block size)."""
+    """Without --max_seq_len the build takes the longest the drafter's window allows (window - 3K)."""
     draft = {**DRAFT_HF, "use_sliding_window": True, "sliding_window": 4096, "layer_types": ["sliding_attention"] * 2}
     ckpt = write_checkpoint(tmp_path / "c", draft_hf=draft)
     from dflash_trt.cli import main as cli_main
@@ -301,7 +305,58 @@ def test_the_default_max_seq_len_fits_a_sliding_window(tmp_path: Path, capsys):
     argv = ["build", "--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e"), "--dry_run", "--json"]
     assert cli_main(argv) == 0
     config = json.loads(capsys.readouterr().out)["build_config"]
-    assert (config["max_seq_len"], config["max_input_len"]) == (4096 - 16, 4096 - 16)
+    assert (config["max_seq_len"], config["max_input_len"]) == (4096 - 45, 4096 - 45)
+
+
+@pytest.mark.parametrize(
+    ("draft_changes", "max_seq_len", "held"),
+    [
+        ({}, 40960 - 45 - 100, "the target's max_position_embeddings RoPE tables hold positions 0..40959"),
+        (
+            {"use_sliding_window": True, "sliding_window": 4096, "layer_types": ["sliding_attention"] * 2},
+            4096 - 45,
+            "the drafter's sliding window holds positions 0..4095",
+        ),
+    ],
+    ids=["rope-tables", "sliding-window"],
+)
+def test_the_dry_run_says_why_the_engine_records_a_longer_max_seq_len(
+    tmp_path, capsys, draft_changes, max_seq_len, held
+):
+    """builder.build() records max_seq_len + 2K (K = 15); the executor runs requests of that less K, and their last
+    step reaches 2K positions past their last token (hand-computed: S + 2K, S + K, S + 3K - 1)."""
+    from dflash_trt.cli import main as cli_main
+
+    ckpt = write_checkpoint(tmp_path / "c", draft_hf={**DRAFT_HF, **draft_changes})
+    argv = ["build", "--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e"), "--dry_run"]
+    assert cli_main([*argv, "--max_seq_len", str(max_seq_len), "--max_input_len", "1024"]) == 0
+    last = capsys.readouterr().out.splitlines()[-2:]
+    assert last == [
+        "# lengths",
+        f"--max_seq_len {max_seq_len}: the engine records max_seq_len {max_seq_len + 30} = {max_seq_len} + 2 x 15 "
+        "(TensorRT-LLM 1.2.x's builder adds max_draft_len, and num_eagle_layers for EAGLE); its executor runs "
+        f"requests of up to {max_seq_len + 15} tokens (prompt + output + 15 drafts <= {max_seq_len + 30}), whose last "
+        f"step reaches position {max_seq_len + 44} ({held})",
+    ]
+    assert cli_main([*argv, "--max_seq_len", str(max_seq_len), "--max_input_len", "1024", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["dflash_manifest"]["max_seq_len"] == plan["lengths"]["engine_max_seq_len"] == max_seq_len + 30
+    assert plan["lengths"]["longest_request"] == max_seq_len + 15
+
+
+def test_an_unset_max_num_tokens_is_written_out_as_the_builder_clips_it(ckpt: Path, tmp_path: Path, capsys):
+    """builder.build() clips max_num_tokens to max_seq_len x max_batch_size (_utils.py `check_max_num_tokens`, read):
+    the default 8192 is written out clipped (64 x 8 = 512), a value given above the clip is refused."""
+    from dflash_trt.cli import main as cli_main
+
+    argv = ["build", "--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e"), "--dry_run", "--json"]
+    lengths = ["--max_batch_size", "8", "--max_seq_len", "64", "--max_input_len", "32"]
+    assert cli_main([*argv, *lengths]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["build_config"]["max_num_tokens"] == 512
+    assert plan["command"][plan["command"].index("--max_num_tokens") + 1] == "512"
+    assert cli_main([*argv, *lengths, "--max_num_tokens", "513"]) == 2
+    assert "--max_num_tokens (513) exceeds max_seq_len x max_batch_size = 512" in capsys.readouterr().err
 
 
 def test_refuses_pipeline_parallel_and_foreign_checkpoints(tmp_path: Path):
@@ -486,13 +541,49 @@ def test_selftest_workload_fits_the_tiny_target_and_exceeds_one_chunk(tmp_path: 
     (ckpt / "rank0.safetensors").touch()
     tokenizer = load_tokenizer(target_dir())
     settings, prompts = selftest_workload(
-        [p.text for p in load_heldout(limit=64)], tokenizer, 8, draft.block_size, chunked
+        [p.text for p in load_heldout(limit=64)],
+        tokenizer,
+        8,
+        draft.block_size,
+        chunked,
+        target.max_position_embeddings,
     )
     plan_engine_build(ckpt, tmp_path / "e", settings)
     assert len(prompts) == 8 and all(0 < len(p) <= settings.max_input_len for p in prompts)
     assert settings.max_seq_len <= target.max_position_embeddings
     longer_than_a_chunk = [p for p in prompts if len(p) > settings.max_num_tokens]
     assert len(longer_than_a_chunk) == (LONG_PROMPTS if chunked else 0)
+
+
+@pytest.mark.parametrize(
+    ("heads", "block", "tp", "refused"),
+    [
+        (4, 16, 1, True),  # 2 query heads per KV head x 16 tokens = 32 rows: Hopper XQA's small-batch layout
+        (8, 16, 1, False),  # 4 x 16 = 64
+        (4, 8, 1, True),
+        (8, 16, 2, False),  # per rank 4 query heads and 1 KV head: 64 rows
+    ],
+)
+def test_an_fp8_cache_refuses_drafts_in_xqa_s_causal_small_batch_layout(tmp_path, heads, block, tp, refused):
+    """mha_sm90.cu's SWAP_AB spec-decoding layout (rows = block x query heads per KV head <= 32) hard-codes a causal
+    mask; with an FP8 cache the drafter's all-ones block mask could meet it. A bf16 cache or a causal drafter is
+    never refused."""
+    fp8 = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "group_size": 16}
+    draft_hf = {**DRAFT_HF, "num_attention_heads": heads, "block_size": block}
+    mapping = {"world_size": tp, "tp_size": tp, "pp_size": 1}
+    ckpt = write_checkpoint(tmp_path / "c", draft_hf=draft_hf, quantization=fp8, mapping=mapping)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["dflash_config"]["quantization"] = fp8
+    (ckpt / "config.json").write_text(json.dumps(config))
+    settings = EngineBuildSettings(max_batch_size=8, max_num_tokens=256, gemm_plugin="fp8")
+    if refused:
+        with pytest.raises(DFlashTrtError, match=r"small-batch spec-decoding layout, whose mask is hard-coded causal"):
+            plan_engine_build(ckpt, tmp_path / "e", settings)
+    else:
+        plan_engine_build(ckpt, tmp_path / "e", settings)
+    config["quantization"] = config["dflash_config"]["quantization"] = {**fp8, "kv_cache_quant_algo": None}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    plan_engine_build(ckpt, tmp_path / "e", settings)  # no FP8 cache: the HMMA kernels read the mask
 
 
 SPECULATORS_DFLASH2_HF = {

@@ -71,7 +71,9 @@ def built_engine(root: Path, variant, draft_len_schedule: str = "none"):
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    return built_engine(tmp_path_factory.mktemp("selftest"), tiny_pairs().PairVariant(block_size=8))
+    # Production head size (the kernels are specialised per head size): 128, as Qwen3 and Llama 3.x.
+    variant = tiny_pairs().PairVariant(block_size=8, head_dim=128, draft_head_dim=128)
+    return built_engine(tmp_path_factory.mktemp("selftest"), variant)
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +138,44 @@ def test_engine_config_carries_the_eagle_contract(engine):
     assert pretrained["eagle_net_config"]["num_hidden_layers"] == manifest["num_draft_layers"]
     assert "layer_types" not in pretrained
     assert build["max_draft_len"] == k and build["speculative_decoding_mode"] == 1 << 5
+    from dflash_trt.trtllm.build_plan import check_engine_config
+
+    check_engine_config(engine_dir)  # what the plan recorded (build() overrides mirrored) is what was built
+
+
+def test_an_fp8_engine_with_an_fp8_kv_cache_matches_the_golden_model(tmp_path):
+    """FP8 weights with an FP8 KV cache: 1.2.x runs context attention as FP8 context FMHA (the builder turns it on),
+    and the golden model computes it that way too (`reference.quantized.fp8_context_attention`); first divergences
+    within FP8's resolution are near-ties."""
+    pytest.importorskip("modelopt.torch.quantization")
+    from dflash_trt.commands.selftest import compare, engine_generate
+    from dflash_trt.conversion.convert import convert_checkpoint
+    from dflash_trt.reference.decode import speculative_generate
+    from dflash_trt.reference.model import load_golden_model
+    from dflash_trt.trtllm.build import run_engine_build
+    from dflash_trt.trtllm.build_plan import EngineBuildSettings, plan_engine_build
+
+    library = plugin_library(tmp_path)
+    pairs = tiny_pairs()
+    # 8 query heads per KV head x 8-token blocks = 64 rows: outside Hopper XQA's causal small-batch layout (the plan
+    # refuses an FP8-KV drafter inside it).
+    variant = pairs.PairVariant(
+        block_size=8, kv_heads=1, draft_heads=8, draft_kv_heads=1, head_dim=128, draft_head_dim=128, intermediate=128
+    )
+    target_dir, draft_dir = pairs.make_pair(tmp_path, variant)
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
+    convert_checkpoint(target_dir, draft_dir, tmp_path / "ckpt", dtype="bfloat16", qformat="fp8",
+                       kv_cache_dtype="fp8", calib_dataset=calib, calib_size=len(PROMPTS))  # fmt: skip
+    settings = EngineBuildSettings(max_batch_size=4, max_input_len=64, max_seq_len=128, max_num_tokens=256)
+    plan = plan_engine_build(tmp_path / "ckpt", tmp_path / "engine", settings, plugin_library=library)
+    assert plan.dflash_manifest["engine_config"]["build_config"]["plugin_config"]["use_fp8_context_fmha"]
+    engine_dir = run_engine_build(plan)
+    model = load_golden_model(tmp_path / "ckpt")
+    golden = speculative_generate(model, PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=[END_ID])
+    tokens, acceptance = engine_generate(engine_dir, str(library), PROMPTS, MAX_NEW, END_ID)
+    divergences = compare(model, golden, tokens, acceptance, MAX_NEW)
+    assert [str(d) for d in divergences if not d.near_tie] == []
 
 
 def test_bench_drives_the_engine_in_flight(engine, tmp_path):

@@ -121,6 +121,10 @@ def test_dry_run_of_every_profile(path: Path, hub: Path, tmp_path: Path, capsys)
     assert flags["--max_num_tokens"] == str(profile.engine.max_num_tokens)
     assert flags["--gemm_plugin"] == profile.engine.gemm_plugin
     assert flags["--use_fp8_context_fmha"] == "enable" and flags["--speculative_decoding_mode"] == "eagle"
+    lines = out.splitlines()
+    seq, k = profile.engine.max_seq_len, profile.model.block_size - 1
+    note = lines[lines.index(f"    {commands['engine']}") + 1]  # why config.json will record more than the profile
+    assert note.startswith(f"    # --max_seq_len {seq}: the engine records max_seq_len {seq + 2 * k} = {seq} + 2 x {k}")
     assert not ws.exists(), "a dry run writes nothing"
 
 
@@ -212,6 +216,11 @@ def test_dry_run_of_every_profile_on_a_fresh_machine(path: Path, fresh_machine: 
     assert flags["--max_draft_len"] == str(profile.model.block_size - 1)
     assert flags["--max_batch_size"] == str(profile.engine.max_batch_size)
     assert flags["--checkpoint_dir"] == str(ws / "checkpoint")
+    # What 1.2.x's builder would settle is written out, whether or not the drafter's shapes are known yet.
+    quant = profile.quantization
+    fp8_attention = quant.qformat in ("fp8", "nvfp4") and quant.kv_cache_dtype == "fp8"
+    assert flags["--use_fp8_context_fmha"] == ("enable" if fp8_attention else "disable")
+    assert flags["--gemm_plugin"] == ("nvfp4" if quant.qformat == "nvfp4" else profile.engine.gemm_plugin)
     offline = [line for line in out.splitlines() if line.startswith("offline: ")]
     assert (
         f"offline: target {profile.model.target}: not downloaded; planned from its recorded config.json "
@@ -239,7 +248,7 @@ def test_offline_dry_run_applies_the_checks_to_recorded_configs(fresh_machine: P
     path = tmp_path / "long.yaml"
     path.write_text(yaml.safe_dump(data))
     assert cli_main(["build", "--config", str(path), "--output_dir", str(tmp_path / "ws"), "--dry_run"]) == 2
-    assert "max_seq_len 50000 exceeds the target's max_position_embeddings 40960" in capsys.readouterr().err
+    assert "past the 40960 rows of the target's max_position_embeddings RoPE tables" in capsys.readouterr().err
     data["engine"]["max_seq_len"] = 8192
     data["model"]["recorded_configs"] = None  # nothing recorded: the dry run says what to do
     path.write_text(yaml.safe_dump(data))

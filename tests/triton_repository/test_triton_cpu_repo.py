@@ -58,6 +58,7 @@ def test_only_the_tensorrt_llm_model_differs_from_the_engine_repository(checkpoi
         max_draft_len=cpu.max_draft_len,
         world_size=1,
         max_temperature=cpu.max_temperature,
+        max_seq_len=cpu.max_seq_len,
     )
     served = _configs(write_repository(cpu, tmp_path / "cpu"))
     built = _configs(write_repository(engine, tmp_path / "engine"))
@@ -124,6 +125,7 @@ def test_plugin_paths_the_loader_would_split_are_refused(checkpoint, library):
             max_draft_len=3,
             world_size=1,
             max_temperature=0.0,
+            max_seq_len=64,
         )
 
 

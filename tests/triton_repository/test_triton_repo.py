@@ -250,6 +250,19 @@ def test_settings_from_engine_reads_the_manifest(tmp_path: Path, tokenizer_dir: 
     s = settings_from_engine(write_engine_dir(tmp_path / "eng"), tokenizer_dir, ServingSettings(instance_count=3))
     assert (s.max_batch_size, s.max_input_len, s.max_draft_len, s.world_size) == (128, 2048, 9, 2)
     assert (s.plugin_library, s.instance_count, s.max_temperature) == ("/p/lib.so", 3, 0.0)
+    assert s.max_seq_len == 4096  # the KV window 4096 + 2 x 9 (no max_position_embeddings) less two blocks of 9
+    configs = model_configs(write_repository(s, tmp_path / "repo"))
+    assert _params(configs["preprocessing"])["max_seq_len"] == _params(configs["tensorrt_llm_bls"])["max_seq_len"]
+    assert _params(configs["preprocessing"])["max_seq_len"] == "4096"
+    fewer_positions = write_engine_dir(tmp_path / "positions")
+    config = json.loads((fewer_positions / "config.json").read_text())
+    config["pretrained_config"] = {"max_position_embeddings": 4000}
+    (fewer_positions / "config.json").write_text(json.dumps(config))
+    assert settings_from_engine(fewer_positions, tokenizer_dir).max_seq_len == 4000 - 18
+    del config["build_config"]["max_seq_len"]
+    (fewer_positions / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DFlashTrtError, match="lacks 'max_seq_len'"):
+        settings_from_engine(fewer_positions, tokenizer_dir)
     assert s.draft_len_schedule == "none"  # an engine built before draft-length schedules
     scheduled = write_engine_dir(tmp_path / "scheduled", draft_len_schedule="2:7,16:3")
     assert settings_from_engine(scheduled, tokenizer_dir).draft_len_schedule == "2:7,16:3"
