@@ -52,7 +52,8 @@ def parallel_build(model_config, ckpt_dir, build_config, output_dir, workers=1, 
 
 def engine_config(args, checkpoint):
     # config.json as 1.2.x's builder.build() leaves it, restated from builder.py as read: the FP8 / paged context
-    # FMHA logic, the NVFP4 GEMM plugin, the EAGLE branch, max_seq_len + 2K, opt_num_tokens.
+    # FMHA logic, the NVFP4 GEMM plugin, the EAGLE branch, max_seq_len + max_draft_len + num_eagle_layers (the
+    # model's K, the checkpoint's drafts per step: 2K for a chain, N + K for a draft tree of N), opt_num_tokens.
     quant = checkpoint.get("quantization") or {}
     weights, kv = quant.get("quant_algo"), quant.get("kv_cache_quant_algo")
     fp8_fmha, paged = args.use_fp8_context_fmha == "enable", args.use_paged_context_fmha == "enable"
@@ -70,7 +71,8 @@ def engine_config(args, checkpoint):
               "tokens_per_block": args.tokens_per_block, "paged_kv_cache": True, "remove_input_padding": True,
               "context_fmha": True}
     opt = None if args.multiple_profiles == "enable" else min(args.max_batch_size, args.max_num_tokens)
-    build = {"max_input_len": args.max_input_len, "max_seq_len": args.max_seq_len + 2 * args.max_draft_len,
+    eagle_layers = checkpoint["max_draft_len"]
+    build = {"max_input_len": args.max_input_len, "max_seq_len": args.max_seq_len + args.max_draft_len + eagle_layers,
              "max_batch_size": args.max_batch_size, "max_beam_width": args.max_beam_width,
              "max_num_tokens": args.max_num_tokens, "opt_num_tokens": opt, "kv_cache_type": "PAGED",
              "strongly_typed": True, "gather_context_logits": False, "max_draft_len": args.max_draft_len,
