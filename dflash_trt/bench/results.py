@@ -65,7 +65,7 @@ class BenchPoint:
     engine: str  # the name plotted
     concurrency: int | None  # closed loop; None for an open-loop point
     request_rate: float | None  # requests/s; None for a closed-loop point
-    gpus: int  # 0 for the CPU golden model
+    gpus: int  # 0: not per GPU (the CPU golden model; an OpenAI server run without --gpus)
     requests: int  # finished without error
     failed: int
     output_tokens: int  # of the finished requests

@@ -35,7 +35,8 @@ class Target:
     eagle_choices: tuple[tuple[int, ...], ...] | None = None
     triton_model: str = "tensorrt_llm"
     triton_protocol: str = "grpc"  # "http": a text model over HTTP generate_stream, triton_url the HTTP port
-    gpus: int | None = None  # behind a server; None: a Triton server's gpu_device_ids say, else 1
+    gpus: int | None = None  # behind a server; None: a Triton server's gpu_device_ids say, else 1; an OpenAI
+    # server does not say, so without it its points are not per GPU (gpus 0)
     end_id: int | None = None
     vocab_size: int | None = None  # a server's token range, when known: its responses are checked against it
     tokenizer_dir: str | None = None  # the served model's tokenizer: text models take and return text
@@ -164,7 +165,7 @@ def executor_factory(
 
         url = target.openai_url
         return lambda in_flight: OpenAIExecutor(
-            url, mode=target.mode, gpus=target.gpus or 1, ignore_eos=workload.ignore_eos
+            url, mode=target.mode, gpus=target.gpus or 0, ignore_eos=workload.ignore_eos
         )
     from dflash_trt.clients.triton import TEXT_MODELS, TritonExecutor
 

@@ -1,5 +1,6 @@
 """`dflash-trt serve`: an OpenAI-compatible endpoint (/v1/completions, /v1/chat/completions, /v1/models, /health,
-/metrics) over a DFlash engine (TensorRT-LLM executor), a Triton deployment, or a converted checkpoint (CPU).
+/metrics, and vLLM's /tokenize and /detokenize) over a DFlash engine (TensorRT-LLM executor), a Triton deployment,
+or a converted checkpoint (CPU).
 
 Temperature and seed are honoured; parameters the engine cannot honour (n > 1, top_p < 1, top_k, penalties,
 logprobs, logit_bias, tools, response_format, ...) are refused with HTTP 400 naming them. Every wait a client can
@@ -27,7 +28,7 @@ from dflash_trt.server.limits import (
     ConnectionBounds,
     connection_cap,
 )
-from dflash_trt.tokenizer import load_tokenizer
+from dflash_trt.tokenizer import load_tokenizer, read_chat_template
 from dflash_trt.trtllm.build_plan import MAX_EAGLE_BATCH_SIZE
 
 API_KEY_ENV = "DFLASH_TRT_API_KEY"
@@ -44,6 +45,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     target.add_argument("--triton_url", type=URL, help="Triton gRPC endpoint HOST:PORT of a deployed repository")
     target.add_argument("--checkpoint_dir", help="converted checkpoint: the emulated engine on the CPU")
     parser.add_argument("--tokenizer_dir", help="tokenizer (default: the checkpoint's; required otherwise)")
+    parser.add_argument(
+        "--chat_template", help="Jinja chat template file for /v1/chat/completions (default: the tokenizer's own)"
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=PORT, default=8000, help="0 picks a free port")
     parser.add_argument("--served_model_name", help="model name clients send (default: the folder's name)")
@@ -78,6 +82,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="NAME",
         help="Host names a keyless server on loopback answers besides localhost, 127.0.0.1 and [::1]",
     )
+    add_bound_arguments(parser)
+    parser.add_argument("--log_level", choices=LOG_LEVELS, default="info", help="the server's log on stderr")
+    parser.add_argument(
+        "--access_log", action="store_true", help="log one line per HTTP request (status, time, id; no prompts)"
+    )
+    parser.set_defaults(func=run)
+
+
+def add_bound_arguments(parser: argparse.ArgumentParser) -> None:
+    """The connection bounds: how many connections, and how long a client may take to send or to read."""
     bounds = parser.add_argument_group("connection bounds")
     bounds.add_argument(
         "--max_connections",
@@ -109,11 +123,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=DEFAULT_DRAIN_TIMEOUT_S,
         help="on SIGTERM, wait at most this long for requests in flight (default %(default)s)",
     )
-    parser.add_argument("--log_level", choices=LOG_LEVELS, default="info", help="the server's log on stderr")
-    parser.add_argument(
-        "--access_log", action="store_true", help="log one line per HTTP request (status, time, id; no prompts)"
-    )
-    parser.set_defaults(func=run)
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -169,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_arguments(args)
     configure_logging(args.log_level)
+    chat_template = read_chat_template(args.chat_template) if args.chat_template else None
     key = api_key(args)
     hosts = allowed_hosts(args, key)
     bounds = ConnectionBounds(
@@ -182,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(tokenizer_dir)
     if tokenizer is None:
         raise DFlashTrtError(f"{tokenizer_dir} holds no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     if args.checkpoint_dir:
         target = checkpoint_target(args.checkpoint_dir, args.max_batch_size, args.max_seq_len, args.ignore_eos)
     elif args.engine_dir:

@@ -282,6 +282,6 @@ def calibrate_checkpoint(
     prompts = [p[:calib_max_seq_len] for p in prompts]
     model = load_golden_model(checkpoint_dir)
     total = len(prompts) * calibration_passes(quant.qformat, quant.kv_cache_dtype)
-    with tqdm(total=total, desc="calibrate", unit="prompt", disable=not show_progress) as bar:
+    with tqdm(total=total, desc="calibrate", unit="prompt", disable=None if show_progress else True) as bar:
         amax = calibrate_pair(model, prompts, max_new_tokens, quant.qformat, quant.kv_cache_dtype, bar.update)
     return calibration_tensors(amax, quant.qformat, quant.kv_cache_dtype, quant.dflash_qformat)

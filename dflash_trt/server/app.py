@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
-from dflash_trt.server.errors import BAD_REQUEST, NOT_FOUND, TOO_LARGE, UNAVAILABLE, error
+from dflash_trt.server.errors import METHOD_NOT_ALLOWED, NOT_FOUND, SERVER_ERROR, TOO_LARGE, UNAVAILABLE, error
 from dflash_trt.server.generation import Served
 from dflash_trt.server.guards import HostCheck, check_api_key, content_type_refusal, key_refusal
 from dflash_trt.server.limits import DEFAULT_MAX_BODY_BYTES
@@ -28,12 +28,16 @@ from dflash_trt.server.observability import LOGGER, RequestIds
 from dflash_trt.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
 )
 from dflash_trt.server.serving_chat import create_chat_completion
+from dflash_trt.server.serving_common import unknown_model
 from dflash_trt.server.serving_completion import create_completion
+from dflash_trt.server.serving_tokens import detokenize, tokenize, tokenizer_info
 from dflash_trt.server.sse import EventStream
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -42,7 +46,13 @@ CLIENT_CLOSED = 499  # what nginx logs for a client that left before the answer;
 
 
 def answer(result: BaseModel | ErrorResponse | EventStream) -> Response:
+    """The HTTP answer of a result. A refusal (4xx) is logged at INFO with its reason, so a client that records only
+    "400 Bad Request" leaves the cause in the server's log."""
     if isinstance(result, ErrorResponse):
+        body = result.error
+        if body.code is None or body.code < SERVER_ERROR:
+            why = (body.request_id, result.status, body.param, body.message)
+            LOGGER.info("request %s refused (%d, param %s): %s", *why)
         return JSONResponse(result.model_dump(), status_code=result.status)
     if isinstance(result, BaseModel):
         return Response(result.model_dump_json(), media_type="application/json")
@@ -175,15 +185,37 @@ def build_app(
     async def chat_completions(request: Request) -> Response:
         return await generate(request, "chat", ChatCompletionRequest, create_chat_completion)
 
+    @app.post("/tokenize")
+    async def tokenize_prompt(request: Request) -> Response:
+        return await generate(request, "tokenize", TokenizeRequest, tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize_tokens(request: Request) -> Response:
+        return await generate(request, "detokenize", DetokenizeRequest, detokenize)
+
+    add_lookup_routes(app, served, unauthorized)
+    add_error_handlers(app)
+    return app
+
+
+def add_lookup_routes(app: FastAPI, served: Served, unauthorized: Callable[[Request], ErrorResponse | None]) -> None:
+    """The routes that read the server's state: the model, the tokenizer, health and metrics."""
+
+    @app.get("/tokenizer_info")
+    async def tokenizer(request: Request) -> Response:
+        return answer(unauthorized(request) or tokenizer_info(served))
+
+    card = ModelCard(id=served.model_name, created=served.created, max_model_len=served.limits.max_seq_len)
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        refused = unauthorized(request)
-        if refused is not None:
-            return answer(refused)
-        card = ModelCard(id=served.model_name, created=served.created, max_model_len=served.limits.max_seq_len)
-        return answer(ModelList(data=[card]))
+        return answer(unauthorized(request) or ModelList(data=[card]))
 
-    @app.get("/health")
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        return answer(unauthorized(request) or unknown_model(served, model_id) or card)
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         broken = served.client.executor.health()
         if broken is None:
@@ -194,12 +226,17 @@ def build_app(
     async def metrics() -> Response:
         return Response(served.metrics.exposition(), media_type=CONTENT_TYPE)
 
+
+def add_error_handlers(app: FastAPI) -> None:
+    """An unknown path is 404, a known path with the wrong method 405 with its `Allow` header, both OpenAI-style."""
+
     @app.exception_handler(404)
     async def not_found(request: Request, exc: Exception) -> Response:
         return answer(error(f"no route {request.method} {request.url.path}", status=NOT_FOUND))
 
     @app.exception_handler(405)
     async def wrong_method(request: Request, exc: Exception) -> Response:
-        return answer(error(f"{request.method} is not allowed on {request.url.path}", status=BAD_REQUEST))
-
-    return app
+        allowed = getattr(exc, "headers", None) or {}
+        response = answer(error(f"{request.method} is not allowed on {request.url.path}", status=METHOD_NOT_ALLOWED))
+        response.headers.update(allowed)
+        return response

@@ -6,6 +6,7 @@ import json
 import platform
 import shutil
 import subprocess
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -160,7 +161,7 @@ def test_results_say_where_they_came_from_and_label_a_cpu_run_as_such(checkpoint
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "warning" not in err  # real prompts: nothing to warn about
-    assert "dflash c=1:   0%| " in err and "/2 [" in err  # each point's requests have a progress bar
+    assert "%|" not in err and "\r" not in err  # stderr is no terminal here: no progress bar in a log
     data = json.loads((out / "results.json").read_text())
     provenance = data["provenance"]
     assert provenance["backend"] == "golden" and provenance["target"] == str(checkpoint.resolve())
@@ -177,11 +178,24 @@ def test_results_say_where_they_came_from_and_label_a_cpu_run_as_such(checkpoint
     for point in data["points"]:  # the CPU golden model: no GPU to divide by
         assert point["gpus"] == 0 and point["throughput_tok_s_per_gpu"] is None
     html = (out / "report.html").read_text()
-    assert "per GPU" not in html and "tok/s/GPU" not in html and "output tok/s (CPU host, no GPU)" in html
+    assert "per GPU" not in html and "tok/s/GPU" not in html and "output tok/s (whole server or CPU host)" in html
     assert "golden backend" in html and _cpu_model_name() in html
+    assert (
+        "2 requests from heldout.jsonl (200 prompts), up to 8 new tokens" in html and provenance["started"][:10] in html
+    )
     # The table shows the plotted statistic: tok/s/user = 1 / mean TPOT.
     for point in data["points"]:
         assert f"<td>{1.0 / point['tpot_s']['mean']:.1f}</td>" in html
+
+
+def test_a_points_progress_bar_is_drawn_on_a_terminal_only(capsys, monkeypatch):
+    monkeypatch.setattr(measure, "PROGRESS_DELAY_S", 0.0)
+    for terminal in (False, True):
+        monkeypatch.setattr(sys.stderr, "isatty", lambda terminal=terminal: terminal)
+        bar = measure.request_bar(2, "dflash c=1")
+        bar.update()
+        bar.close()
+        assert ("dflash c=1:   0%|" in capsys.readouterr().err) == terminal
 
 
 def test_synthetic_prompts_warn_that_they_understate_speculation(checkpoint, tmp_path, capsys):

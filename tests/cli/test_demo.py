@@ -31,6 +31,8 @@ def test_demo_runs_the_whole_cpu_job(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["lossless"] and report["accuracy"] >= 0.9
     assert report["mean_acceptance_length"] >= 4.0
+    low, high = report["speedup_range"]  # the median of three alternating timed runs, with their spread
+    assert low <= report["speedup"] <= high and "3 alternating timed runs" in report["speedup_compares"]
     assert len(report["per_position_acceptance"]) == report["block_size"] - 1
     dflash2 = report["dflash2"]  # the DFlash2 drafter (speculators format) beside it, same prompts and baseline
     assert dflash2["lossless"] and dflash2["accuracy"] >= 0.9 and dflash2["block_size"] == 8

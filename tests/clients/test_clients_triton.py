@@ -285,3 +285,27 @@ def test_a_stream_that_fails_unforeseen_still_answers_its_request():
 
     trace = asyncio.run(run_load(Broken(), [Request(input_ids=[5], max_new_tokens=4)], concurrency=1))
     assert "OverflowError: Python int too large" in trace.records[0].error
+
+
+def test_bench_stops_at_the_tokenizers_eos_when_no_end_id_is_given_and_says_which(server, tmp_path, capsys):
+    """A deployment does not say its end id: `bench` takes --end_id, else the EOS of --tokenizer_dir's tokenizer
+    (the tiny pair's: id 0, hand-checked in its vocabulary), else none, and names its choice on stderr and in
+    results.json."""
+    from dflash_trt.tiny.heldout import target_dir
+
+    url, servicer = server
+    tokenizer = ["--tokenizer_dir", str(target_dir())]
+    for extra, sent, said in (
+        (tokenizer, [0], "end id 0: the EOS '<|endoftext|>' of the tokenizer in"),
+        ([*tokenizer, "--end_id", "5"], [5], "end id 5: --end_id"),
+        ([], None, "end id none: every request runs to --max_new_tokens"),
+    ):
+        servicer.seen.clear()
+        assert cli_main([*_bench(url, tmp_path, [[5, 5]]), *extra]) == 0
+        assert said in capsys.readouterr().err
+        ends = [
+            inputs[P.LLM_END_ID].reshape(-1).tolist() if P.LLM_END_ID in inputs else None for inputs in servicer.seen
+        ]
+        assert ends == [sent]
+        workload = json.loads((tmp_path / "out" / "results.json").read_text())["workload"]
+        assert workload["end_id"] == (sent[0] if sent else None) and said.split(": ", 1)[1] in workload["end_id_from"]

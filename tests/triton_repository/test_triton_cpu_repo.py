@@ -6,6 +6,7 @@ split, corrupt or foreign tokenizers). Every config is parsed with Triton's own 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,9 @@ def test_cli_writes_a_cpu_repository_and_refuses_engine_only_mixes(checkpoint, t
     assert cli_main(["triton", "--checkpoint_dir", str(checkpoint), "--output_dir", str(tmp_path / "x")]) == 2
     assert "--tokenizer_dir is required with --checkpoint_dir" in capsys.readouterr().err
     assert not (tmp_path / "e").exists() and not (tmp_path / "x").exists()
+    assert cli_main([*argv, str(tmp_path / "shown")]) == 0
+    hints = capsys.readouterr().out  # the closing hints name what runs them: this Python, and the server binary
+    assert f"{sys.executable} {tmp_path / 'shown' / 'client.py'}" in hints and "TRITONSERVER=" in hints
 
 
 @pytest.mark.parametrize("library", ["/opt/my libs/libdflash_trt_plugins.so", "/opt/a:b/libdflash_trt_plugins.so"])
