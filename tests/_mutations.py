@@ -31,4 +31,5 @@ def mutated_engine_module(tmp_path: Path, source: str, old: str, new: str) -> ty
 
 def install(monkeypatch, module: types.ModuleType) -> None:
     """Every emulated engine built from now on (until the test ends) runs `module`'s network."""
-    monkeypatch.setattr(stand_ins, "_engine_module", module)
+    stand_ins.load_engine_module()  # the unmodified sources first, so that only the model is replaced
+    monkeypatch.setitem(stand_ins._engine_modules, "model", module)

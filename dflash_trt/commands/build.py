@@ -16,7 +16,7 @@ from dflash_trt.checkpoint.atomic import check_output_apart
 from dflash_trt.commands.build_profile import add_profile_arguments, run_profile
 from dflash_trt.commands.schedule_flags import add_schedule_arguments, schedule_for_checkpoint
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.inputs import POSITIVE_INT, WORKERS, IntRange
+from dflash_trt.inputs import DRAFT_TREE, POSITIVE_INT, WORKERS, IntRange
 from dflash_trt.trtllm.build_plan import (
     GEMM_PLUGIN_CHOICES,
     KV_CACHE_TYPES,
@@ -38,6 +38,7 @@ SETTING_FLAGS: dict[str, IntRange] = {
     "max_beam_width": POSITIVE_INT,
     "tokens_per_block": POSITIVE_INT,
     "workers": WORKERS,
+    "draft_tree": DRAFT_TREE,
 }
 DERIVED_DEFAULTS = {
     "max_seq_len": "min(8192, the target's max_position_embeddings (and a sliding-window drafter's window) less 3 x "
@@ -45,6 +46,8 @@ DERIVED_DEFAULTS = {
     "max_input_len": "min(4096, --max_seq_len)",
     "max_num_tokens": f"min({EngineBuildSettings.max_num_tokens}, --max_seq_len x --max_batch_size: what "
     "TensorRT-LLM's builder clips it to)",
+    "draft_tree": "the chain, block_size - 1 drafts; N more builds an engine verifying a draft tree of N nodes per "
+    "request (its EAGLE max_draft_len)",
 }
 SWITCH_FLAGS = ("use_paged_context_fmha", "use_fp8_context_fmha", "multiple_profiles")
 
@@ -122,6 +125,8 @@ def readable_json(value: object, level: int = 0) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.config:
+        if args.draft_tree is not None:
+            raise DFlashTrtError("--draft_tree builds from --checkpoint_dir: build profiles hold no draft tree")
         return run_profile(args, settings_override=settings_from_args)
     if args.checkpoint_dir is None or args.output_dir is None:
         raise DFlashTrtError("give --checkpoint_dir and --output_dir, or a build profile with --config")

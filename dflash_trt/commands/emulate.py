@@ -12,6 +12,10 @@ where `generate`'s golden loop verifies a shorter last block. So the output equa
 run with --max_new_tokens N + block_size - 1 (the same flags otherwise), and each acceptance length is that run's,
 the last one clipped to N; `generate` with --max_new_tokens N gives the same tokens at temperature 0 but may give
 other acceptance lengths once fewer than block_size - 1 tokens of the budget remain.
+
+`--draft_tree N` runs the network built with draft trees of N nodes (`dflash-trt build --draft_tree N`): each step it
+drafts the tree, the emulated runtime verifies it with the packed mask and position offsets of its paths and
+rewinds the K/V along the accepted path, as `generate --draft_tree N` decodes.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 from dflash_trt.commands.generate import check_lengths, sequence_record
 from dflash_trt.commands.schedule_flags import add_schedule_arguments, schedule_for_checkpoint
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.inputs import POSITIVE_INT, SEED, TEMPERATURE, IntRange
+from dflash_trt.inputs import DRAFT_TREE, POSITIVE_INT, SEED, TEMPERATURE, IntRange
 from dflash_trt.prompts import read_prompts
 from dflash_trt.reference.loop_rules import longest_request
 from dflash_trt.sampling_rules import Sampling, SamplingRefused
@@ -67,6 +71,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--temperature", type=TEMPERATURE, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--seed", type=SEED, default=0, help="sequence i draws from seed + i, as generate")
+    parser.add_argument(
+        "--draft_tree",
+        type=DRAFT_TREE,
+        default=None,
+        metavar="N",
+        help="the engine verifies a draft tree of N nodes each step (default: the chain, N = block_size - 1)",
+    )
     parser.add_argument("--ignore_eos", action="store_true", help="never stop before --max_new_tokens")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_schedule_arguments(parser, "none")
@@ -90,7 +101,12 @@ def run(args: argparse.Namespace) -> int:
     batch = args.max_batch_size or DEFAULT_MAX_BATCH_SIZE
     schedule = schedule_for_checkpoint(args, checkpoint_dir, batch)
     engine = EmulatedEngine(
-        checkpoint_dir, batch, args.max_num_tokens, args.tokens_per_block, draft_len_schedule=schedule
+        checkpoint_dir,
+        batch,
+        args.max_num_tokens,
+        args.tokens_per_block,
+        draft_len_schedule=schedule,
+        draft_tree=args.draft_tree,
     )
     tokenizer = load_tokenizer(checkpoint_dir)
     prompts = read_prompts(args.input_file, tokenizer)
@@ -106,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     report = {
         "sequences": sequences,
         "mean_acceptance_length": mean_acceptance_length(results),
-        "per_position_acceptance": per_position_acceptance(results, engine.block - 1),
+        "per_position_acceptance": per_position_acceptance(results, engine.depth),
         "generated_tokens": generated,
         "tokens_per_second": generated / seconds if seconds > 0 else None,
         "engine_steps": engine.stats.steps,

@@ -73,6 +73,7 @@ class EmulatedEngine:
         max_num_tokens: int | None = None,
         tokens_per_block: int = TOKENS_PER_BLOCK,
         draft_len_schedule: DraftLenSchedule = FIXED,
+        draft_tree: int | None = None,
     ):
         checkpoint_dir = Path(checkpoint_dir)
         raw = read_json_object(
@@ -92,8 +93,9 @@ class EmulatedEngine:
         self.max_position_embeddings = target.max_position_embeddings
         engine = load_engine_module()
         # One network per tensor-parallel rank, each from its own rank file, run in lockstep (ranks.py); the config
-        # carries the schedule as an engine's config.json does (trtllm-build takes it from SCHEDULE_ENV).
-        config_dict = {**raw, "draft_len_schedule": draft_len_schedule.text()}
+        # carries the schedule and a draft tree's node count as an engine's config.json does (trtllm-build takes them
+        # from SCHEDULE_ENV and TREE_ENV).
+        config_dict = {**raw, "draft_len_schedule": draft_len_schedule.text(), "draft_tree": draft_tree}
         self.rank_models = [
             engine.DFlashForCausalLM.from_checkpoint(
                 checkpoint_dir, rank=rank, config=engine.DFlashConfig.from_dict(config_dict)
@@ -103,8 +105,10 @@ class EmulatedEngine:
         self.model = self.rank_models[0]
         self.ranks = RankGroup(self.tp_size)
         config = self.model.config
-        self.k = self.model.max_draft_len
+        self.k = self.model.max_draft_len  # drafts verified per request: the chain's length or the tree's nodes
         self.block = self.k + 1
+        self.depth = self.model.num_drafts  # draft positions: the chain's length, a tree's deepest node
+        self.tree = self.model.tree is not None
         self.schedule = config.schedule
         if max_batch_size < 1:
             raise DFlashTrtError(f"--max_batch_size must be >= 1, got {max_batch_size}")
@@ -127,7 +131,8 @@ class EmulatedEngine:
         fp8_cache = config.quantization.kv_cache_quant_algo == "FP8"
         # The cache holds the activations' dtype (the checkpoint's), or FP8.
         self.cache_dtype = torch.float8_e4m3fn if fp8_cache else getattr(torch, config.dtype)
-        self.paths = torch.tensor(chain_draft_paths(self.k), dtype=torch.int32)
+        # The paths a request starts from (the chain's EAGLE choices); after its first step, the ones the engine emits.
+        self.paths = [row[: self.depth + 1] for row in chain_draft_paths(self.k)]
         self.plugin_config = PluginConfig(
             tokens_per_block=tokens_per_block,
             use_fp8_context_fmha=fp8_context_fmha(weights_qformat(self.facts), kv_cache_format(self.facts)),

@@ -463,6 +463,18 @@ def exp(x: Tensor) -> Tensor:
     return wrap_tensor(torch.exp(x.data))
 
 
+# TensorRT's Unary operator table: EXP and LOG take floating-point inputs (and int8, which this network never has).
+_UNARY = {trt.UnaryOperation.EXP: torch.exp, trt.UnaryOperation.LOG: torch.log}
+
+
+def unary(x: Tensor, op: trt.UnaryOperation) -> Tensor:
+    """IUnaryLayer (functional.py `unary`): the result keeps the input's type."""
+    if op not in _UNARY:
+        raise EmulationError(f"unary {op!r} is not used by this network")
+    _require_float(x, f"unary {trt.UnaryOperation(op).name}")
+    return wrap_tensor(_UNARY[trt.UnaryOperation(op)](x.data))
+
+
 def _require_float(x: Tensor, what: str) -> None:
     if not x.data.is_floating_point():
         raise EmulationError(f"{what} of a {x.dtype.name} tensor")

@@ -232,6 +232,13 @@ class KVCache:
         scale = weights.kv_scale
         return x if scale is None else fake_quantize_fp8(x, scale)
 
+    def move(self, batch: int, sources: list[int], targets: list[int]) -> None:
+        """Sequence `batch`'s entries at slots `sources` copied to `targets` in every layer (all read first): the
+        runtime's rewind along an accepted tree path."""
+        for k, v in zip(self.k, self.v, strict=True):
+            k[batch, :, targets] = k[batch, :, sources].clone()
+            v[batch, :, targets] = v[batch, :, sources].clone()
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor):
         """k/v `[batch, tokens, kv_heads, head_dim]` at `positions [batch, tokens]`; invalid tokens are dropped."""
         batch_index, token_index = valid.nonzero(as_tuple=True)
@@ -240,6 +247,26 @@ class KVCache:
             raise DFlashTrtError(f"sequence longer than the KV cache capacity ({self.capacity} tokens)")
         self.k[layer][batch_index, :, slots] = self.stored(layer, k[batch_index, token_index]).to(self.k[layer].dtype)
         self.v[layer][batch_index, :, slots] = self.stored(layer, v[batch_index, token_index]).to(self.v[layer].dtype)
+
+
+@dataclass(frozen=True)
+class TreeBlock:
+    """Verify rows laid out as draft trees, as the runtime lays them out: row `t` of sequence `b` (node `t`, the anchor
+    first) is stored at cache slot `slots[b, t]` = anchor slot + `t` and sees every slot before the anchor's plus the
+    rows `visible[b, t]` marks (its path from the anchor)."""
+
+    slots: torch.Tensor  # int64 [b, t]
+    visible: torch.Tensor  # bool [b, t, t]
+
+    def keys(self, key_count: int) -> torch.Tensor:
+        """bool `[b, t, key_count]`: which cache slots each row attends."""
+        start = self.slots[:, :1]
+        keys = torch.arange(key_count)[None, :]
+        visible = (keys < start)[:, None, :].expand(-1, self.slots.shape[1], -1).clone()
+        rows = torch.arange(self.slots.shape[1])
+        for b in range(self.slots.shape[0]):
+            visible[b][:, self.slots[b, rows]] |= self.visible[b]
+        return visible
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
@@ -305,17 +332,21 @@ class TargetModel:
         valid: torch.Tensor,
         cache: KVCache,
         context_rows: torch.Tensor | None = None,
+        tree: TreeBlock | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens/positions/valid `[b, t]` → logits `[b, t, vocab]` (fp32), taps `[b, t, n_taps * hidden]`;
-        `context_rows [b]` marks the sequences this call prefills (the engine's context requests)."""
+        `context_rows [b]` marks the sequences this call prefills (the engine's context requests). Row `t` is stored at
+        cache slot `positions[:, t]` and sees the slots up to it, unless `tree` lays the rows out as a draft tree (its
+        own slots and visibility; RoPE stays at `positions`)."""
         s = self.spec
         self.current_valid = valid
         hidden = F.embedding(tokens, self.embedding)
         cos, sin = rope_cos_sin(positions, s.rope)
         cos, sin = cos[:, :, None].to(hidden.dtype), sin[:, :, None].to(hidden.dtype)
-        key_count = int(positions.max()) + 1
+        slots = positions if tree is None else tree.slots
+        key_count = int(slots.max()) + 1
         key_positions = torch.arange(key_count)
-        visible = key_positions[None, None, :] <= positions[:, :, None]
+        visible = key_positions[None, None, :] <= positions[:, :, None] if tree is None else tree.keys(key_count)
         taps = {EMBEDDING_TAP: hidden}
         for index, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, s.rms_norm_eps)
@@ -323,7 +354,7 @@ class TargetModel:
             if layer.q_norm is not None and layer.k_norm is not None:
                 q, k = rms_norm(q, layer.q_norm, s.rms_norm_eps), rms_norm(k, layer.k_norm, s.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            cache.write(index, k, v, positions, valid)
+            cache.write(index, k, v, slots, valid)
             keys, values = cache.k[index][:, :, :key_count], cache.v[index][:, :, :key_count]
             hidden = hidden + layer.dense(self._attention(layer, q, keys, values, visible, context_rows))
             hidden = hidden + layer.mlp(rms_norm(hidden, layer.post_norm, s.rms_norm_eps))

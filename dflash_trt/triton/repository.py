@@ -85,7 +85,7 @@ class RepositorySettings:
     plugin_library: str  # "" for a CPU-served repository
     max_batch_size: int
     max_input_len: int
-    max_draft_len: int
+    max_draft_len: int  # drafts verified per request: the chain's, or a draft tree's nodes
     world_size: int
     max_temperature: float
     max_seq_len: int  # the longest request (prompt + output) the engine holds; the preprocessing and BLS refuse more
@@ -102,6 +102,7 @@ class RepositorySettings:
     replicas: int = SERVING_DEFAULTS.replicas
     add_special_tokens: bool = True
     skip_special_tokens: bool = True
+    eagle_depth: int | None = None  # the EAGLE choices' depth, a draft tree's positions; None: max_draft_len
     chat_template_kwargs: str = "{}"  # JSON for {"messages": [...]} queries (dflash_trt.chat)
     # A CPU-served repository: the converted checkpoint the emulated engine loads, its page size.
     checkpoint_dir: str = ""
@@ -281,7 +282,7 @@ def tensorrtllm_parameters(s: RepositorySettings) -> dict[str, str]:
         "gpt_model_path": s.engine_dir,
         "max_beam_width": "1",
         "decoding_mode": "eagle",
-        "eagle_choices": eagle_choices_parameter(s.max_draft_len),
+        "eagle_choices": eagle_choices_parameter(s.eagle_depth or s.max_draft_len),
         "batch_scheduler_policy": s.batch_scheduler_policy,
         "kv_cache_free_gpu_mem_fraction": repr(s.kv_cache_free_gpu_mem_fraction),
         "enable_chunked_context": _flag(s.enable_chunked_context),
@@ -569,6 +570,7 @@ def settings_from_engine(
             max_batch_size=int(build.get("max_batch_size", manifest["max_batch_size"])),
             max_input_len=int(build["max_input_len"]),
             max_draft_len=int(manifest["max_draft_len"]),
+            eagle_depth=len(manifest.get("eagle_choices") or []) or None,
             world_size=int(manifest.get("tp_size", 1)),
             max_temperature=max_temperature_for_sampling(manifest.get("sampling")),
             max_seq_len=_engine_longest_request(engine_dir, build, pretrained, int(manifest["max_draft_len"])),

@@ -31,6 +31,7 @@ from dflash_trt.trtllm.build_plan import (
     MANIFEST_NAME,
     PLUGIN_LIBRARY_ENV,
     REQUIRED_TRTLLM,
+    TREE_ENV,
     TRTLLM_BUILD,
     EngineBuildPlan,
     check_engine_config,
@@ -150,7 +151,10 @@ def run_engine_build(plan: EngineBuildPlan, overwrite: bool = False) -> Path:
     remove_stale_partials(output)
     staging = staging_path(output, str(os.getpid()))
     shutil.rmtree(staging, ignore_errors=True)
-    env = dict(os.environ, **{PLUGIN_LIBRARY_ENV: str(Path(plan.plugin_library).resolve())}, **plan.build_env())
+    # A draft tree's node count reaches the model class only from the plan: an inherited one would turn a chain into
+    # a tree.
+    env = {name: value for name, value in os.environ.items() if name != TREE_ENV}
+    env.update({PLUGIN_LIBRARY_ENV: str(Path(plan.plugin_library).resolve())}, **plan.build_env())
     manifest = dict(plan.dflash_manifest, tensorrt_llm_version=version, tensorrt_version=installed_version("tensorrt"))
     try:
         _build(plan, staging, env)

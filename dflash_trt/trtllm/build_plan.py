@@ -20,7 +20,7 @@ from dflash_trt.checkpoint.trtllm_config import ARCHITECTURE, specs_from_config
 from dflash_trt.draft_schedule import AUTO, FIXED, DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import FP8, FP8_CONTEXT_FMHA_WEIGHTS, NONE, NVFP4, QFORMATS, fp8_context_fmha, quant_algo
-from dflash_trt.inputs import DRAFT_LEN_SCHEDULE
+from dflash_trt.inputs import DRAFT_LEN_SCHEDULE, DRAFT_TREE, check_tree_schedule, draft_tree_nodes
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.reference.loop_rules import longest_request
 from dflash_trt.rope import RopeConfig
@@ -40,6 +40,9 @@ PLUGIN_LIBRARY_ENV = LIBRARY_ENV
 # The draft-length schedule trtllm-build builds into the network: the checkpoint's config.json (which trtllm-build
 # reads) is the converter's and holds none, so `dflash-trt build` hands the resolved table over in this variable.
 SCHEDULE_ENV = "DFLASH_TRT_DRAFT_LEN_SCHEDULE"
+# The draft tree trtllm-build builds into the network: the checkpoint's config.json (which trtllm-build reads) is the
+# converter's and holds none, so `dflash-trt build` hands the node count over in this variable.
+TREE_ENV = "DFLASH_TRT_DRAFT_TREE"
 REQUIRED_TRTLLM = "1.2"
 # Builds one TP rank per process for `--workers` > 1 (trtllm-build's own workers cannot load our class).
 RANK_BUILD_MODULE = "dflash_trt.trtllm.rank_build"
@@ -91,6 +94,7 @@ class EngineBuildSettings:
     extra_flags: tuple[str, ...] = ()
     # Resolved before planning (`auto` is the planner's, analysis/draft_schedule.py); built in via SCHEDULE_ENV.
     draft_len_schedule: DraftLenSchedule = FIXED
+    draft_tree: int | None = None  # nodes of the draft tree verified per request; None: the chain
 
 
 @dataclass(frozen=True)
@@ -209,8 +213,11 @@ class EngineBuildPlan:
         ]
 
     def build_env(self) -> dict[str, str]:
-        """What the build processes need in their environment beyond the caller's: the draft-length schedule."""
-        return {SCHEDULE_ENV: self.settings.draft_len_schedule.text()}
+        """What the build processes need in their environment beyond the caller's: the draft-length schedule, and a
+        draft tree's node count (the model class reads both: the converted config.json trtllm-build loads holds
+        neither)."""
+        tree = {} if self.settings.draft_tree is None else {TREE_ENV: str(self.settings.draft_tree)}
+        return {SCHEDULE_ENV: self.settings.draft_len_schedule.text(), **tree}
 
     def shell_command(self, with_library: bool = False) -> str:
         """The build as a shell line with the variables its processes need; `with_library` also sets the plugin
@@ -258,6 +265,31 @@ def engine_schedule(text: str | None, max_draft_len: int) -> DraftLenSchedule:
         )
     assert isinstance(schedule, DraftLenSchedule)
     return schedule.fitted_to(max_draft_len, source)
+
+
+def engine_tree_nodes(value: int | None, num_drafts: int, dflash2: bool) -> int:
+    """Nodes of the draft tree a network is built with, 0 for the chain: `value` (the `draft_tree` key of an
+    engine's config.json, or of the config the emulation builds), else `$DFLASH_TRT_DRAFT_TREE` (set by `dflash-trt
+    build` for trtllm-build), else the chain."""
+    if value is not None:
+        return check_tree_nodes(DRAFT_TREE.check(value, "draft_tree"), num_drafts, dflash2, "draft_tree")
+    text = os.environ.get(TREE_ENV)
+    if text is None:
+        return 0
+    try:
+        nodes = DRAFT_TREE.parse(text)
+    except ValueError:
+        raise DFlashTrtError(f"{TREE_ENV} must be {DRAFT_TREE.describe()}, got {text!r}") from None
+    return check_tree_nodes(DRAFT_TREE.check(nodes, TREE_ENV), num_drafts, dflash2, TREE_ENV)
+
+
+def check_tree_nodes(nodes: int | None, num_drafts: int, dflash2: bool, what: str = "--draft_tree") -> int:
+    """0 for the chain, `nodes` for a tree (the golden loop's rule, `inputs.draft_tree_nodes`), at most what an
+    EAGLE engine verifies (the builder's max_draft_len limit)."""
+    tree = draft_tree_nodes(nodes, num_drafts, dflash2, what)
+    if tree > MAX_EAGLE_DRAFT_LEN:
+        raise DFlashTrtError(f"{what} {tree}: an EAGLE engine verifies at most {MAX_EAGLE_DRAFT_LEN} drafts")
+    return tree
 
 
 def chain_eagle_choices(max_draft_len: int) -> list[list[int]]:
@@ -725,11 +757,19 @@ def check_engine_settings(settings: EngineBuildSettings) -> None:
         )
 
 
+def verified_drafts(facts: CheckpointFacts, settings: EngineBuildSettings) -> int:
+    """Drafts the engine verifies per request, its EAGLE max_draft_len: the chain's, or the draft tree's nodes."""
+    dflash2 = facts.selector_top_k is not None
+    return check_tree_nodes(settings.draft_tree, facts.max_draft_len, dflash2) or facts.max_draft_len
+
+
 def check_settings_against_checkpoint(facts: CheckpointFacts, settings: EngineBuildSettings) -> None:
-    """The rules that need the checkpoint: its drafts per step, selector, block width and positions."""
-    k = facts.max_draft_len
-    if k > MAX_EAGLE_DRAFT_LEN:
-        raise DFlashTrtError(f"the drafter's {k} drafts per step exceed the EAGLE limit of {MAX_EAGLE_DRAFT_LEN}")
+    """The rules that need the checkpoint: its drafts per step (or tree), selector, block width and positions."""
+    if facts.max_draft_len > MAX_EAGLE_DRAFT_LEN:
+        raise DFlashTrtError(
+            f"the drafter's {facts.max_draft_len} drafts per step exceed the EAGLE limit of {MAX_EAGLE_DRAFT_LEN}"
+        )
+    k = verified_drafts(facts, settings)
     if facts.selector_top_k is not None and facts.selector_top_k > TOPK_MAX_K:
         raise DFlashTrtError(
             f"the DFlash2 selector's top-k ({facts.selector_top_k}) exceeds TensorRT's TopK limit of {TOPK_MAX_K}"
@@ -816,7 +856,7 @@ def build_config_dict(facts: CheckpointFacts, settings: EngineBuildSettings) -> 
         "kv_cache_type": settings.kv_cache_type.upper(),
         "strongly_typed": True,
         "gather_context_logits": False,
-        "max_draft_len": facts.max_draft_len,
+        "max_draft_len": verified_drafts(facts, settings),
         "speculative_decoding_mode": EAGLE_MODE_VALUE,
         "plugin_config": {
             "gemm_plugin": None if settings.gemm_plugin == "disable" else settings.gemm_plugin,
@@ -887,7 +927,9 @@ def built_max_seq_len(max_seq_len: int, max_draft_len: int) -> int:
 
 
 def engine_max_seq_len(facts: CheckpointFacts, settings: EngineBuildSettings) -> int:
-    return built_max_seq_len(settings.max_seq_len, facts.max_draft_len)
+    """The engine's own max_seq_len: `built_max_seq_len` for a chain; a draft tree's engine verifies N drafts over K
+    positions, so the builder adds N + K."""
+    return settings.max_seq_len + verified_drafts(facts, settings) + facts.max_draft_len
 
 
 def manifest(facts: CheckpointFacts, settings: EngineBuildSettings, plugin_library: str) -> dict[str, Any]:
@@ -900,8 +942,11 @@ def manifest(facts: CheckpointFacts, settings: EngineBuildSettings, plugin_libra
         "base_architecture": facts.base_architecture,
         "speculative_decoding_mode": SPECULATIVE_DECODING_MODE,
         "block_size": facts.block_size,
-        "max_draft_len": k,
+        "max_draft_len": verified_drafts(facts, settings),
+        "draft_tree": settings.draft_tree,
         "drafter": facts.drafter,
+        # The chain over the draft positions (num_eagle_layers): a request's first paths, checked against the
+        # layers [read]; a tree engine emits its own paths every step after that.
         "eagle_choices": chain_eagle_choices(k),
         "mask_token_id": facts.mask_token_id,
         "target_layer_ids": list(facts.target_layer_ids),
@@ -946,6 +991,11 @@ def plan_engine_build(
     False), so both ways into `build` apply the same checks.
     """
     facts = read_checkpoint_facts(checkpoint_dir)
+    # A tree of the chain's node count is the chain: the plan records no tree for it.
+    tree = verified_drafts(facts, settings)
+    settings = replace(settings, draft_tree=tree if tree != facts.max_draft_len else None)
+    if settings.draft_tree is not None:
+        check_tree_schedule(settings.draft_len_schedule)
     check_network(facts)
     check_xqa_block_layout(facts)
     check_sliding_window(facts, engine_longest_request(settings.max_seq_len, facts.max_draft_len))
@@ -959,7 +1009,7 @@ def plan_engine_build(
     return EngineBuildPlan(
         checkpoint_dir=checkpoint,
         output_dir=output,
-        command=build_command(checkpoint, output, facts.max_draft_len, settings),
+        command=build_command(checkpoint, output, verified_drafts(facts, settings), settings),
         build_config=build_config_dict(facts, settings),
         plugin_library=library,
         dflash_manifest=manifest(facts, settings, library),

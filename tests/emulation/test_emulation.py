@@ -246,13 +246,13 @@ def test_a_wrong_draft_pool_layer_offset_is_caught(engine, monkeypatch, tiny, ti
 
 def test_a_missing_passthrough_ordering_is_caught(engine, monkeypatch, tiny, tiny_prompts, tiny_golden):
     """The block pass reads ctx_len directly instead of the injection's output: nothing orders it after the write."""
-    original = engine.DFlashForCausalLM.inject_context
+    original = engine.DFlashForCausalLM.write_context
 
-    def unordered(self, taps, book, kv_cache_params):
-        original(self, taps, book, kv_cache_params)
-        return book.ctx_len
+    def unordered(self, context, book, kv_cache_params, slots, valid, passthrough):
+        original(self, context, book, kv_cache_params, slots, valid, passthrough)
+        return passthrough
 
-    monkeypatch.setattr(engine.DFlashForCausalLM, "inject_context", unordered)
+    monkeypatch.setattr(engine.DFlashForCausalLM, "write_context", unordered)
     assert _broken(tiny, tiny_prompts, tiny_golden) != []
 
 

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from dflash_trt.checkpoint.trtllm_config import checkpoint_config, specs_from_config
 from dflash_trt.commands import build as build_command
+from dflash_trt.draft_schedule import DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.spec import parse_draft_config, parse_target_config
 from dflash_trt.trtllm import build_plan
@@ -624,3 +625,56 @@ def test_a_selector_beyond_tensorrts_topk_limit_is_refused(tmp_path: Path):
     ckpt = write_checkpoint(tmp_path / "k", target_hf=target, draft_hf=draft)
     with pytest.raises(DFlashTrtError, match="selector's top-k \\(4000\\) exceeds TensorRT's TopK limit of 3840"):
         plan_engine_build(ckpt, tmp_path / "engine", EngineBuildSettings())
+
+
+@pytest.mark.parametrize(
+    ("nodes", "dflash2", "expected"),
+    [(None, False, 0), (7, False, 0), (8, False, 8), (256, False, 256), (6, False, "at least the chain's 7"),
+     (257, False, "at most 256 drafts"), (8, True, "DFlash2 drafter's selector walks one chain")],
+)  # fmt: skip
+def test_the_tree_node_rule_of_an_engine(nodes, dflash2, expected, monkeypatch):
+    """A drafter of 7 drafts: its node count is the chain, a tree above it up to max_draft_len's limit, nothing else."""
+    monkeypatch.delenv(build_plan.TREE_ENV, raising=False)
+    if isinstance(expected, str):
+        with pytest.raises(DFlashTrtError, match=expected):
+            build_plan.engine_tree_nodes(nodes, 7, dflash2)
+    else:
+        assert build_plan.engine_tree_nodes(nodes, 7, dflash2) == expected
+
+
+def test_the_tree_node_count_reaches_trtllm_build_through_the_environment(monkeypatch):
+    monkeypatch.setenv(build_plan.TREE_ENV, "12")
+    assert build_plan.engine_tree_nodes(None, 7, False) == 12
+    monkeypatch.setenv(build_plan.TREE_ENV, "many")
+    with pytest.raises(DFlashTrtError, match=build_plan.TREE_ENV):
+        build_plan.engine_tree_nodes(None, 7, False)
+
+
+def test_a_draft_tree_build_verifies_its_nodes_over_the_chain_positions(ckpt: Path, tmp_path: Path, capsys):
+    """`--draft_tree 40` on a drafter of 15 drafts: trtllm-build gets max_draft_len 40 and the node count in the
+    model class's environment; the manifest keeps the 15-deep chain as the EAGLE choices (num_eagle_layers)."""
+    args = cli(["--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e"), "--draft_tree", "40"])
+    settings = build_command.settings_from_args(args)
+    plan = plan_engine_build(ckpt, tmp_path / "e", settings)
+    assert flag_values(plan.command)["--max_draft_len"] == "40"
+    assert plan.build_config["max_draft_len"] == 40
+    assert plan.build_env() == {build_plan.SCHEDULE_ENV: "none", build_plan.TREE_ENV: "40"}
+    assert f" {build_plan.TREE_ENV}=40 trtllm-build " in f" {plan.shell_command()}"
+    manifest = plan.dflash_manifest
+    assert (manifest["max_draft_len"], manifest["draft_tree"], len(manifest["eagle_choices"])) == (40, 40, 15)
+    assert manifest["max_seq_len"] == settings.max_seq_len + 40 + 15  # max_draft_len + num_eagle_layers
+    chain = plan_engine_build(ckpt, tmp_path / "e", build_command.settings_from_args(cli(["--draft_tree", "15"])))
+    assert build_plan.TREE_ENV not in chain.build_env() and chain.build_config["max_draft_len"] == 15
+
+
+def test_a_draft_tree_needs_tokens_for_every_node(ckpt: Path, tmp_path: Path):
+    settings = EngineBuildSettings(max_batch_size=64, max_num_tokens=64 * 16, draft_tree=40)
+    with pytest.raises(DFlashTrtError, match=r"64 x 41"):
+        plan_engine_build(ckpt, tmp_path / "e", settings)
+
+
+def test_a_draft_tree_takes_no_draft_length_schedule(ckpt: Path, tmp_path: Path):
+    """A tree engine verifies its nodes every step: a schedule would shorten a chain that is not there."""
+    settings = EngineBuildSettings(draft_tree=40, draft_len_schedule=DraftLenSchedule(((4, 8),)))
+    with pytest.raises(DFlashTrtError, match="takes no draft-length schedule"):
+        plan_engine_build(ckpt, tmp_path / "e", settings)

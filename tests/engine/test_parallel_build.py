@@ -38,7 +38,8 @@ def build_and_save(rank, gpu_id, ckpt_dir, build_config, output_dir, log_level, 
         raise RuntimeError(f"rank {rank} failed")
     time.sleep(float(os.environ.get("RANK_SECONDS", "0.6")))
     record = {"rank": rank, "gpu": gpu_id, "pid": os.getpid(), "start": start, "end": time.time(),
-              "model_cls": model_cls, "plugin": os.environ.get("DFLASH_TRT_PLUGIN_LIB")}
+              "model_cls": model_cls, "plugin": os.environ.get("DFLASH_TRT_PLUGIN_LIB"),
+              "draft_tree": os.environ.get("DFLASH_TRT_DRAFT_TREE")}
     Path(output_dir, f"rank{rank}.engine").write_text(json.dumps(record))
 
 
@@ -51,7 +52,8 @@ def parallel_build(model_config, ckpt_dir, build_config, output_dir, workers=1, 
 
 def engine_config(args, checkpoint):
     # config.json as 1.2.x's builder.build() leaves it, restated from builder.py as read: the FP8 / paged context
-    # FMHA logic, the NVFP4 GEMM plugin, the EAGLE branch, max_seq_len + 2K, opt_num_tokens.
+    # FMHA logic, the NVFP4 GEMM plugin, the EAGLE branch, max_seq_len + max_draft_len + num_eagle_layers (the
+    # model's K, the checkpoint's drafts per step: 2K for a chain, N + K for a draft tree of N), opt_num_tokens.
     quant = checkpoint.get("quantization") or {}
     weights, kv = quant.get("quant_algo"), quant.get("kv_cache_quant_algo")
     fp8_fmha, paged = args.use_fp8_context_fmha == "enable", args.use_paged_context_fmha == "enable"
@@ -69,7 +71,8 @@ def engine_config(args, checkpoint):
               "tokens_per_block": args.tokens_per_block, "paged_kv_cache": True, "remove_input_padding": True,
               "context_fmha": True}
     opt = None if args.multiple_profiles == "enable" else min(args.max_batch_size, args.max_num_tokens)
-    build = {"max_input_len": args.max_input_len, "max_seq_len": args.max_seq_len + 2 * args.max_draft_len,
+    eagle_layers = checkpoint["max_draft_len"]
+    build = {"max_input_len": args.max_input_len, "max_seq_len": args.max_seq_len + args.max_draft_len + eagle_layers,
              "max_batch_size": args.max_batch_size, "max_beam_width": args.max_beam_width,
              "max_num_tokens": args.max_num_tokens, "opt_num_tokens": opt, "kv_cache_type": "PAGED",
              "strongly_typed": True, "gather_context_logits": False, "max_draft_len": args.max_draft_len,
@@ -110,10 +113,10 @@ def fake_trtllm(tmp_path: Path, monkeypatch) -> Path:
     return package
 
 
-def _plan(tmp_path: Path, tp: int, workers: int):
+def _plan(tmp_path: Path, tp: int, workers: int, draft_tree: int | None = None):
     ckpt = write_checkpoint(tmp_path / "ckpt", mapping={"world_size": tp, "tp_size": tp, "pp_size": 1})
     library = tmp_path / "libdflash_trt_plugins.so"
-    settings = replace(EngineBuildSettings(), workers=workers)
+    settings = replace(EngineBuildSettings(), workers=workers, draft_tree=draft_tree)
     return plan_engine_build(ckpt, tmp_path / "engine", settings, plugin_library=library)
 
 
@@ -138,6 +141,16 @@ def test_ranks_build_in_parallel_processes(fake_trtllm: Path, tmp_path: Path):
     assert at_once <= 2, "more ranks at once than --workers"
     assert json.loads((engine / MANIFEST_NAME).read_text())["tp_size"] == 4
     assert not list(tmp_path.glob(".engine.partial-*"))
+
+
+def test_every_rank_builds_the_planned_tree_and_only_it(fake_trtllm: Path, tmp_path: Path, monkeypatch):
+    """A tree build hands its node count to every rank's process; a chain build drops one the shell had set."""
+    monkeypatch.setenv("RANK_SECONDS", "0")
+    monkeypatch.setenv("DFLASH_TRT_DRAFT_TREE", "99")
+    tree = engine_build.run_engine_build(_plan(tmp_path / "tree", tp=2, workers=2, draft_tree=40))
+    assert [r["draft_tree"] for r in _records(tree)] == ["40", "40"]
+    chain = engine_build.run_engine_build(_plan(tmp_path / "chain", tp=2, workers=2))
+    assert [r["draft_tree"] for r in _records(chain)] == [None, None]
 
 
 def test_a_failing_rank_stops_the_build_and_leaves_nothing(fake_trtllm: Path, tmp_path: Path, monkeypatch):

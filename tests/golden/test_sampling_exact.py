@@ -188,6 +188,7 @@ def _generate(ckpt: Path, tmp_path: Path, capsys, prompts: list[list[int]], *fla
         "sequences",
         "mean_acceptance_length",
         "per_position_acceptance",
+        "per_position_rank_rates",
         "generated_tokens",
         "tokens_per_second",
     }

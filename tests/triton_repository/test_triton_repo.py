@@ -275,6 +275,16 @@ def test_settings_from_engine_reads_the_manifest(tmp_path: Path, tokenizer_dir: 
         settings_from_engine(broken, tokenizer_dir)
 
 
+def test_a_tree_engine_gets_the_chain_over_its_draft_positions(tmp_path: Path, tokenizer_dir: Path):
+    """A draft-tree engine verifies 40 nodes over 15 positions: the backend gets the manifest's 15-deep chain as
+    eagle_choices (the runtime checks their depth against num_eagle_layers), not a 40-deep one."""
+    chain = [[0] * depth for depth in range(1, 16)]
+    engine = write_engine_dir(tmp_path / "eng", max_draft_len=40, draft_tree=40, eagle_choices=chain)
+    write_repository(settings_from_engine(engine, tokenizer_dir), tmp_path / "repo")
+    params = _params(model_configs(tmp_path / "repo")["tensorrt_llm"])
+    assert parse_eagle_choices(params["eagle_choices"]) == chain
+
+
 def test_cli_writes_a_repository_from_an_engine_and_from_a_profile(tmp_path: Path, tokenizer_dir: Path, capsys):
     engine = write_engine_dir(tmp_path / "eng")
     assert (
