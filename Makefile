@@ -36,7 +36,8 @@ lint: $(STAMP)
 NUMERICS_TESTS := tests/emulation/test_emulation.py tests/emulation/test_emulation_moe.py tests/golden/test_divergence.py \
 	tests/engine/test_verify_replay.py tests/engine/test_sampler_support.py tests/emulation/test_emulation_ranks.py \
 	tests/emulation/test_emulation_precision.py tests/emulation/test_emulation_dflash2.py \
-	tests/golden/test_parity_speculators.py tests/emulation/test_emulation_routes.py
+	tests/golden/test_parity_speculators.py tests/quant/test_fp8_context_attention.py tests/engine/test_greedy_fast_path.py \
+	tests/models/test_tiny_widen.py tests/emulation/test_emulation_tree.py tests/emulation/test_emulation_routes.py
 
 # The fast tier for a local loop (`make test-fast`, under a minute on a quiet 2-core machine): every subject's unit and
 # contract tests, without the real Triton server, the subprocesses and the long end-to-end runs; `make test` runs all.
@@ -50,8 +51,9 @@ FAST_TESTS := tests/architecture/test_function_length.py tests/architecture/test
 	tests/engine/test_trtllm_api.py tests/engine/test_verify_replay.py tests/executors/test_executors_emulated.py \
 	tests/golden/test_divergence.py tests/golden/test_kv_injection.py tests/golden/test_loop_rules.py \
 	tests/models/test_spec.py tests/planning/test_capacity.py tests/planning/test_comm.py \
-	tests/planning/test_fitting.py tests/planning/test_node_planner.py tests/planning/test_pareto.py \
-	tests/planning/test_perf_model.py tests/planning/test_profiles.py tests/quant/test_quant_formats.py \
+	tests/planning/test_draft_schedule.py tests/planning/test_fitting.py tests/planning/test_node_planner.py \
+	tests/planning/test_pareto.py tests/planning/test_perf_model.py tests/planning/test_profiles.py \
+	tests/quant/test_fp8_context_attention.py tests/quant/test_quant_formats.py \
 	tests/quant/test_quant_prequantized.py tests/serve/test_serve_cli.py tests/serve/test_serve_detokenizer.py \
 	tests/serve/test_serve_observability.py tests/triton_repository/test_triton_client.py \
 	tests/triton_repository/test_triton_cpu_repo.py tests/triton_repository/test_triton_emulated_llm.py \

@@ -17,6 +17,9 @@ Public:
 - `quantized_linear(tensor_name)`: the module of a linear weight the format quantizes, else None.
 - `fused_partners(module)`: modules TensorRT-LLM runs as one GEMM with it (mlp.fc with mlp.gate).
 - `NVFP4_BLOCK_SIZE`: values per NVFP4 scale (the config's `group_size`).
+- `fp8_context_fmha(weights, kv_cache)`: whether a TensorRT-LLM 1.2.x EAGLE engine of these formats runs context
+  attention in FP8 (its builder decides it, whatever the flag says); `checkpoint_fp8_context_fmha(config)`: the
+  same for a converted checkpoint's config.json (the golden model and the emulation follow it).
 - `RESOLUTION`: the relative logit resolution of each dtype and quantization format (a few of its ulps, see the
   table); `resolution(config)` is the coarsest a converted checkpoint computes with, the scale below which two
   implementations' logits may legitimately order a near-tie differently.
@@ -98,6 +101,26 @@ def quantization_config(
         "group_size": NVFP4_BLOCK_SIZE,
         "exclude_modules": list(exclude_modules) if algo else [],
     }
+
+
+# Weight formats with which TensorRT-LLM 1.2.x's builder runs context attention in FP8 once the KV cache is FP8: it
+# turns use_fp8_context_fmha on for them whenever paged context FMHA is on, which EAGLE engines force [read:
+# tensorrt_llm/builder.py `build`, "Logics to control paged_context_fmha and fp8_context_fmha"; W4A8_AWQ too, never
+# written here].
+FP8_CONTEXT_FMHA_WEIGHTS = (FP8, NVFP4)
+
+
+def fp8_context_fmha(weights: str, kv_cache: str) -> bool:
+    """Whether the engine's context attention runs in FP8 (on every GPU we target, SM >= 89)."""
+    return weights in FP8_CONTEXT_FMHA_WEIGHTS and kv_cache == FP8
+
+
+def checkpoint_fp8_context_fmha(config: dict) -> bool:
+    """`fp8_context_fmha` of a converted checkpoint's config.json (its top-level `quantization`)."""
+    quantization = config.get("quantization") or {}
+    by_algo = {algo: qformat for qformat, algo in _QUANT_ALGO.items()}
+    weights = by_algo.get(quantization.get("quant_algo"), str(quantization.get("quant_algo")))
+    return fp8_context_fmha(weights, by_algo.get(quantization.get("kv_cache_quant_algo"), NONE))
 
 
 def is_excluded(module: str, exclude_modules: Iterable[str] = EXCLUDE_MODULES) -> bool:

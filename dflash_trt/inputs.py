@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from dflash_trt.draft_schedule import AUTO, FIXED, MAX_STEPS, NONE, DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.sampling_rules import MAX_SEED, TEMPERATURE_RULE, temperature_refusal
 
@@ -27,6 +28,8 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 # Token ids and vocabulary sizes fit TensorRT-LLM's int32 tensors.
 MAX_TOKEN_ID = 2**31 - 1
 MAX_GPUS = 1024
+# Nodes of a draft tree: the tree search ranks up to N² candidates per draft position.
+MAX_DRAFT_TREE = 4096
 
 
 def _shown(value: object) -> str:
@@ -145,6 +148,45 @@ class HostPort(_Rule):
 
 
 @dataclass(frozen=True)
+class DraftLenScheduleRule(_Rule):
+    """`auto`, `none` or `N1:K1,N2:K2,...`: with at least N requests in a step, draft K tokens (draft_schedule.py).
+    Parses to `AUTO` (the planner derives the table later) or a `DraftLenSchedule`; whether K fits the drafter's
+    block is checked once the block is known (`DraftLenSchedule.fitted_to`)."""
+
+    def describe(self) -> str:
+        return (
+            f"{AUTO}, {NONE} or N1:K1,N2:K2,... (at most {MAX_STEPS} steps; request counts N strictly ascending, "
+            f"draft lengths K non-increasing, each an integer in [1, {MAX_TOKEN_ID}])"
+        )
+
+    def parse(self, text: str) -> str:
+        return text
+
+    def check(self, value: Any, name: str) -> DraftLenSchedule | str:
+        if isinstance(value, DraftLenSchedule):
+            return value
+        if not isinstance(value, str):
+            raise _refuse(name, self.describe(), value)
+        text = value.strip()
+        if text == AUTO:
+            return AUTO
+        if text == NONE:
+            return FIXED
+        steps = []
+        for part in text.split(","):
+            load, sep, length = (p.strip() for p in part.partition(":"))
+            if not sep or not all(t.isascii() and t.isdigit() for t in (load, length)):
+                raise _refuse(name, self.describe(), value)
+            if not (1 <= int(load) <= MAX_TOKEN_ID and 1 <= int(length) <= MAX_TOKEN_ID):
+                raise _refuse(name, self.describe(), value)
+            steps.append((int(load), int(length)))
+        try:
+            return DraftLenSchedule(tuple(steps))
+        except DFlashTrtError:
+            raise _refuse(name, self.describe(), value) from None
+
+
+@dataclass(frozen=True)
 class Temperature(_Rule):
     """A sampling temperature the engine can honour, by `sampling_rules`' rule."""
 
@@ -212,9 +254,38 @@ TOKEN_ID = IntRange(0, MAX_TOKEN_ID)
 END_ID = IntRange(-1, MAX_TOKEN_ID)  # TensorRT-LLM's end id; -1 matches no token (requests run to their budget)
 VOCAB_SIZE = IntRange(1, MAX_TOKEN_ID)
 SEED = IntRange(0, MAX_SEED)
+DRAFT_TREE = IntRange(1, MAX_DRAFT_TREE)  # nodes per draft tree; block_size - 1 is the chain
 TEMPERATURE = Temperature()
 TOP_P = FloatRange(0.0, 1.0, above_lo=True)
 TOP_K = IntRange(0, MAX_TOKEN_ID)
 MEMORY_FRACTION = FloatRange(0.0, 1.0, above_lo=True)
 URL = HostPort()
 PORT = IntRange(0, 65535)  # 0: any free port
+DRAFT_LEN_SCHEDULE = DraftLenScheduleRule()
+
+
+def draft_tree_nodes(nodes: int | None, num_drafts: int, dflash2: bool, what: str = "--draft_tree") -> int:
+    """Nodes per draft tree for `nodes` (0: the chain, for none or `nodes` = the drafter's `num_drafts`): refuses
+    fewer nodes than the chain, and a drafter whose drafts are not independent per position (DFlash2's selector walks
+    one chain). The golden loop and the engine ask this one rule."""
+    if nodes is None or nodes == num_drafts:
+        return 0
+    if nodes < num_drafts:
+        raise DFlashTrtError(
+            f"{what} {nodes}: a tree holds at least the chain's {num_drafts} drafts (block_size - 1); shorter drafts "
+            "are a draft length, not a tree"
+        )
+    if dflash2:
+        raise DFlashTrtError(
+            "draft trees need the drafter's per-position distributions; a DFlash2 drafter's selector walks one chain"
+        )
+    return nodes
+
+
+def check_tree_schedule(schedule: DraftLenSchedule, what: str = "--draft_tree") -> None:
+    """A draft tree verifies its N nodes every step; a draft-length schedule shortens chains only (a tree's budget
+    by load is not built yet), so the two are refused together."""
+    if schedule != FIXED:
+        raise DFlashTrtError(
+            f"{what} verifies its nodes every step and takes no draft-length schedule; give --draft_len_schedule none"
+        )

@@ -48,6 +48,8 @@ PER_LINE_OPTIONS = frozenset(
         "logprobs",
     }
 )
+# Text and chat prompts need a tokenizer; where a command looks for one depends on the command.
+NO_TOKENIZER = "no tokenizer was found (no --tokenizer_dir was given, and the model folder holds none): send input_ids"
 
 
 def _jsonl_records(path: Path) -> Iterator[tuple[str, object]]:
@@ -115,7 +117,7 @@ def parse_chat_template_kwargs(text: str | None, flag: str = "--chat_template_kw
 
 def _encode_chat(tokenizer, messages: object, kwargs: dict[str, Any] | None, where: str) -> list[int]:
     if tokenizer is None:
-        raise DFlashTrtError(f"{where} gives messages but there is no tokenizer")
+        raise DFlashTrtError(f"{where} gives messages but {NO_TOKENIZER}")
     try:
         return encode_chat(tokenizer, messages, kwargs)
     except ValueError as exc:
@@ -151,7 +153,7 @@ def read_prompts(
             prompts.append(ids)
         elif isinstance(record, dict) and isinstance(record.get("text"), str):
             if tokenizer is None:
-                raise DFlashTrtError(f"{where} gives text but the checkpoint directory has no tokenizer")
+                raise DFlashTrtError(f"{where} gives text but {NO_TOKENIZER}")
             prompts.append(tokenizer.encode(record["text"]))
         elif isinstance(record, dict) and "messages" in record:
             prompts.append(_encode_chat(tokenizer, record["messages"], chat_kwargs, where))

@@ -8,6 +8,7 @@ from dflash_trt.errors import DFlashTrtError
 
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer.model", "vocab.json")
 UNLIMITED = int(1e30)  # what transformers itself uses for a tokenizer without a length limit
+MAX_CHAT_TEMPLATE_BYTES = 1024 * 1024  # real templates are tens of kB; a larger file is the wrong file
 
 
 def load_tokenizer(directory: str | Path):
@@ -35,3 +36,27 @@ def load_tokenizer(directory: str | Path):
     # length is longer than the specified maximum" warning, which names no flag of ours.
     tokenizer.model_max_length = UNLIMITED
     return tokenizer
+
+
+def read_chat_template(path: str | Path) -> str:
+    """A Jinja chat template from a file (for a tokenizer that has none, or to replace its own), checked to parse
+    so that a typo is one error at start, not a 400 on every chat request."""
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    path = Path(path)
+    if not path.is_file():
+        raise DFlashTrtError(f"chat template {path} does not exist or is not a file")
+    if path.stat().st_size > MAX_CHAT_TEMPLATE_BYTES:
+        raise DFlashTrtError(f"chat template {path} is over {MAX_CHAT_TEMPLATE_BYTES} bytes: not a chat template")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DFlashTrtError(f"chat template {path} is not UTF-8 text: {exc.reason}") from None
+    if not text.strip():
+        raise DFlashTrtError(f"chat template {path} is empty")
+    try:
+        ImmutableSandboxedEnvironment().parse(text)
+    except TemplateSyntaxError as exc:
+        raise DFlashTrtError(f"chat template {path}, line {exc.lineno}: {exc.message}") from None
+    return text

@@ -93,6 +93,7 @@ def _gpu() -> dict:
                 ctx_kv,
                 weight,
                 positions,
+                positions,
                 seq_slots,
                 valid,
                 offsets,

@@ -64,7 +64,10 @@ def make_world(root: Path) -> World:
     world.engine.mkdir()
     (world.engine / "config.json").write_text(
         json.dumps(
-            {"pretrained_config": {"vocab_size": 512}, "build_config": {"max_batch_size": 4, "max_input_len": 64}}
+            {
+                "pretrained_config": {"vocab_size": 512},
+                "build_config": {"max_batch_size": 4, "max_input_len": 64, "max_seq_len": 128 + 2 * 15},
+            }
         )
     )
     manifest = {"max_batch_size": 4, "max_draft_len": 15, "tp_size": 1, "plugin_library": str(world.plugin)}

@@ -51,6 +51,9 @@ class PairVariant:
     top_level: dict = field(default_factory=dict)
     init_std: float = 0.25
     seed: int = 0
+    # Hidden dimension 0 holds +10 in every embedding and no layer writes to it, while every lm_head row reads it with
+    # weight -2: every logit is negative, so an argmax that strays onto zero lm_head padding rows picks them.
+    negative_logits: bool = False
     # A DFlash2 drafter: its dflash_config keys (conv_kernel_size, conv_group_size, selector_rank, selector_top_k),
     # and whether its codebooks are stored as published (no `.weight`) or as the dflash package saves them.
     dflash2: dict | None = None
@@ -113,8 +116,22 @@ def make_target(path: Path, v: PairVariant) -> torch.nn.Module:
     _randomize(model, v.init_std / 2, v.seed)
     if v.tie:
         model.tie_weights()
+    if v.negative_logits:
+        with torch.no_grad():
+            model.model.embed_tokens.weight[:, 0] = 10.0
+            _silence_dimension_zero(model.model.layers)
+            model.lm_head.weight[:, 0] = -2.0
     model.save_pretrained(path)
     return model
+
+
+def _silence_dimension_zero(layers) -> None:
+    """No layer output (attention or MLP, bias included) adds to hidden dimension 0 of the residual stream."""
+    for layer in layers:
+        for out in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            out.weight[0, :] = 0.0
+            if out.bias is not None:
+                out.bias[0] = 0.0
 
 
 def _publish_codebooks(path: Path) -> None:
@@ -157,6 +174,9 @@ def make_draft(path: Path, v: PairVariant) -> DFlashDraftModel:
     torch.manual_seed(v.seed + 1)
     model = (DFlash2DraftModel if v.dflash2 else DFlashDraftModel)(cfg).eval()
     _randomize(model, v.init_std, v.seed + 1)
+    if v.negative_logits:
+        with torch.no_grad():
+            _silence_dimension_zero(model.layers)
     model.save_pretrained(path)
     if v.dflash2 and v.published_codebooks:
         _publish_codebooks(path)

@@ -9,11 +9,11 @@ from dflash_trt.server.launch import listen, uvicorn_server
 
 
 class RunningServer:
-    def __init__(self, app):
+    def __init__(self, app, bounds=None):
         self.sock = listen("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn_server(app)
+        self.server = uvicorn_server(app, bounds)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> RunningServer:

@@ -40,7 +40,9 @@ def write_tokenizer(d: Path) -> Path:
 
 
 def make_preprocessor(tokenizer_dir: Path) -> P.Preprocessor:
-    return P.Preprocessor.from_dir(str(tokenizer_dir), add_special_tokens=False, max_input_len=32, max_temperature=0.0)
+    return P.Preprocessor.from_dir(
+        str(tokenizer_dir), add_special_tokens=False, max_input_len=32, max_seq_len=64, max_temperature=0.0
+    )
 
 
 def repository_settings(tokenizer_dir: Path, **changes) -> RepositorySettings:
@@ -53,6 +55,7 @@ def repository_settings(tokenizer_dir: Path, **changes) -> RepositorySettings:
         max_draft_len=15,
         world_size=1,
         max_temperature=0.0,
+        max_seq_len=8192 - 30,
     )
     return RepositorySettings(**{**base, **changes})
 
@@ -67,7 +70,9 @@ def model_configs(repo: Path) -> dict:
 
 def write_engine_dir(path: Path, **manifest) -> Path:
     path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps({"build_config": {"max_batch_size": 128, "max_input_len": 2048}}))
+    (path / "config.json").write_text(
+        json.dumps({"build_config": {"max_batch_size": 128, "max_input_len": 2048, "max_seq_len": 4096 + 18}})
+    )
     base = {
         "max_batch_size": 128,
         "max_draft_len": 9,

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from dflash_trt.analysis.comm import ALGORITHMS, INTERCONNECTS, Interconnect, allgather_seconds, allreduce_seconds
 from dflash_trt.analysis.gpus import GpuSpec
 from dflash_trt.analysis.pareto import Point
+from dflash_trt.draft_schedule import DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import BYTES_PER_WEIGHT, FP8, NONE, NVFP4
 
@@ -348,14 +349,21 @@ def dflash_step(
     injected_tokens: float,
     ctx: float,
     dep: Deployment,
+    drafter_tokens: int | None = None,
 ) -> StepCost:
     """One DFlash iteration verifying `verify_tokens` (= draft length + 1) per sequence: the target verify, one
-    drafter pass over the block (lm_head on the drafts' rows) and the KV injection of `injected_tokens` accepted
-    tokens per sequence (fc over their taps, then every draft layer's K/V projection)."""
-    if not 1 <= verify_tokens <= drafter.block_size:
-        raise DFlashTrtError(f"a DFlash step verifies 1..{drafter.block_size} tokens (the block), got {verify_tokens}")
+    drafter pass over `drafter_tokens` block positions (lm_head on all but the anchor's row) and the KV injection of
+    `injected_tokens` accepted tokens per sequence (fc over their taps, then every draft layer's K/V projection).
+    `drafter_tokens` defaults to `verify_tokens` (a runtime that sizes the block by the draft length); our engine
+    drafts its whole block whatever the draft length, so a draft-length schedule passes the block size."""
+    width = verify_tokens if drafter_tokens is None else drafter_tokens
+    if not 1 <= verify_tokens <= width <= drafter.block_size:
+        raise DFlashTrtError(
+            f"a DFlash step verifies 1..{drafter.block_size} tokens (the block) and drafts at least as many, got "
+            f"{verify_tokens} verified of {width} drafted"
+        )
     verify = stack_pass(target.stack, batch, verify_tokens, ctx, dep, batch * verify_tokens, target.vocab)
-    draft = stack_pass(drafter.stack, batch, verify_tokens, ctx, dep, batch * (verify_tokens - 1), target.vocab)
+    draft = stack_pass(drafter.stack, batch, width, ctx, dep, batch * (width - 1), target.vocab)
     injected = batch * injected_tokens
     h = drafter.stack.hidden
     fc_params = drafter.num_taps * h * h
@@ -398,24 +406,35 @@ class Iteration:
 
 @dataclass(frozen=True)
 class Method:
-    """What runs: AR (no drafter), DFlash or EAGLE-3, with the acceptance it achieves."""
+    """What runs: AR (no drafter), DFlash or EAGLE-3, with the acceptance it achieves. A DFlash method with a
+    draft-length `schedule` is our engine: its acceptance is the full block's, each batch verifies the schedule's
+    draft length (the acceptance cut to it) and the drafter always runs the whole block."""
 
     name: str
     drafter: DFlashShape | Eagle3Shape | None = None
     acceptance: Acceptance | None = None
+    schedule: DraftLenSchedule | None = None
+
+    def acceptance_at(self, batch: int) -> Acceptance | None:
+        """The acceptance of one step at this batch: the schedule's draft length cuts longer accepted runs."""
+        if self.schedule is None or self.acceptance is None or not isinstance(self.drafter, DFlashShape):
+            return self.acceptance
+        return self.acceptance.resized(self.schedule.draft_len(batch, self.drafter.block_size - 1) + 1)
 
     def step(self, target: TargetShape, batch: int, ctx: float, dep: Deployment) -> StepCost:
         if self.drafter is None:
             return ar_step(target, batch, ctx, dep)
-        if self.acceptance is None:
+        acceptance = self.acceptance_at(batch)
+        if acceptance is None:
             raise DFlashTrtError(f"{self.name}: a speculative method needs an acceptance distribution")
-        width = self.acceptance.max_length
+        width = acceptance.max_length
         if isinstance(self.drafter, DFlashShape):
             if width > self.drafter.block_size:
                 raise DFlashTrtError(
                     f"acceptance lengths reach {width} but the drafter's block size is {self.drafter.block_size}"
                 )
-            return dflash_step(target, self.drafter, batch, width, self.acceptance.mean(), ctx, dep)
+            block = None if self.schedule is None else self.drafter.block_size
+            return dflash_step(target, self.drafter, batch, width, acceptance.mean(), ctx, dep, block)
         steps = self.drafter.steps
         if width > steps + 1:
             raise DFlashTrtError(f"acceptance lengths reach {width} but {steps} drafts yield at most {steps + 1}")
@@ -423,7 +442,8 @@ class Method:
 
     def iteration(self, target: TargetShape, batch: int, ctx: float, dep: Deployment) -> Iteration:
         cost = self.step(target, batch, ctx, dep)
-        tokens = 1.0 if self.acceptance is None else self.acceptance.mean()
+        acceptance = self.acceptance_at(batch)
+        tokens = 1.0 if acceptance is None else acceptance.mean()
         return Iteration(dep.calibration.seconds(cost), tokens, cost)
 
 

@@ -16,20 +16,28 @@ from dflash_trt.decoding_modes import AR, EAGLE3
 from dflash_trt.errors import DFlashTrtError
 
 Y_LABEL_GPU = "output tok/s per GPU"
-Y_LABEL_CPU = "output tok/s (CPU host, no GPU)"
+Y_LABEL_CPU = "output tok/s (whole server or CPU host)"
 # One colour per engine, in sorted name order, for the HTML and the PNG alike.
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 _W, _H, _M = 720, 440, 64
 
 
+LOG_SCALE = " (log scale)"
+
+
 def _log_ticks(lo: float, hi: float) -> list[float]:
-    ticks = []
-    for e in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1):
-        for m in (1, 2, 5):
-            v = m * 10.0**e
-            if lo <= v <= hi:
-                ticks.append(v)
-    return ticks
+    """Plain values to label a log axis from lo to hi with: 1-2-5 per decade, finer steps when that gives fewer
+    than two (a narrow range, e.g. one point's), and the range's middle as a last resort."""
+    for mantissas in ((1, 2, 5), (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8)):
+        ticks = [
+            m * 10.0**e
+            for e in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
+            for m in mantissas
+            if lo <= m * 10.0**e <= hi
+        ]
+        if len(ticks) >= 2:
+            return ticks
+    return [float(f"{math.sqrt(lo * hi):.2g}")]
 
 
 def _fmt(v: float) -> str:
@@ -37,7 +45,8 @@ def _fmt(v: float) -> str:
 
 
 def y_label(records: Sequence[dict]) -> str:
-    """Per GPU only when every measured point ran on GPUs (a CPU golden-model point records `gpus` 0)."""
+    """Per GPU only when every measured point knows its GPUs (a CPU golden-model point, and an OpenAI server's
+    without --gpus, record `gpus` 0)."""
     return Y_LABEL_GPU if all(r.get("gpus", 1) for r in records if r.get("status") == "ok") else Y_LABEL_CPU
 
 
@@ -72,9 +81,10 @@ def render_svg(points: Sequence[Point], x_label: str, y_axis: str = Y_LABEL_GPU)
     for t in _log_ticks(y_lo, y_hi):
         parts.append(f'<line x1="{_M}" y1="{sy(t):.1f}" x2="{_W - _M}" y2="{sy(t):.1f}" stroke="#ddd"/>')
         parts.append(f'<text x="{_M - 4}" y="{sy(t) + 4:.1f}" text-anchor="end">{_fmt(t)}</text>')
-    parts.append(f'<text x="{_W / 2}" y="{_H - 16}" text-anchor="middle">{html.escape(x_label)}</text>')
+    parts.append(f'<text x="{_W / 2}" y="{_H - 16}" text-anchor="middle">{html.escape(x_label + LOG_SCALE)}</text>')
     rotate = f"rotate(-90 14 {_H / 2})"
-    parts.append(f'<text x="14" y="{_H / 2}" text-anchor="middle" transform="{rotate}">{html.escape(y_axis)}</text>')
+    y_text = html.escape(y_axis + LOG_SCALE)
+    parts.append(f'<text x="14" y="{_H / 2}" text-anchor="middle" transform="{rotate}">{y_text}</text>')
     for i, (name, color, pts) in enumerate(_engine_colors(points)):
         front = pareto_frontier(pts)
         path = " ".join(f"{sx(p.tok_s_user):.1f},{sy(p.tok_s_gpu):.1f}" for p in front)
@@ -129,6 +139,8 @@ def write_png(
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, color, pts in _engine_colors(points):
         front = pareto_frontier(pts)
@@ -144,13 +156,19 @@ def write_png(
             )
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_title(title)
-    ax.set_xlabel(x_label)
-    ax.set_ylabel(y_axis)
+    for axis, values in ((ax.xaxis, [p.tok_s_user for p in points]), (ax.yaxis, [p.tok_s_gpu for p in points])):
+        lo, hi = min(values) / 1.3, max(values) * 1.3  # the HTML plot's range and ticks
+        (ax.set_xlim if axis is ax.xaxis else ax.set_ylim)(lo, hi)
+        axis.set_major_locator(FixedLocator(_log_ticks(lo, hi)))
+        axis.set_major_formatter(FuncFormatter(lambda v, _: _fmt(v)))
+        axis.set_minor_locator(NullLocator())
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(x_label + LOG_SCALE)
+    ax.set_ylabel(y_axis + LOG_SCALE)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, metadata={"Title": title, "Software": "dflash-trt"})
     plt.close(fig)
     return True
 
@@ -159,13 +177,31 @@ def _ratio(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
 
+def _equal_concurrency_table(groups: dict[str, list[Point]], names: list[str], unit: str, baseline: str) -> Table:
+    """Each engine's measured throughput at every concurrency the baseline ran too, and its ratio there: a
+    comparison of two measured points, no interpolation."""
+    measured = {name: {p.concurrency: p.tok_s_gpu for p in groups[name]} for name in names}
+    rows = []
+    for concurrency in sorted(measured[baseline]):
+        base = measured[baseline][concurrency]
+        values = [measured[n].get(concurrency) for n in names]
+        rows.append(
+            [str(concurrency)]
+            + ["-" if v is None else f"{v:.1f}" for v in values]
+            + [_ratio(None if v is None else v / base) for v in values]
+        )
+    header = ["concurrency", *[f"{n} {unit}" for n in names], *[f"{n} vs {baseline}" for n in names]]
+    return f"{unit} at equal concurrency (measured points), and speedup over {baseline} there", header, rows
+
+
 def _comparison_tables(
     rows: Sequence[BandRow], crossovers: dict[str, float | None], names: list[str], unit: str, baseline: str
 ) -> list[Table]:
     """Throughput and speedup over the baseline at equal interactivity, and where speculation stops paying."""
     return [
         (
-            f"{unit} at equal interactivity (same tok/s/user), and speedup over {baseline} there",
+            f"{unit} at equal interactivity (same tok/s/user, interpolated along each frontier: the engines run at "
+            f"different concurrencies there), and speedup over {baseline} there",
             ["tok/s/user", *[f"{n} {unit}" for n in names], *[f"{n} vs {baseline}" for n in names]],
             [
                 [f"{r.tok_s_user:.1f}"]
@@ -239,6 +275,7 @@ def analyze_records(
     }
     tables: list[Table] = list(extra_tables)
     if baseline is not None:
+        tables.append(_equal_concurrency_table(groups, sorted(groups), unit, baseline))
         tables += _comparison_tables(rows, crossovers, sorted(groups), unit, baseline)
     if failed:
         tables.append(("Failed points", ["engine", "concurrency", "error"], [list(f.values()) for f in failed]))

@@ -3,7 +3,8 @@
 An executor (`dflash_trt.executors.contract`) takes requests and hands back responses in batches, on the event
 loop's thread: one response per decoding iteration of one request, carrying the tokens that iteration produced.
 The driver stamps each batch with its arrival time, so a request's record holds the time of every token, how many
-tokens each iteration yielded (the acceptance source) and the number of iterations.
+tokens each iteration yielded (the acceptance source), how many drafts it verified (where the executor says) and the
+number of iterations.
 
 The driver does as little as possible per response (a list append and a counter), because at 512 users a GPU
 produces tens of thousands of responses per second; `perf/bench_driver.py` measures what it sustains.
@@ -31,6 +32,7 @@ class RequestRecord:
     sent_s: float
     response_s: list[float] = field(default_factory=list)
     chunks: list[int] = field(default_factory=list)
+    draft_lens: list[int | None] = field(default_factory=list)  # per chunk: the drafts its iteration verified
     output_ids: list[int] = field(default_factory=list)
     finished_s: float | None = None
     error: str | None = None
@@ -87,6 +89,7 @@ class _Run:
             if tokens:
                 record.response_s.append(now)
                 record.chunks.append(len(tokens))
+                record.draft_lens.append(response.draft_len)
                 record.output_ids += tokens
             if response.final or response.error is not None:
                 record.error = response.error

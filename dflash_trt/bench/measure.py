@@ -20,8 +20,16 @@ PROGRESS_DELAY_S = 1.0
 
 
 def request_bar(total: int, description: str, enabled: bool = True) -> tqdm:
-    """The bar of one point's requests (`measure_point`'s `on_request_done` is its `update`)."""
-    return tqdm(total=total, desc=description, unit="req", leave=False, disable=not enabled, delay=PROGRESS_DELAY_S)
+    """The bar of one point's requests (`measure_point`'s `on_request_done` is its `update`); drawn only on a
+    terminal (tqdm's `disable=None`), so a log gets no carriage-return-joined lines."""
+    return tqdm(
+        total=total,
+        desc=description,
+        unit="req",
+        leave=False,
+        disable=None if enabled else True,
+        delay=PROGRESS_DELAY_S,
+    )
 
 
 def measure_point(

@@ -44,6 +44,9 @@ class RequestEntry:
     output_ids: list[int]
     decoding_iterations: int  # executor responses that carried tokens
     acceptance: list[int]  # tokens per generation iteration
+    # Drafts each generation iteration verified (the draft-length schedule at work); None where the executor does
+    # not report them (an engine or a server: their schedule is built into the engine).
+    draft_lens: list[int] | None
     ttft_s: float | None
     latency_s: float | None
     response_times_s: list[float]  # arrival of each response after the send; a response's tokens arrive with it
@@ -62,7 +65,7 @@ class BenchPoint:
     engine: str  # the name plotted
     concurrency: int | None  # closed loop; None for an open-loop point
     request_rate: float | None  # requests/s; None for a closed-loop point
-    gpus: int  # 0 for the CPU golden model
+    gpus: int  # 0: not per GPU (the CPU golden model; an OpenAI server run without --gpus)
     requests: int  # finished without error
     failed: int
     output_tokens: int  # of the finished requests
@@ -127,12 +130,15 @@ def _mean_in_flight(trace: Sequence[tuple[float, int]], end: float) -> float:
 
 def _request_entry(record: RequestRecord) -> RequestEntry:
     first = record.response_s[0] - record.sent_s if record.response_s else None
+    drafts = record.draft_lens[1:]
+    known = [d for d in drafts if d is not None]
     return RequestEntry(
         prompt_index=record.prompt_index,
         input_len=record.input_len,
         output_ids=record.output_ids,
         decoding_iterations=len(record.chunks),
         acceptance=record.chunks[1:],
+        draft_lens=known if len(known) == len(drafts) else None,
         ttft_s=first,
         latency_s=None if record.finished_s is None else record.finished_s - record.sent_s,
         response_times_s=[t - record.sent_s for t in record.response_s],

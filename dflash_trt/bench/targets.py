@@ -16,6 +16,7 @@ from typing import Any
 
 from dflash_trt.bench.workload import Workload
 from dflash_trt.decoding_modes import AR, DECODING_MODES, EAGLE3, DecodingMode
+from dflash_trt.draft_schedule import FIXED, DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.executors.contract import Executor
 from dflash_trt.reference.loop_rules import longest_request
@@ -34,10 +35,13 @@ class Target:
     eagle_choices: tuple[tuple[int, ...], ...] | None = None
     triton_model: str = "tensorrt_llm"
     triton_protocol: str = "grpc"  # "http": a text model over HTTP generate_stream, triton_url the HTTP port
-    gpus: int | None = None  # behind a server; None: a Triton server's gpu_device_ids say, else 1
+    gpus: int | None = None  # behind a server; None: a Triton server's gpu_device_ids say, else 1; an OpenAI
+    # server does not say, so without it its points are not per GPU (gpus 0)
     end_id: int | None = None
     vocab_size: int | None = None  # a server's token range, when known: its responses are checked against it
     tokenizer_dir: str | None = None  # the served model's tokenizer: text models take and return text
+    # The golden model's drafts by load; an engine's schedule is built into it (`build --draft_len_schedule`).
+    draft_len_schedule: DraftLenSchedule = FIXED
 
     def __post_init__(self) -> None:
         if self.mode not in DECODING_MODES:
@@ -49,6 +53,11 @@ class Target:
             )
         if self.checkpoint_dir and self.mode == EAGLE3:
             raise DFlashTrtError("a converted DFlash checkpoint runs as kind 'dflash' or 'ar', not 'eagle3'")
+        if not self.checkpoint_dir and not self.draft_len_schedule.is_none:
+            raise DFlashTrtError(
+                "a draft-length schedule is given to the golden model of a checkpoint; an engine's is built into it "
+                "(dflash-trt build --draft_len_schedule)"
+            )
 
     @property
     def location(self) -> tuple[str, str]:
@@ -95,6 +104,8 @@ def check_target(target: Target) -> None:
         _engine_info(target)
     elif target.checkpoint_dir and not (Path(target.checkpoint_dir) / "config.json").is_file():
         raise DFlashTrtError(f"{target.checkpoint_dir} is not a converted checkpoint (no config.json)")
+    elif target.checkpoint_dir and not target.draft_len_schedule.is_none:
+        target.draft_len_schedule.fitted_to(_golden_model(target.checkpoint_dir).draft.spec.block_size - 1)
 
 
 def vocab_size(target: Target) -> int | None:
@@ -136,6 +147,7 @@ def executor_factory(
             workload.max_seq_len,
             block_size=block,
             stop_token_ids=stops,
+            draft_len_schedule=target.draft_len_schedule,
         )
     if target.engine_dir:
         from dflash_trt.executors.trtllm import TrtllmExecutor
@@ -153,7 +165,7 @@ def executor_factory(
 
         url = target.openai_url
         return lambda in_flight: OpenAIExecutor(
-            url, mode=target.mode, gpus=target.gpus or 1, ignore_eos=workload.ignore_eos
+            url, mode=target.mode, gpus=target.gpus or 0, ignore_eos=workload.ignore_eos
         )
     from dflash_trt.clients.triton import TEXT_MODELS, TritonExecutor
 
@@ -192,4 +204,5 @@ def provenance(target: Target) -> dict[str, Any]:
 
 def describe(target: Target) -> dict[str, Any]:
     kind, value = target.location
-    return {"kind": target.mode, kind: value}
+    schedule = {"draft_len_schedule": target.draft_len_schedule.text()} if target.checkpoint_dir else {}
+    return {"kind": target.mode, kind: value, **schedule}

@@ -153,8 +153,13 @@ class OpenAIExecutor(StreamPerRequest):
 
         try:
             listed = await asyncio.wait_for(models(), self.connect_timeout_s)
-        except (OSError, asyncio.TimeoutError, HttpError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, asyncio.TimeoutError) as exc:
             raise DFlashTrtError(f"cannot reach an OpenAI server at {self.url}: {exc or type(exc).__name__}") from None
+        except (HttpError, ValueError, KeyError, TypeError) as exc:
+            raise DFlashTrtError(
+                f"{self.url} answered, but GET {self.url}/models gave no OpenAI model list "
+                f"({exc or type(exc).__name__}); the URL names the API root, e.g. http://HOST:PORT/v1"
+            ) from None
         if not listed:
             raise DFlashTrtError(f"{self.url}/models lists no model")
         self.model = str(listed[0]["id"])

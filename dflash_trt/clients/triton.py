@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -36,8 +37,27 @@ TEXT_MODELS = ("ensemble", "tensorrt_llm_bls")  # the repository's text-in, text
 FINAL = "triton_final_response"
 
 
+INT32_MAX = 2**31 - 1  # the tensorrt_llm model's input_ids and request_output_len are INT32
+
+
 class BadResponse(Exception):
     """A response that is not what the tensorrtllm backend sends for the request."""
+
+
+class BadRequest(Exception):
+    """A request the model's inputs cannot carry; refused before it leaves."""
+
+
+def check_request(request: Request, vocab_size: int | None) -> None:
+    """Token ids within the vocabulary (INT32 when it is not known) and a budget within INT32: what would otherwise
+    fail converting to the model's tensors, or come back as the model's own error."""
+    ids, bound = request.input_ids, INT32_MAX + 1 if vocab_size is None else vocab_size
+    if not ids:
+        raise BadRequest("the prompt is empty")
+    if min(ids) < 0 or max(ids) >= bound:
+        raise BadRequest(f"prompt token ids must lie in 0..{bound - 1}, got {min(ids)}..{max(ids)}")
+    if not 1 <= request.max_new_tokens <= INT32_MAX:
+        raise BadRequest(f"max_new_tokens must lie in 1..{INT32_MAX}, got {request.max_new_tokens}")
 
 
 def response_tokens(output: np.ndarray | None, vocab_size: int | None) -> list[int]:
@@ -178,25 +198,26 @@ class TritonExecutor(StreamPerRequest):
         device_ids = config.get("config", {}).get("parameters", {}).get(GPU_DEVICE_IDS, {}).get("string_value")
         return replica_gpus(device_ids)[1] if device_ids else None
 
+    def _inputs(self, request: Request) -> tuple[list, TextCounter | None]:
+        if self.tokenizer is None:
+            return request_inputs(request, self.end_id), None
+        prompt = self.tokenizer.decode(request.input_ids, skip_special_tokens=True)
+        return text_request_inputs(request, prompt, self.end_id), TextCounter(self.tokenizer)
+
+    async def _one_request(self, request_id: int, inputs: list, done: asyncio.Event) -> AsyncIterator[dict]:
+        yield {"model_name": self.model, "inputs": inputs, "request_id": f"{self.id_prefix}-{request_id}"}
+        await done.wait()  # keep our side of the stream open until the final response
+
     async def _stream(self, request_id: int, request: Request) -> None:
         import grpc
         from tritonclient.utils import InferenceServerException
 
         done = asyncio.Event()
-
-        if self.tokenizer is not None:
-            prompt = self.tokenizer.decode(request.input_ids, skip_special_tokens=True)
-            inputs, counter = text_request_inputs(request, prompt, self.end_id), TextCounter(self.tokenizer)
-        else:
-            inputs, counter = request_inputs(request, self.end_id), None
-
-        async def one_request():
-            yield {"model_name": self.model, "inputs": inputs, "request_id": f"{self.id_prefix}-{request_id}"}
-            await done.wait()  # keep our side of the stream open until the final response
-
         received = 0
         try:
-            async for result, error in self.client.stream_infer(one_request()):
+            check_request(request, self.vocab_size)
+            inputs, counter = self._inputs(request)
+            async for result, error in self.client.stream_infer(self._one_request(request_id, inputs, done)):
                 if error is not None:
                     self.deliver([failed(request_id, str(error))])
                     return
@@ -213,7 +234,7 @@ class TritonExecutor(StreamPerRequest):
                 if final:
                     return
             self.deliver([failed(request_id, "the stream ended before a final response")])
-        except (InferenceServerException, grpc.RpcError, BadResponse) as exc:
+        except (InferenceServerException, grpc.RpcError, BadResponse, BadRequest) as exc:
             self.deliver([failed(request_id, str(exc))])
         except Exception as exc:  # a malformed response must fail its request, never the task silently
             self.deliver([failed(request_id, f"malformed response: {exc}")])

@@ -30,11 +30,13 @@ from dflash_trt.bench.workload import (
 )
 from dflash_trt.checkpoint.atomic import atomic_directory, check_destination, check_writable
 from dflash_trt.decoding_modes import AR, DFLASH
+from dflash_trt.draft_schedule import AUTO, NONE
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.executors.contract import FollowerRank
 from dflash_trt.inputs import (
     CONCURRENCIES,
     CONCURRENCY,
+    DRAFT_LEN_SCHEDULE,
     END_ID,
     GPUS,
     MEMORY_FRACTION,
@@ -107,7 +109,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=GPUS,
         default=None,
         help="GPUs behind --triton_url / --openai_url, dividing tok/s per GPU (default: for Triton, the GPUs its "
-        "tensorrt_llm gpu_device_ids place replicas on, else 1)",
+        "tensorrt_llm gpu_device_ids place replicas on, else 1; for an OpenAI server none: tok/s not per GPU)",
     )
     p.add_argument(
         "--end_id",
@@ -137,6 +139,13 @@ def _add_source_arguments(p: argparse.ArgumentParser) -> None:
     target.add_argument("--checkpoint_dir", help="converted checkpoint: the golden model with in-flight batching, CPU")
     target.add_argument("--triton_url", type=URL, help="Triton gRPC endpoint HOST:PORT of a deployed repository")
     target.add_argument("--openai_url", help="OpenAI endpoint http://HOST:PORT/v1 (dflash-trt serve)")
+    p.add_argument(
+        "--draft_len_schedule",
+        type=DRAFT_LEN_SCHEDULE,
+        default=NONE,  # argparse parses a text default through `type`, so help shows it as the user writes it
+        help="--checkpoint_dir: the golden model's drafts per request by the step's load, none (default) or "
+        "N1:K1,N2:K2,... (an engine's is built into it; `plan --draft_len_schedule auto` prints a GPU's table)",
+    )
     prompts = p.add_mutually_exclusive_group(required=True)
     prompts.add_argument(
         "--input_file",
@@ -152,19 +161,39 @@ def _add_source_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def targets(args: argparse.Namespace) -> dict[str, Target]:
+def end_of_text(args: argparse.Namespace) -> tuple[int | None, str | None]:
+    """The end id a Triton run on --input_file stops at, and where it comes from: --end_id, else the EOS of
+    --tokenizer_dir's tokenizer (a deployment does not say its own), else none (requests run to their budget).
+    None, None for the other targets: an engine's config and an OpenAI server know their EOS."""
+    if args.end_id is not None:
+        return args.end_id, "--end_id"
+    if not args.triton_url or args.synthetic:
+        return None, None
+    tokenizer = load_tokenizer(args.tokenizer_dir) if args.tokenizer_dir else None
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if tokenizer is None or eos is None:
+        return None, "none: every request runs to --max_new_tokens (give --end_id, or a --tokenizer_dir with an EOS)"
+    return eos, f"the EOS {tokenizer.eos_token!r} of the tokenizer in {args.tokenizer_dir}"
+
+
+def targets(args: argparse.Namespace, end_id: int | None = None) -> dict[str, Target]:
     """The measured target and, with --baseline ar, the target alone, keyed by the name plotted."""
     common = {
         "plugin_library": args.plugin_library,
         "triton_model": args.triton_model,
         "triton_protocol": args.triton_protocol,
         "gpus": args.gpus,
-        "end_id": args.end_id,
+        "end_id": end_id,
         "vocab_size": args.vocab_size,
         "tokenizer_dir": args.tokenizer_dir,
     }
     where = (args.engine_dir, args.checkpoint_dir, args.triton_url, args.openai_url)
-    out = {DFLASH: Target(DFLASH, *where, **common)}
+    if args.draft_len_schedule == AUTO:
+        raise DFlashTrtError(
+            "--draft_len_schedule auto is derived for a GPU; the golden model takes a table (dflash-trt plan "
+            "--draft_len_schedule auto prints one)"
+        )
+    out = {DFLASH: Target(DFLASH, *where, **common, draft_len_schedule=args.draft_len_schedule)}
     if args.baseline == AR:
         if args.openai_url:
             raise DFlashTrtError("--baseline ar is not available with --openai_url; bench the AR server separately")
@@ -270,6 +299,19 @@ def provenance_table(provenance: dict[str, Any]):
     return "Where these numbers come from", ["", ""], rows
 
 
+def subtitle(workload: dict[str, Any], provenance: dict[str, Any]) -> str:
+    """What a pasted plot must carry to be read alone: the model measured, the prompts and the date."""
+    requests = workload.get("num_requests", workload.get("count"))
+    if workload.get("kind") == "file":
+        name, new = Path(workload["path"]).name, workload["max_new_tokens"]
+        prompts = f"{requests} requests from {name} ({workload['count']} prompts), up to {new} new tokens"
+    elif workload.get("kind") == "synthetic":
+        prompts = f"{requests} synthetic requests, ISL {workload['input_len']} / OSL {workload['output_len']}"
+    else:
+        prompts = f"a {workload.get('kind')} workload"
+    return f"{provenance['target']} | {prompts} | {provenance['started'][:10]}"
+
+
 def write_outputs(
     out: Path, points: list[BenchPoint], workload: dict[str, Any], provenance: dict[str, Any], overwrite: bool
 ) -> dict:
@@ -280,7 +322,9 @@ def write_outputs(
     with atomic_directory(out, "bench", overwrite) as staging:
         write_results(staging / RESULTS_FILE, [p.to_json() for p in points], workload, provenance)
         records = analysis_records(points)
-        title = f"dflash-trt bench, {provenance['backend']} backend: throughput vs interactivity"
+        title = f"dflash-trt bench, {provenance['backend']} backend: throughput vs interactivity\n" + subtitle(
+            workload, provenance
+        )
         tables = [provenance_table(provenance), points_table(points)]
         summary = analyze_records(records, "tpot", None, staging, tables, title) if records else {}
     return summary
@@ -295,7 +339,10 @@ def run(args: argparse.Namespace) -> int:
     parse_chat_template_kwargs(args.chat_template_kwargs)  # refused before any model loads
     out = Path(args.output_dir)
     check_output(out, args.overwrite)
-    chosen = targets(args)
+    end_id, end_from = end_of_text(args)
+    if end_from is not None:
+        print(f"end id {end_id}: {end_from}" if end_id is not None else f"end id {end_from}", file=sys.stderr)
+    chosen = targets(args, end_id)
     workload = build_workload(args, chosen[DFLASH])
     origin = provenance(chosen[DFLASH])
 
@@ -335,7 +382,8 @@ def run(args: argparse.Namespace) -> int:
                 progress(point)
     if follower:
         return 0  # rank 0 writes the results
-    write_outputs(out, points, workload.description, origin, args.overwrite)
+    stops = {} if end_from is None else {"end_id": end_id, "end_id_from": end_from}
+    write_outputs(out, points, workload.description | stops, origin, args.overwrite)
     if args.json:
         print(
             strict_json([p.without_detail() for p in points]),

@@ -1,7 +1,8 @@
 """`dflash-trt build`: one TensorRT-LLM 1.2.x engine (target + drafter) from a converted checkpoint.
 
-Flags mirror `trtllm-build`. `--dry_run` validates and prints the exact `trtllm-build` command, the BuildConfig
-and the manifest, and needs no GPU; a real run needs TensorRT-LLM 1.2.x and the plugin library.
+Flags mirror `trtllm-build`. `--dry_run` validates and prints the exact `trtllm-build` command, the BuildConfig,
+the manifest and why the engine records a longer max_seq_len than the one given, and needs no GPU; a real run needs
+TensorRT-LLM 1.2.x and the plugin library.
 """
 
 from __future__ import annotations
@@ -9,12 +10,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from pathlib import Path
 
 from dflash_trt.checkpoint.atomic import check_output_apart
 from dflash_trt.commands.build_profile import add_profile_arguments, run_profile
+from dflash_trt.commands.schedule_flags import add_schedule_arguments, schedule_for_checkpoint
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.gpu_targets import GPU_SMS, resolve_gpu
-from dflash_trt.inputs import POSITIVE_INT, WORKERS, IntRange
+from dflash_trt.inputs import DRAFT_TREE, POSITIVE_INT, WORKERS, IntRange
 from dflash_trt.trtllm.attention_route import route_summary
 from dflash_trt.trtllm.build_plan import (
     GEMM_PLUGIN_CHOICES,
@@ -37,10 +40,16 @@ SETTING_FLAGS: dict[str, IntRange] = {
     "max_beam_width": POSITIVE_INT,
     "tokens_per_block": POSITIVE_INT,
     "workers": WORKERS,
+    "draft_tree": DRAFT_TREE,
 }
 DERIVED_DEFAULTS = {
-    "max_seq_len": "min(8192, the target's max_position_embeddings; a sliding-window drafter's window bounds nothing)",
+    "max_seq_len": "min(8192, the target's max_position_embeddings less 3 x max_draft_len: the positions the engine's "
+    "longest requests reach; a sliding-window drafter's window bounds nothing)",
     "max_input_len": "min(4096, --max_seq_len)",
+    "max_num_tokens": f"min({EngineBuildSettings.max_num_tokens}, --max_seq_len x --max_batch_size: what "
+    "TensorRT-LLM's builder clips it to)",
+    "draft_tree": "the chain, block_size - 1 drafts; N more builds an engine verifying a draft tree of N nodes per "
+    "request (its EAGLE max_draft_len)",
 }
 SWITCH_FLAGS = ("use_paged_context_fmha", "use_fp8_context_fmha", "multiple_profiles")
 
@@ -74,8 +83,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--gpu",
         choices=tuple(GPU_SMS),
         default=None,
-        help="the GPU the engine is for, which decides the attention kernel of each pass (default: this host's GPU, "
-        "else an assumed one, said so; with --config: the profile's gpu)",
+        help="the GPU the engine is for, which decides the attention kernel of each pass and prices "
+        "--draft_len_schedule auto (default: this host's GPU, else an assumed one, said so; with --config: the "
+        "profile's gpu)",
     )
     parser.add_argument(
         "--plugin_library",
@@ -91,6 +101,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--overwrite", action="store_true", help="replace an --output_dir an earlier dflash-trt build wrote"
     )
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    add_schedule_arguments(parser, "none; with --config, the profile's", gpu_flag=False)
     parser.add_argument(
         "extra_flags", nargs=argparse.REMAINDER, help="after `--`: further trtllm-build flags, passed through verbatim"
     )
@@ -126,6 +137,8 @@ def readable_json(value: object, level: int = 0) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.config:
+        if args.draft_tree is not None:
+            raise DFlashTrtError("--draft_tree builds from --checkpoint_dir: build profiles hold no draft tree")
         return run_profile(args, settings_override=settings_from_args)
     if args.checkpoint_dir is None or args.output_dir is None:
         raise DFlashTrtError("give --checkpoint_dir and --output_dir, or a build profile with --config")
@@ -133,8 +146,15 @@ def run(args: argparse.Namespace) -> int:
         args.output_dir, {"--checkpoint_dir": args.checkpoint_dir, "--plugin_library": args.plugin_library}
     )
     gpu, chosen = resolve_gpu(args.gpu)
-    settings = dataclasses.replace(settings_from_args(args), gpu=gpu)
-    settings = fit_lengths(args.checkpoint_dir, settings, args.max_seq_len, args.max_input_len)
+    settings = fit_lengths(
+        args.checkpoint_dir,
+        dataclasses.replace(settings_from_args(args), gpu=gpu),
+        args.max_seq_len,
+        args.max_input_len,
+        args.max_num_tokens,
+    )
+    schedule = schedule_for_checkpoint(args, Path(args.checkpoint_dir), settings.max_batch_size, gpu_flag=False)
+    settings = dataclasses.replace(settings, draft_len_schedule=schedule)
     plan = plan_engine_build(args.checkpoint_dir, args.output_dir, settings, plugin_library=args.plugin_library)
     route = route_summary(gpu, plan.dflash_manifest["attention"])
     if args.dry_run:
@@ -144,11 +164,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"# GPU: {gpu} ({chosen})")
             print("\n".join(f"# {line}" for line in route))
             print("# trtllm-build command")
-            print(plan.shell_command(with_environment=True))
+            print(plan.shell_command(with_library=True))
             print("# BuildConfig (as trtllm-build passes it to BuildConfig.from_dict)")
             print(readable_json(plan.build_config))
             print("# dflash_trt.json")
             print(readable_json(plan.dflash_manifest))
+            print("# lengths")
+            print(plan.lengths.explanation())
         return 0
     from dflash_trt.trtllm.build import run_engine_build
 

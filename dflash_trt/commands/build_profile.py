@@ -49,6 +49,7 @@ def pipeline_request(args: argparse.Namespace) -> PipelineRequest:
         download=args.download,
         plugin_library=args.plugin_library,
         dry_run=args.dry_run,
+        draft_len_schedule=args.draft_len_schedule,
     )
 
 
@@ -60,12 +61,16 @@ def print_stage(result: StageResult, inp: PipelineInputs, out: TextIO) -> None:
         print(f"{header}: complete, skipped", file=out)
     elif result.outcome is Outcome.WOULD_RUN:
         print(f"{header}: {state}, would run:\n    {stage.command}", file=out)
+        if stage.note:
+            print(f"    # {stage.note}", file=out)
     elif result.outcome is Outcome.NEEDS_GPU:
         print(f"{header}: needs a GPU host with TensorRT-LLM 1.2.x; stopping here.", file=out)
         print("Finish on the GPU host (copy the workspace, keep the same model snapshots) with:", file=out)
         print(f"    {resume_command(inp)}", file=out)
         print("which runs:", file=out)
         print(f"    {stage.command}", file=out)
+        if stage.note:
+            print(f"    # {stage.note}", file=out)
     else:
         print(f"{header}: {state}, running:\n    {stage.command}", file=out, flush=True)
 
@@ -76,6 +81,8 @@ def run_profile(
 ) -> int:
     if getattr(args, "checkpoint_dir", None):
         raise DFlashTrtError("--checkpoint_dir does not combine with --config: the profile names the models")
+    if args.gpu or args.acceptance_json:
+        raise DFlashTrtError("--gpu and --acceptance_json serve --checkpoint_dir builds; a profile names its GPU")
     inp = resolve_inputs(
         pipeline_request(args),
         lambda settings: settings_override(args, settings),
@@ -88,6 +95,8 @@ def run_profile(
         print(f"offline: {note}", file=out)
     for line in route_summary(inp.settings.gpu, inp.attention_passes()):
         print(line, file=out)
+    if inp.schedule is not None:
+        print(f"draft-length schedule {inp.schedule.schedule.text()} ({inp.schedule.source})", file=out)
     results = run_pipeline(plan, dry_run=args.dry_run, report=lambda result: print_stage(result, inp, out))
     if as_json:
         print(json.dumps({"stages": [{"stage": r.stage.name, "outcome": r.label} for r in results]}))

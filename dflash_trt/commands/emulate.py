@@ -6,11 +6,16 @@ verifies the drafts by sampling, with the uniforms the golden loop draws (sequen
 `generate`'s JSON schema.
 
 What it reports is the engine's decoding, which differs from `generate` near --max_new_tokens: the engine (like
-TensorRT-LLM's EAGLE runtime) always drafts and verifies a full block and clips what it accepts to the budget,
+TensorRT-LLM's EAGLE runtime) always drafts and verifies a full block (under --draft_len_schedule, the schedule's
+draft length for the previous step's load) and clips what it accepts to the budget,
 where `generate`'s golden loop verifies a shorter last block. So the output equals the first N tokens of `generate`
 run with --max_new_tokens N + block_size - 1 (the same flags otherwise), and each acceptance length is that run's,
 the last one clipped to N; `generate` with --max_new_tokens N gives the same tokens at temperature 0 but may give
 other acceptance lengths once fewer than block_size - 1 tokens of the budget remain.
+
+`--draft_tree N` runs the network built with draft trees of N nodes (`dflash-trt build --draft_tree N`): each step it
+drafts the tree, the emulated runtime verifies it with the packed mask and position offsets of its paths and
+rewinds the K/V along the accepted path, as `generate --draft_tree N` decodes.
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ import time
 from pathlib import Path
 
 from dflash_trt.commands.generate import check_lengths, sequence_record
+from dflash_trt.commands.schedule_flags import add_schedule_arguments, schedule_for_checkpoint
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.gpu_targets import GPU_SMS, resolve_gpu
-from dflash_trt.inputs import POSITIVE_INT, SEED, TEMPERATURE, IntRange
+from dflash_trt.inputs import DRAFT_TREE, POSITIVE_INT, SEED, TEMPERATURE, IntRange
 from dflash_trt.prompts import read_prompts
 from dflash_trt.reference.loop_rules import longest_request
 from dflash_trt.sampling_rules import Sampling, SamplingRefused
@@ -68,13 +74,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--gpu",
         choices=tuple(GPU_SMS),
         default=None,
-        help="run the network as built for this GPU, whose attention kernels differ (default: this host's GPU, "
+        help="run the network as built for this GPU, whose attention kernels differ, and price --draft_len_schedule "
+        "auto for it (default: this host's GPU, "
         "else the one build assumes)",
     )
     parser.add_argument("--temperature", type=TEMPERATURE, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--seed", type=SEED, default=0, help="sequence i draws from seed + i, as generate")
+    parser.add_argument(
+        "--draft_tree",
+        type=DRAFT_TREE,
+        default=None,
+        metavar="N",
+        help="the engine verifies a draft tree of N nodes each step (default: the chain, N = block_size - 1)",
+    )
     parser.add_argument("--ignore_eos", action="store_true", help="never stop before --max_new_tokens")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_schedule_arguments(parser, "none", gpu_flag=False)
     parser.set_defaults(func=run)
 
 
@@ -94,7 +109,16 @@ def run(args: argparse.Namespace) -> int:
     checkpoint_dir = Path(args.checkpoint_dir)
     gpu, chosen = resolve_gpu(args.gpu)
     batch = args.max_batch_size or DEFAULT_MAX_BATCH_SIZE
-    engine = EmulatedEngine(checkpoint_dir, batch, args.max_num_tokens, args.tokens_per_block, gpu)
+    schedule = schedule_for_checkpoint(args, checkpoint_dir, batch, gpu_flag=False)
+    engine = EmulatedEngine(
+        checkpoint_dir,
+        batch,
+        args.max_num_tokens,
+        args.tokens_per_block,
+        gpu,
+        draft_len_schedule=schedule,
+        draft_tree=args.draft_tree,
+    )
     tokenizer = load_tokenizer(checkpoint_dir)
     prompts = read_prompts(args.input_file, tokenizer)
     longest = longest_request(engine.facts.max_position_embeddings, engine.k)
@@ -109,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     report = {
         "sequences": sequences,
         "mean_acceptance_length": mean_acceptance_length(results),
-        "per_position_acceptance": per_position_acceptance(results, engine.block - 1),
+        "per_position_acceptance": per_position_acceptance(results, engine.depth),
         "generated_tokens": generated,
         "tokens_per_second": generated / seconds if seconds > 0 else None,
         "engine_steps": engine.stats.steps,

@@ -6,6 +6,11 @@ default `--sampling engine` is the engine's rule (argmax drafts, one target samp
 while it equals the draft; temperature only, like the engine); `--sampling reference` is dflash_generate's rejection
 sampling of sampled drafts (honours --top_p / --top_k). Both reproduce the target's distribution exactly.
 
+`--draft_tree N` (N > block_size - 1) verifies, each step, the tree of N drafted tokens holding the block's most
+likely continuations under the drafter's per-position distributions, with tree attention; the target draws one token
+per node and the walk descends to the child holding it (lossless at temperature 0, the target's law above). N =
+block_size - 1 is the chain.
+
 Near --max_new_tokens this golden loop verifies only the tokens the budget still allows (a shorter last block,
 drafted as such); an engine drafts a full block and clips (see `dflash-trt emulate --help`), so the two agree on
 tokens at temperature 0 but may differ in the last acceptance lengths.
@@ -21,15 +26,16 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from dflash_trt.commands.schedule_flags import add_schedule_arguments, schedule_for_checkpoint
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.inputs import POSITIVE_INT, SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P
+from dflash_trt.inputs import DRAFT_TREE, POSITIVE_INT, SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P
 from dflash_trt.jsonfile import strict_json
 from dflash_trt.prompts import CHAT_TEMPLATE_KWARGS_HELP, parse_chat_template_kwargs, read_prompts
 from dflash_trt.sampling_rules import ENGINE, METHODS
 from dflash_trt.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
-    from dflash_trt.reference.decode import SequenceResult
+    from dflash_trt.reference.decode import SequenceResult, StepTrace
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -53,6 +59,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--seed", type=SEED, default=0, help="sequence i draws from seed + i (engine rule)")
     parser.add_argument("--block_size", type=POSITIVE_INT, default=None, help="verify block (default: the drafter's)")
+    parser.add_argument(
+        "--draft_tree",
+        type=DRAFT_TREE,
+        default=None,
+        metavar="N",
+        help="verify a draft tree of N nodes each step (default: the chain, N = block_size - 1)",
+    )
     stops = parser.add_mutually_exclusive_group()
     stops.add_argument(
         "--stop_token_ids", type=TOKEN_ID, nargs="+", default=None, help="replace the EOS stop ids (token ids)"
@@ -60,6 +73,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     stops.add_argument("--ignore_eos", action="store_true", help="never stop before --max_new_tokens")
     parser.add_argument("--trace", action="store_true", help="record the drafted tokens of every step")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_schedule_arguments(parser, "none (auto is derived for the prompts given, all in one batch)")
     parser.set_defaults(func=run)
 
 
@@ -72,7 +86,15 @@ def sequence_record(result: SequenceResult, tokenizer, trace: bool) -> dict[str,
     if tokenizer is not None:
         record["output_text"] = tokenizer.decode(result.output_ids)
     if trace:
-        record["steps"] = [{"draft_ids": s.draft_ids, "accepted": s.accepted} for s in result.steps]
+        record["steps"] = [step_record(s) for s in result.steps]
+    return record
+
+
+def step_record(step: StepTrace) -> dict[str, Any]:
+    """A traced step: its drafts and accepted count, and for a tree each node's parent (0 = the anchor)."""
+    record: dict[str, Any] = {"draft_ids": step.draft_ids, "accepted": step.accepted}
+    if step.parents is not None:
+        record["parents"] = step.parents
     return record
 
 
@@ -90,14 +112,20 @@ def check_lengths(
 
 def _print_trace(record: dict) -> None:
     for number, step in enumerate(record["steps"]):
-        print(f"    step {number}: drafted {step['draft_ids']}, accepted {step['accepted']}")
+        tree = f" (parents {step['parents']})" if "parents" in step else ""
+        print(f"    step {number}: drafted {step['draft_ids']}{tree}, accepted {step['accepted']}")
 
 
 def run(args: argparse.Namespace) -> int:
     from dflash_trt.reference.decode import per_sequence_sampling, speculative_generate
     from dflash_trt.reference.model import load_golden_model
     from dflash_trt.reference.sampling import SamplingParams
-    from dflash_trt.reference.stats import mean_acceptance_length, per_position_acceptance
+    from dflash_trt.reference.stats import (
+        REPORTED_RANKS,
+        mean_acceptance_length,
+        per_position_acceptance,
+        per_position_rank_rates,
+    )
 
     checkpoint_dir = Path(args.checkpoint_dir)
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.sampling)
@@ -107,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(checkpoint_dir)
     prompts = read_prompts(args.input_file, tokenizer, chat_kwargs=chat_kwargs)
     check_lengths(args, prompts, model.target.spec.max_position_embeddings)
+    schedule = schedule_for_checkpoint(args, checkpoint_dir, len(prompts))
     if args.ignore_eos:
         stop_ids = []
     elif args.stop_token_ids is not None:
@@ -122,7 +151,16 @@ def run(args: argparse.Namespace) -> int:
     total = args.max_new_tokens * len(prompts)
     with tqdm(total=total, desc="generate", unit="token", disable=not sys.stderr.isatty()) as bar:
         results = speculative_generate(
-            model, prompts, args.max_new_tokens, stop_ids, sampling, args.seed, args.block_size, progress=bar.update
+            model,
+            prompts,
+            args.max_new_tokens,
+            stop_ids,
+            sampling,
+            args.seed,
+            args.block_size,
+            progress=bar.update,
+            draft_tree=args.draft_tree,
+            draft_len_schedule=schedule,
         )
     seconds = time.perf_counter() - started
     generated = sum(len(r.output_ids) for r in results)
@@ -130,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
         "sequences": [sequence_record(r, tokenizer, args.trace) for r in results],
         "mean_acceptance_length": mean_acceptance_length(results),
         "per_position_acceptance": per_position_acceptance(results, model.draft.spec.num_drafts),
+        "per_position_rank_rates": per_position_rank_rates(results, model.draft.spec.num_drafts, REPORTED_RANKS),
         "generated_tokens": generated,
         "tokens_per_second": generated / seconds if seconds > 0 else None,
     }

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from dflash_trt.analysis.acceptance_file import read_acceptance_file
+from dflash_trt.analysis.draft_schedule import ScheduleRow, compare_schedule, derive_schedule
 from dflash_trt.analysis.gpus import GPUS, get_gpu
 from dflash_trt.analysis.harness_fits import HARNESSES, calibration
 from dflash_trt.analysis.memory import EngineLimits, FeasiblePoint, feasible_curve
@@ -33,10 +34,12 @@ from dflash_trt.analysis.published import PAIRS, TAU_SOURCES, TAUS, WORKLOADS, p
 from dflash_trt.analysis.shapes import eagle3_like, load_models
 from dflash_trt.checkpoint.sharding import tp_refusal
 from dflash_trt.decoding_modes import AR, DFLASH, EAGLE3
+from dflash_trt.draft_schedule import AUTO, DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import KV_CACHE_DTYPES, NONE, QFORMATS
 from dflash_trt.inputs import (
     CONCURRENCIES,
+    DRAFT_LEN_SCHEDULE,
     POSITIVE_INT,
     SPEED,
     SPEED_LEVELS,
@@ -151,6 +154,13 @@ def _add_acceptance_args(p: argparse.ArgumentParser) -> None:
         "--max_draft_len",
         type=DRAFT_LEN,
         help="drafts per step to plan for (default: what the acceptance was measured at; at most block - 1)",
+    )
+    p.add_argument(
+        "--draft_len_schedule",
+        type=DRAFT_LEN_SCHEDULE,
+        help="plan our engine under a draft-length schedule: auto (derived here: at each batch the draft length "
+        "serving the most tok/s; printed as the table build takes), none, or N1:K1,N2:K2,... (with at least N "
+        "requests in a step, draft K); prints AR, the full draft length and the schedule side by side",
     )
 
 
@@ -302,6 +312,7 @@ def _profile_models_on_disk(profile) -> tuple[TargetShape, DFlashShape]:
 
 def _capacity(args: argparse.Namespace) -> None:
     from dflash_trt.pipeline.capacity import capacity_warnings, describe, plan_capacity
+    from dflash_trt.pipeline.schedule import engine_deployment, profile_acceptance, profile_schedule
 
     profile = load_profile(args.config)
     if args.model_dir:
@@ -318,10 +329,24 @@ def _capacity(args: argparse.Namespace) -> None:
     shape = _lengths(args, (profile.sweep.input_len, profile.sweep.output_len))
     cap = plan_capacity(profile, target, drafter, shape)
     warnings = capacity_warnings(profile, cap)
+    resolved = profile_schedule(profile, target, drafter)
+    batches = sorted({c for c in profile.sweep.concurrency if c <= profile.engine.max_batch_size})
+    rows = compare_schedule(
+        target, drafter, profile_acceptance(profile, drafter), resolved.schedule, engine_deployment(profile),
+        mean_context(profile.sweep.input_len, profile.sweep.output_len), batches,
+    )  # fmt: skip
     if args.json:
-        _emit(strict_json({"profile": profile.name, "capacity": cap.as_json(), "warnings": warnings}, indent=2))
+        schedule = {
+            "schedule": resolved.schedule.text(),
+            "source": resolved.source,
+            "rows": [r.as_json() for r in rows],
+        }
+        out = {"profile": profile.name, "capacity": cap.as_json(), "draft_len_schedule": schedule, "warnings": warnings}
+        _emit(strict_json(out, indent=2))
     else:
         _emit(describe(profile, cap))
+        _emit(f"draft-length schedule {resolved.schedule.text()} ({resolved.source})")
+        _emit("\n".join(schedule_lines(resolved.schedule, [("", rows)])[1:]))
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
 
@@ -485,9 +510,13 @@ def _curves(args: argparse.Namespace) -> None:
     conc = args.concurrency
     lengths = _lengths(args, DEFAULT_LENGTHS)
     limits = _limits(args, conc)
+    schedule, schedule_rows = None, []
+    if args.draft_len_schedule is not None:
+        schedule, note = _schedule(args, target, drafter, dflash_accs, dep, lengths, limits)
+        notes.append(note)
     variants = {}
     for dflash_acc in dflash_accs:
-        dflash = [Method(DFLASH, drafter, dflash_acc)] if dflash_acc is not None else []
+        dflash = [Method(DFLASH, drafter, dflash_acc, schedule)] if dflash_acc is not None else []
         methods = [Method(AR), *dflash, *extra]
         feasible = {m.name: feasible_curve(m, target, dep, conc, lengths, limits) for m in methods}
         curves = {n: _ran(c) for n, c in feasible.items()}
@@ -503,11 +532,58 @@ def _curves(args: argparse.Namespace) -> None:
             }
         tau = "" if dflash_acc is None or len(dflash_accs) == 1 else f", tau {dflash_acc.mean():.2f}"
         variants[cal.name + tau] = (feasible, table, crossovers)
+        if schedule is not None and drafter is not None and dflash_acc is not None:
+            ran = [p.concurrency for p in curves[DFLASH]]
+            ctx = mean_context(*lengths)
+            schedule_rows.append((tau, compare_schedule(target, drafter, dflash_acc, schedule, dep, ctx, ran)))
     notes += cal_notes
     if args.json:
-        _emit_curves_json(variants, cal, notes, lengths, limits)
+        _emit_curves_json(variants, cal, notes, lengths, limits, schedule, schedule_rows)
     else:
         _emit_curves_text(args, variants, cal, notes, lengths, len(dflash_accs) > 1)
+        if schedule is not None:
+            _emit("\n".join(schedule_lines(schedule, schedule_rows)))
+
+
+def _schedule(args: argparse.Namespace, target, drafter, accs, dep, lengths, limits) -> tuple[DraftLenSchedule, str]:
+    """The schedule the DFlash curves run under: `auto` derived for this deployment from the lowest acceptance
+    planned (for a published range), or the table given; and a note saying which."""
+    if drafter is None:
+        raise DFlashTrtError("--draft_len_schedule plans a drafter: pass --dflash_model_dir or --preset")
+    if args.max_draft_len is not None:
+        raise DFlashTrtError("--max_draft_len fixes the draft length, --draft_len_schedule varies it: give one")
+    if args.draft_len_schedule != AUTO:
+        schedule = args.draft_len_schedule.fitted_to(drafter.block_size - 1)
+        return schedule, f"draft-length schedule {schedule.text()} (given)"
+    lowest = min(accs, key=lambda a: a.mean())
+    derived = derive_schedule(target, drafter, lowest, dep, mean_context(*lengths), limits.max_batch_size)
+    note = (
+        f"draft-length schedule auto = {derived.schedule.text()} (batches 1..{limits.max_batch_size}, acceptance "
+        f"length {lowest.mean():.2f}): dflash-trt build --draft_len_schedule {derived.schedule.text()}"
+    )
+    return derived.schedule, note
+
+
+def schedule_lines(schedule: DraftLenSchedule, variants: list[tuple[str, tuple[ScheduleRow, ...]]]) -> list[str]:
+    """The schedule against AR and the full draft length at each batch that runs."""
+    lines = [f"draft-length schedule {schedule.text()}: output tok/s of the whole engine at each batch"]
+    for label, rows in variants:
+        if not rows:
+            continue
+        k_max = rows[0].fixed_draft_len
+        if label:
+            lines.append(f"[{label.lstrip(', ')}]")
+        lines.append(
+            f"{'batch':>6} {'drafts':>6} {'best':>5} {'ar':>10} {f'dflash K={k_max}':>14} {'scheduled':>10} "
+            f"{'vs ar':>7} {'vs K=' + str(k_max):>8}"
+        )
+        for r in rows:
+            lines.append(
+                f"{r.batch:>6} {r.draft_len:>6} {r.best_draft_len:>5} {r.ar_tok_s:>10.0f} {r.fixed_tok_s:>14.0f} "
+                f"{r.scheduled_tok_s:>10.0f} {r.scheduled_tok_s / r.ar_tok_s:>6.2f}x "
+                f"{r.scheduled_tok_s / r.fixed_tok_s:>7.2f}x"
+            )
+    return lines
 
 
 def _emit_curves_json(
@@ -516,6 +592,8 @@ def _emit_curves_json(
     notes: list[str],
     lengths: tuple[int, int],
     limits: object,
+    schedule: DraftLenSchedule | None,
+    schedule_rows: list[tuple[str, tuple[ScheduleRow, ...]]],
 ) -> None:
     first = next(iter(variants.values()))[0]
     merged = {}
@@ -542,6 +620,13 @@ def _emit_curves_json(
                     for n, (_, t, _) in variants.items()
                 },
                 "crossover_concurrency_vs_ar": {n: c for n, (_, _, c) in variants.items()},
+                "draft_len_schedule": None
+                if schedule is None
+                else {
+                    "schedule": schedule.text(),
+                    "steps": schedule.as_json(),
+                    "rows": {label or cal.name: [r.as_json() for r in rows] for label, rows in schedule_rows},
+                },
                 "caveat": BAND_CAVEAT,
             },
             indent=2,

@@ -1,6 +1,8 @@
 """`dflash-trt selftest`: prove on this GPU host that the DFlash engine decodes exactly like the golden model.
 
-Converts the embedded tiny trained pair, builds its engine with TensorRT-LLM 1.2.x (plugin library required), runs
+Converts the embedded tiny trained pair, widened by default to the head size production models use (128; the kernels
+are specialised per head size: `dflash_trt/tiny/widen.py`), builds its engine with TensorRT-LLM 1.2.x (plugin
+library required), checks the engine's own config.json against what the plan recorded, runs
 held-out prompts through the executor in EAGLE mode (all in flight at once, streamed, one response per decoding
 iteration: `dflash_trt.bench`) and through the golden model, and fails unless every token and every acceptance
 length both define the same way agree, up to labelled near-ties (a first divergence where the golden model's
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import shutil
 from pathlib import Path
 
 from dflash_trt.decoding_modes import DFLASH
@@ -28,6 +31,9 @@ from dflash_trt.formats import ENGINE_DTYPES
 from dflash_trt.inputs import POSITIVE_INT, IntRange
 from dflash_trt.jsonfile import strict_json
 from dflash_trt.tiny.heldout import heldout_count
+
+# Qwen3 and Llama 3.x models attend with 128-element heads.
+PRODUCTION_HEAD_DIM = 128
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -48,6 +54,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max_new_tokens", type=POSITIVE_INT, default=64)
     parser.add_argument("--dtype", default="float16", choices=ENGINE_DTYPES)
     parser.add_argument(
+        "--head_dim",
+        type=POSITIVE_INT,
+        default=PRODUCTION_HEAD_DIM,
+        help=f"attention head size of the pair built: {PRODUCTION_HEAD_DIM} (production models' own: the tiny pair "
+        "widened), or the tiny pair's own (32) or another multiple of it",
+    )
+    parser.add_argument(
         "--chunked_context",
         action="store_true",
         help="build with the smallest max_num_tokens, add prompts longer than it and decode with "
@@ -64,16 +77,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-# The tiny target has 256 positions (max_position_embeddings): prompt + generated tokens stay within them.
-TINY_MAX_SEQ_LEN = 256
+# The tiny target has 256 positions (max_position_embeddings); an engine runs requests of max_seq_len + K tokens, which
+# reach 2K positions further (build_plan.longest_max_seq_len), so with its 16-token blocks it builds with 211.
 TINY_MAX_INPUT_LEN = 160
 LONG_PROMPTS = 2
 
 
-def selftest_workload(texts: list[str], tokenizer, num_prompts: int, block_size: int, chunked_context: bool):
+def selftest_workload(
+    texts: list[str], tokenizer, num_prompts: int, block_size: int, chunked_context: bool, max_positions: int
+):
     """Engine settings and prompts. With chunked context, max_num_tokens is the least a batch of generation steps
     needs, and the last prompts are longer than that, so their prefill only fits in several context chunks."""
-    from dflash_trt.trtllm.build_plan import EngineBuildSettings
+    from dflash_trt.trtllm.build_plan import EngineBuildSettings, longest_max_seq_len
 
     batch = max(num_prompts, 1)
     prompts = [tokenizer.encode(text) for text in texts[:num_prompts]]
@@ -87,7 +102,7 @@ def selftest_workload(texts: list[str], tokenizer, num_prompts: int, block_size:
     settings = EngineBuildSettings(
         max_batch_size=batch,
         max_input_len=TINY_MAX_INPUT_LEN,
-        max_seq_len=TINY_MAX_SEQ_LEN,
+        max_seq_len=longest_max_seq_len(max_positions, block_size - 1),
         max_num_tokens=max_num_tokens,
     )
     return settings, prompts
@@ -141,17 +156,15 @@ def bench_once(engine_dir: Path, plugin_library: str, prompts: list[list[int]], 
     return point.without_detail()
 
 
-def windowed_drafter(out: Path, window: int) -> Path:
-    """A copy of the embedded drafter whose last layer attends within `window` positions (same weights)."""
+def windowed_drafter(out: Path, drafter: Path, window: int) -> Path:
+    """A copy of the tiny pair's `drafter` whose last layer attends within `window` positions (same weights)."""
     import json
-    import shutil
 
-    from dflash_trt.tiny.heldout import draft_dir
     from dflash_trt.tiny.models import DRAFT_LAYERS
 
     copy = out / f"draft-window-{window}"
     shutil.rmtree(copy, ignore_errors=True)
-    shutil.copytree(draft_dir(), copy)
+    shutil.copytree(drafter, copy)
     config = json.loads((copy / "config.json").read_text())
     layers = ["full_attention"] * (DRAFT_LAYERS - 1) + ["sliding_attention"]
     config.update(use_sliding_window=True, sliding_window=window, layer_types=layers)
@@ -177,9 +190,11 @@ def run(args: argparse.Namespace) -> int:
     from dflash_trt.reference.decode import speculative_generate
     from dflash_trt.reference.model import load_golden_model
     from dflash_trt.tiny.heldout import asset_dir, draft_dir, load_heldout, target_dir
+    from dflash_trt.tiny.models import HEAD_DIM
+    from dflash_trt.tiny.widen import widen_pair
     from dflash_trt.tokenizer import load_tokenizer
     from dflash_trt.trtllm.build import require_tensorrt_llm, run_engine_build
-    from dflash_trt.trtllm.build_plan import plan_engine_build
+    from dflash_trt.trtllm.build_plan import check_engine_config, plan_engine_build
 
     out = Path(args.output_dir)
     check_output_apart(out, {"the embedded tiny pair": asset_dir(), "--plugin_library": args.plugin_library})
@@ -188,19 +203,33 @@ def run(args: argparse.Namespace) -> int:
     )  # before any work: the self-test is meaningless without TensorRT-LLM 1.2.x
     gpu, _ = resolve_gpu(None)  # the engine runs here, so it is built for this GPU and its attention route
     out.mkdir(parents=True, exist_ok=True)
-    drafter = draft_dir() if args.sliding_window is None else windowed_drafter(out, args.sliding_window)
     suffix = "" if args.sliding_window is None else f"-window-{args.sliding_window}"
-    checkpoint = out / f"checkpoint-{args.dtype}{suffix}"
-    convert_checkpoint(target_dir(), drafter, checkpoint, dtype=args.dtype, overwrite=args.overwrite)
+    checkpoint = out / f"checkpoint-{args.dtype}-hd{args.head_dim}{suffix}"
+    target, draft = target_dir(), draft_dir()
+    if args.head_dim % HEAD_DIM:
+        raise DFlashTrtError(f"--head_dim must be a multiple of the tiny pair's {HEAD_DIM}, got {args.head_dim}")
+    if args.head_dim != HEAD_DIM:
+        pair = out / f"pair-hd{args.head_dim}"
+        shutil.rmtree(pair, ignore_errors=True)  # a workspace file of an earlier run, rewritten from the asset
+        target, draft = widen_pair(target, draft, pair, args.head_dim)
+    if args.sliding_window is not None:
+        draft = windowed_drafter(out, draft, args.sliding_window)
+    convert_checkpoint(target, draft, checkpoint, dtype=args.dtype, overwrite=args.overwrite)
     tokenizer = load_tokenizer(checkpoint)
     golden_model = load_golden_model(checkpoint)
     texts = [p.text for p in load_heldout(limit=max(args.num_prompts, 64))]
     settings, prompts = selftest_workload(
-        texts, tokenizer, args.num_prompts, golden_model.draft.spec.verify_width, args.chunked_context
+        texts,
+        tokenizer,
+        args.num_prompts,
+        golden_model.draft.spec.verify_width,
+        args.chunked_context,
+        golden_model.target.spec.max_position_embeddings,
     )
     settings = dataclasses.replace(settings, gpu=gpu)
     plan = plan_engine_build(checkpoint, out / "engine", settings, plugin_library=args.plugin_library)
     engine_dir = run_engine_build(plan, overwrite=args.overwrite)
+    check_engine_config(engine_dir)  # the engine's own config.json holds what the plan printed and recorded
 
     stop_ids = list(golden_model.target.spec.eos_token_ids)
     if not stop_ids:

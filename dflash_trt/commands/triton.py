@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -211,5 +212,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"Triton repository written to {path}")
         print(f"start it with: {path / 'launch_triton.sh'}")
-        print(f"then:          python {path / 'client.py'} --prompt 'Hello'")
+        print("               (TRITONSERVER=/path/to/tritonserver when it is not on PATH; `make tritonserver` puts")
+        print("               a CPU one at .tritonserver/tritonserver in this repository)")
+        print(f"then:          {sys.executable} {path / 'client.py'} --prompt 'Hello'")
     return 0

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from dflash_trt import tensor_names as names
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.formats import FP8, NONE, NVFP4, fused_partners, quantized_linear
+from dflash_trt.formats import FP8, NONE, NVFP4, fp8_context_fmha, fused_partners, quantized_linear
 from dflash_trt.quant.fp8 import dequantize_fp8, dequantize_fp8_experts, fp8_activation_scale, kv_cache_scale
 from dflash_trt.quant.linears import quantize_tensors
 from dflash_trt.quant.nvfp4 import dequantize_nvfp4, nvfp4_activation_scale
@@ -191,11 +191,13 @@ def quantized_model(
     model, qformat: str, dflash_qformat: str | None, kv_cache_dtype: str, amax: CalibrationAmax
 ) -> Iterator[None]:
     """The golden model runs as the quantized engine would: weights quantized as the converter stores them, inputs
-    and (FP8) K/V rounded with the scales `amax` gives. `dflash_qformat` None leaves the drafter untouched."""
+    and (FP8) K/V rounded with the scales `amax` gives, prompts through FP8 context attention where the engine's
+    builder turns it on. `dflash_qformat` None leaves the drafter untouched."""
     draft_format = NONE if dflash_qformat is None else dflash_qformat
     scales = calibration_tensors(amax, qformat, kv_cache_dtype, draft_format)
     target, draft = model.target, model.draft
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_patched(target, "fp8_context", fp8_context_fmha(qformat, kv_cache_dtype)))
         _quantize_part(
             stack,
             target.layers,
@@ -280,6 +282,6 @@ def calibrate_checkpoint(
     prompts = [p[:calib_max_seq_len] for p in prompts]
     model = load_golden_model(checkpoint_dir)
     total = len(prompts) * calibration_passes(quant.qformat, quant.kv_cache_dtype)
-    with tqdm(total=total, desc="calibrate", unit="prompt", disable=not show_progress) as bar:
+    with tqdm(total=total, desc="calibrate", unit="prompt", disable=None if show_progress else True) as bar:
         amax = calibrate_pair(model, prompts, max_new_tokens, quant.qformat, quant.kv_cache_dtype, bar.update)
     return calibration_tensors(amax, quant.qformat, quant.kv_cache_dtype, quant.dflash_qformat)

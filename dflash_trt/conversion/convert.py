@@ -247,7 +247,9 @@ def _write_ranks(
     tensors = len(plan.layout)
     here, *elsewhere = _rank_groups(plan.tp_size, workers)
     written: dict[int, RankWritten] = {}
-    with tqdm(total=tensors * plan.tp_size, desc="convert", unit="tensor", disable=not show_progress) as bar:
+    with tqdm(
+        total=tensors * plan.tp_size, desc="convert", unit="tensor", disable=None if show_progress else True
+    ) as bar:
         if not elsewhere:
             written = write_rank_files(plan, staging, readers, here, bar.update)
         else:

@@ -17,11 +17,13 @@ from typing import Any
 import torch
 
 from dflash_trt.checkpoint.trtllm_config import specs_from_config
+from dflash_trt.draft_schedule import FIXED, DraftLenSchedule
 from dflash_trt.emulation.functional import EmulationError, Network, PluginConfig, Tensor, net_guard
 from dflash_trt.emulation.kv_pool import KVPool, pool_at
 from dflash_trt.emulation.ranks import RankGroup
 from dflash_trt.emulation.stand_ins import load_engine_module, stand_ins_installed
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.formats import fp8_context_fmha
 from dflash_trt.gpu_targets import ASSUMED_GPU, gpu_sm
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.trtllm.attention_route import AttentionRoute
@@ -29,11 +31,10 @@ from dflash_trt.trtllm.build_plan import (
     TOKENS_PER_BLOCK,
     EngineBuildSettings,
     chain_draft_paths,
-    check_kv_geometry,
-    check_moe_layers,
-    check_quantization,
-    check_rope,
+    check_network,
+    kv_cache_format,
     read_checkpoint_facts,
+    weights_qformat,
 )
 
 DEFAULT_MAX_BATCH_SIZE = 8  # requests the emulated engine batches when no --max_batch_size is given
@@ -51,13 +52,17 @@ ACCEPT_OUTPUTS = (
 
 @dataclass
 class StepStats:
-    """What the engine ran: steps, context chunks (rows of context requests), the largest batch and the largest
-    cumsum-by-square scan; counted by the engine from the inputs it ran."""
+    """What the engine ran, counted by the engine from the inputs it ran: steps, context chunks (rows of context
+    requests), the largest batch, the largest cumsum-by-square scan, the largest position any attention layer
+    rotated a token to, and the steps whose verification took the sampling branch (the others took the greedy one:
+    `verify.pick_tokens`)."""
 
     steps: int = 0
     context_chunks: int = 0
     max_batch: int = 0
     largest_cumsum_square: int = 0
+    largest_position: int = -1
+    sampling_steps: int = 0
 
 
 class EmulatedEngine:
@@ -71,6 +76,8 @@ class EmulatedEngine:
         max_num_tokens: int | None = None,
         tokens_per_block: int = TOKENS_PER_BLOCK,
         gpu: str = ASSUMED_GPU,
+        draft_len_schedule: DraftLenSchedule = FIXED,
+        draft_tree: int | None = None,
     ):
         checkpoint_dir = Path(checkpoint_dir)
         raw = read_json_object(
@@ -79,8 +86,7 @@ class EmulatedEngine:
         target, _ = specs_from_config(raw)
         # What `dflash-trt build` refuses, the emulated engine refuses too.
         self.facts = read_checkpoint_facts(checkpoint_dir)
-        for check in (check_kv_geometry, check_rope, check_quantization, check_moe_layers):
-            check(self.facts)
+        check_network(self.facts)
         self.tp_size = self.facts.tp_size
         for rank in range(self.tp_size):
             if not (checkpoint_dir / f"rank{rank}.safetensors").is_file():
@@ -92,17 +98,28 @@ class EmulatedEngine:
         self.gpu = gpu
         self.route = AttentionRoute(gpu_sm(gpu))
         engine = load_engine_module()
-        # One network per tensor-parallel rank, each from its own rank file, run in lockstep (ranks.py).
+        # One network per tensor-parallel rank, each from its own rank file, run in lockstep (ranks.py); the config
+        # carries the schedule and a draft tree's node count as an engine's config.json does (trtllm-build takes them
+        # from SCHEDULE_ENV and TREE_ENV).
+        config_dict = {**raw, "draft_len_schedule": draft_len_schedule.text(), "draft_tree": draft_tree}
         self.rank_models = [
-            engine.DFlashForCausalLM.from_checkpoint(checkpoint_dir, rank=rank) for rank in range(self.tp_size)
+            engine.DFlashForCausalLM.from_checkpoint(
+                checkpoint_dir, rank=rank, config=engine.DFlashConfig.from_dict(config_dict)
+            )
+            for rank in range(self.tp_size)
         ]
         for model in self.rank_models:
             model.attention_route = self.route
         self.model = self.rank_models[0]
         self.ranks = RankGroup(self.tp_size)
         config = self.model.config
-        self.k = self.model.max_draft_len
+        self.k = self.model.max_draft_len  # drafts verified per request: the chain's length or the tree's nodes
         self.block = self.k + 1
+        self.depth = self.model.num_drafts  # draft positions: the chain's length, a tree's deepest node
+        self.tree = self.model.tree is not None
+        if self.tree:
+            self.route.check_tree(gpu)
+        self.schedule = config.schedule
         if max_batch_size < 1:
             raise DFlashTrtError(f"--max_batch_size must be >= 1, got {max_batch_size}")
         if tokens_per_block <= 0 or tokens_per_block & (tokens_per_block - 1):
@@ -124,7 +141,12 @@ class EmulatedEngine:
         fp8_cache = config.quantization.kv_cache_quant_algo == "FP8"
         # The cache holds the activations' dtype (the checkpoint's), or FP8.
         self.cache_dtype = torch.float8_e4m3fn if fp8_cache else getattr(torch, config.dtype)
-        self.paths = torch.tensor(chain_draft_paths(self.k), dtype=torch.int32)
+        # The paths a request starts from (the chain's EAGLE choices); after its first step, the ones the engine emits.
+        self.paths = [row[: self.depth + 1] for row in chain_draft_paths(self.k)]
+        self.plugin_config = PluginConfig(
+            tokens_per_block=tokens_per_block,
+            use_fp8_context_fmha=fp8_context_fmha(weights_qformat(self.facts), kv_cache_format(self.facts)),
+        )
         self.stats = StepStats()
 
     def run(self, inputs: dict[str, Any], batch_size: int) -> dict[str, torch.Tensor]:
@@ -150,11 +172,13 @@ class EmulatedEngine:
         self.stats.context_chunks += int((types == CONTEXT_REQUEST).sum())
         self.stats.max_batch = max(self.stats.max_batch, batch_size)
         self.stats.largest_cumsum_square = max([self.stats.largest_cumsum_square, *network.cumsum_square_elements])
+        self.stats.largest_position = max(self.stats.largest_position, network.largest_position)
+        self.stats.sampling_steps += any(network.branches_taken)
         return outputs
 
     def _forward(self, model: Any, inputs: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Network]:
         """One rank's network forward and the outputs it marked."""
-        network = Network(PluginConfig(tokens_per_block=self.tokens_per_block), device_sm=self.route.sm)
+        network = Network(dataclasses.replace(self.plugin_config), device_sm=self.route.sm)
         with net_guard(network), torch.no_grad():
             model.forward(**inputs)
         outputs = {}

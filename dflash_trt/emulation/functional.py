@@ -84,6 +84,8 @@ class PluginConfig:
     gemm_plugin: str = "auto"
     multiple_profiles: bool = False
     use_paged_context_fmha: bool = True
+    # As builder.build() settles it (formats.fp8_context_fmha): context requests attend in FP8.
+    use_fp8_context_fmha: bool = False
 
 
 @dataclass
@@ -97,6 +99,8 @@ class Network:
     strongly_typed: bool = True
     outputs: dict[str, Tensor] = field(default_factory=dict)
     cumsum_square_elements: list[int] = field(default_factory=list)
+    largest_position: int = -1  # the largest position whose RoPE table row an attention layer read
+    branches_taken: list[bool] = field(default_factory=list)  # each `Conditional`'s condition, in build order
 
     def _mark_output(self, tensor: Tensor, name: str, dtype: trt.DataType | None) -> None:
         if name in self.outputs:
@@ -281,6 +285,33 @@ class Tensor:
     __hash__ = object.__hash__
 
 
+class Conditional:
+    """TensorRT's IIfConditional as functional.py's `Conditional` builds it: the condition is a one-element bool
+    tensor (viewed as 0-D), values enter through `add_input` and `add_output(true, false)` is the taken branch's
+    value; both branch values must agree in dtype and shape (TensorRT's rule for the two subgraphs). TensorRT runs
+    only the taken branch; this eager emulation computes both and records the branch taken in the network's ledger
+    (`branches_taken`), which is what tests of a fast path can observe."""
+
+    def __init__(self, condition: Tensor):
+        if condition.dtype != trt.bool or condition.data.numel() != 1:
+            raise EmulationError(
+                f"a conditional needs one bool condition, got {condition.dtype.name} {condition.shape}"
+            )
+        self.taken = bool(condition.data.reshape(()))
+
+    def add_input(self, input: Tensor) -> Tensor:  # noqa: A002 (TensorRT-LLM's name)
+        return wrap_tensor(input.data)
+
+    def add_output(self, true_value: Tensor, false_value: Tensor) -> Tensor:
+        if true_value.dtype != false_value.dtype or true_value.shape != false_value.shape:
+            raise EmulationError(
+                f"conditional branches give {true_value.dtype.name} {true_value.shape} and "
+                f"{false_value.dtype.name} {false_value.shape}: TensorRT needs one dtype and shape"
+            )
+        default_net().branches_taken.append(self.taken)
+        return true_value if self.taken else false_value
+
+
 def wrap_tensor(data: torch.Tensor) -> Tensor:
     """A torch value as the stand-in network tensor every emulated op returns."""
     return Tensor(data=data)
@@ -433,6 +464,18 @@ def exp(x: Tensor) -> Tensor:
     input (only int8, which this network never has), so integer tensors are refused."""
     _require_float(x, "exp")
     return wrap_tensor(torch.exp(x.data))
+
+
+# TensorRT's Unary operator table: EXP and LOG take floating-point inputs (and int8, which this network never has).
+_UNARY = {trt.UnaryOperation.EXP: torch.exp, trt.UnaryOperation.LOG: torch.log}
+
+
+def unary(x: Tensor, op: trt.UnaryOperation) -> Tensor:
+    """IUnaryLayer (functional.py `unary`): the result keeps the input's type."""
+    if op not in _UNARY:
+        raise EmulationError(f"unary {op!r} is not used by this network")
+    _require_float(x, f"unary {trt.UnaryOperation(op).name}")
+    return wrap_tensor(_UNARY[trt.UnaryOperation(op)](x.data))
 
 
 def _require_float(x: Tensor, what: str) -> None:

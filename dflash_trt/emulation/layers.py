@@ -15,10 +15,13 @@ every past key and the in-block keys whose bit is set in `spec_decoding_packed_m
 mask row + j, bit j' of word j' // 32). XQA's packed-mask handling was only read, never run. K/V are written to the
 paged pool (after RoPE and k_norm, FP8-rounded with `kv_orig_quant_scale` when the cache is FP8) and read back
 from it, so the current tokens see the stored values. Device past lengths above the host bound
-`host_past_key_value_lengths` (what the kernels size their work by) are refused, and so is what 1.2.x's dispatch
-cannot run on the emulated GPU (`Network.device_sm`): multi-token generation on SM100 / SM103, whose XQA
-dispatcher has no speculative-decoding kernel (attentionOp.cpp asserts "No available XQA kernels are found for
-speculative decoding mode").
+`host_past_key_value_lengths` (what the kernels size their work by) are refused, and so is a position past the RoPE
+table's rows (the kernel would read other memory), and what 1.2.x's dispatch cannot run on the emulated GPU
+(`Network.device_sm`): multi-token generation on SM100 / SM103, whose XQA dispatcher has no speculative-decoding
+kernel (attentionOp.cpp asserts "No available XQA kernels are found for speculative decoding mode"). With q/k norms
+the fused qkv rows are split as 1.2.x's `Attention.forward` splits them: [Q | K | V] when a rank holds more query
+than KV heads, interleaved per head when the counts are equal. Context requests of a network whose builder turns FP8
+context FMHA on (FP8 / NVFP4 weights, FP8 cache) attend as `reference.quantized.fp8_context_attention` defines it.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from dflash_trt.emulation.quantization import FP8, NVFP4, QuantMode
 from dflash_trt.emulation.ranks import allgather, allreduce
 from dflash_trt.emulation.rope import cos_sin_table
 from dflash_trt.quant.nvfp4 import NVFP4_BLOCK_SIZE, dequantize_nvfp4, quantize_nvfp4
+from dflash_trt.reference.quantized import fp8_context_attention
 from dflash_trt.trtllm.attention_route import BLACKWELL_SMS
 
 FP8_MAX = 448.0
@@ -434,17 +438,15 @@ class Attention(Module):
         if self.attention_mask_type != AttentionMaskType.causal:
             raise EmulationError("spec-decoding generation needs a causal mask type (XQA)")
         h, kvh, d = self.num_attention_heads, self.num_attention_kv_heads, self.attention_head_size
-        qkv = self.qkv(hidden_states).data
-        tokens = qkv.shape[0]
-        q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
-        if self.qk_layernorm:
-            q = self.q_layernorm(wrap_tensor(q.reshape(tokens, h, d))).data.reshape(tokens, h * d)
-            k = self.k_layernorm(wrap_tensor(k.reshape(tokens, kvh, d))).data.reshape(tokens, kvh * d)
+        q, k, v = self._split_qkv(self.qkv(hidden_states).data)
+        tokens = q.shape[0]
         spec = spec_decoding_params or SpecDecodingParams()
         kv, params = kv_cache_params, attention_params
         scaled = self.kv_cache_scaling_factor is not None
         context, _ = gpt_attention(
-            qkv=wrap_tensor(torch.cat([q, k, v], dim=-1)),
+            qkv=wrap_tensor(
+                torch.cat([q.reshape(tokens, h * d), k.reshape(tokens, kvh * d), v.reshape(tokens, kvh * d)], dim=-1)
+            ),
             past_key_value=None,
             sequence_length=params.sequence_length,
             host_past_key_value_lengths=kv.host_past_key_value_lengths,
@@ -481,6 +483,22 @@ class Attention(Module):
         )
         return self.dense(context), None
 
+    def _split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q `[tokens, heads, d]`, k and v `[tokens, kv_heads, d]`, q/k-normed, read from the fused rows as 1.2.x's
+        `Attention.forward` reads them: with q/k norms and as many KV heads as query heads on the rank it views
+        the rows interleaved per head (`[tokens, heads, 3, d]`), otherwise as [Q | K | V]."""
+        h, kvh, d = self.num_attention_heads, self.num_attention_kv_heads, self.attention_head_size
+        tokens = qkv.shape[0]
+        if self.qk_layernorm and h == kvh:
+            q, k, v = qkv.reshape(tokens, h, 3, d).unbind(2)
+        else:
+            q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+            q, k, v = q.reshape(tokens, h, d), k.reshape(tokens, kvh, d), v.reshape(tokens, kvh, d)
+        if self.qk_layernorm:
+            q = self.q_layernorm(wrap_tensor(q.contiguous())).data
+            k = self.k_layernorm(wrap_tensor(k.contiguous())).data
+        return q, k, v
+
 
 def gpt_attention(**kwargs: Any) -> tuple[Tensor, None]:
     """The stock GPT attention plugin over one layer's packed rows (see the module docstring)."""
@@ -499,7 +517,11 @@ def gpt_attention(**kwargs: Any) -> tuple[Tensor, None]:
         qr = _rotate(q[sl].float(), cos, sin).to(dtype)
         kr = _rotate(k[sl].float(), cos, sin).to(dtype)
         keys, values = call.cache_write_read(rows.batch, positions, kr, v[sl], visible.shape[1])
-        out[sl] = _attend(qr.float(), keys, values, visible, 1.0 / (call.q_scaling * d**0.5)).to(dtype)
+        scale = 1.0 / (call.q_scaling * d**0.5)
+        if rows.context and call.fp8_context_fmha:
+            out[sl] = _attend_fp8(qr, keys, values, visible, scale, kwargs["kv_quant_orig_scale"].data).to(dtype)
+        else:
+            out[sl] = _attend(qr.float(), keys, values, visible, scale).to(dtype)
     return wrap_tensor(out.reshape(tokens, h * d)), None
 
 
@@ -516,6 +538,11 @@ class _StockCall:
         self.spec = packed is not None
         if self.spec and any(kwargs.get(n) is None for n in ("spec_decoding_generation_lengths", "spec_decoding_use")):
             raise EmulationError("spec decoding needs its generation lengths, position offsets, mask and use flag")
+        # FP8 context FMHA, as the builder turns it on (FP8 / NVFP4 weights and an FP8 cache:
+        # `formats.fp8_context_fmha`).
+        self.fp8_context_fmha = (
+            default_net().plugin_config.use_fp8_context_fmha and kwargs.get("kv_quant_orig_scale") is not None
+        )
 
     def requests(self, tokens: int) -> Any:
         """Per request: its rows, cache positions, RoPE positions and the [rows, keys] visibility."""
@@ -552,7 +579,7 @@ class _StockCall:
                 raise EmulationError(f"request {b}: sequence_length below its input length")
             if row + n > tokens:
                 raise EmulationError(f"request {b}'s rows end at {row + n}, the input has {tokens}")
-            yield _Rows(b, row, row + n), positions, rope, visible
+            yield _Rows(b, row, row + n, bool(types[b] == 0)), positions, rope, visible
             row += n
         if row != tokens:
             raise EmulationError(f"the requests cover {row} rows, the input has {tokens}")
@@ -584,8 +611,11 @@ class _StockCall:
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         table = self.kw["rotary_cos_sin"].data
-        if int(positions.max()) >= table.shape[0]:
+        largest = int(positions.max())
+        if largest >= table.shape[0]:
             raise EmulationError("a position beyond max_position_embeddings")
+        network = default_net()
+        network.largest_position = max(network.largest_position, largest)
         return table[positions, :, 0], table[positions, :, 1]
 
     def cache_write_read(
@@ -619,6 +649,7 @@ class _Rows:
     batch: int
     start: int
     end: int
+    context: bool  # a context request (prompt chunk) rather than a generation step
 
     @property
     def slice(self) -> slice:
@@ -631,6 +662,16 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     x1, x2 = x[..., :half], x[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def _attend_fp8(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float, kv_scale: torch.Tensor
+) -> torch.Tensor:
+    """`_attend` as FP8 context FMHA computes it (`reference.quantized.fp8_context_attention`), same shapes."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1).transpose(0, 1)
+    v = v.repeat_interleave(groups, dim=1).transpose(0, 1)
+    return fp8_context_attention(q.transpose(0, 1), k, v, visible[None], scale, kv_scale).transpose(0, 1)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:

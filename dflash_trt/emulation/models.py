@@ -363,11 +363,15 @@ class PretrainedModel(Module, metaclass=_PostInitCaller):
         quantize(self, self.config.quantization)
 
     @classmethod
-    def from_checkpoint(cls, ckpt_dir: str | Path, rank: int = 0) -> PretrainedModel:
+    def from_checkpoint(
+        cls, ckpt_dir: str | Path, rank: int = 0, config: PretrainedConfig | None = None
+    ) -> PretrainedModel:
+        """As 1.2.x: the config read from the directory unless given (trtllm-build's `build_model` passes one)."""
         ckpt_dir = Path(ckpt_dir)
-        raw = json.loads((ckpt_dir / "config.json").read_text())
-        model_cls: Any = MODEL_MAP[raw["architecture"]]
-        config = model_cls.config_class.from_dict(raw)
+        if config is None:
+            raw = json.loads((ckpt_dir / "config.json").read_text())
+            model_cls: Any = MODEL_MAP[raw["architecture"]]
+            config = model_cls.config_class.from_dict(raw)
         config.set_rank(rank)
         reader = SafetensorsFile(ckpt_dir / f"rank{rank}.safetensors")
         try:

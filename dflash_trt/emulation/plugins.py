@@ -80,6 +80,7 @@ class KVInjectionPlugin:
         """Per input position, the types supportsFormatCombination accepts."""
         index = (trt.int32,)
         formats: list[tuple[trt.DataType, ...]] = [(self.input_type,), (self.input_type,), index, index, index, index]
+        formats.append(index)
         formats += [(trt.int64,), index]
         formats.append((trt.float32, trt.float16, trt.bfloat16, trt.int32))
         if self.cache_fp8:
@@ -87,7 +88,7 @@ class KVInjectionPlugin:
         return formats
 
     def add_to_network(self, inputs: list[Tensor]) -> list[Tensor]:
-        expected = 10 if self.cache_fp8 else 9
+        expected = 11 if self.cache_fp8 else 10
         if len(inputs) != expected:
             raise EmulationError(f"{PLUGIN_NAME} takes {expected} inputs, got {len(inputs)}")
         for position, (tensor, allowed) in enumerate(zip(inputs, self._formats(), strict=False)):
@@ -97,11 +98,11 @@ class KVInjectionPlugin:
                     f"{PLUGIN_NAME} input {position} is {tensor.dtype.name}; the plugin supports {names} there "
                     "(supportsFormatCombination)"
                 )
-        passthrough = inputs[8]
+        passthrough = inputs[9]
         return [Tensor(thunk=lambda: self._execute(inputs, passthrough))]
 
     def _execute(self, inputs: list[Tensor], passthrough: Tensor) -> torch.Tensor:
-        ctx_kv, k_norm, positions, seq_slots, valid, offsets, pointers, mapping = inputs[:8]
+        ctx_kv, k_norm, positions, cache_positions, seq_slots, valid, offsets, pointers, mapping = inputs[:9]
         if not (pointers.host and mapping.host):
             raise EmulationError("host_kv_cache_pool_pointers / _mapping must be host tensors (network inputs)")
         layers, heads, dim = self.num_layers, self.num_kv_heads, self.head_dim
@@ -110,17 +111,23 @@ class KVInjectionPlugin:
         tokens = ctx_kv.shape[0]
         index = {
             name: _int32(t, name, 1)
-            for name, t in (("positions", positions), ("seq_slots", seq_slots), ("valid", valid))
+            for name, t in (
+                ("positions", positions),
+                ("cache_positions", cache_positions),
+                ("seq_slots", seq_slots),
+                ("valid", valid),
+            )
         }
         if any(v.shape[0] != tokens for v in index.values()):
-            raise EmulationError("positions, seq_slots and valid need one entry per ctx_kv row")
+            raise EmulationError("positions, cache_positions, seq_slots and valid need one entry per ctx_kv row")
         keep = index["valid"].bool()
         pos, slots = index["positions"][keep], index["seq_slots"][keep]
+        at = index["cache_positions"][keep]
         x = ctx_kv.data[keep].float().reshape(-1, layers, 2, heads, dim)
         k, v = self._k(x[:, :, 0], k_norm.data.float(), pos), x[:, :, 1]
         scale = None
         if self.cache_fp8:
-            scale = float(inputs[9].data.reshape(()))
+            scale = float(inputs[10].data.reshape(()))
         table = mapping.data
         for layer in range(layers):
             pool_index, layer_in_pool = (int(t) for t in table[self.layer_idx_offset + layer])
@@ -135,7 +142,7 @@ class KVInjectionPlugin:
             flat = pool.data.view(-1)
             for kind, values in ((0, k[:, layer]), (1, v[:, layer])):
                 stored = values if pool.dtype == torch.float32 else to_cache_dtype(values, pool.dtype, scale)
-                _, elements = layout.element_offsets(block_offsets, slots, pos, 0, kind)
+                _, elements = layout.element_offsets(block_offsets, slots, at, 0, kind)
                 flat[elements.reshape(-1)] = stored.reshape(-1)
         return passthrough.data.clone()
 

@@ -3,10 +3,12 @@
 
 Every rank builds and runs its own network over its own `rank{N}.safetensors`; a collective blocks until every rank
 of the group has reached it, exactly as NCCL (or the custom all-reduce plugin) does on a GPU. An all-reduce sums
-the ranks' tensors in rank order and hands every rank the same sum (NCCL's summation order is its own: the result
-can differ from the single-rank GEMM in the last bits, as it does on a GPU); an all-gather concatenates in rank
-order along `gather_dim`. Half-precision sums accumulate in fp32 and are rounded once, as the custom all-reduce
-kernels do [read, not run]. A rank that fails aborts the group, so no rank waits forever.
+the ranks' tensors and hands every rank the same sum, as the custom all-reduce kernels add: from zero, rank 0 first,
+one addition at a time in the tensors' own dtype, so a half-precision sum is rounded after every rank [read:
+customAllReduceKernels.cu `oneShotAllReduceKernel` / `twoShotAllReduceKernel`, "Always reduce from rank 0",
+`add128b` in the element type; not run]. NCCL, which 1.2.x picks for large messages, also sums in the dtype but in
+an order of its own. An all-gather concatenates in rank order along `gather_dim`. A rank that fails aborts the
+group, so no rank waits forever.
 """
 
 from __future__ import annotations
@@ -81,10 +83,10 @@ def allreduce(tensor: Tensor, group: Any, all_reduce_params: Any = None) -> Tens
     """Sum over the group's ranks; every rank gets the same tensor (functional.py `allreduce`, op SUM)."""
     running, rank = _current(group)
     values = running._exchange(rank, tensor.data)
-    total = values[0].float()
-    for value in values[1:]:
-        total = total + value.float()
-    return wrap_tensor(total.to(tensor.data.dtype))
+    total = torch.zeros_like(values[0])
+    for value in values:
+        total = total + value
+    return wrap_tensor(total)
 
 
 def allgather(tensor: Tensor, group: Any, gather_dim: int = 0) -> Tensor:

@@ -47,6 +47,7 @@ REGISTRY: dict[str, dict[str, Any]] = {
             "PluginFieldType",
             "TensorRTPhase",
             "TopKOperation",
+            "UnaryOperation",
             "get_plugin_registry",
         )
     },
@@ -58,6 +59,7 @@ REGISTRY: dict[str, dict[str, Any]] = {
         name: getattr(functional, name)
         for name in (
             "Tensor",
+            "Conditional",
             "LayerNormType",
             "_create_tensor",
             "constant",
@@ -67,6 +69,7 @@ REGISTRY: dict[str, dict[str, Any]] = {
             "cast",
             "tanh",
             "exp",
+            "unary",
             "shape",
             "unsqueeze",
             "concat",
@@ -112,8 +115,8 @@ REGISTRY: dict[str, dict[str, Any]] = {
 }
 ENGINE_PACKAGE = Path(__file__).resolve().parents[1] / "trtllm"
 # The engine's sources that import TensorRT-LLM, in the order they are executed (model.py imports the others).
-ENGINE_SOURCES = ("plugin", "verify", "drafting", "generation_attention", "model")
-_engine_module: types.ModuleType | None = None
+ENGINE_SOURCES = ("plugin", "verify", "drafting", "tree", "generation_attention", "model")
+_engine_modules: dict[str, types.ModuleType] = {}
 
 
 def _stand_in_modules() -> dict[str, types.ModuleType]:
@@ -160,16 +163,20 @@ def stand_ins_installed(extra: tuple[str, ...] = ()) -> Iterator[None]:
         sys.modules.update(saved)
 
 
+def engine_source(source: str) -> types.ModuleType:
+    """One of the engine's sources (`ENGINE_SOURCES`), executed (once per process) against the stand-ins."""
+    if not _engine_modules:
+        import dflash_trt.trtllm.build_plan  # noqa: F401  (bound to the real plugin module, not the fresh copy)
+
+        names = tuple(f"dflash_trt.trtllm.{name}" for name in ENGINE_SOURCES)
+        with stand_ins_installed(names):
+            fresh = {name: _exec_source(name, ENGINE_PACKAGE / f"{name.rpartition('.')[2]}.py") for name in names}
+        plugin = fresh["dflash_trt.trtllm.plugin"]
+        setattr(plugin, "load_plugin_library", plugins.load_emulated_plugin_library)  # noqa: B010
+        _engine_modules.update({name.rpartition(".")[2]: module for name, module in fresh.items()})
+    return _engine_modules[source]
+
+
 def load_engine_module() -> types.ModuleType:
     """`dflash_trt/trtllm/model.py`, executed (once per process) against the stand-ins."""
-    global _engine_module
-    if _engine_module is not None:
-        return _engine_module
-    import dflash_trt.trtllm.build_plan  # noqa: F401  (bound to the real plugin module, not the fresh copy)
-
-    names = tuple(f"dflash_trt.trtllm.{source}" for source in ENGINE_SOURCES)
-    with stand_ins_installed(names):
-        fresh = {name: _exec_source(name, ENGINE_PACKAGE / f"{name.rpartition('.')[2]}.py") for name in names}
-    setattr(fresh["dflash_trt.trtllm.plugin"], "load_plugin_library", plugins.load_emulated_plugin_library)  # noqa: B010
-    _engine_module = fresh["dflash_trt.trtllm.model"]
-    return _engine_module
+    return engine_source("model")

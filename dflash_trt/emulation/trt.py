@@ -71,6 +71,13 @@ class TopKOperation(enum.IntEnum):
     MIN = 1
 
 
+class UnaryOperation(enum.IntEnum):
+    """The members the network uses, with TensorRT 10's values (`NvInfer.h` `UnaryOperation`)."""
+
+    EXP = 0
+    LOG = 1
+
+
 class PluginFieldType(enum.IntEnum):
     FLOAT16 = 0
     FLOAT32 = 1

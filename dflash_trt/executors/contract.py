@@ -32,12 +32,14 @@ class Request:
 @dataclass(slots=True, kw_only=True)
 class Response:
     """The tokens one decoding iteration produced for request `request_id`; `final` ends the request, and so does
-    an `error`."""
+    an `error`. `draft_len`: the drafts that iteration verified, where the executor sees them (the CPU steppers;
+    None for a prefill iteration and for executors behind a runtime or a server, which do not report it)."""
 
     request_id: int
     tokens: list[int]
     final: bool = False
     error: str | None = None
+    draft_len: int | None = None
 
 
 Deliver = Callable[[list[Response]], None]

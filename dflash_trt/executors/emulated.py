@@ -21,6 +21,7 @@ import torch
 from dflash_trt.decoding_modes import DFLASH
 from dflash_trt.emulation.engine import EmulatedEngine
 from dflash_trt.emulation.kv_pool import BlockManager, KVPool
+from dflash_trt.emulation.paths import path_geometry, rewind_moves
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.executors.contract import Request, Response, failed
 from dflash_trt.executors.emulated_inputs import Decoding, SamplingSlots, step_inputs
@@ -91,7 +92,7 @@ class EmulatedStepper:
     def add(self, request_id: int, request: Request) -> Decoding:
         """Queue a request; it joins a free batch slot at the next step. Its `Decoding` fills as it decodes."""
         self.check(request_id, request)
-        decoding = Decoding(request_id, request)
+        decoding = Decoding(request_id, request, paths=self.engine.paths)
         self.waiting.append(decoding)
         return decoding
 
@@ -156,9 +157,10 @@ class EmulatedStepper:
             raise EngineStepFailed(exc) from exc
         responses = []
         for b, (r, rows) in enumerate(batch):
+            drafts = rows - 1 if r.generating else None
             produced = self._advance(r, rows, b, outputs)
             if produced is not None:
-                responses.append(Response(request_id=r.request_id, tokens=produced, final=r.finished))
+                responses.append(Response(request_id=r.request_id, tokens=produced, final=r.finished, draft_len=drafts))
         return responses
 
     def _run_alone(self, item: tuple[Decoding, int]) -> list[Response]:
@@ -176,9 +178,9 @@ class EmulatedStepper:
         self.active.remove(r)
 
     def _schedule(self) -> list[tuple[Decoding, int]]:
-        block = self.engine.block
-        generation = [r for r in self.active if r.generating]
-        budget = self.engine.max_num_tokens - block * len(generation)
+        """Generation requests first take their `draft_len + 1` tokens of `max_num_tokens`, then the prompts."""
+        generation = [(r, r.draft_len + 1) for r in self.active if r.generating]
+        budget = self.engine.max_num_tokens - sum(rows for _, rows in generation)
         context = []
         for r in self.active:
             if r.generating:
@@ -191,12 +193,13 @@ class EmulatedStepper:
                 continue
             context.append((r, chunk))
             budget -= chunk
-        return context + [(r, block) for r in generation]
+        return context + generation
 
     def _advance(self, r: Decoding, rows: int, b: int, out: dict[str, torch.Tensor]) -> list[int] | None:
         """Apply one step's outputs to request `r`: the tokens it produced, or None for a non-last prompt chunk."""
         next_drafts = out["next_draft_tokens"][b].tolist()
         next_len = int(out["next_draft_lens"][b])
+        next_paths = out["next_draft_paths"][b].tolist()
         if not r.generating:
             r.prefilled += rows
             if not r.generating:
@@ -204,15 +207,25 @@ class EmulatedStepper:
             produced = self._append(r, [int(out["accepted_tokens"][b, 0])])
         else:
             n = int(out["num_accepted_tokens"][b])
-            path = self.engine.paths[int(out["accepted_paths"][b])].tolist()
             start = r.anchor_position
-            self.blocks.move_tokens(r.request_id, [start + path[i] for i in range(n)], [start + i for i in range(n)])
-            r.steps.append(StepTrace(list(r.drafts), n - 1))
+            sources, targets = rewind_moves(r.paths, int(out["accepted_paths"][b]), n)
+            self.blocks.move_tokens(r.request_id, [start + i for i in sources], [start + i for i in targets])
+            r.steps.append(self._trace(r, n - 1))
             produced = self._append(r, out["accepted_tokens"][b, :n].tolist())
             r.acceptance.append(len(produced))
-        r.drafts, r.draft_len = next_drafts, next_len
+        r.drafts, r.draft_len, r.paths = next_drafts, next_len, next_paths
         r.bound = len(r.prompt) + len(r.output) + self.engine.k
         return produced
+
+    def _trace(self, r: Decoding, accepted: int) -> StepTrace:
+        """The verified step as the golden loop records it: a tree's nodes with their parents, read off the paths
+        (node i's row lists its path, so its parent is the entry before it)."""
+        drafts = r.drafts[: r.draft_len]
+        if not self.engine.tree:
+            return StepTrace(drafts, accepted)
+        depth, _ = path_geometry(r.paths, r.draft_len + 1)
+        parents = [r.paths[node][depth[node] - 1] for node in range(1, r.draft_len + 1)]
+        return StepTrace(drafts, accepted, parents, positions=self.engine.depth)
 
     def _append(self, r: Decoding, tokens: list[int]) -> list[int]:
         budget = r.request.max_new_tokens

@@ -1,20 +1,26 @@
 """The emulated runtime's per-request state and the input tensors of one engine step, as 1.2.x's runtime sets them.
 
-Inputs (packed, context requests first): `input_ids` (a chunk, or `[anchor, d1..dK]`), `position_ids` (one per context
-token, one per generation request: its anchor's), `last_token_ids` (a context request's last row, every row of a
-generation request, 1-based), `context_lengths` (chunk size; prompt + draft length for generation requests),
-`sequence_length` (past + rows), `host_past_key_value_lengths` (a context chunk's end; a generation request's past), as
-runtimeBuffers.cpp `setFromInputs` sets them [read], the spec-decoding inputs from the chain `draft_paths` (generation
-lengths K+1, position offsets = path depth, packed mask = ancestors), `draft_tokens` / `draft_lens` from the previous
-step's `next_draft_*` outputs, the `host_gen_eagle_net_*` bounds (a new request: its prompt length; after a step with
-`S` tokens: `S + K + 1` and `S + K`, `unpackEagleData`), `input_gen_tokens` shaped to the step's generation tokens, and
-one paged pool for target + draft layers with `host_kv_cache_pool_mapping` row `l` = (pool 0, layer l). Sampling inputs
-(docs/engine.md §6): `eagle_temperature` is the request's temperature (0 = greedy); each request owns a random state
-seeded from its seed, which draws `rand_data_sample` once when the request is set up and a fresh `rand_data_validation`
-row of K+1 uniforms before each of its generation steps, into the rows of the request's batch slot; a context request's
-validation row is whatever its slot last held (NaN for a slot never used), as the runtime leaves it stale. The draws are
-torch's, made in the golden loop's order (one uniform for the first token, then K+1 per verify step), not the runtime's
-curand: the emulation shows the network computes the rule from the uniforms it is given.
+Inputs (packed, context requests first):
+`input_ids` (a chunk, or `[anchor, d1..dK]`), `position_ids` (one per context token, one per generation request:
+its anchor's), `last_token_ids` (a context request's last row, every row of a generation request, 1-based),
+`context_lengths` (chunk size; prompt + draft length for generation requests), `sequence_length` (past + rows),
+`host_past_key_value_lengths` (a context chunk's end; a generation request's past), as runtimeBuffers.cpp
+`setFromInputs` sets them [read], the spec-decoding
+inputs from each request's `draft_paths` (the previous step's `next_draft_paths`; generation length = its
+`draft_lens` + 1, position offset of node `paths[p][l]` = `l`, packed mask = the nodes before it on its rows,
+`emulation/paths.py`), `draft_tokens` / `draft_lens` from the previous step's `next_draft_*` outputs (and
+`draft_paths` itself for a draft-tree engine, which reads the verified tree from it), the
+`host_gen_eagle_net_*` bounds (a new request: its prompt length; after a step with `S` tokens: `S + K + 1` and
+`S + K`, `unpackEagleData`), `input_gen_tokens` shaped to the step's generation tokens, and one paged pool for
+target + draft layers with `host_kv_cache_pool_mapping`
+row `l` = (pool 0, layer l). K is the engine's max_draft_len: the chain's length or a draft tree's nodes.
+Sampling inputs (docs/engine.md §6): `eagle_temperature` is the request's temperature
+(0 = greedy); each request owns a random state seeded from its seed, which draws `rand_data_sample` once when the
+request is set up and a fresh `rand_data_validation` row of K+1 uniforms before each of its generation steps, into
+the rows of the request's batch slot; a context request's validation row is whatever its slot last held (NaN for a
+slot never used), as the runtime leaves it stale. The draws are torch's, made in the golden loop's order (one
+uniform for the first token, then K+1 per verify step), not the runtime's curand: the emulation shows the network
+computes the rule from the uniforms it is given.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from dflash_trt.emulation.engine import CONTEXT_REQUEST, GENERATION_REQUEST, Emu
 from dflash_trt.emulation.functional import Tensor
 from dflash_trt.emulation.kv_pool import BlockManager, KVPool
 from dflash_trt.emulation.layers import AttentionParams, KeyValueCacheParams, SpecDecodingParams
+from dflash_trt.emulation.paths import path_geometry
 from dflash_trt.executors.contract import Request
 from dflash_trt.reference.decode import StepTrace
 from dflash_trt.trtllm.build_plan import pack_mask_rows
@@ -51,8 +58,9 @@ class Decoding:
     acceptance: list[int] = field(default_factory=list)
     steps: list[StepTrace] = field(default_factory=list)
     prefilled: int = 0
-    drafts: list[int] = field(default_factory=list)
+    drafts: list[int] = field(default_factory=list)  # the engine's next_draft_tokens row (K columns)
     draft_len: int = 0
+    paths: list[list[int]] = field(default_factory=list)  # the engine's next_draft_paths rows for these drafts
     finished: bool = False
     bound: int = 0  # host_gen_eagle_net past-length bound for the next step
     slot: int = -1  # batch slot while in flight: the row of the runtime's per-request sampling buffers
@@ -115,6 +123,7 @@ class _PackedRows:
     types: list[int] = field(default_factory=list)
     draft_tokens: list[list[int]] = field(default_factory=list)
     draft_lens: list[int] = field(default_factory=list)
+    draft_paths: list[list[list[int]]] = field(default_factory=list)
     bounds: list[int] = field(default_factory=list)
     filled: int = 0  # token rows packed so far
     generation_rows: int = 0  # of which generation requests' rows
@@ -129,7 +138,7 @@ class _PackedRows:
         self.draft_lens.append(r.draft_len)
         self.types.append(GENERATION_REQUEST)
         self.generation_rows += count
-        self._add(r, [r.output[-1], *r.drafts], first + count, count)
+        self._add(r, [r.output[-1], *r.drafts[: r.draft_len]], first + count, count)
 
     def add_context(self, r: Decoding, count: int, k: int) -> None:
         first = r.prefilled
@@ -143,6 +152,7 @@ class _PackedRows:
         self._add(r, r.prompt[r.prefilled : r.prefilled + count], first + count, count)
 
     def _add(self, r: Decoding, tokens: list[int], seq_length: int, count: int) -> None:
+        self.draft_paths.append(r.paths)
         self.ids.extend(tokens)
         self.filled += count
         self.seq_lengths.append(seq_length)
@@ -169,14 +179,15 @@ def step_inputs(
         host_request_types=_host_i32(types),
     )
     rows_of_slots = torch.tensor([d.slot for d, _ in batch])
-    return {
+    generation = [(d.paths, count) for d, count in batch if d.generating]
+    inputs = {
         "input_ids": _i32(packed.ids),
         "position_ids": _i32(packed.positions),
         "use_cache": True,
         "last_token_ids": _i32(packed.last),
         "kv_cache_params": _kv_params(engine, [d.request_id for d, _ in batch], packed.past_lengths, blocks, pool),
         "attention_params": attention,
-        "spec_decoding_params": _spec_params(engine, types.count(GENERATION_REQUEST)),
+        "spec_decoding_params": _spec_params(engine, generation),
         "draft_tokens": Tensor(data=torch.tensor(packed.draft_tokens, dtype=torch.int32).reshape(batch_size, engine.k)),
         "draft_lens": _i32(packed.draft_lens),
         "eagle_temperature": Tensor(
@@ -192,24 +203,31 @@ def step_inputs(
         # Only its shape carries information: the step's generation tokens (EagleBuffers::setFromInputs).
         "input_gen_tokens": _host_i32([0] * packed.generation_rows),
     }
+    if engine.tree:  # a draft-tree engine declares the verified tree's paths as an input
+        inputs["draft_paths"] = _i32(packed.draft_paths)
+    return inputs
 
 
-def _spec_params(engine: EmulatedEngine, num_gen: int) -> SpecDecodingParams:
-    """Every generation row verifies the whole chain of `block` positions under the chain's packed mask."""
+def _spec_params(engine: EmulatedEngine, generation: list[tuple[list[list[int]], int]]) -> SpecDecodingParams:
+    """Each generation request verifies its `rows` nodes (anchor + drafts): position offsets and the packed mask
+    from its paths, as `unpackEagleData` and `getPackedMaskFromPath` derive them [read]; mask rows follow one
+    another request by request (packEagleTensors copies them at cumulative offsets), each
+    `spec_decoding_max_generation_length` bits wide."""
     width = engine.block
-    depth, ancestors = _chain_geometry(engine)
-    mask_rows = pack_mask_rows(ancestors)
-    words = len(mask_rows[0])
+    offsets = torch.zeros(len(generation), width, dtype=torch.int32)
+    mask: list[list[bool]] = []
+    for g, (paths, rows) in enumerate(generation):
+        depth, sees = path_geometry(paths, rows)
+        offsets[g, :rows] = torch.tensor(depth, dtype=torch.int32)
+        mask.extend(row + [False] * (width - rows) for row in sees)
+    words = -(-width // 32)
+    packed = pack_mask_rows(mask) if mask else []
     return SpecDecodingParams(
         spec_decoding_is_generation_length_variable=True,
         spec_decoding_max_generation_length=width,
-        spec_decoding_generation_lengths=_i32([width] * num_gen),
-        spec_decoding_position_offsets=Tensor(
-            data=torch.tensor([depth] * num_gen, dtype=torch.int32).reshape(num_gen, width)
-        ),
-        spec_decoding_packed_mask=Tensor(
-            data=torch.tensor(mask_rows * num_gen, dtype=torch.int32).reshape(num_gen * width, words)
-        ),
+        spec_decoding_generation_lengths=_i32([rows for _, rows in generation]),
+        spec_decoding_position_offsets=Tensor(data=offsets),
+        spec_decoding_packed_mask=Tensor(data=torch.tensor(packed, dtype=torch.int32).reshape(len(mask), words)),
         spec_decoding_use=_i32([1]),
     )
 
@@ -232,18 +250,3 @@ def _kv_params(
         host_kv_cache_pool_mapping=_host_i32([[0, layer] for layer in range(engine.num_layers)]),
         cache_indirection=_i32(torch.zeros(len(request_ids), 1, 1)),
     )
-
-
-def _chain_geometry(engine: EmulatedEngine) -> tuple[list[int], list[list[bool]]]:
-    """Per node of the draft tree: its depth (position offset) and which nodes it may attend (ancestors)."""
-    width = engine.block
-    depth = [0] * width
-    ancestors = [[False] * width for _ in range(width)]
-    for path in engine.paths.tolist():
-        for i, node in enumerate(path):
-            if node < 0:
-                break
-            depth[node] = i
-            for a in path[: i + 1]:
-                ancestors[node][a] = True
-    return depth, ancestors

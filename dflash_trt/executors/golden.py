@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_trt.decoding_modes import AR, DFLASH
+from dflash_trt.draft_schedule import FIXED, DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.executors.contract import Request, Response
 from dflash_trt.executors.worker import WorkerExecutor
@@ -37,6 +38,7 @@ class _Running:
     prompt_len: int
     max_length: int
     prefilled: bool = False
+    draft_len: int = 0  # drafts its next step verifies: the schedule's for the load of its last step
 
     @property
     def start(self) -> int:
@@ -71,12 +73,14 @@ class GoldenStepper:
         max_seq_len: int,
         block_size: int | None = None,
         stop_token_ids: list[int] | None = None,
+        draft_len_schedule: DraftLenSchedule = FIXED,
     ):
         draft = model.draft
         self.model = model
         self.block = draft.spec.verify_width if block_size is None else block_size
         if not 1 <= self.block <= draft.spec.verify_width:
             raise DFlashTrtError(f"block size must be in 1..{draft.spec.verify_width}, got {self.block}")
+        self.schedule = draft_len_schedule.fitted_to(self.block - 1) if self.block > 1 else FIXED
         if max_batch_size < 1:
             raise DFlashTrtError(f"max batch size must be >= 1, got {max_batch_size}")
         self.max_seq_len = max_seq_len
@@ -138,10 +142,14 @@ class GoldenStepper:
         if not running:
             return []
         block_ids, start, verify = self._draft(running, generation)
-        width = max([self.block] + [running[i].prompt_len for i in context])
+        next_draft_len = self.schedule.draft_len(len(running), self.block - 1)
+        # As wide as the longest verified block or prompt: a schedule's shorter drafts cost fewer target columns.
+        width = max([int(verify.max())] + [running[i].prompt_len for i in context])
         offsets = torch.arange(width)
         tokens, positions, valid = self._target_inputs(running, context, generation, block_ids, start, verify, offsets)
-        logits, taps = self.model.target.forward(tokens, positions, valid, self.target_cache)
+        prefilling = torch.zeros(len(self.slots), dtype=torch.bool)
+        prefilling[context] = True
+        logits, taps = self.model.target.forward(tokens, positions, valid, self.target_cache, prefilling)
 
         produced = {i: [int(logits[i, running[i].prompt_len - 1].argmax())] for i in context}
         for i in generation:
@@ -151,12 +159,14 @@ class GoldenStepper:
         for i, new in produced.items():
             s = running[i]
             kept = keep_tokens(new, s.max_length - len(s.tokens), self.stops)
+            drafts = int(verify[i]) - 1 if s.prefilled else None
             if s.prefilled:
                 injected[i] = offsets < len(kept.tokens)
             s.tokens.extend(kept.tokens)
             s.prefilled = True
+            s.draft_len = next_draft_len
             final = kept.stopped or len(s.tokens) >= s.max_length
-            responses.append(Response(request_id=s.request_id, tokens=kept.tokens, final=final))
+            responses.append(Response(request_id=s.request_id, tokens=kept.tokens, final=final, draft_len=drafts))
             if final:
                 self.slots[i] = None
         if self.block > 1:
@@ -164,20 +174,23 @@ class GoldenStepper:
         return responses
 
     def _draft(self, running: dict[int, _Running], generation: list[int]):
-        """Block `[anchor, drafts...]` per generation row, its start position and how many of it get verified
-        (fewer than the block near the output budget, as in the reference loop). Other rows verify 1 dummy."""
+        """Block `[anchor, drafts...]` per generation row, its start position and how many of it get verified: the
+        request's scheduled draft length + 1, fewer near the output budget (where the drafter sees a shorter block
+        too), as in the reference loop. Other rows verify 1 dummy."""
         draft, block, rows = self.model.draft, self.block, len(self.slots)
         start = torch.zeros(rows, dtype=torch.long)
         verify = torch.ones(rows, dtype=torch.long)
+        width = torch.ones(rows, dtype=torch.long)
         block_ids = torch.full((rows, block), draft.spec.mask_token_id, dtype=torch.long)
         for i in generation:
             s = running[i]
             start[i] = s.start
-            verify[i] = min(block, s.max_length - s.start)
+            width[i] = min(block, s.max_length - s.start)
+            verify[i] = min(s.draft_len + 1, int(width[i]))
             block_ids[i, 0] = s.tokens[-1]
         if block > 1 and generation:
             anchors = block_ids[:, 0].clone()
-            drafter_ids, drafter_valid = drafter_block(draft, anchors, block, verify)
+            drafter_ids, drafter_valid = drafter_block(draft, anchors, block, width)
             hidden = draft.forward(drafter_ids, start, drafter_valid, self.draft_cache)
             block_ids[:, 1:] = draft.choose(hidden, anchors).tokens()[:, : block - 1]
         return block_ids, start, verify
@@ -190,7 +203,7 @@ class GoldenStepper:
         positions = torch.zeros(rows, width, dtype=torch.long)
         valid = torch.zeros(rows, width, dtype=torch.bool)
         for i in generation:
-            tokens[i, :block] = block_ids[i]
+            tokens[i, : min(block, width)] = block_ids[i, :width]
             positions[i] = start[i] + offsets.clamp(max=block - 1)
             valid[i] = offsets < verify[i]
         for i in context:
@@ -220,9 +233,10 @@ class GoldenExecutor(WorkerExecutor):
         *,
         block_size: int | None = None,
         stop_token_ids: list[int] | None = None,
+        draft_len_schedule: DraftLenSchedule = FIXED,
     ):
         block = model.draft.spec.verify_width if block_size is None else block_size
         super().__init__(
-            lambda: GoldenStepper(model, max_batch_size, max_seq_len, block_size, stop_token_ids),
+            lambda: GoldenStepper(model, max_batch_size, max_seq_len, block_size, stop_token_ids, draft_len_schedule),
             DFLASH if block > 1 else AR,
         )

@@ -23,8 +23,10 @@ from dflash_trt.analysis.model import PRECISION
 from dflash_trt.analysis.shapes import dflash_from_spec, target_from_spec
 from dflash_trt.checkpoint.sharding import check_parallel
 from dflash_trt.checkpoint.stored import QuantSettings
+from dflash_trt.draft_schedule import AUTO, DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import ENGINE_DTYPES, KV_CACHE_DTYPES, NVFP4, QFORMATS
+from dflash_trt.inputs import DRAFT_LEN_SCHEDULE
 from dflash_trt.recorded_configs import PACKAGED_RECORDED_CONFIGS
 from dflash_trt.spec import DraftSpec, TargetSpec, load_draft_spec, load_target_spec
 from dflash_trt.triton.serving import ServingSettings
@@ -34,7 +36,9 @@ from dflash_trt.trtllm.build_plan import (
     TOKENS_PER_BLOCK,
     EngineBuildSettings,
     check_engine_settings,
-    check_gemm_plugin,
+    check_fp8_context_fmha,
+    check_kv_cache_format,
+    resolved_gemm_plugin,
 )
 from dflash_trt.yamlfile import safe_load_unique
 
@@ -59,6 +63,18 @@ KvCacheDtype = Annotated[str, _one_of(KV_CACHE_DTYPES)]
 EngineDtype = Annotated[str, _one_of(ENGINE_DTYPES)]
 GemmPlugin = Annotated[str, _one_of(GEMM_PLUGIN_CHOICES)]
 GpuName = Annotated[str, _one_of(tuple(GPUS))]
+
+
+def _schedule_text(value: str) -> str:
+    """`auto`, `none` or a table, checked by the one rule for it (inputs.py) and kept in its canonical spelling."""
+    try:
+        choice = DRAFT_LEN_SCHEDULE.check(value, "draft_len_schedule")
+    except DFlashTrtError as exc:
+        raise ValueError(str(exc).removeprefix("draft_len_schedule ")) from None
+    return choice.text() if isinstance(choice, DraftLenSchedule) else AUTO
+
+
+ScheduleText = Annotated[str, AfterValidator(_schedule_text)]
 
 
 class _Strict(BaseModel):
@@ -128,13 +144,27 @@ class EngineSettings(_Strict):
     max_draft_len: int = Field(ge=1)
     gemm_plugin: GemmPlugin
     use_paged_context_fmha: bool = EngineBuildSettings.use_paged_context_fmha
-    use_fp8_context_fmha: bool = EngineBuildSettings.use_fp8_context_fmha
+    # Unset: what TensorRT-LLM 1.2.x's builder settles on (on for fp8/nvfp4 weights with an FP8 KV cache).
+    use_fp8_context_fmha: bool | None = EngineBuildSettings.use_fp8_context_fmha
     multiple_profiles: bool = EngineBuildSettings.multiple_profiles
+    draft_len_schedule: ScheduleText = Field(
+        default=AUTO,
+        description="drafts per request by the step's load: auto (derived for this GPU, TP and quantization), none "
+        "or N1:K1,N2:K2,... (docs/performance.md)",
+    )
+
+    @property
+    def schedule_choice(self) -> DraftLenSchedule | str:
+        """`AUTO`, or the table as a schedule."""
+        choice = DRAFT_LEN_SCHEDULE.check(self.draft_len_schedule, "engine.draft_len_schedule")
+        assert choice == AUTO or isinstance(choice, DraftLenSchedule)
+        return choice
 
     def build_settings(self) -> EngineBuildSettings:
         """The section as build settings: every field both spell the same way (trtllm-build's flag names);
-        `max_draft_len` is not among them, the build takes it from the checkpoint's block size."""
-        shared = {f.name for f in dataclasses.fields(EngineBuildSettings)}
+        `max_draft_len` is not among them, the build takes it from the checkpoint's block size, nor the draft-length
+        schedule, which `pipeline/schedule.py` resolves from the models (auto needs their shapes)."""
+        shared = {f.name for f in dataclasses.fields(EngineBuildSettings)} - {"draft_len_schedule"}
         return EngineBuildSettings(**self.model_dump(include=shared))
 
     @model_validator(mode="after")
@@ -226,11 +256,11 @@ class BuildProfile(_Strict):
                 "one quantization to the target and the drafter"
             )
         try:
-            check_gemm_plugin(eng.gemm_plugin, q.qformat)
+            resolved_gemm_plugin(eng.gemm_plugin, q.qformat)
+            check_kv_cache_format(q.qformat, q.kv_cache_dtype)
+            check_fp8_context_fmha(eng.use_fp8_context_fmha, q.qformat, q.kv_cache_dtype)
         except DFlashTrtError as exc:
             raise ValueError(str(exc)) from None
-        if eng.use_fp8_context_fmha and q.kv_cache_dtype != "fp8":
-            raise ValueError("use_fp8_context_fmha needs kv_cache_dtype fp8")
         if eng.max_draft_len > block - 1:
             raise ValueError(
                 f"max_draft_len {eng.max_draft_len} exceeds block_size - 1 = {block - 1}: the drafter "
@@ -241,6 +271,11 @@ class BuildProfile(_Strict):
                 f"max_draft_len {eng.max_draft_len} is below block_size - 1 = {block - 1}: the DFlash engine always "
                 "drafts a full block"
             )
+        if isinstance(eng.schedule_choice, DraftLenSchedule):
+            try:
+                eng.schedule_choice.fitted_to(block - 1, "engine.draft_len_schedule")
+            except DFlashTrtError as exc:
+                raise ValueError(str(exc)) from None
         # A full batch of generation steps verifies max_batch_size x block_size tokens; the step must still carry
         # one prefill chunk, or no new request could ever start while the batch is full. Without chunked
         # context the whole prompt (up to max_input_len) is that chunk.

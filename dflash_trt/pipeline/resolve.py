@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_trt.analysis.shapes import dflash_from_spec, target_from_spec
 from dflash_trt.checkpoint.atomic import check_output_apart
+from dflash_trt.draft_schedule import DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.pipeline.capacity import checkpoint_warnings
 from dflash_trt.pipeline.profiles import (
@@ -16,7 +19,8 @@ from dflash_trt.pipeline.profiles import (
     looks_like_repo_id,
     resolve_model_dir,
 )
-from dflash_trt.pipeline.settings import quantization_settings
+from dflash_trt.pipeline.schedule import ResolvedSchedule, derived_schedule
+from dflash_trt.pipeline.settings import engine_settings, quantization_settings
 from dflash_trt.pipeline.workspace import Workspace, workspace
 from dflash_trt.recorded_configs import ModelSource, load_recorded_configs, local_source, recorded_source
 from dflash_trt.spec import FULL_ATTENTION, SLIDING_ATTENTION, parse_draft_config, parse_target_config
@@ -33,6 +37,7 @@ class PipelineRequest:
     download: bool = False
     plugin_library: str | None = None
     dry_run: bool = False
+    draft_len_schedule: DraftLenSchedule | str | None = None  # `build --draft_len_schedule` over the profile's
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,8 @@ class PipelineInputs:
     tokenizer: ModelSource
     settings: EngineBuildSettings
     plugin_library: str | None
+    schedule: ResolvedSchedule | None = None  # None: `auto` with the models' shapes unknown (dry runs only)
+    schedule_flag: str | None = None  # `build --draft_len_schedule` as given, for the resume command
 
     @property
     def local(self) -> bool:
@@ -118,9 +125,12 @@ def resolve_inputs(
     if target.path is not None and draft.path is not None:
         for warning in checkpoint_warnings(profile, target.path, draft.path):
             warn(warning)
-    settings = replace(profile.engine.build_settings(), gpu=profile.gpu)  # the profile's GPU decides attention
+    settings = engine_settings(profile)
     if settings_override is not None:
         settings = settings_override(settings)
+    schedule = _schedule(profile, target, draft, request.draft_len_schedule)
+    if schedule is not None:
+        settings = dataclasses.replace(settings, draft_len_schedule=schedule.schedule)
     ws = workspace(profile, request.output_dir)
     quant = quantization_settings(profile, Path(request.config))
     check_output_apart(
@@ -134,7 +144,35 @@ def resolve_inputs(
             "--plugin_library": request.plugin_library,
         },
     )
-    return PipelineInputs(profile, Path(request.config), ws, target, draft, tokenizer, settings, request.plugin_library)
+    flag = request.draft_len_schedule
+    return PipelineInputs(
+        profile,
+        Path(request.config),
+        ws,
+        target,
+        draft,
+        tokenizer,
+        settings,
+        request.plugin_library,
+        schedule,
+        None if flag is None else flag if isinstance(flag, str) else flag.text(),
+    )
+
+
+def _schedule(
+    profile: BuildProfile, target: ModelSource, draft: ModelSource, override: DraftLenSchedule | str | None
+) -> ResolvedSchedule | None:
+    """The engine's draft-length schedule (`build --draft_len_schedule` over the profile's); None for `auto` while
+    the models' shapes are unknown."""
+    choice = profile.engine.schedule_choice if override is None else override
+    where = "engine.draft_len_schedule" if override is None else "--draft_len_schedule"
+    if isinstance(choice, DraftLenSchedule):
+        return ResolvedSchedule(choice.fitted_to(profile.model.block_size - 1, where), f"given in {where}")
+    if target.config is None or draft.config is None:
+        return None
+    target_spec = parse_target_config(target.config, target.path)
+    drafter = dflash_from_spec(parse_draft_config(draft.config, target_spec))
+    return derived_schedule(profile, target_from_spec(target_spec), drafter)
 
 
 def offline_notes(inp: PipelineInputs) -> list[str]:
@@ -153,4 +191,6 @@ def offline_notes(inp: PipelineInputs) -> list[str]:
             )
         else:
             notes.append(f"{role} {model.ref}: not downloaded")
+    if inp.schedule is None:
+        notes.append("draft_len_schedule auto: derived once the models' config.json fields are known")
     return notes

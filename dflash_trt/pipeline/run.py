@@ -50,6 +50,8 @@ def resume_command(inp: PipelineInputs) -> str:
     argv = ["dflash-trt", "build", "--config", str(inp.profile_path), "--output_dir", str(inp.ws.root)]
     if inp.plugin_library:
         argv += ["--plugin_library", inp.plugin_library]
+    if inp.schedule_flag is not None:
+        argv += ["--draft_len_schedule", inp.schedule_flag]
     return shlex.join(argv)
 
 

@@ -12,19 +12,36 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dflash_trt.checkpoint.stored import QuantSettings
+from dflash_trt.formats import fp8_context_fmha
 from dflash_trt.pipeline.profiles import BuildProfile
 from dflash_trt.pipeline.workspace import Workspace
 from dflash_trt.recorded_configs import ModelSource
+from dflash_trt.reference.loop_rules import longest_request
 from dflash_trt.triton.serving import ServingSettings
 from dflash_trt.trtllm.build_plan import (
     SAMPLING_POLICY,
     EngineBuildPlan,
     EngineBuildSettings,
     plan_engine_build,
+    resolved_gemm_plugin,
 )
 
 if TYPE_CHECKING:  # the repository writer imports numpy (its processing code), which `--help` must not
     from dflash_trt.triton.repository import RepositorySettings
+
+
+def engine_settings(profile: BuildProfile) -> EngineBuildSettings:
+    """The profile's `engine` section as build settings, with the values the builder settles from the quantization
+    written out as the plan writes them (`build_plan.resolve_settings`), so a command shown before the model
+    configs are known is the one that runs; the profile's GPU decides each pass's attention kernel."""
+    settings = profile.engine.build_settings()
+    quant = profile.quantization
+    return dataclasses.replace(
+        settings,
+        gemm_plugin=resolved_gemm_plugin(settings.gemm_plugin, quant.qformat),
+        use_fp8_context_fmha=fp8_context_fmha(quant.qformat, quant.kv_cache_dtype),
+        gpu=profile.gpu,
+    )
 
 
 def settings_from_profile(
@@ -33,9 +50,12 @@ def settings_from_profile(
     tokenizer_dir: str | Path,
     plugin_library: str | Path,
     serving: ServingSettings | None = None,
+    draft_len_schedule: str | None = None,
 ) -> RepositorySettings:
     """Settings for the engine a build profile will produce, so the repository can be reviewed before the build;
-    `serving` replaces the profile's serving section (already validated overrides)."""
+    `serving` replaces the profile's serving section (already validated overrides); `draft_len_schedule` is the
+    table the engine is built with, once resolved (else the profile's text: `auto` still says the engine drafts by
+    load)."""
     from dflash_trt.triton.repository import RepositorySettings, max_temperature_for_sampling, serving_fields
 
     eng = profile.engine
@@ -48,6 +68,10 @@ def settings_from_profile(
         max_draft_len=eng.max_draft_len,
         world_size=profile.checkpoint.tp_size,
         max_temperature=max_temperature_for_sampling(SAMPLING_POLICY),
+        # At most what the built engine holds (its window and positions are at least the profile's max_seq_len);
+        # the pipeline rewrites the repository from the built engine's config.
+        max_seq_len=longest_request(eng.max_seq_len, eng.max_draft_len),
+        draft_len_schedule=draft_len_schedule or eng.draft_len_schedule,
         **serving_fields(serving or profile.serving),
     )
 

@@ -16,13 +16,14 @@ from dflash_trt.pipeline.resolve import PipelineInputs
 from dflash_trt.pipeline.settings import convert_command, plan_engine, quantization_settings, settings_from_profile
 from dflash_trt.pipeline.workspace import Stage
 from dflash_trt.trtllm.build_plan import (
+    EngineLengths,
     build_command,
     build_environment,
     environment_prefix,
     plan_engine_build,
     settings_dict,
 )
-from dflash_trt.trtllm.plugin import default_library_path
+from dflash_trt.trtllm.plugin import LIBRARY_ENV, default_library_path
 
 
 def stages(inp: PipelineInputs) -> list[Stage]:
@@ -84,13 +85,20 @@ def _engine_stage(inp: PipelineInputs, ckpt_fp: str | None) -> tuple[Stage, str]
     profile, ws = inp.profile, inp.ws
     if inp.configs_known:
         plan = plan_engine(profile, ws, inp.settings, inp.target, inp.draft, inp.plugin_library)
-        library, build_argv = plan.plugin_library, plan.command
+        library, build_argv, lengths = plan.plugin_library, plan.command, plan.lengths
         # The build loads the plugin library and builds for the GPU these variables name: part of the exact command.
-        engine_command = plan.shell_command(with_environment=True)
+        engine_command = plan.shell_command(with_library=True)
     else:
         library = str(Path(inp.plugin_library or default_library_path()).absolute())
         build_argv = build_command(str(ws.checkpoint), str(ws.engine), profile.engine.max_draft_len, inp.settings)
-        engine_command = environment_prefix(build_environment(library, inp.settings)) + shlex.join(build_argv)
+        engine_command = environment_prefix({LIBRARY_ENV: library, **build_environment(inp.settings)}) + shlex.join(
+            build_argv
+        )
+        lengths = EngineLengths(
+            max_seq_len=inp.settings.max_seq_len,
+            max_draft_len=profile.engine.max_draft_len,
+            positions=None,  # the target's max_position_embeddings is not known yet
+        )
     engine_fp = (
         fingerprint(
             {"stage": "engine", "checkpoint": ckpt_fp, "settings": settings_dict(inp.settings), "command": build_argv}
@@ -106,14 +114,15 @@ def _engine_stage(inp: PipelineInputs, ckpt_fp: str | None) -> tuple[Stage, str]
             plan_engine_build(ws.checkpoint, ws.engine, inp.settings, plugin_library=inp.plugin_library), overwrite=True
         )
 
-    return Stage("engine", ws.engine, engine_fp, engine_command, run_engine), library
+    return Stage("engine", ws.engine, engine_fp, engine_command, run_engine, lengths.explanation()), library
 
 
 def _triton_stage(inp: PipelineInputs, engine_fp: str | None, library: str) -> Stage:
     from dflash_trt.triton.repository import write_repository
 
     profile, ws = inp.profile, inp.ws
-    repo_settings = settings_from_profile(profile, ws.engine, inp.tokenizer.shown, library)
+    schedule = None if inp.schedule is None else inp.schedule.schedule.text()
+    repo_settings = settings_from_profile(profile, ws.engine, inp.tokenizer.shown, library, draft_len_schedule=schedule)
     triton_fp = (
         fingerprint(
             {

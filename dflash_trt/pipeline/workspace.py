@@ -45,6 +45,7 @@ class Stage:
     fingerprint: str | None  # None: the models are not on disk (a dry run), so it cannot be taken
     command: str  # what the stage runs, as a user could type it
     run: Callable[[], None]
+    note: str | None = None  # what a reader of the command would otherwise ask (the engine's lengths)
 
 
 def _listing(directory: Path) -> dict[str, int]:

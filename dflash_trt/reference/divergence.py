@@ -114,20 +114,23 @@ def _sequence_divergence(
     for step, (g_len, o_len) in enumerate(zip(golden.acceptance_lengths, other.acceptance_lengths, strict=False)):
         g_step = golden.steps[step]
         o_step = other.steps[step] if step < len(other.steps) else None
-        if o_step is not None and len(g_step.draft_ids) == full and o_step.draft_ids != g_step.draft_ids:
+        g_full = g_step.drafted_positions == full
+        if o_step is not None and g_full and g_step.parents is not None and o_step.parents != g_step.parents:
+            return Divergence(index, f"step {step}: draft tree parents {o_step.parents} != golden {g_step.parents}")
+        if o_step is not None and g_full and o_step.draft_ids != g_step.draft_ids:
             slot = next(
                 (d for d, (g, o) in enumerate(zip(g_step.draft_ids, o_step.draft_ids, strict=False)) if g != o),
                 min(len(g_step.draft_ids), len(o_step.draft_ids)),
             )
             what = f"step {step} draft {slot}: {o_step.draft_ids} != golden {g_step.draft_ids}"
-            if slot >= min(len(g_step.draft_ids), len(o_step.draft_ids)):
-                return Divergence(index, what)
+            if slot >= min(len(g_step.draft_ids), len(o_step.draft_ids)) or g_step.parents is not None:
+                return Divergence(index, what)  # a tree's node rides on log-probability sums, not one argmax
             context = golden.input_ids + expected[:produced]
             margin, scale = _top2(_draft_scores(model, context)[slot], relative)
             return Divergence(index, what, margin, scale)
         if token is not None and token < produced + o_len:
             return token_divergence(token)
-        if len(g_step.draft_ids) == full and (o_len > g_len or (o_len < g_len and step != last)):
+        if g_full and (o_len > g_len or (o_len < g_len and step != last)):
             return Divergence(index, f"step {step}: acceptance length {o_len} != golden {g_len}")
         produced += o_len
     return None if token is None else token_divergence(token)

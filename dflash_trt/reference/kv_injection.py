@@ -120,9 +120,12 @@ def kv_injection(
     primary_pool: torch.Tensor,
     secondary_pool: torch.Tensor | None = None,
     kv_scale_orig_quant: float | None = None,
+    cache_positions: torch.Tensor | None = None,
 ) -> int:
     """Write the injected K/V of every valid token into all draft layers' pages; returns the tokens written.
 
+    K is rotated at `positions` and stored at `cache_positions` (by default the same): the slot differs from the
+    position only where a draft tree's node waits for the runtime's rewind to move it (docs/engine.md §6.1).
     `block_offsets` is one pool's `[seqs, 2, max_blocks_per_seq]` slice; pools are contiguous tensors of the cache
     dtype (any shape, e.g. `[blocks, layers_in_pool, 2, kv_heads, tokens_per_block, head_dim]`).
     """
@@ -132,11 +135,16 @@ def kv_injection(
     if k_norm_weight.shape != (layers, head_dim):
         raise DFlashTrtError(f"k_norm_weight must be [{layers}, {head_dim}], got {tuple(k_norm_weight.shape)}.")
     keep = valid.reshape(-1).bool()
-    if keep.numel() != tokens or positions.numel() != tokens or seq_slots.numel() != tokens:
-        raise DFlashTrtError("positions, seq_slots and valid need one entry per ctx_kv token.")
+    slots_at = positions if cache_positions is None else cache_positions
+    if any(t.numel() != tokens for t in (keep, positions, slots_at, seq_slots)):
+        raise DFlashTrtError("positions, cache_positions, seq_slots and valid need one entry per ctx_kv token.")
     if not primary_pool.is_contiguous():
         raise DFlashTrtError("the KV pool must be contiguous.")
-    positions, seq_slots = positions.reshape(-1)[keep], seq_slots.reshape(-1)[keep]
+    positions, seq_slots, slots_at = (
+        positions.reshape(-1)[keep],
+        seq_slots.reshape(-1)[keep],
+        slots_at.reshape(-1)[keep],
+    )
     k, v = injected_kv(ctx_kv[keep], k_norm_weight, eps, positions, rope)
     pools = [_bits(primary_pool).view(-1)]
     if secondary_pool is not None:
@@ -146,7 +154,7 @@ def kv_injection(
     for layer in range(layers):
         for kv, values in ((0, k), (1, v)):
             stored = _bits(to_cache_dtype(values[:, layer], primary_pool.dtype, kv_scale_orig_quant))
-            secondary, offsets = layout.element_offsets(block_offsets, seq_slots, positions, layer, kv)
+            secondary, offsets = layout.element_offsets(block_offsets, seq_slots, slots_at, layer, kv)
             if secondary_pool is None and bool(secondary.any()):
                 raise DFlashTrtError("a block index points at the secondary pool, which was not given.")
             for pool, rows in zip(pools, (~secondary, secondary), strict=False):

@@ -22,6 +22,12 @@ def longest_request(positions: int, max_draft_len: int) -> int:
     return positions - 2 * max_draft_len
 
 
+def built_engine_longest_request(kv_window: int, positions: int, max_draft_len: int) -> int:
+    """The longest request of a built engine: `longest_request` over its KV window (build_config.max_seq_len, which
+    the builder widened by 2K) or the target's positions, whichever is fewer."""
+    return longest_request(min(kv_window, positions), max_draft_len)
+
+
 def check_request(
     index: int, prompt: Sequence[int], max_new_tokens: int, vocab_size: int, max_seq_len: int | None = None
 ) -> None:

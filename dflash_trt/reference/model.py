@@ -22,13 +22,19 @@ from dflash_trt.checkpoint.safetensors_io import SafetensorsFile, tensor_has_non
 from dflash_trt.checkpoint.sharding import merge
 from dflash_trt.checkpoint.trtllm_config import specs_from_config
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.formats import NONE
+from dflash_trt.formats import NONE, checkpoint_fp8_context_fmha
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.reference.conv import AFTER, BEFORE, GroupedDynamicConv
 from dflash_trt.reference.kv_injection import injected_kv
 from dflash_trt.reference.norm import rms_norm
 from dflash_trt.reference.proposal import CandidateSelector, DraftChoice, DraftHead
-from dflash_trt.reference.quantized import dequantized_weight, fake_quantize_fp8, fake_quantize_input, weight_format
+from dflash_trt.reference.quantized import (
+    dequantized_weight,
+    fake_quantize_fp8,
+    fake_quantize_input,
+    fp8_context_attention,
+    weight_format,
+)
 from dflash_trt.rope import apply_rope, rope_cos_sin
 from dflash_trt.spec import EMBEDDING_TAP, DraftSpec, MoeSpec, TargetSpec
 
@@ -226,6 +232,13 @@ class KVCache:
         scale = weights.kv_scale
         return x if scale is None else fake_quantize_fp8(x, scale)
 
+    def move(self, batch: int, sources: list[int], targets: list[int]) -> None:
+        """Sequence `batch`'s entries at slots `sources` copied to `targets` in every layer (all read first): the
+        runtime's rewind along an accepted tree path."""
+        for k, v in zip(self.k, self.v, strict=True):
+            k[batch, :, targets] = k[batch, :, sources].clone()
+            v[batch, :, targets] = v[batch, :, sources].clone()
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor):
         """k/v `[batch, tokens, kv_heads, head_dim]` at `positions [batch, tokens]`; invalid tokens are dropped."""
         batch_index, token_index = valid.nonzero(as_tuple=True)
@@ -234,6 +247,26 @@ class KVCache:
             raise DFlashTrtError(f"sequence longer than the KV cache capacity ({self.capacity} tokens)")
         self.k[layer][batch_index, :, slots] = self.stored(layer, k[batch_index, token_index]).to(self.k[layer].dtype)
         self.v[layer][batch_index, :, slots] = self.stored(layer, v[batch_index, token_index]).to(self.v[layer].dtype)
+
+
+@dataclass(frozen=True)
+class TreeBlock:
+    """Verify rows laid out as draft trees, as the runtime lays them out: row `t` of sequence `b` (node `t`, the anchor
+    first) is stored at cache slot `slots[b, t]` = anchor slot + `t` and sees every slot before the anchor's plus the
+    rows `visible[b, t]` marks (its path from the anchor)."""
+
+    slots: torch.Tensor  # int64 [b, t]
+    visible: torch.Tensor  # bool [b, t, t]
+
+    def keys(self, key_count: int) -> torch.Tensor:
+        """bool `[b, t, key_count]`: which cache slots each row attends."""
+        start = self.slots[:, :1]
+        keys = torch.arange(key_count)[None, :]
+        visible = (keys < start)[:, None, :].expand(-1, self.slots.shape[1], -1).clone()
+        rows = torch.arange(self.slots.shape[1])
+        for b in range(self.slots.shape[0]):
+            visible[b][:, self.slots[b, rows]] |= self.visible[b]
+        return visible
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
@@ -245,8 +278,22 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
     return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1)
 
 
+def attend_fp8_context(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float, kv_scale: torch.Tensor
+) -> torch.Tensor:
+    """`attend` as FP8 context FMHA computes it (`fp8_context_attention`), same shapes."""
+    groups = q.shape[2] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    out = fp8_context_attention(q.transpose(1, 2), k, v, visible[:, None], scale, kv_scale)
+    return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1).to(q.dtype)
+
+
 class TargetModel:
-    """The target decoder; returns logits and the concatenated tap features the drafter conditions on."""
+    """The target decoder; returns logits and the concatenated tap features the drafter conditions on.
+
+    `fp8_context` (FP8 / NVFP4 weights with an FP8 KV cache) makes the rows of context requests attend as the
+    engine's FP8 context FMHA does; generation rows (a verified block) attend as before.
+    """
 
     def __init__(
         self, spec: TargetSpec, tensors: dict[str, torch.Tensor], tap_layers: tuple[int, ...], dtype: torch.dtype
@@ -260,24 +307,46 @@ class TargetModel:
         self.final_norm = tensors[names.TARGET_FINAL_NORM].to(dtype)
         self.lm_head = Linear.load(tensors, names.LM_HEAD.removesuffix("." + names.WEIGHT), dtype)
         self.tap_layers = tap_layers
+        self.fp8_context = False
         self.current_valid: torch.Tensor | None = None  # rows of the running call that are real (for observers)
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         s = self.spec
         return KVCache(self.layers, batch, s.num_key_value_heads, capacity, s.head_dim, self.embedding.dtype)
 
+    def _attention(
+        self, layer: LayerWeights, q, keys, values, visible, context_rows: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`attend`, with the context rows as FP8 context FMHA computes them when the engine runs it."""
+        scale = self.spec.head_dim**-0.5
+        out = attend(q, keys, values, visible, scale)
+        if self.fp8_context and context_rows is not None and context_rows.any() and layer.kv_scale is not None:
+            rows = context_rows
+            out[rows] = attend_fp8_context(q[rows], keys[rows], values[rows], visible[rows], scale, layer.kv_scale)
+        return out
+
     def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, cache: KVCache
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        valid: torch.Tensor,
+        cache: KVCache,
+        context_rows: torch.Tensor | None = None,
+        tree: TreeBlock | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens/positions/valid `[b, t]` → logits `[b, t, vocab]` (fp32), taps `[b, t, n_taps * hidden]`."""
+        """tokens/positions/valid `[b, t]` → logits `[b, t, vocab]` (fp32), taps `[b, t, n_taps * hidden]`;
+        `context_rows [b]` marks the sequences this call prefills (the engine's context requests). Row `t` is stored at
+        cache slot `positions[:, t]` and sees the slots up to it, unless `tree` lays the rows out as a draft tree (its
+        own slots and visibility; RoPE stays at `positions`)."""
         s = self.spec
         self.current_valid = valid
         hidden = F.embedding(tokens, self.embedding)
         cos, sin = rope_cos_sin(positions, s.rope)
         cos, sin = cos[:, :, None].to(hidden.dtype), sin[:, :, None].to(hidden.dtype)
-        key_count = int(positions.max()) + 1
+        slots = positions if tree is None else tree.slots
+        key_count = int(slots.max()) + 1
         key_positions = torch.arange(key_count)
-        visible = key_positions[None, None, :] <= positions[:, :, None]
+        visible = key_positions[None, None, :] <= positions[:, :, None] if tree is None else tree.keys(key_count)
         taps = {EMBEDDING_TAP: hidden}
         for index, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, s.rms_norm_eps)
@@ -285,9 +354,9 @@ class TargetModel:
             if layer.q_norm is not None and layer.k_norm is not None:
                 q, k = rms_norm(q, layer.q_norm, s.rms_norm_eps), rms_norm(k, layer.k_norm, s.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            cache.write(index, k, v, positions, valid)
+            cache.write(index, k, v, slots, valid)
             keys, values = cache.k[index][:, :, :key_count], cache.v[index][:, :, :key_count]
-            hidden = hidden + layer.dense(attend(q, keys, values, visible, s.head_dim**-0.5))
+            hidden = hidden + layer.dense(self._attention(layer, q, keys, values, visible, context_rows))
             hidden = hidden + layer.mlp(rms_norm(hidden, layer.post_norm, s.rms_norm_eps))
             if index in self.tap_layers:
                 taps[index] = hidden
@@ -572,4 +641,5 @@ def load_golden_model(checkpoint_dir: str | Path, compute_dtype: torch.dtype = t
         checkpoint_dir, mapping["tp_size"], target_spec, draft_spec, dtype, mapping.get("moe_ep_size", 1)
     )
     target = TargetModel(target_spec, tensors, draft_spec.target_layer_ids, compute_dtype)
+    target.fp8_context = checkpoint_fp8_context_fmha(config)
     return GoldenModel(target, DraftModel(draft_spec, tensors, target, compute_dtype), config)

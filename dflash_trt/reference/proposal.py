@@ -33,6 +33,18 @@ class DraftChoice:
             return index
         return self.candidates.gather(-1, index[..., None])[..., 0]
 
+    def rank(self, row: int, slot: int, token: int) -> int | None:
+        """Where `token` stands in `slot`'s scores (1 = the best; equal scores share a rank), or None when it is not
+        one of the slot's candidates (a reduced vocabulary, DFlash2's top-k)."""
+        scores = self.scores[row, slot]
+        column = token
+        if self.candidates is not None:
+            matches = (self.candidates[row, slot] == token).nonzero()
+            if not len(matches):
+                return None
+            column = int(matches[0, 0])
+        return 1 + int((scores > scores[column]).sum())
+
 
 @dataclass
 class CandidateSelector:

@@ -3,7 +3,8 @@
 The golden model runs FP8 / NVFP4 checkpoints through these, so its tokens are the quantized engine's tokens:
 weights exactly as stored (dequantized once at load), each quantized linear's input rounded with its static
 `activation_scaling_factor` (NVFP4: dynamic 16-element blocks under that global scale), K/V rounded to FP8 with
-`kv_cache_scaling_factor` when the cache is FP8.
+`kv_cache_scaling_factor` when the cache is FP8, and context attention as FP8 context FMHA computes it where the engine
+runs it (`fp8_context_attention`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import FP8, NONE, NVFP4
 from dflash_trt.quant.fp8 import dequantize_fp8, dequantize_fp8_experts
 from dflash_trt.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
-from dflash_trt.reference.kv_injection import to_cache_dtype
+from dflash_trt.reference.kv_injection import FP8_E4M3_MAX, to_cache_dtype
 
 
 def weight_format(weight: torch.Tensor) -> str:
@@ -61,3 +62,26 @@ def fake_quantize_input(x: torch.Tensor, scale: torch.Tensor | None, kind: str) 
     if scale is None or kind == NONE:
         return x
     return fake_quantize_fp8(x, scale) if kind == FP8 else fake_quantize_nvfp4(x, scale)
+
+
+def fp8_context_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float, kv_scale: torch.Tensor
+) -> torch.Tensor:
+    """softmax(Q Kᵀ) V as FP8 context FMHA computes it, which TensorRT-LLM 1.2.x engines run for context requests with
+    FP8 / NVFP4 weights and an FP8 KV cache (`formats.fp8_context_fmha`). Q is rounded to e4m3 with the KV cache's
+    own scale (K and V come from the FP8 cache) and the logits taken in fp32 [read: unfusedAttentionKernels
+    `applyBiasRopeUpdateKVCacheV2`: one scale for Q, K and V, bmm1 scale q_scale x k_scale x softmax scale]; each
+    probability exp(s - rowmax) is rounded to e4m3 after mapping 1 to e4m3's largest value, as XQA does (mha_sm90.cu,
+    "map 1 to fp8_max before conversion to fp8"), before it weights V, and the row is normalised by the unrounded
+    sum. Read, not run: the context kernels' own probability scale (assumed XQA's) and their running maximum per key
+    tile (here the row's), so a GPU may differ in the last bits of FP8's resolution.
+
+    q `[..., t, d]`, k / v `[..., n, d]` (heads matched already), visible `[..., t, n]` -> `[..., t, d]` float32.
+    """
+    rounded_q = fake_quantize_fp8(q.float(), kv_scale)
+    logits = (rounded_q @ k.float().transpose(-1, -2)) * scale
+    logits = logits.masked_fill(~visible, float("-inf"))
+    probabilities = torch.exp(logits - logits.amax(-1, keepdim=True))
+    total = probabilities.sum(-1, keepdim=True)
+    rounded = (probabilities * FP8_E4M3_MAX).to(torch.float8_e4m3fn).float() / FP8_E4M3_MAX
+    return (rounded @ v.float()) / total

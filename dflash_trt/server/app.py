@@ -9,7 +9,6 @@ disconnects is cancelled; a streamed one is cancelled by Starlette closing its s
 from __future__ import annotations
 
 import asyncio
-import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TypeVar
@@ -18,21 +17,27 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
+from starlette.requests import ClientDisconnect
 
-from dflash_trt.server.errors import BAD_REQUEST, NOT_FOUND, TOO_LARGE, UNAUTHORIZED, UNAVAILABLE, error
+from dflash_trt.server.errors import METHOD_NOT_ALLOWED, NOT_FOUND, SERVER_ERROR, TOO_LARGE, UNAVAILABLE, error
 from dflash_trt.server.generation import Served
+from dflash_trt.server.guards import HostCheck, check_api_key, content_type_refusal, key_refusal
 from dflash_trt.server.limits import DEFAULT_MAX_BODY_BYTES
 from dflash_trt.server.metrics import CONTENT_TYPE
 from dflash_trt.server.observability import LOGGER, RequestIds
 from dflash_trt.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
 )
 from dflash_trt.server.serving_chat import create_chat_completion
+from dflash_trt.server.serving_common import unknown_model
 from dflash_trt.server.serving_completion import create_completion
+from dflash_trt.server.serving_tokens import detokenize, tokenize, tokenizer_info
 from dflash_trt.server.sse import EventStream
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -41,7 +46,13 @@ CLIENT_CLOSED = 499  # what nginx logs for a client that left before the answer;
 
 
 def answer(result: BaseModel | ErrorResponse | EventStream) -> Response:
+    """The HTTP answer of a result. A refusal (4xx) is logged at INFO with its reason, so a client that records only
+    "400 Bad Request" leaves the cause in the server's log."""
     if isinstance(result, ErrorResponse):
+        body = result.error
+        if body.code is None or body.code < SERVER_ERROR:
+            why = (body.request_id, result.status, body.param, body.message)
+            LOGGER.info("request %s refused (%d, param %s): %s", *why)
         return JSONResponse(result.model_dump(), status_code=result.status)
     if isinstance(result, BaseModel):
         return Response(result.model_dump_json(), media_type="application/json")
@@ -68,17 +79,22 @@ def validation_error(exc: ValidationError) -> ErrorResponse:
     return error(f"{name}: {first['msg']}", where[0])
 
 
-async def read_body(request: Request, limit: int) -> bytes | ErrorResponse:
+async def read_body(request: Request, limit: int) -> bytes | ErrorResponse | None:
+    """The body, 413 once it is known to exceed `limit` (declared, or counted as it streams in, chunked too), or
+    None when the client went away (or its connection ran out of time) before sending all of it."""
     too_large = error(f"the body exceeds {limit} bytes", status=TOO_LARGE)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         return too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            return too_large
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return too_large
+            chunks.append(chunk)
+    except ClientDisconnect:
+        return None
     return b"".join(chunks)
 
 
@@ -112,6 +128,7 @@ def executor_lifespan(served: Served) -> Callable[[FastAPI], AbstractAsyncContex
             yield
         finally:
             await served.client.stop()
+            served.prompts.close()
             LOGGER.info("the executor stopped")
 
     return lifespan
@@ -122,20 +139,20 @@ def build_app(
     *,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    allowed_hosts: frozenset[str] | None = frozenset(),
     access_log: bool = False,
 ) -> FastAPI:
+    """`allowed_hosts`: names a keyless server answers besides loopback's (guards.HostCheck); None: any Host, for
+    a server listening beyond loopback. A server with a key takes any Host."""
     lifespan = executor_lifespan(served)
     app = FastAPI(title="dflash-trt", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(RequestIds, access_log=access_log)
-    expected = None if api_key is None else f"Bearer {api_key}".encode()
+    expected = None if api_key is None else check_api_key(api_key, "the API key")
+    if expected is None and allowed_hosts is not None:
+        app.add_middleware(HostCheck, allowed=allowed_hosts)
+    app.add_middleware(RequestIds, access_log=access_log)  # outermost: every answer, a guard's too, has an id
 
     def unauthorized(request: Request) -> ErrorResponse | None:
-        if expected is None:
-            return None
-        given = request.headers.get("authorization", "").encode()
-        if hmac.compare_digest(given, expected):
-            return None
-        return error("a valid API key is required (Authorization: Bearer KEY)", status=UNAUTHORIZED)
+        return key_refusal(expected, request.headers.get("authorization"))
 
     async def generate(
         request: Request,
@@ -143,9 +160,11 @@ def build_app(
         schema: type[Body],
         serve: Callable[[Served, Body], Awaitable[BaseModel | ErrorResponse | EventStream]],
     ) -> Response:
-        refused = unauthorized(request)
+        refused = unauthorized(request) or content_type_refusal(request.headers.get("content-type"))
         body = await read_body(request, max_body_bytes) if refused is None else refused
-        if isinstance(body, ErrorResponse):
+        if body is None:
+            response = Response(status_code=CLIENT_CLOSED)
+        elif isinstance(body, ErrorResponse):
             response = answer(body)
         else:
             try:
@@ -166,15 +185,37 @@ def build_app(
     async def chat_completions(request: Request) -> Response:
         return await generate(request, "chat", ChatCompletionRequest, create_chat_completion)
 
+    @app.post("/tokenize")
+    async def tokenize_prompt(request: Request) -> Response:
+        return await generate(request, "tokenize", TokenizeRequest, tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize_tokens(request: Request) -> Response:
+        return await generate(request, "detokenize", DetokenizeRequest, detokenize)
+
+    add_lookup_routes(app, served, unauthorized)
+    add_error_handlers(app)
+    return app
+
+
+def add_lookup_routes(app: FastAPI, served: Served, unauthorized: Callable[[Request], ErrorResponse | None]) -> None:
+    """The routes that read the server's state: the model, the tokenizer, health and metrics."""
+
+    @app.get("/tokenizer_info")
+    async def tokenizer(request: Request) -> Response:
+        return answer(unauthorized(request) or tokenizer_info(served))
+
+    card = ModelCard(id=served.model_name, created=served.created, max_model_len=served.limits.max_seq_len)
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        refused = unauthorized(request)
-        if refused is not None:
-            return answer(refused)
-        card = ModelCard(id=served.model_name, created=served.created, max_model_len=served.limits.max_seq_len)
-        return answer(ModelList(data=[card]))
+        return answer(unauthorized(request) or ModelList(data=[card]))
 
-    @app.get("/health")
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        return answer(unauthorized(request) or unknown_model(served, model_id) or card)
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         broken = served.client.executor.health()
         if broken is None:
@@ -185,12 +226,17 @@ def build_app(
     async def metrics() -> Response:
         return Response(served.metrics.exposition(), media_type=CONTENT_TYPE)
 
+
+def add_error_handlers(app: FastAPI) -> None:
+    """An unknown path is 404, a known path with the wrong method 405 with its `Allow` header, both OpenAI-style."""
+
     @app.exception_handler(404)
     async def not_found(request: Request, exc: Exception) -> Response:
         return answer(error(f"no route {request.method} {request.url.path}", status=NOT_FOUND))
 
     @app.exception_handler(405)
     async def wrong_method(request: Request, exc: Exception) -> Response:
-        return answer(error(f"{request.method} is not allowed on {request.url.path}", status=BAD_REQUEST))
-
-    return app
+        allowed = getattr(exc, "headers", None) or {}
+        response = answer(error(f"{request.method} is not allowed on {request.url.path}", status=METHOD_NOT_ALLOWED))
+        response.headers.update(allowed)
+        return response

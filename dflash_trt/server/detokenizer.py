@@ -25,31 +25,39 @@ class TextStream:
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.stop_token_ids = stop_token_ids
         self.text = ""
+        self.pending = ""  # decoded after `text` but held back: the characters before an unfinished one
+        self.searched = 0  # characters of `text` searched for stop strings
         self.sent = 0  # characters of `text` handed out
         self.completion_tokens = 0
         self.finish_reason: str | None = None
 
     def add(self, tokens: list[int]) -> str:
         """Take one response's tokens; returns the text that may be sent now. Sets `finish_reason` to "stop"
-        when a stop token or stop string ends the output (the stop itself is never part of the text)."""
-        for n, token in enumerate(tokens):
+        when a stop token or stop string ends the output (the stop itself is never part of the text). With stop
+        strings the tokens are decoded one by one, so the output ends at the token that completes the first stop,
+        whichever kind, and `completion_tokens` counts the tokens up to it."""
+        for token in tokens:
+            self.completion_tokens += 1
             if token in self.stop_token_ids:
-                self.completion_tokens += n + 1
-                self.ids.extend(tokens[:n])
                 self.finish_reason = STOP
-                self._decode(final=True)
-                return self._release(final=True)
-        self.completion_tokens += len(tokens)
-        self.ids.extend(tokens)
+                return self.finish()
+            self.ids.append(token)
+            if self.stop:
+                self._decode(final=False)
+                if self._cut_at_stop_string():
+                    return self._release(final=True)
         self._decode(final=False)
         return self._release(final=False)
 
     def finish(self) -> str:
-        """The output ended (its budget or the engine's end): whatever text is still held back."""
+        """The output ended (a stop token, its budget or the engine's end): whatever text is still held back, cut
+        at a stop string that only the last characters complete."""
         self._decode(final=True)
+        self._cut_at_stop_string()
         return self._release(final=True)
 
     def _decode(self, final: bool) -> None:
+        self.pending = ""
         if self.read == len(self.ids):
             return
         decode = self.tokenizer.decode
@@ -58,15 +66,23 @@ class TextStream:
         if len(after) > len(before) and (final or not after.endswith("\ufffd")):
             self.text += after[len(before) :]
             self.prefix, self.read = self.read, len(self.ids)
+        else:
+            self.pending = after[len(before) :].rstrip("\ufffd")
+
+    def _cut_at_stop_string(self) -> bool:
+        """Whether the text decoded since the last search (held-back characters included) completes a stop string;
+        if so, the text ends before it."""
+        seen = self.text + self.pending
+        start = max(0, self.searched - self.hold)
+        hits = [i for i in (seen.find(s, start) for s in self.stop) if i >= 0]
+        self.searched = len(seen)
+        if not hits:
+            return False
+        self.text = seen[: min(hits)]
+        self.finish_reason = STOP
+        return True
 
     def _release(self, final: bool) -> str:
-        if self.finish_reason is None and self.stop:
-            start = max(0, self.sent - self.hold)
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-            if hits:
-                self.text = self.text[: min(hits)]
-                self.finish_reason = STOP
-                final = True
         end = len(self.text) if final else max(self.sent, len(self.text) - self.hold)
         piece = self.text[self.sent : end]
         self.sent = end

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_trt.server.detokenizer import LENGTH, STOP, TextStream
 from dflash_trt.server.engine_client import EngineClient
 from dflash_trt.server.metrics import Metrics
 from dflash_trt.server.params import Admission, Limits
+from dflash_trt.server.tokenizing import PromptTokenizer
 
 
 @dataclass
@@ -30,6 +31,10 @@ class Served:
     eos_token_ids: frozenset[int]  # the model's: end a request unless it sends ignore_eos
     engine_stops_at_eos: bool  # False when serve runs with --ignore_eos: only this server stops at EOS
     created: int = 0
+    prompts: PromptTokenizer = field(init=False)  # the tokenizer's worker thread and the prompt length bound
+
+    def __post_init__(self) -> None:
+        self.prompts = PromptTokenizer(self.tokenizer, self.limits.max_seq_len)
 
 
 @dataclass(frozen=True)

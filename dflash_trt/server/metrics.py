@@ -19,17 +19,17 @@ class Metrics:
         registry = self.registry
         self.requests = Counter(
             PREFIX + "requests",
-            "HTTP generation requests by endpoint and status code",
+            "requests answered, by endpoint and HTTP status",
             ["endpoint", "status"],
             registry=registry,
         )
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "prompt tokens of finished requests", registry=registry)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "prompt tokens of admitted requests", registry=registry)
         self.output_tokens = Counter(
             PREFIX + "generation_tokens", "output tokens the engine produced", registry=registry
         )
         self.time_to_first_token = Histogram(
             PREFIX + "time_to_first_token_seconds",
-            "request arrival to its first token",
+            "request admitted to its first token",
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
@@ -41,12 +41,12 @@ class Metrics:
         )
         self.acceptance_length = Histogram(
             PREFIX + "acceptance_length",
-            "tokens one iteration produced for one request",
+            "tokens per generation iteration of one request (the first token's iteration excluded)",
             buckets=ACCEPTANCE_BUCKETS,
             registry=registry,
         )
-        self.running = Gauge(PREFIX + "requests_running", "requests in the engine's batch", registry=registry)
-        self.waiting = Gauge(PREFIX + "requests_waiting", "requests queued for a batch slot", registry=registry)
+        self.running = Gauge(PREFIX + "requests_running", "requests in the executor", registry=registry)
+        self.waiting = Gauge(PREFIX + "requests_waiting", "requests queued in the server", registry=registry)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

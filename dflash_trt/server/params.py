@@ -38,6 +38,11 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": ([],),
     "function_call": ("none",),
     "response_format": ({"type": "text"},),
+    "store": (False,),
+    "service_tier": ("auto", "default"),
+    "skip_special_tokens": (True,),
+    "include_stop_str_in_output": (False,),
+    "priority": (0,),
 }
 WHY = {
     "n": "the server returns one choice per request; send several requests",
@@ -52,7 +57,15 @@ WHY = {
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
     "response_format": "structured output is not supported",
+    "store": "this server stores no completions",
+    "service_tier": "this server has one processing tier",
+    "skip_special_tokens": "the text always leaves special tokens out (return_token_ids gives every token)",
+    "include_stop_str_in_output": "a stop string is never part of the text",
+    "priority": "requests are served in arrival order",
 }
+
+
+VLLM_TOP_K_OFF = -1  # vLLM's spelling of "no top-k" (TensorRT-LLM's is 0), sent by clients written for vLLM
 
 
 @dataclass(frozen=True)
@@ -88,6 +101,8 @@ def sampling_of(request: SamplingFields) -> Sampling | ErrorResponse:
     """The request's sampling, normalised once (OpenAI's default temperature, a fresh seed when none is sent), or a
     400 naming the first sampling parameter the engine cannot honour."""
     params = {name: getattr(request, name, None) for name in ("temperature", "seed", *NEUTRAL)}
+    if params["top_k"] == VLLM_TOP_K_OFF:
+        params["top_k"] = None
     if params["seed"] is None:
         params["seed"] = secrets.randbelow(MAX_SEED + 1)
     try:

@@ -18,6 +18,7 @@ class Strict(BaseModel):
 
 class StreamOptions(Strict):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: usage in every chunk too (with include_usage)
 
 
 class TextPart(Strict):
@@ -44,12 +45,21 @@ class SamplingFields(Strict):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    # Bookkeeping that changes no token of the answer (OpenAI's and vLLM's schemas): accepted and not used.
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
     # vLLM's extensions: run past EOS (a server started with --ignore_eos), and each choice's token ids.
     ignore_eos: bool | None = None
     return_token_ids: bool | None = None
-    # Refused unless neutral (sampling_rules.NEUTRAL; n = 1).
+    # Refused unless neutral (sampling_rules.NEUTRAL; top_k -1 is vLLM's "off"; params.UNSUPPORTED).
     n: int | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    priority: int | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
@@ -181,3 +191,43 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeRequest(Strict):
+    """vLLM's `POST /tokenize` body: a prompt, or chat messages rendered with the chat template first."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # vLLM's defaults: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    """vLLM's `GET /tokenizer_info`: what a client needs to tokenize and template prompts as the server does."""
+
+    tokenizer_class: str
+    eos_token: str | None = None
+    bos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    chat_template: str | None = None
+    model_max_length: int

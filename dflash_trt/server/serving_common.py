@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from collections.abc import AsyncIterator
 
-from dflash_trt.server.engine_client import QueueFull
+from dflash_trt.server.engine_client import ExecutorError, QueueFull
 from dflash_trt.server.errors import NOT_FOUND, UNAVAILABLE, error
 from dflash_trt.server.generation import Generation, Piece, Served
 from dflash_trt.server.observability import current_request_id
@@ -12,15 +14,18 @@ from dflash_trt.server.params import Admission, admission, refusal, sampling_of
 from dflash_trt.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, Usage
 
 
+def unknown_model(served: Served, model: str | None) -> ErrorResponse | None:
+    """404 for a request naming a model this server does not serve (naming none means the served one)."""
+    if model is None or model == served.model_name:
+        return None
+    return error(f"model {model!r} does not exist; this server serves {served.model_name!r}", "model", NOT_FOUND)
+
+
 def admit(
     served: Served, request: CompletionRequest | ChatCompletionRequest, ids: list[int], prompt_param: str
 ) -> Admission | ErrorResponse:
     """The model name, refused parameters, sampling, the prompt's token ids, then budget and stops."""
-    if request.model is not None and request.model != served.model_name:
-        return error(
-            f"model {request.model!r} does not exist; this server serves {served.model_name!r}", "model", NOT_FOUND
-        )
-    refused = refusal(request)
+    refused = unknown_model(served, request.model) or refusal(request)
     if refused is not None:
         return refused
     sampling = sampling_of(request)
@@ -28,7 +33,10 @@ def admit(
         return sampling
     if request.ignore_eos and served.engine_stops_at_eos:
         return error(
-            "ignore_eos refused: this server's engine stops at EOS; start serve with --ignore_eos", "ignore_eos"
+            "ignore_eos refused: this server's engine ends every request at EOS (the end ids are fixed when the "
+            "engine's executor starts), so it would be silently ignored; start serve with --ignore_eos, after which "
+            "each request chooses",
+            "ignore_eos",
         )
     if not ids:
         return error("the prompt is empty", prompt_param)
@@ -51,6 +59,61 @@ def start_generation(
         return queue_full(served)
 
 
+def start_generations(
+    served: Served, request: CompletionRequest, prompts: list[list[int]], prompt_param: str
+) -> list[Generation] | ErrorResponse:
+    """Every prompt of a request checked before any is admitted (one refused prompt refuses the request, as vLLM
+    does), then all admitted; 503 with none left running when the queue cannot take them all."""
+    checked = []
+    for ids in prompts:
+        admitted = admit(served, request, ids, prompt_param)
+        if isinstance(admitted, ErrorResponse):
+            return admitted
+        checked.append(admitted)
+    generations: list[Generation] = []
+    try:
+        for admitted in checked:
+            generations.append(Generation(served, admitted))
+    except QueueFull:
+        close_all(generations)
+        return queue_full(served)
+    return generations
+
+
+async def merged_pieces(generations: list[Generation]) -> AsyncIterator[tuple[int, Piece | None]]:
+    """The pieces of several generations as they come, each with its generation's index, and (index, None) when
+    that generation has ended. Raises the first ExecutorError; every generation is released however this ends."""
+    queue: asyncio.Queue[tuple[int, Piece | None | ExecutorError]] = asyncio.Queue()
+
+    async def pump(index: int, generation: Generation) -> None:
+        try:
+            async for piece in generation.pieces():
+                queue.put_nowait((index, piece))
+            queue.put_nowait((index, None))
+        except ExecutorError as exc:
+            queue.put_nowait((index, exc))
+
+    tasks = [asyncio.ensure_future(pump(index, generation)) for index, generation in enumerate(generations)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if isinstance(item, ExecutorError):
+                raise item
+            running -= item is None
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        close_all(generations)
+
+
+def close_all(generations: list[Generation]) -> None:
+    for generation in generations:
+        generation.close()
+
+
 def response_id(prefix: str) -> str:
     """The id of a completion object: its request's id, so a client's X-Request-Id finds it in the server's log."""
     return f"{prefix}-{current_request_id.get() or uuid.uuid4().hex}"
@@ -64,12 +127,11 @@ def queue_full(served: Served) -> ErrorResponse:
     )
 
 
-def usage_of(generation: Generation) -> Usage:
-    return Usage(
-        prompt_tokens=generation.prompt_tokens,
-        completion_tokens=generation.completion_tokens,
-        total_tokens=generation.prompt_tokens + generation.completion_tokens,
-    )
+def usage_of(*generations: Generation) -> Usage:
+    """The tokens of every prompt and every choice of a request (or, mid-stream, those counted so far)."""
+    prompt = sum(generation.prompt_tokens for generation in generations)
+    completion = sum(generation.completion_tokens for generation in generations)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 def joined(pieces: list[Piece], with_ids: bool) -> tuple[str, list[int] | None]:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from dflash_trt.decoding_modes import DFLASH
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.executors.contract import Executor
-from dflash_trt.reference.loop_rules import longest_request
+from dflash_trt.reference.loop_rules import built_engine_longest_request, longest_request
 from dflash_trt.server.params import Limits
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ def engine_longest_request(info: EngineInfo) -> int:
     config, window = info.engine_dir / "config.json", info.max_seq_len
     if window is None or info.max_draft_len is None or info.max_position_embeddings is None:
         raise DFlashTrtError(f"{config} has no build_config.max_seq_len / max_draft_len")
-    longest = longest_request(min(window, info.max_position_embeddings), info.max_draft_len)
+    longest = built_engine_longest_request(window, info.max_position_embeddings, info.max_draft_len)
     if longest < 2:
         raise DFlashTrtError(f"{config}: max_seq_len {window} leaves no room for a request past two draft blocks")
     return longest
@@ -100,8 +100,11 @@ def triton_target(
     max_seq_len: int | None,
     eos_token_ids: list[int],
     ignore_eos: bool,
+    vocab_size: int,
 ) -> ServeTarget:
-    """A Triton server's `tensorrt_llm` model; it does not say its limits, so --max_seq_len is required."""
+    """A Triton server's `tensorrt_llm` model; it does not say its limits, so --max_seq_len is required, and prompt
+    ids are checked against the tokenizer's vocabulary (`dflash-trt triton` refuses a tokenizer larger than the
+    engine's), so an id Triton would refuse is a 400 here instead of the model's error."""
     from dflash_trt.clients.triton import TritonExecutor
 
     if max_seq_len is None:
@@ -113,7 +116,7 @@ def triton_target(
     return ServeTarget(
         executor=TritonExecutor(url, model=model, end_id=end_id),
         max_batch_size=max_batch_size or DEFAULT_TRITON_BATCH,
-        limits=Limits(max_seq_len=max_seq_len, vocab_size=None),
+        limits=Limits(max_seq_len=max_seq_len, vocab_size=vocab_size),
         eos_token_ids=frozenset(eos_token_ids),
         engine_stops_at_eos=not ignore_eos,
     )

@@ -18,6 +18,15 @@ UNK_TOKEN = "<|unk|>"
 SPECIAL_TOKENS = (EOS_TOKEN, MASK_TOKEN, UNK_TOKEN)
 CHARACTERS = "\n" + "".join(chr(code) for code in range(32, 127))
 MODEL_MAX_LENGTH = 256
+# The pair is trained on one problem per sequence ("add 12 34\n" then the answer and EOS), so a chat renders each
+# user message as a problem line and each assistant message as its answer; other roles have no place in it.
+CHAT_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}{{ m.content | trim }}{{ '\n' }}"
+    "{%- elif m.role == 'assistant' %}{{ m.content | trim }}{{ eos_token }}"
+    "{%- else %}{{ raise_exception('the tiny pair takes user and assistant messages, not ' ~ m.role) }}"
+    "{%- endif %}{%- endfor %}"
+)
 
 
 def vocabulary() -> dict[str, int]:
@@ -42,7 +51,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def save_tokenizer(directory: Path) -> PreTrainedTokenizerFast:
-    """Write tokenizer.json + tokenizer_config.json loadable by AutoTokenizer.
+    """Write tokenizer.json + tokenizer_config.json (with the chat template) loadable by AutoTokenizer.
 
     The class is recorded as PreTrainedTokenizerFast, which every transformers release since 4.x resolves.
     """
@@ -51,5 +60,6 @@ def save_tokenizer(directory: Path) -> PreTrainedTokenizerFast:
     config_path = Path(directory) / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config["chat_template"] = CHAT_TEMPLATE
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return tokenizer

@@ -141,8 +141,13 @@ def summary(gen: Generation, max_draft_len: int | None) -> str:
 
 
 def _default_max_draft_len() -> int | None:
+    """Drafts every step verifies, from the repository's settings; None when the engine drafts by load (a
+    draft-length schedule), since the backend's totals then cannot say how many steps there were."""
     settings = Path(__file__).with_name(SETTINGS_FILE)
-    return json.loads(settings.read_text())["max_draft_len"] if settings.is_file() else None
+    if not settings.is_file():
+        return None
+    recorded = json.loads(settings.read_text())
+    return recorded["max_draft_len"] if recorded.get("draft_len_schedule", "none") == "none" else None
 
 
 def server_unreachable(url: str, timeout_s: float = 5.0) -> str | None:
@@ -179,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         "--max_draft_len",
         type=int,
         default=None,
-        help="drafts per step, for the acceptance length (default: from dflash_triton.json)",
+        help="drafts per step, for the acceptance length (default: from dflash_triton.json; none when the engine "
+        "drafts by load)",
     )
     args = parser.parse_args(argv)
     problem = server_unreachable(args.url)

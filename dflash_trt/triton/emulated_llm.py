@@ -8,7 +8,8 @@ both kinds of repository) with the C++ backend's request defaults, as read in te
 absent `end_id` never ends a request early, `streaming` answers once per decoding iteration with that iteration's
 new tokens, otherwise one response carries all of them; output ids exclude the prompt. The executors' worker thread
 (`dflash_trt.executors.worker`) steps the emulated stepper, in-flight batching up to the engine's `max_batch_size`;
-a request whose client went away is cancelled before the next step, freeing its slot. The Triton `model.py` only
+a request whose client went away is cancelled before the next step, freeing its slot, and closed with a final
+response (Triton releases a request only at its final response). The Triton `model.py` only
 moves numpy arrays between Triton and `Server`.
 """
 
@@ -156,8 +157,11 @@ class _InFlight:
     responses: int = 0  # iterations answered: the context step's first token, then one per verify step
 
 
-def _send_quietly(sink: ResponseSink, error: str) -> None:
-    """A final error response; a client that already left cannot be told, and must not stop the worker."""
+def _send_quietly(sink: ResponseSink, error: str | None) -> None:
+    """A final response without outputs (with `error` when there is one). Triton keeps a request, and the model
+    that holds it, until its final response: a request whose client left is closed this way too, or it would never
+    be released and the model never unload. A client that already left cannot be told, and must not stop the
+    worker."""
     try:
         sink.send({}, error, True)
     except Exception:  # the python backend raises when the response sender's client is gone
@@ -222,12 +226,13 @@ class Server:
         flight.admitted, flight.scheduled_ns = True, self.clock()
 
     def _gone(self) -> list[int]:
-        """Admitted requests whose clients cancelled them; they leave without a response."""
+        """Admitted requests whose clients cancelled them; each is closed with a final response carrying nothing."""
         with self._lock:
             flights = self._flights.items()
             gone = [request_id for request_id, flight in flights if flight.admitted and flight.sink.cancelled()]
-            for request_id in gone:
-                del self._flights[request_id]
+            sinks = [self._flights.pop(request_id).sink for request_id in gone]
+        for sink in sinks:
+            _send_quietly(sink, None)
         return gone
 
     def _answer(self, responses: list[Response]) -> None:
@@ -264,10 +269,11 @@ class Server:
             outputs.update(self._perf_metrics(flight, now))
         try:
             flight.sink.send(outputs, None, finished)
-        except Exception:  # the client went away between the check and the send: free its slot
+        except Exception:  # the client went away between the check and the send: free its slot, close the request
             if not finished:
                 self.worker.cancel(request_id)
                 self._forget(request_id)
+                _send_quietly(flight.sink, None)
 
     def _perf_metrics(self, flight: _InFlight, now: int) -> dict[str, np.ndarray]:
         """The backend's perf outputs; KV blocks are those the request's tokens (and one draft block) occupy. Every

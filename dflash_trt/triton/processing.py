@@ -175,6 +175,7 @@ class Preprocessor:
         *,
         add_special_tokens: bool,
         max_input_len: int,
+        max_seq_len: int,
         max_temperature: float,
         extra_stop_ids: Sequence[int] = (),
         chat_template_kwargs: dict | None = None,
@@ -183,6 +184,7 @@ class Preprocessor:
         self.chat_template_kwargs = chat_template_kwargs
         self.add_special_tokens = add_special_tokens
         self.max_input_len = max_input_len
+        self.max_seq_len = max_seq_len
         self.max_temperature = max_temperature
         if tokenizer.eos_token_id is None:
             raise ValueError("the tokenizer defines no eos token; cannot choose the engine's end_id")
@@ -201,6 +203,7 @@ class Preprocessor:
             params["tokenizer_dir"],
             add_special_tokens=params["add_special_tokens"] == "true",
             max_input_len=int(params["max_input_len"]),
+            max_seq_len=int(params["max_seq_len"]),
             max_temperature=float(params["max_temperature"]),
             chat_template_kwargs=parse_template_kwargs(params.get("chat_template_kwargs") or "{}"),
         )
@@ -254,6 +257,21 @@ class Preprocessor:
             batch[i, : len(row)] = row
         return batch, np.array([[len(r)] for r in ids], dtype=np.int32)
 
+    def check_lengths(self, input_len: np.ndarray, output_len: np.ndarray) -> None:
+        """Prompt + max_tokens within the longest request the engine holds: the runtime admits up to its KV window,
+        which is longer, and the last steps of a longer request would read positions the engine does not have."""
+        for prompt, budget in zip(input_len.reshape(-1).tolist(), output_len.reshape(-1).tolist(), strict=True):
+            if prompt >= self.max_seq_len:
+                raise ValueError(
+                    f"prompt has {prompt} tokens; the engine holds requests (prompt + output) of at most "
+                    f"{self.max_seq_len}"
+                )
+            if prompt + budget > self.max_seq_len:
+                raise ValueError(
+                    f"prompt ({prompt} tokens) + max_tokens ({budget}) = {prompt + budget} exceeds the longest "
+                    f"request the engine holds ({self.max_seq_len}); send max_tokens <= {self.max_seq_len - prompt}"
+                )
+
     def _words(self, array: np.ndarray | None, batch: int, with_eos: bool) -> np.ndarray:
         words = texts(array) if array is not None else [[] for _ in range(batch)]
         tokens = [
@@ -271,6 +289,7 @@ class Preprocessor:
         if (output_len < 1).any():
             raise ValueError("max_tokens must be at least 1")
         input_ids, input_len = self.encode(queries)
+        self.check_lengths(input_len, output_len)
         batch = len(queries)
         end_id = inputs.get(END_ID)
         pad_id = inputs.get(PAD_ID)

@@ -23,7 +23,7 @@ from dflash_trt import chat, sampling_rules
 from dflash_trt.checkpoint.atomic import InputPaths, atomic_directory
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.jsonfile import read_json_object, strict_json
-from dflash_trt.reference.loop_rules import longest_request
+from dflash_trt.reference.loop_rules import built_engine_longest_request, longest_request
 from dflash_trt.sampling_rules import ENGINE_SAMPLING
 from dflash_trt.tokenizer import load_tokenizer
 from dflash_trt.triton import processing as P
@@ -85,9 +85,13 @@ class RepositorySettings:
     plugin_library: str  # "" for a CPU-served repository
     max_batch_size: int
     max_input_len: int
-    max_draft_len: int
+    max_draft_len: int  # drafts verified per request: the chain's, or a draft tree's nodes
     world_size: int
     max_temperature: float
+    max_seq_len: int  # the longest request (prompt + output) the engine holds; the preprocessing and BLS refuse more
+    # The engine's draft-length table (its manifest's `draft_len_schedule`): drafts per step vary with the load
+    # unless `none`, so the client derives no acceptance length from the backend's draft-token totals.
+    draft_len_schedule: str = "none"
     kv_cache_free_gpu_mem_fraction: float = SERVING_DEFAULTS.kv_cache_free_gpu_mem_fraction
     batch_scheduler_policy: str = SERVING_DEFAULTS.batch_scheduler_policy
     enable_chunked_context: bool = SERVING_DEFAULTS.enable_chunked_context
@@ -98,15 +102,17 @@ class RepositorySettings:
     replicas: int = SERVING_DEFAULTS.replicas
     add_special_tokens: bool = True
     skip_special_tokens: bool = True
+    eagle_depth: int | None = None  # the EAGLE choices' depth, a draft tree's positions; None: max_draft_len
     chat_template_kwargs: str = "{}"  # JSON for {"messages": [...]} queries (dflash_trt.chat)
-    # A CPU-served repository: the converted checkpoint the emulated engine loads, its sequence and page sizes.
+    # A CPU-served repository: the converted checkpoint the emulated engine loads, its page size.
     checkpoint_dir: str = ""
-    max_seq_len: int = 0
     tokens_per_block: int = 32
 
     def __post_init__(self) -> None:
         if bool(self.engine_dir) == bool(self.checkpoint_dir):
             raise DFlashTrtError("a Triton repository serves either an engine or a converted checkpoint")
+        if self.max_seq_len < 2:
+            raise DFlashTrtError(f"a Triton repository's longest request must be >= 2 tokens, got {self.max_seq_len}")
         if any(c in self.plugin_library for c in LD_PRELOAD_SEPARATORS):
             raise DFlashTrtError(
                 f"--plugin_library {self.plugin_library!r}: the dynamic loader splits LD_PRELOAD at spaces and colons "
@@ -190,6 +196,7 @@ def preprocessing_config(s: RepositorySettings) -> ModelConfig:
             "tokenizer_dir": s.tokenizer_dir,
             "add_special_tokens": _flag(s.add_special_tokens),
             "max_input_len": str(s.max_input_len),
+            "max_seq_len": str(s.max_seq_len),
             "max_temperature": repr(float(s.max_temperature)),
             "chat_template_kwargs": s.chat_template_kwargs,
         },
@@ -275,7 +282,7 @@ def tensorrtllm_parameters(s: RepositorySettings) -> dict[str, str]:
         "gpt_model_path": s.engine_dir,
         "max_beam_width": "1",
         "decoding_mode": "eagle",
-        "eagle_choices": eagle_choices_parameter(s.max_draft_len),
+        "eagle_choices": eagle_choices_parameter(s.eagle_depth or s.max_draft_len),
         "batch_scheduler_policy": s.batch_scheduler_policy,
         "kv_cache_free_gpu_mem_fraction": repr(s.kv_cache_free_gpu_mem_fraction),
         "enable_chunked_context": _flag(s.enable_chunked_context),
@@ -365,6 +372,7 @@ def bls_config(s: RepositorySettings) -> ModelConfig:
             "add_special_tokens": _flag(s.add_special_tokens),
             "skip_special_tokens": _flag(s.skip_special_tokens),
             "max_input_len": str(s.max_input_len),
+            "max_seq_len": str(s.max_seq_len),
             "max_temperature": repr(float(s.max_temperature)),
             "chat_template_kwargs": s.chat_template_kwargs,
             "tensorrt_llm_model_name": TENSORRT_LLM,
@@ -531,6 +539,17 @@ def _read_json(path: Path, what: str) -> dict:
     return read_json_object(path, f"{path.parent} is not a DFlash engine directory: {what} {path.name} is missing")
 
 
+def _engine_longest_request(engine_dir: Path, build: dict, pretrained: dict, max_draft_len: int) -> int:
+    """The longest request the engine holds: its KV window (the runtime admits up to it) less what its last step
+    reaches past a request's last token, so the preprocessing refuses what would read positions past the table."""
+    window = int(build["max_seq_len"])
+    positions = int(pretrained.get("max_position_embeddings", window))
+    longest = built_engine_longest_request(window, positions, max_draft_len)
+    if longest < 2:
+        raise DFlashTrtError(f"{engine_dir}: max_seq_len {window} leaves no room for a request past two draft blocks")
+    return longest
+
+
 def settings_from_engine(
     engine_dir: str | Path, tokenizer_dir: str | Path, serving: ServingSettings | None = None
 ) -> RepositorySettings:
@@ -539,7 +558,8 @@ def settings_from_engine(
     manifest = _read_json(engine_dir / MANIFEST_NAME, "the DFlash manifest")
     engine_config = _read_json(engine_dir / "config.json", "TensorRT-LLM's engine config")
     build = engine_config.get("build_config") or {}
-    vocab_size = (engine_config.get("pretrained_config") or {}).get("vocab_size")
+    pretrained = engine_config.get("pretrained_config") or {}
+    vocab_size = pretrained.get("vocab_size")
     if isinstance(vocab_size, int):
         check_tokenizer(tokenizer_dir, vocab_size, f"the engine {engine_dir}")
     try:
@@ -550,8 +570,11 @@ def settings_from_engine(
             max_batch_size=int(build.get("max_batch_size", manifest["max_batch_size"])),
             max_input_len=int(build["max_input_len"]),
             max_draft_len=int(manifest["max_draft_len"]),
+            eagle_depth=len(manifest.get("eagle_choices") or []) or None,
             world_size=int(manifest.get("tp_size", 1)),
             max_temperature=max_temperature_for_sampling(manifest.get("sampling")),
+            max_seq_len=_engine_longest_request(engine_dir, build, pretrained, int(manifest["max_draft_len"])),
+            draft_len_schedule=str(manifest.get("draft_len_schedule", "none")),
             **serving_fields(serving or ServingSettings()),
         )
     except KeyError as exc:

@@ -55,6 +55,15 @@ class AttentionRoute:
         """The drafter's block pass through one draft layer."""
         return OURS if sliding or self.sm in BLACKWELL_SMS else STOCK
 
+    def check_tree(self, gpu: str) -> None:
+        """A draft tree's verification needs its packed tree mask, which only the stock kernel reads: DFlashAttention
+        masks the K + 1 verified tokens as a chain, so a tree engine verifying on it would accept wrong drafts."""
+        if self.target_generation == OURS:
+            raise DFlashTrtError(
+                f"--draft_tree: on {gpu} the target's verification runs on {OURS}, which verifies a chain of drafts "
+                "only (no packed tree mask); build the chain (no --draft_tree) for this GPU, or the tree for h100/h200"
+            )
+
     def describe(self, layer_types: tuple[str, ...]) -> dict[str, str]:
         """The kernel of each pass, for dflash_trt.json and the dry run; draft layers by their kinds."""
         passes = {"target_context": STOCK, "target_verification": self.target_generation}

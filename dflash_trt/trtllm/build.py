@@ -32,8 +32,10 @@ from dflash_trt.trtllm.build_plan import (
     MANIFEST_NAME,
     PLUGIN_LIBRARY_ENV,
     REQUIRED_TRTLLM,
+    TREE_ENV,
     TRTLLM_BUILD,
     EngineBuildPlan,
+    check_engine_config,
 )
 
 POLL_SECONDS = 0.2
@@ -167,14 +169,18 @@ def run_engine_build(plan: EngineBuildPlan, overwrite: bool = False) -> Path:
     remove_stale_partials(output)
     staging = staging_path(output, str(os.getpid()))
     shutil.rmtree(staging, ignore_errors=True)
-    env = {**os.environ, **plan.environment, PLUGIN_LIBRARY_ENV: str(Path(plan.plugin_library).resolve())}
+    # A draft tree's node count reaches the model class only from the plan: an inherited one would turn a chain into
+    # a tree.
+    env = {name: value for name, value in os.environ.items() if name != TREE_ENV}
+    env.update({PLUGIN_LIBRARY_ENV: str(Path(plan.plugin_library).resolve())}, **plan.build_env())
+    manifest = dict(plan.dflash_manifest, tensorrt_llm_version=version, tensorrt_version=installed_version("tensorrt"))
     try:
         _build(plan, staging, env)
+        (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+        check_engine_config(staging)  # what trtllm-build wrote must be what the plan printed and recorded
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    manifest = dict(plan.dflash_manifest, tensorrt_llm_version=version, tensorrt_version=installed_version("tensorrt"))
-    (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
     mark_output(staging, "build")
     if output.exists():
         shutil.rmtree(output)

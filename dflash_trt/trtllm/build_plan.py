@@ -9,6 +9,7 @@ the source of each); the engine speaks the runtime's EAGLE contract with one cha
 from __future__ import annotations
 
 import math
+import os
 import shlex
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -16,10 +17,13 @@ from typing import Any
 
 from dflash_trt import __version__
 from dflash_trt.checkpoint.trtllm_config import ARCHITECTURE, specs_from_config
+from dflash_trt.draft_schedule import AUTO, FIXED, DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.formats import FP8, NVFP4, QFORMATS, quant_algo
+from dflash_trt.formats import FP8, FP8_CONTEXT_FMHA_WEIGHTS, NONE, NVFP4, QFORMATS, fp8_context_fmha, quant_algo
 from dflash_trt.gpu_targets import ASSUMED_GPU, gpu_sm
+from dflash_trt.inputs import DRAFT_LEN_SCHEDULE, DRAFT_TREE, check_tree_schedule, draft_tree_nodes
 from dflash_trt.jsonfile import read_json_object
+from dflash_trt.reference.loop_rules import longest_request
 from dflash_trt.rope import RopeConfig
 from dflash_trt.sampling_rules import ENGINE_SAMPLING, HONOURED
 from dflash_trt.spec import SLIDING_ATTENTION, TARGET_ARCHITECTURES, DraftSpec
@@ -35,6 +39,12 @@ EAGLE_MODE_VALUE = 1 << 5
 MANIFEST_NAME = "dflash_trt.json"
 MANIFEST_FORMAT = 1
 PLUGIN_LIBRARY_ENV = LIBRARY_ENV
+# The draft-length schedule trtllm-build builds into the network: the checkpoint's config.json (which trtllm-build
+# reads) is the converter's and holds none, so `dflash-trt build` hands the resolved table over in this variable.
+SCHEDULE_ENV = "DFLASH_TRT_DRAFT_LEN_SCHEDULE"
+# The draft tree trtllm-build builds into the network: the checkpoint's config.json (which trtllm-build reads) is the
+# converter's and holds none, so `dflash-trt build` hands the node count over in this variable.
+TREE_ENV = "DFLASH_TRT_DRAFT_TREE"
 REQUIRED_TRTLLM = "1.2"
 # Builds one TP rank per process for `--workers` > 1 (trtllm-build's own workers cannot load our class).
 RANK_BUILD_MODULE = "dflash_trt.trtllm.rank_build"
@@ -79,7 +89,8 @@ class EngineBuildSettings:
     max_beam_width: int = 1
     gemm_plugin: str = "auto"
     use_paged_context_fmha: bool = True
-    use_fp8_context_fmha: bool = False
+    # None: what builder.build() settles on for the checkpoint (`fp8_context_fmha`); a value that differs is refused.
+    use_fp8_context_fmha: bool | None = None
     multiple_profiles: bool = False
     kv_cache_type: str = "paged"
     tokens_per_block: int = TOKENS_PER_BLOCK
@@ -93,6 +104,10 @@ class EngineBuildSettings:
     def route(self) -> AttentionRoute:
         return AttentionRoute(gpu_sm(self.gpu))
 
+    # Resolved before planning (`auto` is the planner's, analysis/draft_schedule.py); built in via SCHEDULE_ENV.
+    draft_len_schedule: DraftLenSchedule = FIXED
+    draft_tree: int | None = None  # nodes of the draft tree verified per request; None: the chain
+
 
 @dataclass(frozen=True)
 class CheckpointFacts:
@@ -101,9 +116,11 @@ class CheckpointFacts:
     base_architecture: str
     dtype: str
     num_target_layers: int
+    target_heads: int
     target_kv_heads: int
     target_head_size: int
     num_draft_layers: int
+    draft_heads: int
     draft_kv_heads: int
     draft_head_size: int
     block_size: int
@@ -128,6 +145,51 @@ class CheckpointFacts:
 
 
 @dataclass(frozen=True)
+class EngineLengths:
+    """How the max_seq_len a build is given becomes the lengths its engine records and runs, so a dry run can say why
+    the engine's config.json holds more than was asked for [read: builder.py `build`, llmRequest.cpp `validate`]."""
+
+    max_seq_len: int  # the build's --max_seq_len
+    max_draft_len: int
+    positions: int | None  # the target's RoPE rows every request must stay within; None: not known yet
+
+    @property
+    def engine_max_seq_len(self) -> int:
+        """What config.json and dflash_trt.json record."""
+        return built_max_seq_len(self.max_seq_len, self.max_draft_len)
+
+    @property
+    def longest_request(self) -> int:
+        return engine_longest_request(self.max_seq_len, self.max_draft_len)
+
+    @property
+    def last_position(self) -> int:
+        """The largest position the longest request's last step reaches: its next draft block, 2K past its end."""
+        return self.longest_request + 2 * self.max_draft_len - 1
+
+    def explanation(self) -> str:
+        k = self.max_draft_len
+        text = (
+            f"--max_seq_len {self.max_seq_len}: the engine records max_seq_len {self.engine_max_seq_len} = "
+            f"{self.max_seq_len} + 2 x {k} (TensorRT-LLM 1.2.x's builder adds max_draft_len, and num_eagle_layers for "
+            f"EAGLE); its executor runs requests of up to {self.longest_request} tokens (prompt + output + {k} drafts "
+            f"<= {self.engine_max_seq_len}), whose last step reaches position {self.last_position}"
+        )
+        if self.positions is None:
+            return text
+        return f"{text} (the target's max_position_embeddings RoPE tables hold positions 0..{self.positions - 1})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "engine_max_seq_len": self.engine_max_seq_len,
+            "longest_request": self.longest_request,
+            "last_position": self.last_position,
+            "explanation": self.explanation(),
+        }
+
+
+@dataclass(frozen=True)
 class EngineBuildPlan:
     """The exact build: argv for `trtllm-build`, the BuildConfig dict it implies, and the manifest to write."""
 
@@ -138,6 +200,7 @@ class EngineBuildPlan:
     plugin_library: str
     dflash_manifest: dict[str, Any]
     settings: EngineBuildSettings = field(repr=False)
+    lengths: EngineLengths
     world_size: int = 1
 
     @property
@@ -155,14 +218,14 @@ class EngineBuildPlan:
             for rank in range(self.world_size)
         ]
 
-    @property
-    def environment(self) -> dict[str, str]:
-        """Variables the build processes need: the plugin library, and the GPU the network is built for."""
-        return build_environment(self.plugin_library, self.settings)
+    def build_env(self) -> dict[str, str]:
+        """What the build processes need in their environment beyond the caller's (`build_environment`)."""
+        return build_environment(self.settings)
 
-    def shell_command(self, with_environment: bool = False) -> str:
-        """The build as a shell line; `with_environment` sets `environment` for the build processes."""
-        env = environment_prefix(self.environment) if with_environment else ""
+    def shell_command(self, with_library: bool = False) -> str:
+        """The build as a shell line with the variables its processes need; `with_library` also sets the plugin
+        library variable."""
+        env = environment_prefix({**({LIBRARY_ENV: self.plugin_library} if with_library else {}), **self.build_env()})
         if self.parallel_workers == 1:
             return env + shlex.join(self.command)
         one_rank = [
@@ -186,15 +249,61 @@ class EngineBuildPlan:
             "build_config": self.build_config,
             "plugin_library": self.plugin_library,
             "dflash_manifest": self.dflash_manifest,
+            "lengths": self.lengths.to_dict(),
         }
 
 
-def build_environment(plugin_library: str, settings: EngineBuildSettings) -> dict[str, str]:
-    return {LIBRARY_ENV: plugin_library, TARGET_SM_ENV: str(settings.route.sm)}
+def build_environment(settings: EngineBuildSettings) -> dict[str, str]:
+    """The variables the model class reads while trtllm-build builds it (the converted config.json trtllm-build loads
+    holds none of them): the GPU's SM (its attention route), the draft-length schedule, and a draft tree's node
+    count."""
+    tree = {} if settings.draft_tree is None else {TREE_ENV: str(settings.draft_tree)}
+    return {TARGET_SM_ENV: str(settings.route.sm), SCHEDULE_ENV: settings.draft_len_schedule.text(), **tree}
 
 
 def environment_prefix(environment: dict[str, str]) -> str:
     return "".join(f"{name}={shlex.quote(value)} " for name, value in environment.items())
+
+
+def engine_schedule(text: str | None, max_draft_len: int) -> DraftLenSchedule:
+    """The schedule a network is built with: `text` (the `draft_len_schedule` key of an engine's config.json, or of
+    the config the emulation builds), else `$DFLASH_TRT_DRAFT_LEN_SCHEDULE` (set by `dflash-trt build` for
+    trtllm-build), else `none`. `auto` must already be resolved into a table: the network cannot plan."""
+    source = "draft_len_schedule" if text is not None else SCHEDULE_ENV
+    value = text if text is not None else os.environ.get(SCHEDULE_ENV, "none")
+    schedule = DRAFT_LEN_SCHEDULE.check(value, source)
+    if schedule == AUTO:
+        raise DFlashTrtError(
+            f"{source} is auto, which only dflash-trt build and plan resolve (for a GPU, TP and acceptance); "
+            "give the table they print"
+        )
+    assert isinstance(schedule, DraftLenSchedule)
+    return schedule.fitted_to(max_draft_len, source)
+
+
+def engine_tree_nodes(value: int | None, num_drafts: int, dflash2: bool) -> int:
+    """Nodes of the draft tree a network is built with, 0 for the chain: `value` (the `draft_tree` key of an
+    engine's config.json, or of the config the emulation builds), else `$DFLASH_TRT_DRAFT_TREE` (set by `dflash-trt
+    build` for trtllm-build), else the chain."""
+    if value is not None:
+        return check_tree_nodes(DRAFT_TREE.check(value, "draft_tree"), num_drafts, dflash2, "draft_tree")
+    text = os.environ.get(TREE_ENV)
+    if text is None:
+        return 0
+    try:
+        nodes = DRAFT_TREE.parse(text)
+    except ValueError:
+        raise DFlashTrtError(f"{TREE_ENV} must be {DRAFT_TREE.describe()}, got {text!r}") from None
+    return check_tree_nodes(DRAFT_TREE.check(nodes, TREE_ENV), num_drafts, dflash2, TREE_ENV)
+
+
+def check_tree_nodes(nodes: int | None, num_drafts: int, dflash2: bool, what: str = "--draft_tree") -> int:
+    """0 for the chain, `nodes` for a tree (the golden loop's rule, `inputs.draft_tree_nodes`), at most what an
+    EAGLE engine verifies (the builder's max_draft_len limit)."""
+    tree = draft_tree_nodes(nodes, num_drafts, dflash2, what)
+    if tree > MAX_EAGLE_DRAFT_LEN:
+        raise DFlashTrtError(f"{what} {tree}: an EAGLE engine verifies at most {MAX_EAGLE_DRAFT_LEN} drafts")
+    return tree
 
 
 def chain_eagle_choices(max_draft_len: int) -> list[list[int]]:
@@ -262,9 +371,11 @@ def read_checkpoint_facts(checkpoint_dir: str | Path) -> CheckpointFacts:
         base_architecture=target.architecture,
         dtype=str(config.get("dtype")),
         num_target_layers=target.num_hidden_layers,
+        target_heads=target.num_attention_heads,
         target_kv_heads=target.num_key_value_heads,
         target_head_size=target.head_dim,
         num_draft_layers=draft.num_hidden_layers,
+        draft_heads=draft.num_attention_heads,
         draft_kv_heads=draft.num_key_value_heads,
         draft_head_size=draft.head_dim,
         block_size=draft.block_size,
@@ -318,6 +429,62 @@ def check_kv_geometry(facts: CheckpointFacts) -> None:
         )
 
 
+def rank_heads(heads: int, kv_heads: int, tp_size: int) -> tuple[int, int]:
+    """(query heads, KV heads) of one tensor-parallel rank: KV heads are replicated below tp [read: layers/attention.py
+    `Attention.__init__`, ceil division]."""
+    return heads // tp_size, -(-kv_heads // tp_size)
+
+
+def check_qk_norm_heads(facts: CheckpointFacts) -> None:
+    """Refuse q/k-normed attention whose rank holds as many query heads as KV heads, more than one.
+
+    1.2.x's `Attention.forward` reads the fused qkv rows of such a layer interleaved per head ([q_h, k_h, v_h] for
+    each head h) before its q/k norms, and as [Q | K | V] otherwise [read: layers/attention.py `Attention.forward`,
+    qk_layernorm branch]; the checkpoint holds [Q | K | V] (one head per rank reads the same either way). Every DFlash
+    draft layer has q/k norms, and so do Qwen3 targets; Llama targets have none.
+    """
+    layers = [("drafter", facts.draft_heads, facts.draft_kv_heads)]
+    if facts.base_architecture != "LlamaForCausalLM":
+        layers.append(("target", facts.target_heads, facts.target_kv_heads))
+    for who, heads, kv_heads in layers:
+        per_rank = rank_heads(heads, kv_heads, facts.tp_size)
+        if per_rank[0] == per_rank[1] > 1:
+            raise DFlashTrtError(
+                f"the {who}'s attention holds {per_rank[0]} query and {per_rank[1]} KV heads per rank (tp_size "
+                f"{facts.tp_size}) with q/k norms: TensorRT-LLM 1.2.x's Attention then reads the fused qkv rows "
+                "interleaved per head, not in the [Q | K | V] order the checkpoint holds, so this pair can be "
+                "converted and verified but not built"
+            )
+
+
+# Hopper's XQA kernel (mha_sm90.cu) has a small-batch spec-decoding layout for q_seq_len x heads per KV head <= 32 (the
+# SPEC_Q_SEQ_LEN specialisation, swapping GEMM operands) whose mask is a hard-coded lower triangle: it never reads the
+# packed mask [read: cpp/kernels/xqa/mha_sm90.cu @ 014dadcd, `warpGrpApplyMask` under SWAP_AB && SPEC_DEC].
+XQA_SWAP_AB_LIMIT = 32
+
+
+def check_xqa_block_layout(facts: CheckpointFacts) -> None:
+    """Refuse a drafter whose bidirectional block could meet that layout with an FP8 KV cache (the Hopper kernel for
+    FP8 caches): its all-ones mask would silently become causal, which no output of the engine would show.
+
+    The JIT compiler wrapper read (nvrtcWrapper.cpp @ 029e0a7c and @ 7c9600c5) never defines SPEC_Q_SEQ_LEN, so 1.2.x
+    should compile the layout that reads the mask; the newest stored kernelUtils.cpp says a later wrapper does
+    define it, and which one the 1.2.x release carries could not be pinned, so the plan refuses rather than hopes.
+    No shipped profile is affected: their drafters have 4-8 query heads per KV head and 16-token blocks.
+    """
+    if kv_cache_format(facts) != FP8 or all(facts.causal):
+        return
+    heads, kv_heads = rank_heads(facts.draft_heads, facts.draft_kv_heads, facts.tp_size)
+    rows = heads // kv_heads * facts.block_size
+    if rows <= XQA_SWAP_AB_LIMIT:
+        raise DFlashTrtError(
+            f"with an FP8 KV cache the drafter's block ({facts.block_size} tokens x {heads // kv_heads} query heads "
+            f"per KV head = {rows} rows <= {XQA_SWAP_AB_LIMIT}) may run in Hopper XQA's small-batch spec-decoding "
+            "layout, whose mask is hard-coded causal: the drafter's bidirectional block would silently turn causal. "
+            "Build with --kv_cache_dtype none, or a drafter with more query heads per KV head or larger blocks"
+        )
+
+
 def check_rope(facts: CheckpointFacts) -> None:
     """Target and drafter each get their own RoPE tables (model.py builds the drafter's from its parameters), but
     both through TensorRT-LLM 1.2.x's table builder, which reads a subset of yarn's parameters."""
@@ -352,10 +519,73 @@ def check_gemm_plugin(gemm_plugin: str, weights_qformat: str) -> None:
         raise DFlashTrtError(f"gemm_plugin {gemm_plugin} needs {gemm_plugin} weights, but they are {weights_qformat}")
 
 
+def resolved_gemm_plugin(gemm_plugin: str, weights_qformat: str) -> str:
+    """The GEMM plugin the engine gets. For NVFP4 weights builder.build() replaces every choice but an explicit
+    `disable` by nvfp4 [read: builder.py `build`, plugin.py `PluginConfig.from_arguments`], so the plan says nvfp4
+    itself for `auto` and refuses a dtype plugin the engine would not get."""
+    check_gemm_plugin(gemm_plugin, weights_qformat)
+    if weights_qformat != NVFP4 or gemm_plugin in ("disable", NVFP4):
+        return gemm_plugin
+    if gemm_plugin == "auto":
+        return NVFP4
+    raise DFlashTrtError(
+        f"gemm_plugin {gemm_plugin} with nvfp4 weights: TensorRT-LLM 1.2.x's builder replaces it by nvfp4 (only "
+        "`disable` keeps TensorRT's own GEMMs), so give auto, nvfp4 or disable"
+    )
+
+
 def weights_qformat(facts: CheckpointFacts) -> str:
     """The checkpoint's weight format under our --qformat names."""
     by_algo = {quant_algo(qformat): qformat for qformat in QFORMATS}
     return by_algo.get(facts.quant_algo, str(facts.quant_algo))
+
+
+def kv_cache_format(facts: CheckpointFacts) -> str:
+    """The checkpoint's KV-cache format under our --kv_cache_dtype names."""
+    return FP8 if facts.kv_cache_quant_algo == quant_algo(FP8) else NONE
+
+
+def check_kv_cache_format(weights: str, kv_cache: str) -> None:
+    """Unquantized weights with an FP8 KV cache cannot run: the builder turns paged context FMHA off for them (no FP8
+    context FMHA without FP8 weights), its EAGLE branch turns it back on, and the attention plugin then refuses the
+    first prompt [read: attentionOp.cpp `enqueueContext`, FP8 KV cache without FP8 QDQ and paged context FMHA]."""
+    if kv_cache == FP8 and weights not in FP8_CONTEXT_FMHA_WEIGHTS:
+        raise DFlashTrtError(
+            f"an FP8 KV cache needs fp8 or nvfp4 weights in a TensorRT-LLM 1.2.x EAGLE engine, but they are {weights}: "
+            "the builder re-enables paged context FMHA (EAGLE needs it) without FP8 context FMHA, which the attention "
+            "plugin refuses at the first prompt ('FP8 Paged Context FMHA only works with fp8 quantization workflow "
+            "currently'); convert with --qformat fp8 or nvfp4, or with --kv_cache_dtype none (the golden model still "
+            "decodes this checkpoint)"
+        )
+
+
+def check_fp8_context_fmha(requested: bool | None, weights: str, kv_cache: str) -> None:
+    """A use_fp8_context_fmha the builder would override is refused rather than printed and then not built."""
+    settled = fp8_context_fmha(weights, kv_cache)
+    if requested is None or requested == settled:
+        return
+    if requested:
+        raise DFlashTrtError(
+            "use_fp8_context_fmha needs kv_cache_dtype fp8 and fp8 or nvfp4 weights: TensorRT-LLM 1.2.x's builder "
+            "turns it off otherwise"
+        )
+    raise DFlashTrtError(
+        f"use_fp8_context_fmha cannot be off with {weights} weights and an FP8 KV cache: TensorRT-LLM 1.2.x's builder "
+        "turns it on, since the paged context FMHA EAGLE needs reads the FP8 cache through it; leave it unset"
+    )
+
+
+def resolve_settings(facts: CheckpointFacts, settings: EngineBuildSettings) -> EngineBuildSettings:
+    """`settings` with every value builder.build() would settle itself written out, so the command leaves it nothing
+    to override and the BuildConfig and dflash_trt.json say what the engine holds."""
+    weights, kv_cache = weights_qformat(facts), kv_cache_format(facts)
+    check_kv_cache_format(weights, kv_cache)
+    check_fp8_context_fmha(settings.use_fp8_context_fmha, weights, kv_cache)
+    return replace(
+        settings,
+        gemm_plugin=resolved_gemm_plugin(settings.gemm_plugin, weights),
+        use_fp8_context_fmha=fp8_context_fmha(weights, kv_cache),
+    )
 
 
 def check_rank_files(checkpoint_dir: Path, facts: CheckpointFacts) -> None:
@@ -383,21 +613,53 @@ def check_moe_layers(facts: CheckpointFacts) -> None:
         )
 
 
+def engine_longest_request(max_seq_len: int, max_draft_len: int) -> int:
+    """The longest request (prompt + output) TensorRT-LLM 1.2.x's executor runs on an engine built with `max_seq_len`:
+    builder.build() makes the engine's own max_seq_len L = max_seq_len + 2K, and `LlmRequest::validate` clips a
+    request's output so that prompt + output + K <= L [read: builder.py `build`, llmRequest.cpp `validate`]."""
+    return max_seq_len + max_draft_len
+
+
+def longest_max_seq_len(positions: int, max_draft_len: int) -> int:
+    """The largest max_seq_len whose engine runs only requests `positions` positions hold (`loop_rules.longest_request`:
+    a request's last step reaches 2K positions past its last token): positions - 3K."""
+    return longest_request(positions, max_draft_len) - max_draft_len
+
+
+def engine_lengths(facts: CheckpointFacts, settings: EngineBuildSettings) -> EngineLengths:
+    """The lengths an engine built with these settings records and runs, and the positions they must stay within
+    (the target's RoPE tables; a sliding-window drafter's window is applied by DFlashAttention, so it bounds
+    nothing)."""
+    return EngineLengths(
+        max_seq_len=settings.max_seq_len,
+        max_draft_len=facts.max_draft_len,
+        positions=facts.max_position_embeddings,
+    )
+
+
 def longest_buildable(facts: CheckpointFacts) -> int:
-    """The largest max_seq_len this checkpoint allows: its positions (a sliding-window drafter's window is applied
-    by DFlashAttention, so it bounds nothing)."""
-    return facts.max_position_embeddings
+    """The largest max_seq_len this checkpoint allows: the one whose requests its positions hold."""
+    return longest_max_seq_len(facts.max_position_embeddings, facts.max_draft_len)
 
 
 def fit_lengths(
-    checkpoint_dir: str | Path, settings: EngineBuildSettings, max_seq_len: int | None, max_input_len: int | None
+    checkpoint_dir: str | Path,
+    settings: EngineBuildSettings,
+    max_seq_len: int | None,
+    max_input_len: int | None,
+    max_num_tokens: int | None,
 ) -> EngineBuildSettings:
     """`settings` with the lengths not given derived from the model, as trtllm-build derives max_seq_len:
-    max_seq_len = min(8192, what the checkpoint allows), max_input_len = min(4096, max_seq_len)."""
+    max_seq_len = min(8192, what the checkpoint allows), max_input_len = min(4096, max_seq_len); and
+    max_num_tokens not given written out as the builder clips it, min(its default, max_seq_len x max_batch_size), so
+    the plan leaves the builder nothing to change (a value given above that is refused by `check_settings`)."""
     facts = read_checkpoint_facts(checkpoint_dir)
     seq_len = max_seq_len if max_seq_len is not None else min(DEFAULT_MAX_SEQ_LEN, max(1, longest_buildable(facts)))
     input_len = max_input_len if max_input_len is not None else min(DEFAULT_MAX_INPUT_LEN, seq_len)
-    return replace(settings, max_seq_len=seq_len, max_input_len=input_len)
+    num_tokens = max_num_tokens
+    if num_tokens is None:
+        num_tokens = min(settings.max_num_tokens, seq_len * settings.max_batch_size)
+    return replace(settings, max_seq_len=seq_len, max_input_len=input_len, max_num_tokens=num_tokens)
 
 
 def check_extra_flags(settings: EngineBuildSettings) -> None:
@@ -431,6 +693,23 @@ def check_attention_route(facts: CheckpointFacts, settings: EngineBuildSettings)
                 f"on {settings.gpu} the {who}'s generation attention runs on DFlashAttention, whose kernels take "
                 f"head dims {', '.join(map(str, DFLASH_ATTENTION_HEAD_DIMS))}, not {head_dim}"
             )
+
+
+def check_positions(facts: CheckpointFacts, max_seq_len: int) -> None:
+    """Every position the engine uses must have a row in the RoPE tables: the attention plugin reads the cos/sin table
+    of `max_position_embeddings` rows at the token's position with no bound check [read: functional.py
+    `RopeEmbeddingUtils.create_sinusoidal_positions_for_attention_plugin`, unfusedAttentionKernels
+    `applyBiasRopeUpdateKVCacheV2`], so a position past it reads other memory. The requests the executor runs on the
+    engine (`engine_longest_request`) must be ones the tables hold (`loop_rules.longest_request`)."""
+    k = facts.max_draft_len
+    runs = engine_longest_request(max_seq_len, k)
+    if runs > longest_request(facts.max_position_embeddings, k):
+        raise DFlashTrtError(
+            f"max_seq_len {max_seq_len} lets the executor run requests of {runs} tokens (its built max_seq_len "
+            f"{max_seq_len + 2 * k} less {k} drafts), whose last step reaches position {runs + 2 * k - 1}, past the "
+            f"{facts.max_position_embeddings} rows of the target's max_position_embeddings RoPE tables: build with "
+            f"--max_seq_len <= {longest_max_seq_len(facts.max_position_embeddings, k)}"
+        )
 
 
 def check_settings(facts: CheckpointFacts, settings: EngineBuildSettings) -> None:
@@ -467,13 +746,26 @@ def check_engine_settings(settings: EngineBuildSettings) -> None:
             f"--tokens_per_block must be one of {', '.join(map(str, XQA_TOKENS_PER_BLOCK))}: speculative decoding "
             "generates through XQA, whose kernels for fp16/bf16 KV caches take no other block size"
         )
+    if settings.max_num_tokens > settings.max_seq_len * settings.max_batch_size:
+        raise DFlashTrtError(
+            f"--max_num_tokens ({settings.max_num_tokens}) exceeds max_seq_len x max_batch_size = "
+            f"{settings.max_seq_len * settings.max_batch_size}, which TensorRT-LLM 1.2.x's builder would clip it to"
+        )
+
+
+def verified_drafts(facts: CheckpointFacts, settings: EngineBuildSettings) -> int:
+    """Drafts the engine verifies per request, its EAGLE max_draft_len: the chain's, or the draft tree's nodes."""
+    dflash2 = facts.selector_top_k is not None
+    return check_tree_nodes(settings.draft_tree, facts.max_draft_len, dflash2) or facts.max_draft_len
 
 
 def check_settings_against_checkpoint(facts: CheckpointFacts, settings: EngineBuildSettings) -> None:
-    """The rules that need the checkpoint: its drafts per step, selector, block width and positions."""
-    k = facts.max_draft_len
-    if k > MAX_EAGLE_DRAFT_LEN:
-        raise DFlashTrtError(f"the drafter's {k} drafts per step exceed the EAGLE limit of {MAX_EAGLE_DRAFT_LEN}")
+    """The rules that need the checkpoint: its drafts per step (or tree), selector, block width and positions."""
+    if facts.max_draft_len > MAX_EAGLE_DRAFT_LEN:
+        raise DFlashTrtError(
+            f"the drafter's {facts.max_draft_len} drafts per step exceed the EAGLE limit of {MAX_EAGLE_DRAFT_LEN}"
+        )
+    k = verified_drafts(facts, settings)
     if facts.selector_top_k is not None and facts.selector_top_k > TOPK_MAX_K:
         raise DFlashTrtError(
             f"the DFlash2 selector's top-k ({facts.selector_top_k}) exceeds TensorRT's TopK limit of {TOPK_MAX_K}"
@@ -485,16 +777,11 @@ def check_settings_against_checkpoint(facts: CheckpointFacts, settings: EngineBu
             f"{settings.max_batch_size} x {width} = {settings.max_batch_size * width}: every generation step "
             "verifies the drafts and the anchor of each request"
         )
-    if settings.max_seq_len > facts.max_position_embeddings:
-        raise DFlashTrtError(
-            f"max_seq_len {settings.max_seq_len} exceeds the target's max_position_embeddings "
-            f"{facts.max_position_embeddings}"
-        )
+    check_positions(facts, settings.max_seq_len)
     check_gemm_plugin(settings.gemm_plugin, weights_qformat(facts))
+    settings.draft_len_schedule.fitted_to(k)
     if facts.pp_size != 1:
         raise DFlashTrtError("pipeline parallelism is not supported: the drafter needs target taps from every layer")
-    if settings.use_fp8_context_fmha and facts.quant_algo not in ("FP8", "NVFP4"):
-        raise DFlashTrtError("--use_fp8_context_fmha needs an FP8 or NVFP4 checkpoint")
 
 
 def _switch(flag: bool) -> str:
@@ -507,6 +794,8 @@ def model_class_file() -> Path:
 
 
 def build_command(checkpoint_dir: str, output_dir: str, max_draft_len: int, settings: EngineBuildSettings) -> list[str]:
+    """The trtllm-build command line of `resolve_settings`' output (every value the builder settles written out)."""
+    assert settings.use_fp8_context_fmha is not None, "build_command takes resolved settings"
     return [
         TRTLLM_BUILD,
         "--checkpoint_dir",
@@ -563,7 +852,7 @@ def build_config_dict(facts: CheckpointFacts, settings: EngineBuildSettings) -> 
         "kv_cache_type": settings.kv_cache_type.upper(),
         "strongly_typed": True,
         "gather_context_logits": False,
-        "max_draft_len": facts.max_draft_len,
+        "max_draft_len": verified_drafts(facts, settings),
         "speculative_decoding_mode": EAGLE_MODE_VALUE,
         "plugin_config": {
             "gemm_plugin": None if settings.gemm_plugin == "disable" else settings.gemm_plugin,
@@ -578,9 +867,65 @@ def build_config_dict(facts: CheckpointFacts, settings: EngineBuildSettings) -> 
     }
 
 
-def engine_max_seq_len(facts: CheckpointFacts, settings: EngineBuildSettings) -> int:
+def engine_config(facts: CheckpointFacts, settings: EngineBuildSettings) -> dict[str, Any]:
+    """What the engine's own config.json must hold for these resolved settings: the build_config fields the command
+    sets or builder.build() adjusts (max_seq_len + 2K, opt_num_tokens, the plugin dtype, paged context FMHA), and the
+    pretrained_config fields runners read. `check_engine_config` holds a built engine to it [read: builder.py
+    `build`, `BuildConfig.to_dict`, `EngineConfig.to_dict`; _utils.py `check_max_num_tokens`]."""
+    opt_num_tokens = None
+    if not settings.multiple_profiles:
+        opt_num_tokens = min(settings.max_batch_size * settings.max_beam_width, settings.max_num_tokens)
+    build_config = build_config_dict(facts, settings)
+    build_config.update(max_seq_len=engine_max_seq_len(facts, settings), opt_num_tokens=opt_num_tokens)
+    build_config["plugin_config"]["dtype"] = facts.dtype
+    return {
+        "build_config": build_config,
+        "pretrained_config": {
+            "architecture": MODEL_CLASS_NAME,
+            "dtype": facts.dtype,
+            "quantization": {"quant_algo": facts.quant_algo, "kv_cache_quant_algo": facts.kv_cache_quant_algo},
+        },
+    }
+
+
+def config_differences(recorded: Any, built: Any, where: str = "") -> list[str]:
+    """Every leaf of `recorded` the built config does not hold, as `path: built X, recorded Y`."""
+    if isinstance(recorded, dict):
+        if not isinstance(built, dict):
+            return [f"{where}: built {built!r}, recorded an object"]
+        return [
+            line
+            for key, value in recorded.items()
+            for line in config_differences(value, built.get(key), f"{where}.{key}" if where else key)
+        ]
+    return [] if recorded == built else [f"{where}: built {built!r}, recorded {recorded!r}"]
+
+
+def check_engine_config(engine_dir: str | Path) -> None:
+    """A built engine's config.json must hold what its dflash_trt.json recorded (`engine_config`): otherwise the dry
+    run, the manifest and the engine disagree, and what was checked is not what was built."""
+    engine_dir = Path(engine_dir)
+    manifest_path = engine_dir / MANIFEST_NAME
+    recorded = read_json_object(manifest_path, f"{engine_dir} has no {MANIFEST_NAME}").get("engine_config")
+    if not isinstance(recorded, dict):
+        raise DFlashTrtError(f"{manifest_path} records no engine_config (an engine from an older dflash-trt)")
+    built = read_json_object(engine_dir / "config.json", f"{engine_dir} has no config.json")
+    differences = config_differences(recorded, built)
+    if differences:
+        raise DFlashTrtError(
+            f"the engine in {engine_dir} differs from what dflash-trt planned: " + "; ".join(differences)
+        )
+
+
+def built_max_seq_len(max_seq_len: int, max_draft_len: int) -> int:
     """builder.build() adds max_draft_len (any speculative mode) and num_eagle_layers (EAGLE) to max_seq_len."""
-    return settings.max_seq_len + 2 * facts.max_draft_len
+    return max_seq_len + 2 * max_draft_len
+
+
+def engine_max_seq_len(facts: CheckpointFacts, settings: EngineBuildSettings) -> int:
+    """The engine's own max_seq_len: `built_max_seq_len` for a chain; a draft tree's engine verifies N drafts over K
+    positions, so the builder adds N + K."""
+    return settings.max_seq_len + verified_drafts(facts, settings) + facts.max_draft_len
 
 
 def manifest(facts: CheckpointFacts, settings: EngineBuildSettings, plugin_library: str) -> dict[str, Any]:
@@ -593,8 +938,11 @@ def manifest(facts: CheckpointFacts, settings: EngineBuildSettings, plugin_libra
         "base_architecture": facts.base_architecture,
         "speculative_decoding_mode": SPECULATIVE_DECODING_MODE,
         "block_size": facts.block_size,
-        "max_draft_len": k,
+        "max_draft_len": verified_drafts(facts, settings),
+        "draft_tree": settings.draft_tree,
         "drafter": facts.drafter,
+        # The chain over the draft positions (num_eagle_layers): a request's first paths, checked against the
+        # layers [read]; a tree engine emits its own paths every step after that.
         "eagle_choices": chain_eagle_choices(k),
         "mask_token_id": facts.mask_token_id,
         "target_layer_ids": list(facts.target_layer_ids),
@@ -613,7 +961,20 @@ def manifest(facts: CheckpointFacts, settings: EngineBuildSettings, plugin_libra
         "gpu": settings.gpu,
         "sm": settings.route.sm,
         "attention": settings.route.describe(facts.layer_types),
+        "draft_len_schedule": settings.draft_len_schedule.text(),
+        "engine_config": engine_config(facts, settings),
     }
+
+
+def check_network(facts: CheckpointFacts) -> None:
+    """What the network of model.py cannot be built for, whatever the settings (the emulated engine applies these
+    too)."""
+    check_kv_geometry(facts)
+    check_qk_norm_heads(facts)
+    check_rope(facts)
+    check_quantization(facts)
+    check_moe_layers(facts)
+    check_kv_cache_format(weights_qformat(facts), kv_cache_format(facts))
 
 
 def plan_engine_build(
@@ -629,12 +990,17 @@ def plan_engine_build(
     False), so both ways into `build` apply the same checks.
     """
     facts = read_checkpoint_facts(checkpoint_dir)
-    check_kv_geometry(facts)
-    check_rope(facts)
-    check_quantization(facts)
-    check_moe_layers(facts)
+    # A tree of the chain's node count is the chain: the plan records no tree for it.
+    tree = verified_drafts(facts, settings)
+    settings = replace(settings, draft_tree=tree if tree != facts.max_draft_len else None)
+    if settings.draft_tree is not None:
+        check_tree_schedule(settings.draft_len_schedule)
+        settings.route.check_tree(settings.gpu)
+    check_network(facts)
+    check_xqa_block_layout(facts)
     check_attention_route(facts, settings)
     check_settings(facts, settings)
+    settings = resolve_settings(facts, settings)
     check_extra_flags(settings)
     if require_weights:
         check_rank_files(Path(checkpoint_dir), facts)
@@ -643,11 +1009,12 @@ def plan_engine_build(
     return EngineBuildPlan(
         checkpoint_dir=checkpoint,
         output_dir=output,
-        command=build_command(checkpoint, output, facts.max_draft_len, settings),
+        command=build_command(checkpoint, output, verified_drafts(facts, settings), settings),
         build_config=build_config_dict(facts, settings),
         plugin_library=library,
         dflash_manifest=manifest(facts, settings, library),
         settings=settings,
+        lengths=engine_lengths(facts, settings),
         world_size=facts.tp_size * facts.pp_size,
     )
 
@@ -655,4 +1022,5 @@ def plan_engine_build(
 def settings_dict(settings: EngineBuildSettings) -> dict[str, Any]:
     data = asdict(settings)
     data["extra_flags"] = list(settings.extra_flags)
+    data["draft_len_schedule"] = settings.draft_len_schedule.text()
     return data

@@ -121,6 +121,6 @@ class CandidateSelector(Module):
         return concat(chain, dim=1)
 
 
-def draft_vocabulary_ids(d2t: Parameter, size: int, draft_ids: Tensor) -> Tensor:
-    """Target ids (int32) of a reduced vocabulary's draft ids `[n]`: draft id + its `d2t` offset."""
-    return index_select(d2t.value + arange(0, size, "int32"), 0, draft_ids)
+def draft_vocabulary_map(d2t: Parameter, size: int) -> Tensor:
+    """Target id (int32) of every draft id of a reduced vocabulary `[size]`: the draft id plus its `d2t` offset."""
+    return d2t.value + arange(0, size, "int32")

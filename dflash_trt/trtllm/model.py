@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import tensorrt as trt
@@ -31,6 +31,7 @@ from tensorrt_llm.functional import (
     concat,
     constant,
     cumsum,
+    eq,
     expand,
     gather,
     gather_last_token_logits,
@@ -63,19 +64,22 @@ from tensorrt_llm.module import Module, ModuleList
 from tensorrt_llm.parameter import Parameter
 
 from dflash_trt.checkpoint.trtllm_config import ARCHITECTURE, draft_spec_from_config, rotary_scaling
+from dflash_trt.draft_schedule import DraftLenSchedule
+from dflash_trt.inputs import check_tree_schedule
 from dflash_trt.spec import EMBEDDING_TAP, SLIDING_ATTENTION, DraftSpec
 from dflash_trt.trtllm.attention_route import OURS, AttentionRoute, route_for_build
-from dflash_trt.trtllm.build_plan import block_packed_mask, chain_draft_paths
+from dflash_trt.trtllm.build_plan import block_packed_mask, chain_draft_paths, engine_schedule, engine_tree_nodes
 from dflash_trt.trtllm.drafting import (
     AFTER,
     BEFORE,
     CandidateSelector,
     GroupedDynamicConv,
-    draft_vocabulary_ids,
+    draft_vocabulary_map,
     replicated_linear,
 )
 from dflash_trt.trtllm.generation_attention import BlockAttention, dflash_attention
 from dflash_trt.trtllm.plugin import KVInjectionGeometry, kv_injection_layer
+from dflash_trt.trtllm.tree import EngineTree, TreeShape, TreeVerdict, best_trees, path_depths, verify_tree
 from dflash_trt.trtllm.verify import verify_drafts
 
 # Keys only DFlash reads; the target's TensorRT-LLM config class must not see them.
@@ -92,6 +96,8 @@ DFLASH_KEYS = (
     "eagle_net_config",
     "mapping",
     "quantization",
+    "draft_len_schedule",
+    "draft_tree",
 )
 EAGLE_INPUTS = (
     "draft_tokens",
@@ -116,12 +122,24 @@ class StepBook:
     anchor: Tensor  # int32 [batch, 1]: the newest token, first of the next draft block
     batch: Tensor  # 0-D: number of requests
     draft_lens: Tensor  # int32 [batch]: the step's draft_lens input
+    # A draft tree's rows: each row's cache slot (anchor slot + node index) and which valid rows sit at a slot apart
+    # from their position (an accepted node deeper than its index): the runtime's rewind moves those (§6.1).
+    slots: Tensor | None = None
+    moved: Tensor | None = None
 
 
 class DFlashConfig(PretrainedConfig):
     """The converted checkpoint's config plus the EAGLE keys the C++ runtime reads from the engine's config.json."""
 
-    def __init__(self, *, base_architecture: str, dflash_config: dict, **kwargs):
+    def __init__(
+        self,
+        *,
+        base_architecture: str,
+        dflash_config: dict,
+        draft_len_schedule: str | None = None,
+        draft_tree: int | None = None,
+        **kwargs,
+    ):
         for derived in ("num_eagle_layers", "max_non_leaves_per_layer", "eagle_net_config"):
             kwargs.pop(derived, None)
         # The drafter exactly as the converter and the golden model parse it (the key spelling lives there).
@@ -131,16 +149,28 @@ class DFlashConfig(PretrainedConfig):
         self.dflash_config = dict(dflash_config)
         self.draft: DraftSpec = draft
         k = draft.num_drafts
-        self.max_draft_len = k
-        # GptJsonConfig: num_eagle_layers = chain depth, eagle_net_config.num_hidden_layers = extra pool layers.
+        # A draft tree of N nodes (0: the chain) verifies N drafts per request: the EAGLE max_draft_len.
+        self.tree_nodes = engine_tree_nodes(draft_tree, k, draft.dflash2 is not None)
+        self.draft_tree = self.tree_nodes or None
+        self.max_draft_len = self.tree_nodes or k
+        # GptJsonConfig: num_eagle_layers = tree depth, eagle_net_config.num_hidden_layers = extra pool layers.
         self.num_eagle_layers = k
         self.max_non_leaves_per_layer = 1
         self.eagle_net_config = {"num_hidden_layers": draft.num_hidden_layers}
+        # How many drafts each request proposes for the next step, by the step's load (draft_schedule.py); the
+        # engine's config.json keeps its text, so a runner sees what the network computes.
+        self.schedule: DraftLenSchedule = engine_schedule(draft_len_schedule, k)
+        self.draft_len_schedule = self.schedule.text()
+        if self.tree_nodes:
+            check_tree_schedule(self.schedule, "draft_tree")
 
     def to_dict(self) -> dict:
-        """The engine's config.json: the checkpoint's keys (the typed spec is derived from `dflash_config`)."""
+        """The engine's config.json: the checkpoint's keys (the typed spec is derived from `dflash_config`) and the
+        draft-length schedule's text."""
         output = super().to_dict()
         output.pop("draft", None)
+        output.pop("tree_nodes", None)
+        output.pop("schedule", None)
         return output
 
     def target_config(self) -> PretrainedConfig:
@@ -371,17 +401,41 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         super().__init__(config, DFlashTarget(config), lm_head)
         self.dflash = DFlashDrafter(config)
         self.block_size = config.draft.block_size
-        self.max_draft_len = config.draft.num_drafts
+        self.max_draft_len = config.max_draft_len  # drafts verified per request: the chain's K or a tree's nodes
+        self.num_drafts = config.draft.num_drafts  # draft slots of the block: the chain's length, a tree's depth
         self.mask_token_id = config.draft.mask_token_id
         self.draft_rope = config.draft.rope
         # Which attention serves each pass: the GPU the engine is built for (attention_route.py), read when the
         # network is built unless set first (the CPU emulation sets the one of the GPU it emulates).
         self.attention_route: AttentionRoute | None = None
+        vocab = config.draft.draft_vocab_size or config.vocab_size
+        self.tree = TreeShape(self.num_drafts, config.tree_nodes, vocab) if config.tree_nodes else None
 
     def route(self) -> AttentionRoute:
         if self.attention_route is None:
             self.attention_route = route_for_build()
+        if self.tree is not None:
+            self.attention_route.check_tree(f"SM{self.attention_route.sm}")
         return self.attention_route
+
+    def verify(
+        self, logits, draft_tokens, draft_lens, draft_paths, temperature, rand_data_validation, rand_data_sample
+    ) -> TreeVerdict:
+        """The target's draw at every verified slot (§6; a tree's node i draws with uniform i), and what it accepts:
+        the chain's longest matching prefix, or the tree's walk from the anchor (§6.1)."""
+        drawn, num_accepted = verify_drafts(
+            cast(logits, "float32"),
+            draft_tokens,
+            draft_lens,
+            temperature,
+            rand_data_validation,
+            rand_data_sample,
+            self.config.vocab_size,
+            self.max_draft_len,
+        )
+        if self.tree is None:  # one chain: the accepted path is always path 0
+            return TreeVerdict(drawn, num_accepted, expand(i32([0]), shape(draft_lens)), None)
+        return verify_tree(drawn, draft_tokens, draft_lens, draft_paths, self.tree)
 
     def forward(
         self,
@@ -402,14 +456,11 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         host_gen_eagle_net_past_key_value_lengths,
         input_gen_tokens=None,
         attention_mask=None,
+        draft_paths=None,
     ):
         assert use_cache and default_net().plugin_config.paged_kv_cache
         attention_params = Attention.fill_attention_params(self, attention_params)
-        generation = None
-        if self.route().target_generation == OURS:
-            if input_gen_tokens is None:
-                raise ValueError("the target's DFlashAttention needs the input_gen_tokens input (prepare_inputs)")
-            generation = BlockAttention(causal=True, generation_tokens=input_gen_tokens)
+        generation = self.target_generation_attention(input_gen_tokens)
         hidden_states, taps = self.transformer(
             input_ids, spec_decoding_params, kv_cache_params, attention_params, generation
         )
@@ -419,27 +470,22 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         logits = self.lm_head(last)
         logits.mark_output("logits", self.config.logits_dtype)
 
-        accepted_tokens, num_accepted = verify_drafts(
-            cast(logits, "float32"),
-            draft_tokens,
-            draft_lens,
-            eagle_temperature,
-            rand_data_validation,
-            rand_data_sample,
-            self.config.vocab_size,
-            self.max_draft_len,
+        verdict = self.verify(
+            logits, draft_tokens, draft_lens, draft_paths, eagle_temperature, rand_data_validation, rand_data_sample
         )
-        # One chain: the accepted path is always path 0 and the next step's paths are the chain again.
-        accepted_paths = expand(i32([0]), shape(draft_lens))
-        width = self.max_draft_len + 1
-        paths = concat([shape(draft_lens, 0), width, width])
-        next_draft_paths = expand(i32([chain_draft_paths(self.max_draft_len)]), paths)
-
         book = self.bookkeeping(
-            input_ids, position_ids, attention_params.context_lengths, draft_lens, accepted_tokens, num_accepted
+            input_ids,
+            position_ids,
+            attention_params.context_lengths,
+            draft_lens,
+            verdict.accepted_tokens,
+            verdict.num_accepted,
+            draft_paths,
+            verdict.accepted_nodes,
         )
-        written = self.inject_context(taps, book, kv_cache_params)
-        next_draft_tokens = self.draft_block(
+        context = self.context_kv(taps)
+        written = self.write_context(context, book, kv_cache_params, book.positions, book.valid, book.ctx_len)
+        drafts = self.draft_block(
             book,
             written,
             kv_cache_params,
@@ -449,23 +495,64 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
             host_gen_eagle_net_context_lengths,
             host_gen_eagle_net_past_key_value_lengths,
         )
-        next_draft_lens = expand(i32([self.max_draft_len]), shape(draft_lens))
+        if self.tree is None:
+            next_draft_tokens = self.choose_drafts(drafts, book.anchor, book.batch)
+            next_draft_lens = self.next_draft_lens(draft_lens)
+            # One chain: the next step's paths are the chain again.
+            width = self.max_draft_len + 1
+            paths = concat([shape(draft_lens, 0), width, width])
+            next_draft_paths = expand(i32([chain_draft_paths(self.max_draft_len)]), paths)
+        else:
+            budget = expand(i32([self.max_draft_len]), shape(draft_lens))
+            tree = self.draft_trees(drafts, budget, book.batch)
+            # Once the block pass has read the context: each moved node's K/V where the rewind takes it from.
+            assert book.slots is not None and book.moved is not None
+            next_draft_tokens = self.write_context(context, book, kv_cache_params, book.slots, book.moved, tree.tokens)
+            next_draft_lens, next_draft_paths = tree.count, tree.paths
 
-        accepted_tokens.mark_output("accepted_tokens")
-        num_accepted.mark_output("num_accepted_tokens")
-        accepted_paths.mark_output("accepted_paths")
+        verdict.accepted_tokens.mark_output("accepted_tokens")
+        verdict.num_accepted.mark_output("num_accepted_tokens")
+        verdict.accepted_path.mark_output("accepted_paths")
         next_draft_tokens.mark_output("next_draft_tokens")
         next_draft_lens.mark_output("next_draft_lens")
         next_draft_paths.mark_output("next_draft_paths")
         return next_draft_tokens
 
+    def target_generation_attention(self, input_gen_tokens) -> BlockAttention | None:
+        """How the target's generation requests attend: on our plugin where the route says so, else stock (None)."""
+        if self.route().target_generation != OURS:
+            return None
+        if input_gen_tokens is None:
+            raise ValueError("the target's DFlashAttention needs the input_gen_tokens input (prepare_inputs)")
+        return BlockAttention(causal=True, generation_tokens=input_gen_tokens)
+
+    def next_draft_lens(self, draft_lens: Tensor) -> Tensor:
+        """Every request's draft length for the next step, from this step's load (its number of requests) through
+        the build's schedule: the full K below the first threshold. The drafter always drafts the whole block; the
+        runtime keeps the first `next_draft_lens` drafts (trtGptModelInflightBatching `updateRequests`)."""
+        load = cast(shape(draft_lens, 0), "int32")
+        lengths = expand(i32([self.max_draft_len]), shape(draft_lens))
+        for min_requests, k in self.config.schedule.steps:
+            lengths = where(load > min_requests - 1, i32([k]), lengths)
+        return lengths
+
     def bookkeeping(
-        self, input_ids, position_ids, context_lengths, draft_lens, accepted_tokens, num_accepted
+        self,
+        input_ids,
+        position_ids,
+        context_lengths,
+        draft_lens,
+        accepted_tokens,
+        num_accepted,
+        draft_paths=None,
+        accepted_nodes=None,
     ) -> StepBook:
         """Per-token request index, position and validity; per-request drafter context length and anchor (§2.3).
 
         The runtime gives a context request one position id per input token but a generation request a single one
-        (the anchor's), since EAGLE mode does not update position ids (runtimeBuffers.cpp `setFromInputs`).
+        (the anchor's), since EAGLE mode does not update position ids (runtimeBuffers.cpp `setFromInputs`). A draft
+        tree's rows (§6.1): row t of a generation request is node t, at the anchor's position plus its depth,
+        injected when it is on the accepted path.
         """
         is_generation = draft_lens > 0
         in_len = where(is_generation, draft_lens + 1, context_lengths)
@@ -480,20 +567,45 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         request = sum(cast(unsqueeze(ends, 0) < unsqueeze(rows, 1) + 1, "int32"), dim=1)
         local = rows - index_select(starts, 0, request)
         valid = cast(local < index_select(valid_len, 0, request), "int32")
-        positions = index_select(first_position, 0, request) + local
+        first = index_select(first_position, 0, request)
         anchor = gather(accepted_tokens, 1, unsqueeze(num_accepted - 1, 1))
-        return StepBook(request, valid, positions, first_position + valid_len, anchor, shape(draft_lens, 0), draft_lens)
+        book = StepBook(
+            request, valid, first + local, first_position + valid_len, anchor, shape(draft_lens, 0), draft_lens
+        )
+        if draft_paths is None:
+            return book
+        nodes = self.max_draft_len + 1
+        node = where(local < nodes, local, 0)  # a context row's index may exceed the tree's
+        depth = index_select(path_depths(draft_paths).view([-1]), 0, request * nodes + node)
+        on_path = sum(cast(eq(index_select(accepted_nodes, 0, request), unsqueeze(local, 1)), "int32"), dim=1) > 0
+        tree_row = index_select(cast(is_generation, "int32"), 0, request) > 0
+        valid = where(tree_row, cast(on_path, "int32"), valid)
+        moved = cast(tree_row, "int32") * cast(on_path, "int32") * (1 - cast(eq(depth, local), "int32"))
+        positions = first + where(tree_row, depth, local)
+        return replace(book, valid=valid, positions=positions, slots=first + local, moved=moved)
 
-    def inject_context(self, taps, book: StepBook, kv_cache_params) -> Tensor:
-        """Write the valid tokens' context K/V into every draft layer's pages; returns the ordering token."""
+    def context_kv(self, taps) -> list[tuple[list[int], Tensor, Tensor, Tensor | None]]:
+        """Per injection call (all draft layers, or one per layer with an FP8 cache): the layers, their fused K/V of
+        `hidden_norm(fc(taps))`, their k_norm weights and KV scale."""
         feature = self.dflash.hidden_norm(self.dflash.fc(taps))
         layers = list(self.dflash.layers)
-        first = layers[0].attention
-        common = {
-            "kv_cache_block_offsets": kv_cache_params.kv_cache_block_offsets,
-            "host_kv_cache_pool_pointers": kv_cache_params.host_kv_cache_pool_pointers,
-            "host_kv_cache_pool_mapping": kv_cache_params.host_kv_cache_pool_mapping,
-        }
+        # One plugin call for all layers, unless an FP8 cache needs each layer's own KV scale.
+        fp8_cache = layers[0].attention.kv_cache_scaling_factor is not None
+        groups = [[i] for i in range(len(layers))] if fp8_cache else [list(range(len(layers)))]
+        return [
+            (
+                group,
+                concat([layers[i].context_kv(feature) for i in group], dim=-1),
+                concat([unsqueeze(layers[i].attention.k_layernorm.weight.value, 0) for i in group], dim=0),
+                layers[group[0]].attention.kv_cache_rcp_scaling_factor.value if fp8_cache else None,
+            )
+            for group in groups
+        ]
+
+    def write_context(self, context, book: StepBook, kv_cache_params, slots, valid, passthrough) -> Tensor:
+        """Write the `valid` rows' context K/V (rotated at their positions) at `slots` of every draft layer's pages;
+        returns the copy of `passthrough` that orders what reads it after the write."""
+        first = self.dflash.layers[0].attention
         geometry = {
             "num_kv_heads": first.num_attention_kv_heads,
             "head_dim": first.attention_head_size,
@@ -501,26 +613,23 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
             "rope": self.draft_rope,
             "eps": self.config.draft.rms_norm_eps,
         }
-        token = book.ctx_len
-        # One plugin call for all layers, unless an FP8 cache needs each layer's own KV scale.
-        fp8_cache = first.kv_cache_scaling_factor is not None
-        groups = [[i] for i in range(len(layers))] if fp8_cache else [list(range(len(layers)))]
-        for group in groups:
-            ctx_kv = concat([layers[i].context_kv(feature) for i in group], dim=-1)
-            k_norm = concat([unsqueeze(layers[i].attention.k_layernorm.weight.value, 0) for i in group], dim=0)
-            scale = layers[group[0]].attention.kv_cache_rcp_scaling_factor.value if fp8_cache else None
+        token = passthrough
+        for group, ctx_kv, k_norm, scale in context:
             token = kv_injection_layer(
                 ctx_kv,
                 k_norm,
                 book.positions,
+                slots,
                 book.request,
-                book.valid,
+                valid,
+                kv_cache_params.kv_cache_block_offsets,
+                kv_cache_params.host_kv_cache_pool_pointers,
+                kv_cache_params.host_kv_cache_pool_mapping,
                 passthrough=token,
                 geometry=KVInjectionGeometry(
                     num_layers=len(group), layer_idx_offset=self.config.num_hidden_layers + group[0], **geometry
                 ),
                 kv_scale_orig_quant=scale,
-                **common,
             )
         return token
 
@@ -535,9 +644,9 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         host_context_lengths,
         host_past_key_value_lengths,
     ) -> Tensor:
-        """Run `[anchor, MASK x (B - 1)]` through the draft layers as one spec-decoding generation step; its draft
-        slots (1.., or 0.. when the anchor's slot drafts) give the K drafts."""
-        b, k = self.block_size, self.max_draft_len
+        """Run `[anchor, MASK x (B - 1)]` through the draft layers as one spec-decoding generation step; returns the
+        hidden rows `[requests * K, H]` of its draft slots (1.., or 0.. when the anchor's slot drafts)."""
+        b, k = self.block_size, self.num_drafts
         batch = book.batch
         masks = expand(i32([[self.mask_token_id]]), concat([batch, b - 1]))
         block_ids = concat([book.anchor, masks], dim=1).view(concat([batch * b]))
@@ -572,25 +681,40 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         hidden = self.dflash.ln_f(hidden).view(concat([batch, b, shape(hidden, 1)]))
         first = self.config.draft.first_draft_slot
         drafts = slice(hidden, [0, first, 0], concat([batch, k, shape(hidden, 2)]))
-        return self.choose_drafts(drafts.view(concat([batch * k, shape(hidden, 2)])), book.anchor, batch)
+        return drafts.view(concat([batch * k, shape(hidden, 2)]))
 
-    def choose_drafts(self, hidden: Tensor, anchor: Tensor, batch: Tensor) -> Tensor:
-        """int32 `[requests, K]` drafts from the draft slots' hidden rows: each slot's argmax over the target's
-        vocabulary (multiplier, softcap) or a reduced one (mapped to target ids), or DFlash2's selector walk."""
-        k, d = self.max_draft_len, self.config.draft
+    def draft_logits(self, hidden: Tensor, batch: Tensor) -> tuple[Tensor, Tensor | None]:
+        """float32 logits `[requests * K, V]` of the draft slots' hidden rows over the target's vocabulary
+        (multiplier, softcap), or over a reduced one with its target ids `[V]`."""
+        k, d = self.num_drafts, self.config.draft
         if d.draft_vocab_size is not None:
             logits = cast(self.dflash.lm_head(hidden), "float32")
-            picked = argmax(logits, -1, keepdim=True).view(concat([batch * k]))
-            return draft_vocabulary_ids(self.dflash.d2t, d.draft_vocab_size, picked).view(concat([batch, k]))
+            return logits, draft_vocabulary_map(self.dflash.d2t, d.draft_vocab_size)
         logits = cast(self.lm_head(hidden), "float32")
         logits = slice(logits, [0, 0], concat([batch * k, self.config.vocab_size]))
         if d.output_multiplier != 1.0:
             logits = logits * d.output_multiplier
         if d.final_logit_softcapping:
             logits = tanh(logits * (1.0 / d.final_logit_softcapping)) * d.final_logit_softcapping
-        if d.dflash2 is not None:
+        return logits, None
+
+    def choose_drafts(self, hidden: Tensor, anchor: Tensor, batch: Tensor) -> Tensor:
+        """int32 `[requests, K]` drafts from the draft slots' hidden rows: each slot's argmax over the target's
+        vocabulary or a reduced one (mapped to target ids), or DFlash2's selector walk."""
+        k = self.num_drafts
+        logits, ids = self.draft_logits(hidden, batch)
+        if ids is not None:
+            picked = argmax(logits, -1, keepdim=True).view(concat([batch * k]))
+            return index_select(ids, 0, picked).view(concat([batch, k]))
+        if self.config.draft.dflash2 is not None:
             return self.dflash.selector.walk(logits, hidden, anchor, batch, k)
         return cast(argmax(logits, -1, keepdim=True), "int32").view(concat([batch, k]))
+
+    def draft_trees(self, hidden: Tensor, budget: Tensor, batch: Tensor) -> EngineTree:
+        """Each request's draft tree of at most `budget` nodes from the draft slots' hidden rows (§6.1)."""
+        assert self.tree is not None
+        logits, ids = self.draft_logits(hidden, batch)
+        return best_trees(logits, ids, budget, self.tree, batch)
 
     def prepare_inputs(self, *args, **kwargs):
         """The standard GPT inputs for target + draft pool layers, plus the EAGLE inputs DFlash reads (§3)."""
@@ -636,6 +760,9 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         batch = ("batch_size", bb_range)
         draft_len = ("draft_len", [k] * profiles)
         decoding_len = ("decoding_len", [k + 1] * profiles)
+        if self.tree is not None:  # the verified tree's paths (§6.1): the previous step's next_draft_paths
+            path_len = ("path_len", [self.num_drafts + 1] * profiles)
+            inputs["draft_paths"] = declare("draft_paths", trt.int32, [batch, decoding_len, path_len])
         inputs["draft_tokens"] = declare("draft_tokens", trt.int32, [batch, draft_len])
         inputs["draft_lens"] = declare("draft_lens", trt.int32, [batch])
         inputs["eagle_temperature"] = declare("eagle_temperature", trt.float32, [batch])

@@ -5,7 +5,9 @@
                                       #   K/V GEMM of hidden_norm(fc(taps)) for all draft layers, laid out
                                       #   [layer][k|v][kv_head][head_dim] along the last dim
         k_norm_weight,                # [num_layers, head_dim], same dtype as ctx_kv
-        positions,                    # int32 [tokens]: absolute position = RoPE position = cache slot of each token
+        positions,                    # int32 [tokens]: absolute (RoPE) position of each token
+        cache_positions,              # int32 [tokens]: the cache slot each token is written at: its position, or
+                                      #   for a draft tree's node the slot the runtime's rewind will move it from
         seq_slots,                    # int32 [tokens]: row of kv_cache_block_offsets (the request's batch index)
         valid,                        # int32 [tokens]: 0 = skip (padding / rejected tokens keep shapes static)
         kv_cache_block_offsets,       # int32 [num_pools, batch, 2, max_blocks_per_seq]  (KeyValueCacheParams)
@@ -234,6 +236,7 @@ def kv_injection_layer(
     ctx_kv: Any,
     k_norm_weight: Any,
     positions: Any,
+    cache_positions: Any,
     seq_slots: Any,
     valid: Any,
     kv_cache_block_offsets: Any,
@@ -249,6 +252,7 @@ def kv_injection_layer(
         ctx_kv,
         k_norm_weight,
         positions,
+        cache_positions,
         seq_slots,
         valid,
         kv_cache_block_offsets,

@@ -10,13 +10,16 @@ runtime draws it when the request is set up; its `rand_data_validation` row is s
 `dflash_trt.reference.sampling.exact_match_accept` is the same rule in torch; tests replay these ops against it.
 Only tensorrt_llm.functional ops. The inverse CDF is two-level (block masses, then one block) so that no prefix sum
 runs over the whole vocabulary in fp32; the prefix sums use TensorRT-LLM's CumsumLastDim plugin (an fp32 scan,
-where a matmul with a triangular matrix could round through TF32).
+where a matmul with a triangular matrix could round through TF32). The whole sampling path sits in one branch of a
+TensorRT conditional on the batch-wide flag "some request samples": a step whose every request is greedy runs the
+other branch, one argmax per row (`pick_tokens`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 from tensorrt_llm.functional import (
+    Conditional,
     Tensor,
     argmax,
     cast,
@@ -71,6 +74,11 @@ def _first_reaching(cdf: Tensor, mass: Tensor, threshold: Tensor, size: int) -> 
     return where(first < size, first, last_positive).view([-1, 1])
 
 
+def _greedy(temperature: Tensor) -> Tensor:
+    """Rows that decode greedily: `sampling_rules.is_greedy` in-graph (below the minimum, 0 included)."""
+    return temperature < _f32([[MIN_SAMPLING_TEMPERATURE]])
+
+
 def sample_rows(logits: Tensor, temperature: Tensor, uniform: Tensor, vocab_size: int) -> Tensor:
     """One token per row of `logits [N, Vpad]` (fp32; columns from `vocab_size` on are lm_head padding): argmax where
     `temperature [N, 1]` is below the minimum (0 included), else the inverse CDF of softmax(z / T) at `uniform [N, 1]`:
@@ -82,7 +90,7 @@ def sample_rows(logits: Tensor, temperature: Tensor, uniform: Tensor, vocab_size
         logits = logits + _f32([[0.0] * vocab_size + [-np.inf] * (padded - vocab_size)])
     # sampling_rules.effective_temperature in-graph: greedy below the minimum, capped at the maximum, so no temperature
     # the runtime passes (1e-40, a denormal, 3e38) gives an infinite or vanishing inverse.
-    greedy = temperature < _f32([[MIN_SAMPLING_TEMPERATURE]])
+    greedy = _greedy(temperature)
     inverse = _f32([[1.0]]) / where(greedy, _f32([[1.0]]), minimum(temperature, _f32([[MAX_SAMPLING_TEMPERATURE]])))
     weights = exp((logits - max(logits, 1, keepdim=True)) * inverse)
     count, width = vocab_blocks(padded)
@@ -99,6 +107,28 @@ def sample_rows(logits: Tensor, temperature: Tensor, uniform: Tensor, vocab_size
     inside = gather(blocks, 1, expand(block.view([-1, 1, 1]), concat([rows, 1, width]))).view([-1, width])
     offset = _first_reaching(cumsum(inside, 1), inside, threshold - before, width)
     return where(greedy, cast(argmax(logits, 1, keepdim=True), "int32"), block * width + offset)
+
+
+def greedy_rows(logits: Tensor, vocab_size: int) -> Tensor:
+    """The argmax token of each row of `logits [N, Vpad]` over the real vocabulary (never an lm_head padding
+    column, whatever its logit). Returns [N, 1] int32."""
+    if logits.size(-1) > vocab_size:
+        logits = slice(logits, [0, 0], concat([shape(logits, 0), vocab_size]))
+    return cast(argmax(logits, 1, keepdim=True), "int32")
+
+
+def pick_tokens(logits: Tensor, temperature: Tensor, uniform: Tensor, vocab_size: int) -> Tensor:
+    """`sample_rows` where some row of the step samples; otherwise `greedy_rows` alone. A TensorRT conditional
+    on the batch-wide flag: TensorRT runs only the branch it takes, so an all-greedy step reads its logits once
+    instead of paying the sampling path (max, exp, padding, block sums, argmax: about seven passes over `[N, Vpad]`
+    fp32) [read: functional.py `Conditional`; TensorRT-LLM's attention.py builds its cross-KV projection in one the
+    same way]. Greedy is `_greedy`'s rule, so temperatures too small to invert take the fast path too. Returns
+    [N, 1] int32."""
+    samples = _i32([[1]]) - cast(_greedy(temperature), "int32")
+    sampling = max(samples.view([-1]), 0) > 0
+    conditional = Conditional(sampling)
+    rows, temperatures, uniforms = (conditional.add_input(t) for t in (logits, temperature, uniform))
+    return conditional.add_output(sample_rows(rows, temperatures, uniforms, vocab_size), greedy_rows(rows, vocab_size))
 
 
 def verify_drafts(
@@ -121,7 +151,7 @@ def verify_drafts(
     temperatures = expand(unsqueeze(temperature, 1), width).view(per_slot)
     generation = expand(unsqueeze(draft_lens > 0, 1), width)
     uniforms = where(generation, rand_data_validation, expand(unsqueeze(rand_data_sample, 1), width))
-    tokens = sample_rows(rows, temperatures, uniforms.view(per_slot), vocab_size).view(width)
+    tokens = pick_tokens(rows, temperatures, uniforms.view(per_slot), vocab_size).view(width)
 
     # Slot j < draft_len keeps draft j while the sample equals it; the first slot that does not is the bonus.
     drafts = concat([draft_tokens, expand(_i32([[-1]]), concat([batch, 1]))], dim=1)

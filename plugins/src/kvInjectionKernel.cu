@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock) kvInjectionKernel(KVInjectio
 
     int32_t const position = p.positions[token];
     CacheLocation const loc
-        = locateCacheElement(p.addressing, p.seqSlots[token], position, layer, kv, head, channel);
+        = locateCacheElement(p.addressing, p.seqSlots[token], p.cachePositions[token], layer, kv, head, channel);
     void* const pool = loc.secondary ? p.secondaryPool : p.primaryPool;
     if (!loc.valid || pool == nullptr)
     {

@@ -163,6 +163,7 @@ bool KVInjectionPlugin::supportsFormatCombination(
     case kCtxKv:
     case kKNormWeight: return desc.type == static_cast<DataType>(mConfig.typeId);
     case kPositions:
+    case kCachePositions:
     case kSeqSlots:
     case kValid:
     case kBlockOffsets:
@@ -191,7 +192,7 @@ bool KVInjectionPlugin::checkShapes(Dims const* dims, int32_t nbInputs) const
     bool ok = ctx.nbDims == 2 && knownOrEqual(ctx.d[1], mConfig.ctxKvWidth());
     ok = ok && weight.nbDims == 2 && knownOrEqual(weight.d[0], mConfig.numLayers)
         && knownOrEqual(weight.d[1], mConfig.headDim);
-    for (int32_t i : {kPositions, kSeqSlots, kValid})
+    for (int32_t i : {kPositions, kCachePositions, kSeqSlots, kValid})
     {
         ok = ok && dims[i].nbDims == 1 && (ctx.d[0] < 0 || knownOrEqual(dims[i].d[0], ctx.d[0]));
     }
@@ -263,6 +264,7 @@ int32_t KVInjectionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTens
     params.ctxKv = inputs[kCtxKv];
     params.kNormWeight = inputs[kKNormWeight];
     params.positions = static_cast<int32_t const*>(inputs[kPositions]);
+    params.cachePositions = static_cast<int32_t const*>(inputs[kCachePositions]);
     params.seqSlots = static_cast<int32_t const*>(inputs[kSeqSlots]);
     params.valid = static_cast<int32_t const*>(inputs[kValid]);
     params.numTokens = static_cast<int32_t>(inputDesc[kCtxKv].dims.d[0]);

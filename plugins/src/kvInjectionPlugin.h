@@ -35,6 +35,7 @@ enum KVInjectionInput : int32_t
     kCtxKv = 0,
     kKNormWeight,
     kPositions,
+    kCachePositions,
     kSeqSlots,
     kValid,
     kBlockOffsets,

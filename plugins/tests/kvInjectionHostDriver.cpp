@@ -14,7 +14,8 @@ namespace
 {
 
 template <typename In, typename Cache>
-int32_t injectTyped(In const* ctxKv, In const* kNormWeight, int32_t const* positions, int32_t const* seqSlots,
+int32_t injectTyped(In const* ctxKv, In const* kNormWeight, int32_t const* positions,
+    int32_t const* cachePositions, int32_t const* seqSlots,
     int32_t const* valid, int32_t numTokens, int32_t numLayers, PagedKVAddressing const& a, Cache* primaryPool,
     Cache* secondaryPool, float scaleOrigQuant, float eps, float const* invFreq, float attentionScaling)
 {
@@ -54,9 +55,10 @@ int32_t injectTyped(In const* ctxKv, In const* kNormWeight, int32_t const* posit
                             float const w1 = toFloat(kNormWeight[layer * headDim + i + half]);
                             normRopePair(x[i], x[i + half], invRms, w0, w1, c, s, out0, out1);
                         }
-                        CacheLocation const lo = locateCacheElement(a, seqSlots[t], positions[t], layer, kv, head, i);
+                        CacheLocation const lo
+                            = locateCacheElement(a, seqSlots[t], cachePositions[t], layer, kv, head, i);
                         CacheLocation const hi
-                            = locateCacheElement(a, seqSlots[t], positions[t], layer, kv, head, i + half);
+                            = locateCacheElement(a, seqSlots[t], cachePositions[t], layer, kv, head, i + half);
                         Cache* pool = lo.secondary ? secondaryPool : primaryPool;
                         if (!lo.valid || pool == nullptr)
                         {
@@ -75,7 +77,8 @@ int32_t injectTyped(In const* ctxKv, In const* kNormWeight, int32_t const* posit
 }
 
 template <typename In>
-int32_t injectForInput(void const* ctxKv, void const* kNormWeight, int32_t const* positions, int32_t const* seqSlots,
+int32_t injectForInput(void const* ctxKv, void const* kNormWeight, int32_t const* positions,
+    int32_t const* cachePositions, int32_t const* seqSlots,
     int32_t const* valid, int32_t numTokens, int32_t numLayers, PagedKVAddressing const& a, void* primaryPool,
     void* secondaryPool, int32_t cacheType, float scaleOrigQuant, float eps, float const* invFreq,
     float attentionScaling)
@@ -85,15 +88,15 @@ int32_t injectForInput(void const* ctxKv, void const* kNormWeight, int32_t const
     switch (static_cast<CacheType>(cacheType))
     {
     case CacheType::kHALF:
-        return injectTyped(in, w, positions, seqSlots, valid, numTokens, numLayers, a,
+        return injectTyped(in, w, positions, cachePositions, seqSlots, valid, numTokens, numLayers, a,
             static_cast<__half*>(primaryPool), static_cast<__half*>(secondaryPool), scaleOrigQuant, eps, invFreq,
             attentionScaling);
     case CacheType::kBF16:
-        return injectTyped(in, w, positions, seqSlots, valid, numTokens, numLayers, a,
+        return injectTyped(in, w, positions, cachePositions, seqSlots, valid, numTokens, numLayers, a,
             static_cast<__nv_bfloat16*>(primaryPool), static_cast<__nv_bfloat16*>(secondaryPool), scaleOrigQuant, eps,
             invFreq, attentionScaling);
     case CacheType::kFP8_E4M3:
-        return injectTyped(in, w, positions, seqSlots, valid, numTokens, numLayers, a,
+        return injectTyped(in, w, positions, cachePositions, seqSlots, valid, numTokens, numLayers, a,
             static_cast<__nv_fp8_e4m3*>(primaryPool), static_cast<__nv_fp8_e4m3*>(secondaryPool), scaleOrigQuant,
             eps, invFreq, attentionScaling);
     }
@@ -107,7 +110,7 @@ extern "C"
 
 //! Inject on the CPU; returns the number of valid tokens fully written, or -1 for an unsupported configuration.
 int32_t dflashKvInjectionHost(void const* ctxKv, void const* kNormWeight, int32_t inputType, int32_t const* positions,
-    int32_t const* seqSlots, int32_t const* valid, int32_t numTokens, int32_t numLayers, int32_t numKvHeads,
+    int32_t const* cachePositions, int32_t const* seqSlots, int32_t const* valid, int32_t numTokens, int32_t numLayers, int32_t numKvHeads,
     int32_t headDim, int32_t const* blockOffsets, int32_t numSeqs, int32_t maxBlocksPerSeq, int32_t tokensPerBlock,
     int32_t firstLayerInPool, void* primaryPool, void* secondaryPool, int32_t cacheType, float scaleOrigQuant,
     float eps, float const* invFreq, float attentionScaling)
@@ -121,11 +124,11 @@ int32_t dflashKvInjectionHost(void const* ctxKv, void const* kNormWeight, int32_
     switch (static_cast<int32_t>(inputType))
     {
     case 0:
-        return injectForInput<__half>(ctxKv, kNormWeight, positions, seqSlots, valid, numTokens, numLayers, a,
-            primaryPool, secondaryPool, cacheType, scaleOrigQuant, eps, invFreq, attentionScaling);
+        return injectForInput<__half>(ctxKv, kNormWeight, positions, cachePositions, seqSlots, valid, numTokens,
+            numLayers, a, primaryPool, secondaryPool, cacheType, scaleOrigQuant, eps, invFreq, attentionScaling);
     case 1:
-        return injectForInput<__nv_bfloat16>(ctxKv, kNormWeight, positions, seqSlots, valid, numTokens, numLayers, a,
-            primaryPool, secondaryPool, cacheType, scaleOrigQuant, eps, invFreq, attentionScaling);
+        return injectForInput<__nv_bfloat16>(ctxKv, kNormWeight, positions, cachePositions, seqSlots, valid,
+            numTokens, numLayers, a, primaryPool, secondaryPool, cacheType, scaleOrigQuant, eps, invFreq, attentionScaling);
     default: return -1;
     }
 }

@@ -31,8 +31,8 @@ void checkDeviceInt32(torch::Tensor const& t, char const* name)
     TORCH_CHECK(t.is_cuda() && t.is_contiguous() && t.scalar_type() == torch::kInt32, name, " must be contiguous CUDA int32");
 }
 
-void inject(torch::Tensor ctxKv, torch::Tensor kNormWeight, torch::Tensor positions, torch::Tensor seqSlots,
-    torch::Tensor valid, torch::Tensor blockOffsets, int64_t tokensPerBlock, int64_t firstLayerInPool,
+void inject(torch::Tensor ctxKv, torch::Tensor kNormWeight, torch::Tensor positions, torch::Tensor cachePositions,
+    torch::Tensor seqSlots, torch::Tensor valid, torch::Tensor blockOffsets, int64_t tokensPerBlock, int64_t firstLayerInPool,
     torch::Tensor primaryPool, c10::optional<torch::Tensor> secondaryPool, c10::optional<torch::Tensor> scaleOrigQuant,
     double eps, torch::Tensor invFreq, double attentionScaling)
 {
@@ -44,6 +44,7 @@ void inject(torch::Tensor ctxKv, torch::Tensor kNormWeight, torch::Tensor positi
             && kNormWeight.size(0) == ctxKv.size(1) && kNormWeight.size(1) == ctxKv.size(4),
         "k_norm_weight must be [layers, head_dim] on the GPU in ctx_kv's dtype");
     checkDeviceInt32(positions, "positions");
+    checkDeviceInt32(cachePositions, "cache_positions");
     checkDeviceInt32(seqSlots, "seq_slots");
     checkDeviceInt32(valid, "valid");
     checkDeviceInt32(blockOffsets, "block_offsets");
@@ -57,6 +58,7 @@ void inject(torch::Tensor ctxKv, torch::Tensor kNormWeight, torch::Tensor positi
     p.ctxKv = ctxKv.data_ptr();
     p.kNormWeight = kNormWeight.data_ptr();
     p.positions = positions.data_ptr<int32_t>();
+    p.cachePositions = cachePositions.data_ptr<int32_t>();
     p.seqSlots = seqSlots.data_ptr<int32_t>();
     p.valid = valid.data_ptr<int32_t>();
     p.numTokens = static_cast<int32_t>(ctxKv.size(0));

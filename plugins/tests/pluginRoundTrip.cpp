@@ -103,6 +103,7 @@ std::vector<DynamicPluginTensorDesc> goodDescs(Fields const& f)
         {DataType::kINT32, dims({-1})},
         {DataType::kINT32, dims({-1})},
         {DataType::kINT32, dims({-1})},
+        {DataType::kINT32, dims({-1})},
         {DataType::kINT32, dims({1, -1, 2, -1})},
         {DataType::kINT64, dims({1, 2})},
         {DataType::kINT32, dims({40, 2})},
@@ -316,15 +317,15 @@ void checkKvInjection(IPluginCreatorV3One* creator)
     std::vector<DynamicPluginTensorDesc> descs = goodDescs(fields);
     expect(allSupported(build, descs), "documented dtypes accepted");
     DataType outType{};
-    DataType inTypes[10];
-    for (int32_t i = 0; i < 10; ++i)
+    DataType inTypes[11];
+    for (int32_t i = 0; i < 11; ++i)
     {
         inTypes[i] = descs[i].desc.type;
     }
-    expect(build->getNbOutputs() == 1 && build->getOutputDataTypes(&outType, 1, inTypes, 10) == 0
+    expect(build->getNbOutputs() == 1 && build->getOutputDataTypes(&outType, 1, inTypes, 11) == 0
             && outType == DataType::kINT32,
         "output takes the passthrough type");
-    expect(build->configurePlugin(descs.data(), 10, &descs[10], 1) == 0, "good shapes configure");
+    expect(build->configurePlugin(descs.data(), 11, &descs[11], 1) == 0, "good shapes configure");
 
     auto rejects = [&](char const* what, auto mutate)
     {
@@ -335,17 +336,18 @@ void checkKvInjection(IPluginCreatorV3One* creator)
     rejects("fp16 ctx_kv refused by a bf16 plugin", [](auto& d) { d[kCtxKv].desc.type = DataType::kHALF; });
     rejects("int32 pool pointers refused", [](auto& d) { d[kPoolPointers].desc.type = DataType::kINT32; });
     rejects("int64 positions refused", [](auto& d) { d[kPositions].desc.type = DataType::kINT64; });
-    rejects("output type must follow passthrough", [](auto& d) { d[10].desc.type = DataType::kFLOAT; });
+    rejects("int64 cache positions refused", [](auto& d) { d[kCachePositions].desc.type = DataType::kINT64; });
+    rejects("output type must follow passthrough", [](auto& d) { d[11].desc.type = DataType::kFLOAT; });
     rejects("non-linear format refused", [](auto& d) { d[kValid].desc.format = TensorFormat::kCHW32; });
 
     std::vector<DynamicPluginTensorDesc> wrongWidth = goodDescs(fields);
     wrongWidth[kCtxKv].desc.dims = dims({-1, 100});
-    expect(build->configurePlugin(wrongWidth.data(), 10, &wrongWidth[10], 1) != 0, "wrong ctx_kv width refused");
+    expect(build->configurePlugin(wrongWidth.data(), 11, &wrongWidth[11], 1) != 0, "wrong ctx_kv width refused");
     std::vector<DynamicPluginTensorDesc> shortMapping = goodDescs(fields);
     shortMapping[kPoolMapping].desc.dims = dims({38, 2});
-    expect(build->configurePlugin(shortMapping.data(), 10, &shortMapping[10], 1) != 0,
+    expect(build->configurePlugin(shortMapping.data(), 11, &shortMapping[11], 1) != 0,
         "pool mapping without the draft layers refused");
-    expect(build->configurePlugin(descs.data(), 9, &descs[10], 1) != 0, "missing FP8 scale input refused");
+    expect(build->configurePlugin(descs.data(), 10, &descs[11], 1) != 0, "missing FP8 scale input refused");
     delete plugin;
 
     auto refused = [&](char const* what, auto mutate)

@@ -6,6 +6,7 @@ import json
 import platform
 import shutil
 import subprocess
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -81,6 +82,9 @@ def test_synthetic_closed_and_open_loop_points_with_the_ar_baseline(checkpoint, 
         (["--input_file", "/nonexistent/p.jsonl"], "does not exist"),
         (["--synthetic", "6,8,2", "--chat_template_kwargs", "{}"], "applies to --input_file prompts"),
         (["--input_file", "/nonexistent/p.jsonl", "--chat_template_kwargs", "x"], "must be a JSON object"),
+        (["--synthetic", "6,8,2", "--draft_len_schedule", "auto"], "auto is derived for a GPU"),
+        (["--synthetic", "6,8,2", "--draft_len_schedule", "2:16"], "drafter proposes at most block_size - 1 = 15"),
+        (["--synthetic", "6,8,2", "--draft_len_schedule", "2:3,1:4"], "--draft_len_schedule: must be auto, none"),
     ],
 )
 def test_bad_input_is_one_clear_error(checkpoint, tmp_path, capsys, extra, message):
@@ -95,6 +99,28 @@ def test_bad_input_is_one_clear_error(checkpoint, tmp_path, capsys, extra, messa
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
     assert not (tmp_path / "o").exists()
+
+
+def test_the_golden_model_drafts_by_load_and_results_record_each_iterations_drafts(checkpoint, tmp_path, capsys):
+    """Under `3:2` a lone user verifies the full 15 drafts (fewer only where its budget leaves fewer), four users
+    mostly 2; every generation iteration's count is in results.json, and the tokens are the unscheduled run's."""
+    runs = {}
+    for schedule in ("none", "3:2"):
+        out = tmp_path / schedule.replace(":", "_")
+        argv = ["bench", "--checkpoint_dir", str(checkpoint), "--synthetic", "6,24,8", "--concurrency", "1,4",
+                "--draft_len_schedule", schedule, "--output_dir", str(out), "--json"]  # fmt: skip
+        assert main(argv) == 0
+        capsys.readouterr()
+        runs[schedule] = {p["concurrency"]: p["per_request"] for p in load_results(out / "results.json")}
+    for concurrency in (1, 4):
+        assert [r["output_ids"] for r in runs["3:2"][concurrency]] == [r["output_ids"] for r in runs["none"][1]]
+    for schedule, full in (("none", 15), ("3:2", 15)):
+        for r in runs[schedule][1]:
+            left = [24 - 1 - sum(r["acceptance"][:j]) for j in range(len(r["acceptance"]))]
+            assert r["draft_lens"] == [min(full, n) for n in left]
+    crowded = [d for r in runs["3:2"][4] for d in r["draft_lens"]]
+    assert crowded.count(2) > len(crowded) / 2 and set(crowded) <= set(range(16))
+    assert max(d for r in runs["none"][4] for d in r["draft_lens"]) == 15
 
 
 def test_unreachable_triton_server_is_one_clear_error(tmp_path, capsys):
@@ -114,6 +140,8 @@ def test_unreachable_triton_server_is_one_clear_error(tmp_path, capsys):
     assert main(argv) == 2
     assert "cannot reach a Triton server at 127.0.0.1:1" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+    assert main([*argv, "--draft_len_schedule", "2:3"]) == 2
+    assert "an engine's is built into it" in capsys.readouterr().err
 
 
 def _cpu_model_name() -> str:
@@ -133,7 +161,7 @@ def test_results_say_where_they_came_from_and_label_a_cpu_run_as_such(checkpoint
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "warning" not in err  # real prompts: nothing to warn about
-    assert "dflash c=1:   0%| " in err and "/2 [" in err  # each point's requests have a progress bar
+    assert "%|" not in err and "\r" not in err  # stderr is no terminal here: no progress bar in a log
     data = json.loads((out / "results.json").read_text())
     provenance = data["provenance"]
     assert provenance["backend"] == "golden" and provenance["target"] == str(checkpoint.resolve())
@@ -150,11 +178,24 @@ def test_results_say_where_they_came_from_and_label_a_cpu_run_as_such(checkpoint
     for point in data["points"]:  # the CPU golden model: no GPU to divide by
         assert point["gpus"] == 0 and point["throughput_tok_s_per_gpu"] is None
     html = (out / "report.html").read_text()
-    assert "per GPU" not in html and "tok/s/GPU" not in html and "output tok/s (CPU host, no GPU)" in html
+    assert "per GPU" not in html and "tok/s/GPU" not in html and "output tok/s (whole server or CPU host)" in html
     assert "golden backend" in html and _cpu_model_name() in html
+    assert (
+        "2 requests from heldout.jsonl (200 prompts), up to 8 new tokens" in html and provenance["started"][:10] in html
+    )
     # The table shows the plotted statistic: tok/s/user = 1 / mean TPOT.
     for point in data["points"]:
         assert f"<td>{1.0 / point['tpot_s']['mean']:.1f}</td>" in html
+
+
+def test_a_points_progress_bar_is_drawn_on_a_terminal_only(capsys, monkeypatch):
+    monkeypatch.setattr(measure, "PROGRESS_DELAY_S", 0.0)
+    for terminal in (False, True):
+        monkeypatch.setattr(sys.stderr, "isatty", lambda terminal=terminal: terminal)
+        bar = measure.request_bar(2, "dflash c=1")
+        bar.update()
+        bar.close()
+        assert ("dflash c=1:   0%|" in capsys.readouterr().err) == terminal
 
 
 def test_synthetic_prompts_warn_that_they_understate_speculation(checkpoint, tmp_path, capsys):

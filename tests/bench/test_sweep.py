@@ -260,7 +260,7 @@ def test_cpu_sweep_of_the_embedded_pair_through_the_load_generator(tmp_path, cap
     assert provenance["backend"] == "golden" and provenance["target"] == str((tmp_path / "ckpt").resolve())
     assert main(["sweep", "--config", str(cfg_path), "--analyze_only"]) == 0
     printed = capsys.readouterr().out.splitlines()
-    assert "speedup = output tok/s (CPU host, no GPU) over ar at equal tok/s/user" in printed[1]
+    assert "speedup = output tok/s (whole server or CPU host) over ar at equal tok/s/user" in printed[1]
     assert all(line.startswith("at ") for line in printed[2 : 2 + len(summary["speedup_vs_ar"])])
     report = (tmp_path / "sweep" / "report.html").read_text()
     assert "Where these numbers come from" in report and provenance["started"] in report

@@ -76,8 +76,18 @@ def test_malformed_chats_are_one_clear_error(chat_checkpoint, tmp_path, record, 
 
 
 def test_a_tokenizer_without_a_template_refuses_messages(tmp_path):
+    untemplated = load_tokenizer(target_dir())
+    untemplated.chat_template = None
     with pytest.raises(DFlashTrtError, match="has no chat template; send plain text"):
-        read_prompts(_prompt_file(tmp_path, {"messages": CHAT}), load_tokenizer(target_dir()))
+        read_prompts(_prompt_file(tmp_path, {"messages": CHAT}), untemplated)
+
+
+def test_the_tiny_pairs_own_template_renders_a_user_message_as_its_problem_line(tmp_path):
+    """The shipped template against jinja2 directly: a user message is the problem line the pair was trained on."""
+    tokenizer = load_tokenizer(target_dir())
+    text = load_heldout(limit=1)[0].text
+    [ids] = read_prompts(_prompt_file(tmp_path, {"messages": [{"role": "user", "content": text.strip()}]}), tokenizer)
+    assert ids == tokenizer.encode(text, add_special_tokens=False)
 
 
 def test_generate_and_bench_take_chat_template_kwargs(chat_checkpoint, tmp_path, capsys):
@@ -100,7 +110,7 @@ def test_generate_and_bench_take_chat_template_kwargs(chat_checkpoint, tmp_path,
 def test_triton_preprocessing_renders_chat_queries(chat_checkpoint):
     tokenizer = load_tokenizer(chat_checkpoint)
     params = {"tokenizer_dir": str(chat_checkpoint), "add_special_tokens": "true", "max_input_len": "256",
-              "max_temperature": "inf", "chat_template_kwargs": "{}"}  # fmt: skip
+              "max_seq_len": "257", "max_temperature": "inf", "chat_template_kwargs": "{}"}  # fmt: skip
     pre = Preprocessor.from_parameters(params)
     ids, lengths = pre.encode([json.dumps({"messages": CHAT}), "add 0001 0002\n"])
     expected = _expected_ids(tokenizer, enable_thinking=False)

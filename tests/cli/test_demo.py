@@ -31,6 +31,8 @@ def test_demo_runs_the_whole_cpu_job(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["lossless"] and report["accuracy"] >= 0.9
     assert report["mean_acceptance_length"] >= 4.0
+    low, high = report["speedup_range"]  # the median of three alternating timed runs, with their spread
+    assert low <= report["speedup"] <= high and "3 alternating timed runs" in report["speedup_compares"]
     assert len(report["per_position_acceptance"]) == report["block_size"] - 1
     dflash2 = report["dflash2"]  # the DFlash2 drafter (speculators format) beside it, same prompts and baseline
     assert dflash2["lossless"] and dflash2["accuracy"] >= 0.9 and dflash2["block_size"] == 8
@@ -39,7 +41,7 @@ def test_demo_runs_the_whole_cpu_job(tmp_path, capsys):
     for qformat in ("fp8", "nvfp4"):
         row = report["quantized"][qformat]
         assert row["lossless_vs_quantized_target"] and row["mean_acceptance_length"] >= 4.0
-    assert report["build_command"].startswith("trtllm-build --checkpoint_dir")
+    assert report["build_command"].startswith("DFLASH_TRT_DRAFT_LEN_SCHEDULE=none trtllm-build --checkpoint_dir")
     sweep = report["sweep"]  # the load generator's sweep on the same pair: DFlash vs the target alone
     assert {(p["engine"], p["concurrency"]) for p in sweep["points"]} == {
         (e, c) for e in ("dflash", "ar") for c in (1, 2, 4)
@@ -62,8 +64,9 @@ def _run_gpu_host_commands(commands: list[str], out, tmp_path, capsys) -> None:
     assert main([*shlex.split(build)[1:], "--dry_run", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     checkpoint = out / "checkpoint-bfloat16"
-    positions = json.loads((checkpoint / "config.json").read_text())["max_position_embeddings"]
-    assert plan["build_config"]["max_seq_len"] == positions  # derived from the checkpoint, written out in full
+    config = json.loads((checkpoint / "config.json").read_text())
+    k = config["max_draft_len"]  # the engine uses 3K positions past its max_seq_len (build_plan.longest_max_seq_len)
+    assert plan["build_config"]["max_seq_len"] == config["max_position_embeddings"] - 3 * k  # derived, written out
     argv = shlex.split(bench)[1:]
     engine = argv.index("--engine_dir")
     argv[engine : engine + 2] = ["--checkpoint_dir", str(checkpoint)]

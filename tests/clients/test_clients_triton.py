@@ -248,3 +248,64 @@ def test_http_protocol_takes_a_text_model_and_its_tokenizer(server, tmp_path, ca
     assert "--triton_protocol http takes the text models (ensemble, tensorrt_llm_bls)" in capsys.readouterr().err
     assert cli_main([*argv, "--triton_model", "ensemble"]) == 2
     assert "--triton_model ensemble takes text: give --tokenizer_dir" in capsys.readouterr().err
+
+
+def test_requests_the_model_cannot_take_are_refused_before_they_leave(server):
+    """Ids beyond INT32 (the model's input_ids) or the vocabulary, and budgets beyond INT32, fail their request
+    with a final error and are never sent; the requests beside them are served."""
+    url, servicer = server
+    requests = [
+        Request(input_ids=[5, 2**31], max_new_tokens=4),
+        Request(input_ids=[-1, 5], max_new_tokens=4),
+        Request(input_ids=[5, 5], max_new_tokens=2**31),
+        Request(input_ids=[5, 999], max_new_tokens=4),
+        Request(input_ids=[5, 5], max_new_tokens=4),
+    ]
+    trace = asyncio.run(run_load(TritonExecutor(url, vocab_size=999), requests, concurrency=5))
+    errors = {r.prompt_index: r.error for r in trace.records}
+    assert "prompt token ids must lie in 0..998, got 5..2147483648" in errors[0]
+    assert "got -1..5" in errors[1] and "max_new_tokens must lie in 1..2147483647" in errors[2]
+    assert "got 5..999" in errors[3] and errors[4] is None
+    assert [s[P.LLM_INPUT_IDS].reshape(-1).tolist() for s in servicer.seen] == [[5, 5]]
+
+
+def test_a_stream_that_fails_unforeseen_still_answers_its_request():
+    """Whatever escapes a stream task becomes its request's final error: no request waits for ever."""
+    from dflash_trt.clients.streams import StreamPerRequest
+
+    class Broken(StreamPerRequest):
+        async def _stream(self, request_id, request):
+            raise OverflowError("Python int too large to convert to C long")
+
+        async def start(self, deliver):
+            self.deliver = deliver
+
+        async def stop(self):
+            await self._cancel_all()
+
+    trace = asyncio.run(run_load(Broken(), [Request(input_ids=[5], max_new_tokens=4)], concurrency=1))
+    assert "OverflowError: Python int too large" in trace.records[0].error
+
+
+def test_bench_stops_at_the_tokenizers_eos_when_no_end_id_is_given_and_says_which(server, tmp_path, capsys):
+    """A deployment does not say its end id: `bench` takes --end_id, else the EOS of --tokenizer_dir's tokenizer
+    (the tiny pair's: id 0, hand-checked in its vocabulary), else none, and names its choice on stderr and in
+    results.json."""
+    from dflash_trt.tiny.heldout import target_dir
+
+    url, servicer = server
+    tokenizer = ["--tokenizer_dir", str(target_dir())]
+    for extra, sent, said in (
+        (tokenizer, [0], "end id 0: the EOS '<|endoftext|>' of the tokenizer in"),
+        ([*tokenizer, "--end_id", "5"], [5], "end id 5: --end_id"),
+        ([], None, "end id none: every request runs to --max_new_tokens"),
+    ):
+        servicer.seen.clear()
+        assert cli_main([*_bench(url, tmp_path, [[5, 5]]), *extra]) == 0
+        assert said in capsys.readouterr().err
+        ends = [
+            inputs[P.LLM_END_ID].reshape(-1).tolist() if P.LLM_END_ID in inputs else None for inputs in servicer.seen
+        ]
+        assert ends == [sent]
+        workload = json.loads((tmp_path / "out" / "results.json").read_text())["workload"]
+        assert workload["end_id"] == (sent[0] if sent else None) and said.split(": ", 1)[1] in workload["end_id_from"]

@@ -148,10 +148,39 @@ def test_tokens_per_block(tiny, tiny_prompts, tiny_golden, tokens_per_block):
     assert divergences(tiny, tiny_golden, decode_batch(runtime, tiny_prompts, 24), 24) == []
 
 
+def _prefill_logits(model, prompt: list[int], fp8_context: bool) -> torch.Tensor:
+    """The golden target's logits for the last prompt token, the prompt attending in FP8 context FMHA or not."""
+    model.target.fp8_context = fp8_context
+    positions = torch.arange(len(prompt))[None]
+    logits, _ = model.target.forward(
+        torch.tensor([prompt]),
+        positions,
+        torch.ones_like(positions, dtype=torch.bool),
+        model.target.new_cache(1, len(prompt)),
+        torch.ones(1, dtype=torch.bool),
+    )
+    model.target.fp8_context = True
+    return logits[0, -1]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("qformat", ["fp8", "nvfp4"])
-def test_quantized_checkpoints_with_fp8_kv_cache(qformat, tmp_path):
+def test_quantized_checkpoints_with_fp8_kv_cache(qformat, tmp_path, monkeypatch):
+    """Decoding agrees (tie-aware), and the prompts' logits show that both sides run the context requests through
+    FP8 context attention: the network's context-step logits sit on the golden model's FP8-context logits, far closer
+    than the 16-bit-context ones are."""
     pytest.importorskip("modelopt.torch.quantization")
+    from dflash_trt.emulation.engine import EmulatedEngine
+
+    steps = []
+    run = EmulatedEngine.run
+
+    def recording(self, inputs, batch_size):
+        outputs = run(self, inputs, batch_size)
+        steps.append(outputs["logits"].float().clone())
+        return outputs
+
+    monkeypatch.setattr(EmulatedEngine, "run", recording)
     calib = tmp_path / "calib.jsonl"
     calib.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
     ckpt = convert(
@@ -162,10 +191,19 @@ def test_quantized_checkpoints_with_fp8_kv_cache(qformat, tmp_path):
         calib_dataset=calib,
         calib_size=4,
     )
-    golden = speculative_generate(load_golden_model(ckpt), PROMPTS, 10, STOP)
+    model = load_golden_model(ckpt)
+    assert model.target.fp8_context  # the engine's context requests attend in FP8 (formats.fp8_context_fmha)
+    # The golden loop K tokens further verifies a full block wherever the engine does (reference/divergence.py).
+    golden = speculative_generate(model, PROMPTS, 10 + model.draft.spec.block_size - 1, STOP)
     runtime = EmulatedEngine(ckpt, max_batch_size=4, tokens_per_block=16)
-    assert runtime.cache_dtype == torch.float8_e4m3fn
+    assert runtime.cache_dtype == torch.float8_e4m3fn and runtime.plugin_config.use_fp8_context_fmha
     assert divergences(ckpt, golden, decode_batch(runtime, PROMPTS, 10, STOP), 10) == []
+    context_step = steps[0]  # every prompt fits the first step: one logits row per context request, in order
+    assert context_step.shape[0] == len(PROMPTS)
+    for row, prompt in zip(context_step, PROMPTS, strict=True):
+        fp8, sixteen_bit = _prefill_logits(model, prompt, True), _prefill_logits(model, prompt, False)
+        modelled, unmodelled = (row - fp8).abs().max(), (fp8 - sixteen_bit).abs().max()
+        assert unmodelled > 0 and modelled <= 1e-3 * unmodelled, (modelled, unmodelled)
 
 
 # ------------------------------------------------------------------------------------ deliberately broken networks
@@ -207,13 +245,13 @@ def test_a_wrong_draft_pool_layer_offset_is_caught(engine, monkeypatch, tiny, ti
 
 def test_a_missing_passthrough_ordering_is_caught(engine, monkeypatch, tiny, tiny_prompts, tiny_golden):
     """The block pass reads ctx_len directly instead of the injection's output: nothing orders it after the write."""
-    original = engine.DFlashForCausalLM.inject_context
+    original = engine.DFlashForCausalLM.write_context
 
-    def unordered(self, taps, book, kv_cache_params):
-        original(self, taps, book, kv_cache_params)
-        return book.ctx_len
+    def unordered(self, context, book, kv_cache_params, slots, valid, passthrough):
+        original(self, context, book, kv_cache_params, slots, valid, passthrough)
+        return passthrough
 
-    monkeypatch.setattr(engine.DFlashForCausalLM, "inject_context", unordered)
+    monkeypatch.setattr(engine.DFlashForCausalLM, "write_context", unordered)
     assert _broken(tiny, tiny_prompts, tiny_golden) != []
 
 

@@ -114,6 +114,7 @@ def _inputs(ctx: torch.dtype, passthrough: torch.dtype = torch.float32, scale: t
         i32,
         i32,
         i32,
+        i32,
         torch.zeros(1, 1, 2, 1, dtype=torch.int32),
         torch.zeros(1, 2, dtype=torch.int64),
         torch.zeros(1, 2, dtype=torch.int32),
@@ -136,7 +137,7 @@ def test_the_plugin_stand_in_accepts_exactly_the_cuda_plugins_formats():
         _plugin(int(trt.DataType.INT32))
     with pytest.raises(EmulationError, match="input 0 is FLOAT; the plugin supports BF16 there"):
         _plugin(bf16).add_to_network(_inputs(torch.float32))
-    with pytest.raises(EmulationError, match="input 8 is INT64"):
+    with pytest.raises(EmulationError, match="input 9 is INT64"):
         _plugin(half).add_to_network(_inputs(torch.float16, torch.int64))
-    with pytest.raises(EmulationError, match="input 9 is HALF; the plugin supports FLOAT there"):
+    with pytest.raises(EmulationError, match="input 10 is HALF; the plugin supports FLOAT there"):
         _plugin(half, cache_fp8=True).add_to_network(_inputs(torch.float16, scale=torch.float16))

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from dflash_trt.checkpoint.trtllm_config import checkpoint_config, specs_from_config
 from dflash_trt.commands import build as build_command
+from dflash_trt.draft_schedule import DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.spec import parse_draft_config, parse_target_config
 from dflash_trt.trtllm import build_plan
@@ -59,7 +60,7 @@ def test_command_is_the_exact_trtllm_build_call(ckpt: Path, tmp_path: Path):
     assert flags["--max_beam_width"] == "1"
     assert flags["--workers"] == "1"
     assert flags["--logits_dtype"] == "float32"
-    assert shlex.split(plan.shell_command()) == plan.command
+    assert shlex.split(plan.shell_command()) == ["DFLASH_TRT_DRAFT_LEN_SCHEDULE=none", *plan.command]
     assert plan.plugin_library == "/opt/lib.so"
 
 
@@ -135,7 +136,7 @@ def test_refuses_draft_kv_geometry_unlike_the_target(tmp_path: Path):
 
 def test_refuses_drafter_quantized_unlike_the_target(tmp_path: Path):
     target = parse_target_config(TARGET_HF)
-    draft = parse_draft_config(DRAFT_HF, target)
+    draft = parse_draft_config({**DRAFT_HF, "num_attention_heads": 8}, target)  # 4 q per KV head: 64 XQA rows
     fp8 = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "group_size": 16, "exclude_modules": ["lm_head"]}
     root = tmp_path / "q"
     root.mkdir()
@@ -224,10 +225,14 @@ def test_a_drafter_with_its_own_rope_builds_but_its_yarn_is_checked_too(tmp_path
             {"tokens_per_block": 8},
             "--tokens_per_block must be one of 16, 32, 64, 128: speculative decoding generates through XQA",
         ),
-        ({"max_seq_len": 40961}, "max_seq_len 40961 exceeds the target's max_position_embeddings 40960"),
+        (
+            {"max_seq_len": 40960 - 44},
+            r"reaches position 40960, past the 40960 rows .* --max_seq_len <= 40915",
+        ),
         ({"gemm_plugin": "fp8"}, "gemm_plugin fp8 needs fp8 weights, but they are none"),
         ({"gemm_plugin": "nvfp4"}, "gemm_plugin nvfp4 needs nvfp4 weights, but they are none"),
-        ({"use_fp8_context_fmha": True}, "FP8 or NVFP4"),
+        ({"use_fp8_context_fmha": True}, "needs kv_cache_dtype fp8 and fp8 or nvfp4 weights"),
+        ({"max_batch_size": 2, "max_seq_len": 64, "max_input_len": 32, "max_num_tokens": 129}, "clip it to"),
     ],
 )
 def test_refuses_settings_the_runtime_would_reject(ckpt: Path, tmp_path: Path, change: dict, message: str):
@@ -247,7 +252,7 @@ def test_refuses_a_checkpoint_missing_rank_files(tmp_path: Path, capsys):
     "argv,message",
     [
         (["--gemm_plugin", "nvfp4"], "gemm_plugin nvfp4 needs nvfp4 weights"),
-        (["--max_seq_len", "50000", "--max_input_len", "1024"], "exceeds the target's max_position_embeddings 40960"),
+        (["--max_seq_len", "50000", "--max_input_len", "1024"], "past the 40960 rows of the target's"),
         (["--tokens_per_block", "8"], "--tokens_per_block must be one of 16, 32, 64, 128"),
     ],
 )
@@ -324,9 +329,10 @@ def test_each_gpu_gets_its_attention_route(tmp_path: Path, gpu: str, sm: int, ta
         "target_verification": target,
         "draft_block_full_attention": target,
     }
-    assert plan.environment["DFLASH_TRT_TARGET_SM"] == str(sm)
-    assert plan.shell_command(with_environment=True).startswith(
-        f"DFLASH_TRT_PLUGIN_LIB={shlex.quote(plan.plugin_library)} DFLASH_TRT_TARGET_SM={sm} trtllm-build "
+    assert plan.build_env()["DFLASH_TRT_TARGET_SM"] == str(sm)
+    assert plan.shell_command(with_library=True).startswith(
+        f"DFLASH_TRT_PLUGIN_LIB={shlex.quote(plan.plugin_library)} DFLASH_TRT_TARGET_SM={sm} "
+        "DFLASH_TRT_DRAFT_LEN_SCHEDULE=none trtllm-build "
     )
 
 
@@ -351,14 +357,14 @@ def test_dry_run_names_the_gpu_and_each_pass(tmp_path: Path, capsys, monkeypatch
     out = capsys.readouterr().out
     assert "# GPU: h200 (assumed: no GPU is visible here; pass --gpu h100|h200|b200|b300 to choose)" in out
     assert "# attention on h200: target_context GPTAttention, target_verification GPTAttention" in out
-    assert "DFLASH_TRT_TARGET_SM=90 trtllm-build" in out
+    assert "DFLASH_TRT_TARGET_SM=90 DFLASH_TRT_DRAFT_LEN_SCHEDULE=none trtllm-build" in out
     assert cli_main([*argv, "--gpu", "b300"]) == 0
     out = capsys.readouterr().out
     assert "# GPU: b300 (as given)" in out
     assert "# attention on b300: target_context GPTAttention, target_verification DFlashAttention" in out
     # What the route rests on: the stock kernels' limits as read, ours as far as they ran.
     assert "[read in its sources, docs/engine.md §13]" in out and "not yet on a GPU" in out
-    assert "DFLASH_TRT_TARGET_SM=103 trtllm-build" in out
+    assert "DFLASH_TRT_TARGET_SM=103 DFLASH_TRT_DRAFT_LEN_SCHEDULE=none trtllm-build" in out
     monkeypatch.setattr(gpu_targets, "visible_gpu", lambda: ("b200", 100))
     assert cli_main([*argv, "--json"]) == 0
     planned = json.loads(capsys.readouterr().out)
@@ -374,6 +380,57 @@ def test_a_real_build_refuses_a_host_of_another_gpu(tmp_path: Path, monkeypatch)
         engine_build.check_build_gpu(plan)
     monkeypatch.setattr(engine_build, "visible_gpu", lambda: ("b300", 103))
     engine_build.check_build_gpu(plan)
+
+
+@pytest.mark.parametrize(
+    ("draft_changes", "max_seq_len", "held"),
+    [
+        ({}, 40960 - 45 - 100, "the target's max_position_embeddings RoPE tables hold positions 0..40959"),
+        (  # the window bounds nothing: DFlashAttention applies it
+            {"use_sliding_window": True, "sliding_window": 4096, "layer_types": ["sliding_attention"] * 2},
+            40960 - 45 - 100,
+            "the target's max_position_embeddings RoPE tables hold positions 0..40959",
+        ),
+    ],
+    ids=["rope-tables", "sliding-window"],
+)
+def test_the_dry_run_says_why_the_engine_records_a_longer_max_seq_len(
+    tmp_path, capsys, draft_changes, max_seq_len, held
+):
+    """builder.build() records max_seq_len + 2K (K = 15); the executor runs requests of that less K, and their last
+    step reaches 2K positions past their last token (hand-computed: S + 2K, S + K, S + 3K - 1)."""
+    from dflash_trt.cli import main as cli_main
+
+    ckpt = write_checkpoint(tmp_path / "c", draft_hf={**DRAFT_HF, **draft_changes})
+    argv = ["build", "--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e"), "--dry_run"]
+    assert cli_main([*argv, "--max_seq_len", str(max_seq_len), "--max_input_len", "1024"]) == 0
+    last = capsys.readouterr().out.splitlines()[-2:]
+    assert last == [
+        "# lengths",
+        f"--max_seq_len {max_seq_len}: the engine records max_seq_len {max_seq_len + 30} = {max_seq_len} + 2 x 15 "
+        "(TensorRT-LLM 1.2.x's builder adds max_draft_len, and num_eagle_layers for EAGLE); its executor runs "
+        f"requests of up to {max_seq_len + 15} tokens (prompt + output + 15 drafts <= {max_seq_len + 30}), whose last "
+        f"step reaches position {max_seq_len + 44} ({held})",
+    ]
+    assert cli_main([*argv, "--max_seq_len", str(max_seq_len), "--max_input_len", "1024", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["dflash_manifest"]["max_seq_len"] == plan["lengths"]["engine_max_seq_len"] == max_seq_len + 30
+    assert plan["lengths"]["longest_request"] == max_seq_len + 15
+
+
+def test_an_unset_max_num_tokens_is_written_out_as_the_builder_clips_it(ckpt: Path, tmp_path: Path, capsys):
+    """builder.build() clips max_num_tokens to max_seq_len x max_batch_size (_utils.py `check_max_num_tokens`, read):
+    the default 8192 is written out clipped (64 x 8 = 512), a value given above the clip is refused."""
+    from dflash_trt.cli import main as cli_main
+
+    argv = ["build", "--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e"), "--dry_run", "--json"]
+    lengths = ["--max_batch_size", "8", "--max_seq_len", "64", "--max_input_len", "32"]
+    assert cli_main([*argv, *lengths]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["build_config"]["max_num_tokens"] == 512
+    assert plan["command"][plan["command"].index("--max_num_tokens") + 1] == "512"
+    assert cli_main([*argv, *lengths, "--max_num_tokens", "513"]) == 2
+    assert "--max_num_tokens (513) exceeds max_seq_len x max_batch_size = 512" in capsys.readouterr().err
 
 
 def test_refuses_pipeline_parallel_and_foreign_checkpoints(tmp_path: Path):
@@ -558,13 +615,49 @@ def test_selftest_workload_fits_the_tiny_target_and_exceeds_one_chunk(tmp_path: 
     (ckpt / "rank0.safetensors").touch()
     tokenizer = load_tokenizer(target_dir())
     settings, prompts = selftest_workload(
-        [p.text for p in load_heldout(limit=64)], tokenizer, 8, draft.block_size, chunked
+        [p.text for p in load_heldout(limit=64)],
+        tokenizer,
+        8,
+        draft.block_size,
+        chunked,
+        target.max_position_embeddings,
     )
     plan_engine_build(ckpt, tmp_path / "e", settings)
     assert len(prompts) == 8 and all(0 < len(p) <= settings.max_input_len for p in prompts)
     assert settings.max_seq_len <= target.max_position_embeddings
     longer_than_a_chunk = [p for p in prompts if len(p) > settings.max_num_tokens]
     assert len(longer_than_a_chunk) == (LONG_PROMPTS if chunked else 0)
+
+
+@pytest.mark.parametrize(
+    ("heads", "block", "tp", "refused"),
+    [
+        (4, 16, 1, True),  # 2 query heads per KV head x 16 tokens = 32 rows: Hopper XQA's small-batch layout
+        (8, 16, 1, False),  # 4 x 16 = 64
+        (4, 8, 1, True),
+        (8, 16, 2, False),  # per rank 4 query heads and 1 KV head: 64 rows
+    ],
+)
+def test_an_fp8_cache_refuses_drafts_in_xqa_s_causal_small_batch_layout(tmp_path, heads, block, tp, refused):
+    """mha_sm90.cu's SWAP_AB spec-decoding layout (rows = block x query heads per KV head <= 32) hard-codes a causal
+    mask; with an FP8 cache the drafter's all-ones block mask could meet it. A bf16 cache or a causal drafter is
+    never refused."""
+    fp8 = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "group_size": 16}
+    draft_hf = {**DRAFT_HF, "num_attention_heads": heads, "block_size": block}
+    mapping = {"world_size": tp, "tp_size": tp, "pp_size": 1}
+    ckpt = write_checkpoint(tmp_path / "c", draft_hf=draft_hf, quantization=fp8, mapping=mapping)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["dflash_config"]["quantization"] = fp8
+    (ckpt / "config.json").write_text(json.dumps(config))
+    settings = EngineBuildSettings(max_batch_size=8, max_num_tokens=256, gemm_plugin="fp8")
+    if refused:
+        with pytest.raises(DFlashTrtError, match=r"small-batch spec-decoding layout, whose mask is hard-coded causal"):
+            plan_engine_build(ckpt, tmp_path / "e", settings)
+    else:
+        plan_engine_build(ckpt, tmp_path / "e", settings)
+    config["quantization"] = config["dflash_config"]["quantization"] = {**fp8, "kv_cache_quant_algo": None}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    plan_engine_build(ckpt, tmp_path / "e", settings)  # no FP8 cache: the HMMA kernels read the mask
 
 
 SPECULATORS_DFLASH2_HF = {
@@ -606,3 +699,56 @@ def test_a_selector_beyond_tensorrts_topk_limit_is_refused(tmp_path: Path):
     ckpt = write_checkpoint(tmp_path / "k", target_hf=target, draft_hf=draft)
     with pytest.raises(DFlashTrtError, match="selector's top-k \\(4000\\) exceeds TensorRT's TopK limit of 3840"):
         plan_engine_build(ckpt, tmp_path / "engine", EngineBuildSettings())
+
+
+@pytest.mark.parametrize(
+    ("nodes", "dflash2", "expected"),
+    [(None, False, 0), (7, False, 0), (8, False, 8), (256, False, 256), (6, False, "at least the chain's 7"),
+     (257, False, "at most 256 drafts"), (8, True, "DFlash2 drafter's selector walks one chain")],
+)  # fmt: skip
+def test_the_tree_node_rule_of_an_engine(nodes, dflash2, expected, monkeypatch):
+    """A drafter of 7 drafts: its node count is the chain, a tree above it up to max_draft_len's limit, nothing else."""
+    monkeypatch.delenv(build_plan.TREE_ENV, raising=False)
+    if isinstance(expected, str):
+        with pytest.raises(DFlashTrtError, match=expected):
+            build_plan.engine_tree_nodes(nodes, 7, dflash2)
+    else:
+        assert build_plan.engine_tree_nodes(nodes, 7, dflash2) == expected
+
+
+def test_the_tree_node_count_reaches_trtllm_build_through_the_environment(monkeypatch):
+    monkeypatch.setenv(build_plan.TREE_ENV, "12")
+    assert build_plan.engine_tree_nodes(None, 7, False) == 12
+    monkeypatch.setenv(build_plan.TREE_ENV, "many")
+    with pytest.raises(DFlashTrtError, match=build_plan.TREE_ENV):
+        build_plan.engine_tree_nodes(None, 7, False)
+
+
+def test_a_draft_tree_build_verifies_its_nodes_over_the_chain_positions(ckpt: Path, tmp_path: Path, capsys):
+    """`--draft_tree 40` on a drafter of 15 drafts: trtllm-build gets max_draft_len 40 and the node count in the
+    model class's environment; the manifest keeps the 15-deep chain as the EAGLE choices (num_eagle_layers)."""
+    args = cli(["--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e"), "--draft_tree", "40"])
+    settings = build_command.settings_from_args(args)
+    plan = plan_engine_build(ckpt, tmp_path / "e", settings)
+    assert flag_values(plan.command)["--max_draft_len"] == "40"
+    assert plan.build_config["max_draft_len"] == 40
+    assert plan.build_env() == {build_plan.SCHEDULE_ENV: "none", build_plan.TREE_ENV: "40"}
+    assert f" {build_plan.TREE_ENV}=40 trtllm-build " in f" {plan.shell_command()}"
+    manifest = plan.dflash_manifest
+    assert (manifest["max_draft_len"], manifest["draft_tree"], len(manifest["eagle_choices"])) == (40, 40, 15)
+    assert manifest["max_seq_len"] == settings.max_seq_len + 40 + 15  # max_draft_len + num_eagle_layers
+    chain = plan_engine_build(ckpt, tmp_path / "e", build_command.settings_from_args(cli(["--draft_tree", "15"])))
+    assert build_plan.TREE_ENV not in chain.build_env() and chain.build_config["max_draft_len"] == 15
+
+
+def test_a_draft_tree_needs_tokens_for_every_node(ckpt: Path, tmp_path: Path):
+    settings = EngineBuildSettings(max_batch_size=64, max_num_tokens=64 * 16, draft_tree=40)
+    with pytest.raises(DFlashTrtError, match=r"64 x 41"):
+        plan_engine_build(ckpt, tmp_path / "e", settings)
+
+
+def test_a_draft_tree_takes_no_draft_length_schedule(ckpt: Path, tmp_path: Path):
+    """A tree engine verifies its nodes every step: a schedule would shorten a chain that is not there."""
+    settings = EngineBuildSettings(draft_tree=40, draft_len_schedule=DraftLenSchedule(((4, 8),)))
+    with pytest.raises(DFlashTrtError, match="takes no draft-length schedule"):
+        plan_engine_build(ckpt, tmp_path / "e", settings)

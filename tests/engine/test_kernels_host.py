@@ -60,6 +60,7 @@ def lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
         P,
         P,
         P,
+        P,
         I32,
         I32,
         I32,
@@ -165,6 +166,8 @@ def test_host_injection_matches_reference(
     ctx_kv = (3 * torch.randn(tokens, layers, 2, heads, head_dim, generator=gen)).to(in_dtype)
     weight = (1 + 0.2 * torch.randn(layers, head_dim, generator=gen)).to(in_dtype)
     valid = (torch.rand(tokens, generator=gen) > 0.25).to(torch.int32)
+    # Rotated at positions apart from the slots they are written at (a draft tree's moved nodes), for some tokens.
+    rope_positions = (positions - torch.randint(0, 4, (tokens,), generator=gen, dtype=torch.int32)).clamp(min=0)
     scale = 1.7 if cache_dtype == torch.float8_e4m3fn else None
     secondary_pool = pool.clone() if secondary else None
     want_primary = pool.clone()
@@ -173,7 +176,7 @@ def test_host_injection_matches_reference(
         ctx_kv,
         weight,
         1e-6,
-        positions,
+        rope_positions,
         seq_slots,
         valid,
         rope,
@@ -182,6 +185,7 @@ def test_host_injection_matches_reference(
         want_primary,
         want_secondary,
         kv_scale_orig_quant=scale,
+        cache_positions=positions,
     )
 
     inv_freq, attention_scaling = inv_freq_and_scale(rope)
@@ -190,6 +194,7 @@ def test_host_injection_matches_reference(
         _ptr(ctx_kv),
         _ptr(weight),
         INPUT_TYPES[in_dtype],
+        _ptr(rope_positions),
         _ptr(positions),
         _ptr(seq_slots),
         _ptr(valid),
@@ -281,5 +286,6 @@ def test_unsupported_head_dims_are_refused(lib) -> None:
     assert [lib.dflashLanesPerHead(d) for d in (32, 64, 128, 256)] == [2, 4, 8, 16]
     assert [lib.dflashLanesPerHead(d) for d in (0, 8, 48, 80, 96, 512)] == [0, 0, 0, 0, 0, 0]
     dummy = torch.zeros(1, dtype=torch.int32)
-    args = (None, None, 1, None, None, None, 1, 1, 1, 80, _ptr(dummy), 1, 1, 16, 0, None, None, 1, 1.0, 1e-6, None, 1.0)
+    args = (None, None, 1, None, None, None, None, 1, 1, 1, 80, _ptr(dummy), 1, 1, 16, 0, None, None, 1, 1.0, 1e-6)
+    args = (*args, None, 1.0)
     assert lib.dflashKvInjectionHost(*args) == -1

@@ -189,3 +189,29 @@ def _positions(edited_copy, tiny, positions: int):
         config["max_position_embeddings"] = positions
 
     return edited_copy(tiny, edit, name=f"positions{positions}")
+
+
+def test_the_longest_build_runs_the_longest_request_and_stays_in_the_tables(tiny, prompts):
+    """An engine built with the longest max_seq_len the tiny pair allows (build_plan: 211) runs requests of
+    211 + K = 226 tokens (1.2.x's `LlmRequest::validate` on its own max_seq_len 241): exactly the longest request its
+    256 positions hold. Every step's draft block starts after the tokens it accepted (the network's count, before
+    the budget clips what the request keeps) and spans K + 1 positions; the largest position any layer rotates is the
+    last such block's end, inside the table."""
+    from dflash_trt.trtllm.build_plan import engine_longest_request, longest_buildable
+
+    engine = EmulatedEngine(tiny, max_batch_size=1, tokens_per_block=16)
+    runs = engine_longest_request(longest_buildable(engine.facts), engine.k)
+    assert (longest_buildable(engine.facts), runs) == (211, longest_request(256, 15))
+    with pytest.raises(DFlashTrtError, match="max_seq_len must be in 2..226"):
+        EmulatedStepper(engine, runs + 1)
+    stepper = EmulatedStepper(engine, runs)
+    decoding = stepper.add(0, Request(input_ids=prompts[0][:10], max_new_tokens=runs - 10))
+    _drain(stepper)
+    stepper.close()
+    assert len(decoding.output) == runs - 10
+    kept_before = [1 + sum(decoding.acceptance[:i]) for i in range(len(decoding.steps))]  # the first token: context
+    block_ends = [
+        len(decoding.prompt) + kept - 1 + (step.accepted + 1) + engine.k
+        for kept, step in zip(kept_before, decoding.steps, strict=True)
+    ]
+    assert engine.stats.largest_position == max(block_ends) <= 255

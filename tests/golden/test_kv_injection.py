@@ -169,6 +169,30 @@ def test_paged_write_lands_in_the_sequence_blocks(cache_dtype: torch.dtype) -> N
     assert torch.equal(pool.float(), expected)
 
 
+def test_cache_positions_place_keys_rotated_at_their_positions() -> None:
+    """A draft tree's node is rotated at its position (anchor + depth) but stored at the slot the runtime's rewind
+    moves it from (anchor + node index)."""
+    gen = torch.Generator().manual_seed(9)
+    cache = contiguous_kv_cache(batch=2, num_layers=2, num_kv_heads=2, head_dim=8, max_seq_len=20, dtype=torch.float16)
+    seq_slots = torch.tensor([0, 0, 1, 1], dtype=torch.int32)
+    positions = torch.tensor([3, 4, 7, 8], dtype=torch.int32)
+    slots = torch.tensor([3, 9, 7, 12], dtype=torch.int32)
+    ctx_kv = torch.randn(4, 2, 2, 2, 8, generator=gen)
+    weight = torch.rand(2, 8, generator=gen) + 0.5
+    rope = RopeConfig(8, 10000.0)
+    layout, offsets = cache.layout, cache.block_offsets
+    kv_injection(ctx_kv, weight, 1e-6, positions, seq_slots, torch.ones(4), rope, layout, offsets, cache.pool, None,
+                 None, slots)  # fmt: skip
+    k, v = injected_kv(ctx_kv, weight, 1e-6, positions, rope)
+    for t in range(4):
+        for layer in range(2):
+            assert torch.equal(cache.keys(layer)[seq_slots[t], :, slots[t]], k[t, layer].half())
+            assert torch.equal(cache.values(layer)[seq_slots[t], :, slots[t]], v[t, layer].half())
+    assert not cache.keys(0)[0, :, 4].any()  # nothing at the moved node's position until the rewind moves it
+    rotated_elsewhere, _ = injected_kv(ctx_kv, weight, 1e-6, slots, rope)
+    assert not torch.equal(rotated_elsewhere[1], k[1])
+
+
 def test_secondary_pool_flag_routes_the_write() -> None:
     layout, physical, offsets, seq_slots, positions, ctx_kv, weight, shape = _paged_setup(4)
     rope = RopeConfig(layout.head_dim, 10000.0)

@@ -115,7 +115,7 @@ def test_generate_cli_refuses_bad_input(setup, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"input_ids": [1, 2]}\n{"text": "hello"}\n')
     assert main(["generate", "--checkpoint_dir", str(ckpt), "--input_file", str(bad)]) == 2
-    assert "bad.jsonl:2 gives text but the checkpoint directory has no tokenizer" in capsys.readouterr().err
+    assert "bad.jsonl:2 gives text but no tokenizer was found" in capsys.readouterr().err
     bad.write_text('{"input_ids": [1, 9999]}\n')
     assert main(["generate", "--checkpoint_dir", str(ckpt), "--input_file", str(bad)]) == 2
     assert "outside the vocabulary" in capsys.readouterr().err

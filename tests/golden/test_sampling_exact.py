@@ -86,8 +86,10 @@ def cells(probs: torch.Tensor) -> list[tuple[int, float, float]]:
     return [(t, float(probs[t]), float(upper[t] - probs[t] / 2)) for t in range(len(probs)) if probs[t] > 1e-12]
 
 
-def engine_law(model: GoldenModel, length: int, temperature: float) -> dict[tuple[int, ...], float]:
-    """Enumerate every uniform cell the engine rule can meet: argmax drafts, one sample per verified position."""
+def engine_law(model: GoldenModel, length: int, temperature: float, drafts_verified: int = K) -> dict:
+    """Enumerate every uniform cell the engine rule can meet: argmax drafts, the first `drafts_verified` of them
+    verified (a draft-length schedule's shorter draft), one sample per verified position."""
+    k = drafts_verified
     law: dict[tuple[int, ...], float] = defaultdict(float)
 
     def step(prefix: list[int], weight: float) -> None:
@@ -95,16 +97,16 @@ def engine_law(model: GoldenModel, length: int, temperature: float) -> dict[tupl
         if len(emitted) == length:
             law[tuple(emitted)] += weight
             return
-        drafts = draft_logits(model, prefix).argmax(dim=-1)
+        drafts = draft_logits(model, prefix).argmax(dim=-1)[:k]
         rows = target_rows(model, [prefix + drafts.tolist()])[0, len(prefix) - 1 :]
 
         def walk(uniforms: list[float], weight: float) -> None:
             j = len(uniforms)
             for token, p, u in cells(tempered(rows[j], temperature)):
-                if j < K and token == int(drafts[j]):
+                if j < k and token == int(drafts[j]):
                     walk(uniforms + [u], weight * p)
                     continue
-                padded = torch.tensor(uniforms + [u] + [0.5] * (K - j))
+                padded = torch.tensor(uniforms + [u] + [0.5] * (k - j))
                 accepted, bonus = exact_match_accept(drafts, rows, temperature, padded)
                 assert (accepted, bonus) == (j, token)
                 new = (drafts[:accepted].tolist() + [bonus])[: length - len(emitted)]
@@ -158,10 +160,11 @@ def assert_same_law(law: dict, expected: dict) -> None:
     assert worst < 1e-6 and set(law) <= set(expected)
 
 
-@pytest.mark.parametrize("temperature", [0.6, 1.3])
-def test_engine_rule_reproduces_the_target_law_exactly(tiny, temperature):
+@pytest.mark.parametrize("temperature, drafts", [(0.6, K), (1.3, K), (0.6, 1), (1.3, 1)])
+def test_engine_rule_reproduces_the_target_law_exactly(tiny, temperature, drafts):
+    """At any draft length a schedule picks (here the full K and 1), exactly the target's law."""
     _, model = tiny
-    law = engine_law(model, 3, temperature)
+    law = engine_law(model, 3, temperature, drafts)
     assert_same_law(law, target_law(model, 3, temperature))
 
 
@@ -185,6 +188,7 @@ def _generate(ckpt: Path, tmp_path: Path, capsys, prompts: list[list[int]], *fla
         "sequences",
         "mean_acceptance_length",
         "per_position_acceptance",
+        "per_position_rank_rates",
         "generated_tokens",
         "tokens_per_second",
     }
@@ -192,9 +196,12 @@ def _generate(ckpt: Path, tmp_path: Path, capsys, prompts: list[list[int]], *fla
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method, temperature", [("engine", 0.7), ("reference", 1.0)])
-def test_generate_cli_samples_the_target_law(tiny, tmp_path, capsys, method, temperature):
-    """Thousands of 2-token continuations of one prompt from `dflash-trt generate`, against the exact law."""
+@pytest.mark.parametrize(
+    "method, temperature, schedule", [("engine", 0.7, "none"), ("reference", 1.0, "none"), ("engine", 0.7, "1:1")]
+)
+def test_generate_cli_samples_the_target_law(tiny, tmp_path, capsys, method, temperature, schedule):
+    """Thousands of 2-token continuations of one prompt from `dflash-trt generate`, against the exact law (also
+    with a draft-length schedule that verifies one draft per step)."""
     ckpt, model = tiny
     samples = 3000
     outputs = _generate(
@@ -210,6 +217,8 @@ def test_generate_cli_samples_the_target_law(tiny, tmp_path, capsys, method, tem
         "11",
         "--sampling",
         method,
+        "--draft_len_schedule",
+        schedule,
     )
     counts = torch.zeros(VOCAB * VOCAB)
     for out in outputs:

@@ -50,10 +50,11 @@ def plugin_library(workdir: Path) -> Path:
     return next(build.rglob(LIBRARY_NAME))
 
 
-def built_engine(root: Path, variant):
+def built_engine(root: Path, variant, draft_len_schedule: str = "none"):
     """A random pair of `variant` (tests/_pairs.py), converted in float16, built as `dflash-trt build` builds."""
     from dflash_trt.conversion.convert import convert_checkpoint
     from dflash_trt.gpu_targets import resolve_gpu
+    from dflash_trt.inputs import DRAFT_LEN_SCHEDULE
     from dflash_trt.trtllm.build import run_engine_build
     from dflash_trt.trtllm.build_plan import EngineBuildSettings, plan_engine_build
 
@@ -61,13 +62,21 @@ def built_engine(root: Path, variant):
     target_dir, draft_dir = tiny_pairs().make_pair(root, variant)
     convert_checkpoint(target_dir, draft_dir, root / "ckpt", dtype="float16")
     gpu, _ = resolve_gpu(None)
-    settings = EngineBuildSettings(max_batch_size=4, max_input_len=64, max_seq_len=128, max_num_tokens=256, gpu=gpu)
+    settings = EngineBuildSettings(
+        max_batch_size=4,
+        max_input_len=64,
+        max_seq_len=128,
+        max_num_tokens=256,
+        draft_len_schedule=DRAFT_LEN_SCHEDULE(draft_len_schedule),
+        gpu=gpu,
+    )
     plan = plan_engine_build(root / "ckpt", root / "engine", settings, plugin_library=library)
     return run_engine_build(plan), root / "ckpt", library
 
 
-# Head dims DFlashAttention takes (the fixture default, 16, is only for the stock plugin's Hopper route).
-HEAD_DIMS = {"head_dim": 32, "draft_head_dim": 32}
+# Production head size (the kernels are specialised per head size): 128, as Qwen3 and Llama 3.x; DFlashAttention
+# takes it too (the fixture default, 16, is only for the stock plugin's Hopper route).
+HEAD_DIMS = {"head_dim": 128, "draft_head_dim": 128}
 PAIRS = {
     "full": {"block_size": 8, **HEAD_DIMS},
     "sliding": {
@@ -91,6 +100,35 @@ def dflash2_engine(tmp_path_factory):
     dflash2 = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 12, "selector_top_k": 6}
     variant = tiny_pairs().PairVariant(block_size=8, dflash2=dflash2, taps=[-1, 3], **HEAD_DIMS)
     return built_engine(tmp_path_factory.mktemp("selftest-dflash2"), variant)
+
+
+@pytest.fixture(scope="module")
+def scheduled_engine(tmp_path_factory):
+    """Drafts 3 of 7 with two requests in a step, 1 with three or more (docs/engine.md §4.1)."""
+    variant = tiny_pairs().PairVariant(block_size=8)
+    return built_engine(tmp_path_factory.mktemp("selftest-scheduled"), variant, "2:3,3:1")
+
+
+def test_an_engine_drafting_by_load_decodes_the_targets_tokens(scheduled_engine):
+    """The runtime feeds the network's per-request `next_draft_lens` back as variable generation lengths; greedy
+    tokens stay the target's (compared tie-aware: float16), all four prompts in flight (drafts of 1) and one alone
+    (the full 7). Acceptance lengths are not compared: the random pair accepts little at any draft length."""
+    from dflash_trt.commands.selftest import engine_generate
+    from dflash_trt.reference.decode import SequenceResult, speculative_generate
+    from dflash_trt.reference.divergence import compare_decodings
+    from dflash_trt.reference.model import load_golden_model
+
+    engine_dir, checkpoint, library = scheduled_engine
+    config = json.loads((engine_dir / "config.json").read_text())
+    manifest = json.loads((engine_dir / "dflash_trt.json").read_text())
+    assert config["pretrained_config"]["draft_len_schedule"] == manifest["draft_len_schedule"] == "2:3,3:1"
+    model = load_golden_model(checkpoint)
+    for prompts in (PROMPTS, PROMPTS[:1]):
+        alone = speculative_generate(model, prompts, MAX_NEW, [END_ID], block_size=1)
+        tokens, acceptance = engine_generate(engine_dir, str(library), prompts, MAX_NEW, END_ID)
+        assert all(1 <= n <= 8 for steps in acceptance for n in steps)
+        engine = [SequenceResult(g.input_ids, t, g.acceptance_lengths) for g, t in zip(alone, tokens, strict=True)]
+        assert [str(d) for d in compare_decodings(model, alone, engine, MAX_NEW) if not d.near_tie] == []
 
 
 @pytest.mark.parametrize("which", ["engine", "dflash2_engine"])
@@ -121,6 +159,48 @@ def test_engine_config_carries_the_eagle_contract(engine):
     from dflash_trt.gpu_targets import resolve_gpu
 
     assert manifest["gpu"] == resolve_gpu(None)[0]  # built for this host's GPU and its attention route
+    from dflash_trt.trtllm.build_plan import check_engine_config
+
+    check_engine_config(engine_dir)  # what the plan recorded (build() overrides mirrored) is what was built
+
+
+def test_an_fp8_engine_with_an_fp8_kv_cache_matches_the_golden_model(tmp_path):
+    """FP8 weights with an FP8 KV cache: 1.2.x runs context attention as FP8 context FMHA (the builder turns it on),
+    and the golden model computes it that way too (`reference.quantized.fp8_context_attention`); first divergences
+    within FP8's resolution are near-ties."""
+    pytest.importorskip("modelopt.torch.quantization")
+    from dflash_trt.commands.selftest import compare, engine_generate
+    from dflash_trt.conversion.convert import convert_checkpoint
+    from dflash_trt.reference.decode import speculative_generate
+    from dflash_trt.reference.model import load_golden_model
+    from dflash_trt.trtllm.build import run_engine_build
+    from dflash_trt.trtllm.build_plan import EngineBuildSettings, plan_engine_build
+
+    library = plugin_library(tmp_path)
+    pairs = tiny_pairs()
+    # 8 query heads per KV head x 8-token blocks = 64 rows: outside Hopper XQA's causal small-batch layout (the plan
+    # refuses an FP8-KV drafter inside it).
+    variant = pairs.PairVariant(
+        block_size=8, kv_heads=1, draft_heads=8, draft_kv_heads=1, head_dim=128, draft_head_dim=128, intermediate=128
+    )
+    target_dir, draft_dir = pairs.make_pair(tmp_path, variant)
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
+    convert_checkpoint(target_dir, draft_dir, tmp_path / "ckpt", dtype="bfloat16", qformat="fp8",
+                       kv_cache_dtype="fp8", calib_dataset=calib, calib_size=len(PROMPTS))  # fmt: skip
+    from dflash_trt.gpu_targets import resolve_gpu
+
+    settings = EngineBuildSettings(
+        max_batch_size=4, max_input_len=64, max_seq_len=128, max_num_tokens=256, gpu=resolve_gpu(None)[0]
+    )
+    plan = plan_engine_build(tmp_path / "ckpt", tmp_path / "engine", settings, plugin_library=library)
+    assert plan.dflash_manifest["engine_config"]["build_config"]["plugin_config"]["use_fp8_context_fmha"]
+    engine_dir = run_engine_build(plan)
+    model = load_golden_model(tmp_path / "ckpt")
+    golden = speculative_generate(model, PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=[END_ID])
+    tokens, acceptance = engine_generate(engine_dir, str(library), PROMPTS, MAX_NEW, END_ID)
+    divergences = compare(model, golden, tokens, acceptance, MAX_NEW)
+    assert [str(d) for d in divergences if not d.near_tie] == []
 
 
 def test_bench_drives_the_engine_in_flight(engine, tmp_path):

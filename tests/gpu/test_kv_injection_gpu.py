@@ -80,6 +80,8 @@ def test_kernel_matches_reference(
     ctx_kv = (3 * torch.randn(tokens, layers, 2, heads, head_dim, generator=gen)).to(in_dtype)
     weight = (1 + 0.2 * torch.randn(layers, head_dim, generator=gen)).to(in_dtype)
     valid = (torch.rand(tokens, generator=gen) > 0.25).to(torch.int32)
+    # Rotated at positions apart from the slots they are written at (a draft tree's moved nodes), for some tokens.
+    rope_positions = (positions - torch.randint(0, 4, (tokens,), generator=gen, dtype=torch.int32)).clamp(min=0)
     scale = 1.7 if cache_dtype == torch.float8_e4m3fn else None
     want_primary = pool.clone()
     want_secondary = pool.clone() if secondary else None
@@ -87,7 +89,7 @@ def test_kernel_matches_reference(
         ctx_kv,
         weight,
         1e-6,
-        positions,
+        rope_positions,
         seq_slots,
         valid,
         rope,
@@ -96,6 +98,7 @@ def test_kernel_matches_reference(
         want_primary,
         want_secondary,
         kv_scale_orig_quant=scale,
+        cache_positions=positions,
     )
 
     cuda = torch.device("cuda")
@@ -105,6 +108,7 @@ def test_kernel_matches_reference(
     ext.inject(
         ctx_kv.to(cuda),
         weight.to(cuda),
+        rope_positions.to(cuda),
         positions.to(cuda),
         seq_slots.to(cuda),
         valid.to(cuda),

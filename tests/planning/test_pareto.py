@@ -130,7 +130,7 @@ def test_png_and_html_show_the_same_title_colours_labels_and_axes(tmp_path, monk
     import matplotlib.colors
     import matplotlib.pyplot as plt
 
-    from dflash_trt.analysis.report import Y_LABEL_CPU, write_png
+    from dflash_trt.analysis.report import LOG_SCALE, Y_LABEL_CPU, write_png
 
     matplotlib.use("Agg")
     pts = [Point("ar", 1, 100.0, 100.0), Point("ar", 8, 50.0, 400.0), Point("dflash", 1, 300.0, 300.0)]
@@ -139,8 +139,9 @@ def test_png_and_html_show_the_same_title_colours_labels_and_axes(tmp_path, monk
     assert write_png(pts, "tok/s/user", tmp_path / "p.png", title="T on CPU", y_axis=Y_LABEL_CPU)
     page = render_html(pts, "tok/s/user", "T on CPU", y_axis=Y_LABEL_CPU)
     (ax,) = figures[0].axes
-    assert ax.get_title() == "T on CPU" and ax.get_ylabel() == Y_LABEL_CPU and Y_LABEL_CPU in page
-    assert "per GPU" not in page
+    assert ax.get_title() == "T on CPU" and ax.get_ylabel() == Y_LABEL_CPU + LOG_SCALE and Y_LABEL_CPU in page
+    assert "per GPU" not in page and ax.get_xscale() == ax.get_yscale() == "log"
+    assert f"tok/s/user{LOG_SCALE}" in page and ax.get_xlabel() == f"tok/s/user{LOG_SCALE}"
     png_colours = {
         line.get_label(): matplotlib.colors.to_hex(line.get_color())
         for line in ax.get_lines()
@@ -156,3 +157,44 @@ def test_png_and_html_show_the_same_title_colours_labels_and_axes(tmp_path, monk
     assert png_colours == svg_colours == {"ar": svg_colours["ar"], "dflash": svg_colours["dflash"]}
     png_labels = sorted(text.get_text() for text in ax.texts)
     assert png_labels == sorted(re.findall(r">(c=\d+)</text>", page)) == ["c=1", "c=1", "c=8"]
+
+
+def test_a_one_point_plot_has_plain_tick_labels_and_the_png_carries_its_title(tmp_path, monkeypatch):
+    """A single point spans less than one 1-2-5 step: both axes still get at least one plain label (hand-checked:
+    37 tok/s/user plots from 28.5 to 48.1, labelled 30 and 40; 148 tok/s from 113.8 to 192.4, labelled 120 and 150), and
+    the PNG's text chunk holds the title."""
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    from dflash_trt.analysis.report import write_png
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    title = "dflash-trt bench\nmodel | 8 prompts | 2026-01-01"
+    assert write_png([Point("dflash", 4, 37.0, 148.0)], "tok/s/user", tmp_path / "one.png", title=title)
+    (ax,) = figures[0].axes
+    figures[0].canvas.draw()
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["30", "40"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["120", "150"]
+    page = render_html([Point("dflash", 4, 37.0, 148.0)], "tok/s/user", title)
+    assert ">30</text>" in page and ">40</text>" in page
+    assert Image.open(tmp_path / "one.png").text["Title"] == title
+
+
+def test_the_report_compares_measured_points_at_equal_concurrency(tmp_path):
+    """Beside the interpolated equal-interactivity table, a table of measured points only: dflash 300 vs ar 100
+    tok/s at concurrency 1 is 3.00x (hand-computed), and a concurrency only one engine ran shows no ratio."""
+    from dflash_trt.analysis.report import analyze_records
+
+    def record(engine: str, kind: str, concurrency: int, user: float, total: float) -> dict:
+        return {"engine": engine, "kind": kind, "concurrency": concurrency, "status": "ok", "gpus": 0,
+                "tok_s_user_tpot": user, "tok_s_gpu": total}  # fmt: skip
+
+    records = [record("ar", "ar", 1, 100.0, 100.0), record("ar", "ar", 8, 50.0, 400.0)]
+    records += [record("dflash", "dflash", 1, 300.0, 300.0), record("dflash", "dflash", 4, 200.0, 800.0)]
+    analyze_records(records, "tpot", None, tmp_path)
+    page = (tmp_path / "report.html").read_text()
+    table = page.split("at equal concurrency (measured points)")[1].split("</table>")[0]
+    assert "<td>1</td><td>100.0</td><td>300.0</td><td>1.00x</td><td>3.00x</td>" in table
+    assert "<td>8</td><td>400.0</td><td>-</td><td>1.00x</td><td>-</td>" in table
+    assert "interpolated along each frontier" in page

@@ -12,6 +12,7 @@ from _pairs import PairVariant, make_pair
 
 from dflash_trt.cli import main as cli_main
 from dflash_trt.gpu_targets import GPU_SMS
+from dflash_trt.inputs import DRAFT_LEN_SCHEDULE
 from dflash_trt.pipeline.profiles import load_profile
 from dflash_trt.pipeline.resolve import PipelineRequest, resolve_inputs
 from dflash_trt.pipeline.run import Outcome, StageResult, resume_command, run_pipeline
@@ -103,7 +104,7 @@ def test_dry_run_of_every_profile(path: Path, hub: Path, tmp_path: Path, capsys)
     assert convert[:2] == ["dflash-trt", "convert"]
     assert convert[convert.index("--qformat") + 1] == profile.quantization.qformat
     assert convert[convert.index("--tp_size") + 1] == str(profile.checkpoint.tp_size)
-    env, target, *build = shlex.split(commands["engine"])
+    env, target, schedule_env, *build = shlex.split(commands["engine"])
     assert env.startswith("DFLASH_TRT_PLUGIN_LIB=") and env.endswith("libdflash_trt_plugins.so")
     # The network is built for the profile's GPU: its attention kernels differ between Hopper and Blackwell.
     assert target == f"DFLASH_TRT_TARGET_SM={GPU_SMS[profile.gpu]}"
@@ -112,6 +113,14 @@ def test_dry_run_of_every_profile(path: Path, hub: Path, tmp_path: Path, capsys)
     route = next(line for line in out.splitlines() if line.startswith(f"attention on {profile.gpu}: "))
     passes = f"target_context GPTAttention, target_verification {generation}, draft_block_full_attention {generation}"
     assert passes in route
+    # The shipped profiles derive their schedule (auto), and the build hands exactly that table to the network.
+    name, _, table = schedule_env.partition("=")
+    assert name == "DFLASH_TRT_DRAFT_LEN_SCHEDULE" and profile.engine.draft_len_schedule == "auto"
+    if "offline: draft_len_schedule auto: derived once the models' config.json fields are known" in out:
+        assert table == "none"  # a drafter whose shapes nobody recorded: nothing to derive from in a dry run
+    else:
+        assert f"draft-length schedule {table} (auto: trtllm calibration, {profile.gpu}" in out
+        assert DRAFT_LEN_SCHEDULE(table).fitted_to(profile.model.block_size - 1).steps
     assert build[0] == "trtllm-build"
     flags = {build[i]: build[i + 1] for i in range(1, len(build) - 1) if build[i].startswith("--")}
     assert flags["--checkpoint_dir"] == str(ws / "checkpoint") and flags["--output_dir"] == str(ws / "engine")
@@ -120,6 +129,10 @@ def test_dry_run_of_every_profile(path: Path, hub: Path, tmp_path: Path, capsys)
     assert flags["--max_num_tokens"] == str(profile.engine.max_num_tokens)
     assert flags["--gemm_plugin"] == profile.engine.gemm_plugin
     assert flags["--use_fp8_context_fmha"] == "enable" and flags["--speculative_decoding_mode"] == "eagle"
+    lines = out.splitlines()
+    seq, k = profile.engine.max_seq_len, profile.model.block_size - 1
+    note = lines[lines.index(f"    {commands['engine']}") + 1]  # why config.json will record more than the profile
+    assert note.startswith(f"    # --max_seq_len {seq}: the engine records max_seq_len {seq + 2 * k} = {seq} + 2 x {k}")
     assert not ws.exists(), "a dry run writes nothing"
 
 
@@ -211,6 +224,11 @@ def test_dry_run_of_every_profile_on_a_fresh_machine(path: Path, fresh_machine: 
     assert flags["--max_draft_len"] == str(profile.model.block_size - 1)
     assert flags["--max_batch_size"] == str(profile.engine.max_batch_size)
     assert flags["--checkpoint_dir"] == str(ws / "checkpoint")
+    # What 1.2.x's builder would settle is written out, whether or not the drafter's shapes are known yet.
+    quant = profile.quantization
+    fp8_attention = quant.qformat in ("fp8", "nvfp4") and quant.kv_cache_dtype == "fp8"
+    assert flags["--use_fp8_context_fmha"] == ("enable" if fp8_attention else "disable")
+    assert flags["--gemm_plugin"] == ("nvfp4" if quant.qformat == "nvfp4" else profile.engine.gemm_plugin)
     offline = [line for line in out.splitlines() if line.startswith("offline: ")]
     assert (
         f"offline: target {profile.model.target}: not downloaded; planned from its recorded config.json "
@@ -238,7 +256,7 @@ def test_offline_dry_run_applies_the_checks_to_recorded_configs(fresh_machine: P
     path = tmp_path / "long.yaml"
     path.write_text(yaml.safe_dump(data))
     assert cli_main(["build", "--config", str(path), "--output_dir", str(tmp_path / "ws"), "--dry_run"]) == 2
-    assert "max_seq_len 50000 exceeds the target's max_position_embeddings 40960" in capsys.readouterr().err
+    assert "past the 40960 rows of the target's max_position_embeddings RoPE tables" in capsys.readouterr().err
     data["engine"]["max_seq_len"] = 8192
     data["model"]["recorded_configs"] = None  # nothing recorded: the dry run says what to do
     path.write_text(yaml.safe_dump(data))
@@ -323,8 +341,11 @@ def test_cpu_run_stops_after_the_checkpoint_and_resumes(tiny_pair, tmp_path: Pat
     assert _outcomes(results) == [("checkpoint", BUILT), ("engine", NEEDS_GPU)]
     assert json.loads((ws / "checkpoint/config.json").read_text())["max_draft_len"] == 7
     assert resume.startswith(f"dflash-trt build --config {profile} --output_dir {ws} --plugin_library /opt/dflash/")
-    library = "DFLASH_TRT_PLUGIN_LIB=/opt/dflash/libdflash_trt_plugins.so"
-    engine = f"{library} DFLASH_TRT_TARGET_SM=90 trtllm-build --checkpoint_dir {ws}"
+    # The tiny pair's auto schedule keeps the full draft at every batch: the roofline is weight-bound throughout.
+    engine = (
+        "DFLASH_TRT_PLUGIN_LIB=/opt/dflash/libdflash_trt_plugins.so DFLASH_TRT_TARGET_SM=90 "
+        f"DFLASH_TRT_DRAFT_LEN_SCHEDULE=none trtllm-build --checkpoint_dir {ws}"
+    )
     assert results[1].stage.command.startswith(engine)
 
     results, _ = _run(profile, ws, gpu=False)
@@ -380,6 +401,13 @@ def test_gpu_run_builds_engine_and_repository_once(tiny_pair, tmp_path: Path, mo
     results, _ = _run(profile, ws, gpu=True)
     assert _outcomes(results) == [("checkpoint", SKIPPED), ("engine", BUILT), ("triton", BUILT)] and len(calls) == 2
     assert json.loads((ws / "engine" / MANIFEST_NAME).read_text())["max_batch_size"] == 2
+
+    data["engine"]["draft_len_schedule"] = "2:3"  # a table: built into the engine, recorded by the repository
+    profile.write_text(yaml.safe_dump(data))
+    results, _ = _run(profile, ws, gpu=True)
+    assert _outcomes(results) == [("checkpoint", SKIPPED), ("engine", BUILT), ("triton", BUILT)]
+    assert json.loads((ws / "engine" / MANIFEST_NAME).read_text())["draft_len_schedule"] == "2:3"
+    assert json.loads((ws / "triton/dflash_triton.json").read_text())["draft_len_schedule"] == "2:3"
 
 
 def test_build_needs_a_checkpoint_or_a_profile(tmp_path: Path, capsys):

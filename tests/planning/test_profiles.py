@@ -46,6 +46,7 @@ def test_shipped_profile_validates(path: Path):
     eng = profile.engine
     assert eng.max_num_tokens >= eng.max_batch_size * profile.model.block_size + eng.max_input_len
     assert profile.sweep.concurrency[-1] == profile.engine.max_batch_size
+    assert profile.engine.draft_len_schedule == "auto"  # derived for the profile's GPU, TP and format
     # One B200/B300 holds Qwen3-32B in NVFP4; two H100/H200 hold it in FP8 with room for KV.
     assert profile.checkpoint.tp_size == (2 if path.stem == "qwen3-32b" and gpu_name in ("h100", "h200") else 1)
     # A comment explains every non-obvious value: at least the quantization and engine sizing ones.
@@ -98,6 +99,19 @@ INVALID = [
     ({"checkpoint.tp_size": 3}, "tp_size must be 1, 2, 4 or 8, got 3"),
     ({"engine.gemm_plugin": "fp8"}, "gemm_plugin fp8 needs fp8 weights, but they are nvfp4"),
     ({"quantization.kv_cache_dtype": "none"}, "use_fp8_context_fmha needs kv_cache_dtype fp8"),
+    # What TensorRT-LLM 1.2.x's builder would override or cannot run (builder.py, attentionOp.cpp).
+    ({"engine.use_fp8_context_fmha": False}, "use_fp8_context_fmha cannot be off with nvfp4 weights"),
+    ({"engine.gemm_plugin": "bfloat16"}, "gemm_plugin bfloat16 with nvfp4 weights"),
+    (
+        {
+            "gpu": "h100",
+            "quantization.qformat": "none",
+            "quantization.dflash_qformat": "none",
+            "engine.gemm_plugin": "auto",
+            "engine.use_fp8_context_fmha": None,
+        },
+        "an FP8 KV cache needs fp8 or nvfp4 weights",
+    ),  # fmt: skip
     ({"engine.use_paged_context_fmha": False}, "EAGLE-mode engines need --use_paged_context_fmha enable"),
     (
         {"engine.max_batch_size": 1024, "engine.max_num_tokens": 16384},
@@ -109,6 +123,12 @@ INVALID = [
     ({"engine.max_batch_size": 128, "sweep.concurrency": [1, 256]}, "sweep concurrency 256 exceeds max_batch_size 128"),
     ({"engine.max_seqlen": 4}, "engine.max_seqlen: Extra inputs are not permitted"),
     ({"quantization.qformat": "int8"}, "quantization.qformat: must be one of none, fp8, nvfp4, got 'int8'"),
+    ({"engine.draft_len_schedule": "1:8,16:9"}, "engine.draft_len_schedule: must be auto, none or N1:K1,N2:K2"),
+    ({"engine.draft_len_schedule": 7}, "engine.draft_len_schedule: Input should be a valid string"),
+    (
+        {"engine.draft_len_schedule": "1:16"},
+        "engine.draft_len_schedule 1:16 drafts 16 tokens but the drafter proposes at most block_size - 1 = 15",
+    ),
 ]
 
 
@@ -227,15 +247,16 @@ def test_checkpoint_checks_reject(tmp_path: Path, pair: dict, message: str):
 
 def test_weights_must_fit_the_gpu(tmp_path: Path):
     data = yaml.safe_load((ROOT / "build_configs/h100-fp8/qwen3-32b.yaml").read_text())
-    data["quantization"].update(qformat="none", dflash_qformat="none")
+    data["quantization"].update(qformat="none", dflash_qformat="none", kv_cache_dtype="none")
     data["engine"]["gemm_plugin"] = "auto"
+    del data["engine"]["use_fp8_context_fmha"]  # the builder's own choice: off without FP8 weights
     data["checkpoint"]["tp_size"] = 1
     unquantized = parse_profile(data)
     # 64 layers x (attention 94.4M + MLP 393.2M) + 5 drafter layers + fc = 33.6B linear weights at 2 bytes,
     # plus untied embeddings and lm_head 2 x 151936 x 5120 at 2 bytes: 70.5 GB > 0.8 x 85.5 GB (81559 MiB).
     with pytest.raises(DFlashTrtError, match="the weights need about 70 GB per GPU but h100 has 86 GB"):
         check_against_checkpoints(unquantized, *_pair(tmp_path))
-    data["quantization"].update(qformat="fp8", dflash_qformat="fp8")
+    data["quantization"].update(qformat="fp8", dflash_qformat="fp8", kv_cache_dtype="fp8")
     data["engine"]["gemm_plugin"] = "fp8"
     check_against_checkpoints(parse_profile(data), *_pair(tmp_path))  # FP8: 36.7 GB fits one H100
 
@@ -301,10 +322,12 @@ def test_nvfp4_with_float16_is_one_rule_for_profiles_convert_and_build(tmp_path:
                "--calib_dataset", str(calibration), "--calib_size", "4"]  # fmt: skip
     assert main(convert) == 0
     build = ["build", "--checkpoint_dir", str(checkpoint), "--output_dir", str(tmp_path / "engine"),
-             "--max_batch_size", "8", "--max_input_len", "128", "--max_seq_len", "256", "--max_num_tokens", "512",
+             "--max_batch_size", "8", "--max_input_len", "128", "--max_seq_len", "211", "--max_num_tokens", "512",
              "--dry_run", "--json"]  # fmt: skip
     capsys.readouterr()
     assert main(build) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["dflash_manifest"]["quant_algo"] == "NVFP4"
+    # builder.build() would turn `auto` into nvfp4 for NVFP4 weights: the command says so itself.
+    assert plan["command"][plan["command"].index("--gemm_plugin") + 1] == "nvfp4"
     assert json.loads((checkpoint / "config.json").read_text())["dtype"] == "float16"

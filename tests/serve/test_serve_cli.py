@@ -15,6 +15,12 @@ CASES = [
     (["--max_batch_size", "0"], "argument --max_batch_size: must be an integer in [1, 512], got '0'"),
     (["--max_seq_len", "100000"], "--max_seq_len must be <= 226: the target's max_position_embeddings (256) less"),
     (["--max_seq_len", "227"], "less two draft blocks of 15, which the engine's last step reaches past a request's"),
+    (["--api_key", ""], "--api_key is empty: give a key, or leave it out to serve without one"),
+    (["--api_key", "s\u00e9same"], "--api_key must be printable ASCII without spaces"),
+    (["--api_key", "open sesame"], "--api_key must be printable ASCII without spaces"),
+    (["--api_key", "k", "--allowed_hosts", "a.lan"], "--allowed_hosts applies to a server on loopback without"),
+    (["--host", "0.0.0.0", "--allowed_hosts", "a.lan"], "--allowed_hosts applies to a server on loopback without"),
+    (["--header_timeout_s", "0"], "argument --header_timeout_s: must be a finite number in (0, 604800], got '0'"),
 ]
 
 
@@ -34,3 +40,10 @@ def test_targets_without_what_they_need_are_refused(tiny, tmp_path, capsys):
     assert "tokenizer folder" in err and "does not exist" in err
     assert main(["serve", "--engine_dir", str(tmp_path), "--tokenizer_dir", str(tiny)]) == 2
     assert "holds no engine" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["", "\u00e9"])
+def test_an_unusable_key_in_the_environment_is_refused_too(tiny, capsys, monkeypatch, value):
+    monkeypatch.setenv("DFLASH_TRT_API_KEY", value)
+    assert main(["serve", "--checkpoint_dir", str(tiny)]) == 2
+    assert "DFLASH_TRT_API_KEY" in capsys.readouterr().err

@@ -70,3 +70,17 @@ def test_a_stop_id_ends_the_output_and_counts_as_produced(tokenizer):
     ids = tokenizer.encode("déjà vu")
     got, state = stream(tokenizer, [], [ids[:2], [*ids[2:], eos, *ids]], stop_ids={eos})
     assert got == tokenizer.decode(ids) and state.completion_tokens == len(ids) + 1 and state.finish_reason == "stop"
+
+
+@given(TEXTS, st.lists(st.integers(0, 40), max_size=8), st.integers(1, 6), st.integers(1, 3))
+def test_a_stop_string_ends_the_output_at_the_token_that_completes_it(tokenizer, text, cuts, start, length):
+    """Whatever else the response holds (here the stop id right after the output, often in the same response),
+    the text ends before the stop string and the count runs to the token that completed it."""
+    ids = tokenizer.encode(text)
+    full = tokenizer.decode(ids)
+    stop = full[start : start + length]
+    last = next(k for k in range(len(ids)) if stop in tokenizer.decode(ids[: k + 1]))
+    eos = tokenizer.eos_token_id
+    got, state = stream(tokenizer, [], split([*ids, eos], cuts), stop=[stop], stop_ids={eos})
+    assert got == full[: full.index(stop)] and state.finish_reason == "stop"
+    assert state.completion_tokens == last + 1

@@ -121,7 +121,7 @@ def test_an_unhandled_exception_is_an_openai_500_logged_with_its_traceback(caplo
     def broken(*args, **kwargs):
         raise RuntimeError("a bug in the front")
 
-    monkeypatch.setattr(serving_completion, "start_generation", broken)
+    monkeypatch.setattr(serving_completion, "start_generations", broken)
     with scripted_server() as running, caplog.at_level(logging.INFO, logger="dflash_trt.server"):
         answer = _complete(running, [5, 6], headers={"X-Request-Id": "bug-1"})
     assert answer.status_code == 500 and answer.headers["x-request-id"] == "bug-1"

@@ -32,6 +32,7 @@ from dflash_trt.tiny.heldout import load_heldout
 from dflash_trt.tokenizer import load_tokenizer
 
 MAX_NEW = 24
+JSON = {"Content-Type": "application/json"}
 TEMPERATURE, SEED = 3.0, 1234
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
@@ -276,6 +277,32 @@ def test_stop_strings_and_stop_ids_cut_the_greedy_output(server, tokenizer, text
     assert by_id.usage.completion_tokens == first + 1 and by_id.choices[0].finish_reason == "stop"
 
 
+def test_a_stop_string_beside_a_stop_id_in_one_iteration_is_never_sent(server, tokenizer, texts, greedy):
+    """The stop string "0=" completes in an engine iteration that also holds a stop id: the text ends before the
+    string, and the token ids and usage run up to the token that completed it (the stop id is never reached)."""
+    api, ids = client(server), greedy[0]
+    full = tokenizer.decode(ids, skip_special_tokens=True)
+    stop = "0="
+    last = next(k for k in range(len(ids)) if stop in tokenizer.decode(ids[: k + 1], skip_special_tokens=True))
+    plain = {"model": "tiny", "prompt": texts[0], "max_tokens": MAX_NEW, "temperature": 0}
+    iterations, start = [], 0
+    for chunk in api.completions.create(**plain, stream=True, extra_body={"return_token_ids": True}):
+        if chunk.choices and chunk.choices[0].token_ids:
+            iterations.append(range(start, start + len(chunk.choices[0].token_ids)))
+            start += len(chunk.choices[0].token_ids)
+    same = next(r for r in iterations if last in r)
+    stop_id = next(ids[i] for i in same if i > last and ids.index(ids[i]) > last)
+    extra = {"stop_token_ids": [stop_id], "return_token_ids": True}
+    whole = api.completions.create(**plain, stop=stop, extra_body=extra)
+    assert whole.choices[0].text == full[: full.index(stop)] and whole.choices[0].finish_reason == "stop"
+    assert whole.choices[0].token_ids == ids[: last + 1] and whole.usage.completion_tokens == last + 1
+    chunks = list(api.completions.create(**plain, stop=stop, stream=True, stream_options={"include_usage": True},
+                                         extra_body=extra))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full[: full.index(stop)]
+    assert [t for c in chunks if c.choices for t in c.choices[0].token_ids or []] == ids[: last + 1]
+    assert chunks[-1].usage.completion_tokens == last + 1
+
+
 REFUSED = [
     ("completions", {"n": 2}, "n"),
     ("completions", {"best_of": 3}, "best_of"),
@@ -298,7 +325,6 @@ REFUSED = [
     ("completions", {"extra_body": {"ignore_this": 1}}, "ignore_this"),
     ("completions", {"prompt": "x" * 300}, "prompt"),
     ("completions", {"extra_body": {"ignore_eos": True}}, "ignore_eos"),
-    ("completions", {"prompt": ["a", "b"]}, "prompt"),
     ("completions", {"prompt": [5, 10_000]}, "prompt"),
     ("chat", {"n": 2}, "n"),
     ("chat", {"top_p": 0.5}, "top_p"),
@@ -330,12 +356,14 @@ def test_every_parameter_the_engine_cannot_honour_gets_400_naming_it(server, end
 
 def test_malformed_bodies_and_unknown_models(server):
     for body in (b"{", b"[1, 2]", b'{"prompt": "x", "max_tokens": "many"}', b'{"max_tokens": 2}'):
-        answer = httpx.post(f"{server.url}/v1/completions", content=body)
+        answer = httpx.post(f"{server.url}/v1/completions", content=body, headers=JSON)
         assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request_error"
     for field, value in (("max_tokens", True), ("max_tokens", 2.5), ("temperature", "hot"), ("stream", "yes")):
         answer = httpx.post(f"{server.url}/v1/completions", json={"prompt": "add 1 2", field: value})
         assert answer.status_code == 400 and answer.json()["error"]["param"] == field
-    answer = httpx.post(f"{server.url}/v1/completions", content=b'{"prompt": "add 1 2", "temperature": NaN}')
+    answer = httpx.post(
+        f"{server.url}/v1/completions", content=b'{"prompt": "add 1 2", "temperature": NaN}', headers=JSON
+    )
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "temperature"
     with pytest.raises(openai.NotFoundError):
         client(server).completions.create(model="other", prompt="add 1 2", max_tokens=2)
@@ -372,7 +400,9 @@ def test_metrics_parse_and_count_what_was_served(server, tokenizer, texts):
 
 
 def test_chat_without_a_template_is_a_clear_400(engine, tiny):
-    with RunningServer(make_app(emulated_target(engine), load_tokenizer(tiny), "tiny")) as bare:
+    untemplated = load_tokenizer(tiny)
+    untemplated.chat_template = None
+    with RunningServer(make_app(emulated_target(engine), untemplated, "tiny")) as bare:
         with pytest.raises(openai.BadRequestError) as refused:
             client(bare).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
     assert refused.value.param == "messages" and "chat template" in refused.value.message

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from concurrent import futures
 from pathlib import Path
@@ -134,3 +135,24 @@ def test_client_main_reads_draft_len_from_the_repository(tmp_path: Path, tokeniz
     assert rc == 0 and captured.out == "ok\n"
     # 45 drafted / 9 per step = 5 steps: (27 + 5) / 5 = 6.4
     assert "mean acceptance length 6.40" in captured.err
+
+
+def test_client_derives_no_acceptance_length_when_the_engine_drafts_by_load(
+    tmp_path: Path, tokenizer_dir: Path, capsys, monkeypatch
+):
+    """Under a draft-length schedule the steps draft different amounts, so the backend's totals (45 drafted, 27
+    accepted) say nothing about the steps: the copied client reports the totals and no mean length."""
+    settings = repository_settings(tokenizer_dir, max_draft_len=9, draft_len_schedule="4:3")
+    repo = write_repository(settings, tmp_path / "repo")
+    assert json.loads((repo / "dflash_triton.json").read_text())["draft_len_schedule"] == "4:3"
+    server, port, _ = _loopback_server(model_configs(repo)["ensemble"], ["ok"])
+    spec = importlib.util.spec_from_file_location("repo_client_by_load", repo / CLIENT_FILE)
+    copied = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "repo_client_by_load", copied)
+    try:
+        spec.loader.exec_module(copied)
+        rc = copied.main(["--url", f"127.0.0.1:{port}", "--prompt", "hi"])
+    finally:
+        server.stop(0)
+    captured = capsys.readouterr()
+    assert rc == 0 and "accepted 27/45 draft tokens" in captured.err and "mean acceptance length" not in captured.err

@@ -6,6 +6,7 @@ split, corrupt or foreign tokenizers). Every config is parsed with Triton's own 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,7 @@ def test_only_the_tensorrt_llm_model_differs_from_the_engine_repository(checkpoi
         max_draft_len=cpu.max_draft_len,
         world_size=1,
         max_temperature=cpu.max_temperature,
+        max_seq_len=cpu.max_seq_len,
     )
     served = _configs(write_repository(cpu, tmp_path / "cpu"))
     built = _configs(write_repository(engine, tmp_path / "engine"))
@@ -110,6 +112,9 @@ def test_cli_writes_a_cpu_repository_and_refuses_engine_only_mixes(checkpoint, t
     assert cli_main(["triton", "--checkpoint_dir", str(checkpoint), "--output_dir", str(tmp_path / "x")]) == 2
     assert "--tokenizer_dir is required with --checkpoint_dir" in capsys.readouterr().err
     assert not (tmp_path / "e").exists() and not (tmp_path / "x").exists()
+    assert cli_main([*argv, str(tmp_path / "shown")]) == 0
+    hints = capsys.readouterr().out  # the closing hints name what runs them: this Python, and the server binary
+    assert f"{sys.executable} {tmp_path / 'shown' / 'client.py'}" in hints and "TRITONSERVER=" in hints
 
 
 @pytest.mark.parametrize("library", ["/opt/my libs/libdflash_trt_plugins.so", "/opt/a:b/libdflash_trt_plugins.so"])
@@ -124,6 +129,7 @@ def test_plugin_paths_the_loader_would_split_are_refused(checkpoint, library):
             max_draft_len=3,
             world_size=1,
             max_temperature=0.0,
+            max_seq_len=64,
         )
 
 

@@ -181,7 +181,9 @@ def test_a_cancelled_request_frees_its_slot(server, prompts):
     staying = ListSink()
     server.submit(_inputs(prompts[1], 4, **streaming), staying)
     _wait(staying)
-    assert all(len(sink.responses) <= 2 and not sink.finished.is_set() for sink in leaving)
+    for sink in leaving:  # one or two streamed responses, then the close Triton needs to release the request
+        assert 2 <= len(sink.responses) <= 3 and sink.responses[-1] == ({}, None, True)
+        assert [final for _, _, final in sink.responses].count(True) == 1
     assert not server.stepper.has_work()
 
 
@@ -221,4 +223,6 @@ def test_a_client_gone_at_send_time_frees_its_slot(server, prompts):
     after = ListSink()
     server.submit(_inputs(prompts[1], 3, **streaming), after)
     _wait(after)
-    assert [len(sink.responses) for sink in gone] == [1, 1] and len(after.tokens()) == 3
+    assert len(after.tokens()) == 3
+    for sink in gone:  # the send that failed, then one attempt to close the request
+        assert len(sink.responses) == 2 and not sink.responses[0][2] and sink.responses[1] == ({}, None, True)

@@ -86,7 +86,7 @@ def test_sampling_requests_are_refused_greedy_accepted(pre: P.Preprocessor, toke
         pre.preprocess(processing_request(["the dog"], **{P.TEMPERATURE: np.array([[0.7]], np.float32)}))
     pre.preprocess(processing_request(["the dog"], **{P.TEMPERATURE: np.array([[0.0]], np.float32)}))
     lossless = P.Preprocessor.from_dir(
-        str(tokenizer_dir), add_special_tokens=False, max_input_len=32, max_temperature=float("inf")
+        str(tokenizer_dir), add_special_tokens=False, max_input_len=32, max_seq_len=64, max_temperature=float("inf")
     )
     lossless.preprocess(processing_request(["the dog"], **{P.TEMPERATURE: np.array([[0.7]], np.float32)}))
 
@@ -98,6 +98,24 @@ def test_bad_prompts_are_refused(pre: P.Preprocessor):
         pre.preprocess(processing_request(["the quick brown fox jumps over the lazy dog " * 8]))
     with pytest.raises(ValueError, match="max_tokens must be at least 1"):
         pre.preprocess(processing_request(["the dog"], **{P.REQUEST_OUTPUT_LEN: np.array([[0]], np.int32)}))
+
+
+def test_prompt_and_budget_beyond_the_longest_request_are_refused(pre: P.Preprocessor):
+    """The longest request is 64 tokens here (prompt + max_tokens): exactly 64 passes, 65 is refused naming the
+    room left, and so is a prompt that leaves no room at all."""
+    prompt = pre.tokenizer.encode("the quick brown fox", add_special_tokens=False)
+
+    def request(max_tokens: int) -> dict:
+        return processing_request(["the quick brown fox"], **{P.REQUEST_OUTPUT_LEN: np.array([[max_tokens]], np.int32)})
+
+    out = pre.preprocess(request(64 - len(prompt)))
+    assert out[P.OUT_REQUEST_OUTPUT_LEN].tolist() == [[64 - len(prompt)]]
+    message = f"= 65 exceeds the longest request the engine holds \\(64\\); send max_tokens <= {64 - len(prompt)}"
+    with pytest.raises(ValueError, match=message):
+        pre.preprocess(request(65 - len(prompt)))
+    short = P.Preprocessor(pre.tokenizer, add_special_tokens=False, max_input_len=32, max_seq_len=3, max_temperature=0)
+    with pytest.raises(ValueError, match=f"prompt has {len(prompt)} tokens; the engine holds requests"):
+        short.preprocess(request(1))
 
 
 def test_postprocess_detokenizes_streamed_chunks(pre: P.Preprocessor, tokenizer_dir: Path):

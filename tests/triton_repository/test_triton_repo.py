@@ -250,6 +250,22 @@ def test_settings_from_engine_reads_the_manifest(tmp_path: Path, tokenizer_dir: 
     s = settings_from_engine(write_engine_dir(tmp_path / "eng"), tokenizer_dir, ServingSettings(instance_count=3))
     assert (s.max_batch_size, s.max_input_len, s.max_draft_len, s.world_size) == (128, 2048, 9, 2)
     assert (s.plugin_library, s.instance_count, s.max_temperature) == ("/p/lib.so", 3, 0.0)
+    assert s.max_seq_len == 4096  # the KV window 4096 + 2 x 9 (no max_position_embeddings) less two blocks of 9
+    configs = model_configs(write_repository(s, tmp_path / "repo"))
+    assert _params(configs["preprocessing"])["max_seq_len"] == _params(configs["tensorrt_llm_bls"])["max_seq_len"]
+    assert _params(configs["preprocessing"])["max_seq_len"] == "4096"
+    fewer_positions = write_engine_dir(tmp_path / "positions")
+    config = json.loads((fewer_positions / "config.json").read_text())
+    config["pretrained_config"] = {"max_position_embeddings": 4000}
+    (fewer_positions / "config.json").write_text(json.dumps(config))
+    assert settings_from_engine(fewer_positions, tokenizer_dir).max_seq_len == 4000 - 18
+    del config["build_config"]["max_seq_len"]
+    (fewer_positions / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DFlashTrtError, match="lacks 'max_seq_len'"):
+        settings_from_engine(fewer_positions, tokenizer_dir)
+    assert s.draft_len_schedule == "none"  # an engine built before draft-length schedules
+    scheduled = write_engine_dir(tmp_path / "scheduled", draft_len_schedule="2:7,16:3")
+    assert settings_from_engine(scheduled, tokenizer_dir).draft_len_schedule == "2:7,16:3"
     with pytest.raises(DFlashTrtError, match="not a DFlash engine directory"):
         settings_from_engine(tmp_path, tokenizer_dir)
     broken = tmp_path / "broken"
@@ -257,6 +273,16 @@ def test_settings_from_engine_reads_the_manifest(tmp_path: Path, tokenizer_dir: 
     (broken / "dflash_trt.json").write_text(json.dumps({"max_batch_size": 1}))
     with pytest.raises(DFlashTrtError, match="lacks 'plugin_library'"):
         settings_from_engine(broken, tokenizer_dir)
+
+
+def test_a_tree_engine_gets_the_chain_over_its_draft_positions(tmp_path: Path, tokenizer_dir: Path):
+    """A draft-tree engine verifies 40 nodes over 15 positions: the backend gets the manifest's 15-deep chain as
+    eagle_choices (the runtime checks their depth against num_eagle_layers), not a 40-deep one."""
+    chain = [[0] * depth for depth in range(1, 16)]
+    engine = write_engine_dir(tmp_path / "eng", max_draft_len=40, draft_tree=40, eagle_choices=chain)
+    write_repository(settings_from_engine(engine, tokenizer_dir), tmp_path / "repo")
+    params = _params(model_configs(tmp_path / "repo")["tensorrt_llm"])
+    assert parse_eagle_choices(params["eagle_choices"]) == chain
 
 
 def test_cli_writes_a_repository_from_an_engine_and_from_a_profile(tmp_path: Path, tokenizer_dir: Path, capsys):

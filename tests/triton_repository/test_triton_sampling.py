@@ -32,7 +32,7 @@ def tokenizer_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def sampler(tokenizer_dir: Path) -> P.Preprocessor:
     return P.Preprocessor.from_dir(
-        str(tokenizer_dir), add_special_tokens=False, max_input_len=32, max_temperature=float("inf")
+        str(tokenizer_dir), add_special_tokens=False, max_input_len=32, max_seq_len=64, max_temperature=float("inf")
     )
 
 

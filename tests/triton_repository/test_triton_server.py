@@ -21,6 +21,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from _poisoned import POISONED_TOKEN
@@ -64,8 +65,8 @@ def _free_port() -> int:
 class RunningServer:
     """tritonserver on the repository through its own launch script, on free loopback ports."""
 
-    def __init__(self, repo: Path, log: Path):
-        self.repo, self.log = repo, log
+    def __init__(self, repo: Path, log: Path, exit_timeout_s: int = 5):
+        self.repo, self.log, self.exit_timeout_s = repo, log, exit_timeout_s
         self.http, self.grpc = _free_port(), _free_port()
         self.process: subprocess.Popen | None = None
         self.startup_s = 0.0
@@ -82,7 +83,7 @@ class RunningServer:
             f"--http-port={self.http}",
             f"--grpc-port={self.grpc}",
             "--allow-metrics=false",
-            "--exit-timeout-secs=5",
+            f"--exit-timeout-secs={self.exit_timeout_s}",
         ]
         start = time.perf_counter()
         with open(self.log, "ab") as log:
@@ -508,6 +509,87 @@ def _stubs(server) -> list[int]:
         if parent == server.process.pid and b"triton_python_backend_stub" in command:
             stubs.append(int(entry.name))
     return stubs
+
+
+def test_serve_over_triton_refuses_ids_the_model_cannot_take_and_serves_on(server, tokenizer, texts, golden):
+    """`serve --triton_url` checks prompt ids against the tokenizer's vocabulary and INT32 before a request leaves:
+    each such prompt is a 400 naming the range (before: a 500 from the model, or a request never answered that
+    kept its batch slot), and with one batch slot the next request is served with the golden loop's text."""
+    from _server import RunningServer
+
+    from dflash_trt.server.launch import make_app
+    from dflash_trt.server.targets import triton_target
+
+    eos = list(golden.target.spec.eos_token_ids)
+    target = triton_target(server.url, "tensorrt_llm", 1, MAX_SEQ_LEN, eos, False, len(tokenizer))
+    with RunningServer(make_app(target, tokenizer, "tiny")) as running:
+        for prompt in ([5, 2**31], [5, 2**40], [5, len(tokenizer)], [-1, 5]):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+            answer = httpx.post(f"{running.url}/v1/completions", json=body, timeout=30)
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == "prompt", (prompt, answer.text)
+            if prompt[0] == 5:
+                assert f"must lie in [0, {len(tokenizer) - 1}]" in answer.json()["error"]["message"], answer.text
+        body = {"model": "tiny", "prompt": texts[0], "max_tokens": MAX_NEW, "temperature": 0}
+        answer = httpx.post(f"{running.url}/v1/completions", json=body, timeout=120)
+        assert answer.status_code == 200
+        assert answer.json()["choices"][0]["text"] == _greedy_text(golden, tokenizer, texts[0])
+
+
+def _group(pid: int) -> list[int]:
+    """The processes still alive in process group `pid` (the server's, which its stubs join)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pid and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+def test_cancelled_streams_are_closed_and_sigterm_exits_at_once(checkpoint, tokenizer, texts, tmp_path):
+    """Streams cancelled by their clients (to tensorrt_llm, the BLS and the ensemble) get their final responses,
+    so Triton releases them: SIGTERM then unloads every model and exits well within its exit timeout, leaving no
+    python stub behind (before, it waited the whole timeout)."""
+    settings = settings_from_checkpoint(checkpoint, checkpoint, max_batch_size=2, max_seq_len=MAX_SEQ_LEN)
+    repo = write_repository(settings, tmp_path / "repo")
+    running = RunningServer(repo, tmp_path / "server.log", exit_timeout_s=120)
+    running.start()
+    try:
+        prompt = tokenizer.encode(texts[0])
+        text = [
+            _tensor("text_input", np.array([[texts[0].encode()]], object), "BYTES"),
+            _tensor("max_tokens", np.array([[MAX_NEW]], np.int32), "INT32"),
+            _tensor("stream", np.array([[True]]), "BOOL"),
+        ]
+        cancelled = [
+            ("tensorrt_llm", _llm_inputs(prompt, MAX_SEQ_LEN - len(prompt))),
+            ("tensorrt_llm", _llm_inputs(prompt, MAX_SEQ_LEN - len(prompt))),
+            ("tensorrt_llm_bls", text),  # they cannot cancel their tensorrt_llm request: it runs its 16 tokens
+            ("ensemble", text),
+        ]
+        for model, inputs in cancelled:
+            first: queue.Queue = queue.Queue()
+            client = grpcclient.InferenceServerClient(running.url)
+            client.start_stream(callback=lambda result, error, q=first: q.put((result, error)))
+            client.async_stream_infer(model, inputs)
+            assert first.get(timeout=60)[1] is None
+            client.stop_stream(cancel_requests=True)
+            client.close()
+        _, errors = _stream_raw(running, "tensorrt_llm", _llm_inputs(prompt, 2))  # steps after the cancels
+        assert errors == []
+        pid, start = running.process.pid, time.perf_counter()
+        running.process.terminate()
+        running.process.wait(timeout=150)
+        took = time.perf_counter() - start
+        deadline = time.monotonic() + 10
+        while _group(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert took < running.exit_timeout_s / 2 and _group(pid) == [], (took, _group(pid))
+        print(f"SIGTERM after four cancelled streams: exit in {took:.1f} s")
+    finally:
+        running.stop()
 
 
 def test_the_server_restarts_and_a_preloaded_library_stays_out_of_the_stubs(server, golden, tokenizer, texts, tmp_path):

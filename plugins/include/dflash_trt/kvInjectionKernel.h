@@ -21,7 +21,8 @@ struct KVInjectionParams
 {
     void const* ctxKv;       //!< [numTokens][numLayers][2][numKvHeads][headDim] of the input type
     void const* kNormWeight; //!< [numLayers][headDim] of the input type
-    int32_t const* positions;
+    int32_t const* positions;      //!< RoPE position of each token
+    int32_t const* cachePositions; //!< cache slot each token is written at (its position, except a tree's moved nodes)
     int32_t const* seqSlots;
     int32_t const* valid;
     int32_t numTokens;
