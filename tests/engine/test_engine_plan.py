@@ -25,6 +25,7 @@ from dflash_trt.draft_schedule import DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.spec import parse_draft_config, parse_target_config
 from dflash_trt.trtllm import build_plan
+from dflash_trt.trtllm.attention_route import TARGET_SM_ENV
 from dflash_trt.trtllm.build import run_engine_build
 from dflash_trt.trtllm.build_plan import (
     EngineBuildSettings,
@@ -60,7 +61,11 @@ def test_command_is_the_exact_trtllm_build_call(ckpt: Path, tmp_path: Path):
     assert flags["--max_beam_width"] == "1"
     assert flags["--workers"] == "1"
     assert flags["--logits_dtype"] == "float32"
-    assert shlex.split(plan.shell_command()) == ["DFLASH_TRT_DRAFT_LEN_SCHEDULE=none", *plan.command]
+    assert shlex.split(plan.shell_command()) == [
+        "DFLASH_TRT_TARGET_SM=90",
+        "DFLASH_TRT_DRAFT_LEN_SCHEDULE=none",
+        *plan.command,
+    ]
     assert plan.plugin_library == "/opt/lib.so"
 
 
@@ -293,7 +298,9 @@ def test_sliding_window_drafters_build_past_their_window(tmp_path: Path, gpu: st
 def test_windows_shorter_than_the_block_build(tmp_path: Path):
     draft = {**DRAFT_HF, "use_sliding_window": True, "sliding_window": 12, "layer_types": ["sliding_attention"] * 2}
     ckpt = write_checkpoint(tmp_path / "c", draft_hf=draft)
-    assert plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings(max_seq_len=64, max_input_len=32)).command
+    assert plan_engine_build(
+        ckpt, tmp_path / "e", EngineBuildSettings(max_seq_len=64, max_input_len=32, max_num_tokens=1024)
+    ).command
 
 
 def test_the_default_max_seq_len_ignores_the_window(tmp_path: Path, capsys):
@@ -732,7 +739,7 @@ def test_a_draft_tree_build_verifies_its_nodes_over_the_chain_positions(ckpt: Pa
     plan = plan_engine_build(ckpt, tmp_path / "e", settings)
     assert flag_values(plan.command)["--max_draft_len"] == "40"
     assert plan.build_config["max_draft_len"] == 40
-    assert plan.build_env() == {build_plan.SCHEDULE_ENV: "none", build_plan.TREE_ENV: "40"}
+    assert plan.build_env() == {TARGET_SM_ENV: "90", build_plan.SCHEDULE_ENV: "none", build_plan.TREE_ENV: "40"}
     assert f" {build_plan.TREE_ENV}=40 trtllm-build " in f" {plan.shell_command()}"
     manifest = plan.dflash_manifest
     assert (manifest["max_draft_len"], manifest["draft_tree"], len(manifest["eagle_choices"])) == (40, 40, 15)
@@ -752,3 +759,26 @@ def test_a_draft_tree_takes_no_draft_length_schedule(ckpt: Path, tmp_path: Path)
     settings = EngineBuildSettings(draft_tree=40, draft_len_schedule=DraftLenSchedule(((4, 8),)))
     with pytest.raises(DFlashTrtError, match="takes no draft-length schedule"):
         plan_engine_build(ckpt, tmp_path / "e", settings)
+
+
+@pytest.mark.parametrize(("gpu", "refused"), [("h100", False), ("h200", False), ("b200", True), ("b300", True)])
+def test_a_draft_tree_is_refused_where_dflash_attention_verifies(ckpt: Path, tmp_path: Path, capsys, gpu, refused):
+    """DFlashAttention masks the verified tokens as a chain: where it serves the target's verification (B200 / B300)
+    a tree would be verified with the wrong mask, so the plan refuses it in one line; the chain node count is the
+    chain and builds everywhere; the stock route (Hopper) builds the tree."""
+    from dflash_trt.cli import main as cli_main
+
+    settings = EngineBuildSettings(draft_tree=40, gpu=gpu)
+    if refused:
+        with pytest.raises(DFlashTrtError, match=rf"--draft_tree: on {gpu} the target's verification runs on "):
+            plan_engine_build(ckpt, tmp_path / "e", settings)
+    else:
+        assert plan_engine_build(ckpt, tmp_path / "e", settings).dflash_manifest["draft_tree"] == 40
+    assert plan_engine_build(ckpt, tmp_path / "e", replace(settings, draft_tree=15)).build_config["max_draft_len"] == 15
+    argv = ["build", "--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e"), "--dry_run", "--gpu", gpu]
+    assert cli_main([*argv, "--draft_tree", "40"]) == (2 if refused else 0)
+    out, err = capsys.readouterr()
+    if refused:
+        assert out == "" and len(err.strip().splitlines()) == 1 and "no packed tree mask" in err
+    else:
+        assert "DFLASH_TRT_DRAFT_TREE=40 trtllm-build" in out

@@ -167,7 +167,11 @@ def test_one_worker_or_one_rank_stays_a_single_trtllm_build(tmp_path: Path):
     single = _plan(tmp_path / "b", tp=1, workers=8)
     for plan in (serial, single):
         assert plan.parallel_workers == 1 and plan.rank_commands() == []
-        assert shlex.split(plan.shell_command()) == ["DFLASH_TRT_DRAFT_LEN_SCHEDULE=none", *plan.command]
+        assert shlex.split(plan.shell_command()) == [
+            "DFLASH_TRT_TARGET_SM=90",
+            "DFLASH_TRT_DRAFT_LEN_SCHEDULE=none",
+            *plan.command,
+        ]
         assert plan.command[0] == "trtllm-build"
     assert serial.command[serial.command.index("--workers") + 1] == "1"
 
@@ -175,7 +179,7 @@ def test_one_worker_or_one_rank_stays_a_single_trtllm_build(tmp_path: Path):
 def test_parallel_dry_run_prints_a_runnable_shell_line(tmp_path: Path):
     """The printed line runs the same per-rank commands through xargs (executed here with `echo` as python)."""
     plan = _plan(tmp_path, tp=4, workers=2)
-    line = plan.shell_command(with_environment=True)
+    line = plan.shell_command(with_library=True)
     assert line.startswith("seq 0 3 | DFLASH_TRT_PLUGIN_LIB=") and "xargs -P 2 -I{}" in line
     echoed = subprocess.run(
         ["bash", "-c", line.replace("xargs -P 2 -I{} python", "xargs -P 1 -I{} echo")],
