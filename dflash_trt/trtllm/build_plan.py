@@ -223,9 +223,13 @@ class EngineBuildPlan:
         return build_environment(self.settings)
 
     def shell_command(self, with_library: bool = False) -> str:
-        """The build as a shell line with the variables its processes need; `with_library` also sets the plugin
-        library variable."""
-        env = environment_prefix({**({LIBRARY_ENV: self.plugin_library} if with_library else {}), **self.build_env()})
+        """The build as a shell line with the variables the network is built from; `with_library` also sets the
+        plugin library and the planned GPU's SM, as `dflash-trt build` runs it (without them, a line run by hand on a
+        GPU host builds for that host's GPU, `route_for_build`)."""
+        variables = self.build_env()
+        if not with_library:
+            variables.pop(TARGET_SM_ENV)
+        env = environment_prefix({**({LIBRARY_ENV: self.plugin_library} if with_library else {}), **variables})
         if self.parallel_workers == 1:
             return env + shlex.join(self.command)
         one_rank = [
