@@ -207,7 +207,7 @@ def test_the_selftests_windowed_drafter_decodes_past_its_window(gpu, tmp_path, t
     from dflash_trt.commands.selftest import windowed_drafter
 
     checkpoint = tmp_path / "ckpt"
-    convert_checkpoint(target_dir(), windowed_drafter(tmp_path, 40), checkpoint, dtype="float32")
+    convert_checkpoint(target_dir(), windowed_drafter(tmp_path, draft_dir(), 40), checkpoint, dtype="float32")
     model = load_golden_model(checkpoint)
     assert model.draft.spec.layer_types[-1] == "sliding_attention" and model.draft.spec.sliding_window == 40
     golden = speculative_generate(model, tiny_prompts, 24)
