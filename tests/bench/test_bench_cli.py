@@ -123,9 +123,7 @@ def test_the_golden_model_drafts_by_load_and_results_record_each_iterations_draf
     assert max(d for r in runs["none"][4] for d in r["draft_lens"]) == 15
 
 
-def test_draft_trees_run_on_the_emulated_engine_and_results_record_nodes_per_iteration(
-    checkpoint, tmp_path, capsys
-):
+def test_draft_trees_run_on_the_emulated_engine_and_results_record_nodes_per_iteration(checkpoint, tmp_path, capsys):
     """`--draft_tree 24` runs the tree engine's network under the emulated runtime: every generation iteration
     verifies 24 nodes (the tiny vocabulary holds far more continuations), results.json records each, and the greedy
     tokens are the chain's (the golden model's), as lossless trees must give."""
