@@ -421,7 +421,8 @@ class Method:
     draft_tree: int | None = None
 
     def __post_init__(self) -> None:
-        if self.draft_tree is not None and (self.schedule is not None or not isinstance(self.drafter, DFlashShape)):
+        scheduled = self.schedule is not None and not self.schedule.is_none
+        if self.draft_tree is not None and (scheduled or not isinstance(self.drafter, DFlashShape)):
             raise DFlashTrtError(f"{self.name}: draft trees are a DFlash engine's, without a draft-length schedule")
 
     def tokens_per_step(self, batch: int) -> float:
