@@ -15,6 +15,7 @@ from pathlib import Path
 
 from dflash_trt.analysis.model import Method, mean_context
 from dflash_trt.analysis.published import PAIRS, pair_for_models
+from dflash_trt.analysis.tree_acceptance import tree_method
 from dflash_trt.decoding_modes import DFLASH
 from dflash_trt.pipeline.profiles import load_profile
 from dflash_trt.pipeline.schedule import engine_deployment, profile_acceptance
@@ -38,7 +39,7 @@ def main() -> int:
         acc = profile_acceptance(profile, drafter)
         ctx = mean_context(profile.sweep.input_len, profile.sweep.output_len)
         for tree in TREES:
-            method = Method(DFLASH, drafter, acc, draft_tree=tree)
+            method = Method(DFLASH, drafter, acc) if tree is None else tree_method(DFLASH, drafter, acc, tree)
             cells = []
             for c in CONCURRENCIES:
                 it = method.iteration(target, c, ctx, dep)

@@ -416,12 +416,15 @@ class Method:
     drafter: DFlashShape | Eagle3Shape | None = None
     acceptance: Acceptance | None = None
     schedule: DraftLenSchedule | None = None
-    # Draft trees of N nodes (our engine's `--draft_tree`): each step verifies N + 1 tokens and yields what the best
-    # static tree over `acceptance`'s per-position rates does (`tree_acceptance.RankRates.from_chain`).
+    # Draft trees of N nodes (our engine's `--draft_tree`): each step verifies N + 1 tokens and yields `tree_tokens`
+    # (bonus included; `tree_acceptance.tree_method` sets both from the acceptance).
     draft_tree: int | None = None
+    tree_tokens: float | None = None
 
     def __post_init__(self) -> None:
         scheduled = self.schedule is not None and not self.schedule.is_none
+        if (self.draft_tree is None) != (self.tree_tokens is None):
+            raise DFlashTrtError(f"{self.name}: a draft tree needs its node count and its tokens per step")
         if self.draft_tree is not None and (scheduled or not isinstance(self.drafter, DFlashShape)):
             raise DFlashTrtError(f"{self.name}: draft trees are a DFlash engine's, without a draft-length schedule")
 
@@ -430,11 +433,7 @@ class Method:
         acceptance = self.acceptance_at(batch)
         if acceptance is None:
             return 1.0
-        if self.draft_tree is None:
-            return acceptance.mean()
-        from dflash_trt.analysis.tree_acceptance import RankRates  # it builds on this module's Acceptance
-
-        return RankRates.from_chain(acceptance).tree_mean(self.draft_tree)
+        return acceptance.mean() if self.tree_tokens is None else self.tree_tokens
 
     def acceptance_at(self, batch: int) -> Acceptance | None:
         """The acceptance of one step at this batch: the schedule's draft length cuts longer accepted runs."""

@@ -32,7 +32,7 @@ from dflash_trt.analysis.model import (
 from dflash_trt.analysis.pareto import Point, crossover_concurrency, speedup_table
 from dflash_trt.analysis.published import PAIRS, TAU_SOURCES, TAUS, WORKLOADS, pair_for_models, workload_taus
 from dflash_trt.analysis.shapes import eagle3_like, load_models
-from dflash_trt.analysis.tree_acceptance import RESIDUAL_RATIO
+from dflash_trt.analysis.tree_acceptance import RESIDUAL_RATIO, tree_method
 from dflash_trt.checkpoint.sharding import tp_refusal
 from dflash_trt.decoding_modes import AR, DFLASH, EAGLE3
 from dflash_trt.draft_schedule import AUTO, DraftLenSchedule
@@ -544,7 +544,10 @@ def _curves(args: argparse.Namespace) -> None:
     variants = {}
     tree = _draft_tree(args, drafter)
     for dflash_acc in dflash_accs:
-        dflash = [Method(DFLASH, drafter, dflash_acc, schedule, tree)] if dflash_acc is not None else []
+        dflash: list[Method] = []
+        if dflash_acc is not None:
+            one = Method(DFLASH, drafter, dflash_acc, schedule)
+            dflash = [one if tree is None or drafter is None else tree_method(DFLASH, drafter, dflash_acc, tree)]
         if tree is not None and dflash_acc is not None:
             notes.append(
                 f"draft trees of {tree} nodes: {tree + 1} target tokens verified per step, "

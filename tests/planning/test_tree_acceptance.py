@@ -9,7 +9,7 @@ import itertools
 import pytest
 
 from dflash_trt.analysis.model import Acceptance
-from dflash_trt.analysis.tree_acceptance import RankRates, rank_rates
+from dflash_trt.analysis.tree_acceptance import RankRates, rank_rates, tree_method
 from dflash_trt.draft_schedule import DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
 
@@ -79,7 +79,7 @@ def test_plan_prices_a_tree_step_as_its_nodes_verified_beside_the_drafters_block
     acc = Acceptance.from_mean(6.55, drafter.block_size)
     dep = Deployment(get_gpu("b200"), "bf16", "bf16", 1, calibration("trtllm"))
     ctx = mean_context(1024, 1024)
-    chain, tree = Method(DFLASH, drafter, acc), Method(DFLASH, drafter, acc, draft_tree=64)
+    chain, tree = Method(DFLASH, drafter, acc), tree_method(DFLASH, drafter, acc, 64)
     tokens = RankRates.from_chain(acc).tree_mean(64)
     for batch in (1, 8, 64):
         cost = tree.step(target, batch, ctx, dep)
@@ -91,7 +91,9 @@ def test_plan_prices_a_tree_step_as_its_nodes_verified_beside_the_drafters_block
     with pytest.raises(DFlashTrtError, match="a tree more"):
         dflash_step(target, drafter, 1, drafter.block_size, tokens, ctx, dep, drafter.block_size, tree=True)
     with pytest.raises(DFlashTrtError, match="without a draft-length schedule"):
-        Method(DFLASH, drafter, acc, DraftLenSchedule(((4, 8),)), draft_tree=64)
+        Method(DFLASH, drafter, acc, DraftLenSchedule(((4, 8),)), draft_tree=64, tree_tokens=tokens)
+    with pytest.raises(DFlashTrtError, match="node count and its tokens per step"):
+        Method(DFLASH, drafter, acc, draft_tree=64)
 
 
 @pytest.mark.parametrize(
