@@ -236,3 +236,11 @@ def test_a_draft_tree_engine_runs_the_chains_longest_request(tiny, prompts):
         for kept, step in zip(kept_before, decoding.steps, strict=True)
     ]
     assert engine.stats.largest_position == max(block_ends) <= 255
+
+
+def test_a_step_smaller_than_a_kv_page_is_refused(tiny):
+    """Prompt chunks are whole pages: with a step below a page, a prompt longer than a step would never be scheduled
+    (the executor would spin without progress), so the engine is refused when it is made."""
+    with pytest.raises(DFlashTrtError, match=r"--max_num_tokens 16 is below --tokens_per_block 32"):
+        EmulatedEngine(tiny, max_batch_size=1, max_num_tokens=16, tokens_per_block=32)
+    EmulatedEngine(tiny, max_batch_size=1, max_num_tokens=32, tokens_per_block=32)
