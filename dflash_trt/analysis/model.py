@@ -350,16 +350,18 @@ def dflash_step(
     ctx: float,
     dep: Deployment,
     drafter_tokens: int | None = None,
+    tree: bool = False,
 ) -> StepCost:
     """One DFlash iteration verifying `verify_tokens` (= draft length + 1) per sequence: the target verify, one
     drafter pass over `drafter_tokens` block positions (lm_head on all but the anchor's row) and the KV injection of
     `injected_tokens` accepted tokens per sequence (fc over their taps, then every draft layer's K/V projection).
     `drafter_tokens` defaults to `verify_tokens` (a runtime that sizes the block by the draft length); our engine
-    drafts its whole block whatever the draft length, so a draft-length schedule passes the block size."""
+    drafts its whole block whatever the draft length, so a draft-length schedule passes the block size, and so does
+    a draft tree, which verifies its N nodes + 1 (more than the block: `tree` True)."""
     width = verify_tokens if drafter_tokens is None else drafter_tokens
-    if not 1 <= verify_tokens <= width <= drafter.block_size:
+    if not 1 <= width <= drafter.block_size or not (width < verify_tokens if tree else 1 <= verify_tokens <= width):
         raise DFlashTrtError(
-            f"a DFlash step verifies 1..{drafter.block_size} tokens (the block) and drafts at least as many, got "
+            f"a DFlash step verifies 1..{drafter.block_size} tokens (the block; a tree more) and drafts the block, got "
             f"{verify_tokens} verified of {width} drafted"
         )
     verify = stack_pass(target.stack, batch, verify_tokens, ctx, dep, batch * verify_tokens, target.vocab)
@@ -414,6 +416,24 @@ class Method:
     drafter: DFlashShape | Eagle3Shape | None = None
     acceptance: Acceptance | None = None
     schedule: DraftLenSchedule | None = None
+    # Draft trees of N nodes (our engine's `--draft_tree`): each step verifies N + 1 tokens and yields `tree_tokens`
+    # (bonus included; `tree_acceptance.tree_method` sets both from the acceptance).
+    draft_tree: int | None = None
+    tree_tokens: float | None = None
+
+    def __post_init__(self) -> None:
+        scheduled = self.schedule is not None and not self.schedule.is_none
+        if (self.draft_tree is None) != (self.tree_tokens is None):
+            raise DFlashTrtError(f"{self.name}: a draft tree needs its node count and its tokens per step")
+        if self.draft_tree is not None and (scheduled or not isinstance(self.drafter, DFlashShape)):
+            raise DFlashTrtError(f"{self.name}: draft trees are a DFlash engine's, without a draft-length schedule")
+
+    def tokens_per_step(self, batch: int) -> float:
+        """Tokens a sequence keeps per step (bonus included): the acceptance's mean, or a tree's."""
+        acceptance = self.acceptance_at(batch)
+        if acceptance is None:
+            return 1.0
+        return acceptance.mean() if self.tree_tokens is None else self.tree_tokens
 
     def acceptance_at(self, batch: int) -> Acceptance | None:
         """The acceptance of one step at this batch: the schedule's draft length cuts longer accepted runs."""
@@ -433,6 +453,9 @@ class Method:
                 raise DFlashTrtError(
                     f"acceptance lengths reach {width} but the drafter's block size is {self.drafter.block_size}"
                 )
+            if self.draft_tree is not None:
+                verify, tokens = self.draft_tree + 1, self.tokens_per_step(batch)
+                return dflash_step(target, self.drafter, batch, verify, tokens, ctx, dep, self.drafter.block_size, True)
             block = None if self.schedule is None else self.drafter.block_size
             return dflash_step(target, self.drafter, batch, width, acceptance.mean(), ctx, dep, block)
         steps = self.drafter.steps
@@ -442,9 +465,7 @@ class Method:
 
     def iteration(self, target: TargetShape, batch: int, ctx: float, dep: Deployment) -> Iteration:
         cost = self.step(target, batch, ctx, dep)
-        acceptance = self.acceptance_at(batch)
-        tokens = 1.0 if acceptance is None else acceptance.mean()
-        return Iteration(dep.calibration.seconds(cost), tokens, cost)
+        return Iteration(dep.calibration.seconds(cost), self.tokens_per_step(batch), cost)
 
 
 def mean_context(input_len: int, output_len: int) -> float:

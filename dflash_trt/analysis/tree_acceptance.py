@@ -20,7 +20,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dflash_trt.analysis.model import Acceptance
+from dflash_trt.analysis.model import Acceptance, DFlashShape, Method
 from dflash_trt.errors import DFlashTrtError
 
 # Geometric ratio of the ranks past the drafter's best (r >= 2), fitted by `residual_ratio` on the tiny pair's 32
@@ -97,3 +97,11 @@ def rank_rates(rows: Sequence[Sequence[float]]) -> RankRates:
     while kept and not any(kept[-1]):
         kept.pop()
     return RankRates(tuple(kept))
+
+
+def tree_method(name: str, drafter: DFlashShape, acceptance: Acceptance, nodes: int) -> Method:
+    """The performance model's DFlash engine verifying draft trees of `nodes` nodes: N + 1 target tokens a step, and
+    the best static tree's tokens over the chain's per-position rates (`RankRates.from_chain`: an assumption for a
+    drafter with no measured rank rates)."""
+    tokens = RankRates.from_chain(acceptance).tree_mean(nodes)
+    return Method(name, drafter, acceptance, draft_tree=nodes, tree_tokens=tokens)

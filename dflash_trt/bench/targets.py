@@ -19,6 +19,7 @@ from dflash_trt.decoding_modes import AR, DECODING_MODES, EAGLE3, DecodingMode
 from dflash_trt.draft_schedule import FIXED, DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.executors.contract import Executor
+from dflash_trt.inputs import check_tree_schedule, draft_tree_nodes
 from dflash_trt.reference.loop_rules import longest_request
 
 ExecutorFactory = Callable[[int], Executor]  # max requests in flight -> a fresh executor for one point
@@ -42,6 +43,9 @@ class Target:
     tokenizer_dir: str | None = None  # the served model's tokenizer: text models take and return text
     # The golden model's drafts by load; an engine's schedule is built into it (`build --draft_len_schedule`).
     draft_len_schedule: DraftLenSchedule = FIXED
+    # A checkpoint's draft trees of N nodes, decoded by the emulated engine (the golden executor verifies chains);
+    # an engine's tree is built into it (`build --draft_tree`).
+    draft_tree: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in DECODING_MODES:
@@ -58,6 +62,13 @@ class Target:
                 "a draft-length schedule is given to the golden model of a checkpoint; an engine's is built into it "
                 "(dflash-trt build --draft_len_schedule)"
             )
+        if self.draft_tree is not None and not self.checkpoint_dir:
+            raise DFlashTrtError(
+                "a draft tree is given to a checkpoint's emulated engine; an engine's is built into it "
+                "(dflash-trt build --draft_tree)"
+            )
+        if self.draft_tree is not None:
+            check_tree_schedule(self.draft_len_schedule)
 
     @property
     def location(self) -> tuple[str, str]:
@@ -106,6 +117,9 @@ def check_target(target: Target) -> None:
         raise DFlashTrtError(f"{target.checkpoint_dir} is not a converted checkpoint (no config.json)")
     elif target.checkpoint_dir and not target.draft_len_schedule.is_none:
         target.draft_len_schedule.fitted_to(_golden_model(target.checkpoint_dir).draft.spec.block_size - 1)
+    elif target.checkpoint_dir and target.draft_tree is not None:
+        draft = _golden_model(target.checkpoint_dir).draft.spec
+        draft_tree_nodes(target.draft_tree, draft.block_size - 1, draft.dflash2 is not None)
 
 
 def vocab_size(target: Target) -> int | None:
@@ -133,6 +147,8 @@ def executor_factory(
     max_batch_size: int | None = None,
     kv_cache_free_gpu_mem_fraction: float | None = None,
 ) -> ExecutorFactory:
+    if target.checkpoint_dir and target.draft_tree is not None:
+        return _tree_executor_factory(target, workload, max_batch_size)
     if target.checkpoint_dir:
         from dflash_trt.executors.golden import GoldenExecutor
 
@@ -193,6 +209,23 @@ def executor_factory(
     )
 
 
+def _tree_executor_factory(target: Target, workload: Workload, max_batch_size: int | None) -> ExecutorFactory:
+    """The engine's network with draft trees under the emulated runtime: its responses carry each iteration's
+    verified node count (`Response.draft_len`)."""
+    from dflash_trt.emulation.engine import EmulatedEngine
+    from dflash_trt.executors.emulated import EmulatedExecutor
+
+    assert target.checkpoint_dir is not None and target.draft_tree is not None
+    checkpoint_dir, nodes, requests = target.checkpoint_dir, target.draft_tree, len(workload.requests)
+
+    def build(in_flight: int) -> Executor:
+        engine = EmulatedEngine(checkpoint_dir, max_batch_size or min(in_flight, requests), draft_tree=nodes)
+        stops = [] if workload.ignore_eos else list(engine.eos_token_ids)
+        return EmulatedExecutor(engine, workload.max_seq_len, stop_token_ids=stops)
+
+    return build
+
+
 def provenance(target: Target) -> dict[str, Any]:
     """`results.json`'s provenance of a run against `target` starting now."""
     from dflash_trt.bench.provenance import collect
@@ -205,4 +238,5 @@ def provenance(target: Target) -> dict[str, Any]:
 def describe(target: Target) -> dict[str, Any]:
     kind, value = target.location
     schedule = {"draft_len_schedule": target.draft_len_schedule.text()} if target.checkpoint_dir else {}
-    return {"kind": target.mode, kind: value, **schedule}
+    tree = {"draft_tree": target.draft_tree} if target.draft_tree is not None else {}
+    return {"kind": target.mode, kind: value, **schedule, **tree}

@@ -37,6 +37,7 @@ from dflash_trt.inputs import (
     CONCURRENCIES,
     CONCURRENCY,
     DRAFT_LEN_SCHEDULE,
+    DRAFT_TREE,
     END_ID,
     GPUS,
     MEMORY_FRACTION,
@@ -146,6 +147,14 @@ def _add_source_arguments(p: argparse.ArgumentParser) -> None:
         help="--checkpoint_dir: the golden model's drafts per request by the step's load, none (default) or "
         "N1:K1,N2:K2,... (an engine's is built into it; `plan --draft_len_schedule auto` prints a GPU's table)",
     )
+    p.add_argument(
+        "--draft_tree",
+        type=DRAFT_TREE,
+        default=None,
+        metavar="N",
+        help="--checkpoint_dir: draft trees of N nodes, run by the emulated engine; results.json's draft_lens are "
+        "the nodes each iteration verified (default: the golden model's chain; an engine's tree is built into it)",
+    )
     prompts = p.add_mutually_exclusive_group(required=True)
     prompts.add_argument(
         "--input_file",
@@ -193,7 +202,9 @@ def targets(args: argparse.Namespace, end_id: int | None = None) -> dict[str, Ta
             "--draft_len_schedule auto is derived for a GPU; the golden model takes a table (dflash-trt plan "
             "--draft_len_schedule auto prints one)"
         )
-    out = {DFLASH: Target(DFLASH, *where, **common, draft_len_schedule=args.draft_len_schedule)}
+    out = {
+        DFLASH: Target(DFLASH, *where, **common, draft_len_schedule=args.draft_len_schedule, draft_tree=args.draft_tree)
+    }
     if args.baseline == AR:
         if args.openai_url:
             raise DFlashTrtError("--baseline ar is not available with --openai_url; bench the AR server separately")

@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     )
     tokenizer = load_tokenizer(checkpoint_dir)
     prompts = read_prompts(args.input_file, tokenizer)
-    longest = longest_request(engine.facts.max_position_embeddings, engine.k)
+    longest = longest_request(engine.facts.max_position_embeddings, engine.depth)
     check_lengths(args, prompts, longest, "the target's max_position_embeddings less two draft blocks")
     sampling = sequence_sampling(args, len(prompts))
     stop_ids = [] if args.ignore_eos else list(engine.eos_token_ids)

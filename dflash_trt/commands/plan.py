@@ -32,6 +32,7 @@ from dflash_trt.analysis.model import (
 from dflash_trt.analysis.pareto import Point, crossover_concurrency, speedup_table
 from dflash_trt.analysis.published import PAIRS, TAU_SOURCES, TAUS, WORKLOADS, pair_for_models, workload_taus
 from dflash_trt.analysis.shapes import eagle3_like, load_models
+from dflash_trt.analysis.tree_acceptance import RESIDUAL_RATIO, tree_method
 from dflash_trt.checkpoint.sharding import tp_refusal
 from dflash_trt.decoding_modes import AR, DFLASH, EAGLE3
 from dflash_trt.draft_schedule import AUTO, DraftLenSchedule
@@ -40,12 +41,15 @@ from dflash_trt.formats import KV_CACHE_DTYPES, NONE, QFORMATS
 from dflash_trt.inputs import (
     CONCURRENCIES,
     DRAFT_LEN_SCHEDULE,
+    DRAFT_TREE,
     POSITIVE_INT,
     SPEED,
     SPEED_LEVELS,
     TEMPERATURE,
     FloatRange,
     IntRange,
+    check_tree_schedule,
+    draft_tree_nodes,
 )
 from dflash_trt.inputs import GPUS as GPU_COUNT
 from dflash_trt.jsonfile import strict_json
@@ -161,6 +165,14 @@ def _add_acceptance_args(p: argparse.ArgumentParser) -> None:
         help="plan our engine under a draft-length schedule: auto (derived here: at each batch the draft length "
         "serving the most tok/s; printed as the table build takes), none, or N1:K1,N2:K2,... (with at least N "
         "requests in a step, draft K); prints AR, the full draft length and the schedule side by side",
+    )
+    p.add_argument(
+        "--draft_tree",
+        type=DRAFT_TREE,
+        default=None,
+        metavar="N",
+        help="plan our engine verifying draft trees of N nodes (N + 1 target tokens a step; acceptance: the best "
+        "static tree over the chain's per-position rates, docs/performance.md; default: the chain)",
     )
 
 
@@ -494,6 +506,21 @@ def band_text(cal: Calibration) -> str:
     return f"error band ±{100 * cal.error_band:.0f}% on every predicted number ({cal.band_source})"
 
 
+def _draft_tree(args: argparse.Namespace, drafter: DFlashShape | None) -> int | None:
+    """The planned tree's nodes (None: the chain), by the node rule the engine and the golden loop share."""
+    if args.draft_tree is None:
+        return None
+    if drafter is None:
+        raise DFlashTrtError("--draft_tree plans a drafter: pass --dflash_model_dir or --preset")
+    if args.draft_len_schedule == AUTO:
+        raise DFlashTrtError("--draft_tree takes no draft-length schedule: auto derives one for chains")
+    if args.draft_len_schedule is not None:
+        check_tree_schedule(args.draft_len_schedule)
+    if args.draft_tree > MAX_EAGLE_DRAFT_LEN:
+        raise DFlashTrtError(f"--draft_tree {args.draft_tree}: EAGLE verifies at most {MAX_EAGLE_DRAFT_LEN} drafts")
+    return draft_tree_nodes(args.draft_tree, drafter.block_size - 1, False) or None
+
+
 def _curves(args: argparse.Namespace) -> None:
     target, drafter = _models(args)
     cal, cal_notes = _calibration(args)
@@ -515,8 +542,19 @@ def _curves(args: argparse.Namespace) -> None:
         schedule, note = _schedule(args, target, drafter, dflash_accs, dep, lengths, limits)
         notes.append(note)
     variants = {}
+    tree = _draft_tree(args, drafter)
     for dflash_acc in dflash_accs:
-        dflash = [Method(DFLASH, drafter, dflash_acc, schedule)] if dflash_acc is not None else []
+        dflash: list[Method] = []
+        if dflash_acc is not None:
+            one = Method(DFLASH, drafter, dflash_acc, schedule)
+            dflash = [one if tree is None or drafter is None else tree_method(DFLASH, drafter, dflash_acc, tree)]
+        if tree is not None and dflash_acc is not None:
+            notes.append(
+                f"draft trees of {tree} nodes: {tree + 1} target tokens verified per step, "
+                f"{dflash[0].tokens_per_step(1):.2f} tokens per step (the chain's {dflash_acc.mean():.2f}) "
+                f"from the best static tree over the chain's per-position rates, later ranks geometric (ratio "
+                f"{RESIDUAL_RATIO}, fitted on the tiny pair)"
+            )
         methods = [Method(AR), *dflash, *extra]
         feasible = {m.name: feasible_curve(m, target, dep, conc, lengths, limits) for m in methods}
         curves = {n: _ran(c) for n, c in feasible.items()}

@@ -129,6 +129,12 @@ class EmulatedEngine:
         self.max_num_tokens = max(max_num_tokens or EngineBuildSettings.max_num_tokens, floor)
         if max_num_tokens is not None and max_num_tokens < floor:
             raise DFlashTrtError(f"--max_num_tokens must be at least max_batch_size * block_size = {floor}")
+        if self.max_num_tokens < tokens_per_block:
+            # Prompt chunks are whole KV pages: a step smaller than a page could never take a long prompt's chunk.
+            raise DFlashTrtError(
+                f"--max_num_tokens {self.max_num_tokens} is below --tokens_per_block {tokens_per_block}: a prompt "
+                "longer than one step is cut into chunks of whole KV pages, so no chunk would fit in a step"
+            )
         self.max_batch_size = max_batch_size
         self.tokens_per_block = tokens_per_block
         self.num_target_layers = config.num_hidden_layers

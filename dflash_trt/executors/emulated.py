@@ -50,11 +50,12 @@ class EmulatedStepper:
         stop_token_ids: list[int] | None = None,
         isolate_failures: bool = True,
     ):
-        holds = longest_request(engine.max_position_embeddings, engine.k)
+        holds = longest_request(engine.max_position_embeddings, engine.depth)
         if not 2 <= max_seq_len <= holds:
             raise DFlashTrtError(
                 f"max_seq_len must be in 2..{holds} (the target's {engine.max_position_embeddings} positions less "
-                f"the two blocks of {engine.k} drafts the last step reaches past a request's last token), got "
+                f"the two blocks of {engine.depth} draft positions the last step reaches past a request's last token), "
+                f"got "
                 f"{max_seq_len}"
             )
         self.engine = engine

@@ -97,6 +97,7 @@ def _engine_stage(inp: PipelineInputs, ckpt_fp: str | None) -> tuple[Stage, str]
         lengths = EngineLengths(
             max_seq_len=inp.settings.max_seq_len,
             max_draft_len=profile.engine.max_draft_len,
+            draft_nodes=profile.engine.max_draft_len,  # profiles hold no draft tree
             positions=None,  # the target's max_position_embeddings is not known yet
         )
     engine_fp = (

@@ -10,22 +10,26 @@ from dataclasses import dataclass
 from dflash_trt.errors import DFlashTrtError
 
 
-def longest_request(positions: int, max_draft_len: int) -> int:
+def longest_request(positions: int, depth: int) -> int:
     """The most tokens (prompt + output) one request may hold on an engine with `positions` positions (the target's
-    max_position_embeddings, or fewer when its KV cache is shorter) and `max_draft_len` drafts per step.
+    max_position_embeddings, or fewer when its KV cache is shorter) and `depth` draft positions per step (the chain's
+    K drafts; a draft tree's deepest node, which is K too: its N nodes sit at the anchor's position plus their depth).
 
-    The engine verifies a whole block `[anchor, d1..dK]` whatever is left of the output budget and, in the same step,
-    drafts the next block from the bonus token, which can lie K+1 past the anchor: a request's last step, anchored
-    on its last-but-one token, reaches 2K positions past its last token (docs/engine.md §4). Every admission
+    The engine verifies a whole block `[anchor, d1..dK]` (or tree) whatever is left of the output budget and, in the
+    same step, drafts the next block from the bonus token, which can lie K+1 past the anchor: a request's last step,
+    anchored on its last-but-one token, reaches 2K positions past its last token (docs/engine.md §4). Every admission
     check (serve's targets, the Triton repository, bench and emulate, the executors) uses this rule.
     """
-    return positions - 2 * max_draft_len
+    return positions - 2 * depth
 
 
-def built_engine_longest_request(kv_window: int, positions: int, max_draft_len: int) -> int:
-    """The longest request of a built engine: `longest_request` over its KV window (build_config.max_seq_len, which
-    the builder widened by 2K) or the target's positions, whichever is fewer."""
-    return longest_request(min(kv_window, positions), max_draft_len)
+def built_engine_longest_request(kv_window: int, positions: int, depth: int, nodes: int) -> int:
+    """The longest request of a built engine verifying `nodes` drafts per step over `depth` positions (a chain:
+    nodes = depth = K; a draft tree: N nodes, depth K): what its positions hold (`longest_request`) and what its KV
+    window (build_config.max_seq_len, which the builder widened by N + K) holds: the next block's K/V, 2K slots past
+    the last token, and the executor's own clip, prompt + output + N <= window, which also covers the verify step's
+    N + 1 slots from the anchor before the rewind (docs/engine.md §6.1) [read: llmRequest.cpp `validate`]."""
+    return min(longest_request(positions, depth), kv_window - max(2 * depth, nodes))
 
 
 def check_request(

@@ -33,12 +33,13 @@ class ServeTarget:
 
 
 def engine_longest_request(info: EngineInfo) -> int:
-    """The longest request of a built engine: its KV window (build_config.max_seq_len, which the builder widened
-    by 2K) and the target's positions, less the two draft blocks its last step reaches past the last token."""
-    config, window = info.engine_dir / "config.json", info.max_seq_len
-    if window is None or info.max_draft_len is None or info.max_position_embeddings is None:
+    """The longest request of a built engine (`built_engine_longest_request`): its KV window and the target's
+    positions, less what its last step reaches past the last token; a draft tree's depth is its EAGLE choices'."""
+    config, window, nodes = info.engine_dir / "config.json", info.max_seq_len, info.max_draft_len
+    if window is None or nodes is None or info.max_position_embeddings is None:
         raise DFlashTrtError(f"{config} has no build_config.max_seq_len / max_draft_len")
-    longest = built_engine_longest_request(window, info.max_position_embeddings, info.max_draft_len)
+    depth = len(info.eagle_choices) if info.eagle_choices else nodes
+    longest = built_engine_longest_request(window, info.max_position_embeddings, depth, nodes)
     if longest < 2:
         raise DFlashTrtError(f"{config}: max_seq_len {window} leaves no room for a request past two draft blocks")
     return longest
@@ -52,11 +53,11 @@ def checkpoint_target(
     from dflash_trt.executors.emulated import EmulatedExecutor
 
     engine = EmulatedEngine(checkpoint_dir, max_batch_size or DEFAULT_MAX_BATCH_SIZE)
-    longest = longest_request(engine.max_position_embeddings, engine.k)
+    longest = longest_request(engine.max_position_embeddings, engine.depth)
     if max_seq_len is not None and max_seq_len > longest:
         raise DFlashTrtError(
             f"--max_seq_len must be <= {longest}: the target's max_position_embeddings "
-            f"({engine.max_position_embeddings}) less two draft blocks of {engine.k}, which the engine's last step "
+            f"({engine.max_position_embeddings}) less two draft blocks of {engine.depth}, which the engine's last step "
             "reaches past a request's last token"
         )
     seq_len = max_seq_len or longest

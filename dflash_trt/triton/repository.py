@@ -539,12 +539,15 @@ def _read_json(path: Path, what: str) -> dict:
     return read_json_object(path, f"{path.parent} is not a DFlash engine directory: {what} {path.name} is missing")
 
 
-def _engine_longest_request(engine_dir: Path, build: dict, pretrained: dict, max_draft_len: int) -> int:
-    """The longest request the engine holds: its KV window (the runtime admits up to it) less what its last step
-    reaches past a request's last token, so the preprocessing refuses what would read positions past the table."""
+def _engine_longest_request(engine_dir: Path, build: dict, pretrained: dict, manifest: dict) -> int:
+    """The longest request the engine holds (`built_engine_longest_request`: its KV window and positions less what
+    its last step reaches past a request's last token), so the preprocessing refuses what would read positions past
+    the table; a draft tree verifies max_draft_len nodes over its EAGLE choices' depth."""
+    nodes = int(manifest["max_draft_len"])
+    depth = len(manifest.get("eagle_choices") or []) or nodes
     window = int(build["max_seq_len"])
     positions = int(pretrained.get("max_position_embeddings", window))
-    longest = built_engine_longest_request(window, positions, max_draft_len)
+    longest = built_engine_longest_request(window, positions, depth, nodes)
     if longest < 2:
         raise DFlashTrtError(f"{engine_dir}: max_seq_len {window} leaves no room for a request past two draft blocks")
     return longest
@@ -573,7 +576,7 @@ def settings_from_engine(
             eagle_depth=len(manifest.get("eagle_choices") or []) or None,
             world_size=int(manifest.get("tp_size", 1)),
             max_temperature=max_temperature_for_sampling(manifest.get("sampling")),
-            max_seq_len=_engine_longest_request(engine_dir, build, pretrained, int(manifest["max_draft_len"])),
+            max_seq_len=_engine_longest_request(engine_dir, build, pretrained, manifest),
             draft_len_schedule=str(manifest.get("draft_len_schedule", "none")),
             **serving_fields(serving or ServingSettings()),
         )

@@ -150,13 +150,14 @@ class EngineLengths:
     the engine's config.json holds more than was asked for [read: builder.py `build`, llmRequest.cpp `validate`]."""
 
     max_seq_len: int  # the build's --max_seq_len
-    max_draft_len: int
+    max_draft_len: int  # K, the draft positions per step (a draft tree's depth)
+    draft_nodes: int  # the drafts verified per step, the engine's EAGLE max_draft_len: K for a chain, N for a tree
     positions: int | None  # the target's RoPE rows every request must stay within; None: not known yet
 
     @property
     def engine_max_seq_len(self) -> int:
         """What config.json and dflash_trt.json record."""
-        return built_max_seq_len(self.max_seq_len, self.max_draft_len)
+        return built_max_seq_len(self.max_seq_len, self.draft_nodes, self.max_draft_len)
 
     @property
     def longest_request(self) -> int:
@@ -167,14 +168,25 @@ class EngineLengths:
         """The largest position the longest request's last step reaches: its next draft block, 2K past its end."""
         return self.longest_request + 2 * self.max_draft_len - 1
 
+    @property
+    def last_slot(self) -> int:
+        """The largest KV slot the longest request's last step writes: its next draft block's, or (a tree's) the
+        verified nodes', N past its anchor (its last-but-one token) before the rewind."""
+        return max(self.last_position, self.longest_request - 2 + self.draft_nodes)
+
     def explanation(self) -> str:
-        k = self.max_draft_len
+        k, n = self.max_draft_len, self.draft_nodes
+        added = f"2 x {k}" if n == k else f"{n} + {k}"
+        tree = "" if n == k else f" a draft tree of {n} nodes over {k} positions:"
         text = (
-            f"--max_seq_len {self.max_seq_len}: the engine records max_seq_len {self.engine_max_seq_len} = "
-            f"{self.max_seq_len} + 2 x {k} (TensorRT-LLM 1.2.x's builder adds max_draft_len, and num_eagle_layers for "
-            f"EAGLE); its executor runs requests of up to {self.longest_request} tokens (prompt + output + {k} drafts "
+            f"--max_seq_len {self.max_seq_len}:{tree} the engine records max_seq_len {self.engine_max_seq_len} = "
+            f"{self.max_seq_len} + {added} (TensorRT-LLM 1.2.x's builder adds max_draft_len, and num_eagle_layers for "
+            f"EAGLE); its executor runs requests of up to {self.longest_request} tokens (prompt + output + {n} drafts "
             f"<= {self.engine_max_seq_len}), whose last step reaches position {self.last_position}"
         )
+        if n != k:
+            text += f" and KV slot {self.last_slot} (the verified tree, before the rewind)"
+
         if self.positions is None:
             return text
         return f"{text} (the target's max_position_embeddings RoPE tables hold positions 0..{self.positions - 1})"
@@ -185,6 +197,7 @@ class EngineLengths:
             "engine_max_seq_len": self.engine_max_seq_len,
             "longest_request": self.longest_request,
             "last_position": self.last_position,
+            "last_slot": self.last_slot,
             "explanation": self.explanation(),
         }
 
@@ -619,8 +632,9 @@ def check_moe_layers(facts: CheckpointFacts) -> None:
 
 def engine_longest_request(max_seq_len: int, max_draft_len: int) -> int:
     """The longest request (prompt + output) TensorRT-LLM 1.2.x's executor runs on an engine built with `max_seq_len`:
-    builder.build() makes the engine's own max_seq_len L = max_seq_len + 2K, and `LlmRequest::validate` clips a
-    request's output so that prompt + output + K <= L [read: builder.py `build`, llmRequest.cpp `validate`]."""
+    builder.build() makes the engine's own max_seq_len L = max_seq_len + N + K (`built_max_seq_len`; N = K for a
+    chain), and `LlmRequest::validate` clips a request's output so that prompt + output + N <= L (its maxDraftLen is
+    the engine's, N) [read: builder.py `build`, llmRequest.cpp `validate`], so a tree's N cancels."""
     return max_seq_len + max_draft_len
 
 
@@ -637,6 +651,7 @@ def engine_lengths(facts: CheckpointFacts, settings: EngineBuildSettings) -> Eng
     return EngineLengths(
         max_seq_len=settings.max_seq_len,
         max_draft_len=facts.max_draft_len,
+        draft_nodes=verified_drafts(facts, settings),
         positions=facts.max_position_embeddings,
     )
 
@@ -709,8 +724,8 @@ def check_positions(facts: CheckpointFacts, max_seq_len: int) -> None:
     runs = engine_longest_request(max_seq_len, k)
     if runs > longest_request(facts.max_position_embeddings, k):
         raise DFlashTrtError(
-            f"max_seq_len {max_seq_len} lets the executor run requests of {runs} tokens (its built max_seq_len "
-            f"{max_seq_len + 2 * k} less {k} drafts), whose last step reaches position {runs + 2 * k - 1}, past the "
+            f"max_seq_len {max_seq_len} lets the executor run requests of {runs} tokens (`engine_longest_request`: "
+            f"max_seq_len + {k}), whose last step reaches position {runs + 2 * k - 1}, past the "
             f"{facts.max_position_embeddings} rows of the target's max_position_embeddings RoPE tables: build with "
             f"--max_seq_len <= {longest_max_seq_len(facts.max_position_embeddings, k)}"
         )
@@ -921,15 +936,15 @@ def check_engine_config(engine_dir: str | Path) -> None:
         )
 
 
-def built_max_seq_len(max_seq_len: int, max_draft_len: int) -> int:
-    """builder.build() adds max_draft_len (any speculative mode) and num_eagle_layers (EAGLE) to max_seq_len."""
-    return max_seq_len + 2 * max_draft_len
+def built_max_seq_len(max_seq_len: int, draft_nodes: int, num_eagle_layers: int) -> int:
+    """builder.build() adds max_draft_len (any speculative mode: the drafts verified per step, N for a draft tree)
+    and num_eagle_layers (EAGLE: our K draft positions) to max_seq_len [read: builder.py `build`]."""
+    return max_seq_len + draft_nodes + num_eagle_layers
 
 
 def engine_max_seq_len(facts: CheckpointFacts, settings: EngineBuildSettings) -> int:
-    """The engine's own max_seq_len: `built_max_seq_len` for a chain; a draft tree's engine verifies N drafts over K
-    positions, so the builder adds N + K."""
-    return settings.max_seq_len + verified_drafts(facts, settings) + facts.max_draft_len
+    """The engine's own max_seq_len (`built_max_seq_len`)."""
+    return engine_lengths(facts, settings).engine_max_seq_len
 
 
 def manifest(facts: CheckpointFacts, settings: EngineBuildSettings, plugin_library: str) -> dict[str, Any]:

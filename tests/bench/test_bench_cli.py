@@ -123,6 +123,31 @@ def test_the_golden_model_drafts_by_load_and_results_record_each_iterations_draf
     assert max(d for r in runs["none"][4] for d in r["draft_lens"]) == 15
 
 
+def test_draft_trees_run_on_the_emulated_engine_and_results_record_nodes_per_iteration(checkpoint, tmp_path, capsys):
+    """`--draft_tree 24` runs the tree engine's network under the emulated runtime: every generation iteration
+    verifies 24 nodes (the tiny vocabulary holds far more continuations), results.json records each, and the greedy
+    tokens are the chain's (the golden model's), as lossless trees must give."""
+    runs = {}
+    for tree in (None, 24):
+        out = tmp_path / str(tree)
+        argv = ["bench", "--checkpoint_dir", str(checkpoint), "--synthetic", "6,24,3", "--concurrency", "2",
+                "--output_dir", str(out), "--json"]  # fmt: skip
+        assert main(argv if tree is None else [*argv, "--draft_tree", str(tree)]) == 0
+        capsys.readouterr()
+        runs[tree] = load_results(out / "results.json")[0]["per_request"]
+    assert [r["output_ids"] for r in runs[24]] == [r["output_ids"] for r in runs[None]]
+    for r in runs[24]:
+        assert r["draft_lens"] == [24] * len(r["acceptance"]) and len(r["acceptance"]) >= 1
+    assert max(d for r in runs[None] for d in r["draft_lens"]) == 15
+    argv = ["bench", "--checkpoint_dir", str(checkpoint), "--synthetic", "6,8,1", "--concurrency", "1",
+            "--output_dir", str(tmp_path / "r")]  # fmt: skip
+    assert main([*argv, "--draft_tree", "14"]) == 2
+    assert "a tree holds at least the chain's 15 drafts" in capsys.readouterr().err
+    assert main([*argv, "--draft_tree", "24", "--draft_len_schedule", "2:3"]) == 2
+    assert "takes no draft-length schedule" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
 def test_unreachable_triton_server_is_one_clear_error(tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"input_ids": [1, 2]}\n')

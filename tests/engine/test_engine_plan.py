@@ -23,6 +23,7 @@ from dflash_trt.checkpoint.trtllm_config import checkpoint_config, specs_from_co
 from dflash_trt.commands import build as build_command
 from dflash_trt.draft_schedule import DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.reference.loop_rules import built_engine_longest_request
 from dflash_trt.spec import parse_draft_config, parse_target_config
 from dflash_trt.trtllm import build_plan
 from dflash_trt.trtllm.attention_route import TARGET_SM_ENV
@@ -421,6 +422,41 @@ def test_the_dry_run_says_why_the_engine_records_a_longer_max_seq_len(
     plan = json.loads(capsys.readouterr().out)
     assert plan["dflash_manifest"]["max_seq_len"] == plan["lengths"]["engine_max_seq_len"] == max_seq_len + 30
     assert plan["lengths"]["longest_request"] == max_seq_len + 15
+
+
+@pytest.mark.parametrize(
+    ("nodes", "last_slot", "served"),
+    [(40, 192 + 15 - 2 + 40, 192 + 15), (20, 192 + 15 + 2 * 15 - 1, 192 + 20 + 15 - 2 * 15)],
+)
+def test_a_draft_trees_lengths_are_the_chains_positions_and_its_nodes_slots(tmp_path, capsys, nodes, last_slot, served):
+    """A tree of N nodes over K = 15 positions, --max_seq_len 192: the builder adds N + K (engine 192 + N + 15); the
+    executor clips prompt + output + N to that, so it runs the chain's 192 + 15 = 207 tokens, whose last step still
+    reaches position 207 - 1 + 2K = 236 (depth <= K); the verified tree writes KV slots up to its anchor (the
+    last-but-one token, 205) + N before the rewind: 245 for N = 40, under the next block's 236 for N = 20. A server on
+    that engine (`built_engine_longest_request`) admits what its window holds past the next block (window - 2K) and
+    the executor runs (window - N): 207 for N = 40; 197 for N = 20 (as the chain's 192: window - 2K binds)."""
+    from dflash_trt.cli import main as cli_main
+
+    ckpt = write_checkpoint(tmp_path / "c")
+    argv = ["build", "--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e"), "--dry_run"]
+    argv += ["--max_seq_len", "192", "--max_input_len", "128", "--draft_tree", str(nodes)]
+    assert cli_main(argv) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith(
+        f"--max_seq_len 192: a draft tree of {nodes} nodes over 15 positions: the engine records max_seq_len "
+        f"{192 + nodes + 15} = 192 + {nodes} + 15 "
+    )
+    assert f"requests of up to 207 tokens (prompt + output + {nodes} drafts <= {192 + nodes + 15})" in last
+    assert f"reaches position 236 and KV slot {last_slot} (the verified tree" in last
+    assert cli_main([*argv, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    lengths = plan["lengths"]
+    assert plan["dflash_manifest"]["max_seq_len"] == lengths["engine_max_seq_len"] == 192 + nodes + 15
+    assert (lengths["longest_request"], lengths["last_position"], lengths["last_slot"]) == (207, 236, last_slot)
+    window = plan["dflash_manifest"]["max_seq_len"]
+    assert built_engine_longest_request(window, 40960, 15, nodes) == served
+    assert built_engine_longest_request(window, served + 30, 15, nodes) == served  # positions exactly holding it
+    assert built_engine_longest_request(window, served + 29, 15, nodes) == served - 1
 
 
 def test_an_unset_max_num_tokens_is_written_out_as_the_builder_clips_it(ckpt: Path, tmp_path: Path, capsys):

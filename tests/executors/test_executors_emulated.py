@@ -215,3 +215,32 @@ def test_the_longest_build_runs_the_longest_request_and_stays_in_the_tables(tiny
         for kept, step in zip(kept_before, decoding.steps, strict=True)
     ]
     assert engine.stats.largest_position == max(block_ends) <= 255
+
+
+def test_a_draft_tree_engine_runs_the_chains_longest_request(tiny, prompts):
+    """A tree of 40 nodes sits at the anchor's position plus its depth (<= K = 15), so its engine holds the chain's
+    longest request, 256 - 2K = 226 tokens (not 256 - 2 x 40): the stepper admits exactly that, and decoding it keeps
+    every rotated position inside the table, the largest being the last draft block's end."""
+    engine = EmulatedEngine(tiny, max_batch_size=1, tokens_per_block=16, draft_tree=40)
+    assert (engine.k, engine.depth) == (40, 15)
+    with pytest.raises(DFlashTrtError, match="max_seq_len must be in 2..226 "):
+        EmulatedStepper(engine, 227)
+    stepper = EmulatedStepper(engine, 226)
+    decoding = stepper.add(0, Request(input_ids=prompts[0][:10], max_new_tokens=216))
+    _drain(stepper)
+    stepper.close()
+    assert len(decoding.output) == 216
+    kept_before = [1 + sum(decoding.acceptance[:i]) for i in range(len(decoding.steps))]
+    block_ends = [
+        len(decoding.prompt) + kept - 1 + (step.accepted + 1) + engine.depth
+        for kept, step in zip(kept_before, decoding.steps, strict=True)
+    ]
+    assert engine.stats.largest_position == max(block_ends) <= 255
+
+
+def test_a_step_smaller_than_a_kv_page_is_refused(tiny):
+    """Prompt chunks are whole pages: with a step below a page, a prompt longer than a step would never be scheduled
+    (the executor would spin without progress), so the engine is refused when it is made."""
+    with pytest.raises(DFlashTrtError, match=r"--max_num_tokens 16 is below --tokens_per_block 32"):
+        EmulatedEngine(tiny, max_batch_size=1, max_num_tokens=16, tokens_per_block=32)
+    EmulatedEngine(tiny, max_batch_size=1, max_num_tokens=32, tokens_per_block=32)

@@ -9,7 +9,8 @@ import itertools
 import pytest
 
 from dflash_trt.analysis.model import Acceptance
-from dflash_trt.analysis.tree_acceptance import RankRates, rank_rates
+from dflash_trt.analysis.tree_acceptance import RankRates, rank_rates, tree_method
+from dflash_trt.draft_schedule import DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
 
 
@@ -62,3 +63,58 @@ def test_measured_tables_are_checked():
         rank_rates([[0.8, 0.3]])
     with pytest.raises(DFlashTrtError, match="at least one position"):
         rank_rates([[0.0]])
+
+
+def test_plan_prices_a_tree_step_as_its_nodes_verified_beside_the_drafters_block():
+    """A tree of N nodes: the step verifies N + 1 target tokens per sequence beside the drafter's whole block, and
+    yields the best static tree's tokens over the chain's rates; memory-bound (one user) the wider verify costs
+    little and the tree is faster, compute-bound (64 users) it costs more than the extra tokens return."""
+    from dflash_trt.analysis.gpus import get_gpu
+    from dflash_trt.analysis.harness_fits import calibration
+    from dflash_trt.analysis.model import Deployment, Method, dflash_step, mean_context
+    from dflash_trt.analysis.published import PAIRS
+    from dflash_trt.decoding_modes import DFLASH
+
+    target, drafter = PAIRS["qwen3-8b"].load()
+    acc = Acceptance.from_mean(6.55, drafter.block_size)
+    dep = Deployment(get_gpu("b200"), "bf16", "bf16", 1, calibration("trtllm"))
+    ctx = mean_context(1024, 1024)
+    chain, tree = Method(DFLASH, drafter, acc), tree_method(DFLASH, drafter, acc, 64)
+    tokens = RankRates.from_chain(acc).tree_mean(64)
+    for batch in (1, 8, 64):
+        cost = tree.step(target, batch, ctx, dep)
+        assert cost == dflash_step(target, drafter, batch, 65, tokens, ctx, dep, drafter.block_size, tree=True)
+        assert cost.target_tokens == batch * 65
+        assert tree.iteration(target, batch, ctx, dep).tokens_per_seq == tokens > acc.mean()
+    speed = {m: [m.iteration(target, b, ctx, dep).tok_s_user() for b in (1, 64)] for m in (chain, tree)}
+    assert speed[tree][0] > speed[chain][0] and speed[tree][1] < speed[chain][1]
+    with pytest.raises(DFlashTrtError, match="a tree more"):
+        dflash_step(target, drafter, 1, drafter.block_size, tokens, ctx, dep, drafter.block_size, tree=True)
+    with pytest.raises(DFlashTrtError, match="without a draft-length schedule"):
+        Method(DFLASH, drafter, acc, DraftLenSchedule(((4, 8),)), draft_tree=64, tree_tokens=tokens)
+    with pytest.raises(DFlashTrtError, match="node count and its tokens per step"):
+        Method(DFLASH, drafter, acc, draft_tree=64)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--draft_tree", "14"], "a tree holds at least the chain's 15 drafts"),
+        (["--draft_tree", "257"], "EAGLE verifies at most 256 drafts"),
+        (["--draft_tree", "32", "--draft_len_schedule", "8:4"], "takes no draft-length schedule"),
+        (["--draft_tree", "32", "--draft_len_schedule", "auto"], "auto derives one for chains"),
+    ],
+)
+def test_plan_refuses_trees_it_cannot_price(extra, message, capsys):
+    from dflash_trt.cli import main
+
+    assert main(["plan", "--preset", "qwen3-8b", "--concurrency", "1", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plan_states_the_trees_verified_tokens_and_yield(capsys):
+    from dflash_trt.cli import main
+
+    assert main(["plan", "--preset", "qwen3-8b", "--gpu", "b200", "--concurrency", "1,8", "--draft_tree", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "draft trees of 32 nodes: 33 target tokens verified per step" in out

@@ -280,7 +280,10 @@ def test_a_tree_engine_gets_the_chain_over_its_draft_positions(tmp_path: Path, t
     eagle_choices (the runtime checks their depth against num_eagle_layers), not a 40-deep one."""
     chain = [[0] * depth for depth in range(1, 16)]
     engine = write_engine_dir(tmp_path / "eng", max_draft_len=40, draft_tree=40, eagle_choices=chain)
-    write_repository(settings_from_engine(engine, tokenizer_dir), tmp_path / "repo")
+    settings = settings_from_engine(engine, tokenizer_dir)
+    # Requests up to its window (4114) less its 40 nodes (the executor's clip, beyond 2 x 15 for the next block).
+    assert settings.max_seq_len == 4114 - 40
+    write_repository(settings, tmp_path / "repo")
     params = _params(model_configs(tmp_path / "repo")["tensorrt_llm"])
     assert parse_eagle_choices(params["eagle_choices"]) == chain
 
