@@ -120,21 +120,7 @@ class EmulatedEngine:
         if self.tree:
             self.route.check_tree(gpu)
         self.schedule = config.schedule
-        if max_batch_size < 1:
-            raise DFlashTrtError(f"--max_batch_size must be >= 1, got {max_batch_size}")
-        if tokens_per_block <= 0 or tokens_per_block & (tokens_per_block - 1):
-            raise DFlashTrtError(f"--tokens_per_block must be a power of two, got {tokens_per_block}")
-        # builder.build() raises max_num_tokens to max_batch_size * (K + 1) for EAGLE engines.
-        floor = max_batch_size * self.block
-        self.max_num_tokens = max(max_num_tokens or EngineBuildSettings.max_num_tokens, floor)
-        if max_num_tokens is not None and max_num_tokens < floor:
-            raise DFlashTrtError(f"--max_num_tokens must be at least max_batch_size * block_size = {floor}")
-        if self.max_num_tokens < tokens_per_block:
-            # Prompt chunks are whole KV pages: a step smaller than a page could never take a long prompt's chunk.
-            raise DFlashTrtError(
-                f"--max_num_tokens {self.max_num_tokens} is below --tokens_per_block {tokens_per_block}: a prompt "
-                "longer than one step is cut into chunks of whole KV pages, so no chunk would fit in a step"
-            )
+        self.max_num_tokens = step_tokens(max_batch_size, max_num_tokens, tokens_per_block, self.block)
         self.max_batch_size = max_batch_size
         self.tokens_per_block = tokens_per_block
         self.num_target_layers = config.num_hidden_layers
@@ -202,3 +188,23 @@ def _on_pool(inputs: dict[str, Any], pool: KVPool) -> dict[str, Any]:
     kv = inputs["kv_cache_params"]
     pointers = Tensor(data=torch.tensor([[pool.address, 0]], dtype=torch.int64), host=True)
     return {**inputs, "kv_cache_params": dataclasses.replace(kv, host_kv_cache_pool_pointers=pointers)}
+
+
+def step_tokens(max_batch_size: int, max_num_tokens: int | None, tokens_per_block: int, block: int) -> int:
+    """The tokens one step takes, as the engine's build settles them; what no engine could run is refused."""
+    if max_batch_size < 1:
+        raise DFlashTrtError(f"--max_batch_size must be >= 1, got {max_batch_size}")
+    if tokens_per_block <= 0 or tokens_per_block & (tokens_per_block - 1):
+        raise DFlashTrtError(f"--tokens_per_block must be a power of two, got {tokens_per_block}")
+    # builder.build() raises max_num_tokens to max_batch_size * (K + 1) for EAGLE engines.
+    floor = max_batch_size * block
+    if max_num_tokens is not None and max_num_tokens < floor:
+        raise DFlashTrtError(f"--max_num_tokens must be at least max_batch_size * block_size = {floor}")
+    tokens = max(max_num_tokens or EngineBuildSettings.max_num_tokens, floor)
+    if tokens < tokens_per_block:
+        # Prompt chunks are whole KV pages: a step smaller than a page could never take a long prompt's chunk.
+        raise DFlashTrtError(
+            f"--max_num_tokens {tokens} is below --tokens_per_block {tokens_per_block}: a prompt "
+            "longer than one step is cut into chunks of whole KV pages, so no chunk would fit in a step"
+        )
+    return tokens
