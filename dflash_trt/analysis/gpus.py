@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.gpu_targets import GPU_SMS
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ GPUS: dict[str, GpuSpec] = {
         nvfp4_flops=None,
         interconnect="nvlink4",
         source="NVIDIA H100 Tensor Core GPU datasheet (SXM column; sparse figures halved)",
-        sm=90,
+        sm=GPU_SMS["h100"],
         memory_source="device report: nvidia-smi total 81559 MiB for 'NVIDIA H100 80GB HBM3' (listings in "
         "modal-labs/modal-client PR #2797 and huggingface/text-embeddings-inference issue #350)",
         memory_kind="measured",
@@ -72,7 +73,7 @@ GPUS: dict[str, GpuSpec] = {
         nvfp4_flops=None,
         interconnect="nvlink4",
         source="NVIDIA H200 Tensor Core GPU datasheet (SXM column; sparse figures halved)",
-        sm=90,
+        sm=GPU_SMS["h200"],
         memory_source="assumed: 143771 MiB (150.8 GB), the total H200 SXM devices are reported to show; no device "
         "listing is recorded here (the datasheet's 141 GB is the marketing capacity)",
         memory_kind="assumed",
@@ -88,7 +89,7 @@ GPUS: dict[str, GpuSpec] = {
         source="NVIDIA HGX B200 datasheet, per GPU (sparse halved); bandwidth 7.7 TB/s per "
         "GPU as HGX B200 lists it, not the DGX total / 8 (8.0), and 7.68 TB/s from the driver's 7680-bit bus x "
         "3996 MHz x 2 (pytorch/ao PR #4002)",
-        sm=100,
+        sm=GPU_SMS["b200"],
         memory_source="device report: nvidia-smi total 183359 MiB for 'NVIDIA B200' (NVIDIA/TensorRT-LLM issue #10278)",
         memory_kind="measured",
     ),
@@ -103,7 +104,7 @@ GPUS: dict[str, GpuSpec] = {
         source="assumed: no NVIDIA document is recorded here; third-party tabulations of the HGX B300 "
         "(glennklockwood.com/garden/processors/B300: dense FP4 ~13 PF vs 9 PF on B200, 8 TB/s; acecloud.ai's HGX "
         "B300 table: 288 GB HBM3e and up to 8 TB/s per GPU)",
-        sm=103,
+        sm=GPU_SMS["b300"],
         memory_source="assumed: 288 decimal GB from the same third-party tables; no device report is recorded here",
         memory_kind="assumed",
         kind="assumed",

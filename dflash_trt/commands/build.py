@@ -16,7 +16,9 @@ from dflash_trt.checkpoint.atomic import check_output_apart
 from dflash_trt.commands.build_profile import add_profile_arguments, run_profile
 from dflash_trt.commands.schedule_flags import add_schedule_arguments, schedule_for_checkpoint
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.gpu_targets import GPU_SMS, resolve_gpu
 from dflash_trt.inputs import DRAFT_TREE, POSITIVE_INT, WORKERS, IntRange
+from dflash_trt.trtllm.attention_route import route_summary
 from dflash_trt.trtllm.build_plan import (
     GEMM_PLUGIN_CHOICES,
     KV_CACHE_TYPES,
@@ -41,8 +43,8 @@ SETTING_FLAGS: dict[str, IntRange] = {
     "draft_tree": DRAFT_TREE,
 }
 DERIVED_DEFAULTS = {
-    "max_seq_len": "min(8192, the target's max_position_embeddings (and a sliding-window drafter's window) less 3 x "
-    "max_draft_len: the positions the engine's longest requests reach)",
+    "max_seq_len": "min(8192, the target's max_position_embeddings less 3 x max_draft_len: the positions the engine's "
+    "longest requests reach; a sliding-window drafter's window bounds nothing)",
     "max_input_len": "min(4096, --max_seq_len)",
     "max_num_tokens": f"min({EngineBuildSettings.max_num_tokens}, --max_seq_len x --max_batch_size: what "
     "TensorRT-LLM's builder clips it to)",
@@ -78,6 +80,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv_cache_type", choices=KV_CACHE_TYPES, default=None, help="default paged")
     parser.add_argument("--logits_dtype", choices=LOGITS_DTYPES, default=None, help="default float32")
     parser.add_argument(
+        "--gpu",
+        choices=tuple(GPU_SMS),
+        default=None,
+        help="the GPU the engine is for, which decides the attention kernel of each pass and prices "
+        "--draft_len_schedule auto (default: this host's GPU, else an assumed one, said so; with --config: the "
+        "profile's gpu)",
+    )
+    parser.add_argument(
         "--plugin_library",
         default=None,
         help="libdflash_trt_plugins.so (default: $DFLASH_TRT_PLUGIN_LIB, else plugins/build)",
@@ -91,7 +101,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--overwrite", action="store_true", help="replace an --output_dir an earlier dflash-trt build wrote"
     )
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
-    add_schedule_arguments(parser, "none; with --config, the profile's")
+    add_schedule_arguments(parser, "none; with --config, the profile's", gpu_flag=False)
     parser.add_argument(
         "extra_flags", nargs=argparse.REMAINDER, help="after `--`: further trtllm-build flags, passed through verbatim"
     )
@@ -108,6 +118,8 @@ def settings_from_args(args: argparse.Namespace, base: EngineBuildSettings | Non
     extra = [flag for flag in args.extra_flags if flag != "--"]
     if extra:
         changes["extra_flags"] = tuple(extra)
+    if base is not None and args.gpu is not None and args.gpu != base.gpu:
+        raise DFlashTrtError(f"the profile is for {base.gpu}; --gpu {args.gpu} would build it for another GPU")
     return dataclasses.replace(base or EngineBuildSettings(), **changes)
 
 
@@ -133,18 +145,26 @@ def run(args: argparse.Namespace) -> int:
     check_output_apart(
         args.output_dir, {"--checkpoint_dir": args.checkpoint_dir, "--plugin_library": args.plugin_library}
     )
+    gpu, chosen = resolve_gpu(args.gpu)
     settings = fit_lengths(
-        args.checkpoint_dir, settings_from_args(args), args.max_seq_len, args.max_input_len, args.max_num_tokens
+        args.checkpoint_dir,
+        dataclasses.replace(settings_from_args(args), gpu=gpu),
+        args.max_seq_len,
+        args.max_input_len,
+        args.max_num_tokens,
     )
-    schedule = schedule_for_checkpoint(args, Path(args.checkpoint_dir), settings.max_batch_size)
+    schedule = schedule_for_checkpoint(args, Path(args.checkpoint_dir), settings.max_batch_size, gpu_flag=False)
     settings = dataclasses.replace(settings, draft_len_schedule=schedule)
     plan = plan_engine_build(args.checkpoint_dir, args.output_dir, settings, plugin_library=args.plugin_library)
+    route = route_summary(gpu, plan.dflash_manifest["attention"])
     if args.dry_run:
         if args.json:
-            print(json.dumps(plan.to_dict(), indent=2))
+            print(json.dumps({**plan.to_dict(), "gpu_chosen": chosen}, indent=2))
         else:
+            print(f"# GPU: {gpu} ({chosen})")
+            print("\n".join(f"# {line}" for line in route))
             print("# trtllm-build command")
-            print(plan.shell_command())
+            print(plan.shell_command(with_library=True))
             print("# BuildConfig (as trtllm-build passes it to BuildConfig.from_dict)")
             print(readable_json(plan.build_config))
             print("# dflash_trt.json")
@@ -154,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from dflash_trt.trtllm.build import run_engine_build
 
+    if not args.json:
+        print("\n".join([f"GPU: {gpu} ({chosen})", *route]), flush=True)
     engine_dir = run_engine_build(plan, overwrite=args.overwrite)
     if args.json:
         print(json.dumps({"engine_dir": str(engine_dir), **plan.to_dict()}, indent=2))

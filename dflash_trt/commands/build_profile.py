@@ -16,6 +16,7 @@ from dflash_trt.errors import DFlashTrtError
 from dflash_trt.pipeline.resolve import PipelineInputs, PipelineRequest, offline_notes, resolve_inputs
 from dflash_trt.pipeline.run import Outcome, StageResult, resume_command, run_pipeline
 from dflash_trt.pipeline.stages import stages
+from dflash_trt.trtllm.attention_route import route_summary
 from dflash_trt.trtllm.build_plan import EngineBuildSettings
 
 # Exit status of `build --config` on a host that cannot build the engine: not a failure, not a finished build.
@@ -92,6 +93,8 @@ def run_profile(
     plan = stages(inp)
     for note in offline_notes(inp):
         print(f"offline: {note}", file=out)
+    for line in route_summary(inp.settings.gpu, inp.attention_passes()):
+        print(line, file=out)
     if inp.schedule is not None:
         print(f"draft-length schedule {inp.schedule.schedule.text()} ({inp.schedule.source})", file=out)
     results = run_pipeline(plan, dry_run=args.dry_run, report=lambda result: print_stage(result, inp, out))

@@ -28,6 +28,7 @@ from pathlib import Path
 from dflash_trt.commands.generate import check_lengths, sequence_record
 from dflash_trt.commands.schedule_flags import add_schedule_arguments, schedule_for_checkpoint
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.gpu_targets import GPU_SMS, resolve_gpu
 from dflash_trt.inputs import DRAFT_TREE, POSITIVE_INT, SEED, TEMPERATURE, IntRange
 from dflash_trt.prompts import read_prompts
 from dflash_trt.reference.loop_rules import longest_request
@@ -69,6 +70,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=TOKENS_PER_BLOCK,
         help="paged KV block size (the sizes an engine builds with)",
     )
+    parser.add_argument(
+        "--gpu",
+        choices=tuple(GPU_SMS),
+        default=None,
+        help="run the network as built for this GPU, whose attention kernels differ, and price --draft_len_schedule "
+        "auto for it (default: this host's GPU, "
+        "else the one build assumes)",
+    )
     parser.add_argument("--temperature", type=TEMPERATURE, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--seed", type=SEED, default=0, help="sequence i draws from seed + i, as generate")
     parser.add_argument(
@@ -80,7 +89,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--ignore_eos", action="store_true", help="never stop before --max_new_tokens")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    add_schedule_arguments(parser, "none")
+    add_schedule_arguments(parser, "none", gpu_flag=False)
     parser.set_defaults(func=run)
 
 
@@ -98,13 +107,15 @@ def run(args: argparse.Namespace) -> int:
     from dflash_trt.reference.stats import mean_acceptance_length, per_position_acceptance
 
     checkpoint_dir = Path(args.checkpoint_dir)
+    gpu, chosen = resolve_gpu(args.gpu)
     batch = args.max_batch_size or DEFAULT_MAX_BATCH_SIZE
-    schedule = schedule_for_checkpoint(args, checkpoint_dir, batch)
+    schedule = schedule_for_checkpoint(args, checkpoint_dir, batch, gpu_flag=False)
     engine = EmulatedEngine(
         checkpoint_dir,
         batch,
         args.max_num_tokens,
         args.tokens_per_block,
+        gpu,
         draft_len_schedule=schedule,
         draft_tree=args.draft_tree,
     )
@@ -135,6 +146,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{i}] {shown!r}  acceptance {record['acceptance_lengths']}")
     print(
         f"mean acceptance length {report['mean_acceptance_length']:.2f}, {generated} tokens in "
-        f"{engine.stats.steps} engine steps, {seconds:.2f} s"
+        f"{engine.stats.steps} engine steps, {seconds:.2f} s; the network as built for {gpu} ({chosen})"
     )
     return 0

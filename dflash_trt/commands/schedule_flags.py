@@ -13,7 +13,8 @@ from dflash_trt.errors import DFlashTrtError
 from dflash_trt.inputs import DRAFT_LEN_SCHEDULE
 
 
-def add_schedule_arguments(parser: argparse.ArgumentParser, default: str) -> None:
+def add_schedule_arguments(parser: argparse.ArgumentParser, default: str, gpu_flag: bool = True) -> None:
+    """`gpu_flag` False: the command has its own `--gpu` (the GPU its engine is built for), which `auto` uses too."""
     parser.add_argument(
         "--draft_len_schedule",
         type=DRAFT_LEN_SCHEDULE,
@@ -23,7 +24,10 @@ def add_schedule_arguments(parser: argparse.ArgumentParser, default: str) -> Non
         f"in --acceptance_json or the stated assumption; `dflash-trt plan --draft_len_schedule auto` shows the table). "
         f"Default: {default}",
     )
-    parser.add_argument("--gpu", choices=sorted(GPUS), help="with --draft_len_schedule auto: the GPU it is derived for")
+    if gpu_flag:
+        parser.add_argument(
+            "--gpu", choices=sorted(GPUS), help="with --draft_len_schedule auto: the GPU it is derived for"
+        )
     parser.add_argument(
         "--acceptance_json",
         help='with --draft_len_schedule auto: measured acceptance: {"histogram": [...]}, {"per_position": [...]} or '
@@ -31,12 +35,17 @@ def add_schedule_arguments(parser: argparse.ArgumentParser, default: str) -> Non
     )
 
 
-def schedule_for_checkpoint(args: argparse.Namespace, checkpoint_dir: Path, max_batch_size: int) -> DraftLenSchedule:
-    """The schedule a table or `none` names, or `auto` derived for this checkpoint and announced on stderr."""
+def schedule_for_checkpoint(
+    args: argparse.Namespace, checkpoint_dir: Path, max_batch_size: int, gpu_flag: bool = True
+) -> DraftLenSchedule:
+    """The schedule a table or `none` names, or `auto` derived for this checkpoint (for the `--gpu` given, never an
+    assumed one) and announced on stderr; `gpu_flag` as for `add_schedule_arguments`."""
     choice = FIXED if args.draft_len_schedule is None else args.draft_len_schedule
     if choice != AUTO:
-        if args.gpu or args.acceptance_json:
-            raise DFlashTrtError("--gpu and --acceptance_json only serve --draft_len_schedule auto")
+        if args.gpu and gpu_flag:
+            raise DFlashTrtError("--gpu only serves --draft_len_schedule auto")
+        if args.acceptance_json:
+            raise DFlashTrtError("--acceptance_json only serves --draft_len_schedule auto")
         assert isinstance(choice, DraftLenSchedule)
         return choice
     if args.gpu is None:

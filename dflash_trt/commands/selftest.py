@@ -10,12 +10,18 @@ top-2 logit margin is inside the engine dtype's resolution: `reference/divergenc
 concurrency-1 run of the same load generator reports the engine's speed and acceptance. Greedy decoding:
 temperature 0 is sent explicitly, since a request without one is sampled at the runtime's default temperature of
 1.0.
+
+The engine is built for this host's GPU, so it runs the attention route that GPU needs (docs/engine.md §13): on
+B200 / B300 the target's verification and the draft block on DFlashAttention, on H100 / H200 the stock plugin.
+`--sliding_window N` gives the drafter's last layer a window of N positions (the golden model applies it too), so
+DFlashAttention's windowed draft attention runs on every GPU and the prompts decode past the window.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -59,6 +65,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="build with the smallest max_num_tokens, add prompts longer than it and decode with "
         "chunked context on: the evidence needed before enabling it in serving",
+    )
+    parser.add_argument(
+        "--sliding_window",
+        type=POSITIVE_INT,
+        default=None,
+        help="make the drafter's last layer a sliding-window layer of this window (DFlashAttention on every GPU)",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace outputs of an earlier self-test")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -144,6 +156,22 @@ def bench_once(engine_dir: Path, plugin_library: str, prompts: list[list[int]], 
     return point.without_detail()
 
 
+def windowed_drafter(out: Path, drafter: Path, window: int) -> Path:
+    """A copy of the tiny pair's `drafter` whose last layer attends within `window` positions (same weights)."""
+    import json
+
+    from dflash_trt.tiny.models import DRAFT_LAYERS
+
+    copy = out / f"draft-window-{window}"
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(drafter, copy)
+    config = json.loads((copy / "config.json").read_text())
+    layers = ["full_attention"] * (DRAFT_LAYERS - 1) + ["sliding_attention"]
+    config.update(use_sliding_window=True, sliding_window=window, layer_types=layers)
+    (copy / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return copy
+
+
 def compare(golden_model, golden, tokens: list[list[int]], acceptance: list[list[int]], max_new_tokens: int) -> list:
     """The engine's first divergence from the golden loop per prompt (`reference/divergence.py`): tokens in full,
     acceptance lengths of the steps where the golden loop verified a full block (near the budget it verifies a
@@ -158,6 +186,7 @@ def compare(golden_model, golden, tokens: list[list[int]], acceptance: list[list
 def run(args: argparse.Namespace) -> int:
     from dflash_trt.checkpoint.atomic import check_output_apart
     from dflash_trt.conversion.convert import convert_checkpoint
+    from dflash_trt.gpu_targets import resolve_gpu
     from dflash_trt.reference.decode import speculative_generate
     from dflash_trt.reference.model import load_golden_model
     from dflash_trt.tiny.heldout import asset_dir, draft_dir, load_heldout, target_dir
@@ -172,7 +201,10 @@ def run(args: argparse.Namespace) -> int:
     require_tensorrt_llm(
         " (on a CPU, dflash-trt emulate runs the engine network)"
     )  # before any work: the self-test is meaningless without TensorRT-LLM 1.2.x
-    checkpoint = out / f"checkpoint-{args.dtype}-hd{args.head_dim}"
+    gpu, _ = resolve_gpu(None)  # the engine runs here, so it is built for this GPU and its attention route
+    out.mkdir(parents=True, exist_ok=True)
+    suffix = "" if args.sliding_window is None else f"-window-{args.sliding_window}"
+    checkpoint = out / f"checkpoint-{args.dtype}-hd{args.head_dim}{suffix}"
     target, draft = target_dir(), draft_dir()
     if args.head_dim % HEAD_DIM:
         raise DFlashTrtError(f"--head_dim must be a multiple of the tiny pair's {HEAD_DIM}, got {args.head_dim}")
@@ -180,6 +212,8 @@ def run(args: argparse.Namespace) -> int:
         pair = out / f"pair-hd{args.head_dim}"
         shutil.rmtree(pair, ignore_errors=True)  # a workspace file of an earlier run, rewritten from the asset
         target, draft = widen_pair(target, draft, pair, args.head_dim)
+    if args.sliding_window is not None:
+        draft = windowed_drafter(out, draft, args.sliding_window)
     convert_checkpoint(target, draft, checkpoint, dtype=args.dtype, overwrite=args.overwrite)
     tokenizer = load_tokenizer(checkpoint)
     golden_model = load_golden_model(checkpoint)
@@ -192,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
         args.chunked_context,
         golden_model.target.spec.max_position_embeddings,
     )
+    settings = dataclasses.replace(settings, gpu=gpu)
     plan = plan_engine_build(checkpoint, out / "engine", settings, plugin_library=args.plugin_library)
     engine_dir = run_engine_build(plan, overwrite=args.overwrite)
     check_engine_config(engine_dir)  # the engine's own config.json holds what the plan printed and recorded
@@ -208,6 +243,9 @@ def run(args: argparse.Namespace) -> int:
     near_ties = [str(d) for d in divergences if d.near_tie]
     report = {
         "engine_dir": str(engine_dir),
+        "gpu": gpu,
+        "attention": plan.dflash_manifest["attention"],
+        "sliding_window": args.sliding_window,
         "prompts": len(prompts),
         "identical": not divergences,
         "problems": problems,

@@ -24,7 +24,9 @@ from dflash_trt.emulation.ranks import RankGroup
 from dflash_trt.emulation.stand_ins import load_engine_module, stand_ins_installed
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import fp8_context_fmha
+from dflash_trt.gpu_targets import ASSUMED_GPU, gpu_sm
 from dflash_trt.jsonfile import read_json_object
+from dflash_trt.trtllm.attention_route import AttentionRoute
 from dflash_trt.trtllm.build_plan import (
     TOKENS_PER_BLOCK,
     EngineBuildSettings,
@@ -64,7 +66,8 @@ class StepStats:
 
 
 class EmulatedEngine:
-    """One engine (the network from `model.py`) over a converted checkpoint, with the limits a build would fix."""
+    """One engine (the network from `model.py`) over a converted checkpoint, with the limits a build would fix, as
+    built for and run on `gpu` (which decides the attention kernels, trtllm/attention_route.py)."""
 
     def __init__(
         self,
@@ -72,6 +75,7 @@ class EmulatedEngine:
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         max_num_tokens: int | None = None,
         tokens_per_block: int = TOKENS_PER_BLOCK,
+        gpu: str = ASSUMED_GPU,
         draft_len_schedule: DraftLenSchedule = FIXED,
         draft_tree: int | None = None,
     ):
@@ -91,6 +95,8 @@ class EmulatedEngine:
                 )
         self.vocab_size, self.eos_token_ids = target.vocab_size, target.eos_token_ids
         self.max_position_embeddings = target.max_position_embeddings
+        self.gpu = gpu
+        self.route = AttentionRoute(gpu_sm(gpu))
         engine = load_engine_module()
         # One network per tensor-parallel rank, each from its own rank file, run in lockstep (ranks.py); the config
         # carries the schedule and a draft tree's node count as an engine's config.json does (trtllm-build takes them
@@ -102,6 +108,8 @@ class EmulatedEngine:
             )
             for rank in range(self.tp_size)
         ]
+        for model in self.rank_models:
+            model.attention_route = self.route
         self.model = self.rank_models[0]
         self.ranks = RankGroup(self.tp_size)
         config = self.model.config
@@ -109,22 +117,10 @@ class EmulatedEngine:
         self.block = self.k + 1
         self.depth = self.model.num_drafts  # draft positions: the chain's length, a tree's deepest node
         self.tree = self.model.tree is not None
+        if self.tree:
+            self.route.check_tree(gpu)
         self.schedule = config.schedule
-        if max_batch_size < 1:
-            raise DFlashTrtError(f"--max_batch_size must be >= 1, got {max_batch_size}")
-        if tokens_per_block <= 0 or tokens_per_block & (tokens_per_block - 1):
-            raise DFlashTrtError(f"--tokens_per_block must be a power of two, got {tokens_per_block}")
-        # builder.build() raises max_num_tokens to max_batch_size * (K + 1) for EAGLE engines.
-        floor = max_batch_size * self.block
-        self.max_num_tokens = max(max_num_tokens or EngineBuildSettings.max_num_tokens, floor)
-        if max_num_tokens is not None and max_num_tokens < floor:
-            raise DFlashTrtError(f"--max_num_tokens must be at least max_batch_size * block_size = {floor}")
-        if self.max_num_tokens < tokens_per_block:
-            # Prompt chunks are whole KV pages: a step smaller than a page could never take a long prompt's chunk.
-            raise DFlashTrtError(
-                f"--max_num_tokens {self.max_num_tokens} is below --tokens_per_block {tokens_per_block}: a prompt "
-                "longer than one step is cut into chunks of whole KV pages, so no chunk would fit in a step"
-            )
+        self.max_num_tokens = step_tokens(max_batch_size, max_num_tokens, tokens_per_block, self.block)
         self.max_batch_size = max_batch_size
         self.tokens_per_block = tokens_per_block
         self.num_target_layers = config.num_hidden_layers
@@ -174,7 +170,7 @@ class EmulatedEngine:
 
     def _forward(self, model: Any, inputs: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Network]:
         """One rank's network forward and the outputs it marked."""
-        network = Network(dataclasses.replace(self.plugin_config))
+        network = Network(dataclasses.replace(self.plugin_config), device_sm=self.route.sm)
         with net_guard(network), torch.no_grad():
             model.forward(**inputs)
         outputs = {}
@@ -192,3 +188,23 @@ def _on_pool(inputs: dict[str, Any], pool: KVPool) -> dict[str, Any]:
     kv = inputs["kv_cache_params"]
     pointers = Tensor(data=torch.tensor([[pool.address, 0]], dtype=torch.int64), host=True)
     return {**inputs, "kv_cache_params": dataclasses.replace(kv, host_kv_cache_pool_pointers=pointers)}
+
+
+def step_tokens(max_batch_size: int, max_num_tokens: int | None, tokens_per_block: int, block: int) -> int:
+    """The tokens one step takes, as the engine's build settles them; what no engine could run is refused."""
+    if max_batch_size < 1:
+        raise DFlashTrtError(f"--max_batch_size must be >= 1, got {max_batch_size}")
+    if tokens_per_block <= 0 or tokens_per_block & (tokens_per_block - 1):
+        raise DFlashTrtError(f"--tokens_per_block must be a power of two, got {tokens_per_block}")
+    # builder.build() raises max_num_tokens to max_batch_size * (K + 1) for EAGLE engines.
+    floor = max_batch_size * block
+    if max_num_tokens is not None and max_num_tokens < floor:
+        raise DFlashTrtError(f"--max_num_tokens must be at least max_batch_size * block_size = {floor}")
+    tokens = max(max_num_tokens or EngineBuildSettings.max_num_tokens, floor)
+    if tokens < tokens_per_block:
+        # Prompt chunks are whole KV pages: a step smaller than a page could never take a long prompt's chunk.
+        raise DFlashTrtError(
+            f"--max_num_tokens {tokens} is below --tokens_per_block {tokens_per_block}: a prompt "
+            "longer than one step is cut into chunks of whole KV pages, so no chunk would fit in a step"
+        )
+    return tokens

@@ -90,9 +90,12 @@ class PluginConfig:
 
 @dataclass
 class Network:
-    """What one step's forward builds: marked outputs and the size of the largest quadratic cumsum intermediate."""
+    """What one step's forward builds: marked outputs and the size of the largest quadratic cumsum intermediate.
+    `device_sm` is emulation-only: the GPU the engine runs on, which decides what the stock attention plugin can
+    dispatch (its XQA dispatcher differs between Hopper and Blackwell)."""
 
     plugin_config: PluginConfig
+    device_sm: int = 90
     strongly_typed: bool = True
     outputs: dict[str, Tensor] = field(default_factory=dict)
     cumsum_square_elements: list[int] = field(default_factory=list)

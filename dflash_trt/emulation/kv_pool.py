@@ -98,21 +98,22 @@ class SequencePages:
         return self.primary.data[blocks, :, rows]
 
 
-def resolve_pool(kv: Any, layer_idx: int, batch_index: int) -> SequencePages:
-    """What the plugin derives from its KeyValueCacheParams for layer `layer_idx` and one sequence."""
-    if not (kv.host_kv_cache_pool_mapping.host and kv.host_kv_cache_pool_pointers.host):
+def resolve_pool(mapping_t: Any, pointers_t: Any, offsets_t: Any, layer_idx: int, batch_index: int) -> SequencePages:
+    """What an attention plugin derives from host_kv_cache_pool_mapping / _pointers and kv_cache_block_offsets for
+    layer `layer_idx` and the batch row `batch_index`."""
+    if not (mapping_t.host and pointers_t.host):
         raise EmulationError("the KV pool pointers and mapping must be host tensors")
-    mapping = kv.host_kv_cache_pool_mapping.data
+    mapping = mapping_t.data
     if mapping.dtype != torch.int32 or mapping.dim() != 2 or layer_idx >= mapping.shape[0]:
         raise EmulationError(f"host_kv_cache_pool_mapping has no row for layer {layer_idx}")
     pool_index, layer_in_pool = (int(x) for x in mapping[layer_idx])
-    pointers = kv.host_kv_cache_pool_pointers.data
+    pointers = pointers_t.data
     if pointers.dtype != torch.int64:
         raise EmulationError("host_kv_cache_pool_pointers must be int64")
     primary = pool_at(int(pointers[pool_index, 0]))
     if primary is None:
         raise EmulationError(f"no KV pool at the pointer of pool {pool_index}")
-    offsets = kv.kv_cache_block_offsets.data
+    offsets = offsets_t.data
     if offsets.dtype != torch.int32 or offsets.dim() != 4:
         raise EmulationError("kv_cache_block_offsets must be int32 [pools, batch, 2, max_blocks]")
     if layer_in_pool >= primary.layers:

@@ -2,20 +2,26 @@
 GPT attention plugin's paged-KV attention, with the parameter names and constructor arguments of 1.2.x
 (layers/{embedding,linear,normalization,mlp,attention}.py, quantization/layers.py).
 
-Attention executes what `gpt_attention` does for one layer [read in attention.py / attentionOp, not run]:
-requests are context requests first, then generation requests (`host_request_types`); a context request's
-`host_context_lengths[b]` rows sit at cache positions `sequence_length[b] - context_lengths[b] + i` and attend
-causally; a generation request's rows (`spec_decoding_generation_lengths[g]` with variable-length spec decoding)
-sit at `sequence_length[b] - n + j`, take RoPE at `past + spec_decoding_position_offsets[g, j]`, see every past key
-and the in-block keys whose bit is set in `spec_decoding_packed_mask` (row = the request's first mask row + j,
-bit j' of word j' // 32). XQA's packed-mask handling was only read, never run. K/V are written to the paged pool
-(after RoPE and k_norm, FP8-rounded with `kv_cache_rcp_scaling_factor` when the cache is FP8) and read back from
-it, so the current tokens see the stored values. Device past lengths above the host bound
+`Attention.forward` projects qkv, applies the q/k norms, calls this module's `gpt_attention(**kwargs)` with
+functional.gpt_attention's keyword arguments and applies the dense projection, as 1.2.x's does; so the engine can
+route one layer's call elsewhere (trtllm/generation_attention.py) exactly as it does on a GPU.
+
+`gpt_attention` executes what the stock plugin does for one layer [read in gptAttentionPlugin.cpp / attentionOp,
+not run]: the requests are `context_lengths`' rows, context requests first (`host_request_types`); a context
+request's `host_context_lengths[b]` rows sit at cache positions `sequence_length[b] - context_lengths[b] + i` and
+attend causally; a generation request's rows (`spec_decoding_generation_lengths[g]` with variable-length spec
+decoding) sit at `sequence_length[b] - n + j`, take RoPE at `past + spec_decoding_position_offsets[g, j]`, see
+every past key and the in-block keys whose bit is set in `spec_decoding_packed_mask` (row = the request's first
+mask row + j, bit j' of word j' // 32). XQA's packed-mask handling was only read, never run. K/V are written to the
+paged pool (after RoPE and k_norm, FP8-rounded with `kv_orig_quant_scale` when the cache is FP8) and read back
+from it, so the current tokens see the stored values. Device past lengths above the host bound
 `host_past_key_value_lengths` (what the kernels size their work by) are refused, and so is a position past the RoPE
-table's rows (the kernel would read other memory). With q/k norms the fused qkv rows are split as 1.2.x's
-`Attention.forward` splits them: [Q | K | V] when a rank holds more query than KV heads, interleaved per head when
-the counts are equal. Context requests of a network whose builder turns FP8 context FMHA on (FP8 / NVFP4 weights, FP8
-cache) attend as `reference.quantized.fp8_context_attention` defines it.
+table's rows (the kernel would read other memory), and what 1.2.x's dispatch cannot run on the emulated GPU
+(`Network.device_sm`): multi-token generation on SM100 / SM103, whose XQA dispatcher has no speculative-decoding
+kernel (attentionOp.cpp asserts "No available XQA kernels are found for speculative decoding mode"). With q/k norms
+the fused qkv rows are split as 1.2.x's `Attention.forward` splits them: [Q | K | V] when a rank holds more query
+than KV heads, interleaved per head when the counts are equal. Context requests of a network whose builder turns FP8
+context FMHA on (FP8 / NVFP4 weights, FP8 cache) attend as `reference.quantized.fp8_context_attention` defines it.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from dflash_trt.emulation.ranks import allgather, allreduce
 from dflash_trt.emulation.rope import cos_sin_table
 from dflash_trt.quant.nvfp4 import NVFP4_BLOCK_SIZE, dequantize_nvfp4, quantize_nvfp4
 from dflash_trt.reference.quantized import fp8_context_attention
+from dflash_trt.trtllm.attention_route import BLACKWELL_SMS
 
 FP8_MAX = 448.0
 
@@ -363,6 +370,7 @@ class Attention(Module):
         self.attention_head_size = attention_head_size or hidden_size // num_attention_heads
         self.attention_mask_type = attention_mask_type
         self.position_embedding_type = position_embedding_type
+        self.max_position_embeddings = max_position_embeddings
         self.q_scaling = q_scaling
         self.quant_mode = quant_mode or QuantMode()
         d = self.attention_head_size
@@ -429,27 +437,51 @@ class Attention(Module):
             raise EmulationError("the emulation runs the paged-KV attention plugin path only")
         if self.attention_mask_type != AttentionMaskType.causal:
             raise EmulationError("spec-decoding generation needs a causal mask type (XQA)")
-        h, d = self.num_attention_heads, self.attention_head_size
+        h, kvh, d = self.num_attention_heads, self.num_attention_kv_heads, self.attention_head_size
         q, k, v = self._split_qkv(self.qkv(hidden_states).data)
-        tokens, dtype = q.shape[0], q.dtype
-        # The kernels rotate in fp32 and keep q and the cached k in the activations' dtype; softmax(QK^T)V
-        # accumulates in fp32 and its output is rounded once.
-        out = torch.zeros(tokens, h, d, dtype=dtype)
-        for rows, positions, rope_positions, visible in self._requests(
-            tokens, spec_decoding_params, kv_cache_params, attention_params
-        ):
-            sl = rows.slice
-            cos, sin = self._rope(rope_positions, attention_params)
-            qr = _rotate(q[sl].float(), cos, sin).to(dtype)
-            kr = _rotate(k[sl].float(), cos, sin).to(dtype)
-            keys, values = self._cache_write_read(kv_cache_params, rows.batch, positions, kr, v[sl], visible.shape[1])
-            scale = 1.0 / (self.q_scaling * d**0.5)
-            if rows.context and self._fp8_context_fmha(keys):
-                out[sl] = _attend_fp8(qr, keys, values, visible, scale, self.kv_cache_scaling_factor.raw).to(dtype)
-            else:
-                out[sl] = _attend(qr.float(), keys, values, visible, scale).to(dtype)
-        context = self.dense(wrap_tensor(out.reshape(tokens, h * d)))
-        return context, None
+        tokens = q.shape[0]
+        spec = spec_decoding_params or SpecDecodingParams()
+        kv, params = kv_cache_params, attention_params
+        scaled = self.kv_cache_scaling_factor is not None
+        context, _ = gpt_attention(
+            qkv=wrap_tensor(
+                torch.cat([q.reshape(tokens, h * d), k.reshape(tokens, kvh * d), v.reshape(tokens, kvh * d)], dim=-1)
+            ),
+            past_key_value=None,
+            sequence_length=params.sequence_length,
+            host_past_key_value_lengths=kv.host_past_key_value_lengths,
+            host_max_attention_window_sizes=kv.host_max_attention_window_sizes,
+            host_sink_token_length=kv.host_sink_token_length,
+            context_lengths=params.context_lengths,
+            cache_indirection=kv.cache_indirection,
+            host_request_types=params.host_request_types,
+            layer_idx=self.local_layer_idx,
+            num_heads=h,
+            num_kv_heads=kvh,
+            hidden_size_per_head=d,
+            q_scaling=self.q_scaling,
+            rotary_embedding_dim=d,
+            rotary_embedding_max_positions=self.max_position_embeddings,
+            position_embedding_type=self.position_embedding_type,
+            rotary_cos_sin=params.embed_positions_for_gpt_attention,
+            kv_orig_quant_scale=self.kv_cache_rcp_scaling_factor.value if scaled else None,
+            kv_quant_orig_scale=self.kv_cache_scaling_factor.value if scaled else None,
+            max_context_length=params.max_context_length,
+            mask_type=self.attention_mask_type,
+            kv_cache_block_offsets=kv.kv_cache_block_offsets,
+            host_kv_cache_block_offsets=kv.host_kv_cache_block_offsets,
+            host_kv_cache_pool_pointers=kv.host_kv_cache_pool_pointers,
+            host_kv_cache_pool_mapping=kv.host_kv_cache_pool_mapping,
+            host_context_lengths=params.host_context_lengths,
+            use_cache=True,
+            spec_decoding_is_generation_length_variable=spec.spec_decoding_is_generation_length_variable,
+            spec_decoding_max_generation_length=spec.spec_decoding_max_generation_length,
+            spec_decoding_generation_lengths=spec.spec_decoding_generation_lengths,
+            spec_decoding_position_offsets=spec.spec_decoding_position_offsets,
+            spec_decoding_packed_mask=spec.spec_decoding_packed_mask,
+            spec_decoding_use=spec.spec_decoding_use,
+        )
+        return self.dense(context), None
 
     def _split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q `[tokens, heads, d]`, k and v `[tokens, kv_heads, d]`, q/k-normed, read from the fused rows as 1.2.x's
@@ -467,38 +499,75 @@ class Attention(Module):
             k = self.k_layernorm(wrap_tensor(k.contiguous())).data
         return q, k, v
 
-    def _fp8_context_fmha(self, keys: torch.Tensor) -> bool:
-        """A context request attends in FP8 when the build turned FP8 context FMHA on (FP8 / NVFP4 weights and an
-        FP8 cache: `formats.fp8_context_fmha`)."""
-        return default_net().plugin_config.use_fp8_context_fmha and self.kv_cache_scaling_factor is not None
 
-    def _requests(
-        self, tokens: int, spec: SpecDecodingParams | None, kv: KeyValueCacheParams, params: AttentionParams
-    ) -> Any:
+def gpt_attention(**kwargs: Any) -> tuple[Tensor, None]:
+    """The stock GPT attention plugin over one layer's packed rows (see the module docstring)."""
+    call = _StockCall(kwargs)
+    qkv = kwargs["qkv"].data
+    h, kvh, d = call.heads, call.kv_heads, call.head_dim
+    tokens, dtype = qkv.shape[0], qkv.dtype
+    q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+    q, k, v = q.reshape(tokens, h, d), k.reshape(tokens, kvh, d), v.reshape(tokens, kvh, d)
+    # The kernels rotate in fp32 and keep q and the cached k in the activations' dtype; softmax(QK^T)V
+    # accumulates in fp32 and its output is rounded once.
+    out = torch.zeros(tokens, h, d, dtype=dtype)
+    for rows, positions, rope_positions, visible in call.requests(tokens):
+        sl = rows.slice
+        cos, sin = call.rope(rope_positions)
+        qr = _rotate(q[sl].float(), cos, sin).to(dtype)
+        kr = _rotate(k[sl].float(), cos, sin).to(dtype)
+        keys, values = call.cache_write_read(rows.batch, positions, kr, v[sl], visible.shape[1])
+        scale = 1.0 / (call.q_scaling * d**0.5)
+        if rows.context and call.fp8_context_fmha:
+            out[sl] = _attend_fp8(qr, keys, values, visible, scale, kwargs["kv_quant_orig_scale"].data).to(dtype)
+        else:
+            out[sl] = _attend(qr.float(), keys, values, visible, scale).to(dtype)
+    return wrap_tensor(out.reshape(tokens, h * d)), None
+
+
+class _StockCall:
+    """One call of the stock plugin: its arguments, and the requests, RoPE and cache access they describe."""
+
+    def __init__(self, kwargs: dict[str, Any]):
+        self.kw = kwargs
+        self.heads, self.kv_heads = kwargs["num_heads"], kwargs["num_kv_heads"]
+        self.head_dim, self.q_scaling = kwargs["hidden_size_per_head"], kwargs["q_scaling"]
+        if kwargs["rotary_embedding_dim"] != self.head_dim or kwargs["rotary_cos_sin"] is None:
+            raise EmulationError("the emulation implements full-head rope_gpt_neox through the cos/sin table")
+        packed = kwargs.get("spec_decoding_packed_mask")
+        self.spec = packed is not None
+        if self.spec and any(kwargs.get(n) is None for n in ("spec_decoding_generation_lengths", "spec_decoding_use")):
+            raise EmulationError("spec decoding needs its generation lengths, position offsets, mask and use flag")
+        # FP8 context FMHA, as the builder turns it on (FP8 / NVFP4 weights and an FP8 cache:
+        # `formats.fp8_context_fmha`).
+        self.fp8_context_fmha = (
+            default_net().plugin_config.use_fp8_context_fmha and kwargs.get("kv_quant_orig_scale") is not None
+        )
+
+    def requests(self, tokens: int) -> Any:
         """Per request: its rows, cache positions, RoPE positions and the [rows, keys] visibility."""
-        types = _host(params.host_request_types, "host_request_types")
-        host_ctx = _host(params.host_context_lengths, "host_context_lengths")
-        host_past = _host(kv.host_past_key_value_lengths, "host_past_key_value_lengths")
-        seq_len = params.sequence_length.data.long()
-        ctx_len = params.context_lengths.data.long()
-        num_ctx = int((types == 0).sum())
-        if (types[:num_ctx] != 0).any() or (types[num_ctx:] != 1).any():
+        kw = self.kw
+        types = _host(kw["host_request_types"], "host_request_types")
+        host_ctx = _host(kw["host_context_lengths"], "host_context_lengths")
+        host_past = _host(kw["host_past_key_value_lengths"], "host_past_key_value_lengths")
+        seq_len = kw["sequence_length"].data.long()
+        ctx_len = kw["context_lengths"].data.long()
+        batch = ctx_len.shape[0]  # the plugin counts requests by context_lengths' rows
+        num_ctx = int((types[:batch] == 0).sum())
+        if (types[:num_ctx] != 0).any() or (types[num_ctx:batch] != 1).any():
             raise EmulationError("context requests must precede generation requests in the batch")
-        row = 0
-        mask_row = 0
-        for b, kind in enumerate(types):
-            if kind == 0:
+        row = mask_row = 0
+        for b in range(batch):
+            if types[b] == 0:
                 n = int(host_ctx[b])
                 if n != int(ctx_len[b]):
                     raise EmulationError(f"request {b}: host and device context lengths differ")
                 past = int(seq_len[b]) - n
                 positions = torch.arange(past, past + n)
                 rope = positions
-                keys = torch.arange(past + n)
-                visible = keys[None, :] <= positions[:, None]
+                visible = torch.arange(past + n)[None, :] <= positions[:, None]
             else:
-                g = b - num_ctx
-                n, offsets, mask = self._generation_rows(spec, g, mask_row)
+                n, offsets, mask = self._generation_rows(b - num_ctx, mask_row)
                 mask_row += n
                 past = int(seq_len[b]) - n
                 if past > int(host_past[b]):
@@ -508,32 +577,40 @@ class Attention(Module):
                 visible = torch.cat([torch.ones(n, past, dtype=torch.bool), mask], dim=1)
             if past < 0:
                 raise EmulationError(f"request {b}: sequence_length below its input length")
-            yield _Rows(b, row, row + n, kind == 0), positions, rope, visible
+            if row + n > tokens:
+                raise EmulationError(f"request {b}'s rows end at {row + n}, the input has {tokens}")
+            yield _Rows(b, row, row + n, bool(types[b] == 0)), positions, rope, visible
             row += n
         if row != tokens:
             raise EmulationError(f"the requests cover {row} rows, the input has {tokens}")
 
-    def _generation_rows(self, spec: SpecDecodingParams | None, g: int, mask_row: int) -> Any:
-        if spec is None or spec.spec_decoding_generation_lengths is None:
+    def _generation_rows(self, g: int, mask_row: int) -> Any:
+        kw = self.kw
+        if not self.spec or int(kw["spec_decoding_use"].data[0]) == 0:
             return 1, torch.zeros(1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool)
-        if not spec.spec_decoding_is_generation_length_variable:
+        if default_net().device_sm in BLACKWELL_SMS:
+            raise EmulationError(
+                f"No available XQA kernels are found for speculative decoding mode (SM{default_net().device_sm}: "
+                "1.2.x's XQA dispatcher routes SM100-family GPUs to TRTLLM-GEN kernels, which refuse it)"
+            )
+        if not kw["spec_decoding_is_generation_length_variable"]:
             raise EmulationError("the runtime's EAGLE inputs use variable generation lengths")
-        lengths = spec.spec_decoding_generation_lengths.data
-        offsets = spec.spec_decoding_position_offsets.data
-        packed = spec.spec_decoding_packed_mask.data
+        lengths = kw["spec_decoding_generation_lengths"].data
+        offsets = kw["spec_decoding_position_offsets"].data
+        packed = kw["spec_decoding_packed_mask"].data
         for t, name in ((lengths, "generation_lengths"), (offsets, "position_offsets"), (packed, "packed_mask")):
             if t.dtype != torch.int32:
                 raise EmulationError(f"spec_decoding_{name} must be int32")
         n = int(lengths[g])
-        if n > spec.spec_decoding_max_generation_length:
+        if n > kw["spec_decoding_max_generation_length"]:
             raise EmulationError(f"generation length {n} above spec_decoding_max_generation_length")
         words = packed[mask_row : mask_row + n].long() & 0xFFFFFFFF
         bits = torch.arange(n)
         mask = ((words[:, bits // 32] >> (bits % 32)) & 1).bool()
         return n, offsets[g, :n].long(), mask
 
-    def _rope(self, positions: torch.Tensor, params: AttentionParams) -> tuple[torch.Tensor, torch.Tensor]:
-        table = params.embed_positions_for_gpt_attention.data
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self.kw["rotary_cos_sin"].data
         largest = int(positions.max())
         if largest >= table.shape[0]:
             raise EmulationError("a position beyond max_position_embeddings")
@@ -541,30 +618,29 @@ class Attention(Module):
         network.largest_position = max(network.largest_position, largest)
         return table[positions, :, 0], table[positions, :, 1]
 
-    def _cache_write_read(
-        self,
-        kv: KeyValueCacheParams,
-        batch_index: int,
-        positions: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        key_count: int,
+    def cache_write_read(
+        self, batch_index: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_count: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        pages = resolve_pool(kv, self.local_layer_idx, batch_index)
-        scale = rcp = None
-        if pages.dtype == torch.float8_e4m3fn:
-            if self.kv_cache_scaling_factor is None:
-                raise EmulationError("an FP8 KV pool needs the layer's kv_cache_scaling_factor")
-            scale, rcp = self.kv_cache_scaling_factor.raw.float(), self.kv_cache_rcp_scaling_factor.raw.float()
+        kw = self.kw
+        pages = resolve_pool(
+            kw["host_kv_cache_pool_mapping"],
+            kw["host_kv_cache_pool_pointers"],
+            kw["kv_cache_block_offsets"],
+            kw["layer_idx"],
+            batch_index,
+        )
+        rcp, scale = kw.get("kv_orig_quant_scale"), kw.get("kv_quant_orig_scale")
+        if pages.dtype == torch.float8_e4m3fn and (rcp is None or scale is None):
+            raise EmulationError("an FP8 KV pool needs the layer's KV cache scales")
         if rcp is None and pages.dtype != k.dtype:
             raise EmulationError(f"a {pages.dtype} KV pool for {k.dtype} attention (the cache holds the activations)")
         for kind, values in ((0, k), (1, v)):
-            stored = values if rcp is None else (values.float() * rcp).clamp(-FP8_MAX, FP8_MAX)
+            stored = values if rcp is None else (values.float() * rcp.data.float()).clamp(-FP8_MAX, FP8_MAX)
             pages.write(kind, positions, stored.to(pages.dtype))
         read = []
         for kind in (0, 1):
             values = pages.read(kind, torch.arange(key_count)).float()
-            read.append(values if scale is None else values * scale)
+            read.append(values if scale is None else values * scale.data.float())
         return read[0], read[1]
 
 

@@ -465,3 +465,7 @@ class GenerationMixin:
     @staticmethod
     def get_profiles_ranges(**kwargs: Any) -> Any:
         raise EmulationError("prepare_inputs is build-time only; the emulated runtime binds the inputs itself")
+
+    @staticmethod
+    def default_range(*args: Any, **kwargs: Any) -> Any:
+        raise EmulationError("prepare_inputs is build-time only; the emulated runtime binds the inputs itself")

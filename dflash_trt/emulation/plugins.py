@@ -1,4 +1,4 @@
-"""Our plugin, `DFlashKVInjection`, registered when the emulated plugin library is "loaded".
+"""Our plugins, `DFlashKVInjection` and `DFlashAttention`, registered when the emulated plugin library is "loaded".
 
 It is built from the creation fields `plugin_fields` defines and receives the inputs in `kv_injection_layer`'s
 order. K = RoPE(rmsnorm(k) * w) with the RoPE table rebuilt from its `rope_inv_freq` / `rope_attention_scaling`
@@ -12,6 +12,18 @@ Formats, as `plugins/src/kvInjectionPlugin.cpp` accepts them: `type_id` HALF or 
 HALF, BF16 or INT32 and the output of its type, the FP8 scale FLOAT (`supportsFormatCombination`); the cache holds
 the input type, or FP8. One emulation-only extension: `type_id` FLOAT for float32 checkpoints, which no engine is
 built from (`formats.ENGINE_DTYPES`) but which the emulation runs to compare with the golden model bit for bit.
+
+`DFlashAttention` executes what its kernels compute (`plugins/include/dflash_trt/attentionCta.h`): per generation
+request (the qkv rows in request order; the requests are the last rows of the block table) the new tokens sit at
+`sequence_length - n .. sequence_length - 1`; Q and K are rotated in float32 with the layer's cos/sin table and
+rounded to the input type, K and V are written into the pool (the input type, or FP8 as `saturate(x *
+kv_scale_orig_quant)`), and each query attends in float32 over the stored keys it sees: the past, then the new keys
+up to itself (causal) or all of them (full), within the sliding window when there is one (counted from each query:
+`window` or more positions behind is out, and, for a full block, as far ahead; counted from the block's anchor with
+`window_from_anchor`: keys before `past - window` are out). P is rounded to the input type before the P V
+product and the output once, as the tensor-core kernel does; the kernel's tile-by-tile running maximum is not
+emulated (a difference within the input type's rounding). Formats as `attentionPlugin.cpp` accepts them, plus the
+FLOAT `type_id` of float32 checkpoints.
 """
 
 from __future__ import annotations
@@ -23,9 +35,10 @@ import torch
 
 from dflash_trt.emulation import trt
 from dflash_trt.emulation.functional import EmulationError, Tensor
-from dflash_trt.emulation.kv_pool import pool_at
+from dflash_trt.emulation.kv_pool import pool_at, resolve_pool
 from dflash_trt.reference.kv_injection import PagedKVCacheLayout, to_cache_dtype
-from dflash_trt.trtllm.plugin import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION
+from dflash_trt.trtllm.build_plan import DFLASH_ATTENTION_HEAD_DIMS
+from dflash_trt.trtllm.plugin import ATTENTION_PLUGIN_NAME, PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION
 
 # kvInjectionPlugin.cpp: the input types its kernels are instantiated for; FLOAT only in the emulation (above).
 TYPE_IDS = (int(trt.DataType.HALF), int(trt.DataType.BF16))
@@ -144,6 +157,128 @@ class KVInjectionPlugin:
         return torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1)
 
 
+class AttentionPlugin:
+    def __init__(self, fields: dict[str, np.ndarray]):
+        def scalar(name: str) -> int:
+            return int(_field(fields, name)[0])
+
+        self.heads, self.kv_heads, self.head_dim = (scalar(n) for n in ("num_heads", "num_kv_heads", "head_dim"))
+        self.layer_idx, self.max_query_len = scalar("layer_idx"), scalar("max_query_len")
+        self.causal, self.window = scalar("block_mask") == 0, scalar("sliding_window")
+        self.window_from_anchor = scalar("window_from_anchor")
+        self.max_positions, self.type_id = scalar("max_positions"), scalar("type_id")
+        self.cache_fp8, self.q_scaling = scalar("cache_fp8"), float(_field(fields, "q_scaling")[0])
+        if self.heads <= 0 or self.kv_heads <= 0 or self.heads % self.kv_heads:
+            raise EmulationError(f"{ATTENTION_PLUGIN_NAME}: num_heads must be a positive multiple of num_kv_heads")
+        if self.head_dim not in DFLASH_ATTENTION_HEAD_DIMS and self.type_id not in EMULATION_ONLY_TYPE_IDS:
+            raise EmulationError(f"{ATTENTION_PLUGIN_NAME}: head_dim {self.head_dim} is not one of its kernels'")
+        if scalar("block_mask") not in (0, 1) or self.window_from_anchor not in (0, 1) or self.window < 0:
+            raise EmulationError(
+                f"{ATTENTION_PLUGIN_NAME}: block_mask and window_from_anchor must be 0 or 1 and sliding_window >= 0"
+            )
+        if self.type_id not in (*TYPE_IDS, *EMULATION_ONLY_TYPE_IDS):
+            raise EmulationError(f"{ATTENTION_PLUGIN_NAME}: type_id must be HALF or BF16, got {self.type_id}")
+        self.input_type = trt.DataType(self.type_id)
+
+    def _formats(self) -> list[tuple[trt.DataType, ...]]:
+        """Per input position, the types supportsFormatCombination accepts."""
+        i32: tuple[trt.DataType, ...] = (trt.int32,)
+        f32: tuple[trt.DataType, ...] = (trt.float32,)
+        formats = [(self.input_type,), i32, i32, f32, i32, (trt.int64,), i32, i32]
+        return formats + [f32, f32] if self.cache_fp8 else formats
+
+    def add_to_network(self, inputs: list[Tensor]) -> list[Tensor]:
+        expected = len(self._formats())
+        if len(inputs) != expected:
+            raise EmulationError(f"{ATTENTION_PLUGIN_NAME} takes {expected} inputs, got {len(inputs)}")
+        for position, (tensor, allowed) in enumerate(zip(inputs, self._formats(), strict=True)):
+            if tensor.dtype not in allowed:
+                raise EmulationError(
+                    f"{ATTENTION_PLUGIN_NAME} input {position} is {tensor.dtype.name}; the plugin supports "
+                    f"{' or '.join(t.name for t in allowed)} there (supportsFormatCombination)"
+                )
+        return [Tensor(thunk=lambda: self._execute(inputs))]
+
+    def _execute(self, inputs: list[Tensor]) -> torch.Tensor:
+        qkv, seq_lens, gen_lens, cos_sin, offsets, pointers, mapping, host_past = inputs[:8]
+        if not (pointers.host and mapping.host and host_past.host):
+            raise EmulationError("pool pointers, pool mapping and past-length bounds must be host tensors (inputs)")
+        h, kvh, d = self.heads, self.kv_heads, self.head_dim
+        x, dtype = qkv.data, qkv.data.dtype
+        if x.dim() != 2 or x.shape[1] != (h + 2 * kvh) * d:
+            raise EmulationError(f"{ATTENTION_PLUGIN_NAME}: qkv {tuple(x.shape)} does not match the plugin fields")
+        lengths, ends = _int32(gen_lens, "generation_lengths", 1), _int32(seq_lens, "sequence_length", 1)
+        requests, first_row = lengths.shape[0], offsets.shape[1] - lengths.shape[0]
+        if ends.shape[0] != requests or first_row < 0 or host_past.shape[0] < requests:
+            raise EmulationError(f"{ATTENTION_PLUGIN_NAME}: request counts of its inputs differ")
+        if int(lengths.sum()) != x.shape[0] or bool((lengths > self.max_query_len).any()):
+            raise EmulationError(f"{ATTENTION_PLUGIN_NAME}: generation lengths do not cover the qkv rows")
+        table = cos_sin.data.reshape(-1, d // 2, 2)
+        out = torch.zeros(x.shape[0], h * d, dtype=dtype)
+        row = 0
+        for r in range(requests):
+            n, end = int(lengths[r]), int(ends[r])
+            pages = resolve_pool(mapping, pointers, offsets, self.layer_idx, first_row + r)
+            out[row : row + n] = self._request(x[row : row + n], end - n, end, table, pages, inputs)
+            row += n
+        return out
+
+    def _request(self, x: torch.Tensor, past: int, end: int, table: torch.Tensor, pages: Any, inputs: list) -> Any:
+        h, kvh, d, n, dtype = self.heads, self.kv_heads, self.head_dim, x.shape[0], x.dtype
+        if past < 0 or end > min(table.shape[0], self.max_positions):
+            raise EmulationError(f"{ATTENTION_PLUGIN_NAME}: positions up to {end} beyond the RoPE table")
+        positions = torch.arange(past, end)
+        q, k, v = x.split([h * d, kvh * d, kvh * d], dim=-1)
+        cos, sin = table[positions, :, 0], table[positions, :, 1]
+        q = _rotate_half(q.reshape(n, h, d).float(), cos, sin).to(dtype)
+        k = _rotate_half(k.reshape(n, kvh, d).float(), cos, sin).to(dtype)
+        v = v.reshape(n, kvh, d)
+        orig_quant = float(inputs[8].data.reshape(())) if self.cache_fp8 else None
+        for kind, values in ((0, k), (1, v)):
+            stored = values if orig_quant is None else (values.float() * orig_quant).clamp(-448.0, 448.0)
+            if orig_quant is None and pages.dtype != dtype:
+                raise EmulationError(f"a {pages.dtype} KV pool for {dtype} attention (the cache holds the input type)")
+            pages.write(kind, positions, stored.to(pages.dtype))
+        keys_at = torch.arange(end)
+        dequant = float(inputs[9].data.reshape(())) if self.cache_fp8 else 1.0
+        keys = (pages.read(0, keys_at).float() * dequant).repeat_interleave(h // kvh, dim=1)
+        values = (pages.read(1, keys_at).float() * dequant).repeat_interleave(h // kvh, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q.float(), keys) / (d**0.5 * self.q_scaling)
+        scores = scores.masked_fill(~self._visible(positions, keys_at, end), float("-inf"))
+        p = (scores - scores.amax(-1, keepdim=True)).exp()
+        out = torch.einsum("hqk,khd->qhd", p.to(dtype).float(), values) / p.sum(-1).transpose(0, 1)[..., None]
+        return out.reshape(n, h * d).to(dtype)
+
+    def _visible(self, queries: torch.Tensor, keys: torch.Tensor, end: int) -> torch.Tensor:
+        """[queries, keys]: what attentionMath.h keyVisible says."""
+        q, k = queries[:, None], keys[None, :]
+        visible = k < end
+        if self.causal:
+            visible = visible & (k <= q)
+        if self.window and self.window_from_anchor:
+            visible = visible & (k >= int(queries[0]) - self.window)
+        elif self.window:
+            visible = visible & (q - k < self.window)
+            if not self.causal:
+                visible = visible & (k - q < self.window)
+        return visible
+
+
+def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    c, s = cos[:, None, :], sin[:, None, :]
+    x0, x1 = x[..., :half], x[..., half:]
+    return torch.cat([x0 * c - x1 * s, x1 * c + x0 * s], dim=-1)
+
+
+class AttentionCreator:
+    name = ATTENTION_PLUGIN_NAME
+    version = PLUGIN_VERSION
+
+    def create_plugin(self, name: str, fields: list[trt.PluginField], phase: trt.TensorRTPhase) -> AttentionPlugin:
+        return AttentionPlugin({f.name: f.data for f in fields})
+
+
 class KVInjectionCreator:
     name = PLUGIN_NAME
     version = PLUGIN_VERSION
@@ -153,5 +288,7 @@ class KVInjectionCreator:
 
 
 def load_emulated_plugin_library(path: Any = None) -> None:
-    """What dlopen + `initDflashTrtPlugins` do for a real engine: register the creator under our namespace."""
-    trt.get_plugin_registry().register_creator(KVInjectionCreator(), PLUGIN_NAMESPACE)
+    """What dlopen + `initDflashTrtPlugins` do for a real engine: register the creators under our namespace."""
+    registry = trt.get_plugin_registry()
+    registry.register_creator(KVInjectionCreator(), PLUGIN_NAMESPACE)
+    registry.register_creator(AttentionCreator(), PLUGIN_NAMESPACE)

@@ -115,7 +115,7 @@ REGISTRY: dict[str, dict[str, Any]] = {
 }
 ENGINE_PACKAGE = Path(__file__).resolve().parents[1] / "trtllm"
 # The engine's sources that import TensorRT-LLM, in the order they are executed (model.py imports the others).
-ENGINE_SOURCES = ("plugin", "verify", "drafting", "tree", "model")
+ENGINE_SOURCES = ("plugin", "verify", "drafting", "tree", "generation_attention", "model")
 _engine_modules: dict[str, types.ModuleType] = {}
 
 

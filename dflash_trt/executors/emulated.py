@@ -30,7 +30,6 @@ from dflash_trt.inputs import check_fits_in_memory
 from dflash_trt.reference.decode import SequenceResult, StepTrace
 from dflash_trt.reference.loop_rules import check_request, keep_tokens, longest_request
 from dflash_trt.sampling_rules import GREEDY, Sampling
-from dflash_trt.trtllm.build_plan import check_sliding_window
 
 
 class EngineStepFailed(Exception):
@@ -59,7 +58,6 @@ class EmulatedStepper:
                 f"got "
                 f"{max_seq_len}"
             )
-        check_sliding_window(engine.facts, max_seq_len)
         self.engine = engine
         self.max_seq_len = max_seq_len
         self.stops = set(stop_token_ids or [])

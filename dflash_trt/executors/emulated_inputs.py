@@ -11,7 +11,8 @@ inputs from each request's `draft_paths` (the previous step's `next_draft_paths`
 `emulation/paths.py`), `draft_tokens` / `draft_lens` from the previous step's `next_draft_*` outputs (and
 `draft_paths` itself for a draft-tree engine, which reads the verified tree from it), the
 `host_gen_eagle_net_*` bounds (a new request: its prompt length; after a step with `S` tokens: `S + K + 1` and
-`S + K`, `unpackEagleData`), and one paged pool for target + draft layers with `host_kv_cache_pool_mapping`
+`S + K`, `unpackEagleData`), `input_gen_tokens` shaped to the step's generation tokens, and one paged pool for
+target + draft layers with `host_kv_cache_pool_mapping`
 row `l` = (pool 0, layer l). K is the engine's max_draft_len: the chain's length or a draft tree's nodes.
 Sampling inputs (docs/engine.md §6): `eagle_temperature` is the request's temperature
 (0 = greedy); each request owns a random state seeded from its seed, which draws `rand_data_sample` once when the
@@ -125,6 +126,7 @@ class _PackedRows:
     draft_paths: list[list[list[int]]] = field(default_factory=list)
     bounds: list[int] = field(default_factory=list)
     filled: int = 0  # token rows packed so far
+    generation_rows: int = 0  # of which generation requests' rows
 
     def add_generation(self, r: Decoding, count: int) -> None:
         first = r.anchor_position
@@ -135,6 +137,7 @@ class _PackedRows:
         self.draft_tokens.append(r.drafts)
         self.draft_lens.append(r.draft_len)
         self.types.append(GENERATION_REQUEST)
+        self.generation_rows += count
         self._add(r, [r.output[-1], *r.drafts[: r.draft_len]], first + count, count)
 
     def add_context(self, r: Decoding, count: int, k: int) -> None:
@@ -197,6 +200,8 @@ def step_inputs(
             [b + 1 if t == GENERATION_REQUEST else b for b, t in zip(bounds, types, strict=True)]
         ),
         "host_gen_eagle_net_past_key_value_lengths": _host_i32(bounds),
+        # Only its shape carries information: the step's generation tokens (EagleBuffers::setFromInputs).
+        "input_gen_tokens": _host_i32([0] * packed.generation_rows),
     }
     if engine.tree:  # a draft-tree engine declares the verified tree's paths as an input
         inputs["draft_paths"] = _i32(packed.draft_paths)

@@ -23,7 +23,7 @@ from dflash_trt.pipeline.schedule import ResolvedSchedule, derived_schedule
 from dflash_trt.pipeline.settings import engine_settings, quantization_settings
 from dflash_trt.pipeline.workspace import Workspace, workspace
 from dflash_trt.recorded_configs import ModelSource, load_recorded_configs, local_source, recorded_source
-from dflash_trt.spec import parse_draft_config, parse_target_config
+from dflash_trt.spec import FULL_ATTENTION, SLIDING_ATTENTION, parse_draft_config, parse_target_config
 from dflash_trt.trtllm.build_plan import EngineBuildSettings
 
 
@@ -61,6 +61,15 @@ class PipelineInputs:
     @property
     def configs_known(self) -> bool:
         return self.target.config is not None and self.draft.config is not None
+
+    def attention_passes(self) -> dict[str, str]:
+        """Each pass's attention kernel on the profile's GPU; the draft layers' by their kinds when the configs are
+        known, else both kinds'."""
+        layer_types: tuple[str, ...] = (FULL_ATTENTION, SLIDING_ATTENTION)
+        if self.target.config is not None and self.draft.config is not None:
+            target = parse_target_config(self.target.config, self.target.path)
+            layer_types = parse_draft_config(self.draft.config, target).layer_types
+        return self.settings.route.describe(layer_types)
 
 
 def _model_source(

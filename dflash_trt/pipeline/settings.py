@@ -33,13 +33,14 @@ if TYPE_CHECKING:  # the repository writer imports numpy (its processing code), 
 def engine_settings(profile: BuildProfile) -> EngineBuildSettings:
     """The profile's `engine` section as build settings, with the values the builder settles from the quantization
     written out as the plan writes them (`build_plan.resolve_settings`), so a command shown before the model
-    configs are known is the one that runs."""
+    configs are known is the one that runs; the profile's GPU decides each pass's attention kernel."""
     settings = profile.engine.build_settings()
     quant = profile.quantization
     return dataclasses.replace(
         settings,
         gemm_plugin=resolved_gemm_plugin(settings.gemm_plugin, quant.qformat),
         use_fp8_context_fmha=fp8_context_fmha(quant.qformat, quant.kv_cache_dtype),
+        gpu=profile.gpu,
     )
 
 

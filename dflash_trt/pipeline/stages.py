@@ -16,9 +16,10 @@ from dflash_trt.pipeline.resolve import PipelineInputs
 from dflash_trt.pipeline.settings import convert_command, plan_engine, quantization_settings, settings_from_profile
 from dflash_trt.pipeline.workspace import Stage
 from dflash_trt.trtllm.build_plan import (
-    SCHEDULE_ENV,
     EngineLengths,
     build_command,
+    build_environment,
+    environment_prefix,
     plan_engine_build,
     settings_dict,
 )
@@ -85,19 +86,19 @@ def _engine_stage(inp: PipelineInputs, ckpt_fp: str | None) -> tuple[Stage, str]
     if inp.configs_known:
         plan = plan_engine(profile, ws, inp.settings, inp.target, inp.draft, inp.plugin_library)
         library, build_argv, lengths = plan.plugin_library, plan.command, plan.lengths
-        # The build loads the plugin library named by this variable, so it is part of the exact command.
+        # The build loads the plugin library and builds for the GPU these variables name: part of the exact command.
         engine_command = plan.shell_command(with_library=True)
     else:
         library = str(Path(inp.plugin_library or default_library_path()).absolute())
         build_argv = build_command(str(ws.checkpoint), str(ws.engine), profile.engine.max_draft_len, inp.settings)
-        schedule = shlex.quote(inp.settings.draft_len_schedule.text())
-        engine_command = f"{LIBRARY_ENV}={shlex.quote(library)} {SCHEDULE_ENV}={schedule} {shlex.join(build_argv)}"
+        engine_command = environment_prefix({LIBRARY_ENV: library, **build_environment(inp.settings)}) + shlex.join(
+            build_argv
+        )
         lengths = EngineLengths(
             max_seq_len=inp.settings.max_seq_len,
             max_draft_len=profile.engine.max_draft_len,
             draft_nodes=profile.engine.max_draft_len,  # profiles hold no draft tree
-            positions=None,  # the drafter's shapes (a sliding window) are not known yet
-            positions_from=None,
+            positions=None,  # the target's max_position_embeddings is not known yet
         )
     engine_fp = (
         fingerprint(

@@ -27,6 +27,7 @@ from dflash_trt.checkpoint.atomic import (
 )
 from dflash_trt.checkpoint.integrity import check_integrity
 from dflash_trt.errors import DFlashTrtError
+from dflash_trt.gpu_targets import visible_gpu
 from dflash_trt.trtllm.build_plan import (
     MANIFEST_NAME,
     PLUGIN_LIBRARY_ENV,
@@ -73,6 +74,7 @@ def check_build_host(plan: EngineBuildPlan) -> str:
             f"the DFlash plugin library {plan.plugin_library} does not exist; build it (plugins/) or pass "
             "--plugin_library"
         )
+    check_build_gpu(plan)
     if plan.parallel_workers > 1:
         import torch
 
@@ -81,6 +83,22 @@ def check_build_host(plan: EngineBuildPlan) -> str:
                 f"--workers {plan.parallel_workers} needs as many GPUs; this host has {torch.cuda.device_count()}"
             )
     return version
+
+
+def check_build_gpu(plan: EngineBuildPlan) -> None:
+    """A TensorRT engine runs on the GPU generation it was built on, and ours is planned for `--gpu`: the two must
+    agree (a dry run plans for any GPU)."""
+    visible = visible_gpu()
+    planned = plan.settings.gpu
+    if visible is None:
+        raise DFlashTrtError(f"no GPU is visible; building needs the GPU the engine is for ({planned})")
+    name, sm = visible
+    if sm != plan.settings.route.sm:
+        raise DFlashTrtError(
+            f"the engine is planned for {planned} (SM{plan.settings.route.sm}) but this host's GPU is "
+            f"{name or 'unsupported'} (SM{sm}); TensorRT engines run on the GPU generation they are built on: build "
+            f"on a {planned}, or pass --gpu {name or 'h100|h200|b200|b300'}"
+        )
 
 
 def _staged_command(plan: EngineBuildPlan, staging: Path) -> list[str]:

@@ -20,12 +20,14 @@ from dflash_trt.checkpoint.trtllm_config import ARCHITECTURE, specs_from_config
 from dflash_trt.draft_schedule import AUTO, FIXED, DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import FP8, FP8_CONTEXT_FMHA_WEIGHTS, NONE, NVFP4, QFORMATS, fp8_context_fmha, quant_algo
+from dflash_trt.gpu_targets import ASSUMED_GPU, gpu_sm
 from dflash_trt.inputs import DRAFT_LEN_SCHEDULE, DRAFT_TREE, check_tree_schedule, draft_tree_nodes
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.reference.loop_rules import longest_request
 from dflash_trt.rope import RopeConfig
 from dflash_trt.sampling_rules import ENGINE_SAMPLING, HONOURED
 from dflash_trt.spec import SLIDING_ATTENTION, TARGET_ARCHITECTURES, DraftSpec
+from dflash_trt.trtllm.attention_route import OURS, TARGET_SM_ENV, AttentionRoute
 from dflash_trt.trtllm.plugin import LIBRARY_ENV, PLUGIN_NAMESPACE, default_library_path
 
 TRTLLM_BUILD = "trtllm-build"
@@ -56,10 +58,13 @@ SAMPLING_POLICY = ENGINE_SAMPLING
 GEMM_PLUGIN_CHOICES = ("auto", "float16", "bfloat16", "float32", "fp8", "nvfp4", "disable")
 # GEMM plugins that only run weights quantized in the format they are named after.
 QUANTIZED_GEMM_PLUGINS = (FP8, NVFP4)
-# Spec-decoding generation runs only through XQA. Its HMMA kernels (the only ones for an fp16/bf16 KV cache, and
-# the portable ones for FP8 KV) take these paged-KV block sizes; only Hopper's FP8-KV GMMA kernels also take 8.
+# Stock spec-decoding generation runs only through XQA. Its HMMA kernels (the only ones for an fp16/bf16 KV cache,
+# and the portable ones for FP8 KV) take these paged-KV block sizes; only Hopper's FP8-KV GMMA kernels also take 8.
 # cpp/tensorrt_llm/kernels/decoderMaskedMultiheadAttention/decoderXQAImplJIT/kernelUtils.cpp, supportConfigHMMA.
+# DFlashAttention takes them too (any power of two).
 XQA_TOKENS_PER_BLOCK = (16, 32, 64, 128)
+# Head dims DFlashAttention's kernels are instantiated for (plugins/include/dflash_trt/attentionMath.h).
+DFLASH_ATTENTION_HEAD_DIMS = (32, 64, 128, 256)
 # KV-cache block size: trtllm-build's plugin-config default (read in the 1.2.x sources). It is also the unit of a
 # context chunk, so the smallest prefill chunk a step can carry.
 TOKENS_PER_BLOCK = 32
@@ -92,6 +97,13 @@ class EngineBuildSettings:
     logits_dtype: str = "float32"
     workers: int = 1
     extra_flags: tuple[str, ...] = ()
+    # The GPU the engine is built for (and runs on): it decides the attention kernel of each pass.
+    gpu: str = ASSUMED_GPU
+
+    @property
+    def route(self) -> AttentionRoute:
+        return AttentionRoute(gpu_sm(self.gpu))
+
     # Resolved before planning (`auto` is the planner's, analysis/draft_schedule.py); built in via SCHEDULE_ENV.
     draft_len_schedule: DraftLenSchedule = FIXED
     draft_tree: int | None = None  # nodes of the draft tree verified per request; None: the chain
@@ -140,8 +152,7 @@ class EngineLengths:
     max_seq_len: int  # the build's --max_seq_len
     max_draft_len: int  # K, the draft positions per step (a draft tree's depth)
     draft_nodes: int  # the drafts verified per step, the engine's EAGLE max_draft_len: K for a chain, N for a tree
-    positions: int | None  # the positions every request must stay within (`held_positions`); None: not known yet
-    positions_from: str | None  # what bounds them: max_position_embeddings (the RoPE tables) or sliding_window
+    positions: int | None  # the target's RoPE rows every request must stay within; None: not known yet
 
     @property
     def engine_max_seq_len(self) -> int:
@@ -178,12 +189,7 @@ class EngineLengths:
 
         if self.positions is None:
             return text
-        held = (
-            "the target's max_position_embeddings RoPE tables hold"
-            if self.positions_from == "max_position_embeddings"
-            else "the drafter's sliding window holds"
-        )
-        return f"{text} ({held} positions 0..{self.positions - 1})"
+        return f"{text} (the target's max_position_embeddings RoPE tables hold positions 0..{self.positions - 1})"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -226,17 +232,17 @@ class EngineBuildPlan:
         ]
 
     def build_env(self) -> dict[str, str]:
-        """What the build processes need in their environment beyond the caller's: the draft-length schedule, and a
-        draft tree's node count (the model class reads both: the converted config.json trtllm-build loads holds
-        neither)."""
-        tree = {} if self.settings.draft_tree is None else {TREE_ENV: str(self.settings.draft_tree)}
-        return {SCHEDULE_ENV: self.settings.draft_len_schedule.text(), **tree}
+        """What the build processes need in their environment beyond the caller's (`build_environment`)."""
+        return build_environment(self.settings)
 
     def shell_command(self, with_library: bool = False) -> str:
-        """The build as a shell line with the variables its processes need; `with_library` also sets the plugin
-        library variable."""
-        variables = {**({LIBRARY_ENV: self.plugin_library} if with_library else {}), **self.build_env()}
-        env = "".join(f"{name}={shlex.quote(value)} " for name, value in variables.items())
+        """The build as a shell line with the variables the network is built from; `with_library` also sets the
+        plugin library and the planned GPU's SM, as `dflash-trt build` runs it (without them, a line run by hand on a
+        GPU host builds for that host's GPU, `route_for_build`)."""
+        variables = self.build_env()
+        if not with_library:
+            variables.pop(TARGET_SM_ENV)
+        env = environment_prefix({**({LIBRARY_ENV: self.plugin_library} if with_library else {}), **variables})
         if self.parallel_workers == 1:
             return env + shlex.join(self.command)
         one_rank = [
@@ -262,6 +268,18 @@ class EngineBuildPlan:
             "dflash_manifest": self.dflash_manifest,
             "lengths": self.lengths.to_dict(),
         }
+
+
+def build_environment(settings: EngineBuildSettings) -> dict[str, str]:
+    """The variables the model class reads while trtllm-build builds it (the converted config.json trtllm-build loads
+    holds none of them): the GPU's SM (its attention route), the draft-length schedule, and a draft tree's node
+    count."""
+    tree = {} if settings.draft_tree is None else {TREE_ENV: str(settings.draft_tree)}
+    return {TARGET_SM_ENV: str(settings.route.sm), SCHEDULE_ENV: settings.draft_len_schedule.text(), **tree}
+
+
+def environment_prefix(environment: dict[str, str]) -> str:
+    return "".join(f"{name}={shlex.quote(value)} " for name, value in environment.items())
 
 
 def engine_schedule(text: str | None, max_draft_len: int) -> DraftLenSchedule:
@@ -626,29 +644,21 @@ def longest_max_seq_len(positions: int, max_draft_len: int) -> int:
     return longest_request(positions, max_draft_len) - max_draft_len
 
 
-def held_positions(facts: CheckpointFacts) -> int:
-    """The positions every request must stay within: the RoPE tables' rows and, for a drafter with sliding-window
-    layers, its window (see `check_sliding_window`)."""
-    if SLIDING_ATTENTION in facts.layer_types and facts.sliding_window is not None:
-        return min(facts.max_position_embeddings, facts.sliding_window)
-    return facts.max_position_embeddings
-
-
 def engine_lengths(facts: CheckpointFacts, settings: EngineBuildSettings) -> EngineLengths:
-    """The lengths an engine built with these settings records and runs, and the positions they must stay within."""
-    positions = held_positions(facts)
+    """The lengths an engine built with these settings records and runs, and the positions they must stay within
+    (the target's RoPE tables; a sliding-window drafter's window is applied by DFlashAttention, so it bounds
+    nothing)."""
     return EngineLengths(
         max_seq_len=settings.max_seq_len,
         max_draft_len=facts.max_draft_len,
         draft_nodes=verified_drafts(facts, settings),
-        positions=positions,
-        positions_from="max_position_embeddings" if positions == facts.max_position_embeddings else "sliding_window",
+        positions=facts.max_position_embeddings,
     )
 
 
 def longest_buildable(facts: CheckpointFacts) -> int:
-    """The largest max_seq_len this checkpoint allows."""
-    return longest_max_seq_len(held_positions(facts), facts.max_draft_len)
+    """The largest max_seq_len this checkpoint allows: the one whose requests its positions hold."""
+    return longest_max_seq_len(facts.max_position_embeddings, facts.max_draft_len)
 
 
 def fit_lengths(
@@ -687,31 +697,21 @@ def check_extra_flags(settings: EngineBuildSettings) -> None:
             )
 
 
-def check_sliding_window(facts: CheckpointFacts, request_len: int) -> None:
-    """Sliding draft layers are built as causal full attention, exact only while no request outgrows the window.
-
-    Spec-decoding attention in TensorRT-LLM 1.2.x runs in tree mode, which has no sliding window; while every position
-    a request of `request_len` tokens reaches lies within the window, the window never drops a key and the result is
-    identical.
-    """
-    if SLIDING_ATTENTION not in facts.layer_types or facts.sliding_window is None:
-        return
-    k = facts.max_draft_len
-    holds = longest_request(facts.sliding_window, k)
-    if longest_max_seq_len(facts.sliding_window, k) < 1:
-        raise DFlashTrtError(
-            f"the drafter's sliding-window layers have a window ({facts.sliding_window}) no longer than the {3 * k} "
-            "positions an engine uses past its max_seq_len (its executor's K more tokens per request, and the 2K a "
-            "request's last step reaches); TensorRT-LLM 1.2.x spec-decoding attention has no sliding window, so this "
-            "drafter cannot be built"
-        )
-    if request_len > holds:
-        raise DFlashTrtError(
-            f"the drafter has sliding-window layers (window {facts.sliding_window}), which hold requests of at most "
-            f"{holds} tokens (the window less two draft blocks of {k}), and the engine would run requests of "
-            f"{request_len}; TensorRT-LLM 1.2.x spec-decoding attention has no sliding window, so build with "
-            f"--max_seq_len <= {holds - k} (requests up to {holds})"
-        )
+def check_attention_route(facts: CheckpointFacts, settings: EngineBuildSettings) -> None:
+    """What the layers DFlashAttention serves on this GPU must be: a head dim its kernels are built for."""
+    route = settings.route
+    served = []
+    if route.target_generation == OURS:
+        served.append(("target", facts.target_head_size))
+    kinds = set(facts.layer_types)
+    if any(route.draft_layer(kind == SLIDING_ATTENTION) == OURS for kind in kinds):
+        served.append(("drafter", facts.draft_head_size))
+    for who, head_dim in served:
+        if head_dim not in DFLASH_ATTENTION_HEAD_DIMS:
+            raise DFlashTrtError(
+                f"on {settings.gpu} the {who}'s generation attention runs on DFlashAttention, whose kernels take "
+                f"head dims {', '.join(map(str, DFLASH_ATTENTION_HEAD_DIMS))}, not {head_dim}"
+            )
 
 
 def check_positions(facts: CheckpointFacts, max_seq_len: int) -> None:
@@ -977,6 +977,9 @@ def manifest(facts: CheckpointFacts, settings: EngineBuildSettings, plugin_libra
         "tp_size": facts.tp_size,
         "quant_algo": facts.quant_algo,
         "kv_cache_quant_algo": facts.kv_cache_quant_algo,
+        "gpu": settings.gpu,
+        "sm": settings.route.sm,
+        "attention": settings.route.describe(facts.layer_types),
         "draft_len_schedule": settings.draft_len_schedule.text(),
         "engine_config": engine_config(facts, settings),
     }
@@ -1011,9 +1014,10 @@ def plan_engine_build(
     settings = replace(settings, draft_tree=tree if tree != facts.max_draft_len else None)
     if settings.draft_tree is not None:
         check_tree_schedule(settings.draft_len_schedule)
+        settings.route.check_tree(settings.gpu)
     check_network(facts)
     check_xqa_block_layout(facts)
-    check_sliding_window(facts, engine_longest_request(settings.max_seq_len, facts.max_draft_len))
+    check_attention_route(facts, settings)
     check_settings(facts, settings)
     settings = resolve_settings(facts, settings)
     check_extra_flags(settings)

@@ -5,8 +5,10 @@ class in `tensorrt_llm.models.MODEL_MAP` so `PretrainedConfig.from_dict` finds t
 step (docs/engine.md §2): stock target decoder layers with our own loop keeping the tap outputs; verification,
 greedy or exactly sampled per request (`verify.py`); in-graph bookkeeping with static shapes and validity masks;
 KV injection of the accepted tokens' context K/V into the draft layers' pages (our plugin); the draft block as one
-spec-decoding generation step of the stock attention plugin; next drafts from the target's lm_head. Imports
-TensorRT-LLM, so GPU hosts only.
+spec-decoding generation step; next drafts from the target's lm_head. Which attention plugin serves each
+generation pass depends on the GPU the engine is built for (`attention_route.py`): on Blackwell the target's
+generation requests and the draft block run on our DFlashAttention, and sliding-window draft layers do on every GPU
+(`generation_attention.py`). Imports TensorRT-LLM, so GPU hosts only.
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ from tensorrt_llm.parameter import Parameter
 from dflash_trt.checkpoint.trtllm_config import ARCHITECTURE, draft_spec_from_config, rotary_scaling
 from dflash_trt.draft_schedule import DraftLenSchedule
 from dflash_trt.inputs import check_tree_schedule
-from dflash_trt.spec import EMBEDDING_TAP, DraftSpec
+from dflash_trt.spec import EMBEDDING_TAP, SLIDING_ATTENTION, DraftSpec
+from dflash_trt.trtllm.attention_route import OURS, AttentionRoute, route_for_build
 from dflash_trt.trtllm.build_plan import block_packed_mask, chain_draft_paths, engine_schedule, engine_tree_nodes
 from dflash_trt.trtllm.drafting import (
     AFTER,
@@ -74,6 +77,7 @@ from dflash_trt.trtllm.drafting import (
     draft_vocabulary_map,
     replicated_linear,
 )
+from dflash_trt.trtllm.generation_attention import BlockAttention, dflash_attention
 from dflash_trt.trtllm.plugin import KVInjectionGeometry, kv_injection_layer
 from dflash_trt.trtllm.tree import EngineTree, TreeShape, TreeVerdict, best_trees, path_depths, verify_tree
 from dflash_trt.trtllm.verify import verify_drafts
@@ -323,18 +327,20 @@ class DFlashTarget(Module):
         self.ln_f = RmsNorm(normalized_shape=config.hidden_size, eps=config.norm_epsilon, dtype=config.dtype)
         self.taps = config.draft.target_layer_ids
 
-    def forward(self, input_ids, spec_decoding_params, kv_cache_params, attention_params):
-        """Returns (ln_f output, concat of tap layer outputs): tap i = output of layer i = HF hidden_states[i+1]."""
+    def forward(self, input_ids, spec_decoding_params, kv_cache_params, attention_params, generation=None):
+        """Returns (ln_f output, concat of tap layer outputs): tap i = output of layer i = HF hidden_states[i+1].
+        With `generation` (a BlockAttention), each layer's generation requests run on DFlashAttention."""
         hidden_states = self.vocab_embedding(input_ids)
         taps = {EMBEDDING_TAP: hidden_states}  # tap -1: the embedding output, HF hidden_states[0]
         for index, layer in enumerate(self.layers):
-            hidden_states, _ = layer(
-                hidden_states,
-                use_cache=True,
-                spec_decoding_params=spec_decoding_params,
-                kv_cache_params=layer_kv_params(kv_cache_params),
-                attention_params=attention_params,
-            )
+            with dflash_attention(layer.attention, generation):
+                hidden_states, _ = layer(
+                    hidden_states,
+                    use_cache=True,
+                    spec_decoding_params=spec_decoding_params,
+                    kv_cache_params=layer_kv_params(kv_cache_params),
+                    attention_params=attention_params,
+                )
             if index in self.taps:
                 taps[index] = hidden_states
         final = self.ln_f(hidden_states)
@@ -399,8 +405,18 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         self.num_drafts = config.draft.num_drafts  # draft slots of the block: the chain's length, a tree's depth
         self.mask_token_id = config.draft.mask_token_id
         self.draft_rope = config.draft.rope
+        # Which attention serves each pass: the GPU the engine is built for (attention_route.py), read when the
+        # network is built unless set first (the CPU emulation sets the one of the GPU it emulates).
+        self.attention_route: AttentionRoute | None = None
         vocab = config.draft.draft_vocab_size or config.vocab_size
         self.tree = TreeShape(self.num_drafts, config.tree_nodes, vocab) if config.tree_nodes else None
+
+    def route(self) -> AttentionRoute:
+        if self.attention_route is None:
+            self.attention_route = route_for_build()
+        if self.tree is not None:
+            self.attention_route.check_tree(f"SM{self.attention_route.sm}")
+        return self.attention_route
 
     def verify(
         self, logits, draft_tokens, draft_lens, draft_paths, temperature, rand_data_validation, rand_data_sample
@@ -438,12 +454,16 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         host_gen_eagle_net_request_types,
         host_gen_eagle_net_context_lengths,
         host_gen_eagle_net_past_key_value_lengths,
+        input_gen_tokens=None,
         attention_mask=None,
         draft_paths=None,
     ):
         assert use_cache and default_net().plugin_config.paged_kv_cache
         attention_params = Attention.fill_attention_params(self, attention_params)
-        hidden_states, taps = self.transformer(input_ids, spec_decoding_params, kv_cache_params, attention_params)
+        generation = self.target_generation_attention(input_gen_tokens)
+        hidden_states, taps = self.transformer(
+            input_ids, spec_decoding_params, kv_cache_params, attention_params, generation
+        )
 
         # Target logits, exactly as DecoderModelForCausalLM marks them.
         last = gather_last_token_logits(hidden_states, last_token_ids, default_net().plugin_config.remove_input_padding)
@@ -497,6 +517,14 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         next_draft_lens.mark_output("next_draft_lens")
         next_draft_paths.mark_output("next_draft_paths")
         return next_draft_tokens
+
+    def target_generation_attention(self, input_gen_tokens) -> BlockAttention | None:
+        """How the target's generation requests attend: on our plugin where the route says so, else stock (None)."""
+        if self.route().target_generation != OURS:
+            return None
+        if input_gen_tokens is None:
+            raise ValueError("the target's DFlashAttention needs the input_gen_tokens input (prepare_inputs)")
+        return BlockAttention(causal=True, generation_tokens=input_gen_tokens)
 
     def next_draft_lens(self, draft_lens: Tensor) -> Tensor:
         """Every request's draft length for the next step, from this step's load (its number of requests) through
@@ -636,14 +664,20 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         kv_params = layer_kv_params(kv_cache_params, host_past_key_value_lengths)
         offsets = expand(i32([list(range(b))]), concat([batch, b]))
         lengths = expand(i32([b]), shape(book.draft_lens))
-        causal = self.config.draft.causal
+        draft = self.config.draft
         for index, layer in enumerate(self.dflash.layers):
             # [requests * B, words], the layout of the runtime's own spec_decoding_packed_mask input.
-            packed = np.array([block_packed_mask(b, causal[index])], dtype=np.int32)
+            packed = np.array([block_packed_mask(b, draft.causal[index])], dtype=np.int32)
             words = packed.shape[2]
             mask = expand(i32(packed), concat([batch, b, words])).view(concat([batch * b, words]))
             spec = SpecDecodingParams(True, b, lengths, offsets, mask, spec_decoding_params.spec_decoding_use)
-            hidden = layer(hidden, spec, kv_params, params, batch)
+            ours = self.route().draft_layer(draft.layer_types[index] == SLIDING_ATTENTION) == OURS
+            block = None
+            if ours:
+                window, from_anchor = draft.layer_window(index), draft.window_from_anchor
+                block = BlockAttention(causal=draft.causal[index], window=window, window_from_anchor=from_anchor)
+            with dflash_attention(layer.attention, block):
+                hidden = layer(hidden, spec, kv_params, params, batch)
         hidden = self.dflash.ln_f(hidden).view(concat([batch, b, shape(hidden, 1)]))
         first = self.config.draft.first_draft_slot
         drafts = slice(hidden, [0, first, 0], concat([batch, k, shape(hidden, 2)]))
@@ -736,6 +770,12 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         inputs["rand_data_sample"] = declare("rand_data_sample", trt.float32, [batch])
         for name in EAGLE_INPUTS[-3:]:
             inputs[name] = declare(name, trt.int32, [batch])
+        if self.route().target_generation == OURS:
+            # Only its shape is read: the step's generation tokens, which split the batch (generation_attention.py).
+            gen_tokens = GenerationMixin.default_range(kwargs["max_batch_size"] * (k + 1), min_range=0, opt_offset=1)
+            inputs["input_gen_tokens"] = declare(
+                "input_gen_tokens", trt.int32, [("gen_tokens", [gen_tokens] * profiles)]
+            )
         return inputs
 
 

@@ -38,33 +38,6 @@ IntField const kIntFields[] = {
     {kFieldCacheFp8, &KVInjectionConfig::cacheFp8},
 };
 
-int64_t volume(Dims const& dims)
-{
-    int64_t n = 1;
-    for (int32_t i = 0; i < dims.nbDims; ++i)
-    {
-        n *= dims.d[i];
-    }
-    return n;
-}
-
-size_t elementSize(DataType type)
-{
-    switch (type)
-    {
-    case DataType::kFLOAT:
-    case DataType::kINT32: return 4;
-    case DataType::kHALF:
-    case DataType::kBF16: return 2;
-    default: return 0;
-    }
-}
-
-bool knownOrEqual(int64_t dim, int64_t expected)
-{
-    return dim < 0 || dim == expected;
-}
-
 } // namespace
 
 std::string KVInjectionConfig::check() const

@@ -17,6 +17,7 @@
 #pragma once
 
 #include "dflash_trt/kvInjectionKernel.h"
+#include "pluginUtils.h"
 
 #include <NvInferRuntime.h>
 
@@ -28,7 +29,6 @@ namespace dflash_trt
 
 char const* const kKvInjectionPluginName = "DFlashKVInjection";
 char const* const kKvInjectionPluginVersion = "1";
-char const* const kDefaultPluginNamespace = "dflash_trt";
 
 enum KVInjectionInput : int32_t
 {
@@ -137,8 +137,5 @@ private:
     std::vector<nvinfer1::PluginField> mFieldNames;
     nvinfer1::PluginFieldCollection mFieldNameCollection{};
 };
-
-//! Report through the logger handed to initDflashTrtPlugins / setLoggerFinder, else stderr.
-void logError(std::string const& message);
 
 } // namespace dflash_trt

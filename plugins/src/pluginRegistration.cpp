@@ -6,6 +6,7 @@
  * - with DFLASH_TRT_LOAD_PLUGINS=1 the creators register themselves when the library loads, so LD_PRELOAD is
  *   enough for processes that never call initDflashTrtPlugins (the Triton tensorrtllm backend).
  */
+#include "attentionPlugin.h"
 #include "kvInjectionPlugin.h"
 
 #include <cstdio>
@@ -28,6 +29,24 @@ KVInjectionPluginCreator& kvInjectionCreator()
 {
     static KVInjectionPluginCreator creator;
     return creator;
+}
+
+AttentionPluginCreator& attentionCreator()
+{
+    static AttentionPluginCreator creator;
+    return creator;
+}
+
+//! Register one creator under `ns` unless the registry already holds it.
+template <class Creator>
+bool registerCreator(IPluginRegistry& registry, Creator& creator, char const* name, char const* version, char const* ns)
+{
+    if (registry.getCreator(name, version, ns) != nullptr)
+    {
+        return true;
+    }
+    creator.setPluginNamespace(ns);
+    return registry.registerCreator(creator, ns);
 }
 
 } // namespace
@@ -69,13 +88,11 @@ __attribute__((visibility("default"))) bool initDflashTrtPlugins(void* logger, c
     {
         return false;
     }
-    if (registry->getCreator(kKvInjectionPluginName, kKvInjectionPluginVersion, ns) != nullptr)
-    {
-        return true;
-    }
-    KVInjectionPluginCreator& creator = kvInjectionCreator();
-    creator.setPluginNamespace(ns);
-    return registry->registerCreator(creator, ns);
+    bool const kvInjection
+        = registerCreator(*registry, kvInjectionCreator(), kKvInjectionPluginName, kKvInjectionPluginVersion, ns);
+    bool const attention
+        = registerCreator(*registry, attentionCreator(), kAttentionPluginName, kAttentionPluginVersion, ns);
+    return kvInjection && attention;
 }
 
 __attribute__((visibility("default"))) void setLoggerFinder(ILoggerFinder* finder)
@@ -85,8 +102,9 @@ __attribute__((visibility("default"))) void setLoggerFinder(ILoggerFinder* finde
 
 __attribute__((visibility("default"))) IPluginCreatorInterface* const* getCreators(int32_t& nbCreators)
 {
-    static IPluginCreatorInterface* const creators[] = {&dflash_trt::kvInjectionCreator()};
-    nbCreators = 1;
+    static IPluginCreatorInterface* const creators[]
+        = {&dflash_trt::kvInjectionCreator(), &dflash_trt::attentionCreator()};
+    nbCreators = 2;
     return creators;
 }
 

@@ -1,6 +1,6 @@
 /*
  * CPU driver of the KV-injection math: runs the same __host__ __device__ functions as the CUDA kernel over host
- * buffers, exported with C linkage so tests/test_kernels_host.py can call it through ctypes and compare with the
+ * buffers, exported with C linkage so tests/engine/test_kernels_host.py can call it through ctypes and compare with the
  * torch definition. Build: g++ -std=c++17 -shared -fPIC -I plugins/include -I <cuda>/include.
  */
 #include "dflash_trt/kvInjectionMath.h"

@@ -3,6 +3,7 @@
  * plugin -> serialized fields -> plugin, the dtype table of supportsFormatCombination, shape checks, and refusal of
  * bad configurations. Prints one line per failed check and exits non-zero on any.
  */
+#include "attentionPlugin.h"
 #include "kvInjectionPlugin.h"
 
 #include <cstdio>
@@ -132,14 +133,155 @@ bool allSupported(IPluginV3OneBuild* build, std::vector<DynamicPluginTensorDesc>
     return true;
 }
 
+
+struct AttentionFields
+{
+    int32_t numHeads = 32, numKvHeads = 8, headDim = 128, layerIdx = 37, tokensPerBlock = 32, maxQueryLen = 16;
+    int32_t blockMask = 0, slidingWindow = 2048, windowFromAnchor = 1, maxPositions = 4096;
+    int32_t typeId = static_cast<int32_t>(DataType::kBF16), cacheFp8 = 1;
+    float qScaling = 1.f;
+    std::vector<PluginField> list;
+    PluginFieldCollection fc{};
+
+    PluginFieldCollection const* collection()
+    {
+        list = {
+            {"num_heads", &numHeads, PluginFieldType::kINT32, 1},
+            {"num_kv_heads", &numKvHeads, PluginFieldType::kINT32, 1},
+            {"head_dim", &headDim, PluginFieldType::kINT32, 1},
+            {"layer_idx", &layerIdx, PluginFieldType::kINT32, 1},
+            {"tokens_per_block", &tokensPerBlock, PluginFieldType::kINT32, 1},
+            {"max_query_len", &maxQueryLen, PluginFieldType::kINT32, 1},
+            {"block_mask", &blockMask, PluginFieldType::kINT32, 1},
+            {"sliding_window", &slidingWindow, PluginFieldType::kINT32, 1},
+            {"window_from_anchor", &windowFromAnchor, PluginFieldType::kINT32, 1},
+            {"max_positions", &maxPositions, PluginFieldType::kINT32, 1},
+            {"type_id", &typeId, PluginFieldType::kINT32, 1},
+            {"cache_fp8", &cacheFp8, PluginFieldType::kINT32, 1},
+            {"q_scaling", &qScaling, PluginFieldType::kFLOAT32, 1},
+        };
+        fc.nbFields = static_cast<int32_t>(list.size());
+        fc.fields = list.data();
+        return &fc;
+    }
+};
+
+std::vector<DynamicPluginTensorDesc> attentionDescs(AttentionFields const& f)
+{
+    int64_t const width = int64_t{f.numHeads + 2 * f.numKvHeads} * f.headDim;
+    std::vector<std::pair<DataType, Dims>> const spec = {
+        {DataType::kBF16, dims({-1, width})},
+        {DataType::kINT32, dims({-1})},
+        {DataType::kINT32, dims({-1})},
+        {DataType::kFLOAT, dims({1, int64_t{f.maxPositions} * f.headDim})},
+        {DataType::kINT32, dims({1, -1, 2, -1})},
+        {DataType::kINT64, dims({1, 2})},
+        {DataType::kINT32, dims({40, 2})},
+        {DataType::kINT32, dims({-1})},
+        {DataType::kFLOAT, dims({1})},
+        {DataType::kFLOAT, dims({1})},
+        {DataType::kBF16, dims({-1, int64_t{f.numHeads} * f.headDim})},
+    };
+    std::vector<DynamicPluginTensorDesc> descs(spec.size());
+    for (size_t i = 0; i < spec.size(); ++i)
+    {
+        descs[i].desc.type = spec[i].first;
+        descs[i].desc.dims = spec[i].second;
+        descs[i].desc.format = TensorFormat::kLINEAR;
+        descs[i].max = spec[i].second;
+    }
+    descs[kQkv].max.d[0] = 1024;
+    return descs;
+}
+
+void checkAttention(IPluginCreatorV3One* creator)
+{
+    expect(std::strcmp(creator->getPluginName(), "DFlashAttention") == 0, "attention creator name");
+    expect(std::strcmp(creator->getPluginNamespace(), "dflash_trt") == 0, "attention creator namespace");
+    expect(creator->getFieldNames()->nbFields == 13, "thirteen attention creation fields");
+    AttentionFields fields;
+    IPluginV3* plugin = creator->createPlugin("attention", fields.collection(), TensorRTPhase::kBUILD);
+    expect(plugin != nullptr, "attention plugin created");
+    if (plugin == nullptr)
+    {
+        return;
+    }
+    auto* build = static_cast<IPluginV3OneBuild*>(plugin->getCapabilityInterface(PluginCapabilityType::kBUILD));
+    auto* runtime = static_cast<IPluginV3OneRuntime*>(plugin->getCapabilityInterface(PluginCapabilityType::kRUNTIME));
+    PluginFieldCollection const* serialized = runtime->getFieldsToSerialize();
+    expect(sameFields(serialized, fields.collection()), "attention fields serialize as created");
+    IPluginV3* restored = creator->createPlugin("attention", serialized, TensorRTPhase::kRUNTIME);
+    expect(restored != nullptr, "attention plugin restored from its serialized fields");
+    if (restored != nullptr)
+    {
+        auto* again = static_cast<IPluginV3OneRuntime*>(restored->getCapabilityInterface(PluginCapabilityType::kRUNTIME));
+        expect(sameFields(again->getFieldsToSerialize(), fields.collection()), "attention round trip is lossless");
+        delete restored;
+    }
+
+    std::vector<DynamicPluginTensorDesc> descs = attentionDescs(fields);
+    expect(allSupported(build, descs), "attention dtypes accepted");
+    DataType inTypes[10];
+    for (int32_t i = 0; i < 10; ++i)
+    {
+        inTypes[i] = descs[i].desc.type;
+    }
+    DataType outType{};
+    expect(build->getOutputDataTypes(&outType, 1, inTypes, 10) == 0 && outType == DataType::kBF16,
+        "attention output takes the input type");
+    expect(build->configurePlugin(descs.data(), 10, &descs[10], 1) == 0, "good attention shapes configure");
+    expect(build->getWorkspaceSize(descs.data(), 10, &descs[10], 1)
+            >= static_cast<size_t>(attentionWorkspaceBound(1024, fields.numHeads, fields.headDim, 2)),
+        "workspace holds the rotated queries and the split-K partials");
+
+    auto rejects = [&](char const* what, auto mutate)
+    {
+        std::vector<DynamicPluginTensorDesc> bad = attentionDescs(fields);
+        mutate(bad);
+        expect(!allSupported(build, bad), what);
+    };
+    rejects("fp16 qkv refused by a bf16 plugin", [](auto& d) { d[kQkv].desc.type = DataType::kHALF; });
+    rejects("int32 pool pointers refused", [](auto& d) { d[kAttnPoolPointers].desc.type = DataType::kINT32; });
+    rejects("fp16 rotary table refused", [](auto& d) { d[kRotaryCosSin].desc.type = DataType::kHALF; });
+    rejects("output must take the input type", [](auto& d) { d[10].desc.type = DataType::kFLOAT; });
+    std::vector<DynamicPluginTensorDesc> wrongWidth = attentionDescs(fields);
+    wrongWidth[kQkv].desc.dims = dims({-1, 100});
+    expect(build->configurePlugin(wrongWidth.data(), 10, &wrongWidth[10], 1) != 0, "wrong qkv width refused");
+    std::vector<DynamicPluginTensorDesc> shortTable = attentionDescs(fields);
+    shortTable[kRotaryCosSin].desc.dims = dims({1, 100});
+    expect(build->configurePlugin(shortTable.data(), 10, &shortTable[10], 1) != 0, "short rotary table refused");
+    std::vector<DynamicPluginTensorDesc> shortMapping = attentionDescs(fields);
+    shortMapping[kAttnPoolMapping].desc.dims = dims({37, 2});
+    expect(build->configurePlugin(shortMapping.data(), 10, &shortMapping[10], 1) != 0,
+        "pool mapping without the layer refused");
+    expect(build->configurePlugin(descs.data(), 8, &descs[10], 1) != 0, "missing FP8 scale inputs refused");
+    delete plugin;
+
+    auto refused = [&](char const* what, auto mutate)
+    {
+        AttentionFields f = fields;
+        mutate(f);
+        IPluginV3* p = creator->createPlugin("attention", f.collection(), TensorRTPhase::kBUILD);
+        expect(p == nullptr, what);
+        delete p;
+    };
+    refused("head_dim 96 refused", [](AttentionFields& f) { f.headDim = 96; });
+    refused("head_dim 16 refused", [](AttentionFields& f) { f.headDim = 16; });
+    refused("heads not a multiple of kv heads refused", [](AttentionFields& f) { f.numHeads = 30; });
+    refused("tokens_per_block 24 refused", [](AttentionFields& f) { f.tokensPerBlock = 24; });
+    refused("block_mask 2 refused", [](AttentionFields& f) { f.blockMask = 2; });
+    refused("negative window refused", [](AttentionFields& f) { f.slidingWindow = -1; });
+    refused("window_from_anchor 2 refused", [](AttentionFields& f) { f.windowFromAnchor = 2; });
+    refused("fp32 type_id refused", [](AttentionFields& f) { f.typeId = static_cast<int32_t>(DataType::kFLOAT); });
+}
+
 } // namespace
 
-int main()
+namespace
 {
-    int32_t nbCreators = 0;
-    IPluginCreatorInterface* const* creators = getCreators(nbCreators);
-    expect(nbCreators == 1, "one creator exported");
-    auto* creator = static_cast<IPluginCreatorV3One*>(creators[0]);
+
+void checkKvInjection(IPluginCreatorV3One* creator)
+{
     expect(std::strcmp(creator->getPluginName(), "DFlashKVInjection") == 0, "creator name");
     expect(std::strcmp(creator->getPluginNamespace(), "dflash_trt") == 0, "creator namespace");
     expect(creator->getFieldNames()->nbFields == 10, "ten creation fields");
@@ -153,7 +295,7 @@ int main()
     expect(plugin != nullptr, "plugin created");
     if (plugin == nullptr)
     {
-        return 1;
+        return;
     }
     auto* core = static_cast<IPluginV3OneCore*>(plugin->getCapabilityInterface(PluginCapabilityType::kCORE));
     auto* build = static_cast<IPluginV3OneBuild*>(plugin->getCapabilityInterface(PluginCapabilityType::kBUILD));
@@ -221,7 +363,17 @@ int main()
     refused("short rope_inv_freq refused", [](Fields& f) { f.invFreq.resize(10); });
     refused("fp32 type_id refused", [](Fields& f) { f.typeId = static_cast<int32_t>(DataType::kFLOAT); });
     refused("zero layers refused", [](Fields& f) { f.numLayers = 0; });
+}
 
+} // namespace
+
+int main()
+{
+    int32_t nbCreators = 0;
+    IPluginCreatorInterface* const* creators = getCreators(nbCreators);
+    expect(nbCreators == 2, "two creators exported");
+    checkKvInjection(static_cast<IPluginCreatorV3One*>(creators[0]));
+    checkAttention(static_cast<IPluginCreatorV3One*>(creators[1]));
     std::printf(gFailures == 0 ? "OK\n" : "%d checks failed\n", gFailures);
     return gFailures == 0 ? 0 : 1;
 }

@@ -28,7 +28,6 @@ from dflash_trt.emulation import functional
 from dflash_trt.emulation.engine import EmulatedEngine
 from dflash_trt.emulation.functional import EmulationError, Network, PluginConfig, net_guard
 from dflash_trt.emulation.stand_ins import ENGINE_PACKAGE, ENGINE_SOURCES, REGISTRY, load_engine_module
-from dflash_trt.errors import DFlashTrtError
 from dflash_trt.executors.emulated import decode_batch
 from dflash_trt.reference.decode import SequenceResult, speculative_generate
 from dflash_trt.reference.model import load_golden_model
@@ -38,7 +37,7 @@ from dflash_trt.tokenizer import load_tokenizer
 
 TINY_BLOCK = 16  # the embedded drafter's block size
 
-# Every build-compatible fixture variant (sliding-window drafters are refused, see the test below).
+# Every build-compatible fixture variant (sliding-window drafters: tests/emulation/test_emulation_routes.py).
 VARIANTS = {
     "qwen3-gqa-b8": (PairVariant(), 16),
     "qwen3-tied-b4-last-tap": (PairVariant(tie=True, block_size=4, taps=[3], draft_layers=1), 32),
@@ -399,14 +398,6 @@ def test_target_qk_norms_use_the_config_epsilon(tiny, engine):
 
     stock = QWenDecoderLayer(runtime.model.config.target_config(), 0)
     assert stock.attention.q_layernorm.eps == 1e-5
-
-
-def test_sliding_window_drafters_are_refused_like_the_build(tmp_path):
-    ckpt = convert(
-        tmp_path, PairVariant(draft_layers=2, sliding_window=5, layer_types=["sliding_attention", "full_attention"])
-    )
-    with pytest.raises(DFlashTrtError, match="sliding-window"):
-        decode_batch(EmulatedEngine(ckpt), PROMPTS, 4)
 
 
 def test_strict_loading_by_tensorrt_llm_names(tiny, tmp_path):

@@ -196,3 +196,18 @@ def test_the_emulated_engine_refuses_a_tree_with_a_draft_length_schedule(tiny):
 def test_the_chain_node_count_builds_the_chain_engine(tiny):
     engine = EmulatedEngine(tiny, draft_tree=15)
     assert (engine.tree, engine.k, engine.depth) == (False, 15, 15)
+
+
+@pytest.mark.parametrize("gpu", ["b200", "b300"])
+def test_a_tree_is_refused_where_dflash_attention_verifies(tiny, gpu):
+    """DFlashAttention verifies a chain only: the emulated engine for B200 / B300 refuses a tree as the build does
+    (the chain node count is the chain and runs), and so does the network if it is handed that route."""
+    from dflash_trt.trtllm.attention_route import AttentionRoute
+
+    with pytest.raises(DFlashTrtError, match=rf"--draft_tree: on {gpu} .*no packed tree mask"):
+        EmulatedEngine(tiny, gpu=gpu, draft_tree=24)
+    assert EmulatedEngine(tiny, gpu=gpu, draft_tree=15).tree is False
+    model = EmulatedEngine(tiny, gpu="h100", draft_tree=24).model
+    model.attention_route = AttentionRoute(100)
+    with pytest.raises(DFlashTrtError, match=r"--draft_tree: on SM100 "):
+        model.route()

@@ -60,7 +60,7 @@ def objects(nvcc: Path, archs: list[int], tmp_path_factory: pytest.TempPathFacto
 
 
 def test_sources_exist() -> None:
-    assert [p.name for p in CU_SOURCES] == ["kvInjectionKernel.cu"]
+    assert [p.name for p in CU_SOURCES] == ["attentionKernel.cu", "kvInjectionKernel.cu"]
 
 
 def test_every_cu_compiles_for_hopper_and_blackwell(objects: dict[Path, Path], archs: list[int]) -> None:
@@ -87,8 +87,30 @@ def test_python_fields_match_plugin_sources() -> None:
     assert [name for name, _, _ in py_fields] == cpp_fields
     assert f'kKvInjectionPluginName = "{plugin.PLUGIN_NAME}"' in header
     assert f'kKvInjectionPluginVersion = "{plugin.PLUGIN_VERSION}"' in header
-    assert f'kDefaultPluginNamespace = "{plugin.PLUGIN_NAMESPACE}"' in header
+    assert f'kDefaultPluginNamespace = "{plugin.PLUGIN_NAMESPACE}"' in (PLUGINS / "src" / "pluginUtils.h").read_text()
     assert "initDflashTrtPlugins" in (PLUGINS / "src" / "exports.map").read_text()
+
+
+def test_attention_fields_match_plugin_sources() -> None:
+    """plugin.py's DFlashAttention fields and the C++ creator's, in order; name, version and namespace too."""
+    source = (PLUGINS / "src" / "attentionPlugin.cpp").read_text()
+    header = (PLUGINS / "src" / "attentionPlugin.h").read_text()
+    cpp_fields = re.findall(r'kField\w+ = "(\w+)"', source)
+    geometry = plugin.AttentionGeometry(
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        layer_idx=3,
+        tokens_per_block=32,
+        max_query_len=16,
+        causal=False,
+        window=None,
+        max_positions=4096,
+    )
+    py_fields = plugin.attention_plugin_fields(geometry, type_id=7, cache_fp8=False)
+    assert [name for name, _, _ in py_fields] == cpp_fields
+    assert f'kAttentionPluginName = "{plugin.ATTENTION_PLUGIN_NAME}"' in header
+    assert f'kAttentionPluginVersion = "{plugin.PLUGIN_VERSION}"' in header
 
 
 def test_plugin_glue_round_trip_against_tensorrt_headers(objects: dict[Path, Path], tmp_path: Path) -> None:
@@ -100,7 +122,7 @@ def test_plugin_glue_round_trip_against_tensorrt_headers(objects: dict[Path, Pat
     if compiler is None:
         pytest.skip("g++ not found")
     exe = tmp_path / "plugin_round_trip"
-    kernel = objects[PLUGINS / "src" / "kvInjectionKernel.cu"]
+    kernels = [str(objects[PLUGINS / "src" / name]) for name in ("kvInjectionKernel.cu", "attentionKernel.cu")]
     cmd = [
         compiler,
         "-std=c++17",
@@ -116,8 +138,9 @@ def test_plugin_glue_round_trip_against_tensorrt_headers(objects: dict[Path, Pat
         str(CUDA_HOME / "include"),
         str(PLUGINS / "tests" / "pluginRoundTrip.cpp"),
         str(PLUGINS / "src" / "kvInjectionPlugin.cpp"),
+        str(PLUGINS / "src" / "attentionPlugin.cpp"),
         str(PLUGINS / "src" / "pluginRegistration.cpp"),
-        str(kernel),
+        *kernels,
         f"-L{CUDA_HOME / 'lib64'}",
         "-lcudart_static",
         "-ldl",

@@ -26,6 +26,7 @@ from dflash_trt.errors import DFlashTrtError
 from dflash_trt.reference.loop_rules import built_engine_longest_request
 from dflash_trt.spec import parse_draft_config, parse_target_config
 from dflash_trt.trtllm import build_plan
+from dflash_trt.trtllm.attention_route import TARGET_SM_ENV
 from dflash_trt.trtllm.build import run_engine_build
 from dflash_trt.trtllm.build_plan import (
     EngineBuildSettings,
@@ -273,50 +274,128 @@ def test_max_num_tokens_boundary(ckpt: Path, tmp_path: Path):
     assert plan_engine_build(ckpt, tmp_path / "e", ok).build_config["max_num_tokens"] == 128
 
 
-def test_sliding_window_drafter_only_within_its_window(tmp_path: Path):
-    draft = {
-        **DRAFT_HF,
-        "use_sliding_window": True,
-        "sliding_window": 4096,
-        "layer_types": ["full_attention", "sliding_attention"],
-    }
+SLIDING_DRAFT = {
+    **DRAFT_HF,
+    "use_sliding_window": True,
+    "sliding_window": 4096,
+    "layer_types": ["full_attention", "sliding_attention"],
+}
+
+
+@pytest.mark.parametrize("gpu", ["h100", "b200"])
+def test_sliding_window_drafters_build_past_their_window(tmp_path: Path, gpu: str):
+    """The window is applied by DFlashAttention on every GPU, so it no longer caps max_seq_len."""
+    ckpt = write_checkpoint(tmp_path / "c", draft_hf=SLIDING_DRAFT)
+    plan = plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings(max_seq_len=8192, gpu=gpu))
+    attention = plan.dflash_manifest["attention"]
+    assert attention["draft_block_sliding_attention"] == "DFlashAttention"
+    assert attention["draft_block_full_attention"] == ("GPTAttention" if gpu == "h100" else "DFlashAttention")
+
+
+def test_windows_shorter_than_the_block_build(tmp_path: Path):
+    draft = {**DRAFT_HF, "use_sliding_window": True, "sliding_window": 12, "layer_types": ["sliding_attention"] * 2}
     ckpt = write_checkpoint(tmp_path / "c", draft_hf=draft)
-    fits = EngineBuildSettings(max_seq_len=4096 - 45, max_input_len=1024)  # 3K positions past max_seq_len
-    assert plan_engine_build(ckpt, tmp_path / "e", fits).command
-    with pytest.raises(DFlashTrtError, match=r"--max_seq_len <= 4051"):
-        plan_engine_build(ckpt, tmp_path / "e", replace(fits, max_seq_len=4052))
+    assert plan_engine_build(
+        ckpt, tmp_path / "e", EngineBuildSettings(max_seq_len=64, max_input_len=32, max_num_tokens=1024)
+    ).command
 
 
-def test_sliding_window_no_longer_than_the_block_cannot_be_built(tmp_path: Path):
-    draft = {**DRAFT_HF, "use_sliding_window": True, "sliding_window": 45, "layer_types": ["sliding_attention"] * 2}
-    ckpt = write_checkpoint(tmp_path / "c", draft_hf=draft)
-    with pytest.raises(
-        DFlashTrtError,
-        match=r"sliding-window layers have a window \(45\) no longer than the 45 positions .* cannot be built",
-    ):
-        plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings(max_seq_len=64, max_input_len=32))
-
-
-def test_the_default_max_seq_len_fits_a_sliding_window(tmp_path: Path, capsys):
-    """Without --max_seq_len the build takes the longest the drafter's window allows (window - 3K)."""
-    draft = {**DRAFT_HF, "use_sliding_window": True, "sliding_window": 4096, "layer_types": ["sliding_attention"] * 2}
+def test_the_default_max_seq_len_ignores_the_window(tmp_path: Path, capsys):
+    """Without --max_seq_len the build takes min(8192, the target's positions), whatever the drafter's window."""
+    draft = {**SLIDING_DRAFT, "layer_types": ["sliding_attention"] * 2}
     ckpt = write_checkpoint(tmp_path / "c", draft_hf=draft)
     from dflash_trt.cli import main as cli_main
 
     argv = ["build", "--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e"), "--dry_run", "--json"]
     assert cli_main(argv) == 0
     config = json.loads(capsys.readouterr().out)["build_config"]
-    assert (config["max_seq_len"], config["max_input_len"]) == (4096 - 45, 4096 - 45)
+    assert (config["max_seq_len"], config["max_input_len"]) == (8192, 4096)
+
+
+@pytest.mark.parametrize(
+    ("gpu", "sm", "target"),
+    [
+        ("h100", 90, "GPTAttention"),
+        ("h200", 90, "GPTAttention"),
+        ("b200", 100, "DFlashAttention"),
+        ("b300", 103, "DFlashAttention"),
+    ],
+)
+def test_each_gpu_gets_its_attention_route(tmp_path: Path, gpu: str, sm: int, target: str):
+    """Blackwell: both generation passes on DFlashAttention (1.2.x has no spec-decoding kernel there); context
+    always on the stock plugin; the build is told the GPU through its environment, the manifest says all of it."""
+    ckpt = write_checkpoint(tmp_path / "c")
+    plan = plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings(gpu=gpu))
+    manifest = plan.dflash_manifest
+    assert (manifest["gpu"], manifest["sm"]) == (gpu, sm)
+    assert manifest["attention"] == {
+        "target_context": "GPTAttention",
+        "target_verification": target,
+        "draft_block_full_attention": target,
+    }
+    assert plan.build_env()["DFLASH_TRT_TARGET_SM"] == str(sm)
+    # The line shown for running by hand leaves the GPU to the host it runs on.
+    assert "DFLASH_TRT_TARGET_SM" not in plan.shell_command()
+    assert plan.shell_command(with_library=True).startswith(
+        f"DFLASH_TRT_PLUGIN_LIB={shlex.quote(plan.plugin_library)} DFLASH_TRT_TARGET_SM={sm} "
+        "DFLASH_TRT_DRAFT_LEN_SCHEDULE=none trtllm-build "
+    )
+
+
+def test_blackwell_needs_head_dims_the_kernels_take(tmp_path: Path):
+    odd = {"head_dim": 96}
+    ckpt = write_checkpoint(tmp_path / "c", target_hf={**TARGET_HF, **odd}, draft_hf={**DRAFT_HF, **odd})
+    assert plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings(gpu="h200")).command
+    with pytest.raises(
+        DFlashTrtError, match=r"on b300 the target's generation attention runs on DFlashAttention, .*not 96"
+    ):
+        plan_engine_build(ckpt, tmp_path / "e", EngineBuildSettings(gpu="b300"))
+
+
+def test_dry_run_names_the_gpu_and_each_pass(tmp_path: Path, capsys, monkeypatch):
+    from dflash_trt import gpu_targets
+    from dflash_trt.cli import main as cli_main
+
+    monkeypatch.setattr(gpu_targets, "visible_gpu", lambda: None)
+    ckpt = write_checkpoint(tmp_path / "c")
+    argv = ["build", "--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e"), "--dry_run"]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "# GPU: h200 (assumed: no GPU is visible here; pass --gpu h100|h200|b200|b300 to choose)" in out
+    assert "# attention on h200: target_context GPTAttention, target_verification GPTAttention" in out
+    assert "DFLASH_TRT_TARGET_SM=90 DFLASH_TRT_DRAFT_LEN_SCHEDULE=none trtllm-build" in out
+    assert cli_main([*argv, "--gpu", "b300"]) == 0
+    out = capsys.readouterr().out
+    assert "# GPU: b300 (as given)" in out
+    assert "# attention on b300: target_context GPTAttention, target_verification DFlashAttention" in out
+    # What the route rests on: the stock kernels' limits as read, ours as far as they ran.
+    assert "[read in its sources, docs/engine.md §13]" in out and "not yet on a GPU" in out
+    assert "DFLASH_TRT_TARGET_SM=103 DFLASH_TRT_DRAFT_LEN_SCHEDULE=none trtllm-build" in out
+    monkeypatch.setattr(gpu_targets, "visible_gpu", lambda: ("b200", 100))
+    assert cli_main([*argv, "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["gpu_chosen"] == "the GPU of this host" and planned["dflash_manifest"]["gpu"] == "b200"
+
+
+def test_a_real_build_refuses_a_host_of_another_gpu(tmp_path: Path, monkeypatch):
+    from dflash_trt.trtllm import build as engine_build
+
+    plan = plan_engine_build(write_checkpoint(tmp_path / "c"), tmp_path / "e", EngineBuildSettings(gpu="b300"))
+    monkeypatch.setattr(engine_build, "visible_gpu", lambda: ("h100", 90))
+    with pytest.raises(DFlashTrtError, match=r"planned for b300 \(SM103\) but this host's GPU is h100 \(SM90\)"):
+        engine_build.check_build_gpu(plan)
+    monkeypatch.setattr(engine_build, "visible_gpu", lambda: ("b300", 103))
+    engine_build.check_build_gpu(plan)
 
 
 @pytest.mark.parametrize(
     ("draft_changes", "max_seq_len", "held"),
     [
         ({}, 40960 - 45 - 100, "the target's max_position_embeddings RoPE tables hold positions 0..40959"),
-        (
+        (  # the window bounds nothing: DFlashAttention applies it
             {"use_sliding_window": True, "sliding_window": 4096, "layer_types": ["sliding_attention"] * 2},
-            4096 - 45,
-            "the drafter's sliding window holds positions 0..4095",
+            40960 - 45 - 100,
+            "the target's max_position_embeddings RoPE tables hold positions 0..40959",
         ),
     ],
     ids=["rope-tables", "sliding-window"],
@@ -433,8 +512,8 @@ def test_dry_run_prints_command_config_and_manifest(ckpt: Path, tmp_path: Path, 
     )
     assert args.func(args) == 0
     out = capsys.readouterr().out
-    command_line = out.splitlines()[1]
-    command = shlex.split(command_line)
+    lines = out.splitlines()
+    command = shlex.split(lines[lines.index("# trtllm-build command") + 1])
     assert command[-1] == "--strip_plan"
     assert flag_values(command)["--max_batch_size"] == "4"
     assert flag_values(command)["--multiple_profiles"] == "enable"
@@ -694,7 +773,7 @@ def test_a_draft_tree_build_verifies_its_nodes_over_the_chain_positions(ckpt: Pa
     plan = plan_engine_build(ckpt, tmp_path / "e", settings)
     assert flag_values(plan.command)["--max_draft_len"] == "40"
     assert plan.build_config["max_draft_len"] == 40
-    assert plan.build_env() == {build_plan.SCHEDULE_ENV: "none", build_plan.TREE_ENV: "40"}
+    assert plan.build_env() == {TARGET_SM_ENV: "90", build_plan.SCHEDULE_ENV: "none", build_plan.TREE_ENV: "40"}
     assert f" {build_plan.TREE_ENV}=40 trtllm-build " in f" {plan.shell_command()}"
     manifest = plan.dflash_manifest
     assert (manifest["max_draft_len"], manifest["draft_tree"], len(manifest["eagle_choices"])) == (40, 40, 15)
@@ -714,3 +793,26 @@ def test_a_draft_tree_takes_no_draft_length_schedule(ckpt: Path, tmp_path: Path)
     settings = EngineBuildSettings(draft_tree=40, draft_len_schedule=DraftLenSchedule(((4, 8),)))
     with pytest.raises(DFlashTrtError, match="takes no draft-length schedule"):
         plan_engine_build(ckpt, tmp_path / "e", settings)
+
+
+@pytest.mark.parametrize(("gpu", "refused"), [("h100", False), ("h200", False), ("b200", True), ("b300", True)])
+def test_a_draft_tree_is_refused_where_dflash_attention_verifies(ckpt: Path, tmp_path: Path, capsys, gpu, refused):
+    """DFlashAttention masks the verified tokens as a chain: where it serves the target's verification (B200 / B300)
+    a tree would be verified with the wrong mask, so the plan refuses it in one line; the chain node count is the
+    chain and builds everywhere; the stock route (Hopper) builds the tree."""
+    from dflash_trt.cli import main as cli_main
+
+    settings = EngineBuildSettings(draft_tree=40, gpu=gpu)
+    if refused:
+        with pytest.raises(DFlashTrtError, match=rf"--draft_tree: on {gpu} the target's verification runs on "):
+            plan_engine_build(ckpt, tmp_path / "e", settings)
+    else:
+        assert plan_engine_build(ckpt, tmp_path / "e", settings).dflash_manifest["draft_tree"] == 40
+    assert plan_engine_build(ckpt, tmp_path / "e", replace(settings, draft_tree=15)).build_config["max_draft_len"] == 15
+    argv = ["build", "--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e"), "--dry_run", "--gpu", gpu]
+    assert cli_main([*argv, "--draft_tree", "40"]) == (2 if refused else 0)
+    out, err = capsys.readouterr()
+    if refused:
+        assert out == "" and len(err.strip().splitlines()) == 1 and "no packed tree mask" in err
+    else:
+        assert "DFLASH_TRT_DRAFT_TREE=40 trtllm-build" in out

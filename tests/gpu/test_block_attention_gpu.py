@@ -137,6 +137,8 @@ def _build_session(dtype: str, max_context: int):
 
 @pytest.mark.parametrize("bidirectional", [True, False])
 def test_spec_decoding_attention_with_packed_mask_matches_dense(bidirectional: bool) -> None:
+    if torch.cuda.is_available() and torch.cuda.get_device_capability(0)[0] == 10:
+        pytest.skip("SM100 / SM103: 1.2.x's stock plugin has no spec-decoding kernel there (DFlashAttention serves it)")
     gen = torch.Generator().manual_seed(7)
     batch, tokens = len(CTX_LENS), len(CTX_LENS) * BLOCK
     max_blocks = MAX_SEQ_LEN // TOKENS_PER_BLOCK

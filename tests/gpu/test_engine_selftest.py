@@ -4,8 +4,10 @@ Builds the plugin library (unless DFLASH_TRT_PLUGIN_LIB points at one), converts
 drafter pair, builds the DFlash engine through `dflash-trt build`'s code path, runs it through the executor in EAGLE
 mode (chain eagle_choices from dflash_trt.json; `dflash_trt.commands.selftest.engine_generate`, one response per
 iteration) on ragged prompts and compares every token and the per-step acceptance lengths both define the same way
-with `dflash_trt.reference.decode.speculative_generate` on the same checkpoint. Greedy only. `dflash-trt selftest`
-runs the same check on the embedded trained tiny pair.
+with `dflash_trt.reference.decode.speculative_generate` on the same checkpoint. Greedy only. The engine is built
+for this host's GPU, so it runs the attention route that GPU needs (DFlashAttention for both generation passes on
+B200 / B300); a second pair's drafter has a sliding-window layer (DFlashAttention on every GPU) and its prompts
+decode past the window. `dflash-trt selftest` runs the same check on the embedded trained tiny pair.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def plugin_library(workdir: Path) -> Path:
 def built_engine(root: Path, variant, draft_len_schedule: str = "none"):
     """A random pair of `variant` (tests/_pairs.py), converted in float16, built as `dflash-trt build` builds."""
     from dflash_trt.conversion.convert import convert_checkpoint
+    from dflash_trt.gpu_targets import resolve_gpu
     from dflash_trt.inputs import DRAFT_LEN_SCHEDULE
     from dflash_trt.trtllm.build import run_engine_build
     from dflash_trt.trtllm.build_plan import EngineBuildSettings, plan_engine_build
@@ -58,29 +61,44 @@ def built_engine(root: Path, variant, draft_len_schedule: str = "none"):
     library = plugin_library(root)
     target_dir, draft_dir = tiny_pairs().make_pair(root, variant)
     convert_checkpoint(target_dir, draft_dir, root / "ckpt", dtype="float16")
+    gpu, _ = resolve_gpu(None)
     settings = EngineBuildSettings(
         max_batch_size=4,
         max_input_len=64,
         max_seq_len=128,
         max_num_tokens=256,
         draft_len_schedule=DRAFT_LEN_SCHEDULE(draft_len_schedule),
+        gpu=gpu,
     )
     plan = plan_engine_build(root / "ckpt", root / "engine", settings, plugin_library=library)
     return run_engine_build(plan), root / "ckpt", library
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    # Production head size (the kernels are specialised per head size): 128, as Qwen3 and Llama 3.x.
-    variant = tiny_pairs().PairVariant(block_size=8, head_dim=128, draft_head_dim=128)
-    return built_engine(tmp_path_factory.mktemp("selftest"), variant)
+# Production head size (the kernels are specialised per head size): 128, as Qwen3 and Llama 3.x; DFlashAttention
+# takes it too (the fixture default, 16, is only for the stock plugin's Hopper route).
+HEAD_DIMS = {"head_dim": 128, "draft_head_dim": 128}
+PAIRS = {
+    "full": {"block_size": 8, **HEAD_DIMS},
+    "sliding": {
+        "block_size": 8,
+        **HEAD_DIMS,
+        "sliding_window": 6,
+        "layer_types": ["full_attention", "sliding_attention"],
+    },
+}
+
+
+@pytest.fixture(scope="module", params=list(PAIRS))
+def engine(request, tmp_path_factory):
+    variant = tiny_pairs().PairVariant(**PAIRS[request.param])
+    return built_engine(tmp_path_factory.mktemp(f"selftest-{request.param}"), variant)
 
 
 @pytest.fixture(scope="module")
 def dflash2_engine(tmp_path_factory):
     """A DFlash2 drafter (convolutions, in-graph top-k and selector walk) with an embedding tap."""
     dflash2 = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 12, "selector_top_k": 6}
-    variant = tiny_pairs().PairVariant(block_size=8, dflash2=dflash2, taps=[-1, 3])
+    variant = tiny_pairs().PairVariant(block_size=8, dflash2=dflash2, taps=[-1, 3], **HEAD_DIMS)
     return built_engine(tmp_path_factory.mktemp("selftest-dflash2"), variant)
 
 
@@ -138,6 +156,9 @@ def test_engine_config_carries_the_eagle_contract(engine):
     assert pretrained["eagle_net_config"]["num_hidden_layers"] == manifest["num_draft_layers"]
     assert "layer_types" not in pretrained
     assert build["max_draft_len"] == k and build["speculative_decoding_mode"] == 1 << 5
+    from dflash_trt.gpu_targets import resolve_gpu
+
+    assert manifest["gpu"] == resolve_gpu(None)[0]  # built for this host's GPU and its attention route
     from dflash_trt.trtllm.build_plan import check_engine_config
 
     check_engine_config(engine_dir)  # what the plan recorded (build() overrides mirrored) is what was built
@@ -167,7 +188,11 @@ def test_an_fp8_engine_with_an_fp8_kv_cache_matches_the_golden_model(tmp_path):
     calib.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
     convert_checkpoint(target_dir, draft_dir, tmp_path / "ckpt", dtype="bfloat16", qformat="fp8",
                        kv_cache_dtype="fp8", calib_dataset=calib, calib_size=len(PROMPTS))  # fmt: skip
-    settings = EngineBuildSettings(max_batch_size=4, max_input_len=64, max_seq_len=128, max_num_tokens=256)
+    from dflash_trt.gpu_targets import resolve_gpu
+
+    settings = EngineBuildSettings(
+        max_batch_size=4, max_input_len=64, max_seq_len=128, max_num_tokens=256, gpu=resolve_gpu(None)[0]
+    )
     plan = plan_engine_build(tmp_path / "ckpt", tmp_path / "engine", settings, plugin_library=library)
     assert plan.dflash_manifest["engine_config"]["build_config"]["plugin_config"]["use_fp8_context_fmha"]
     engine_dir = run_engine_build(plan)

@@ -165,7 +165,7 @@ def test_build_auto_derives_the_table_it_hands_to_the_network(qwen3_8b_checkpoin
     [
         (["--draft_len_schedule", "auto"], "--draft_len_schedule auto prices each step on a GPU: give --gpu"),
         (["--draft_len_schedule", "1:16"], "drafts 16 tokens but the drafter proposes at most block_size - 1 = 15"),
-        (["--gpu", "h100"], "--gpu and --acceptance_json only serve --draft_len_schedule auto"),
+        (["--acceptance_json", "a.json"], "--acceptance_json only serves --draft_len_schedule auto"),
     ],
 )
 def test_build_refuses_a_schedule_it_cannot_build(qwen3_8b_checkpoint, tmp_path, capsys, flags, message):

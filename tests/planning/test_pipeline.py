@@ -11,6 +11,7 @@ import yaml
 from _pairs import PairVariant, make_pair
 
 from dflash_trt.cli import main as cli_main
+from dflash_trt.gpu_targets import GPU_SMS
 from dflash_trt.inputs import DRAFT_LEN_SCHEDULE
 from dflash_trt.pipeline.profiles import load_profile
 from dflash_trt.pipeline.resolve import PipelineRequest, resolve_inputs
@@ -103,8 +104,15 @@ def test_dry_run_of_every_profile(path: Path, hub: Path, tmp_path: Path, capsys)
     assert convert[:2] == ["dflash-trt", "convert"]
     assert convert[convert.index("--qformat") + 1] == profile.quantization.qformat
     assert convert[convert.index("--tp_size") + 1] == str(profile.checkpoint.tp_size)
-    env, schedule_env, *build = shlex.split(commands["engine"])
+    env, target, schedule_env, *build = shlex.split(commands["engine"])
     assert env.startswith("DFLASH_TRT_PLUGIN_LIB=") and env.endswith("libdflash_trt_plugins.so")
+    # The network is built for the profile's GPU: its attention kernels differ between Hopper and Blackwell.
+    assert target == f"DFLASH_TRT_TARGET_SM={GPU_SMS[profile.gpu]}"
+    # ...and says which: Blackwell's generation passes on DFlashAttention, Hopper's on the stock plugin (XQA).
+    generation = "DFlashAttention" if profile.gpu in ("b200", "b300") else "GPTAttention"
+    route = next(line for line in out.splitlines() if line.startswith(f"attention on {profile.gpu}: "))
+    passes = f"target_context GPTAttention, target_verification {generation}, draft_block_full_attention {generation}"
+    assert passes in route
     # The shipped profiles derive their schedule (auto), and the build hands exactly that table to the network.
     name, _, table = schedule_env.partition("=")
     assert name == "DFLASH_TRT_DRAFT_LEN_SCHEDULE" and profile.engine.draft_len_schedule == "auto"
@@ -292,7 +300,7 @@ def _tiny_profile(tmp_path: Path, pair: tuple[Path, Path], **engine) -> Path:
     target, draft = pair
     data = {
         "name": "tiny",
-        "gpu": "b300",
+        "gpu": "h200",  # the fixture pair's head dim (16) builds only where the stock plugin attends
         "model": {"target": str(target), "draft": str(draft), "block_size": 8},
         "quantization": {"qformat": "none", "dflash_qformat": "none", "kv_cache_dtype": "none"},
         "engine": {
@@ -335,8 +343,8 @@ def test_cpu_run_stops_after_the_checkpoint_and_resumes(tiny_pair, tmp_path: Pat
     assert resume.startswith(f"dflash-trt build --config {profile} --output_dir {ws} --plugin_library /opt/dflash/")
     # The tiny pair's auto schedule keeps the full draft at every batch: the roofline is weight-bound throughout.
     engine = (
-        "DFLASH_TRT_PLUGIN_LIB=/opt/dflash/libdflash_trt_plugins.so DFLASH_TRT_DRAFT_LEN_SCHEDULE=none "
-        f"trtllm-build --checkpoint_dir {ws}"
+        "DFLASH_TRT_PLUGIN_LIB=/opt/dflash/libdflash_trt_plugins.so DFLASH_TRT_TARGET_SM=90 "
+        f"DFLASH_TRT_DRAFT_LEN_SCHEDULE=none trtllm-build --checkpoint_dir {ws}"
     )
     assert results[1].stage.command.startswith(engine)
 
