@@ -29,7 +29,6 @@ from tensorrt_llm.functional import (
     argmax,
     cast,
     concat,
-    constant,
     cumsum,
     eq,
     expand,
@@ -80,7 +79,7 @@ from dflash_trt.trtllm.drafting import (
 from dflash_trt.trtllm.generation_attention import BlockAttention, dflash_attention
 from dflash_trt.trtllm.plugin import KVInjectionGeometry, kv_injection_layer
 from dflash_trt.trtllm.tree import EngineTree, TreeShape, TreeVerdict, best_trees, path_depths, verify_tree
-from dflash_trt.trtllm.verify import verify_drafts
+from dflash_trt.trtllm.verify import i32, verify_drafts
 
 # Keys only DFlash reads; the target's TensorRT-LLM config class must not see them.
 DFLASH_KEYS = (
@@ -378,10 +377,6 @@ def refuse_unsupported(config: DFlashConfig) -> None:
     sparse = getattr(config, "moe_sparse_layers", None)
     if sparse is not None and len(sparse) != config.num_hidden_layers:
         raise ValueError("the stock Qwen3-MoE decoder layers are all sparse; dense layers among them cannot be built")
-
-
-def i32(values) -> Tensor:
-    return constant(np.ascontiguousarray(np.array(values, dtype=np.int32)))
 
 
 class DFlashForCausalLM(DecoderModelForCausalLM):

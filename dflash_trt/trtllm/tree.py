@@ -27,7 +27,6 @@ from tensorrt_llm.functional import (
     argmax,
     cast,
     concat,
-    constant,
     cumsum,
     eq,
     exp,
@@ -44,14 +43,7 @@ from tensorrt_llm.functional import (
 )
 
 from dflash_trt.trtllm.drafting import topk
-
-
-def _i32(values) -> Tensor:
-    return constant(np.ascontiguousarray(np.array(values, dtype=np.int32)))
-
-
-def _f32(values) -> Tensor:
-    return constant(np.ascontiguousarray(np.array(values, dtype=np.float32)))
+from dflash_trt.trtllm.verify import f32, i32
 
 
 def log_probs(logits: Tensor) -> Tensor:
@@ -113,14 +105,14 @@ def _candidates(logprobs: Tensor, ids: Tensor, batch: Tensor, tree: TreeShape) -
         return slice(x, [0, d, 0], concat([batch, 1, w])).view(concat([batch, w]))
 
     scores, tokens = [position(logprobs, 0)], [position(ids, 0)]
-    parents = [expand(_i32([[-1]]), concat([batch, w]))]
+    parents = [expand(i32([[-1]]), concat([batch, w]))]
     for d in range(1, tree.depth):
         previous = widths[d - 1]
         candidates = unsqueeze(scores[-1], 2) + unsqueeze(position(logprobs, d), 1)
         best, flat = topk(candidates.view(concat([batch, previous * w])), widths[d], 1)
         flat_rows = flat.view(concat([batch * widths[d]]))
-        parent_rank = index_select(_i32(np.arange(previous * w) // w), 0, flat_rows)
-        token_rank = index_select(_i32(np.arange(previous * w) % w), 0, flat_rows)
+        parent_rank = index_select(i32(np.arange(previous * w) // w), 0, flat_rows)
+        token_rank = index_select(i32(np.arange(previous * w) % w), 0, flat_rows)
         scores.append(best)
         tokens.append(gather(position(ids, d), 1, token_rank.view(concat([batch, widths[d]]))))
         parents.append(parent_rank.view(concat([batch, widths[d]])) + starts[d - 1])
@@ -135,38 +127,38 @@ def _select(c: _Candidates, budget: Tensor, tree: TreeShape, batch: Tensor) -> T
     K keeps the chain (each depth's best entry) only."""
     total = c.depths.size
     chain = unsqueeze(budget < tree.depth + 1, 1)
-    off_chain = _i32([[0 if f else 1 for f in c.first_of_depth]]) > 0
-    scores = where(chain, where(off_chain, _f32([[-np.inf]]), c.scores), c.scores)
+    off_chain = i32([[0 if f else 1 for f in c.first_of_depth]]) > 0
+    scores = where(chain, where(off_chain, f32([[-np.inf]]), c.scores), c.scores)
     top, _ = topk(scores, min(tree.nodes, total), 1)
-    wanted = where(budget < total, budget, _i32([total]))
+    wanted = where(budget < total, budget, i32([total]))
     threshold = gather(top, 1, unsqueeze(wanted - 1, 1))
     above = cast(scores > threshold, "int32")
-    level = cast(eq(scores, threshold), "int32") * cast(threshold > _f32([[-np.inf]]), "int32")
+    level = cast(eq(scores, threshold), "int32") * cast(threshold > f32([[-np.inf]]), "int32")
     room = unsqueeze(wanted, 1) - sum(above, dim=1, keepdim=True)
     return (above + level * cast(cumsum(level, 1) < room + 1, "int32")) > 0
 
 
 def _to_nodes(values: Tensor, onehot: Tensor) -> Tensor:
     """`[bs, N]`: the value of the candidate that became each node (0 for a node that does not exist)."""
-    return sum(where(onehot, unsqueeze(values, 1), _i32([[[0]]])), dim=2)
+    return sum(where(onehot, unsqueeze(values, 1), i32([[[0]]])), dim=2)
 
 
 def _paths(parents: Tensor, depths: Tensor, count: Tensor, tree: TreeShape, batch: Tensor) -> Tensor:
     """`[bs, N + 1, K + 1]`: row i = node i's path from the anchor, -1 after it and in rows past `count`."""
     k, rows = tree.depth, tree.nodes + 1
-    ancestor = expand(_i32([list(range(rows))]), concat([batch, rows]))
+    ancestor = expand(i32([list(range(rows))]), concat([batch, rows]))
     up = [ancestor]
     for _ in range(k):
         ancestor = gather(parents, 1, ancestor)
         up.append(ancestor)
     ancestors = concat([unsqueeze(a, 2) for a in up], dim=2)  # [bs, N + 1, steps up]
-    levels = _i32([[list(range(k + 1))]])
+    levels = i32([[list(range(k + 1))]])
     steps = unsqueeze(depths, 2) - levels
     on_path = steps > -1
-    at_level = gather(ancestors, 2, where(on_path, steps, _i32([[[0]]])))
-    exists = unsqueeze(unsqueeze(count, 1) > _i32([list(range(rows))]) - 1, 2)
+    at_level = gather(ancestors, 2, where(on_path, steps, i32([[[0]]])))
+    exists = unsqueeze(unsqueeze(count, 1) > i32([list(range(rows))]) - 1, 2)
     keep = cast(on_path, "int32") * cast(exists, "int32") > 0
-    return where(keep, at_level, _i32([[[-1]]]))
+    return where(keep, at_level, i32([[[-1]]]))
 
 
 def best_trees(logits: Tensor, ids: Tensor | None, budget: Tensor, tree: TreeShape, batch: Tensor) -> EngineTree:
@@ -184,10 +176,10 @@ def best_trees(logits: Tensor, ids: Tensor | None, budget: Tensor, tree: TreeSha
     chosen = cast(selected, "int32")
     node = cumsum(chosen, 1) * chosen  # breadth-first node number (1-based), 0 where not selected
     count = sum(chosen, dim=1)
-    parent_node = where(c.parent_flat < 0, _i32([[0]]), gather(node, 1, where(c.parent_flat < 0, 0, c.parent_flat)))
-    onehot = eq(unsqueeze(node, 1), _i32([[[i] for i in range(1, n + 1)]]))
-    depth_of = concat([expand(_i32([[0]]), concat([batch, 1])), _to_nodes(_i32([c.depths]), onehot)], dim=1)
-    parent_of = concat([expand(_i32([[0]]), concat([batch, 1])), _to_nodes(parent_node, onehot)], dim=1)
+    parent_node = where(c.parent_flat < 0, i32([[0]]), gather(node, 1, where(c.parent_flat < 0, 0, c.parent_flat)))
+    onehot = eq(unsqueeze(node, 1), i32([[[i] for i in range(1, n + 1)]]))
+    depth_of = concat([expand(i32([[0]]), concat([batch, 1])), _to_nodes(i32([c.depths]), onehot)], dim=1)
+    parent_of = concat([expand(i32([[0]]), concat([batch, 1])), _to_nodes(parent_node, onehot)], dim=1)
     paths = _paths(parent_of, depth_of, count, tree, batch)
     return EngineTree(_to_nodes(c.tokens, onehot), paths, count)
 
@@ -218,14 +210,14 @@ def verify_tree(
     parent = slice(draft_paths, [0, 0, 0], rows)
     real = cast(node > 0, "int32") * cast(node < unsqueeze(unsqueeze(draft_lens, 1), 2) + 1, "int32")
     flat = concat([batch, (n + 1) * k])
-    token = gather(draft_tokens, 1, where(real > 0, node - 1, _i32([[[0]]])).view(flat)).view(rows)
-    above = gather(drawn, 1, where(parent > -1, parent, _i32([[[0]]])).view(flat)).view(rows)
+    token = gather(draft_tokens, 1, where(real > 0, node - 1, i32([[[0]]])).view(flat)).view(rows)
+    above = gather(drawn, 1, where(parent > -1, parent, i32([[[0]]])).view(flat)).view(rows)
     matched = real * cast(eq(token, above), "int32")
     depth = sum(cast(cumsum(1 - matched, 2) < 1, "int32"), dim=2)  # accepted drafts along each row
     best = argmax(depth, 1, keepdim=True)
     accepted = max(depth, 1)
     row = gather(draft_paths, 1, expand(unsqueeze(best, 2), concat([batch, 1, k + 1]))).view(concat([batch, k + 1]))
-    on_path = cast(_i32([list(range(k + 1))]) < unsqueeze(accepted, 1) + 1, "int32") > 0
-    nodes = where(on_path, row, _i32([[-1]]))
-    tokens = gather(drawn, 1, where(on_path, row, _i32([[0]])))
+    on_path = cast(i32([list(range(k + 1))]) < unsqueeze(accepted, 1) + 1, "int32") > 0
+    nodes = where(on_path, row, i32([[-1]]))
+    tokens = gather(drawn, 1, where(on_path, row, i32([[0]])))
     return TreeVerdict(tokens, accepted + 1, best.view(concat([batch])), nodes)

@@ -44,11 +44,13 @@ from dflash_trt.sampling_rules import MAX_SAMPLING_TEMPERATURE, MIN_SAMPLING_TEM
 from dflash_trt.trtllm.build_plan import vocab_blocks
 
 
-def _i32(values) -> Tensor:
+def i32(values) -> Tensor:
+    """An int32 constant of the network (the engine's sources share this one)."""
     return constant(np.ascontiguousarray(np.array(values, dtype=np.int32)))
 
 
-def _f32(values) -> Tensor:
+def f32(values) -> Tensor:
+    """A float32 constant of the network."""
     return constant(np.ascontiguousarray(np.array(values, dtype=np.float32)))
 
 
@@ -57,7 +59,7 @@ def slot_logit_rows(draft_lens: Tensor, max_draft_len: int) -> Tensor:
     (assembleTargetLogitsOffsets); slots past a request's rows repeat its last row and are never read."""
     rows = draft_lens + 1
     offsets = cumsum(rows, 0, prefer_plugin=False) - rows
-    local = minimum(_i32([list(range(max_draft_len + 1))]), unsqueeze(draft_lens, 1))
+    local = minimum(i32([list(range(max_draft_len + 1))]), unsqueeze(draft_lens, 1))
     return (unsqueeze(offsets, 1) + local).view(concat([shape(draft_lens, 0) * (max_draft_len + 1)]))
 
 
@@ -67,16 +69,16 @@ def _first_reaching(cdf: Tensor, mass: Tensor, threshold: Tensor, size: int) -> 
     zero-mass entry is never chosen, whatever the uniform (curand's lie in (0, 1], so 0+ and 1.0 both occur)."""
     positive = cast(mass > 0.0, "int32")
     candidate = positive * cast(cdf >= threshold, "int32")
-    slots = _i32([list(range(size))])
+    slots = i32([list(range(size))])
     # max of -j over candidates is minus the first one; -size where there is none.
-    first = _i32([0]) - max(where(candidate > 0, _i32([[-j for j in range(size)]]), _i32([[-size]])), 1)
-    last_positive = max(where(positive > 0, slots, _i32([[-1]])), 1)
+    first = i32([0]) - max(where(candidate > 0, i32([[-j for j in range(size)]]), i32([[-size]])), 1)
+    last_positive = max(where(positive > 0, slots, i32([[-1]])), 1)
     return where(first < size, first, last_positive).view([-1, 1])
 
 
 def _greedy(temperature: Tensor) -> Tensor:
     """Rows that decode greedily: `sampling_rules.is_greedy` in-graph (below the minimum, 0 included)."""
-    return temperature < _f32([[MIN_SAMPLING_TEMPERATURE]])
+    return temperature < f32([[MIN_SAMPLING_TEMPERATURE]])
 
 
 def sample_rows(logits: Tensor, temperature: Tensor, uniform: Tensor, vocab_size: int) -> Tensor:
@@ -87,16 +89,16 @@ def sample_rows(logits: Tensor, temperature: Tensor, uniform: Tensor, vocab_size
     padded = logits.size(-1)
     rows = shape(logits, 0)
     if padded > vocab_size:
-        logits = logits + _f32([[0.0] * vocab_size + [-np.inf] * (padded - vocab_size)])
+        logits = logits + f32([[0.0] * vocab_size + [-np.inf] * (padded - vocab_size)])
     # sampling_rules.effective_temperature in-graph: greedy below the minimum, capped at the maximum, so no temperature
     # the runtime passes (1e-40, a denormal, 3e38) gives an infinite or vanishing inverse.
     greedy = _greedy(temperature)
-    inverse = _f32([[1.0]]) / where(greedy, _f32([[1.0]]), minimum(temperature, _f32([[MAX_SAMPLING_TEMPERATURE]])))
+    inverse = f32([[1.0]]) / where(greedy, f32([[1.0]]), minimum(temperature, f32([[MAX_SAMPLING_TEMPERATURE]])))
     weights = exp((logits - max(logits, 1, keepdim=True)) * inverse)
     count, width = vocab_blocks(padded)
     if count * width > padded:
         weights = concat(
-            [weights, expand(_f32([[0.0] * (count * width - padded)]), concat([rows, count * width - padded]))], dim=1
+            [weights, expand(f32([[0.0] * (count * width - padded)]), concat([rows, count * width - padded]))], dim=1
         )
     blocks = weights.view([-1, count, width])
     block_mass = sum(blocks, dim=2)
@@ -124,7 +126,7 @@ def pick_tokens(logits: Tensor, temperature: Tensor, uniform: Tensor, vocab_size
     fp32) [read: functional.py `Conditional`; TensorRT-LLM's attention.py builds its cross-KV projection in one the
     same way]. Greedy is `_greedy`'s rule, so temperatures too small to invert take the fast path too. Returns
     [N, 1] int32."""
-    samples = _i32([[1]]) - cast(_greedy(temperature), "int32")
+    samples = i32([[1]]) - cast(_greedy(temperature), "int32")
     sampling = max(samples.view([-1]), 0) > 0
     conditional = Conditional(sampling)
     rows, temperatures, uniforms = (conditional.add_input(t) for t in (logits, temperature, uniform))
@@ -154,10 +156,10 @@ def verify_drafts(
     tokens = pick_tokens(rows, temperatures, uniforms.view(per_slot), vocab_size).view(width)
 
     # Slot j < draft_len keeps draft j while the sample equals it; the first slot that does not is the bonus.
-    drafts = concat([draft_tokens, expand(_i32([[-1]]), concat([batch, 1]))], dim=1)
-    slots = _i32([list(range(k + 1))])
+    drafts = concat([draft_tokens, expand(i32([[-1]]), concat([batch, 1]))], dim=1)
+    slots = i32([list(range(k + 1))])
     kept = cast(eq(tokens, drafts), "int32") * cast(slots < unsqueeze(draft_lens, 1), "int32")
     # max over j of -j (rejected) or -(K+1) (kept) is minus the first rejected slot; slot K is always rejected.
-    negated = where(kept > 0, _i32([[-(k + 1)]]), _i32([[-j for j in range(k + 1)]]))
-    first_rejected = _i32([0]) - max(negated, 1)
+    negated = where(kept > 0, i32([[-(k + 1)]]), i32([[-j for j in range(k + 1)]]))
+    first_rejected = i32([0]) - max(negated, 1)
     return tokens, first_rejected + 1
