@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _exact_law import PROMPT, VOCAB, K, cells, draft_logits, small_pair, tempered
 from _pairs import PairVariant, make_pair
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
@@ -29,8 +30,6 @@ from dflash_trt.reference.tree import DraftTree, best_tree, expected_accepted, l
 from dflash_trt.sampling_rules import REFERENCE
 from dflash_trt.tiny.heldout import load_heldout
 from dflash_trt.tokenizer import load_tokenizer
-
-VOCAB, K, PROMPT = 8, 2, [3, 5, 7]
 
 
 def brute_force_best(probs: torch.Tensor, budget: int) -> float:
@@ -102,12 +101,7 @@ def test_tree_accept_walks_to_the_child_holding_the_target_token():
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory) -> tuple[Path, GoldenModel]:
-    root = tmp_path_factory.mktemp("tiny")
-    target_dir, draft_dir = make_pair(
-        root, PairVariant(vocab=VOCAB, block_size=K + 1, init_std=0.15, taps=[1, 3], seed=3)
-    )
-    convert_checkpoint(target_dir, draft_dir, root / "ckpt", dtype="float32")
-    return root / "ckpt", load_golden_model(root / "ckpt")
+    return small_pair(tmp_path_factory)
 
 
 def last_target_row(model: GoldenModel, tokens: list[int]) -> torch.Tensor:
@@ -117,30 +111,6 @@ def last_target_row(model: GoldenModel, tokens: list[int]) -> torch.Tensor:
     cache = model.target.new_cache(1, len(tokens) + 1)
     logits, _ = model.target.forward(ids, positions, torch.ones_like(ids, dtype=torch.bool), cache)
     return logits[0, -1]
-
-
-def draft_logits(model: GoldenModel, prefix: list[int]) -> torch.Tensor:
-    """The drafter's `[K, V]` logits for the block after `prefix` (context = every token but the anchor)."""
-    n = len(prefix)
-    tokens = torch.tensor([prefix])
-    positions = torch.arange(n)[None]
-    valid = torch.ones_like(tokens, dtype=torch.bool)
-    _, taps = model.target.forward(tokens, positions, valid, model.target.new_cache(1, n + K + 1))
-    cache = model.draft.new_cache(1, n + K + 1)
-    model.draft.inject(taps[:, : n - 1], positions[:, : n - 1], valid[:, : n - 1], cache)
-    block = torch.tensor([[prefix[-1]] + [model.draft.spec.mask_token_id] * K])
-    hidden = model.draft.forward(block, torch.tensor([n - 1]), torch.ones(1, K + 1, dtype=torch.bool), cache)
-    return model.draft.unary_logits(hidden[:, 1:])[0]
-
-
-def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    return torch.softmax(logits.double() / temperature, dim=-1)
-
-
-def cells(probs: torch.Tensor) -> list[tuple[int, float, float]]:
-    """(token, probability, a uniform inside its inverse-CDF interval) for every token of mass > 1e-12."""
-    upper = probs.cumsum(0)
-    return [(t, float(probs[t]), float(upper[t] - probs[t] / 2)) for t in range(len(probs)) if probs[t] > 1e-12]
 
 
 def target_law(model: GoldenModel, length: int, temperature: float) -> dict[tuple[int, ...], float]:
