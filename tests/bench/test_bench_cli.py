@@ -83,7 +83,7 @@ def test_synthetic_closed_and_open_loop_points_with_the_ar_baseline(checkpoint, 
         (["--synthetic", "6,8,2", "--chat_template_kwargs", "{}"], "applies to --input_file prompts"),
         (["--input_file", "/nonexistent/p.jsonl", "--chat_template_kwargs", "x"], "must be a JSON object"),
         (["--synthetic", "6,8,2", "--draft_len_schedule", "auto"], "auto is derived for a GPU"),
-        (["--synthetic", "6,8,2", "--draft_len_schedule", "2:16"], "drafter proposes at most block_size - 1 = 15"),
+        (["--synthetic", "6,8,2", "--draft_len_schedule", "2:16"], "the engine verifies at most 15 "),
         (["--synthetic", "6,8,2", "--draft_len_schedule", "2:3,1:4"], "--draft_len_schedule: must be auto, none"),
     ],
 )

@@ -7,11 +7,10 @@ T > 0, and the target's law in a chi-square test while the load (and with it the
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from _emulation import divergences
+from _emulation import divergences, record_steps
 from _pairs import PairVariant, make_pair
 from scipy.stats import chisquare
 
@@ -36,26 +35,6 @@ def tiny_prompts(tiny: Path) -> list[list[int]]:
     return [tokenizer.encode(t) for t in texts[:4]] + [
         sum((tokenizer.encode(t) for t in texts[i : i + 4]), []) for i in (4, 8)
     ]
-
-
-def record_steps(engine: EmulatedEngine) -> list[dict[str, Any]]:
-    """Every engine step's load, its `draft_lens` input and its `next_draft_lens` output, as the runtime binds them."""
-    steps: list[dict[str, Any]] = []
-    run = engine.run
-
-    def recorded(inputs: dict[str, Any], batch_size: int) -> dict[str, torch.Tensor]:
-        outputs = run(inputs, batch_size)
-        steps.append(
-            {
-                "load": batch_size,
-                "draft_lens": inputs["draft_lens"].data.tolist(),
-                "next": outputs["next_draft_lens"].tolist(),
-            }
-        )
-        return outputs
-
-    engine.run = recorded  # type: ignore[method-assign]
-    return steps
 
 
 @pytest.mark.parametrize("text", ["1:3", "2:11,3:2", "3:1"])

@@ -24,7 +24,6 @@ from _pairs import PairVariant
 import dflash_trt.executors.emulated as emulated_executor
 from dflash_trt import cli
 from dflash_trt.conversion.convert import convert_checkpoint
-from dflash_trt.draft_schedule import DraftLenSchedule
 from dflash_trt.emulation.engine import EmulatedEngine
 from dflash_trt.emulation.paths import path_geometry, rewind_moves
 from dflash_trt.emulation.stand_ins import load_engine_module
@@ -186,11 +185,6 @@ def test_moved_nodes_missing_from_the_drafter_context_are_caught(tiny, heldout, 
 def test_the_emulated_engine_refuses_what_a_build_refuses(tiny, nodes, message):
     with pytest.raises(DFlashTrtError, match=message):
         EmulatedEngine(tiny, draft_tree=nodes)
-
-
-def test_the_emulated_engine_refuses_a_tree_with_a_draft_length_schedule(tiny):
-    with pytest.raises(DFlashTrtError, match="takes no draft-length schedule"):
-        EmulatedEngine(tiny, draft_len_schedule=DraftLenSchedule(((2, 4),)), draft_tree=24)
 
 
 def test_the_chain_node_count_builds_the_chain_engine(tiny):

@@ -63,7 +63,7 @@ def test_a_schedule_names_the_draft_length_of_each_load():
     assert [FIXED.draft_len(load, 7) for load in (1, 100)] == [7, 7]
     assert schedule.text() == "2:9,5:4,9:1" and FIXED.text() == "none"
     assert schedule.fitted_to(9) is schedule
-    with pytest.raises(DFlashTrtError, match=r"drafts 9 tokens but the drafter proposes at most block_size - 1 = 7"):
+    with pytest.raises(DFlashTrtError, match=r"verifies 9 drafts per request but the engine verifies at most 7 "):
         schedule.fitted_to(7)
 
 
@@ -164,7 +164,7 @@ def test_build_auto_derives_the_table_it_hands_to_the_network(qwen3_8b_checkpoin
     "flags, message",
     [
         (["--draft_len_schedule", "auto"], "--draft_len_schedule auto prices each step on a GPU: give --gpu"),
-        (["--draft_len_schedule", "1:16"], "drafts 16 tokens but the drafter proposes at most block_size - 1 = 15"),
+        (["--draft_len_schedule", "1:16"], "verifies 16 drafts per request but the engine verifies at most 15 "),
         (["--acceptance_json", "a.json"], "--acceptance_json only serves --draft_len_schedule auto"),
     ],
 )
