@@ -47,6 +47,7 @@ from dflash_trt.checkpoint.trtllm_config import specs_from_config
 from dflash_trt.decoding_modes import AR, DFLASH
 from dflash_trt.draft_schedule import FIXED, DraftLenSchedule
 from dflash_trt.formats import FP8, NONE, quant_algo
+from dflash_trt.inputs import draft_tree_nodes
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.trtllm.build_plan import read_checkpoint_facts, weights_qformat
 
@@ -210,16 +211,17 @@ def checkpoint_schedule(
     max_batch_size: int,
     acceptance_file: Path | None = None,
     lengths: tuple[int, int] = (1024, 1024),
-    nodes: int = 0,
+    nodes: int | None = None,
 ) -> tuple[DerivedSchedule, str]:
-    """`auto` for an engine built from a converted checkpoint on `gpu` (a draft tree of at most `nodes` nodes, 0:
-    the chain): its shapes, TP and formats from its config.json, TensorRT-LLM's committed calibration, and the
-    acceptance measured in `acceptance_file` (else the stated assumption: a converted checkpoint does not name its
-    pair). Returns the schedule and a note."""
+    """`auto` for an engine built from a converted checkpoint on `gpu` (`nodes`: `--draft_tree`, None the chain):
+    its shapes, TP and formats from its config.json, TensorRT-LLM's committed calibration, and the acceptance
+    measured in `acceptance_file` (else the stated assumption: a converted checkpoint does not name its pair).
+    Returns the schedule and a note."""
     facts = read_checkpoint_facts(checkpoint_dir)
     config = read_json_object(Path(checkpoint_dir) / "config.json", f"{checkpoint_dir} has no config.json")
     target_spec, draft_spec = specs_from_config(config)
     target, drafter = target_from_spec(target_spec), dflash_from_spec(draft_spec)
+    tree = draft_tree_nodes(nodes, drafter.block_size - 1, draft_spec.dflash2 is not None)
     if acceptance_file is not None:
         acceptance = read_acceptance_file(acceptance_file, drafter.block_size)
         note = f"acceptance from {acceptance_file}, measured with {acceptance.max_length - 1} drafts per step"
@@ -229,10 +231,10 @@ def checkpoint_schedule(
     dep = Deployment(
         get_gpu(gpu), PRECISION[weights_qformat(facts)], PRECISION[kv], facts.tp_size, calibration(ENGINE_HARNESS)
     )
-    derived = derive_schedule(target, drafter, acceptance, dep, mean_context(*lengths), max_batch_size, nodes)
-    tree = f", node budgets of a draft tree of {nodes} nodes" if nodes else ""
+    derived = derive_schedule(target, drafter, acceptance, dep, mean_context(*lengths), max_batch_size, tree)
+    budgets = f", node budgets of a draft tree of at most {tree} nodes" if tree else ""
     where = (
         f"auto: {ENGINE_HARNESS} calibration, {gpu} x{facts.tp_size}, {lengths[0]}/{lengths[1]} tokens, batches "
-        f"1..{max_batch_size}{tree}, {note}"
+        f"1..{max_batch_size}{budgets}, {note}"
     )
     return derived, where

@@ -160,6 +160,29 @@ def test_build_auto_derives_the_table_it_hands_to_the_network(qwen3_8b_checkpoin
     assert '"draft_len_schedule": "2:9,8:3"' in out
 
 
+def test_build_auto_derives_a_draft_trees_node_budgets(qwen3_8b_checkpoint: Path, tmp_path: Path, capsys):
+    """`--draft_tree 40 --draft_len_schedule auto`: the manifest and the model class's environment get the node
+    budgets the one derivation gives over 1..40 (trees at small loads, the chain or less under load); a table is
+    bounded by the tree's nodes, not by the block."""
+    base = ["--checkpoint_dir", str(qwen3_8b_checkpoint), "--output_dir", str(tmp_path / "e"), "--dry_run"]
+    base += ["--gpu", "h200", "--draft_tree", "40"]
+    code, out, err = _build([*base, "--json", "--draft_len_schedule", "auto"], capsys)
+    assert code == 0
+    manifest = json.loads(out)["dflash_manifest"]
+    target, drafter = PAIRS["qwen3-8b"].load()
+    acc, _ = default_acceptance(None, 16)
+    dep = Deployment(get_gpu("h200"), "bf16", "bf16", 1, calibration("trtllm"))
+    want = derive_schedule(target, drafter, acc, dep, mean_context(1024, 1024), 64, nodes=40).schedule
+    assert (manifest["draft_len_schedule"], manifest["draft_tree"]) == (want.text(), 40)
+    assert want.draft_len(1, 40) > 15 >= want.draft_len(64, 40)
+    assert "node budgets of a draft tree of at most 40 nodes" in err
+    code, out, err = _build([*base, "--draft_len_schedule", "1:40,8:15,32:4"], capsys)
+    assert code == 0 and "DFLASH_TRT_DRAFT_LEN_SCHEDULE=1:40,8:15,32:4" in out and "DFLASH_TRT_DRAFT_TREE=40" in out
+    assert '"draft_len_schedule": "1:40,8:15,32:4"' in out
+    code, out, err = _build([*base, "--draft_len_schedule", "2:41"], capsys)
+    assert code == 2 and "verifies 41 drafts per request but the engine verifies at most 40" in err
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
