@@ -618,12 +618,12 @@ def schedule_lines(schedule: DraftLenSchedule, variants: list[tuple[str, tuple[S
         if label:
             lines.append(f"[{label.lstrip(', ')}]")
         lines.append(
-            f"{'batch':>6} {'drafts':>6} {'best':>5} {'ar':>10} {f'dflash K={k_max}':>14} {'scheduled':>10} "
-            f"{'vs ar':>7} {'vs K=' + str(k_max):>8}"
+            f"{'batch':>6} {'drafts':>6} {'best':>5} {'ar':>10} {f'dflash full={k_max}':>17} {'scheduled':>10} "
+            f"{'vs ar':>7} {'vs full':>8}"
         )
         for r in rows:
             lines.append(
-                f"{r.batch:>6} {r.draft_len:>6} {r.best_draft_len:>5} {r.ar_tok_s:>10.0f} {r.fixed_tok_s:>14.0f} "
+                f"{r.batch:>6} {r.draft_len:>6} {r.best_draft_len:>5} {r.ar_tok_s:>10.0f} {r.fixed_tok_s:>17.0f} "
                 f"{r.scheduled_tok_s:>10.0f} {r.scheduled_tok_s / r.ar_tok_s:>6.2f}x "
                 f"{r.scheduled_tok_s / r.fixed_tok_s:>7.2f}x"
             )

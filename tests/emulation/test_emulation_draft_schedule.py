@@ -84,25 +84,26 @@ VOCAB, PROMPT = 8, [3, 5, 7]
 
 
 @pytest.mark.slow
-def test_sampled_tokens_follow_the_target_law_while_the_load_moves(tmp_path: Path):
+@pytest.mark.parametrize(("text", "nodes"), [("1:2,24:1", None), ("1:5,24:1", 5)], ids=["chain", "tree-budget-by-load"])
+def test_sampled_tokens_follow_the_target_law_while_the_load_moves(tmp_path: Path, text: str, nodes: int | None):
     """Thousands of 3-token continuations through the emulated engine, arriving in waves so that the batch (and
-    with it the schedule's draft length, 2 or 1 of a 2-draft block) keeps changing; the target's exact law from its
-    own conditionals, in float64."""
+    with it the schedule's draft length, 2 or 1 of a 2-draft block; on a 5-node tree engine its node budget, a tree
+    of 5 or the chain of 1) keeps changing; the target's exact law from its own conditionals, in float64."""
     target_dir, draft_dir = make_pair(
         tmp_path, PairVariant(vocab=VOCAB, block_size=3, init_std=0.15, taps=[1, 3], seed=3)
     )
     convert_checkpoint(target_dir, draft_dir, tmp_path / "ckpt", dtype="float32")
     model = load_golden_model(tmp_path / "ckpt")
     samples, temperature = 2400, 0.8
-    schedule = DRAFT_LEN_SCHEDULE("1:2,24:1")
-    engine = EmulatedEngine(tmp_path / "ckpt", max_batch_size=48, draft_len_schedule=schedule)
+    schedule = DRAFT_LEN_SCHEDULE(text)
+    engine = EmulatedEngine(tmp_path / "ckpt", max_batch_size=48, draft_len_schedule=schedule, draft_tree=nodes)
     steps = record_steps(engine)
     # Waves of 40 and of 8 requests, 4 steps apart: the load swings across the 24-request threshold.
     waves = [40 if g % 2 == 0 else 8 for g in range(2 * samples // 48)]
     arrivals = [4 * g for g, size in enumerate(waves) for _ in range(size)]
     sampling = [Sampling(temperature=temperature, seed=s) for s in range(samples)]
     results = decode_batch(engine, [PROMPT] * samples, 3, [], arrivals=arrivals, sampling=sampling)
-    assert {schedule.draft_len(s["load"], 2) for s in steps} == {1, 2}
+    assert {schedule.draft_len(s["load"], nodes or 2) for s in steps} == {1, nodes or 2}
     counts = torch.zeros(VOCAB**3)
     for r in results:
         a, b, c = r.output_ids
