@@ -601,9 +601,10 @@ def _schedule(
         return schedule, f"draft-length schedule {schedule.text()} (given)"
     lowest = min(accs, key=lambda a: a.mean())
     derived = derive_schedule(target, drafter, lowest, dep, mean_context(*lengths), limits.max_batch_size, nodes)
+    tree = f" --draft_tree {nodes}" if nodes else ""
     note = (
         f"draft-length schedule auto = {derived.schedule.text()} (batches 1..{limits.max_batch_size}, acceptance "
-        f"length {lowest.mean():.2f}): dflash-trt build --draft_len_schedule {derived.schedule.text()}"
+        f"length {lowest.mean():.2f}): dflash-trt build{tree} --draft_len_schedule {derived.schedule.text()}"
     )
     return derived.schedule, note
 

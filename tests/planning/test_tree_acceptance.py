@@ -182,4 +182,8 @@ def test_plan_derives_a_tree_engines_node_budgets(capsys):
     rows = next(iter(report["draft_len_schedule"]["rows"].values()))
     assert [r["batch"] for r in rows] == [1, 64]
     assert rows[0]["draft_len"] > 15 >= rows[1]["draft_len"] and rows[0]["fixed_draft_len"] == 64
+    assert any(
+        f"dflash-trt build --draft_tree 64 --draft_len_schedule {report['draft_len_schedule']['schedule']}" in n
+        for n in report["notes"]
+    )
     assert all(k <= 64 for _, k in steps)
