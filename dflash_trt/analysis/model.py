@@ -463,9 +463,9 @@ class Method:
                     f"acceptance lengths reach {width} but the drafter's block size is {self.drafter.block_size}"
                 )
             if self.draft_tree is not None:  # a budget past the block's drafts is a tree, verified beside the block
-                verify, block = self.tree_budget(batch) + 1, self.drafter.block_size
+                verify, drafted = self.tree_budget(batch) + 1, self.drafter.block_size
                 tokens = self.tokens_per_step(batch)
-                return dflash_step(target, self.drafter, batch, verify, tokens, ctx, dep, block, verify > block)
+                return dflash_step(target, self.drafter, batch, verify, tokens, ctx, dep, drafted, verify > drafted)
             block = None if self.schedule is None else self.drafter.block_size
             return dflash_step(target, self.drafter, batch, width, acceptance.mean(), ctx, dep, block)
         steps = self.drafter.steps
