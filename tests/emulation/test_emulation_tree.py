@@ -155,6 +155,14 @@ def test_emulate_cli_decodes_trees_as_generate_does(tiny, heldout, tmp_path, cap
     assert emulated["sequences"][0]["output_ids"] == generated["sequences"][0]["output_ids"][:12]
     assert emulated["mean_acceptance_length"] > 1
     assert len(emulated["per_position_acceptance"]) == 15  # the tree's draft positions, not its nodes
+    budget = ["--draft_len_schedule", "1:18"]  # a node budget: trees of 18 on the 20-node engine
+    assert cli.main(["emulate", *common, *budget, "--max_new_tokens", "12", "--ignore_eos"]) == 0
+    scheduled = json.loads(capsys.readouterr().out)
+    assert cli.main(["generate", *common, *budget, "--max_new_tokens", "27", "--ignore_eos"]) == 0
+    assert (
+        scheduled["sequences"][0]["output_ids"]
+        == json.loads(capsys.readouterr().out)["sequences"][0]["output_ids"][:12]
+    )
 
 
 def test_a_runtime_without_the_path_rewind_is_caught(tiny, heldout, monkeypatch):
