@@ -110,18 +110,21 @@ def _qwen3_on_b200():
 
 
 def test_a_tree_engines_schedule_prices_each_batch_at_its_node_budget():
-    """Under `1:64,8:15,64:4` a 64-node tree engine verifies 65 tokens a request at one user (the tree's yield),
-    16 at 8 users (the chain of 15: the chain engine's step and yield) and 5 at 64 (the chain cut at 4 drafts)."""
+    """Under `1:64,4:30,8:15,64:4` a 64-node tree engine verifies 65 tokens a request at one user and 31 at four
+    (the static trees' yields), 16 at 8 users (the chain of 15: the chain engine's step and yield) and 5 at 64 (the
+    chain cut at 4 drafts)."""
     from dflash_trt.analysis.model import Method, dflash_step
     from dflash_trt.decoding_modes import DFLASH
 
     target, drafter, acc, dep, ctx = _qwen3_on_b200()
-    schedule = DraftLenSchedule(((1, 64), (8, 15), (64, 4)))
+    schedule = DraftLenSchedule(((1, 64), (4, 30), (8, 15), (64, 4)))
     tree = tree_method(DFLASH, drafter, acc, 64, schedule)
     block = drafter.block_size
     one = dflash_step(target, drafter, 1, 65, RankRates.from_chain(acc).tree_mean(64), ctx, dep, block, tree=True)
-    assert tree.step(target, 1, ctx, dep) == pytest.approx(one)
+    assert tree.step(target, 1, ctx, dep) == one
     assert tree.tokens_per_step(1) == pytest.approx(RankRates.from_chain(acc).tree_mean(64), rel=1e-12)
+    four = dflash_step(target, drafter, 4, 31, RankRates.from_chain(acc).tree_mean(30), ctx, dep, block, tree=True)
+    assert tree.step(target, 4, ctx, dep) == four and four.target_tokens == 4 * 31
     for batch, drafts in ((8, 15), (64, 4)):
         chain = Method(DFLASH, drafter, acc, DraftLenSchedule(((1, drafts),)))
         assert tree.step(target, batch, ctx, dep) == chain.step(target, batch, ctx, dep)
