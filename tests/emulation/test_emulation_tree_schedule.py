@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _emulation import divergences, record_steps
+from _emulation import PROMPTS, STOP, convert, divergences, record_steps
+from _pairs import PairVariant
 
 from dflash_trt.emulation.engine import EmulatedEngine
 from dflash_trt.errors import DFlashTrtError
@@ -117,3 +118,18 @@ def test_a_tree_engines_schedule_is_bounded_by_its_nodes(tiny):
         EmulatedEngine(tiny, draft_len_schedule=DRAFT_LEN_SCHEDULE("2:41"), draft_tree=NODES)
     with pytest.raises(DFlashTrtError, match="the engine verifies at most 15"):
         EmulatedEngine(tiny, draft_len_schedule=DRAFT_LEN_SCHEDULE("2:16"))
+
+
+@pytest.mark.parametrize(("text", "shape"), [("1:12", ("tree", 12)), ("1:3", ("chain", 3))], ids=["tree", "chain"])
+def test_a_random_pairs_tree_engine_under_a_budget_is_the_golden_loop(tmp_path, text, shape):
+    """A tied Llama pair with one KV head and a block of 6 (5 draft positions), a 33-node tree engine: a budget of
+    12 nodes and one of 3 drafts decode as the golden loop does, tree for tree."""
+    ckpt = convert(tmp_path, PairVariant(arch="llama", block_size=6, kv_heads=1, draft_kv_heads=1, tie=True, seed=2))
+    schedule = DRAFT_LEN_SCHEDULE(text)
+    model = load_golden_model(ckpt)
+    k = model.draft.spec.num_drafts
+    golden = speculative_generate(model, PROMPTS, 16 + k, STOP, draft_tree=33, draft_len_schedule=schedule)
+    engine = EmulatedEngine(ckpt, max_batch_size=3, tokens_per_block=16, draft_len_schedule=schedule, draft_tree=33)
+    emulated = decode_batch(engine, PROMPTS, 16, STOP)
+    assert divergences(ckpt, golden, emulated, 16) == []
+    assert _shapes(emulated) == {shape}
