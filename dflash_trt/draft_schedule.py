@@ -7,10 +7,17 @@ the batch grows: with at least `N` requests in a step, each request's next draft
 number of requests in the step (context and generation alike: each of them verifies its drafts in the next step).
 Below the first threshold, and with no steps at all (`none`), the engine drafts its full `max_draft_len`.
 
+One contract for chains and trees: a schedule's value is the number of drafts each request verifies in a step, at
+most the engine's `max_draft_len` (`fitted_to`). A chain engine of block `K + 1` takes values up to `K`. A draft-tree
+engine of at most `N` nodes over `K` positions takes values up to `N` and reads a value `B` as the request's node
+budget: `B <= K` is the chain of the block's first `B` best tokens, `B > K` the best tree of `B` nodes
+(`reference/tree.py` `budget_tree`). So a tree engine verifies wide trees at small loads, where the step is bound by
+reading the weights, and the chain (or less) at large ones, where the verify GEMMs are compute-bound.
+
 One schedule drives everything that decodes: the engine network (`trtllm/model.py` computes `next_draft_lens`
-from it), the golden loop and both CPU executors, and the planner that derives `auto` (`analysis/draft_schedule.py`).
-User text (`auto`, `none`, `N1:K1,N2:K2,...`) is parsed and checked in `inputs.py` (`DRAFT_LEN_SCHEDULE`), with
-every other typed value.
+from it), the golden loop and both CPU executors (draft trees: the emulated one, which runs the network), and the
+planner that derives `auto` (`analysis/draft_schedule.py`). User text (`auto`, `none`, `N1:K1,N2:K2,...`) is
+parsed and checked in `inputs.py` (`DRAFT_LEN_SCHEDULE`), with every other typed value.
 """
 
 from __future__ import annotations
@@ -48,7 +55,8 @@ class DraftLenSchedule:
         return not self.steps
 
     def draft_len(self, load: int, max_draft_len: int) -> int:
-        """Drafts each request of a step with `load` requests proposes for the next step."""
+        """Drafts each request of a step with `load` requests verifies in the next step (on a tree engine its node
+        budget); `max_draft_len` (a chain's K, a tree's N) below the first threshold."""
         chosen = max_draft_len
         for n, k in self.steps:
             if load >= n:
@@ -60,13 +68,13 @@ class DraftLenSchedule:
         return ",".join(f"{n}:{k}" for n, k in self.steps) if self.steps else NONE
 
     def fitted_to(self, max_draft_len: int, what: str = "--draft_len_schedule") -> DraftLenSchedule:
-        """This schedule for an engine drafting at most `max_draft_len` tokens (block size - 1); refuses a longer
-        draft, which the engine could not propose."""
+        """This schedule for an engine verifying at most `max_draft_len` drafts per request (a chain's block size -
+        1, a draft tree's nodes); refuses a longer draft, which the engine could not propose."""
         longest = max((k for _, k in self.steps), default=0)
         if longest > max_draft_len:
             raise DFlashTrtError(
-                f"{what} {self.text()} drafts {longest} tokens but the drafter proposes at most block_size - 1 = "
-                f"{max_draft_len}"
+                f"{what} {self.text()} verifies {longest} drafts per request but the engine verifies at most "
+                f"{max_draft_len} (block_size - 1, or the draft tree's nodes)"
             )
         return self
 

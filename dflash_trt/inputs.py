@@ -280,12 +280,3 @@ def draft_tree_nodes(nodes: int | None, num_drafts: int, dflash2: bool, what: st
             "draft trees need the drafter's per-position distributions; a DFlash2 drafter's selector walks one chain"
         )
     return nodes
-
-
-def check_tree_schedule(schedule: DraftLenSchedule, what: str = "--draft_tree") -> None:
-    """A draft tree verifies its N nodes every step; a draft-length schedule shortens chains only (a tree's budget
-    by load is not built yet), so the two are refused together."""
-    if schedule != FIXED:
-        raise DFlashTrtError(
-            f"{what} verifies its nodes every step and takes no draft-length schedule; give --draft_len_schedule none"
-        )

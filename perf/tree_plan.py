@@ -1,6 +1,9 @@
 """What the performance model predicts for draft trees on every shipped build profile (build_configs/): tok/s per
-user and per GPU at concurrency 1, 8 and 64 for the chain (the full 15 drafts, no schedule) and trees of 24, 32 and
-64 nodes, at the profile's sweep lengths, GPU, TP and formats, with the acceptance its `auto` schedule plans with.
+user and per GPU at concurrency 1, 8 and 64 for the chain (the full 15 drafts, no schedule), fixed trees of 24, 32
+and 64 nodes, the chain under its own `auto` draft lengths, and the 64-node tree engine under its `auto` node
+budgets (draft_schedule.py: the one derivation over budgets 1..64 for batches 1..the profile's max_batch_size). The
+scheduled rows name the value B each concurrency verifies (B <= 15: the chain of B drafts), at the profile's sweep
+lengths, GPU, TP and formats, with the acceptance its `auto` schedule plans with.
 
 A tree step verifies N + 1 target tokens beside the drafter's block; its tokens per step are the best static tree's
 over the chain's per-position rates, the ranks past the drafter's best geometric (`tree_acceptance.RESIDUAL_RATIO`,
@@ -13,15 +16,19 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from dflash_trt.analysis.draft_schedule import derive_schedule, scheduled_method
 from dflash_trt.analysis.model import Method, mean_context
 from dflash_trt.analysis.published import PAIRS, pair_for_models
 from dflash_trt.analysis.tree_acceptance import tree_method
 from dflash_trt.decoding_modes import DFLASH
+from dflash_trt.draft_schedule import DraftLenSchedule
 from dflash_trt.pipeline.profiles import load_profile
 from dflash_trt.pipeline.schedule import engine_deployment, profile_acceptance
 
 CONCURRENCIES = (1, 8, 64)
 TREES = (None, 24, 32, 64)  # None: the chain
+AUTO_TREE = 64  # the tree engine whose node budgets `auto` derives
+DRAFTS = 15  # the shipped drafters' block of 16
 PROFILES = Path(__file__).resolve().parent.parent / "build_configs"
 
 
@@ -40,14 +47,26 @@ def main() -> int:
         ctx = mean_context(profile.sweep.input_len, profile.sweep.output_len)
         for tree in TREES:
             method = Method(DFLASH, drafter, acc) if tree is None else tree_method(DFLASH, drafter, acc, tree)
-            cells = []
-            for c in CONCURRENCIES:
-                it = method.iteration(target, c, ctx, dep)
-                cells.append(f"{it.tok_s_user():.0f}, {c * it.tok_s_user() / dep.tp:.0f}")
             yields = f"{method.tokens_per_step(1):.2f}/step"
             name = f"chain ({yields})" if tree is None else f"tree {tree} ({yields})"
-            print(f"| {profile.name} | {name} | " + " | ".join(cells) + " |")
+            print(f"| {profile.name} | {name} | " + " | ".join(_cells(method, target, dep, ctx)) + " |")
+        for nodes in (0, AUTO_TREE):  # each engine under its own `auto`: the chain's draft lengths, the tree's budgets
+            auto = derive_schedule(target, drafter, acc, dep, ctx, profile.engine.max_batch_size, nodes).schedule
+            method = scheduled_method(drafter, acc, auto, nodes)
+            name = f"tree {nodes} auto ({auto.text()})" if nodes else f"chain auto ({auto.text()})"
+            print(f"| {profile.name} | {name} | " + " | ".join(_cells(method, target, dep, ctx, auto)) + " |")
     return 0
+
+
+def _cells(method: Method, target, dep, ctx: float, schedule: DraftLenSchedule | None = None) -> list[str]:
+    """tok/s/user, tok/s/GPU at each concurrency (and the drafts or node budget `schedule` verifies there)."""
+    cells = []
+    longest = method.draft_tree or DRAFTS
+    for c in CONCURRENCIES:
+        it = method.iteration(target, c, ctx, dep)
+        budget = "" if schedule is None else f" (B={schedule.draft_len(c, longest)})"
+        cells.append(f"{it.tok_s_user():.0f}, {c * it.tok_s_user() / dep.tp:.0f}{budget}")
+    return cells
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ pair, and the sampled comparison of the emulated engine with the golden loop."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import torch
 from _pairs import PairVariant, make_pair
 
 from dflash_trt.conversion.convert import convert_checkpoint
@@ -70,3 +72,23 @@ def sampled_runs(ckpt: Path, prompts: list[list[int]], setting: str, **runtime) 
     at = [Sampling(temperature=t, seed=s) for t, s in zip(temperatures, seeds, strict=True)]
     emulated = decode_batch(engine, prompts, SAMPLED_TOKENS, STOP, sampling=at)
     return greedy, golden, emulated
+
+
+def record_steps(engine: EmulatedEngine) -> list[dict[str, Any]]:
+    """Every engine step's load, its `draft_lens` input and its `next_draft_lens` output, as the runtime binds them."""
+    steps: list[dict[str, Any]] = []
+    run = engine.run
+
+    def recorded(inputs: dict[str, Any], batch_size: int) -> dict[str, torch.Tensor]:
+        outputs = run(inputs, batch_size)
+        steps.append(
+            {
+                "load": batch_size,
+                "draft_lens": inputs["draft_lens"].data.tolist(),
+                "next": outputs["next_draft_lens"].tolist(),
+            }
+        )
+        return outputs
+
+    engine.run = recorded  # type: ignore[method-assign]
+    return steps

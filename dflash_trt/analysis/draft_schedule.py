@@ -9,6 +9,12 @@ small batch reads more experts per verified token, so short drafts win there fir
 lengths may only fall, takes the non-increasing sequence of draft lengths with the largest mean log-throughput,
 each batch weighted 1/c so that every doubling of the load counts alike.
 
+The same derivation serves a draft-tree engine of at most `N` nodes (`nodes`): its schedule's values are node budgets
+1..N (draft_schedule.py), a budget `B` verifies `B + 1` target tokens per request and yields the chain's `mean(B)` up
+to the block's drafts, the best static tree's tokens past them (`tree_acceptance.tree_method`); only the yield per
+value differs, so wide trees win where the step is bound by reading the weights and the chain (or less) where the
+verify is compute-bound.
+
 The acceptance is per draft position: a measured histogram or per-position rates (`plan --acceptance_json`, bench
 `results.json`, `generate --json`), a given mean, or by default the lowest acceptance length the sources publish for
 the pair (any dataset and temperature: the schedule then errs towards short drafts, where a shorter draft costs at
@@ -19,7 +25,7 @@ acceptance is planned with the lowest published for any DFlash drafter, and says
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dflash_trt.analysis.acceptance_file import read_acceptance_file
@@ -36,10 +42,12 @@ from dflash_trt.analysis.model import (
 )
 from dflash_trt.analysis.published import TAU_SOURCES, TAUS
 from dflash_trt.analysis.shapes import dflash_from_spec, target_from_spec
+from dflash_trt.analysis.tree_acceptance import tree_method
 from dflash_trt.checkpoint.trtllm_config import specs_from_config
 from dflash_trt.decoding_modes import AR, DFLASH
-from dflash_trt.draft_schedule import DraftLenSchedule
+from dflash_trt.draft_schedule import FIXED, DraftLenSchedule
 from dflash_trt.formats import FP8, NONE, quant_algo
+from dflash_trt.inputs import draft_tree_nodes
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.trtllm.build_plan import read_checkpoint_facts, weights_qformat
 
@@ -74,18 +82,23 @@ class DerivedSchedule:
         return min(self.rows, key=lambda r: r.scheduled_tok_s / r.ar_tok_s)
 
 
-def scheduled_method(drafter: DFlashShape, acceptance: Acceptance, schedule: DraftLenSchedule) -> Method:
-    """Our engine under `schedule` (`none`: the full draft length every step), with the full block's acceptance."""
+def scheduled_method(
+    drafter: DFlashShape, acceptance: Acceptance, schedule: DraftLenSchedule, nodes: int = 0
+) -> Method:
+    """Our engine under `schedule` (`none`: the full draft length every step), with the full block's acceptance;
+    with `nodes`, the draft-tree engine of at most that many nodes, the schedule's values its node budgets."""
+    if nodes:
+        return tree_method(DFLASH, drafter, acceptance, nodes, schedule)
     return Method(DFLASH, drafter, acceptance.resized(drafter.block_size), schedule)
 
 
-def _throughputs(
-    target: TargetShape, drafter: DFlashShape, acceptance: Acceptance, dep: Deployment, ctx: float, batch: int
-) -> list[float]:
-    """tok/s of the whole engine at `batch` for draft lengths 1..block - 1 (index K - 1)."""
+def _throughputs(method: Method, target: TargetShape, dep: Deployment, ctx: float, batch: int) -> list[float]:
+    """tok/s of the whole engine at `batch` for every value its schedule may take: draft lengths 1..block - 1, or a
+    tree engine's node budgets 1..N (index value - 1)."""
+    assert isinstance(method.drafter, DFlashShape)
     out = []
-    for k in range(1, drafter.block_size):
-        it = scheduled_method(drafter, acceptance, DraftLenSchedule(((1, k),))).iteration(target, batch, ctx, dep)
+    for value in range(1, (method.draft_tree or method.drafter.block_size - 1) + 1):
+        it = replace(method, schedule=DraftLenSchedule(((1, value),))).iteration(target, batch, ctx, dep)
         out.append(batch * it.tokens_per_seq / it.seconds)
     return out
 
@@ -134,11 +147,13 @@ def compare_schedule(
     dep: Deployment,
     ctx: float,
     batches: list[int],
+    nodes: int = 0,
 ) -> tuple[ScheduleRow, ...]:
-    """AR, the full draft length and `schedule` side by side at each batch."""
-    k_max = drafter.block_size - 1
+    """AR, the full draft length (a tree engine's `nodes`) and `schedule` side by side at each batch."""
+    method = scheduled_method(drafter, acceptance, FIXED, nodes)
+    longest = nodes or drafter.block_size - 1
     return tuple(
-        _row(target, dep, ctx, c, schedule.draft_len(c, k_max), _throughputs(target, drafter, acceptance, dep, ctx, c))
+        _row(target, dep, ctx, c, schedule.draft_len(c, longest), _throughputs(method, target, dep, ctx, c))
         for c in batches
     )
 
@@ -150,11 +165,14 @@ def derive_schedule(
     dep: Deployment,
     ctx: float,
     max_batch_size: int,
+    nodes: int = 0,
 ) -> DerivedSchedule:
-    """The `auto` schedule for batches 1..`max_batch_size` and the predictions behind it."""
-    k_max = drafter.block_size - 1
+    """The `auto` schedule for batches 1..`max_batch_size` and the predictions behind it; with `nodes`, a draft-tree
+    engine's node budgets (at most `nodes`)."""
+    k_max = nodes or drafter.block_size - 1
     batches = range(1, max_batch_size + 1)
-    tps = [_throughputs(target, drafter, acceptance, dep, ctx, c) for c in batches]
+    method = scheduled_method(drafter, acceptance, FIXED, nodes)
+    tps = [_throughputs(method, target, dep, ctx, c) for c in batches]
     scores = [[math.log(t) / c for t in row] for c, row in zip(batches, tps, strict=True)]
     chosen = [i + 1 for i in non_increasing_choice(scores)]
     steps, previous = [], k_max
@@ -193,14 +211,17 @@ def checkpoint_schedule(
     max_batch_size: int,
     acceptance_file: Path | None = None,
     lengths: tuple[int, int] = (1024, 1024),
+    nodes: int | None = None,
 ) -> tuple[DerivedSchedule, str]:
-    """`auto` for an engine built from a converted checkpoint on `gpu`: its shapes, TP and formats from its
-    config.json, TensorRT-LLM's committed calibration, and the acceptance measured in `acceptance_file` (else the
-    stated assumption: a converted checkpoint does not name its pair). Returns the schedule and a note."""
+    """`auto` for an engine built from a converted checkpoint on `gpu` (`nodes`: `--draft_tree`, None the chain):
+    its shapes, TP and formats from its config.json, TensorRT-LLM's committed calibration, and the acceptance
+    measured in `acceptance_file` (else the stated assumption: a converted checkpoint does not name its pair).
+    Returns the schedule and a note."""
     facts = read_checkpoint_facts(checkpoint_dir)
     config = read_json_object(Path(checkpoint_dir) / "config.json", f"{checkpoint_dir} has no config.json")
     target_spec, draft_spec = specs_from_config(config)
     target, drafter = target_from_spec(target_spec), dflash_from_spec(draft_spec)
+    tree = draft_tree_nodes(nodes, drafter.block_size - 1, draft_spec.dflash2 is not None)
     if acceptance_file is not None:
         acceptance = read_acceptance_file(acceptance_file, drafter.block_size)
         note = f"acceptance from {acceptance_file}, measured with {acceptance.max_length - 1} drafts per step"
@@ -210,9 +231,10 @@ def checkpoint_schedule(
     dep = Deployment(
         get_gpu(gpu), PRECISION[weights_qformat(facts)], PRECISION[kv], facts.tp_size, calibration(ENGINE_HARNESS)
     )
-    derived = derive_schedule(target, drafter, acceptance, dep, mean_context(*lengths), max_batch_size)
+    derived = derive_schedule(target, drafter, acceptance, dep, mean_context(*lengths), max_batch_size, tree)
+    budgets = f", node budgets of a draft tree of at most {tree} nodes" if tree else ""
     where = (
         f"auto: {ENGINE_HARNESS} calibration, {gpu} x{facts.tp_size}, {lengths[0]}/{lengths[1]} tokens, batches "
-        f"1..{max_batch_size}, {note}"
+        f"1..{max_batch_size}{budgets}, {note}"
     )
     return derived, where

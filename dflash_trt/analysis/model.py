@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from dflash_trt.analysis.comm import ALGORITHMS, INTERCONNECTS, Interconnect, allgather_seconds, allreduce_seconds
 from dflash_trt.analysis.gpus import GpuSpec
 from dflash_trt.analysis.pareto import Point
-from dflash_trt.draft_schedule import DraftLenSchedule
+from dflash_trt.draft_schedule import FIXED, DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import BYTES_PER_WEIGHT, FP8, NONE, NVFP4
 
@@ -416,28 +416,37 @@ class Method:
     drafter: DFlashShape | Eagle3Shape | None = None
     acceptance: Acceptance | None = None
     schedule: DraftLenSchedule | None = None
-    # Draft trees of N nodes (our engine's `--draft_tree`): each step verifies N + 1 tokens and yields `tree_tokens`
-    # (bonus included; `tree_acceptance.tree_method` sets both from the acceptance).
+    # Draft trees of at most N nodes (our engine's `--draft_tree`): a step with a node budget of B (the schedule's
+    # value for the batch, else N) verifies B + 1 tokens and yields `tree_tokens[B - 1]` (bonus included; up to the
+    # block's drafts the chain's; `tree_acceptance.tree_method` sets both from the acceptance).
     draft_tree: int | None = None
-    tree_tokens: float | None = None
+    tree_tokens: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
-        scheduled = self.schedule is not None and not self.schedule.is_none
         if (self.draft_tree is None) != (self.tree_tokens is None):
             raise DFlashTrtError(f"{self.name}: a draft tree needs its node count and its tokens per step")
-        if self.draft_tree is not None and (scheduled or not isinstance(self.drafter, DFlashShape)):
-            raise DFlashTrtError(f"{self.name}: draft trees are a DFlash engine's, without a draft-length schedule")
+        if self.draft_tree is not None and not isinstance(self.drafter, DFlashShape):
+            raise DFlashTrtError(f"{self.name}: draft trees are a DFlash engine's")
+        if self.tree_tokens is not None and len(self.tree_tokens) != self.draft_tree:
+            raise DFlashTrtError(f"{self.name}: a tree of {self.draft_tree} nodes needs tokens for every budget")
+
+    def tree_budget(self, batch: int) -> int:
+        """Nodes a tree engine verifies per request at this batch: the schedule's value, else all its nodes."""
+        assert self.draft_tree is not None
+        return (self.schedule or FIXED).draft_len(batch, self.draft_tree)
 
     def tokens_per_step(self, batch: int) -> float:
-        """Tokens a sequence keeps per step (bonus included): the acceptance's mean, or a tree's."""
+        """Tokens a sequence keeps per step (bonus included): the acceptance's mean, or the tree budget's."""
+        if self.tree_tokens is not None:
+            return self.tree_tokens[self.tree_budget(batch) - 1]
         acceptance = self.acceptance_at(batch)
-        if acceptance is None:
-            return 1.0
-        return acceptance.mean() if self.tree_tokens is None else self.tree_tokens
+        return 1.0 if acceptance is None else acceptance.mean()
 
     def acceptance_at(self, batch: int) -> Acceptance | None:
         """The acceptance of one step at this batch: the schedule's draft length cuts longer accepted runs."""
         if self.schedule is None or self.acceptance is None or not isinstance(self.drafter, DFlashShape):
+            return self.acceptance
+        if self.draft_tree is not None:
             return self.acceptance
         return self.acceptance.resized(self.schedule.draft_len(batch, self.drafter.block_size - 1) + 1)
 
@@ -453,9 +462,10 @@ class Method:
                 raise DFlashTrtError(
                     f"acceptance lengths reach {width} but the drafter's block size is {self.drafter.block_size}"
                 )
-            if self.draft_tree is not None:
-                verify, tokens = self.draft_tree + 1, self.tokens_per_step(batch)
-                return dflash_step(target, self.drafter, batch, verify, tokens, ctx, dep, self.drafter.block_size, True)
+            if self.draft_tree is not None:  # a budget past the block's drafts is a tree, verified beside the block
+                verify, drafted = self.tree_budget(batch) + 1, self.drafter.block_size
+                tokens = self.tokens_per_step(batch)
+                return dflash_step(target, self.drafter, batch, verify, tokens, ctx, dep, drafted, verify > drafted)
             block = None if self.schedule is None else self.drafter.block_size
             return dflash_step(target, self.drafter, batch, width, acceptance.mean(), ctx, dep, block)
         steps = self.drafter.steps

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dflash_trt.analysis.model import Acceptance, DFlashShape, Method
+from dflash_trt.draft_schedule import DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
 
 # Geometric ratio of the ranks past the drafter's best (r >= 2), fitted by `residual_ratio` on the tiny pair's 32
@@ -99,9 +100,16 @@ def rank_rates(rows: Sequence[Sequence[float]]) -> RankRates:
     return RankRates(tuple(kept))
 
 
-def tree_method(name: str, drafter: DFlashShape, acceptance: Acceptance, nodes: int) -> Method:
-    """The performance model's DFlash engine verifying draft trees of `nodes` nodes: N + 1 target tokens a step, and
-    the best static tree's tokens over the chain's per-position rates (`RankRates.from_chain`: an assumption for a
-    drafter with no measured rank rates)."""
-    tokens = RankRates.from_chain(acceptance).tree_mean(nodes)
-    return Method(name, drafter, acceptance, draft_tree=nodes, tree_tokens=tokens)
+def tree_method(
+    name: str, drafter: DFlashShape, acceptance: Acceptance, nodes: int, schedule: DraftLenSchedule | None = None
+) -> Method:
+    """The performance model's DFlash engine verifying draft trees of at most `nodes` nodes, under `schedule`'s node
+    budget per batch (draft_schedule.py; none: every step all `nodes`). A budget B verifies B + 1 target tokens and
+    yields, up to the block's drafts, the chain's tokens (the acceptance cut at B drafts) and past them the best
+    static tree's over the chain's per-position rates (`RankRates.from_chain`: an assumption for a drafter with no
+    measured rank rates)."""
+    block = acceptance.resized(drafter.block_size)
+    rates = RankRates.from_chain(block)
+    chain = drafter.block_size - 1
+    tokens = tuple(block.resized(b + 1).mean() if b <= chain else rates.tree_mean(b) for b in range(1, nodes + 1))
+    return Method(name, drafter, block, schedule, draft_tree=nodes, tree_tokens=tokens)

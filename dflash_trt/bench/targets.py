@@ -19,7 +19,7 @@ from dflash_trt.decoding_modes import AR, DECODING_MODES, EAGLE3, DecodingMode
 from dflash_trt.draft_schedule import FIXED, DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.executors.contract import Executor
-from dflash_trt.inputs import check_tree_schedule, draft_tree_nodes
+from dflash_trt.inputs import draft_tree_nodes
 from dflash_trt.reference.loop_rules import longest_request
 
 ExecutorFactory = Callable[[int], Executor]  # max requests in flight -> a fresh executor for one point
@@ -67,8 +67,6 @@ class Target:
                 "a draft tree is given to a checkpoint's emulated engine; an engine's is built into it "
                 "(dflash-trt build --draft_tree)"
             )
-        if self.draft_tree is not None:
-            check_tree_schedule(self.draft_len_schedule)
 
     @property
     def location(self) -> tuple[str, str]:
@@ -115,11 +113,11 @@ def check_target(target: Target) -> None:
         _engine_info(target)
     elif target.checkpoint_dir and not (Path(target.checkpoint_dir) / "config.json").is_file():
         raise DFlashTrtError(f"{target.checkpoint_dir} is not a converted checkpoint (no config.json)")
-    elif target.checkpoint_dir and not target.draft_len_schedule.is_none:
-        target.draft_len_schedule.fitted_to(_golden_model(target.checkpoint_dir).draft.spec.block_size - 1)
-    elif target.checkpoint_dir and target.draft_tree is not None:
+    elif target.checkpoint_dir and (target.draft_tree is not None or not target.draft_len_schedule.is_none):
         draft = _golden_model(target.checkpoint_dir).draft.spec
-        draft_tree_nodes(target.draft_tree, draft.block_size - 1, draft.dflash2 is not None)
+        nodes = draft_tree_nodes(target.draft_tree, draft.block_size - 1, draft.dflash2 is not None)
+        # One schedule contract: a tree's values are node budgets, up to its nodes (draft_schedule.py).
+        target.draft_len_schedule.fitted_to(nodes or draft.block_size - 1)
 
 
 def vocab_size(target: Target) -> int | None:
@@ -210,16 +208,18 @@ def executor_factory(
 
 
 def _tree_executor_factory(target: Target, workload: Workload, max_batch_size: int | None) -> ExecutorFactory:
-    """The engine's network with draft trees under the emulated runtime: its responses carry each iteration's
-    verified node count (`Response.draft_len`)."""
+    """The engine's network with draft trees (node budgets by load under the target's schedule) under the emulated
+    runtime: its responses carry each iteration's verified node count (`Response.draft_len`)."""
     from dflash_trt.emulation.engine import EmulatedEngine
     from dflash_trt.executors.emulated import EmulatedExecutor
 
     assert target.checkpoint_dir is not None and target.draft_tree is not None
     checkpoint_dir, nodes, requests = target.checkpoint_dir, target.draft_tree, len(workload.requests)
+    schedule = target.draft_len_schedule
 
     def build(in_flight: int) -> Executor:
-        engine = EmulatedEngine(checkpoint_dir, max_batch_size or min(in_flight, requests), draft_tree=nodes)
+        slots = max_batch_size or min(in_flight, requests)
+        engine = EmulatedEngine(checkpoint_dir, slots, draft_len_schedule=schedule, draft_tree=nodes)
         stops = [] if workload.ignore_eos else list(engine.eos_token_ids)
         return EmulatedExecutor(engine, workload.max_seq_len, stop_token_ids=stops)
 

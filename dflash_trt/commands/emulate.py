@@ -15,7 +15,8 @@ other acceptance lengths once fewer than block_size - 1 tokens of the budget rem
 
 `--draft_tree N` runs the network built with draft trees of N nodes (`dflash-trt build --draft_tree N`): each step it
 drafts the tree, the emulated runtime verifies it with the packed mask and position offsets of its paths and
-rewinds the K/V along the accepted path, as `generate --draft_tree N` decodes.
+rewinds the K/V along the accepted path, as `generate --draft_tree N` decodes. With --draft_len_schedule the
+schedule's values are node budgets (up to N; up to block_size - 1 the chain of that many drafts).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ sampling of sampled drafts (honours --top_p / --top_k). Both reproduce the targe
 `--draft_tree N` (N > block_size - 1) verifies, each step, the tree of N drafted tokens holding the block's most
 likely continuations under the drafter's per-position distributions, with tree attention; the target draws one token
 per node and the walk descends to the child holding it (lossless at temperature 0, the target's law above). N =
-block_size - 1 is the chain.
+block_size - 1 is the chain. With --draft_len_schedule the schedule's values are node budgets (up to N; up to
+block_size - 1 the chain of that many drafts), as a tree engine reads them.
 
 Near --max_new_tokens this golden loop verifies only the tokens the budget still allows (a shorter last block,
 drafted as such); an engine drafts a full block and clips (see `dflash-trt emulate --help`), so the two agree on

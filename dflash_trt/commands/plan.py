@@ -48,7 +48,6 @@ from dflash_trt.inputs import (
     TEMPERATURE,
     FloatRange,
     IntRange,
-    check_tree_schedule,
     draft_tree_nodes,
 )
 from dflash_trt.inputs import GPUS as GPU_COUNT
@@ -512,10 +511,6 @@ def _draft_tree(args: argparse.Namespace, drafter: DFlashShape | None) -> int | 
         return None
     if drafter is None:
         raise DFlashTrtError("--draft_tree plans a drafter: pass --dflash_model_dir or --preset")
-    if args.draft_len_schedule == AUTO:
-        raise DFlashTrtError("--draft_tree takes no draft-length schedule: auto derives one for chains")
-    if args.draft_len_schedule is not None:
-        check_tree_schedule(args.draft_len_schedule)
     if args.draft_tree > MAX_EAGLE_DRAFT_LEN:
         raise DFlashTrtError(f"--draft_tree {args.draft_tree}: EAGLE verifies at most {MAX_EAGLE_DRAFT_LEN} drafts")
     return draft_tree_nodes(args.draft_tree, drafter.block_size - 1, False) or None
@@ -538,23 +533,20 @@ def _curves(args: argparse.Namespace) -> None:
     lengths = _lengths(args, DEFAULT_LENGTHS)
     limits = _limits(args, conc)
     schedule, schedule_rows = None, []
+    tree = _draft_tree(args, drafter)
     if args.draft_len_schedule is not None:
-        schedule, note = _schedule(args, target, drafter, dflash_accs, dep, lengths, limits)
+        schedule, note = _schedule(args, target, drafter, dflash_accs, dep, lengths, limits, tree or 0)
         notes.append(note)
     variants = {}
-    tree = _draft_tree(args, drafter)
     for dflash_acc in dflash_accs:
         dflash: list[Method] = []
         if dflash_acc is not None:
             one = Method(DFLASH, drafter, dflash_acc, schedule)
-            dflash = [one if tree is None or drafter is None else tree_method(DFLASH, drafter, dflash_acc, tree)]
+            dflash = [
+                one if tree is None or drafter is None else tree_method(DFLASH, drafter, dflash_acc, tree, schedule)
+            ]
         if tree is not None and dflash_acc is not None:
-            notes.append(
-                f"draft trees of {tree} nodes: {tree + 1} target tokens verified per step, "
-                f"{dflash[0].tokens_per_step(1):.2f} tokens per step (the chain's {dflash_acc.mean():.2f}) "
-                f"from the best static tree over the chain's per-position rates, later ranks geometric (ratio "
-                f"{RESIDUAL_RATIO}, fitted on the tiny pair)"
-            )
+            notes.append(_tree_note(dflash[0], tree, dflash_acc))
         methods = [Method(AR), *dflash, *extra]
         feasible = {m.name: feasible_curve(m, target, dep, conc, lengths, limits) for m in methods}
         curves = {n: _ran(c) for n, c in feasible.items()}
@@ -573,7 +565,8 @@ def _curves(args: argparse.Namespace) -> None:
         if schedule is not None and drafter is not None and dflash_acc is not None:
             ran = [p.concurrency for p in curves[DFLASH]]
             ctx = mean_context(*lengths)
-            schedule_rows.append((tau, compare_schedule(target, drafter, dflash_acc, schedule, dep, ctx, ran)))
+            rows = compare_schedule(target, drafter, dflash_acc, schedule, dep, ctx, ran, tree or 0)
+            schedule_rows.append((tau, rows))
     notes += cal_notes
     if args.json:
         _emit_curves_json(variants, cal, notes, lengths, limits, schedule, schedule_rows)
@@ -583,21 +576,35 @@ def _curves(args: argparse.Namespace) -> None:
             _emit("\n".join(schedule_lines(schedule, schedule_rows)))
 
 
-def _schedule(args: argparse.Namespace, target, drafter, accs, dep, lengths, limits) -> tuple[DraftLenSchedule, str]:
+def _tree_note(method: Method, nodes: int, chain: Acceptance) -> str:
+    """What a tree engine verifies and yields at one user (its schedule's budget there, else all its nodes)."""
+    budget = method.tree_budget(1)
+    return (
+        f"draft trees of at most {nodes} nodes: at one user {budget + 1} target tokens verified per step, "
+        f"{method.tokens_per_step(1):.2f} tokens per step (the chain's {chain.mean():.2f}) from the best static tree "
+        f"over the chain's per-position rates, later ranks geometric (ratio {RESIDUAL_RATIO}, fitted on the tiny pair)"
+    )
+
+
+def _schedule(
+    args: argparse.Namespace, target, drafter, accs, dep, lengths, limits, nodes: int
+) -> tuple[DraftLenSchedule, str]:
     """The schedule the DFlash curves run under: `auto` derived for this deployment from the lowest acceptance
-    planned (for a published range), or the table given; and a note saying which."""
+    planned (for a published range), or the table given; and a note saying which. On a draft-tree engine of
+    `nodes` nodes its values are node budgets (draft_schedule.py)."""
     if drafter is None:
         raise DFlashTrtError("--draft_len_schedule plans a drafter: pass --dflash_model_dir or --preset")
     if args.max_draft_len is not None:
         raise DFlashTrtError("--max_draft_len fixes the draft length, --draft_len_schedule varies it: give one")
     if args.draft_len_schedule != AUTO:
-        schedule = args.draft_len_schedule.fitted_to(drafter.block_size - 1)
+        schedule = args.draft_len_schedule.fitted_to(nodes or drafter.block_size - 1)
         return schedule, f"draft-length schedule {schedule.text()} (given)"
     lowest = min(accs, key=lambda a: a.mean())
-    derived = derive_schedule(target, drafter, lowest, dep, mean_context(*lengths), limits.max_batch_size)
+    derived = derive_schedule(target, drafter, lowest, dep, mean_context(*lengths), limits.max_batch_size, nodes)
+    tree = f" --draft_tree {nodes}" if nodes else ""
     note = (
         f"draft-length schedule auto = {derived.schedule.text()} (batches 1..{limits.max_batch_size}, acceptance "
-        f"length {lowest.mean():.2f}): dflash-trt build --draft_len_schedule {derived.schedule.text()}"
+        f"length {lowest.mean():.2f}): dflash-trt build{tree} --draft_len_schedule {derived.schedule.text()}"
     )
     return derived.schedule, note
 
@@ -612,12 +619,12 @@ def schedule_lines(schedule: DraftLenSchedule, variants: list[tuple[str, tuple[S
         if label:
             lines.append(f"[{label.lstrip(', ')}]")
         lines.append(
-            f"{'batch':>6} {'drafts':>6} {'best':>5} {'ar':>10} {f'dflash K={k_max}':>14} {'scheduled':>10} "
-            f"{'vs ar':>7} {'vs K=' + str(k_max):>8}"
+            f"{'batch':>6} {'drafts':>6} {'best':>5} {'ar':>10} {f'dflash full={k_max}':>17} {'scheduled':>10} "
+            f"{'vs ar':>7} {'vs full':>8}"
         )
         for r in rows:
             lines.append(
-                f"{r.batch:>6} {r.draft_len:>6} {r.best_draft_len:>5} {r.ar_tok_s:>10.0f} {r.fixed_tok_s:>14.0f} "
+                f"{r.batch:>6} {r.draft_len:>6} {r.best_draft_len:>5} {r.ar_tok_s:>10.0f} {r.fixed_tok_s:>17.0f} "
                 f"{r.scheduled_tok_s:>10.0f} {r.scheduled_tok_s / r.ar_tok_s:>6.2f}x "
                 f"{r.scheduled_tok_s / r.fixed_tok_s:>7.2f}x"
             )

@@ -19,9 +19,11 @@ def add_schedule_arguments(parser: argparse.ArgumentParser, default: str, gpu_fl
         "--draft_len_schedule",
         type=DRAFT_LEN_SCHEDULE,
         default=None,
-        help="drafts per request by the step's load: none (always block_size - 1), N1:K1,N2:K2,... (with at least N "
-        "requests in a step, draft K) or auto (derived for --gpu, the checkpoint's TP and formats and the acceptance "
-        f"in --acceptance_json or the stated assumption; `dflash-trt plan --draft_len_schedule auto` shows the table). "
+        help="drafts each request verifies, by the step's load (with --draft_tree N: its node budget, up to "
+        "block_size - 1 the chain of that many drafts, past it a tree of that many nodes): none (always "
+        "block_size - 1, or N), N1:K1,N2:K2,... (with at least N requests in a step, verify K) or auto (derived for "
+        "--gpu, the checkpoint's TP and formats and the acceptance in --acceptance_json or the stated assumption; "
+        "`dflash-trt plan --draft_len_schedule auto` shows the table). "
         f"Default: {default}",
     )
     if gpu_flag:
@@ -53,6 +55,6 @@ def schedule_for_checkpoint(
     from dflash_trt.analysis.draft_schedule import checkpoint_schedule
 
     acceptance = Path(args.acceptance_json) if args.acceptance_json else None
-    derived, source = checkpoint_schedule(checkpoint_dir, args.gpu, max_batch_size, acceptance)
+    derived, source = checkpoint_schedule(checkpoint_dir, args.gpu, max_batch_size, acceptance, nodes=args.draft_tree)
     print(f"draft-length schedule {derived.schedule.text()} ({source})", file=sys.stderr)
     return derived.schedule

@@ -8,7 +8,6 @@ decoding with the same target, the baseline every speedup is measured against.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -17,7 +16,7 @@ import torch
 
 from dflash_trt.draft_schedule import FIXED, DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.inputs import check_tree_schedule, draft_tree_nodes
+from dflash_trt.inputs import draft_tree_nodes
 from dflash_trt.reference.loop_rules import check_request, keep_tokens
 from dflash_trt.reference.model import DraftModel, GoldenModel, KVCache, TreeBlock
 from dflash_trt.reference.proposal import DraftChoice
@@ -29,7 +28,7 @@ from dflash_trt.reference.sampling import (
     sample_by_uniform,
     sampling_probs,
 )
-from dflash_trt.reference.tree import DraftTree, best_tree, log_probs, tree_accept
+from dflash_trt.reference.tree import DraftTree, budget_tree, log_probs, tree_accept
 from dflash_trt.sampling_rules import ENGINE, REFERENCE, sampling_refusal
 from dflash_trt.spec import DraftSpec
 
@@ -128,7 +127,6 @@ class _EngineRule:
     generators: list[torch.Generator]
     temperatures: list[float]
     block: int  # uniforms per verify step: the engine's verify width (anchor + its most drafts or tree nodes)
-    tree_budget: int = 0  # nodes per draft tree (0: chains)
     choice: DraftChoice | None = None  # the last block's drafter scores, for the ranks of the target's tokens
 
     def ranks(self, row: int, tokens: list[int], positions: int) -> list[int | None]:
@@ -158,16 +156,19 @@ class _EngineRule:
         return exact_match_accept(drafts, logits, self.temperatures[row], uniforms)
 
     def trees(
-        self, drafter: DraftModel, hidden: torch.Tensor, anchors: torch.Tensor, depths: list[int]
+        self, drafter: DraftModel, hidden: torch.Tensor, anchors: torch.Tensor, depths: list[int], budget: int
     ) -> list[DraftTree]:
-        """Each sequence's best tree of `tree_budget` nodes over its first `depths[b]` draft positions."""
+        """Each sequence's draft for a node budget of `budget` over its first `depths[b]` draft positions: the best
+        tree of `budget` nodes, or the chain of `budget` drafts where the budget does not exceed the block's."""
         choice = self.choice = drafter.choose(hidden, anchors)
         logprobs = log_probs(choice.scores)
         ids = choice.candidates
+        positions = logprobs.shape[1]
         trees = []
         for b, depth in enumerate(depths):
             candidates = None if ids is None else ids[b, :depth]
-            trees.append(best_tree(logprobs[b, :depth], self.tree_budget, candidates) if depth else DraftTree((), ()))
+            tree = budget_tree(logprobs[b, :depth], budget, candidates, positions) if depth else DraftTree((), ())
+            trees.append(tree)
         return trees
 
     def accept_tree(self, row: int, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
@@ -223,7 +224,8 @@ def _accept_rule(
 class _Loop:
     """One batched call's state: the model, its two caches, the sequences, and the rules chosen for the call.
     `load` is the number of requests in the previous step (the prefill counts every prompt): as in the engine, it
-    sets how many drafts each request verifies in the next step through `schedule`."""
+    sets how many drafts each request verifies in the next step through `schedule` (a tree's node budget when
+    `trees` is set: `nodes` at most)."""
 
     model: GoldenModel
     seqs: list[_Sequence]
@@ -235,6 +237,7 @@ class _Loop:
     schedule: DraftLenSchedule = FIXED
     load: int = 0
     trees: _EngineRule | None = None  # set when the step verifies draft trees instead of chains
+    nodes: int = 0  # a tree's nodes at most (0: chains)
 
     def keep(self, seq: _Sequence, new: list[int]) -> int:
         """Append what the budget and the stop tokens let a sequence keep of `new`; returns how many."""
@@ -305,13 +308,16 @@ def _accept(loop: _Loop, block_ids: torch.Tensor, logits: torch.Tensor, verify: 
     return produced_mask
 
 
-def _draft_trees(loop: _Loop, rule: _EngineRule, start: torch.Tensor, verify: torch.Tensor) -> list[DraftTree]:
-    """Each sequence's draft tree over the positions it may still verify (none for a finished one)."""
+def _draft_trees(
+    loop: _Loop, rule: _EngineRule, start: torch.Tensor, verify: torch.Tensor, budget: int
+) -> list[DraftTree]:
+    """Each sequence's draft tree (or chain) of `budget` nodes over the positions it may still verify (none for a
+    finished one)."""
     draft = loop.model.draft
     anchors = torch.tensor([s.tokens[-1] for s in loop.seqs])
     block, valid = drafter_block(draft, anchors, loop.block, verify)
     hidden = draft.forward(block, start, valid, loop.draft_cache)
-    return rule.trees(draft, hidden, anchors, [int(v) - 1 for v in verify])
+    return rule.trees(draft, hidden, anchors, [int(v) - 1 for v in verify], budget)
 
 
 def _tree_rows(loop: _Loop, trees: list[DraftTree], start: torch.Tensor):
@@ -331,10 +337,11 @@ def _tree_rows(loop: _Loop, trees: list[DraftTree], start: torch.Tensor):
     return tokens, start[:, None] + depth, valid, TreeBlock(slots, visible)
 
 
-def _tree_step(loop: _Loop, rule: _EngineRule, start: torch.Tensor, verify: torch.Tensor) -> int:
-    """Draft a tree per sequence, verify it with tree attention, accept the walk's path plus its bonus, move the
-    path's target K/V to consecutive slots (the runtime's rewind) and inject the path's features."""
-    trees = _draft_trees(loop, rule, start, verify)
+def _tree_step(loop: _Loop, rule: _EngineRule, start: torch.Tensor, verify: torch.Tensor, budget: int) -> int:
+    """Draft a tree of `budget` nodes (a chain for a budget of at most the block's drafts) per sequence, verify it
+    with tree attention, accept the walk's path plus its bonus, move the path's target K/V to consecutive slots (the
+    runtime's rewind) and inject the path's features."""
+    trees = _draft_trees(loop, rule, start, verify, budget)
     tokens, positions, valid, layout = _tree_rows(loop, trees, start)
     logits, taps = loop.model.target.forward(tokens, positions, valid, loop.target_cache, tree=layout)
     path_rows = torch.zeros(len(loop.seqs), loop.block, dtype=torch.long)
@@ -363,16 +370,16 @@ def _tree_step(loop: _Loop, rule: _EngineRule, start: torch.Tensor, verify: torc
 def _decode_step(loop: _Loop) -> int:
     """Draft, verify and accept one block (or tree) per sequence; returns how many tokens the step produced. Each
     sequence verifies the schedule's draft length for the previous step's load (clipped to its output budget), or
-    its tree over every draft position its budget leaves."""
+    its tree (the schedule's node budget) over every draft position its output budget leaves."""
     start = torch.tensor([s.start for s in loop.seqs])
-    drafts = loop.schedule.draft_len(loop.load, loop.block - 1)
+    drafts = loop.schedule.draft_len(loop.load, loop.nodes or loop.block - 1)
     # Finished sequences ride along verifying only their anchor; nothing of theirs is kept.
     room = [s.max_length - s.start if s.active else 1 for s in loop.seqs]
     width = torch.tensor([min(loop.block, r) for r in room])
     verify = torch.tensor([min(drafts + 1, r) for r in room])
     loop.load = sum(s.active for s in loop.seqs)
     if loop.trees is not None:
-        return _tree_step(loop, loop.trees, start, width)
+        return _tree_step(loop, loop.trees, start, width, drafts)
     block_ids = _draft_block(loop, start, width)
     block_positions = start[:, None] + torch.arange(loop.block)
     block_valid = torch.arange(loop.block) < verify[:, None]
@@ -401,7 +408,9 @@ def speculative_generate(
     draft length from the number of sequences in the previous step, as the engine does. `sampling` may be one
     SamplingParams per prompt (engine method only); `seeds` overrides the per-sequence seeds `seed + i` of the
     engine method. `progress` hears how many tokens each step produced. `draft_tree` N > block - 1 verifies each
-    step's best tree of N nodes (reference/tree.py) instead of the chain; N = block - 1 is the chain."""
+    step's best tree of N nodes (reference/tree.py) instead of the chain; N = block - 1 is the chain. With both, the
+    schedule's value for a step's load is each request's node budget (at most N; up to block - 1 a chain of that
+    many drafts)."""
     per_sequence = per_sequence_sampling(sampling, len(prompts))
     target, draft = model.target, model.draft
     widest = draft.spec.verify_width
@@ -416,15 +425,12 @@ def speculative_generate(
     if nodes:
         if not isinstance(rule, _EngineRule):
             raise DFlashTrtError(f"draft trees are verified with the engine's sampling method ({ENGINE})")
-        check_tree_schedule(draft_len_schedule)
-        trees = dataclasses.replace(rule, tree_budget=nodes)
+        trees = rule
     seqs = [_Sequence(SequenceResult(list(p)), list(p), len(p) + n) for p, n in zip(prompts, news, strict=True)]
     capacity = max(s.max_length for s in seqs) + max(block, nodes + 1) + 1
     caches = target.new_cache(len(seqs), capacity), draft.new_cache(len(seqs), capacity)
-    schedule = draft_len_schedule.fitted_to(block - 1) if block > 1 else FIXED
-    loop = _Loop(
-        model, seqs, block, trees or rule, frozenset(stop_token_ids or []), *caches, schedule, len(seqs), trees
-    )
+    schedule = draft_len_schedule.fitted_to(nodes or block - 1) if block > 1 else FIXED
+    loop = _Loop(model, seqs, block, rule, frozenset(stop_token_ids or []), *caches, schedule, len(seqs), trees, nodes)
     _prefill(loop, prompts)
     if progress is not None:
         progress(len(seqs))

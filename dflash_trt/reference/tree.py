@@ -153,14 +153,18 @@ def best_tree(logprobs: torch.Tensor, budget: int, candidate_ids: torch.Tensor |
     return DraftTree(tuple(tokens), tuple(parents))
 
 
-def budget_tree(logprobs: torch.Tensor, budget: int, candidate_ids: torch.Tensor | None = None) -> DraftTree:
-    """What a tree engine drafts for a step whose budget (the draft-length schedule's, at most the tree's nodes) is
-    `budget`: at most one node per position, the chain of each position's best token, when `budget` does not exceed
-    the positions; else `best_tree`."""
-    if budget > logprobs.shape[0]:
+def budget_tree(
+    logprobs: torch.Tensor, budget: int, candidate_ids: torch.Tensor | None = None, positions: int | None = None
+) -> DraftTree:
+    """What a tree engine drafts for a request whose node budget (the draft-length schedule's value for the step's
+    load, at most the tree's nodes: draft_schedule.py) is `budget`: the chain of each position's best token when the
+    budget does not exceed the engine's `positions` draft positions (default: every row of `logprobs`), as long as
+    the rows given allow; else `best_tree` over the rows given (fewer than `positions` near the output budget)."""
+    if budget > (logprobs.shape[0] if positions is None else positions):
         return best_tree(logprobs, budget, candidate_ids)
-    top = _ranked(logprobs[:budget], 1)[:, 0]
-    ids = top if candidate_ids is None else candidate_ids[:budget].gather(-1, top[:, None])[:, 0]
+    length = min(budget, logprobs.shape[0])
+    top = _ranked(logprobs[:length], 1)[:, 0]
+    ids = top if candidate_ids is None else candidate_ids[:length].gather(-1, top[:, None])[:, 0]
     return DraftTree.chain(ids.tolist())
 
 

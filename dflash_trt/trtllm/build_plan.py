@@ -21,7 +21,7 @@ from dflash_trt.draft_schedule import AUTO, FIXED, DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import FP8, FP8_CONTEXT_FMHA_WEIGHTS, NONE, NVFP4, QFORMATS, fp8_context_fmha, quant_algo
 from dflash_trt.gpu_targets import ASSUMED_GPU, gpu_sm
-from dflash_trt.inputs import DRAFT_LEN_SCHEDULE, DRAFT_TREE, check_tree_schedule, draft_tree_nodes
+from dflash_trt.inputs import DRAFT_LEN_SCHEDULE, DRAFT_TREE, draft_tree_nodes
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.reference.loop_rules import longest_request
 from dflash_trt.rope import RopeConfig
@@ -1013,7 +1013,6 @@ def plan_engine_build(
     tree = verified_drafts(facts, settings)
     settings = replace(settings, draft_tree=tree if tree != facts.max_draft_len else None)
     if settings.draft_tree is not None:
-        check_tree_schedule(settings.draft_len_schedule)
         settings.route.check_tree(settings.gpu)
     check_network(facts)
     check_xqa_block_layout(facts)

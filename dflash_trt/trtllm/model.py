@@ -64,7 +64,6 @@ from tensorrt_llm.parameter import Parameter
 
 from dflash_trt.checkpoint.trtllm_config import ARCHITECTURE, draft_spec_from_config, rotary_scaling
 from dflash_trt.draft_schedule import DraftLenSchedule
-from dflash_trt.inputs import check_tree_schedule
 from dflash_trt.spec import EMBEDDING_TAP, SLIDING_ATTENTION, DraftSpec
 from dflash_trt.trtllm.attention_route import OURS, AttentionRoute, route_for_build
 from dflash_trt.trtllm.build_plan import block_packed_mask, chain_draft_paths, engine_schedule, engine_tree_nodes
@@ -156,12 +155,10 @@ class DFlashConfig(PretrainedConfig):
         self.num_eagle_layers = k
         self.max_non_leaves_per_layer = 1
         self.eagle_net_config = {"num_hidden_layers": draft.num_hidden_layers}
-        # How many drafts each request proposes for the next step, by the step's load (draft_schedule.py); the
-        # engine's config.json keeps its text, so a runner sees what the network computes.
-        self.schedule: DraftLenSchedule = engine_schedule(draft_len_schedule, k)
+        # How many drafts each request verifies in the next step (a tree's node budget), by the step's load
+        # (draft_schedule.py); the engine's config.json keeps its text, so a runner sees what the network computes.
+        self.schedule: DraftLenSchedule = engine_schedule(draft_len_schedule, self.max_draft_len)
         self.draft_len_schedule = self.schedule.text()
-        if self.tree_nodes:
-            check_tree_schedule(self.schedule, "draft_tree")
 
     def to_dict(self) -> dict:
         """The engine's config.json: the checkpoint's keys (the typed spec is derived from `dflash_config`) and the
@@ -498,8 +495,7 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
             paths = concat([shape(draft_lens, 0), width, width])
             next_draft_paths = expand(i32([chain_draft_paths(self.max_draft_len)]), paths)
         else:
-            budget = expand(i32([self.max_draft_len]), shape(draft_lens))
-            tree = self.draft_trees(drafts, budget, book.batch)
+            tree = self.draft_trees(drafts, self.next_draft_lens(draft_lens), book.batch)
             # Once the block pass has read the context: each moved node's K/V where the rewind takes it from.
             assert book.slots is not None and book.moved is not None
             next_draft_tokens = self.write_context(context, book, kv_cache_params, book.slots, book.moved, tree.tokens)
@@ -524,7 +520,8 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
     def next_draft_lens(self, draft_lens: Tensor) -> Tensor:
         """Every request's draft length for the next step, from this step's load (its number of requests) through
         the build's schedule: the full K below the first threshold. The drafter always drafts the whole block; the
-        runtime keeps the first `next_draft_lens` drafts (trtGptModelInflightBatching `updateRequests`)."""
+        runtime keeps the first `next_draft_lens` drafts (trtGptModelInflightBatching `updateRequests`). On a tree
+        engine this is each request's node budget (at most N; up to K the chain, §6.1)."""
         load = cast(shape(draft_lens, 0), "int32")
         lengths = expand(i32([self.max_draft_len]), shape(draft_lens))
         for min_requests, k in self.config.schedule.steps:

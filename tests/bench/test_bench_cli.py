@@ -83,7 +83,7 @@ def test_synthetic_closed_and_open_loop_points_with_the_ar_baseline(checkpoint, 
         (["--synthetic", "6,8,2", "--chat_template_kwargs", "{}"], "applies to --input_file prompts"),
         (["--input_file", "/nonexistent/p.jsonl", "--chat_template_kwargs", "x"], "must be a JSON object"),
         (["--synthetic", "6,8,2", "--draft_len_schedule", "auto"], "auto is derived for a GPU"),
-        (["--synthetic", "6,8,2", "--draft_len_schedule", "2:16"], "drafter proposes at most block_size - 1 = 15"),
+        (["--synthetic", "6,8,2", "--draft_len_schedule", "2:16"], "the engine verifies at most 15 "),
         (["--synthetic", "6,8,2", "--draft_len_schedule", "2:3,1:4"], "--draft_len_schedule: must be auto, none"),
     ],
 )
@@ -143,9 +143,30 @@ def test_draft_trees_run_on_the_emulated_engine_and_results_record_nodes_per_ite
             "--output_dir", str(tmp_path / "r")]  # fmt: skip
     assert main([*argv, "--draft_tree", "14"]) == 2
     assert "a tree holds at least the chain's 15 drafts" in capsys.readouterr().err
-    assert main([*argv, "--draft_tree", "24", "--draft_len_schedule", "2:3"]) == 2
-    assert "takes no draft-length schedule" in capsys.readouterr().err
+    assert main([*argv, "--draft_tree", "24", "--draft_len_schedule", "2:25"]) == 2
+    assert "verifies 25 drafts per request but the engine verifies at most 24" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_a_draft_trees_schedule_is_recorded_per_iteration(checkpoint, tmp_path, capsys):
+    """`--draft_tree 24 --draft_len_schedule 1:24,2:5` at two users: iterations with both requests in flight verify
+    the chain of 5 drafts, those of a request alone the tree of 24 nodes; results.json records each iteration's
+    count, no accepted length exceeds its verified drafts + 1, and the greedy tokens are still the chain engine's."""
+    argv = ["bench", "--checkpoint_dir", str(checkpoint), "--synthetic", "6,24,3", "--concurrency", "2", "--json"]
+    assert main([*argv, "--output_dir", str(tmp_path / "chain")]) == 0
+    capsys.readouterr()
+    chain = load_results(tmp_path / "chain" / "results.json")[0]["per_request"]
+    assert (
+        main([*argv, "--output_dir", str(tmp_path / "t"), "--draft_tree", "24", "--draft_len_schedule", "1:24,2:5"])
+        == 0
+    )
+    capsys.readouterr()
+    runs = load_results(tmp_path / "t" / "results.json")[0]["per_request"]
+    assert [r["output_ids"] for r in runs] == [r["output_ids"] for r in chain]
+    verified = [d for r in runs for d in r["draft_lens"]]
+    assert set(verified) == {5, 24}
+    for r in runs:
+        assert all(a <= d + 1 for a, d in zip(r["acceptance"], r["draft_lens"], strict=True))
 
 
 def test_unreachable_triton_server_is_one_clear_error(tmp_path, capsys):

@@ -7,11 +7,10 @@ T > 0, and the target's law in a chi-square test while the load (and with it the
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from _emulation import divergences
+from _emulation import divergences, record_steps
 from _pairs import PairVariant, make_pair
 from scipy.stats import chisquare
 
@@ -36,26 +35,6 @@ def tiny_prompts(tiny: Path) -> list[list[int]]:
     return [tokenizer.encode(t) for t in texts[:4]] + [
         sum((tokenizer.encode(t) for t in texts[i : i + 4]), []) for i in (4, 8)
     ]
-
-
-def record_steps(engine: EmulatedEngine) -> list[dict[str, Any]]:
-    """Every engine step's load, its `draft_lens` input and its `next_draft_lens` output, as the runtime binds them."""
-    steps: list[dict[str, Any]] = []
-    run = engine.run
-
-    def recorded(inputs: dict[str, Any], batch_size: int) -> dict[str, torch.Tensor]:
-        outputs = run(inputs, batch_size)
-        steps.append(
-            {
-                "load": batch_size,
-                "draft_lens": inputs["draft_lens"].data.tolist(),
-                "next": outputs["next_draft_lens"].tolist(),
-            }
-        )
-        return outputs
-
-    engine.run = recorded  # type: ignore[method-assign]
-    return steps
 
 
 @pytest.mark.parametrize("text", ["1:3", "2:11,3:2", "3:1"])
@@ -105,25 +84,26 @@ VOCAB, PROMPT = 8, [3, 5, 7]
 
 
 @pytest.mark.slow
-def test_sampled_tokens_follow_the_target_law_while_the_load_moves(tmp_path: Path):
+@pytest.mark.parametrize(("text", "nodes"), [("1:2,24:1", None), ("1:5,24:1", 5)], ids=["chain", "tree-budget-by-load"])
+def test_sampled_tokens_follow_the_target_law_while_the_load_moves(tmp_path: Path, text: str, nodes: int | None):
     """Thousands of 3-token continuations through the emulated engine, arriving in waves so that the batch (and
-    with it the schedule's draft length, 2 or 1 of a 2-draft block) keeps changing; the target's exact law from its
-    own conditionals, in float64."""
+    with it the schedule's draft length, 2 or 1 of a 2-draft block; on a 5-node tree engine its node budget, a tree
+    of 5 or the chain of 1) keeps changing; the target's exact law from its own conditionals, in float64."""
     target_dir, draft_dir = make_pair(
         tmp_path, PairVariant(vocab=VOCAB, block_size=3, init_std=0.15, taps=[1, 3], seed=3)
     )
     convert_checkpoint(target_dir, draft_dir, tmp_path / "ckpt", dtype="float32")
     model = load_golden_model(tmp_path / "ckpt")
     samples, temperature = 2400, 0.8
-    schedule = DRAFT_LEN_SCHEDULE("1:2,24:1")
-    engine = EmulatedEngine(tmp_path / "ckpt", max_batch_size=48, draft_len_schedule=schedule)
+    schedule = DRAFT_LEN_SCHEDULE(text)
+    engine = EmulatedEngine(tmp_path / "ckpt", max_batch_size=48, draft_len_schedule=schedule, draft_tree=nodes)
     steps = record_steps(engine)
     # Waves of 40 and of 8 requests, 4 steps apart: the load swings across the 24-request threshold.
     waves = [40 if g % 2 == 0 else 8 for g in range(2 * samples // 48)]
     arrivals = [4 * g for g, size in enumerate(waves) for _ in range(size)]
     sampling = [Sampling(temperature=temperature, seed=s) for s in range(samples)]
     results = decode_batch(engine, [PROMPT] * samples, 3, [], arrivals=arrivals, sampling=sampling)
-    assert {schedule.draft_len(s["load"], 2) for s in steps} == {1, 2}
+    assert {schedule.draft_len(s["load"], nodes or 2) for s in steps} == {1, nodes or 2}
     counts = torch.zeros(VOCAB**3)
     for r in results:
         a, b, c = r.output_ids

@@ -24,7 +24,6 @@ from _pairs import PairVariant
 import dflash_trt.executors.emulated as emulated_executor
 from dflash_trt import cli
 from dflash_trt.conversion.convert import convert_checkpoint
-from dflash_trt.draft_schedule import DraftLenSchedule
 from dflash_trt.emulation.engine import EmulatedEngine
 from dflash_trt.emulation.paths import path_geometry, rewind_moves
 from dflash_trt.emulation.stand_ins import load_engine_module
@@ -156,6 +155,14 @@ def test_emulate_cli_decodes_trees_as_generate_does(tiny, heldout, tmp_path, cap
     assert emulated["sequences"][0]["output_ids"] == generated["sequences"][0]["output_ids"][:12]
     assert emulated["mean_acceptance_length"] > 1
     assert len(emulated["per_position_acceptance"]) == 15  # the tree's draft positions, not its nodes
+    budget = ["--draft_len_schedule", "1:18"]  # a node budget: trees of 18 on the 20-node engine
+    assert cli.main(["emulate", *common, *budget, "--max_new_tokens", "12", "--ignore_eos"]) == 0
+    scheduled = json.loads(capsys.readouterr().out)
+    assert cli.main(["generate", *common, *budget, "--max_new_tokens", "27", "--ignore_eos"]) == 0
+    assert (
+        scheduled["sequences"][0]["output_ids"]
+        == json.loads(capsys.readouterr().out)["sequences"][0]["output_ids"][:12]
+    )
 
 
 def test_a_runtime_without_the_path_rewind_is_caught(tiny, heldout, monkeypatch):
@@ -186,11 +193,6 @@ def test_moved_nodes_missing_from_the_drafter_context_are_caught(tiny, heldout, 
 def test_the_emulated_engine_refuses_what_a_build_refuses(tiny, nodes, message):
     with pytest.raises(DFlashTrtError, match=message):
         EmulatedEngine(tiny, draft_tree=nodes)
-
-
-def test_the_emulated_engine_refuses_a_tree_with_a_draft_length_schedule(tiny):
-    with pytest.raises(DFlashTrtError, match="takes no draft-length schedule"):
-        EmulatedEngine(tiny, draft_len_schedule=DraftLenSchedule(((2, 4),)), draft_tree=24)
 
 
 def test_the_chain_node_count_builds_the_chain_engine(tiny):

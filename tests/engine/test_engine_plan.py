@@ -788,11 +788,15 @@ def test_a_draft_tree_needs_tokens_for_every_node(ckpt: Path, tmp_path: Path):
         plan_engine_build(ckpt, tmp_path / "e", settings)
 
 
-def test_a_draft_tree_takes_no_draft_length_schedule(ckpt: Path, tmp_path: Path):
-    """A tree engine verifies its nodes every step: a schedule would shorten a chain that is not there."""
-    settings = EngineBuildSettings(draft_tree=40, draft_len_schedule=DraftLenSchedule(((4, 8),)))
-    with pytest.raises(DFlashTrtError, match="takes no draft-length schedule"):
-        plan_engine_build(ckpt, tmp_path / "e", settings)
+def test_a_draft_trees_schedule_is_node_budgets(ckpt: Path, tmp_path: Path):
+    """A tree engine's schedule counts nodes per request (draft_schedule.py): up to the tree's 40, recorded in the
+    manifest and handed to the model class; 41 is refused."""
+    settings = EngineBuildSettings(draft_tree=40, draft_len_schedule=DraftLenSchedule(((1, 40), (4, 8))))
+    plan = plan_engine_build(ckpt, tmp_path / "e", settings)
+    assert plan.dflash_manifest["draft_len_schedule"] == "1:40,4:8"
+    assert plan.build_env()[build_plan.SCHEDULE_ENV] == "1:40,4:8"
+    with pytest.raises(DFlashTrtError, match="verifies 41 drafts per request but the engine verifies at most 40"):
+        plan_engine_build(ckpt, tmp_path / "e", replace(settings, draft_len_schedule=DraftLenSchedule(((2, 41),))))
 
 
 @pytest.mark.parametrize(("gpu", "refused"), [("h100", False), ("h200", False), ("b200", True), ("b300", True)])

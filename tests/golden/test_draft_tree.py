@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import GoldenModel, load_golden_model
 from dflash_trt.reference.sampling import SamplingParams, sample_by_uniform
 from dflash_trt.reference.stats import per_position_acceptance, per_position_rank_rates
-from dflash_trt.reference.tree import DraftTree, best_tree, expected_accepted, log_probs, tree_accept
+from dflash_trt.reference.tree import DraftTree, best_tree, budget_tree, expected_accepted, log_probs, tree_accept
 from dflash_trt.sampling_rules import REFERENCE
 from dflash_trt.tiny.heldout import load_heldout
 from dflash_trt.tokenizer import load_tokenizer
@@ -124,8 +125,11 @@ def target_law(model: GoldenModel, length: int, temperature: float) -> dict[tupl
     return law
 
 
-def tree_law(model: GoldenModel, length: int, temperature: float, budget: int) -> dict[tuple[int, ...], float]:
-    """Enumerate every uniform cell the tree rule can meet: the best tree of `budget` nodes from the drafter, one
+def tree_law(
+    model: GoldenModel, length: int, temperature: float, budget: Callable[[int], int]
+) -> dict[tuple[int, ...], float]:
+    """Enumerate every uniform cell the tree rule can meet: the draft of `budget(emitted)` nodes a tree engine
+    verifies after `emitted` tokens (`budget_tree`: the best tree past the block's K drafts, else the chain), one
     draw per visited node, descent to the child holding it."""
     law: dict[tuple[int, ...], float] = defaultdict(float)
 
@@ -134,7 +138,7 @@ def tree_law(model: GoldenModel, length: int, temperature: float, budget: int) -
         if len(emitted) == length:
             law[tuple(emitted)] += weight
             return
-        tree = best_tree(log_probs(draft_logits(model, prefix)), budget)
+        tree = budget_tree(log_probs(draft_logits(model, prefix)), budget(len(emitted)), positions=K)
         rows = torch.stack([last_target_row(model, prefix + [tree.tokens[n - 1] for n in tree.path(node)[1:]])
                             for node in range(tree.size + 1)])  # fmt: skip
 
@@ -160,8 +164,14 @@ def tree_law(model: GoldenModel, length: int, temperature: float, budget: int) -
     return law
 
 
-@pytest.mark.parametrize("temperature, budget", [(0.6, 4), (1.3, 7)])
+@pytest.mark.parametrize(
+    "temperature, budget",
+    [(0.6, lambda emitted: 4), (1.3, lambda emitted: 7), (0.9, lambda emitted: (5, 1, 2)[emitted % 3])],
+    ids=["4-nodes", "7-nodes", "budget-moving-tree-chain"],
+)
 def test_tree_rule_reproduces_the_target_law_exactly(small, temperature, budget):
+    """Also when the budget moves from step to step (a schedule under a moving load): a tree of 5 nodes, the
+    chain of 1 draft, the chain of K = 2, depending on how many tokens came before."""
     _, model = small
     law = tree_law(model, 3, temperature, budget)
     expected = target_law(model, 3, temperature)
@@ -303,8 +313,27 @@ def test_a_block_of_one_drafts_nothing_and_ranks_nothing(tiny):
     assert [r.output_ids for r in alone] == [r.output_ids for r in speculative_generate(model, prompts, 12)]
 
 
-def test_trees_take_no_draft_length_schedule(tiny):
+def test_greedy_trees_under_a_schedule_equal_the_target_alone(hf_pair):
+    """Five ragged requests finishing one after another: the load falls from 5 to 1 and the node budget rises from
+    a chain of 1 draft through the chain of K to trees; every sequence is still the target's own greedy decoding."""
+    model, hf = hf_pair
+    k = model.draft.spec.num_drafts
+    schedule = DraftLenSchedule(((1, k + 9), (3, k), (5, 1)))
+    max_new = [30, 17, 1, 25, 9]
+    batched = speculative_generate(model, RAGGED, max_new, draft_tree=k + 9, draft_len_schedule=schedule)
+    for prompt, n, result in zip(RAGGED, max_new, batched, strict=True):
+        assert result.output_ids == _hf_greedy(hf, prompt, n)
+    steps = [step for r in batched for step in r.steps]
+    assert {len(s.draft_ids) for s in steps if s.parents == list(range(len(s.draft_ids)))} >= {1, k}
+    assert any(s.parents != list(range(len(s.draft_ids))) and len(s.draft_ids) == k + 9 for s in steps)
+
+
+def test_a_trees_schedule_counts_nodes(tiny):
+    """The schedule's values on a tree engine are node budgets, bounded by its nodes (not by the block)."""
     model = load_golden_model(tiny)
-    schedule = DraftLenSchedule(((2, 4),))
-    with pytest.raises(DFlashTrtError, match="takes no draft-length schedule"):
-        speculative_generate(model, [[3, 4, 5]], 4, draft_tree=24, draft_len_schedule=schedule)
+    (tree,) = speculative_generate(
+        model, [[3, 4, 5]], 4, draft_tree=24, draft_len_schedule=DraftLenSchedule(((1, 20),))
+    )
+    assert tree.steps[0].parents != list(range(20)) and len(tree.steps[0].draft_ids) == 20
+    with pytest.raises(DFlashTrtError, match="verifies 25 drafts per request but the engine verifies at most 24"):
+        speculative_generate(model, [[3, 4, 5]], 4, draft_tree=24, draft_len_schedule=DraftLenSchedule(((2, 25),)))

@@ -63,7 +63,7 @@ def test_a_schedule_names_the_draft_length_of_each_load():
     assert [FIXED.draft_len(load, 7) for load in (1, 100)] == [7, 7]
     assert schedule.text() == "2:9,5:4,9:1" and FIXED.text() == "none"
     assert schedule.fitted_to(9) is schedule
-    with pytest.raises(DFlashTrtError, match=r"drafts 9 tokens but the drafter proposes at most block_size - 1 = 7"):
+    with pytest.raises(DFlashTrtError, match=r"verifies 9 drafts per request but the engine verifies at most 7 "):
         schedule.fitted_to(7)
 
 
@@ -160,11 +160,34 @@ def test_build_auto_derives_the_table_it_hands_to_the_network(qwen3_8b_checkpoin
     assert '"draft_len_schedule": "2:9,8:3"' in out
 
 
+def test_build_auto_derives_a_draft_trees_node_budgets(qwen3_8b_checkpoint: Path, tmp_path: Path, capsys):
+    """`--draft_tree 40 --draft_len_schedule auto`: the manifest and the model class's environment get the node
+    budgets the one derivation gives over 1..40 (trees at small loads, the chain or less under load); a table is
+    bounded by the tree's nodes, not by the block."""
+    base = ["--checkpoint_dir", str(qwen3_8b_checkpoint), "--output_dir", str(tmp_path / "e"), "--dry_run"]
+    base += ["--gpu", "h200", "--draft_tree", "40"]
+    code, out, err = _build([*base, "--json", "--draft_len_schedule", "auto"], capsys)
+    assert code == 0
+    manifest = json.loads(out)["dflash_manifest"]
+    target, drafter = PAIRS["qwen3-8b"].load()
+    acc, _ = default_acceptance(None, 16)
+    dep = Deployment(get_gpu("h200"), "bf16", "bf16", 1, calibration("trtllm"))
+    want = derive_schedule(target, drafter, acc, dep, mean_context(1024, 1024), 64, nodes=40).schedule
+    assert (manifest["draft_len_schedule"], manifest["draft_tree"]) == (want.text(), 40)
+    assert want.draft_len(1, 40) > 15 >= want.draft_len(64, 40)
+    assert "node budgets of a draft tree of at most 40 nodes" in err
+    code, out, err = _build([*base, "--draft_len_schedule", "1:40,8:15,32:4"], capsys)
+    assert code == 0 and "DFLASH_TRT_DRAFT_LEN_SCHEDULE=1:40,8:15,32:4" in out and "DFLASH_TRT_DRAFT_TREE=40" in out
+    assert '"draft_len_schedule": "1:40,8:15,32:4"' in out
+    code, out, err = _build([*base, "--draft_len_schedule", "2:41"], capsys)
+    assert code == 2 and "verifies 41 drafts per request but the engine verifies at most 40" in err
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
         (["--draft_len_schedule", "auto"], "--draft_len_schedule auto prices each step on a GPU: give --gpu"),
-        (["--draft_len_schedule", "1:16"], "drafts 16 tokens but the drafter proposes at most block_size - 1 = 15"),
+        (["--draft_len_schedule", "1:16"], "verifies 16 drafts per request but the engine verifies at most 15 "),
         (["--acceptance_json", "a.json"], "--acceptance_json only serves --draft_len_schedule auto"),
     ],
 )

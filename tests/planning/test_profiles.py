@@ -127,7 +127,7 @@ INVALID = [
     ({"engine.draft_len_schedule": 7}, "engine.draft_len_schedule: Input should be a valid string"),
     (
         {"engine.draft_len_schedule": "1:16"},
-        "engine.draft_len_schedule 1:16 drafts 16 tokens but the drafter proposes at most block_size - 1 = 15",
+        "engine.draft_len_schedule 1:16 verifies 16 drafts per request but the engine verifies at most 15",
     ),
 ]
 

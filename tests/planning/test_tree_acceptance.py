@@ -5,6 +5,7 @@ chain's rank-1 rates."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 
@@ -85,15 +86,69 @@ def test_plan_prices_a_tree_step_as_its_nodes_verified_beside_the_drafters_block
         cost = tree.step(target, batch, ctx, dep)
         assert cost == dflash_step(target, drafter, batch, 65, tokens, ctx, dep, drafter.block_size, tree=True)
         assert cost.target_tokens == batch * 65
-        assert tree.iteration(target, batch, ctx, dep).tokens_per_seq == tokens > acc.mean()
+        assert tree.iteration(target, batch, ctx, dep).tokens_per_seq == pytest.approx(tokens, rel=1e-12)
+        assert tokens > acc.mean()
     speed = {m: [m.iteration(target, b, ctx, dep).tok_s_user() for b in (1, 64)] for m in (chain, tree)}
     assert speed[tree][0] > speed[chain][0] and speed[tree][1] < speed[chain][1]
     with pytest.raises(DFlashTrtError, match="a tree more"):
         dflash_step(target, drafter, 1, drafter.block_size, tokens, ctx, dep, drafter.block_size, tree=True)
-    with pytest.raises(DFlashTrtError, match="without a draft-length schedule"):
-        Method(DFLASH, drafter, acc, DraftLenSchedule(((4, 8),)), draft_tree=64, tree_tokens=tokens)
+    with pytest.raises(DFlashTrtError, match="tokens for every budget"):
+        Method(DFLASH, drafter, acc, DraftLenSchedule(((4, 8),)), draft_tree=64, tree_tokens=(tokens,))
     with pytest.raises(DFlashTrtError, match="node count and its tokens per step"):
         Method(DFLASH, drafter, acc, draft_tree=64)
+
+
+def _qwen3_on_b200():
+    from dflash_trt.analysis.gpus import get_gpu
+    from dflash_trt.analysis.harness_fits import calibration
+    from dflash_trt.analysis.model import Deployment, mean_context
+    from dflash_trt.analysis.published import PAIRS
+
+    target, drafter = PAIRS["qwen3-8b"].load()
+    dep = Deployment(get_gpu("b200"), "bf16", "bf16", 1, calibration("trtllm"))
+    return target, drafter, Acceptance.from_mean(6.55, drafter.block_size), dep, mean_context(1024, 1024)
+
+
+def test_a_tree_engines_schedule_prices_each_batch_at_its_node_budget():
+    """Under `1:64,4:30,8:15,64:4` a 64-node tree engine verifies 65 tokens a request at one user and 31 at four
+    (the static trees' yields), 16 at 8 users (the chain of 15: the chain engine's step and yield) and 5 at 64 (the
+    chain cut at 4 drafts)."""
+    from dflash_trt.analysis.model import Method, dflash_step
+    from dflash_trt.decoding_modes import DFLASH
+
+    target, drafter, acc, dep, ctx = _qwen3_on_b200()
+    schedule = DraftLenSchedule(((1, 64), (4, 30), (8, 15), (64, 4)))
+    tree = tree_method(DFLASH, drafter, acc, 64, schedule)
+    block = drafter.block_size
+    one = dflash_step(target, drafter, 1, 65, RankRates.from_chain(acc).tree_mean(64), ctx, dep, block, tree=True)
+    assert tree.step(target, 1, ctx, dep) == one
+    assert tree.tokens_per_step(1) == pytest.approx(RankRates.from_chain(acc).tree_mean(64), rel=1e-12)
+    four = dflash_step(target, drafter, 4, 31, RankRates.from_chain(acc).tree_mean(30), ctx, dep, block, tree=True)
+    assert tree.step(target, 4, ctx, dep) == four and four.target_tokens == 4 * 31
+    for batch, drafts in ((8, 15), (64, 4)):
+        chain = Method(DFLASH, drafter, acc, DraftLenSchedule(((1, drafts),)))
+        assert tree.step(target, batch, ctx, dep) == chain.step(target, batch, ctx, dep)
+        assert tree.step(target, batch, ctx, dep).target_tokens == batch * (drafts + 1)
+        assert tree.tokens_per_step(batch) == pytest.approx(acc.resized(drafts + 1).mean(), rel=1e-12)
+
+
+def test_auto_gives_a_tree_engine_wide_trees_at_one_user_and_the_chain_or_less_under_load():
+    """The one derivation, over node budgets 1..N: non-increasing with the load, a tree (past the block's 15 drafts)
+    at one user, at most the chain at 64 users; wherever the best budget is a chain, the tree engine's best is the
+    chain engine's to the last digit (the same yields and steps), and it is never below it."""
+    from dflash_trt.analysis.draft_schedule import derive_schedule
+
+    target, drafter, acc, dep, ctx = _qwen3_on_b200()
+    chain = derive_schedule(target, drafter, acc, dep, ctx, 64)
+    tree = derive_schedule(target, drafter, acc, dep, ctx, 64, nodes=64)
+    budgets = [row.draft_len for row in tree.rows]
+    assert budgets == sorted(budgets, reverse=True) and max(budgets) <= 64
+    assert budgets[0] > drafter.block_size - 1 and budgets[-1] <= drafter.block_size - 1
+    assert [tree.schedule.draft_len(row.batch, 64) for row in tree.rows] == budgets
+    for t, c in zip(tree.rows, chain.rows, strict=True):
+        assert t.best_tok_s >= c.best_tok_s
+        if t.best_draft_len < drafter.block_size:
+            assert (t.best_draft_len, t.best_tok_s) == (c.best_draft_len, c.best_tok_s)
 
 
 @pytest.mark.parametrize(
@@ -101,8 +156,8 @@ def test_plan_prices_a_tree_step_as_its_nodes_verified_beside_the_drafters_block
     [
         (["--draft_tree", "14"], "a tree holds at least the chain's 15 drafts"),
         (["--draft_tree", "257"], "EAGLE verifies at most 256 drafts"),
-        (["--draft_tree", "32", "--draft_len_schedule", "8:4"], "takes no draft-length schedule"),
-        (["--draft_tree", "32", "--draft_len_schedule", "auto"], "auto derives one for chains"),
+        (["--draft_tree", "32", "--draft_len_schedule", "8:33"], "verifies 33 drafts per request but the engine"),
+        (["--draft_len_schedule", "8:16"], "the engine verifies at most 15 "),
     ],
 )
 def test_plan_refuses_trees_it_cannot_price(extra, message, capsys):
@@ -117,4 +172,21 @@ def test_plan_states_the_trees_verified_tokens_and_yield(capsys):
 
     assert main(["plan", "--preset", "qwen3-8b", "--gpu", "b200", "--concurrency", "1,8", "--draft_tree", "32"]) == 0
     out = capsys.readouterr().out
-    assert "draft trees of 32 nodes: 33 target tokens verified per step" in out
+    assert "draft trees of at most 32 nodes: at one user 33 target tokens verified per step" in out
+
+
+def test_plan_derives_a_tree_engines_node_budgets(capsys):
+    from dflash_trt.cli import main
+
+    argv = ["plan", "--preset", "qwen3-8b", "--gpu", "b200", "--concurrency", "1,64", "--max_batch_size", "64"]
+    assert main([*argv, "--draft_tree", "64", "--draft_len_schedule", "auto", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    steps = report["draft_len_schedule"]["steps"]
+    rows = next(iter(report["draft_len_schedule"]["rows"].values()))
+    assert [r["batch"] for r in rows] == [1, 64]
+    assert rows[0]["draft_len"] > 15 >= rows[1]["draft_len"] and rows[0]["fixed_draft_len"] == 64
+    assert any(
+        f"dflash-trt build --draft_tree 64 --draft_len_schedule {report['draft_len_schedule']['schedule']}" in n
+        for n in report["notes"]
+    )
+    assert all(k <= 64 for _, k in steps)
