@@ -289,13 +289,13 @@ class BuildProfile(_Strict):
                 eng.schedule_choice.fitted_to(block - 1, "engine.draft_len_schedule")
             except DFlashTrtError as exc:
                 raise ValueError(str(exc)) from None
-        # A full batch of generation steps verifies max_batch_size x block_size tokens (a tree's nodes + 1 for
-        # block_size); the step must still carry
-        # one prefill chunk, or no new request could ever start while the batch is full. Without chunked
-        # context the whole prompt (up to max_input_len) is that chunk.
+        # A full batch of generation steps verifies max_batch_size x block_size tokens (a draft tree's nodes + 1
+        # per request); the step must still carry one prefill chunk, or no new request could ever start while the
+        # batch is full. Without chunked context the whole prompt (up to max_input_len) is that chunk.
         chunked = self.serving.enable_chunked_context
         chunk = TOKENS_PER_BLOCK if chunked else eng.max_input_len
-        need = eng.max_batch_size * (tree or block - 1) + eng.max_batch_size + chunk
+        verified = block if tree is None else tree + 1
+        need = eng.max_batch_size * verified + chunk
         if eng.max_num_tokens < need:
             what = f"one {TOKENS_PER_BLOCK}-token context chunk" if chunked else f"one max_input_len prompt ({chunk})"
             width = "block_size" if tree is None else "(draft_tree + 1)"

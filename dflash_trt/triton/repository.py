@@ -90,7 +90,7 @@ class RepositorySettings:
     max_temperature: float
     max_seq_len: int  # the longest request (prompt + output) the engine holds; the preprocessing and BLS refuse more
     # The engine's draft-length table (its manifest's `draft_len_schedule`): drafts per step vary with the load
-    # unless `none`, so the client derives no acceptance length from the backend's draft-token totals.
+    # unless `none` (recorded for review; the client counts verify steps, so it needs no drafts per step).
     draft_len_schedule: str = "none"
     kv_cache_free_gpu_mem_fraction: float = SERVING_DEFAULTS.kv_cache_free_gpu_mem_fraction
     batch_scheduler_policy: str = SERVING_DEFAULTS.batch_scheduler_policy
