@@ -74,9 +74,13 @@ def draft_len(method: Method) -> int:
     return 0
 
 
-def headroom_tokens(draft_tokens: int) -> int:
-    """Tokens an EAGLE-mode step holds beyond the sequence: maxPathLen + maxDecodingTokens = 2 (K + 1)."""
-    return 2 * (draft_tokens + 1) if draft_tokens else 0
+def headroom_tokens(draft_tokens: int, positions: int | None = None) -> int:
+    """Tokens an EAGLE-mode step holds beyond the sequence: maxPathLen + maxDecodingTokens = (K + 1) + (N + 1), K
+    the draft positions (EAGLE layers) and N the drafts verified (`positions` None: the chain, N = K, so 2 (K + 1));
+    a draft tree's N is its nodes."""
+    if not draft_tokens:
+        return 0
+    return (draft_tokens if positions is None else positions) + 1 + draft_tokens + 1
 
 
 def _kv_heads_per_gpu(kv_heads: int, tp: int) -> int:
@@ -153,8 +157,10 @@ def budget(
     )
 
 
-def blocks_per_sequence(isl: int, osl: int, draft_tokens: int, tokens_per_block: int) -> int:
-    return math.ceil((isl + osl + headroom_tokens(draft_tokens)) / tokens_per_block)
+def blocks_per_sequence(
+    isl: int, osl: int, draft_tokens: int, tokens_per_block: int, positions: int | None = None
+) -> int:
+    return math.ceil((isl + osl + headroom_tokens(draft_tokens, positions)) / tokens_per_block)
 
 
 @dataclass(frozen=True)

@@ -48,8 +48,8 @@ DERIVED_DEFAULTS = {
     "max_input_len": "min(4096, --max_seq_len)",
     "max_num_tokens": f"min({EngineBuildSettings.max_num_tokens}, --max_seq_len x --max_batch_size: what "
     "TensorRT-LLM's builder clips it to)",
-    "draft_tree": "the chain, block_size - 1 drafts; N more builds an engine verifying a draft tree of N nodes per "
-    "request (its EAGLE max_draft_len)",
+    "draft_tree": "the chain, block_size - 1 drafts (with --config: the profile's engine.draft_tree); N more builds "
+    "an engine verifying a draft tree of N nodes per request (its EAGLE max_draft_len)",
 }
 SWITCH_FLAGS = ("use_paged_context_fmha", "use_fp8_context_fmha", "multiple_profiles")
 
@@ -137,8 +137,6 @@ def readable_json(value: object, level: int = 0) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.config:
-        if args.draft_tree is not None:
-            raise DFlashTrtError("--draft_tree builds from --checkpoint_dir: build profiles hold no draft tree")
         return run_profile(args, settings_override=settings_from_args)
     if args.checkpoint_dir is None or args.output_dir is None:
         raise DFlashTrtError("give --checkpoint_dir and --output_dir, or a build profile with --config")

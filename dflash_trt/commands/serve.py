@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.inputs import MAX_REQUESTS, MAX_TIMEOUT_S, PORT, POSITIVE_INT, TIMEOUT_S, URL, IntRange
+from dflash_trt.inputs import DRAFT_TREE, MAX_REQUESTS, MAX_TIMEOUT_S, PORT, POSITIVE_INT, TIMEOUT_S, URL, IntRange
 from dflash_trt.server.limits import (
     BODY_BYTES_PER_S,
     DEFAULT_BODY_TIMEOUT_S,
@@ -64,6 +64,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--max_seq_len", type=POSITIVE_INT, help="prompt + output tokens per request (default: the engine's)"
+    )
+    parser.add_argument(
+        "--draft_tree",
+        type=DRAFT_TREE,
+        help="with --checkpoint_dir: verify draft trees of N nodes per step (as `build --draft_tree N`; default the "
+        "chain); a built engine or a Triton deployment serves the tree it was built with",
     )
     parser.add_argument("--plugin_library", help="libdflash_trt_plugins.so (default: the one dflash_trt.json names)")
     parser.add_argument("--triton_model", default="tensorrt_llm", help="model that takes token ids")
@@ -128,6 +134,10 @@ def add_bound_arguments(parser: argparse.ArgumentParser) -> None:
 def check_arguments(args: argparse.Namespace) -> None:
     if not (args.tokenizer_dir or args.checkpoint_dir):
         raise DFlashTrtError("--engine_dir and --triton_url need --tokenizer_dir")
+    if args.draft_tree is not None and not args.checkpoint_dir:
+        raise DFlashTrtError(
+            "--draft_tree applies to --checkpoint_dir: a built engine verifies the tree it was built with"
+        )
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -195,7 +205,9 @@ def run(args: argparse.Namespace) -> int:
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     if args.checkpoint_dir:
-        target = checkpoint_target(args.checkpoint_dir, args.max_batch_size, args.max_seq_len, args.ignore_eos)
+        target = checkpoint_target(
+            args.checkpoint_dir, args.max_batch_size, args.max_seq_len, args.ignore_eos, args.draft_tree
+        )
     elif args.engine_dir:
         target = engine_target(
             args.engine_dir, args.plugin_library, args.max_batch_size, args.max_seq_len, args.ignore_eos

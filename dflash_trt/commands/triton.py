@@ -16,7 +16,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.inputs import MEMORY_FRACTION, POSITIVE_INT, IntRange
+from dflash_trt.inputs import DRAFT_TREE, MEMORY_FRACTION, POSITIVE_INT, IntRange
 from dflash_trt.jsonfile import strict_json
 from dflash_trt.prompts import CHAT_TEMPLATE_KWARGS_HELP, parse_chat_template_kwargs
 from dflash_trt.triton.serving import MAX_REPLICAS, ServingSettings, override_serving
@@ -51,6 +51,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=POSITIVE_INT,
         default=None,
         help="with --checkpoint_dir: prompt + output tokens per request (default: the target's context, at most 2048)",
+    )
+    parser.add_argument(
+        "--draft_tree",
+        type=DRAFT_TREE,
+        default=None,
+        help="with --checkpoint_dir: the emulated engine verifies draft trees of N nodes (as `build --draft_tree N`; "
+        "default the chain); an engine or a profile fixes its own",
     )
     parser.add_argument("--output_dir", required=True, help="model repository to create")
     parser.add_argument(
@@ -161,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
 
     chat_kwargs = json.dumps(parse_chat_template_kwargs(args.chat_template_kwargs) or {})
 
-    for flag in ("max_batch_size", "max_seq_len"):
+    for flag in ("max_batch_size", "max_seq_len", "draft_tree"):
         if getattr(args, flag) is not None and not args.checkpoint_dir:
             raise DFlashTrtError(f"--{flag} applies to --checkpoint_dir only (an engine fixes its own)")
     if args.engine_dir or args.checkpoint_dir:
@@ -180,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
                 CPU_MAX_BATCH_SIZE if args.max_batch_size is None else args.max_batch_size,
                 args.max_seq_len,
                 serving,
+                args.draft_tree,
             )
     else:
         from dflash_trt.pipeline.profiles import load_profile, resolve_model_dir

@@ -56,15 +56,17 @@ def plan_capacity(
     if isl < 1 or osl < 1:
         raise DFlashTrtError(f"input and output lengths must be positive, got {isl} and {osl}")
     dep = profile_deployment(profile)
-    b = budget(target, drafter, dep, profile_limits(profile), eng.max_draft_len)
+    # A draft tree verifies its nodes over the chain's draft positions.
+    k, depth = eng.draft_tree or eng.max_draft_len, eng.max_draft_len
+    b = budget(target, drafter, dep, profile_limits(profile), k)
     if not b.weights_fit:
         raise DFlashTrtError(
             f"{profile.name}: weights ({b.weights_bytes / 1e9:.1f} GB), activations ({b.activation_bytes / 1e9:.1f} "
             f"GB) and the runtime reserve ({b.runtime_bytes / 1e9:.0f} GB) exceed {profile.gpu}'s "
             f"{b.memory_bytes / 1e9:.1f} GB per GPU; raise tp_size, quantize or lower max_num_tokens / max_batch_size"
         )
-    k, tpb = eng.max_draft_len, b.tokens_per_block
-    if b.blocks // blocks_per_sequence(eng.max_seq_len, 0, k, tpb) < 1:
+    tpb = b.tokens_per_block
+    if b.blocks // blocks_per_sequence(eng.max_seq_len, 0, k, tpb, depth) < 1:
         # 1.2.x clampWindowSizesToFitAtLeastOneSequence would shrink the attention window below max_seq_len: a
         # cyclic cache, while KV injection writes absolute pages (docs/deployment.md).
         raise DFlashTrtError(
@@ -75,12 +77,14 @@ def plan_capacity(
         )
     return Capacity(
         budget=b,
-        headroom_tokens=headroom_tokens(k),
+        headroom_tokens=headroom_tokens(k, depth),
         shape=(isl, osl),
         # The engine refuses a request longer than max_seq_len, however many blocks are free.
-        sequences_at_shape=0 if isl + osl > eng.max_seq_len else b.blocks // blocks_per_sequence(isl, osl, k, tpb),
+        sequences_at_shape=0
+        if isl + osl > eng.max_seq_len
+        else b.blocks // blocks_per_sequence(isl, osl, k, tpb, depth),
         max_seq_len=eng.max_seq_len,
-        sequences_at_max_seq_len=b.blocks // blocks_per_sequence(eng.max_seq_len, 0, k, tpb),
+        sequences_at_max_seq_len=b.blocks // blocks_per_sequence(eng.max_seq_len, 0, k, tpb, depth),
     )
 
 
@@ -124,7 +128,8 @@ def describe(profile: BuildProfile, capacity: Capacity) -> str:
             f"{profile.serving.kv_cache_free_gpu_mem_fraction:.2f} of the "
             f"free memory; {b.kv_bytes_per_token:,.0f} B per token (target + drafter layers); "
             f"{b.blocks:,} blocks of {b.tokens_per_block} tokens",
-            f"  a sequence reserves its length + {c.headroom_tokens} tokens of step headroom (2 x (draft + 1))",
+            f"  a sequence reserves its length + {c.headroom_tokens} tokens of step headroom "
+            "((draft positions + 1) + (drafts verified + 1))",
             f"  sequences that fit: {c.sequences_at_shape} at {isl}/{osl} tokens, {c.sequences_at_max_seq_len} at "
             f"max_seq_len {c.max_seq_len} (max_batch_size {profile.engine.max_batch_size})",
         ]

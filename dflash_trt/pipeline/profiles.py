@@ -26,10 +26,12 @@ from dflash_trt.checkpoint.stored import QuantSettings
 from dflash_trt.draft_schedule import AUTO, DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import ENGINE_DTYPES, KV_CACHE_DTYPES, NVFP4, QFORMATS
+from dflash_trt.gpu_targets import gpu_sm
 from dflash_trt.inputs import DRAFT_LEN_SCHEDULE
 from dflash_trt.recorded_configs import PACKAGED_RECORDED_CONFIGS
 from dflash_trt.spec import DraftSpec, TargetSpec, load_draft_spec, load_target_spec
 from dflash_trt.triton.serving import ServingSettings
+from dflash_trt.trtllm.attention_route import AttentionRoute
 from dflash_trt.trtllm.build_plan import (
     GEMM_PLUGIN_CHOICES,
     MAX_EAGLE_DRAFT_LEN,
@@ -38,6 +40,7 @@ from dflash_trt.trtllm.build_plan import (
     check_engine_settings,
     check_fp8_context_fmha,
     check_kv_cache_format,
+    check_tree_nodes,
     resolved_gemm_plugin,
 )
 from dflash_trt.yamlfile import safe_load_unique
@@ -151,6 +154,12 @@ class EngineSettings(_Strict):
         default=AUTO,
         description="drafts per request by the step's load: auto (derived for this GPU, TP and quantization), none "
         "or N1:K1,N2:K2,... (docs/performance.md)",
+    )
+    draft_tree: int | None = Field(
+        default=None,
+        ge=1,
+        description="nodes of the draft tree each request verifies per step (`dflash-trt build --draft_tree`); unset "
+        "or max_draft_len: the chain",
     )
 
     @property
@@ -271,21 +280,27 @@ class BuildProfile(_Strict):
                 f"max_draft_len {eng.max_draft_len} is below block_size - 1 = {block - 1}: the DFlash engine always "
                 "drafts a full block"
             )
+        try:
+            tree = profile_tree(self.gpu, eng.draft_tree, block - 1, "engine.draft_tree")
+        except DFlashTrtError as exc:
+            raise ValueError(str(exc)) from None
         if isinstance(eng.schedule_choice, DraftLenSchedule):
             try:
                 eng.schedule_choice.fitted_to(block - 1, "engine.draft_len_schedule")
             except DFlashTrtError as exc:
                 raise ValueError(str(exc)) from None
-        # A full batch of generation steps verifies max_batch_size x block_size tokens; the step must still carry
-        # one prefill chunk, or no new request could ever start while the batch is full. Without chunked
-        # context the whole prompt (up to max_input_len) is that chunk.
+        # A full batch of generation steps verifies max_batch_size x block_size tokens (a draft tree's nodes + 1
+        # per request); the step must still carry one prefill chunk, or no new request could ever start while the
+        # batch is full. Without chunked context the whole prompt (up to max_input_len) is that chunk.
         chunked = self.serving.enable_chunked_context
         chunk = TOKENS_PER_BLOCK if chunked else eng.max_input_len
-        need = eng.max_batch_size * block + chunk
+        verified = block if tree is None else tree + 1
+        need = eng.max_batch_size * verified + chunk
         if eng.max_num_tokens < need:
             what = f"one {TOKENS_PER_BLOCK}-token context chunk" if chunked else f"one max_input_len prompt ({chunk})"
+            width = "block_size" if tree is None else "(draft_tree + 1)"
             raise ValueError(
-                f"max_num_tokens {eng.max_num_tokens} is below max_batch_size x block_size + {what} = {need}: "
+                f"max_num_tokens {eng.max_num_tokens} is below max_batch_size x {width} + {what} = {need}: "
                 "a full batch of generation steps would leave no room for prefill"
             )
         if max(self.sweep.concurrency) > eng.max_batch_size:
@@ -293,6 +308,16 @@ class BuildProfile(_Strict):
                 f"sweep concurrency {max(self.sweep.concurrency)} exceeds max_batch_size {eng.max_batch_size}"
             )
         return self
+
+
+def profile_tree(gpu: str, nodes: int | None, num_drafts: int, what: str) -> int | None:
+    """A profile's draft tree (`engine.draft_tree`, or `build --config --draft_tree` over it) by the build's rules
+    that need no model: the node rule (`check_tree_nodes`) and the GPU's attention route; None for the chain. The
+    engine plan checks the rest once the models are known (a DFlash2 drafter, the resolved draft-length schedule)."""
+    tree = check_tree_nodes(nodes, num_drafts, dflash2=False, what=what)
+    if tree:
+        AttentionRoute(gpu_sm(gpu)).check_tree(gpu)
+    return tree or None
 
 
 def _format_validation_error(path: Path, exc: ValidationError) -> str:

@@ -115,7 +115,7 @@ def _capacity_constants() -> dict[str, Constant]:
             "trtllm-build plugin-config default (TensorRT-LLM 1.2.x sources, not run)",
         ),
         "capacity.step_headroom_tokens": Constant(
-            "2 x (draft tokens + 1)",
+            "(draft positions + 1) + (drafts verified + 1): 2 x (draft tokens + 1) for a chain",
             "datasheet",
             "TensorRT-LLM 1.2.x cpp/tensorrt_llm/batch_manager/allocateKvCache.cpp: EAGLE-mode engines add "
             "maxPathLen + maxDecodingTokens tokens per step; kvCacheManager.cpp getRemainingBlocksToCompletion "

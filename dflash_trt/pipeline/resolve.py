@@ -17,6 +17,7 @@ from dflash_trt.pipeline.profiles import (
     check_against_configs,
     load_profile,
     looks_like_repo_id,
+    profile_tree,
     resolve_model_dir,
 )
 from dflash_trt.pipeline.schedule import ResolvedSchedule, derived_schedule
@@ -128,6 +129,8 @@ def resolve_inputs(
     settings = engine_settings(profile)
     if settings_override is not None:
         settings = settings_override(settings)
+    tree = profile_tree(profile.gpu, settings.draft_tree, m.block_size - 1, "--draft_tree")
+    settings = dataclasses.replace(settings, draft_tree=tree)
     schedule = _schedule(profile, target, draft, request.draft_len_schedule)
     if schedule is not None:
         settings = dataclasses.replace(settings, draft_len_schedule=schedule.schedule)

@@ -51,21 +51,24 @@ def settings_from_profile(
     plugin_library: str | Path,
     serving: ServingSettings | None = None,
     draft_len_schedule: str | None = None,
+    draft_tree: int | None = None,
 ) -> RepositorySettings:
     """Settings for the engine a build profile will produce, so the repository can be reviewed before the build;
     `serving` replaces the profile's serving section (already validated overrides); `draft_len_schedule` is the
     table the engine is built with, once resolved (else the profile's text: `auto` still says the engine drafts by
-    load)."""
+    load); `draft_tree` the nodes it verifies (`build --config --draft_tree`, else the profile's)."""
     from dflash_trt.triton.repository import RepositorySettings, max_temperature_for_sampling, serving_fields
 
     eng = profile.engine
+    nodes = draft_tree or eng.draft_tree or eng.max_draft_len
     return RepositorySettings(
         engine_dir=str(Path(engine_dir).absolute()),
         tokenizer_dir=str(Path(tokenizer_dir).absolute()),
         plugin_library=str(Path(plugin_library).absolute()),
         max_batch_size=eng.max_batch_size,
         max_input_len=eng.max_input_len,
-        max_draft_len=eng.max_draft_len,
+        max_draft_len=nodes,
+        eagle_depth=eng.max_draft_len if nodes != eng.max_draft_len else None,
         world_size=profile.checkpoint.tp_size,
         max_temperature=max_temperature_for_sampling(SAMPLING_POLICY),
         # At most what the built engine holds (its window and positions are at least the profile's max_seq_len);

@@ -90,14 +90,15 @@ def _engine_stage(inp: PipelineInputs, ckpt_fp: str | None) -> tuple[Stage, str]
         engine_command = plan.shell_command(with_library=True)
     else:
         library = str(Path(inp.plugin_library or default_library_path()).absolute())
-        build_argv = build_command(str(ws.checkpoint), str(ws.engine), profile.engine.max_draft_len, inp.settings)
+        nodes = inp.settings.draft_tree or profile.engine.max_draft_len
+        build_argv = build_command(str(ws.checkpoint), str(ws.engine), nodes, inp.settings)
         engine_command = environment_prefix({LIBRARY_ENV: library, **build_environment(inp.settings)}) + shlex.join(
             build_argv
         )
         lengths = EngineLengths(
             max_seq_len=inp.settings.max_seq_len,
             max_draft_len=profile.engine.max_draft_len,
-            draft_nodes=profile.engine.max_draft_len,  # profiles hold no draft tree
+            draft_nodes=nodes,
             positions=None,  # the target's max_position_embeddings is not known yet
         )
     engine_fp = (
@@ -123,7 +124,14 @@ def _triton_stage(inp: PipelineInputs, engine_fp: str | None, library: str) -> S
 
     profile, ws = inp.profile, inp.ws
     schedule = None if inp.schedule is None else inp.schedule.schedule.text()
-    repo_settings = settings_from_profile(profile, ws.engine, inp.tokenizer.shown, library, draft_len_schedule=schedule)
+    repo_settings = settings_from_profile(
+        profile,
+        ws.engine,
+        inp.tokenizer.shown,
+        library,
+        draft_len_schedule=schedule,
+        draft_tree=inp.settings.draft_tree,
+    )
     triton_fp = (
         fingerprint(
             {

@@ -46,13 +46,18 @@ def engine_longest_request(info: EngineInfo) -> int:
 
 
 def checkpoint_target(
-    checkpoint_dir: str, max_batch_size: int | None, max_seq_len: int | None, ignore_eos: bool
+    checkpoint_dir: str,
+    max_batch_size: int | None,
+    max_seq_len: int | None,
+    ignore_eos: bool,
+    draft_tree: int | None = None,
 ) -> ServeTarget:
-    """The emulated engine over a converted checkpoint; requests up to what its positions hold (`longest_request`)."""
+    """The emulated engine over a converted checkpoint, verifying the chain or draft trees of `draft_tree` nodes as
+    the engine `build --draft_tree` makes; requests up to what its positions hold (`longest_request`)."""
     from dflash_trt.emulation.engine import DEFAULT_MAX_BATCH_SIZE, EmulatedEngine
     from dflash_trt.executors.emulated import EmulatedExecutor
 
-    engine = EmulatedEngine(checkpoint_dir, max_batch_size or DEFAULT_MAX_BATCH_SIZE)
+    engine = EmulatedEngine(checkpoint_dir, max_batch_size or DEFAULT_MAX_BATCH_SIZE, draft_tree=draft_tree)
     longest = longest_request(engine.max_position_embeddings, engine.depth)
     if max_seq_len is not None and max_seq_len > longest:
         raise DFlashTrtError(

@@ -7,7 +7,6 @@ Standalone (tritonclient + numpy) so the copy written into every repository runs
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import queue
 import sys
@@ -19,13 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
-SETTINGS_FILE = "dflash_triton.json"
-
 
 @dataclass
 class Generation:
     text: str = ""
-    chunks: int = 0
+    chunks: int = 0  # responses carrying text_output (an empty piece where a character is held back): one per iteration
     seconds: float = 0.0
     acceptance_rate: float | None = None
     accepted_draft_tokens: int | None = None
@@ -33,10 +30,13 @@ class Generation:
     errors: list[str] = field(default_factory=list)
 
 
-def acceptance_length_from_counts(accepted: int, drafted: int, max_draft_len: int) -> float:
-    """Tokens gained per verification step, bonus token included: every step drafts `max_draft_len` tokens."""
-    steps = drafted / max_draft_len
-    return math.nan if steps == 0 else (accepted + steps) / steps
+def acceptance_length(accepted: int, chunks: int) -> float:
+    """Tokens gained per verification step, bonus token included. A streamed request answers once per engine
+    iteration: the context step's first token, then one response per verify step, so the steps are counted, not
+    derived from the drafted total (a draft tree verifies its nodes, a schedule varies the drafts per step: neither
+    is a fixed number of drafts per step)."""
+    steps = chunks - 1
+    return math.nan if steps <= 0 else (accepted + steps) / steps
 
 
 def request_inputs(
@@ -128,26 +128,18 @@ def stream_generate(
     return out
 
 
-def summary(gen: Generation, max_draft_len: int | None) -> str:
+def summary(gen: Generation) -> str:
+    """The chunks, the backend's draft totals (per draft verified: a tree's nodes count each) and the tokens per
+    verify step."""
     parts = [f"{gen.chunks} chunks in {gen.seconds:.2f} s"]
     if gen.acceptance_rate is not None:
-        parts.append(f"acceptance rate {gen.acceptance_rate:.3f}")
+        parts.append(f"acceptance rate {gen.acceptance_rate:.3f} per draft verified")
     if gen.accepted_draft_tokens is not None and gen.draft_tokens is not None:
         parts.append(f"accepted {gen.accepted_draft_tokens}/{gen.draft_tokens} draft tokens")
-        if max_draft_len:
-            length = acceptance_length_from_counts(gen.accepted_draft_tokens, gen.draft_tokens, max_draft_len)
-            parts.append(f"mean acceptance length {length:.2f}")
+        if gen.chunks > 1:
+            length = acceptance_length(gen.accepted_draft_tokens, gen.chunks)
+            parts.append(f"mean acceptance length {length:.2f} over {gen.chunks - 1} verify steps")
     return ", ".join(parts)
-
-
-def _default_max_draft_len() -> int | None:
-    """Drafts every step verifies, from the repository's settings; None when the engine drafts by load (a
-    draft-length schedule), since the backend's totals then cannot say how many steps there were."""
-    settings = Path(__file__).with_name(SETTINGS_FILE)
-    if not settings.is_file():
-        return None
-    recorded = json.loads(settings.read_text())
-    return recorded["max_draft_len"] if recorded.get("draft_len_schedule", "none") == "none" else None
 
 
 def server_unreachable(url: str, timeout_s: float = 5.0) -> str | None:
@@ -180,13 +172,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (the default)")
     parser.add_argument("--seed", type=int, default=None, help="random seed of a sampled request")
     parser.add_argument("--stop_words", nargs="*", default=[])
-    parser.add_argument(
-        "--max_draft_len",
-        type=int,
-        default=None,
-        help="drafts per step, for the acceptance length (default: from dflash_triton.json; none when the engine "
-        "drafts by load)",
-    )
     args = parser.parse_args(argv)
     problem = server_unreachable(args.url)
     if problem is not None:
@@ -206,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     if gen.errors:
         print("error: " + "; ".join(gen.errors), file=sys.stderr)
         return 1
-    print(summary(gen, args.max_draft_len or _default_max_draft_len()), file=sys.stderr)
+    print(summary(gen), file=sys.stderr)
     return 0
 
 

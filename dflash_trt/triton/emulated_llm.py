@@ -155,6 +155,7 @@ class _InFlight:
     first_token_ns: int = 0
     tokens: list[int] = field(default_factory=list)
     responses: int = 0  # iterations answered: the context step's first token, then one per verify step
+    drafted: int = 0  # drafts verified over the request's steps: a chain's drafts, or a tree's nodes, per step
 
 
 def _send_quietly(sink: ResponseSink, error: str | None) -> None:
@@ -198,10 +199,12 @@ class Server:
     @classmethod
     def from_parameters(cls, params: dict[str, str]) -> Server:
         """From the string parameters the CPU repository's tensorrt_llm/config.pbtxt gives the model."""
+        tree = params.get("draft_tree")
         engine = EmulatedEngine(
             params["checkpoint_dir"],
             max_batch_size=int(params["max_batch_size"]),
             tokens_per_block=int(params["tokens_per_block"]),
+            draft_tree=None if tree is None else int(tree),
         )
         return cls(EmulatedStepper(engine, int(params["max_seq_len"])))
 
@@ -244,6 +247,7 @@ class Server:
                 self._forget(response.request_id)
                 _send_quietly(flight.sink, response.error)
             else:
+                flight.drafted += response.draft_len or 0
                 self._respond(response.request_id, flight, response.tokens, response.final)
 
     def _forget(self, request_id: int) -> None:
@@ -277,10 +281,12 @@ class Server:
 
     def _perf_metrics(self, flight: _InFlight, now: int) -> dict[str, np.ndarray]:
         """The backend's perf outputs; KV blocks are those the request's tokens (and one draft block) occupy. Every
-        verify step answers once, after the context step's first token."""
+        verify step answers once, after the context step's first token. Draft tokens are those the steps verified
+        (a draft tree's nodes; fewer than the engine's most when a schedule shortens the draft or a tree comes out
+        smaller), so the rate is per draft verified, not per draft position."""
         engine = self.stepper.engine
         steps = flight.responses - 1
-        drafted, accepted = steps * engine.k, len(flight.tokens) - 1 - steps
+        drafted, accepted = flight.drafted, len(flight.tokens) - 1 - steps
         tokens = len(flight.request.input_ids) + len(flight.tokens) + engine.block
         blocks = -(-tokens // engine.tokens_per_block)
         return {

@@ -29,7 +29,7 @@ from dflash_trt.tokenizer import load_tokenizer
 from dflash_trt.triton import processing as P
 from dflash_trt.triton.pbtxt import EnsembleStep, ModelConfig, Tensor, render
 from dflash_trt.triton.serving import ServingSettings, override_serving
-from dflash_trt.trtllm.build_plan import MANIFEST_NAME, chain_eagle_choices
+from dflash_trt.trtllm.build_plan import MANIFEST_NAME, chain_eagle_choices, check_tree_nodes, read_checkpoint_facts
 from dflash_trt.trtllm.plugin import LIBRARY_ENV
 
 ENSEMBLE = "ensemble"
@@ -90,7 +90,7 @@ class RepositorySettings:
     max_temperature: float
     max_seq_len: int  # the longest request (prompt + output) the engine holds; the preprocessing and BLS refuse more
     # The engine's draft-length table (its manifest's `draft_len_schedule`): drafts per step vary with the load
-    # unless `none`, so the client derives no acceptance length from the backend's draft-token totals.
+    # unless `none` (recorded for review; the client counts verify steps, so it needs no drafts per step).
     draft_len_schedule: str = "none"
     kv_cache_free_gpu_mem_fraction: float = SERVING_DEFAULTS.kv_cache_free_gpu_mem_fraction
     batch_scheduler_policy: str = SERVING_DEFAULTS.batch_scheduler_policy
@@ -267,12 +267,14 @@ def replica_gpus(device_ids: str) -> tuple[int, int]:
 
 
 def emulated_llm_parameters(s: RepositorySettings) -> dict[str, str]:
-    """What `emulated_llm.Server.from_parameters` reads."""
+    """What `emulated_llm.Server.from_parameters` reads; `draft_tree` only for a tree engine (its nodes)."""
+    tree = {} if s.eagle_depth in (None, s.max_draft_len) else {"draft_tree": str(s.max_draft_len)}
     return {
         "checkpoint_dir": s.checkpoint_dir,
         "max_batch_size": str(s.max_batch_size),
         "max_seq_len": str(s.max_seq_len),
         "tokens_per_block": str(s.tokens_per_block),
+        **tree,
     }
 
 
@@ -586,16 +588,27 @@ def settings_from_engine(
         ) from None
 
 
+def _checkpoint_tree(checkpoint_dir: Path, draft_tree: int | None) -> int | None:
+    """The nodes of the draft tree the CPU-served engine verifies (the build's rule, `check_tree_nodes`); None for
+    the chain."""
+    if draft_tree is None:
+        return None
+    facts = read_checkpoint_facts(checkpoint_dir)
+    return check_tree_nodes(draft_tree, facts.max_draft_len, facts.selector_top_k is not None) or None
+
+
 def settings_from_checkpoint(
     checkpoint_dir: str | Path,
     tokenizer_dir: str | Path,
     max_batch_size: int,
     max_seq_len: int | None = None,
     serving: ServingSettings | None = None,
+    draft_tree: int | None = None,
 ) -> RepositorySettings:
-    """Settings for a CPU-served repository over a converted (TP 1) checkpoint; `max_seq_len` defaults to the
-    longest request the target's context holds (`longest_request`), capped at DEFAULT_CPU_MAX_SEQ_LEN so the KV
-    pool stays small on a laptop."""
+    """Settings for a CPU-served repository over a converted (TP 1) checkpoint, its engine verifying the chain or
+    draft trees of `draft_tree` nodes (as `build --draft_tree` builds it); `max_seq_len` defaults to the longest
+    request the target's context holds (`longest_request`, by the draft positions, a tree's depth), capped at
+    DEFAULT_CPU_MAX_SEQ_LEN so the KV pool stays small on a laptop."""
     checkpoint_dir = Path(checkpoint_dir).absolute()
     config = read_json_object(
         checkpoint_dir / "config.json", f"{checkpoint_dir} is not a converted checkpoint: config.json is missing"
@@ -612,6 +625,7 @@ def settings_from_checkpoint(
     if max_batch_size < 1:
         raise DFlashTrtError(f"--max_batch_size must be >= 1, got {max_batch_size}")
     check_tokenizer(tokenizer_dir, vocab_size, f"the checkpoint {checkpoint_dir}")
+    tree = _checkpoint_tree(checkpoint_dir, draft_tree)
     longest = longest_request(longest, max_draft_len)
     seq_len = min(longest, DEFAULT_CPU_MAX_SEQ_LEN) if max_seq_len is None else max_seq_len
     if not 2 <= seq_len <= longest:
@@ -625,7 +639,8 @@ def settings_from_checkpoint(
         plugin_library="",
         max_batch_size=max_batch_size,
         max_input_len=seq_len - 1,
-        max_draft_len=max_draft_len,
+        max_draft_len=tree or max_draft_len,
+        eagle_depth=max_draft_len if tree else None,
         world_size=1,
         max_temperature=math.inf,
         checkpoint_dir=str(checkpoint_dir),

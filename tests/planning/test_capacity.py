@@ -52,6 +52,20 @@ def test_worked_example_h100_fp8_qwen3_8b_by_hand():
     assert cap.sequences_at_max_seq_len == blocks // math.ceil((8192 + 32) / 32) == 92
 
 
+def test_a_draft_tree_reserves_its_nodes_beside_the_chains_positions():
+    """The same profile with 32-node trees at 64 requests: the logits rows are 64 x 33, and a sequence's step
+    headroom maxPathLen + maxDecodingTokens = (15 + 1) + (32 + 1) = 49 tokens."""
+    data = yaml.safe_load(H100_QWEN3_8B.read_text())
+    data["engine"].update(max_batch_size=64, draft_tree=32, draft_len_schedule="none")
+    data["sweep"]["concurrency"] = [1, 64]
+    cap = _capacity(parse_profile(data))
+    activations = 8192 * (2 * 4096 + 48 * 128 + 2 * 12288) * 2 + 64 * 33 * 151936 * 4
+    assert cap.budget.activation_bytes == activations
+    assert cap.headroom_tokens == 49
+    assert cap.sequences_at_shape == cap.budget.blocks // math.ceil((1024 + 1024 + 49) / 32)
+    assert cap.sequences_at_max_seq_len == cap.budget.blocks // math.ceil((8192 + 49) / 32)
+
+
 def test_tied_target_still_pays_for_its_own_lm_head_and_tp_replicates_the_embedding():
     data = yaml.safe_load((ROOT / "build_configs/h100-fp8/qwen3-4b.yaml").read_text())
     tp1 = _capacity(parse_profile(data))

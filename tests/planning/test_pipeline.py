@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 from _pairs import PairVariant, make_pair
+from _profile_hub import RECORDED, RECORDED_PATH, profile_hub
 
 from dflash_trt.cli import main as cli_main
 from dflash_trt.gpu_targets import GPU_SMS
@@ -24,55 +25,10 @@ ROOT = Path(__file__).resolve().parents[2]
 PROFILES = sorted((ROOT / "build_configs").glob("*/*.yaml"))
 API = json.loads((ROOT / "tests/data/trtllm_api.json").read_text())
 
-RECORDED_PATH = ROOT / "dflash_trt/assets/recorded_configs.yaml"
-RECORDED = yaml.safe_load(RECORDED_PATH.read_text())
-# Stand-ins for the two drafters whose config.json is recorded as unknown (plausible z-lab-format shapes), so the
-# full plan path also runs for their profiles when a config.json is on disk.
-STAND_IN_DRAFTS = {
-    "AICP-Labs/qwen3-32b-dflash-en-zh": {
-        "architectures": ["DFlashDraftModel"],
-        "num_hidden_layers": 5,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "hidden_size": 5120,
-        "intermediate_size": 25600,
-        "num_target_layers": 64,
-        "block_size": 16,
-        "rope_theta": 1000000,
-        "rms_norm_eps": 1e-6,
-        "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 16, 31, 46, 61]},
-    },
-    "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat": {
-        "architectures": ["DFlashDraftModel"],
-        "num_hidden_layers": 5,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_target_layers": 32,
-        "block_size": 10,
-        "rms_norm_eps": 1e-5,
-        **{k: RECORDED["meta-llama/Llama-3.1-8B-Instruct"][k] for k in ("rope_theta", "rope_scaling")},
-        "dflash_config": {"mask_token_id": 128002, "target_layer_ids": [1, 8, 15, 22, 29]},
-    },
-}
-HUB_CONFIGS = {**{ref: cfg for ref, cfg in RECORDED.items() if "unknown" not in cfg}, **STAND_IN_DRAFTS}
-
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory) -> Path:
-    """An HF hub cache (models--org--name/snapshots/<rev>, refs/main) holding the profiles' config files."""
-    cache = tmp_path_factory.mktemp("hub")
-    for repo, cfg in HUB_CONFIGS.items():
-        repo_dir = cache / ("models--" + repo.replace("/", "--"))
-        snapshot = repo_dir / "snapshots" / "0123abcd"
-        snapshot.mkdir(parents=True)
-        (snapshot / "config.json").write_text(json.dumps(cfg))
-        (repo_dir / "refs").mkdir()
-        (repo_dir / "refs" / "main").write_text("0123abcd")
-    return cache
+    return profile_hub(tmp_path_factory.mktemp("hub"))
 
 
 def _stage_commands(output: str) -> dict[str, str]:

@@ -20,6 +20,11 @@ CASES = [
     (["--api_key", "open sesame"], "--api_key must be printable ASCII without spaces"),
     (["--api_key", "k", "--allowed_hosts", "a.lan"], "--allowed_hosts applies to a server on loopback without"),
     (["--host", "0.0.0.0", "--allowed_hosts", "a.lan"], "--allowed_hosts applies to a server on loopback without"),
+    (["--draft_tree", "0"], "argument --draft_tree: must be an integer in [1, 4096], got '0'"),
+    (["--draft_tree", "10"], "draft_tree 10: a tree holds at least the chain's 15 drafts"),
+    (["--draft_tree", "257"], "draft_tree 257: an EAGLE engine verifies at most 256 drafts"),
+    # A tree's nodes sit at most 15 positions deep: the chain's bound, not one of 40 positions.
+    (["--draft_tree", "40", "--max_seq_len", "227"], "--max_seq_len must be <= 226: the target's"),
     (["--header_timeout_s", "0"], "argument --header_timeout_s: must be a finite number in (0, 604800], got '0'"),
 ]
 
@@ -40,6 +45,8 @@ def test_targets_without_what_they_need_are_refused(tiny, tmp_path, capsys):
     assert "tokenizer folder" in err and "does not exist" in err
     assert main(["serve", "--engine_dir", str(tmp_path), "--tokenizer_dir", str(tiny)]) == 2
     assert "holds no engine" in capsys.readouterr().err
+    assert main(["serve", "--engine_dir", str(tmp_path), "--tokenizer_dir", str(tiny), "--draft_tree", "40"]) == 2
+    assert "--draft_tree applies to --checkpoint_dir" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value", ["", "\u00e9"])

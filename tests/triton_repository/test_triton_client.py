@@ -39,7 +39,9 @@ def _bytes_tensor(values: list[bytes]) -> bytes:
     return b"".join(len(v).to_bytes(4, "little") + v for v in values)
 
 
-def _loopback_server(ensemble, pieces: list[str]):
+def _loopback_server(ensemble, pieces: list[str], accepted: int = 27, drafted: int = 45):
+    """A gRPC server answering each request as the ensemble streams: one response per engine iteration (a text
+    piece), the last with the backend's totals, then the empty final response the client asks for."""
     grpc = pytest.importorskip("grpc")
     from tritonclient.grpc import service_pb2, service_pb2_grpc
 
@@ -68,16 +70,14 @@ def _loopback_server(ensemble, pieces: list[str]):
                     assert t.datatype == TYPE_TO_WIRE[dtype] and len(t.shape) == 1 + len(dims)
                     assert all(d in (-1, n) for d, n in zip(dims, t.shape[1:], strict=True))
                 assert {n for n, (_, _, opt) in declared.items() if not opt} <= set(names)
-                for piece in pieces:
-                    yield response(request, [("text_output", "BYTES", [1, 1], _bytes_tensor([piece.encode()]))])
-                yield response(
-                    request,
-                    [
-                        ("acceptance_rate", "FP32", [1, 1], np.array([0.6], np.float32).tobytes()),
-                        ("total_accepted_draft_tokens", "INT32", [1, 1], np.array([27], np.int32).tobytes()),
-                        ("total_draft_tokens", "INT32", [1, 1], np.array([45], np.int32).tobytes()),
-                    ],
-                )
+                totals = [
+                    ("acceptance_rate", "FP32", [1, 1], np.array([accepted / drafted], np.float32).tobytes()),
+                    ("total_accepted_draft_tokens", "INT32", [1, 1], np.array([accepted], np.int32).tobytes()),
+                    ("total_draft_tokens", "INT32", [1, 1], np.array([drafted], np.int32).tobytes()),
+                ]
+                for i, piece in enumerate(pieces):
+                    text = ("text_output", "BYTES", [1, 1], _bytes_tensor([piece.encode()]))
+                    yield response(request, [text, *(totals if i == len(pieces) - 1 else [])])
                 yield response(request, [], final=True)
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
@@ -115,44 +115,50 @@ def test_client_streams_text_and_acceptance(tmp_path: Path, tokenizer_dir: Path)
     assert np.frombuffer(sent["random_seed"], np.uint64).tolist() == [42]
     assert np.frombuffer(sent["temperature"], np.float32).tolist() == [pytest.approx(0.7)]
     assert sent["stream"] == b"\x01" and sent["return_perf_metrics"] == b"\x01"
-    # 45 drafted tokens over steps of 15 drafts = 3 steps; (27 accepted + 3 bonus) / 3 = 10 tokens per step.
-    assert "mean acceptance length 10.00" in triton_client.summary(gen, 15)
-    assert triton_client.acceptance_length_from_counts(27, 45, 15) == pytest.approx(10.0)
+    # 3 responses: the context step's first token, then 2 verify steps; (27 accepted + 2 bonus) / 2 = 14.5.
+    assert gen.chunks == 3
+    assert "mean acceptance length 14.50 over 2 verify steps" in triton_client.summary(gen)
+    assert triton_client.acceptance_length(27, 3) == pytest.approx(14.5)
 
 
-def test_client_main_reads_draft_len_from_the_repository(tmp_path: Path, tokenizer_dir: Path, capsys, monkeypatch):
-    repo = write_repository(repository_settings(tokenizer_dir, max_draft_len=9), tmp_path / "repo")
-    server, port, _ = _loopback_server(model_configs(repo)["ensemble"], ["ok"])
-    spec = importlib.util.spec_from_file_location("repo_client", repo / CLIENT_FILE)
+def _copied_client_stderr(repo: Path, port: int, capsys, monkeypatch, name: str) -> str:
+    """Run the client copied into `repo` against the loopback server; what it printed on stderr."""
+    spec = importlib.util.spec_from_file_location(name, repo / CLIENT_FILE)
     copied = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "repo_client", copied)
-    try:
-        spec.loader.exec_module(copied)
-        rc = copied.main(["--url", f"127.0.0.1:{port}", "--prompt", "hi"])
-    finally:
-        server.stop(0)
-    captured = capsys.readouterr()
-    assert rc == 0 and captured.out == "ok\n"
-    # 45 drafted / 9 per step = 5 steps: (27 + 5) / 5 = 6.4
-    assert "mean acceptance length 6.40" in captured.err
+    monkeypatch.setitem(sys.modules, name, copied)
+    spec.loader.exec_module(copied)
+    assert copied.main(["--url", f"127.0.0.1:{port}", "--prompt", "hi"]) == 0
+    return capsys.readouterr().err
 
 
-def test_client_derives_no_acceptance_length_when_the_engine_drafts_by_load(
+def test_the_copied_client_counts_the_verify_steps_of_a_tree_engine(
     tmp_path: Path, tokenizer_dir: Path, capsys, monkeypatch
 ):
-    """Under a draft-length schedule the steps draft different amounts, so the backend's totals (45 drafted, 27
-    accepted) say nothing about the steps: the copied client reports the totals and no mean length."""
+    """A 24-node tree engine: 3 verify steps verified 24 + 24 + 22 nodes (a tree can come out smaller) = 70, of which
+    12 were accepted: (12 + 3) / 3 = 5.00 tokens per step. Dividing the drafted total by the 24 nodes would make
+    70 / 24 = 2.92 steps and 5.11 tokens per step."""
+    settings = repository_settings(tokenizer_dir, max_draft_len=24, eagle_depth=7)
+    repo = write_repository(settings, tmp_path / "repo")
+    server, port, _ = _loopback_server(model_configs(repo)["ensemble"], ["o", "k", "a", "y"], accepted=12, drafted=70)
+    try:
+        err = _copied_client_stderr(repo, port, capsys, monkeypatch, "repo_client_tree")
+    finally:
+        server.stop(0)
+    assert "accepted 12/70 draft tokens" in err and "mean acceptance length 5.00 over 3 verify steps" in err
+    assert "acceptance rate 0.171 per draft verified" in err
+
+
+def test_the_copied_client_counts_the_verify_steps_of_an_engine_drafting_by_load(
+    tmp_path: Path, tokenizer_dir: Path, capsys, monkeypatch
+):
+    """Under a draft-length schedule the steps draft different amounts (here 9 then 3: 12 drafted, 7 accepted):
+    counted steps still give (7 + 2) / 2 = 4.50 tokens per step."""
     settings = repository_settings(tokenizer_dir, max_draft_len=9, draft_len_schedule="4:3")
     repo = write_repository(settings, tmp_path / "repo")
     assert json.loads((repo / "dflash_triton.json").read_text())["draft_len_schedule"] == "4:3"
-    server, port, _ = _loopback_server(model_configs(repo)["ensemble"], ["ok"])
-    spec = importlib.util.spec_from_file_location("repo_client_by_load", repo / CLIENT_FILE)
-    copied = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "repo_client_by_load", copied)
+    server, port, _ = _loopback_server(model_configs(repo)["ensemble"], ["o", "k", "!"], accepted=7, drafted=12)
     try:
-        spec.loader.exec_module(copied)
-        rc = copied.main(["--url", f"127.0.0.1:{port}", "--prompt", "hi"])
+        err = _copied_client_stderr(repo, port, capsys, monkeypatch, "repo_client_by_load")
     finally:
         server.stop(0)
-    captured = capsys.readouterr()
-    assert rc == 0 and "accepted 27/45 draft tokens" in captured.err and "mean acceptance length" not in captured.err
+    assert "accepted 7/12 draft tokens" in err and "mean acceptance length 4.50 over 2 verify steps" in err

@@ -117,6 +117,22 @@ def test_cli_writes_a_cpu_repository_and_refuses_engine_only_mixes(checkpoint, t
     assert f"{sys.executable} {tmp_path / 'shown' / 'client.py'}" in hints and "TRITONSERVER=" in hints
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--draft_tree", "14"], "--draft_tree 14: a tree holds at least the chain's 15 drafts"),
+        (["--draft_tree", "257"], "--draft_tree 257: an EAGLE engine verifies at most 256 drafts"),
+    ],
+)
+def test_a_cpu_tree_takes_the_builds_node_rule(checkpoint, tmp_path, capsys, flags, message):
+    argv = ["triton", "--checkpoint_dir", str(checkpoint), "--tokenizer_dir", str(checkpoint), "--output_dir"]
+    assert cli_main([*argv, str(tmp_path / "repo"), *flags]) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "repo").exists()
+    engine = ["triton", "--engine_dir", str(tmp_path), "--tokenizer_dir", str(checkpoint), "--output_dir"]
+    assert cli_main([*engine, str(tmp_path / "e"), "--draft_tree", "24"]) == 2
+    assert "--draft_tree applies to --checkpoint_dir only" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("library", ["/opt/my libs/libdflash_trt_plugins.so", "/opt/a:b/libdflash_trt_plugins.so"])
 def test_plugin_paths_the_loader_would_split_are_refused(checkpoint, library):
     with pytest.raises(DFlashTrtError, match="splits LD_PRELOAD at spaces and colons"):

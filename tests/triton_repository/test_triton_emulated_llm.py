@@ -14,6 +14,7 @@ import pytest
 from dflash_trt.emulation.engine import EmulatedEngine
 from dflash_trt.executors.contract import Request
 from dflash_trt.executors.emulated import EmulatedStepper
+from dflash_trt.inputs import DRAFT_LEN_SCHEDULE
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import load_golden_model
 from dflash_trt.sampling_rules import Sampling
@@ -150,6 +151,49 @@ def test_without_streaming_one_response_holds_every_token_and_the_metrics(server
     assert outputs["total_draft_tokens"].ravel().tolist() == [steps * engine.k]
     assert outputs["total_accepted_draft_tokens"].ravel().tolist() == [sum(chunks[1:]) - steps]
     assert outputs["first_token_time_ns"].ravel()[0] <= outputs["last_token_time_ns"].ravel()[0]
+
+
+def _metrics_and_steps(server: E.Server, prompt: list[int]) -> tuple[dict, int, int]:
+    """The perf outputs of one streamed greedy request, its verify steps and the tokens they yielded."""
+    sink = ListSink()
+    extra = {
+        P.LLM_TEMPERATURE: np.array([0.0], np.float32),
+        P.LLM_RETURN_PERF_METRICS: np.array([True]),
+        P.LLM_STREAMING: np.array([True]),
+    }
+    server.submit(_inputs(prompt, **extra), sink)
+    _wait(sink)
+    chunks = [o[P.LLM_OUTPUT_IDS].size for o, _, _ in sink.responses]
+    return sink.responses[-1][0], len(chunks) - 1, sum(chunks[1:])
+
+
+@pytest.mark.parametrize(("parameters", "drafts_per_step"), [({"draft_tree": "24"}, 24), ({}, 15)])
+def test_a_tree_engines_draft_total_counts_its_nodes(checkpoint, prompts, parameters, drafts_per_step):
+    """The CPU repository's parameters: a 24-node tree verifies 24 drafts a step, the chain its 15."""
+    params = {"checkpoint_dir": str(checkpoint), "max_batch_size": "2", "max_seq_len": str(MAX_SEQ_LEN)}
+    server = E.Server.from_parameters({**params, "tokens_per_block": "16", **parameters})
+    try:
+        outputs, steps, tokens = _metrics_and_steps(server, prompts[0])
+    finally:
+        server.stop()
+    assert server.stepper.engine.k == drafts_per_step and steps > 0
+    assert outputs["total_draft_tokens"].ravel().tolist() == [drafts_per_step * steps]
+    assert outputs["total_accepted_draft_tokens"].ravel().tolist() == [tokens - steps]
+
+
+def test_a_schedules_draft_total_counts_what_each_step_verified(checkpoint, prompts):
+    """With one request in the step the schedule 1:4 drafts 4 tokens, not the engine's 15."""
+    engine = EmulatedEngine(
+        checkpoint, max_batch_size=2, tokens_per_block=16, draft_len_schedule=DRAFT_LEN_SCHEDULE("1:4")
+    )
+    server = E.Server(EmulatedStepper(engine, MAX_SEQ_LEN))
+    try:
+        outputs, steps, tokens = _metrics_and_steps(server, prompts[0])
+    finally:
+        server.stop()
+    assert engine.k == 15 and outputs["total_draft_tokens"].ravel().tolist() == [4 * steps]
+    assert outputs["total_accepted_draft_tokens"].ravel().tolist() == [tokens - steps]
+    assert outputs["acceptance_rate"].ravel()[0] == pytest.approx((tokens - steps) / (4 * steps))
 
 
 # A prompt on which the tiny pair is unsure: sampling at 1.0 with seed 0 leaves the greedy path.

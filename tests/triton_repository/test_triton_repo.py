@@ -346,3 +346,22 @@ def test_cli_writes_a_repository_from_an_engine_and_from_a_profile(tmp_path: Pat
         == 2
     )
     assert "holds no tokenizer" in capsys.readouterr().err
+
+
+def test_a_tree_profiles_repository_verifies_its_nodes_over_the_chains_positions(tokenizer_dir, tmp_path, capsys):
+    """`triton --config` on a profile with `engine.draft_tree: 32` (Qwen3-8B: 15 draft positions): 32 drafts per
+    request, the EAGLE choices the 15-deep chain."""
+    source = ROOT / "build_configs/h200-fp8/qwen3-8b.yaml"
+    data = yaml.safe_load(source.read_text())
+    data["engine"].update(max_batch_size=64, draft_tree=32, draft_len_schedule="none")
+    data["sweep"]["concurrency"] = [1, 64]
+    data["quantization"]["calibration"]["dataset"] = str(source.parent / data["quantization"]["calibration"]["dataset"])
+    profile = tmp_path / "tree.yaml"
+    profile.write_text(yaml.safe_dump(data))
+    out = tmp_path / "repo"
+    argv = ["triton", "--config", str(profile), "--tokenizer_dir", str(tokenizer_dir), "--work_dir", str(tmp_path)]
+    assert cli_main([*argv, "--output_dir", str(out), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert (printed["max_draft_len"], printed["eagle_depth"]) == (32, 15)
+    choices = _params(model_configs(out)["tensorrt_llm"])["eagle_choices"]
+    assert choices == ", ".join("{" + ", ".join(["0"] * depth) + "}" for depth in range(1, 16))
