@@ -84,7 +84,9 @@ class AttentionProblem:
     primary: torch.Tensor  # [blocks, LAYERS_IN_POOL, 2, kv_heads, tokens_per_block, head_dim]
     secondary: torch.Tensor | None
     parents: list[list[int]] | None = None  # per request, each node's parent (-1 for the anchor); trees only
-    position_offsets: torch.Tensor | None = None  # int32 [requests, stride]: node depths (spec_decoding_position_offsets)
+    position_offsets: torch.Tensor | None = (
+        None  # int32 [requests, stride]: node depths (spec_decoding_position_offsets)
+    )
     packed_mask: torch.Tensor | None = None  # int32 [tokens, words] (spec_decoding_packed_mask)
 
     @property

@@ -979,7 +979,7 @@ def manifest(facts: CheckpointFacts, settings: EngineBuildSettings, plugin_libra
         "kv_cache_quant_algo": facts.kv_cache_quant_algo,
         "gpu": settings.gpu,
         "sm": settings.route.sm,
-        "attention": settings.route.describe(facts.layer_types),
+        "attention": settings.route.describe(facts.layer_types, tree=settings.draft_tree is not None),
         "draft_len_schedule": settings.draft_len_schedule.text(),
         "engine_config": engine_config(facts, settings),
     }
@@ -1014,7 +1014,7 @@ def plan_engine_build(
     settings = replace(settings, draft_tree=tree if tree != facts.max_draft_len else None)
     if settings.draft_tree is not None:
         check_tree_schedule(settings.draft_len_schedule)
-        settings.route.check_tree(settings.gpu)
+        settings.route.check_tree(settings.gpu, settings.draft_tree)
     check_network(facts)
     check_xqa_block_layout(facts)
     check_attention_route(facts, settings)

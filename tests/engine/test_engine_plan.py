@@ -795,24 +795,25 @@ def test_a_draft_tree_takes_no_draft_length_schedule(ckpt: Path, tmp_path: Path)
         plan_engine_build(ckpt, tmp_path / "e", settings)
 
 
-@pytest.mark.parametrize(("gpu", "refused"), [("h100", False), ("h200", False), ("b200", True), ("b300", True)])
-def test_a_draft_tree_is_refused_where_dflash_attention_verifies(ckpt: Path, tmp_path: Path, capsys, gpu, refused):
-    """DFlashAttention masks the verified tokens as a chain: where it serves the target's verification (B200 / B300)
-    a tree would be verified with the wrong mask, so the plan refuses it in one line; the chain node count is the
-    chain and builds everywhere; the stock route (Hopper) builds the tree."""
+@pytest.mark.parametrize(
+    ("gpu", "kernel"),
+    [("h100", "GPTAttention"), ("h200", "GPTAttention"), ("b200", "DFlashAttention"), ("b300", "DFlashAttention")],
+)
+def test_a_draft_tree_builds_on_every_gpu_and_the_route_names_its_mask(ckpt: Path, tmp_path: Path, capsys, gpu, kernel):
+    """The stock kernel (Hopper) and DFlashAttention (B200 / B300) both verify a tree with the runtime's packed tree
+    mask: the plan builds it everywhere, the manifest and the dry run say which kernel reads the mask; the chain
+    node count is the chain and its verification stays the plain kernel."""
     from dflash_trt.cli import main as cli_main
 
     settings = EngineBuildSettings(draft_tree=40, gpu=gpu)
-    if refused:
-        with pytest.raises(DFlashTrtError, match=rf"--draft_tree: on {gpu} the target's verification runs on "):
-            plan_engine_build(ckpt, tmp_path / "e", settings)
-    else:
-        assert plan_engine_build(ckpt, tmp_path / "e", settings).dflash_manifest["draft_tree"] == 40
-    assert plan_engine_build(ckpt, tmp_path / "e", replace(settings, draft_tree=15)).build_config["max_draft_len"] == 15
+    manifest = plan_engine_build(ckpt, tmp_path / "e", settings).dflash_manifest
+    assert manifest["draft_tree"] == 40
+    assert manifest["attention"]["target_verification"] == f"{kernel} with the packed tree mask"
+    chain = plan_engine_build(ckpt, tmp_path / "e", replace(settings, draft_tree=15))
+    assert chain.build_config["max_draft_len"] == 15
+    assert chain.dflash_manifest["attention"]["target_verification"] == kernel
     argv = ["build", "--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e"), "--dry_run", "--gpu", gpu]
-    assert cli_main([*argv, "--draft_tree", "40"]) == (2 if refused else 0)
-    out, err = capsys.readouterr()
-    if refused:
-        assert out == "" and len(err.strip().splitlines()) == 1 and "no packed tree mask" in err
-    else:
-        assert "DFLASH_TRT_DRAFT_TREE=40 trtllm-build" in out
+    assert cli_main([*argv, "--draft_tree", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "DFLASH_TRT_DRAFT_TREE=40 trtllm-build" in out
+    assert f"target_verification {kernel} with the packed tree mask," in out
