@@ -32,6 +32,7 @@ from dflash_trt.emulation.plugins import AttentionPlugin
 from dflash_trt.emulation.stand_ins import load_engine_module
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.executors.emulated import decode_batch
+from dflash_trt.gpu_targets import ASSUMED_GPU
 from dflash_trt.reference.decode import SequenceResult, speculative_generate
 from dflash_trt.reference.model import load_golden_model
 from dflash_trt.reference.sampling import SamplingParams
@@ -59,7 +60,7 @@ def _golden(tiny: Path, prompts: list[list[int]], nodes: int, temperatures: list
 
 
 def _emulated(
-    ckpt: Path, prompts: list[list[int]], nodes: int, temperatures: list[float], gpu: str | None = None
+    ckpt: Path, prompts: list[list[int]], nodes: int, temperatures: list[float], gpu: str = ASSUMED_GPU
 ) -> list[SequenceResult]:
     """Two batch slots for three requests: the third joins a slot the first left, with its stale uniforms."""
     engine = EmulatedEngine(ckpt, max_batch_size=2, draft_tree=nodes, gpu=gpu)
