@@ -118,7 +118,8 @@ def dflash_seconds(ext, case: Case, p: dict) -> float:
     def run() -> None:
         ext.attend(
             p["qkv"], p["seq_lens"], p["gen_lens"], p["cos_sin"], p["offsets"], TOKENS_PER_BLOCK, 0, HEADS,
-            KV_HEADS, case.queries, case.window, False, case.causal, 1.0, p["pool"], None, *scales, p["total"], sms,
+            KV_HEADS, case.queries, case.window, False, int(not case.causal), 1.0, p["pool"], None, *scales,
+            p["total"], sms, None, None,
         )  # fmt: skip
 
     return time_cuda(run)
