@@ -670,6 +670,9 @@ def test_selftest_workload_fits_the_tiny_target_and_exceeds_one_chunk(tmp_path: 
     assert len(longer_than_a_chunk) == (LONG_PROMPTS if chunked else 0)
 
 
+MIXED_LAYERS = ["full_attention", "sliding_attention"]
+
+
 @pytest.mark.parametrize(
     ("heads", "block", "tp", "refused"),
     [
@@ -696,9 +699,52 @@ def test_an_fp8_cache_refuses_drafts_in_xqa_s_causal_small_batch_layout(tmp_path
             plan_engine_build(ckpt, tmp_path / "e", settings)
     else:
         plan_engine_build(ckpt, tmp_path / "e", settings)
+    for gpu in ("b200", "b300"):  # DFlashAttention runs the block there and applies the all-ones mask itself
+        assert plan_engine_build(ckpt, tmp_path / "e", replace(settings, gpu=gpu)).dflash_manifest["gpu"] == gpu
     config["quantization"] = config["dflash_config"]["quantization"] = {**fp8, "kv_cache_quant_algo": None}
     (ckpt / "config.json").write_text(json.dumps(config))
     plan_engine_build(ckpt, tmp_path / "e", settings)  # no FP8 cache: the HMMA kernels read the mask
+
+
+@pytest.mark.parametrize(
+    ("gpu", "nodes", "refused"), [("h100", 16, True), ("h100", 40, False), ("b200", 16, False), ("b300", 16, False)]
+)
+def test_an_fp8_cache_refuses_trees_in_xqa_s_causal_small_batch_layout(tmp_path, gpu, nodes, refused):
+    """A tree verified on Hopper XQA with an FP8 cache in the small-batch layout (here 1 query head per KV head per
+    rank at tp 4: N + 1 rows) would be verified as a chain; DFlashAttention (B200 / B300) reads the tree mask."""
+    fp8 = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "group_size": 16}
+    mapping = {"world_size": 4, "tp_size": 4, "pp_size": 1}
+    target_hf = {**TARGET_HF, "num_key_value_heads": 4}
+    draft_hf = {**DRAFT_HF, "num_key_value_heads": 4, "is_causal": True}
+    ckpt = write_checkpoint(tmp_path / "c", target_hf, draft_hf, quantization=fp8, mapping=mapping)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["dflash_config"]["quantization"] = fp8
+    (ckpt / "config.json").write_text(json.dumps(config))
+    settings = EngineBuildSettings(max_batch_size=8, max_num_tokens=512, gemm_plugin="fp8", gpu=gpu, draft_tree=nodes)
+    if refused:
+        with pytest.raises(DFlashTrtError, match=rf"--draft_tree {nodes}: .*17 rows <= 32.*verified as a chain"):
+            plan_engine_build(ckpt, tmp_path / "e", settings)
+    else:
+        assert plan_engine_build(ckpt, tmp_path / "e", settings).dflash_manifest["draft_tree"] == nodes
+
+
+@pytest.mark.parametrize(("layer_types", "refused"), [(["sliding_attention"] * 2, False), (MIXED_LAYERS, True)])
+def test_only_blocks_left_on_hopper_xqa_meet_its_causal_layout(tmp_path, layer_types, refused):
+    """On H100 sliding draft layers run on DFlashAttention, so a bidirectional drafter whose layers are all sliding
+    never meets XQA's hard-coded causal layout (2 x 16 = 32 rows); one full-attention layer left on XQA does."""
+    fp8 = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "group_size": 16}
+    draft_hf = {**DRAFT_HF, "num_attention_heads": 4, "use_sliding_window": True, "sliding_window": 64}
+    draft_hf["is_causal"] = False
+    ckpt = write_checkpoint(tmp_path / "c", draft_hf={**draft_hf, "layer_types": layer_types}, quantization=fp8)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["dflash_config"]["quantization"] = fp8
+    (ckpt / "config.json").write_text(json.dumps(config))
+    settings = EngineBuildSettings(max_batch_size=8, max_num_tokens=256, gemm_plugin="fp8", gpu="h100")
+    if refused:
+        with pytest.raises(DFlashTrtError, match=r"hard-coded causal"):
+            plan_engine_build(ckpt, tmp_path / "e", settings)
+    else:
+        plan_engine_build(ckpt, tmp_path / "e", settings)
 
 
 SPECULATORS_DFLASH2_HF = {
