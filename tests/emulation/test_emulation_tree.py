@@ -8,7 +8,10 @@ The golden loop is the independent side: it builds its trees with `reference/tre
 tree attention and moves its own caches. The trained tiny pair accepts long paths, so its accepted paths leave the
 chain (a node deeper than its index) and the rewind has something to move: the tests check it did, and that a
 runtime without the rewind, or a network that does not write the moved nodes' drafter context where the rewind
-takes it from, is caught.
+takes it from, is caught. On B200 / B300 the target verifies the tree on DFlashAttention's stand-in, which reads the
+runtime's packed tree mask and position offsets as the kernel does: the same equalities hold there (greedy, sampled,
+TP 2, the CLI, random pairs, NVFP4 weights with an FP8 KV cache), and a plugin ignoring the mask or the offsets is
+caught.
 """
 
 from __future__ import annotations
@@ -137,13 +140,16 @@ RANDOM_TREES = {
 }
 
 
+@pytest.mark.parametrize("gpu", ["h200", "b200"])
 @pytest.mark.parametrize("name", list(RANDOM_TREES))
-def test_tree_engine_on_random_pairs_equals_the_golden_tree_loop(tmp_path, name):
+def test_tree_engine_on_random_pairs_equals_the_golden_tree_loop(tmp_path, name, gpu):
+    """Also on B200, where DFlashAttention verifies: fewer nodes than max_draft_len (shorter mask rows than its
+    words hold) and an MQA target."""
     variant, nodes = RANDOM_TREES[name]
     ckpt = convert(tmp_path, variant)
     model = load_golden_model(ckpt)
     golden = speculative_generate(model, PROMPTS, 16 + model.draft.spec.num_drafts, STOP, draft_tree=nodes)
-    engine = EmulatedEngine(ckpt, max_batch_size=3, tokens_per_block=16, draft_tree=nodes)
+    engine = EmulatedEngine(ckpt, gpu=gpu, max_batch_size=3, tokens_per_block=16, draft_tree=nodes)
     emulated = decode_batch(engine, PROMPTS, 16, STOP)
     assert divergences(ckpt, golden, emulated, 16) == []
     assert {len(step.draft_ids) for r in emulated for step in r.steps} == {min(nodes, variant.vocab)}
@@ -290,3 +296,28 @@ def test_the_tree_limit_is_stated_where_dflash_attention_verifies():
         AttentionRoute(sm).check_tree("b300", OURS_TREE_NODES)
         with pytest.raises(DFlashTrtError, match=rf"--draft_tree {OURS_TREE_NODES + 1}: on b300 .*checked up to"):
             AttentionRoute(sm).check_tree("b300", OURS_TREE_NODES + 1)
+
+
+@pytest.mark.slow
+def test_on_b300_an_nvfp4_checkpoint_with_an_fp8_kv_cache_verifies_trees_as_the_golden_loop(tmp_path, monkeypatch):
+    """B300 with NVFP4 weights and an FP8 KV cache, the main deployment: the target's verification reads the tree's
+    inputs ahead of the layer's KV scales (12 inputs), writes and reads FP8 pages, and equals the golden tree loop."""
+    pytest.importorskip("modelopt.torch.quantization")
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
+    variant = PairVariant(intermediate=128, draft_intermediate=64)
+    ckpt = convert(tmp_path, variant, qformat="nvfp4", kv_cache_dtype="fp8", calib_dataset=calib, calib_size=4)
+    calls = []
+    original = AttentionPlugin._execute
+
+    def spy(self, inputs):
+        calls.append((self.block_mask, self.cache_fp8, len(inputs)))
+        return original(self, inputs)
+
+    monkeypatch.setattr(AttentionPlugin, "_execute", spy)
+    model = load_golden_model(ckpt)
+    golden = speculative_generate(model, PROMPTS, 10 + model.draft.spec.num_drafts, STOP, draft_tree=20)
+    engine = EmulatedEngine(ckpt, gpu="b300", max_batch_size=2, tokens_per_block=16, draft_tree=20)
+    assert engine.cache_dtype == torch.float8_e4m3fn
+    assert divergences(ckpt, golden, decode_batch(engine, PROMPTS, 10, STOP, arrivals=[0, 0, 1, 2]), 10) == []
+    assert (2, 1, 12) in calls and (1, 1, 10) in calls  # the tree's verification and the drafter's full block
