@@ -251,15 +251,15 @@ def test_on_blackwell_trees_at_tensor_parallel_2_equal_the_tp1_golden_loop(tiny,
     assert divergences(tiny, golden, emulated, NEW_TOKENS, [0.0, 0.7, 0.0]) == [] and calls
 
 
-def test_emulate_on_b200_decodes_trees_as_generate_does(tiny, heldout, tmp_path, capsys):
+@pytest.mark.parametrize(("gpu", "temperature"), [("b200", "0.9"), ("b300", "0")])
+def test_emulate_on_blackwell_decodes_trees_as_generate_does(tiny, heldout, tmp_path, capsys, gpu, temperature):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"input_ids": heldout[1]}) + "\n")
     common = ["--checkpoint_dir", str(tiny), "--input_file", str(prompts), "--draft_tree", "20", "--json"]
-    argv = ["emulate", *common, "--gpu", "b200", "--max_new_tokens", "12", "--ignore_eos", "--temperature", "0.9"]
-    assert cli.main([*argv, "--seed", "5"]) == 0
+    sampling = ["--ignore_eos", "--temperature", temperature, "--seed", "5"]
+    assert cli.main(["emulate", *common, "--gpu", gpu, "--max_new_tokens", "12", *sampling]) == 0
     emulated = json.loads(capsys.readouterr().out)
-    golden = ["generate", *common, "--max_new_tokens", "27", "--ignore_eos", "--temperature", "0.9", "--seed", "5"]
-    assert cli.main(golden) == 0
+    assert cli.main(["generate", *common, "--max_new_tokens", "27", *sampling]) == 0
     generated = json.loads(capsys.readouterr().out)
     assert emulated["sequences"][0]["output_ids"] == generated["sequences"][0]["output_ids"][:12]
 
