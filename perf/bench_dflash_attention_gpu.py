@@ -35,12 +35,18 @@ class Case:
     cache: torch.dtype
     causal: bool = True
     window: int = 0
+    tree: bool = False  # verify a draft tree of queries - 1 nodes (the runtime's packed mask and offsets)
+
+    @property
+    def block_mask(self) -> int:
+        return 2 if self.tree else int(not self.causal)
 
 
 CASES = [
     Case("verify_b64_ctx4k_k16_bf16", 64, 4096, 16, torch.bfloat16),
     Case("verify_b64_ctx4k_k16_fp8", 64, 4096, 16, torch.float8_e4m3fn),
     Case("verify_b8_ctx16k_k16_bf16", 8, 16384, 16, torch.bfloat16),
+    Case("verify_tree32_b64_ctx4k_bf16", 64, 4096, 33, torch.bfloat16, tree=True),
     Case("draft_block_b64_ctx4k_b16_bf16", 64, 4096, 16, torch.bfloat16, causal=False),
     Case("draft_sliding_b64_ctx16k_w2k_bf16", 64, 16384, 16, torch.bfloat16, window=2048),
 ]
@@ -60,6 +66,21 @@ def bytes_moved(case: Case) -> int:
     return kv + qkv + new_kv + q_staged + out
 
 
+def binary_tree(nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(depths [nodes], packed mask rows [nodes, words]) of the tree whose node i hangs off node (i - 1) // 2: node i
+    sees itself and its ancestors, bit j % 32 of word j // 32."""
+    parents = [-1] + [(i - 1) // 2 for i in range(1, nodes)]
+    depth, words = [0] * nodes, -(-nodes // 32)
+    rows = torch.zeros(nodes, 32 * words, dtype=torch.int64)
+    for i, parent in enumerate(parents):
+        rows[i, i] = 1
+        if parent >= 0:
+            rows[i] |= rows[parent]
+            depth[i] = depth[parent] + 1
+    packed = (rows.view(nodes, words, 32) << torch.arange(32)).sum(-1)
+    return torch.tensor(depth, dtype=torch.int32), torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
 def problem(case: Case, device: torch.device) -> dict:
     """Every request's pages on shuffled blocks of one single-layer pool; contexts of `case.context` tokens."""
     gen = torch.Generator().manual_seed(0)
@@ -76,7 +97,12 @@ def problem(case: Case, device: torch.device) -> dict:
         torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM
     )
     cos_sin = torch.stack([angles.cos(), angles.sin()], dim=-1).contiguous().to(device)
+    tree = (None, None)
+    if case.tree:
+        depth, mask = binary_tree(case.queries)
+        tree = (depth.expand(case.batch, -1).contiguous().to(device), mask.repeat(case.batch, 1).to(device))
     return {
+        "tree": tree,
         "qkv": qkv,
         "seq_lens": torch.full((case.batch,), total, dtype=torch.int32, device=device),
         "gen_lens": torch.full((case.batch,), case.queries, dtype=torch.int32, device=device),
@@ -118,7 +144,8 @@ def dflash_seconds(ext, case: Case, p: dict) -> float:
     def run() -> None:
         ext.attend(
             p["qkv"], p["seq_lens"], p["gen_lens"], p["cos_sin"], p["offsets"], TOKENS_PER_BLOCK, 0, HEADS,
-            KV_HEADS, case.queries, case.window, False, case.causal, 1.0, p["pool"], None, *scales, p["total"], sms,
+            KV_HEADS, case.queries, case.window, False, case.block_mask, 1.0, p["pool"], None, *scales,
+            p["total"], sms, *p["tree"],
         )  # fmt: skip
 
     return time_cuda(run)
@@ -126,13 +153,13 @@ def dflash_seconds(ext, case: Case, p: dict) -> float:
 
 def stock_seconds(case: Case, p: dict) -> float | None:
     """The stock GPT attention plugin (XQA, spec-decoding generation) on the same problem, or None where it cannot
-    run: no TensorRT-LLM, a Blackwell GPU (no stock spec-decoding kernel), an FP8 / windowed / full-mask case."""
+    run: no TensorRT-LLM, a Blackwell GPU (no stock spec-decoding kernel), an FP8 / windowed / full-mask / tree case."""
     try:
         import tensorrt_llm  # noqa: F401
     except ImportError:
         return None
     major, _ = torch.cuda.get_device_capability(0)
-    if major != 9 or case.cache != torch.bfloat16 or case.window or not case.causal:
+    if major != 9 or case.cache != torch.bfloat16 or case.window or not case.causal or case.tree:
         return None
     from stock_attention import spec_decoding_session  # perf/stock_attention.py, GPU hosts only
 

@@ -47,6 +47,12 @@ class AttentionCase:
     max_query_len: int = 16
     q_scaling: float = 1.0
     window_from_anchor: bool = False  # the window counts back from the block's anchor (speculators drafters)
+    tree: bool = False  # each request verifies a random draft tree (the runtime's packed mask and offsets)
+
+    @property
+    def mask_id(self) -> int:
+        """The plugin's block_mask: 0 causal, 1 full, 2 tree."""
+        return 2 if self.tree else int(not self.causal)
 
     @property
     def input_dtype(self) -> torch.dtype:
@@ -77,6 +83,11 @@ class AttentionProblem:
     layout: PagedKVCacheLayout
     primary: torch.Tensor  # [blocks, LAYERS_IN_POOL, 2, kv_heads, tokens_per_block, head_dim]
     secondary: torch.Tensor | None
+    parents: list[list[int]] | None = None  # per request, each node's parent (-1 for the anchor); trees only
+    position_offsets: torch.Tensor | None = (
+        None  # int32 [requests, stride]: node depths (spec_decoding_position_offsets)
+    )
+    packed_mask: torch.Tensor | None = None  # int32 [tokens, words] (spec_decoding_packed_mask)
 
     @property
     def tokens(self) -> int:
@@ -124,6 +135,51 @@ def cos_sin_table(positions: int, head_dim: int) -> torch.Tensor:
     return torch.stack([cos[:, :half], sin[:, :half]], dim=-1).float().contiguous()
 
 
+def random_tree(nodes: int, gen: torch.Generator) -> list[int]:
+    """Parents of a random draft tree in EAGLE's node order (a parent before its children): each node hangs off
+    the previous one (deepening a chain) or off any earlier node (branching), half and half."""
+    parents = [-1]
+    for i in range(1, nodes):
+        chain = bool(torch.rand(1, generator=gen) < 0.5)
+        parents.append(i - 1 if chain else int(torch.randint(0, i, (1,), generator=gen)))
+    return parents
+
+
+def tree_visibility(parents: list[int]) -> tuple[list[int], torch.Tensor]:
+    """(depth of each node, [nodes, nodes] node i sees node j): itself and its ancestors."""
+    n = len(parents)
+    sees = torch.zeros(n, n, dtype=torch.bool)
+    depth = [0] * n
+    for i, parent in enumerate(parents):
+        sees[i, i] = True
+        if parent >= 0:
+            sees[i] |= sees[parent]
+            depth[i] = depth[parent] + 1
+    return depth, sees
+
+
+def pack_bits(rows: torch.Tensor, words: int) -> torch.Tensor:
+    """int32 [rows, words] with bit j % 32 of word j // 32 (least significant first) set iff rows[:, j]."""
+    padded = torch.zeros(rows.shape[0], 32 * words, dtype=torch.int64)
+    padded[:, : rows.shape[1]] = rows.long()
+    value = (padded.view(-1, words, 32) << torch.arange(32)).sum(-1)
+    return torch.where(value >= 2**31, value - 2**32, value).to(torch.int32)
+
+
+def _tree_inputs(case: AttentionCase, gen_lens: list[int], gen: torch.Generator) -> dict:
+    """Random trees and the runtime's inputs for them: offsets rows wider than the trees (stride != nodes), mask
+    rows of the requests one after another, ceil(max_query_len / 32) words each."""
+    parents = [random_tree(n, gen) for n in gen_lens]
+    offsets = torch.zeros(case.requests, case.max_query_len + 3, dtype=torch.int32)
+    rows = []
+    for r, tree in enumerate(parents):
+        depth, sees = tree_visibility(tree)
+        offsets[r, : len(tree)] = torch.tensor(depth, dtype=torch.int32)
+        rows.append(torch.nn.functional.pad(sees, (0, case.max_query_len - len(tree))))
+    words = -(-case.max_query_len // 32)
+    return {"parents": parents, "position_offsets": offsets, "packed_mask": pack_bits(torch.cat(rows), words)}
+
+
 def attention_problem(case: AttentionCase, gen: torch.Generator, pasts: list[int] | None = None) -> AttentionProblem:
     """One plugin call's inputs; `pasts` (one per request) replaces the short random pasts."""
     gen_lens = [case.max_query_len] + [
@@ -144,6 +200,7 @@ def attention_problem(case: AttentionCase, gen: torch.Generator, pasts: list[int
         layout=PagedKVCacheLayout(case.kv_heads, case.head_dim, case.tokens_per_block, max_blocks, LAYER_IN_POOL),
         primary=_random_pool(case, blocks, gen),
         secondary=_random_pool(case, blocks, gen) if case.secondary else None,
+        **(_tree_inputs(case, gen_lens, gen) if case.tree else {}),
     )
 
 
@@ -175,13 +232,17 @@ def dense_reference(problem: AttentionProblem) -> tuple[torch.Tensor, torch.Tens
         n, end = int(problem.gen_lens[r]), int(problem.seq_lens[r])
         past = end - n
         positions = torch.arange(past, end)
+        rotary = positions
+        if problem.parents is not None:
+            depth, sees = tree_visibility(problem.parents[r])
+            rotary = past + torch.tensor(depth)
         seq = torch.full((n,), CONTEXT_ROWS + r)
         x = problem.qkv[row : row + n].float()
         q = x[:, : heads * d].view(n, heads, d)
         k = x[:, heads * d : (heads + kvh) * d].view(n, kvh, d)
         v = x[:, (heads + kvh) * d :].view(n, kvh, d)
-        q = _rotate(q, problem.cos_sin[positions]).to(c.input_dtype).float()
-        k = _rotate(k, problem.cos_sin[positions]).to(c.input_dtype).float()
+        q = _rotate(q, problem.cos_sin[rotary]).to(c.input_dtype).float()
+        k = _rotate(k, problem.cos_sin[rotary]).to(c.input_dtype).float()
         for kind, values in ((0, k), (1, v)):
             flags, elements = problem.layout.element_offsets(problem.offsets, seq, positions, 0, kind)
             _pool_of(flags, primary, secondary).view(-1)[elements] = to_cache_dtype(values, c.cache_dtype, c.scale)
@@ -199,6 +260,8 @@ def dense_reference(problem: AttentionProblem) -> tuple[torch.Tensor, torch.Tens
         visible = draft_visibility(
             positions[None], keys_at[None], torch.ones(1, end, dtype=torch.bool), c.causal, c.window, anchor
         )
+        if problem.parents is not None:  # every past key, and the node's ancestors and itself in the block
+            visible = torch.cat([torch.ones(1, n, past, dtype=torch.bool), sees[None]], dim=-1)
         scores = scores.masked_fill(~visible, float("-inf"))
         out[row : row + n] = (scores.softmax(-1) @ values.transpose(0, 1)).transpose(0, 1).reshape(n, heads * d)
         row += n

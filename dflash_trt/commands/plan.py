@@ -344,7 +344,7 @@ def _capacity(args: argparse.Namespace) -> None:
     batches = sorted({c for c in profile.sweep.concurrency if c <= profile.engine.max_batch_size})
     rows = compare_schedule(
         target, drafter, profile_acceptance(profile, drafter), resolved.schedule, engine_deployment(profile),
-        mean_context(profile.sweep.input_len, profile.sweep.output_len), batches,
+        mean_context(profile.sweep.input_len, profile.sweep.output_len), batches, profile.engine.draft_tree or 0,
     )  # fmt: skip
     if args.json:
         schedule = {

@@ -118,7 +118,7 @@ class EmulatedEngine:
         self.depth = self.model.num_drafts  # draft positions: the chain's length, a tree's deepest node
         self.tree = self.model.tree is not None
         if self.tree:
-            self.route.check_tree(gpu)
+            self.route.check_tree(gpu, self.k)
         self.schedule = config.schedule
         self.max_num_tokens = step_tokens(max_batch_size, max_num_tokens, tokens_per_block, self.block)
         self.max_batch_size = max_batch_size

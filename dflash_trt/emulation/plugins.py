@@ -20,7 +20,10 @@ rounded to the input type, K and V are written into the pool (the input type, or
 kv_scale_orig_quant)`), and each query attends in float32 over the stored keys it sees: the past, then the new keys
 up to itself (causal) or all of them (full), within the sliding window when there is one (counted from each query:
 `window` or more positions behind is out, and, for a full block, as far ahead; counted from the block's anchor with
-`window_from_anchor`: keys before `past - window` are out). P is rounded to the input type before the P V
+`window_from_anchor`: keys before `past - window` are out), or, with `block_mask` 2 (a draft tree's
+verification), the new keys whose bit is set in the query's row of the runtime's `spec_decoding_packed_mask` (bit
+j % 32 of word j // 32; rows request after request), its RoPE at `past + spec_decoding_position_offsets[r][t]`
+while its K / V still go to slot `past + t`. P is rounded to the input type before the P V
 product and the output once, as the tensor-core kernel does; the kernel's tile-by-tile running maximum is not
 emulated (a difference within the input type's rounding). Formats as `attentionPlugin.cpp` accepts them, plus the
 FLOAT `type_id` of float32 checkpoints.
@@ -164,7 +167,8 @@ class AttentionPlugin:
 
         self.heads, self.kv_heads, self.head_dim = (scalar(n) for n in ("num_heads", "num_kv_heads", "head_dim"))
         self.layer_idx, self.max_query_len = scalar("layer_idx"), scalar("max_query_len")
-        self.causal, self.window = scalar("block_mask") == 0, scalar("sliding_window")
+        self.block_mask, self.window = scalar("block_mask"), scalar("sliding_window")
+        self.causal, self.tree = self.block_mask == 0, self.block_mask == 2
         self.window_from_anchor = scalar("window_from_anchor")
         self.max_positions, self.type_id = scalar("max_positions"), scalar("type_id")
         self.cache_fp8, self.q_scaling = scalar("cache_fp8"), float(_field(fields, "q_scaling")[0])
@@ -172,10 +176,14 @@ class AttentionPlugin:
             raise EmulationError(f"{ATTENTION_PLUGIN_NAME}: num_heads must be a positive multiple of num_kv_heads")
         if self.head_dim not in DFLASH_ATTENTION_HEAD_DIMS and self.type_id not in EMULATION_ONLY_TYPE_IDS:
             raise EmulationError(f"{ATTENTION_PLUGIN_NAME}: head_dim {self.head_dim} is not one of its kernels'")
-        if scalar("block_mask") not in (0, 1) or self.window_from_anchor not in (0, 1) or self.window < 0:
+        if self.block_mask not in (0, 1, 2) or self.window_from_anchor not in (0, 1) or self.window < 0:
             raise EmulationError(
-                f"{ATTENTION_PLUGIN_NAME}: block_mask and window_from_anchor must be 0 or 1 and sliding_window >= 0"
+                f"{ATTENTION_PLUGIN_NAME}: block_mask must be 0, 1 or 2, window_from_anchor 0 or 1, sliding_window >= 0"
             )
+        if self.tree and self.window:
+            raise EmulationError(f"{ATTENTION_PLUGIN_NAME}: a tree mask (block_mask 2) takes no sliding window")
+        # Inputs after the eight of every call: the tree's position offsets and packed mask, then the FP8 scales.
+        self.scales_at = 10 if self.tree else 8
         if self.type_id not in (*TYPE_IDS, *EMULATION_ONLY_TYPE_IDS):
             raise EmulationError(f"{ATTENTION_PLUGIN_NAME}: type_id must be HALF or BF16, got {self.type_id}")
         self.input_type = trt.DataType(self.type_id)
@@ -185,6 +193,7 @@ class AttentionPlugin:
         i32: tuple[trt.DataType, ...] = (trt.int32,)
         f32: tuple[trt.DataType, ...] = (trt.float32,)
         formats = [(self.input_type,), i32, i32, f32, i32, (trt.int64,), i32, i32]
+        formats += [i32, i32] if self.tree else []
         return formats + [f32, f32] if self.cache_fp8 else formats
 
     def add_to_network(self, inputs: list[Tensor]) -> list[Tensor]:
@@ -214,37 +223,67 @@ class AttentionPlugin:
         if int(lengths.sum()) != x.shape[0] or bool((lengths > self.max_query_len).any()):
             raise EmulationError(f"{ATTENTION_PLUGIN_NAME}: generation lengths do not cover the qkv rows")
         table = cos_sin.data.reshape(-1, d // 2, 2)
+        tree = self._tree_inputs(inputs, requests, x.shape[0]) if self.tree else None
         out = torch.zeros(x.shape[0], h * d, dtype=dtype)
         row = 0
         for r in range(requests):
             n, end = int(lengths[r]), int(ends[r])
             pages = resolve_pool(mapping, pointers, offsets, self.layer_idx, first_row + r)
-            out[row : row + n] = self._request(x[row : row + n], end - n, end, table, pages, inputs)
+            node = None if tree is None else (tree[0][r, :n], tree[1][row : row + n])
+            out[row : row + n] = self._request(x[row : row + n], end - n, end, table, pages, inputs, node)
             row += n
         return out
 
-    def _request(self, x: torch.Tensor, past: int, end: int, table: torch.Tensor, pages: Any, inputs: list) -> Any:
+    def _tree_inputs(self, inputs: list[Tensor], requests: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(position offsets [requests, >= n], [tokens, max_query_len] block visibility): bit j % 32 of word j // 32
+        of a token's packed-mask row (rows request after request), as attentionMath.h packedMaskBit reads it."""
+        offsets, packed = _int32(inputs[8], "position_offsets", 2), _int32(inputs[9], "packed_mask", 2)
+        if offsets.shape[0] < requests or packed.shape[0] < tokens or 32 * packed.shape[1] < self.max_query_len:
+            raise EmulationError(
+                f"{ATTENTION_PLUGIN_NAME}: the tree's offsets need a row per request and its packed mask a row per "
+                f"token of {self.max_query_len} bits"
+            )
+        bits = torch.arange(self.max_query_len)
+        words = packed[:tokens].long() & 0xFFFFFFFF
+        return offsets.long(), ((words[:, bits // 32] >> (bits % 32)) & 1).bool()
+
+    def _request(
+        self,
+        x: torch.Tensor,
+        past: int,
+        end: int,
+        table: torch.Tensor,
+        pages: Any,
+        inputs: list,
+        node: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> Any:
+        """One request's rows; `node` = a tree's (depths, block visibility rows) of its tokens."""
         h, kvh, d, n, dtype = self.heads, self.kv_heads, self.head_dim, x.shape[0], x.dtype
-        if past < 0 or end > min(table.shape[0], self.max_positions):
-            raise EmulationError(f"{ATTENTION_PLUGIN_NAME}: positions up to {end} beyond the RoPE table")
         positions = torch.arange(past, end)
+        rotary = positions if node is None else past + node[0]
+        if past < 0 or bool((rotary < 0).any()) or end > min(table.shape[0], self.max_positions):
+            raise EmulationError(f"{ATTENTION_PLUGIN_NAME}: positions up to {end} beyond the RoPE table")
         q, k, v = x.split([h * d, kvh * d, kvh * d], dim=-1)
-        cos, sin = table[positions, :, 0], table[positions, :, 1]
+        cos, sin = table[rotary, :, 0], table[rotary, :, 1]
         q = _rotate_half(q.reshape(n, h, d).float(), cos, sin).to(dtype)
         k = _rotate_half(k.reshape(n, kvh, d).float(), cos, sin).to(dtype)
         v = v.reshape(n, kvh, d)
-        orig_quant = float(inputs[8].data.reshape(())) if self.cache_fp8 else None
+        orig_quant = float(inputs[self.scales_at].data.reshape(())) if self.cache_fp8 else None
         for kind, values in ((0, k), (1, v)):
             stored = values if orig_quant is None else (values.float() * orig_quant).clamp(-448.0, 448.0)
             if orig_quant is None and pages.dtype != dtype:
                 raise EmulationError(f"a {pages.dtype} KV pool for {dtype} attention (the cache holds the input type)")
             pages.write(kind, positions, stored.to(pages.dtype))
         keys_at = torch.arange(end)
-        dequant = float(inputs[9].data.reshape(())) if self.cache_fp8 else 1.0
+        dequant = float(inputs[self.scales_at + 1].data.reshape(())) if self.cache_fp8 else 1.0
         keys = (pages.read(0, keys_at).float() * dequant).repeat_interleave(h // kvh, dim=1)
         values = (pages.read(1, keys_at).float() * dequant).repeat_interleave(h // kvh, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q.float(), keys) / (d**0.5 * self.q_scaling)
-        scores = scores.masked_fill(~self._visible(positions, keys_at, end), float("-inf"))
+        if node is None:
+            visible = self._visible(positions, keys_at, end)
+        else:  # every past key, and the block keys the node's packed-mask row sets
+            visible = torch.cat([torch.ones(n, past, dtype=torch.bool), node[1][:, :n]], dim=1)
+        scores = scores.masked_fill(~visible, float("-inf"))
         p = (scores - scores.amax(-1, keepdim=True)).exp()
         out = torch.einsum("hqk,khd->qhd", p.to(dtype).float(), values) / p.sum(-1).transpose(0, 1)[..., None]
         return out.reshape(n, h * d).to(dtype)

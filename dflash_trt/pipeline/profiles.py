@@ -286,7 +286,7 @@ class BuildProfile(_Strict):
             raise ValueError(str(exc)) from None
         if isinstance(eng.schedule_choice, DraftLenSchedule):
             try:
-                eng.schedule_choice.fitted_to(block - 1, "engine.draft_len_schedule")
+                eng.schedule_choice.fitted_to(tree or block - 1, "engine.draft_len_schedule")
             except DFlashTrtError as exc:
                 raise ValueError(str(exc)) from None
         # A full batch of generation steps verifies max_batch_size x block_size tokens (a draft tree's nodes + 1
@@ -316,7 +316,7 @@ def profile_tree(gpu: str, nodes: int | None, num_drafts: int, what: str) -> int
     engine plan checks the rest once the models are known (a DFlash2 drafter, the resolved draft-length schedule)."""
     tree = check_tree_nodes(nodes, num_drafts, dflash2=False, what=what)
     if tree:
-        AttentionRoute(gpu_sm(gpu)).check_tree(gpu)
+        AttentionRoute(gpu_sm(gpu)).check_tree(gpu, tree)
     return tree or None
 
 

@@ -131,7 +131,7 @@ def resolve_inputs(
         settings = settings_override(settings)
     tree = profile_tree(profile.gpu, settings.draft_tree, m.block_size - 1, "--draft_tree")
     settings = dataclasses.replace(settings, draft_tree=tree)
-    schedule = _schedule(profile, target, draft, request.draft_len_schedule)
+    schedule = _schedule(profile, target, draft, request.draft_len_schedule, tree)
     if schedule is not None:
         settings = dataclasses.replace(settings, draft_len_schedule=schedule.schedule)
     ws = workspace(profile, request.output_dir)
@@ -163,19 +163,23 @@ def resolve_inputs(
 
 
 def _schedule(
-    profile: BuildProfile, target: ModelSource, draft: ModelSource, override: DraftLenSchedule | str | None
+    profile: BuildProfile,
+    target: ModelSource,
+    draft: ModelSource,
+    override: DraftLenSchedule | str | None,
+    tree: int | None,
 ) -> ResolvedSchedule | None:
-    """The engine's draft-length schedule (`build --draft_len_schedule` over the profile's); None for `auto` while
-    the models' shapes are unknown."""
+    """The engine's draft-length schedule (`build --draft_len_schedule` over the profile's), node budgets for a draft
+    tree of `tree` nodes; None for `auto` while the models' shapes are unknown."""
     choice = profile.engine.schedule_choice if override is None else override
     where = "engine.draft_len_schedule" if override is None else "--draft_len_schedule"
     if isinstance(choice, DraftLenSchedule):
-        return ResolvedSchedule(choice.fitted_to(profile.model.block_size - 1, where), f"given in {where}")
+        return ResolvedSchedule(choice.fitted_to(tree or profile.model.block_size - 1, where), f"given in {where}")
     if target.config is None or draft.config is None:
         return None
     target_spec = parse_target_config(target.config, target.path)
     drafter = dflash_from_spec(parse_draft_config(draft.config, target_spec))
-    return derived_schedule(profile, target_from_spec(target_spec), drafter)
+    return derived_schedule(profile, target_from_spec(target_spec), drafter, tree)
 
 
 def offline_notes(inp: PipelineInputs) -> list[str]:

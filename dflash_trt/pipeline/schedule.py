@@ -41,13 +41,15 @@ def profile_acceptance(profile: BuildProfile, drafter: DFlashShape) -> Acceptanc
     return default_acceptance(pair_for_models(profile.model.target, profile.model.draft), drafter.block_size)[0]
 
 
-def derived_schedule(profile: BuildProfile, target: TargetShape, drafter: DFlashShape) -> ResolvedSchedule:
-    """`auto` for this profile's engine."""
+def derived_schedule(
+    profile: BuildProfile, target: TargetShape, drafter: DFlashShape, tree: int | None
+) -> ResolvedSchedule:
+    """`auto` for this profile's engine: draft lengths for the chain, node budgets for a draft tree of `tree` nodes."""
     pair = pair_for_models(profile.model.target, profile.model.draft)
     acceptance, note = default_acceptance(pair, drafter.block_size)
     ctx = mean_context(profile.sweep.input_len, profile.sweep.output_len)
     derived = derive_schedule(
-        target, drafter, acceptance, engine_deployment(profile), ctx, profile.engine.max_batch_size
+        target, drafter, acceptance, engine_deployment(profile), ctx, profile.engine.max_batch_size, tree or 0
     )
     source = (
         f"auto: {ENGINE_HARNESS} calibration, {profile.gpu} x{profile.checkpoint.tp_size} "
@@ -58,9 +60,11 @@ def derived_schedule(profile: BuildProfile, target: TargetShape, drafter: DFlash
 
 
 def profile_schedule(profile: BuildProfile, target: TargetShape, drafter: DFlashShape) -> ResolvedSchedule:
-    """`engine.draft_len_schedule` for this profile's engine: the table as written, or `auto` derived."""
+    """`engine.draft_len_schedule` for this profile's engine (its `engine.draft_tree` or the chain): the table as
+    written, or `auto` derived."""
     choice = profile.engine.schedule_choice
+    tree = profile.engine.draft_tree
     if isinstance(choice, DraftLenSchedule):
         where = "engine.draft_len_schedule"
-        return ResolvedSchedule(choice.fitted_to(drafter.block_size - 1, where), f"given in {where}")
-    return derived_schedule(profile, target, drafter)
+        return ResolvedSchedule(choice.fitted_to(tree or drafter.block_size - 1, where), f"given in {where}")
+    return derived_schedule(profile, target, drafter, tree)

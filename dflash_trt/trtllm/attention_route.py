@@ -6,7 +6,8 @@ first generation step of an EAGLE-style engine asserts there [read: xqaDispatche
 evidence table is docs/engine.md §13]. On those GPUs both generation passes (the target's verification of K + 1
 tokens, the drafter's block) run on our `DFlashAttention` plugin. Spec-decoding (tree) attention has no sliding
 window on any GPU, so sliding-window draft layers run on `DFlashAttention` everywhere, with the window applied.
-Context (prefill) attention stays on the stock plugin. Nothing here imports TensorRT.
+Context (prefill) attention stays on the stock plugin. A draft tree's verification reads the runtime's packed tree
+mask and position offsets on either kernel (`check_tree` states the one limit). Nothing here imports TensorRT.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ ROUTE_EVIDENCE = (
     "its sources, docs/engine.md §13]; DFlashAttention's kernels were run as a lane-exact host simulation and the "
     "routed network under the emulation, not yet on a GPU (tests/gpu/ is ready for one)"
 )
+# A draft tree's verification reads the runtime's packed tree mask (and position offsets), on either kernel.
+TREE_MASK = "with the packed tree mask"
+# The most nodes DFlashAttention's tree verification was checked for (host simulation, up to 257 rows and 9 mask
+# words): EAGLE's own bound on max_draft_len, so no engine's tree is refused by it today.
+OURS_TREE_NODES = 256
 # Set by `dflash-trt build` for trtllm-build (the network reads it while it is built); without it the network
 # takes the SM of the GPU the build runs on.
 TARGET_SM_ENV = "DFLASH_TRT_TARGET_SM"
@@ -55,18 +61,22 @@ class AttentionRoute:
         """The drafter's block pass through one draft layer."""
         return OURS if sliding or self.sm in BLACKWELL_SMS else STOCK
 
-    def check_tree(self, gpu: str) -> None:
-        """A draft tree's verification needs its packed tree mask, which only the stock kernel reads: DFlashAttention
-        masks the K + 1 verified tokens as a chain, so a tree engine verifying on it would accept wrong drafts."""
-        if self.target_generation == OURS:
+    def check_tree(self, gpu: str, nodes: int) -> None:
+        """Whether a draft tree of `nodes` nodes verifies on `gpu`. A tree's verification reads the runtime's packed
+        tree mask and position offsets: stock XQA does on Hopper, `DFlashAttention` does with block_mask 2 (its
+        host-simulated kernel was checked up to OURS_TREE_NODES nodes; the plugin takes no window with a tree, and
+        the target's verification has none)."""
+        if self.target_generation == OURS and nodes > OURS_TREE_NODES:
             raise DFlashTrtError(
-                f"--draft_tree: on {gpu} the target's verification runs on {OURS}, which verifies a chain of drafts "
-                "only (no packed tree mask); build the chain (no --draft_tree) for this GPU, or the tree for h100/h200"
+                f"--draft_tree {nodes}: on {gpu} the target's verification runs on {OURS}, whose tree mask is checked "
+                f"up to {OURS_TREE_NODES} nodes"
             )
 
-    def describe(self, layer_types: tuple[str, ...]) -> dict[str, str]:
-        """The kernel of each pass, for dflash_trt.json and the dry run; draft layers by their kinds."""
-        passes = {"target_context": STOCK, "target_verification": self.target_generation}
+    def describe(self, layer_types: tuple[str, ...], tree: bool = False) -> dict[str, str]:
+        """The kernel of each pass, for dflash_trt.json and the dry run; draft layers by their kinds; a tree's
+        verification says it reads the packed tree mask."""
+        verification = f"{self.target_generation} {TREE_MASK}" if tree else self.target_generation
+        passes = {"target_context": STOCK, "target_verification": verification}
         for kind in sorted(set(layer_types)):
             passes[f"draft_block_{kind}"] = self.draft_layer(kind == "sliding_attention")
         return passes

@@ -480,16 +480,28 @@ def check_qk_norm_heads(facts: CheckpointFacts) -> None:
 XQA_SWAP_AB_LIMIT = 32
 
 
-def check_xqa_block_layout(facts: CheckpointFacts) -> None:
+def check_xqa_block_layout(facts: CheckpointFacts, settings: EngineBuildSettings) -> None:
     """Refuse a drafter whose bidirectional block could meet that layout with an FP8 KV cache (the Hopper kernel for
-    FP8 caches): its all-ones mask would silently become causal, which no output of the engine would show.
+    FP8 caches): its all-ones mask would silently become causal, which no output of the engine would show. Only
+    bidirectional layers the route leaves on the stock kernel count: where DFlashAttention runs the block (B200 /
+    B300, sliding layers everywhere) its block_mask field is the mask. A draft tree's verification on the stock
+    kernel meets the same layout when its N + 1 rows times the target's query heads per KV head fit in it.
 
     The JIT compiler wrapper read (nvrtcWrapper.cpp @ 029e0a7c and @ 7c9600c5) never defines SPEC_Q_SEQ_LEN, so 1.2.x
     should compile the layout that reads the mask; the newest stored kernelUtils.cpp says a later wrapper does
     define it, and which one the 1.2.x release carries could not be pinned, so the plan refuses rather than hopes.
     No shipped profile is affected: their drafters have 4-8 query heads per KV head and 16-token blocks.
     """
-    if kv_cache_format(facts) != FP8 or all(facts.causal):
+    route = settings.route
+    if kv_cache_format(facts) != FP8:
+        return
+    if settings.draft_tree is not None and route.target_generation != OURS:
+        check_xqa_tree_layout(facts, settings.draft_tree)
+    on_stock = [
+        not causal and route.draft_layer(kind == SLIDING_ATTENTION) != OURS
+        for kind, causal in zip(facts.layer_types, facts.causal, strict=True)
+    ]
+    if not any(on_stock):
         return
     heads, kv_heads = rank_heads(facts.draft_heads, facts.draft_kv_heads, facts.tp_size)
     rows = heads // kv_heads * facts.block_size
@@ -499,6 +511,19 @@ def check_xqa_block_layout(facts: CheckpointFacts) -> None:
             f"per KV head = {rows} rows <= {XQA_SWAP_AB_LIMIT}) may run in Hopper XQA's small-batch spec-decoding "
             "layout, whose mask is hard-coded causal: the drafter's bidirectional block would silently turn causal. "
             "Build with --kv_cache_dtype none, or a drafter with more query heads per KV head or larger blocks"
+        )
+
+
+def check_xqa_tree_layout(facts: CheckpointFacts, nodes: int) -> None:
+    """The target's verification of a tree of `nodes` nodes on Hopper XQA with an FP8 cache (see above)."""
+    heads, kv_heads = rank_heads(facts.target_heads, facts.target_kv_heads, facts.tp_size)
+    rows = heads // kv_heads * (nodes + 1)
+    if rows <= XQA_SWAP_AB_LIMIT:
+        raise DFlashTrtError(
+            f"--draft_tree {nodes}: with an FP8 KV cache the target's verification ({nodes + 1} tokens x "
+            f"{heads // kv_heads} query heads per KV head = {rows} rows <= {XQA_SWAP_AB_LIMIT}) may run in Hopper "
+            "XQA's small-batch spec-decoding layout, whose mask is hard-coded causal: the tree would be verified as "
+            "a chain. Build with --kv_cache_dtype none or a larger tree"
         )
 
 
@@ -979,7 +1004,7 @@ def manifest(facts: CheckpointFacts, settings: EngineBuildSettings, plugin_libra
         "kv_cache_quant_algo": facts.kv_cache_quant_algo,
         "gpu": settings.gpu,
         "sm": settings.route.sm,
-        "attention": settings.route.describe(facts.layer_types),
+        "attention": settings.route.describe(facts.layer_types, tree=settings.draft_tree is not None),
         "draft_len_schedule": settings.draft_len_schedule.text(),
         "engine_config": engine_config(facts, settings),
     }
@@ -1013,9 +1038,9 @@ def plan_engine_build(
     tree = verified_drafts(facts, settings)
     settings = replace(settings, draft_tree=tree if tree != facts.max_draft_len else None)
     if settings.draft_tree is not None:
-        settings.route.check_tree(settings.gpu)
+        settings.route.check_tree(settings.gpu, settings.draft_tree)
     check_network(facts)
-    check_xqa_block_layout(facts)
+    check_xqa_block_layout(facts, settings)
     check_attention_route(facts, settings)
     check_settings(facts, settings)
     settings = resolve_settings(facts, settings)

@@ -47,13 +47,16 @@ SPEC_DECODING_TENSORS = (
 
 @dataclass(frozen=True)
 class BlockAttention:
-    """What DFlashAttention needs beyond the stock call's arguments: the block mask and window of the layer, and,
-    when the batch may hold context requests, the `input_gen_tokens` host input that counts the generation rows."""
+    """What DFlashAttention needs beyond the stock call's arguments: the block mask and window of the layer (or,
+    for a draft tree's verification, `tree`: the runtime's packed mask and position offsets from the stock call's
+    spec-decoding arguments), and, when the batch may hold context requests, the `input_gen_tokens` host input that
+    counts the generation rows."""
 
     causal: bool
     window: int | None = None
     window_from_anchor: bool = False
     generation_tokens: Tensor | None = None
+    tree: bool = False
 
 
 # Layers building their part of the network at the same time (tensor-parallel ranks in threads) share the stock
@@ -163,7 +166,11 @@ def _generation(block: BlockAttention, kwargs: dict[str, Any], qkv: Tensor, sequ
         window_from_anchor=block.window_from_anchor,
         max_positions=kwargs["rotary_embedding_max_positions"],
         q_scaling=kwargs["q_scaling"],
+        tree=block.tree,
     )
+    # Indexed from the step's first generation request, so they serve the generation rows as they come [read:
+    # GPTAttentionPlugin::enqueueSome]; the mask rows follow one another request by request.
+    tree = (kwargs["spec_decoding_position_offsets"], kwargs["spec_decoding_packed_mask"]) if block.tree else None
     return dflash_attention_layer(
         qkv,
         sequence_length,
@@ -176,4 +183,5 @@ def _generation(block: BlockAttention, kwargs: dict[str, Any], qkv: Tensor, sequ
         geometry,
         kv_scale_orig_quant=kwargs.get("kv_orig_quant_scale"),
         kv_scale_quant_orig=kwargs.get("kv_quant_orig_scale"),
+        tree=tree,
     )

@@ -407,7 +407,7 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         if self.attention_route is None:
             self.attention_route = route_for_build()
         if self.tree is not None:
-            self.attention_route.check_tree(f"SM{self.attention_route.sm}")
+            self.attention_route.check_tree(f"SM{self.attention_route.sm}", self.tree.nodes)
         return self.attention_route
 
     def verify(
@@ -510,12 +510,13 @@ class DFlashForCausalLM(DecoderModelForCausalLM):
         return next_draft_tokens
 
     def target_generation_attention(self, input_gen_tokens) -> BlockAttention | None:
-        """How the target's generation requests attend: on our plugin where the route says so, else stock (None)."""
+        """How the target's generation requests attend: on our plugin where the route says so, else stock (None); a
+        tree engine's with the runtime's packed tree mask and position offsets, a chain's with the causal mask."""
         if self.route().target_generation != OURS:
             return None
         if input_gen_tokens is None:
             raise ValueError("the target's DFlashAttention needs the input_gen_tokens input (prepare_inputs)")
-        return BlockAttention(causal=True, generation_tokens=input_gen_tokens)
+        return BlockAttention(causal=True, generation_tokens=input_gen_tokens, tree=self.tree is not None)
 
     def next_draft_lens(self, draft_lens: Tensor) -> Tensor:
         """Every request's draft length for the next step, from this step's load (its number of requests) through

@@ -34,12 +34,16 @@ cache write. The semantics are `dflash_trt.reference.kv_injection.kv_injection`.
         geometry,                     # AttentionGeometry: heads, layer, block mask, window, RoPE table size
         kv_scale_orig_quant=None,     # float32 [1] with kv_scale_quant_orig: an FP8 KV cache
         kv_scale_quant_orig=None,
+        tree=None,                    # with geometry.tree: (spec_decoding_position_offsets [requests, >= n],
+                                      #   spec_decoding_packed_mask [tokens, words]) int32, the runtime's own
     ) -> Tensor                       # [tokens, heads * head_dim], the input type
 
 writes the new tokens' K / V into the pool (RoPE'd from the table, as the GPT attention plugin's generation step
-writes them) and attends over past + new keys with a causal or full block mask and an optional sliding window
-(docs/plugin.md). The library must be loaded (`load_plugin_library`) in every process that builds or deserializes
-the engine (Triton: `LD_PRELOAD`). TensorRT and TensorRT-LLM are imported only inside the functions that need them.
+writes them) and attends over past + new keys with a causal or full block mask and an optional sliding window, or
+with a draft tree's packed mask and position offsets (block_mask 2: node t at RoPE position past + offsets[t], cache
+slot past + t, sees the past and the block keys its mask row sets; docs/plugin.md). The library must be loaded
+(`load_plugin_library`) in every process that builds or deserializes the engine (Triton: `LD_PRELOAD`). TensorRT and
+TensorRT-LLM are imported only inside the functions that need them.
 """
 
 from __future__ import annotations
@@ -147,6 +151,7 @@ class AttentionGeometry:
     max_positions: int  # rows of the RoPE table
     q_scaling: float = 1.0
     window_from_anchor: bool = False  # the window counts back from the block's anchor (speculators), not each query
+    tree: bool = False  # a draft tree's verification: the runtime's packed mask and position offsets, not `causal`
 
 
 def attention_plugin_fields(
@@ -160,6 +165,8 @@ def attention_plugin_fields(
         raise DFlashTrtError(f"tokens_per_block must be a power of two, got {g.tokens_per_block}.")
     if g.window is not None and g.window < 1:
         raise DFlashTrtError(f"a sliding window must be at least 1, got {g.window}.")
+    if g.tree and g.window is not None:
+        raise DFlashTrtError("a draft tree's verification (tree mask) takes no sliding window.")
 
     def i32(v: int) -> Any:
         return np.array([v], dtype=np.int32)
@@ -171,7 +178,7 @@ def attention_plugin_fields(
         ("layer_idx", i32(g.layer_idx), "INT32"),
         ("tokens_per_block", i32(g.tokens_per_block), "INT32"),
         ("max_query_len", i32(g.max_query_len), "INT32"),
-        ("block_mask", i32(0 if g.causal else 1), "INT32"),
+        ("block_mask", i32(2 if g.tree else 0 if g.causal else 1), "INT32"),
         ("sliding_window", i32(g.window or 0), "INT32"),
         ("window_from_anchor", i32(int(g.window_from_anchor)), "INT32"),
         ("max_positions", i32(g.max_positions), "INT32"),
@@ -211,10 +218,13 @@ def dflash_attention_layer(
     geometry: AttentionGeometry,
     kv_scale_orig_quant: Any | None = None,
     kv_scale_quant_orig: Any | None = None,
+    tree: tuple[Any, Any] | None = None,
 ) -> Any:
     """Add one DFlashAttention layer (the generation requests of one attention layer) to the current network."""
     if (kv_scale_orig_quant is None) != (kv_scale_quant_orig is None):
         raise DFlashTrtError("an FP8 KV cache needs both kv_scale_orig_quant and kv_scale_quant_orig.")
+    if geometry.tree != (tree is not None):
+        raise DFlashTrtError("a tree mask takes the runtime's position offsets and packed mask, and only it does.")
     cache_fp8 = kv_scale_orig_quant is not None
     fields = attention_plugin_fields(geometry, type_id=int(qkv.dtype), cache_fp8=cache_fp8)
     inputs = [
@@ -226,6 +236,7 @@ def dflash_attention_layer(
         host_kv_cache_pool_pointers,
         host_kv_cache_pool_mapping,
         host_past_key_value_lengths,
+        *(tree or ()),
     ]
     if cache_fp8:
         inputs += [kv_scale_orig_quant, kv_scale_quant_orig]

@@ -67,9 +67,13 @@ std::string AttentionConfig::check() const
     {
         return "layer_idx, sliding_window must be non-negative and max_query_len, max_positions positive";
     }
-    if (blockMask != static_cast<int32_t>(BlockMask::kCausal) && blockMask != static_cast<int32_t>(BlockMask::kFull))
+    if (blockMask < static_cast<int32_t>(BlockMask::kCausal) || blockMask > static_cast<int32_t>(BlockMask::kTree))
     {
-        return "block_mask must be 0 (causal) or 1 (full)";
+        return "block_mask must be 0 (causal), 1 (full) or 2 (the runtime's packed tree mask)";
+    }
+    if (tree() && slidingWindow != 0)
+    {
+        return "a tree mask (block_mask 2) takes no sliding window";
     }
     if (windowFromAnchor != 0 && windowFromAnchor != 1)
     {
@@ -176,6 +180,11 @@ bool AttentionPlugin::supportsFormatCombination(
     {
         return desc.type == static_cast<DataType>(mConfig.typeId);
     }
+    if (pos >= kOptionalInputs)
+    {
+        bool const treeInput = mConfig.tree() && pos < mConfig.kvScaleOrigQuantInput();
+        return desc.type == (treeInput ? DataType::kINT32 : DataType::kFLOAT);
+    }
     switch (pos)
     {
     case kQkv: return desc.type == static_cast<DataType>(mConfig.typeId);
@@ -185,9 +194,7 @@ bool AttentionPlugin::supportsFormatCombination(
     case kAttnPoolMapping:
     case kHostPastLengths: return desc.type == DataType::kINT32;
     case kAttnPoolPointers: return desc.type == DataType::kINT64;
-    case kRotaryCosSin:
-    case kKvScaleOrigQuant:
-    case kKvScaleQuantOrig: return desc.type == DataType::kFLOAT;
+    case kRotaryCosSin: return desc.type == DataType::kFLOAT;
     default: return false;
     }
 }
@@ -211,9 +218,18 @@ bool AttentionPlugin::checkShapes(Dims const* dims, int32_t nbInputs) const
     ok = ok && dims[kAttnPoolPointers].nbDims == 2 && knownOrEqual(dims[kAttnPoolPointers].d[1], 2);
     ok = ok && mapping.nbDims == 2 && knownOrEqual(mapping.d[1], 2) && (mapping.d[0] < 0 || mapping.d[0] > mConfig.layerIdx);
     ok = ok && dims[kHostPastLengths].nbDims == 1;
+    if (mConfig.tree())
+    {
+        Dims const& positionOffsets = dims[mConfig.positionOffsetsInput()];
+        Dims const& packedMask = dims[mConfig.packedMaskInput()];
+        int64_t const words = (mConfig.maxQueryLen + 31) / 32;
+        ok = ok && positionOffsets.nbDims == 2 && positionOffsets.d[1] != 0;
+        ok = ok && packedMask.nbDims == 2 && (packedMask.d[1] < 0 || packedMask.d[1] >= words);
+        ok = ok && (packedMask.d[0] < 0 || qkv.d[0] < 0 || packedMask.d[0] >= qkv.d[0]);
+    }
     if (mConfig.cacheFp8)
     {
-        ok = ok && volume(dims[kKvScaleOrigQuant]) == 1 && volume(dims[kKvScaleQuantOrig]) == 1;
+        ok = ok && volume(dims[mConfig.kvScaleOrigQuantInput()]) == 1 && volume(dims[mConfig.kvScaleQuantOrigInput()]) == 1;
     }
     if (!ok)
     {
@@ -289,8 +305,22 @@ std::string AttentionPlugin::describeLaunch(PluginTensorDesc const* inputDesc, v
         mConfig.numKvHeads, mConfig.headDim, layerInPool};
     launch.primaryPool = reinterpret_cast<void*>(pointers[2 * pool]);
     launch.secondaryPool = reinterpret_cast<void*>(pointers[2 * pool + 1]);
-    launch.scaleOrigQuant = mConfig.cacheFp8 ? static_cast<float const*>(inputs[kKvScaleOrigQuant]) : nullptr;
-    launch.scaleQuantOrig = mConfig.cacheFp8 ? static_cast<float const*>(inputs[kKvScaleQuantOrig]) : nullptr;
+    launch.scaleOrigQuant
+        = mConfig.cacheFp8 ? static_cast<float const*>(inputs[mConfig.kvScaleOrigQuantInput()]) : nullptr;
+    launch.scaleQuantOrig
+        = mConfig.cacheFp8 ? static_cast<float const*>(inputs[mConfig.kvScaleQuantOrigInput()]) : nullptr;
+    if (mConfig.tree())
+    {
+        if (inputDesc[mConfig.positionOffsetsInput()].dims.d[0] < requests
+            || inputDesc[mConfig.packedMaskInput()].dims.d[0] < inputDesc[kQkv].dims.d[0])
+        {
+            return "fewer spec-decoding position-offset rows than requests or packed-mask rows than tokens";
+        }
+        launch.tree = TreeMask{static_cast<int32_t const*>(inputs[mConfig.positionOffsetsInput()]),
+            static_cast<int32_t>(inputDesc[mConfig.positionOffsetsInput()].dims.d[1]),
+            static_cast<int32_t const*>(inputs[mConfig.packedMaskInput()]),
+            static_cast<int32_t>(inputDesc[mConfig.packedMaskInput()].dims.d[1])};
+    }
     launch.workspace = workspace;
     launch.numRequests = static_cast<int32_t>(requests);
     launch.numTokens = static_cast<int32_t>(inputDesc[kQkv].dims.d[0]);

@@ -3,7 +3,8 @@
  * serves the generation requests of one attention layer: n new tokens per request (K + 1 verified tokens, or a B
  * token draft block), RoPE and the K / V write into the paged pool as the GPT attention plugin's generation step
  * does, then attention over the past and the new tokens with a causal or full block mask and an optional window
- * (counted from each query, or from the block's anchor).
+ * (counted from each query, or from the block's anchor), or with the runtime's packed tree mask and position offsets
+ * (a draft tree's verification: block_mask 2, no window).
  *
  * Inputs (in this order; dflash_trt/trtllm/plugin.py adds them the same way):
  *   0 qkv                          [tokens, (heads + 2 kv_heads) * head_dim]  fp16 | bf16 (= type_id), the
@@ -17,8 +18,13 @@
  *   6 host_kv_cache_pool_mapping   [layers_total, 2] int32 (host)
  *   7 host_past_key_value_lengths  [seqs] int32 (host): the runtime's bounds, last `requests` entries used (they
  *                                  size the key split only)
- *   8 kv_scale_orig_quant          [1] float32, only with cache_fp8
- *   9 kv_scale_quant_orig          [1] float32, only with cache_fp8
+ *   then, only with block_mask 2 (a draft tree's verification), the runtime's spec-decoding inputs:
+ *     spec_decoding_position_offsets [requests, >= 1] int32: node t's RoPE position is past + offsets[r][t]
+ *     spec_decoding_packed_mask      [>= tokens, ceil(max_query_len / 32)] int32: row of node t of request r =
+ *                                    r's first packed row + t; bit j % 32 of word j / 32 = sees block key j
+ *   then, only with cache_fp8:
+ *     kv_scale_orig_quant          [1] float32
+ *     kv_scale_quant_orig          [1] float32
  * Output 0: [tokens, heads * head_dim], the input type.
  */
 #pragma once
@@ -47,8 +53,7 @@ enum AttentionInput : int32_t
     kAttnPoolPointers,
     kAttnPoolMapping,
     kHostPastLengths,
-    kKvScaleOrigQuant,
-    kKvScaleQuantOrig,
+    kOptionalInputs, //!< the first of the tree's two inputs, then of the FP8 scales (AttentionConfig says where)
 };
 
 //! Creation / serialization fields of the plugin.
@@ -70,9 +75,29 @@ struct AttentionConfig
 
     //! Empty when usable, else why not.
     std::string check() const;
+    bool tree() const
+    {
+        return blockMask == static_cast<int32_t>(BlockMask::kTree);
+    }
+    int32_t positionOffsetsInput() const
+    {
+        return kOptionalInputs;
+    }
+    int32_t packedMaskInput() const
+    {
+        return kOptionalInputs + 1;
+    }
+    int32_t kvScaleOrigQuantInput() const
+    {
+        return kOptionalInputs + (tree() ? 2 : 0);
+    }
+    int32_t kvScaleQuantOrigInput() const
+    {
+        return kvScaleOrigQuantInput() + 1;
+    }
     int32_t nbInputs() const
     {
-        return cacheFp8 ? kKvScaleQuantOrig + 1 : kKvScaleOrigQuant;
+        return kvScaleOrigQuantInput() + (cacheFp8 ? 2 : 0);
     }
     int64_t qkvWidth() const
     {

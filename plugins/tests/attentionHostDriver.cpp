@@ -238,7 +238,9 @@ int32_t runForHeadDim(AttentionLaunch const& p)
 extern "C"
 {
 
-//! The plugin's three steps on host buffers. inputType 0 fp16 / 1 bf16; cacheType 0 fp16 / 1 bf16 / 2 FP8 (the
+//! The plugin's three steps on host buffers. mask 0 causal / 1 full / 2 tree (positionOffsets [requests]
+//! [offsetsStride] and packedMask [tokens][maskWords] read only then). inputType 0 fp16 / 1 bf16; cacheType 0
+//! fp16 / 1 bf16 / 2 FP8 (the
 //! cache holds the input type unless FP8). splits 0 chooses them as the GPU launch does for `maxKeys` keys and
 //! `multiProcessorCount` SMs; otherwise that many splits of `keysPerSplit` keys (0: even). The workspace must hold
 //! attentionWorkspaceBound(numTokens, ...) bytes. Returns the number of splits used, or -1 for a bad launch.
@@ -247,7 +249,8 @@ int32_t dflashAttentionHost(void const* qkv, void* out, int32_t const* seqLens, 
     int32_t tokensPerBlock, int32_t numKvHeads, int32_t headDim, int32_t firstLayerInPool, void* primaryPool,
     void* secondaryPool, float const* scaleOrigQuant, float const* scaleQuantOrig, void* workspace,
     int32_t numRequests, int32_t numTokens, int32_t numHeads, int32_t maxQueryLen, int32_t maxPositions,
-    int32_t window, int32_t windowFromBlock, int32_t mask, float qScaling, int32_t inputType, int32_t cacheType,
+    int32_t window, int32_t windowFromBlock, int32_t mask, int32_t const* positionOffsets, int32_t offsetsStride,
+    int32_t const* packedMask, int32_t maskWords, float qScaling, int32_t inputType, int32_t cacheType,
     int32_t splits, int32_t keysPerSplit, int32_t maxKeys, int32_t multiProcessorCount)
 {
     AttentionLaunch p{};
@@ -269,10 +272,11 @@ int32_t dflashAttentionHost(void const* qkv, void* out, int32_t const* seqLens, 
     p.maxQueryLen = maxQueryLen;
     p.maxPositions = maxPositions;
     p.window = KeyWindow{window, windowFromBlock != 0 ? WindowAnchor::kBlock : WindowAnchor::kQuery};
-    p.mask = mask == 0 ? BlockMask::kCausal : BlockMask::kFull;
+    p.mask = static_cast<BlockMask>(mask);
+    p.tree = TreeMask{positionOffsets, offsetsStride, packedMask, maskWords};
     p.qScaling = qScaling;
     bool const fp8 = cacheType == 2;
-    if (attentionLaunchProblem(p, fp8) != nullptr || (!fp8 && cacheType != inputType))
+    if (mask < 0 || mask > 2 || attentionLaunchProblem(p, fp8) != nullptr || (!fp8 && cacheType != inputType))
     {
         return -1;
     }

@@ -31,13 +31,25 @@ dflash_trt::CacheType cacheTypeOf(torch::Tensor const& pool)
 
 //! qkv [tokens, (heads + 2 kv_heads) * head_dim]; block_offsets [requests, 2, max_blocks] (this pool, the
 //! generation requests' rows); the pools [blocks, layers_in_pool, 2, kv_heads, tokens_per_block, head_dim].
-//! Returns the output [tokens, heads * head_dim]; the pools receive the new tokens' K / V.
+//! blockMask 0 causal / 1 full / 2 tree (then positionOffsets [requests, >= n] and packedMask [tokens, words],
+//! int32 CUDA, the runtime's spec-decoding inputs). Returns the output [tokens, heads * head_dim]; the pools
+//! receive the new tokens' K / V.
 torch::Tensor attend(torch::Tensor qkv, torch::Tensor seqLens, torch::Tensor genLens, torch::Tensor cosSin,
     torch::Tensor blockOffsets, int64_t tokensPerBlock, int64_t layerInPool, int64_t numHeads, int64_t numKvHeads,
-    int64_t maxQueryLen, int64_t window, bool windowFromBlock, bool causal, double qScaling, torch::Tensor primaryPool,
-    c10::optional<torch::Tensor> secondaryPool, c10::optional<torch::Tensor> scaleOrigQuant,
-    c10::optional<torch::Tensor> scaleQuantOrig, int64_t maxKeys, int64_t multiProcessorCount)
+    int64_t maxQueryLen, int64_t window, bool windowFromBlock, int64_t blockMask, double qScaling,
+    torch::Tensor primaryPool, c10::optional<torch::Tensor> secondaryPool, c10::optional<torch::Tensor> scaleOrigQuant,
+    c10::optional<torch::Tensor> scaleQuantOrig, int64_t maxKeys, int64_t multiProcessorCount,
+    c10::optional<torch::Tensor> positionOffsets, c10::optional<torch::Tensor> packedMask)
 {
+    TORCH_CHECK(blockMask >= 0 && blockMask <= 2, "block_mask must be 0 (causal), 1 (full) or 2 (tree)");
+    TORCH_CHECK((blockMask == 2) == (positionOffsets.has_value() && packedMask.has_value()),
+        "a tree mask takes position offsets and a packed mask, and only it does");
+    if (blockMask == 2)
+    {
+        checkDeviceInt32(*positionOffsets, "position_offsets");
+        checkDeviceInt32(*packedMask, "packed_mask");
+        TORCH_CHECK(positionOffsets->dim() == 2 && packedMask->dim() == 2, "position offsets and packed mask are 2-D");
+    }
     TORCH_CHECK(qkv.is_cuda() && qkv.is_contiguous() && qkv.dim() == 2, "qkv must be a contiguous CUDA [tokens, width]");
     TORCH_CHECK(qkv.scalar_type() == torch::kHalf || qkv.scalar_type() == torch::kBFloat16, "qkv must be fp16 / bf16");
     checkDeviceInt32(seqLens, "sequence_length");
@@ -75,7 +87,12 @@ torch::Tensor attend(torch::Tensor qkv, torch::Tensor seqLens, torch::Tensor gen
     p.maxPositions = static_cast<int32_t>(cosSin.numel() / headDim);
     p.window = dflash_trt::KeyWindow{static_cast<int32_t>(window),
         windowFromBlock ? dflash_trt::WindowAnchor::kBlock : dflash_trt::WindowAnchor::kQuery};
-    p.mask = causal ? dflash_trt::BlockMask::kCausal : dflash_trt::BlockMask::kFull;
+    p.mask = static_cast<dflash_trt::BlockMask>(blockMask);
+    if (blockMask == 2)
+    {
+        p.tree = dflash_trt::TreeMask{positionOffsets->data_ptr<int32_t>(), static_cast<int32_t>(positionOffsets->size(1)),
+            packedMask->data_ptr<int32_t>(), static_cast<int32_t>(packedMask->size(1))};
+    }
     p.qScaling = static_cast<float>(qScaling);
     auto const input = qkv.scalar_type() == torch::kHalf ? dflash_trt::InputType::kHALF : dflash_trt::InputType::kBF16;
     cudaError_t const status = dflash_trt::launchDflashAttention(p, input, cacheTypeOf(primaryPool),

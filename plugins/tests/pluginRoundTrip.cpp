@@ -166,10 +166,12 @@ struct AttentionFields
     }
 };
 
+//! The inputs and output of a plugin made from `f`: with block_mask 2 the tree's position offsets and packed mask
+//! sit after host_past_key_value_lengths, before the FP8 scales.
 std::vector<DynamicPluginTensorDesc> attentionDescs(AttentionFields const& f)
 {
     int64_t const width = int64_t{f.numHeads + 2 * f.numKvHeads} * f.headDim;
-    std::vector<std::pair<DataType, Dims>> const spec = {
+    std::vector<std::pair<DataType, Dims>> spec = {
         {DataType::kBF16, dims({-1, width})},
         {DataType::kINT32, dims({-1})},
         {DataType::kINT32, dims({-1})},
@@ -182,6 +184,12 @@ std::vector<DynamicPluginTensorDesc> attentionDescs(AttentionFields const& f)
         {DataType::kFLOAT, dims({1})},
         {DataType::kBF16, dims({-1, int64_t{f.numHeads} * f.headDim})},
     };
+    if (f.blockMask == 2)
+    {
+        std::pair<DataType, Dims> const offsets{DataType::kINT32, dims({-1, f.maxQueryLen})};
+        std::pair<DataType, Dims> const mask{DataType::kINT32, dims({-1, (f.maxQueryLen + 31) / 32})};
+        spec.insert(spec.begin() + 8, {offsets, mask});
+    }
     std::vector<DynamicPluginTensorDesc> descs(spec.size());
     for (size_t i = 0; i < spec.size(); ++i)
     {
@@ -269,10 +277,63 @@ void checkAttention(IPluginCreatorV3One* creator)
     refused("head_dim 16 refused", [](AttentionFields& f) { f.headDim = 16; });
     refused("heads not a multiple of kv heads refused", [](AttentionFields& f) { f.numHeads = 30; });
     refused("tokens_per_block 24 refused", [](AttentionFields& f) { f.tokensPerBlock = 24; });
-    refused("block_mask 2 refused", [](AttentionFields& f) { f.blockMask = 2; });
+    refused("block_mask 3 refused", [](AttentionFields& f) { f.blockMask = 3; });
+    refused("a tree mask with a window refused", [](AttentionFields& f) { f.blockMask = 2; });
     refused("negative window refused", [](AttentionFields& f) { f.slidingWindow = -1; });
     refused("window_from_anchor 2 refused", [](AttentionFields& f) { f.windowFromAnchor = 2; });
     refused("fp32 type_id refused", [](AttentionFields& f) { f.typeId = static_cast<int32_t>(DataType::kFLOAT); });
+}
+
+//! A draft tree's verification (block_mask 2): the runtime's position offsets and packed mask are two more int32
+//! inputs before the FP8 scales; their shapes are checked against max_query_len and the tokens.
+void checkAttentionTree(IPluginCreatorV3One* creator)
+{
+    AttentionFields fields;
+    fields.blockMask = 2;
+    fields.slidingWindow = 0;
+    fields.windowFromAnchor = 0;
+    fields.maxQueryLen = 41;
+    IPluginV3* plugin = creator->createPlugin("attention", fields.collection(), TensorRTPhase::kBUILD);
+    expect(plugin != nullptr, "tree attention plugin created");
+    if (plugin == nullptr)
+    {
+        return;
+    }
+    auto* build = static_cast<IPluginV3OneBuild*>(plugin->getCapabilityInterface(PluginCapabilityType::kBUILD));
+    auto* runtime = static_cast<IPluginV3OneRuntime*>(plugin->getCapabilityInterface(PluginCapabilityType::kRUNTIME));
+    IPluginV3* restored = creator->createPlugin("attention", runtime->getFieldsToSerialize(), TensorRTPhase::kRUNTIME);
+    expect(restored != nullptr && sameFields(static_cast<IPluginV3OneRuntime*>(restored->getCapabilityInterface(
+                                                 PluginCapabilityType::kRUNTIME))
+                                                 ->getFieldsToSerialize(),
+                                      fields.collection()),
+        "tree attention round trip is lossless");
+    delete restored;
+    std::vector<DynamicPluginTensorDesc> descs = attentionDescs(fields);
+    int32_t const nb = static_cast<int32_t>(descs.size()) - 1;
+    expect(nb == 12, "tree attention takes twelve inputs with an FP8 cache");
+    expect(allSupported(build, descs), "tree attention dtypes accepted");
+    expect(build->configurePlugin(descs.data(), nb, &descs[nb], 1) == 0, "good tree shapes configure");
+    std::vector<DynamicPluginTensorDesc> floatMask = attentionDescs(fields);
+    floatMask[9].desc.type = DataType::kFLOAT;
+    expect(!allSupported(build, floatMask), "a float packed mask refused");
+    std::vector<DynamicPluginTensorDesc> intScale = attentionDescs(fields);
+    intScale[10].desc.type = DataType::kINT32;
+    expect(!allSupported(build, intScale), "an int32 FP8 scale refused");
+    std::vector<DynamicPluginTensorDesc> oneWord = attentionDescs(fields);
+    oneWord[9].desc.dims = dims({-1, 1});
+    expect(build->configurePlugin(oneWord.data(), nb, &oneWord[nb], 1) != 0, "mask rows under max_query_len bits refused");
+    std::vector<DynamicPluginTensorDesc> fewRows = attentionDescs(fields);
+    fewRows[kQkv].desc.dims = dims({64, fewRows[kQkv].desc.dims.d[1]});
+    fewRows[9].desc.dims = dims({63, 2});
+    expect(build->configurePlugin(fewRows.data(), nb, &fewRows[nb], 1) != 0, "fewer mask rows than tokens refused");
+    std::vector<DynamicPluginTensorDesc> flatOffsets = attentionDescs(fields);
+    flatOffsets[8].desc.dims = dims({-1});
+    expect(build->configurePlugin(flatOffsets.data(), nb, &flatOffsets[nb], 1) != 0, "1-D position offsets refused");
+    AttentionFields chain = fields;
+    chain.blockMask = 0;
+    std::vector<DynamicPluginTensorDesc> chainDescs = attentionDescs(chain);
+    expect(build->configurePlugin(chainDescs.data(), 10, &chainDescs[10], 1) != 0, "a tree without its inputs refused");
+    delete plugin;
 }
 
 } // namespace
@@ -374,6 +435,7 @@ int main()
     expect(nbCreators == 2, "two creators exported");
     checkKvInjection(static_cast<IPluginCreatorV3One*>(creators[0]));
     checkAttention(static_cast<IPluginCreatorV3One*>(creators[1]));
+    checkAttentionTree(static_cast<IPluginCreatorV3One*>(creators[1]));
     std::printf(gFailures == 0 ? "OK\n" : "%d checks failed\n", gFailures);
     return gFailures == 0 ? 0 : 1;
 }

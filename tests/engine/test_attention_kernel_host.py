@@ -32,6 +32,7 @@ from _attention_problems import (
     AttentionCase,
     attention_problem,
     dense_reference,
+    pack_bits,
 )
 
 PLUGINS = Path(__file__).resolve().parents[2] / "plugins"
@@ -58,7 +59,7 @@ def lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     subprocess.run([*cmd, f"-I{CUDA_INCLUDE}", str(source), "-o", str(out)], check=True, capture_output=True, text=True)
     handle = ctypes.CDLL(str(out))
     handle.dflashAttentionHost.restype = I32
-    handle.dflashAttentionHost.argtypes = [P] * 6 + [I32] * 6 + [P] * 5 + [I32] * 8 + [F32] + [I32] * 6
+    handle.dflashAttentionHost.argtypes = [P] * 6 + [I32] * 6 + [P] * 5 + [I32] * 8 + [P, I32, P, I32, F32] + [I32] * 6
     handle.dflashAttentionWorkspaceBound.restype = I64
     handle.dflashAttentionWorkspaceBound.argtypes = [I64, I32, I32, I32]
     handle.dflashKeyVisible.restype = I32
@@ -80,6 +81,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 def run_host(lib: ctypes.CDLL, problem, splits: int = 0, keys_per_split: int = 0, sms: int = 132) -> tuple:
     """(output, primary pool, secondary pool, splits used) after the host driver ran the plugin's three steps."""
     c = problem.case
+    tree_offsets, tree_mask = problem.position_offsets, problem.packed_mask
     primary = problem.primary.clone()
     secondary = problem.secondary.clone() if problem.secondary is not None else None
     out = torch.zeros(problem.tokens, c.heads * c.head_dim, dtype=c.input_dtype)
@@ -117,7 +119,11 @@ def run_host(lib: ctypes.CDLL, problem, splits: int = 0, keys_per_split: int = 0
         problem.cos_sin.shape[0],
         c.window or 0,
         int(c.window_from_anchor),
-        0 if c.causal else 1,
+        c.mask_id,
+        _ptr(tree_offsets),
+        tree_offsets.shape[1] if tree_offsets is not None else 0,
+        _ptr(tree_mask),
+        tree_mask.shape[1] if tree_mask is not None else 0,
         c.q_scaling,
         INPUT_TYPES[c.input_dtype],
         CACHE_TYPES[c.cache_dtype],
@@ -133,6 +139,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8 if t.element_size() == 1 else torch.int16)
 
 
+def output_error(out: torch.Tensor, want: torch.Tensor) -> float:
+    """The worst error beyond rtol 0.02 (compared with OUTPUT_ATOL of the input type)."""
+    return float(((out.float() - want).abs() - 0.02 * want.abs()).max())
+
+
 def check(lib, case: AttentionCase, splits: int = 0, keys_per_split: int = 0) -> int:
     gen = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))  # the same problem every run
     problem = attention_problem(case, gen)
@@ -142,8 +153,7 @@ def check(lib, case: AttentionCase, splits: int = 0, keys_per_split: int = 0) ->
     assert torch.equal(_bits(primary), _bits(want_primary)), f"primary pool differs: {case}"
     if secondary is not None:
         assert torch.equal(_bits(secondary), _bits(want_secondary)), f"secondary pool differs: {case}"
-    error = (out.float() - want).abs() - 0.02 * want.abs()
-    worst = float(error.max())
+    worst = output_error(out, want)
     assert worst <= OUTPUT_ATOL[case.input_dtype], f"{case}: output off by {worst:.4g} beyond rtol 0.02"
     return used
 
@@ -238,3 +248,86 @@ def test_key_visibility_matches_the_golden_models(lib) -> None:
             ]
         )
         assert torch.equal(got.bool(), want)
+
+
+# Draft trees (the target's verification on B200 / B300): node counts up to EAGLE's 256 drafts (257 rows with the
+# anchor) across mask words, each with four (group, head dim, KV dtype, pages, pool, KV heads) combinations.
+TREE_ROWS = (2, 9, 16, 33, 64, 129, 257)
+TREE_LAYOUTS = (
+    (1, 64, "bfloat16", 16, False, 1),
+    (4, 128, "fp8-from-bfloat16", 32, True, 2),
+    (8, 32, "float16", 64, False, 1),
+    (2, 256, "fp8-from-float16", 128, True, 1),
+)
+
+
+def tree_case(rows: int, layout: tuple, requests: int = 2) -> AttentionCase:
+    group, head_dim, kv, tpb, secondary, kv_heads = layout
+    return AttentionCase(
+        True, None, group, head_dim, kv, tpb, secondary, kv_heads, requests=requests, max_query_len=rows, tree=True
+    )
+
+
+def chain_rows(gen_lens: torch.Tensor, width: int) -> torch.Tensor:
+    """The chain's mask rows of each request, one after another, `width` keys wide."""
+    blocks = [torch.ones(int(n), int(n), dtype=torch.bool).tril() for n in gen_lens]
+    return torch.cat([torch.nn.functional.pad(b, (0, width - b.shape[1])) for b in blocks])
+
+
+@pytest.mark.parametrize("rows", TREE_ROWS)
+def test_tree_masks_match_the_dense_reference(lib, rows) -> None:
+    """Random trees (RoPE at the anchor plus each node's depth, K / V at the anchor plus its index, each node seeing
+    the past and its ancestors) against the dense reference, splits forced 1 / 2 / 3 / chosen; the large trees at
+    the smaller head dims keep the lane-by-lane simulation short."""
+    layouts = TREE_LAYOUTS if rows <= 64 else TREE_LAYOUTS[::2]
+    for index, layout in enumerate(layouts):
+        splits = (1, 2, 3, 0)[index % 4]
+        keys_per_split = 2 * (32 if layout[1] == 256 else 64) if splits == 2 else 0
+        check(lib, tree_case(rows, layout, requests=3 if rows <= 16 else 2), splits, keys_per_split)
+
+
+def test_a_chain_tree_equals_the_causal_mask(lib) -> None:
+    """A tree that is one chain (offsets 0..n-1, lower-triangular rows) gives the causal mask's output bit for bit."""
+    case = tree_case(16, TREE_LAYOUTS[1])
+    problem = attention_problem(case, torch.Generator().manual_seed(3))
+    problem.position_offsets[:] = torch.arange(problem.position_offsets.shape[1], dtype=torch.int32)
+    problem.packed_mask = pack_bits(chain_rows(problem.gen_lens, case.max_query_len), 1)
+    tree_out = run_host(lib, problem, 1)[0]
+    causal = attention_problem(AttentionCase(**{**case.__dict__, "tree": False}), torch.Generator().manual_seed(3))
+    assert torch.equal(causal.qkv, problem.qkv)
+    assert torch.equal(_bits(run_host(lib, causal, 1)[0]), _bits(tree_out))
+
+
+@pytest.mark.parametrize("rows", (9, 40))
+@pytest.mark.parametrize("sabotage", ("bit order flipped", "offsets ignored", "chain mask"))
+def test_tree_sabotage_is_caught(lib, rows, sabotage) -> None:
+    """What a kernel reading the runtime's inputs wrong would compute is far outside the tolerance: bits taken from
+    the most significant end of each word, the offsets ignored (RoPE at the cache slot), the chain's mask."""
+    case = tree_case(rows, TREE_LAYOUTS[0])
+    problem = attention_problem(case, torch.Generator().manual_seed(rows))
+    want = dense_reference(problem)[0]
+    out = run_host(lib, problem, 1)[0]
+    assert output_error(out, want) <= OUTPUT_ATOL[case.input_dtype]
+    if sabotage == "bit order flipped":
+        bits = (problem.packed_mask.long() & 0xFFFFFFFF)[..., None] >> torch.arange(32) & 1
+        problem.packed_mask = pack_bits(bits.flip(-1).flatten(1).bool(), problem.packed_mask.shape[1])
+    elif sabotage == "offsets ignored":
+        problem.position_offsets[:] = torch.arange(problem.position_offsets.shape[1], dtype=torch.int32)
+    else:
+        problem.packed_mask = pack_bits(chain_rows(problem.gen_lens, rows), problem.packed_mask.shape[1])
+    wrong = run_host(lib, problem, 1)[0]
+    assert output_error(wrong, want) > 10 * OUTPUT_ATOL[case.input_dtype], sabotage
+
+
+def test_a_tree_launch_without_its_inputs_is_refused(lib) -> None:
+    """The driver refuses a tree mask without offsets, with too few mask words, or with a window (-1)."""
+    case = tree_case(40, TREE_LAYOUTS[0])
+    problem = attention_problem(case, torch.Generator().manual_seed(1))
+    assert run_host(lib, problem, 1)[3] == 1
+    problem.position_offsets = None
+    assert run_host(lib, problem, 1)[3] == -1
+    problem = attention_problem(case, torch.Generator().manual_seed(1))
+    problem.packed_mask = problem.packed_mask[:, :1].contiguous()
+    assert run_host(lib, problem, 1)[3] == -1
+    windowed = AttentionCase(True, 24, 1, 64, "bfloat16", 16, False, max_query_len=40, tree=True)
+    assert run_host(lib, attention_problem(windowed, torch.Generator().manual_seed(1)), 1)[3] == -1

@@ -670,6 +670,9 @@ def test_selftest_workload_fits_the_tiny_target_and_exceeds_one_chunk(tmp_path: 
     assert len(longer_than_a_chunk) == (LONG_PROMPTS if chunked else 0)
 
 
+MIXED_LAYERS = ["full_attention", "sliding_attention"]
+
+
 @pytest.mark.parametrize(
     ("heads", "block", "tp", "refused"),
     [
@@ -696,9 +699,52 @@ def test_an_fp8_cache_refuses_drafts_in_xqa_s_causal_small_batch_layout(tmp_path
             plan_engine_build(ckpt, tmp_path / "e", settings)
     else:
         plan_engine_build(ckpt, tmp_path / "e", settings)
+    for gpu in ("b200", "b300"):  # DFlashAttention runs the block there and applies the all-ones mask itself
+        assert plan_engine_build(ckpt, tmp_path / "e", replace(settings, gpu=gpu)).dflash_manifest["gpu"] == gpu
     config["quantization"] = config["dflash_config"]["quantization"] = {**fp8, "kv_cache_quant_algo": None}
     (ckpt / "config.json").write_text(json.dumps(config))
     plan_engine_build(ckpt, tmp_path / "e", settings)  # no FP8 cache: the HMMA kernels read the mask
+
+
+@pytest.mark.parametrize(
+    ("gpu", "nodes", "refused"), [("h100", 16, True), ("h100", 40, False), ("b200", 16, False), ("b300", 16, False)]
+)
+def test_an_fp8_cache_refuses_trees_in_xqa_s_causal_small_batch_layout(tmp_path, gpu, nodes, refused):
+    """A tree verified on Hopper XQA with an FP8 cache in the small-batch layout (here 1 query head per KV head per
+    rank at tp 4: N + 1 rows) would be verified as a chain; DFlashAttention (B200 / B300) reads the tree mask."""
+    fp8 = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "group_size": 16}
+    mapping = {"world_size": 4, "tp_size": 4, "pp_size": 1}
+    target_hf = {**TARGET_HF, "num_key_value_heads": 4}
+    draft_hf = {**DRAFT_HF, "num_key_value_heads": 4, "is_causal": True}
+    ckpt = write_checkpoint(tmp_path / "c", target_hf, draft_hf, quantization=fp8, mapping=mapping)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["dflash_config"]["quantization"] = fp8
+    (ckpt / "config.json").write_text(json.dumps(config))
+    settings = EngineBuildSettings(max_batch_size=8, max_num_tokens=512, gemm_plugin="fp8", gpu=gpu, draft_tree=nodes)
+    if refused:
+        with pytest.raises(DFlashTrtError, match=rf"--draft_tree {nodes}: .*17 rows <= 32.*verified as a chain"):
+            plan_engine_build(ckpt, tmp_path / "e", settings)
+    else:
+        assert plan_engine_build(ckpt, tmp_path / "e", settings).dflash_manifest["draft_tree"] == nodes
+
+
+@pytest.mark.parametrize(("layer_types", "refused"), [(["sliding_attention"] * 2, False), (MIXED_LAYERS, True)])
+def test_only_blocks_left_on_hopper_xqa_meet_its_causal_layout(tmp_path, layer_types, refused):
+    """On H100 sliding draft layers run on DFlashAttention, so a bidirectional drafter whose layers are all sliding
+    never meets XQA's hard-coded causal layout (2 x 16 = 32 rows); one full-attention layer left on XQA does."""
+    fp8 = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "group_size": 16}
+    draft_hf = {**DRAFT_HF, "num_attention_heads": 4, "use_sliding_window": True, "sliding_window": 64}
+    draft_hf["is_causal"] = False
+    ckpt = write_checkpoint(tmp_path / "c", draft_hf={**draft_hf, "layer_types": layer_types}, quantization=fp8)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["dflash_config"]["quantization"] = fp8
+    (ckpt / "config.json").write_text(json.dumps(config))
+    settings = EngineBuildSettings(max_batch_size=8, max_num_tokens=256, gemm_plugin="fp8", gpu="h100")
+    if refused:
+        with pytest.raises(DFlashTrtError, match=r"hard-coded causal"):
+            plan_engine_build(ckpt, tmp_path / "e", settings)
+    else:
+        plan_engine_build(ckpt, tmp_path / "e", settings)
 
 
 SPECULATORS_DFLASH2_HF = {
@@ -799,24 +845,25 @@ def test_a_draft_trees_schedule_is_node_budgets(ckpt: Path, tmp_path: Path):
         plan_engine_build(ckpt, tmp_path / "e", replace(settings, draft_len_schedule=DraftLenSchedule(((2, 41),))))
 
 
-@pytest.mark.parametrize(("gpu", "refused"), [("h100", False), ("h200", False), ("b200", True), ("b300", True)])
-def test_a_draft_tree_is_refused_where_dflash_attention_verifies(ckpt: Path, tmp_path: Path, capsys, gpu, refused):
-    """DFlashAttention masks the verified tokens as a chain: where it serves the target's verification (B200 / B300)
-    a tree would be verified with the wrong mask, so the plan refuses it in one line; the chain node count is the
-    chain and builds everywhere; the stock route (Hopper) builds the tree."""
+@pytest.mark.parametrize(
+    ("gpu", "kernel"),
+    [("h100", "GPTAttention"), ("h200", "GPTAttention"), ("b200", "DFlashAttention"), ("b300", "DFlashAttention")],
+)
+def test_a_draft_tree_builds_on_every_gpu_and_the_route_names_its_mask(ckpt: Path, tmp_path: Path, capsys, gpu, kernel):
+    """The stock kernel (Hopper) and DFlashAttention (B200 / B300) both verify a tree with the runtime's packed tree
+    mask: the plan builds it everywhere, the manifest and the dry run say which kernel reads the mask; the chain
+    node count is the chain and its verification stays the plain kernel."""
     from dflash_trt.cli import main as cli_main
 
     settings = EngineBuildSettings(draft_tree=40, gpu=gpu)
-    if refused:
-        with pytest.raises(DFlashTrtError, match=rf"--draft_tree: on {gpu} the target's verification runs on "):
-            plan_engine_build(ckpt, tmp_path / "e", settings)
-    else:
-        assert plan_engine_build(ckpt, tmp_path / "e", settings).dflash_manifest["draft_tree"] == 40
-    assert plan_engine_build(ckpt, tmp_path / "e", replace(settings, draft_tree=15)).build_config["max_draft_len"] == 15
+    manifest = plan_engine_build(ckpt, tmp_path / "e", settings).dflash_manifest
+    assert manifest["draft_tree"] == 40
+    assert manifest["attention"]["target_verification"] == f"{kernel} with the packed tree mask"
+    chain = plan_engine_build(ckpt, tmp_path / "e", replace(settings, draft_tree=15))
+    assert chain.build_config["max_draft_len"] == 15
+    assert chain.dflash_manifest["attention"]["target_verification"] == kernel
     argv = ["build", "--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e"), "--dry_run", "--gpu", gpu]
-    assert cli_main([*argv, "--draft_tree", "40"]) == (2 if refused else 0)
-    out, err = capsys.readouterr()
-    if refused:
-        assert out == "" and len(err.strip().splitlines()) == 1 and "no packed tree mask" in err
-    else:
-        assert "DFLASH_TRT_DRAFT_TREE=40 trtllm-build" in out
+    assert cli_main([*argv, "--draft_tree", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "DFLASH_TRT_DRAFT_TREE=40 trtllm-build" in out
+    assert f"target_verification {kernel} with the packed tree mask," in out

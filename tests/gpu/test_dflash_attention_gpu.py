@@ -73,13 +73,14 @@ def run_gpu(ext, problem, sms: int) -> tuple[torch.Tensor, torch.Tensor, torch.T
         c.max_query_len,
         c.window or 0,
         c.window_from_anchor,
-        c.causal,
+        c.mask_id,
         c.q_scaling,
         primary,
         secondary,
         *scales,
         int(problem.seq_lens.max()),
         sms,
+        *(None if t is None else t.to(cuda) for t in (problem.position_offsets, problem.packed_mask)),
     )
     torch.cuda.synchronize()
     return out.cpu(), primary.cpu(), secondary.cpu() if secondary is not None else None
@@ -127,3 +128,19 @@ def test_a_serving_sized_verify_batch(ext) -> None:
     assert_pool(primary, want_primary)
     error = float(((out.float() - want).abs() - 0.02 * want.abs()).max())
     assert error <= OUTPUT_ATOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("rows", (9, 33, 129, 257))
+def test_tree_masks_match_the_dense_reference(ext, rows) -> None:
+    """Random draft trees (the runtime's packed mask and position offsets) at the sizes the host test checks, GQA
+    4 over 2 KV heads, FP8 and bf16 caches, one split and many."""
+    for kv, sms in itertools.product(("bfloat16", "fp8-from-bfloat16"), (132, 4096)):
+        case = AttentionCase(True, None, 4, 128, kv, 32, rows % 2 == 1, kv_heads=2, max_query_len=rows, tree=True)
+        problem = attention_problem(case, torch.Generator().manual_seed(rows))
+        want, want_primary, want_secondary = dense_reference(problem)
+        out, primary, secondary = run_gpu(ext, problem, sms)
+        assert_pool(primary, want_primary)
+        if secondary is not None:
+            assert_pool(secondary, want_secondary)
+        error = float(((out.float() - want).abs() - 0.02 * want.abs()).max())
+        assert error <= OUTPUT_ATOL[case.input_dtype], f"{case}, {sms} SMs: output off by {error:.4g}"

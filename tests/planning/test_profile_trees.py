@@ -1,5 +1,5 @@
 """Draft trees in build profiles: `engine.draft_tree` and `build --config P --draft_tree N` over it, checked by the
-build's own rules (the node rule, the GPU's attention route, the schedule) and built into the engine's command,
+build's own rules (the node rule, the GPU's attention route, the schedule's node budgets) and built into the engine's command,
 manifest and Triton repository. Oracles: the lengths and EAGLE choices worked out by hand from the tree's nodes and
 draft positions; `AttentionRoute.check_tree` for which GPU verifies trees (never a list of GPUs here)."""
 
@@ -117,10 +117,25 @@ def test_the_flag_takes_the_node_rule(hub: Path, tmp_path: Path, capsys, nodes: 
     assert code == 2 and message in err
 
 
-def test_a_tree_takes_the_schedule_rule_of_the_build(hub: Path, tmp_path: Path, capsys):
-    """The shipped profile derives its schedule (auto); the build plan's rule for trees and schedules applies."""
-    code, _, err = dry_run(QWEN3_8B, tmp_path, "--hf_cache", str(hub), "--draft_tree", "32", capsys=capsys)
-    assert code == 2 and "takes no draft-length schedule" in err
+def schedule_env(out: str) -> list[tuple[int, int]]:
+    """The engine command's draft-length schedule, ((min_requests, drafts verified per request), ...)."""
+    (text,) = [a.split("=", 1)[1] for a in engine_command(out) if a.startswith("DFLASH_TRT_DRAFT_LEN_SCHEDULE=")]
+    return [tuple(map(int, step.split(":"))) for step in text.split(",")]  # type: ignore[misc]
+
+
+def test_a_tree_profiles_auto_derives_node_budgets(hub: Path, tmp_path: Path, capsys):
+    """The shipped profile's `auto` over a 32-node tree derives node budgets (at most 32, wider than the chain's 15
+    drafts at a light load, falling with it), not the chain's draft lengths."""
+    flags = ["--hf_cache", str(hub), "--max_batch_size", "64"]
+    code, out, err = dry_run(QWEN3_8B, tmp_path, *flags, "--draft_tree", "32", capsys=capsys)
+    assert code == 0, err
+    tree = schedule_env(out)
+    code, out, err = dry_run(QWEN3_8B, tmp_path, *flags, capsys=capsys)
+    assert code == 0, err
+    chain = schedule_env(out)
+    budgets = [b for _, b in tree]
+    assert max(budgets) <= 32 and budgets[0] > 15 and budgets == sorted(budgets, reverse=True)
+    assert max(b for _, b in chain) <= 15 and tree != chain
 
 
 def test_the_profile_key_sizes_the_steps_tokens_by_the_nodes(tiny_pair, tmp_path: Path):
@@ -132,29 +147,15 @@ def test_the_profile_key_sizes_the_steps_tokens_by_the_nodes(tiny_pair, tmp_path
 
 
 @pytest.mark.parametrize("gpu", sorted(GPU_SMS))
-def test_a_profile_tree_is_built_where_the_attention_route_verifies_trees(tiny_pair, tmp_path: Path, gpu: str):
-    """Whether a GPU takes a tree is AttentionRoute's answer, for the profile key and the flag alike."""
-    sm = GPU_SMS[gpu]
-    try:
-        AttentionRoute(sm).check_tree(gpu)
-        refusal = None
-    except DFlashTrtError as exc:
-        refusal = str(exc)
-    keyed = tiny_profile(tmp_path, tiny_pair, gpu, draft_tree=24)
-    if refusal is None:
-        assert load_profile(keyed).engine.draft_tree == 24
-    else:
-        with pytest.raises(DFlashTrtError) as raised:
-            load_profile(keyed)
-        assert str(raised.value) == f"{keyed}: {refusal}"
+def test_a_profile_tree_is_built_on_every_gpu(tiny_pair, tmp_path: Path, gpu: str):
+    """Every GPU verifies trees (stock XQA on Hopper, DFlashAttention's packed tree mask on Blackwell): the profile
+    key and the flag over a chain profile both build the tree."""
+    AttentionRoute(GPU_SMS[gpu]).check_tree(gpu, 24)
+    assert load_profile(tiny_profile(tmp_path, tiny_pair, gpu, draft_tree=24)).engine.draft_tree == 24
     chain = tiny_profile(tmp_path, tiny_pair, gpu)
     override = lambda settings: settings.__class__(**{**settings.__dict__, "draft_tree": 24})  # noqa: E731
     request = PipelineRequest(str(chain), str(tmp_path / "ws"), dry_run=True)
-    if refusal is None:
-        assert resolve_inputs(request, override).settings.draft_tree == 24
-    else:
-        with pytest.raises(DFlashTrtError, match="verifies a chain of drafts"):
-            resolve_inputs(request, override)
+    assert resolve_inputs(request, override).settings.draft_tree == 24
 
 
 def test_the_profile_key_takes_the_node_rule(tiny_pair, tmp_path: Path):
@@ -187,3 +188,13 @@ def test_a_tree_profile_builds_the_tree_engine_and_its_repository(tiny_pair, tmp
     params = (ws / "triton/tensorrt_llm/config.pbtxt").read_text()
     assert '"eagle_choices" value { string_value: "{0}, {0, 0}, {0, 0, 0}, {0, 0, 0, 0}, {0, 0, 0, 0, 0}, ' in params
     assert '{0, 0, 0, 0, 0, 0, 0}" }' in params and "{0, 0, 0, 0, 0, 0, 0, 0}" not in params
+
+
+def test_a_tree_profiles_table_holds_node_budgets(tiny_pair, tmp_path: Path):
+    """On a 24-node tree a table's values are node budgets: 20 (past the chain's 7 drafts) is a tree, 30 is refused."""
+    table = load_profile(tiny_profile(tmp_path, tiny_pair, draft_tree=24, draft_len_schedule="2:20,4:5"))
+    assert table.engine.draft_tree == 24
+    with pytest.raises(DFlashTrtError, match="2:30 verifies 30 drafts per request but the engine verifies at most 24"):
+        load_profile(tiny_profile(tmp_path, tiny_pair, draft_tree=24, draft_len_schedule="2:30"))
+    with pytest.raises(DFlashTrtError, match="2:20 verifies 20 drafts per request but the engine verifies at most 7"):
+        load_profile(tiny_profile(tmp_path, tiny_pair, draft_len_schedule="2:20"))

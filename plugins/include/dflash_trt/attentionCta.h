@@ -53,6 +53,7 @@ struct AttentionLaunch
     int32_t maxPositions;
     KeyWindow window;
     BlockMask mask;
+    TreeMask tree; //!< read only with BlockMask::kTree
     float qScaling;
     int32_t splits;
     int32_t keysPerSplit;
@@ -91,6 +92,12 @@ DFLASH_HD char const* attentionLaunchProblem(AttentionLaunch const& p, bool fp8)
     if (fp8 && (p.scaleOrigQuant == nullptr || p.scaleQuantOrig == nullptr))
     {
         return "an FP8 cache needs both KV scales";
+    }
+    if (p.mask == BlockMask::kTree
+        && (p.window.size != 0 || p.tree.positionOffsets == nullptr || p.tree.packedMask == nullptr
+            || p.tree.offsetsStride <= 0 || p.tree.words * 32 < p.maxQueryLen))
+    {
+        return "a tree mask needs position offsets and packed-mask rows of max_query_len bits, and no window";
     }
     return nullptr;
 }
@@ -395,6 +402,18 @@ struct AttentionCta
         }
     }
 
+    //! Whether the query at `qPos` sees the key at `key`: the layer's mask and window, or the query's row of the
+    //! runtime's packed tree mask.
+    DFLASH_HD bool sees(int32_t qPos, int32_t key) const
+    {
+        if (p.mask == BlockMask::kTree)
+        {
+            int64_t const row = req.rowStart + qPos - req.past;
+            return treeKeyVisible(p.tree.packedMask + row * p.tree.words, key, req.seqEnd, req.past);
+        }
+        return keyVisible(qPos, key, req.seqEnd, p.mask, p.window, req.past);
+    }
+
     //! S = Q K^T of one warp over the tile in `kTile` (m16n8k16: 16 query rows x 8 keys per score tile).
     DFLASH_HD void scoresOf(int32_t w, T const* kTileSmem)
     {
@@ -446,9 +465,7 @@ struct AttentionCta
                 {
                     int32_t const qPos = queryPos[w][l][c / 2];
                     int32_t const key = first + 8 * n + fragCCol(lane, c);
-                    bool const visible = !masked
-                        || (qPos >= 0 && key < keys.end
-                            && keyVisible(qPos, key, req.seqEnd, p.mask, p.window, req.past));
+                    bool const visible = !masked || (qPos >= 0 && key < keys.end && sees(qPos, key));
                     float const s = visible ? scores[w][l][n][c] * scaleLog2 : -INFINITY;
                     scores[w][l][n][c] = s;
                     tileMax[l][c / 2] = tileMax[l][c / 2] > s ? tileMax[l][c / 2] : s;
@@ -671,7 +688,8 @@ DFLASH_HD void combineChannels(AttentionLaunch const& p, RequestRows const& req,
 
 //! One (request, token, head, 8-channel rotate-half chunk) of the prepare step: RoPE of Q and K from the table,
 //! Q (rounded to the input type) into the workspace, K and V into the paged pool, as the GPT attention plugin's
-//! preprocessing writes them (the key rounded to the input type first, then to FP8 with the scale).
+//! preprocessing writes them (the key rounded to the input type first, then to FP8 with the scale). The cache slot
+//! is past + token; the RoPE position is the same but for a tree node (ropePosition).
 template <typename T, typename Cache>
 DFLASH_HD void prepareChunk(AttentionLaunch const& p, RequestRows const& req, int32_t request, int32_t token,
     int32_t unit, int32_t chunk)
@@ -683,7 +701,12 @@ DFLASH_HD void prepareChunk(AttentionLaunch const& p, RequestRows const& req, in
     int32_t const head = isQuery ? unit : unit - p.numHeads;
     int32_t const position = req.past + token;
     int64_t const row = req.rowStart + token;
-    if (token >= req.queries || position < 0 || position >= p.maxPositions)
+    if (token >= req.queries || position < 0)
+    {
+        return;
+    }
+    int32_t const rotary = ropePosition(p.mask, p.tree, request, req.past, token);
+    if (rotary < 0 || rotary >= p.maxPositions)
     {
         return;
     }
@@ -700,7 +723,7 @@ DFLASH_HD void prepareChunk(AttentionLaunch const& p, RequestRows const& req, in
             float y0 = x0, y1 = x1;
             if (part < 2)
             {
-                int64_t const at = 2 * cosSinIndex(position, c0 + e, half);
+                int64_t const at = 2 * cosSinIndex(rotary, c0 + e, half);
                 rotatePair(x0, x1, p.cosSin[at], p.cosSin[at + 1], y0, y1);
             }
             T const r0 = toCache<T>(y0, 1.f);

@@ -15,13 +15,56 @@
 namespace dflash_trt
 {
 
-//! Which block keys a query row sees: itself and earlier ones (the verification chain, causal draft layers) or all
-//! of them (DFlash's bidirectional block). Keys before the block (the past) are always candidates.
+//! Which block keys a query row sees: itself and earlier ones (the verification chain, causal draft layers), all
+//! of them (DFlash's bidirectional block), or those the runtime's packed tree mask sets (a draft tree's
+//! verification, TreeMask). Keys before the block (the past) are always candidates.
 enum class BlockMask : int32_t
 {
     kCausal = 0,
     kFull = 1,
+    kTree = 2,
 };
+
+//! A draft tree's verification as TensorRT-LLM 1.2.x's runtime feeds it to the attention plugin (docs/engine.md
+//! §6.1, §13): new token t of request r (node t) takes RoPE at past + positionOffsets[r * offsetsStride + t] (its
+//! depth) and sees block key j iff bit j % 32 of word j / 32 of its packed-mask row is set; the rows of the step's
+//! requests follow one another (request r's first row = its first packed token row). Its K / V still go to cache
+//! slot past + t (the runtime's rewind moves the accepted path's nodes afterwards).
+struct TreeMask
+{
+    int32_t const* positionOffsets; //!< int32 [requests][offsetsStride] (spec_decoding_position_offsets)
+    int32_t offsetsStride;
+    int32_t const* packedMask; //!< int32 [rows][words] (spec_decoding_packed_mask)
+    int32_t words;
+};
+
+//! Bit j of a packed-mask row: word j / 32, bit j % 32 counted from the least significant (getPackedMaskFromPath).
+DFLASH_HD bool packedMaskBit(int32_t const* row, int32_t j)
+{
+    return ((static_cast<uint32_t>(row[j >> 5]) >> (j & 31)) & 1u) != 0;
+}
+
+//! Whether a tree node whose packed-mask row is `maskRow` sees the key at `keyPos` of a request whose block starts
+//! at `past`: every key of the past, and the block keys its row sets.
+DFLASH_HD bool treeKeyVisible(int32_t const* maskRow, int32_t keyPos, int32_t seqEnd, int32_t past)
+{
+    if (keyPos < 0 || keyPos >= seqEnd)
+    {
+        return false;
+    }
+    return keyPos < past || packedMaskBit(maskRow, keyPos - past);
+}
+
+//! The RoPE position of new token `token` of `request` (block at `past`): its cache slot, or for a tree node the
+//! anchor plus its depth from the runtime's position offsets.
+DFLASH_HD int32_t ropePosition(BlockMask mask, TreeMask const& tree, int32_t request, int32_t past, int32_t token)
+{
+    if (mask != BlockMask::kTree)
+    {
+        return past + token;
+    }
+    return past + tree.positionOffsets[static_cast<int64_t>(request) * tree.offsetsStride + token];
+}
 
 //! Query rows of one CTA (4 warps of 16 rows, the m16 of the tensor-core tile).
 constexpr int32_t kWarpRows = 16;
