@@ -78,7 +78,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 # The tiny target has 256 positions (max_position_embeddings); an engine runs requests of max_seq_len + K tokens, which
-# reach 2K positions further (build_plan.longest_max_seq_len), so with its 16-token blocks it builds with 211.
+# reach 2K positions further (engine_lengths.longest_max_seq_len), so with its 16-token blocks it builds with 211.
 TINY_MAX_INPUT_LEN = 160
 LONG_PROMPTS = 2
 
@@ -88,7 +88,8 @@ def selftest_workload(
 ):
     """Engine settings and prompts. With chunked context, max_num_tokens is the least a batch of generation steps
     needs, and the last prompts are longer than that, so their prefill only fits in several context chunks."""
-    from dflash_trt.trtllm.build_plan import EngineBuildSettings, longest_max_seq_len
+    from dflash_trt.trtllm.build_settings import EngineBuildSettings
+    from dflash_trt.trtllm.engine_lengths import longest_max_seq_len
 
     batch = max(num_prompts, 1)
     prompts = [tokenizer.encode(text) for text in texts[:num_prompts]]
@@ -210,7 +211,8 @@ def run(args: argparse.Namespace) -> int:
     from dflash_trt.tiny.heldout import asset_dir, load_heldout
     from dflash_trt.tokenizer import load_tokenizer
     from dflash_trt.trtllm.build import require_tensorrt_llm, run_engine_build
-    from dflash_trt.trtllm.build_plan import check_engine_config, plan_engine_build
+    from dflash_trt.trtllm.build_plan import plan_engine_build
+    from dflash_trt.trtllm.engine_manifest import check_engine_config
 
     out = Path(args.output_dir)
     check_output_apart(out, {"the embedded tiny pair": asset_dir(), "--plugin_library": args.plugin_library})
