@@ -1,7 +1,7 @@
 """Draft trees in build profiles: `engine.draft_tree` and `build --config P --draft_tree N` over it, checked by the
-build's own rules (the node rule, the GPU's attention route, the schedule's node budgets) and built into the engine's command,
-manifest and Triton repository. Oracles: the lengths and EAGLE choices worked out by hand from the tree's nodes and
-draft positions; `AttentionRoute.check_tree` for which GPU verifies trees (never a list of GPUs here)."""
+build's own rules (the node rule, the GPU's attention route, the schedule's node budgets) and built into the engine's
+command, manifest and Triton repository. Oracles: the lengths and EAGLE choices worked out by hand from the tree's
+nodes and draft positions; `AttentionRoute.check_tree` for which GPU verifies trees (never a list of GPUs here)."""
 
 from __future__ import annotations
 
