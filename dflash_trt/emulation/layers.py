@@ -346,6 +346,8 @@ def _host(t: Tensor | None, what: str) -> np.ndarray:
 
 
 class Attention(Module):
+    attention_output_orig_quant_scale: Parameter | None
+
     def __init__(
         self,
         *,

@@ -1,4 +1,4 @@
-"""FP8 context FMHA's FP8 output on the Blackwell split (trtllm/generation_attention.py `stock_rows_as_generation_rows`).
+"""FP8 context FMHA's FP8 output on the Blackwell split (generation_attention.py `stock_rows_as_generation_rows`).
 
 With an FP8 KV cache and FP8 / NVFP4 weights the stock attention plugin writes e4m3; on B200 / B300 its context rows
 meet DFlashAttention's bf16 / fp16 generation rows in one concatenation, which TensorRT refuses for mixed types and
