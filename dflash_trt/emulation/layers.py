@@ -21,7 +21,9 @@ table's rows (the kernel would read other memory), and what 1.2.x's dispatch can
 kernel (attentionOp.cpp asserts "No available XQA kernels are found for speculative decoding mode"). With q/k norms
 the fused qkv rows are split as 1.2.x's `Attention.forward` splits them: [Q | K | V] when a rank holds more query
 than KV heads, interleaved per head when the counts are equal. Context requests of a network whose builder turns FP8
-context FMHA on (FP8 / NVFP4 weights, FP8 cache) attend as `reference.quantized.fp8_context_attention` defines it.
+context FMHA on (FP8 / NVFP4 weights, FP8 cache) attend as `reference.quantized.fp8_context_attention` defines it,
+and the plugin's whole output is then e4m3 at the `attention_output_orig_quant_scale` `Attention.forward` passes
+(`reference.quantized.fp8_attention_output`), which the FP8 / FP4 dense layers take as 1.2.x's do.
 """
 
 from __future__ import annotations
