@@ -37,7 +37,8 @@ NUMERICS_TESTS := tests/emulation/test_emulation.py tests/emulation/test_emulati
 	tests/engine/test_verify_replay.py tests/engine/test_sampler_support.py tests/emulation/test_emulation_ranks.py \
 	tests/emulation/test_emulation_precision.py tests/emulation/test_emulation_dflash2.py \
 	tests/golden/test_parity_speculators.py tests/quant/test_fp8_context_attention.py tests/engine/test_greedy_fast_path.py \
-	tests/models/test_tiny_widen.py tests/emulation/test_emulation_tree.py tests/emulation/test_emulation_routes.py
+	tests/models/test_tiny_widen.py tests/emulation/test_emulation_tree.py tests/emulation/test_emulation_routes.py \
+	tests/emulation/test_fp8_context_rows.py
 
 # The fast tier for a local loop (`make test-fast`, under a minute on a quiet 2-core machine): every subject's unit and
 # contract tests, without the real Triton server, the subprocesses and the long end-to-end runs; `make test` runs all.

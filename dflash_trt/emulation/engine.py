@@ -20,6 +20,7 @@ from dflash_trt.checkpoint.trtllm_config import specs_from_config
 from dflash_trt.draft_schedule import FIXED, DraftLenSchedule
 from dflash_trt.emulation.functional import EmulationError, Network, PluginConfig, Tensor, net_guard
 from dflash_trt.emulation.kv_pool import KVPool, pool_at
+from dflash_trt.emulation.models import set_fp8_context_fhma
 from dflash_trt.emulation.ranks import RankGroup
 from dflash_trt.emulation.stand_ins import load_engine_module, stand_ins_installed
 from dflash_trt.errors import DFlashTrtError
@@ -135,6 +136,9 @@ class EmulatedEngine:
             tokens_per_block=tokens_per_block,
             use_fp8_context_fmha=fp8_context_fmha(weights_qformat(self.facts), kv_cache_format(self.facts)),
         )
+        if self.plugin_config.use_fp8_context_fmha:
+            for model in self.rank_models:
+                set_fp8_context_fhma(model)
         self.stats = StepStats()
 
     def run(self, inputs: dict[str, Any], batch_size: int) -> dict[str, torch.Tensor]:

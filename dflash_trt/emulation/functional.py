@@ -526,16 +526,36 @@ def unsqueeze(x: Tensor, axis: int) -> Tensor:
     return wrap_tensor(x.data.unsqueeze(axis))
 
 
+# TensorRT 10's Concatenation operator: one type T for all inputs and the output, T one of these (no FP8, no FP4).
+CONCAT_TYPES = (trt.bool, trt.int8, trt.int32, trt.int64, trt.float16, trt.float32, trt.bfloat16)
+
+
 def concat(inputs: Sequence[Any], dim: int = 0) -> Tensor:
     if not inputs:
         raise EmulationError("concat of nothing")
     tensors = [t.view([1]) if t.rank() == 0 else t for t in constants_to_tensors_(*inputs)]
     if len({t.dtype for t in tensors}) != 1:
         raise EmulationError(f"concat of different types {[t.dtype.name for t in tensors]} (IConcatenationLayer)")
+    if tensors[0].dtype not in CONCAT_TYPES:
+        raise EmulationError(f"concat of {tensors[0].dtype.name} tensors (IConcatenationLayer takes no such type)")
     try:
         return wrap_tensor(torch.cat([t.data for t in tensors], dim=dim))
     except RuntimeError as exc:
         raise EmulationError(f"concat: {exc}") from None
+
+
+def dequantize(input: Tensor, scale_factor: Tensor, axis: int = -1, output_type: Any = "float16") -> Tensor:  # noqa: A002
+    """`quantization/functional.py` `dequantize`: TensorRT's IDequantizeLayer, `input * scale` in the output type.
+    Its operator reference: input INT8 / FP8 / INT4, output FLOAT / HALF / BF16, the scale of the output type and
+    a build-time constant, one element for per-tensor dequantization (the only kind used here)."""
+    to = trt_dtype(output_type)
+    if input.dtype not in (trt.int8, trt.fp8):
+        raise EmulationError(f"dequantize of a {input.dtype.name} tensor (IDequantizeLayer takes INT8 / FP8 / INT4)")
+    if to not in (trt.float32, trt.float16, trt.bfloat16) or scale_factor.dtype != to:
+        raise EmulationError(f"dequantize to {to.name} with a {scale_factor.dtype.name} scale (IDequantizeLayer)")
+    if scale_factor.data.numel() != 1:
+        raise EmulationError("dequantize: the emulation implements per-tensor scales only")
+    return wrap_tensor((input.data.float() * scale_factor.data.float().reshape(())).to(trt.TORCH_DTYPES[to]))
 
 
 def slice(

@@ -21,7 +21,9 @@ table's rows (the kernel would read other memory), and what 1.2.x's dispatch can
 kernel (attentionOp.cpp asserts "No available XQA kernels are found for speculative decoding mode"). With q/k norms
 the fused qkv rows are split as 1.2.x's `Attention.forward` splits them: [Q | K | V] when a rank holds more query
 than KV heads, interleaved per head when the counts are equal. Context requests of a network whose builder turns FP8
-context FMHA on (FP8 / NVFP4 weights, FP8 cache) attend as `reference.quantized.fp8_context_attention` defines it.
+context FMHA on (FP8 / NVFP4 weights, FP8 cache) attend as `reference.quantized.fp8_context_attention` defines it,
+and the plugin's whole output is then e4m3 at the `attention_output_orig_quant_scale` `Attention.forward` passes
+(`reference.quantized.fp8_attention_output`), which the FP8 / FP4 dense layers take as 1.2.x's do.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from dflash_trt.emulation.quantization import FP8, NVFP4, QuantMode
 from dflash_trt.emulation.ranks import allgather, allreduce
 from dflash_trt.emulation.rope import cos_sin_table
 from dflash_trt.quant.nvfp4 import NVFP4_BLOCK_SIZE, dequantize_nvfp4, quantize_nvfp4
-from dflash_trt.reference.quantized import fp8_context_attention
+from dflash_trt.reference.quantized import fp8_attention_output, fp8_context_attention
 from dflash_trt.trtllm.attention_route import BLACKWELL_SMS
 
 FP8_MAX = 448.0
@@ -140,9 +142,23 @@ class Linear(Module):
     def _gemm(self, x: Tensor, with_bias: bool) -> torch.Tensor:
         """The GEMM with fp32 accumulation, its output rounded once to the layer's dtype (a cuBLAS / plugin GEMM);
         `with_bias` adds the bias in the same fp32 epilogue."""
-        data = _typed(x, _torch_dtype(self.dtype), "a linear layer")
+        dtype = _torch_dtype(self.dtype)
         bias = self.bias.raw.float() if with_bias and self.bias is not None else None
-        return F.linear(self._rounded_input(data.float()), self._dequantized_weight(), bias).to(data.dtype)
+        if x.data.dtype == torch.float8_e4m3fn:
+            return F.linear(self._fp8_input(x.data), self._dequantized_weight(), bias).to(dtype)
+        data = _typed(x, dtype, "a linear layer")
+        return F.linear(self._rounded_input(data.float()), self._dequantized_weight(), bias).to(dtype)
+
+    def _fp8_input(self, x: torch.Tensor) -> torch.Tensor:
+        """An FP8 input (the attention plugin's output with FP8 context FMHA) as the quantized linears take it
+        [read: quantization/layers.py]: `FP8RowLinear` uses it as its quantized input (scale: its activation scale);
+        `FP4RowLinear` dequantizes it with its FP4 input scale times 6 and quantizes that to FP4 (the WAR for FP8
+        output attention; the FP4 quantize plugin takes FP8 input too)."""
+        if self.quant_algo == FP8:
+            return x.float() * self.activation_scaling_factor.raw.float().reshape(())
+        if self.quant_algo == NVFP4:
+            return self._rounded_input(x.float() * (self.activation_global_scaling_factor.raw.float().reshape(()) * 6))
+        raise EmulationError("an FP8 tensor fed to an unquantized linear layer (the network is strongly typed)")
 
     def _bias(self, y: torch.Tensor) -> torch.Tensor:
         """The bias as a separate elementwise add in the activations' dtype."""
@@ -332,6 +348,8 @@ def _host(t: Tensor | None, what: str) -> np.ndarray:
 
 
 class Attention(Module):
+    attention_output_orig_quant_scale: Parameter | None
+
     def __init__(
         self,
         *,
@@ -398,6 +416,8 @@ class Attention(Module):
                 raise EmulationError("the emulation implements RmsNorm q/k norms")
             self.q_layernorm = RmsNorm(d, eps=eps, dtype=dtype)
             self.k_layernorm = RmsNorm(d, eps=eps, dtype=dtype)
+        # Set by `models.set_fp8_context_fhma` when the builder turns FP8 context FMHA on.
+        self.register_parameter("attention_output_orig_quant_scale", None)
         if self.quant_mode.has_kv_cache_quant():
             self.kv_cache_scaling_factor = Parameter(shape=(1,), dtype="float32")
             self.kv_cache_rcp_scaling_factor = Parameter(shape=(1,), dtype="float32")
@@ -466,6 +486,7 @@ class Attention(Module):
             rotary_cos_sin=params.embed_positions_for_gpt_attention,
             kv_orig_quant_scale=self.kv_cache_rcp_scaling_factor.value if scaled else None,
             kv_quant_orig_scale=self.kv_cache_scaling_factor.value if scaled else None,
+            attention_output_orig_quant_scale=self._get_output_orig_quant_scale(),
             max_context_length=params.max_context_length,
             mask_type=self.attention_mask_type,
             kv_cache_block_offsets=kv.kv_cache_block_offsets,
@@ -482,6 +503,16 @@ class Attention(Module):
             spec_decoding_use=spec.spec_decoding_use,
         )
         return self.dense(context), None
+
+    def _get_output_orig_quant_scale(self) -> Tensor | None:
+        """As 1.2.x's: the scale the FP8 attention output is quantized with; for NVFP4 the FP4 dense layer's (an
+        FP4 x FP8 scale) divided by 6, FP4's largest value, so that it quantizes to FP8 [read: layers/attention.py]."""
+        if self.attention_output_orig_quant_scale is None:
+            return None
+        scale = self.attention_output_orig_quant_scale.value
+        if default_net().plugin_config.gemm_plugin == "nvfp4" or self.quant_mode.has_nvfp4():
+            return wrap_tensor(scale.data / 6.0)
+        return scale
 
     def _split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q `[tokens, heads, d]`, k and v `[tokens, kv_heads, d]`, q/k-normed, read from the fused rows as 1.2.x's
@@ -509,8 +540,8 @@ def gpt_attention(**kwargs: Any) -> tuple[Tensor, None]:
     q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
     q, k, v = q.reshape(tokens, h, d), k.reshape(tokens, kvh, d), v.reshape(tokens, kvh, d)
     # The kernels rotate in fp32 and keep q and the cached k in the activations' dtype; softmax(QK^T)V
-    # accumulates in fp32 and its output is rounded once.
-    out = torch.zeros(tokens, h, d, dtype=dtype)
+    # accumulates in fp32 and its output is rounded once (to e4m3 when the output is FP8).
+    out = torch.zeros(tokens, h, d, dtype=torch.float32)
     for rows, positions, rope_positions, visible in call.requests(tokens):
         sl = rows.slice
         cos, sin = call.rope(rope_positions)
@@ -519,10 +550,13 @@ def gpt_attention(**kwargs: Any) -> tuple[Tensor, None]:
         keys, values = call.cache_write_read(rows.batch, positions, kr, v[sl], visible.shape[1])
         scale = 1.0 / (call.q_scaling * d**0.5)
         if rows.context and call.fp8_context_fmha:
-            out[sl] = _attend_fp8(qr, keys, values, visible, scale, kwargs["kv_quant_orig_scale"].data).to(dtype)
+            out[sl] = _attend_fp8(qr, keys, values, visible, scale, kwargs["kv_quant_orig_scale"].data)
         else:
-            out[sl] = _attend(qr.float(), keys, values, visible, scale).to(dtype)
-    return wrap_tensor(out.reshape(tokens, h * d)), None
+            out[sl] = _attend(qr.float(), keys, values, visible, scale)
+    out = out.reshape(tokens, h * d)
+    if call.output_orig_quant is None:
+        return wrap_tensor(out.to(dtype)), None
+    return wrap_tensor(fp8_attention_output(out, call.output_orig_quant.data)), None
 
 
 class _StockCall:
@@ -543,6 +577,16 @@ class _StockCall:
         self.fp8_context_fmha = (
             default_net().plugin_config.use_fp8_context_fmha and kwargs.get("kv_quant_orig_scale") is not None
         )
+        # With FP8 context FMHA the plugin's whole output is FP8, quantized with the scale it then takes as an input
+        # (gptAttentionPlugin.cpp `getOutputDataType`, `isEntryUsed`); functional.gpt_attention refuses the scale
+        # without FP8 context FMHA.
+        self.output_orig_quant = kwargs.get("attention_output_orig_quant_scale")
+        if (self.output_orig_quant is not None) != default_net().plugin_config.use_fp8_context_fmha:
+            raise EmulationError(
+                "FP8 Context FMHA needs to be enabled"
+                if self.output_orig_quant is not None
+                else "FP8 context FMHA without attention_output_orig_quant_scale (the plugin's FP8 output needs it)"
+            )
 
     def requests(self, tokens: int) -> Any:
         """Per request: its rows, cache positions, RoPE positions and the [rows, keys] visibility."""

@@ -26,9 +26,10 @@ import torch
 from dflash_trt.checkpoint.safetensors_io import SafetensorsFile
 from dflash_trt.emulation.functional import AttentionMaskType, EmulationError, LayerNormType
 from dflash_trt.emulation.layers import Attention, GatedMLP, Linear, RmsNorm
-from dflash_trt.emulation.module import Module
+from dflash_trt.emulation.module import Module, Parameter
 from dflash_trt.emulation.moe import MOE, MoeConfig
 from dflash_trt.emulation.quantization import FP8, NVFP4, QuantConfig
+from dflash_trt.reference.quantized import reciprocal_input_scale
 
 MODEL_MAP: dict[str, type] = {}
 
@@ -350,6 +351,19 @@ def quantize(model: Module, config: QuantConfig) -> None:
     for name, module in list(model.named_modules()):
         if isinstance(module, Linear) and not any(fnmatch.fnmatchcase(name, p) for p in config.exclude_modules):
             module.quantize_as(config.quant_algo)
+
+
+def set_fp8_context_fhma(model: Module) -> None:
+    """What the builder's `optimize_model` does when `use_fp8_context_fmha` is on [read: models/modeling_utils.py
+    `set_fp8_context_fhma`]: each Attention whose dense layer is FP8 / NVFP4 gets `attention_output_orig_quant_scale`,
+    the reciprocal of the dense's input scale, which `Attention.forward` hands the plugin for its FP8 output."""
+    for _, layer in model.named_modules():
+        if isinstance(layer, Attention) and layer.dense.quant_algo is not None:
+            dense = layer.dense
+            scale = (
+                dense.activation_scaling_factor if dense.quant_algo == FP8 else dense.activation_global_scaling_factor
+            )
+            layer.attention_output_orig_quant_scale = Parameter(reciprocal_input_scale(scale.raw), dtype="float32")
 
 
 class PretrainedModel(Module, metaclass=_PostInitCaller):

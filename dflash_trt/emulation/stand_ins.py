@@ -67,6 +67,7 @@ REGISTRY: dict[str, dict[str, Any]] = {
             "minimum",
             "where",
             "cast",
+            "div",
             "tanh",
             "exp",
             "unary",
@@ -111,6 +112,8 @@ REGISTRY: dict[str, dict[str, Any]] = {
     "tensorrt_llm.models.qwen.config": {"QWenConfig": models.QWenConfig},
     "tensorrt_llm.models.qwen.model": {"QWenDecoderLayer": models.QWenDecoderLayer},
     "tensorrt_llm.module": {"Module": Module, "ModuleList": ModuleList},
+    "tensorrt_llm.quantization": {},
+    "tensorrt_llm.quantization.functional": {"dequantize": functional.dequantize},
     "tensorrt_llm.parameter": {"Parameter": Parameter},
 }
 ENGINE_PACKAGE = Path(__file__).resolve().parents[1] / "trtllm"

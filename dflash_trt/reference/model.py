@@ -29,9 +29,11 @@ from dflash_trt.reference.kv_injection import injected_kv
 from dflash_trt.reference.norm import rms_norm
 from dflash_trt.reference.proposal import CandidateSelector, DraftChoice, DraftHead
 from dflash_trt.reference.quantized import (
+    attention_output_orig_quant_scale,
     dequantized_weight,
     fake_quantize_fp8,
     fake_quantize_input,
+    fp8_attention_rows,
     fp8_context_attention,
     weight_format,
 )
@@ -285,7 +287,7 @@ def attend_fp8_context(
     groups = q.shape[2] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     out = fp8_context_attention(q.transpose(1, 2), k, v, visible[:, None], scale, kv_scale)
-    return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1).to(q.dtype)
+    return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1)
 
 
 class TargetModel:
@@ -317,12 +319,18 @@ class TargetModel:
     def _attention(
         self, layer: LayerWeights, q, keys, values, visible, context_rows: torch.Tensor | None
     ) -> torch.Tensor:
-        """`attend`, with the context rows as FP8 context FMHA computes them when the engine runs it."""
+        """`attend`, with the context rows as FP8 context FMHA computes them when the engine runs it: in FP8, and
+        written as e4m3 with the output scale the engine derives from the dense layer's input scale."""
         scale = self.spec.head_dim**-0.5
         out = attend(q, keys, values, visible, scale)
         if self.fp8_context and context_rows is not None and context_rows.any() and layer.kv_scale is not None:
             rows = context_rows
-            out[rows] = attend_fp8_context(q[rows], keys[rows], values[rows], visible[rows], scale, layer.kv_scale)
+            fp8 = attend_fp8_context(q[rows], keys[rows], values[rows], visible[rows], scale, layer.kv_scale)
+            dense = layer.dense
+            if dense.input_scale is not None:
+                orig_quant = attention_output_orig_quant_scale(dense.input_scale, dense.input_format)
+                fp8 = fp8_attention_rows(fp8, orig_quant, q.dtype)
+            out[rows] = fp8.to(q.dtype)
         return out
 
     def forward(

@@ -4,7 +4,7 @@ The golden model runs FP8 / NVFP4 checkpoints through these, so its tokens are t
 weights exactly as stored (dequantized once at load), each quantized linear's input rounded with its static
 `activation_scaling_factor` (NVFP4: dynamic 16-element blocks under that global scale), K/V rounded to FP8 with
 `kv_cache_scaling_factor` when the cache is FP8, and context attention as FP8 context FMHA computes it where the engine
-runs it (`fp8_context_attention`).
+runs it (`fp8_context_attention`), its output rounded to e4m3 as the kernel writes it (`fp8_attention_rows`).
 """
 
 from __future__ import annotations
@@ -85,3 +85,32 @@ def fp8_context_attention(
     total = probabilities.sum(-1, keepdim=True)
     rounded = (probabilities * FP8_E4M3_MAX).to(torch.float8_e4m3fn).float() / FP8_E4M3_MAX
     return (rounded @ v.float()) / total
+
+
+def reciprocal_input_scale(dense_input_scale: torch.Tensor) -> torch.Tensor:
+    """The attention layer's `attention_output_orig_quant_scale` parameter: 1 / the dense layer's input scale, taken
+    in double and stored as float32 [read: models/modeling_utils.py `set_fp8_context_fhma`]."""
+    return (1.0 / dense_input_scale.double()).float().reshape(1)
+
+
+def attention_output_orig_quant_scale(dense_input_scale: torch.Tensor, dense_format: str) -> torch.Tensor:
+    """The scale TensorRT-LLM 1.2.x quantizes an FP8 attention output with: the parameter above, divided by 6 in
+    float32 for NVFP4, whose input scale is an FP4 x FP8 one [read: layers/attention.py
+    `Attention._get_output_orig_quant_scale`]."""
+    scale = reciprocal_input_scale(dense_input_scale)
+    return scale / 6.0 if dense_format == NVFP4 else scale
+
+
+def fp8_attention_output(out: torch.Tensor, orig_quant: torch.Tensor) -> torch.Tensor:
+    """The attention plugin's FP8 output: the fp32 result times the orig->quant scale, saturated, rounded to e4m3."""
+    scaled = out.float() * orig_quant.float().reshape(())
+    return scaled.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def fp8_attention_rows(out: torch.Tensor, orig_quant: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The rows FP8 context FMHA computes, as the engine's dense layer receives them on B200 / B300: the plugin's e4m3
+    output dequantized to `dtype` with the reciprocal scale cast to `dtype` (trtllm/generation_attention.py
+    `stock_rows_as_generation_rows`). For FP8 weights the dense's own input rounding makes this exact to leave out;
+    for NVFP4 it is the extra e4m3 rounding before the FP4 quantizer."""
+    reciprocal = (1.0 / orig_quant.float()).to(dtype).float().reshape(())
+    return (fp8_attention_output(out, orig_quant).float() * reciprocal).to(dtype)

@@ -12,6 +12,12 @@ requests and the host input `input_gen_tokens` to its generation tokens [read: E
 setFromInputs]. So the split is shape arithmetic, no data-dependent shapes: the first rows and requests go to the
 stock plugin (spec decoding off: it never sees a generation request), the rest to DFlashAttention; the outputs are
 concatenated in the same order. For the drafter's block every request is a generation request and nothing is split.
+
+With FP8 context FMHA (`use_fp8_context_fmha`, which 1.2.x's builder turns on for FP8 / NVFP4 weights with an FP8 KV
+cache) the stock plugin's output is FP8 e4m3, quantized with the `attention_output_orig_quant_scale` that
+`Attention.forward` passes [read: gptAttentionPlugin.cpp `getOutputDataType`, layers/attention.py]; DFlashAttention's
+is the type of `qkv`, and TensorRT's concatenation takes one type, never FP8 [read: TensorRT 10 operator reference,
+Concatenation]. So the stock rows are dequantized to `qkv`'s type first (`stock_rows_as_generation_rows`).
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tensorrt_llm._common import default_net
-from tensorrt_llm.functional import Tensor, concat, shape, slice
+from tensorrt_llm.functional import Tensor, cast, concat, div, shape, slice
+from tensorrt_llm.quantization.functional import dequantize
 
 from dflash_trt.trtllm.plugin import AttentionGeometry, dflash_attention_layer
 
@@ -137,6 +144,7 @@ def _routed(stock: Any, block: BlockAttention, **kwargs: Any) -> tuple[Tensor, N
         spec_decoding_is_generation_length_variable=False,
     )
     context, _ = stock(**context_only)
+    context = stock_rows_as_generation_rows(context, kwargs)
     generation = _generation(
         block,
         kwargs,
@@ -144,6 +152,37 @@ def _routed(stock: Any, block: BlockAttention, **kwargs: Any) -> tuple[Tensor, N
         slice(sequence_length, concat([split.context_requests]), concat([split.generation_requests])),
     )
     return concat([context, generation], dim=0), None
+
+
+def stock_rows_as_generation_rows(context: Tensor, kwargs: dict[str, Any]) -> Tensor:
+    """The stock plugin's rows in `qkv`'s type, ready to be concatenated with DFlashAttention's.
+
+    The plugin's output is FP8 exactly when the plugin config's `use_fp8_context_fmha` is on (`mFP8ContextFMHA &&
+    mEnableContextFMHA`; context FMHA is always on here, as paged context FMHA, which EAGLE engines force, needs it);
+    its values are then e4m3 `q = round(x * s_oq)` with `s_oq` the call's `attention_output_orig_quant_scale`.
+    They are dequantized as `FP8RowLinear.forward` dequantizes an FP8 input: `dequantize` with the scale (here
+    1 / s_oq) cast to the output type [read: quantization/layers.py, quantization/functional.py].
+
+    Why nothing changes for FP8 weights: `s_oq` is 1 / the dense layer's activation scale `s` [read:
+    modeling_utils.py `set_fp8_context_fhma`], and the FP8 dense re-quantizes a non-FP8 input with that same `s`.
+    `q * s` rounded to bf16 / fp16 and divided by `s` again is `q` times a factor within 3 * 2^-8 of 1 (three
+    roundings to the 16-bit type: this scale, the product, the dense's own cast of `s`), while rounding `q` to
+    another e4m3 value takes a relative move of at least 2^-5 (half the spacing of 3 mantissa bits; e4m3's evenly
+    spaced subnormals move by far less than their half-spacing, and for fp16 so do its own subnormals while `s`
+    exceeds 2^-15), so the dense's quantization returns exactly `q`, the FP8 input a Hopper engine's dense receives
+    straight from the plugin (saturation at 448 included). For NVFP4 weights `s_oq` is the reciprocal of the FP4
+    dense's input scale, over 6 [read: layers/attention.py `_get_output_orig_quant_scale`]: the kernel's e4m3
+    rounding of the attention output (relative error up to 2^-4) happens on any route and the golden model applies
+    it too (`reference.quantized.fp8_attention_rows`); this path adds one rounding to bf16 / fp16 (up to 2^-8 / 2^-11
+    relative) before the dense's dynamic FP4 quantization, which moves an FP4 value only where it lies that close
+    to a rounding boundary."""
+    if not default_net().plugin_config.use_fp8_context_fmha:
+        return context
+    orig_quant = kwargs.get("attention_output_orig_quant_scale")
+    if orig_quant is None:
+        raise ValueError("FP8 context FMHA: the stock attention call carries no attention_output_orig_quant_scale")
+    dtype = kwargs["qkv"].dtype
+    return dequantize(context, cast(div(1.0, orig_quant), dtype), -1, dtype)
 
 
 def _generation(block: BlockAttention, kwargs: dict[str, Any], qkv: Tensor, sequence_length: Tensor) -> Tensor:

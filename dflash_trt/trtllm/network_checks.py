@@ -106,13 +106,15 @@ def check_moe_layers(facts: CheckpointFacts) -> None:
 
 def check_kv_cache_format(weights: str, kv_cache: str) -> None:
     """Unquantized weights with an FP8 KV cache cannot run: the builder turns paged context FMHA off for them (no FP8
-    context FMHA without FP8 weights), its EAGLE branch turns it back on, and the attention plugin then refuses the
-    first prompt [read: attentionOp.cpp `enqueueContext`, FP8 KV cache without FP8 QDQ and paged context FMHA]."""
+    context FMHA without FP8 weights), its EAGLE branch turns it back on, and the attention plugin then has 16-bit
+    queries over an e4m3 paged cache, which 1.2.x's FMHA dispatcher refuses when the engine loads off the SM100
+    family [read: fmhaDispatcher.cpp `FmhaDispatcher`, "KV cache data type ... is not the same as input data type"]
+    and for which B200 / B300 need a context kernel not reported to exist (docs/engine.md §1.1)."""
     if kv_cache == FP8 and weights not in FP8_CONTEXT_FMHA_WEIGHTS:
         raise DFlashTrtError(
             f"an FP8 KV cache needs fp8 or nvfp4 weights in a TensorRT-LLM 1.2.x EAGLE engine, but they are {weights}: "
-            "the builder re-enables paged context FMHA (EAGLE needs it) without FP8 context FMHA, which the attention "
-            "plugin refuses at the first prompt ('FP8 Paged Context FMHA only works with fp8 quantization workflow "
-            "currently'); convert with --qformat fp8 or nvfp4, or with --kv_cache_dtype none (the golden model still "
-            "decodes this checkpoint)"
+            "the builder re-enables paged context FMHA (EAGLE needs it) without FP8 context FMHA, leaving 16-bit "
+            "queries over an FP8 paged cache, which the attention plugin's context kernels do not take (refused when "
+            "the engine loads on H100 / H200); convert with --qformat fp8 or nvfp4, or with --kv_cache_dtype none "
+            "(the golden model still decodes this checkpoint)"
         )

@@ -164,11 +164,13 @@ def _prefill_logits(model, prompt: list[int], fp8_context: bool) -> torch.Tensor
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("qformat", ["fp8", "nvfp4"])
-def test_quantized_checkpoints_with_fp8_kv_cache(qformat, tmp_path, monkeypatch):
+@pytest.mark.parametrize(("qformat", "gpu"), [("fp8", "h200"), ("fp8", "b200"), ("nvfp4", "b300")])
+def test_quantized_checkpoints_with_fp8_kv_cache(qformat, gpu, tmp_path, monkeypatch):
     """Decoding agrees (tie-aware), and the prompts' logits show that both sides run the context requests through
-    FP8 context attention: the network's context-step logits sit on the golden model's FP8-context logits, far closer
-    than the 16-bit-context ones are."""
+    FP8 context attention, its output written as e4m3: the network's context-step logits sit on the golden model's
+    FP8-context logits, far closer than the 16-bit-context ones are. On Hopper the stock plugin's FP8 output goes
+    straight to the dense layers; on Blackwell its context rows are dequantized to meet DFlashAttention's. NVFP4
+    runs on Blackwell only (profiles refuse it on Hopper)."""
     pytest.importorskip("modelopt.torch.quantization")
     from dflash_trt.emulation.engine import EmulatedEngine
 
@@ -195,7 +197,7 @@ def test_quantized_checkpoints_with_fp8_kv_cache(qformat, tmp_path, monkeypatch)
     assert model.target.fp8_context  # the engine's context requests attend in FP8 (formats.fp8_context_fmha)
     # The golden loop K tokens further verifies a full block wherever the engine does (reference/divergence.py).
     golden = speculative_generate(model, PROMPTS, 10 + model.draft.spec.block_size - 1, STOP)
-    runtime = EmulatedEngine(ckpt, max_batch_size=4, tokens_per_block=16)
+    runtime = EmulatedEngine(ckpt, gpu=gpu, max_batch_size=4, tokens_per_block=16)
     assert runtime.cache_dtype == torch.float8_e4m3fn and runtime.plugin_config.use_fp8_context_fmha
     assert divergences(ckpt, golden, decode_batch(runtime, PROMPTS, 10, STOP), 10) == []
     context_step = steps[0]  # every prompt fits the first step: one logits row per context request, in order
