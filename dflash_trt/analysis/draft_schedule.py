@@ -49,7 +49,7 @@ from dflash_trt.draft_schedule import FIXED, DraftLenSchedule
 from dflash_trt.formats import FP8, NONE, quant_algo
 from dflash_trt.inputs import draft_tree_nodes
 from dflash_trt.jsonfile import read_json_object
-from dflash_trt.trtllm.build_plan import read_checkpoint_facts, weights_qformat
+from dflash_trt.trtllm.checkpoint_facts import read_checkpoint_facts, weights_qformat
 
 # The harness whose committed calibration prices our engine's steps (TensorRT-LLM's C++ executor).
 ENGINE_HARNESS = "trtllm"

@@ -36,7 +36,7 @@ from dflash_trt.analysis.model import (
 )
 from dflash_trt.analysis.pareto import Point
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.trtllm.build_plan import TOKENS_PER_BLOCK
+from dflash_trt.trtllm.build_limits import TOKENS_PER_BLOCK
 
 # Assumed: CUDA context, cuBLAS/NCCL workspaces and runtime buffers per GPU outside the engine's activations.
 RUNTIME_RESERVE_BYTES = 2e9

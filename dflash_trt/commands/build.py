@@ -19,15 +19,10 @@ from dflash_trt.errors import DFlashTrtError
 from dflash_trt.gpu_targets import GPU_SMS, resolve_gpu
 from dflash_trt.inputs import DRAFT_TREE, POSITIVE_INT, WORKERS, IntRange
 from dflash_trt.trtllm.attention_route import route_summary
-from dflash_trt.trtllm.build_plan import (
-    GEMM_PLUGIN_CHOICES,
-    KV_CACHE_TYPES,
-    LOGITS_DTYPES,
-    MAX_EAGLE_BATCH_SIZE,
-    EngineBuildSettings,
-    fit_lengths,
-    plan_engine_build,
-)
+from dflash_trt.trtllm.build_limits import GEMM_PLUGIN_CHOICES, KV_CACHE_TYPES, LOGITS_DTYPES, MAX_EAGLE_BATCH_SIZE
+from dflash_trt.trtllm.build_plan import plan_engine_build
+from dflash_trt.trtllm.build_settings import EngineBuildSettings
+from dflash_trt.trtllm.engine_lengths import fit_lengths
 
 SWITCH = ("enable", "disable")
 # Flags whose value lands unchanged in EngineBuildSettings; each defaults to None so only what the user typed

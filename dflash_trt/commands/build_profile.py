@@ -17,7 +17,7 @@ from dflash_trt.pipeline.resolve import PipelineInputs, PipelineRequest, offline
 from dflash_trt.pipeline.run import Outcome, StageResult, resume_command, run_pipeline
 from dflash_trt.pipeline.stages import stages
 from dflash_trt.trtllm.attention_route import route_summary
-from dflash_trt.trtllm.build_plan import EngineBuildSettings
+from dflash_trt.trtllm.build_settings import EngineBuildSettings
 
 # Exit status of `build --config` on a host that cannot build the engine: not a failure, not a finished build.
 STOPPED_BEFORE_ENGINE = 3

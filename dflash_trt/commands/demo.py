@@ -42,12 +42,10 @@ from dflash_trt.tiny.heldout import (
     target_dir,
 )
 from dflash_trt.tokenizer import load_tokenizer
-from dflash_trt.trtllm.build_plan import (
-    EngineBuildSettings,
-    longest_buildable,
-    plan_engine_build,
-    read_checkpoint_facts,
-)
+from dflash_trt.trtllm.build_plan import plan_engine_build
+from dflash_trt.trtllm.build_settings import EngineBuildSettings
+from dflash_trt.trtllm.checkpoint_facts import read_checkpoint_facts
+from dflash_trt.trtllm.engine_lengths import longest_buildable
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -83,7 +81,7 @@ def write_prompt_file(path: Path, heldout: list[HeldoutPrompt]) -> Path:
 
 def demo_build_settings(longest: int) -> EngineBuildSettings:
     """Engine limits that fit the checkpoint: `longest` is the largest max_seq_len it builds with (every position the
-    engine uses within the target's RoPE tables, `build_plan.longest_buildable`)."""
+    engine uses within the target's RoPE tables, `engine_lengths.longest_buildable`)."""
     max_seq_len = min(longest, EngineBuildSettings.max_seq_len)
     return EngineBuildSettings(
         max_batch_size=GPU_HOST_CONCURRENCY[-1],

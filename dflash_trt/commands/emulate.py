@@ -35,12 +35,8 @@ from dflash_trt.prompts import read_prompts
 from dflash_trt.reference.loop_rules import longest_request
 from dflash_trt.sampling_rules import Sampling, SamplingRefused
 from dflash_trt.tokenizer import load_tokenizer
-from dflash_trt.trtllm.build_plan import (
-    MAX_EAGLE_BATCH_SIZE,
-    TOKENS_PER_BLOCK,
-    XQA_TOKENS_PER_BLOCK,
-    EngineBuildSettings,
-)
+from dflash_trt.trtllm.build_limits import MAX_EAGLE_BATCH_SIZE, TOKENS_PER_BLOCK, XQA_TOKENS_PER_BLOCK
+from dflash_trt.trtllm.build_settings import EngineBuildSettings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

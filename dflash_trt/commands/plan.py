@@ -53,7 +53,7 @@ from dflash_trt.inputs import (
 from dflash_trt.inputs import GPUS as GPU_COUNT
 from dflash_trt.jsonfile import strict_json
 from dflash_trt.pipeline.profiles import load_profile
-from dflash_trt.trtllm.build_plan import MAX_EAGLE_DRAFT_LEN
+from dflash_trt.trtllm.build_limits import MAX_EAGLE_DRAFT_LEN
 
 DEFAULT_LENGTHS = (1024, 1024)
 # Draft tokens per step and tokens accepted per step (the bonus included) an EAGLE-mode engine can be built for.

@@ -78,7 +78,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 # The tiny target has 256 positions (max_position_embeddings); an engine runs requests of max_seq_len + K tokens, which
-# reach 2K positions further (build_plan.longest_max_seq_len), so with its 16-token blocks it builds with 211.
+# reach 2K positions further (engine_lengths.longest_max_seq_len), so with its 16-token blocks it builds with 211.
 TINY_MAX_INPUT_LEN = 160
 LONG_PROMPTS = 2
 
@@ -88,7 +88,8 @@ def selftest_workload(
 ):
     """Engine settings and prompts. With chunked context, max_num_tokens is the least a batch of generation steps
     needs, and the last prompts are longer than that, so their prefill only fits in several context chunks."""
-    from dflash_trt.trtllm.build_plan import EngineBuildSettings, longest_max_seq_len
+    from dflash_trt.trtllm.build_settings import EngineBuildSettings
+    from dflash_trt.trtllm.engine_lengths import longest_max_seq_len
 
     batch = max(num_prompts, 1)
     prompts = [tokenizer.encode(text) for text in texts[:num_prompts]]
@@ -183,18 +184,35 @@ def compare(golden_model, golden, tokens: list[list[int]], acceptance: list[list
     return compare_decodings(golden_model, golden, engine, max_new_tokens)
 
 
+def selftest_pair(args: argparse.Namespace, out: Path) -> tuple[Path, Path]:
+    """The tiny pair's target and drafter as `--head_dim` and `--sliding_window` ask for them."""
+    from dflash_trt.tiny.heldout import draft_dir, target_dir
+    from dflash_trt.tiny.models import HEAD_DIM
+    from dflash_trt.tiny.widen import widen_pair
+
+    target, draft = target_dir(), draft_dir()
+    if args.head_dim % HEAD_DIM:
+        raise DFlashTrtError(f"--head_dim must be a multiple of the tiny pair's {HEAD_DIM}, got {args.head_dim}")
+    if args.head_dim != HEAD_DIM:
+        pair = out / f"pair-hd{args.head_dim}"
+        shutil.rmtree(pair, ignore_errors=True)  # a workspace file of an earlier run, rewritten from the asset
+        target, draft = widen_pair(target, draft, pair, args.head_dim)
+    if args.sliding_window is not None:
+        draft = windowed_drafter(out, draft, args.sliding_window)
+    return target, draft
+
+
 def run(args: argparse.Namespace) -> int:
     from dflash_trt.checkpoint.atomic import check_output_apart
     from dflash_trt.conversion.convert import convert_checkpoint
     from dflash_trt.gpu_targets import resolve_gpu
     from dflash_trt.reference.decode import speculative_generate
     from dflash_trt.reference.model import load_golden_model
-    from dflash_trt.tiny.heldout import asset_dir, draft_dir, load_heldout, target_dir
-    from dflash_trt.tiny.models import HEAD_DIM
-    from dflash_trt.tiny.widen import widen_pair
+    from dflash_trt.tiny.heldout import asset_dir, load_heldout
     from dflash_trt.tokenizer import load_tokenizer
     from dflash_trt.trtllm.build import require_tensorrt_llm, run_engine_build
-    from dflash_trt.trtllm.build_plan import check_engine_config, plan_engine_build
+    from dflash_trt.trtllm.build_plan import plan_engine_build
+    from dflash_trt.trtllm.engine_manifest import check_engine_config
 
     out = Path(args.output_dir)
     check_output_apart(out, {"the embedded tiny pair": asset_dir(), "--plugin_library": args.plugin_library})
@@ -205,15 +223,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     suffix = "" if args.sliding_window is None else f"-window-{args.sliding_window}"
     checkpoint = out / f"checkpoint-{args.dtype}-hd{args.head_dim}{suffix}"
-    target, draft = target_dir(), draft_dir()
-    if args.head_dim % HEAD_DIM:
-        raise DFlashTrtError(f"--head_dim must be a multiple of the tiny pair's {HEAD_DIM}, got {args.head_dim}")
-    if args.head_dim != HEAD_DIM:
-        pair = out / f"pair-hd{args.head_dim}"
-        shutil.rmtree(pair, ignore_errors=True)  # a workspace file of an earlier run, rewritten from the asset
-        target, draft = widen_pair(target, draft, pair, args.head_dim)
-    if args.sliding_window is not None:
-        draft = windowed_drafter(out, draft, args.sliding_window)
+    target, draft = selftest_pair(args, out)
     convert_checkpoint(target, draft, checkpoint, dtype=args.dtype, overwrite=args.overwrite)
     tokenizer = load_tokenizer(checkpoint)
     golden_model = load_golden_model(checkpoint)

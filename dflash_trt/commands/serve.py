@@ -29,7 +29,7 @@ from dflash_trt.server.limits import (
     connection_cap,
 )
 from dflash_trt.tokenizer import load_tokenizer, read_chat_template
-from dflash_trt.trtllm.build_plan import MAX_EAGLE_BATCH_SIZE
+from dflash_trt.trtllm.build_limits import MAX_EAGLE_BATCH_SIZE
 
 API_KEY_ENV = "DFLASH_TRT_API_KEY"
 LOG_LEVELS = ("debug", "info", "warning", "error")

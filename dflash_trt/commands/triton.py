@@ -20,7 +20,7 @@ from dflash_trt.inputs import DRAFT_TREE, MEMORY_FRACTION, POSITIVE_INT, IntRang
 from dflash_trt.jsonfile import strict_json
 from dflash_trt.prompts import CHAT_TEMPLATE_KWARGS_HELP, parse_chat_template_kwargs
 from dflash_trt.triton.serving import MAX_REPLICAS, ServingSettings, override_serving
-from dflash_trt.trtllm.build_plan import MAX_EAGLE_BATCH_SIZE
+from dflash_trt.trtllm.build_limits import MAX_EAGLE_BATCH_SIZE
 
 CPU_MAX_BATCH_SIZE = 8  # --checkpoint_dir's default
 

@@ -28,15 +28,11 @@ from dflash_trt.formats import fp8_context_fmha
 from dflash_trt.gpu_targets import ASSUMED_GPU, gpu_sm
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.trtllm.attention_route import AttentionRoute
-from dflash_trt.trtllm.build_plan import (
-    TOKENS_PER_BLOCK,
-    EngineBuildSettings,
-    chain_draft_paths,
-    check_network,
-    kv_cache_format,
-    read_checkpoint_facts,
-    weights_qformat,
-)
+from dflash_trt.trtllm.build_limits import TOKENS_PER_BLOCK
+from dflash_trt.trtllm.build_settings import EngineBuildSettings
+from dflash_trt.trtllm.checkpoint_facts import kv_cache_format, read_checkpoint_facts, weights_qformat
+from dflash_trt.trtllm.eagle_layout import chain_draft_paths
+from dflash_trt.trtllm.network_checks import check_network
 
 DEFAULT_MAX_BATCH_SIZE = 8  # requests the emulated engine batches when no --max_batch_size is given
 CONTEXT_REQUEST, GENERATION_REQUEST = 0, 1  # host_request_types values (RequestType in the C++ runtime)

@@ -29,7 +29,7 @@ import torch
 
 from dflash_trt.emulation import trt
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.trtllm.build_plan import TOPK_MAX_K
+from dflash_trt.trtllm.build_limits import TOPK_MAX_K
 
 
 class EmulationError(DFlashTrtError):

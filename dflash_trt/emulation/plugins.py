@@ -40,7 +40,7 @@ from dflash_trt.emulation import trt
 from dflash_trt.emulation.functional import EmulationError, Tensor
 from dflash_trt.emulation.kv_pool import pool_at, resolve_pool
 from dflash_trt.reference.kv_injection import PagedKVCacheLayout, to_cache_dtype
-from dflash_trt.trtllm.build_plan import DFLASH_ATTENTION_HEAD_DIMS
+from dflash_trt.trtllm.build_limits import DFLASH_ATTENTION_HEAD_DIMS
 from dflash_trt.trtllm.plugin import ATTENTION_PLUGIN_NAME, PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION
 
 # kvInjectionPlugin.cpp: the input types its kernels are instantiated for; FLOAT only in the emulation (above).

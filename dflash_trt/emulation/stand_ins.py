@@ -169,7 +169,7 @@ def stand_ins_installed(extra: tuple[str, ...] = ()) -> Iterator[None]:
 def engine_source(source: str) -> types.ModuleType:
     """One of the engine's sources (`ENGINE_SOURCES`), executed (once per process) against the stand-ins."""
     if not _engine_modules:
-        import dflash_trt.trtllm.build_plan  # noqa: F401  (bound to the real plugin module, not the fresh copy)
+        import dflash_trt.trtllm.build_plan  # noqa: F401  (its modules bound to the real plugin, not the fresh copy)
 
         names = tuple(f"dflash_trt.trtllm.{name}" for name in ENGINE_SOURCES)
         with stand_ins_installed(names):

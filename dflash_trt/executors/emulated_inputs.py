@@ -37,7 +37,7 @@ from dflash_trt.emulation.layers import AttentionParams, KeyValueCacheParams, Sp
 from dflash_trt.emulation.paths import path_geometry
 from dflash_trt.executors.contract import Request
 from dflash_trt.reference.decode import StepTrace
-from dflash_trt.trtllm.build_plan import pack_mask_rows
+from dflash_trt.trtllm.eagle_layout import pack_mask_rows
 
 
 def _i32(values: Any) -> Tensor:

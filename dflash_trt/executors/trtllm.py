@@ -35,7 +35,7 @@ from dflash_trt.executors.contract import (
     threadsafe_deliver,
 )
 from dflash_trt.jsonfile import read_json_object
-from dflash_trt.trtllm.build_plan import MANIFEST_NAME
+from dflash_trt.trtllm.engine_manifest import MANIFEST_NAME
 
 POLL = timedelta(milliseconds=20)
 

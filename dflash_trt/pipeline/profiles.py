@@ -32,17 +32,11 @@ from dflash_trt.recorded_configs import PACKAGED_RECORDED_CONFIGS
 from dflash_trt.spec import DraftSpec, TargetSpec, load_draft_spec, load_target_spec
 from dflash_trt.triton.serving import ServingSettings
 from dflash_trt.trtllm.attention_route import AttentionRoute
-from dflash_trt.trtllm.build_plan import (
-    GEMM_PLUGIN_CHOICES,
-    MAX_EAGLE_DRAFT_LEN,
-    TOKENS_PER_BLOCK,
-    EngineBuildSettings,
-    check_engine_settings,
-    check_fp8_context_fmha,
-    check_kv_cache_format,
-    check_tree_nodes,
-    resolved_gemm_plugin,
-)
+from dflash_trt.trtllm.build_limits import GEMM_PLUGIN_CHOICES, MAX_EAGLE_DRAFT_LEN, TOKENS_PER_BLOCK
+from dflash_trt.trtllm.build_settings import EngineBuildSettings
+from dflash_trt.trtllm.eagle_layout import check_tree_nodes
+from dflash_trt.trtllm.network_checks import check_kv_cache_format
+from dflash_trt.trtllm.settings_checks import check_engine_settings, check_fp8_context_fmha, resolved_gemm_plugin
 from dflash_trt.yamlfile import safe_load_unique
 
 # Share of GPU memory the weights may take; the rest holds the KV pool (drafter layers included), activations
@@ -51,7 +45,7 @@ MAX_WEIGHT_SHARE = 0.8
 
 
 def _one_of(choices: Sequence[str]) -> AfterValidator:
-    """A field validator for a vocabulary defined elsewhere (formats, build_plan, analysis.gpus): spelled once."""
+    """A field validator for a vocabulary defined elsewhere (formats, build_limits, analysis.gpus): spelled once."""
 
     def check(value: str) -> str:
         if value not in choices:

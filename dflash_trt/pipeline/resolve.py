@@ -25,7 +25,7 @@ from dflash_trt.pipeline.settings import engine_settings, quantization_settings
 from dflash_trt.pipeline.workspace import Workspace, workspace
 from dflash_trt.recorded_configs import ModelSource, load_recorded_configs, local_source, recorded_source
 from dflash_trt.spec import FULL_ATTENTION, SLIDING_ATTENTION, parse_draft_config, parse_target_config
-from dflash_trt.trtllm.build_plan import EngineBuildSettings
+from dflash_trt.trtllm.build_settings import EngineBuildSettings
 
 
 @dataclass(frozen=True)

@@ -17,14 +17,11 @@ from dflash_trt.pipeline.profiles import BuildProfile
 from dflash_trt.pipeline.workspace import Workspace
 from dflash_trt.recorded_configs import ModelSource
 from dflash_trt.reference.loop_rules import longest_request
+from dflash_trt.sampling_rules import ENGINE_SAMPLING
 from dflash_trt.triton.serving import ServingSettings
-from dflash_trt.trtllm.build_plan import (
-    SAMPLING_POLICY,
-    EngineBuildPlan,
-    EngineBuildSettings,
-    plan_engine_build,
-    resolved_gemm_plugin,
-)
+from dflash_trt.trtllm.build_plan import EngineBuildPlan, plan_engine_build
+from dflash_trt.trtllm.build_settings import EngineBuildSettings
+from dflash_trt.trtllm.settings_checks import resolved_gemm_plugin
 
 if TYPE_CHECKING:  # the repository writer imports numpy (its processing code), which `--help` must not
     from dflash_trt.triton.repository import RepositorySettings
@@ -32,7 +29,7 @@ if TYPE_CHECKING:  # the repository writer imports numpy (its processing code), 
 
 def engine_settings(profile: BuildProfile) -> EngineBuildSettings:
     """The profile's `engine` section as build settings, with the values the builder settles from the quantization
-    written out as the plan writes them (`build_plan.resolve_settings`), so a command shown before the model
+    written out as the plan writes them (`settings_checks.resolve_settings`), so a command shown before the model
     configs are known is the one that runs; the profile's GPU decides each pass's attention kernel."""
     settings = profile.engine.build_settings()
     quant = profile.quantization
@@ -70,7 +67,7 @@ def settings_from_profile(
         max_draft_len=nodes,
         eagle_depth=eng.max_draft_len if nodes != eng.max_draft_len else None,
         world_size=profile.checkpoint.tp_size,
-        max_temperature=max_temperature_for_sampling(SAMPLING_POLICY),
+        max_temperature=max_temperature_for_sampling(ENGINE_SAMPLING),
         # At most what the built engine holds (its window and positions are at least the profile's max_seq_len);
         # the pipeline rewrites the repository from the built engine's config.
         max_seq_len=longest_request(eng.max_seq_len, eng.max_draft_len),

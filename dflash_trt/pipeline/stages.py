@@ -15,15 +15,12 @@ from dflash_trt.pipeline.fingerprints import directory_fingerprint, fingerprint
 from dflash_trt.pipeline.resolve import PipelineInputs
 from dflash_trt.pipeline.settings import convert_command, plan_engine, quantization_settings, settings_from_profile
 from dflash_trt.pipeline.workspace import Stage
-from dflash_trt.trtllm.build_plan import (
-    EngineLengths,
-    build_command,
-    build_environment,
-    environment_prefix,
-    plan_engine_build,
-    settings_dict,
-)
+from dflash_trt.trtllm.build_plan import plan_engine_build
+from dflash_trt.trtllm.build_settings import settings_dict
+from dflash_trt.trtllm.engine_lengths import EngineLengths
+from dflash_trt.trtllm.network_environment import build_environment, environment_prefix
 from dflash_trt.trtllm.plugin import LIBRARY_ENV, default_library_path
+from dflash_trt.trtllm.trtllm_build_command import build_command
 
 
 def stages(inp: PipelineInputs) -> list[Stage]:

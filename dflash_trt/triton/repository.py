@@ -29,7 +29,9 @@ from dflash_trt.tokenizer import load_tokenizer
 from dflash_trt.triton import processing as P
 from dflash_trt.triton.pbtxt import EnsembleStep, ModelConfig, Tensor, render
 from dflash_trt.triton.serving import ServingSettings, override_serving
-from dflash_trt.trtllm.build_plan import MANIFEST_NAME, chain_eagle_choices, check_tree_nodes, read_checkpoint_facts
+from dflash_trt.trtllm.checkpoint_facts import read_checkpoint_facts
+from dflash_trt.trtllm.eagle_layout import chain_eagle_choices, check_tree_nodes
+from dflash_trt.trtllm.engine_manifest import MANIFEST_NAME
 from dflash_trt.trtllm.plugin import LIBRARY_ENV
 
 ENSEMBLE = "ensemble"

@@ -28,15 +28,12 @@ from dflash_trt.checkpoint.atomic import (
 from dflash_trt.checkpoint.integrity import check_integrity
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.gpu_targets import visible_gpu
-from dflash_trt.trtllm.build_plan import (
-    MANIFEST_NAME,
-    PLUGIN_LIBRARY_ENV,
-    REQUIRED_TRTLLM,
-    TREE_ENV,
-    TRTLLM_BUILD,
-    EngineBuildPlan,
-    check_engine_config,
-)
+from dflash_trt.trtllm.build_limits import REQUIRED_TRTLLM
+from dflash_trt.trtllm.build_plan import EngineBuildPlan
+from dflash_trt.trtllm.engine_manifest import MANIFEST_NAME, check_engine_config
+from dflash_trt.trtllm.network_environment import TREE_ENV
+from dflash_trt.trtllm.plugin import LIBRARY_ENV
+from dflash_trt.trtllm.trtllm_build_command import TRTLLM_BUILD
 
 POLL_SECONDS = 0.2
 
@@ -172,7 +169,7 @@ def run_engine_build(plan: EngineBuildPlan, overwrite: bool = False) -> Path:
     # A draft tree's node count reaches the model class only from the plan: an inherited one would turn a chain into
     # a tree.
     env = {name: value for name, value in os.environ.items() if name != TREE_ENV}
-    env.update({PLUGIN_LIBRARY_ENV: str(Path(plan.plugin_library).resolve())}, **plan.build_env())
+    env.update({LIBRARY_ENV: str(Path(plan.plugin_library).resolve())}, **plan.build_env())
     manifest = dict(plan.dflash_manifest, tensorrt_llm_version=version, tensorrt_version=installed_version("tensorrt"))
     try:
         _build(plan, staging, env)

@@ -66,7 +66,6 @@ from dflash_trt.checkpoint.trtllm_config import ARCHITECTURE, draft_spec_from_co
 from dflash_trt.draft_schedule import DraftLenSchedule
 from dflash_trt.spec import EMBEDDING_TAP, SLIDING_ATTENTION, DraftSpec
 from dflash_trt.trtllm.attention_route import OURS, AttentionRoute, route_for_build
-from dflash_trt.trtllm.build_plan import block_packed_mask, chain_draft_paths, engine_schedule, engine_tree_nodes
 from dflash_trt.trtllm.drafting import (
     AFTER,
     BEFORE,
@@ -75,7 +74,9 @@ from dflash_trt.trtllm.drafting import (
     draft_vocabulary_map,
     replicated_linear,
 )
+from dflash_trt.trtllm.eagle_layout import block_packed_mask, chain_draft_paths
 from dflash_trt.trtllm.generation_attention import BlockAttention, dflash_attention
+from dflash_trt.trtllm.network_environment import engine_schedule, engine_tree_nodes
 from dflash_trt.trtllm.plugin import KVInjectionGeometry, kv_injection_layer
 from dflash_trt.trtllm.tree import EngineTree, TreeShape, TreeVerdict, best_trees, path_depths, verify_tree
 from dflash_trt.trtllm.verify import i32, verify_drafts

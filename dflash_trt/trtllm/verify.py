@@ -41,7 +41,7 @@ from tensorrt_llm.functional import (
 )
 
 from dflash_trt.sampling_rules import MAX_SAMPLING_TEMPERATURE, MIN_SAMPLING_TEMPERATURE
-from dflash_trt.trtllm.build_plan import vocab_blocks
+from dflash_trt.trtllm.inverse_cdf import vocab_blocks
 
 
 def i32(values) -> Tensor:

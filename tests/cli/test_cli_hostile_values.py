@@ -25,7 +25,7 @@ from dflash_trt.tiny.heldout import asset_dir
 Case = Callable[[World, Path], list[str]]
 POSITIONS = 256  # the tiny target's max_position_embeddings
 LONGEST = 226  # the longest request its engine holds: 256 positions less two blocks of 15 drafts
-# The longest --max_seq_len it builds with: the runtime admits requests up to max_seq_len + K (build_plan).
+# The longest --max_seq_len it builds with: the runtime admits requests up to max_seq_len + K (engine_lengths).
 LONGEST_BUILD = LONGEST - 15
 READ_ONLY = Path("/proc/dflash-hostile/out")  # procfs refuses new entries even to root
 

@@ -65,7 +65,8 @@ def _run_gpu_host_commands(commands: list[str], out, tmp_path, capsys) -> None:
     plan = json.loads(capsys.readouterr().out)
     checkpoint = out / "checkpoint-bfloat16"
     config = json.loads((checkpoint / "config.json").read_text())
-    k = config["max_draft_len"]  # the engine uses 3K positions past its max_seq_len (build_plan.longest_max_seq_len)
+    # The engine uses 3K positions past its max_seq_len (engine_lengths.longest_max_seq_len).
+    k = config["max_draft_len"]
     assert plan["build_config"]["max_seq_len"] == config["max_position_embeddings"] - 3 * k  # derived, written out
     argv = shlex.split(bench)[1:]
     engine = argv.index("--engine_dir")

@@ -256,11 +256,11 @@ def test_equal_heads_read_as_1_2_reads_them_diverge_from_the_checkpoint_layout(p
     """Without the refusal, the MHA pair at tp 2 runs the stand-in's interleaved reading of its qkv rows (1.2.x's
     `Attention.forward` branch for equal per-rank heads with q/k norms): the drafts are wrong from the first block."""
     from dflash_trt.emulation import engine as emulated_engine
-    from dflash_trt.trtllm import build_plan
+    from dflash_trt.trtllm import network_checks
 
     ckpt, tp1, golden = _sharded(pairs, "llama-mha", 2, 1)
-    monkeypatch.setattr(build_plan, "check_qk_norm_heads", lambda facts: None)
-    monkeypatch.setattr(emulated_engine, "check_network", build_plan.check_network)
+    monkeypatch.setattr(network_checks, "check_qk_norm_heads", lambda facts: None)
+    monkeypatch.setattr(emulated_engine, "check_network", network_checks.check_network)
     _, emulated = _emulate(ckpt)
     assert compare_decodings(load_golden_model(tp1), golden, emulated, MAX_NEW) != []
 

@@ -19,22 +19,19 @@ from _engine_checkpoints import DRAFT_HF, TARGET_HF, write_checkpoint
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import dflash_trt.trtllm as trtllm_package
 from dflash_trt.checkpoint.trtllm_config import checkpoint_config, specs_from_config
 from dflash_trt.commands import build as build_command
 from dflash_trt.draft_schedule import DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.reference.loop_rules import built_engine_longest_request
 from dflash_trt.spec import parse_draft_config, parse_target_config
-from dflash_trt.trtllm import build_plan
 from dflash_trt.trtllm.attention_route import TARGET_SM_ENV
 from dflash_trt.trtllm.build import run_engine_build
-from dflash_trt.trtllm.build_plan import (
-    EngineBuildSettings,
-    block_packed_mask,
-    chain_draft_paths,
-    chain_eagle_choices,
-    plan_engine_build,
-)
+from dflash_trt.trtllm.build_plan import plan_engine_build
+from dflash_trt.trtllm.build_settings import EngineBuildSettings
+from dflash_trt.trtllm.eagle_layout import block_packed_mask, chain_draft_paths, chain_eagle_choices
+from dflash_trt.trtllm.network_environment import SCHEDULE_ENV, TREE_ENV, engine_tree_nodes
 
 
 @pytest.fixture
@@ -53,7 +50,7 @@ def test_command_is_the_exact_trtllm_build_call(ckpt: Path, tmp_path: Path):
     assert flags["--checkpoint_dir"] == str(ckpt)
     assert flags["--output_dir"] == str(tmp_path / "engine")
     assert flags["--model_cls_name"] == "DFlashForCausalLM"
-    assert Path(flags["--model_cls_file"]) == Path(build_plan.__file__).with_name("model.py")
+    assert Path(flags["--model_cls_file"]) == Path(trtllm_package.__file__).with_name("model.py")
     assert Path(flags["--model_cls_file"]).is_file()
     assert flags["--speculative_decoding_mode"] == "eagle"
     assert flags["--max_draft_len"] == "15"  # block_size 16 - 1
@@ -795,20 +792,20 @@ def test_a_selector_beyond_tensorrts_topk_limit_is_refused(tmp_path: Path):
 )  # fmt: skip
 def test_the_tree_node_rule_of_an_engine(nodes, dflash2, expected, monkeypatch):
     """A drafter of 7 drafts: its node count is the chain, a tree above it up to max_draft_len's limit, nothing else."""
-    monkeypatch.delenv(build_plan.TREE_ENV, raising=False)
+    monkeypatch.delenv(TREE_ENV, raising=False)
     if isinstance(expected, str):
         with pytest.raises(DFlashTrtError, match=expected):
-            build_plan.engine_tree_nodes(nodes, 7, dflash2)
+            engine_tree_nodes(nodes, 7, dflash2)
     else:
-        assert build_plan.engine_tree_nodes(nodes, 7, dflash2) == expected
+        assert engine_tree_nodes(nodes, 7, dflash2) == expected
 
 
 def test_the_tree_node_count_reaches_trtllm_build_through_the_environment(monkeypatch):
-    monkeypatch.setenv(build_plan.TREE_ENV, "12")
-    assert build_plan.engine_tree_nodes(None, 7, False) == 12
-    monkeypatch.setenv(build_plan.TREE_ENV, "many")
-    with pytest.raises(DFlashTrtError, match=build_plan.TREE_ENV):
-        build_plan.engine_tree_nodes(None, 7, False)
+    monkeypatch.setenv(TREE_ENV, "12")
+    assert engine_tree_nodes(None, 7, False) == 12
+    monkeypatch.setenv(TREE_ENV, "many")
+    with pytest.raises(DFlashTrtError, match=TREE_ENV):
+        engine_tree_nodes(None, 7, False)
 
 
 def test_a_draft_tree_build_verifies_its_nodes_over_the_chain_positions(ckpt: Path, tmp_path: Path, capsys):
@@ -819,13 +816,13 @@ def test_a_draft_tree_build_verifies_its_nodes_over_the_chain_positions(ckpt: Pa
     plan = plan_engine_build(ckpt, tmp_path / "e", settings)
     assert flag_values(plan.command)["--max_draft_len"] == "40"
     assert plan.build_config["max_draft_len"] == 40
-    assert plan.build_env() == {TARGET_SM_ENV: "90", build_plan.SCHEDULE_ENV: "none", build_plan.TREE_ENV: "40"}
-    assert f" {build_plan.TREE_ENV}=40 trtllm-build " in f" {plan.shell_command()}"
+    assert plan.build_env() == {TARGET_SM_ENV: "90", SCHEDULE_ENV: "none", TREE_ENV: "40"}
+    assert f" {TREE_ENV}=40 trtllm-build " in f" {plan.shell_command()}"
     manifest = plan.dflash_manifest
     assert (manifest["max_draft_len"], manifest["draft_tree"], len(manifest["eagle_choices"])) == (40, 40, 15)
     assert manifest["max_seq_len"] == settings.max_seq_len + 40 + 15  # max_draft_len + num_eagle_layers
     chain = plan_engine_build(ckpt, tmp_path / "e", build_command.settings_from_args(cli(["--draft_tree", "15"])))
-    assert build_plan.TREE_ENV not in chain.build_env() and chain.build_config["max_draft_len"] == 15
+    assert TREE_ENV not in chain.build_env() and chain.build_config["max_draft_len"] == 15
 
 
 def test_a_draft_tree_needs_tokens_for_every_node(ckpt: Path, tmp_path: Path):
@@ -840,7 +837,7 @@ def test_a_draft_trees_schedule_is_node_budgets(ckpt: Path, tmp_path: Path):
     settings = EngineBuildSettings(draft_tree=40, draft_len_schedule=DraftLenSchedule(((1, 40), (4, 8))))
     plan = plan_engine_build(ckpt, tmp_path / "e", settings)
     assert plan.dflash_manifest["draft_len_schedule"] == "1:40,4:8"
-    assert plan.build_env()[build_plan.SCHEDULE_ENV] == "1:40,4:8"
+    assert plan.build_env()[SCHEDULE_ENV] == "1:40,4:8"
     with pytest.raises(DFlashTrtError, match="verifies 41 drafts per request but the engine verifies at most 40"):
         plan_engine_build(ckpt, tmp_path / "e", replace(settings, draft_len_schedule=DraftLenSchedule(((2, 41),))))
 

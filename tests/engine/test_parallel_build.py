@@ -23,7 +23,9 @@ from _engine_checkpoints import DRAFT_HF, write_checkpoint
 
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.trtllm import build as engine_build
-from dflash_trt.trtllm.build_plan import MANIFEST_NAME, EngineBuildSettings, plan_engine_build
+from dflash_trt.trtllm.build_plan import plan_engine_build
+from dflash_trt.trtllm.build_settings import EngineBuildSettings
+from dflash_trt.trtllm.engine_manifest import MANIFEST_NAME
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -21,7 +21,7 @@ from dflash_trt.emulation.functional import Network, PluginConfig, net_guard
 from dflash_trt.emulation.stand_ins import load_engine_module
 from dflash_trt.reference.sampling import sample_by_uniform
 from dflash_trt.sampling_rules import MIN_SAMPLING_TEMPERATURE
-from dflash_trt.trtllm.build_plan import vocab_blocks
+from dflash_trt.trtllm.inverse_cdf import vocab_blocks
 
 VOCAB = 1000  # 32 blocks of 32
 ROUNDING = 2.0**-18  # the fp32 sampler's error on a cumulative mass, relative to the total (generous)

@@ -19,6 +19,22 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "dflash_trt" / "trtllm"
 API = json.loads((ROOT / "tests" / "data" / "trtllm_api.json").read_text())
 EXTERNAL = ("tensorrt_llm", "tensorrt")
+# The build plan and the modules it is made of: `dflash-trt build --dry_run`, profiles and the emulation use them.
+PLAN_MODULES = (
+    "build_plan.py",
+    "build_limits.py",
+    "build_settings.py",
+    "checkpoint_facts.py",
+    "eagle_layout.py",
+    "inverse_cdf.py",
+    "network_environment.py",
+    "engine_lengths.py",
+    "network_checks.py",
+    "attention_checks.py",
+    "settings_checks.py",
+    "trtllm_build_command.py",
+    "engine_manifest.py",
+)
 
 
 def sources() -> list[Path]:
@@ -148,8 +164,8 @@ def test_engine_modules_compile(path: Path, tmp_path: Path):
 
 
 def test_pure_modules_do_not_import_tensorrt_at_module_level():
-    """build_plan (used on CPU machines) and build must not need TensorRT-LLM to import."""
-    for name in ("build_plan.py", "build.py", "__init__.py"):
+    """The build plan and its modules (used on CPU machines) and build must not need TensorRT-LLM to import."""
+    for name in (*PLAN_MODULES, "build.py", "__init__.py"):
         tree = ast.parse((PACKAGE / name).read_text())
         top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
         assert not aliases(ast.Module(body=top, type_ignores=[])), name
@@ -157,7 +173,8 @@ def test_pure_modules_do_not_import_tensorrt_at_module_level():
 
 def test_planned_command_uses_only_flags_trtllm_build_accepts(converted: Path, tmp_path: Path):
     """Every flag dflash-trt build puts on the trtllm-build command line exists in 1.2.x's argument parser."""
-    from dflash_trt.trtllm.build_plan import EngineBuildSettings, plan_engine_build
+    from dflash_trt.trtllm.build_plan import plan_engine_build
+    from dflash_trt.trtllm.build_settings import EngineBuildSettings
 
     plan = plan_engine_build(converted, tmp_path / "e", EngineBuildSettings(max_seq_len=256, max_input_len=128))
     used = {arg for arg in plan.command if arg.startswith("--")}

@@ -14,7 +14,7 @@ from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import GoldenModel, load_golden_model
 from dflash_trt.reference.sampling import SamplingParams, sample_by_uniform
-from dflash_trt.trtllm.build_plan import vocab_blocks
+from dflash_trt.trtllm.inverse_cdf import vocab_blocks
 
 BLOCK = 4
 K = BLOCK - 1

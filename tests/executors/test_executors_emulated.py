@@ -192,12 +192,12 @@ def _positions(edited_copy, tiny, positions: int):
 
 
 def test_the_longest_build_runs_the_longest_request_and_stays_in_the_tables(tiny, prompts):
-    """An engine built with the longest max_seq_len the tiny pair allows (build_plan: 211) runs requests of
+    """An engine built with the longest max_seq_len the tiny pair allows (engine_lengths: 211) runs requests of
     211 + K = 226 tokens (1.2.x's `LlmRequest::validate` on its own max_seq_len 241): exactly the longest request its
     256 positions hold. Every step's draft block starts after the tokens it accepted (the network's count, before
     the budget clips what the request keeps) and spans K + 1 positions; the largest position any layer rotates is the
     last such block's end, inside the table."""
-    from dflash_trt.trtllm.build_plan import engine_longest_request, longest_buildable
+    from dflash_trt.trtllm.engine_lengths import engine_longest_request, longest_buildable
 
     engine = EmulatedEngine(tiny, max_batch_size=1, tokens_per_block=16)
     runs = engine_longest_request(longest_buildable(engine.facts), engine.k)

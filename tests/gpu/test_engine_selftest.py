@@ -56,7 +56,8 @@ def built_engine(root: Path, variant, draft_len_schedule: str = "none"):
     from dflash_trt.gpu_targets import resolve_gpu
     from dflash_trt.inputs import DRAFT_LEN_SCHEDULE
     from dflash_trt.trtllm.build import run_engine_build
-    from dflash_trt.trtllm.build_plan import EngineBuildSettings, plan_engine_build
+    from dflash_trt.trtllm.build_plan import plan_engine_build
+    from dflash_trt.trtllm.build_settings import EngineBuildSettings
 
     library = plugin_library(root)
     target_dir, draft_dir = tiny_pairs().make_pair(root, variant)
@@ -159,7 +160,7 @@ def test_engine_config_carries_the_eagle_contract(engine):
     from dflash_trt.gpu_targets import resolve_gpu
 
     assert manifest["gpu"] == resolve_gpu(None)[0]  # built for this host's GPU and its attention route
-    from dflash_trt.trtllm.build_plan import check_engine_config
+    from dflash_trt.trtllm.engine_manifest import check_engine_config
 
     check_engine_config(engine_dir)  # what the plan recorded (build() overrides mirrored) is what was built
 
@@ -174,7 +175,8 @@ def test_an_fp8_engine_with_an_fp8_kv_cache_matches_the_golden_model(tmp_path):
     from dflash_trt.reference.decode import speculative_generate
     from dflash_trt.reference.model import load_golden_model
     from dflash_trt.trtllm.build import run_engine_build
-    from dflash_trt.trtllm.build_plan import EngineBuildSettings, plan_engine_build
+    from dflash_trt.trtllm.build_plan import plan_engine_build
+    from dflash_trt.trtllm.build_settings import EngineBuildSettings
 
     library = plugin_library(tmp_path)
     pairs = tiny_pairs()

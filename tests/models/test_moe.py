@@ -395,7 +395,8 @@ def test_expert_parallel_on_a_dense_target_and_nvfp4_experts_are_refused(tmp_pat
 
 # ------------------------------------------------------------------------------------------------- engine plan
 def test_engine_plan_builds_all_sparse_targets_and_refuses_dense_layers_among_them(parallel, converted, tmp_path):
-    from dflash_trt.trtllm.build_plan import EngineBuildSettings, plan_engine_build
+    from dflash_trt.trtllm.build_plan import plan_engine_build
+    from dflash_trt.trtllm.build_settings import EngineBuildSettings
 
     settings = EngineBuildSettings(max_seq_len=256, max_input_len=128)  # within the tiny targets' positions
     golden, _, _ = converted

@@ -19,7 +19,7 @@ from dflash_trt.pipeline.resolve import PipelineRequest, resolve_inputs
 from dflash_trt.pipeline.run import Outcome, StageResult, resume_command, run_pipeline
 from dflash_trt.pipeline.stages import stages
 from dflash_trt.pipeline.workspace import StageState
-from dflash_trt.trtllm.build_plan import MANIFEST_NAME
+from dflash_trt.trtllm.engine_manifest import MANIFEST_NAME
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILES = sorted((ROOT / "build_configs").glob("*/*.yaml"))

@@ -22,7 +22,7 @@ from dflash_trt.pipeline.resolve import PipelineRequest, resolve_inputs
 from dflash_trt.pipeline.run import Outcome, run_pipeline
 from dflash_trt.pipeline.stages import stages
 from dflash_trt.trtllm.attention_route import AttentionRoute
-from dflash_trt.trtllm.build_plan import MANIFEST_NAME
+from dflash_trt.trtllm.engine_manifest import MANIFEST_NAME
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN3_8B = ROOT / "build_configs/h200-fp8/qwen3-8b.yaml"

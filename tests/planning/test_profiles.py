@@ -143,7 +143,7 @@ def test_impossible_combination_is_rejected(changes: dict, message: str):
 def test_a_profiles_engine_follows_the_builds_rules_and_defaults():
     """One rule set: what `build` accepts (a prompt as long as max_seq_len, as trtllm-build allows) a profile
     accepts, and an engine setting a profile leaves out takes the build's default."""
-    from dflash_trt.trtllm.build_plan import EngineBuildSettings
+    from dflash_trt.trtllm.build_settings import EngineBuildSettings
 
     full = parse_profile(_with({"engine.max_input_len": 8192, "engine.max_num_tokens": 16384}), "p.yaml").engine
     assert full.max_input_len == full.max_seq_len == 8192
