@@ -9,6 +9,8 @@ from dflash_trt.errors import DFlashTrtError
 
 # Compute capability x 10 (TensorRT-LLM's getSMVersion()).
 GPU_SMS = {"h100": 90, "h200": 90, "b200": 100, "b300": 103}
+# NVFP4 GEMMs (TensorRT-LLM's FP4 kernels and the e2m1 tensor-core instructions) exist from Blackwell on.
+NVFP4_MIN_SM = 100
 # The GPU planned for when none is named and none is visible (a dry run on a machine without one).
 ASSUMED_GPU = "h200"
 # Hopper devices report about 80 GB (H100) or about 141 GB (H200); the boundary between them, in bytes.
@@ -19,6 +21,14 @@ def gpu_sm(name: str) -> int:
     if name not in GPU_SMS:
         raise DFlashTrtError(f"unknown GPU {name!r}: DFlash engines are built for {', '.join(GPU_SMS)}")
     return GPU_SMS[name]
+
+
+def check_nvfp4_gpu(name: str, what: str) -> None:
+    """NVFP4 weights run on Blackwell only: a Hopper engine of them would fail at its first GEMM, not at the build."""
+    if gpu_sm(name) < NVFP4_MIN_SM:
+        raise DFlashTrtError(
+            f"{what} is nvfp4, which needs Blackwell (SM{NVFP4_MIN_SM} or newer); {name} is SM{gpu_sm(name)}"
+        )
 
 
 def gpu_of_device(sm: int, memory_bytes: int) -> str | None:

@@ -24,8 +24,8 @@ from dflash_trt.emulation.models import set_fp8_context_fhma
 from dflash_trt.emulation.ranks import RankGroup
 from dflash_trt.emulation.stand_ins import load_engine_module, stand_ins_installed
 from dflash_trt.errors import DFlashTrtError
-from dflash_trt.formats import fp8_context_fmha
-from dflash_trt.gpu_targets import ASSUMED_GPU, gpu_sm
+from dflash_trt.formats import NVFP4, fp8_context_fmha
+from dflash_trt.gpu_targets import ASSUMED_GPU, check_nvfp4_gpu, gpu_sm
 from dflash_trt.jsonfile import read_json_object
 from dflash_trt.trtllm.attention_route import AttentionRoute
 from dflash_trt.trtllm.build_limits import TOKENS_PER_BLOCK
@@ -84,6 +84,8 @@ class EmulatedEngine:
         # What `dflash-trt build` refuses, the emulated engine refuses too.
         self.facts = read_checkpoint_facts(checkpoint_dir)
         check_network(self.facts)
+        if weights_qformat(self.facts) == NVFP4:
+            check_nvfp4_gpu(gpu, "the checkpoint's quantization")
         self.tp_size = self.facts.tp_size
         for rank in range(self.tp_size):
             if not (checkpoint_dir / f"rank{rank}.safetensors").is_file():

@@ -26,7 +26,7 @@ from dflash_trt.checkpoint.stored import QuantSettings
 from dflash_trt.draft_schedule import AUTO, DraftLenSchedule
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import ENGINE_DTYPES, KV_CACHE_DTYPES, NVFP4, QFORMATS
-from dflash_trt.gpu_targets import gpu_sm
+from dflash_trt.gpu_targets import check_nvfp4_gpu, gpu_sm
 from dflash_trt.inputs import DRAFT_LEN_SCHEDULE
 from dflash_trt.recorded_configs import PACKAGED_RECORDED_CONFIGS
 from dflash_trt.spec import DraftSpec, TargetSpec, load_draft_spec, load_target_spec
@@ -248,11 +248,14 @@ class BuildProfile(_Strict):
 
     @model_validator(mode="after")
     def _feasible(self) -> BuildProfile:
-        gpu, q, eng = self.gpu_facts, self.quantization, self.engine
+        q, eng = self.quantization, self.engine
         block = self.model.block_size
         for what, fmt in (("qformat", q.qformat), ("dflash_qformat", q.dflash_qformat)):
-            if fmt == NVFP4 and gpu.nvfp4_flops is None:
-                raise ValueError(f"{what} nvfp4 needs Blackwell (SM100/SM103); {self.gpu} is SM{gpu.sm}")
+            if fmt == NVFP4:
+                try:
+                    check_nvfp4_gpu(self.gpu, what)
+                except DFlashTrtError as exc:
+                    raise ValueError(str(exc)) from None
         if q.dflash_qformat != q.qformat:
             raise ValueError(
                 f"dflash_qformat {q.dflash_qformat} differs from qformat {q.qformat}: one TensorRT-LLM engine applies "

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from dflash_trt.errors import DFlashTrtError
 from dflash_trt.formats import NVFP4, fp8_context_fmha
+from dflash_trt.gpu_targets import check_nvfp4_gpu
 from dflash_trt.trtllm.build_limits import (
     GEMM_PLUGIN_CHOICES,
     KV_CACHE_TYPES,
@@ -85,7 +86,10 @@ def check_settings_against_checkpoint(facts: CheckpointFacts, settings: EngineBu
             "verifies the drafts and the anchor of each request"
         )
     check_positions(facts, settings.max_seq_len)
-    check_gemm_plugin(settings.gemm_plugin, weights_qformat(facts))
+    weights = weights_qformat(facts)
+    check_gemm_plugin(settings.gemm_plugin, weights)
+    if weights == NVFP4:
+        check_nvfp4_gpu(settings.gpu, "the checkpoint's quantization")
     settings.draft_len_schedule.fitted_to(k)
     if facts.pp_size != 1:
         raise DFlashTrtError("pipeline parallelism is not supported: the drafter needs target taps from every layer")

@@ -19,6 +19,7 @@ from dflash_trt.emulation import functional, trt
 from dflash_trt.emulation.engine import EmulatedEngine
 from dflash_trt.emulation.functional import EmulationError, Network, PluginConfig, net_guard, wrap_tensor
 from dflash_trt.emulation.stand_ins import load_engine_module
+from dflash_trt.errors import DFlashTrtError
 from dflash_trt.executors.emulated import decode_batch
 from dflash_trt.reference.decode import speculative_generate
 from dflash_trt.reference.model import load_golden_model
@@ -135,3 +136,9 @@ def test_stock_rows_left_in_fp8_are_refused_at_the_concatenation(qformat, gpu, f
     runtime = EmulatedEngine(ckpt, gpu=gpu, max_batch_size=2, max_num_tokens=16, tokens_per_block=16)
     with pytest.raises(EmulationError, match=r"concat of different types \['FP8', 'FLOAT'\]"):
         decode_batch(runtime, PROMPTS, 10, STOP, arrivals=[0, 0, 1, 2])
+
+
+def test_an_nvfp4_checkpoint_is_not_emulated_on_hopper(fp8_kv_checkpoints):
+    """What `build` refuses the emulated engine refuses: NVFP4 GEMMs exist from Blackwell on."""
+    with pytest.raises(DFlashTrtError, match=r"quantization is nvfp4, which needs Blackwell \(SM100 or newer\); h200"):
+        EmulatedEngine(fp8_kv_checkpoints["nvfp4"], gpu="h200")

@@ -203,7 +203,8 @@ def _quantized_plan(tmp_path: Path, quantization: dict):
     for section in (config, config["dflash_config"]):
         section["quantization"] = {**quantization, "group_size": 16}
     (ckpt / "config.json").write_text(json.dumps(config))
-    settings = replace(EngineBuildSettings(), workers=2, gemm_plugin="auto")
+    gpu = "b200" if quantization["quant_algo"] == "NVFP4" else "h200"  # NVFP4 GEMMs exist from Blackwell on
+    settings = replace(EngineBuildSettings(), workers=2, gemm_plugin="auto", gpu=gpu)
     return plan_engine_build(ckpt, tmp_path / "engine", settings, plugin_library=tmp_path / "lib.so")
 
 

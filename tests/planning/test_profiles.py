@@ -70,7 +70,7 @@ def _with(changes: dict) -> dict:
 
 
 INVALID = [
-    ({"gpu": "h100"}, "p.yaml: qformat nvfp4 needs Blackwell (SM100/SM103); h100 is SM90"),
+    ({"gpu": "h100"}, "p.yaml: qformat is nvfp4, which needs Blackwell (SM100 or newer); h100 is SM90"),
     (
         {
             "gpu": "h200",
@@ -78,7 +78,7 @@ INVALID = [
             "engine.gemm_plugin": "fp8",
             "quantization.dflash_qformat": "nvfp4",
         },
-        "dflash_qformat nvfp4 needs Blackwell (SM100/SM103); h200 is SM90",
+        "dflash_qformat is nvfp4, which needs Blackwell (SM100 or newer); h200 is SM90",
     ),
     (
         {"gpu": "a100", "quantization.qformat": "fp8", "engine.gemm_plugin": "fp8"},
@@ -323,7 +323,7 @@ def test_nvfp4_with_float16_is_one_rule_for_profiles_convert_and_build(tmp_path:
     assert main(convert) == 0
     build = ["build", "--checkpoint_dir", str(checkpoint), "--output_dir", str(tmp_path / "engine"),
              "--max_batch_size", "8", "--max_input_len", "128", "--max_seq_len", "211", "--max_num_tokens", "512",
-             "--dry_run", "--json"]  # fmt: skip
+             "--gpu", "b300", "--dry_run", "--json"]  # fmt: skip
     capsys.readouterr()
     assert main(build) == 0
     plan = json.loads(capsys.readouterr().out)
@@ -331,3 +331,8 @@ def test_nvfp4_with_float16_is_one_rule_for_profiles_convert_and_build(tmp_path:
     # builder.build() would turn `auto` into nvfp4 for NVFP4 weights: the command says so itself.
     assert plan["command"][plan["command"].index("--gemm_plugin") + 1] == "nvfp4"
     assert json.loads((checkpoint / "config.json").read_text())["dtype"] == "float16"
+    hopper = [*build[: build.index("--gpu") + 1], "h100", "--dry_run", "--json"]
+    assert main(hopper) == 2
+    assert "the checkpoint's quantization is nvfp4, which needs Blackwell (SM100 or newer); h100 is SM90" in (
+        capsys.readouterr().err
+    )
