@@ -15,11 +15,11 @@ Last stdout line: the `perf/bench_all.py` JSON protocol.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from kernel_timing import best_cpu_seconds, cuda_seconds  # perf/kernel_timing.py
 
 PLUGINS = Path(__file__).resolve().parents[1] / "plugins"
 HEADS, KV_HEADS, HEAD_DIM, TOKENS_PER_BLOCK = 32, 8, 128, 32  # Qwen3-8B attention
@@ -113,16 +113,8 @@ def problem(case: Case, device: torch.device) -> dict:
     }
 
 
-def time_cuda(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) / 1e3 / iters
+def time_cuda(fn) -> float:
+    return cuda_seconds(fn, iters=20, warmup=3)
 
 
 def hbm_peak() -> tuple[str | None, float | None]:
@@ -227,15 +219,7 @@ def cpu() -> dict:
     moved = bytes_moved(case)
     src = torch.empty(moved, dtype=torch.uint8)
 
-    def best(fn, reps: int = 5) -> float:
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    ref_s, copy_s = best(attend), best(src.clone)
+    ref_s, copy_s = best_cpu_seconds(attend), best_cpu_seconds(src.clone)
     return {
         "name": "dflash_attention_gpu",
         "ratios": {"cpu_torch_attention_s_vs_copy_s": ref_s / copy_s},

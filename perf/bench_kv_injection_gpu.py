@@ -12,10 +12,10 @@ Last stdout line: the `perf/bench_all.py` JSON protocol.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import torch
+from kernel_timing import best_cpu_seconds, cuda_seconds  # perf/kernel_timing.py
 
 from dflash_trt.reference.kv_injection import PagedKVCacheLayout, kv_injection
 from dflash_trt.rope import RopeConfig, inv_freq_and_scale
@@ -127,16 +127,8 @@ def _gpu() -> dict:
     }
 
 
-def _time_cuda(fn, iters: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) / 1e3 / iters
+def _time_cuda(fn) -> float:
+    return cuda_seconds(fn, iters=50, warmup=5)
 
 
 def _cpu() -> dict:
@@ -147,16 +139,10 @@ def _cpu() -> dict:
     moved = _bytes_moved(len(positions), layers, torch.bfloat16)
     src = torch.empty(moved // 2, dtype=torch.uint8)
 
-    def best(fn, reps: int = 5) -> float:
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    ref_s = best(lambda: kv_injection(ctx_kv, weight, 1e-6, positions, seq_slots, valid, rope, layout, offsets, pool))
-    copy_s = best(lambda: src.clone())
+    ref_s = best_cpu_seconds(
+        lambda: kv_injection(ctx_kv, weight, 1e-6, positions, seq_slots, valid, rope, layout, offsets, pool)
+    )
+    copy_s = best_cpu_seconds(lambda: src.clone())
     return {
         "name": "kv_injection_gpu",
         "ratios": {"cpu_reference_s_vs_copy_s": ref_s / copy_s},
