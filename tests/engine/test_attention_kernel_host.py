@@ -15,11 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import os
-import shutil
-import subprocess
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,12 +30,7 @@ from _attention_problems import (
     dense_reference,
     pack_bits,
 )
-
-PLUGINS = Path(__file__).resolve().parents[2] / "plugins"
-CUDA_INCLUDE = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"
-INPUT_TYPES = {torch.float16: 0, torch.bfloat16: 1}
-CACHE_TYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
-I32, I64, F32, P = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+from _host_drivers import CACHE_TYPES, F32, I32, I64, INPUT_TYPES, P, compile_host_driver, pointer
 
 MASKS = (True, False)  # causal, full
 GROUPS = tuple(range(1, 17))
@@ -50,14 +41,7 @@ SECONDARY = (False, True)
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    compiler = shutil.which("g++")
-    if compiler is None or not (CUDA_INCLUDE / "cuda_fp8.h").is_file():
-        pytest.skip("needs g++ and the CUDA toolkit headers (cuda_fp8.h)")
-    out = tmp_path_factory.mktemp("host") / "libattention_host.so"
-    source = PLUGINS / "tests" / "attentionHostDriver.cpp"
-    cmd = [compiler, "-std=c++17", "-O2", "-shared", "-fPIC", "-Wall", "-Werror", f"-I{PLUGINS / 'include'}"]
-    subprocess.run([*cmd, f"-I{CUDA_INCLUDE}", str(source), "-o", str(out)], check=True, capture_output=True, text=True)
-    handle = ctypes.CDLL(str(out))
+    handle = compile_host_driver(tmp_path_factory.mktemp("host"), "attentionHostDriver")
     handle.dflashAttentionHost.restype = I32
     handle.dflashAttentionHost.argtypes = [P] * 6 + [I32] * 6 + [P] * 5 + [I32] * 8 + [P, I32, P, I32, F32] + [I32] * 6
     handle.dflashAttentionWorkspaceBound.restype = I64
@@ -69,13 +53,6 @@ def lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     handle.dflashSwizzledOffset.restype = I32
     handle.dflashSwizzledOffset.argtypes = [I32] * 3
     return handle
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    if t is None:
-        return None
-    assert t.is_contiguous()
-    return t.data_ptr()
 
 
 def run_host(lib: ctypes.CDLL, problem, splits: int = 0, keys_per_split: int = 0, sms: int = 132) -> tuple:
@@ -95,23 +72,23 @@ def run_host(lib: ctypes.CDLL, problem, splits: int = 0, keys_per_split: int = 0
     )
     gen_offsets = problem.offsets[problem.offsets.shape[0] - c.requests :].contiguous()
     used = lib.dflashAttentionHost(
-        _ptr(problem.qkv),
-        _ptr(out),
-        _ptr(problem.seq_lens),
-        _ptr(problem.gen_lens),
-        _ptr(problem.cos_sin),
-        _ptr(gen_offsets),
+        pointer(problem.qkv),
+        pointer(out),
+        pointer(problem.seq_lens),
+        pointer(problem.gen_lens),
+        pointer(problem.cos_sin),
+        pointer(gen_offsets),
         c.requests,
         problem.layout.max_blocks_per_seq,
         c.tokens_per_block,
         c.kv_heads,
         c.head_dim,
         LAYER_IN_POOL,
-        _ptr(primary),
-        _ptr(secondary),
-        _ptr(scales[0]),
-        _ptr(scales[1]),
-        _ptr(workspace),
+        pointer(primary),
+        pointer(secondary),
+        pointer(scales[0]),
+        pointer(scales[1]),
+        pointer(workspace),
         c.requests,
         problem.tokens,
         c.heads,
@@ -120,9 +97,9 @@ def run_host(lib: ctypes.CDLL, problem, splits: int = 0, keys_per_split: int = 0
         c.window or 0,
         int(c.window_from_anchor),
         c.mask_id,
-        _ptr(tree_offsets),
+        pointer(tree_offsets),
         tree_offsets.shape[1] if tree_offsets is not None else 0,
-        _ptr(tree_mask),
+        pointer(tree_mask),
         tree_mask.shape[1] if tree_mask is not None else 0,
         c.q_scaling,
         INPUT_TYPES[c.input_dtype],
@@ -204,14 +181,14 @@ def test_several_kv_heads_and_requests(lib, causal, window, from_anchor, kv_head
 def test_fragment_layouts_cover_each_element_once(lib, which, rows, cols) -> None:
     """A, B and C fragment maps (PTX ISA m16n8k16) are bijections onto their tiles: no element twice or missing."""
     counts = torch.zeros(rows * cols, dtype=torch.int32)
-    lib.dflashFragmentCoverage(which, _ptr(counts))
+    lib.dflashFragmentCoverage(which, pointer(counts))
     assert torch.equal(counts, torch.ones_like(counts))
 
 
 def test_ldmatrix_addressing_reads_each_tile_row_chunk_once(lib) -> None:
     """Each operand's 32 lane addresses name every (row, 8-channel chunk) of its 16 x 16 tile exactly once."""
     counts = torch.zeros(3 * 256, dtype=torch.int32)
-    lib.dflashFragmentCoverage(3, _ptr(counts))
+    lib.dflashFragmentCoverage(3, pointer(counts))
     assert torch.equal(counts, torch.ones_like(counts))
 
 

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import ctypes
-import os
-import shutil
-import subprocess
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
+from _host_drivers import CACHE_TYPES, F32, I32, I64, INPUT_TYPES, P, compile_host_driver, pointer
 from _kv_problems import ROPES, assert_pools_match, paged_problem
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -23,35 +20,10 @@ from dflash_trt.reference.kv_injection import (
 )
 from dflash_trt.rope import inv_freq_and_scale
 
-PLUGINS = Path(__file__).resolve().parents[2] / "plugins"
-CUDA_INCLUDE = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"
-INPUT_TYPES = {torch.float16: 0, torch.bfloat16: 1}
-CACHE_TYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
-I32, I64, F32, P = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    compiler = shutil.which("g++")
-    if compiler is None or not (CUDA_INCLUDE / "cuda_fp8.h").is_file():
-        pytest.skip("needs g++ and the CUDA toolkit headers (cuda_fp8.h)")
-    out = tmp_path_factory.mktemp("host") / "libkv_injection_host.so"
-    cmd = [
-        compiler,
-        "-std=c++17",
-        "-O2",
-        "-shared",
-        "-fPIC",
-        "-Wall",
-        "-Werror",
-        f"-I{PLUGINS / 'include'}",
-        f"-I{CUDA_INCLUDE}",
-        str(PLUGINS / "tests" / "kvInjectionHostDriver.cpp"),
-        "-o",
-        str(out),
-    ]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-    handle = ctypes.CDLL(str(out))
+    handle = compile_host_driver(tmp_path_factory.mktemp("host"), "kvInjectionHostDriver")
     handle.dflashKvInjectionHost.restype = I32
     handle.dflashKvInjectionHost.argtypes = [
         P,
@@ -100,13 +72,6 @@ def lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     handle.dflashLanesPerHead.restype = I32
     handle.dflashLanesPerHead.argtypes = [I32]
     return handle
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    if t is None:
-        return None
-    assert t.is_contiguous()
-    return t.data_ptr()
 
 
 CASES = [
@@ -191,28 +156,28 @@ def test_host_injection_matches_reference(
     inv_freq, attention_scaling = inv_freq_and_scale(rope)
     inv_freq = inv_freq.contiguous()
     got = lib.dflashKvInjectionHost(
-        _ptr(ctx_kv),
-        _ptr(weight),
+        pointer(ctx_kv),
+        pointer(weight),
         INPUT_TYPES[in_dtype],
-        _ptr(rope_positions),
-        _ptr(positions),
-        _ptr(seq_slots),
-        _ptr(valid),
+        pointer(rope_positions),
+        pointer(positions),
+        pointer(seq_slots),
+        pointer(valid),
         tokens,
         layers,
         heads,
         head_dim,
-        _ptr(offsets),
+        pointer(offsets),
         offsets.shape[0],
         layout.max_blocks_per_seq,
         tpb,
         layout.layer_idx_in_pool,
-        _ptr(pool),
-        _ptr(secondary_pool),
+        pointer(pool),
+        pointer(secondary_pool),
         CACHE_TYPES[cache_dtype],
         scale or 1.0,
         1e-6,
-        _ptr(inv_freq),
+        pointer(inv_freq),
         attention_scaling,
     )
     assert got == written == int(valid.sum())
@@ -248,7 +213,7 @@ def test_address_math_matches_layout(lib, heads, head_dim, tpb_log2, max_blocks,
     layout = PagedKVCacheLayout(heads, head_dim, tpb, max_blocks, layer_idx_in_pool=first_layer)
     secondary = I32(-1)
     got = lib.dflashLocateCacheElement(
-        _ptr(offsets),
+        pointer(offsets),
         seqs,
         max_blocks,
         tpb,
@@ -286,6 +251,6 @@ def test_unsupported_head_dims_are_refused(lib) -> None:
     assert [lib.dflashLanesPerHead(d) for d in (32, 64, 128, 256)] == [2, 4, 8, 16]
     assert [lib.dflashLanesPerHead(d) for d in (0, 8, 48, 80, 96, 512)] == [0, 0, 0, 0, 0, 0]
     dummy = torch.zeros(1, dtype=torch.int32)
-    args = (None, None, 1, None, None, None, None, 1, 1, 1, 80, _ptr(dummy), 1, 1, 16, 0, None, None, 1, 1.0, 1e-6)
+    args = (None, None, 1, None, None, None, None, 1, 1, 1, 80, pointer(dummy), 1, 1, 16, 0, None, None, 1, 1.0, 1e-6)
     args = (*args, None, 1.0)
     assert lib.dflashKvInjectionHost(*args) == -1
