@@ -70,6 +70,13 @@ class RunningServer:
         self.stop()
         pytest.fail(f"tritonserver not ready after {START_TIMEOUT_S} s:\n{self.log.read_text()[-3000:]}")
 
+    def __enter__(self) -> RunningServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def stop(self) -> None:
         """SIGTERM to the server, then SIGKILL to its process group: python stubs outlive a killed server."""
         if self.process is None:

@@ -61,12 +61,8 @@ def server(checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("triton")
     settings = settings_from_checkpoint(checkpoint, checkpoint, max_batch_size=2, max_seq_len=MAX_SEQ_LEN)
     repo = write_repository(settings, root / "repo")
-    running = RunningServer(repo, root / "server.log")
-    try:
-        running.start()
+    with RunningServer(repo, root / "server.log") as running:
         yield running
-    finally:
-        running.stop()
 
 
 @pytest.fixture(scope="module")
@@ -247,9 +243,7 @@ def test_streamed_ensemble_text_never_splits_a_character(server, checkpoint, gol
     expected = _greedy_text(golden, load_tokenizer(split_dir), texts[0])
     assert "é" in expected
     settings = settings_from_checkpoint(checkpoint, split_dir, max_batch_size=2, max_seq_len=MAX_SEQ_LEN)
-    split_server = RunningServer(write_repository(settings, tmp_path / "repo"), tmp_path / "server.log")
-    try:
-        split_server.start()
+    with RunningServer(write_repository(settings, tmp_path / "repo"), tmp_path / "server.log") as split_server:
         results, errors = _stream_raw(split_server, "ensemble", _ensemble_inputs(texts[0]))
         assert errors == [] and "".join(_pieces(results)) != expected  # without an id: each response on its own
         with ThreadPoolExecutor(2) as pool:
@@ -263,8 +257,6 @@ def test_streamed_ensemble_text_never_splits_a_character(server, checkpoint, gol
         events = _http_stream(split_server, "ensemble", body)
         assert all("error" not in e for e in events)
         assert "".join(e.get("text_output", "") for e in events) == expected
-    finally:
-        split_server.stop()
 
 
 def test_tensorrt_llm_samples_at_one_when_no_temperature_is_sent(server, checkpoint):
@@ -354,8 +346,7 @@ def test_a_request_that_breaks_the_engine_fails_alone(poisoned_tiny, golden, tok
     running = RunningServer(write_repository(settings, tmp_path / "repo"), tmp_path / "server.log")
     prompt = tokenizer.encode(texts[0])
     long_new = 100
-    try:
-        running.start()
+    with running:
         responses: queue.Queue = queue.Queue()
         client = grpcclient.InferenceServerClient(running.url)
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
@@ -380,8 +371,6 @@ def test_a_request_that_breaks_the_engine_fails_alone(poisoned_tiny, golden, tok
         client.close()
         assert all(error is None for _, error in streamed)
         assert _tokens([r for r, _ in streamed]) == speculative_generate(golden, [prompt], long_new)[0].output_ids
-    finally:
-        running.stop()
 
 
 @pytest.mark.parametrize("concurrency", [1, 2, 4])
@@ -482,9 +471,7 @@ def test_cancelled_streams_are_closed_and_sigterm_exits_at_once(checkpoint, toke
     python stub behind (before, it waited the whole timeout)."""
     settings = settings_from_checkpoint(checkpoint, checkpoint, max_batch_size=2, max_seq_len=MAX_SEQ_LEN)
     repo = write_repository(settings, tmp_path / "repo")
-    running = RunningServer(repo, tmp_path / "server.log", exit_timeout_s=120)
-    running.start()
-    try:
+    with RunningServer(repo, tmp_path / "server.log", exit_timeout_s=120) as running:
         prompt = tokenizer.encode(texts[0])
         text = [
             _tensor("text_input", np.array([[texts[0].encode()]], object), "BYTES"),
@@ -516,8 +503,6 @@ def test_cancelled_streams_are_closed_and_sigterm_exits_at_once(checkpoint, toke
             time.sleep(0.2)
         assert took < running.exit_timeout_s / 2 and _group(pid) == [], (took, _group(pid))
         print(f"SIGTERM after four cancelled streams: exit in {took:.1f} s")
-    finally:
-        running.stop()
 
 
 def test_the_server_restarts_and_a_preloaded_library_stays_out_of_the_stubs(server, golden, tokenizer, texts, tmp_path):

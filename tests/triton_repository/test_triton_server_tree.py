@@ -48,12 +48,8 @@ def repo(tiny: Path, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(repo: Path):
-    running = RunningServer(repo, repo.parent / "server.log")
-    try:
-        running.start()
+    with RunningServer(repo, repo.parent / "server.log") as running:
         yield running
-    finally:
-        running.stop()
 
 
 @pytest.fixture(scope="module")
