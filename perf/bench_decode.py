@@ -10,18 +10,13 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
+from tiny_golden import tiny_golden  # perf/tiny_golden.py
 
-from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.reference.decode import speculative_generate
-from dflash_trt.reference.model import load_golden_model
 from dflash_trt.reference.stats import mean_acceptance_length
-from dflash_trt.tiny.heldout import draft_dir, load_heldout, target_dir
-from dflash_trt.tokenizer import load_tokenizer
 
 MAX_NEW_TOKENS = 96
 REPEATS = 3
@@ -39,13 +34,8 @@ def _best_rate(model, prompts, stop_ids, block_size=None) -> tuple[float, list]:
 
 def main() -> int:
     torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as scratch:
-        checkpoint = Path(scratch) / "checkpoint"
-        convert_checkpoint(target_dir(), draft_dir(), checkpoint, dtype="float32")
-        model = load_golden_model(checkpoint)
-        tokenizer = load_tokenizer(checkpoint)
+    model, heldout = tiny_golden(16)
     stop_ids = list(model.target.spec.eos_token_ids)
-    heldout = [tokenizer.encode(p.text) for p in load_heldout(limit=16)]
     ratios, details = {}, {}
     for batch in (1, 8):
         prompts = heldout[:batch]

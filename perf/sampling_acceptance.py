@@ -13,17 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
-from pathlib import Path
 
-from dflash_trt.conversion.convert import convert_checkpoint
+from tiny_golden import tiny_golden  # perf/tiny_golden.py
+
 from dflash_trt.reference.decode import speculative_generate
-from dflash_trt.reference.model import load_golden_model
 from dflash_trt.reference.sampling import SamplingParams
 from dflash_trt.reference.stats import mean_acceptance_length
 from dflash_trt.sampling_rules import ENGINE, REFERENCE
-from dflash_trt.tiny.heldout import draft_dir, load_heldout, target_dir
-from dflash_trt.tokenizer import load_tokenizer
 
 TEMPERATURES = (0.0, 0.6, 1.0)
 
@@ -36,12 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = Path(tmp) / "ckpt"
-        convert_checkpoint(target_dir(), draft_dir(), checkpoint, dtype="float32")
-        model = load_golden_model(checkpoint)
-        tokenizer = load_tokenizer(checkpoint)
-    prompts = [tokenizer.encode(p.text) for p in load_heldout(limit=args.prompts)]
+    model, prompts = tiny_golden(args.prompts)
     stop_ids = list(model.target.spec.eos_token_ids)
     rows = []
     for method in (ENGINE, REFERENCE):

@@ -15,13 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
-from pathlib import Path
+
+from tiny_golden import tiny_golden  # perf/tiny_golden.py
 
 from dflash_trt.analysis.tree_acceptance import RankRates, rank_rates, residual_ratio
-from dflash_trt.conversion.convert import convert_checkpoint
 from dflash_trt.reference.decode import speculative_generate
-from dflash_trt.reference.model import load_golden_model
 from dflash_trt.reference.sampling import SamplingParams
 from dflash_trt.reference.stats import (
     REPORTED_RANKS,
@@ -29,8 +27,6 @@ from dflash_trt.reference.stats import (
     per_position_acceptance,
     per_position_rank_rates,
 )
-from dflash_trt.tiny.heldout import draft_dir, load_heldout, target_dir
-from dflash_trt.tokenizer import load_tokenizer
 
 TEMPERATURES = (0.0, 1.0)
 
@@ -55,12 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = Path(tmp) / "ckpt"
-        convert_checkpoint(target_dir(), draft_dir(), checkpoint, dtype="float32")
-        model = load_golden_model(checkpoint)
-        tokenizer = load_tokenizer(checkpoint)
-    prompts = [tokenizer.encode(p.text) for p in load_heldout(limit=args.prompts)]
+    model, prompts = tiny_golden(args.prompts)
     stop_ids = list(model.target.spec.eos_token_ids)
     k = model.draft.spec.num_drafts
     rows = []
