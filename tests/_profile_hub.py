@@ -56,3 +56,29 @@ def profile_hub(cache: Path) -> Path:
         (repo_dir / "refs").mkdir()
         (repo_dir / "refs" / "main").write_text("0123abcd")
     return cache
+
+
+def tiny_profile(tmp_path: Path, pair: tuple[Path, Path], gpu: str = "h200", **engine) -> Path:
+    """The fixture pair (block 8: 7 draft positions) as a build profile for `gpu`, `engine` over its engine keys.
+    Its head dim (16) builds only where the stock plugin attends (h100 / h200) unless the test expects a refusal."""
+    target, draft = pair
+    data = {
+        "name": "tiny",
+        "gpu": gpu,
+        "model": {"target": str(target), "draft": str(draft), "block_size": 8},
+        "quantization": {"qformat": "none", "dflash_qformat": "none", "kv_cache_dtype": "none"},
+        "engine": {
+            "max_batch_size": 4,
+            "max_input_len": 64,
+            "max_seq_len": 128,
+            "max_num_tokens": 256,
+            "max_draft_len": 7,
+            "gemm_plugin": "auto",
+            **engine,
+        },
+        "serving": {"instance_count": 1},
+        "sweep": {"concurrency": [1, 4], "interactivity_band": [100, 200]},
+    }
+    path = tmp_path / f"tiny-{gpu}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path

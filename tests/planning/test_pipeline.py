@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 from _pairs import PairVariant, make_pair
-from _profile_hub import RECORDED, RECORDED_PATH, profile_hub
+from _profile_hub import RECORDED, RECORDED_PATH, profile_hub, tiny_profile
 
 from dflash_trt.cli import main as cli_main
 from dflash_trt.gpu_targets import GPU_SMS
@@ -252,30 +252,6 @@ def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
     return make_pair(tmp_path_factory.mktemp("pair"), PairVariant())
 
 
-def _tiny_profile(tmp_path: Path, pair: tuple[Path, Path], **engine) -> Path:
-    target, draft = pair
-    data = {
-        "name": "tiny",
-        "gpu": "h200",  # the fixture pair's head dim (16) builds only where the stock plugin attends
-        "model": {"target": str(target), "draft": str(draft), "block_size": 8},
-        "quantization": {"qformat": "none", "dflash_qformat": "none", "kv_cache_dtype": "none"},
-        "engine": {
-            "max_batch_size": 4,
-            "max_input_len": 64,
-            "max_seq_len": 128,
-            "max_num_tokens": 256,
-            "max_draft_len": 7,
-            "gemm_plugin": "auto",
-            **engine,
-        },
-        "serving": {"instance_count": 1},
-        "sweep": {"concurrency": [1, 4], "interactivity_band": [100, 200]},
-    }
-    path = tmp_path / "tiny.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
 BUILT, SKIPPED, NEEDS_GPU = Outcome.BUILT, Outcome.SKIPPED, Outcome.NEEDS_GPU
 
 
@@ -291,7 +267,7 @@ def _outcomes(results: list[StageResult]) -> list[tuple[str, Outcome]]:
 
 
 def test_cpu_run_stops_after_the_checkpoint_and_resumes(tiny_pair, tmp_path: Path, monkeypatch):
-    profile = _tiny_profile(tmp_path, tiny_pair)
+    profile = tiny_profile(tmp_path, tiny_pair)
     ws = tmp_path / "ws"
     results, resume = _run(profile, ws, gpu=False)
     assert _outcomes(results) == [("checkpoint", BUILT), ("engine", NEEDS_GPU)]
@@ -334,7 +310,7 @@ def test_gpu_run_builds_engine_and_repository_once(tiny_pair, tmp_path: Path, mo
         return out
 
     monkeypatch.setattr("dflash_trt.trtllm.build.run_engine_build", fake_engine_build)
-    profile = _tiny_profile(tmp_path, tiny_pair)
+    profile = tiny_profile(tmp_path, tiny_pair)
     ws = tmp_path / "ws"
     results, _ = _run(profile, ws, gpu=True)
     assert _outcomes(results) == [("checkpoint", BUILT), ("engine", BUILT), ("triton", BUILT)]

@@ -10,9 +10,9 @@ import shlex
 from pathlib import Path
 
 import pytest
-import yaml
 from _pairs import PairVariant, make_pair
 from _profile_hub import profile_hub
+from _profile_hub import tiny_profile as tiny_profile_file
 
 from dflash_trt.cli import main as cli_main
 from dflash_trt.errors import DFlashTrtError
@@ -39,29 +39,8 @@ def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def tiny_profile(tmp_path: Path, pair: tuple[Path, Path], gpu: str = "h200", **engine) -> Path:
-    """The tiny pair (block 8: 7 draft positions) as a build profile."""
-    target, draft = pair
-    data = {
-        "name": "tiny",
-        "gpu": gpu,
-        "model": {"target": str(target), "draft": str(draft), "block_size": 8},
-        "quantization": {"qformat": "none", "dflash_qformat": "none", "kv_cache_dtype": "none"},
-        "engine": {
-            "max_batch_size": 4,
-            "max_input_len": 64,
-            "max_seq_len": 128,
-            "max_num_tokens": 256,
-            "max_draft_len": 7,
-            "gemm_plugin": "auto",
-            "draft_len_schedule": "none",
-            **engine,
-        },
-        "serving": {"instance_count": 1},
-        "sweep": {"concurrency": [1, 4], "interactivity_band": [100, 200]},
-    }
-    path = tmp_path / f"tiny-{gpu}.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    """The tiny pair's profile with no draft-length schedule unless a test gives one."""
+    return tiny_profile_file(tmp_path, pair, gpu, **{"draft_len_schedule": "none", **engine})
 
 
 def engine_command(out: str) -> list[str]:
