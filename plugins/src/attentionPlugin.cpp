@@ -90,56 +90,6 @@ std::string AttentionConfig::check() const
     return {};
 }
 
-AttentionPlugin::AttentionPlugin(AttentionConfig config, std::string pluginNamespace)
-    : mConfig(std::move(config))
-    , mNamespace(std::move(pluginNamespace))
-{
-}
-
-IPluginCapability* AttentionPlugin::getCapabilityInterface(PluginCapabilityType type) noexcept
-{
-    switch (type)
-    {
-    case PluginCapabilityType::kCORE: return static_cast<IPluginV3OneCore*>(this);
-    case PluginCapabilityType::kBUILD: return static_cast<IPluginV3OneBuild*>(this);
-    case PluginCapabilityType::kRUNTIME: return static_cast<IPluginV3OneRuntime*>(this);
-    }
-    return nullptr;
-}
-
-IPluginV3* AttentionPlugin::clone() noexcept
-{
-    try
-    {
-        return new AttentionPlugin(mConfig, mNamespace);
-    }
-    catch (std::exception const& e)
-    {
-        logError(e.what());
-    }
-    return nullptr;
-}
-
-char const* AttentionPlugin::getPluginName() const noexcept
-{
-    return kAttentionPluginName;
-}
-
-char const* AttentionPlugin::getPluginVersion() const noexcept
-{
-    return kAttentionPluginVersion;
-}
-
-char const* AttentionPlugin::getPluginNamespace() const noexcept
-{
-    return mNamespace.c_str();
-}
-
-int32_t AttentionPlugin::getNbOutputs() const noexcept
-{
-    return 1;
-}
-
 int32_t AttentionPlugin::getOutputDataTypes(
     DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes, int32_t nbInputs) const noexcept
 {
@@ -375,11 +325,6 @@ int32_t AttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTensor
     return 0;
 }
 
-IPluginV3* AttentionPlugin::attachToContext(IPluginResourceContext*) noexcept
-{
-    return clone();
-}
-
 PluginFieldCollection const* AttentionPlugin::getFieldsToSerialize() noexcept
 {
     mFields.clear();
@@ -388,9 +333,7 @@ PluginFieldCollection const* AttentionPlugin::getFieldsToSerialize() noexcept
         mFields.emplace_back(f.name, &(mConfig.*f.member), PluginFieldType::kINT32, 1);
     }
     mFields.emplace_back(kFieldQScaling, &mConfig.qScaling, PluginFieldType::kFLOAT32, 1);
-    mFieldCollection.nbFields = static_cast<int32_t>(mFields.size());
-    mFieldCollection.fields = mFields.data();
-    return &mFieldCollection;
+    return publishFields(mFields, mFieldCollection);
 }
 
 AttentionPluginCreator::AttentionPluginCreator()
@@ -400,8 +343,6 @@ AttentionPluginCreator::AttentionPluginCreator()
         mFieldNames.emplace_back(f.name, nullptr, PluginFieldType::kINT32, 1);
     }
     mFieldNames.emplace_back(kFieldQScaling, nullptr, PluginFieldType::kFLOAT32, 1);
-    mFieldNameCollection.nbFields = static_cast<int32_t>(mFieldNames.size());
-    mFieldNameCollection.fields = mFieldNames.data();
 }
 
 IPluginV3* AttentionPluginCreator::createPlugin(char const*, PluginFieldCollection const* fc, TensorRTPhase) noexcept
@@ -438,31 +379,6 @@ IPluginV3* AttentionPluginCreator::createPlugin(char const*, PluginFieldCollecti
         logError(e.what());
     }
     return nullptr;
-}
-
-PluginFieldCollection const* AttentionPluginCreator::getFieldNames() noexcept
-{
-    return &mFieldNameCollection;
-}
-
-char const* AttentionPluginCreator::getPluginName() const noexcept
-{
-    return kAttentionPluginName;
-}
-
-char const* AttentionPluginCreator::getPluginVersion() const noexcept
-{
-    return kAttentionPluginVersion;
-}
-
-char const* AttentionPluginCreator::getPluginNamespace() const noexcept
-{
-    return mNamespace.c_str();
-}
-
-void AttentionPluginCreator::setPluginNamespace(char const* pluginNamespace)
-{
-    mNamespace = pluginNamespace != nullptr ? pluginNamespace : "";
 }
 
 } // namespace dflash_trt

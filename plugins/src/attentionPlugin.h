@@ -30,6 +30,7 @@
 #pragma once
 
 #include "dflash_trt/attentionKernel.h"
+#include "pluginBase.h"
 #include "pluginUtils.h"
 
 #include <NvInferRuntime.h>
@@ -40,8 +41,8 @@
 namespace dflash_trt
 {
 
-char const* const kAttentionPluginName = "DFlashAttention";
-char const* const kAttentionPluginVersion = "1";
+constexpr char const* kAttentionPluginName = "DFlashAttention";
+constexpr char const* kAttentionPluginVersion = "1";
 
 enum AttentionInput : int32_t
 {
@@ -105,25 +106,15 @@ struct AttentionConfig
     }
 };
 
-class AttentionPlugin : public nvinfer1::IPluginV3,
-                        public nvinfer1::IPluginV3OneCore,
-                        public nvinfer1::IPluginV3OneBuild,
-                        public nvinfer1::IPluginV3OneRuntime
+class AttentionPlugin : public PluginV3Base<AttentionPlugin, AttentionConfig>
 {
 public:
-    AttentionPlugin(AttentionConfig config, std::string pluginNamespace);
+    static constexpr char const* kPluginName = kAttentionPluginName;
+    static constexpr char const* kPluginVersion = kAttentionPluginVersion;
 
-    // IPluginV3
-    nvinfer1::IPluginCapability* getCapabilityInterface(nvinfer1::PluginCapabilityType type) noexcept override;
-    nvinfer1::IPluginV3* clone() noexcept override;
-
-    // IPluginV3OneCore
-    char const* getPluginName() const noexcept override;
-    char const* getPluginVersion() const noexcept override;
-    char const* getPluginNamespace() const noexcept override;
+    using PluginV3Base::PluginV3Base;
 
     // IPluginV3OneBuild
-    int32_t getNbOutputs() const noexcept override;
     int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs,
         nvinfer1::DataType const* inputTypes, int32_t nbInputs) const noexcept override;
     int32_t getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs, nvinfer1::DimsExprs const* shapeInputs,
@@ -141,7 +132,6 @@ public:
         int32_t nbOutputs) noexcept override;
     int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
         void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept override;
-    nvinfer1::IPluginV3* attachToContext(nvinfer1::IPluginResourceContext* context) noexcept override;
     nvinfer1::PluginFieldCollection const* getFieldsToSerialize() noexcept override;
 
 private:
@@ -151,31 +141,16 @@ private:
     std::string describeLaunch(nvinfer1::PluginTensorDesc const* inputDesc, void const* const* inputs,
         void* const* outputs, void* workspace, AttentionLaunch& launch, int32_t& maxKeys) const;
 
-    AttentionConfig mConfig;
-    std::string mNamespace;
     int32_t mMultiProcessorCount{0};
-    std::vector<nvinfer1::PluginField> mFields;
-    nvinfer1::PluginFieldCollection mFieldCollection{};
 };
 
-class AttentionPluginCreator : public nvinfer1::IPluginCreatorV3One
+class AttentionPluginCreator : public PluginCreatorBase<AttentionPlugin>
 {
 public:
     AttentionPluginCreator();
 
     nvinfer1::IPluginV3* createPlugin(
         char const* name, nvinfer1::PluginFieldCollection const* fc, nvinfer1::TensorRTPhase phase) noexcept override;
-    nvinfer1::PluginFieldCollection const* getFieldNames() noexcept override;
-    char const* getPluginName() const noexcept override;
-    char const* getPluginVersion() const noexcept override;
-    char const* getPluginNamespace() const noexcept override;
-
-    void setPluginNamespace(char const* pluginNamespace);
-
-private:
-    std::string mNamespace{kDefaultPluginNamespace};
-    std::vector<nvinfer1::PluginField> mFieldNames;
-    nvinfer1::PluginFieldCollection mFieldNameCollection{};
 };
 
 } // namespace dflash_trt

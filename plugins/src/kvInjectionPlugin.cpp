@@ -70,56 +70,6 @@ std::string KVInjectionConfig::check() const
     return {};
 }
 
-KVInjectionPlugin::KVInjectionPlugin(KVInjectionConfig config, std::string pluginNamespace)
-    : mConfig(std::move(config))
-    , mNamespace(std::move(pluginNamespace))
-{
-}
-
-IPluginCapability* KVInjectionPlugin::getCapabilityInterface(PluginCapabilityType type) noexcept
-{
-    switch (type)
-    {
-    case PluginCapabilityType::kCORE: return static_cast<IPluginV3OneCore*>(this);
-    case PluginCapabilityType::kBUILD: return static_cast<IPluginV3OneBuild*>(this);
-    case PluginCapabilityType::kRUNTIME: return static_cast<IPluginV3OneRuntime*>(this);
-    }
-    return nullptr;
-}
-
-IPluginV3* KVInjectionPlugin::clone() noexcept
-{
-    try
-    {
-        return new KVInjectionPlugin(mConfig, mNamespace);
-    }
-    catch (std::exception const& e)
-    {
-        logError(e.what());
-    }
-    return nullptr;
-}
-
-char const* KVInjectionPlugin::getPluginName() const noexcept
-{
-    return kKvInjectionPluginName;
-}
-
-char const* KVInjectionPlugin::getPluginVersion() const noexcept
-{
-    return kKvInjectionPluginVersion;
-}
-
-char const* KVInjectionPlugin::getPluginNamespace() const noexcept
-{
-    return mNamespace.c_str();
-}
-
-int32_t KVInjectionPlugin::getNbOutputs() const noexcept
-{
-    return 1;
-}
-
 int32_t KVInjectionPlugin::getOutputDataTypes(
     DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes, int32_t nbInputs) const noexcept
 {
@@ -296,11 +246,6 @@ int32_t KVInjectionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTens
     return 0;
 }
 
-IPluginV3* KVInjectionPlugin::attachToContext(IPluginResourceContext*) noexcept
-{
-    return clone();
-}
-
 PluginFieldCollection const* KVInjectionPlugin::getFieldsToSerialize() noexcept
 {
     mFields.clear();
@@ -312,9 +257,7 @@ PluginFieldCollection const* KVInjectionPlugin::getFieldsToSerialize() noexcept
     mFields.emplace_back(kFieldRopeInvFreq, mConfig.invFreq.data(), PluginFieldType::kFLOAT32,
         static_cast<int32_t>(mConfig.invFreq.size()));
     mFields.emplace_back(kFieldRopeAttentionScaling, &mConfig.attentionScaling, PluginFieldType::kFLOAT32, 1);
-    mFieldCollection.nbFields = static_cast<int32_t>(mFields.size());
-    mFieldCollection.fields = mFields.data();
-    return &mFieldCollection;
+    return publishFields(mFields, mFieldCollection);
 }
 
 KVInjectionPluginCreator::KVInjectionPluginCreator()
@@ -326,8 +269,6 @@ KVInjectionPluginCreator::KVInjectionPluginCreator()
     mFieldNames.emplace_back(kFieldEps, nullptr, PluginFieldType::kFLOAT32, 1);
     mFieldNames.emplace_back(kFieldRopeInvFreq, nullptr, PluginFieldType::kFLOAT32, 0);
     mFieldNames.emplace_back(kFieldRopeAttentionScaling, nullptr, PluginFieldType::kFLOAT32, 1);
-    mFieldNameCollection.nbFields = static_cast<int32_t>(mFieldNames.size());
-    mFieldNameCollection.fields = mFieldNames.data();
 }
 
 IPluginV3* KVInjectionPluginCreator::createPlugin(
@@ -379,31 +320,6 @@ IPluginV3* KVInjectionPluginCreator::createPlugin(
         logError(e.what());
     }
     return nullptr;
-}
-
-PluginFieldCollection const* KVInjectionPluginCreator::getFieldNames() noexcept
-{
-    return &mFieldNameCollection;
-}
-
-char const* KVInjectionPluginCreator::getPluginName() const noexcept
-{
-    return kKvInjectionPluginName;
-}
-
-char const* KVInjectionPluginCreator::getPluginVersion() const noexcept
-{
-    return kKvInjectionPluginVersion;
-}
-
-char const* KVInjectionPluginCreator::getPluginNamespace() const noexcept
-{
-    return mNamespace.c_str();
-}
-
-void KVInjectionPluginCreator::setPluginNamespace(char const* pluginNamespace)
-{
-    mNamespace = pluginNamespace != nullptr ? pluginNamespace : "";
 }
 
 } // namespace dflash_trt

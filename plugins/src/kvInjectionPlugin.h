@@ -17,6 +17,7 @@
 #pragma once
 
 #include "dflash_trt/kvInjectionKernel.h"
+#include "pluginBase.h"
 #include "pluginUtils.h"
 
 #include <NvInferRuntime.h>
@@ -27,8 +28,8 @@
 namespace dflash_trt
 {
 
-char const* const kKvInjectionPluginName = "DFlashKVInjection";
-char const* const kKvInjectionPluginVersion = "1";
+constexpr char const* kKvInjectionPluginName = "DFlashKVInjection";
+constexpr char const* kKvInjectionPluginVersion = "1";
 
 enum KVInjectionInput : int32_t
 {
@@ -71,25 +72,15 @@ struct KVInjectionConfig
     }
 };
 
-class KVInjectionPlugin : public nvinfer1::IPluginV3,
-                          public nvinfer1::IPluginV3OneCore,
-                          public nvinfer1::IPluginV3OneBuild,
-                          public nvinfer1::IPluginV3OneRuntime
+class KVInjectionPlugin : public PluginV3Base<KVInjectionPlugin, KVInjectionConfig>
 {
 public:
-    KVInjectionPlugin(KVInjectionConfig config, std::string pluginNamespace);
+    static constexpr char const* kPluginName = kKvInjectionPluginName;
+    static constexpr char const* kPluginVersion = kKvInjectionPluginVersion;
 
-    // IPluginV3
-    nvinfer1::IPluginCapability* getCapabilityInterface(nvinfer1::PluginCapabilityType type) noexcept override;
-    nvinfer1::IPluginV3* clone() noexcept override;
-
-    // IPluginV3OneCore
-    char const* getPluginName() const noexcept override;
-    char const* getPluginVersion() const noexcept override;
-    char const* getPluginNamespace() const noexcept override;
+    using PluginV3Base::PluginV3Base;
 
     // IPluginV3OneBuild
-    int32_t getNbOutputs() const noexcept override;
     int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs,
         nvinfer1::DataType const* inputTypes, int32_t nbInputs) const noexcept override;
     int32_t getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs, nvinfer1::DimsExprs const* shapeInputs,
@@ -105,37 +96,21 @@ public:
         int32_t nbOutputs) noexcept override;
     int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
         void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept override;
-    nvinfer1::IPluginV3* attachToContext(nvinfer1::IPluginResourceContext* context) noexcept override;
     nvinfer1::PluginFieldCollection const* getFieldsToSerialize() noexcept override;
 
 private:
     //! Shape checks shared by build and runtime; dims of -1 (unknown at build time) pass.
     bool checkShapes(nvinfer1::Dims const* dims, int32_t nbInputs) const;
 
-    KVInjectionConfig mConfig;
-    std::string mNamespace;
-    std::vector<nvinfer1::PluginField> mFields;
-    nvinfer1::PluginFieldCollection mFieldCollection{};
 };
 
-class KVInjectionPluginCreator : public nvinfer1::IPluginCreatorV3One
+class KVInjectionPluginCreator : public PluginCreatorBase<KVInjectionPlugin>
 {
 public:
     KVInjectionPluginCreator();
 
     nvinfer1::IPluginV3* createPlugin(
         char const* name, nvinfer1::PluginFieldCollection const* fc, nvinfer1::TensorRTPhase phase) noexcept override;
-    nvinfer1::PluginFieldCollection const* getFieldNames() noexcept override;
-    char const* getPluginName() const noexcept override;
-    char const* getPluginVersion() const noexcept override;
-    char const* getPluginNamespace() const noexcept override;
-
-    void setPluginNamespace(char const* pluginNamespace);
-
-private:
-    std::string mNamespace{kDefaultPluginNamespace};
-    std::vector<nvinfer1::PluginField> mFieldNames;
-    nvinfer1::PluginFieldCollection mFieldNameCollection{};
 };
 
 } // namespace dflash_trt
